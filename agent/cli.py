@@ -1,0 +1,80 @@
+"""`edge-agent generate`: one prompt through AR, SD or the draft alone, with metrics."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+
+from server_bridge import modelfiles
+from server_bridge.sampling import SamplingError, SamplingParams
+
+
+def _generate(args) -> int:
+    from .decoder import EdgeDecoder
+    from .drafter import Drafter
+    from .link import LinkLost, ServerError
+
+    if not args.local and not args.verifier:
+        print("edge-agent: give --verifier ws://HOST:PORT, or --local for the draft alone", file=sys.stderr)
+        return 2
+    try:
+        params = SamplingParams(temperature=args.temperature, top_k=args.top_k, seed=args.seed)
+    except SamplingError as e:
+        print(f"edge-agent: {e}", file=sys.stderr)
+        return 2
+    drafter = Drafter(args.draft, threads=args.threads)
+    token = args.token if args.token is not None else os.environ.get("VERIFIER_TOKEN", "")
+    decoder = EdgeDecoder(drafter, None if args.local else args.verifier, token=token)
+    prompt_ids = drafter.tokenize(args.prompt, chat=args.chat)
+    try:
+        gen = decoder.generate(prompt_ids, mode="local" if args.local else args.mode, max_tokens=args.max_tokens,
+                               params=params, gamma=args.gamma)
+    except (LinkLost, ServerError) as e:
+        print(f"edge-agent: {e}", file=sys.stderr)
+        return 3
+    finally:
+        decoder.close()
+    m = gen.metrics
+    print(gen.text)
+    print(f"[{gen.mode}] {len(gen.token_ids)} tokens in {m.wall_s:.2f}s ({m.tokens_per_s:.1f} tok/s); "
+          f"rounds {m.rounds}, tau {m.tau if m.tau is None else round(m.tau, 2)}, acceptance "
+          f"{m.acceptance_rate if m.acceptance_rate is None else round(m.acceptance_rate, 3)}, "
+          f"draft {m.draft_ms:.0f} ms, verify {m.verify_ms:.0f} ms, network {m.network_ms:.0f} ms, "
+          f"up {m.bytes_up} B, down {m.bytes_down} B", file=sys.stderr)
+    if args.json:
+        print(json.dumps(gen.to_json()))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="edge-agent", description="The robot side of speculative edge-cloud decoding.")
+    ap.add_argument("--log-level", default="WARNING")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    g = sub.add_parser("generate", help="answer one prompt")
+    g.add_argument("--verifier", help="ws://HOST:PORT of server-bridge")
+    g.add_argument("--token", help="shared secret (default: $VERIFIER_TOKEN)")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--mode", choices=("ar", "sd"), default="sd")
+    g.add_argument("--gamma", type=int, default=4, help="draft tokens per round")
+    g.add_argument("--local", action="store_true", help="generate with the draft alone (offline)")
+    g.add_argument("--draft", default=modelfiles.DEFAULT_DRAFT,
+                   help=f"draft name ({', '.join(modelfiles.DRAFTS)}) or a GGUF path")
+    g.add_argument("--threads", type=int, default=2)
+    g.add_argument("--json", action="store_true", help="last stdout line: one JSON object with text and metrics")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.cmd == "generate":
+        return _generate(args)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

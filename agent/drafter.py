@@ -1,0 +1,154 @@
+"""The robot's draft model: a GGUF through llama-cpp-python, proposing k tokens with their q.
+
+Per-token logits come from `llama_get_logits_ith(ctx, -1)` after each decode
+(no `logits_all`, which would hold an [n_ctx, vocab] float32 table). The KV
+cache follows the committed prefix: a rejection rolls it back by setting
+`n_tokens` (llama-cpp's `eval` drops every KV entry past it first).
+
+Not thread-safe: one `Drafter` (one llama context) per thread.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from server_bridge import modelfiles, sampling
+from server_bridge.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class DraftContextFull(RuntimeError):
+    pass
+
+
+@dataclass
+class Draft:
+    ids: list[int]                  # [k] proposed token ids; k can be zero
+    q: np.ndarray | None            # [k, vocab] float16 draft distributions; None when greedy
+    ms: float                       # wall time spent drafting (gamma * T_p)
+
+
+_params_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _model_params(use_extra_bufts: bool):
+    """llama-cpp-python's `Llama` exposes no `use_extra_bufts`; set it on the default params while
+    one model loads. Off by default: with 0.3.36 built for this machine's CPU (AMX, repacked Q4
+    weights) multi-token batches crash in llama_decode; plain CPU buffers are correct everywhere."""
+    import llama_cpp
+    import llama_cpp.llama as llama_module
+
+    with _params_lock:
+        original = llama_cpp.llama_model_default_params
+
+        def patched():
+            p = original()
+            p.use_extra_bufts = use_extra_bufts
+            return p
+
+        llama_module.llama_cpp.llama_model_default_params = patched
+        try:
+            yield
+        finally:
+            llama_module.llama_cpp.llama_model_default_params = original
+
+
+class Drafter:
+    def __init__(self, model: str = modelfiles.DEFAULT_DRAFT, n_ctx: int = 4096, threads: int = 2,
+                 extra_buffers: bool = False):
+        from llama_cpp import Llama, llama_model_get_vocab, llama_vocab_get_text
+
+        self.path: Path = modelfiles.resolve_draft(model)
+        self.name = model if model in modelfiles.DRAFTS else self.path.name
+        t0 = time.perf_counter()
+        with _model_params(extra_buffers):
+            self.llm = Llama(str(self.path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
+                             n_batch=512, logits_all=False, verbose=False)
+        self.vocab_size = int(self.llm.n_vocab())
+        vocab = llama_model_get_vocab(self.llm.model)
+        self.vocab_hash = modelfiles.vocab_hash(llama_vocab_get_text(vocab, i) for i in range(self.vocab_size))
+        self.eos_ids = {int(self.llm.token_eos())}
+        self.chat_template = self.llm.metadata.get("tokenizer.chat_template")
+        log.info("draft %s loaded from %s in %.2fs (vocab %d, %d threads)", self.name, self.path,
+                 time.perf_counter() - t0, self.vocab_size, threads)
+
+    # ------------------------------------------------------------------ text
+
+    def tokenize(self, text: str, chat: bool = False) -> list[int]:
+        """Text -> ids. With chat=True the text becomes one user turn in the model's chat template."""
+        if chat:
+            text = self.apply_chat_template([{"role": "user", "content": text}])
+        return self.llm.tokenize(text.encode("utf-8"), add_bos=False, special=True)
+
+    def apply_chat_template(self, messages: list[dict]) -> str:
+        if not self.chat_template:
+            raise ValueError(f"draft {self.name} has no chat template; call without --chat")
+        from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+        fmt = Jinja2ChatFormatter(self.chat_template, eos_token="", bos_token="")
+        return fmt(messages=messages).prompt
+
+    def detokenize(self, ids: list[int], skip: set[int] | frozenset = frozenset()) -> str:
+        return self.llm.detokenize([t for t in ids if t not in skip], special=True).decode("utf-8", "replace")
+
+    # ------------------------------------------------------------------ drafting
+
+    def _logits_after(self, committed: list[int]) -> np.ndarray:
+        """Point the KV cache at `committed` and return the logits [vocab] after its last token.
+
+        Reuses the KV of the prefix shared with what the context holds; always
+        re-evaluates at least the last token so its logits are fresh.
+        """
+        if len(committed) >= self.llm.n_ctx():
+            raise DraftContextFull(f"{len(committed)} tokens do not fit the draft context of {self.llm.n_ctx()}")
+        held = self.llm.input_ids[: self.llm.n_tokens]
+        n = min(len(held), len(committed) - 1)
+        mismatch = np.flatnonzero(held[:n] != np.asarray(committed[:n]))
+        keep = int(mismatch[0]) if mismatch.size else n
+        self.llm.n_tokens = keep                      # KV rollback: eval() drops positions >= keep
+        self.llm.eval(committed[keep:])
+        return self._last_logits()
+
+    def _last_logits(self) -> np.ndarray:
+        import llama_cpp
+
+        ptr = llama_cpp.llama_get_logits_ith(self.llm.ctx, -1)
+        return np.ctypeslib.as_array(ptr, shape=(self.vocab_size,)).copy()
+
+    def propose(self, committed: list[int], k: int, params: SamplingParams,
+                rng: np.random.Generator) -> Draft:
+        """Draft k tokens after `committed`; at T > 0 each is drawn from the fp16 q it is sent with."""
+        t0 = time.perf_counter()
+        if len(committed) + k >= self.llm.n_ctx():
+            raise DraftContextFull(f"drafting {k} after {len(committed)} tokens exceeds the draft context")
+        ids: list[int] = []
+        rows: list[np.ndarray] = []
+        logits = self._logits_after(committed) if k else None
+        for i in range(k):
+            if params.greedy:
+                token = int(np.argmax(logits))
+            else:
+                q16, q = sampling.quantize_q(sampling.probs_from_logits(logits[None], params))
+                token = sampling.sample(q[0], rng)
+                rows.append(q16[0])
+            ids.append(token)
+            if i + 1 < k:                              # the last draft token is fed next round
+                self.llm.eval([token])
+                logits = self._last_logits()
+        q16 = None if params.greedy or not k else np.stack(rows)
+        return Draft(ids, q16, (time.perf_counter() - t0) * 1e3)
+
+    def next_token(self, committed: list[int], params: SamplingParams, rng: np.random.Generator) -> int:
+        """One token from the draft alone (offline generation)."""
+        logits = self._logits_after(committed)
+        if params.greedy:
+            return int(np.argmax(logits))
+        return sampling.sample(sampling.probs_from_logits(logits, params), rng)

@@ -1,0 +1,58 @@
+"""`server-bridge serve`: run the verifier."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import sys
+
+from .config import ServerConfig
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="server-bridge", description="Verify robots' drafts with the target model.")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("serve", help="run the websocket verifier")
+    s.add_argument("--config", help="TOML file ([server] table); flags override it")
+    s.add_argument("--host")
+    s.add_argument("--port", type=int)
+    s.add_argument("--token", help="shared secret robots send in hello (default: $VERIFIER_TOKEN; "
+                   "none means loopback clients only)")
+    s.add_argument("--target", help="target name (smollm2-f32), a GGUF file or a Hugging Face model directory")
+    s.add_argument("--threads", type=int, help="torch threads")
+    s.add_argument("--max-sessions", type=int)
+    s.add_argument("--idle-timeout-s", type=float)
+    s.add_argument("--log-level", default="INFO")
+    p = sub.add_parser("prepare", help="convert and cache the target (first start takes ~1 min, later ones ~1 s)")
+    p.add_argument("--target", default=None)
+    p.add_argument("--log-level", default="INFO")
+    args = ap.parse_args(argv)
+
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.cmd == "prepare":
+        from . import modelfiles
+        from .target import TargetModel
+
+        target = TargetModel(args.target or modelfiles.DEFAULT_TARGET)
+        print(f"target {target.name} ready: vocab {target.vocab_size}, {target.n_layers} layers")
+        return 0
+    token = args.token if args.token is not None else os.environ.get("VERIFIER_TOKEN")
+    try:
+        config = ServerConfig.load(args.config, host=args.host, port=args.port, token=token, target=args.target,
+                                   threads=args.threads, max_sessions=args.max_sessions,
+                                   idle_timeout_s=args.idle_timeout_s)
+    except (ValueError, OSError) as e:
+        print(f"server-bridge: bad configuration: {e}", file=sys.stderr)
+        return 2
+    logging.getLogger("server_bridge").info("config in use: %s", json.dumps(config.redacted()))
+    from .server import run
+
+    asyncio.run(run(config))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

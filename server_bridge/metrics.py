@@ -1,0 +1,65 @@
+"""Server counters, rendered in the Prometheus text format for /metrics."""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ServerMetrics:
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    committed: int = 0                  # tokens committed by verify rounds and ar steps
+    target_forward_passes: int = 0
+    verify_ms_sum: float = 0.0
+    ar_tokens: int = 0
+    sessions_opened: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    errors: Counter = field(default_factory=Counter)
+
+    def count_round(self, drafted: int, accepted: int, ms: float) -> None:
+        self.rounds += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        self.committed += accepted + 1
+        self.target_forward_passes += 1
+        self.verify_ms_sum += ms
+
+    def count_ar_token(self, ms: float) -> None:
+        self.ar_tokens += 1
+        self.committed += 1
+        self.target_forward_passes += 1
+        self.verify_ms_sum += ms
+
+    def render(self, sessions, connections: int) -> str:
+        rows = [
+            ("bridge_sessions_active", "gauge", "open sessions", len(sessions)),
+            ("bridge_sessions_evicted_total", "counter", "sessions evicted (idle or table full)",
+             sessions.evicted_total),
+            ("bridge_sessions_opened_total", "counter", "open and re-open requests served", self.sessions_opened),
+            ("bridge_connections_active", "gauge", "open websocket connections", connections),
+            ("bridge_rounds_total", "counter", "verification rounds", self.rounds),
+            ("bridge_draft_tokens_total", "counter", "draft tokens received for verification", self.drafted),
+            ("bridge_accepted_tokens_total", "counter", "draft tokens accepted", self.accepted),
+            ("bridge_committed_tokens_total", "counter", "tokens committed (rounds and ar)", self.committed),
+            ("bridge_ar_tokens_total", "counter", "target-only tokens streamed", self.ar_tokens),
+            ("bridge_target_forward_passes_total", "counter", "target forward passes", self.target_forward_passes),
+            ("bridge_verify_seconds_total", "counter", "time in target forward passes", self.verify_ms_sum / 1e3),
+            ("bridge_bytes_in_total", "counter", "websocket payload bytes received", self.bytes_in),
+            ("bridge_bytes_out_total", "counter", "websocket payload bytes sent", self.bytes_out),
+        ]
+        lines = []
+        for name, kind, help_text, value in rows:
+            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {value}"]
+        lines += ["# HELP bridge_errors_total error messages sent, by code", "# TYPE bridge_errors_total counter"]
+        lines += [f'bridge_errors_total{{code="{code}"}} {n}' for code, n in sorted(self.errors.items())]
+        tau = (self.accepted + self.rounds) / self.rounds if self.rounds else None
+        if self.drafted:
+            lines += ["# HELP bridge_acceptance_rate accepted / drafted since start", "# TYPE bridge_acceptance_rate gauge",
+                      f"bridge_acceptance_rate {self.accepted / self.drafted:.6f}"]
+        if tau is not None:
+            lines += ["# HELP bridge_tau tokens committed per verification round", "# TYPE bridge_tau gauge",
+                      f"bridge_tau {tau:.6f}"]
+        return "\n".join(lines) + "\n"

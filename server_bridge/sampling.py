@@ -1,0 +1,145 @@
+"""Pure sampling math shared by the robot (draft) and the server (target).
+
+numpy in, numpy out: no I/O, no globals, no torch. The agent imports this
+module, so it must stay importable on a Jetson without PyTorch.
+
+Exactness rests on three functions:
+  - `probs_from_logits`: both sides turn logits into the distribution they
+    sample from with the same code (temperature, top-k).
+  - `quantize_q`: the draft samples from the very fp16 table it sends, so the
+    server verifies against exactly the distribution each token was drawn from.
+  - `verify_greedy` / `verify_sampled`: the accept/reject rule with residual
+    resampling (Leviathan et al. 2023), which reproduces the target exactly.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+class SamplingError(ValueError):
+    """A distribution or draft that cannot be verified (NaN, zero mass, bad shape)."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0   # 0 means greedy: argmax, no randomness
+    top_k: int = 0             # 0 means the whole vocabulary
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not (np.isfinite(self.temperature) and 0.0 <= self.temperature <= 100.0):
+            raise SamplingError(f"temperature must be in [0, 100], got {self.temperature!r}")
+        if self.top_k < 0:
+            raise SamplingError(f"top_k must be >= 0, got {self.top_k!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class Verdict:
+    accepted: int   # how many draft tokens the target kept; can be zero
+    token: int      # the correction at the first rejection, or the bonus token when all were kept
+
+
+def probs_from_logits(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """Logits [..., V] -> float64 probabilities [..., V] at `params` (T > 0).
+
+    Top-k keeps the k largest logits (ties at the k-th value are kept too, so
+    both sides agree regardless of sort stability).
+    """
+    if params.greedy:
+        raise SamplingError("probs_from_logits needs temperature > 0; use argmax when greedy")
+    x = np.asarray(logits, dtype=np.float64) / params.temperature
+    if not np.all(np.isfinite(x)):
+        raise SamplingError("logits contain NaN or infinity")
+    if 0 < params.top_k < x.shape[-1]:
+        kth = np.partition(x, -params.top_k, axis=-1)[..., -params.top_k, None]
+        x = np.where(x >= kth, x, -np.inf)
+    x = x - x.max(axis=-1, keepdims=True)
+    e = np.exp(x)
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def quantize_q(q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Draft probabilities [k, V] -> (fp16 table for the wire, exact float64 q).
+
+    The exact q is the fp16 table renormalized; the draft samples from it and
+    the server rebuilds it from the same bytes with `dequantize_q`, so p/q is
+    evaluated on the distribution the token really came from.
+    """
+    q16 = np.asarray(q, dtype=np.float64).astype(np.float16)
+    return q16, dequantize_q(q16)
+
+
+def dequantize_q(q16: np.ndarray) -> np.ndarray:
+    """fp16 table [k, V] -> float64 distributions [k, V]; raises on NaN or zero mass."""
+    q = np.asarray(q16, dtype=np.float64)
+    if q.ndim != 2:
+        raise SamplingError(f"q must be [k, vocab], got shape {q.shape}")
+    if not np.all(np.isfinite(q)) or np.any(q < 0):
+        raise SamplingError("q contains NaN, infinity or negative probabilities")
+    mass = q.sum(axis=-1, keepdims=True)
+    if np.any(mass <= 0):
+        raise SamplingError("a row of q has zero probability mass")
+    return q / mass
+
+
+def sample(probs: np.ndarray, rng: np.random.Generator) -> int:
+    """One draw from probs [V] by inverse CDF (one uniform per draw, so seeds replay)."""
+    cdf = np.cumsum(probs)
+    u = rng.random() * cdf[-1]
+    return int(min(np.searchsorted(cdf, u, side="right"), len(cdf) - 1))
+
+
+def residual(p: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """norm(max(0, p - q)) for p, q [V]: where the target wants more than the draft gave.
+
+    When p == q a rejection cannot happen (acceptance is certain), so the
+    zero-mass case falls back to p rather than dividing by zero.
+    """
+    r = np.maximum(p - q, 0.0)
+    mass = r.sum()
+    return p if mass <= 0.0 else r / mass
+
+
+def verify_greedy(draft_ids: np.ndarray, target_argmax: np.ndarray) -> Verdict:
+    """Greedy verification: keep the longest prefix where the target's argmax agrees.
+
+    draft_ids [k], target_argmax [k + 1] (the target's choice after each prefix).
+    """
+    k = len(draft_ids)
+    if len(target_argmax) != k + 1:
+        raise SamplingError(f"target_argmax must have k+1={k + 1} entries, got {len(target_argmax)}")
+    for i in range(k):
+        if int(draft_ids[i]) != int(target_argmax[i]):
+            return Verdict(accepted=i, token=int(target_argmax[i]))
+    return Verdict(accepted=k, token=int(target_argmax[k]))
+
+
+def verify_sampled(draft_ids: np.ndarray, q: np.ndarray, p: np.ndarray,
+                   rng: np.random.Generator) -> Verdict:
+    """Speculative rejection sampling (Leviathan et al. 2023, Chen et al. 2023).
+
+    draft_ids [k], q [k, V] draft distributions, p [k + 1, V] target distributions.
+
+    For each drafted x_i ~ q_i: accept with probability min(1, p_i(x_i) / q_i(x_i)).
+    At the first rejection, sample the correction from norm(max(0, p_i - q_i));
+    if every token is accepted, sample a bonus token from p_k. The committed
+    token sequence is then distributed exactly as sampling from p alone.
+    """
+    k = len(draft_ids)
+    if q.shape[0] != k or p.shape[0] != k + 1 or q.shape[1:] != p.shape[1:]:
+        raise SamplingError(f"shape mismatch: draft [{k}], q {q.shape}, p {p.shape}")
+    for i in range(k):
+        x = int(draft_ids[i])
+        qx = q[i, x]
+        if qx <= 0.0:
+            raise SamplingError(f"draft token {x} at position {i} has zero draft probability")
+        if rng.random() < min(1.0, p[i, x] / qx):
+            continue
+        return Verdict(accepted=i, token=sample(residual(p[i], q[i]), rng))
+    return Verdict(accepted=k, token=sample(p[k], rng))

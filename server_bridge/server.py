@@ -1,0 +1,207 @@
+"""server-bridge: the asyncio websocket server in front of the verifier.
+
+One handler per connection reads frames in order; every bad frame gets an
+`error` on that connection and the handler goes on (or closes, for a failed
+handshake), so one robot's garbage never touches another's session. Target
+forward passes run in a single model thread; the event loop keeps serving.
+`/healthz` and `/metrics` (Prometheus text) answer plain HTTP on the same port.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import ipaddress
+import itertools
+import logging
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+from http import HTTPStatus
+
+from websockets.asyncio.server import ServerConnection, serve
+from websockets.exceptions import ConnectionClosed
+
+from . import wire
+from .config import ServerConfig
+from .metrics import ServerMetrics
+from .sessions import SessionTable
+from .verifier import Verifier
+
+log = logging.getLogger(__name__)
+
+# Errors after which the connection is closed: the peer is not someone we verify for.
+FATAL = {"bad_token", "forbidden", "vocab_mismatch", "bad_version", "not_authenticated"}
+
+
+def is_loopback(remote) -> bool:
+    try:
+        return ipaddress.ip_address(remote[0]).is_loopback
+    except (TypeError, ValueError, IndexError):
+        return False
+
+
+class BridgeServer:
+    def __init__(self, verifier: Verifier, config: ServerConfig):
+        self.verifier = verifier
+        self.config = config
+        self.sessions = SessionTable(config.max_sessions, config.max_sessions_per_connection,
+                                     config.idle_timeout_s)
+        self.metrics = ServerMetrics()
+        self.model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="target")
+        self._conn_ids = itertools.count(1)
+        self._connections = 0
+        self._server = None
+        self.port: int | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        self._server = await serve(
+            self.handle, self.config.host, self.config.port, process_request=self.process_request,
+            # frames between the cap and twice the cap get an `error`; beyond that websockets closes (1009)
+            max_size=2 * self.config.max_frame_bytes, max_queue=16, compression=None,
+            ping_interval=10, ping_timeout=10)
+        self.port = self._server.sockets[0].getsockname()[1]
+        self._janitor = asyncio.create_task(self._evict_idle_forever(), name="session-janitor")
+        log.info("server-bridge listening on ws://%s:%d (target %s, token %s)", self.config.host, self.port,
+                 self.verifier.target.name, "required" if self.config.token else "none: loopback clients only")
+
+    async def stop(self) -> None:
+        self._janitor.cancel()
+        self._server.close()
+        await self._server.wait_closed()
+        self.model_thread.shutdown(wait=False, cancel_futures=True)
+
+    async def serve_forever(self) -> None:
+        await self.start()
+        loop = asyncio.get_running_loop()
+        stop = loop.create_future()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, lambda: stop.done() or stop.set_result(None))
+        await stop
+        log.info("shutting down")
+        await self.stop()
+
+    async def _evict_idle_forever(self) -> None:
+        while True:
+            await asyncio.sleep(min(5.0, self.config.idle_timeout_s / 4))
+            self.sessions.evict_idle()
+
+    # ------------------------------------------------------------------ plain HTTP
+
+    def process_request(self, connection: ServerConnection, request):
+        if request.path == "/healthz":
+            return connection.respond(HTTPStatus.OK, "ok\n")
+        if request.path == "/metrics":
+            resp = connection.respond(HTTPStatus.OK, self.metrics.render(self.sessions, self._connections))
+            resp.headers["Content-Type"] = "text/plain; version=0.0.4; charset=utf-8"
+            return resp
+        return None                                  # everything else is a websocket upgrade
+
+    # ------------------------------------------------------------------ websocket
+
+    async def handle(self, ws: ServerConnection) -> None:
+        conn_id = next(self._conn_ids)
+        self._connections += 1
+        peer = ws.remote_address
+        try:
+            if self._connections > self.config.max_connections:
+                await self._send(ws, wire.Error("busy", "too many connections; retry later"))
+                return
+            if not self.config.token and not is_loopback(peer):
+                await self._send(ws, wire.Error("forbidden", "this verifier has no token configured and "
+                                                "accepts loopback clients only"))
+                return
+            authed = False
+            async for frame in ws:
+                self.metrics.bytes_in += len(frame)
+                try:
+                    msg = wire.decode(frame, self.config.max_frame_bytes)
+                    if not authed:
+                        await self._handshake(ws, msg)
+                        authed = True
+                    else:
+                        await self._dispatch(ws, conn_id, msg)
+                except wire.WireError as e:
+                    self.metrics.errors[e.code] += 1
+                    log.info("conn %d %s: %s", conn_id, peer, e)
+                    await self._send(ws, wire.Error(e.code, e.message, e.sid))
+                    if e.code in FATAL:
+                        return
+        except ConnectionClosed:
+            pass
+        finally:
+            self._connections -= 1
+
+    async def _handshake(self, ws: ServerConnection, msg: wire.Message) -> None:
+        if not isinstance(msg, wire.Hello):
+            raise wire.WireError("not_authenticated", f"the first message must be hello, got {msg.TYPE}")
+        if self.config.token and not hmac.compare_digest(msg.token.encode(), self.config.token.encode()):
+            raise wire.WireError("bad_token", "the token in hello does not match this verifier's")
+        target = self.verifier.target
+        if msg.draft_vocab_hash != target.vocab_hash or msg.vocab_size != target.vocab_size:
+            raise wire.WireError("vocab_mismatch", f"the draft's vocabulary (size {msg.vocab_size}, hash "
+                                 f"{msg.draft_vocab_hash[:12]}) differs from the target {target.name}'s (size "
+                                 f"{target.vocab_size}, hash {target.vocab_hash[:12]}); speculative decoding "
+                                 "needs identical tokenizers")
+        await self._send(ws, wire.Welcome(
+            target=target.name, vocab_size=target.vocab_size, vocab_hash=target.vocab_hash,
+            eos_ids=target.eos_ids, exits=[],
+            limits={"max_frame_bytes": self.config.max_frame_bytes, "max_draft_len": self.config.max_draft_len,
+                    "max_context": self.config.max_context, "max_sessions": self.config.max_sessions}))
+
+    async def _dispatch(self, ws: ServerConnection, conn_id: int, msg: wire.Message) -> None:
+        if isinstance(msg, wire.Open):
+            previous = self.sessions.peek(msg.sid)
+            session, ms = await self._in_model_thread(self.verifier.open, msg, conn_id, previous)
+            self.sessions.put(session)
+            self.metrics.sessions_opened += 1
+            await self._send(ws, wire.Opened(msg.sid, len(session.state.ids),
+                                             {"prefill_ms": ms, "passes": session.state.passes}))
+            session.state.passes = 0
+        elif isinstance(msg, wire.Verify):
+            session = self.sessions.get(msg.sid, conn_id)
+            verdict, ms = await self._in_model_thread(self.verifier.verify, session, msg)
+            self.metrics.count_round(len(msg.draft_ids), verdict.accepted, ms)
+            await self._send(ws, wire.Result(msg.sid, msg.round, verdict.accepted, verdict.token,
+                                             len(session.state.ids), {"verify_ms": ms, "passes": 1}))
+        elif isinstance(msg, wire.Ar):
+            await self._stream_ar(ws, conn_id, msg)
+        elif isinstance(msg, wire.Close):
+            self.sessions.close(msg.sid, conn_id)
+        else:
+            raise wire.WireError("bad_type", f"{msg.TYPE} is not a request a robot may send")
+
+    async def _stream_ar(self, ws: ServerConnection, conn_id: int, msg: wire.Ar) -> None:
+        """The cloud-autoregressive baseline: one target token per forward pass, each sent at once."""
+        stop = set(msg.stop_ids)
+        for seq in range(msg.max_tokens):
+            session = self.sessions.get(msg.sid, conn_id)     # evicted mid-stream -> unknown_session
+            token, ms = await self._in_model_thread(self.verifier.ar_step, session)
+            self.metrics.count_ar_token(ms)
+            done = seq + 1 == msg.max_tokens or token in stop
+            sent = await self._send(ws, wire.Token(msg.sid, seq, token, done, {"verify_ms": ms, "passes": 1}))
+            if done or not sent:            # a dead link stops the stream: the robot re-opens and asks again
+                return
+
+    async def _in_model_thread(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.model_thread, fn, *args)
+
+    async def _send(self, ws: ServerConnection, msg: wire.Message) -> bool:
+        """Send one message; False when the connection is already gone."""
+        frame = wire.encode(msg)
+        try:
+            await ws.send(frame)
+        except ConnectionClosed:
+            return False
+        self.metrics.bytes_out += len(frame)
+        return True
+
+
+async def run(config: ServerConfig) -> None:
+    from .target import TargetModel
+
+    t0 = time.perf_counter()
+    target = TargetModel(config.target, threads=config.threads)
+    log.info("target ready in %.1fs", time.perf_counter() - t0)
+    await BridgeServer(Verifier(target, config), config).serve_forever()

@@ -1,0 +1,88 @@
+"""The bounded session table: one entry per robot generation, evicted when idle or when full.
+
+An evicted session loses nothing: the robot re-opens with its committed prefix.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .sampling import SamplingParams
+from .target import TargetState
+from .wire import WireError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Session:
+    sid: str
+    conn_id: int                    # the connection that owns it; a re-open moves it
+    state: TargetState
+    params: SamplingParams
+    rng: np.random.Generator
+    last_used: float = field(default_factory=time.monotonic)
+    rounds: int = 0
+    retired: bool = False           # set (in the model thread) when a re-open takes over the state
+
+
+class SessionTable:
+    """sid -> Session, least recently used first. Bounded in total and per connection."""
+
+    def __init__(self, max_sessions: int, max_per_connection: int, idle_timeout_s: float):
+        self.max_sessions = max_sessions
+        self.max_per_connection = max_per_connection
+        self.idle_timeout_s = idle_timeout_s
+        self._sessions: OrderedDict[str, Session] = OrderedDict()
+        self.evicted_total = 0
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def peek(self, sid: str) -> Session | None:
+        return self._sessions.get(sid)
+
+    def get(self, sid: str, conn_id: int) -> Session:
+        s = self._sessions.get(sid)
+        if s is None or s.conn_id != conn_id:
+            raise WireError("unknown_session", f"session {sid!r} is not open on this connection "
+                            "(evicted, closed or never opened): re-open it with the committed prefix", sid)
+        s.last_used = time.monotonic()
+        self._sessions.move_to_end(sid)
+        return s
+
+    def put(self, session: Session) -> list[str]:
+        """Insert (or replace) a session; returns the sids evicted to make room."""
+        self._sessions.pop(session.sid, None)
+        owned = [s for s in self._sessions.values() if s.conn_id == session.conn_id]
+        if len(owned) >= self.max_per_connection:
+            raise WireError("too_many_sessions", f"a connection may hold at most {self.max_per_connection} "
+                            "sessions; close one first", session.sid)
+        evicted = []
+        while len(self._sessions) >= self.max_sessions:
+            sid, _ = self._sessions.popitem(last=False)
+            evicted.append(sid)
+        self._sessions[session.sid] = session
+        self._count_evictions(evicted, "table full")
+        return evicted
+
+    def close(self, sid: str, conn_id: int) -> None:
+        self.get(sid, conn_id)
+        del self._sessions[sid]
+
+    def evict_idle(self, now: float | None = None) -> list[str]:
+        now = time.monotonic() if now is None else now
+        idle = [sid for sid, s in self._sessions.items() if now - s.last_used > self.idle_timeout_s]
+        for sid in idle:
+            del self._sessions[sid]
+        self._count_evictions(idle, "idle")
+        return idle
+
+    def _count_evictions(self, sids: list[str], why: str) -> None:
+        if sids:
+            self.evicted_total += len(sids)
+            log.info("evicted %d session(s) (%s): %s", len(sids), why, ", ".join(sids))

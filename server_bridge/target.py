@@ -1,0 +1,136 @@
+"""The target (large) model on the server: transformers + torch, with a per-session KV cache.
+
+A `TargetState` holds the committed prefix of one session and the KV cache of
+all but its last token (the last one is fed with the next draft, so its logits
+come out of the same forward pass). A round forwards only the new tokens; the
+rejected ones are cropped off the cache.
+"""
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from . import modelfiles
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TargetState:
+    ids: list[int]                      # the committed prefix, prompt included
+    cache: object                       # transformers DynamicCache over ids[:cached]
+    cached: int = 0                     # tokens in the cache; always < len(ids)
+    passes: int = 0                     # forward passes spent on this session
+    extra: dict = field(default_factory=dict)
+
+
+def _crop(cache, n: int) -> None:
+    """Keep the first n positions of a DynamicCache (transformers 5 takes a negative count to drop)."""
+    drop = cache.get_seq_length() - n
+    if drop > 0:
+        cache.crop(-drop)
+
+
+class TargetModel:
+    """Loads a causal LM in float32 and runs forward passes over session states.
+
+    Not thread-safe: the server calls it from one executor thread.
+    """
+
+    def __init__(self, name_or_path: str = modelfiles.DEFAULT_TARGET, threads: int = 0):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        if threads > 0:
+            torch.set_num_threads(threads)
+        src = modelfiles.resolve_target(name_or_path)
+        t0 = time.perf_counter()
+        model_dir = _cached_conversion(src) if src.suffix == ".gguf" else src
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        self.name = name_or_path if name_or_path in modelfiles.TARGETS else src.name
+        self.vocab_size = int(self.model.config.vocab_size)
+        pieces = self.tokenizer.convert_ids_to_tokens(list(range(self.vocab_size)))
+        self.vocab_hash = modelfiles.vocab_hash(p.encode("utf-8") for p in pieces)
+        eos = self.model.generation_config.eos_token_id
+        self.eos_ids = sorted({eos} if isinstance(eos, int) else set(eos or ()))
+        self.n_layers = int(self.model.config.num_hidden_layers)
+        log.info("target %s loaded from %s in %.1fs (%d layers, vocab %d, torch threads %d)", self.name,
+                 model_dir, time.perf_counter() - t0, self.n_layers, self.vocab_size, torch.get_num_threads())
+
+    def new_state(self, prompt_ids: list[int]) -> TargetState:
+        """Prefill all but the last prompt token; returns the state ready for its first round."""
+        from transformers import DynamicCache
+
+        state = TargetState(ids=list(prompt_ids), cache=DynamicCache(config=self.model.config))
+        if len(prompt_ids) > 1:
+            self._forward(state, prompt_ids[:-1])
+            state.cached = len(prompt_ids) - 1
+        return state
+
+    @torch.inference_mode()
+    def _forward(self, state: TargetState, new_ids: list[int]) -> torch.Tensor:
+        """Append new_ids to the cache; returns float32 logits [len(new_ids), vocab]."""
+        x = torch.tensor([new_ids], dtype=torch.long)
+        out = self.model(input_ids=x, past_key_values=state.cache, use_cache=True)
+        state.passes += 1
+        return out.logits[0].float()
+
+    def score(self, state: TargetState, draft_ids: list[int]) -> np.ndarray:
+        """One verification pass: logits [k + 1, vocab] for the positions after each draft prefix.
+
+        Row i is the target's distribution for the token after ids + draft[:i].
+        The cache now covers ids + draft; call `commit` to crop the rejected part.
+        """
+        pending = state.ids[state.cached:]
+        logits = self._forward(state, pending + list(draft_ids))
+        return logits[len(pending) - 1:].numpy()
+
+    def rewind(self, state: TargetState, ids: list[int]) -> None:
+        """Re-point a state at another committed prefix, keeping the KV of the part both share."""
+        keep = min(state.cached, _common_prefix(state.ids, ids), len(ids) - 1)
+        state.ids = list(ids)
+        state.cached = keep
+        _crop(state.cache, keep)
+
+    def commit(self, state: TargetState, new_ids: list[int], n_valid_in_cache: int) -> None:
+        """Extend the committed prefix; keep only the cache positions still on it."""
+        state.ids.extend(new_ids)
+        state.cached = min(n_valid_in_cache, len(state.ids) - 1)
+        _crop(state.cache, state.cached)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
+
+
+def _cached_conversion(gguf: Path) -> Path:
+    """Dequantize a GGUF to a float32 HF directory once; later starts load it in under a second."""
+    out = modelfiles.target_cache_dir(gguf)
+    if (out / "config.json").exists() and (out / "model.safetensors").exists():
+        return out
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log.info("converting %s to float32 (first start only, ~40 s) -> %s", gguf, out)
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # The weights are plain float32 now; transformers still marks the model as
+    # "gguf-quantized" and refuses to save it, so drop the marker first.
+    model.hf_quantizer = None
+    model.is_quantized = False
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    tmp.rename(out)                     # atomic: a crash mid-save never leaves a half cache
+    return out

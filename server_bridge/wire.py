@@ -1,0 +1,360 @@
+"""The robot <-> server wire: versioned msgpack messages, validated on receipt.
+
+One binary websocket frame carries one message, a msgpack map with `type` and
+`v`. Arrays travel as {"dtype", "shape", "data"} with raw little-endian bytes;
+nothing is ever pickled. `decode()` checks the frame size, the version, the
+type and every field, and raises `WireError` with a code the server sends
+back in an `error` message.
+
+Where a message is decoded: `decode()`. Where it is built: the dataclasses
+below, each with `to_wire()` and a `make_dummy()` for tests.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any, ClassVar
+
+import msgpack
+import numpy as np
+
+PROTOCOL_VERSION = 1
+DEFAULT_MAX_FRAME_BYTES = 4 * 2**20        # a full fp16 q for 16 positions is ~1.5 MiB
+_ARRAY_DTYPES = {"<f2": np.float16, "<f4": np.float32, "<i4": np.int32}
+MAX_ID_LIST = 1 << 16                      # longest token-id list any message may carry
+MAX_STR = 4096
+
+
+class WireError(ValueError):
+    """A message that cannot be accepted; `code` goes back to the sender in `error`."""
+
+    def __init__(self, code: str, message: str, sid: str | None = None):
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+        self.sid = sid
+
+
+# --------------------------------------------------------------------------- arrays
+
+def encode_array(a: np.ndarray) -> dict:
+    a = np.ascontiguousarray(a)
+    dtype = a.dtype.newbyteorder("<").str
+    if dtype not in _ARRAY_DTYPES:
+        raise WireError("bad_array", f"dtype {a.dtype} cannot travel on the wire")
+    return {"dtype": dtype, "shape": list(a.shape), "data": a.astype(dtype, copy=False).tobytes()}
+
+
+def decode_array(obj: Any, name: str, max_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> np.ndarray:
+    if not isinstance(obj, dict) or set(obj) != {"dtype", "shape", "data"}:
+        raise WireError("bad_field", f"{name} must be an array map with dtype, shape and data")
+    dtype, shape, data = obj["dtype"], obj["shape"], obj["data"]
+    if dtype not in _ARRAY_DTYPES:
+        raise WireError("bad_field", f"{name}.dtype {dtype!r} is not one of {sorted(_ARRAY_DTYPES)}")
+    if (not isinstance(shape, list) or not 1 <= len(shape) <= 4
+            or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d for d in shape)):
+        raise WireError("bad_field", f"{name}.shape must be a list of 1-4 non-negative ints")
+    if not isinstance(data, bytes):
+        raise WireError("bad_field", f"{name}.data must be bytes")
+    want = math.prod(shape) * np.dtype(dtype).itemsize
+    if want != len(data) or want > max_bytes:
+        raise WireError("bad_field", f"{name}: shape {shape} of {dtype} needs {want} bytes, got {len(data)}")
+    return np.frombuffer(data, dtype=dtype).reshape(shape)
+
+
+# --------------------------------------------------------------------------- field checks
+
+def _int(v: Any, name: str, lo: int = 0, hi: int = 2**31 - 1) -> int:
+    if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+        raise WireError("bad_field", f"{name} must be an int in [{lo}, {hi}], got {v!r}")
+    return v
+
+
+def _float(v: Any, name: str, lo: float, hi: float) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not lo <= v <= hi:
+        raise WireError("bad_field", f"{name} must be a finite number in [{lo}, {hi}], got {v!r}")
+    return float(v)
+
+
+def _str(v: Any, name: str, max_len: int = MAX_STR) -> str:
+    if not isinstance(v, str) or len(v) > max_len:
+        raise WireError("bad_field", f"{name} must be a string of at most {max_len} characters")
+    return v
+
+
+def _ids(v: Any, name: str, max_len: int = MAX_ID_LIST) -> list[int]:
+    if not isinstance(v, list) or len(v) > max_len:
+        raise WireError("bad_field", f"{name} must be a list of at most {max_len} token ids")
+    for t in v:
+        if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < 2**31:
+            raise WireError("bad_field", f"{name} must hold non-negative int token ids, found {t!r}")
+    return v
+
+
+def _map(v: Any, name: str) -> dict:
+    if not isinstance(v, dict) or not all(isinstance(k, str) for k in v):
+        raise WireError("bad_field", f"{name} must be a map with string keys")
+    return v
+
+
+def _sid(v: Any) -> str:
+    sid = _str(v, "sid", 64)
+    if not sid or not all(c.isalnum() or c in "-_." for c in sid):
+        raise WireError("bad_field", "sid must be 1-64 characters of [A-Za-z0-9-_.]")
+    return sid
+
+
+# --------------------------------------------------------------------------- messages
+
+@dataclass
+class Message:
+    TYPE: ClassVar[str] = ""
+
+    def to_wire(self) -> dict:
+        d = {"type": self.TYPE, "v": PROTOCOL_VERSION}
+        d.update(asdict(self))
+        return d
+
+    @classmethod
+    def from_wire(cls, d: dict) -> "Message":   # overridden: each type validates its own fields
+        raise NotImplementedError
+
+
+@dataclass
+class Hello(Message):
+    """Robot -> server, first message on a connection."""
+    TYPE: ClassVar[str] = "hello"
+    token: str                  # shared secret; "" when the server runs loopback-only
+    client: str                 # free text: agent name and version
+    draft_vocab_hash: str       # vocab.vocab_hash of the draft's tokenizer
+    vocab_size: int
+
+    @classmethod
+    def from_wire(cls, d):
+        return cls(_str(d.get("token"), "token", 256), _str(d.get("client"), "client", 256),
+                   _str(d.get("draft_vocab_hash"), "draft_vocab_hash", 128),
+                   _int(d.get("vocab_size"), "vocab_size", 1, 1 << 24))
+
+    @classmethod
+    def make_dummy(cls):
+        return cls(token="", client="test", draft_vocab_hash="0" * 64, vocab_size=49152)
+
+
+@dataclass
+class Welcome(Message):
+    """Server -> robot: the handshake succeeded; what the server can do."""
+    TYPE: ClassVar[str] = "welcome"
+    target: str
+    vocab_size: int
+    vocab_hash: str
+    eos_ids: list[int]
+    exits: list[int]            # layers with early exits (empty: none)
+    limits: dict                # max_frame_bytes, max_draft_len, max_context, max_sessions
+
+    @classmethod
+    def from_wire(cls, d):
+        limits = _map(d.get("limits"), "limits")
+        for k in ("max_frame_bytes", "max_draft_len", "max_context"):
+            _int(limits.get(k), f"limits.{k}", 1)
+        return cls(_str(d.get("target"), "target"), _int(d.get("vocab_size"), "vocab_size", 1, 1 << 24),
+                   _str(d.get("vocab_hash"), "vocab_hash", 128), _ids(d.get("eos_ids"), "eos_ids", 64),
+                   _ids(d.get("exits"), "exits", 256), limits)
+
+    @classmethod
+    def make_dummy(cls):
+        return cls("dummy", 49152, "0" * 64, [2], [], {"max_frame_bytes": DEFAULT_MAX_FRAME_BYTES,
+                                                      "max_draft_len": 16, "max_context": 2048})
+
+
+@dataclass
+class Error(Message):
+    TYPE: ClassVar[str] = "error"
+    code: str                   # machine-readable: bad_frame, bad_field, unknown_session, ...
+    message: str                # for a human reading the robot's log
+    sid: str | None = None      # the session it concerns, if any
+
+    @classmethod
+    def from_wire(cls, d):
+        sid = d.get("sid")
+        return cls(_str(d.get("code"), "code", 64), _str(d.get("message"), "message"),
+                   None if sid is None else _sid(sid))
+
+
+@dataclass
+class Open(Message):
+    """Robot -> server: start (or re-open) a session whose committed prefix is prompt_ids."""
+    TYPE: ClassVar[str] = "open"
+    sid: str
+    prompt_ids: list[int]       # the whole committed prefix: prompt plus every committed token
+    sampling: dict              # temperature, top_k, seed
+    slo: dict = field(default_factory=dict)   # optional latency targets in ms (used by the scheduler)
+
+    @classmethod
+    def from_wire(cls, d):
+        s = _map(d.get("sampling"), "sampling")
+        sampling = {"temperature": _float(s.get("temperature"), "sampling.temperature", 0.0, 100.0),
+                    "top_k": _int(s.get("top_k", 0), "sampling.top_k", 0, 1 << 24),
+                    "seed": _int(s.get("seed", 0), "sampling.seed", 0, 2**63 - 1)}
+        ids = _ids(d.get("prompt_ids"), "prompt_ids")
+        if not ids:
+            raise WireError("bad_field", "prompt_ids must hold at least one token")
+        return cls(_sid(d.get("sid")), ids, sampling, _map(d.get("slo", {}), "slo"))
+
+    @classmethod
+    def make_dummy(cls):
+        return cls("s1", [1, 2, 3], {"temperature": 0.0, "top_k": 0, "seed": 0})
+
+
+@dataclass
+class Opened(Message):
+    TYPE: ClassVar[str] = "opened"
+    sid: str
+    n_committed: int            # the server's committed length (== len(prompt_ids))
+    timing: dict                # prefill_ms, passes
+
+    @classmethod
+    def from_wire(cls, d):
+        return cls(_sid(d.get("sid")), _int(d.get("n_committed"), "n_committed"), _map(d.get("timing"), "timing"))
+
+
+@dataclass
+class Verify(Message):
+    """Robot -> server: one speculation round.
+
+    q["kind"] is "none" (greedy: ids only) or "full" (fp16 [k, vocab] table in q["probs"]).
+    """
+    TYPE: ClassVar[str] = "verify"
+    sid: str
+    round: int
+    n_committed: int            # the robot's committed length; a mismatch means the two sides diverged
+    draft_ids: list[int]        # [k]; k can be zero (the server then returns one target token)
+    q: dict
+
+    def to_wire(self) -> dict:
+        d = super().to_wire()
+        if isinstance(self.q.get("probs"), np.ndarray):
+            d["q"] = {"kind": self.q["kind"], "probs": encode_array(self.q["probs"])}
+        return d
+
+    @classmethod
+    def from_wire(cls, d):
+        draft = _ids(d.get("draft_ids"), "draft_ids", 256)
+        q = _map(d.get("q"), "q")
+        kind = q.get("kind")
+        if kind == "none":
+            q = {"kind": "none"}
+        elif kind == "full":
+            probs = decode_array(q.get("probs"), "q.probs")
+            if probs.dtype != np.float16 or probs.ndim != 2 or probs.shape[0] != len(draft):
+                raise WireError("bad_field", f"q.probs must be float16 [k={len(draft)}, vocab], got "
+                                f"{probs.dtype} {list(probs.shape)}")
+            q = {"kind": "full", "probs": probs}
+        else:
+            raise WireError("unsupported", f"q.kind {kind!r} is not supported (use 'none' or 'full')")
+        return cls(_sid(d.get("sid")), _int(d.get("round"), "round"),
+                   _int(d.get("n_committed"), "n_committed", 1), draft, q)
+
+    @classmethod
+    def make_dummy(cls):
+        return cls("s1", 0, 3, [4, 5], {"kind": "none"})
+
+
+@dataclass
+class Result(Message):
+    """Server -> robot: the verdict on one round."""
+    TYPE: ClassVar[str] = "result"
+    sid: str
+    round: int
+    accepted: int               # draft tokens kept; can be zero
+    token: int                  # correction at the first rejection, or the bonus token
+    n_committed: int            # the server's committed length after this round
+    timing: dict                # verify_ms, passes
+
+    @classmethod
+    def from_wire(cls, d):
+        return cls(_sid(d.get("sid")), _int(d.get("round"), "round"), _int(d.get("accepted"), "accepted"),
+                   _int(d.get("token"), "token"), _int(d.get("n_committed"), "n_committed"),
+                   _map(d.get("timing"), "timing"))
+
+
+@dataclass
+class Ar(Message):
+    """Robot -> server: stream target-only tokens (the cloud-autoregressive baseline)."""
+    TYPE: ClassVar[str] = "ar"
+    sid: str
+    max_tokens: int
+    stop_ids: list[int] = field(default_factory=list)
+
+    @classmethod
+    def from_wire(cls, d):
+        return cls(_sid(d.get("sid")), _int(d.get("max_tokens"), "max_tokens", 1, MAX_ID_LIST),
+                   _ids(d.get("stop_ids", []), "stop_ids", 64))
+
+
+@dataclass
+class Token(Message):
+    """Server -> robot: one streamed target token of an `ar` request."""
+    TYPE: ClassVar[str] = "token"
+    sid: str
+    seq: int                    # 0-based index within this ar request
+    token: int
+    done: bool                  # the last token of the request (max_tokens or a stop id)
+    timing: dict                # verify_ms (this step's forward pass), passes
+
+    @classmethod
+    def from_wire(cls, d):
+        done = d.get("done")
+        if not isinstance(done, bool):
+            raise WireError("bad_field", "done must be a bool")
+        return cls(_sid(d.get("sid")), _int(d.get("seq"), "seq"), _int(d.get("token"), "token"), done,
+                   _map(d.get("timing"), "timing"))
+
+
+@dataclass
+class Close(Message):
+    TYPE: ClassVar[str] = "close"
+    sid: str
+
+    @classmethod
+    def from_wire(cls, d):
+        return cls(_sid(d.get("sid")))
+
+
+MESSAGES: dict[str, type[Message]] = {m.TYPE: m for m in
+                                      (Hello, Welcome, Error, Open, Opened, Verify, Result, Ar, Token, Close)}
+
+
+def encode(msg: Message) -> bytes:
+    return msgpack.packb(msg.to_wire(), use_bin_type=True)
+
+
+def decode(frame: Any, max_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Message:
+    """One websocket frame -> a validated message; raises WireError with a code on anything else."""
+    if isinstance(frame, str):
+        raise WireError("bad_frame", "text frames are not accepted; send binary msgpack")
+    if len(frame) > max_bytes:
+        raise WireError("too_large", f"frame of {len(frame)} bytes exceeds the cap of {max_bytes}")
+    try:
+        d = msgpack.unpackb(frame, raw=False, strict_map_key=True, max_bin_len=max_bytes,
+                            max_str_len=MAX_STR * 4, max_array_len=MAX_ID_LIST, max_map_len=64)
+    except Exception as e:          # msgpack raises several unrelated types on garbage
+        raise WireError("bad_frame", f"not a msgpack message: {type(e).__name__}") from None
+    if not isinstance(d, dict):
+        raise WireError("bad_frame", "a message must be a msgpack map")
+    if d.get("v") != PROTOCOL_VERSION:
+        raise WireError("bad_version", f"protocol version {d.get('v')!r} is not supported (this side speaks "
+                        f"{PROTOCOL_VERSION})")
+    cls = MESSAGES.get(d.get("type"))   # type: ignore[arg-type]
+    if cls is None:
+        raise WireError("bad_type", f"unknown message type {d.get('type')!r}")
+    try:
+        return cls.from_wire(d)
+    except WireError as e:
+        sid = d.get("sid")
+        e.sid = sid if isinstance(sid, str) and len(sid) <= 64 else None
+        raise
+
+
+__all__ = [m.__name__ for m in MESSAGES.values()] + [
+    "PROTOCOL_VERSION", "DEFAULT_MAX_FRAME_BYTES", "WireError", "encode", "decode", "encode_array",
+    "decode_array"]

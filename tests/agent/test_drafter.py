@@ -1,0 +1,49 @@
+"""The draft model on llama-cpp: same tokenizer as the target, KV rollback, q kept for every token."""
+import numpy as np
+import pytest
+
+from server_bridge.sampling import SamplingParams
+
+pytestmark = pytest.mark.real
+
+TEXTS = [
+    "Go to the kitchen, turn left 30 degrees and stop.",
+    "def f(x):\n    return x ** 2  # ünïcödé 😀",
+    "  multiple   spaces\n\n\ttabs and 12345.678",
+    "<|im_start|>user\nhi<|im_end|>\n",
+]
+
+
+def test_both_sides_tokenize_identically(drafter, target):
+    assert drafter.vocab_size == target.vocab_size
+    assert drafter.vocab_hash == target.vocab_hash
+    for text in TEXTS:
+        assert drafter.tokenize(text) == target.tokenizer.encode(text, add_special_tokens=False), text
+    chat = drafter.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert chat == target.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                                         add_generation_prompt=True)
+
+
+def test_rollback_gives_the_same_draft_as_a_fresh_context(drafter):
+    ids = drafter.tokenize(TEXTS[0], chat=True)
+    greedy = SamplingParams()
+    rng = np.random.default_rng(0)
+    fresh = drafter.propose(ids, 5, greedy, rng).ids
+    drafter.propose(ids + [1, 2, 3, 4], 5, greedy, rng)          # pollute the KV with a rejected path
+    assert drafter.propose(ids, 5, greedy, rng).ids == fresh
+    # the draft's own greedy continuation: drafting k after accepting j reproduces it
+    assert drafter.propose(ids + fresh[:2], 3, greedy, rng).ids == fresh[2:5]
+
+
+def test_sampled_draft_keeps_q_for_every_token(drafter):
+    ids = drafter.tokenize(TEXTS[0], chat=True)
+    d = drafter.propose(ids, 4, SamplingParams(temperature=1.0, top_k=20, seed=1), np.random.default_rng(1))
+    assert d.q.shape == (4, drafter.vocab_size) and d.q.dtype == np.float16
+    assert all(d.q[i, t] > 0 for i, t in enumerate(d.ids))
+    assert all(np.count_nonzero(row) <= 20 for row in d.q)          # top-k applied before sampling
+    assert d.ms > 0
+
+
+def test_zero_length_draft(drafter):
+    d = drafter.propose(drafter.tokenize("hello"), 0, SamplingParams(), np.random.default_rng(0))
+    assert d.ids == [] and d.q is None

@@ -1,0 +1,140 @@
+"""End to end on the real models, over a real websocket on port 0, through the delaying proxy."""
+import threading
+
+import pytest
+import torch
+
+from agent.decoder import EdgeDecoder, ReconnectPolicy
+from server_bridge.sampling import SamplingParams
+from tools.netem import LinkProfile, NetemProxy
+
+pytestmark = pytest.mark.real
+
+PROMPTS = [
+    ("Go to the kitchen, then turn left and stop next to the red chair. Describe your plan.", True),
+    ("def fibonacci(n):", False),
+    ("What is 17 times 23? Think step by step.", True),
+]
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def server_and_proxy(target):
+    from tests.conftest import ThreadedServer
+    from server_bridge.verifier import Verifier
+
+    with ThreadedServer(lambda cfg: Verifier(target, cfg)) as server:
+        with NetemProxy("127.0.0.1", server.port, LinkProfile.from_rtt(10, jitter_ms=2)) as proxy:
+            yield server, proxy
+
+
+@pytest.fixture(scope="module")
+def ar_reference(drafter, server_and_proxy):
+    """The target's own greedy tokens, streamed by the server in ar mode."""
+    _, proxy = server_and_proxy
+    dec = EdgeDecoder(drafter, proxy.url())
+    try:
+        return [dec.generate(drafter.tokenize(p, chat=c), mode="ar", max_tokens=MAX_TOKENS).token_ids
+                for p, c in PROMPTS]
+    finally:
+        dec.close()
+
+
+def test_ar_is_the_targets_own_greedy_decoding(drafter, target, ar_reference):
+    ids = drafter.tokenize(PROMPTS[1][0])
+    out = target.model.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False,
+                                attention_mask=torch.ones(1, len(ids), dtype=torch.long))
+    assert out[0, len(ids):].tolist()[:len(ar_reference[1])] == ar_reference[1]
+
+
+@pytest.mark.parametrize("gamma", [1, 3, 6])
+def test_sd_equals_ar_at_temperature_zero(drafter, server_and_proxy, ar_reference, gamma):
+    _, proxy = server_and_proxy
+    dec = EdgeDecoder(drafter, proxy.url())
+    try:
+        for (prompt, chat), expected in zip(PROMPTS, ar_reference):
+            gen = dec.generate(drafter.tokenize(prompt, chat=chat), mode="sd", gamma=gamma, max_tokens=MAX_TOKENS)
+            assert gen.token_ids == expected, f"SD(gamma={gamma}) diverged from AR on {prompt!r}"
+            m = gen.metrics
+            assert m.rounds >= 1 and m.drafted <= gamma * m.rounds
+            assert m.accepted + m.wasted_draft_tokens == m.drafted
+            assert m.tau == pytest.approx(len(gen.token_ids) / m.rounds)
+            assert m.bytes_up > 0 and m.bytes_down > 0 and m.network_ms > 0
+    finally:
+        dec.close()
+
+
+def test_weak_draft_is_still_exact(weak_drafter, server_and_proxy, ar_reference):
+    _, proxy = server_and_proxy
+    dec = EdgeDecoder(weak_drafter, proxy.url())
+    try:
+        prompt, chat = PROMPTS[0]
+        gen = dec.generate(weak_drafter.tokenize(prompt, chat=chat), mode="sd", gamma=4, max_tokens=MAX_TOKENS)
+        assert gen.token_ids == ar_reference[0]
+        assert gen.metrics.wasted_draft_tokens > 0          # a weaker draft really is rejected sometimes
+    finally:
+        dec.close()
+
+
+@pytest.mark.parametrize("mode", ["sd", "ar"])
+def test_dropped_connection_loses_nothing(drafter, server_and_proxy, ar_reference, mode):
+    server, _ = server_and_proxy
+    with NetemProxy("127.0.0.1", server.port, LinkProfile.from_rtt(10)) as proxy:
+        # welcome is ~250 B and each result/token ~100 B: this drops the link a few rounds in
+        proxy.schedule_disconnect(after_bytes_down=700)
+        dec = EdgeDecoder(drafter, proxy.url(), reconnect=ReconnectPolicy(backoff_s=0.05))
+        try:
+            prompt, chat = PROMPTS[0]
+            gen = dec.generate(drafter.tokenize(prompt, chat=chat), mode=mode, gamma=3, max_tokens=MAX_TOKENS)
+        finally:
+            dec.close()
+        assert proxy.stats()["disconnects_injected"] >= 1
+    assert gen.metrics.reconnects >= 1
+    assert gen.token_ids == ar_reference[0]                 # nothing lost, nothing duplicated
+
+
+def test_sampling_is_reproducible_under_a_seed(drafter, server_and_proxy):
+    _, proxy = server_and_proxy
+    dec = EdgeDecoder(drafter, proxy.url())
+    params = SamplingParams(temperature=0.8, top_k=40, seed=7)
+    ids = drafter.tokenize(PROMPTS[0][0], chat=True)
+    try:
+        a = dec.generate(ids, mode="sd", gamma=4, max_tokens=16, params=params)
+        b = dec.generate(ids, mode="sd", gamma=4, max_tokens=16, params=params)
+        c = dec.generate(ids, mode="sd", gamma=4, max_tokens=16, params=SamplingParams(0.8, 40, seed=8))
+    finally:
+        dec.close()
+    assert a.token_ids == b.token_ids
+    assert a.token_ids != c.token_ids
+    assert a.metrics.bytes_up > 16 * 49152                # full fp16 q travelled for every draft token
+
+
+def test_local_mode_needs_no_server(drafter):
+    dec = EdgeDecoder(drafter, url=None)
+    gen = dec.generate(drafter.tokenize("List three colours.", chat=True), mode="local", max_tokens=8)
+    assert len(gen.token_ids) >= 1 and gen.text
+    assert gen.metrics.bytes_up == 0 and gen.metrics.draft_ms > 0
+
+
+def test_two_robots_interleave_exactly(drafter, target, server_and_proxy, ar_reference):
+    """Two sessions generating at once on one server each get their own exact answer."""
+    from agent.drafter import Drafter
+
+    _, proxy = server_and_proxy
+    other = Drafter(threads=1)                              # llama contexts are per thread
+    results = {}
+
+    def run(name, d, prompt_idx):
+        dec = EdgeDecoder(d, proxy.url())
+        try:
+            p, c = PROMPTS[prompt_idx]
+            results[name] = dec.generate(d.tokenize(p, chat=c), mode="sd", gamma=3, max_tokens=MAX_TOKENS).token_ids
+        finally:
+            dec.close()
+
+    threads = [threading.Thread(target=run, args=("a", drafter, 0)), threading.Thread(target=run, args=("b", other, 2))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert results == {"a": ar_reference[0], "b": ar_reference[2]}

@@ -1,0 +1,77 @@
+"""Shared fixtures: the real models (loaded once per test run) and a real verifier on port 0."""
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from server_bridge.config import ServerConfig
+
+
+class ThreadedServer:
+    """A real BridgeServer on 127.0.0.1:0, its event loop in a daemon thread."""
+
+    def __init__(self, verifier_factory, **config):
+        from server_bridge.server import BridgeServer
+
+        self.config = ServerConfig(host="127.0.0.1", port=0, **config)
+        self.loop = asyncio.new_event_loop()
+        self.server = BridgeServer(verifier_factory(self.config), self.config)
+        self.thread = threading.Thread(target=self.loop.run_forever, name="test-server", daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        asyncio.run_coroutine_threadsafe(self.server.start(), self.loop).result(30)
+        return self
+
+    def __exit__(self, *exc):
+        asyncio.run_coroutine_threadsafe(self.server.stop(), self.loop).result(30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+    @property
+    def port(self) -> int:
+        return self.server.port
+
+    @property
+    def url(self) -> str:
+        return f"ws://127.0.0.1:{self.port}"
+
+
+@pytest.fixture(scope="session")
+def target():
+    from server_bridge.target import TargetModel
+
+    return TargetModel(threads=1)
+
+
+@pytest.fixture(scope="session")
+def drafter():
+    from agent.drafter import Drafter
+
+    return Drafter(threads=1)
+
+
+@pytest.fixture(scope="session")
+def weak_drafter():
+    from agent.drafter import Drafter
+
+    return Drafter("smollm2-q2_k", threads=1)
+
+
+@pytest.fixture
+def make_server(target):
+    """make_server(**config) -> a started ThreadedServer sharing the session's target model."""
+    from server_bridge.verifier import Verifier
+
+    started = []
+
+    def make(**config):
+        s = ThreadedServer(lambda cfg: Verifier(target, cfg), **config).__enter__()
+        started.append(s)
+        return s
+
+    yield make
+    for s in started:
+        s.__exit__(None, None, None)

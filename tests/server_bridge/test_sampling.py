@@ -1,0 +1,138 @@
+"""The sampling math: exactness of accept/reject + residual resampling, greedy tables, seeds."""
+import numpy as np
+import pytest
+from scipy import stats
+
+from server_bridge import sampling
+from server_bridge.sampling import SamplingError, SamplingParams
+
+
+def _random_dist(rng, v, sparsity=0.0):
+    x = rng.gamma(0.5, size=v)
+    x[rng.random(v) < sparsity] = 0.0
+    x[rng.integers(v)] += 0.1                   # never all zero
+    return x / x.sum()
+
+
+def _committed_tokens(p, q, n, seed):
+    """Run n independent rounds (draft from q, verify against p); return what landed at positions 0 and 1."""
+    rng = np.random.default_rng(seed)
+    k = q.shape[0]
+    first, second = [], []
+    for _ in range(n):
+        draft = np.array([sampling.sample(q[i], rng) for i in range(k)])
+        v = sampling.verify_sampled(draft, q, p, rng)
+        committed = list(draft[:v.accepted]) + [v.token]
+        first.append(committed[0])
+        if len(committed) > 1:
+            second.append(committed[1])
+    return np.array(first), np.array(second)
+
+
+def _tv(samples, p):
+    counts = np.bincount(samples, minlength=len(p))
+    return 0.5 * np.abs(counts / counts.sum() - p).sum(), counts
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_rejection_sampling_reproduces_target_distribution(seed):
+    rng = np.random.default_rng(100 + seed)
+    v, k = 12, 3
+    p = np.stack([_random_dist(rng, v, 0.3) for _ in range(k + 1)])
+    q = np.stack([_random_dist(rng, v, 0.3) for _ in range(k)])
+    small, _ = _committed_tokens(p, q, 2_000, seed)
+    first, second = _committed_tokens(p, q, 40_000, seed + 10)
+
+    tv_small, _ = _tv(small, p[0])
+    tv_large, counts = _tv(first, p[0])
+    # The distance shrinks like 1/sqrt(n): 20x the samples, well under half the distance.
+    assert tv_large < 0.02
+    assert tv_large < tv_small
+    support = p[0] > 0
+    assert counts[~support].sum() == 0, "a token the target gives zero probability was committed"
+    chi = stats.chisquare(counts[support], p[0][support] * counts.sum())
+    assert chi.pvalue > 1e-4
+
+    # Given position 0 was an accepted draft token, position 1 is again distributed as p[1].
+    tv_second, counts2 = _tv(second, p[1])
+    assert tv_second < 0.03
+    assert counts2[p[1] == 0].sum() == 0
+
+
+def test_draft_equal_to_target_is_always_accepted():
+    rng = np.random.default_rng(0)
+    p = np.stack([_random_dist(rng, 10) for _ in range(5)])
+    for _ in range(200):
+        draft = np.array([sampling.sample(p[i], rng) for i in range(4)])
+        assert sampling.verify_sampled(draft, p[:4], p, rng).accepted == 4
+
+
+def test_residual_is_where_target_exceeds_draft():
+    p = np.array([0.5, 0.3, 0.2, 0.0])
+    q = np.array([0.1, 0.6, 0.2, 0.1])
+    np.testing.assert_allclose(sampling.residual(p, q), [1.0, 0.0, 0.0, 0.0])
+    np.testing.assert_allclose(sampling.residual(p, p), p)     # no mass left: falls back to p
+
+
+@pytest.mark.parametrize("draft, target_argmax, accepted, token", [
+    ([5, 6, 7], [5, 6, 7, 8], 3, 8),       # all kept, bonus token
+    ([5, 6, 7], [5, 9, 7, 8], 1, 9),       # rejected at 1, corrected to the target's choice
+    ([5, 6, 7], [4, 6, 7, 8], 0, 4),       # rejected at once
+    ([], [3], 0, 3),                       # no draft: one target token
+])
+def test_greedy_table(draft, target_argmax, accepted, token):
+    v = sampling.verify_greedy(np.array(draft, dtype=int), np.array(target_argmax))
+    assert (v.accepted, v.token) == (accepted, token)
+
+
+def test_greedy_needs_k_plus_one_rows():
+    with pytest.raises(SamplingError):
+        sampling.verify_greedy(np.array([1, 2]), np.array([1, 2]))
+
+
+def test_same_seed_same_verdicts():
+    rng = np.random.default_rng(3)
+    p = np.stack([_random_dist(rng, 50) for _ in range(5)])
+    q = np.stack([_random_dist(rng, 50) for _ in range(4)])
+    runs = []
+    for _ in range(2):
+        r = np.random.default_rng(42)
+        runs.append([sampling.verify_sampled(np.array([sampling.sample(q[i], r) for i in range(4)]), q, p, r)
+                     for _ in range(50)])
+    assert runs[0] == runs[1]
+    assert len({v.accepted for v in runs[0]}) > 1       # the draws really vary
+
+
+def test_probs_from_logits_top_k_and_temperature():
+    logits = np.array([[1.0, 3.0, 2.0, 0.5, 2.5]])
+    p = sampling.probs_from_logits(logits, SamplingParams(temperature=1.0, top_k=2))
+    assert np.count_nonzero(p) == 2 and p[0, 1] > p[0, 4] > 0
+    np.testing.assert_allclose(p.sum(), 1.0)
+    cold = sampling.probs_from_logits(logits, SamplingParams(temperature=0.1))
+    hot = sampling.probs_from_logits(logits, SamplingParams(temperature=10.0))
+    assert cold.max() > 0.99 and hot.max() < 0.3
+
+
+def test_bad_distributions_are_refused():
+    with pytest.raises(SamplingError):
+        sampling.probs_from_logits(np.array([[1.0, np.nan]]), SamplingParams(temperature=1.0))
+    with pytest.raises(SamplingError):
+        sampling.dequantize_q(np.array([[0.5, np.nan]], dtype=np.float16))
+    with pytest.raises(SamplingError):
+        sampling.dequantize_q(np.zeros((1, 4), dtype=np.float16))
+    with pytest.raises(SamplingError):
+        sampling.verify_sampled(np.array([1]), np.array([[1.0, 0.0]]), np.full((2, 2), 0.5),
+                                np.random.default_rng(0))
+    with pytest.raises(SamplingError):
+        SamplingParams(temperature=-1.0)
+
+
+def test_quantized_q_is_the_distribution_sampled_from():
+    """Tokens drawn from the fp16 table never have zero q, even when float32 q underflows fp16."""
+    rng = np.random.default_rng(0)
+    logits = rng.normal(0, 8, size=(1, 5000))              # many probabilities below fp16's range
+    q16, q = sampling.quantize_q(sampling.probs_from_logits(logits, SamplingParams(temperature=1.0)))
+    assert q16.dtype == np.float16
+    np.testing.assert_array_equal(q, sampling.dequantize_q(q16))   # the server rebuilds the same q
+    for _ in range(500):
+        assert q[0, sampling.sample(q[0], rng)] > 0

@@ -1,0 +1,142 @@
+"""The websocket server: bad input gets a clear error on its own connection; everyone else keeps going."""
+import urllib.request
+
+import msgpack
+import numpy as np
+import pytest
+from websockets.sync.client import connect
+
+from agent.decoder import EdgeDecoder
+from agent.link import ServerError, VerifierLink
+from server_bridge import wire
+
+pytestmark = pytest.mark.real
+
+
+@pytest.fixture(scope="module")
+def server(target):
+    from tests.conftest import ThreadedServer
+    from server_bridge.verifier import Verifier
+
+    with ThreadedServer(lambda cfg: Verifier(target, cfg), max_frame_bytes=256 * 1024) as s:
+        yield s
+
+
+def _hello(target, **over):
+    h = wire.Hello(token="", client="test", draft_vocab_hash=target.vocab_hash, vocab_size=target.vocab_size)
+    for k, v in over.items():
+        setattr(h, k, v)
+    return wire.encode(h)
+
+
+def _raw(server, target):
+    ws = connect(server.url, max_size=None, legacy=True)    # held across many calls; closed by the test
+    ws.send(_hello(target))
+    assert wire.decode(ws.recv(timeout=10)).TYPE == "welcome"
+    return ws
+
+
+def _error(ws) -> wire.Error:
+    msg = wire.decode(ws.recv(timeout=30))
+    assert isinstance(msg, wire.Error), msg
+    assert msg.message                              # a sentence for the robot's log, not just a code
+    return msg
+
+
+def _open(ws, sid, ids):
+    ws.send(wire.encode(wire.Open(sid, ids, {"temperature": 0.0, "top_k": 0, "seed": 0})))
+    return wire.decode(ws.recv(timeout=30))
+
+
+def test_bad_input_gets_errors_and_another_session_keeps_generating(server, target, drafter):
+    ids = drafter.tokenize("Walk to the door and stop.", chat=True)
+    good = EdgeDecoder(drafter, server.url)
+    reference = good.generate(ids, mode="sd", max_tokens=12).token_ids      # a session that must not notice
+
+    bad = _raw(server, target)
+    cases = [
+        (b"\x93\x01garbage\xc1", "bad_frame"),
+        (msgpack.packb({"type": "verify", "v": 1, "sid": "x", "round": "one"}), "bad_field"),
+        (msgpack.packb({"type": "open", "v": 1, "sid": "x", "prompt_ids": [1, 2], "sampling": {}}), "bad_field"),
+        (b"\x00" * (300 * 1024), "too_large"),
+        (wire.encode(wire.Verify("nobody", 0, 3, [1, 2], {"kind": "none"})), "unknown_session"),
+        (wire.encode(wire.Open("big", [target.vocab_size + 5], {"temperature": 0.0})), "bad_field"),
+    ]
+    for frame, code in cases:
+        bad.send(frame)
+        assert _error(bad).code == code
+        # after every bad frame the good robot still gets the exact answer
+    assert good.generate(ids, mode="sd", max_tokens=12).token_ids == reference
+
+    # the bad connection itself still works for well-formed requests
+    assert _open(bad, "fine", ids).TYPE == "opened"
+    bad.send(wire.encode(wire.Verify("fine", 0, len(ids) + 9, [1], {"kind": "none"})))
+    assert _error(bad).code == "desync"
+    q = np.zeros((1, target.vocab_size), np.float16)
+    q[0, 0] = np.nan
+    _open(bad, "hot", ids)
+    bad.send(wire.encode(wire.Open("hot", ids, {"temperature": 1.0, "top_k": 0, "seed": 0})))
+    wire.decode(bad.recv(timeout=30))
+    bad.send(wire.encode(wire.Verify("hot", 0, len(ids), [5], {"kind": "full", "probs": q})))
+    assert _error(bad).code == "bad_probs"
+    bad.send(wire.encode(wire.Verify("hot", 0, len(ids), [5], {"kind": "none"})))
+    assert _error(bad).code == "bad_field"                     # sampling needs q
+    bad.close()
+    assert good.generate(ids, mode="ar", max_tokens=12).token_ids == reference
+    good.close()
+
+
+def test_vocabulary_mismatch_is_refused_at_the_handshake(server, target):
+    link = VerifierLink(server.url, vocab_hash="f" * 64, vocab_size=target.vocab_size)
+    with pytest.raises(ServerError) as e:
+        link.connect()
+    assert e.value.code == "vocab_mismatch" and "identical tokenizers" in e.value.message
+    link = VerifierLink(server.url, vocab_hash=target.vocab_hash, vocab_size=32000)
+    with pytest.raises(ServerError) as e:
+        link.connect()
+    assert e.value.code == "vocab_mismatch"
+
+
+def test_first_message_must_be_hello(server, target):
+    with connect(server.url) as ws:
+        ws.send(wire.encode(wire.Open.make_dummy()))
+        assert _error(ws).code == "not_authenticated"
+
+
+def test_token_is_checked(make_server, target):
+    s = make_server(token="s3cret")
+    for token, ok in (("wrong", False), ("", False), ("s3cret", True)):
+        link = VerifierLink(s.url, token=token, vocab_hash=target.vocab_hash, vocab_size=target.vocab_size)
+        if ok:
+            assert link.connect().target == target.name
+        else:
+            with pytest.raises(ServerError) as e:
+                link.connect()
+            assert e.value.code == "bad_token"
+        link.close()
+
+
+def test_healthz_and_metrics(server, target, drafter):
+    assert urllib.request.urlopen(f"http://127.0.0.1:{server.port}/healthz", timeout=5).read() == b"ok\n"
+    dec = EdgeDecoder(drafter, server.url)
+    dec.generate(drafter.tokenize("Say hi."), mode="sd", max_tokens=6)
+    dec.close()
+    text = urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=5).read().decode()
+    values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line and line[0] != "#"}
+    assert values["bridge_rounds_total"] >= 1
+    assert values["bridge_committed_tokens_total"] >= 6
+    assert 0 <= values["bridge_acceptance_rate"] <= 1
+    assert "# TYPE bridge_rounds_total counter" in text
+
+
+def test_reopen_keeps_the_kv_of_the_shared_prefix(server, target, drafter):
+    """A re-open with a longer committed prefix forwards only the new tokens."""
+    ids = drafter.tokenize("Turn right and walk forward.", chat=True)
+    ws = _raw(server, target)
+    first = _open(ws, "re", ids)
+    assert first.timing["passes"] == 1                     # prefill
+    again = _open(ws, "re", ids + [260, 9902])
+    assert again.timing["passes"] == 0 and again.n_committed == len(ids) + 2
+    ws.send(wire.encode(wire.Verify("re", 0, len(ids) + 2, [], {"kind": "none"})))
+    assert wire.decode(ws.recv(timeout=30)).n_committed == len(ids) + 3
+    ws.close()

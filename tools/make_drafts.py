@@ -1,0 +1,52 @@
+"""Build the weaker draft(s) from the shipped Q4_1 GGUF, so benchmarks report a realistic pair too.
+
+  smollm2-q2_k: llama.cpp's quantizer re-quantizes Q4_1 -> Q2_K (allow_requantize).
+    A lower-precision draft of the same model; ~74 % greedy agreement with the f32 target
+    was measured when this project started (re-measure with tools/bench.py).
+
+Runs in seconds; `make setup` calls it. Nothing is downloaded.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import sys
+import time
+
+from server_bridge import modelfiles
+
+
+def requantize(src: str, dst: str, ftype_name: str = "LLAMA_FTYPE_MOSTLY_Q2_K") -> None:
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, ftype_name)
+    params.allow_requantize = True
+    params.nthread = os.cpu_count() or 1
+    tmp = dst + ".tmp"
+    rc = llama_cpp.llama_model_quantize(src.encode(), tmp.encode(), ctypes.byref(params))
+    if rc != 0:
+        raise RuntimeError(f"llama_model_quantize returned {rc} for {src} -> {dst}")
+    os.replace(tmp, dst)                 # atomic: a half-written draft never looks built
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--force", action="store_true", help="rebuild even if the file exists")
+    args = ap.parse_args(argv)
+    src = modelfiles.shipped_gguf()
+    out = modelfiles.build_dir() / modelfiles.DRAFTS["smollm2-q2_k"]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if out.exists() and not args.force:
+        print(f"smollm2-q2_k: {out} exists")
+        return 0
+    t0 = time.perf_counter()
+    requantize(str(src), str(out))
+    print(f"smollm2-q2_k: {src.name} -> {out} ({out.stat().st_size / 2**20:.1f} MiB) in "
+          f"{time.perf_counter() - t0:.1f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
