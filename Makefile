@@ -5,9 +5,18 @@ VENV := .venv
 BIN := $(VENV)/bin
 # llama-cpp-python ships as source only; it is built once per machine (~5 min) into this wheelhouse
 # and reused by every later setup, including CI's fresh clones.
-WHEELHOUSE ?= $(HOME)/.cache/edgespec/wheels
 LLAMA_CPP_VERSION := 0.3.36
+# x86-64: a portable AVX2 build. -march=native also compiles llama.cpp's AMX path, which crashes on
+# multi-token batches on this machine's CPU, and a native wheel breaks on a machine with another CPU.
+# Elsewhere (a Jetson): native; add -DGGML_CUDA=on there for the Orin's GPU.
+ifeq ($(shell uname -m),x86_64)
+LLAMA_FLAVOUR ?= avx2
+LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
+else
+LLAMA_FLAVOUR ?= native
 LLAMA_CMAKE_ARGS ?=
+endif
+WHEELHOUSE ?= $(HOME)/.cache/edgespec/wheels/llama-cpp-python-$(LLAMA_CPP_VERSION)-$(LLAMA_FLAVOUR)
 
 .PHONY: setup demo test test-fast bench clean
 
@@ -19,7 +28,7 @@ $(VENV)/.installed: setup.py Makefile
 	@if ! ls $(WHEELHOUSE)/llama_cpp_python-$(LLAMA_CPP_VERSION)-*.whl >/dev/null 2>&1; then \
 	  echo "building llama-cpp-python $(LLAMA_CPP_VERSION) from source once (~5 min) into $(WHEELHOUSE)"; \
 	  mkdir -p $(WHEELHOUSE) && CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
-	    $(BIN)/pip wheel --no-deps -w $(WHEELHOUSE) llama-cpp-python==$(LLAMA_CPP_VERSION); \
+	    $(BIN)/pip wheel --no-deps --no-cache-dir -w $(WHEELHOUSE) llama-cpp-python==$(LLAMA_CPP_VERSION); \
 	fi
 	# torch first and pinned: the CPU build of 2.13.0 on disk, never a CUDA download
 	$(BIN)/pip install --find-links $(WHEELHOUSE) torch==2.13.0 -e '.[agent,server,dev]'
