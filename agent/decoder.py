@@ -42,7 +42,8 @@ class Metrics:
     drafted: int = 0
     accepted: int = 0
     wasted_draft_tokens: int = 0            # drafted tokens the server rejected
-    reconnects: int = 0
+    reconnects: int = 0                     # new connections after a lost link
+    reopens: int = 0                        # sessions re-opened after the server lost them (evicted)
     prefill_ms: float = 0.0
 
 
@@ -141,7 +142,8 @@ class EdgeDecoder:
         try:
             while True:
                 out = committed[n_prompt:]
-                stop = next((i for i, t in enumerate(out) if t in self.stop_ids()), None)
+                stops = self.stop_ids()
+                stop = next((i for i, t in enumerate(out) if t in stops), None)
                 if stop is not None:            # SD can commit tokens past a stop id in one round
                     return out[:stop + 1]
                 if len(out) >= max_tokens:
@@ -175,6 +177,7 @@ class EdgeDecoder:
                     log.info("server lost our session (%s); re-opening with %d committed tokens", e.code,
                              len(committed))
                     is_open = False
+                    m.reopens += 1
         finally:
             if self.link is not None and is_open:
                 try:
@@ -209,7 +212,8 @@ class EdgeDecoder:
         m.target_forward_passes += reply.timing.get("passes", 0)
 
     def _sd_round(self, sid, committed, remaining, params, gamma, rng, m) -> None:
-        k = min(gamma, remaining - 1)               # a round commits at most k + 1 tokens
+        limit = self.link.welcome.limits["max_draft_len"]
+        k = min(gamma, remaining - 1, limit)         # a round commits at most k + 1 tokens
         draft = self.drafter.propose(committed, k, params, rng)
         m.draft_ms += draft.ms
         q = {"kind": "none"} if draft.q is None else {"kind": "full", "probs": draft.q}

@@ -94,6 +94,7 @@ class BridgeServer:
             return connection.respond(HTTPStatus.OK, "ok\n")
         if request.path == "/metrics":
             resp = connection.respond(HTTPStatus.OK, self.metrics.render(self.sessions, self._connections))
+            del resp.headers["Content-Type"]              # Headers is a multidict: replace, not append
             resp.headers["Content-Type"] = "text/plain; version=0.0.4; charset=utf-8"
             return resp
         return None                                  # everything else is a websocket upgrade
@@ -152,6 +153,7 @@ class BridgeServer:
 
     async def _dispatch(self, ws: ServerConnection, conn_id: int, msg: wire.Message) -> None:
         if isinstance(msg, wire.Open):
+            self.sessions.check_room(msg.sid, conn_id)
             previous = self.sessions.peek(msg.sid)
             session, ms = await self._in_model_thread(self.verifier.open, msg, conn_id, previous)
             self.sessions.put(session)

@@ -55,13 +55,17 @@ class SessionTable:
         self._sessions.move_to_end(sid)
         return s
 
+    def check_room(self, sid: str, conn_id: int) -> None:
+        """Raise before any model work if conn_id may not hold one more session."""
+        owned = sum(1 for s in self._sessions.values() if s.conn_id == conn_id and s.sid != sid)
+        if owned >= self.max_per_connection:
+            raise WireError("too_many_sessions", f"a connection may hold at most {self.max_per_connection} "
+                            "sessions; close one first", sid)
+
     def put(self, session: Session) -> list[str]:
         """Insert (or replace) a session; returns the sids evicted to make room."""
+        self.check_room(session.sid, session.conn_id)
         self._sessions.pop(session.sid, None)
-        owned = [s for s in self._sessions.values() if s.conn_id == session.conn_id]
-        if len(owned) >= self.max_per_connection:
-            raise WireError("too_many_sessions", f"a connection may hold at most {self.max_per_connection} "
-                            "sessions; close one first", session.sid)
         evicted = []
         while len(self._sessions) >= self.max_sessions:
             sid, _ = self._sessions.popitem(last=False)

@@ -65,7 +65,8 @@ class Verifier:
         if len(state.ids) + k + 1 > self.config.max_context:
             raise WireError("context_full", f"session reached max_context {self.config.max_context}", msg.sid)
         self._check_ids(msg.draft_ids, "draft_ids", msg.sid)
-        q = None if session.params.greedy else self._draft_q(msg)
+        # q is needed only for drafted tokens: an empty draft (the last token of a generation) has none
+        q = None if session.params.greedy or not k else self._draft_q(msg)
 
         t0 = time.perf_counter()
         logits = self.target.score(state, msg.draft_ids)              # [k + 1, vocab]
@@ -74,6 +75,7 @@ class Verifier:
                 verdict = sampling.verify_greedy(np.asarray(msg.draft_ids), logits.argmax(axis=-1))
             else:
                 p = sampling.probs_from_logits(logits, session.params)    # [k + 1, vocab]
+                q = np.zeros((0, p.shape[1])) if q is None else q         # [k, vocab]
                 verdict = sampling.verify_sampled(np.asarray(msg.draft_ids), q, p, session.rng)
         except sampling.SamplingError as e:
             self.target.rewind(state, state.ids)                      # drop the draft from the cache

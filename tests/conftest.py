@@ -29,6 +29,7 @@ class ThreadedServer:
         asyncio.run_coroutine_threadsafe(self.server.stop(), self.loop).result(30)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
+        self.loop.close()
 
     @property
     def port(self) -> int:

@@ -1,5 +1,7 @@
 """End to end on the real models, over a real websocket on port 0, through the delaying proxy."""
+import asyncio
 import threading
+import time
 
 import pytest
 import torch
@@ -91,6 +93,32 @@ def test_dropped_connection_loses_nothing(drafter, server_and_proxy, ar_referenc
         assert proxy.stats()["disconnects_injected"] >= 1
     assert gen.metrics.reconnects >= 1
     assert gen.token_ids == ar_reference[0]                 # nothing lost, nothing duplicated
+
+
+def test_evicted_session_is_reopened_and_loses_nothing(drafter, server_and_proxy, ar_reference, monkeypatch):
+    """The server drops the session between two rounds; the robot re-opens with its committed prefix."""
+    server, proxy = server_and_proxy
+    real_propose = drafter.propose
+    calls = []
+
+    async def evict_everything():
+        return server.server.sessions.evict_idle(now=time.monotonic() + 1e9)
+
+    def propose(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            assert asyncio.run_coroutine_threadsafe(evict_everything(), server.loop).result(10)
+        return real_propose(*args, **kwargs)
+
+    monkeypatch.setattr(drafter, "propose", propose)
+    dec = EdgeDecoder(drafter, proxy.url())
+    try:
+        prompt, chat = PROMPTS[0]
+        gen = dec.generate(drafter.tokenize(prompt, chat=chat), mode="sd", gamma=3, max_tokens=MAX_TOKENS)
+    finally:
+        dec.close()
+    assert gen.metrics.reopens == 1 and gen.metrics.reconnects == 0
+    assert gen.token_ids == ar_reference[0]
 
 
 def test_sampling_is_reproducible_under_a_seed(drafter, server_and_proxy):

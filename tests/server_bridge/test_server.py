@@ -121,7 +121,9 @@ def test_healthz_and_metrics(server, target, drafter):
     dec = EdgeDecoder(drafter, server.url)
     dec.generate(drafter.tokenize("Say hi."), mode="sd", max_tokens=6)
     dec.close()
-    text = urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=5).read().decode()
+    resp = urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=5)
+    assert resp.headers.get_all("Content-Type") == ["text/plain; version=0.0.4; charset=utf-8"]
+    text = resp.read().decode()
     values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line and line[0] != "#"}
     assert values["bridge_rounds_total"] >= 1
     assert values["bridge_committed_tokens_total"] >= 6
