@@ -172,7 +172,8 @@ class EdgeDecoder:
                     m.reconnects += 1
                     time.sleep(delay)
                 except ServerError as e:
-                    if not e.recoverable:
+                    failures += 1
+                    if not e.recoverable or failures > self.reconnect.max_attempts:
                         raise
                     log.info("server lost our session (%s); re-opening with %d committed tokens", e.code,
                              len(committed))
@@ -240,8 +241,8 @@ class EdgeDecoder:
         verify_ms = 0.0
         self.link.send(wire.Ar(sid, remaining, sorted(self.stop_ids())))
         while True:
-            reply = self.link.recv()
-            if not isinstance(reply, wire.Token) or reply.sid != sid:
+            reply = self.link.recv(sid=sid)
+            if not isinstance(reply, wire.Token):
                 raise LinkLost(f"unexpected message in the ar stream: {reply}")
             committed.append(reply.token)
             m.rounds += 1

@@ -55,6 +55,7 @@ class VerifierLink:
         self.welcome: wire.Welcome | None = None
         self.bytes_up = 0
         self.bytes_down = 0
+        self.stale = 0                          # late messages for sessions no longer current
 
     def connect(self) -> wire.Welcome:
         """Open the connection and do the handshake; raises LinkLost or ServerError (e.g. vocab_mismatch)."""
@@ -86,30 +87,43 @@ class VerifierLink:
             raise LinkLost(f"send failed: {e}") from None
         self.bytes_up += len(frame)
 
-    def recv(self, timeout_s: float | None = None) -> wire.Message:
-        """Next message; an `error` message is raised as ServerError."""
+    def recv(self, sid: str | None = None, timeout_s: float | None = None) -> wire.Message:
+        """Next message (for session `sid`, if given); an `error` message is raised as ServerError.
+
+        Messages about another session are late answers for a generation that
+        already ended (a `close` racing an eviction, say): they are counted in
+        `stale` and skipped, never taken as the reply to the current request.
+        """
         if self.ws is None:
             raise LinkLost("not connected")
-        try:
-            frame = self.ws.recv(timeout=self.recv_timeout_s if timeout_s is None else timeout_s)
-        except TimeoutError:
-            raise LinkLost(f"no answer from the verifier in {self.recv_timeout_s:.1f}s") from None
-        except (ConnectionClosed, OSError) as e:
-            raise LinkLost(f"connection lost: {e}") from None
-        self.bytes_down += len(frame)
-        try:
-            msg = wire.decode(frame, max_bytes=2 * wire.DEFAULT_MAX_FRAME_BYTES)
-        except wire.WireError as e:
-            raise LinkLost(f"undecodable message from the verifier: {e}") from None
-        if isinstance(msg, wire.Error):
-            raise ServerError(msg.code, msg.message, msg.sid)
-        return msg
+        timeout = self.recv_timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                frame = self.ws.recv(timeout=max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                raise LinkLost(f"no answer from the verifier in {timeout:.1f}s") from None
+            except (ConnectionClosed, OSError) as e:
+                raise LinkLost(f"connection lost: {e}") from None
+            self.bytes_down += len(frame)
+            try:
+                msg = wire.decode(frame, max_bytes=2 * wire.DEFAULT_MAX_FRAME_BYTES)
+            except wire.WireError as e:
+                raise LinkLost(f"undecodable message from the verifier: {e}") from None
+            msg_sid = getattr(msg, "sid", None)
+            if sid is not None and msg_sid is not None and msg_sid != sid:
+                self.stale += 1
+                log.debug("skipping a late %s for session %s", msg.TYPE, msg_sid)
+                continue
+            if isinstance(msg, wire.Error):
+                raise ServerError(msg.code, msg.message, msg.sid)
+            return msg
 
     def request(self, msg: wire.Message) -> tuple[wire.Message, float]:
-        """Send and wait for the reply; returns it with the round-trip time in ms."""
+        """Send and wait for the reply to it; returns the reply with the round-trip time in ms."""
         t0 = time.perf_counter()
         self.send(msg)
-        reply = self.recv()
+        reply = self.recv(sid=getattr(msg, "sid", None))
         return reply, (time.perf_counter() - t0) * 1e3
 
     def close(self) -> None:

@@ -170,7 +170,7 @@ class BridgeServer:
         elif isinstance(msg, wire.Ar):
             await self._stream_ar(ws, conn_id, msg)
         elif isinstance(msg, wire.Close):
-            self.sessions.close(msg.sid, conn_id)
+            self.sessions.discard(msg.sid, conn_id)       # idempotent: closing a gone session is fine
         else:
             raise wire.WireError("bad_type", f"{msg.TYPE} is not a request a robot may send")
 

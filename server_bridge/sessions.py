@@ -74,9 +74,13 @@ class SessionTable:
         self._count_evictions(evicted, "table full")
         return evicted
 
-    def close(self, sid: str, conn_id: int) -> None:
-        self.get(sid, conn_id)
+    def discard(self, sid: str, conn_id: int) -> bool:
+        """Remove the session if this connection owns it; False when it was already gone."""
+        s = self._sessions.get(sid)
+        if s is None or s.conn_id != conn_id:
+            return False
         del self._sessions[sid]
+        return True
 
     def evict_idle(self, now: float | None = None) -> list[str]:
         now = time.monotonic() if now is None else now

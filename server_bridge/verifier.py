@@ -25,7 +25,7 @@ class Verifier:
 
     def open(self, msg: Open, conn_id: int, previous: Session | None) -> tuple[Session, float]:
         """A new session, or a re-opened one that keeps the KV of the prefix it shares with the old one."""
-        self._check_ids(msg.prompt_ids, "prompt_ids")
+        self._check_ids(msg.prompt_ids, "prompt_ids", msg.sid)
         if len(msg.prompt_ids) >= self.config.max_context:
             raise WireError("context_full", f"prompt of {len(msg.prompt_ids)} tokens leaves no room in the "
                             f"context of {self.config.max_context}", msg.sid)

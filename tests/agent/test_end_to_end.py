@@ -54,7 +54,7 @@ def test_sd_equals_ar_at_temperature_zero(drafter, server_and_proxy, ar_referenc
     _, proxy = server_and_proxy
     dec = EdgeDecoder(drafter, proxy.url())
     try:
-        for (prompt, chat), expected in zip(PROMPTS, ar_reference):
+        for (prompt, chat), expected in zip(PROMPTS, ar_reference, strict=True):
             gen = dec.generate(drafter.tokenize(prompt, chat=chat), mode="sd", gamma=gamma, max_tokens=MAX_TOKENS)
             assert gen.token_ids == expected, f"SD(gamma={gamma}) diverged from AR on {prompt!r}"
             m = gen.metrics

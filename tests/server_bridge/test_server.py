@@ -142,3 +142,18 @@ def test_reopen_keeps_the_kv_of_the_shared_prefix(server, target, drafter):
     ws.send(wire.encode(wire.Verify("re", 0, len(ids) + 2, [], {"kind": "none"})))
     assert wire.decode(ws.recv(timeout=30)).n_committed == len(ids) + 3
     ws.close()
+
+
+def test_a_late_error_for_another_session_is_not_taken_as_the_reply(server, target, drafter):
+    link = VerifierLink(server.url, vocab_hash=target.vocab_hash, vocab_size=target.vocab_size)
+    link.connect()
+    link.send(wire.Verify("finished", 0, 3, [1], {"kind": "none"}))     # answered by error{unknown_session}
+    ids = drafter.tokenize("Stop.")
+    reply, _ = link.request(wire.Open("current", ids, {"temperature": 0.0, "top_k": 0, "seed": 0}))
+    assert isinstance(reply, wire.Opened) and reply.sid == "current"
+    assert link.stale == 1
+    link.send(wire.Close("current"))
+    link.send(wire.Close("current"))                                    # closing twice draws no error
+    reply, _ = link.request(wire.Open("next", ids, {"temperature": 0.0, "top_k": 0, "seed": 0}))
+    assert reply.sid == "next" and link.stale == 1
+    link.close()

@@ -303,7 +303,7 @@ class _Connection:
                 await _wait_closed(writer)
 
     def _task_name(self, step: Callable[[], Any]) -> str:
-        return f"netem-{self.cid}-{getattr(step, '__self__').direction}-{step.__name__}"
+        return f"netem-{self.cid}-{step.__self__.direction}-{step.__name__}"
 
     async def _guard(self, step: Callable[[], Any]) -> None:
         """Any socket error on either side tears down both sides."""

@@ -1,0 +1,35 @@
+"""`edge-agent generate --json`: the last stdout line is one JSON object with the documented names."""
+import json
+
+import pytest
+
+from agent import cli
+
+pytestmark = pytest.mark.real
+
+METRICS = {"tau", "acceptance_rate", "rounds", "target_forward_passes", "draft_ms", "verify_ms", "network_ms",
+           "wall_s", "tokens_per_s", "bytes_up", "bytes_down"}
+
+
+def _run(capsys, *args):
+    rc = cli.main(["generate", "--threads", "1", "--max-tokens", "8", "--json", *args])
+    out = capsys.readouterr().out.strip().splitlines()
+    return rc, json.loads(out[-1])
+
+
+def test_json_output_for_each_mode(make_server, capsys):
+    server = make_server()
+    prompt = ["--prompt", "Walk forward and stop.", "--chat"]
+    rc, sd = _run(capsys, "--verifier", server.url, "--mode", "sd", "--gamma", "3", *prompt)
+    assert rc == 0 and sd["mode"] == "sd" and METRICS <= set(sd["metrics"])
+    rc, ar = _run(capsys, "--verifier", server.url, "--mode", "ar", *prompt)
+    assert rc == 0 and ar["token_ids"] == sd["token_ids"] and ar["text"] == sd["text"]
+    assert ar["metrics"]["acceptance_rate"] is None and ar["metrics"]["tau"] == 1.0
+    rc, local = _run(capsys, "--local", *prompt)
+    assert rc == 0 and local["mode"] == "local" and local["metrics"]["bytes_up"] == 0
+
+
+def test_unreachable_verifier_is_a_clear_error(capsys):
+    rc = cli.main(["generate", "--verifier", "ws://127.0.0.1:9", "--prompt", "hi", "--threads", "1"])
+    assert rc == 3
+    assert "cannot reach verifier" in capsys.readouterr().err
