@@ -118,10 +118,15 @@ def _cached_conversion(gguf: Path) -> Path:
     if (out / "config.json").exists() and (out / "model.safetensors").exists():
         return out
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
-    log.info("converting %s to float32 (first start only, ~40 s) -> %s", gguf, out)
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    log.info("converting %s to float32 (first start only, ~1 min) -> %s", gguf, out)
+    hf_logging.enable_progress_bar()                # the one slow step: show its progress
+    try:
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    finally:
+        hf_logging.disable_progress_bar()
     # The weights are plain float32 now; transformers still marks the model as
     # "gguf-quantized" and refuses to save it, so drop the marker first.
     model.hf_quantizer = None
