@@ -1,0 +1,72 @@
+"""Early-exit adapters: cheap candidate scoring, save/load, and the shipped adapters beat the logit lens."""
+import pytest
+import torch
+
+from server_bridge import modelfiles
+from server_bridge.exits import ExitConfig, ExitHeads
+
+pytestmark = pytest.mark.real
+
+SHIPPED = modelfiles.models_dir() / "exits" / "smollm2-f32"
+
+
+@pytest.fixture(scope="module")
+def shipped():
+    return ExitHeads.load(SHIPPED)
+
+
+def _greedy_hidden(target, layers, texts, new_tokens=32):
+    """The target's own greedy continuation of each text; hidden states at the exits, final argmax."""
+    hidden, argmax = {l: [] for l in layers}, []
+    with torch.inference_mode():
+        for text in texts:
+            ids = target.tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                                       add_generation_prompt=True)
+            x = torch.tensor([target.tokenizer.encode(ids, add_special_tokens=False)])
+            seq = target.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new_tokens,
+                                        do_sample=False, pad_token_id=target.tokenizer.eos_token_id)
+            o = target.model(seq, output_hidden_states=True)
+            rows = slice(x.shape[1] - 1, seq.shape[1] - 1)
+            for l in layers:
+                hidden[l].append(o.hidden_states[l][0, rows])
+            argmax.append(o.logits[0, rows].argmax(-1))
+    return {l: torch.cat(h) for l, h in hidden.items()}, torch.cat(argmax)
+
+
+def test_candidate_scoring_equals_the_full_head(shipped, target):
+    h = torch.randn(5, target.model.config.hidden_size)
+    cand = torch.randint(0, target.vocab_size, (5, 16))
+    with torch.inference_mode():
+        full = shipped.logits(target.model, shipped.layers[-1], h)                 # [5, vocab]
+        part = shipped.logits(target.model, shipped.layers[-1], h, cand)           # [5, 16]
+    torch.testing.assert_close(part, full.gather(1, cand), rtol=1e-4, atol=1e-4)
+
+
+def test_save_load_and_subsets(shipped, tmp_path):
+    shipped.save(tmp_path / "x")
+    again = ExitHeads.load(tmp_path / "x")
+    assert again.layers == shipped.layers and again.config.info == shipped.config.info
+    for k, v in shipped.state_dict().items():
+        torch.testing.assert_close(again.state_dict()[k], v)
+    sub = ExitHeads.load(tmp_path / "x", layers=shipped.layers[-2:])
+    assert sub.layers == shipped.layers[-2:]
+    torch.testing.assert_close(sub.adapters[str(sub.layers[0])].up.weight,
+                               shipped.adapters[str(sub.layers[0])].up.weight)
+    with pytest.raises(ValueError, match="no trained exit"):
+        ExitHeads.load(tmp_path / "x", layers=[3])
+    with pytest.raises(ValueError):
+        ExitConfig(layers=[12, 6], hidden=576)
+
+
+def test_shipped_adapters_agree_with_the_final_layer_more_than_the_logit_lens(shipped, target):
+    """Held-out prompts (not in the training set): trained exits beat the same exits with zero adapters."""
+    texts = ["Walk to the window and describe what a robot might see there.",
+             "Write a haiku about a rainy street.", "Why is the sky blue? Answer in two sentences."]
+    hidden, final = _greedy_hidden(target, shipped.layers, texts)
+    lens = ExitHeads(ExitConfig(shipped.layers, shipped.config.hidden, shipped.config.rank))
+    hits = {"trained": 0, "lens": 0}
+    with torch.inference_mode():
+        for l in shipped.layers:
+            hits["trained"] += (shipped.logits(target.model, l, hidden[l]).argmax(-1) == final).sum().item()
+            hits["lens"] += (lens.logits(target.model, l, hidden[l]).argmax(-1) == final).sum().item()
+    assert hits["trained"] > hits["lens"] + 0.05 * len(final) * len(shipped.layers), hits
