@@ -18,7 +18,7 @@ setup(
         "agent": ["llama-cpp-python==0.3.36", "jinja2"],
         # The verifier. torch is pinned to the CPU build on this machine's disk; on a GPU server install
         # the CUDA build of the same version first.
-        "server": ["torch==2.13.0", "transformers>=5.0,<6", "gguf>=0.10", "accelerate>=1.0"],
+        "server": ["torch==2.13.0", "transformers>=5.0,<6", "gguf>=0.10", "accelerate>=1.0", "safetensors", "tqdm"],
         "dev": ["pytest>=8", "pytest-timeout", "scipy", "matplotlib"],
     },
     entry_points={"console_scripts": [

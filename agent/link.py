@@ -71,7 +71,13 @@ class VerifierLink:
             raise ValueError(f"bad verifier URL {self.url!r}: {e}") from None
         self.send(wire.Hello(token=self.token, client=self.client, draft_vocab_hash=self.vocab_hash,
                              vocab_size=self.vocab_size))
-        reply = self.recv()
+        try:
+            reply = self.recv()
+        except ServerError as e:
+            if e.code != "busy":
+                raise
+            self.close()                        # a full server is transient: back off and retry
+            raise LinkLost(f"verifier busy: {e.message}") from None
         if not isinstance(reply, wire.Welcome):
             raise LinkLost(f"expected welcome, got {reply.TYPE}")
         self.welcome = reply

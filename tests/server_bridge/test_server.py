@@ -7,7 +7,7 @@ import pytest
 from websockets.sync.client import connect
 
 from agent.decoder import EdgeDecoder
-from agent.link import ServerError, VerifierLink
+from agent.link import LinkLost, ServerError, VerifierLink
 from server_bridge import wire
 
 pytestmark = pytest.mark.real
@@ -61,6 +61,7 @@ def test_bad_input_gets_errors_and_another_session_keeps_generating(server, targ
         (b"\x00" * (300 * 1024), "too_large"),
         (wire.encode(wire.Verify("nobody", 0, 3, [1, 2], {"kind": "none"})), "unknown_session"),
         (wire.encode(wire.Open("big", [target.vocab_size + 5], {"temperature": 0.0})), "bad_field"),
+        (wire.encode(wire.Open("long", [5] * 2048, {"temperature": 0.0})), "context_full"),
     ]
     for frame, code in cases:
         bad.send(frame)
@@ -157,3 +158,18 @@ def test_a_late_error_for_another_session_is_not_taken_as_the_reply(server, targ
     reply, _ = link.request(wire.Open("next", ids, {"temperature": 0.0, "top_k": 0, "seed": 0}))
     assert reply.sid == "next" and link.stale == 1
     link.close()
+
+
+def test_connection_limit_and_draft_length_limit(make_server, target, drafter):
+    s = make_server(max_connections=1, max_draft_len=2)
+    first = VerifierLink(s.url, vocab_hash=target.vocab_hash, vocab_size=target.vocab_size)
+    first.connect()
+    second = VerifierLink(s.url, vocab_hash=target.vocab_hash, vocab_size=target.vocab_size)
+    with pytest.raises(LinkLost, match="busy"):        # transient: the decoder backs off and retries
+        second.connect()
+    first.close()
+    # the robot clamps its draft to the server's advertised max_draft_len instead of failing
+    dec = EdgeDecoder(drafter, s.url)
+    gen = dec.generate(drafter.tokenize("Turn left."), mode="sd", gamma=6, max_tokens=8)
+    dec.close()
+    assert gen.metrics.drafted <= 2 * gen.metrics.rounds and len(gen.token_ids) >= 1
