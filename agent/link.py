@@ -9,7 +9,7 @@ import contextlib
 import logging
 import time
 
-from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
+from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
 from websockets.sync.client import connect
 
 from server_bridge import wire
@@ -65,19 +65,20 @@ class VerifierLink:
                 self.url, open_timeout=self.open_timeout_s, max_size=2 * wire.DEFAULT_MAX_FRAME_BYTES,
                 ping_interval=self.keepalive_s, ping_timeout=self.keepalive_s, close_timeout=1.0,
                 compression=None))
+        except InvalidStatus as e:
+            status = e.response.status_code
+            body = e.response.body.decode("utf-8", "replace").strip() if e.response.body else ""
+            if status == 403:                   # not for us: retrying will not help
+                raise ServerError("forbidden", body or "HTTP 403") from None
+            # 503 (full) and anything else: transient, the decoder backs off and retries
+            raise LinkLost(f"verifier at {self.url} refused the connection: HTTP {status} {body}") from None
         except (OSError, InvalidHandshake, TimeoutError) as e:
             raise LinkLost(f"cannot reach verifier at {self.url}: {e}") from None
         except InvalidURI as e:
             raise ValueError(f"bad verifier URL {self.url!r}: {e}") from None
         self.send(wire.Hello(token=self.token, client=self.client, draft_vocab_hash=self.vocab_hash,
                              vocab_size=self.vocab_size))
-        try:
-            reply = self.recv()
-        except ServerError as e:
-            if e.code != "busy":
-                raise
-            self.close()                        # a full server is transient: back off and retry
-            raise LinkLost(f"verifier busy: {e.message}") from None
+        reply = self.recv()
         if not isinstance(reply, wire.Welcome):
             raise LinkLost(f"expected welcome, got {reply.TYPE}")
         self.welcome = reply

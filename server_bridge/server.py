@@ -30,7 +30,7 @@ from .verifier import Verifier
 log = logging.getLogger(__name__)
 
 # Errors after which the connection is closed: the peer is not someone we verify for.
-FATAL = {"bad_token", "forbidden", "vocab_mismatch", "bad_version", "not_authenticated"}
+FATAL = {"bad_token", "vocab_mismatch", "bad_version", "not_authenticated"}
 
 
 def is_loopback(remote) -> bool:
@@ -90,6 +90,11 @@ class BridgeServer:
     # ------------------------------------------------------------------ plain HTTP
 
     def process_request(self, connection: ServerConnection, request):
+        # Refused before the websocket upgrade, so the robot sees why without a half-open session.
+        if not self.config.token and not is_loopback(connection.remote_address):
+            self.metrics.errors["forbidden"] += 1
+            return connection.respond(HTTPStatus.FORBIDDEN, "this verifier has no token configured and "
+                                      "accepts loopback clients only\n")
         if request.path == "/healthz":
             return connection.respond(HTTPStatus.OK, "ok\n")
         if request.path == "/metrics":
@@ -97,6 +102,9 @@ class BridgeServer:
             del resp.headers["Content-Type"]              # Headers is a multidict: replace, not append
             resp.headers["Content-Type"] = "text/plain; version=0.0.4; charset=utf-8"
             return resp
+        if self._connections >= self.config.max_connections:
+            self.metrics.errors["busy"] += 1
+            return connection.respond(HTTPStatus.SERVICE_UNAVAILABLE, "too many connections; retry later\n")
         return None                                  # everything else is a websocket upgrade
 
     # ------------------------------------------------------------------ websocket
@@ -106,13 +114,6 @@ class BridgeServer:
         self._connections += 1
         peer = ws.remote_address
         try:
-            if self._connections > self.config.max_connections:
-                await self._send(ws, wire.Error("busy", "too many connections; retry later"))
-                return
-            if not self.config.token and not is_loopback(peer):
-                await self._send(ws, wire.Error("forbidden", "this verifier has no token configured and "
-                                                "accepts loopback clients only"))
-                return
             authed = False
             async for frame in ws:
                 self.metrics.bytes_in += len(frame)

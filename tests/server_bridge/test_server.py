@@ -165,7 +165,7 @@ def test_connection_limit_and_draft_length_limit(make_server, target, drafter):
     first = VerifierLink(s.url, vocab_hash=target.vocab_hash, vocab_size=target.vocab_size)
     first.connect()
     second = VerifierLink(s.url, vocab_hash=target.vocab_hash, vocab_size=target.vocab_size)
-    with pytest.raises(LinkLost, match="busy"):        # transient: the decoder backs off and retries
+    with pytest.raises(LinkLost, match="503 too many connections"):   # transient: back off and retry
         second.connect()
     first.close()
     # the robot clamps its draft to the server's advertised max_draft_len instead of failing
@@ -173,3 +173,21 @@ def test_connection_limit_and_draft_length_limit(make_server, target, drafter):
     gen = dec.generate(drafter.tokenize("Turn left."), mode="sd", gamma=6, max_tokens=8)
     dec.close()
     assert gen.metrics.drafted <= 2 * gen.metrics.rounds and len(gen.token_ids) >= 1
+
+
+def test_without_a_token_only_loopback_peers_get_the_upgrade(server):
+    """The gate in process_request, driven with a stand-in for websockets' connection object."""
+    from http import HTTPStatus
+    from types import SimpleNamespace
+
+    class Peer:
+        def __init__(self, addr):
+            self.remote_address = addr
+
+        def respond(self, status, text):
+            return SimpleNamespace(status=status, text=text)
+
+    request = SimpleNamespace(path="/")
+    far = server.server.process_request(Peer(("10.1.2.3", 5555)), request)
+    assert far.status == HTTPStatus.FORBIDDEN and "loopback clients only" in far.text
+    assert server.server.process_request(Peer(("127.0.0.1", 5555)), request) is None   # upgrade goes on
