@@ -71,15 +71,18 @@ class TargetModel:
 
         state = TargetState(ids=list(prompt_ids), cache=DynamicCache(config=self.model.config))
         if len(prompt_ids) > 1:
-            self._forward(state, prompt_ids[:-1])
+            self._forward(state, prompt_ids[:-1], keep=1)       # only the KV is needed
             state.cached = len(prompt_ids) - 1
         return state
 
     @torch.inference_mode()
-    def _forward(self, state: TargetState, new_ids: list[int]) -> torch.Tensor:
-        """Append new_ids to the cache; returns float32 logits [len(new_ids), vocab]."""
+    def _forward(self, state: TargetState, new_ids: list[int], keep: int) -> torch.Tensor:
+        """Append new_ids to the cache; float32 logits [keep, vocab] for the last `keep` positions.
+
+        The LM head (49,152 x 576) is computed only for the rows used, not for a re-fed prefix.
+        """
         x = torch.tensor([new_ids], dtype=torch.long)
-        out = self.model(input_ids=x, past_key_values=state.cache, use_cache=True)
+        out = self.model(input_ids=x, past_key_values=state.cache, use_cache=True, logits_to_keep=keep)
         state.passes += 1
         return out.logits[0].float()
 
@@ -90,8 +93,7 @@ class TargetModel:
         The cache now covers ids + draft; call `commit` to crop the rejected part.
         """
         pending = state.ids[state.cached:]
-        logits = self._forward(state, pending + list(draft_ids))
-        return logits[len(pending) - 1:].numpy()
+        return self._forward(state, pending + list(draft_ids), keep=len(draft_ids) + 1).numpy()
 
     def rewind(self, state: TargetState, ids: list[int]) -> None:
         """Re-point a state at another committed prefix, keeping the KV of the part both share."""

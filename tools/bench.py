@@ -29,6 +29,7 @@ from agent.decoder import EdgeDecoder
 from agent.drafter import Drafter
 from tools.local_verifier import LocalVerifier, pin_cores
 from tools.netem import LinkProfile, NetemProxy
+from tools.plots import line_plot
 
 PROMPTS = Path(__file__).parent / "prompts" / "bench.jsonl"
 PAIRS = {"smollm2-q4_1": "near-identical (Q4_1 draft)", "smollm2-q2_k": "weaker (Q2_K requantized draft)"}
@@ -168,29 +169,15 @@ def render_markdown(table: list[dict], config: dict) -> str:
 
 
 def plot(table: list[dict], drafts: list[str], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    series = [("AR", lambda r: r["mode"] == "AR", "target only (cloud AR)")]
-    series += [(d, (lambda r, d=d: r["pair"].startswith(d)), f"SD, draft {d}") for d in drafts]
-    for _, pick, label in series:
-        rows = [r for r in table if pick(r)]
-        ax.plot([r["rtt_ms"] for r in rows], [r["tokens_per_s"] for r in rows], marker="o", label=label)
-        for r in rows:
-            if r["mode"] == "SD":
-                ax.annotate(f"tau {r['tau']:.1f}", (r["rtt_ms"], r["tokens_per_s"]), fontsize=7,
-                            textcoords="offset points", xytext=(4, 4))
-    ax.set_xlabel("round-trip time (ms)")
-    ax.set_ylabel("committed tokens / s")
-    ax.set_title(f"AR vs SD through the emulated link (target {TARGET}, CPU)")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    ar = [r for r in table if r["mode"] == "AR"]
+    series = [("target only (cloud AR)", [r["rtt_ms"] for r in ar], [r["tokens_per_s"] for r in ar])]
+    notes = []
+    for d in drafts:
+        rows = [r for r in table if r["pair"].startswith(d)]
+        series.append((f"SD, draft {d}", [r["rtt_ms"] for r in rows], [r["tokens_per_s"] for r in rows]))
+        notes += [(r["rtt_ms"], r["tokens_per_s"], f"tau {r['tau']:.1f}") for r in rows]
+    line_plot(path, series, "round-trip time (ms)", "committed tokens / s",
+              f"AR vs SD through the emulated link (target {TARGET}, CPU)", notes=notes)
 
 
 if __name__ == "__main__":

@@ -27,12 +27,12 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 from tqdm import tqdm
 
 from server_bridge import modelfiles
 from server_bridge.exits import ExitConfig, ExitHeads
+from tools.plots import line_plot
 
 PROMPTS = Path(__file__).parent / "prompts"
 
@@ -171,22 +171,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def plot(layers, lens, trained, path: Path, n_layers: int) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.8))
-    ax.plot(layers, [lens[l] for l in layers], marker="o", label="logit lens (no adapter)")
-    ax.plot(layers, [trained[l] for l in layers], marker="o", label="trained adapter")
-    ax.set_xlabel(f"exit after layer (of {n_layers})")
-    ax.set_ylabel("top-1 agreement with final layer")
-    ax.set_ylim(0, 1)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    line_plot(path, [("logit lens (no adapter)", layers, [lens[l] for l in layers]),
+                     ("trained adapter", layers, [trained[l] for l in layers])],
+              f"exit after layer (of {n_layers})", "top-1 agreement with final layer", ylim=(0, 1))
 
 
 if __name__ == "__main__":
