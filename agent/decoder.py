@@ -150,7 +150,7 @@ class EdgeDecoder:
                     return out
                 try:
                     if self.link is None:
-                        self._connect(m)
+                        self._connect()
                     if not is_open:
                         self._open(sid, committed, params, m)
                         is_open = True
@@ -187,7 +187,7 @@ class EdgeDecoder:
                     pass
             self._fold_bytes(m)
 
-    def _connect(self, m: Metrics) -> None:
+    def _connect(self) -> None:
         if self.url is None:
             raise ValueError("no verifier URL: pass --verifier ws://HOST:PORT or use --local")
         link = VerifierLink(self.url, token=self.token, vocab_hash=self.drafter.vocab_hash,

@@ -26,7 +26,6 @@ class Session:
     params: SamplingParams
     rng: np.random.Generator
     last_used: float = field(default_factory=time.monotonic)
-    rounds: int = 0
     retired: bool = False           # set (in the model thread) when a re-open takes over the state
 
 

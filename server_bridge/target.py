@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import shutil
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -27,7 +27,6 @@ class TargetState:
     cache: object                       # transformers DynamicCache over ids[:cached]
     cached: int = 0                     # tokens in the cache; always < len(ids)
     passes: int = 0                     # forward passes spent on this session
-    extra: dict = field(default_factory=dict)
 
 
 def _crop(cache, n: int) -> None:

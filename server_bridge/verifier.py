@@ -83,7 +83,6 @@ class Verifier:
         n_before = len(state.ids)
         self.target.commit(state, msg.draft_ids[:verdict.accepted] + [verdict.token],
                            n_before + verdict.accepted)
-        session.rounds += 1
         return verdict, (time.perf_counter() - t0) * 1e3
 
     def ar_step(self, session: Session) -> tuple[int, float]:

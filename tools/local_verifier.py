@@ -74,7 +74,7 @@ class LocalVerifier:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
 
 
-def pin_cores(n_cpus: int = os.cpu_count() or 1) -> tuple[set[int], set[int]]:
+def pin_cores() -> tuple[set[int], set[int]]:
     """(agent cores, server cores): disjoint when the machine has two or more."""
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < 2:
