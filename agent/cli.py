@@ -12,7 +12,7 @@ from server_bridge.sampling import SamplingError, SamplingParams
 
 
 def _generate(args) -> int:
-    from .decoder import EdgeDecoder
+    from .decoder import EdgeDecoder, FsdOptions
     from .drafter import Drafter
     from .link import LinkLost, ServerError
 
@@ -26,7 +26,10 @@ def _generate(args) -> int:
         return 2
     drafter = Drafter(args.draft, threads=args.threads)
     token = args.token if args.token is not None else os.environ.get("VERIFIER_TOKEN", "")
-    decoder = EdgeDecoder(drafter, None if args.local else args.verifier, token=token)
+    exits = None if args.exits == "all" else tuple(int(x) for x in args.exits.split(",") if x.strip())
+    fsd = FsdOptions(exits=exits, workers=args.predraft_workers, policy=args.queue_policy,
+                     guesses=not args.no_guesses, threads=args.predraft_threads)
+    decoder = EdgeDecoder(drafter, None if args.local else args.verifier, token=token, fsd=fsd)
     prompt_ids = drafter.tokenize(args.prompt, chat=args.chat)
     try:
         gen = decoder.generate(prompt_ids, mode="local" if args.local else args.mode, max_tokens=args.max_tokens,
@@ -43,6 +46,10 @@ def _generate(args) -> int:
           f"{m.acceptance_rate if m.acceptance_rate is None else round(m.acceptance_rate, 3)}, "
           f"draft {m.draft_ms:.0f} ms, verify {m.verify_ms:.0f} ms, network {m.network_ms:.0f} ms, "
           f"up {m.bytes_up} B, down {m.bytes_down} B", file=sys.stderr)
+    if gen.mode == "fsd":
+        print(f"[fsd] pre-draft hits {m.predraft_hits}, misses {m.predraft_misses}, failures "
+              f"{m.predraft_failures}, exits received {m.exits_received}, avg exit layer "
+              f"{m.avg_exit_layer if m.avg_exit_layer is None else round(m.avg_exit_layer, 1)}", file=sys.stderr)
     if args.json:
         print(json.dumps(gen.to_json()))
     return 0
@@ -61,8 +68,17 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--mode", choices=("ar", "sd"), default="sd")
+    g.add_argument("--mode", choices=("ar", "sd", "fsd"), default="sd",
+                   help="ar: server alone; sd: speculative; fsd: sd + early exits and pre-drafting")
     g.add_argument("--gamma", type=int, default=4, help="draft tokens per round")
+    g.add_argument("--exits", default="all",
+                   help="fsd: early-exit layers to ask for, e.g. 18,26; 'all' (default) or '' for none")
+    g.add_argument("--predraft-workers", type=int, default=1, help="fsd: branches pre-drafted at once")
+    g.add_argument("--predraft-threads", type=int, default=1, help="fsd: llama threads of the pre-draft context")
+    g.add_argument("--queue-policy", choices=("priority", "fifo", "random"), default="priority",
+                   help="fsd: order in which early verdicts are pre-drafted")
+    g.add_argument("--no-guesses", action="store_true",
+                   help="fsd: pre-draft only from early exits, not from the robot's own guesses")
     g.add_argument("--local", action="store_true", help="generate with the draft alone (offline)")
     g.add_argument("--draft", default=modelfiles.DEFAULT_DRAFT,
                    help=f"draft name ({', '.join(modelfiles.DRAFTS)}) or a GGUF path")

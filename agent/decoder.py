@@ -1,4 +1,5 @@
-"""The robot's decode loop: AR (server alone), SD (draft here, verify there) and local (draft alone).
+"""The robot's decode loop: AR (server alone), SD (draft here, verify there), FSD (SD with
+early-exit verdicts and pre-drafting, agent/predraft.py) and local (draft alone).
 
 The committed prefix is the only state that matters. Every round appends to
 it only what the server committed; when the link drops, the loop reconnects
@@ -17,12 +18,13 @@ import numpy as np
 from server_bridge import wire
 from server_bridge.sampling import SamplingParams
 
-from .drafter import Drafter
+from .drafter import Draft, Drafter
 from .link import LinkLost, ServerError, VerifierLink
+from .predraft import PreDrafter
 
 log = logging.getLogger(__name__)
 
-MODES = ("ar", "sd", "local")
+MODES = ("ar", "sd", "fsd", "local")
 
 
 @dataclass
@@ -45,6 +47,15 @@ class Metrics:
     reconnects: int = 0                     # new connections after a lost link
     reopens: int = 0                        # sessions re-opened after the server lost them (evicted)
     prefill_ms: float = 0.0
+    # FSD: a round's draft was pre-drafted (cached or in progress when the previous result came) or not
+    predraft_hits: int = 0
+    predraft_misses: int = 0
+    predraft_miss_rate: float | None = None  # misses / (hits + misses); the first round has no predecessor
+    predraft_failures: int = 0              # rounds the pre-draft worker failed; drafted afresh
+    exits_received: int = 0                 # early-exit verdicts that reached the robot
+    avg_exit_layer: float | None = None     # mean over rounds of the earliest exit that matched the result
+    exit_layer_sum: int = 0
+    exit_ms: float = 0.0                    # server time in early-exit heads (part of verify_ms)
 
 
 @dataclass
@@ -68,21 +79,38 @@ class ReconnectPolicy:
         return min(self.backoff_max_s, self.backoff_s * 2 ** attempt)
 
 
+@dataclass(frozen=True)
+class FsdOptions:
+    """The FSD knobs: which exits to ask for, how many branches to pre-draft at once, queue policy."""
+    exits: tuple[int, ...] | None = None    # None: every exit the server has; (): none (pre-draft guesses only)
+    workers: int = 1                        # branches drafted at once (sequences of one batched context)
+    policy: str = "priority"                # order of early verdicts: priority | fifo | random
+    n_cands: int = 8                        # draft top-K ids sent per position for the exits to score
+    guesses: bool = True                    # also pre-draft the robot's own guesses
+    threads: int = 1                        # llama threads of the pre-draft context
+
+
 class EdgeDecoder:
     def __init__(self, drafter: Drafter, url: str | None = None, token: str = "",
-                 reconnect: ReconnectPolicy = ReconnectPolicy(), recv_timeout_s: float = 30.0):
+                 reconnect: ReconnectPolicy = ReconnectPolicy(), recv_timeout_s: float = 30.0,
+                 fsd: FsdOptions = FsdOptions()):
         self.drafter = drafter
         self.url = url
         self.token = token
         self.reconnect = reconnect
         self.recv_timeout_s = recv_timeout_s
+        self.fsd = fsd
         self.link: VerifierLink | None = None
+        self.predrafter: PreDrafter | None = None
         self._bytes_base = (0, 0)
 
     def close(self) -> None:
         if self.link is not None:
             self.link.close()
             self.link = None
+        if self.predrafter is not None:
+            self.predrafter.close()
+            self.predrafter = None
 
     def stop_ids(self) -> set[int]:
         ids = set(self.drafter.eos_ids)
@@ -112,6 +140,10 @@ class EdgeDecoder:
             m.acceptance_rate = m.accepted / m.drafted
         if m.rounds:
             m.tau = len(out) / m.rounds
+        if m.predraft_hits + m.predraft_misses:
+            m.predraft_miss_rate = m.predraft_misses / (m.predraft_hits + m.predraft_misses)
+        if mode == "fsd" and m.rounds:
+            m.avg_exit_layer = m.exit_layer_sum / m.rounds
         text = self.drafter.detokenize(out, skip=self.stop_ids())
         return Generation(text, out, mode, m)
 
@@ -139,6 +171,11 @@ class EdgeDecoder:
         n_prompt = len(prompt_ids)
         is_open = False
         failures = 0
+        self._last_round = None             # FSD: (round, continuation) whose next draft is pre-drafted
+        if mode == "fsd" and self.predrafter is None:
+            self.predrafter = PreDrafter(self.drafter, workers=self.fsd.workers, policy=self.fsd.policy,
+                                         n_cands=self.fsd.n_cands, threads=self.fsd.threads,
+                                         guesses=self.fsd.guesses)
         try:
             while True:
                 out = committed[n_prompt:]
@@ -152,10 +189,12 @@ class EdgeDecoder:
                     if self.link is None:
                         self._connect()
                     if not is_open:
-                        self._open(sid, committed, params, m)
+                        self._open(sid, committed, params, m, exits=mode == "fsd")
                         is_open = True
                     if mode == "sd":
                         self._sd_round(sid, committed, max_tokens - len(out), params, gamma, rng, m)
+                    elif mode == "fsd":
+                        self._fsd_round(sid, committed, max_tokens - len(out), params, gamma, rng, m)
                     else:
                         self._ar_stream(sid, committed, max_tokens - len(out), m)
                     failures = 0
@@ -167,8 +206,11 @@ class EdgeDecoder:
                     log.warning("link lost (%s); reconnect %d/%d in %.2fs with %d committed tokens", e,
                                 failures, self.reconnect.max_attempts, delay, len(committed))
                     self._fold_bytes(m)
-                    self.close()
+                    if self.link is not None:
+                        self.link.close()
+                        self.link = None
                     is_open = False
+                    self._forget_predraft()
                     m.reconnects += 1
                     time.sleep(delay)
                 except ServerError as e:
@@ -178,8 +220,10 @@ class EdgeDecoder:
                     log.info("server lost our session (%s); re-opening with %d committed tokens", e.code,
                              len(committed))
                     is_open = False
+                    self._forget_predraft()
                     m.reopens += 1
         finally:
+            self._forget_predraft()
             if self.link is not None and is_open:
                 try:
                     self.link.send(wire.Close(sid))
@@ -203,9 +247,20 @@ class EdgeDecoder:
             m.bytes_down += self.link.bytes_down - self._bytes_base[1]
             self._bytes_base = (self.link.bytes_up, self.link.bytes_down)
 
-    def _open(self, sid, committed, params, m) -> None:
+    def _forget_predraft(self) -> None:
+        self._last_round = None
+        if self.predrafter is not None:
+            self.predrafter.cancel()
+
+    def _open(self, sid, committed, params, m, exits: bool = False) -> None:
+        layers: list[int] = []
+        if exits:
+            offered = self.link.welcome.exits
+            layers = list(offered) if self.fsd.exits is None else [l for l in self.fsd.exits if l in offered]
+            if self.fsd.exits and len(layers) < len(self.fsd.exits):
+                log.warning("the verifier has exits at %s; asked for %s, using %s", offered, self.fsd.exits, layers)
         msg = wire.Open(sid, list(committed), {"temperature": params.temperature, "top_k": params.top_k,
-                                               "seed": params.seed})
+                                               "seed": params.seed}, exits=layers)
         reply, rtt = self.link.request(msg)
         if not isinstance(reply, wire.Opened) or reply.n_committed != len(committed):
             raise LinkLost(f"bad reply to open: {reply}")
@@ -222,7 +277,50 @@ class EdgeDecoder:
         reply, rtt = self.link.request(msg)
         if not isinstance(reply, wire.Result) or reply.round != m.rounds or reply.accepted > k:
             raise LinkLost(f"unexpected reply to verify round {m.rounds}: {reply}")
+        self._commit_round(committed, draft.ids[:reply.accepted] + [reply.token], k, reply, rtt, m)
+
+    def _fsd_round(self, sid, committed, remaining, params, gamma, rng, m) -> None:
+        """An SD round whose draft was (ideally) drafted during the previous round's verification."""
+        limit = self.link.welcome.limits["max_draft_len"]
+        k = min(gamma, remaining - 1, limit)
+        draft: Draft | None = None
+        if self._last_round is not None:
+            t1 = time.perf_counter()
+            draft, hit = self.predrafter.take(*self._last_round)
+            self._last_round = None
+            m.draft_ms += (time.perf_counter() - t1) * 1e3      # what the loop waited for its draft
+            if draft is None:
+                m.predraft_failures += 1
+            if hit:
+                m.predraft_hits += 1
+            else:
+                m.predraft_misses += 1
+        if draft is None or len(draft.ids) < k:
+            draft = self.drafter.propose(committed, k, params, rng, n_cands=self.fsd.n_cands)
+            m.draft_ms += draft.ms
+        draft = draft.head(k)
+        q = {"kind": "none"} if draft.q is None else {"kind": "full", "probs": draft.q}
+        number = m.rounds
+        t0 = time.perf_counter()
+        self.link.send(wire.Verify(sid, number, len(committed), draft.ids, q, draft.cands))
+        self.predrafter.begin(number, committed, draft, gamma, params, params.seed, self.stop_ids())
+        while True:                          # exits (hints) until the result of this round
+            reply = self.link.recv(sid=sid)
+            if not isinstance(reply, wire.Exit):
+                break
+            m.exits_received += 1
+            if reply.round == number:
+                self.predrafter.offer(number, reply.layer, reply.tokens, reply.confidence)
+        rtt = (time.perf_counter() - t0) * 1e3
+        if not isinstance(reply, wire.Result) or reply.round != number or reply.accepted > k:
+            raise LinkLost(f"unexpected reply to verify round {number}: {reply}")
         new = draft.ids[:reply.accepted] + [reply.token]
+        self._commit_round(committed, new, k, reply, rtt, m)
+        self._last_round = (number, tuple(new))
+        m.exit_layer_sum += int(reply.timing.get("exit_layer") or 0)
+        m.exit_ms += float(reply.timing.get("exit_ms", 0.0))
+
+    def _commit_round(self, committed, new, k, reply, rtt, m) -> None:
         committed.extend(new)
         if reply.n_committed != len(committed):
             raise ServerError("desync", f"server has {reply.n_committed} tokens after the round, we have "

@@ -33,6 +33,28 @@ class Draft:
     ids: list[int]                  # [k] proposed token ids; k can be zero
     q: np.ndarray | None            # [k, vocab] float16 draft distributions; None when greedy
     ms: float                       # wall time spent drafting (gamma * T_p)
+    cands: np.ndarray | None = None  # [k, K] int32: the draft's top-K ids per position (for early exits)
+    cand_p: np.ndarray | None = None  # [k, K] the draft's probabilities of those ids (for pre-draft guesses)
+
+    def head(self, k: int) -> "Draft":
+        """The first k tokens of this draft (a prefix of a draft is a valid draft)."""
+        cut = (lambda a: None if a is None else a[:k])
+        return Draft(self.ids[:k], cut(self.q), self.ms, cut(self.cands), cut(self.cand_p))
+
+
+def top_candidates(logits: np.ndarray, k: int, params: SamplingParams,
+                   q: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """The k highest-scoring ids (int32, unordered) and their draft probabilities.
+
+    Probabilities are q's where the token was sampled from q (T > 0), else the softmax at T = 1.
+    About 0.5 ms for 49,152 logits (argpartition and one softmax).
+    """
+    ids = np.argpartition(logits, -k)[-k:].astype(np.int32)
+    if q is None:
+        z = logits.astype(np.float64) - logits.max()
+        q = np.exp(z)
+        q /= q.sum()
+    return ids, q[ids].astype(np.float32)
 
 
 _params_lock = threading.Lock()
@@ -60,6 +82,15 @@ def _model_params(use_extra_bufts: bool):
             yield
         finally:
             llama_module.llama_cpp.llama_model_default_params = original
+
+
+def stack_candidates(rows: list[tuple[np.ndarray, np.ndarray]], n_cands: int):
+    """Per-position (ids, probs) -> ([k, K] int32, [k, K] float32); (None, None) when not asked for."""
+    if not n_cands:
+        return None, None
+    if not rows:
+        return np.zeros((0, n_cands), np.int32), np.zeros((0, n_cands), np.float32)
+    return np.stack([r[0] for r in rows]), np.stack([r[1] for r in rows])
 
 
 class Drafter:
@@ -125,27 +156,36 @@ class Drafter:
         return np.ctypeslib.as_array(ptr, shape=(self.vocab_size,)).copy()
 
     def propose(self, committed: list[int], k: int, params: SamplingParams,
-                rng: np.random.Generator) -> Draft:
-        """Draft k tokens after `committed`; at T > 0 each is drawn from the fp16 q it is sent with."""
+                rng: np.random.Generator, n_cands: int = 0) -> Draft:
+        """Draft k tokens after `committed`; at T > 0 each is drawn from the fp16 q it is sent with.
+
+        n_cands > 0 also returns the top-n_cands ids at each position (the early exits' candidates).
+        """
         t0 = time.perf_counter()
         if len(committed) + k >= self.llm.n_ctx():
             raise DraftContextFull(f"drafting {k} after {len(committed)} tokens exceeds the draft context")
         ids: list[int] = []
         rows: list[np.ndarray] = []
+        cands: list[tuple[np.ndarray, np.ndarray]] = []
         logits = self._logits_after(committed) if k else None
         for i in range(k):
+            q = None
             if params.greedy:
                 token = int(np.argmax(logits))
             else:
                 q16, q = sampling.quantize_q(sampling.probs_from_logits(logits[None], params))
                 token = sampling.sample(q[0], rng)
                 rows.append(q16[0])
+                q = q[0]
+            if n_cands:
+                cands.append(top_candidates(logits, n_cands, params, q))
             ids.append(token)
             if i + 1 < k:                              # the last draft token is fed next round
                 self.llm.eval([token])
                 logits = self._last_logits()
         q16 = None if params.greedy or not k else np.stack(rows)
-        return Draft(ids, q16, (time.perf_counter() - t0) * 1e3)
+        top, top_p = stack_candidates(cands, n_cands)
+        return Draft(ids, q16, (time.perf_counter() - t0) * 1e3, top, top_p)
 
     def next_token(self, committed: list[int], params: SamplingParams, rng: np.random.Generator) -> int:
         """One token from the draft alone (offline generation)."""

@@ -8,7 +8,17 @@ import logging
 import os
 import sys
 
-from .config import ServerConfig
+from .config import EXIT_POLICIES, ServerConfig
+
+
+def _layers(text: str) -> list[int]:
+    """'12,26' -> [12, 26]; '' or 'all' -> [] (every trained exit)."""
+    if text.strip() in ("", "all"):
+        return []
+    try:
+        return [int(t) for t in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated layer numbers, got {text!r}") from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -24,6 +34,14 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--threads", type=int, help="torch threads")
     s.add_argument("--max-sessions", type=int)
     s.add_argument("--idle-timeout-s", type=float)
+    s.add_argument("--exits", help="early-exit adapters: path prefix of <prefix>.safetensors/.json; 'auto' (default) "
+                   "= models/exits/<target> if trained; '' = no exits")
+    s.add_argument("--exit-layers", type=_layers, help="comma-separated exits to load, e.g. 22,26; "
+                   "'' or 'all' = every trained one")
+    s.add_argument("--exit-policy", choices=EXIT_POLICIES, help="order of pending exit messages (and what a full "
+                   "outbox drops): priority (by confidence), fifo or random")
+    s.add_argument("--exit-queue", type=int, help="exit messages pending per connection before drops")
+    s.add_argument("--exit-bonus-candidates", type=int, help="ids later exits score at the bonus row")
     s.add_argument("--log-level", default="INFO")
     p = sub.add_parser("prepare", help="convert and cache the target (first start takes ~1 min, later ones ~1 s)")
     p.add_argument("--target", default=None)
@@ -43,7 +61,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = ServerConfig.load(args.config, host=args.host, port=args.port, token=token, target=args.target,
                                    threads=args.threads, max_sessions=args.max_sessions,
-                                   idle_timeout_s=args.idle_timeout_s)
+                                   idle_timeout_s=args.idle_timeout_s, exits=args.exits,
+                                   exit_layers=args.exit_layers, exit_policy=args.exit_policy,
+                                   exit_queue=args.exit_queue, exit_bonus_candidates=args.exit_bonus_candidates)
     except (ValueError, OSError) as e:
         print(f"server-bridge: bad configuration: {e}", file=sys.stderr)
         return 2

@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import tomllib
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from . import modelfiles
+from .outbox import POLICIES as EXIT_POLICIES
 from .wire import DEFAULT_MAX_FRAME_BYTES
 
 
@@ -24,6 +25,12 @@ class ServerConfig:
     max_draft_len: int = 16
     max_context: int = 2048         # prompt + generated tokens per session
     max_connections: int = 256
+    # Early exits (FSD): verdicts from adapters inside the target, streamed before each result.
+    exits: str = "auto"             # adapters' path prefix; "auto" = models/exits/<target> if trained, "" = off
+    exit_layers: list[int] = field(default_factory=list)   # the exits to load; [] = every trained one
+    exit_policy: str = "priority"   # per-connection outbox: priority (by confidence), fifo or random
+    exit_queue: int = 64            # exit messages pending per connection; when full the least valuable drops
+    exit_bonus_candidates: int = 16  # ids the later exits score at the bonus row (after one full-head row)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -32,8 +39,20 @@ class ServerConfig:
                      "max_context", "max_connections"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_draft_len > 256:
+            raise ValueError(f"max_draft_len must be <= 256 (an exit message carries at most 257 tokens), "
+                             f"got {self.max_draft_len}")
         if self.idle_timeout_s <= 0:
             raise ValueError("idle_timeout_s must be > 0")
+        if (not isinstance(self.exit_layers, list) or not all(isinstance(l, int) and l >= 1 for l in self.exit_layers)
+                or sorted(set(self.exit_layers)) != self.exit_layers):
+            raise ValueError(f"exit_layers must be increasing layer numbers >= 1, got {self.exit_layers!r}")
+        if self.exit_policy not in EXIT_POLICIES:
+            raise ValueError(f"exit_policy must be one of {', '.join(EXIT_POLICIES)}, got {self.exit_policy!r}")
+        if not 1 <= self.exit_queue <= 4096:
+            raise ValueError(f"exit_queue must be 1-4096, got {self.exit_queue}")
+        if not 1 <= self.exit_bonus_candidates <= 1024:
+            raise ValueError(f"exit_bonus_candidates must be 1-1024, got {self.exit_bonus_candidates}")
         if self.max_frame_bytes < 64 * 1024:
             raise ValueError("max_frame_bytes below 64 KiB cannot carry one full draft distribution")
 

@@ -18,14 +18,25 @@ class ServerMetrics:
     bytes_in: int = 0
     bytes_out: int = 0
     errors: Counter = field(default_factory=Counter)
+    exits_sent: int = 0                 # early-exit messages sent
+    exits_dropped: int = 0              # dropped by a full per-connection outbox
+    exits_purged: int = 0               # still pending when their round's result went out
+    exit_ms_sum: float = 0.0            # time in exit heads (part of verify_ms_sum)
+    exit_rounds: int = 0                # rounds that ran exits
+    exit_layer_sum: int = 0             # over those rounds: the earliest exit that agreed with the result
 
-    def count_round(self, drafted: int, accepted: int, ms: float) -> None:
+    def count_round(self, drafted: int, accepted: int, ms: float, exit_layer: int | None = None,
+                    exit_ms: float = 0.0) -> None:
         self.rounds += 1
         self.drafted += drafted
         self.accepted += accepted
         self.committed += accepted + 1
         self.target_forward_passes += 1
         self.verify_ms_sum += ms
+        self.exit_ms_sum += exit_ms
+        if exit_layer is not None:
+            self.exit_rounds += 1
+            self.exit_layer_sum += exit_layer
 
     def count_ar_token(self, ms: float) -> None:
         self.ar_tokens += 1
@@ -47,6 +58,13 @@ class ServerMetrics:
             ("bridge_ar_tokens_total", "counter", "target-only tokens streamed", self.ar_tokens),
             ("bridge_target_forward_passes_total", "counter", "target forward passes", self.target_forward_passes),
             ("bridge_verify_seconds_total", "counter", "time in target forward passes", self.verify_ms_sum / 1e3),
+            ("bridge_exits_sent_total", "counter", "early-exit messages sent", self.exits_sent),
+            ("bridge_exits_dropped_total", "counter", "early-exit messages dropped by a full outbox",
+             self.exits_dropped),
+            ("bridge_exits_purged_total", "counter", "early-exit messages still pending when their result went out",
+             self.exits_purged),
+            ("bridge_exit_seconds_total", "counter", "time in early-exit heads (part of verify time)",
+             self.exit_ms_sum / 1e3),
             ("bridge_bytes_in_total", "counter", "websocket payload bytes received", self.bytes_in),
             ("bridge_bytes_out_total", "counter", "websocket payload bytes sent", self.bytes_out),
         ]
@@ -62,4 +80,9 @@ class ServerMetrics:
         if tau is not None:
             lines += ["# HELP bridge_tau tokens committed per verification round", "# TYPE bridge_tau gauge",
                       f"bridge_tau {tau:.6f}"]
+        if self.exit_rounds:
+            help_text = ("earliest exit agreeing with the result, mean over rounds with exits "
+                         "(the layer count when none agreed)")
+            lines += [f"# HELP bridge_avg_exit_layer {help_text}", "# TYPE bridge_avg_exit_layer gauge",
+                      f"bridge_avg_exit_layer {self.exit_layer_sum / self.exit_rounds:.6f}"]
         return "\n".join(lines) + "\n"

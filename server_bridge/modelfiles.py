@@ -82,6 +82,28 @@ def resolve_target(name_or_path: str) -> Path:
     return path
 
 
+def resolve_exits(spec: str, target_name: str) -> Path | None:
+    """The path prefix of a target's early-exit adapters (<prefix>.safetensors + <prefix>.json), or None.
+
+    spec "" = no exits; "auto" = models/exits/<target name> if it was trained, else
+    None; anything else is a path prefix that must exist.
+    """
+    if not spec:
+        return None
+    if spec == "auto":
+        path = models_dir() / "exits" / target_name
+        return path if _has_exits(path) else None
+    path = Path(spec).expanduser()
+    if not _has_exits(path):
+        raise ModelNotFound(f"no early-exit adapters at {path} (want {path.with_suffix('.safetensors').name} "
+                            f"and {path.with_suffix('.json').name}; train them with python -m tools.train_exits)")
+    return path
+
+
+def _has_exits(prefix: Path) -> bool:
+    return prefix.with_suffix(".safetensors").is_file() and prefix.with_suffix(".json").is_file()
+
+
 def target_cache_dir(gguf: Path) -> Path:
     """Where the float32 conversion of a GGUF target is cached (keyed by the file's identity)."""
     st = gguf.stat()

@@ -5,6 +5,12 @@ One handler per connection reads frames in order; every bad frame gets an
 handshake), so one robot's garbage never touches another's session. Target
 forward passes run in a single model thread; the event loop keeps serving.
 `/healthz` and `/metrics` (Prometheus text) answer plain HTTP on the same port.
+
+Early-exit messages (FSD) are made in the model thread during a verify pass;
+they reach the event loop by `call_soon_threadsafe`, wait in the connection's
+bounded `Outbox` and go out from one sender task per connection, so they
+overtake the pass they come from. A round's `result` goes out directly, and
+its exits still pending then are purged: after the result they are useless.
 """
 from __future__ import annotations
 
@@ -24,6 +30,7 @@ from websockets.exceptions import ConnectionClosed
 from . import wire
 from .config import ServerConfig
 from .metrics import ServerMetrics
+from .outbox import Outbox
 from .sessions import SessionTable
 from .verifier import Verifier
 
@@ -113,6 +120,8 @@ class BridgeServer:
         conn_id = next(self._conn_ids)
         self._connections += 1
         peer = ws.remote_address
+        outbox = Outbox(self.config.exit_queue, self.config.exit_policy)
+        sender = asyncio.create_task(self._send_exits(ws, outbox), name=f"exits-{conn_id}")
         try:
             authed = False
             async for frame in ws:
@@ -123,7 +132,7 @@ class BridgeServer:
                         await self._handshake(ws, msg)
                         authed = True
                     else:
-                        await self._dispatch(ws, conn_id, msg)
+                        await self._dispatch(ws, conn_id, outbox, msg)
                 except wire.WireError as e:
                     self.metrics.errors[e.code] += 1
                     log.info("conn %d %s: %s", conn_id, peer, e)
@@ -134,6 +143,9 @@ class BridgeServer:
             pass
         finally:
             self._connections -= 1
+            outbox.close()
+            sender.cancel()
+            await asyncio.gather(sender, return_exceptions=True)
 
     async def _handshake(self, ws: ServerConnection, msg: wire.Message) -> None:
         if not isinstance(msg, wire.Hello):
@@ -148,12 +160,13 @@ class BridgeServer:
                                  "needs identical tokenizers")
         await self._send(ws, wire.Welcome(
             target=target.name, vocab_size=target.vocab_size, vocab_hash=target.vocab_hash,
-            eos_ids=target.eos_ids, exits=[],
+            eos_ids=target.eos_ids, exits=self.verifier.exit_layers,
             limits={"max_frame_bytes": self.config.max_frame_bytes, "max_draft_len": self.config.max_draft_len,
                     "max_context": self.config.max_context, "max_sessions": self.config.max_sessions}))
 
-    async def _dispatch(self, ws: ServerConnection, conn_id: int, msg: wire.Message) -> None:
+    async def _dispatch(self, ws: ServerConnection, conn_id: int, outbox: Outbox, msg: wire.Message) -> None:
         if isinstance(msg, wire.Open):
+            self.metrics.exits_purged += outbox.purge(msg.sid)        # hints for the old generation
             self.sessions.check_room(msg.sid, conn_id)
             previous = self.sessions.peek(msg.sid)
             session, ms = await self._in_model_thread(self.verifier.open, msg, conn_id, previous)
@@ -164,13 +177,23 @@ class BridgeServer:
             session.state.passes = 0
         elif isinstance(msg, wire.Verify):
             session = self.sessions.get(msg.sid, conn_id)
-            verdict, ms = await self._in_model_thread(self.verifier.verify, session, msg)
-            self.metrics.count_round(len(msg.draft_ids), verdict.accepted, ms)
+            emit = self._exit_sink(outbox) if session.exits else None
+            try:
+                outcome = await self._in_model_thread(self.verifier.verify, session, msg, emit)
+            finally:
+                # Every exit of this round is in the outbox by now (queued before the pass returned);
+                # what is still pending there is useless once the result is out. No await from here
+                # to the result's write, so none of them can slip out after it.
+                self.metrics.exits_purged += outbox.purge(msg.sid, msg.round)
+            verdict = outcome.verdict
+            self.metrics.count_round(len(msg.draft_ids), verdict.accepted, outcome.verify_ms,
+                                     outcome.exit_layer, outcome.exit_ms)
             await self._send(ws, wire.Result(msg.sid, msg.round, verdict.accepted, verdict.token,
-                                             len(session.state.ids), {"verify_ms": ms, "passes": 1}))
+                                             len(session.state.ids), outcome.timing()))
         elif isinstance(msg, wire.Ar):
             await self._stream_ar(ws, conn_id, msg)
         elif isinstance(msg, wire.Close):
+            self.metrics.exits_purged += outbox.purge(msg.sid)
             self.sessions.discard(msg.sid, conn_id)       # idempotent: closing a gone session is fine
         else:
             raise wire.WireError("bad_type", f"{msg.TYPE} is not a request a robot may send")
@@ -186,6 +209,28 @@ class BridgeServer:
             sent = await self._send(ws, wire.Token(msg.sid, seq, token, done, {"verify_ms": ms, "passes": 1}))
             if done or not sent:            # a dead link stops the stream: the robot re-opens and asks again
                 return
+
+    def _exit_sink(self, outbox: Outbox):
+        """A callback for the model thread that queues an exit message into this connection's outbox."""
+        loop = asyncio.get_running_loop()
+
+        def queue(msg: wire.Exit) -> None:                  # in the event loop
+            self.metrics.exits_dropped += outbox.put(msg)
+
+        def emit(msg: wire.Exit) -> None:                   # in the model thread
+            try:
+                loop.call_soon_threadsafe(queue, msg)
+            except RuntimeError:                            # the loop is closed: the server is stopping
+                pass
+        return emit
+
+    async def _send_exits(self, ws: ServerConnection, outbox: Outbox) -> None:
+        """The connection's one exit sender: the outbox's best pending message, as the link allows."""
+        while True:
+            msg = await outbox.get()
+            if not await self._send(ws, msg):
+                return
+            self.metrics.exits_sent += 1
 
     async def _in_model_thread(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.model_thread, fn, *args)

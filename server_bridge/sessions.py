@@ -27,6 +27,7 @@ class Session:
     rng: np.random.Generator
     last_used: float = field(default_factory=time.monotonic)
     retired: bool = False           # set (in the model thread) when a re-open takes over the state
+    exits: list[int] = field(default_factory=list)   # early-exit layers the robot wants verdicts from; [] = off
 
 
 class SessionTable:

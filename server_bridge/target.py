@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import shutil
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,10 +31,16 @@ class TargetState:
 
 
 def _crop(cache, n: int) -> None:
-    """Keep the first n positions of a DynamicCache (transformers 5 takes a negative count to drop)."""
-    drop = cache.get_seq_length() - n
-    if drop > 0:
-        cache.crop(-drop)
+    """Keep the first n positions of a DynamicCache.
+
+    Layer by layer: transformers 5 crops every layer by one count to drop, but
+    after a pass that died midway the blocks before the failure hold more
+    positions than those after it.
+    """
+    for layer in cache.layers:
+        drop = layer.get_seq_length() - n
+        if drop > 0:
+            layer.crop(-drop)
 
 
 class TargetModel:
@@ -85,14 +92,34 @@ class TargetModel:
         state.passes += 1
         return out.logits[0].float()
 
-    def score(self, state: TargetState, draft_ids: list[int]) -> np.ndarray:
+    def score(self, state: TargetState, draft_ids: list[int],
+              taps: Mapping[int, Callable[[torch.Tensor], None]] | None = None) -> np.ndarray:
         """One verification pass: logits [k + 1, vocab] for the positions after each draft prefix.
 
         Row i is the target's distribution for the token after ids + draft[:i].
         The cache now covers ids + draft; call `commit` to crop the rejected part.
+
+        taps: {layer: fn}, each called during this pass (and only this one: the
+        hooks are removed after it) with the residual stream after decoder block
+        `layer` (1-based) at the k + 1 draft rows, hidden [k + 1, hidden]. The
+        early exits read it there. A tap must not modify it, and should not raise:
+        a pass that raises midway is dropped from the cache and re-raised.
         """
-        pending = state.ids[state.cached:]
-        return self._forward(state, pending + list(draft_ids), keep=len(draft_ids) + 1).numpy()
+        rows = len(draft_ids) + 1
+        handles = []
+        try:
+            for layer, fn in (taps or {}).items():
+                if not 1 <= layer <= self.n_layers:
+                    raise ValueError(f"no decoder block {layer} to tap (the target has {self.n_layers})")
+                handles.append(self.model.model.layers[layer - 1].register_forward_hook(_tap_hook(fn, rows)))
+            pending = state.ids[state.cached:]
+            return self._forward(state, pending + list(draft_ids), keep=rows).numpy()
+        except BaseException:
+            _crop(state.cache, state.cached)    # blocks before the failure appended KV, later ones did not
+            raise
+        finally:
+            for h in handles:
+                h.remove()
 
     def rewind(self, state: TargetState, ids: list[int]) -> None:
         """Re-point a state at another committed prefix, keeping the KV of the part both share."""
@@ -106,6 +133,17 @@ class TargetModel:
         state.ids.extend(new_ids)
         state.cached = min(n_valid_in_cache, len(state.ids) - 1)
         _crop(state.cache, state.cached)
+
+
+def _tap_hook(fn: Callable[[torch.Tensor], None], rows: int):
+    """A forward hook on a decoder block passing its output's last `rows` positions to fn.
+
+    Returns None, so the block's output goes on unchanged.
+    """
+    def hook(module, args, output):
+        hidden = output[0] if isinstance(output, tuple) else output     # [1, T, hidden]
+        fn(hidden[0, -rows:])                                            # [rows, hidden]
+    return hook
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

@@ -2,24 +2,54 @@
 
 Synchronous and free of networking, so the server runs it in its model thread
 and tests call it directly. Where a token is accepted: `Verifier.verify`.
+Early exits (FSD) ride along in the same pass and report through a callback.
 """
 from __future__ import annotations
 
+import logging
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
-from . import sampling
+from . import modelfiles, sampling
 from .config import ServerConfig
+from .exits import ExitHeads, ExitPass, ExitVerdict
 from .sessions import Session
 from .target import TargetModel
-from .wire import Open, Verify, WireError
+from .wire import Exit, Open, Verify, WireError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RoundOutcome:
+    """What one verify round produced, for the `result` message and the metrics."""
+    verdict: sampling.Verdict
+    verify_ms: float                # the whole round, exit heads included
+    exit_layer: int | None = None   # earliest enabled exit whose verdict equalled the final one, n_layers if
+                                    # none did; None when no exits ran this round
+    exit_ms: float = 0.0            # time spent in exit heads this round
+
+    def timing(self) -> dict:
+        """Result.timing: verify_ms, passes; exit_layer and exit_ms when exits ran."""
+        timing = {"verify_ms": self.verify_ms, "passes": 1}
+        if self.exit_layer is not None:
+            timing.update(exit_layer=self.exit_layer, exit_ms=self.exit_ms)
+        return timing
 
 
 class Verifier:
     def __init__(self, target: TargetModel, config: ServerConfig):
         self.target = target
         self.config = config
+        self.exits = load_exits(config, target)
+
+    @property
+    def exit_layers(self) -> list[int]:
+        """The early exits a session may ask for (Welcome.exits)."""
+        return list(self.exits.layers) if self.exits is not None else []
 
     # ------------------------------------------------------------------ sessions
 
@@ -33,6 +63,10 @@ class Verifier:
             params = sampling.SamplingParams(**msg.sampling)
         except sampling.SamplingError as e:
             raise WireError("bad_field", str(e), msg.sid) from None
+        unknown = sorted(set(msg.exits) - set(self.exit_layers))
+        if unknown:
+            raise WireError("bad_field", f"no early exit at layers {unknown}; this verifier has "
+                            f"{self.exit_layers or 'none'}", msg.sid)
         t0 = time.perf_counter()
         if previous is not None:
             # Work still queued for the old session object (an ar stream of a dropped
@@ -47,12 +81,22 @@ class Verifier:
         # A re-opened session draws fresh randomness keyed by where it resumes,
         # so a replayed round is an independent draw, as the math requires.
         rng = np.random.default_rng([params.seed, len(msg.prompt_ids)])
-        return Session(msg.sid, conn_id, state, params, rng), (time.perf_counter() - t0) * 1e3
+        session = Session(msg.sid, conn_id, state, params, rng, exits=list(msg.exits))
+        return session, (time.perf_counter() - t0) * 1e3
 
     # ------------------------------------------------------------------ rounds
 
-    def verify(self, session: Session, msg: Verify) -> tuple[sampling.Verdict, float]:
-        """Accept/reject msg.draft_ids against the target; commits the result to the session."""
+    def verify(self, session: Session, msg: Verify,
+               emit: Callable[[Exit], None] | None = None) -> RoundOutcome:
+        """Accept/reject msg.draft_ids against the target; commits the result to the session.
+
+        With `emit` and a session opened with exits, the session's early exits
+        score the draft during the same forward pass and `emit` gets an `exit`
+        message whenever their verdict changes (called from inside the pass).
+        Exits are hints only: the final layer alone decides what is committed,
+        so the outcome is the same with exits on or off, and an exit that fails
+        is logged and skipped without touching the verdict.
+        """
         _check_live(session)
         state = session.state
         k = len(msg.draft_ids)
@@ -65,11 +109,15 @@ class Verifier:
         if len(state.ids) + k + 1 > self.config.max_context:
             raise WireError("context_full", f"session reached max_context {self.config.max_context}", msg.sid)
         self._check_ids(msg.draft_ids, "draft_ids", msg.sid)
+        if msg.cands is not None and msg.cands.size and int(msg.cands.max()) >= self.target.vocab_size:
+            raise WireError("bad_field", f"cands holds token id {int(msg.cands.max())} outside the vocabulary "
+                            f"of {self.target.vocab_size}", msg.sid)
         # q is needed only for drafted tokens: an empty draft (the last token of a generation) has none
         q = None if session.params.greedy or not k else self._draft_q(msg)
+        probe = self._exit_pass(session, msg, emit)
 
         t0 = time.perf_counter()
-        logits = self.target.score(state, msg.draft_ids)              # [k + 1, vocab]
+        logits = self.target.score(state, msg.draft_ids, taps=probe.taps if probe else None)   # [k + 1, vocab]
         try:
             if session.params.greedy:
                 verdict = sampling.verify_greedy(np.asarray(msg.draft_ids), logits.argmax(axis=-1))
@@ -81,9 +129,24 @@ class Verifier:
             self.target.rewind(state, state.ids)                      # drop the draft from the cache
             raise WireError("bad_probs", str(e), msg.sid) from None
         n_before = len(state.ids)
-        self.target.commit(state, msg.draft_ids[:verdict.accepted] + [verdict.token],
-                           n_before + verdict.accepted)
-        return verdict, (time.perf_counter() - t0) * 1e3
+        committed = msg.draft_ids[:verdict.accepted] + [verdict.token]
+        self.target.commit(state, committed, n_before + verdict.accepted)
+        outcome = RoundOutcome(verdict, (time.perf_counter() - t0) * 1e3)
+        if probe is not None:
+            agreed = probe.agreeing_layer(committed)
+            outcome.exit_layer = self.target.n_layers if agreed is None else agreed
+            outcome.exit_ms = probe.ms
+        return outcome
+
+    def _exit_pass(self, session: Session, msg: Verify, emit: Callable[[Exit], None] | None) -> ExitPass | None:
+        if not session.exits or emit is None or self.exits is None:
+            return None
+
+        def send(v: ExitVerdict) -> None:
+            emit(Exit(msg.sid, msg.round, v.layer, v.tokens, v.confidence))
+
+        return ExitPass(self.exits, self.target.model, session.exits, msg.draft_ids, msg.cands,
+                        self.config.exit_bonus_candidates, send)
 
     def ar_step(self, session: Session) -> tuple[int, float]:
         """One target-only token (the cloud-autoregressive baseline)."""
@@ -130,3 +193,21 @@ def _check_live(session: Session) -> None:
     """Runs in the model thread, like `open`, so a re-open and a stale request cannot interleave."""
     if session.retired:
         raise WireError("unknown_session", f"session {session.sid!r} was re-opened elsewhere", session.sid)
+
+
+def load_exits(config: ServerConfig, target: TargetModel) -> ExitHeads | None:
+    """The early-exit adapters the config names (config.exits, config.exit_layers), or None for none."""
+    path = modelfiles.resolve_exits(config.exits, target.name)
+    if path is None:
+        log.info("early exits off (exits=%r, target %s)", config.exits, target.name)
+        return None
+    heads = ExitHeads.load(path, config.exit_layers or None)
+    hidden = int(target.model.config.hidden_size)
+    if heads.config.hidden != hidden or heads.layers[-1] > target.n_layers:
+        raise ValueError(f"exit adapters at {path} (hidden {heads.config.hidden}, layers {heads.layers}) do not fit "
+                         f"the target {target.name} (hidden {hidden}, {target.n_layers} layers)")
+    if heads.config.target and heads.config.target != target.name:
+        log.warning("exit adapters at %s were trained for %s, the target is %s", path, heads.config.target,
+                    target.name)
+    log.info("early exits at layers %s from %s", heads.layers, path)
+    return heads

@@ -23,6 +23,7 @@ DEFAULT_MAX_FRAME_BYTES = 4 * 2**20        # a full fp16 q for 16 positions is ~
 _ARRAY_DTYPES = {"<f2": np.float16, "<f4": np.float32, "<i4": np.int32}
 MAX_ID_LIST = 1 << 16                      # longest token-id list any message may carry
 MAX_STR = 4096
+MAX_CANDIDATES = 64                        # candidate ids per draft position for early exits
 
 
 class WireError(ValueError):
@@ -188,6 +189,7 @@ class Open(Message):
     prompt_ids: list[int]       # the whole committed prefix: prompt plus every committed token
     sampling: dict              # temperature, top_k, seed
     slo: dict = field(default_factory=dict)   # optional latency targets in ms (used by the scheduler)
+    exits: list[int] = field(default_factory=list)  # early-exit layers to stream verdicts from; [] = off
 
     @classmethod
     def from_wire(cls, d):
@@ -198,7 +200,10 @@ class Open(Message):
         ids = _ids(d.get("prompt_ids"), "prompt_ids")
         if not ids:
             raise WireError("bad_field", "prompt_ids must hold at least one token")
-        return cls(_sid(d.get("sid")), ids, sampling, _map(d.get("slo", {}), "slo"))
+        exits = _ids(d.get("exits", []), "exits", 256)
+        if sorted(set(exits)) != exits:
+            raise WireError("bad_field", "exits must be increasing layer numbers without repeats")
+        return cls(_sid(d.get("sid")), ids, sampling, _map(d.get("slo", {}), "slo"), exits)
 
     @classmethod
     def make_dummy(cls):
@@ -222,6 +227,8 @@ class Verify(Message):
     """Robot -> server: one speculation round.
 
     q["kind"] is "none" (greedy: ids only) or "full" (fp16 [k, vocab] table in q["probs"]).
+    `cands` (optional, int32 [k, K], K <= 64) are the draft's top-K ids at each
+    position: early exits score only those rows of the LM head (FSD).
     """
     TYPE: ClassVar[str] = "verify"
     sid: str
@@ -229,11 +236,16 @@ class Verify(Message):
     n_committed: int            # the robot's committed length; a mismatch means the two sides diverged
     draft_ids: list[int]        # [k]; k can be zero (the server then returns one target token)
     q: dict
+    cands: np.ndarray | None = None
 
     def to_wire(self) -> dict:
         d = super().to_wire()
         if isinstance(self.q.get("probs"), np.ndarray):
             d["q"] = {"kind": self.q["kind"], "probs": encode_array(self.q["probs"])}
+        if self.cands is None:
+            del d["cands"]
+        else:
+            d["cands"] = encode_array(np.asarray(self.cands, dtype=np.int32))
         return d
 
     @classmethod
@@ -251,12 +263,48 @@ class Verify(Message):
             q = {"kind": "full", "probs": probs}
         else:
             raise WireError("unsupported", f"q.kind {kind!r} is not supported (use 'none' or 'full')")
+        cands = None
+        if d.get("cands") is not None:
+            cands = decode_array(d["cands"], "cands")
+            if (cands.dtype != np.int32 or cands.ndim != 2 or cands.shape[0] != len(draft)
+                    or not 1 <= cands.shape[1] <= MAX_CANDIDATES):
+                raise WireError("bad_field", f"cands must be int32 [k={len(draft)}, 1..{MAX_CANDIDATES}], got "
+                                f"{cands.dtype} {list(cands.shape)}")
+            if cands.size and cands.min() < 0:
+                raise WireError("bad_field", "cands holds a negative token id")
         return cls(_sid(d.get("sid")), _int(d.get("round"), "round"),
-                   _int(d.get("n_committed"), "n_committed", 1), draft, q)
+                   _int(d.get("n_committed"), "n_committed", 1), draft, q, cands)
 
     @classmethod
     def make_dummy(cls):
         return cls("s1", 0, 3, [4, 5], {"kind": "none"})
+
+
+@dataclass
+class Exit(Message):
+    """Server -> robot: an early exit's verdict on a round, sent before the `result` (FSD).
+
+    A hint only: `tokens` is what this exit predicts the round will commit (the
+    accepted draft prefix and the next token); the `result` decides.
+    """
+    TYPE: ClassVar[str] = "exit"
+    sid: str
+    round: int
+    layer: int                  # decoder block after which the exit sits (1-based)
+    tokens: list[int]           # draft_ids[:accepted] + [next token]
+    confidence: float           # max softmax probability at the deciding position
+
+    @classmethod
+    def from_wire(cls, d):
+        tokens = _ids(d.get("tokens"), "tokens", 257)
+        if not tokens:
+            raise WireError("bad_field", "an exit verdict holds at least the next token")
+        return cls(_sid(d.get("sid")), _int(d.get("round"), "round"), _int(d.get("layer"), "layer", 1, 1 << 12),
+                   tokens, _float(d.get("confidence"), "confidence", 0.0, 1.0))
+
+    @classmethod
+    def make_dummy(cls):
+        return cls("s1", 0, 12, [4, 7], 0.9)
 
 
 @dataclass
@@ -268,7 +316,7 @@ class Result(Message):
     accepted: int               # draft tokens kept; can be zero
     token: int                  # correction at the first rejection, or the bonus token
     n_committed: int            # the server's committed length after this round
-    timing: dict                # verify_ms, passes
+    timing: dict                # verify_ms, passes; with exits: exit_layer (earliest exit that agreed), exit_ms
 
     @classmethod
     def from_wire(cls, d):
@@ -321,7 +369,7 @@ class Close(Message):
 
 
 MESSAGES: dict[str, type[Message]] = {m.TYPE: m for m in
-                                      (Hello, Welcome, Error, Open, Opened, Verify, Result, Ar, Token, Close)}
+                                      (Hello, Welcome, Error, Open, Opened, Verify, Exit, Result, Ar, Token, Close)}
 
 
 def encode(msg: Message) -> bytes:

@@ -24,12 +24,13 @@ def free_port() -> int:
 
 class LocalVerifier:
     def __init__(self, target: str | None = None, cpus: set[int] | None = None, threads: int = 1,
-                 token: str = "", start_timeout_s: float = 300.0):
+                 token: str = "", start_timeout_s: float = 300.0, extra_args: list[str] = ()):
         self.target = target
         self.cpus = cpus
         self.threads = threads
         self.token = token
         self.start_timeout_s = start_timeout_s
+        self.extra_args = list(extra_args)          # more `server-bridge serve` flags
         self.port = free_port()
         self.proc: subprocess.Popen | None = None
         self.log_path = Path(tempfile.mkstemp(prefix="server-bridge-", suffix=".log")[1])
@@ -43,6 +44,7 @@ class LocalVerifier:
                "--threads", str(self.threads)]
         if self.target:
             cmd += ["--target", self.target]
+        cmd += self.extra_args
         env = dict(os.environ, VERIFIER_TOKEN=self.token, OMP_NUM_THREADS=str(self.threads))
         cpus = self.cpus
         self.proc = subprocess.Popen(cmd, stdout=self.log_path.open("w"), stderr=subprocess.STDOUT, env=env,

@@ -35,3 +35,43 @@ def test_bad_config_is_refused(tmp_path):
         ServerConfig(port=70000)
     with pytest.raises(ValueError):
         ServerConfig(max_sessions=0)
+
+
+def test_exit_settings_are_checked():
+    cfg = ServerConfig.load(ROOT / "systemd" / "server-bridge.toml")
+    assert (cfg.exits, cfg.exit_layers, cfg.exit_policy, cfg.exit_queue, cfg.exit_bonus_candidates) == \
+        ("auto", [], "priority", 64, 16)
+    for bad in ({"exit_layers": [26, 12]}, {"exit_layers": [0]}, {"exit_layers": [12, 12]},
+                {"exit_policy": "lifo"}, {"exit_queue": 0}, {"exit_bonus_candidates": 0}):
+        with pytest.raises(ValueError):
+            ServerConfig(**bad)
+
+
+def test_cli_flags_override_the_exit_settings(monkeypatch):
+    from server_bridge import cli, server
+
+    seen = []
+
+    async def fake_run(config):
+        seen.append(config)
+
+    monkeypatch.setattr(server, "run", fake_run)
+    assert cli.main(["serve", "--exits", "", "--exit-layers", "22,26", "--exit-policy", "fifo",
+                     "--exit-queue", "8", "--exit-bonus-candidates", "4"]) == 0
+    assert (seen[0].exits, seen[0].exit_layers, seen[0].exit_policy, seen[0].exit_queue,
+            seen[0].exit_bonus_candidates) == ("", [22, 26], "fifo", 8, 4)
+    assert cli.main(["serve", "--exit-layers", "all"]) == 0
+    assert seen[1].exits == "auto" and seen[1].exit_layers == []
+    assert cli.main(["serve", "--exit-layers", "26,12"]) == 2        # refused by the config, not a traceback
+
+
+def test_exit_adapters_are_found_by_target_name(tmp_path):
+    from server_bridge import modelfiles
+
+    assert modelfiles.resolve_exits("", "smollm2-f32") is None
+    assert modelfiles.resolve_exits("auto", "no-such-target") is None
+    shipped = modelfiles.resolve_exits("auto", "smollm2-f32")
+    assert shipped == modelfiles.models_dir() / "exits" / "smollm2-f32"
+    assert modelfiles.resolve_exits(str(shipped), "anything") == shipped
+    with pytest.raises(modelfiles.ModelNotFound, match="train them"):
+        modelfiles.resolve_exits(str(tmp_path / "missing"), "smollm2-f32")

@@ -1,4 +1,5 @@
 """Early-exit adapters: cheap candidate scoring, save/load, and the shipped adapters beat the logit lens."""
+import numpy as np
 import pytest
 import torch
 
@@ -70,3 +71,35 @@ def test_shipped_adapters_agree_with_the_final_layer_more_than_the_logit_lens(sh
             hits["trained"] += (shipped.logits(target.model, l, hidden[l]).argmax(-1) == final).sum().item()
             hits["lens"] += (lens.logits(target.model, l, hidden[l]).argmax(-1) == final).sum().item()
     assert hits["trained"] > hits["lens"] + 0.05 * len(final) * len(shipped.layers), hits
+
+
+def test_taps_see_the_residual_stream_after_their_block_in_verify_passes_only(target):
+    ids = target.tokenizer.encode("The robot turned left at the")
+    draft = [260, 2078, 30]
+    seen = {}
+    state = target.new_state(ids)
+    hooks = [len(m._forward_hooks) for m in target.model.model.layers]
+    logits = target.score(state, draft, taps={l: (lambda h, l=l: seen.__setitem__(l, h.clone())) for l in (1, 12, 30)})
+    with torch.inference_mode():
+        ref = target.model(torch.tensor([ids + draft]), output_hidden_states=True)
+    for l in (1, 12):                                  # hidden_states[30] is after the final norm: compare 1, 12
+        torch.testing.assert_close(seen[l], ref.hidden_states[l][0, -4:], rtol=1e-4, atol=1e-4)
+    assert seen[30].shape == (4, target.model.config.hidden_size)
+    torch.testing.assert_close(torch.from_numpy(logits), ref.logits[0, -4:], rtol=1e-4, atol=1e-4)
+    assert [len(m._forward_hooks) for m in target.model.model.layers] == hooks     # removed after the pass
+    with pytest.raises(ValueError, match="no decoder block 31"):
+        target.score(state, draft, taps={31: print})
+
+
+def test_a_pass_that_dies_midway_leaves_the_cache_as_it_was(target):
+    ids = target.tokenizer.encode("Go to the red door")
+    state = target.new_state(ids)
+
+    def boom(hidden):
+        raise RuntimeError("tap failed")
+
+    with pytest.raises(RuntimeError, match="tap failed"):
+        target.score(state, [288, 1535], taps={12: boom})
+    assert state.cache.get_seq_length() == state.cached == len(ids) - 1
+    fresh = target.new_state(ids)
+    np.testing.assert_array_equal(target.score(state, [288, 1535]), target.score(fresh, [288, 1535]))

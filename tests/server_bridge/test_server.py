@@ -191,3 +191,74 @@ def test_without_a_token_only_loopback_peers_get_the_upgrade(server):
     far = server.server.process_request(Peer(("10.1.2.3", 5555)), request)
     assert far.status == HTTPStatus.FORBIDDEN and "loopback clients only" in far.text
     assert server.server.process_request(Peer(("127.0.0.1", 5555)), request) is None   # upgrade goes on
+
+
+GREEDY = {"temperature": 0.0, "top_k": 0, "seed": 0}
+
+
+def _until_result(ws) -> list[wire.Message]:
+    got = []
+    while not got or not isinstance(got[-1], (wire.Result, wire.Error)):
+        got.append(wire.decode(ws.recv(timeout=30)))
+    return got
+
+
+def test_welcome_lists_the_exits_and_an_unknown_exit_is_refused_without_harm(server, target):
+    with connect(server.url, max_size=None) as ws:
+        ws.send(_hello(target))
+        assert wire.decode(ws.recv(timeout=10)).exits == [12, 18, 22, 26]
+        ids = target.tokenizer.encode("Walk to the door.")
+        ws.send(wire.encode(wire.Open("e", ids, GREEDY, exits=[12, 99])))
+        error = _error(ws)
+        assert error.code == "bad_field" and "99" in error.message
+        assert _open(ws, "e", ids).TYPE == "opened"                # the connection keeps working
+
+
+def test_exit_messages_stream_before_their_result(server, target):
+    """The target's own continuation as drafts (fetched with `ar`), its true tokens among the candidates."""
+    ws = _raw(server, target)
+    ids = target.tokenizer.encode("The robot walked to the kitchen door, stopped, and")
+    _open(ws, "ref", ids)
+    ws.send(wire.encode(wire.Ar("ref", 16)))
+    ref = [wire.decode(ws.recv(timeout=30)).token for _ in range(16)]
+    rng = np.random.default_rng(0)
+
+    ws.send(wire.encode(wire.Open("fsd", ids, GREEDY, exits=[12, 18, 22, 26])))
+    assert wire.decode(ws.recv(timeout=30)).TYPE == "opened"
+    committed = list(ids)
+    for r in range(3):
+        done = len(committed) - len(ids)
+        draft = ref[done:done + 4]
+        if r == 1:
+            draft[2] = 5                                            # a rejection in the middle
+        cands = rng.integers(0, target.vocab_size, (4, 8)).astype(np.int32)
+        cands[:, 3] = ref[done:done + 4]
+        ws.send(wire.encode(wire.Verify("fsd", r, len(committed), draft, {"kind": "none"}, cands)))
+        *exits, result = _until_result(ws)
+        assert isinstance(result, wire.Result), result
+        assert exits, "no exit overtook the pass"
+        assert all(isinstance(m, wire.Exit) and (m.sid, m.round) == ("fsd", r) for m in exits)
+        assert sorted(m.layer for m in exits) == sorted({m.layer for m in exits})
+        assert result.timing["exit_layer"] in (12, 18, 22, 26, 30) and result.timing["exit_ms"] > 0
+        committed += draft[:result.accepted] + [result.token]
+        assert committed == ids + ref[:len(committed) - len(ids)]   # exact, exits or not
+    # the same connection without exits: the result is the only answer
+    _open(ws, "plain", ids)
+    ws.send(wire.encode(wire.Verify("plain", 0, len(ids), ref[:4], {"kind": "none"}, cands)))
+    [result] = _until_result(ws)
+    assert result.accepted == 4 and "exit_layer" not in result.timing
+    ws.close()
+    text = urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=5).read().decode()
+    values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line and line[0] != "#"}
+    assert values["bridge_exits_sent_total"] >= 3 and values["bridge_exit_seconds_total"] > 0
+    assert "bridge_exits_dropped_total" in values and 12 <= values["bridge_avg_exit_layer"] <= 30
+
+
+def test_a_server_without_exits_says_so(make_server, target):
+    s = make_server(exits="")
+    link = VerifierLink(s.url, vocab_hash=target.vocab_hash, vocab_size=target.vocab_size)
+    assert link.connect().exits == []
+    with pytest.raises(ServerError) as e:
+        link.request(wire.Open("x", [1, 2, 3], GREEDY, exits=[26]))
+    assert e.value.code == "bad_field"
+    link.close()

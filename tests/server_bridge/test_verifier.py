@@ -1,4 +1,6 @@
 """The verifier on the real models: at T > 0 the committed token follows the target's distribution."""
+import itertools
+
 import numpy as np
 import pytest
 from scipy import stats
@@ -30,8 +32,8 @@ def test_real_draft_and_target_commit_the_targets_distribution(drafter, target):
     firsts, rejected = [], 0
     for r in range(240):
         d = drafter.propose(ids, 1, params, rng)
-        verdict, _ = verifier.verify(session, wire.Verify("stat", r, len(ids), d.ids,
-                                                          {"kind": "full", "probs": d.q}))
+        verdict = verifier.verify(session, wire.Verify("stat", r, len(ids), d.ids,
+                                                       {"kind": "full", "probs": d.q})).verdict
         firsts.append(d.ids[0] if verdict.accepted else verdict.token)
         rejected += verdict.accepted == 0
         target.rewind(session.state, ids)                   # the next round starts from the same prefix
@@ -39,3 +41,108 @@ def test_real_draft_and_target_commit_the_targets_distribution(drafter, target):
     assert counts.sum() == len(firsts), "a token outside the target's top-k was committed"
     assert rejected > 0                                     # the residual path really ran
     assert stats.chisquare(counts, p[support] * len(firsts)).pvalue > 1e-3
+
+
+# --------------------------------------------------------------------------- early exits (FSD)
+
+PROMPT = "The robot walked to the kitchen door, stopped, and"
+SAMPLING = {"greedy": {"temperature": 0.0, "top_k": 0, "seed": 0},
+            "sampled": {"temperature": 0.8, "top_k": 40, "seed": 3}}
+
+
+@pytest.fixture(scope="module")
+def exit_verifier(target):
+    return Verifier(target, ServerConfig())
+
+
+@pytest.fixture(scope="module")
+def continuation(target, exit_verifier):
+    """The prompt and the target's own greedy continuation of it (what a perfect draft would propose)."""
+    ids = target.tokenizer.encode(PROMPT)
+    s, _ = exit_verifier.open(wire.Open("ref", ids, SAMPLING["greedy"]), 99, None)
+    return ids, [exit_verifier.ar_step(s)[0] for _ in range(40)]
+
+
+def _rounds(verifier, target, continuation, sampling_, exits, n=6, k=4, emit_factory=None):
+    """Drive one session through n rounds of k-token drafts: the greedy continuation with one token
+    changed in most rounds, and the true token among 8 candidates. Returns (verdicts, committed ids, exits).
+    """
+    ids, ref = continuation
+    session, _ = verifier.open(wire.Open(f"x{len(exits)}", ids, sampling_, exits=exits), 1, None)
+    rng = np.random.default_rng(7)
+    verdicts, sent = [], []
+    for r in range(n):
+        done = len(session.state.ids) - len(ids)
+        draft = list(ref[done:done + k]) if done + k <= len(ref) else rng.integers(0, 999, k).tolist()
+        if r % 3 != 2:                                          # every third draft is left perfect
+            draft[rng.integers(0, k)] = int(rng.integers(0, target.vocab_size))
+        cands = rng.integers(0, target.vocab_size, (k, 8)).astype(np.int32)
+        cands[:, 0] = ref[done:done + k] if done + k <= len(ref) else cands[:, 0]
+        q = {"kind": "none"}
+        if sampling_["temperature"] > 0:
+            probs = np.full((k, target.vocab_size), 0.5 / target.vocab_size)
+            probs[np.arange(k), draft] += 0.5
+            q = {"kind": "full", "probs": probs.astype(np.float16)}
+        mine = []
+        out = verifier.verify(session, wire.Verify(session.sid, r, len(session.state.ids), draft, q, cands),
+                              mine.append)
+        verdicts.append((out.verdict, out.timing()))
+        sent.append((draft, out, mine))
+    return verdicts, session.state.ids, sent
+
+
+@pytest.mark.parametrize("mode", ["greedy", "sampled"])
+@pytest.mark.parametrize("exits", [[12, 18, 22, 26], [18, 26]])
+def test_exits_change_nothing_and_their_verdicts_are_consistent(exit_verifier, target, continuation, mode, exits):
+    on, on_ids, sent = _rounds(exit_verifier, target, continuation, SAMPLING[mode], exits)
+    off, off_ids, quiet = _rounds(exit_verifier, target, continuation, SAMPLING[mode], [])
+    assert [v for v, _ in on] == [v for v, _ in off] and on_ids == off_ids
+    assert all(not mine for _, _, mine in quiet)                         # exits off: nothing emitted
+    assert all("exit_layer" not in t for _, t in off)
+    assert sum(len(mine) for _, _, mine in sent) >= len(sent)
+    for r, (draft, out, mine) in enumerate(sent):
+        assert mine, "the first exit of a pass always reports"
+        committed = draft[:out.verdict.accepted] + [out.verdict.token]
+        for m in mine:
+            assert (m.sid, m.round) == (f"x{len(exits)}", r) and m.layer in exits
+            assert 1 <= len(m.tokens) <= len(draft) + 1 and m.tokens[:-1] == draft[:len(m.tokens) - 1]
+            assert 0.0 <= m.confidence <= 1.0
+            assert wire.decode(wire.encode(m)) == m                      # a valid wire message
+        assert all(a.tokens != b.tokens for a, b in itertools.pairwise(mine))   # only changes are sent
+        assert [m.layer for m in mine] == sorted({m.layer for m in mine})
+        timing = out.timing()
+        assert timing["exit_layer"] in exits + [target.n_layers] and 0 < timing["exit_ms"] < timing["verify_ms"]
+        # the verdict at exit_layer is the last one sent at or before it, and it equals the result
+        before = [m for m in mine if m.layer <= timing["exit_layer"]]
+        if timing["exit_layer"] < target.n_layers:
+            assert before[-1].tokens == committed
+        assert all(m.tokens != committed for m in mine if m.layer < timing["exit_layer"])
+
+
+def test_open_refuses_an_exit_the_server_does_not_have(exit_verifier, continuation):
+    assert exit_verifier.exit_layers == [12, 18, 22, 26]
+    with pytest.raises(wire.WireError) as e:
+        exit_verifier.open(wire.Open("bad", continuation[0], SAMPLING["greedy"], exits=[12, 13]), 1, None)
+    assert e.value.code == "bad_field" and "13" in e.value.message
+    off = Verifier(exit_verifier.target, ServerConfig(exits=""))
+    assert off.exit_layers == []
+    with pytest.raises(wire.WireError, match="none"):
+        off.open(wire.Open("bad", continuation[0], SAMPLING["greedy"], exits=[12]), 1, None)
+
+
+def test_a_failing_exit_does_not_stop_the_result(target, continuation, monkeypatch):
+    verifier = Verifier(target, ServerConfig(exit_layers=[18, 26]))
+    off, off_ids, _ = _rounds(verifier, target, continuation, SAMPLING["greedy"], [])
+    monkeypatch.setattr(verifier.exits, "logits", lambda *a, **k: 1 / 0)
+    broken, broken_ids, sent = _rounds(verifier, target, continuation, SAMPLING["greedy"], [18, 26])
+    assert [v for v, _ in broken] == [v for v, _ in off] and broken_ids == off_ids
+    assert all(not mine and out.exit_layer == target.n_layers for _, out, mine in sent)
+
+
+def test_a_verify_with_bad_candidates_is_refused(exit_verifier, target, continuation):
+    session, _ = exit_verifier.open(wire.Open("c", continuation[0], SAMPLING["greedy"], exits=[26]), 1, None)
+    cands = np.full((1, 4), target.vocab_size, np.int32)
+    with pytest.raises(wire.WireError) as e:
+        exit_verifier.verify(session, wire.Verify("c", 0, len(session.state.ids), [5], {"kind": "none"}, cands),
+                             lambda m: None)
+    assert e.value.code == "bad_field"
