@@ -6,9 +6,10 @@ committed prefix and the current draft, so the branches live as sequences of
 one llama.cpp context: sequence 0 holds committed + draft, a branch copies the
 part of it that it shares (`llama_memory_seq_cp` shares KV cells, it does not
 copy them) and then all active branches advance one token per `llama_decode`
-call, in one batch. On this CPU a batch of 4 single-token rows costs little
-more than one row (the weights are read once); see tools/bench_predraft.py,
-which measures this against one context per worker thread.
+call, in one batch. On this CPU one step of 4 branches takes ~40 ms against
+~18.5 ms for one (the weights are read once per step, not per branch);
+tools/bench_predraft.py measures this against one context per worker thread
+(batched is 1.3-2x faster from 2 branches on).
 
 Not thread-safe: one BranchDrafter belongs to one thread (the pre-draft worker).
 It shares the model weights of the `Drafter` it is built from.

@@ -5,12 +5,19 @@ Its worker thread guesses how the round will end and drafts the next draft
 after each guess into a bounded cache, keyed by the continuation (the tokens
 the round would commit):
 
-- guesses the robot can make alone, ranked by the draft's own probabilities:
-  "all accepted, plus the draft's own next token" and "rejected at j,
-  corrected to the draft's second choice at j";
-- early-exit verdicts streamed by the server (`exit` messages), which outrank
-  the robot's guesses and are ordered among themselves by the queue policy
-  (`priority`: highest confidence first; `fifo`; `random`, for the ablation).
+- guesses the robot can make alone: "all accepted, plus the draft's own next
+  token" and "rejected at j, corrected to the draft's second choice at j";
+- early-exit verdicts streamed by the server (`exit` messages), ordered among
+  themselves by the queue policy (`priority`: highest confidence first;
+  `fifo`; `random`, for the ablation).
+
+The two compete on calibrated odds of being the round's outcome, learned
+online from how rounds really end: a guess's from the measured acceptance
+rate (the draft's own probabilities are far less confident than its
+agreement with a near-identical target), an exit verdict's from how often
+that exit layer's verdict was the outcome. A better candidate takes over the
+slot of the worst running branch; candidates below `min_odds` are not
+drafted at all.
 
 Up to `workers` branches are drafted at once, as sequences of one llama
 context advancing together in one batch (agent/branches.py). When the
@@ -106,10 +113,9 @@ class _Round:
     exits: VerdictQueue
     guesses: list[tuple[float, tuple[int, ...]]] = field(default_factory=list)   # max-heap by -score
     seen: set[tuple[int, ...]] = field(default_factory=set)     # keys queued, drafting or drafted
-    guessed: set[tuple[int, ...]] = field(default_factory=set)  # keys the robot guessed alone
     drafting: dict[tuple[int, ...], float] = field(default_factory=dict)  # active branch keys -> estimate
     verdicts: dict[int, tuple[int, ...]] = field(default_factory=dict)    # layer -> its last verdict
-    guess_odds: dict[tuple[int, ...], float] = field(default_factory=dict)
+    guess_odds: dict[tuple[int, ...], float] = field(default_factory=dict)  # the robot's own guesses
     cache: dict[tuple[int, ...], Draft] = field(default_factory=dict)
     wanted: tuple[int, ...] | None = None      # set by take(): the only key still worth drafting
     t0: float = field(default_factory=time.perf_counter)
@@ -140,8 +146,7 @@ class PreDrafter:
         self.cache_size = cache_size
         self.guesses = guesses
         # Branches less likely than this to be the outcome are not drafted: on a robot
-        # every idle step saves battery, and here it leaves the verifier's machine its
-        # memory bandwidth (tools/bench.py measures the verify pass slowing when both run).
+        # every idle step saves battery (and on a shared machine, memory bandwidth).
         self.min_odds = min_odds
         self.stats = PreDraftStats()
         self.branches = BranchDrafter(drafter, slots=workers, n_ctx=n_ctx, threads=threads, n_cands=n_cands)
@@ -226,7 +231,7 @@ class PreDrafter:
             hit = key in r.drafting
             log.debug("round %d result after %.0f ms: key %s (guessed %s, queued/seen %s, drafting %s, "
                       "cached %d: %s)", number, (time.perf_counter() - r.t0) * 1e3,
-                      "cached" if key in r.cache else "drafting" if hit else "new", key in r.guessed,
+                      "cached" if key in r.cache else "drafting" if hit else "new", key in r.guess_odds,
                       key in r.seen, len(r.drafting), len(r.cache), r.log)
             if key in r.cache:
                 draft = r.cache[key]
@@ -311,7 +316,7 @@ class PreDrafter:
             done = [b for b in active if b.done]
             with self._cv:
                 for b in done:
-                    r.log.append((round((time.perf_counter() - r.t0) * 1e3), "done", b.key in r.guessed))
+                    r.log.append((round((time.perf_counter() - r.t0) * 1e3), "done", b.key in r.guess_odds))
                     self.stats.branches_done += 1
                     if len(r.cache) < self.cache_size or b.key == r.wanted:
                         r.cache[b.key] = self.branches.result(b, r.params)
@@ -422,6 +427,5 @@ class PreDrafter:
             for score, key in scored:
                 if not any(tok in r.stop_ids for tok in key):
                     heapq.heappush(r.guesses, (-score, key))
-                    r.guessed.add(key)
                     r.guess_odds[key] = score
             self._cv.notify_all()

@@ -231,17 +231,17 @@ def run_ablations(bench: Runner, link: NetemProxy, draft: str, prompts: list[dic
     link.set_profile(LinkProfile.from_rtt(rtt))
     dr = bench.drafters[draft]
     sd = bench.sd[draft]
+    inputs = [dr.tokenize(p["prompt"], chat=p["chat"]) for p in prompts]
+    refs = [sd.generate(ids, mode="ar", max_tokens=bench.max_tokens).token_ids for ids in inputs]
     rows = []
 
-    def measure(kind: str, value, decoder: EdgeDecoder, mode: str, g: int, **extra) -> None:
+    def measure(kind: str, value, decoder: EdgeDecoder, mode: str, g: int) -> None:
         runs = []
-        for p in prompts:
-            ids = dr.tokenize(p["prompt"], chat=p["chat"])
-            ref = sd.generate(ids, mode="sd", max_tokens=bench.max_tokens, gamma=g).token_ids   # == AR at T = 0
+        for ids, ref in zip(inputs, refs):
             r = bench.run(decoder, ids, mode, g, draft)
             r["exact"] = r["token_ids"] == ref
             runs.append(r)
-        row = {"ablation": kind, "value": value, "mode": mode, "gamma": g, "rtt_ms": rtt, **extra,
+        row = {"ablation": kind, "value": value, "mode": mode, "gamma": g, "rtt_ms": rtt,
                **summarize([dict(r, predicted_s=0.0) for r in runs])}
         rows.append(row)
         print(f"ablation {kind}={value} {mode}: {row['tokens_per_s']:.1f} tok/s, miss rate "
@@ -249,6 +249,7 @@ def run_ablations(bench: Runner, link: NetemProxy, draft: str, prompts: list[dic
 
     for w in (1, 2, 4, 8):
         dec = EdgeDecoder(dr, link.url(), fsd=FsdOptions(workers=w))
+        dec.generate(inputs[0], mode="fsd", max_tokens=16, gamma=gamma)      # warm up its context
         measure("workers", w, dec, "fsd", gamma)
         dec.close()
     for g in range(1, 9):
@@ -268,14 +269,15 @@ def run_server_policies(drafters_spec: str, prompts: list[dict], rtt: float, gam
             dr = Drafter(drafters_spec, threads=len(agent_cpus))
             bench = Runner(link, {drafters_spec: dr}, max_tokens, workers)
             bench.warm_up(gamma)
+            inputs = [dr.tokenize(p["prompt"], chat=p["chat"]) for p in prompts]
+            refs = [bench.run(bench.sd[drafters_spec], ids, "ar", gamma, None)["token_ids"] for ids in inputs]
             for robot_policy in POLICIES:
                 dec = EdgeDecoder(dr, link.url(), fsd=FsdOptions(workers=workers, policy=robot_policy))
+                dec.generate(inputs[0], mode="fsd", max_tokens=16, gamma=gamma)      # warm up its context
                 runs = []
-                for p in prompts:
-                    ids = dr.tokenize(p["prompt"], chat=p["chat"])
-                    ref = bench.run(bench.sd[drafters_spec], ids, "sd", gamma, drafters_spec)
+                for ids, ref in zip(inputs, refs):
                     r = bench.run(dec, ids, "fsd", gamma, drafters_spec)
-                    r["exact"] = r["token_ids"] == ref["token_ids"]
+                    r["exact"] = r["token_ids"] == ref
                     runs.append(r)
                 dec.close()
                 row = {"ablation": "policy", "value": f"robot {robot_policy} x server {server_policy}",
@@ -337,9 +339,9 @@ def render_markdown(table: list[dict], config: dict) -> str:
             f"FSD with {config['fsd_workers']} pre-draft branch(es) at once; verifier on cores "
             f"{config['server_cpus']}, drafts on {config['agent_cpus']}; started {config['started']}. "
             "'model s' is the latency model's prediction from times measured in the same run. "
-            "'verify ms/round' is the server's time per verification pass: on this 2-vCPU machine it grows "
-            "in FSD because the robot pre-drafts while the server verifies and the two share memory bandwidth; "
-            "on separate machines they would not. The last column projects that case: each FSD round's verify "
+            "'verify ms/round' is the server's time per verification pass; in FSD it includes the exit heads, "
+            "and on this one machine any slowdown from the robot pre-drafting on the other core "
+            "(python -m tools.contention). The last column projects separate machines: each FSD round's verify "
             "pass as long as an SD round's in the same run plus the exit heads' own time, the rest as measured.\n")
     return head + "\n".join(rows) + "\n" + note
 

@@ -25,6 +25,11 @@ def test_json_output_for_each_mode(make_server, capsys):
     rc, ar = _run(capsys, "--verifier", server.url, "--mode", "ar", *prompt)
     assert rc == 0 and ar["token_ids"] == sd["token_ids"] and ar["text"] == sd["text"]
     assert ar["metrics"]["acceptance_rate"] is None and ar["metrics"]["tau"] == 1.0
+    rc, fsd = _run(capsys, "--verifier", server.url, "--mode", "fsd", "--gamma", "3", "--exits", "22,26",
+                   "--predraft-workers", "2", "--queue-policy", "fifo", *prompt)
+    assert rc == 0 and fsd["token_ids"] == sd["token_ids"]
+    assert {"predraft_hits", "predraft_misses", "avg_exit_layer"} <= set(fsd["metrics"])
+    assert fsd["metrics"]["predraft_hits"] + fsd["metrics"]["predraft_misses"] == fsd["metrics"]["rounds"] - 1
     rc, local = _run(capsys, "--local", *prompt)
     assert rc == 0 and local["mode"] == "local" and local["metrics"]["bytes_up"] == 0
 
