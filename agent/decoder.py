@@ -102,6 +102,7 @@ class EdgeDecoder:
         self.fsd = fsd
         self.link: VerifierLink | None = None
         self.predrafter: PreDrafter | None = None
+        self._last_round: tuple[int, tuple[int, ...]] | None = None   # FSD: whose next draft is pre-drafted
         self._bytes_base = (0, 0)
 
     def close(self) -> None:
@@ -171,7 +172,7 @@ class EdgeDecoder:
         n_prompt = len(prompt_ids)
         is_open = False
         failures = 0
-        self._last_round = None             # FSD: (round, continuation) whose next draft is pre-drafted
+        self._last_round = None
         if mode == "fsd" and self.predrafter is None:
             self.predrafter = PreDrafter(self.drafter, workers=self.fsd.workers, policy=self.fsd.policy,
                                          n_cands=self.fsd.n_cands, threads=self.fsd.threads,

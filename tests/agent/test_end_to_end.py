@@ -6,7 +6,7 @@ import time
 import pytest
 import torch
 
-from agent.decoder import EdgeDecoder, ReconnectPolicy
+from agent.decoder import EdgeDecoder, FsdOptions, ReconnectPolicy
 from server_bridge.sampling import SamplingParams
 from tools.netem import LinkProfile, NetemProxy
 
@@ -166,3 +166,75 @@ def test_two_robots_interleave_exactly(drafter, target, server_and_proxy, ar_ref
     for t in threads:
         t.join(120)
     assert results == {"a": ar_reference[0], "b": ar_reference[2]}
+
+
+# --------------------------------------------------------------------------- FSD
+
+def _fsd(drafter, server_and_proxy, prompt, chat, **options):
+    dec = EdgeDecoder(drafter, server_and_proxy[1].url(), fsd=FsdOptions(**options))
+    try:
+        return dec.generate(drafter.tokenize(prompt, chat=chat), mode="fsd", gamma=4, max_tokens=MAX_TOKENS)
+    finally:
+        dec.close()
+
+
+def test_fsd_equals_sd_and_ar_at_temperature_zero_and_hits(drafter, server_and_proxy, ar_reference):
+    hits = 0
+    for (prompt, chat), expected in zip(PROMPTS, ar_reference, strict=True):
+        sd = EdgeDecoder(drafter, server_and_proxy[1].url())
+        try:
+            sd_ids = sd.generate(drafter.tokenize(prompt, chat=chat), mode="sd", max_tokens=MAX_TOKENS).token_ids
+        finally:
+            sd.close()
+        gen = _fsd(drafter, server_and_proxy, prompt, chat)
+        assert gen.token_ids == sd_ids == expected
+        m = gen.metrics
+        assert m.predraft_hits + m.predraft_misses == m.rounds - 1
+        assert m.exits_received > 0 and m.avg_exit_layer is not None
+        hits += m.predraft_hits
+    assert hits > 0
+
+
+def test_fsd_miss_path_is_exact(drafter, server_and_proxy, ar_reference):
+    """No guesses, no exits: nothing is pre-drafted before a result, so every round is a miss."""
+    prompt, chat = PROMPTS[0]
+    gen = _fsd(drafter, server_and_proxy, prompt, chat, exits=(), guesses=False)
+    assert gen.token_ids == ar_reference[0]
+    assert gen.metrics.predraft_hits == 0 and gen.metrics.predraft_misses == gen.metrics.rounds - 1
+    assert gen.metrics.exits_received == 0
+
+
+def test_weak_draft_fsd_is_exact_with_misses(weak_drafter, server_and_proxy, ar_reference):
+    prompt, chat = PROMPTS[0]
+    gen = _fsd(weak_drafter, server_and_proxy, prompt, chat, workers=1)
+    assert gen.token_ids == ar_reference[0]
+    assert gen.metrics.predraft_misses + gen.metrics.predraft_hits == gen.metrics.rounds - 1
+
+
+def test_a_failing_predraft_worker_never_stalls_generation(drafter, server_and_proxy, ar_reference, monkeypatch):
+    from agent.branches import BranchDrafter
+
+    def broken(self, *a, **k):
+        raise RuntimeError("injected pre-draft failure")
+
+    monkeypatch.setattr(BranchDrafter, "base", broken)
+    prompt, chat = PROMPTS[1]
+    t0 = time.monotonic()
+    gen = _fsd(drafter, server_and_proxy, prompt, chat)
+    assert gen.token_ids == ar_reference[1]
+    assert gen.metrics.predraft_failures == gen.metrics.rounds - 1 > 0
+    assert gen.metrics.predraft_hits == 0
+    assert time.monotonic() - t0 < 60
+
+
+def test_fsd_samples_at_temperature_above_zero(drafter, server_and_proxy):
+    """Pre-drafted drafts carry the fp16 q they were sampled from, so the server accepts them."""
+    prompt, chat = PROMPTS[0]
+    dec = EdgeDecoder(drafter, server_and_proxy[1].url())
+    try:
+        gen = dec.generate(drafter.tokenize(prompt, chat=chat), mode="fsd", gamma=4, max_tokens=MAX_TOKENS,
+                           params=SamplingParams(temperature=0.8, seed=3))
+    finally:
+        dec.close()
+    assert len(gen.token_ids) == MAX_TOKENS or gen.token_ids[-1] in drafter.eos_ids
+    assert gen.metrics.predraft_hits > 0 and gen.metrics.acceptance_rate > 0
