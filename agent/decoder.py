@@ -276,9 +276,7 @@ class EdgeDecoder:
         q = {"kind": "none"} if draft.q is None else {"kind": "full", "probs": draft.q}
         msg = wire.Verify(sid, m.rounds, len(committed), draft.ids, q)
         reply, rtt = self.link.request(msg)
-        if not isinstance(reply, wire.Result) or reply.round != m.rounds or reply.accepted > k:
-            raise LinkLost(f"unexpected reply to verify round {m.rounds}: {reply}")
-        self._commit_round(committed, draft.ids[:reply.accepted] + [reply.token], k, reply, rtt, m)
+        self._commit_round(committed, draft.ids, reply, rtt, m)
 
     def _fsd_round(self, sid, committed, remaining, params, gamma, rng, m) -> None:
         """An SD round whose draft was (ideally) drafted during the previous round's verification."""
@@ -313,15 +311,17 @@ class EdgeDecoder:
             if reply.round == number:
                 self.predrafter.offer(number, reply.layer, reply.tokens, reply.confidence)
         rtt = (time.perf_counter() - t0) * 1e3
-        if not isinstance(reply, wire.Result) or reply.round != number or reply.accepted > k:
-            raise LinkLost(f"unexpected reply to verify round {number}: {reply}")
-        new = draft.ids[:reply.accepted] + [reply.token]
-        self._commit_round(committed, new, k, reply, rtt, m)
+        new = self._commit_round(committed, draft.ids, reply, rtt, m)
         self._last_round = (number, tuple(new))
         m.exit_layer_sum += int(reply.timing.get("exit_layer") or 0)
         m.exit_ms += float(reply.timing.get("exit_ms", 0.0))
 
-    def _commit_round(self, committed, new, k, reply, rtt, m) -> None:
+    def _commit_round(self, committed, draft_ids, reply, rtt, m) -> list[int]:
+        """Check the reply to verify round m.rounds and commit it; returns the committed tokens."""
+        k = len(draft_ids)
+        if not isinstance(reply, wire.Result) or reply.round != m.rounds or reply.accepted > k:
+            raise LinkLost(f"unexpected reply to verify round {m.rounds}: {reply}")
+        new = draft_ids[:reply.accepted] + [reply.token]
         committed.extend(new)
         if reply.n_committed != len(committed):
             raise ServerError("desync", f"server has {reply.n_committed} tokens after the round, we have "
@@ -333,6 +333,7 @@ class EdgeDecoder:
         m.verify_ms += reply.timing.get("verify_ms", 0.0)
         m.network_ms += max(0.0, rtt - reply.timing.get("verify_ms", 0.0))
         m.target_forward_passes += reply.timing.get("passes", 1)
+        return new
 
     def _ar_stream(self, sid, committed, remaining, m) -> None:
         """Target-only tokens streamed by the server; each is committed as it arrives."""

@@ -97,9 +97,6 @@ class VerdictQueue:
             i = max(range(len(self._items)), key=lambda j: self._value(self._items[j]))
         return self._items.pop(i)
 
-    def clear(self) -> None:
-        self._items.clear()
-
 
 @dataclass
 class _Round:
@@ -135,7 +132,7 @@ class PreDraftStats:
 
 
 class PreDrafter:
-    def __init__(self, drafter: Drafter, workers: int = 2, policy: str = "priority",
+    def __init__(self, drafter: Drafter, workers: int = 1, policy: str = "priority",
                  queue_size: int = 16, cache_size: int = 16, n_cands: int = 8, threads: int = 1,
                  n_ctx: int = 4096, guesses: bool = True, min_odds: float = 0.05):
         if workers < 1:
@@ -354,11 +351,14 @@ class PreDrafter:
             best = self._best_pending(r)
             if best is None:
                 return
-            estimate, key = best
+            estimate, key, item = best
             if len(active) >= self.workers:
                 victim = min(active, key=lambda b: r.drafting[b.key])
-                if r.drafting[victim.key] >= estimate:
-                    self._requeue(r, best)
+                if r.drafting[victim.key] >= estimate:       # not worth a slot yet: back in its queue
+                    if item is not None:
+                        r.exits.push_back(item)
+                    else:
+                        heapq.heappush(r.guesses, (-estimate, key))
                     return
                 self._drop(r, active, victim)
                 self.stats.branches_preempted += 1
@@ -367,8 +367,9 @@ class PreDrafter:
             r.seen.add(key)
             active.append(self._start(r, key, estimate, n, starts))
 
-    def _best_pending(self, r: _Round) -> tuple[float, tuple[int, ...]] | None:
-        """The better of the next early verdict (by queue policy) and the best guess, off their queues.
+    def _best_pending(self, r: _Round) -> tuple[float, tuple[int, ...], tuple | None] | None:
+        """The better of the next early verdict (by queue policy) and the best guess, off their queues:
+        (estimate, key, the verdict-queue item or None for a guess).
 
         Candidates less likely than `min_odds` are dropped.
         """
@@ -384,19 +385,13 @@ class PreDrafter:
             r.guesses.clear()                        # a heap: every other guess is less likely still
         guess = (-r.guesses[0][0], r.guesses[0][1]) if r.guesses else None
         if exit_ is not None and (guess is None or exit_[0] >= guess[0]):
-            return exit_[0], exit_[1][2]
+            return exit_[0], exit_[1][2], exit_[1]
         if exit_ is not None:
             r.exits.push_back(exit_[1])
-        if guess is not None:
-            heapq.heappop(r.guesses)
-        return guess
-
-    def _requeue(self, r: _Round, best: tuple[float, tuple[int, ...]]) -> None:
-        estimate, key = best
-        if key in r.guess_odds:
-            heapq.heappush(r.guesses, (-estimate, key))
-        else:
-            r.exits.push(key, estimate)
+        if guess is None:
+            return None
+        heapq.heappop(r.guesses)
+        return guess[0], guess[1], None
 
     def _start(self, r: _Round, key: tuple[int, ...], estimate: float, n: int, starts) -> Branch:
         self.stats.branches_started += 1
