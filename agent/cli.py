@@ -8,11 +8,14 @@ import os
 import sys
 
 from server_bridge import modelfiles
+
+from .policy import POLICIES
 from server_bridge.sampling import SamplingError, SamplingParams
 
 
 def _generate(args) -> int:
     from .decoder import EdgeDecoder, FsdOptions
+    from .policy import DraftPolicy
     from .drafter import Drafter
     from .link import LinkLost, ServerError
 
@@ -29,7 +32,14 @@ def _generate(args) -> int:
     exits = None if args.exits == "all" else tuple(int(x) for x in args.exits.split(",") if x.strip())
     fsd = FsdOptions(exits=exits, workers=args.predraft_workers, policy=args.queue_policy,
                      guesses=not args.no_guesses, threads=args.predraft_threads)
-    decoder = EdgeDecoder(drafter, None if args.local else args.verifier, token=token, fsd=fsd)
+    try:
+        policy = DraftPolicy(args.draft_policy, min_len=args.min_draft, max_len=args.max_draft,
+                             predictor=args.predictor, threshold=args.predictor_threshold, as2=not args.no_as2)
+    except ValueError as e:
+        print(f"edge-agent: {e}", file=sys.stderr)
+        return 2
+    decoder = EdgeDecoder(drafter, None if args.local else args.verifier, token=token, fsd=fsd, policy=policy,
+                          trace=args.trace)
     prompt_ids = drafter.tokenize(args.prompt, chat=args.chat)
     try:
         gen = decoder.generate(prompt_ids, mode="local" if args.local else args.mode, max_tokens=args.max_tokens,
@@ -37,6 +47,9 @@ def _generate(args) -> int:
     except (LinkLost, ServerError) as e:
         print(f"edge-agent: {e}", file=sys.stderr)
         return 3
+    except (FileNotFoundError, ValueError) as e:     # no predictor for this pair, a policy the mode lacks
+        print(f"edge-agent: {e}", file=sys.stderr)
+        return 2
     finally:
         decoder.close()
     m = gen.metrics
@@ -50,6 +63,12 @@ def _generate(args) -> int:
         print(f"[fsd] pre-draft hits {m.predraft_hits}, misses {m.predraft_misses}, failures "
               f"{m.predraft_failures}, exits received {m.exits_received}, avg exit layer "
               f"{m.avg_exit_layer if m.avg_exit_layer is None else round(m.avg_exit_layer, 1)}", file=sys.stderr)
+    if gen.mode in ("sd", "fsd"):
+        print(f"[{m.draft_policy}] draft lengths {dict(sorted(m.draft_lengths.items(), key=lambda kv: int(kv[0])))}"
+              f", predictor stops {m.predictor_stops}, gamma* {m.gamma_star}, expected speedup "
+              f"{m.expected_speedup if m.expected_speedup is None else round(m.expected_speedup, 2)}, "
+              f"streamed alone {m.streamed_tokens}, AS2 switches {[s['to'] for s in m.as2_switches]}",
+              file=sys.stderr)
     if args.json:
         print(json.dumps(gen.to_json()))
     return 0
@@ -70,7 +89,21 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--mode", choices=("ar", "sd", "fsd"), default="sd",
                    help="ar: server alone; sd: speculative; fsd: sd + early exits and pre-drafting")
-    g.add_argument("--gamma", type=int, default=4, help="draft tokens per round")
+    g.add_argument("--gamma", type=int, default=4,
+                   help="draft tokens per round (fixed), the cap of the predictor policy")
+    g.add_argument("--draft-policy", choices=POLICIES, default="fixed",
+                   help="fixed: gamma every round; predictor: stop at the first predicted rejection; optimal: "
+                        "gamma* by Lambert W, and target-only streaming while speculation cannot win (AS2)")
+    g.add_argument("--min-draft", type=int, default=1, help="the predictor never stops a draft shorter")
+    g.add_argument("--max-draft", type=int, default=None,
+                   help="longest draft (default: gamma; for optimal the server's limit)")
+    g.add_argument("--predictor", default="auto",
+                   help="rejection predictor .onnx (default: the one shipped for this draft and target)")
+    g.add_argument("--predictor-threshold", type=float, default=None,
+                   help="stop below this acceptance probability (default: the model's own)")
+    g.add_argument("--no-as2", action="store_true", help="optimal: never switch to target-only streaming")
+    g.add_argument("--trace", metavar="FILE",
+                   help="append one JSON line per judged draft token (predictor features and label)")
     g.add_argument("--exits", default="all",
                    help="fsd: early-exit layers to ask for, e.g. 18,26; 'all' (default) or '' for none")
     g.add_argument("--predraft-workers", type=int, default=1, help="fsd: branches pre-drafted at once")

@@ -1,6 +1,10 @@
 """The robot's decode loop: AR (server alone), SD (draft here, verify there), FSD (SD with
 early-exit verdicts and pre-drafting, agent/predraft.py) and local (draft alone).
 
+How long each SD round drafts, and whether to speculate at all, is the draft
+policy's (agent/policy.py): fixed, the rejection predictor, gamma* by Lambert W,
+and AS2's switch to target-only streaming when speculation cannot win.
+
 The committed prefix is the only state that matters. Every round appends to
 it only what the server committed; when the link drops, the loop reconnects
 with backoff, re-opens the session with the committed prefix and redoes the
@@ -15,11 +19,13 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from server_bridge import wire
+from server_bridge import sampling, wire
 from server_bridge.sampling import SamplingParams
 
 from .drafter import Draft, Drafter
 from .link import LinkLost, ServerError, VerifierLink
+from .policy import DraftController, DraftPolicy
+from .predictor import RejectionPredictor, TraceWriter, predictor_path
 from .predraft import PreDrafter
 
 log = logging.getLogger(__name__)
@@ -56,6 +62,18 @@ class Metrics:
     avg_exit_layer: float | None = None     # mean over rounds of the earliest exit that matched the result
     exit_layer_sum: int = 0
     exit_ms: float = 0.0                    # server time in early-exit heads (part of verify_ms)
+    # draft policy (agent/policy.py)
+    draft_policy: str = "fixed"
+    draft_lengths: dict = field(default_factory=dict)   # str(k) -> rounds that drafted k tokens
+    predictor_stops: int = 0                # rounds the rejection predictor ended early
+    predictor_calls: int = 0
+    predictor_ms: float = 0.0               # onnxruntime time, all calls
+    feature_ms: float = 0.0                 # computing the predictor's features from the logits
+    gamma_star: int | None = None           # the optimal draft length by the last estimates
+    expected_speedup: float | None = None   # S(gamma*) * rho over target-only streaming, last estimate
+    estimates: dict = field(default_factory=dict)       # the cost model's last inputs (alpha, L, rho, ...)
+    streamed_tokens: int = 0                # tokens the target streamed alone while AS2 had speculation off
+    as2_switches: list = field(default_factory=list)    # {token, to, expected_speedup, ...}, at most 64
 
 
 @dataclass
@@ -93,13 +111,18 @@ class FsdOptions:
 class EdgeDecoder:
     def __init__(self, drafter: Drafter, url: str | None = None, token: str = "",
                  reconnect: ReconnectPolicy = ReconnectPolicy(), recv_timeout_s: float = 30.0,
-                 fsd: FsdOptions = FsdOptions()):
+                 fsd: FsdOptions = FsdOptions(), policy: DraftPolicy = DraftPolicy(),
+                 trace: str | None = None):
         self.drafter = drafter
         self.url = url
         self.token = token
         self.reconnect = reconnect
         self.recv_timeout_s = recv_timeout_s
         self.fsd = fsd
+        self.policy = policy
+        self.trace = TraceWriter(trace) if trace else None
+        self._predictors: dict[str, RejectionPredictor] = {}
+        self.controller: DraftController | None = None      # the current generation's
         self.link: VerifierLink | None = None
         self.predrafter: PreDrafter | None = None
         self._last_round: tuple[int, tuple[int, ...]] | None = None   # FSD: whose next draft is pre-drafted
@@ -112,6 +135,9 @@ class EdgeDecoder:
         if self.predrafter is not None:
             self.predrafter.close()
             self.predrafter = None
+        if self.trace is not None:
+            self.trace.close()
+            self.trace = None
 
     def stop_ids(self) -> set[int]:
         ids = set(self.drafter.eos_ids)
@@ -125,6 +151,8 @@ class EdgeDecoder:
                  params: SamplingParams = SamplingParams(), gamma: int = 4) -> Generation:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if mode == "fsd" and self.policy.uses_predictor:
+            raise ValueError("fsd pre-drafts whole drafts in the background; use --draft-policy fixed or optimal")
         if not prompt_ids:
             raise ValueError("the prompt is empty")
         if max_tokens < 1 or gamma < 0:
@@ -140,7 +168,7 @@ class EdgeDecoder:
         if m.drafted:
             m.acceptance_rate = m.accepted / m.drafted
         if m.rounds:
-            m.tau = len(out) / m.rounds
+            m.tau = (len(out) - m.streamed_tokens) / m.rounds
         if m.predraft_hits + m.predraft_misses:
             m.predraft_miss_rate = m.predraft_misses / (m.predraft_hits + m.predraft_misses)
         if mode == "fsd" and m.rounds:
@@ -173,6 +201,7 @@ class EdgeDecoder:
         is_open = False
         failures = 0
         self._last_round = None
+        self.controller = None
         if mode == "fsd" and self.predrafter is None:
             self.predrafter = PreDrafter(self.drafter, workers=self.fsd.workers, policy=self.fsd.policy,
                                          n_cands=self.fsd.n_cands, threads=self.fsd.threads,
@@ -192,10 +221,14 @@ class EdgeDecoder:
                     if not is_open:
                         self._open(sid, committed, params, m, exits=mode == "fsd")
                         is_open = True
-                    if mode == "sd":
-                        self._sd_round(sid, committed, max_tokens - len(out), params, gamma, rng, m)
+                    if mode in ("sd", "fsd") and self.controller is None:
+                        self.controller = self._make_controller(sid, gamma, m)
+                    if mode in ("sd", "fsd") and not self.controller.speculating:
+                        self._stream_phase(sid, committed, max_tokens - len(out), params, m)
+                    elif mode == "sd":
+                        self._sd_round(sid, committed, max_tokens - len(out), params, rng, m)
                     elif mode == "fsd":
-                        self._fsd_round(sid, committed, max_tokens - len(out), params, gamma, rng, m)
+                        self._fsd_round(sid, committed, max_tokens - len(out), params, rng, m)
                     else:
                         self._ar_stream(sid, committed, max_tokens - len(out), m)
                     failures = 0
@@ -225,6 +258,7 @@ class EdgeDecoder:
                     m.reopens += 1
         finally:
             self._forget_predraft()
+            self._fold_policy(m)
             if self.link is not None and is_open:
                 try:
                     self.link.send(wire.Close(sid))
@@ -268,20 +302,21 @@ class EdgeDecoder:
         m.prefill_ms += reply.timing.get("prefill_ms", 0.0)
         m.target_forward_passes += reply.timing.get("passes", 0)
 
-    def _sd_round(self, sid, committed, remaining, params, gamma, rng, m) -> None:
-        limit = self.link.welcome.limits["max_draft_len"]
-        k = min(gamma, remaining - 1, limit)         # a round commits at most k + 1 tokens
-        draft = self.drafter.propose(committed, k, params, rng)
+    def _sd_round(self, sid, committed, remaining, params, rng, m) -> None:
+        ctl = self.controller
+        k = min(ctl.length(), remaining - 1)         # a round commits at most k + 1 tokens
+        draft = self.drafter.propose(committed, k, params, rng, watch=ctl.watch())
         m.draft_ms += draft.ms
         q = {"kind": "none"} if draft.q is None else {"kind": "full", "probs": draft.q}
         msg = wire.Verify(sid, m.rounds, len(committed), draft.ids, q)
         reply, rtt = self.link.request(msg)
         self._commit_round(committed, draft.ids, reply, rtt, m)
+        self._after_round(len(draft.ids), reply, draft.ms, rtt, committed, m)
 
-    def _fsd_round(self, sid, committed, remaining, params, gamma, rng, m) -> None:
+    def _fsd_round(self, sid, committed, remaining, params, rng, m) -> None:
         """An SD round whose draft was (ideally) drafted during the previous round's verification."""
-        limit = self.link.welcome.limits["max_draft_len"]
-        k = min(gamma, remaining - 1, limit)
+        k = min(self.controller.length(), remaining - 1)
+        waited = m.draft_ms
         draft: Draft | None = None
         if self._last_round is not None:
             t1 = time.perf_counter()
@@ -298,11 +333,13 @@ class EdgeDecoder:
             draft = self.drafter.propose(committed, k, params, rng, n_cands=self.fsd.n_cands)
             m.draft_ms += draft.ms
         draft = draft.head(k)
+        waited = m.draft_ms - waited                  # a hit costs the loop ~nothing: T_p as the loop sees it
         q = {"kind": "none"} if draft.q is None else {"kind": "full", "probs": draft.q}
         number = m.rounds
         t0 = time.perf_counter()
         self.link.send(wire.Verify(sid, number, len(committed), draft.ids, q, draft.cands))
-        self.predrafter.begin(number, committed, draft, gamma, params, params.seed, self.stop_ids())
+        self.predrafter.begin(number, committed, draft, max(k, self.controller.length()), params, params.seed,
+                              self.stop_ids())
         while True:                          # exits (hints) until the result of this round
             reply = self.link.recv(sid=sid)
             if not isinstance(reply, wire.Exit):
@@ -313,6 +350,7 @@ class EdgeDecoder:
         rtt = (time.perf_counter() - t0) * 1e3
         new = self._commit_round(committed, draft.ids, reply, rtt, m)
         self._last_round = (number, tuple(new))
+        self._after_round(len(draft.ids), reply, waited, rtt, committed, m)
         m.exit_layer_sum += int(reply.timing.get("exit_layer") or 0)
         m.exit_ms += float(reply.timing.get("exit_ms", 0.0))
 
@@ -335,6 +373,110 @@ class EdgeDecoder:
         m.target_forward_passes += reply.timing.get("passes", 1)
         return new
 
+    # ------------------------------------------------------------------ draft policy
+
+    def _make_controller(self, sid: str, gamma: int, m: Metrics) -> DraftController:
+        welcome = self.link.welcome
+        predictor = self._predictor(welcome.target) if self.policy.uses_predictor else None
+        m.draft_policy = self.policy.kind
+        return DraftController(self.policy, gamma, welcome.limits["max_draft_len"], predictor, self.trace,
+                               session=sid, pair=f"{self.drafter.name}->{welcome.target}")
+
+    def _predictor(self, target: str) -> RejectionPredictor:
+        """The policy's predictor, or the one trained for this draft and target; loaded once."""
+        path = str(predictor_path(self.drafter.name, target) if self.policy.predictor == "auto"
+                   else self.policy.predictor)
+        if path not in self._predictors:
+            self._predictors[path] = RejectionPredictor(path, self.policy.threshold)
+            log.info("rejection predictor %s (threshold %.3f)", path, self._predictors[path].threshold)
+        return self._predictors[path]
+
+    def _after_round(self, k, reply, draft_ms, rtt, committed, m) -> None:
+        m.draft_lengths[str(k)] = m.draft_lengths.get(str(k), 0) + 1
+        verify_ms = reply.timing.get("verify_ms", 0.0)
+        if self.controller.after_round(m.rounds - 1, k, reply.accepted, draft_ms, verify_ms, rtt - verify_ms):
+            self._switched(m, committed, "ar")
+            self._forget_predraft()
+
+    def _switched(self, m: Metrics, committed: list[int], to: str) -> None:
+        ctl = self.controller
+        record = {"to": to, "round": m.rounds, "committed": len(committed), **ctl.summary()}
+        bound = self.policy.as2_config.leave_below if to == "ar" else self.policy.as2_config.return_above
+        record["reason"] = (f"speculation's expected speedup over the target alone {ctl.expected_speedup:.2f} "
+                            f"{'<=' if to == 'ar' else '>'} {bound} (acceptance {record['alpha']:.2f}, round trip "
+                            f"{record.get('network_ms_0', 0):.0f} ms, target {record.get('verify_ms_0', 0):.0f} ms "
+                            f"+ {record.get('verify_ms_per_token', 0):.1f} ms/position, draft "
+                            f"{record.get('t_draft_ms', 0):.1f} ms/token)")
+        log.info("AS2: %s: %s", "target-only streaming" if to == "ar" else "speculating again", record["reason"])
+        if len(m.as2_switches) < 64:
+            m.as2_switches.append(record)
+
+    def _fold_policy(self, m: Metrics) -> None:
+        ctl = self.controller
+        if ctl is None:
+            return
+        m.gamma_star = ctl.gamma_star
+        m.expected_speedup = ctl.expected_speedup
+        m.estimates = ctl.summary()
+        m.predictor_stops = ctl.stops
+        m.feature_ms = ctl.feature_ms
+        if ctl.predictor is not None:
+            m.predictor_calls = ctl.predictor.calls
+            m.predictor_ms = ctl.predictor.ms
+
+    def _stream_phase(self, sid, committed, remaining, params, m) -> None:
+        """AS2 has speculation off: the target streams alone until speculation would win again.
+
+        Tokens come in chunks of `stream_chunk`; the next chunk is asked for when
+        the current one starts arriving, so no round trip opens between chunks. The
+        robot is idle meanwhile, so its draft follows along: its agreement with each
+        streamed token (min(1, q/p) at T > 0, the chance the token would have been
+        accepted) keeps acceptance estimated, and a ping per chunk keeps the round trip.
+        """
+        ctl = self.controller
+        stops = sorted(self.stop_ids())
+        asked = min(self.policy.stream_chunk, remaining)
+        self.link.send(wire.Ar(sid, asked, stops))
+        chunks = 1                                   # asked for and not finished
+        back = False
+        latency = self.link.latency_ms
+        self.link.ping()
+        t0 = time.perf_counter()
+        verify_sum = 0.0
+        while chunks:
+            reply = self.link.recv(sid=sid)
+            if not isinstance(reply, wire.Token):
+                raise LinkLost(f"unexpected message while streaming: {reply}")
+            t1 = time.perf_counter()
+            logits = self.drafter.next_logits(committed)
+            draft_ms = (time.perf_counter() - t1) * 1e3
+            committed.append(reply.token)
+            verify_ms = reply.timing.get("verify_ms", 0.0)
+            m.streamed_tokens += 1
+            verify_sum += verify_ms
+            m.target_forward_passes += reply.timing.get("passes", 1)
+            ctl.after_streamed(_agreement(logits, reply, params), draft_ms, verify_ms)
+            if reply.seq == 0:                       # a chunk starts: decide whether to ask for another
+                if self.link.latency_ms != latency:
+                    latency = self.link.latency_ms
+                    ctl.after_latency(latency)
+                    self.link.ping()
+                if not back:
+                    back = ctl.decide_streaming()
+                if not back and chunks == 1 and asked < remaining:
+                    n = min(self.policy.stream_chunk, remaining - asked)
+                    self.link.send(wire.Ar(sid, n, stops))
+                    asked += n
+                    chunks += 1
+            if reply.done:
+                chunks -= 1
+                if reply.token in stops:
+                    break
+        m.verify_ms += verify_sum
+        m.network_ms += max(0.0, (time.perf_counter() - t0) * 1e3 - verify_sum)
+        if back:
+            self._switched(m, committed, "sd")
+
     def _ar_stream(self, sid, committed, remaining, m) -> None:
         """Target-only tokens streamed by the server; each is committed as it arrives."""
         t0 = time.perf_counter()
@@ -352,3 +494,15 @@ class EdgeDecoder:
                 break
         m.verify_ms += verify_ms
         m.network_ms += max(0.0, (time.perf_counter() - t0) * 1e3 - verify_ms)
+
+
+def _agreement(logits: np.ndarray, reply: wire.Token, params: SamplingParams) -> float:
+    """P(accept) had the draft proposed here: 1[argmax q = x] when greedy, min(1, q(x)/p(x)) for x ~ p.
+
+    For x drawn from the target's p, E[min(1, q(x)/p(x))] = sum_x min(p, q), the acceptance rate.
+    """
+    if params.greedy:
+        return float(int(np.argmax(logits)) == reply.token)
+    q = float(sampling.probs_from_logits(logits, params)[reply.token])
+    p = reply.p if reply.p else 1.0
+    return min(1.0, q / p)

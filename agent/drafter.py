@@ -15,6 +15,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -149,6 +150,10 @@ class Drafter:
         self.llm.eval(committed[keep:])
         return self._last_logits()
 
+    def next_logits(self, committed: list[int]) -> np.ndarray:
+        """The draft's logits [vocab] for the token after `committed` (reusing the KV it holds)."""
+        return self._logits_after(committed)
+
     def _last_logits(self) -> np.ndarray:
         import llama_cpp
 
@@ -156,10 +161,13 @@ class Drafter:
         return np.ctypeslib.as_array(ptr, shape=(self.vocab_size,)).copy()
 
     def propose(self, committed: list[int], k: int, params: SamplingParams,
-                rng: np.random.Generator, n_cands: int = 0) -> Draft:
-        """Draft k tokens after `committed`; at T > 0 each is drawn from the fp16 q it is sent with.
+                rng: np.random.Generator, n_cands: int = 0,
+                watch: Callable[[int, np.ndarray], bool] | None = None) -> Draft:
+        """Draft up to k tokens after `committed`; at T > 0 each is drawn from the fp16 q it is sent with.
 
         n_cands > 0 also returns the top-n_cands ids at each position (the early exits' candidates).
+        watch(position, logits [vocab]) is asked before each token is drawn; False ends the draft
+        there (the rejection predictor's stop), so the draft may be shorter than k.
         """
         t0 = time.perf_counter()
         if len(committed) + k >= self.llm.n_ctx():
@@ -169,6 +177,8 @@ class Drafter:
         cands: list[tuple[np.ndarray, np.ndarray]] = []
         logits = self._logits_after(committed) if k else None
         for i in range(k):
+            if watch is not None and not watch(i, logits):
+                break
             q = None
             if params.greedy:
                 token = int(np.argmax(logits))

@@ -137,6 +137,20 @@ class VerifierLink:
             self.stale += 1
         return reply, (time.perf_counter() - t0) * 1e3
 
+    def ping(self) -> None:
+        """Send a ping; `latency_ms` updates when its pong comes back (keepalive pings update it too)."""
+        if self.ws is None:
+            raise LinkLost("not connected")
+        try:
+            self.ws.ping()
+        except (ConnectionClosed, OSError) as e:
+            raise LinkLost(f"ping failed: {e}") from None
+
+    @property
+    def latency_ms(self) -> float:
+        """The last measured round trip of a ping (0.0 before the first)."""
+        return 0.0 if self.ws is None else self.ws.latency * 1e3
+
     def close(self) -> None:
         if self.ws is not None:
             self.ws = None

@@ -203,10 +203,10 @@ class BridgeServer:
         stop = set(msg.stop_ids)
         for seq in range(msg.max_tokens):
             session = self.sessions.get(msg.sid, conn_id)     # evicted mid-stream -> unknown_session
-            token, ms = await self._in_model_thread(self.verifier.ar_step, session)
+            token, ms, p = await self._in_model_thread(self.verifier.ar_step, session)
             self.metrics.count_ar_token(ms)
             done = seq + 1 == msg.max_tokens or token in stop
-            sent = await self._send(ws, wire.Token(msg.sid, seq, token, done, {"verify_ms": ms, "passes": 1}))
+            sent = await self._send(ws, wire.Token(msg.sid, seq, token, done, {"verify_ms": ms, "passes": 1}, p))
             if done or not sent:            # a dead link stops the stream: the robot re-opens and asks again
                 return
 

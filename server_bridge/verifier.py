@@ -148,8 +148,8 @@ class Verifier:
         return ExitPass(self.exits, self.target.model, session.exits, msg.draft_ids, msg.cands,
                         self.config.exit_bonus_candidates, send)
 
-    def ar_step(self, session: Session) -> tuple[int, float]:
-        """One target-only token (the cloud-autoregressive baseline)."""
+    def ar_step(self, session: Session) -> tuple[int, float, float]:
+        """One target-only token: (token, ms, the target's probability of it as sampled; 1.0 when greedy)."""
         _check_live(session)
         state = session.state
         if len(state.ids) + 1 > self.config.max_context:
@@ -158,11 +158,13 @@ class Verifier:
         t0 = time.perf_counter()
         logits = self.target.score(state, [])[0]                      # [vocab]
         if session.params.greedy:
-            token = int(np.argmax(logits))
+            token, p = int(np.argmax(logits)), 1.0
         else:
-            token = sampling.sample(sampling.probs_from_logits(logits, session.params), session.rng)
+            probs = sampling.probs_from_logits(logits, session.params)
+            token = sampling.sample(probs, session.rng)
+            p = min(1.0, float(probs[token]))
         self.target.commit(state, [token], len(state.ids))
-        return token, (time.perf_counter() - t0) * 1e3
+        return token, (time.perf_counter() - t0) * 1e3, p
 
     # ------------------------------------------------------------------ checks
 

@@ -348,14 +348,17 @@ class Token(Message):
     token: int
     done: bool                  # the last token of the request (max_tokens or a stop id)
     timing: dict                # verify_ms (this step's forward pass), passes
+    p: float | None = None      # the target's probability of `token` under the session's sampling
+                                # (1.0 when greedy): lets the robot estimate its acceptance while streaming
 
     @classmethod
     def from_wire(cls, d):
         done = d.get("done")
         if not isinstance(done, bool):
             raise WireError("bad_field", "done must be a bool")
+        p = d.get("p")
         return cls(_sid(d.get("sid")), _int(d.get("seq"), "seq"), _int(d.get("token"), "token"), done,
-                   _map(d.get("timing"), "timing"))
+                   _map(d.get("timing"), "timing"), None if p is None else _float(p, "p", 0.0, 1.0))
 
 
 @dataclass

@@ -38,3 +38,24 @@ def test_unreachable_verifier_is_a_clear_error(capsys):
     rc = cli.main(["generate", "--verifier", "ws://127.0.0.1:9", "--prompt", "hi", "--threads", "1"])
     assert rc == 3
     assert "cannot reach verifier" in capsys.readouterr().err
+
+
+def test_draft_policy_and_trace_flags(make_server, capsys, tmp_path):
+    server = make_server()
+    prompt = ["--verifier", server.url, "--prompt", "Walk forward and stop.", "--chat", "--max-tokens", "16"]
+    trace = tmp_path / "trace.jsonl"
+    rc, fixed = _run(capsys, *prompt, "--trace", str(trace))
+    assert rc == 0
+    rows = [json.loads(x) for x in trace.read_text().splitlines()]
+    m = fixed["metrics"]
+    assert sum(r["label"] for r in rows) == m["accepted"]           # every accepted token, labelled 1
+    rejections = sum(1 for r in rows if r["label"] == 0)              # at most one per round, the first
+    assert rejections <= m["rounds"] and (rejections > 0) == (m["wasted_draft_tokens"] > 0)
+    assert {r["pair"] for r in rows} == {"smollm2-q4_1->smollm2-f32"}
+    for kind in ("predictor", "optimal", "predictor+optimal"):
+        rc, out = _run(capsys, *prompt, "--draft-policy", kind, "--min-draft", "1", "--max-draft", "6")
+        assert rc == 0 and out["token_ids"] == fixed["token_ids"] and out["metrics"]["draft_policy"] == kind
+    rc = cli.main(["generate", *prompt, "--draft-policy", "predictor", "--predictor", str(tmp_path / "none.onnx")])
+    assert rc == 2 and "no rejection predictor" in capsys.readouterr().err
+    rc = cli.main(["generate", *prompt, "--mode", "fsd", "--draft-policy", "predictor"])
+    assert rc == 2 and "fsd" in capsys.readouterr().err

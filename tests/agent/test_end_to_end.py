@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from agent.decoder import EdgeDecoder, FsdOptions, ReconnectPolicy
+from agent.policy import POLICIES, DraftPolicy
 from server_bridge.sampling import SamplingParams
 from tools.netem import LinkProfile, NetemProxy
 
@@ -238,3 +239,67 @@ def test_fsd_samples_at_temperature_above_zero(drafter, server_and_proxy):
         dec.close()
     assert len(gen.token_ids) == MAX_TOKENS or gen.token_ids[-1] in drafter.eos_ids
     assert gen.metrics.predraft_hits > 0 and gen.metrics.acceptance_rate > 0
+
+
+# ---------------------------------------------------------------------------- draft policies (agent/policy.py)
+
+@pytest.mark.parametrize("kind", POLICIES)
+def test_every_draft_policy_is_exact_at_temperature_zero(drafter, server_and_proxy, ar_reference, kind):
+    dec = EdgeDecoder(drafter, server_and_proxy[1].url(), policy=DraftPolicy(kind))
+    try:
+        for (prompt, chat), expected in zip(PROMPTS, ar_reference, strict=True):
+            gen = dec.generate(drafter.tokenize(prompt, chat=chat), mode="sd", gamma=4, max_tokens=MAX_TOKENS)
+            assert gen.token_ids == expected, f"{kind} diverged from AR on {prompt!r}"
+            m = gen.metrics
+            assert m.draft_policy == kind and sum(m.draft_lengths.values()) == m.rounds
+            assert m.gamma_star is not None and m.estimates["alpha"] > 0.5
+            if "predictor" in kind:
+                assert m.predictor_calls > 0 and m.predictor_ms > 0
+    finally:
+        dec.close()
+
+
+def test_fsd_with_the_optimal_length_is_exact(drafter, server_and_proxy, ar_reference):
+    dec = EdgeDecoder(drafter, server_and_proxy[1].url(), policy=DraftPolicy("optimal", as2=False))
+    try:
+        prompt, chat = PROMPTS[0]
+        gen = dec.generate(drafter.tokenize(prompt, chat=chat), mode="fsd", gamma=4, max_tokens=MAX_TOKENS)
+        assert gen.token_ids == ar_reference[0]
+        with pytest.raises(ValueError, match="fsd"):
+            EdgeDecoder(drafter, None, policy=DraftPolicy("predictor")).generate([1, 2], mode="fsd")
+    finally:
+        dec.close()
+
+
+def test_as2_streams_target_only_on_a_slow_link_and_speculates_again_when_it_recovers(
+        weak_drafter, server_and_proxy):
+    """The weak pair (acceptance ~0.7) on a 400 ms link: a round costs ~5 streamed tokens' time for ~3
+    tokens, so AS2 lets the target stream alone; once the link is fast again it speculates again."""
+    _, proxy = server_and_proxy
+    prompt, chat = PROMPTS[0]
+    ids = weak_drafter.tokenize(prompt, chat=chat)
+    n = 96
+    dec = EdgeDecoder(weak_drafter, proxy.url(), policy=DraftPolicy("optimal"))
+    try:
+        reference = dec.generate(ids, mode="ar", max_tokens=n).token_ids
+        result = {}
+        proxy.set_profile(LinkProfile.from_rtt(400))
+        worker = threading.Thread(target=lambda: result.update(gen=dec.generate(ids, mode="sd", max_tokens=n)))
+        worker.start()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and (dec.controller is None or dec.controller.speculating):
+            time.sleep(0.02)
+        proxy.set_profile(LinkProfile.from_rtt(10, jitter_ms=2))
+        worker.join(120)
+    finally:
+        proxy.set_profile(LinkProfile.from_rtt(10, jitter_ms=2))
+        dec.close()
+    gen = result["gen"]
+    m = gen.metrics
+    assert gen.token_ids == reference                     # nothing lost or repeated across the switches
+    assert [s["to"] for s in m.as2_switches][:2] == ["ar", "sd"], m.as2_switches
+    off, on = m.as2_switches[:2]
+    assert off["expected_speedup"] <= 1.0 and off["network_ms_0"] > 200
+    assert on["expected_speedup"] > 1.1 and on["network_ms_0"] < 200
+    assert 0 < m.streamed_tokens < n and m.rounds > 0
+    assert m.tau == pytest.approx((len(gen.token_ids) - m.streamed_tokens) / m.rounds)

@@ -64,3 +64,14 @@ def test_oversized_and_text_frames():
     with pytest.raises(WireError) as e:
         wire.decode('{"type": "hello"}')
     assert e.value.code == "bad_frame"
+
+
+def test_streamed_token_carries_the_targets_probability():
+    msg = wire.Token("s1", 0, 42, False, {"verify_ms": 1.0}, p=0.25)
+    assert wire.decode(wire.encode(msg)) == msg
+    assert wire.decode(wire.encode(wire.Token("s1", 0, 42, True, {}))).p is None     # optional
+    for bad in (1.5, -0.1, float("nan"), "x"):
+        d = msg.to_wire()
+        d["p"] = bad
+        with pytest.raises(WireError):
+            wire.decode(msgpack.packb(d))

@@ -1,0 +1,159 @@
+"""Draft policies: how many tokens each round drafts, and whether to speculate at all.
+
+    fixed               gamma tokens every round (the baseline)
+    predictor           up to gamma, stopping at the first predicted rejection (agent/predictor.py)
+    optimal             gamma* from the running cost estimates (agent/draftlen.py), and AS2:
+                        target-only streaming while speculation cannot win
+    predictor+optimal   gamma* as the cap, the predictor inside it, and AS2
+
+Every policy keeps the output exact: a policy only chooses the draft's length.
+The estimates (and gamma*, S) are kept under every policy, so a fixed-gamma
+run reports what the optimal policy would have chosen.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .draftlen import As2, As2Config, Costs, CostEstimator, optimal_gamma
+from .predictor import RejectionPredictor, TraceWriter, feature_row
+
+POLICIES = ("fixed", "predictor", "optimal", "predictor+optimal")
+
+
+@dataclass(frozen=True)
+class DraftPolicy:
+    kind: str = "fixed"
+    min_len: int = 1                        # the predictor never stops a draft shorter than this
+    max_len: int | None = None              # None: gamma (fixed, predictor); the server's limit (optimal)
+    predictor: str = "auto"                 # an .onnx path, or auto: models/predictors/<draft>__<target>.onnx
+    threshold: float | None = None          # stop below this p_accept; None: the model's own (chosen in training)
+    as2: bool = True                        # optimal kinds: fall back to target-only streaming when S <= 1
+    as2_config: As2Config = field(default_factory=As2Config)
+    stream_chunk: int = 8                   # target-only tokens per request while AS2 has speculation off
+
+    def __post_init__(self):
+        if self.kind not in POLICIES:
+            raise ValueError(f"draft policy must be one of {POLICIES}, got {self.kind!r}")
+        if self.min_len < 0 or (self.max_len is not None and self.max_len < max(1, self.min_len)):
+            raise ValueError(f"need 0 <= min_len <= max_len and max_len >= 1, got {self.min_len}, {self.max_len}")
+        if self.threshold is not None and not 0.0 <= self.threshold <= 1.0:
+            raise ValueError(f"predictor threshold must be in [0, 1], got {self.threshold}")
+        if self.stream_chunk < 1:
+            raise ValueError("stream_chunk must be >= 1")
+
+    @property
+    def uses_predictor(self) -> bool:
+        return "predictor" in self.kind
+
+    @property
+    def uses_optimal(self) -> bool:
+        return "optimal" in self.kind
+
+
+class DraftController:
+    """One generation's drafting decisions; fed what every round and streamed token shows."""
+
+    def __init__(self, policy: DraftPolicy, gamma: int, server_limit: int,
+                 predictor: RejectionPredictor | None = None, trace: TraceWriter | None = None,
+                 session: str = "", pair: str = ""):
+        if policy.uses_predictor and predictor is None:
+            raise ValueError(f"draft policy {policy.kind} needs a rejection predictor")
+        self.policy = policy
+        self.predictor = predictor if policy.uses_predictor else None
+        self.trace = trace
+        self.session = session
+        self.pair = pair                            # "draft->target", for the trace
+        cap = policy.max_len if policy.max_len is not None else (server_limit if policy.uses_optimal else gamma)
+        self.max_len = max(0, min(cap, server_limit))
+        self.gamma = min(gamma, self.max_len)
+        self.estimator = CostEstimator()
+        self.as2 = As2(policy.as2_config)
+        self.accepted = 0                           # the session's judged tokens (running acceptance)
+        self.rejected = 0
+        self.gamma_star: int | None = None
+        self.expected_speedup: float | None = None  # S(gamma*) * rho: over target-only streaming
+        self.feature_ms = 0.0
+        self.stops = 0                              # rounds the predictor cut short
+        self._rows: list[np.ndarray] = []           # this round's feature rows
+        self._stopped = False
+
+    @property
+    def speculating(self) -> bool:
+        return self.as2.speculating
+
+    # ------------------------------------------------------------------ per round
+
+    def length(self) -> int:
+        """The draft length to ask for this round (the predictor may stop before it)."""
+        if self.policy.uses_optimal and self.gamma_star is not None:
+            return max(self.gamma_star, min(self.policy.min_len, self.max_len))
+        return self.gamma
+
+    def watch(self):
+        """A callback for Drafter.propose: (position, logits [vocab]) -> draft this token? None if not needed."""
+        self._rows = []
+        self._stopped = False
+        if self.predictor is None and self.trace is None:
+            return None
+
+        def keep(position: int, logits: np.ndarray) -> bool:
+            t0 = time.perf_counter()
+            row = feature_row(logits, position, self.accepted, self.rejected)
+            self.feature_ms += (time.perf_counter() - t0) * 1e3
+            if (self.predictor is not None and position >= self.policy.min_len
+                    and self.predictor.should_stop(row)):
+                self._stopped = True
+                return False
+            self._rows.append(row)
+            return True
+
+        return keep
+
+    def after_round(self, number: int, k: int, accepted: int, draft_ms: float, verify_ms: float,
+                    network_ms: float) -> bool:
+        """Record a verified round; True when AS2 says to stop speculating now."""
+        self.stops += self._stopped
+        if self.trace is not None and self._rows:
+            self.trace.round(self.pair, self.session, number, self._rows[:k], accepted)
+        self.accepted += accepted
+        self.rejected += int(accepted < k)
+        self.estimator.observe_round(k, accepted, draft_ms, verify_ms, network_ms)
+        return self._update()
+
+    def after_streamed(self, agreement: float, draft_ms: float | None, verify_ms: float) -> None:
+        self.estimator.observe_streamed(agreement, draft_ms, verify_ms)
+
+    def after_latency(self, rtt_ms: float) -> None:
+        self.estimator.observe_latency(rtt_ms)
+
+    def decide_streaming(self) -> bool:
+        """While streaming target-only: True when AS2 says to speculate again now."""
+        return self._update()
+
+    def _update(self) -> bool:
+        costs = self.costs()
+        if costs is None:
+            return False
+        lo = max(1, min(self.policy.min_len, self.max_len))
+        self.gamma_star, s = optimal_gamma(costs.alpha, costs.L, lo=lo, hi=max(lo, self.max_len))
+        self.expected_speedup = s * costs.rho
+        if not (self.policy.uses_optimal and self.policy.as2):
+            return False
+        return self.as2.decide(self.expected_speedup, self.estimator.samples)
+
+    def costs(self) -> Costs | None:
+        return self.estimator.costs()
+
+    def summary(self) -> dict:
+        c = self.costs()
+        return {"alpha": round(self.estimator.alpha, 4), "gamma_star": self.gamma_star,
+                "expected_speedup": None if self.expected_speedup is None else round(self.expected_speedup, 3),
+                **({} if c is None else {"L": round(c.L, 4), "b": round(c.b, 4), "c": round(c.c, 4),
+                                         "rho": round(c.rho, 4), "t_draft_ms": round(c.t_draft, 2),
+                                         "verify_ms_0": round(c.verify_0, 2),
+                                         "verify_ms_per_token": round(c.verify_per_token, 2),
+                                         "network_ms_0": round(c.net_0, 2),
+                                         "network_ms_per_token": round(c.net_per_token, 3)})}
