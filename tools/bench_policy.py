@@ -90,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--drafts", default="smollm2-q4_1,smollm2-q2_k")
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--latency-samples", type=int, default=10000)
+    ap.add_argument("--latency-only", action="store_true",
+                    help="only time the predictor per drafted token (writes predictor_latency.json)")
     ap.add_argument("--trace", metavar="DIR", help="write predictor traces of the fixed-policy runs into DIR")
     ap.add_argument("--out", default="bench_results")
     args = ap.parse_args(argv)
@@ -101,6 +103,12 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     agent_cpus, server_cpus = pin_cores()
+    if args.latency_only:
+        os.sched_setaffinity(0, agent_cpus)
+        latency = [predictor_latency(Drafter(d, threads=len(agent_cpus)), args.latency_samples) for d in drafts]
+        (out / "predictor_latency.json").write_text(json.dumps(latency, indent=1))
+        print(json.dumps(latency, indent=1))
+        return 0
     config = {**vars(args), "target": TARGET, "temperature": 0.0, "agent_cpus": sorted(agent_cpus),
               "server_cpus": sorted(server_cpus), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
     print(f"bench_policy: {len(rtts)} RTTs x {len(prompts)} prompts x drafts {drafts} x policies {policies}; "

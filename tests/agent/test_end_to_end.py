@@ -303,3 +303,21 @@ def test_as2_streams_target_only_on_a_slow_link_and_speculates_again_when_it_rec
     assert on["expected_speedup"] > 1.1 and on["network_ms_0"] < 200
     assert 0 < m.streamed_tokens < n and m.rounds > 0
     assert m.tau == pytest.approx((len(gen.token_ids) - m.streamed_tokens) / m.rounds)
+
+
+def test_policies_sample_at_temperature_above_zero(drafter, server_and_proxy):
+    """The predictor decides from the distribution before a token is drawn, so a stop never depends on
+    the draw: a shorter draft is still a valid draft and the server's p/q test keeps the target's
+    distribution (the sampling math itself is tested statistically in tests/server_bridge)."""
+    prompt, chat = PROMPTS[0]
+    dec = EdgeDecoder(drafter, server_and_proxy[1].url(), policy=DraftPolicy("predictor+optimal"))
+    try:
+        params = SamplingParams(temperature=0.8, seed=5)
+        a = dec.generate(drafter.tokenize(prompt, chat=chat), mode="sd", max_tokens=MAX_TOKENS, params=params)
+        b = dec.generate(drafter.tokenize(prompt, chat=chat), mode="sd", max_tokens=MAX_TOKENS, params=params)
+    finally:
+        dec.close()
+    for gen in (a, b):
+        assert len(gen.token_ids) == MAX_TOKENS or gen.token_ids[-1] in drafter.eos_ids
+        assert gen.metrics.accepted > 0 and gen.metrics.predictor_calls > 0
+        assert 0 < gen.metrics.estimates["alpha"] < 1
