@@ -87,6 +87,7 @@ class DraftController:
         self.stops = 0                              # rounds the predictor cut short
         self._rows: list[np.ndarray] = []           # this round's feature rows
         self._stopped = False
+        self._estimate()                            # from earlier generations' rounds, if any
 
     @property
     def speculating(self) -> bool:
@@ -141,14 +142,18 @@ class DraftController:
         """While streaming target-only: True when AS2 says to speculate again now."""
         return self._update()
 
-    def _update(self) -> bool:
+    def _estimate(self) -> bool:
+        """Refresh gamma* and S(gamma*) * rho from the estimates; False while there are none."""
         costs = self.costs()
         if costs is None:
             return False
         lo = max(1, min(self.policy.min_len, self.max_len))
         self.gamma_star, s = optimal_gamma(costs.alpha, costs.L, lo=lo, hi=max(lo, self.max_len))
         self.expected_speedup = s * costs.rho
-        if not (self.policy.uses_optimal and self.policy.as2):
+        return True
+
+    def _update(self) -> bool:
+        if not self._estimate() or not (self.policy.uses_optimal and self.policy.as2):
             return False
         return self.as2.decide(self.expected_speedup, self.estimator.samples)
 
