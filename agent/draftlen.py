@@ -93,14 +93,24 @@ def optimal_gamma(alpha: float, L: float, lo: int = 1, hi: int = 64) -> tuple[in
 
 # ---------------------------------------------------------------------------- online estimates
 
-def _line(points: deque, min_spread: float = 0.5) -> tuple[float, float]:
-    """Least-squares (intercept, slope >= 0) of y on x; slope 0 while x has too little spread to tell."""
+def _fit(points: deque, min_spread: float = 0.5, min_points: int = 8) -> tuple[float, float] | None:
+    """Least-squares (intercept, slope >= 0) of y on x, or None until there are enough points with
+    enough spread to tell: a slope from a handful of noisy rounds extrapolates to a nonsense
+    intercept (20 ms for a 90 ms pass, seen)."""
     x = np.fromiter((p[0] for p in points), float, len(points))
     y = np.fromiter((p[1] for p in points), float, len(points))
-    if x.size >= 3 and x.std() >= min_spread:
-        slope = max(0.0, float(np.cov(x, y, bias=True)[0, 1] / x.var()))
-        return float(y.mean() - slope * x.mean()), slope
-    return float(y.mean()), 0.0
+    if x.size < min_points or x.std() < min_spread:
+        return None
+    slope = max(0.0, float(np.cov(x, y, bias=True)[0, 1] / x.var()))
+    return float(y.mean() - slope * x.mean()), slope
+
+
+def _line(points: deque) -> tuple[float, float]:
+    """The fit, or a flat line at the mean (which errs on the side of speculating)."""
+    fit = _fit(points)
+    if fit is None:
+        return float(np.mean([p[1] for p in points])), 0.0
+    return fit
 
 
 @dataclass
@@ -108,6 +118,8 @@ class Costs:
     """The round model's inputs, in ms, as estimated now."""
     alpha: float                    # per-token acceptance (censored MLE, decayed)
     t_draft: float                  # T_p: the draft's time per drafted token (what the loop waited)
+    draft_0: float                  # drafting time per round whatever its length (re-reading the
+                                    # committed tokens, the look-ahead a predictor stop costs)
     verify_0: float                 # target pass cost independent of positions
     verify_per_token: float         # target pass cost per position
     net_0: float                    # network time per round (the round trip)
@@ -115,7 +127,7 @@ class Costs:
 
     @property
     def t_fixed(self) -> float:     # T_q: one round's fixed cost (a pass over one position + the trip)
-        return max(1e-3, self.verify_0 + self.verify_per_token + self.net_0)
+        return max(1e-3, self.verify_0 + self.verify_per_token + self.net_0 + self.draft_0)
 
     @property
     def t_ar(self) -> float:        # the target's time per streamed token (a pass over one position)
@@ -159,6 +171,7 @@ class CostEstimator:
         self.rejects = (1.0 - prior_alpha) * prior_weight
         self.verify = deque(maxlen=window)          # (positions, ms)
         self.network = deque(maxlen=window)         # (drafted tokens, ms) of rounds
+        self.drafting = deque(maxlen=window)        # (drafted tokens, ms) of rounds
         self.round_trip: float | None = None        # ms, moving average
         self.draft_ms: float | None = None
         self.samples = 0                            # rounds and streamed tokens seen
@@ -171,6 +184,7 @@ class CostEstimator:
         self.observe_acceptance(accepted, 1.0 if accepted < k else 0.0)
         if k:
             self._draft(draft_ms / k)
+        self.drafting.append((k, draft_ms))
         self.verify.append((k + 1, verify_ms))
         self.network.append((k, network_ms))
         self._round_trip(network_ms - self._net_per_token() * k)
@@ -208,7 +222,9 @@ class CostEstimator:
         if not self.verify or self.draft_ms is None:
             return None
         v0, v1 = _line(self.verify)
-        return Costs(self.alpha, self.draft_ms, v0, v1, self.round_trip or 0.0, self._net_per_token())
+        # drafting: per round + per token once rounds of several lengths show both; until then all per token
+        d0, d1 = _fit(self.drafting) or (0.0, self.draft_ms)
+        return Costs(self.alpha, d1, d0, v0, v1, self.round_trip or 0.0, self._net_per_token())
 
 
 # ---------------------------------------------------------------------------- AS2
@@ -218,7 +234,7 @@ class As2Config:
     leave_below: float = 1.0        # speculate while S(gamma*) > this (TK-SLT Algorithm 2) ...
     return_above: float = 1.1       # ... and come back from target-only only above this (hysteresis)
     patience: int = 3               # consecutive decisions the other way before switching
-    warmup: int = 3                 # rounds before the first decision (the estimates start from priors)
+    warmup: int = 8                 # rounds before the first decision (the estimates start from priors)
 
     def __post_init__(self):
         if self.return_above < self.leave_below:

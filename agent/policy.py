@@ -166,6 +166,7 @@ class DraftController:
                 "expected_speedup": None if self.expected_speedup is None else round(self.expected_speedup, 3),
                 **({} if c is None else {"L": round(c.L, 4), "b": round(c.b, 4), "c": round(c.c, 4),
                                          "rho": round(c.rho, 4), "t_draft_ms": round(c.t_draft, 2),
+                                         "draft_ms_0": round(c.draft_0, 2),
                                          "verify_ms_0": round(c.verify_0, 2),
                                          "verify_ms_per_token": round(c.verify_per_token, 2),
                                          "network_ms_0": round(c.net_0, 2),

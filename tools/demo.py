@@ -1,8 +1,9 @@
-"""The demo: one robot instruction answered by the server alone (AR) and by speculative decoding (SD).
+"""The demo: one robot instruction answered by the server alone (AR), by speculative decoding with a
+fixed draft length (SD) and with the draft lengths chosen per round (SD+, `predictor+optimal`).
 
 A local verifier runs in its own process on its own core, behind the network
 emulator (a Wi-Fi-like 20 ms RTT); the draft model runs here on another core.
-Both answers and their metrics are printed side by side; at temperature 0
+The answers and their metrics are printed side by side; at temperature 0
 they must be token-for-token identical.
 """
 from __future__ import annotations
@@ -15,6 +16,7 @@ import time
 
 from agent.decoder import EdgeDecoder
 from agent.drafter import Drafter
+from agent.policy import DraftPolicy
 from tools.local_verifier import LocalVerifier, pin_cores
 from tools.netem import LinkProfile, NetemProxy
 
@@ -53,25 +55,35 @@ def main(argv: list[str] | None = None) -> int:
         os.sched_setaffinity(0, agent_cpus)
         drafter = Drafter(args.draft, threads=len(agent_cpus))
         decoder = EdgeDecoder(drafter, link.url())
+        smart = EdgeDecoder(drafter, link.url(), policy=DraftPolicy("predictor+optimal"))
         ids = drafter.tokenize(args.prompt, chat=True)
         print(f"\nprompt ({len(ids)} tokens): {args.prompt}\n", flush=True)
         runs = []
-        for mode in ("ar", "sd"):
-            print(f"generating in {mode} mode ...", flush=True)
-            runs.append(decoder.generate(ids, mode=mode, max_tokens=args.max_tokens, gamma=args.gamma))
+        for dec, mode, label in ((decoder, "ar", "ar"), (decoder, "sd", "sd"), (smart, "sd", "sd, predictor+optimal")):
+            print(f"generating in {label} mode ...", flush=True)
+            runs.append(dec.generate(ids, mode=mode, max_tokens=args.max_tokens, gamma=args.gamma))
         decoder.close()
+        smart.close()
 
-    ar, sd = runs
+    ar, sd, sdp = runs
     print("\n=== AR (the server's model alone, streamed) ===\n" + ar.text.strip())
     print(f"\n=== SD (draft {drafter.name} on the robot, gamma {args.gamma}, verified by the server) ===\n"
           + sd.text.strip())
-    print(f"\n{'metric':<24}{'AR':>12}{'SD':>12}")
+    print(f"\n{'metric':<24}{'AR':>12}{'SD':>12}{'SD+':>12}")
     for name, get, fmt in ROWS:
-        print(f"{name:<24}{_fmt(fmt, get(ar)):>12}{_fmt(fmt, get(sd)):>12}")
-    same = ar.token_ids == sd.token_ids
+        print(f"{name:<24}{_fmt(fmt, get(ar)):>12}{_fmt(fmt, get(sd)):>12}{_fmt(fmt, get(sdp)):>12}")
+    m = sdp.metrics
+    lengths = ", ".join(f"{k} tokens x{n}" for k, n in sorted(m.draft_lengths.items(), key=lambda kv: int(kv[0])))
+    print(f"\nSD+ chose its draft lengths ({lengths}): the rejection predictor stopped {m.predictor_stops} "
+          f"drafts early; by the estimates (acceptance {m.estimates.get('alpha')}, L {m.estimates.get('L')}, "
+          f"round trip {m.estimates.get('network_ms_0')} ms) the best length is {m.gamma_star} and speculation "
+          f"should be {m.expected_speedup:.2f}x the target alone"
+          + (f"; AS2 switched: {[s['reason'] for s in m.as2_switches]}" if m.as2_switches else ""))
+    same = ar.token_ids == sd.token_ids == sdp.token_ids
     print(f"\nidentical token ids: {'yes' if same else 'NO'}; SD is {ar.metrics.wall_s / sd.metrics.wall_s:.2f}x "
-          f"AR's speed, with {sd.metrics.target_forward_passes} target passes instead of "
-          f"{ar.metrics.target_forward_passes}")
+          f"AR's speed with {sd.metrics.target_forward_passes} target passes instead of "
+          f"{ar.metrics.target_forward_passes}; SD+ is {ar.metrics.wall_s / sdp.metrics.wall_s:.2f}x with "
+          f"{sdp.metrics.target_forward_passes}")
     return 0 if same else 1
 
 

@@ -68,14 +68,14 @@ def test_estimator_recovers_costs_and_alpha():
         accepted = 0
         while accepted < k and rng.random() < alpha:
             accepted += 1
-        est.observe_round(k, accepted, draft_ms=20.0 * k, verify_ms=50 + 10 * (k + 1), network_ms=40 + 0.5 * k)
+        est.observe_round(k, accepted, draft_ms=15 + 20.0 * k, verify_ms=50 + 10 * (k + 1), network_ms=40 + 0.5 * k)
     c = est.costs()
     assert est.alpha == pytest.approx(alpha, abs=0.03)             # censored MLE, not accepted/drafted
-    assert (c.t_draft, c.verify_0, c.verify_per_token) == pytest.approx((20.0, 50.0, 10.0))
+    assert (c.t_draft, c.draft_0, c.verify_0, c.verify_per_token) == pytest.approx((20.0, 15.0, 50.0, 10.0))
     assert (c.net_0, c.net_per_token) == pytest.approx((40.0, 0.5), rel=0.02)
-    assert c.t_fixed == pytest.approx(100.0)                        # one position + the round trip
-    assert c.L == pytest.approx((20 + 10 + 0.5) / 100)
-    assert c.rho == pytest.approx(60 / 100)
+    assert c.t_fixed == pytest.approx(115.0)             # one position + the round trip + a round's drafting
+    assert c.L == pytest.approx((20 + 10 + 0.5) / 115)
+    assert c.rho == pytest.approx(60 / 115)
 
 
 def test_estimator_slope_needs_spread():
@@ -101,8 +101,8 @@ def test_streamed_tokens_and_pings_feed_the_estimates():
 
 
 def test_slow_link_makes_speculation_lose():
-    fast = Costs(alpha=0.9, t_draft=20, verify_0=50, verify_per_token=10, net_0=10, net_per_token=0)
-    slow = Costs(alpha=0.9, t_draft=20, verify_0=50, verify_per_token=10, net_0=800, net_per_token=0)
+    fast = Costs(alpha=0.9, t_draft=20, draft_0=0, verify_0=50, verify_per_token=10, net_0=10, net_per_token=0)
+    slow = Costs(alpha=0.9, t_draft=20, draft_0=0, verify_0=50, verify_per_token=10, net_0=800, net_per_token=0)
     for costs, wins in ((fast, True), (slow, False)):
         g, s = optimal_gamma(costs.alpha, costs.L, hi=16)
         assert (s * costs.rho > 1) == wins

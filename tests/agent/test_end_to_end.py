@@ -278,7 +278,7 @@ def test_as2_streams_target_only_on_a_slow_link_and_speculates_again_when_it_rec
     _, proxy = server_and_proxy
     prompt, chat = PROMPTS[0]
     ids = weak_drafter.tokenize(prompt, chat=chat)
-    n = 96
+    n = 128
     dec = EdgeDecoder(weak_drafter, proxy.url(), policy=DraftPolicy("optimal"))
     try:
         reference = dec.generate(ids, mode="ar", max_tokens=n).token_ids
@@ -310,7 +310,8 @@ def test_policies_sample_at_temperature_above_zero(drafter, server_and_proxy):
     the draw: a shorter draft is still a valid draft and the server's p/q test keeps the target's
     distribution (the sampling math itself is tested statistically in tests/server_bridge)."""
     prompt, chat = PROMPTS[0]
-    dec = EdgeDecoder(drafter, server_and_proxy[1].url(), policy=DraftPolicy("predictor+optimal"))
+    # AS2 off: at T > 0 with the predictor cutting drafts short, streaming can rightly win (tested above)
+    dec = EdgeDecoder(drafter, server_and_proxy[1].url(), policy=DraftPolicy("predictor+optimal", as2=False))
     try:
         params = SamplingParams(temperature=0.8, seed=5)
         a = dec.generate(drafter.tokenize(prompt, chat=chat), mode="sd", max_tokens=MAX_TOKENS, params=params)
