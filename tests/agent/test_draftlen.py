@@ -148,3 +148,28 @@ def test_streamed_agreement_estimates_the_acceptance_rate():
     greedy = SamplingParams()
     assert _agreement(draft_logits, wire.Token("s", 0, int(np.argmax(draft_logits)), False, {}, 1.0), greedy) == 1.0
     assert _agreement(draft_logits, wire.Token("s", 0, int(np.argmin(draft_logits)), False, {}, 1.0), greedy) == 0.0
+
+
+def test_slopes_wait_for_eight_rounds_of_different_lengths():
+    from agent.draftlen import _fit
+
+    est = CostEstimator()
+    for k in (1, 4, 2, 6, 3, 5, 2):                 # 7 rounds: a slope would be guesswork
+        est.observe_round(k, k, 10.0 + 20.0 * k, 50 + 10 * (k + 1), 20.0)
+    assert _fit(est.verify) is None and est.costs().verify_per_token == 0.0
+    est.observe_round(4, 4, 90.0, 100.0, 20.0)      # the 8th
+    c = est.costs()
+    assert (c.verify_0, c.verify_per_token, c.draft_0, c.t_draft) == pytest.approx((50.0, 10.0, 10.0, 20.0))
+
+
+def test_estimates_carry_over_to_the_next_generation():
+    from agent.policy import DraftController, DraftPolicy
+
+    est, as2 = CostEstimator(), As2()
+    first = DraftController(DraftPolicy("optimal"), 4, 16, estimator=est, as2=as2)
+    assert first.gamma_star is None and first.length() == 4          # nothing known yet: gamma
+    for k in range(1, 11):
+        first.after_round(k, k % 8 + 1, k % 8 + 1, 20.0 * (k % 8 + 1), 60 + 5 * (k % 8 + 2), 5.0)
+    second = DraftController(DraftPolicy("optimal"), 4, 16, estimator=est, as2=as2)
+    assert second.gamma_star == first.gamma_star and second.length() == first.gamma_star
+    assert second.accepted == 0                                        # the running acceptance is per session
