@@ -74,6 +74,62 @@ def _generate(args) -> int:
     return 0
 
 
+def _run(args) -> int:
+    import asyncio
+
+    from . import config
+    from .daemon import Daemon
+    from .robot.camera import CameraError
+    from .robot.controllers.base import ControllerError
+
+    shortcuts = [f"{key}={value!r}".replace("'", '"') for key, value in (
+        ("link.verifier", args.verifier), ("robot.controller", args.controller), ("camera.source", args.camera),
+        ("perception.kind", args.perception), ("offline.policy", args.offline), ("api.listen", args.listen),
+        ("telemetry.path", args.telemetry)) if value is not None]
+    try:
+        cfg = config.load(args.config, shortcuts + list(args.set))
+        daemon = Daemon(cfg, max_steps=args.max_steps)
+    except (config.ConfigError, ControllerError) as e:
+        print(f"edge-agent: {e}", file=sys.stderr)
+        return 2
+    try:
+        daemon.start(notify_ready=False)
+    except (ControllerError, CameraError, FileNotFoundError, ValueError) as e:
+        print(f"edge-agent: cannot start: {e}", file=sys.stderr)
+        daemon.close()
+        return 2
+    try:
+        return asyncio.run(_serve(daemon, cfg, args))
+    finally:
+        daemon.close()
+
+
+async def _serve(daemon, cfg, args) -> int:
+    import asyncio
+    import signal
+
+    from .api import LocalApi
+
+    loop = asyncio.get_running_loop()
+    done = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, done.set)
+    api = await LocalApi(daemon, cfg.api.listen).start()
+    daemon.notifier.ready()
+    print(f"edge-agent: ready; local API at {api.address}", file=sys.stderr, flush=True)
+    if args.instruction:
+        daemon.submit(args.instruction)
+    while not done.is_set():
+        try:
+            await asyncio.wait_for(done.wait(), 0.2)
+        except asyncio.TimeoutError:
+            pass
+        if args.exit_when_done and args.instruction and daemon.history:
+            break
+    await api.close()
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="edge-agent", description="The robot side of speculative edge-cloud decoding.")
     ap.add_argument("--log-level", default="WARNING")
@@ -117,11 +173,28 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"draft name ({', '.join(modelfiles.DRAFTS)}) or a GGUF path")
     g.add_argument("--threads", type=int, default=2)
     g.add_argument("--json", action="store_true", help="last stdout line: one JSON object with text and metrics")
+    r = sub.add_parser("run", help="the robot daemon: camera + instruction -> safe navigation actions "
+                                   "(systemd/edge-agent.service)")
+    r.add_argument("--config", help="TOML config (systemd/edge-agent.toml is the annotated example)")
+    r.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                   help="override any config field, e.g. --set safety.max_vx=0.3 (repeatable; the value is TOML)")
+    r.add_argument("--verifier", help="= --set link.verifier=URL")
+    r.add_argument("--controller", choices=("sim", "serial", "go2", "ros2"), help="= --set robot.controller=...")
+    r.add_argument("--camera", help="= --set camera.source=...")
+    r.add_argument("--perception", choices=("sim", "color"), help="= --set perception.kind=...")
+    r.add_argument("--offline", choices=("hold", "local"), help="= --set offline.policy=...")
+    r.add_argument("--listen", help="= --set api.listen=HOST:PORT|unix:PATH")
+    r.add_argument("--telemetry", help="= --set telemetry.path=FILE")
+    r.add_argument("--instruction", help="submit this instruction at start (as the local API's submit would)")
+    r.add_argument("--max-steps", type=int, default=40, help="steps per instruction before the robot gives up")
+    r.add_argument("--exit-when-done", action="store_true", help="with --instruction: exit once it has finished")
     args = ap.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.cmd == "generate":
         return _generate(args)
+    if args.cmd == "run":
+        return _run(args)
     return 2
 
 

@@ -16,6 +16,7 @@ import logging
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
+from typing import Callable
 
 import numpy as np
 
@@ -113,8 +114,9 @@ class EdgeDecoder:
     def __init__(self, drafter: Drafter, url: str | None = None, token: str = "",
                  reconnect: ReconnectPolicy = ReconnectPolicy(), recv_timeout_s: float = 30.0,
                  fsd: FsdOptions = FsdOptions(), policy: DraftPolicy = DraftPolicy(),
-                 trace: str | None = None):
+                 trace: str | None = None, keepalive_s: float = 2.0):
         self.drafter = drafter
+        self.keepalive_s = keepalive_s          # websocket ping interval and timeout (not websockets' 20 s)
         self.url = url
         self.token = token
         self.reconnect = reconnect
@@ -151,7 +153,15 @@ class EdgeDecoder:
     # ------------------------------------------------------------------ entry point
 
     def generate(self, prompt_ids: list[int], *, mode: str = "sd", max_tokens: int = 64,
-                 params: SamplingParams = SamplingParams(), gamma: int = 4) -> Generation:
+                 params: SamplingParams = SamplingParams(), gamma: int = 4,
+                 until: Callable[[list[int]], bool] | None = None) -> Generation:
+        """Generate up to max_tokens after prompt_ids.
+
+        `until(ids)` ends the generation at the shortest output for which it is true (the
+        navigation loop's "a whole action sentence is out"); every mode cuts at the same
+        token, so the ids stay the target's own. A LinkLost or ServerError raised here
+        carries `token_ids`: what the target committed before the failure, to go on from.
+        """
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if mode == "fsd" and self.policy.uses_predictor:
@@ -162,6 +172,7 @@ class EdgeDecoder:
             raise ValueError("max_tokens must be >= 1 and gamma >= 0")
         m = Metrics()
         t0 = time.perf_counter()
+        self._until, self._checked = until, 0
         if mode == "local":
             out = self._generate_local(prompt_ids, max_tokens, params, m)
         else:
@@ -192,7 +203,20 @@ class EdgeDecoder:
             out.append(token)
             if token in stops:
                 break
+            cut = self._cut(out)
+            if cut is not None:
+                return out[:cut]
         return out
+
+    def _cut(self, out: list[int]) -> int | None:
+        """The shortest length at which `until` holds, checking only lengths not checked before."""
+        if self._until is None:
+            return None
+        for n in range(self._checked + 1, len(out) + 1):
+            if self._until(out[:n]):
+                return n
+        self._checked = len(out)
+        return None
 
     # ------------------------------------------------------------------ remote (AR, SD)
 
@@ -215,9 +239,14 @@ class EdgeDecoder:
                 stops = self.stop_ids()
                 stop = next((i for i, t in enumerate(out) if t in stops), None)
                 if stop is not None:            # SD can commit tokens past a stop id in one round
-                    return out[:stop + 1]
-                if len(out) >= max_tokens:
+                    out = out[:stop + 1]
+                cut = self._cut(out)
+                if cut is not None:
+                    return out[:cut]
+                if stop is not None:
                     return out
+                if len(out) >= max_tokens:
+                    return out[:max_tokens]
                 try:
                     if self.link is None:
                         self._connect()
@@ -238,6 +267,7 @@ class EdgeDecoder:
                 except LinkLost as e:
                     failures += 1
                     if failures > self.reconnect.max_attempts:
+                        e.token_ids = committed[n_prompt:]
                         raise
                     delay = self.reconnect.delay(failures - 1)
                     log.warning("link lost (%s); reconnect %d/%d in %.2fs with %d committed tokens", e,
@@ -253,6 +283,7 @@ class EdgeDecoder:
                 except ServerError as e:
                     failures += 1
                     if not e.recoverable or failures > self.reconnect.max_attempts:
+                        e.token_ids = committed[n_prompt:]
                         raise
                     log.info("server lost our session (%s); re-opening with %d committed tokens", e.code,
                              len(committed))
@@ -269,11 +300,24 @@ class EdgeDecoder:
                     pass
             self._fold_bytes(m)
 
+    def connect(self) -> bool:
+        """Make sure the verifier link is up (the offline mode's probe); False when it cannot be."""
+        if self.link is not None and self.link.ws is not None:
+            return True
+        try:
+            self._connect()
+            return True
+        except (LinkLost, ServerError) as e:
+            log.info("verifier still unreachable: %s", e)
+            self.link = None
+            return False
+
     def _connect(self) -> None:
         if self.url is None:
             raise ValueError("no verifier URL: pass --verifier ws://HOST:PORT or use --local")
         link = VerifierLink(self.url, token=self.token, vocab_hash=self.drafter.vocab_hash,
-                            vocab_size=self.drafter.vocab_size, recv_timeout_s=self.recv_timeout_s)
+                            vocab_size=self.drafter.vocab_size, recv_timeout_s=self.recv_timeout_s,
+                            keepalive_s=self.keepalive_s)
         link.connect()
         self.link = link
         self._bytes_base = (0, 0)

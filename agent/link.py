@@ -22,10 +22,13 @@ RECOVERABLE = {"unknown_session", "desync"}
 
 class LinkLost(ConnectionError):
     """The connection dropped, timed out or could not be made; reconnecting may help."""
+    token_ids: list[int] = []       # raised out of EdgeDecoder.generate: the ids committed before the failure
 
 
 class ServerError(RuntimeError):
     """The server answered with `error`."""
+
+    token_ids: list[int] = []       # raised out of EdgeDecoder.generate: the ids committed before the failure
 
     def __init__(self, code: str, message: str, sid: str | None = None):
         super().__init__(f"server error {code}: {message}")

@@ -1,0 +1,217 @@
+"""`edge-agent run`'s one typed config: TOML sections, each a frozen dataclass validated on creation.
+
+Every field can be overridden on the command line with `--set section.field=value`
+(the value is read as TOML: `--set safety.max_vx=0.3`, `--set camera.source="sim"`,
+`--set robot.options={port="/dev/ttyUSB0"}`); the config in use is logged at start.
+systemd/edge-agent.toml is the annotated example.
+"""
+from __future__ import annotations
+
+import tomllib
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
+
+from .nav import OFFLINE_POLICIES
+from .policy import POLICIES
+from .robot.controllers.base import CONTROLLERS
+from .robot.safety import SafetyLimits
+
+
+class ConfigError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class AgentSection:
+    draft: str = "smollm2-q4_1"         # draft name or a GGUF path
+    threads: int = 2
+    mode: str = "sd"                    # sd | fsd | ar (how verified steps decode)
+    draft_policy: str = "fixed"
+    gamma: int = 4
+    max_tokens: int = 40
+    temperature: float = 0.0
+    seed: int = 0
+    max_plan_age_s: float = 5.0         # never act on a plan whose frame is older
+    reach_m: float = 0.6
+
+    def __post_init__(self):
+        if self.mode not in ("sd", "fsd", "ar"):
+            raise ConfigError(f"agent.mode must be sd, fsd or ar, got {self.mode!r}")
+        if self.draft_policy not in POLICIES:
+            raise ConfigError(f"agent.draft_policy must be one of {POLICIES}, got {self.draft_policy!r}")
+        if self.threads < 1 or self.gamma < 1 or self.max_tokens < 1:
+            raise ConfigError("agent.threads, agent.gamma and agent.max_tokens must be >= 1")
+
+
+@dataclass(frozen=True)
+class LinkSection:
+    verifier: str = ""                  # ws://HOST:PORT of server-bridge; "" means always offline
+    token_env: str = "VERIFIER_TOKEN"   # the shared secret is read from this environment variable
+    keepalive_s: float = 1.0            # websocket ping interval and timeout (websockets' default is 20 s)
+    verify_timeout_s: float = 2.0       # an answer later than this counts as a lost link
+    reconnect_backoff_s: float = 0.2
+    reconnect_backoff_max_s: float = 5.0
+
+    def __post_init__(self):
+        if self.verifier and not self.verifier.startswith(("ws://", "wss://")):
+            raise ConfigError(f"link.verifier must be a ws:// or wss:// URL, got {self.verifier!r}")
+        if not 0.1 <= self.keepalive_s <= 5.0:
+            raise ConfigError(f"link.keepalive_s must be 0.1..5 s (1-2 s is right for a robot), got {self.keepalive_s}")
+        if self.verify_timeout_s <= 0 or self.reconnect_backoff_s <= 0 or \
+                self.reconnect_backoff_max_s < self.reconnect_backoff_s:
+            raise ConfigError("link timeouts must be positive and backoff_max >= backoff")
+
+
+@dataclass(frozen=True)
+class OfflineSection:
+    policy: str = "hold"                # hold: stop and wait | local: the draft model alone, unverified
+
+    def __post_init__(self):
+        if self.policy not in OFFLINE_POLICIES:
+            raise ConfigError(f"offline.policy must be one of {OFFLINE_POLICIES}, got {self.policy!r}")
+
+
+@dataclass(frozen=True)
+class RobotSection:
+    controller: str = "sim"             # sim | serial | go2 | ros2
+    control_hz: float = 20.0
+    options: dict = field(default_factory=dict)     # passed to the controller's constructor
+
+    def __post_init__(self):
+        if self.controller not in CONTROLLERS:
+            raise ConfigError(f"robot.controller must be one of {sorted(CONTROLLERS)}, got {self.controller!r}")
+        if not 10.0 <= self.control_hz <= 200.0:
+            raise ConfigError(f"robot.control_hz must be 10..200 (the Go2 wants Move at >= 10 Hz), "
+                              f"got {self.control_hz}")
+        if not isinstance(self.options, dict):
+            raise ConfigError("robot.options must be a table")
+
+
+@dataclass(frozen=True)
+class CameraSection:
+    source: str = "sim"                 # sim | /dev/videoN | a GStreamer pipeline | a video file
+    width: int = 640
+    height: int = 480
+    fps: int = 15
+    max_age_ms: float = 500.0           # never plan from an older frame
+
+    def __post_init__(self):
+        if self.width < 16 or self.height < 16 or not 1 <= self.fps <= 120 or self.max_age_ms <= 0:
+            raise ConfigError("camera: width/height >= 16, fps 1..120, max_age_ms > 0")
+
+
+@dataclass(frozen=True)
+class PerceptionSection:
+    kind: str = "sim"                   # sim (simulator ground truth) | color (HSV blob detector)
+    target_height_m: float = 0.4        # color: the objects' real height, for distance
+
+    def __post_init__(self):
+        if self.kind not in ("sim", "color"):
+            raise ConfigError(f"perception.kind must be sim or color, got {self.kind!r}")
+
+
+@dataclass(frozen=True)
+class ApiSection:
+    listen: str = "127.0.0.1:8770"      # HOST:PORT (keep it on loopback) or unix:/path/to.sock
+
+    def __post_init__(self):
+        if not self.listen.startswith("unix:"):
+            host, _, port = self.listen.rpartition(":")
+            if not host or not port.isdigit():
+                raise ConfigError(f"api.listen must be HOST:PORT or unix:PATH, got {self.listen!r}")
+
+
+@dataclass(frozen=True)
+class TelemetrySection:
+    path: str = "telemetry.jsonl"       # "" for none
+    max_bytes: int = 50_000_000
+
+
+@dataclass(frozen=True)
+class Config:
+    agent: AgentSection = AgentSection()
+    link: LinkSection = LinkSection()
+    offline: OfflineSection = OfflineSection()
+    robot: RobotSection = RobotSection()
+    safety: SafetyLimits = SafetyLimits()
+    camera: CameraSection = CameraSection()
+    perception: PerceptionSection = PerceptionSection()
+    api: ApiSection = ApiSection()
+    telemetry: TelemetrySection = TelemetrySection()
+
+    def __post_init__(self):
+        if self.camera.source == "sim" and self.robot.controller != "sim":
+            raise ConfigError("camera.source 'sim' renders the simulator: it needs robot.controller = 'sim'")
+        if self.perception.kind == "sim" and self.robot.controller != "sim":
+            raise ConfigError("perception.kind 'sim' reads the simulator's ground truth: use 'color' on a robot")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+SECTIONS = {f.name: f.type for f in fields(Config)}
+_TYPES = {"agent": AgentSection, "link": LinkSection, "offline": OfflineSection, "robot": RobotSection,
+          "safety": SafetyLimits, "camera": CameraSection, "perception": PerceptionSection, "api": ApiSection,
+          "telemetry": TelemetrySection}
+
+
+def _section(name: str, values: dict):
+    cls = _TYPES[name]
+    known = {f.name for f in fields(cls)}
+    unknown = set(values) - known
+    if unknown:
+        raise ConfigError(f"[{name}] has no field(s) {sorted(unknown)}; known: {sorted(known)}")
+    defaults = cls()
+    for key, value in values.items():              # the type each field's default has
+        want = type(getattr(defaults, key))
+        ok = (isinstance(value, (int, float)) and not isinstance(value, bool)) if want in (int, float) else \
+            (value is None or isinstance(value, (int, float))) if getattr(defaults, key) is None else \
+            isinstance(value, want)
+        if not ok:
+            raise ConfigError(f"{name}.{key} must be {want.__name__}, got {value!r}")
+    try:
+        return cls(**values)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"[{name}]: {e}") from None
+
+
+def build(data: dict) -> Config:
+    unknown = set(data) - set(_TYPES)
+    if unknown:
+        raise ConfigError(f"unknown config section(s) {sorted(unknown)}; known: {sorted(_TYPES)}")
+    return Config(**{name: _section(name, values) for name, values in data.items()})
+
+
+def parse_override(item: str) -> tuple[str, str, object]:
+    """"section.field=value" -> (section, field, value); the value is TOML, else a bare string."""
+    key, sep, raw = item.partition("=")
+    section, dot, name = key.strip().partition(".")
+    if not sep or not dot or section not in _TYPES:
+        raise ConfigError(f"--set wants section.field=value with a section of {sorted(_TYPES)}, got {item!r}")
+    try:
+        value = tomllib.loads(f"v = {raw.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw.strip()
+    return section, name.strip(), value
+
+
+def load(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
+    data: dict = {}
+    if path is not None:
+        try:
+            data = tomllib.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} not found") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {path}: {e}") from None
+    for item in overrides:
+        section, name, value = parse_override(item)
+        data.setdefault(section, {})[name] = value
+    return build(data)
+
+
+def with_changes(cfg: Config, **sections) -> Config:
+    """A copy with some fields of some sections changed: with_changes(cfg, link={"verifier": url})."""
+    return Config(**{f.name: replace(getattr(cfg, f.name), **sections.get(f.name, {})) for f in fields(Config)})

@@ -1,0 +1,303 @@
+"""`edge-agent run`: the robot daemon systemd supervises.
+
+Threads, each with one job:
+    control   the control loop (agent/robot/control.py): motors, deadman, WATCHDOG=1
+    grabber   the camera, newest frame only (agent/robot/camera.py)
+    nav       runs submitted instructions step by step (agent/nav.py), one task at a time
+    main      asyncio: the local API (agent/api.py) and the signal handlers
+
+Start-up order: controller, camera, control loop, draft model (and predictor), a
+first probe of the verifier (the robot comes up offline if it is down), then
+READY=1. Shutdown (SIGTERM/SIGINT): STOPPING=1, cancel the task, stop the motors,
+stop the threads, disconnect.
+"""
+from __future__ import annotations
+
+import base64
+import itertools
+import logging
+import os
+import queue
+import threading
+import time
+from typing import Callable
+
+from .config import Config
+from .decoder import EdgeDecoder, ReconnectPolicy
+from .nav import NavConfig, Navigator
+from .policy import DraftPolicy
+from .robot.actions import STOP
+from .robot.camera import Frame, FrameGrabber, open_source
+from .robot.control import ControlLoop
+from .robot.controllers.base import Controller, make_controller
+from .robot.safety import SafetyLayer
+from .sdnotify import Notifier
+from .telemetry import TelemetryWriter
+
+log = logging.getLogger(__name__)
+
+MAX_PENDING = 4                         # submitted tasks waiting behind the running one
+MAX_LISTENERS = 32
+
+
+class Busy(RuntimeError):
+    pass
+
+
+class Daemon:
+    def __init__(self, cfg: Config, *, drafter=None, controller: Controller | None = None,
+                 notifier: Notifier | None = None, max_steps: int = 40, task_timeout_s: float = 300.0):
+        self.cfg = cfg
+        self.notifier = notifier or Notifier()
+        self.max_steps = max_steps
+        self.task_timeout_s = task_timeout_s
+        self._drafter = drafter
+        self.controller = controller or make_controller(cfg.robot.controller, **cfg.robot.options)
+        self.world = getattr(self.controller, "world", None)       # the simulator, when the robot is one
+        self.safety = SafetyLayer(self.controller, cfg.safety)
+        self.grabber: FrameGrabber | None = None
+        self.control: ControlLoop | None = None
+        self.decoder: EdgeDecoder | None = None
+        self.nav: Navigator | None = None
+        self.telemetry = TelemetryWriter(cfg.telemetry.path or None, cfg.telemetry.max_bytes)
+        self._tasks: queue.Queue = queue.Queue(MAX_PENDING)
+        self._ids = itertools.count(1)
+        self._cancel = threading.Event()
+        self._stop = threading.Event()
+        self._worker: threading.Thread | None = None
+        self._listeners: list[Callable[[dict], None]] = []
+        self._lock = threading.Lock()
+        self.task: dict | None = None       # the running task's status
+        self.last_step: dict | None = None
+        self.history: list[dict] = []       # finished tasks, the last 16
+        self.started = time.monotonic()
+        self.ready = False
+
+    # -------------------------------------------------------------- lifecycle
+
+    def start(self, notify_ready: bool = True) -> "Daemon":
+        cfg = self.cfg
+        log.info("config in use: %s", cfg.to_dict())
+        self.controller.connect()
+        source = open_source(cfg.camera.source, cfg.camera.width, cfg.camera.height, cfg.camera.fps, world=self.world)
+        self.grabber = FrameGrabber(source, name=cfg.camera.source if len(cfg.camera.source) < 40 else "camera")
+        self.grabber.start()
+        self.control = ControlLoop(self.safety, cfg.robot.control_hz, frame_age=self.grabber.latest_age_s,
+                                   watchdog=self.notifier.watchdog,
+                                   watchdog_interval_s=self.notifier.watchdog_interval_s()).start()
+        self.notifier.status("loading the draft model")
+        if self._drafter is None:
+            from .drafter import Drafter
+            self._drafter = Drafter(cfg.agent.draft, threads=cfg.agent.threads)
+        token = os.environ.get(cfg.link.token_env, "") if cfg.link.token_env else ""
+        self.decoder = EdgeDecoder(
+            self._drafter, cfg.link.verifier or None, token=token, recv_timeout_s=cfg.link.verify_timeout_s,
+            keepalive_s=cfg.link.keepalive_s, policy=DraftPolicy(cfg.agent.draft_policy),
+            reconnect=ReconnectPolicy(max_attempts=1, backoff_s=cfg.link.reconnect_backoff_s,
+                                      backoff_max_s=cfg.link.reconnect_backoff_max_s))
+        self.nav = Navigator(self.decoder, self.grabber, self._perception(), self.control, NavConfig(
+            mode=cfg.agent.mode, gamma=cfg.agent.gamma, max_tokens=cfg.agent.max_tokens,
+            temperature=cfg.agent.temperature, seed=cfg.agent.seed, offline=cfg.offline.policy,
+            verify_timeout_s=cfg.link.verify_timeout_s, max_frame_age_ms=cfg.camera.max_age_ms,
+            max_plan_age_s=cfg.agent.max_plan_age_s, reach_m=cfg.agent.reach_m,
+            probe_backoff_s=cfg.link.reconnect_backoff_s, probe_backoff_max_s=cfg.link.reconnect_backoff_max_s),
+            emit=self._emit, on_mode=self._on_mode)
+        self.nav.check_link()
+        self._worker = threading.Thread(target=self._run_tasks, name="nav", daemon=True)
+        self._worker.start()
+        self.ready = True
+        if notify_ready:                    # else the caller does, once its API listens too
+            self.notifier.ready()
+        self.notifier.status(self._status_line())
+        log.info("ready: controller %s, camera %s, perception %s, verifier %s (%s), offline policy %s",
+                 self.controller.name, cfg.camera.source, cfg.perception.kind, cfg.link.verifier or "none",
+                 self.nav.link, cfg.offline.policy)
+        return self
+
+    def _perception(self):
+        from .robot import perception
+        kind = self.cfg.perception.kind
+        if kind == "sim":
+            if self.world is None:
+                raise ValueError("perception 'sim' needs the sim controller")
+            return perception.SimPerception(self.world)
+        return perception.ColorDetector(object_height_m=self.cfg.perception.target_height_m)
+
+    def close(self) -> None:
+        self.notifier.stopping()
+        self._stop.set()
+        self._cancel.set()
+        if self.control is not None:
+            self.control.halt("shutdown")
+        if self._worker is not None:
+            self._worker.join(10.0)
+        if self.control is not None:
+            self.control.stop()
+        if self.grabber is not None:
+            self.grabber.stop()
+        if self.decoder is not None:
+            self.decoder.close()
+        try:
+            self.controller.disconnect()
+        finally:
+            self.telemetry.close()
+        log.info("stopped")
+
+    # -------------------------------------------------------------- the API's verbs
+
+    def submit(self, instruction: str, image: str | None = None, max_steps: int | None = None) -> int:
+        """Queue an instruction (with an optional base64 JPEG/PNG); returns its task id. Busy when full."""
+        if not isinstance(instruction, str) or not instruction.strip() or len(instruction) > 500:
+            raise ValueError("instruction must be a non-empty string of at most 500 characters")
+        frame = _decode_image(image) if image else None
+        steps = self.max_steps if max_steps is None else int(max_steps)
+        if not 1 <= steps <= 1000:
+            raise ValueError("max_steps must be 1..1000")
+        task = {"id": next(self._ids), "instruction": instruction.strip(), "frame": frame, "max_steps": steps}
+        try:
+            self._tasks.put_nowait(task)
+        except queue.Full:
+            raise Busy(f"{MAX_PENDING} tasks already wait; cancel first") from None
+        return task["id"]
+
+    def cancel(self) -> int:
+        """Stop the running task (and drop the waiting ones); the robot halts. Returns how many were dropped."""
+        dropped = 0
+        while True:
+            try:
+                self._tasks.get_nowait()
+                dropped += 1
+            except queue.Empty:
+                break
+        self._cancel.set()
+        if self.control is not None:
+            self.control.halt("cancelled")
+        return dropped
+
+    def estop(self) -> None:
+        """Never through a model: the control loop's e-stop goes to the safety layer and the controller."""
+        if self.control is not None:
+            self.control.estop()
+        else:
+            self.safety.estop()
+        self.cancel()
+        self._emit({"event": "estop"})
+        log.warning("E-STOP")
+
+    def reset(self) -> None:
+        self.safety.reset()
+        self._emit({"event": "reset"})
+
+    def status(self) -> dict:
+        nav = self.nav
+        age = self.grabber.latest_age_s() if self.grabber else None
+        return {"ready": self.ready, "mode": "verified" if nav and nav.link == "up" else "offline",
+                "link": nav.link if nav else "unknown", "offline_policy": self.cfg.offline.policy,
+                "estopped": self.safety.estopped, "controller": self.controller.name,
+                "camera_age_ms": None if age is None else round(age * 1e3, 1),
+                "perception": self.cfg.perception.kind, "task": self.task, "last_step": self.last_step,
+                "pending": self._tasks.qsize(), "steps": nav.steps if nav else 0,
+                "offline_steps": nav.offline_steps if nav else 0, "safety_stops": dict(self.safety.stops),
+                "uptime_s": round(time.monotonic() - self.started, 1)}
+
+    def listen(self, fn: Callable[[dict], None]) -> Callable[[], None]:
+        """Add an event listener (the API's subscribers); returns the function that removes it."""
+        with self._lock:
+            if len(self._listeners) >= MAX_LISTENERS:
+                raise Busy(f"at most {MAX_LISTENERS} subscribers")
+            self._listeners.append(fn)
+        return lambda: self._unlisten(fn)
+
+    def _unlisten(self, fn) -> None:
+        with self._lock:
+            if fn in self._listeners:
+                self._listeners.remove(fn)
+
+    # -------------------------------------------------------------- the nav thread
+
+    def _run_tasks(self) -> None:
+        while not self._stop.is_set():
+            try:
+                task = self._tasks.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            self._cancel.clear()
+            self._run_task(task)
+
+    def _run_task(self, task: dict) -> None:
+        self.task = {"id": task["id"], "instruction": task["instruction"], "step": 0, "state": "running"}
+        self._emit({"event": "task", "task": task["id"], "instruction": task["instruction"], "state": "running"})
+        t0, frame, moving_steps = time.monotonic(), task["frame"], 0
+        state, misses = "max_steps", 0
+        while moving_steps < task["max_steps"]:
+            if self._cancel.is_set() or self._stop.is_set():
+                state = "cancelled"
+                break
+            if self.safety.estopped:
+                state = "estopped"
+                break
+            if time.monotonic() - t0 > self.task_timeout_s:
+                state = "timeout"
+                break
+            rec = self.nav.step(task["instruction"], task=str(task["id"]), cancel=self._cancel, frame=frame)
+            frame = None                        # an image from the API is used for the first step only
+            record = rec.to_json()
+            self.telemetry.write(record)
+            self.last_step = {k: record[k] for k in ("step", "mode", "action", "parse", "reason", "command",
+                                                      "latency_ms")}
+            self.task["step"] = rec.step
+            self.notifier.status(self._status_line())
+            if rec.parse == "refused":          # holding or no frame: not a step of the plan
+                continue
+            moving_steps += 1
+            misses = misses + 1 if rec.parse == "miss" else 0
+            if misses >= 3:
+                state = "unparseable"
+                break
+            if rec.action == str(STOP) and rec.parse in ("exact", "tolerant"):
+                state = "done"
+                break
+        self.control.halt("task_end")
+        self.task["state"] = state
+        self._emit({"event": "task", "task": task["id"], "state": state})
+        self.history = (self.history + [dict(self.task)])[-16:]
+        log.info("task %s (%s): %s after %d steps", task["id"], task["instruction"], state, moving_steps)
+
+    # -------------------------------------------------------------- events
+
+    def _emit(self, event: dict) -> None:
+        event = {"t": round(time.time(), 3), **event}
+        with self._lock:
+            listeners = list(self._listeners)
+        for fn in listeners:
+            try:
+                fn(event)
+            except Exception:
+                log.exception("event listener failed")
+
+    def _on_mode(self, mode: str) -> None:
+        if self.world is not None:
+            self.world.tag = mode           # the sim's map colours the path by mode
+        self.notifier.status(self._status_line())
+
+    def _status_line(self) -> str:
+        mode = "verified" if self.nav and self.nav.link == "up" else f"offline ({self.cfg.offline.policy})"
+        task = f"task {self.task['id']} step {self.task['step']}" if self.task and self.task["state"] == "running" \
+            else "idle"
+        return f"{mode}, {task}"
+
+
+def _decode_image(data: str) -> Frame:
+    import cv2
+    import numpy as np
+    try:
+        raw = base64.b64decode(data.split(",", 1)[-1], validate=True)   # a bare base64 or a data: URI
+    except ValueError:
+        raise ValueError("image must be base64 (or a data: URI) of a JPEG or PNG") from None
+    if len(raw) > 8_000_000:
+        raise ValueError("image larger than 8 MB")
+    img = cv2.imdecode(np.frombuffer(raw, np.uint8), cv2.IMREAD_COLOR)
+    if img is None:
+        raise ValueError("image could not be decoded (JPEG or PNG expected)")
+    return Frame(img, time.monotonic(), 0, {"source": "api"})
+

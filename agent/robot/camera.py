@@ -1,0 +1,196 @@
+"""Camera frames for the navigation loop: sources (V4L2, GStreamer, video files, the simulator)
+and a grabber thread that keeps only the newest frame.
+
+A camera's own buffer hands out old frames (opencv/opencv#13145): the grabber
+reads continuously in a named daemon thread and keeps only the latest frame
+with its capture time, and `read_latest(max_age_ms)` refuses a frame older than
+the limit (StaleFrame) instead of letting the robot act on the past.
+
+Sources, chosen by the config's `camera.source` string:
+    "sim"                       the simulator's renderer (agent/robot/sim.py)
+    "/dev/video0" or "0"        a V4L2 device (MJPG, buffer of one frame)
+    "... ! appsink"             a GStreamer pipeline, e.g. a Jetson CSI camera through nvarguscamerasrc
+                                (needs an OpenCV built with GStreamer: JetPack's, not the pip wheel)
+    anything else               a video file (looped), for replaying a recorded run
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+CSI_PIPELINE = ("nvarguscamerasrc sensor-id={sensor} ! video/x-raw(memory:NVMM),width={width},height={height},"
+                "format=NV12,framerate={fps}/1 ! nvvidconv flip-method=0 ! video/x-raw,format=BGRx ! videoconvert ! "
+                "video/x-raw,format=BGR ! appsink drop=1 max-buffers=1")
+
+
+class StaleFrame(RuntimeError):
+    """No frame, or the newest one is older than the caller accepts."""
+
+
+class CameraError(RuntimeError):
+    """The camera cannot be opened or stopped delivering frames."""
+
+
+@dataclass(frozen=True)
+class Frame:
+    image: np.ndarray                   # [h, w, 3] uint8, BGR
+    t: float                            # time.monotonic() at capture
+    seq: int                            # grabber's count, from 1
+    meta: dict = field(default_factory=dict)   # the simulator's pose at render time, say
+
+    def age_s(self, now: float | None = None) -> float:
+        return (time.monotonic() if now is None else now) - self.t
+
+
+class FrameSource(Protocol):
+    def open(self) -> None: ...
+    def read(self) -> tuple[np.ndarray, dict] | None:
+        """Block for the next image (with its metadata); None on a failed read."""
+    def close(self) -> None: ...
+
+
+class OpenCVSource:
+    """A V4L2 device, a GStreamer pipeline string or a video file through cv2.VideoCapture."""
+
+    def __init__(self, source: str, width: int = 640, height: int = 480, fps: int = 15, loop: bool = True):
+        self.source, self.width, self.height, self.fps, self.loop = source, width, height, fps, loop
+        self.cap = None
+        self.kind = ("gstreamer" if "!" in source else
+                     "v4l2" if source.startswith("/dev/video") or source.isdigit() else "file")
+
+    def open(self) -> None:
+        import cv2
+        if self.kind == "gstreamer":
+            if "GStreamer:                   YES" not in cv2.getBuildInformation():
+                raise CameraError("this OpenCV has no GStreamer (pip wheels never do): use JetPack's OpenCV, "
+                                  "e.g. a venv made with --system-site-packages")
+            cap = cv2.VideoCapture(self.source, cv2.CAP_GSTREAMER)
+        elif self.kind == "v4l2":
+            dev = int(self.source) if self.source.isdigit() else self.source
+            cap = cv2.VideoCapture(dev, cv2.CAP_V4L2)
+            cap.set(cv2.CAP_PROP_FOURCC, cv2.VideoWriter_fourcc(*"MJPG"))
+            cap.set(cv2.CAP_PROP_FRAME_WIDTH, self.width)
+            cap.set(cv2.CAP_PROP_FRAME_HEIGHT, self.height)
+            cap.set(cv2.CAP_PROP_FPS, self.fps)
+            cap.set(cv2.CAP_PROP_BUFFERSIZE, 1)
+        else:
+            cap = cv2.VideoCapture(self.source)
+        if not cap.isOpened():
+            raise CameraError(f"cannot open camera source {self.source!r} ({self.kind})")
+        self.cap = cap
+
+    def read(self):
+        ok, img = self.cap.read()
+        if not ok and self.kind == "file" and self.loop:
+            import cv2
+            self.cap.set(cv2.CAP_PROP_POS_FRAMES, 0)
+            ok, img = self.cap.read()
+        if self.kind == "file":                 # a file reads as fast as it decodes; pace it like a camera
+            time.sleep(1.0 / self.fps)
+        return (img, {}) if ok else None
+
+    def close(self) -> None:
+        if self.cap is not None:
+            self.cap.release()
+            self.cap = None
+
+
+class FrameGrabber:
+    """Reads a source in a background thread and keeps only the newest frame."""
+
+    def __init__(self, source: FrameSource, name: str = "camera", max_failures: int = 50,
+                 clock: Callable[[], float] = time.monotonic):
+        self.source = source
+        self.name = name
+        self.max_failures = max_failures
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._latest: Frame | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.frames = 0
+        self.failures = 0
+        self.error: str | None = None
+
+    def start(self) -> "FrameGrabber":
+        self.source.open()
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name=f"grabber-{self.name}", daemon=True)
+        self._thread.start()
+        return self
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
+
+    def _run(self) -> None:
+        consecutive = 0
+        while not self._stop.is_set():
+            try:
+                got = self.source.read()
+            except Exception as e:              # a driver error must not kill the thread silently
+                got, self.error = None, f"{type(e).__name__}: {e}"
+            if got is None:
+                self.failures += 1
+                consecutive += 1
+                if consecutive >= self.max_failures:
+                    self.error = self.error or f"{consecutive} failed reads in a row"
+                    log.error("camera %s: %s; the grabber stops (the robot stops on stale frames)",
+                              self.name, self.error)
+                    return
+                self._stop.wait(0.02)
+                continue
+            consecutive = 0
+            image, meta = got
+            with self._lock:
+                self.frames += 1
+                self._latest = Frame(image, self.clock(), self.frames, meta)
+
+    def read_latest(self, max_age_ms: float) -> Frame:
+        """The newest frame if it is at most max_age_ms old; raises StaleFrame otherwise."""
+        with self._lock:
+            frame = self._latest
+        if frame is None:
+            raise StaleFrame(f"camera {self.name}: no frame yet" + (f" ({self.error})" if self.error else ""))
+        age_ms = (self.clock() - frame.t) * 1e3
+        if age_ms > max_age_ms:
+            raise StaleFrame(f"camera {self.name}: newest frame is {age_ms:.0f} ms old (limit {max_age_ms:.0f} ms)")
+        return frame
+
+    def latest_age_s(self) -> float | None:
+        """Age of the newest frame (None before the first); the safety layer's staleness input."""
+        with self._lock:
+            frame = self._latest
+        return None if frame is None else self.clock() - frame.t
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def stop(self, timeout_s: float = 2.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                log.warning("camera %s: grabber did not stop in %.1fs", self.name, timeout_s)
+            self._thread = None
+        self.source.close()
+
+
+def open_source(source: str, width: int = 640, height: int = 480, fps: int = 15, world=None) -> FrameSource:
+    """The frame source a config string names ("sim" needs the simulator's world)."""
+    if source == "sim":
+        from .sim import SimCamera
+        if world is None:
+            raise CameraError("camera source 'sim' needs the sim controller's world (robot.controller = 'sim')")
+        return SimCamera(world, fps=fps)
+    return OpenCVSource(source, width, height, fps)

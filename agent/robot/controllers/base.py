@@ -1,0 +1,83 @@
+"""The controller interface every robot driver implements, and the registry of drivers.
+
+A controller turns a velocity command into motion. Its lifecycle is
+`connect()` / `disconnect()` (or a `with` block); `send_action(cmd)` returns
+the command actually sent after the driver's own clamping (hardware limits);
+`stop()` is a normal halt and `estop()` the soft emergency stop (the Go2's
+`Damp`, a serial controller's e-stop frame). Controllers never see a model:
+`agent.robot.safety.SafetyLayer` sits in front of every one of them.
+
+Fakes (`sim`, a serial controller on `loop://`) are registered beside the
+real drivers, never instead of them.
+"""
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Command:
+    """A body-frame velocity set-point."""
+    vx: float = 0.0                     # m/s, forward positive
+    vy: float = 0.0                     # m/s, left positive
+    wz: float = 0.0                     # rad/s, counter-clockwise (left turn) positive
+
+    def to_json(self) -> dict:
+        return {"vx": round(self.vx, 4), "vy": round(self.vy, 4), "wz": round(self.wz, 4)}
+
+
+class ControllerError(RuntimeError):
+    """The driver cannot be used (missing SDK, no device, not connected)."""
+
+
+class Controller(ABC):
+    name = "controller"
+
+    def __enter__(self):
+        self.connect()
+        return self
+
+    def __exit__(self, *exc):
+        self.disconnect()
+
+    @abstractmethod
+    def connect(self) -> None: ...
+
+    @abstractmethod
+    def disconnect(self) -> None:
+        """Stop motion and release the device; safe to call twice."""
+
+    @property
+    @abstractmethod
+    def connected(self) -> bool: ...
+
+    @abstractmethod
+    def send_action(self, cmd: Command) -> Command:
+        """Send one velocity set-point; returns what was actually sent after the driver's clamping."""
+
+    @abstractmethod
+    def stop(self) -> None:
+        """Zero velocity (a normal halt)."""
+
+    def estop(self) -> None:
+        """The soft emergency stop; drivers with a stronger one (Go2 Damp) override this."""
+        self.stop()
+
+
+# name -> "module:Class"; imported only when chosen, so a missing SDK (unitree_sdk2py, rclpy) only
+# matters to the robot that asks for it.
+CONTROLLERS = {
+    "sim": "agent.robot.controllers.sim:SimController",
+    "serial": "agent.robot.controllers.serial:SerialController",
+    "go2": "agent.robot.controllers.go2:Go2Controller",
+    "ros2": "agent.robot.controllers.ros2:Ros2Controller",
+}
+
+
+def make_controller(kind: str, **options) -> Controller:
+    if kind not in CONTROLLERS:
+        raise ValueError(f"unknown controller {kind!r}; choose one of {sorted(CONTROLLERS)}")
+    module, cls = CONTROLLERS[kind].split(":")
+    return getattr(importlib.import_module(module), cls)(**options)

@@ -1,0 +1,161 @@
+"""Perception: one camera frame in, a short list of text-ready sightings out.
+
+A `Sighting` is what the prompt needs about one thing the robot sees: a name,
+a bearing (degrees, positive = to the robot's left) and a distance (metres to
+the thing's near surface). Two perceptions produce them:
+
+    "sim"    SimPerception  the simulator's ground truth for the frame's pose (privileged)
+    "color"  ColorDetector  HSV thresholds on the image itself (works on a real camera)
+
+Both have `kind` and `describe(frame) -> list[Sighting]`, sorted by distance.
+Pinhole model shared with the simulator's renderer (agent/robot/sim.py):
+column u (pixel centre u + 0.5) looks along bearing atan((w/2 - (u + 0.5)) / f),
+f = (w/2) / tan(hfov/2); the horizon is row h/2 (the camera looks level).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from .camera import Frame
+
+
+@dataclass(frozen=True)
+class Sighting:
+    name: str                           # "red box"; a detector without names says "red object"
+    bearing_deg: float                  # positive = to the robot's left, 0 = straight ahead
+    distance_m: float                   # robot centre to the thing's near surface, >= 0
+    source: str                         # "sim" | "color" | a detector's kind
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "bearing_deg": round(self.bearing_deg, 1),
+                "distance_m": round(self.distance_m, 2), "source": self.source}
+
+
+def focal_px(width: int, hfov_deg: float) -> float:
+    """f = (w/2) / tan(hfov/2), in pixels (square pixels: the same f vertically)."""
+    return (width / 2.0) / math.tan(math.radians(hfov_deg) / 2.0)
+
+
+class SimPerception:
+    """The simulator's ground truth of what the camera could see at the frame's moment.
+
+    Privileged: it reads the world, not the pixels (field of view, range and line of
+    sight are checked, so it reports only what the camera could see). A stand-in for a
+    detector, for developing the agent loop before a detector is trusted. It uses the
+    pose stored with the frame (`frame.meta["pose"]`), never the world's current pose,
+    so what it reports belongs to the image the model was shown.
+    """
+    kind = "sim"
+
+    def __init__(self, world, hfov_deg: float = 90.0, max_range_m: float = 6.0):
+        self.world = world
+        self.hfov_deg = hfov_deg
+        self.max_range_m = max_range_m
+
+    def describe(self, frame: Frame) -> list[Sighting]:
+        pose = frame.meta.get("pose")
+        if pose is None:
+            raise ValueError("SimPerception needs frame.meta['pose'] (a frame from the simulator's camera)")
+        return self.world.sightings(pose=tuple(pose), hfov_deg=self.hfov_deg, max_range_m=self.max_range_m)
+
+
+# colour -> one (lower, upper) HSV range or a list of them; OpenCV hue runs 0..180, so red wraps
+DEFAULT_COLORS: dict[str, list[tuple[tuple[int, int, int], tuple[int, int, int]]]] = {
+    "red": [((0, 120, 70), (10, 255, 255)), ((170, 120, 70), (180, 255, 255))],
+    "blue": [((100, 120, 70), (130, 255, 255))],
+    "green": [((40, 80, 60), (85, 255, 255))],
+    "yellow": [((20, 120, 90), (35, 255, 255))],
+}
+
+
+def _ranges(spec) -> list:
+    """Accept (lower, upper) or [(lower, upper), ...]."""
+    if len(spec) == 2 and len(spec[0]) == 3 and np.isscalar(spec[0][0]):
+        return [spec]
+    return list(spec)
+
+
+def blob_range(top: float, bottom: float, height: int, f: float, camera_height_m: float,
+               object_height_m: float) -> tuple[float, str]:
+    """Depth along the optical axis of a blob whose rows span [top, bottom) (continuous rows).
+
+    Ground plane (preferred): the blob's bottom edge is where the object meets the floor,
+        z = f * camera_height / (bottom - horizon).
+    When the bottom is cut off by the frame (very close) or is not below the horizon, the
+    known object height gives it from the top edge, z = f * (H - camera_height) / (horizon - top),
+    or from the pixel height, z = f * H / (bottom - top).
+    """
+    horizon = height / 2.0
+    if bottom < height - 0.5 and bottom - horizon >= 1.0:
+        return f * camera_height_m / (bottom - horizon), "ground"
+    if object_height_m > camera_height_m and horizon - top >= 1.0:
+        return f * (object_height_m - camera_height_m) / (horizon - top), "top"
+    return f * object_height_m / max(bottom - top, 1.0), "height"
+
+
+class ColorDetector:
+    """A real detector for a robot's camera: the largest blob of each configured colour.
+
+    HSV thresholds (defaults: red in two hue ranges, blue, green, yellow) give a mask per
+    colour; the largest external contour of at least `min_area_px` pixels is the sighting,
+    named `names[color]` or "<color> object". Bearing comes from the blob's centroid column
+    through the pinhole model. Distance is the ground-plane estimate from the blob's bottom
+    row (z = f * camera_height / (row_bottom - horizon), then range = z / cos(bearing)); when
+    the bottom is cut off by the frame it falls back to the known object height (see
+    `blob_range`). Assumes a level camera at `camera_height_m` on a flat floor.
+    """
+    kind = "color"
+
+    def __init__(self, colors: dict | None = None, hfov_deg: float = 90.0, object_height_m: float = 0.4,
+                 camera_height_m: float = 0.3, min_area_px: int = 12, names: dict[str, str] | None = None):
+        self.colors = {c: _ranges(spec) for c, spec in (colors or DEFAULT_COLORS).items()}
+        self.hfov_deg = hfov_deg
+        self.object_height_m = object_height_m
+        self.camera_height_m = camera_height_m
+        self.min_area_px = min_area_px
+        self.names = dict(names or {})
+
+    def describe(self, frame: Frame) -> list[Sighting]:
+        import cv2
+        image = frame.image                                     # [h, w, 3] uint8 BGR
+        if image.ndim != 3 or image.shape[2] != 3 or image.dtype != np.uint8:
+            raise ValueError(f"ColorDetector wants a [h, w, 3] uint8 BGR image, got {image.shape} {image.dtype}")
+        h, w = image.shape[:2]
+        f = focal_px(w, self.hfov_deg)
+        hsv = cv2.cvtColor(image, cv2.COLOR_BGR2HSV)
+        found = []
+        for color, ranges in self.colors.items():
+            mask = np.zeros((h, w), np.uint8)
+            for lo, hi in ranges:
+                mask |= cv2.inRange(hsv, np.array(lo, np.uint8), np.array(hi, np.uint8))
+            s = self._largest_blob(cv2, mask, w, h, f)
+            if s is not None:
+                bearing, dist = s
+                found.append(Sighting(self.names.get(color, f"{color} object"), bearing, dist, self.kind))
+        return sorted(found, key=lambda s: s.distance_m)
+
+    def _largest_blob(self, cv2, mask, w: int, h: int, f: float) -> tuple[float, float] | None:
+        """(bearing_deg, distance_m) of the largest contour in `mask` [h, w], None if too small."""
+        contours, _ = cv2.findContours(mask, cv2.RETR_EXTERNAL, cv2.CHAIN_APPROX_SIMPLE)
+        if not contours:
+            return None
+        areas = [cv2.contourArea(c) for c in contours]
+        c = contours[int(np.argmax(areas))]
+        blob = np.zeros_like(mask)
+        cv2.drawContours(blob, [c], -1, 255, thickness=-1)
+        blob &= mask
+        area = int(np.count_nonzero(blob))
+        if area < self.min_area_px:
+            return None
+        rows, cols = np.nonzero(blob)
+        u = cols.mean() + 0.5                                   # centroid column, continuous
+        bearing = math.atan2(w / 2.0 - u, f)                    # positive = left
+        z, _ = blob_range(float(rows.min()), float(rows.max() + 1), h, f,
+                          self.camera_height_m, self.object_height_m)
+        return math.degrees(bearing), max(0.0, z / math.cos(bearing))
+
+
+PERCEPTIONS = {"sim": SimPerception, "color": ColorDetector}

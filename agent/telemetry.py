@@ -1,0 +1,57 @@
+"""Telemetry: one JSON line per navigation step, in a size-bounded file.
+
+When the file passes `max_bytes` it is renamed to `<path>.1` (replacing the
+previous one) and a new file starts, so the disk holds at most about twice
+`max_bytes`. Thread-safe; a write error is logged once and never stops the robot.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+class TelemetryWriter:
+    def __init__(self, path: str | os.PathLike | None, max_bytes: int = 50_000_000):
+        if max_bytes < 1024:
+            raise ValueError(f"telemetry max_bytes must be at least 1024, got {max_bytes}")
+        self.path = Path(path) if path else None
+        self.max_bytes = max_bytes
+        self._lock = threading.Lock()
+        self._fh = None
+        self.records = 0
+        self.rotations = 0
+        self._failed = False
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(self, record: dict) -> None:
+        if self.path is None:
+            return
+        line = json.dumps(record, separators=(",", ":"), default=str) + "\n"
+        with self._lock:
+            try:
+                if self._fh is None:
+                    self._fh = open(self.path, "a", encoding="utf-8")
+                if self._fh.tell() + len(line) > self.max_bytes and self._fh.tell() > 0:
+                    self._fh.close()
+                    os.replace(self.path, self.path.with_name(self.path.name + ".1"))
+                    self.rotations += 1
+                    self._fh = open(self.path, "a", encoding="utf-8")
+                self._fh.write(line)
+                self._fh.flush()
+                self.records += 1
+            except OSError as e:
+                if not self._failed:
+                    log.error("telemetry write to %s failed (%s); going on without it", self.path, e)
+                self._failed = True
+
+    def close(self) -> None:
+        with self._lock:
+            if self._fh is not None:
+                self._fh.close()
+                self._fh = None

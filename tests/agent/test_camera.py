@@ -1,0 +1,72 @@
+"""The camera grabber: newest frame only, stale frames refused, a dead source noticed."""
+import time
+
+import cv2
+import numpy as np
+import pytest
+
+from agent.robot.camera import CameraError, FrameGrabber, OpenCVSource, StaleFrame, open_source
+
+
+@pytest.fixture
+def video(tmp_path):
+    """A real 2-second MJPG video file (a recorded run to replay)."""
+    path = str(tmp_path / "run.avi")
+    out = cv2.VideoWriter(path, cv2.VideoWriter_fourcc(*"MJPG"), 20, (64, 48))
+    for i in range(40):
+        img = np.zeros((48, 64, 3), np.uint8)
+        img[:, :, 2] = i * 6                             # red grows frame by frame
+        out.write(img)
+    out.release()
+    return path
+
+
+def test_video_file_frames_are_fresh_and_newest(video):
+    with FrameGrabber(OpenCVSource(video, fps=50), name="file") as g:
+        deadline = time.monotonic() + 5
+        while g.frames < 5 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        f1 = g.read_latest(max_age_ms=500)
+        time.sleep(0.1)
+        f2 = g.read_latest(max_age_ms=500)
+    assert f1.image.shape == (48, 64, 3) and f2.seq > f1.seq and f2.t > f1.t
+    assert not g.alive
+
+
+def test_stale_frame_is_refused_once_the_source_stops(video):
+    g = FrameGrabber(OpenCVSource(video, fps=50), name="file").start()
+    while g.frames == 0:
+        time.sleep(0.01)
+    g.stop()
+    time.sleep(0.15)
+    with pytest.raises(StaleFrame, match="ms old"):
+        g.read_latest(max_age_ms=100)
+    assert g.latest_age_s() >= 0.1
+
+
+def test_no_frame_yet_is_stale():
+    class Never:
+        def open(self): pass
+        def read(self):
+            time.sleep(0.01)
+            return None
+        def close(self): pass
+    g = FrameGrabber(Never(), name="never", max_failures=5).start()
+    time.sleep(0.2)
+    with pytest.raises(StaleFrame, match="no frame yet"):
+        g.read_latest(1000)
+    assert not g.alive and "failed reads" in g.error          # the grabber gave up and says why
+    g.stop()
+
+
+def test_missing_device_is_a_clear_error(tmp_path):
+    with pytest.raises(CameraError, match="cannot open"):
+        OpenCVSource(str(tmp_path / "nope.avi")).open()
+
+
+def test_source_kinds():
+    assert OpenCVSource("/dev/video0").kind == "v4l2" and OpenCVSource("0").kind == "v4l2"
+    assert OpenCVSource("nvarguscamerasrc ! appsink").kind == "gstreamer"
+    assert OpenCVSource("run.mp4").kind == "file"
+    with pytest.raises(CameraError, match="sim"):
+        open_source("sim")
