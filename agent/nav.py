@@ -260,6 +260,7 @@ class Navigator:
             return self._finish(rec, t0, reason=rec.reason or (
                 "the model says the task is done" if parsed.how != "miss" else f"unparseable output: {parsed.note}"))
         t3 = self.clock()
+        self.emit({"event": "moving", "step": rec.step, "action": rec.action, "mode": rec.mode})
         rec.completed = self.control.execute(motion_for(parsed.action, self.cfg.speed, self.cfg.turn_rate), cancel)
         rec.latency_ms["act"] = round((self.clock() - t3) * 1e3, 1)
         first = self.control.first_sent

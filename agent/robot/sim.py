@@ -246,8 +246,8 @@ def render_view(geo: Geometry, pose: tuple[float, float, float], width: int = 16
         top = horizon - f * (hi - camera_height_m) / zc                 # [W]
         bot = horizon - f * (lo - camera_height_m) / zc
         mask = (v >= top) & (v < bot) & (z < zbuf)                      # [H, W]
-        zbuf = np.where(mask, z, zbuf)
-        img = np.where(mask[:, :, None], np.clip(col, 0, 255).astype(np.uint8)[None], img)
+        np.copyto(zbuf, np.broadcast_to(z, zbuf.shape), where=mask)
+        np.copyto(img, np.broadcast_to(np.clip(col, 0, 255).astype(np.uint8), img.shape), where=mask[:, :, None])
     return img
 
 
@@ -297,10 +297,13 @@ class SimWorld:
 
     @property
     def path(self) -> list[tuple[float, float, float, float, str]]:
-        """A copy of the recorded path, (t, x, y, theta, tag), at most PATH_MAXLEN points."""
+        """A copy of the recorded path, (t, x, y, theta, tag), at most PATH_MAXLEN points, ending at the pose now."""
         with self._lock:
             self.advance()
-            return list(self._path)
+            path = list(self._path)
+            if tuple(path[-1][1:4]) != tuple(self._pose):
+                path.append((self._t, *self._pose, self._tag))
+            return path
 
     @property
     def tag(self) -> str:
@@ -309,7 +312,9 @@ class SimWorld:
     @tag.setter
     def tag(self, value: str) -> None:
         with self._lock:
-            self.advance()                  # the motion so far keeps the old tag
+            self.advance()                  # the motion so far keeps the old tag, up to this pose
+            if tuple(self._path[-1][1:4]) != tuple(self._pose):
+                self._path.append((self._t, *self._pose, self._tag))
             self._tag = str(value)
 
     @property
@@ -435,7 +440,7 @@ class SimWorld:
         """A top-down picture (BGR uint8): walls, obstacles, labelled objects, the path coloured by
         tag, the start, the robot with its heading and a faint field-of-view wedge."""
         with self._lock:
-            pose, path = self.pose, list(self._path)
+            pose, path = self.pose, self.path
         return draw_map(self, pose, path, scale_px_per_m, tag_colors, hfov_deg, fov_range_m)
 
 

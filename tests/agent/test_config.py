@@ -22,7 +22,8 @@ def test_overrides_win_and_are_typed(tmp_path):
 @pytest.mark.parametrize("override,msg", [
     ("safety.max_vx=-1", "max_vx"), ("offline.policy=fly", "offline.policy"), ("link.keepalive_s=20", "keepalive"),
     ("robot.control_hz=5", "10 Hz"), ("agent.mode=xyz", "agent.mode"), ("nope.x=1", "section"),
-    ("agent.colour=1", "no field"), ("link.verifier=http://x", "ws://"), ("api.listen=8770", "HOST:PORT"),
+    ("agent.colour=1", "no field"), ("link.verifier=http://x", "ws://"), ("api.listen=\"8770\"", "HOST:PORT"),
+    ("api.listen=8770", "api.listen must be str"), ("safety.deadman_s=true", "deadman_s must be float"),
 ])
 def test_bad_values_are_refused_with_the_field_named(override, msg):
     with pytest.raises(ConfigError, match=msg):

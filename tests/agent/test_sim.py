@@ -209,7 +209,8 @@ def test_render_camera_shape_and_red_box_columns_match_its_bearing():
 def test_render_camera_object_rows_follow_the_pinhole_model():
     world = corridor()                                                      # box 0.4 tall, near face 2.3 m ahead
     img = world.render_camera(width=160, height=120, pose=(0.5, 1.0, 0.0))
-    rows = np.nonzero(img[:, 80, 2] > 150)[0]                              # red rows in the centre column
+    col = img[:, 80].astype(int)
+    rows = np.nonzero((col[:, 2] > 150) & (col[:, 1] < 60))[0]             # red rows in the centre column
     f, z, horizon = 80.0, 2.3, 60.0
     assert rows.min() == pytest.approx(horizon - f * (0.4 - 0.3) / z, abs=1.0)
     assert rows.max() + 1 == pytest.approx(horizon + f * 0.3 / z, abs=1.0)

@@ -506,6 +506,9 @@ class SerialController(Controller):
         except (OSError, ControllerError) as e:     # port unplugged or closed under us
             self.error = e
             log.error("serial %s: io thread stopped: %s", self.port, e)
+        except Exception as e:                      # a bug: still end visibly (connected -> False)
+            self.error = e
+            log.exception("serial %s: io thread crashed", self.port)
         finally:
             with self._cond:
                 self._cond.notify_all()             # wake any _request waiting on an ACK
