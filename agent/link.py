@@ -75,7 +75,7 @@ class VerifierLink:
                 raise ServerError("forbidden", body or "HTTP 403") from None
             # 503 (full) and anything else: transient, the decoder backs off and retries
             raise LinkLost(f"verifier at {self.url} refused the connection: HTTP {status} {body}") from None
-        except (OSError, InvalidHandshake, TimeoutError) as e:
+        except (OSError, InvalidHandshake, TimeoutError, ConnectionClosed) as e:   # closed mid-handshake too
             raise LinkLost(f"cannot reach verifier at {self.url}: {e}") from None
         except InvalidURI as e:
             raise ValueError(f"bad verifier URL {self.url!r}: {e}") from None
@@ -129,12 +129,12 @@ class VerifierLink:
                 raise ServerError(msg.code, msg.message, msg.sid)
             return msg
 
-    def request(self, msg: wire.Message) -> tuple[wire.Message, float]:
+    def request(self, msg: wire.Message, timeout_s: float | None = None) -> tuple[wire.Message, float]:
         """Send and wait for the reply to it; returns the reply with the round-trip time in ms."""
         t0 = time.perf_counter()
         self.send(msg)
         while True:
-            reply = self.recv(sid=getattr(msg, "sid", None))
+            reply = self.recv(sid=getattr(msg, "sid", None), timeout_s=timeout_s)
             if not isinstance(reply, wire.Exit):      # a late early-exit hint: no use outside FSD's loop
                 break
             self.stale += 1

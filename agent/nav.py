@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
@@ -78,6 +79,21 @@ def observation_text(sightings, reach_m: float = 0.6, ahead_deg: float = 10.0) -
         dist = "within reach" if s.distance_m < reach_m else f"{s.distance_m:.1f} m away"
         parts.append(f"{s.name} {where}, {dist}")
     return "; ".join(parts) if parts else "nothing"
+
+
+def relevant(sightings, instruction: str) -> list:
+    """The sightings the instruction names ("red box" in "go to the red box"), nearest first.
+
+    This is the text-prompted detection a robot would run (an open-vocabulary detector
+    queried with the task's object): a 135M model copies whatever object comes first,
+    so distractors are left out. An instruction that names no seen object keeps them all.
+    """
+    words = set(instruction.lower().replace(".", " ").replace(",", " ").split())
+    named = [s for s in sightings if set(s.name.lower().split()) <= words]
+    known = {w for s in sightings for w in s.name.lower().split()}
+    if named or words & known:
+        return sorted(named, key=lambda s: s.distance_m)
+    return sorted(sightings, key=lambda s: s.distance_m)
 
 
 def messages(instruction: str, observation: str) -> list[dict]:
@@ -137,7 +153,7 @@ class Step:
     action_text: str = ""               # its canonical NaVILA sentence
     parse: str = ""                     # exact | tolerant | miss | refused (no plan made)
     parse_note: str = ""
-    command: dict = field(default_factory=dict)     # the first set-point the controller got (after clamping)
+    command: dict = field(default_factory=lambda: {"vx": 0.0, "vy": 0.0, "wz": 0.0})   # first set-point sent (clamped)
     completed: bool = False             # the motion ran to its end
     reason: str = ""                    # why this action (or why none)
     link: str = "up"                    # up | down
@@ -167,6 +183,7 @@ class Navigator:
         self._next_probe = 0.0
         self.steps = 0
         self.offline_steps = 0
+        self.session = f"nav-{uuid.uuid4().hex[:12]}"     # one server session: the few-shot prefix stays cached
 
     # -------------------------------------------------------------- the link
 
@@ -209,6 +226,22 @@ class Navigator:
 
     # -------------------------------------------------------------- one step
 
+    def warm_up(self) -> None:
+        """Prefill the prompt's fixed part (system and examples) on both sides before the first task.
+
+        The first step would otherwise pay the whole prompt's prefill (seconds for the
+        float32 target on a CPU) and its plan would be stale before it is made.
+        """
+        ids = self.prompt_ids("look around", "nothing")
+        t0 = self.clock()
+        self.drafter.next_logits(ids)           # the robot's side: the draft's KV cache
+        if self.link == "up":                   # the server's: the session's KV, kept for the next steps
+            try:
+                self.decoder.generate(ids, mode="ar", max_tokens=1, params=self.params, session=self.session)
+            except (LinkLost, ServerError) as e:
+                self._mark("down", str(e))
+        log.info("prompt prefix (%d tokens) prefilled in %.1fs", len(ids), self.clock() - t0)
+
     def prompt_ids(self, instruction: str, observation: str) -> list[int]:
         return self.drafter.tokenize(self.drafter.apply_chat_template(messages(instruction, observation)))
 
@@ -229,7 +262,8 @@ class Navigator:
             return self._finish(rec, t0, parse="refused", reason=f"no fresh camera frame: {e}")
         rec.latency_ms["frame_age"] = round((self.clock() - frame.t) * 1e3, 1)
         t1 = self.clock()
-        rec.observation = observation_text(self.perception.describe(frame), self.cfg.reach_m)
+        rec.observation = observation_text(relevant(self.perception.describe(frame), instruction),
+                                           self.cfg.reach_m)
         rec.latency_ms["perceive"] = round((self.clock() - t1) * 1e3, 1)
         self.emit({"event": "observation", "step": rec.step, "observation": rec.observation})
         ids = self.prompt_ids(instruction, rec.observation)
@@ -247,7 +281,8 @@ class Navigator:
         plan_age = self.clock() - frame.t
         if plan_age > self.cfg.max_plan_age_s:
             self.control.halt("stale_plan")
-            rec.action, rec.action_text = str(STOP), STOP.text
+            rec.parse_note = f"{rec.action} ({rec.parse}) not acted on"
+            rec.action, rec.action_text, rec.parse = str(STOP), STOP.text, "refused"
             return self._finish(rec, t0, reason=f"plan is {plan_age:.1f}s older than its frame "
                                                 f"(limit {self.cfg.max_plan_age_s}s): not acted on")
         if cancel is not None and cancel.is_set():
@@ -295,7 +330,8 @@ class Navigator:
         if self._probe_if_due():
             try:
                 gen = self.decoder.generate(ids, mode=self.cfg.mode, max_tokens=self.cfg.max_tokens,
-                                            params=self.params, gamma=self.cfg.gamma, until=self._until([]))
+                                            params=self.params, gamma=self.cfg.gamma, until=self._until([]),
+                                            session=self.session)
                 self._mark("up", "generation verified")
                 self._take(rec, gen)
                 return True
@@ -332,7 +368,8 @@ class Navigator:
                 try:
                     gen = self.decoder.generate(ids + committed, mode=self.cfg.mode, params=self.params,
                                                 max_tokens=max(1, self.cfg.max_tokens - len(committed)),
-                                                gamma=self.cfg.gamma, until=self._until(committed))
+                                                gamma=self.cfg.gamma, until=self._until(committed),
+                                                session=self.session)
                 except (LinkLost, ServerError) as e:
                     committed += list(e.token_ids)
                     self._mark("down", str(e))

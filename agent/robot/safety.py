@@ -97,8 +97,8 @@ class SafetyLayer:
             safe = clamp(cmd, limits)
             if safe != cmd and not all(math.isfinite(v) for v in (cmd.vx, cmd.vy, cmd.wz)):
                 return self._halt("non_finite_command", now)
-            # the time since the last set-point; from a stop, one nominal 20 Hz tick at most
-            dt = min(limits.deadman_s, 0.05 if self._prev_t is None else now - self._prev_t)
+            # the time since the last set-point (at most 0.1 s); from a stop, one nominal 20 Hz tick
+            dt = 0.05 if self._last_t is None else min(0.1, now - self._last_t)
             safe = rate_limit(safe, self._last, dt, limits)
             sent = self.controller.send_action(safe)
             self._last, self._last_t, self._prev_t = sent, now, now
@@ -118,7 +118,9 @@ class SafetyLayer:
             self._last, self._last_t = Command(), None
 
     def reset(self) -> None:
+        """Release the e-stop (ours and the driver's own latch); motion needs a fresh command."""
         with self._lock:
+            self.controller.reset()
             self._estopped = False
 
     def tick(self) -> bool:

@@ -10,6 +10,7 @@ import threading
 import time
 
 import pytest
+from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
 from agent import config
@@ -70,9 +71,10 @@ def test_episode_with_the_real_models(tmp_path, drafter, proxy, verifier):
         d.submit("go to the red box", max_steps=4)
         assert wait_for(lambda: d.history, timeout=240)
         records = [json.loads(line) for line in (tmp_path / "telemetry.jsonl").read_text().splitlines()]
-        assert 1 <= len(records) <= 4 and d.history[-1]["state"] in ("done", "max_steps", "unparseable")
+        assert 1 <= len(records) <= 4 and d.nav.steps == len(records) and d.history[-1]["state"] in ("done", "max_steps", "unparseable")
         for r in records:
             assert r["mode"] == "verified" and r["perception"] == "sim" and r["text"] and r["parse"] != "refused"
+            assert "older than" not in r["reason"]
             assert r["verified_tokens"] > 0 and r["unverified_tokens"] == 0
             assert abs(r["command"]["vx"]) <= d.cfg.safety.max_vx and abs(r["command"]["wz"]) <= d.cfg.safety.max_wz
             assert {"frame_age", "perceive", "generate", "step"} <= set(r["latency_ms"])
@@ -152,7 +154,13 @@ def test_local_api_estop_status_and_bad_requests(tmp_path, drafter, proxy):
 
             sub.send(json.dumps({"op": "subscribe"}))
             assert json.loads(sub.recv(10))["ok"]
-            threading.Thread(target=lambda: [events.append(json.loads(m)) for m in sub], daemon=True).start()
+            def collect():
+                try:
+                    for m in sub:
+                        events.append(json.loads(m))
+                except ConnectionClosed:
+                    pass
+            threading.Thread(target=collect, daemon=True).start()
 
             assert call(op="status")["status"]["mode"] == "verified"
             assert not call(op="fly")["ok"] and "unknown op" in call(op="fly")["error"]
@@ -164,7 +172,6 @@ def test_local_api_estop_status_and_bad_requests(tmp_path, drafter, proxy):
             # 1. e-stop while the robot moves: stopped (and damped) before the reply comes back
             assert call(op="submit", instruction="go to the red box")["ok"]
             assert wait_for(lambda: any(e["event"] == "moving" for e in events), 120)
-            assert d.world.velocity != (0, 0, 0) or True
             assert call(op="estop")["ok"]
             v = d.world.velocity
             assert (v.vx, v.vy, v.wz) == (0, 0, 0) and d.world.damped and d.safety.estopped
@@ -172,7 +179,7 @@ def test_local_api_estop_status_and_bad_requests(tmp_path, drafter, proxy):
 
             # 2. e-stop while a generation is in flight: its action never reaches the motors
             assert call(op="reset")["ok"]
-            d.controller.connect()                       # un-damp the sim robot (a human resets a real one)
+            assert not d.world.damped and not d.safety.estopped
             events.clear()
             assert call(op="submit", instruction="go to the red box")["ok"]
             assert wait_for(lambda: any(e["event"] == "observation" for e in events), 60)
@@ -202,13 +209,13 @@ def test_daemon_tells_systemd_ready_watchdog_and_stopping(tmp_path):
     got = []
     try:
         deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and got.count("WATCHDOG=1") < 5:
+        after_ready = lambda: got[got.index("READY=1"):].count("WATCHDOG=1") if "READY=1" in got else 0  # noqa: E731
+        while time.monotonic() < deadline and after_ready() < 5:
             try:
                 got += sock.recv(4096).decode().split("\n")
             except socket.timeout:
                 assert proc.poll() is None, proc.stderr.read()
-        assert "READY=1" in got and got.count("WATCHDOG=1") >= 5
-        assert got.index("READY=1") < len(got) - 1
+        assert after_ready() >= 5                          # the control loop pings at half of WATCHDOG_USEC
         assert any(line.startswith("STATUS=offline (hold)") for line in got)   # no verifier: declared offline
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0

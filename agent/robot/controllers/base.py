@@ -65,6 +65,9 @@ class Controller(ABC):
         """The soft emergency stop; drivers with a stronger one (Go2 Damp) override this."""
         self.stop()
 
+    def reset(self) -> None:
+        """Clear the driver's own e-stop latch, once a person has checked the robot (default: none)."""
+
 
 # name -> "module:Class"; imported only when chosen, so a missing SDK (unitree_sdk2py, rclpy) only
 # matters to the robot that asks for it.

@@ -56,3 +56,6 @@ class SimController(Controller):
     def estop(self) -> None:
         self.world.set_velocity(Command())
         self.world.damped = True
+
+    def reset(self) -> None:
+        self.world.damped = False
