@@ -18,7 +18,7 @@ LLAMA_CMAKE_ARGS ?=
 endif
 WHEELHOUSE ?= $(HOME)/.cache/edgespec/wheels/llama-cpp-python-$(LLAMA_CPP_VERSION)-$(LLAMA_FLAVOUR)
 
-.PHONY: setup demo test test-fast bench bench-policy predictors clean
+.PHONY: setup demo demo-decoding nav-eval test test-fast bench bench-policy predictors clean
 
 setup: $(VENV)/.installed models/build/.ready
 
@@ -42,8 +42,17 @@ models/build/.ready: $(VENV)/.installed
 	$(BIN)/server-bridge prepare
 	touch $@
 
+# The sim robot told "go to the red box": speculative decoding, a link cut, offline mode, recovery.
 demo: setup
 	$(BIN)/python -m tools.demo
+
+# One instruction answered by AR, SD and SD with predictor+optimal, side by side.
+demo-decoding: setup
+	$(BIN)/python -m tools.demo_decoding
+
+# The navigation prompt: each draft's actions against the scripted policy (docs/nav_prompt_eval.*).
+nav-eval: setup
+	$(BIN)/python -m tools.nav_prompt_eval
 
 # Everything, real-model tests included (what .ci/run calls).
 test: setup

@@ -154,6 +154,7 @@ class Step:
     parse: str = ""                     # exact | tolerant | miss | refused (no plan made)
     parse_note: str = ""
     command: dict = field(default_factory=lambda: {"vx": 0.0, "vy": 0.0, "wz": 0.0})   # first set-point sent (clamped)
+    command_peak: dict = field(default_factory=lambda: {"vx": 0.0, "vy": 0.0, "wz": 0.0})  # largest set-point sent
     completed: bool = False             # the motion ran to its end
     reason: str = ""                    # why this action (or why none)
     link: str = "up"                    # up | down
@@ -298,8 +299,9 @@ class Navigator:
         self.emit({"event": "moving", "step": rec.step, "action": rec.action, "mode": rec.mode})
         rec.completed = self.control.execute(motion_for(parsed.action, self.cfg.speed, self.cfg.turn_rate), cancel)
         rec.latency_ms["act"] = round((self.clock() - t3) * 1e3, 1)
-        first = self.control.first_sent
+        first, peak = self.control.first_sent, self.control.peak_sent
         rec.command = first.to_json() if first is not None else {"vx": 0.0, "vy": 0.0, "wz": 0.0}
+        rec.command_peak = peak.to_json()
         return self._finish(rec, t0, reason=rec.reason or (
             "" if rec.completed else f"motion cut short ({self.control.safety.last_stop_reason})"))
 
@@ -339,7 +341,8 @@ class Navigator:
                 self.control.halt("link_lost")              # stop at once; decide what next below
                 committed = list(e.token_ids)
                 self._mark("down", str(e))
-                rec.reason = f"verifier lost mid-answer after {len(committed)} committed tokens: {e}"
+                rec.reason = (f"verifier lost mid-answer after {len(committed)} committed tokens: {e}" if committed
+                              else f"verifier unreachable: {e}")
         else:
             rec.reason = "verifier unreachable"
         rec.mode = "offline"

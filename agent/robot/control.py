@@ -50,6 +50,7 @@ class ControlLoop:
         self.ticks = 0
         self.last_sent = Command()
         self.first_sent: Command | None = None    # the first command of the current motion, after the safety layer
+        self.peak_sent = Command()                # its largest set-point per axis (by magnitude)
 
     # -------------------------------------------------------------- lifecycle
 
@@ -90,7 +91,7 @@ class ControlLoop:
                 self._done.set()
                 return
             self._motion, self._until, self._ramping, self._cut = motion, self.clock() + motion.duration_s, False, False
-            self.first_sent = None
+            self.first_sent, self.peak_sent = None, Command()
             self._done.clear()
 
     def halt(self, reason: str = "halt") -> None:
@@ -123,8 +124,12 @@ class ControlLoop:
             with self._lock:
                 if sent == Command() and motion.cmd != Command():     # the safety layer refused (stale, e-stop)
                     self._drop()
-                elif self.first_sent is None:
-                    self.first_sent = sent
+                else:
+                    if self.first_sent is None:
+                        self.first_sent = sent
+                    p = self.peak_sent
+                    big = lambda a, b: a if abs(a) >= abs(b) else b      # noqa: E731
+                    self.peak_sent = Command(big(p.vx, sent.vx), big(p.vy, sent.vy), big(p.wz, sent.wz))
         elif motion is not None:
             sent = self.safety.send_action(Command(), self.frame_age())   # ramp down through the rate limit
             with self._lock:
