@@ -130,9 +130,30 @@ async def _serve(daemon, cfg, args) -> int:
     return 0
 
 
+def _setup_logging(level: str) -> None:
+    """stderr for journald; under systemd (JOURNAL_STREAM set) each line carries its syslog priority
+    as a <N> prefix, so `journalctl -p warning` filters it and no timestamp is doubled."""
+    if os.environ.get("JOURNAL_STREAM"):
+        priority = {logging.DEBUG: 7, logging.INFO: 6, logging.WARNING: 4, logging.ERROR: 3, logging.CRITICAL: 2}
+
+        class Priority(logging.Filter):
+            def filter(self, record):
+                record.priority = priority.get(record.levelno, 6)
+                return True
+
+        handler = logging.StreamHandler(sys.stderr)
+        handler.addFilter(Priority())
+        handler.setFormatter(logging.Formatter("<%(priority)d>%(name)s: %(message)s"))
+        logging.basicConfig(level=level.upper(), handlers=[handler])
+    else:
+        logging.basicConfig(level=level.upper(), stream=sys.stderr,
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="edge-agent", description="The robot side of speculative edge-cloud decoding.")
-    ap.add_argument("--log-level", default="WARNING")
+    ap.add_argument("--log-level", default=None, help="default: INFO for run (the config in use is logged), "
+                                                         "WARNING otherwise")
     sub = ap.add_subparsers(dest="cmd", required=True)
     g = sub.add_parser("generate", help="answer one prompt")
     g.add_argument("--verifier", help="ws://HOST:PORT of server-bridge")
@@ -189,8 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--max-steps", type=int, default=40, help="steps per instruction before the robot gives up")
     r.add_argument("--exit-when-done", action="store_true", help="with --instruction: exit once it has finished")
     args = ap.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _setup_logging(args.log_level or ("INFO" if args.cmd == "run" else "WARNING"))
     if args.cmd == "generate":
         return _generate(args)
     if args.cmd == "run":

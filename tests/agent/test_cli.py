@@ -59,3 +59,14 @@ def test_draft_policy_and_trace_flags(make_server, capsys, tmp_path):
     assert rc == 2 and "no rejection predictor" in capsys.readouterr().err
     rc = cli.main(["generate", *prompt, "--mode", "fsd", "--draft-policy", "predictor"])
     assert rc == 2 and "fsd" in capsys.readouterr().err
+
+
+def test_under_systemd_log_lines_carry_their_syslog_priority():
+    import subprocess
+    import sys
+    code = ("import logging; from agent.cli import _setup_logging; _setup_logging('INFO'); "
+            "logging.getLogger('x').warning('careful'); logging.getLogger('x').info('fine')")
+    import os
+    env = {**os.environ, "JOURNAL_STREAM": "8:1234"}
+    err = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True).stderr
+    assert err.splitlines() == ["<4>x: careful", "<6>x: fine"]

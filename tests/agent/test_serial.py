@@ -352,3 +352,13 @@ def test_whole_protocol_over_real_socket_urls():
         ctl.disconnect()
         mcu_port.close()
         relay.close()
+
+
+def test_safety_layer_reset_releases_the_mcu_latch(link):
+    from agent.robot.safety import SafetyLayer, SafetyLimits
+    ctl, mcu = link(status_s=0.02)
+    safety = SafetyLayer(ctl, SafetyLimits(max_frame_age_s=None))
+    safety.estop()
+    assert mcu.estopped and ctl.estopped
+    safety.reset()
+    assert not mcu.estopped and not ctl.estopped

@@ -413,11 +413,11 @@ class SerialController(Controller):
         """Release the e-stop latch here and on the MCU (RESET, acked)."""
         self._require_connected()
         self._request(FrameType.RESET)
+        self.estopped = False
 
     def reset(self) -> None:
         """The Controller interface's name for clear_estop (SafetyLayer.reset calls it)."""
         self.clear_estop()
-        self.estopped = False
 
     def read_status(self, max_age_s: float = 0.5) -> McuStatus:
         """The MCU's latest STATUS; raises ControllerError if none came or it is older than max_age_s."""
