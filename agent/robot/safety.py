@@ -48,10 +48,7 @@ class SafetyLimits:
 
 def clamp(cmd: Command, limits: SafetyLimits) -> Command:
     """Per-axis clamp; a non-finite axis makes the whole command zero (a NaN is a fault, not a speed)."""
-    if not all(math.isfinite(v) for v in (cmd.vx, cmd.vy, cmd.wz)):
-        return Command()
-    lim = lambda v, m: max(-m, min(m, v))          # noqa: E731
-    return Command(lim(cmd.vx, limits.max_vx), lim(cmd.vy, limits.max_vy), lim(cmd.wz, limits.max_wz))
+    return cmd.clamped(limits.max_vx, limits.max_vy, limits.max_wz)
 
 
 def rate_limit(cmd: Command, last: Command, dt: float, limits: SafetyLimits) -> Command:

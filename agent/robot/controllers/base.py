@@ -13,6 +13,7 @@ real drivers, never instead of them.
 from __future__ import annotations
 
 import importlib
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -26,6 +27,13 @@ class Command:
 
     def to_json(self) -> dict:
         return {"vx": round(self.vx, 4), "vy": round(self.vy, 4), "wz": round(self.wz, 4)}
+
+    def clamped(self, max_vx: float, max_vy: float, max_wz: float) -> "Command":
+        """Each axis clipped to +-its limit; a non-finite axis makes the whole command zero (a fault)."""
+        if not all(math.isfinite(v) for v in (self.vx, self.vy, self.wz)):
+            return Command()
+        lim = lambda v, m: max(-m, min(m, v))          # noqa: E731
+        return Command(lim(self.vx, max_vx), lim(self.vy, max_vy), lim(self.wz, max_wz))
 
 
 class ControllerError(RuntimeError):

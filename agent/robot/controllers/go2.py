@@ -73,8 +73,7 @@ class Go2Controller(Controller):
 
     def send_action(self, cmd: Command) -> Command:
         client = self._need()
-        lim = lambda v, m: max(-m, min(m, v))      # noqa: E731
-        sent = Command(lim(cmd.vx, self.max_vx), lim(cmd.vy, self.max_vy), lim(cmd.wz, self.max_wz))
+        sent = cmd.clamped(self.max_vx, self.max_vy, self.max_wz)
         code = client.Move(sent.vx, sent.vy, sent.wz)
         if code not in (0, None):       # Move is send-and-forget; a code here is a local failure
             self.errors += 1

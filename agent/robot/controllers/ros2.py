@@ -56,8 +56,7 @@ class Ros2Controller(Controller):
     def send_action(self, cmd: Command) -> Command:
         if self.pub is None:
             raise ControllerError("ros2: not connected")
-        lim = lambda v, m: max(-m, min(m, v))      # noqa: E731
-        sent = Command(lim(cmd.vx, self.max_vx), lim(cmd.vy, self.max_vy), lim(cmd.wz, self.max_wz))
+        sent = cmd.clamped(self.max_vx, self.max_vy, self.max_wz)
         msg = self._twist()
         msg.linear.x, msg.linear.y, msg.angular.z = float(sent.vx), float(sent.vy), float(sent.wz)
         self.pub.publish(msg)

@@ -7,7 +7,6 @@ the world itself stops the robot `auto_stop_s` after the last command.
 """
 from __future__ import annotations
 
-import math
 
 from ..sim import SimWorld, make_world
 from .base import Command, Controller, ControllerError
@@ -37,10 +36,7 @@ class SimController(Controller):
 
     def clamp(self, cmd: Command) -> Command:
         """The hardware limits per axis; a non-finite axis makes the whole command zero."""
-        if not all(math.isfinite(v) for v in (cmd.vx, cmd.vy, cmd.wz)):
-            return Command()
-        lim = lambda v, m: max(-m, min(m, v))          # noqa: E731
-        return Command(lim(cmd.vx, self.max_vx), lim(cmd.vy, self.max_vy), lim(cmd.wz, self.max_wz))
+        return cmd.clamped(self.max_vx, self.max_vy, self.max_wz)
 
     def send_action(self, cmd: Command) -> Command:
         """Returns the command the robot now holds: the clamped one, or zero while damped."""
