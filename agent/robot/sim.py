@@ -493,6 +493,15 @@ def draw_map(world: SimWorld, pose: Pose, path: list, scale: float, tag_colors: 
     for tag, pts in _runs(path):
         cv2.polylines(img, [np.array([px(x, y) for x, y in pts], np.int32)], False,
                       colors.get(tag, OTHER_TAG_COLOR), 2, cv2.LINE_AA)
+    # turns in place draw no line: ring the places where a tagged run stayed put (offline turns, say)
+    for tag, pts in _runs(path):
+        if tag != "verified" and tag in colors and max(math.dist(pts[0], p) for p in pts) < 0.05:
+            cv2.circle(img, px(*pts[0]), 7, colors[tag], 2, cv2.LINE_AA)
+    legend = [(t, c) for t, c in colors.items() if any(tag == t for *_, tag in path)]
+    for i, (tag, color) in enumerate(legend):
+        cv2.line(img, (margin + 6, margin + 12 + 14 * i), (margin + 26, margin + 12 + 14 * i), color, 2)
+        cv2.putText(img, tag, (margin + 30, margin + 16 + 14 * i), cv2.FONT_HERSHEY_SIMPLEX, 0.38, (30, 30, 30), 1,
+                    cv2.LINE_AA)
 
     sx, sy = px(world.start.x, world.start.y)
     cv2.drawMarker(img, (sx, sy), (0, 0, 0), cv2.MARKER_TILTED_CROSS, 12, 2)
