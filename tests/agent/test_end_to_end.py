@@ -322,3 +322,48 @@ def test_policies_sample_at_temperature_above_zero(drafter, server_and_proxy):
         assert len(gen.token_ids) == MAX_TOKENS or gen.token_ids[-1] in drafter.eos_ids
         assert gen.metrics.accepted > 0 and gen.metrics.predictor_calls > 0
         assert 0 < gen.metrics.estimates["alpha"] < 1
+
+
+@pytest.mark.parametrize("mode", ["ar", "sd", "fsd", "local"])
+def test_until_cuts_every_mode_at_the_same_token(drafter, server_and_proxy, ar_reference, mode):
+    """`until` ends at the shortest output it accepts; SD's multi-token rounds are trimmed back to it."""
+    _, proxy = server_and_proxy
+    ids = drafter.tokenize(PROMPTS[0][0], chat=True)
+    full = ar_reference[0]
+    want = next(n for n in range(1, len(full) + 1) if len(drafter.detokenize(full[:n]).split()) >= 5)
+    dec = EdgeDecoder(drafter, proxy.url())
+    try:
+        got = dec.generate(ids, mode=mode, max_tokens=MAX_TOKENS, until=lambda out: len(drafter.detokenize(out).split()) >= 5)
+    finally:
+        dec.close()
+    if mode == "local":                                  # the draft alone: its own tokens, cut by the same rule
+        assert len(drafter.detokenize(got.token_ids).split()) >= 5
+        assert len(drafter.detokenize(got.token_ids[:-1]).split()) < 5
+    else:
+        assert got.token_ids == full[:want]
+
+
+def test_a_named_session_keeps_the_shared_prefix_cached_on_the_server(drafter, target, server_and_proxy,
+                                                                     monkeypatch):
+    """The navigation loop's steps share a long prompt prefix: with one session name the server
+    prefills only what changed, and the answers stay the target's."""
+    _, proxy = server_and_proxy
+    fed = []                                             # positions the target ran per forward pass
+    forward = target._forward
+    monkeypatch.setattr(target, "_forward", lambda state, ids, keep: fed.append(len(ids)) or forward(state, ids, keep))
+    shared = "You are a careful robot. " * 30
+    a = drafter.tokenize(shared + "Task: go to the door.", chat=False)
+    b = drafter.tokenize(shared + "Task: go to the window.", chat=False)
+    named, fresh = EdgeDecoder(drafter, proxy.url()), EdgeDecoder(drafter, proxy.url())
+    try:
+        named.generate(a, mode="sd", max_tokens=4, session="robot-1")
+        fed.clear()
+        warm = named.generate(b, mode="sd", max_tokens=8, session="robot-1")
+        warm_fed, fed[:] = sum(fed), []
+        cold = fresh.generate(b, mode="sd", max_tokens=8)
+        cold_fed = sum(fed)
+    finally:
+        named.close()
+        fresh.close()
+    assert warm.token_ids == cold.token_ids
+    assert cold_fed - warm_fed >= len(drafter.tokenize(shared, chat=False)) - 2    # the shared part ran once
