@@ -151,6 +151,8 @@ class Daemon:
         """Queue an instruction (with an optional base64 JPEG/PNG); returns its task id. Busy when full."""
         if not isinstance(instruction, str) or not instruction.strip() or len(instruction) > 500:
             raise ValueError("instruction must be a non-empty string of at most 500 characters")
+        if image and self.cfg.perception.kind == "sim":
+            raise ValueError("an image needs perception 'color' (perception 'sim' reads the simulator, not pixels)")
         frame = _decode_image(image) if image else None
         steps = self.max_steps if max_steps is None else int(max_steps)
         if not 1 <= steps <= 1000:
@@ -241,7 +243,12 @@ class Daemon:
             if time.monotonic() - t0 > self.task_timeout_s:
                 state = "timeout"
                 break
-            rec = self.nav.step(task["instruction"], task=str(task["id"]), cancel=self._cancel, frame=frame)
+            try:
+                rec = self.nav.step(task["instruction"], task=str(task["id"]), cancel=self._cancel, frame=frame)
+            except Exception:               # never let one bad step kill the nav thread: stop, end the task
+                log.exception("step failed; stopping the robot and ending the task")
+                state = "error"
+                break
             frame = None                        # an image from the API is used for the first step only
             record = rec.to_json()
             self.telemetry.write(record)

@@ -81,19 +81,22 @@ def observation_text(sightings, reach_m: float = 0.6, ahead_deg: float = 10.0) -
     return "; ".join(parts) if parts else "nothing"
 
 
+GENERIC = {"the", "a", "an", "to", "go", "object", "thing"}
+
+
 def relevant(sightings, instruction: str) -> list:
-    """The sightings the instruction names ("red box" in "go to the red box"), nearest first.
+    """The sightings the instruction names best ("red box" in "go to the red box"), nearest first.
 
     This is the text-prompted detection a robot would run (an open-vocabulary detector
     queried with the task's object): a 135M model copies whatever object comes first,
-    so distractors are left out. An instruction that names no seen object keeps them all.
+    so distractors are left out. A sighting is scored by the words its name shares with
+    the instruction; the best score wins ("red box" over "red ball"; a colour detector's
+    "red object" still matches "red box"). Nothing the instruction names in view: nothing.
     """
-    words = set(instruction.lower().replace(".", " ").replace(",", " ").split())
-    named = [s for s in sightings if set(s.name.lower().split()) <= words]
-    known = {w for s in sightings for w in s.name.lower().split()}
-    if named or words & known:
-        return sorted(named, key=lambda s: s.distance_m)
-    return sorted(sightings, key=lambda s: s.distance_m)
+    words = set(instruction.lower().replace(".", " ").replace(",", " ").split()) - GENERIC
+    score = {id(s): len(words & (set(s.name.lower().split()) - GENERIC)) for s in sightings}
+    best = max(score.values(), default=0)
+    return sorted((s for s in sightings if best and score[id(s)] == best), key=lambda s: s.distance_m)
 
 
 def messages(instruction: str, observation: str) -> list[dict]:
@@ -263,8 +266,13 @@ class Navigator:
             return self._finish(rec, t0, parse="refused", reason=f"no fresh camera frame: {e}")
         rec.latency_ms["frame_age"] = round((self.clock() - frame.t) * 1e3, 1)
         t1 = self.clock()
-        rec.observation = observation_text(relevant(self.perception.describe(frame), instruction),
-                                           self.cfg.reach_m)
+        try:
+            sightings = self.perception.describe(frame)
+        except Exception as e:              # a detector fault must not kill the loop: stop and say why
+            log.exception("perception failed")
+            self.control.halt("perception_error")
+            return self._finish(rec, t0, parse="refused", reason=f"perception failed: {type(e).__name__}: {e}")
+        rec.observation = observation_text(relevant(sightings, instruction), self.cfg.reach_m)
         rec.latency_ms["perceive"] = round((self.clock() - t1) * 1e3, 1)
         self.emit({"event": "observation", "step": rec.step, "observation": rec.observation})
         ids = self.prompt_ids(instruction, rec.observation)

@@ -91,3 +91,15 @@ def test_motion_follows_navila_bench():
     m = motion_for(Action("right", 45))
     assert m.cmd.wz < 0 and math.isclose(-m.cmd.wz * m.duration_s, math.radians(45))
     assert motion_for(STOP).duration_s == 0
+
+
+def test_observation_keeps_the_objects_the_task_names():
+    from agent.nav import observation_text, relevant
+    from agent.robot.perception import Sighting
+    seen = [Sighting("blue ball", 0.0, 1.0, "sim"), Sighting("red box", 38.0, 5.2, "sim"),
+            Sighting("red ball", -20.0, 2.0, "sim")]
+    assert observation_text(relevant(seen, "Go to the red box.")) == "red box 38 degrees to the left, 5.2 m away"
+    assert observation_text(relevant(seen[:1], "go to the red box")) == "nothing"     # only a distractor in view
+    detector = [Sighting("red object", -4.0, 0.4, "color")]
+    assert observation_text(relevant(detector, "go to the red box")) == "red object ahead, within reach"
+    assert relevant(seen, "look around") == []                                       # nothing named is in view
