@@ -8,7 +8,7 @@ systemd/edge-agent.toml is the annotated example.
 from __future__ import annotations
 
 import tomllib
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from .nav import OFFLINE_POLICIES
@@ -149,10 +149,7 @@ class Config:
         return asdict(self)
 
 
-SECTIONS = {f.name: f.type for f in fields(Config)}
-_TYPES = {"agent": AgentSection, "link": LinkSection, "offline": OfflineSection, "robot": RobotSection,
-          "safety": SafetyLimits, "camera": CameraSection, "perception": PerceptionSection, "api": ApiSection,
-          "telemetry": TelemetrySection}
+_TYPES = {f.name: type(f.default) for f in fields(Config)}     # section name -> its dataclass
 
 
 def _section(name: str, values: dict):
@@ -211,7 +208,3 @@ def load(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
         data.setdefault(section, {})[name] = value
     return build(data)
 
-
-def with_changes(cfg: Config, **sections) -> Config:
-    """A copy with some fields of some sections changed: with_changes(cfg, link={"verifier": url})."""
-    return Config(**{f.name: replace(getattr(cfg, f.name), **sections.get(f.name, {})) for f in fields(Config)})

@@ -153,7 +153,7 @@ class Step:
     verified_tokens: int = 0            # committed by the target
     unverified_tokens: int = 0          # written by the draft alone (offline local)
     action: str = "stop"                # the parsed action, e.g. "turn left 30 deg"
-    action_text: str = ""               # its canonical NaVILA sentence
+    action_text: str = STOP.text        # its canonical NaVILA sentence
     parse: str = ""                     # exact | tolerant | miss | refused (no plan made)
     parse_note: str = ""
     command: dict = field(default_factory=lambda: {"vx": 0.0, "vy": 0.0, "wz": 0.0})   # first set-point sent (clamped)
@@ -299,7 +299,6 @@ class Navigator:
             return self._finish(rec, t0, reason="cancelled")
         if parsed.action == STOP:
             self.control.halt("model_stop" if parsed.how != "miss" else "unparseable")
-            rec.command = {"vx": 0.0, "vy": 0.0, "wz": 0.0}
             rec.completed = True
             return self._finish(rec, t0, reason=rec.reason or (
                 "the model says the task is done" if parsed.how != "miss" else f"unparseable output: {parsed.note}"))
@@ -318,8 +317,6 @@ class Navigator:
             rec.parse = parse
         if reason:
             rec.reason = reason
-        if rec.action_text == "":
-            rec.action_text = STOP.text
         rec.link = "up" if self.link == "up" else "down"
         rec.latency_ms["step"] = round((self.clock() - t0) * 1e3, 1)
         if rec.mode == "offline":
@@ -370,8 +367,6 @@ class Navigator:
 
     def _hold(self, ids, committed, rec, frame_t, cancel) -> bool:
         """Stay stopped; resume the same answer if the link returns while the frame is still fresh."""
-        rec.verified_tokens = len(committed)
-        rec.text = self.drafter.detokenize(committed, skip=self.decoder.stop_ids())
         while self.clock() - frame_t < self.cfg.max_plan_age_s - self.cfg.verify_timeout_s:
             if cancel is not None and cancel.is_set():
                 break

@@ -9,8 +9,11 @@ the limit (StaleFrame) instead of letting the robot act on the past.
 Sources, chosen by the config's `camera.source` string:
     "sim"                       the simulator's renderer (agent/robot/sim.py)
     "/dev/video0" or "0"        a V4L2 device (MJPG, buffer of one frame)
-    "... ! appsink"             a GStreamer pipeline, e.g. a Jetson CSI camera through nvarguscamerasrc
-                                (needs an OpenCV built with GStreamer: JetPack's, not the pip wheel)
+    "... ! appsink"             a GStreamer pipeline (needs an OpenCV built with GStreamer: JetPack's,
+                                not the pip wheel); a Jetson CSI camera, for example:
+        nvarguscamerasrc sensor-id=0 ! video/x-raw(memory:NVMM),width=1280,height=720,format=NV12,
+        framerate=30/1 ! nvvidconv flip-method=0 ! video/x-raw,format=BGRx ! videoconvert !
+        video/x-raw,format=BGR ! appsink drop=1 max-buffers=1
     anything else               a video file (looped), for replaying a recorded run
 """
 from __future__ import annotations
@@ -24,11 +27,6 @@ from typing import Callable, Protocol
 import numpy as np
 
 log = logging.getLogger(__name__)
-
-CSI_PIPELINE = ("nvarguscamerasrc sensor-id={sensor} ! video/x-raw(memory:NVMM),width={width},height={height},"
-                "format=NV12,framerate={fps}/1 ! nvvidconv flip-method=0 ! video/x-raw,format=BGRx ! videoconvert ! "
-                "video/x-raw,format=BGR ! appsink drop=1 max-buffers=1")
-
 
 class StaleFrame(RuntimeError):
     """No frame, or the newest one is older than the caller accepts."""

@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Callable
 
 from .controllers.base import Command, Controller
@@ -69,7 +69,6 @@ class SafetyLayer:
         self._lock = threading.RLock()
         self._last = Command()              # the last command the controller got
         self._last_t: float | None = None   # when a fresh command last came (None: none since the last stop)
-        self._prev_t: float | None = None   # when the controller last got anything (a command or a stop)
         self._estopped = False
         self.stops: dict[str, int] = {}     # reason -> count: deadman, stale_frame, estop, ...
         self.last_stop_reason: str | None = None
@@ -91,14 +90,14 @@ class SafetyLayer:
                 return self._halt("estop_latched", now)
             if limits.max_frame_age_s is not None and (frame_age_s is None or frame_age_s > limits.max_frame_age_s):
                 return self._halt("stale_frame", now)
-            safe = clamp(cmd, limits)
-            if safe != cmd and not all(math.isfinite(v) for v in (cmd.vx, cmd.vy, cmd.wz)):
+            if not all(math.isfinite(v) for v in (cmd.vx, cmd.vy, cmd.wz)):
                 return self._halt("non_finite_command", now)
+            safe = clamp(cmd, limits)
             # the time since the last set-point (at most 0.1 s); from a stop, one nominal 20 Hz tick
             dt = 0.05 if self._last_t is None else min(0.1, now - self._last_t)
             safe = rate_limit(safe, self._last, dt, limits)
             sent = self.controller.send_action(safe)
-            self._last, self._last_t, self._prev_t = sent, now, now
+            self._last, self._last_t = sent, now
             return sent
 
     def stop(self, reason: str = "stop") -> Command:
@@ -135,13 +134,10 @@ class SafetyLayer:
         self.controller.stop()
         if moving or reason in ("estop_latched",):
             self._count(reason)
-        self._last, self._last_t, self._prev_t = Command(), None, now
+        self._last, self._last_t = Command(), None
         return Command()
 
     def _count(self, reason: str) -> None:
         self.stops[reason] = self.stops.get(reason, 0) + 1
         self.last_stop_reason = reason
 
-
-def scaled(cmd: Command, factor: float) -> Command:
-    return replace(cmd, vx=cmd.vx * factor, vy=cmd.vy * factor, wz=cmd.wz * factor)
