@@ -18,7 +18,7 @@ LLAMA_CMAKE_ARGS ?=
 endif
 WHEELHOUSE ?= $(HOME)/.cache/edgespec/wheels/llama-cpp-python-$(LLAMA_CPP_VERSION)-$(LLAMA_FLAVOUR)
 
-.PHONY: setup demo demo-decoding nav-eval test test-fast bench bench-policy predictors clean
+.PHONY: setup demo demo-decoding nav-eval test test-fast bench bench-policy bench-payload predictors clean
 
 setup: $(VENV)/.installed models/build/.ready
 
@@ -68,6 +68,10 @@ bench: setup
 # Draft policies (fixed, rejection predictor, gamma* + AS2) per pair and RTT.
 bench-policy: setup
 	$(BIN)/python -m tools.bench_policy
+
+# Uplink payloads (none, full, topk, split) over 1-100 Mbit/s links; acceptance against top-K.
+bench-payload: setup
+	$(BIN)/python -m tools.bench_payload
 
 # Retrain the shipped rejection predictors: traces of real rounds, then the MLP -> models/predictors/.
 predictors: setup

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from server_bridge import sampling
+from server_bridge.payload import DraftQ, PayloadSpec, draw
 from server_bridge.sampling import SamplingParams
 
 from .drafter import Draft, Drafter, DraftContextFull, stack_candidates, top_candidates
@@ -40,7 +40,7 @@ class Branch:
     tokens: list[int]               # what the sequence holds, positions 0 .. len - 1
     feed: list[int]                 # tokens to decode next, at positions len(tokens), ...
     ids: list[int] = field(default_factory=list)
-    rows: list[np.ndarray] = field(default_factory=list)     # fp16 q rows (T > 0)
+    rows: list = field(default_factory=list)     # the payload's q rows (T > 0), see payload.draw
     cands: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)   # top-K (ids, probs) per token
     t0: float = field(default_factory=time.perf_counter)
 
@@ -166,7 +166,7 @@ class BranchDrafter:
         """A finished branch keeps its KV until a slot is needed or the next `base`."""
         self.kept[branch.key] = branch
 
-    def step(self, branches: list[Branch], params: SamplingParams) -> None:
+    def step(self, branches: list[Branch], params: SamplingParams, payload: PayloadSpec = PayloadSpec()) -> None:
         """Advance every branch by one drafted token, in one batch."""
         entries, last = [], []
         for b in branches:
@@ -177,22 +177,18 @@ class BranchDrafter:
         for b, row in zip(branches, last):
             logits = self._logits(row)
             b.tokens.extend(b.feed)
-            q = None
-            if params.greedy:
-                token = int(np.argmax(logits))
-            else:
-                q16, q = sampling.quantize_q(sampling.probs_from_logits(logits[None], params))
-                token = sampling.sample(q[0], b.rng)
-                b.rows.append(q16[0])
-                q = q[0]
+            token, q, row = draw(logits, params, payload.for_params(params), b.rng)
+            if row is not None:
+                b.rows.append(row)
             b.ids.append(token)
             b.cands.append(top_candidates(logits, self.n_cands, params, q))
             b.feed = [] if b.done else [token]     # the last drafted token is fed next round
 
-    def result(self, b: Branch, params: SamplingParams) -> Draft:
-        q = None if params.greedy or not b.ids else np.stack(b.rows)
+    def result(self, b: Branch, payload: PayloadSpec) -> Draft:
+        """payload: as the round drafted (already `for_params`)."""
         top, top_p = stack_candidates(b.cands, self.n_cands)
-        return Draft(list(b.ids), q, (time.perf_counter() - b.t0) * 1e3, top, top_p)
+        return Draft(list(b.ids), DraftQ.stack(payload.kind, b.ids, b.rows), (time.perf_counter() - b.t0) * 1e3,
+                     top, top_p)
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

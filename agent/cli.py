@@ -7,7 +7,8 @@ import logging
 import os
 import sys
 
-from server_bridge import modelfiles
+from server_bridge import modelfiles, payload
+from server_bridge.payload import PayloadSpec
 
 from .policy import POLICIES
 from server_bridge.sampling import SamplingError, SamplingParams
@@ -39,7 +40,7 @@ def _generate(args) -> int:
         print(f"edge-agent: {e}", file=sys.stderr)
         return 2
     decoder = EdgeDecoder(drafter, None if args.local else args.verifier, token=token, fsd=fsd, policy=policy,
-                          trace=args.trace)
+                          trace=args.trace, payload=PayloadSpec.parse(args.payload, args.topk))
     prompt_ids = drafter.tokenize(args.prompt, chat=args.chat)
     try:
         gen = decoder.generate(prompt_ids, mode="local" if args.local else args.mode, max_tokens=args.max_tokens,
@@ -189,6 +190,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="fsd: order in which early verdicts are pre-drafted")
     g.add_argument("--no-guesses", action="store_true",
                    help="fsd: pre-draft only from early exits, not from the robot's own guesses")
+    g.add_argument("--payload", choices=payload.KINDS, default=payload.DEFAULT_KIND,
+                   help="what the uplink carries of the draft's distributions at temperature > 0: full (fp16 q), "
+                        "topk (the K ids and probabilities the draft sampled from), split (q(x) only; p comes "
+                        "back on a rejection) or none (greedy only). Temperature 0 always sends ids only")
+    g.add_argument("--topk", type=int, default=payload.DEFAULT_TOPK, metavar="K", help="K of --payload topk")
     g.add_argument("--local", action="store_true", help="generate with the draft alone (offline)")
     g.add_argument("--draft", default=modelfiles.DEFAULT_DRAFT,
                    help=f"draft name ({', '.join(modelfiles.DRAFTS)}) or a GGUF path")

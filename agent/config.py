@@ -11,6 +11,8 @@ import tomllib
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
+from server_bridge.payload import DEFAULT_KIND, DEFAULT_TOPK, PayloadSpec
+
 from .nav import OFFLINE_POLICIES
 from .policy import POLICIES
 from .robot.controllers.base import CONTROLLERS
@@ -31,6 +33,8 @@ class AgentSection:
     max_tokens: int = 40
     temperature: float = 0.0
     seed: int = 0
+    payload: str = DEFAULT_KIND         # none | full | topk | split: the uplink's q at temperature > 0
+    topk: int = DEFAULT_TOPK            # K of payload topk
     max_plan_age_s: float = 5.0         # never act on a plan whose frame is older
     reach_m: float = 0.6
 
@@ -41,6 +45,10 @@ class AgentSection:
             raise ConfigError(f"agent.draft_policy must be one of {POLICIES}, got {self.draft_policy!r}")
         if self.threads < 1 or self.gamma < 1 or self.max_tokens < 1:
             raise ConfigError("agent.threads, agent.gamma and agent.max_tokens must be >= 1")
+        try:
+            PayloadSpec.parse(self.payload, self.topk)
+        except ValueError as e:
+            raise ConfigError(f"agent.payload / agent.topk: {e}") from None
 
 
 @dataclass(frozen=True)

@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import logging
 import time
-import uuid
+import secrets
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 import numpy as np
 
-from server_bridge import sampling, wire
+from server_bridge import payload, sampling, wire
+from server_bridge.payload import PayloadSpec
 from server_bridge.sampling import SamplingParams
 
 from .drafter import Draft, Drafter
@@ -49,6 +50,13 @@ class Metrics:
     tokens_per_s: float = 0.0
     bytes_up: int = 0
     bytes_down: int = 0
+    # the uplink payload (server_bridge/payload.py) and what the verify rounds cost on the link
+    payload: str = "none"                   # none | full | topk(K=16) | split; none whenever greedy
+    bytes_up_per_round: float | None = None     # verify frames, mean over rounds
+    bytes_down_per_round: float | None = None   # result frames (split residuals included) and exits
+    round_bytes_up: int = 0
+    round_bytes_down: int = 0
+    residuals: int = 0                      # split rejections: p_j came down and the correction was drawn here
     drafted: int = 0
     accepted: int = 0
     wasted_draft_tokens: int = 0            # drafted tokens the server rejected
@@ -114,8 +122,9 @@ class EdgeDecoder:
     def __init__(self, drafter: Drafter, url: str | None = None, token: str = "",
                  reconnect: ReconnectPolicy = ReconnectPolicy(), recv_timeout_s: float = 30.0,
                  fsd: FsdOptions = FsdOptions(), policy: DraftPolicy = DraftPolicy(),
-                 trace: str | None = None, keepalive_s: float = 2.0):
+                 trace: str | None = None, keepalive_s: float = 2.0, payload: PayloadSpec = PayloadSpec()):
         self.drafter = drafter
+        self.payload = payload                  # what the uplink carries of q at T > 0 (--payload)
         self.keepalive_s = keepalive_s          # websocket ping interval and timeout (not websockets' 20 s)
         self.url = url
         self.token = token
@@ -132,6 +141,9 @@ class EdgeDecoder:
         self.predrafter: PreDrafter | None = None
         self._last_round: tuple[int, tuple[int, ...]] | None = None   # FSD: whose next draft is pre-drafted
         self._bytes_base = (0, 0)
+        self._spec = PayloadSpec("none")        # this generation's payload (none when greedy)
+        self._owed: int | None = None           # split: the correction drawn here and not yet sent
+        self._exits_on = False                  # the session asked for early exits: send them candidates
 
     def close(self) -> None:
         if self.link is not None:
@@ -178,6 +190,8 @@ class EdgeDecoder:
         m = Metrics()
         t0 = time.perf_counter()
         self._until, self._checked = until, 0
+        self._spec = self.payload.for_params(params)
+        m.payload = str(self._spec)
         if mode == "local":
             out = self._generate_local(prompt_ids, max_tokens, params, m)
         else:
@@ -188,6 +202,9 @@ class EdgeDecoder:
             m.acceptance_rate = m.accepted / m.drafted
         if m.rounds:
             m.tau = (len(out) - m.streamed_tokens) / m.rounds
+            if mode != "ar":
+                m.bytes_up_per_round = m.round_bytes_up / m.rounds
+                m.bytes_down_per_round = m.round_bytes_down / m.rounds
         if m.predraft_hits + m.predraft_misses:
             m.predraft_miss_rate = m.predraft_misses / (m.predraft_hits + m.predraft_misses)
         if mode == "fsd" and m.rounds:
@@ -226,7 +243,7 @@ class EdgeDecoder:
     # ------------------------------------------------------------------ remote (AR, SD)
 
     def _generate_remote(self, prompt_ids, mode, max_tokens, params, gamma, m, session=None) -> list[int]:
-        sid = session or uuid.uuid4().hex
+        sid = session or secrets.token_urlsafe(6)     # short: it rides in every round
         rng = np.random.default_rng(params.seed)
         committed = list(prompt_ids)
         n_prompt = len(prompt_ids)
@@ -347,7 +364,9 @@ class EdgeDecoder:
             if self.fsd.exits and len(layers) < len(self.fsd.exits):
                 log.warning("the verifier has exits at %s; asked for %s, using %s", offered, self.fsd.exits, layers)
         msg = wire.Open(sid, list(committed), {"temperature": params.temperature, "top_k": params.top_k,
-                                               "seed": params.seed}, exits=layers)
+                                               "seed": params.seed}, exits=layers, payload=self._spec.to_wire())
+        self._owed = None                       # the prefix re-sent here includes any correction
+        self._exits_on = bool(layers)
         # the prefill grows with the prompt: allow it ~20 ms a token on top of the reply timeout (a dead
         # link still shows within two keepalives)
         reply, rtt = self.link.request(msg, timeout_s=self.recv_timeout_s + 0.02 * len(committed))
@@ -359,12 +378,15 @@ class EdgeDecoder:
     def _sd_round(self, sid, committed, remaining, params, rng, m) -> None:
         ctl = self.controller
         k = min(ctl.length(), remaining - 1)         # a round commits at most k + 1 tokens
-        draft = self.drafter.propose(committed, k, params, rng, watch=ctl.watch())
+        draft = self.drafter.propose(committed, k, params, rng, watch=ctl.watch(), payload=self._spec)
         m.draft_ms += draft.ms
-        q = {"kind": "none"} if draft.q is None else {"kind": "full", "probs": draft.q}
-        msg = wire.Verify(sid, m.rounds, len(committed), draft.ids, q)
+        msg = wire.Verify(sid, m.rounds, len(committed), draft.ids, draft.wire_q(), fix=self._owed)
+        up, down = self.link.bytes_up, self.link.bytes_down
         reply, rtt = self.link.request(msg)
-        self._commit_round(committed, draft.ids, reply, rtt, m)
+        self._owed = None
+        m.round_bytes_up += self.link.bytes_up - up
+        m.round_bytes_down += self.link.bytes_down - down
+        self._commit_round(committed, draft, reply, rtt, m, params, rng)
         self._after_round(len(draft.ids), reply, draft.ms, rtt, committed, m)
 
     def _fsd_round(self, sid, committed, remaining, params, rng, m) -> None:
@@ -384,16 +406,18 @@ class EdgeDecoder:
             else:
                 m.predraft_misses += 1
         if draft is None or len(draft.ids) < k:
-            draft = self.drafter.propose(committed, k, params, rng, n_cands=self.fsd.n_cands)
+            draft = self.drafter.propose(committed, k, params, rng, n_cands=self.fsd.n_cands, payload=self._spec)
             m.draft_ms += draft.ms
         draft = draft.head(k)
         waited = m.draft_ms - waited                  # a hit costs the loop ~nothing: T_p as the loop sees it
-        q = {"kind": "none"} if draft.q is None else {"kind": "full", "probs": draft.q}
         number = m.rounds
         t0 = time.perf_counter()
-        self.link.send(wire.Verify(sid, number, len(committed), draft.ids, q, draft.cands))
+        up, down = self.link.bytes_up, self.link.bytes_down
+        self.link.send(wire.Verify(sid, number, len(committed), draft.ids, draft.wire_q(), fix=self._owed,
+                                   cands=draft.cands if self._exits_on else None))
+        self._owed = None
         self.predrafter.begin(number, committed, draft, max(k, self.controller.length()), params, params.seed,
-                              self.stop_ids())
+                              self.stop_ids(), self._spec)
         while True:                          # exits (hints) until the result of this round
             reply = self.link.recv(sid=sid)
             if not isinstance(reply, wire.Exit):
@@ -402,20 +426,38 @@ class EdgeDecoder:
             if reply.round == number:
                 self.predrafter.offer(number, reply.layer, reply.tokens, reply.confidence)
         rtt = (time.perf_counter() - t0) * 1e3
-        new = self._commit_round(committed, draft.ids, reply, rtt, m)
+        m.round_bytes_up += self.link.bytes_up - up
+        m.round_bytes_down += self.link.bytes_down - down
+        new = self._commit_round(committed, draft, reply, rtt, m, params, rng)
         self._last_round = (number, tuple(new))
         self._after_round(len(draft.ids), reply, waited, rtt, committed, m)
         m.exit_layer_sum += int(reply.timing.get("exit_layer") or 0)
         m.exit_ms += float(reply.timing.get("exit_ms", 0.0))
 
-    def _commit_round(self, committed, draft_ids, reply, rtt, m) -> list[int]:
-        """Check the reply to verify round m.rounds and commit it; returns the committed tokens."""
-        k = len(draft_ids)
+    def _commit_round(self, committed, draft: Draft, reply, rtt, m, params, rng) -> list[int]:
+        """Check the reply to verify round m.rounds and commit it; returns the committed tokens.
+
+        A split rejection comes with the target's p_j instead of a token: the correction is
+        drawn here from norm(max(0, p_j - q_j)) and owed to the server with the next request.
+        """
+        k = len(draft.ids)
         if not isinstance(reply, wire.Result) or reply.round != m.rounds or reply.accepted > k:
             raise LinkLost(f"unexpected reply to verify round {m.rounds}: {reply}")
-        new = draft_ids[:reply.accepted] + [reply.token]
+        token, owed = reply.token, 0
+        if reply.residual is not None:
+            if self._spec.kind != "split" or reply.accepted >= k:
+                raise LinkLost(f"a residual for round {m.rounds}, which cannot have one ({self._spec}, "
+                               f"{reply.accepted}/{k} accepted)")
+            try:
+                token = payload.correction(reply.residual["logits"], reply.residual["ids"],
+                                           draft.q.row(reply.accepted), params, rng)
+            except sampling.SamplingError as e:
+                raise LinkLost(f"unusable residual for round {m.rounds}: {e}") from None
+            self._owed, owed = token, 1
+            m.residuals += 1
+        new = draft.ids[:reply.accepted] + [token]
         committed.extend(new)
-        if reply.n_committed != len(committed):
+        if reply.n_committed + owed != len(committed):
             raise ServerError("desync", f"server has {reply.n_committed} tokens after the round, we have "
                               f"{len(committed)}")
         m.rounds += 1
@@ -491,7 +533,8 @@ class EdgeDecoder:
         ctl = self.controller
         stops = sorted(self.stop_ids())
         asked = min(self.policy.stream_chunk, remaining)
-        self.link.send(wire.Ar(sid, asked, stops))
+        self.link.send(wire.Ar(sid, asked, stops, fix=self._owed))
+        self._owed = None
         chunks = 1                                   # asked for and not finished
         back = False
         latency = self.link.latency_ms

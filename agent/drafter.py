@@ -20,6 +20,7 @@ from typing import Callable
 import numpy as np
 
 from server_bridge import modelfiles, sampling
+from server_bridge.payload import DraftQ, PayloadSpec, draw
 from server_bridge.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -32,7 +33,7 @@ class DraftContextFull(RuntimeError):
 @dataclass
 class Draft:
     ids: list[int]                  # [k] proposed token ids; k can be zero
-    q: np.ndarray | None            # [k, vocab] float16 draft distributions; None when greedy
+    q: DraftQ | None                # the draft distributions as the payload mode sends them; None when greedy
     ms: float                       # wall time spent drafting (gamma * T_p)
     cands: np.ndarray | None = None  # [k, K] int32: the draft's top-K ids per position (for early exits)
     cand_p: np.ndarray | None = None  # [k, K] the draft's probabilities of those ids (for pre-draft guesses)
@@ -40,7 +41,12 @@ class Draft:
     def head(self, k: int) -> "Draft":
         """The first k tokens of this draft (a prefix of a draft is a valid draft)."""
         cut = (lambda a: None if a is None else a[:k])
-        return Draft(self.ids[:k], cut(self.q), self.ms, cut(self.cands), cut(self.cand_p))
+        return Draft(self.ids[:k], None if self.q is None else self.q.head(k), self.ms, cut(self.cands),
+                     cut(self.cand_p))
+
+    def wire_q(self) -> dict:
+        """Verify.q for this draft."""
+        return {"kind": "none"} if self.q is None else self.q.to_wire()
 
 
 def top_candidates(logits: np.ndarray, k: int, params: SamplingParams,
@@ -138,7 +144,10 @@ class Drafter:
         """Point the KV cache at `committed` and return the logits [vocab] after its last token.
 
         Reuses the KV of the prefix shared with what the context holds; always
-        re-evaluates at least the last token so its logits are fresh.
+        re-evaluates at least the last token so its logits are fresh, and always in a
+        batch of its own: llama.cpp's logits depend on the batch they come from (Q2_K:
+        up to 0.5 apart between a prompt's last row and the same token alone), so this
+        keeps the draft, and a seeded generation, the same whatever the KV held before.
         """
         if len(committed) >= self.llm.n_ctx():
             raise DraftContextFull(f"{len(committed)} tokens do not fit the draft context of {self.llm.n_ctx()}")
@@ -147,7 +156,9 @@ class Drafter:
         mismatch = np.flatnonzero(held[:n] != np.asarray(committed[:n]))
         keep = int(mismatch[0]) if mismatch.size else n
         self.llm.n_tokens = keep                      # KV rollback: eval() drops positions >= keep
-        self.llm.eval(committed[keep:])
+        if len(committed) - keep > 1:
+            self.llm.eval(committed[keep:-1])
+        self.llm.eval(committed[-1:])
         return self._last_logits()
 
     def next_logits(self, committed: list[int]) -> np.ndarray:
@@ -162,8 +173,12 @@ class Drafter:
 
     def propose(self, committed: list[int], k: int, params: SamplingParams,
                 rng: np.random.Generator, n_cands: int = 0,
-                watch: Callable[[int, np.ndarray], bool] | None = None) -> Draft:
-        """Draft up to k tokens after `committed`; at T > 0 each is drawn from the fp16 q it is sent with.
+                watch: Callable[[int, np.ndarray], bool] | None = None,
+                payload: PayloadSpec = PayloadSpec()) -> Draft:
+        """Draft up to k tokens after `committed`; at T > 0 each is drawn from the q it is sent with.
+
+        `payload` says what that q is (server_bridge/payload.py): the fp16 table (full), the
+        renormalized top-K (topk) or the fixed-point table whose q(x) alone is sent (split).
 
         n_cands > 0 also returns the top-n_cands ids at each position (the early exits' candidates).
         watch(position, logits [vocab]) is asked before each token is drawn; False ends the draft
@@ -173,29 +188,24 @@ class Drafter:
         if len(committed) + k >= self.llm.n_ctx():
             raise DraftContextFull(f"drafting {k} after {len(committed)} tokens exceeds the draft context")
         ids: list[int] = []
-        rows: list[np.ndarray] = []
+        rows: list = []
         cands: list[tuple[np.ndarray, np.ndarray]] = []
+        payload = payload.for_params(params)
         logits = self._logits_after(committed) if k else None
         for i in range(k):
             if watch is not None and not watch(i, logits):
                 break
-            q = None
-            if params.greedy:
-                token = int(np.argmax(logits))
-            else:
-                q16, q = sampling.quantize_q(sampling.probs_from_logits(logits[None], params))
-                token = sampling.sample(q[0], rng)
-                rows.append(q16[0])
-                q = q[0]
+            token, q, row = draw(logits, params, payload, rng)
+            if row is not None:
+                rows.append(row)
             if n_cands:
                 cands.append(top_candidates(logits, n_cands, params, q))
             ids.append(token)
             if i + 1 < k:                              # the last draft token is fed next round
                 self.llm.eval([token])
                 logits = self._last_logits()
-        q16 = None if params.greedy or not k else np.stack(rows)
         top, top_p = stack_candidates(cands, n_cands)
-        return Draft(ids, q16, (time.perf_counter() - t0) * 1e3, top, top_p)
+        return Draft(ids, DraftQ.stack(payload.kind, ids, rows), (time.perf_counter() - t0) * 1e3, top, top_p)
 
     def next_token(self, committed: list[int], params: SamplingParams, rng: np.random.Generator) -> int:
         """One token from the draft alone (offline generation)."""

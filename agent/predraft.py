@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from server_bridge.payload import PayloadSpec
 from server_bridge.sampling import SamplingParams
 
 from .branches import Branch, BranchDrafter
@@ -108,6 +109,7 @@ class _Round:
     seed: int
     stop_ids: frozenset[int]
     exits: VerdictQueue
+    payload: PayloadSpec = field(default_factory=PayloadSpec)
     guesses: list[tuple[float, tuple[int, ...]]] = field(default_factory=list)   # max-heap by -score
     seen: set[tuple[int, ...]] = field(default_factory=set)     # keys queued, drafting or drafted
     drafting: dict[tuple[int, ...], float] = field(default_factory=dict)  # active branch keys -> estimate
@@ -160,7 +162,8 @@ class PreDrafter:
     # ------------------------------------------------------------------ decode-loop side
 
     def begin(self, number: int, committed: list[int], draft: Draft, gamma: int,
-              params: SamplingParams, seed: int, stop_ids: set[int]) -> None:
+              params: SamplingParams, seed: int, stop_ids: set[int],
+              payload: PayloadSpec = PayloadSpec()) -> None:
         """A draft went out for verification: start guessing how its round ends.
 
         `draft.cand_p` (the draft's top-K probabilities) ranks the robot's own guesses.
@@ -169,7 +172,8 @@ class PreDrafter:
             self._end_locked()
             self._round = _Round(number, list(committed), draft, gamma, params, seed,
                                  frozenset(stop_ids), VerdictQueue(self.queue_size, self.policy,
-                                                                   np.random.default_rng([seed, number])))
+                                                                   np.random.default_rng([seed, number])),
+                                 payload.for_params(params))
             self._cv.notify_all()
 
     def offer(self, number: int, layer: int, tokens: list[int], confidence: float) -> bool:
@@ -309,14 +313,14 @@ class PreDrafter:
                 if not active:
                     self._cv.wait(0.05)
                     continue
-            self.branches.step(active, r.params)
+            self.branches.step(active, r.params, r.payload)
             done = [b for b in active if b.done]
             with self._cv:
                 for b in done:
                     r.log.append((round((time.perf_counter() - r.t0) * 1e3), "done", b.key in r.guess_odds))
                     self.stats.branches_done += 1
                     if len(r.cache) < self.cache_size or b.key == r.wanted:
-                        r.cache[b.key] = self.branches.result(b, r.params)
+                        r.cache[b.key] = self.branches.result(b, r.payload)
                     active.remove(b)
                     r.drafting.pop(b.key, None)
                     self.branches.keep(b)

@@ -24,6 +24,7 @@ class ServerMetrics:
     exit_ms_sum: float = 0.0            # time in exit heads (part of verify_ms_sum)
     exit_rounds: int = 0                # rounds that ran exits
     exit_layer_sum: int = 0             # over those rounds: the earliest exit that agreed with the result
+    residuals_sent: int = 0             # split rejections answered with the target's p_j
 
     def count_round(self, drafted: int, accepted: int, ms: float, exit_layer: int | None = None,
                     exit_ms: float = 0.0) -> None:
@@ -65,6 +66,8 @@ class ServerMetrics:
              self.exits_purged),
             ("bridge_exit_seconds_total", "counter", "time in early-exit heads (part of verify time)",
              self.exit_ms_sum / 1e3),
+            ("bridge_split_residuals_total", "counter", "split rounds rejected: p_j sent for the robot to resample",
+             self.residuals_sent),
             ("bridge_bytes_in_total", "counter", "websocket payload bytes received", self.bytes_in),
             ("bridge_bytes_out_total", "counter", "websocket payload bytes sent", self.bytes_out),
         ]

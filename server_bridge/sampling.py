@@ -3,13 +3,17 @@
 numpy in, numpy out: no I/O, no globals, no torch. The agent imports this
 module, so it must stay importable on a Jetson without PyTorch.
 
-Exactness rests on three functions:
+Exactness rests on four pieces:
   - `probs_from_logits`: both sides turn logits into the distribution they
     sample from with the same code (temperature, top-k).
-  - `quantize_q`: the draft samples from the very fp16 table it sends, so the
-    server verifies against exactly the distribution each token was drawn from.
+  - `quantize_q` / `fixed_point`: the draft samples from the very table whose
+    values it sends (fp16 rows for `full` and `topk`, 2^-23 fixed point for
+    `split`), so the server judges each token by the probability it was really
+    drawn with.
   - `verify_greedy` / `verify_sampled`: the accept/reject rule with residual
     resampling (Leviathan et al. 2023), which reproduces the target exactly.
+  - `verify_split`: the same rule when only q(x_i) crossed the link (DSSD);
+    the robot draws the correction from norm(max(0, p_j - q_j)) itself.
 """
 from __future__ import annotations
 
@@ -42,7 +46,12 @@ class SamplingParams:
 @dataclass(frozen=True)
 class Verdict:
     accepted: int   # how many draft tokens the target kept; can be zero
-    token: int      # the correction at the first rejection, or the bonus token when all were kept
+    token: int      # the correction at the first rejection, or the bonus token when all were kept;
+                    # RESIDUAL (-1) from verify_split: the robot draws the correction itself
+
+
+RESIDUAL = -1
+SPLIT_ONE = 1 << 23     # split payloads: q(x) = n / 2^23 with n < 2^24, three bytes on the wire
 
 
 def probs_from_logits(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
@@ -142,4 +151,53 @@ def verify_sampled(draft_ids: np.ndarray, q: np.ndarray, p: np.ndarray,
         if rng.random() < min(1.0, p[i, x] / qx):
             continue
         return Verdict(accepted=i, token=sample(residual(p[i], q[i]), rng))
+    return Verdict(accepted=k, token=sample(p[k], rng))
+
+
+def fixed_point(probs: np.ndarray, one: int = SPLIT_ONE) -> np.ndarray:
+    """probs [V] -> int64 counts [V] summing to exactly `one` (largest remainder).
+
+    The draft samples from counts / one, so q(x) is an exact binary fraction that
+    travels in three bytes and means the same on both sides. A token whose
+    probability is under ~1/(2 one) may get no count: the draft then never draws it,
+    which changes the draft, never the exactness.
+    """
+    x = np.asarray(probs, dtype=np.float64)
+    if x.ndim != 1 or not np.all(np.isfinite(x)) or np.any(x < 0) or x.sum() <= 0:
+        raise SamplingError("fixed_point needs a finite, non-negative distribution with mass")
+    scaled = x / x.sum() * one
+    n = np.floor(scaled).astype(np.int64)
+    short = int(one - n.sum())
+    if short > 0:
+        n[np.argpartition(n - scaled, short - 1)[:short]] += 1     # the largest fractional parts
+    return n
+
+
+def sample_fixed(counts: np.ndarray, rng: np.random.Generator) -> int:
+    """One draw from counts / counts.sum() with one integer uniform: exact, replayable."""
+    cdf = np.cumsum(counts)
+    return int(np.searchsorted(cdf, rng.integers(cdf[-1]), side="right"))
+
+
+def verify_split(draft_ids: np.ndarray, qx: np.ndarray, p: np.ndarray, rng: np.random.Generator) -> Verdict:
+    """Split verification (DSSD): only q_i(x_i) of each drafted token is known here.
+
+    draft_ids [k], qx [k] (q_i(x_i) > 0), p [k + 1, V]. Accept x_i with probability
+    min(1, p_i(x_i) / q_i(x_i)), the same test as `verify_sampled` (the public DSSD code
+    inverts this ratio, which biases the output). At the first rejection j the
+    correction needs all of q_j, which stays on the robot: the verdict is
+    (j, RESIDUAL) and the caller sends p_j down; the robot draws from
+    norm(max(0, p_j - q_j)) with `residual`. When every token is kept the bonus
+    token is drawn here from p_k, as in `verify_sampled`.
+    """
+    k = len(draft_ids)
+    if len(qx) != k or p.shape[0] != k + 1:
+        raise SamplingError(f"shape mismatch: draft [{k}], qx [{len(qx)}], p {p.shape}")
+    for i in range(k):
+        x, q = int(draft_ids[i]), float(qx[i])
+        if not 0.0 < q <= 1.0:
+            raise SamplingError(f"q(x) of draft token {x} at position {i} is {q}, not in (0, 1]")
+        if rng.random() < min(1.0, p[i, x] / q):
+            continue
+        return Verdict(accepted=i, token=RESIDUAL)
     return Verdict(accepted=k, token=sample(p[k], rng))

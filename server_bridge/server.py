@@ -188,8 +188,10 @@ class BridgeServer:
             verdict = outcome.verdict
             self.metrics.count_round(len(msg.draft_ids), verdict.accepted, outcome.verify_ms,
                                      outcome.exit_layer, outcome.exit_ms)
+            if outcome.residual is not None:
+                self.metrics.residuals_sent += 1
             await self._send(ws, wire.Result(msg.sid, msg.round, verdict.accepted, verdict.token,
-                                             len(session.state.ids), outcome.timing()))
+                                             len(session.state.ids), outcome.timing(), outcome.residual))
         elif isinstance(msg, wire.Ar):
             await self._stream_ar(ws, conn_id, msg)
         elif isinstance(msg, wire.Close):
@@ -201,6 +203,8 @@ class BridgeServer:
     async def _stream_ar(self, ws: ServerConnection, conn_id: int, msg: wire.Ar) -> None:
         """The cloud-autoregressive baseline: one target token per forward pass, each sent at once."""
         stop = set(msg.stop_ids)
+        session = self.sessions.get(msg.sid, conn_id)
+        await self._in_model_thread(self.verifier.fix, session, msg.fix)   # a split correction owed, if any
         for seq in range(msg.max_tokens):
             session = self.sessions.get(msg.sid, conn_id)     # evicted mid-stream -> unknown_session
             token, ms, p = await self._in_model_thread(self.verifier.ar_step, session)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .payload import PayloadSpec
 from .sampling import SamplingParams
 from .target import TargetState
 from .wire import WireError
@@ -28,6 +29,9 @@ class Session:
     last_used: float = field(default_factory=time.monotonic)
     retired: bool = False           # set (in the model thread) when a re-open takes over the state
     exits: list[int] = field(default_factory=list)   # early-exit layers the robot wants verdicts from; [] = off
+    payload: PayloadSpec = field(default_factory=PayloadSpec)   # what each verify's q must be
+    owed: np.ndarray | None = None  # split: the target's logits at the last rejection; the robot owes the
+                                    # correction it draws from them (the next verify's or ar's `fix`)
 
 
 class SessionTable:

@@ -26,7 +26,8 @@ log = logging.getLogger(__name__)
 class TargetState:
     ids: list[int]                      # the committed prefix, prompt included
     cache: object                       # transformers DynamicCache over ids[:cached]
-    cached: int = 0                     # tokens in the cache; always < len(ids)
+    cached: int = 0                     # tokens in the cache; < len(ids), except == while a split
+                                        # rejection waits for the robot's correction (see Verifier.fix)
     passes: int = 0                     # forward passes spent on this session
 
 
@@ -129,9 +130,14 @@ class TargetModel:
         _crop(state.cache, keep)
 
     def commit(self, state: TargetState, new_ids: list[int], n_valid_in_cache: int) -> None:
-        """Extend the committed prefix; keep only the cache positions still on it."""
+        """Extend the committed prefix; keep only the cache positions still on it.
+
+        Normally the last committed token is not in the cache (it is fed with the next
+        draft). A split rejection commits only the accepted draft, all of it cached, and
+        the robot's correction comes next; so the cache may cover every committed id.
+        """
         state.ids.extend(new_ids)
-        state.cached = min(n_valid_in_cache, len(state.ids) - 1)
+        state.cached = min(n_valid_in_cache, len(state.ids))
         _crop(state.cache, state.cached)
 
 

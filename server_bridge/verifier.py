@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import modelfiles, sampling
+from . import modelfiles, payload, sampling
 from .config import ServerConfig
 from .exits import ExitHeads, ExitPass, ExitVerdict
 from .sessions import Session
@@ -31,6 +31,7 @@ class RoundOutcome:
     exit_layer: int | None = None   # earliest enabled exit whose verdict equalled the final one, n_layers if
                                     # none did; None when no exits ran this round
     exit_ms: float = 0.0            # time spent in exit heads this round
+    residual: dict | None = None    # split rejection: the target's p_j for the robot (Result.residual)
 
     def timing(self) -> dict:
         """Result.timing: verify_ms, passes; exit_layer and exit_ms when exits ran."""
@@ -63,6 +64,13 @@ class Verifier:
             params = sampling.SamplingParams(**msg.sampling)
         except sampling.SamplingError as e:
             raise WireError("bad_field", str(e), msg.sid) from None
+        try:
+            spec = payload.PayloadSpec(msg.payload["kind"], msg.payload["k"])
+        except ValueError as e:
+            raise WireError("bad_field", str(e), msg.sid) from None
+        if spec.k > self.target.vocab_size:
+            raise WireError("bad_field", f"topk K={spec.k} exceeds the vocabulary of {self.target.vocab_size}",
+                            msg.sid)
         unknown = sorted(set(msg.exits) - set(self.exit_layers))
         if unknown:
             raise WireError("bad_field", f"no early exit at layers {unknown}; this verifier has "
@@ -81,7 +89,7 @@ class Verifier:
         # A re-opened session draws fresh randomness keyed by where it resumes,
         # so a replayed round is an independent draw, as the math requires.
         rng = np.random.default_rng([params.seed, len(msg.prompt_ids)])
-        session = Session(msg.sid, conn_id, state, params, rng, exits=list(msg.exits))
+        session = Session(msg.sid, conn_id, state, params, rng, exits=list(msg.exits), payload=spec)
         return session, (time.perf_counter() - t0) * 1e3
 
     # ------------------------------------------------------------------ rounds
@@ -100,9 +108,11 @@ class Verifier:
         _check_live(session)
         state = session.state
         k = len(msg.draft_ids)
-        if msg.n_committed != len(state.ids):
+        self._check_fix(session, msg.fix)
+        n_server = len(state.ids) + (msg.fix is not None)
+        if msg.n_committed != n_server:
             raise WireError("desync", f"robot has {msg.n_committed} committed tokens, server has "
-                            f"{len(state.ids)}: re-open the session with the committed prefix", msg.sid)
+                            f"{n_server}: re-open the session with the committed prefix", msg.sid)
         if k > self.config.max_draft_len:
             raise WireError("bad_field", f"draft of {k} tokens exceeds max_draft_len "
                             f"{self.config.max_draft_len}", msg.sid)
@@ -113,14 +123,19 @@ class Verifier:
             raise WireError("bad_field", f"cands holds token id {int(msg.cands.max())} outside the vocabulary "
                             f"of {self.target.vocab_size}", msg.sid)
         # q is needed only for drafted tokens: an empty draft (the last token of a generation) has none
-        q = None if session.params.greedy or not k else self._draft_q(msg)
+        q = None if session.params.greedy or not k else self._draft_q(session, msg)
         probe = self._exit_pass(session, msg, emit)
+        if msg.fix is not None:                     # everything is checked: only now touch the state
+            self._apply_fix(session, msg.fix)
 
         t0 = time.perf_counter()
         logits = self.target.score(state, msg.draft_ids, taps=probe.taps if probe else None)   # [k + 1, vocab]
         try:
             if session.params.greedy:
                 verdict = sampling.verify_greedy(np.asarray(msg.draft_ids), logits.argmax(axis=-1))
+            elif session.payload.kind == "split" and q is not None:
+                p = sampling.probs_from_logits(logits, session.params)    # [k + 1, vocab]
+                verdict = sampling.verify_split(np.asarray(msg.draft_ids), q, p, session.rng)
             else:
                 p = sampling.probs_from_logits(logits, session.params)    # [k + 1, vocab]
                 q = np.zeros((0, p.shape[1])) if q is None else q         # [k, vocab]
@@ -129,9 +144,17 @@ class Verifier:
             self.target.rewind(state, state.ids)                      # drop the draft from the cache
             raise WireError("bad_probs", str(e), msg.sid) from None
         n_before = len(state.ids)
-        committed = msg.draft_ids[:verdict.accepted] + [verdict.token]
+        residual = None
+        if verdict.token == sampling.RESIDUAL:
+            # The robot draws the correction; until its `fix` comes the cache covers every committed id.
+            committed = msg.draft_ids[:verdict.accepted]
+            session.owed = logits[verdict.accepted].astype(np.float32)
+            ids, values = payload.sparse_residual(session.owed, session.params)
+            residual = {"logits": values, "ids": ids}
+        else:
+            committed = msg.draft_ids[:verdict.accepted] + [verdict.token]
         self.target.commit(state, committed, n_before + verdict.accepted)
-        outcome = RoundOutcome(verdict, (time.perf_counter() - t0) * 1e3)
+        outcome = RoundOutcome(verdict, (time.perf_counter() - t0) * 1e3, residual=residual)
         if probe is not None:
             agreed = probe.agreeing_layer(committed)
             outcome.exit_layer = self.target.n_layers if agreed is None else agreed
@@ -152,6 +175,9 @@ class Verifier:
         """One target-only token: (token, ms, the target's probability of it as sampled; 1.0 when greedy)."""
         _check_live(session)
         state = session.state
+        if session.owed is not None:
+            raise WireError("desync", "the last split round ended in a rejection: send its correction as `fix`",
+                            session.sid)
         if len(state.ids) + 1 > self.config.max_context:
             raise WireError("context_full", f"session reached max_context {self.config.max_context}",
                             session.sid)
@@ -168,22 +194,50 @@ class Verifier:
 
     # ------------------------------------------------------------------ checks
 
-    def _draft_q(self, msg: Verify) -> np.ndarray:
-        """The draft distributions [k, vocab] as float64, checked before any model work."""
-        if msg.q["kind"] != "full":
-            raise WireError("bad_field", "temperature > 0 needs the draft distributions: q.kind 'full'", msg.sid)
-        probs = msg.q["probs"]
-        if probs.shape[1] != self.target.vocab_size:
-            raise WireError("bad_field", f"q has vocabulary {probs.shape[1]}, target has "
-                            f"{self.target.vocab_size}", msg.sid)
+    def _draft_q(self, session: Session, msg: Verify) -> np.ndarray:
+        """The draft's q, checked before any model work: [k, vocab] float64, or q(x_i) [k] for split."""
+        spec = session.payload
+        if spec.kind == "none":
+            raise WireError("bad_field", "temperature > 0 needs the draft distributions: open the session with "
+                            "payload full, topk or split", msg.sid)
+        if msg.q["kind"] != spec.kind:
+            raise WireError("bad_field", f"this session declared payload {spec.kind!r} at open, the round sent "
+                            f"{msg.q['kind']!r}", msg.sid)
         try:
-            q = sampling.dequantize_q(probs)
+            if spec.kind == "split":
+                return payload.split_qx(msg.q, msg.draft_ids, spec)
+            return payload.dense_q(msg.q, msg.draft_ids, self.target.vocab_size, spec)
         except sampling.SamplingError as e:
             raise WireError("bad_probs", str(e), msg.sid) from None
-        drafted = q[np.arange(len(msg.draft_ids)), msg.draft_ids]
-        if np.any(drafted <= 0):
-            raise WireError("bad_probs", "a drafted token has zero probability under its own q", msg.sid)
-        return q
+
+    # ------------------------------------------------------------------ split corrections
+
+    def fix(self, session: Session, token: int | None) -> None:
+        """Commit the correction a split rejection left owed (an `ar` request's `fix`)."""
+        _check_live(session)
+        self._check_fix(session, token)
+        if token is not None:
+            self._apply_fix(session, token)
+
+    def _check_fix(self, session: Session, token: int | None) -> None:
+        if session.owed is None:
+            if token is not None:
+                raise WireError("bad_field", "fix sent, but no split rejection is waiting for a correction",
+                                session.sid)
+            return
+        if token is None:
+            raise WireError("desync", "the last split round ended in a rejection: send its correction as `fix`",
+                            session.sid)
+        self._check_ids([token], "fix", session.sid)
+        p = sampling.probs_from_logits(session.owed[None], session.params)[0]
+        if p[token] <= 0:
+            raise WireError("bad_field", f"fix {token} has zero probability under the target: it cannot come "
+                            "from the residual", session.sid)
+
+    def _apply_fix(self, session: Session, token: int) -> None:
+        state = session.state
+        self.target.commit(state, [token], len(state.ids))
+        session.owed = None
 
     def _check_ids(self, ids: list[int], name: str, sid: str | None = None) -> None:
         if ids and max(ids) >= self.target.vocab_size:

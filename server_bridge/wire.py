@@ -1,8 +1,13 @@
 """The robot <-> server wire: versioned msgpack messages, validated on receipt.
 
 One binary websocket frame carries one message, a msgpack map with `type` and
-`v`. Arrays travel as {"dtype", "shape", "data"} with raw little-endian bytes;
-nothing is ever pickled. `decode()` checks the frame size, the version, the
+`v`. The per-round messages (`verify`, `result`) are "packed": a msgpack array
+[v, type, field, field, ...] in the dataclass's field order, trailing absent
+fields left off, so a round pays no key names (a split round at gamma 4 is
+~56 bytes). `decode` accepts either form of any message and validates both the
+same way. Arrays travel as {"dtype", "shape", "data"} with raw little-endian
+bytes, or inside packed messages as bare bytes whose shape the message
+implies; nothing is ever pickled. `decode()` checks the frame size, the version, the
 type and every field, and raises `WireError` with a code the server sends
 back in an `error` message.
 
@@ -12,7 +17,7 @@ below, each with `to_wire()` and a `make_dummy()` for tests.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
 import msgpack
@@ -110,10 +115,11 @@ def _sid(v: Any) -> str:
 @dataclass
 class Message:
     TYPE: ClassVar[str] = ""
+    PACKED: ClassVar[bool] = False     # travels as [v, type, *fields] (the per-round messages)
 
     def to_wire(self) -> dict:
         d = {"type": self.TYPE, "v": PROTOCOL_VERSION}
-        d.update(asdict(self))
+        d.update({f.name: getattr(self, f.name) for f in fields(self)})
         return d
 
     @classmethod
@@ -190,6 +196,7 @@ class Open(Message):
     sampling: dict              # temperature, top_k, seed
     slo: dict = field(default_factory=dict)   # optional latency targets in ms (used by the scheduler)
     exits: list[int] = field(default_factory=list)  # early-exit layers to stream verdicts from; [] = off
+    payload: dict = field(default_factory=lambda: {"kind": "full", "k": 0})   # server_bridge.payload.PayloadSpec
 
     @classmethod
     def from_wire(cls, d):
@@ -203,7 +210,9 @@ class Open(Message):
         exits = _ids(d.get("exits", []), "exits", 256)
         if sorted(set(exits)) != exits:
             raise WireError("bad_field", "exits must be increasing layer numbers without repeats")
-        return cls(_sid(d.get("sid")), ids, sampling, _map(d.get("slo", {}), "slo"), exits)
+        pl = _map(d.get("payload", {"kind": "full", "k": 0}), "payload")
+        payload = {"kind": _str(pl.get("kind"), "payload.kind", 16), "k": _int(pl.get("k", 0), "payload.k", 0, 1 << 20)}
+        return cls(_sid(d.get("sid")), ids, sampling, _map(d.get("slo", {}), "slo"), exits, payload)
 
     @classmethod
     def make_dummy(cls):
@@ -224,45 +233,40 @@ class Opened(Message):
 
 @dataclass
 class Verify(Message):
-    """Robot -> server: one speculation round.
+    """Robot -> server: one speculation round (packed).
 
-    q["kind"] is "none" (greedy: ids only) or "full" (fp16 [k, vocab] table in q["probs"]).
+    q is the round's payload (server_bridge/payload.py), by q["kind"]:
+      none   {}                                   greedy: ids only
+      full   probs fp16 [k, V]
+      topk   ids int32 [k, K], probs fp16 [k, K]  (K as declared at open)
+      split  px int [k]: q(x_i) * 2^23, three bytes each
+    On the wire q is a list [kind, bytes...] whose shapes follow from k.
+    `fix` (split) is the correction the robot drew after the previous round's
+    rejection; the server commits it before this round's draft.
     `cands` (optional, int32 [k, K], K <= 64) are the draft's top-K ids at each
     position: early exits score only those rows of the LM head (FSD).
     """
     TYPE: ClassVar[str] = "verify"
+    PACKED: ClassVar[bool] = True
     sid: str
     round: int
-    n_committed: int            # the robot's committed length; a mismatch means the two sides diverged
+    n_committed: int            # the robot's committed length (fix included); a mismatch means divergence
     draft_ids: list[int]        # [k]; k can be zero (the server then returns one target token)
     q: dict
+    fix: int | None = None
     cands: np.ndarray | None = None
 
     def to_wire(self) -> dict:
         d = super().to_wire()
-        if isinstance(self.q.get("probs"), np.ndarray):
-            d["q"] = {"kind": self.q["kind"], "probs": encode_array(self.q["probs"])}
-        if self.cands is None:
-            del d["cands"]
-        else:
+        d["q"] = _q_to_wire(self.q)
+        if self.cands is not None:
             d["cands"] = encode_array(np.asarray(self.cands, dtype=np.int32))
         return d
 
     @classmethod
     def from_wire(cls, d):
         draft = _ids(d.get("draft_ids"), "draft_ids", 256)
-        q = _map(d.get("q"), "q")
-        kind = q.get("kind")
-        if kind == "none":
-            q = {"kind": "none"}
-        elif kind == "full":
-            probs = decode_array(q.get("probs"), "q.probs")
-            if probs.dtype != np.float16 or probs.ndim != 2 or probs.shape[0] != len(draft):
-                raise WireError("bad_field", f"q.probs must be float16 [k={len(draft)}, vocab], got "
-                                f"{probs.dtype} {list(probs.shape)}")
-            q = {"kind": "full", "probs": probs}
-        else:
-            raise WireError("unsupported", f"q.kind {kind!r} is not supported (use 'none' or 'full')")
+        q = _q_from_wire(d.get("q"), len(draft))
         cands = None
         if d.get("cands") is not None:
             cands = decode_array(d["cands"], "cands")
@@ -272,12 +276,69 @@ class Verify(Message):
                                 f"{cands.dtype} {list(cands.shape)}")
             if cands.size and cands.min() < 0:
                 raise WireError("bad_field", "cands holds a negative token id")
+        fix = d.get("fix")
         return cls(_sid(d.get("sid")), _int(d.get("round"), "round"),
-                   _int(d.get("n_committed"), "n_committed", 1), draft, q, cands)
+                   _int(d.get("n_committed"), "n_committed", 1), draft, q,
+                   None if fix is None else _int(fix, "fix"), cands)
 
     @classmethod
     def make_dummy(cls):
         return cls("s1", 0, 3, [4, 5], {"kind": "none"})
+
+
+Q_KINDS = ("none", "full", "topk", "split")
+
+
+def _q_to_wire(q: dict) -> list:
+    kind = q["kind"]
+    if kind == "full":
+        return [kind, np.ascontiguousarray(q["probs"], dtype="<f2").tobytes()]
+    if kind == "topk":
+        return [kind, np.ascontiguousarray(q["ids"], dtype="<i4").tobytes(),
+                np.ascontiguousarray(q["probs"], dtype="<f2").tobytes()]
+    if kind == "split":
+        px = np.asarray(q["px"], dtype="<u4")
+        if px.size and px.max() >= 1 << 24:
+            raise WireError("bad_field", "split q(x) counts must fit in three bytes")
+        return [kind, px.view(np.uint8).reshape(-1, 4)[:, :3].tobytes()]
+    return [kind]
+
+
+def _q_from_wire(v: Any, k: int) -> dict:
+    """[kind, bytes...] -> the q dict; shapes follow from k, any inconsistency is `bad_field`."""
+    if not isinstance(v, list) or not v or not isinstance(v[0], str):
+        raise WireError("bad_field", "q must be a list [kind, payload bytes...]")
+    kind, parts = v[0], v[1:]
+    if kind not in Q_KINDS:
+        raise WireError("unsupported", f"q kind {kind!r} is not one of {', '.join(Q_KINDS)}")
+    want = {"none": 0, "full": 1, "topk": 2, "split": 1}[kind]
+    if len(parts) != want or not all(isinstance(b, bytes) for b in parts):
+        raise WireError("bad_field", f"q of kind {kind} carries {want} byte string(s)")
+    if kind == "none":
+        return {"kind": "none"}
+    if kind == "split":
+        if len(parts[0]) != 3 * k:
+            raise WireError("bad_field", f"split q carries {len(parts[0])} bytes, {k} draft tokens need {3 * k}")
+        raw = np.frombuffer(parts[0], np.uint8).reshape(k, 3)
+        return {"kind": "split", "px": raw[:, 0].astype(np.int64) | raw[:, 1].astype(np.int64) << 8
+                | raw[:, 2].astype(np.int64) << 16}
+    if k == 0:
+        if any(parts):
+            raise WireError("bad_field", "q of an empty draft must be empty")
+        return {"kind": kind, "probs": np.zeros((0, 0), np.float16)} if kind == "full" else \
+            {"kind": kind, "ids": np.zeros((0, 0), np.int32), "probs": np.zeros((0, 0), np.float16)}
+    if kind == "full":
+        n = len(parts[0]) // 2
+        if len(parts[0]) % (2 * k) or n == 0:
+            raise WireError("bad_field", f"full q of {len(parts[0])} bytes is not fp16 [k={k}, vocab]")
+        return {"kind": "full", "probs": np.frombuffer(parts[0], "<f2").reshape(k, n // k)}
+    ids_b, probs_b = parts
+    if len(ids_b) % (4 * k) or not ids_b or len(probs_b) * 2 != len(ids_b):
+        raise WireError("bad_field", f"topk q must be int32 ids [k={k}, K] and fp16 probs [k, K], got "
+                        f"{len(ids_b)} and {len(probs_b)} bytes")
+    big_k = len(ids_b) // (4 * k)
+    ids = np.frombuffer(ids_b, "<i4").reshape(k, big_k)
+    return {"kind": "topk", "ids": ids, "probs": np.frombuffer(probs_b, "<f2").reshape(k, big_k)}
 
 
 @dataclass
@@ -309,20 +370,50 @@ class Exit(Message):
 
 @dataclass
 class Result(Message):
-    """Server -> robot: the verdict on one round."""
+    """Server -> robot: the verdict on one round (packed).
+
+    Split payloads: on a rejection `token` is -1 and `residual` carries the
+    target's p_j as float32 logits {"logits": [n], "ids": [n] int32 or None}
+    (sparse only when the session samples with top_k, where p_j is zero
+    elsewhere); the robot draws the correction and sends it as the next
+    round's `fix`. `n_committed` then does not count the correction yet.
+    """
     TYPE: ClassVar[str] = "result"
+    PACKED: ClassVar[bool] = True
     sid: str
     round: int
     accepted: int               # draft tokens kept; can be zero
-    token: int                  # correction at the first rejection, or the bonus token
+    token: int                  # correction at the first rejection, or the bonus token; -1: see residual
     n_committed: int            # the server's committed length after this round
     timing: dict                # verify_ms, passes; with exits: exit_layer (earliest exit that agreed), exit_ms
+    residual: dict | None = None
+
+    def to_wire(self) -> dict:
+        d = super().to_wire()
+        if self.residual is not None:
+            r = self.residual
+            d["residual"] = [np.ascontiguousarray(r["logits"], dtype="<f4").tobytes()]
+            if r.get("ids") is not None:
+                d["residual"].append(np.ascontiguousarray(r["ids"], dtype="<i4").tobytes())
+        return d
 
     @classmethod
     def from_wire(cls, d):
+        residual = d.get("residual")
+        token = _int(d.get("token"), "token", -1 if residual is not None else 0)
+        if residual is not None:
+            if (not isinstance(residual, list) or not 1 <= len(residual) <= 2
+                    or not all(isinstance(b, bytes) for b in residual) or len(residual[0]) % 4 or not residual[0]):
+                raise WireError("bad_field", "residual must be [float32 logits bytes, optional int32 ids bytes]")
+            logits = np.frombuffer(residual[0], "<f4")
+            ids = np.frombuffer(residual[1], "<i4") if len(residual) == 2 else None
+            if ids is not None and len(ids) * 4 != len(residual[1]) or ids is not None and len(ids) != len(logits):
+                raise WireError("bad_field", "residual ids and logits differ in length")
+            if token != -1:
+                raise WireError("bad_field", "a result with a residual has token -1")
+            residual = {"logits": logits, "ids": ids}
         return cls(_sid(d.get("sid")), _int(d.get("round"), "round"), _int(d.get("accepted"), "accepted"),
-                   _int(d.get("token"), "token"), _int(d.get("n_committed"), "n_committed"),
-                   _map(d.get("timing"), "timing"))
+                   token, _int(d.get("n_committed"), "n_committed"), _map(d.get("timing"), "timing"), residual)
 
 
 @dataclass
@@ -332,11 +423,13 @@ class Ar(Message):
     sid: str
     max_tokens: int
     stop_ids: list[int] = field(default_factory=list)
+    fix: int | None = None      # split: the correction owed from the last verify round, committed first
 
     @classmethod
     def from_wire(cls, d):
+        fix = d.get("fix")
         return cls(_sid(d.get("sid")), _int(d.get("max_tokens"), "max_tokens", 1, MAX_ID_LIST),
-                   _ids(d.get("stop_ids", []), "stop_ids", 64))
+                   _ids(d.get("stop_ids", []), "stop_ids", 64), None if fix is None else _int(fix, "fix"))
 
 
 @dataclass
@@ -376,7 +469,24 @@ MESSAGES: dict[str, type[Message]] = {m.TYPE: m for m in
 
 
 def encode(msg: Message) -> bytes:
-    return msgpack.packb(msg.to_wire(), use_bin_type=True)
+    d = msg.to_wire()
+    if msg.PACKED:
+        values = [d[f.name] for f in fields(msg)]
+        while values and values[-1] is None:            # absent optional fields at the tail cost nothing
+            values.pop()
+        return msgpack.packb([d["v"], d["type"], *values], use_bin_type=True)
+    return msgpack.packb(d, use_bin_type=True)
+
+
+def _unpack(a: list) -> dict:
+    """A packed frame [v, type, *fields] -> the same map its unpacked form would be."""
+    if len(a) < 2 or not isinstance(a[1], str) or a[1] not in MESSAGES or not MESSAGES[a[1]].PACKED:
+        raise WireError("bad_frame", "an array frame must be [v, type, fields...] of a packed message "
+                        f"({', '.join(t for t, m in MESSAGES.items() if m.PACKED)})")
+    names = [f.name for f in fields(MESSAGES[a[1]])]
+    if len(a) - 2 > len(names):
+        raise WireError("bad_frame", f"a packed {a[1]} has at most {len(names)} fields, got {len(a) - 2}")
+    return {"v": a[0], "type": a[1], **dict(zip(names, a[2:]))}
 
 
 def decode(frame: Any, max_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Message:
@@ -390,8 +500,10 @@ def decode(frame: Any, max_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Message:
                             max_str_len=MAX_STR * 4, max_array_len=MAX_ID_LIST, max_map_len=64)
     except Exception as e:          # msgpack raises several unrelated types on garbage
         raise WireError("bad_frame", f"not a msgpack message: {type(e).__name__}") from None
+    if isinstance(d, list):
+        d = _unpack(d)
     if not isinstance(d, dict):
-        raise WireError("bad_frame", "a message must be a msgpack map")
+        raise WireError("bad_frame", "a message must be a msgpack map or a packed array")
     if d.get("v") != PROTOCOL_VERSION:
         raise WireError("bad_version", f"protocol version {d.get('v')!r} is not supported (this side speaks "
                         f"{PROTOCOL_VERSION})")

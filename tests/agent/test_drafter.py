@@ -2,6 +2,7 @@
 import numpy as np
 import pytest
 
+from server_bridge.payload import PayloadSpec
 from server_bridge.sampling import SamplingParams
 
 pytestmark = pytest.mark.real
@@ -38,10 +39,25 @@ def test_rollback_gives_the_same_draft_as_a_fresh_context(drafter):
 def test_sampled_draft_keeps_q_for_every_token(drafter):
     ids = drafter.tokenize(TEXTS[0], chat=True)
     d = drafter.propose(ids, 4, SamplingParams(temperature=1.0, top_k=20, seed=1), np.random.default_rng(1))
-    assert d.q.shape == (4, drafter.vocab_size) and d.q.dtype == np.float16
-    assert all(d.q[i, t] > 0 for i, t in enumerate(d.ids))
-    assert all(np.count_nonzero(row) <= 20 for row in d.q)          # top-k applied before sampling
+    q = d.q.probs
+    assert d.q.kind == "full" and q.shape == (4, drafter.vocab_size) and q.dtype == np.float16
+    assert all(q[i, t] > 0 for i, t in enumerate(d.ids))
+    assert all(np.count_nonzero(row) <= 20 for row in q)          # top-k applied before sampling
     assert d.ms > 0
+
+
+@pytest.mark.parametrize("spec", [PayloadSpec("topk", 4), PayloadSpec("split")], ids=str)
+def test_sampled_draft_keeps_what_its_payload_sends(drafter, spec):
+    ids = drafter.tokenize(TEXTS[0], chat=True)
+    d = drafter.propose(ids, 4, SamplingParams(temperature=1.0, seed=1), np.random.default_rng(1), payload=spec)
+    assert d.q.kind == spec.kind
+    if spec.kind == "topk":
+        assert d.q.ids.shape == d.q.probs.shape == (4, 4)
+        assert all(t in row for t, row in zip(d.ids, d.q.ids))       # drawn from its own top 4
+    else:
+        assert d.q.counts.shape == (4, drafter.vocab_size) and (d.q.counts.sum(axis=1) == 1 << 23).all()
+        assert list(d.q.px) == [d.q.counts[i, t] for i, t in enumerate(d.ids)] and d.q.px.min() > 0
+    assert d.head(2).wire_q()["kind"] == spec.kind
 
 
 def test_zero_length_draft(drafter):

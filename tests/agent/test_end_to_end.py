@@ -8,6 +8,7 @@ import torch
 
 from agent.decoder import EdgeDecoder, FsdOptions, ReconnectPolicy
 from agent.policy import POLICIES, DraftPolicy
+from server_bridge.payload import PayloadSpec
 from server_bridge.sampling import SamplingParams
 from tools.netem import LinkProfile, NetemProxy
 
@@ -367,3 +368,66 @@ def test_a_named_session_keeps_the_shared_prefix_cached_on_the_server(drafter, t
         fresh.close()
     assert warm.token_ids == cold.token_ids
     assert cold_fed - warm_fed >= len(drafter.tokenize(shared, chat=False)) - 2    # the shared part ran once
+
+
+@pytest.mark.parametrize("kind", ["none", "full", "topk", "split"])
+def test_every_payload_is_exact_at_temperature_zero(drafter, server_and_proxy, ar_reference, kind):
+    """Greedy: q is a point mass, so every payload sends ids only, and the tokens are the target's."""
+    _, proxy = server_and_proxy
+    dec = EdgeDecoder(drafter, proxy.url(), payload=PayloadSpec.parse(kind))
+    try:
+        prompt, chat = PROMPTS[0]
+        gen = dec.generate(drafter.tokenize(prompt, chat=chat), mode="sd", gamma=4, max_tokens=MAX_TOKENS)
+    finally:
+        dec.close()
+    assert gen.token_ids == ar_reference[0]
+    assert gen.metrics.payload == "none" and gen.metrics.bytes_up_per_round < 64
+
+
+@pytest.mark.parametrize("mode", ["sd", "fsd"])
+def test_payloads_at_temperature_replay_and_cost_what_they_should(weak_drafter, server_and_proxy, mode):
+    """T = 1 with the weaker draft: rejections are common, so split's residual path runs every generation.
+
+    In sd each payload replays under its seed (draft draws, server draws and split's corrections
+    alike), and in both modes its uplink per round is what the mode promises.
+    """
+    _, proxy = server_and_proxy
+    params = SamplingParams(temperature=1.0, top_k=0, seed=5)
+    ids = weak_drafter.tokenize(PROMPTS[0][0], chat=True)
+    got = {}
+    for spec in (PayloadSpec("full"), PayloadSpec("topk", 8), PayloadSpec("split")):
+        dec = EdgeDecoder(weak_drafter, proxy.url(), payload=spec, fsd=FsdOptions(exits=()))
+        try:
+            a, b = (dec.generate(ids, mode=mode, gamma=4, max_tokens=20, params=params) for _ in range(2))
+        finally:
+            dec.close()
+        assert 0 < len(a.token_ids) <= 20 and 0 < len(b.token_ids) <= 20     # an end-of-text may come first
+        if mode == "sd":                # fsd's drafts come from pre-draft branches or afresh, as timing has it
+            assert a.token_ids == b.token_ids
+        m = a.metrics
+        assert m.payload == str(spec) and m.wasted_draft_tokens > 0
+        assert (m.residuals > 0) == (spec.kind == "split")     # a residual comes down only in split
+        got[spec.kind] = m
+    assert got["split"].residuals >= 1
+    assert got["split"].bytes_up_per_round <= 64                     # ids and 3-byte q(x) only
+    assert got["topk"].bytes_up_per_round < 4 * 8 * 6 + 64           # K ids (4 B) and probabilities (2 B)
+    assert got["full"].bytes_up_per_round > 2 * 49152                # at least one fp16 row per round
+    # split pays on the way down instead: p_j (float32 logits) after each rejection
+    assert got["split"].bytes_down_per_round > got["topk"].bytes_down_per_round
+
+
+def test_split_survives_a_dropped_link(weak_drafter, server_and_proxy):
+    """A correction owed when the link drops is not lost: the re-open carries it in the prefix."""
+    server, _ = server_and_proxy
+    with NetemProxy("127.0.0.1", server.port, LinkProfile.from_rtt(10)) as proxy:
+        proxy.schedule_disconnect(after_bytes_down=250_000)          # after a residual or two came down
+        dec = EdgeDecoder(weak_drafter, proxy.url(), payload=PayloadSpec("split"),
+                          reconnect=ReconnectPolicy(backoff_s=0.05))
+        try:
+            gen = dec.generate(weak_drafter.tokenize(PROMPTS[0][0], chat=True), mode="sd", gamma=4,
+                               max_tokens=MAX_TOKENS, params=SamplingParams(temperature=1.0, seed=2))
+        finally:
+            dec.close()
+        assert proxy.stats()["disconnects_injected"] >= 1
+    assert gen.metrics.reconnects >= 1
+    assert len(gen.token_ids) == MAX_TOKENS or gen.token_ids[-1] in weak_drafter.eos_ids   # ran to its end

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from agent.predraft import PreDrafter, VerdictQueue
+from server_bridge.payload import PayloadSpec
 from server_bridge.sampling import SamplingParams
 
 GREEDY = SamplingParams()
@@ -101,7 +102,7 @@ def test_branches_draft_what_the_draft_model_would(drafter):
         ref = drafter.propose(committed + list(b.key), 4, GREEDY, None)
         agree += sum(x == y for x, y in zip(ref.ids, b.ids))
         total += 4
-        out = bd.result(b, GREEDY)
+        out = bd.result(b, PayloadSpec("none"))
         assert out.cands.shape == (4, 8) and out.cand_p.shape == (4, 8)
         assert all(t in c for t, c in zip(out.ids, out.cands))        # greedy: the token is the top-1
     assert agree / total >= 0.75

@@ -87,6 +87,60 @@ def test_bad_input_gets_errors_and_another_session_keeps_generating(server, targ
     good.close()
 
 
+def _topk_q(ids, probs):
+    return {"kind": "topk", "ids": np.array(ids, np.int32), "probs": np.array(probs, np.float16)}
+
+
+def test_malformed_payloads_are_refused_and_the_session_survives(server, target, drafter):
+    """Each bad payload gets a clear error; the same session then verifies a good round as if nothing happened."""
+    ids = drafter.tokenize("Walk to the door and stop.", chat=True)
+    sampled = {"temperature": 1.0, "top_k": 0, "seed": 4}
+    ws = _raw(server, target)
+    ws.send(wire.encode(wire.Open("tk", ids, sampled, payload={"kind": "topk", "k": 2})))
+    assert wire.decode(ws.recv(timeout=30)).TYPE == "opened"
+    vocab = target.vocab_size
+    cases = [
+        (_topk_q([[5, 6, 7]], [[0.5, 0.25, 0.25]]), "bad_probs", "K=3"),                 # wrong K
+        (_topk_q([[5, vocab + 3]], [[0.5, 0.5]]), "bad_probs", "vocabulary"),            # id outside V
+        (_topk_q([[5, 6]], [[1.5, -0.5]]), "bad_probs", "negative"),
+        (_topk_q([[5, 6]], [[np.nan, 0.5]]), "bad_probs", "NaN"),
+        (_topk_q([[5, 6]], [[0.75, 0.75]]), "bad_probs", "sums to 1.5"),
+        (_topk_q([[6, 7]], [[0.5, 0.5]]), "bad_probs", "zero probability"),             # 5 is not among its K
+        ({"kind": "full", "probs": np.full((1, vocab), 1 / vocab, np.float16)}, "bad_field", "declared"),
+        ({"kind": "split", "px": np.array([9])}, "bad_field", "declared"),
+    ]
+    for q, code, words in cases:
+        ws.send(wire.encode(wire.Verify("tk", 0, len(ids), [5], q)))
+        err = _error(ws)
+        assert (err.code, err.sid) == (code, "tk") and words in err.message, err
+    ws.send(wire.encode(wire.Verify("tk", 0, len(ids), [5], _topk_q([[5, 6]], [[0.5, 0.5]]))))
+    ok = wire.decode(ws.recv(timeout=30))
+    assert isinstance(ok, wire.Result) and ok.n_committed == len(ids) + ok.accepted + 1
+
+    # split: q(x) out of range, and the correction after a rejection is owed before anything else
+    ws.send(wire.encode(wire.Open("sp", ids, sampled, payload={"kind": "split", "k": 0})))
+    assert wire.decode(ws.recv(timeout=30)).TYPE == "opened"
+    ws.send(wire.encode(wire.Verify("sp", 0, len(ids), [5], {"kind": "split", "px": np.array([0])})))
+    assert _error(ws).code == "bad_probs"
+    ws.send(wire.encode(wire.Verify("sp", 0, len(ids), [5], {"kind": "split", "px": np.array([1])}, fix=3)))
+    assert "no split rejection" in _error(ws).message
+    # q(x) = 1.0 for a token the target finds unlikely: rejected (p/q < 1), so p_j comes down
+    unlikely = int(np.argsort(target.score(target.new_state(ids), [])[0])[vocab // 2])
+    ws.send(wire.encode(wire.Verify("sp", 0, len(ids), [unlikely], {"kind": "split", "px": np.array([1 << 23])})))
+    res = wire.decode(ws.recv(timeout=30))
+    assert (res.accepted, res.token, res.n_committed) == (0, -1, len(ids))
+    assert res.residual["ids"] is None and len(res.residual["logits"]) == vocab      # no top_k: dense p_j
+    ws.send(wire.encode(wire.Verify("sp", 1, len(ids) + 1, [], {"kind": "split", "px": np.zeros(0)})))
+    assert "correction" in _error(ws).message                     # fix missing
+    ws.send(wire.encode(wire.Verify("sp", 1, len(ids) + 1, [], {"kind": "split", "px": np.zeros(0)},
+                                    fix=vocab + 1)))
+    assert _error(ws).code == "bad_field"
+    ws.send(wire.encode(wire.Verify("sp", 1, len(ids) + 1, [], {"kind": "split", "px": np.zeros(0)}, fix=7)))
+    done = wire.decode(ws.recv(timeout=30))
+    assert isinstance(done, wire.Result) and done.n_committed == len(ids) + 2      # the fix, then one token
+    ws.close()
+
+
 def test_vocabulary_mismatch_is_refused_at_the_handshake(server, target):
     link = VerifierLink(server.url, vocab_hash="f" * 64, vocab_size=target.vocab_size)
     with pytest.raises(ServerError) as e:
@@ -233,7 +287,7 @@ def test_exit_messages_stream_before_their_result(server, target):
             draft[2] = 5                                            # a rejection in the middle
         cands = rng.integers(0, target.vocab_size, (4, 8)).astype(np.int32)
         cands[:, 3] = ref[done:done + 4]
-        ws.send(wire.encode(wire.Verify("fsd", r, len(committed), draft, {"kind": "none"}, cands)))
+        ws.send(wire.encode(wire.Verify("fsd", r, len(committed), draft, {"kind": "none"}, cands=cands)))
         *exits, result = _until_result(ws)
         assert isinstance(result, wire.Result), result
         assert exits, "no exit overtook the pass"
@@ -244,7 +298,7 @@ def test_exit_messages_stream_before_their_result(server, target):
         assert committed == ids + ref[:len(committed) - len(ids)]   # exact, exits or not
     # the same connection without exits: the result is the only answer
     _open(ws, "plain", ids)
-    ws.send(wire.encode(wire.Verify("plain", 0, len(ids), ref[:4], {"kind": "none"}, cands)))
+    ws.send(wire.encode(wire.Verify("plain", 0, len(ids), ref[:4], {"kind": "none"}, cands=cands)))
     [result] = _until_result(ws)
     assert result.accepted == 4 and "exit_layer" not in result.timing
     ws.close()

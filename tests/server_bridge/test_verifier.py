@@ -5,24 +5,29 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from server_bridge import sampling, wire
+from server_bridge import payload, sampling, wire
 from server_bridge.config import ServerConfig
+from server_bridge.payload import PayloadSpec
 from server_bridge.sampling import SamplingParams
 from server_bridge.verifier import Verifier
 
 pytestmark = pytest.mark.real
 
 
-def test_real_draft_and_target_commit_the_targets_distribution(drafter, target):
+@pytest.mark.parametrize("spec", [PayloadSpec("full"), PayloadSpec("topk", 2), PayloadSpec("split")], ids=str)
+def test_real_draft_and_target_commit_the_targets_distribution(drafter, target, spec):
     """Draft one token (real Q4_1 q), verify it (real f32 p), over and over from the same prefix.
 
     T = 1.5 and top-k 4 keep the support small and make the two models disagree
-    often, so both the accept path and the residual path are exercised.
+    often, so both the accept path and the residual path are exercised, for each
+    payload: full, topk (the draft samples from its own top 2 of 4) and split (the
+    correction is drawn on the robot's side from the p_j the server sends down).
     """
     params = SamplingParams(temperature=1.5, top_k=4, seed=11)
     ids = drafter.tokenize("The robot turned", chat=False)
     verifier = Verifier(target, ServerConfig())
-    session, _ = verifier.open(wire.Open("stat", ids, {"temperature": 1.5, "top_k": 4, "seed": 11}), 1, None)
+    session, _ = verifier.open(wire.Open("stat", ids, {"temperature": 1.5, "top_k": 4, "seed": 11},
+                                         payload=spec.to_wire()), 1, None)
     p = sampling.probs_from_logits(target.score(session.state, [])[0], params)      # [vocab]
     target.rewind(session.state, ids)
     support = np.flatnonzero(p)
@@ -31,12 +36,18 @@ def test_real_draft_and_target_commit_the_targets_distribution(drafter, target):
     rng = np.random.default_rng(5)
     firsts, rejected = [], 0
     for r in range(240):
-        d = drafter.propose(ids, 1, params, rng)
-        verdict = verifier.verify(session, wire.Verify("stat", r, len(ids), d.ids,
-                                                       {"kind": "full", "probs": d.q})).verdict
-        firsts.append(d.ids[0] if verdict.accepted else verdict.token)
-        rejected += verdict.accepted == 0
+        d = drafter.propose(ids, 1, params, rng, payload=spec)
+        frame = wire.encode(wire.Verify("stat", r, len(ids), d.ids, d.wire_q()))
+        out = verifier.verify(session, wire.decode(frame))
+        token = out.verdict.token
+        if out.residual is not None:                        # split: the robot's half of the round
+            res = wire.decode(wire.encode(wire.Result("stat", r, 0, -1, len(ids), {}, out.residual))).residual
+            assert res["ids"] is not None and len(res["ids"]) == 4    # top-k sampling: sent sparse, 4 of 49k
+            token = payload.correction(res["logits"], res["ids"], d.q.row(0), params, rng)
+        firsts.append(d.ids[0] if out.verdict.accepted else token)
+        rejected += out.verdict.accepted == 0
         target.rewind(session.state, ids)                   # the next round starts from the same prefix
+        session.owed = None
     counts = np.array([firsts.count(t) for t in support])
     assert counts.sum() == len(firsts), "a token outside the target's top-k was committed"
     assert rejected > 0                                     # the residual path really ran
@@ -84,7 +95,7 @@ def _rounds(verifier, target, continuation, sampling_, exits, n=6, k=4, emit_fac
             probs[np.arange(k), draft] += 0.5
             q = {"kind": "full", "probs": probs.astype(np.float16)}
         mine = []
-        out = verifier.verify(session, wire.Verify(session.sid, r, len(session.state.ids), draft, q, cands),
+        out = verifier.verify(session, wire.Verify(session.sid, r, len(session.state.ids), draft, q, cands=cands),
                               mine.append)
         verdicts.append((out.verdict, out.timing()))
         sent.append((draft, out, mine))
@@ -143,6 +154,6 @@ def test_a_verify_with_bad_candidates_is_refused(exit_verifier, target, continua
     session, _ = exit_verifier.open(wire.Open("c", continuation[0], SAMPLING["greedy"], exits=[26]), 1, None)
     cands = np.full((1, 4), target.vocab_size, np.int32)
     with pytest.raises(wire.WireError) as e:
-        exit_verifier.verify(session, wire.Verify("c", 0, len(session.state.ids), [5], {"kind": "none"}, cands),
+        exit_verifier.verify(session, wire.Verify("c", 0, len(session.state.ids), [5], {"kind": "none"}, cands=cands),
                              lambda m: None)
     assert e.value.code == "bad_field"

@@ -13,6 +13,43 @@ def test_dummies_round_trip(cls):
     assert wire.decode(wire.encode(msg)) == msg
 
 
+@pytest.mark.parametrize("q", [
+    {"kind": "none"},
+    {"kind": "topk", "ids": np.array([[5, 9, 1], [2, 3, 4]], np.int32),
+     "probs": np.array([[0.5, 0.25, 0.25], [1, 0, 0]], np.float16)},
+    {"kind": "split", "px": np.array([1, (1 << 23), 12345])[:2]},
+])
+def test_payloads_round_trip(q):
+    msg = wire.Verify("s1", 2, 10, [5, 2], q, fix=7)
+    back = wire.decode(wire.encode(msg))
+    assert back.fix == 7 and back.q["kind"] == q["kind"]
+    for key in set(q) - {"kind"}:
+        np.testing.assert_array_equal(back.q[key], q[key])
+
+
+def test_a_split_round_is_small():
+    """DSSD's point: a split round at gamma 4 carries ids and q(x) only (packed, no key names)."""
+    msg = wire.Verify("a1B2c3D4", 17, 640, [48000, 123, 9, 31000], {"kind": "split", "px": np.array([1 << 23, 5, 77, 4])},
+                      fix=4000)
+    frame = wire.encode(msg)
+    assert len(frame) <= 64
+    back = wire.decode(frame)
+    assert (back.sid, back.round, back.n_committed, back.draft_ids, back.fix) == ("a1B2c3D4", 17, 640, msg.draft_ids,
+                                                                                 4000)
+    np.testing.assert_array_equal(back.q["px"], [1 << 23, 5, 77, 4])
+
+
+def test_result_residual_round_trips():
+    logits = np.linspace(-3, 3, 50).astype(np.float32)
+    for ids in (None, np.arange(10, 60, dtype=np.int32)):
+        msg = wire.Result("s1", 3, 1, -1, 12, {"verify_ms": 1.5, "passes": 1}, {"logits": logits, "ids": ids})
+        back = wire.decode(wire.encode(msg))
+        np.testing.assert_array_equal(back.residual["logits"], logits)
+        assert (back.residual["ids"] is None) == (ids is None)
+    plain = wire.Result("s1", 3, 4, 99, 12, {"verify_ms": 1.5, "passes": 1})
+    assert wire.decode(wire.encode(plain)) == plain
+
+
 def test_full_q_travels_as_fp16_bytes():
     q = np.random.default_rng(0).random((3, 100)).astype(np.float16)
     msg = wire.Verify("s1", 2, 10, [1, 2, 3], {"kind": "full", "probs": q})
@@ -35,14 +72,18 @@ def _frame(**fields):
     (_frame(type="open", sid="s1", prompt_ids=[], sampling={"temperature": 0.0}), "bad_field"),
     (_frame(type="open", sid="s1", prompt_ids=[1], sampling={"temperature": float("nan")}), "bad_field"),
     (_frame(type="open", sid="bad sid!", prompt_ids=[1], sampling={"temperature": 0.0}), "bad_field"),
-    (_frame(type="verify", sid="s1", round=0, n_committed=3, draft_ids=[1, 2], q={"kind": "weird"}), "unsupported"),
-    (_frame(type="verify", sid="s1", round=True, n_committed=3, draft_ids=[1], q={"kind": "none"}), "bad_field"),
-    (_frame(type="verify", sid="s1", round=0, n_committed=3, draft_ids=[1, 2],
-            q={"kind": "full", "probs": {"dtype": "<f2", "shape": [2, 4], "data": b"\0" * 3}}), "bad_field"),
-    (_frame(type="verify", sid="s1", round=0, n_committed=3, draft_ids=[1, 2],
-            q={"kind": "full", "probs": {"dtype": "<f8", "shape": [2, 4], "data": b"\0" * 64}}), "bad_field"),
-    (_frame(type="verify", sid="s1", round=0, n_committed=3, draft_ids=[1, 2],
-            q={"kind": "full", "probs": wire.encode_array(np.zeros((3, 4), np.float16))}), "bad_field"),
+    (_frame(type="verify", sid="s1", round=0, n_committed=3, draft_ids=[1, 2], q=["weird"]), "unsupported"),
+    (_frame(type="verify", sid="s1", round=0, n_committed=3, draft_ids=[1, 2], q={"kind": "none"}), "bad_field"),
+    (_frame(type="verify", sid="s1", round=True, n_committed=3, draft_ids=[1], q=["none"]), "bad_field"),
+    (_frame(type="verify", sid="s1", round=0, n_committed=3, draft_ids=[1, 2], q=["full", b"\0" * 3]), "bad_field"),
+    (_frame(type="verify", sid="s1", round=0, n_committed=3, draft_ids=[1, 2], q=["full"]), "bad_field"),
+    (_frame(type="verify", sid="s1", round=0, n_committed=3, draft_ids=[1, 2], q=["topk", b"\0" * 16, b"\0" * 4]),
+     "bad_field"),                                                  # 2 x 2 ids but 2 probabilities
+    (_frame(type="verify", sid="s1", round=0, n_committed=3, draft_ids=[1, 2], q=["split", b"\0" * 5]), "bad_field"),
+    (_frame(type="verify", sid="s1", round=0, n_committed=3, draft_ids=[1, 2], q=["split", "abcdef"]), "bad_field"),
+    (msgpack.packb([wire.PROTOCOL_VERSION, "open", "s1"]), "bad_frame"),          # open is not packed
+    (msgpack.packb([wire.PROTOCOL_VERSION, "verify", "s1", 0, 3, [1], ["none"], None, None, 7]), "bad_frame"),
+    (msgpack.packb([wire.PROTOCOL_VERSION, "result", "s1", 0, 0, -1, 3, {}]), "bad_field"),  # -1 needs a residual
 ])
 def test_bad_frames_get_a_code(frame, code):
     with pytest.raises(WireError) as e:
@@ -53,7 +94,7 @@ def test_bad_frames_get_a_code(frame, code):
 
 def test_errors_name_the_session_when_they_can():
     with pytest.raises(WireError) as e:
-        wire.decode(_frame(type="verify", sid="robot-7", round=-1, n_committed=3, draft_ids=[], q={"kind": "none"}))
+        wire.decode(_frame(type="verify", sid="robot-7", round=-1, n_committed=3, draft_ids=[], q=["none"]))
     assert e.value.sid == "robot-7"
 
 
