@@ -38,7 +38,8 @@ def test_rollback_gives_the_same_draft_as_a_fresh_context(drafter):
 
 def test_sampled_draft_keeps_q_for_every_token(drafter):
     ids = drafter.tokenize(TEXTS[0], chat=True)
-    d = drafter.propose(ids, 4, SamplingParams(temperature=1.0, top_k=20, seed=1), np.random.default_rng(1))
+    d = drafter.propose(ids, 4, SamplingParams(temperature=1.0, top_k=20, seed=1), np.random.default_rng(1),
+                        payload=PayloadSpec("full"))
     q = d.q.probs
     assert d.q.kind == "full" and q.shape == (4, drafter.vocab_size) and q.dtype == np.float16
     assert all(q[i, t] > 0 for i, t in enumerate(d.ids))

@@ -125,7 +125,7 @@ def test_evicted_session_is_reopened_and_loses_nothing(drafter, server_and_proxy
 
 def test_sampling_is_reproducible_under_a_seed(drafter, server_and_proxy):
     _, proxy = server_and_proxy
-    dec = EdgeDecoder(drafter, proxy.url())
+    dec = EdgeDecoder(drafter, proxy.url(), payload=PayloadSpec("full"))
     params = SamplingParams(temperature=0.8, top_k=40, seed=7)
     ids = drafter.tokenize(PROMPTS[0][0], chat=True)
     try:

@@ -153,6 +153,7 @@ def test_bad_split_payloads_are_refused(px, words):
 
 
 def test_bad_specs_are_refused():
-    for kind, k in (("topk", 0), ("topk", payload.MAX_TOPK + 1), ("full", 4), ("gzip", 0)):
+    for kind, k in (("topk", 0), ("topk", payload.MAX_TOPK + 1), ("topk", 2.5), ("gzip", 0)):
         with pytest.raises(ValueError):
             PayloadSpec(kind, k)
+    assert PayloadSpec("full", 4).k == 0 and PayloadSpec().to_wire() == {"kind": "topk", "k": payload.DEFAULT_TOPK}
