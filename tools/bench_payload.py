@@ -53,7 +53,7 @@ from tools.bench import load_prompts
 from tools.local_verifier import LocalVerifier, pin_cores
 from tools.netem import LinkProfile, NetemProxy
 
-TARGET = "smollm2-f32"
+TARGET = "smollm2-f32"          # --target: any name or GGUF path the server takes (see README for Gemma 3)
 MODES = ("none", "full", "topk", "split")
 KS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024)
 SPLIT_UPLINK_MAX = 64           # bytes a round: the claim checked for split at gamma 4
@@ -71,7 +71,7 @@ def run_links(args, prompts: list[dict]) -> dict:
     links = [(rtt, bw) for rtt in args.rtts for bw in args.bandwidths]
     config = {"modes": list(MODES), "rtts_ms": args.rtts, "bandwidths_mbps": args.bandwidths,
               "temperature": args.temperature, "topk": args.topk, "gamma": args.gamma,
-              "max_tokens": args.max_tokens, "prompts": len(prompts), "draft": args.draft, "target": TARGET,
+              "max_tokens": args.max_tokens, "prompts": len(prompts), "draft": args.draft, "target": args.target,
               "seed": args.seed, "keepalive_s": args.keepalive_s, "agent_cpus": sorted(agent_cpus),
               "server_cpus": sorted(server_cpus), "cpu_count": os.cpu_count(),
               "started": time.strftime("%Y-%m-%d %H:%M:%S")}
@@ -80,14 +80,14 @@ def run_links(args, prompts: list[dict]) -> dict:
           f"{sorted(agent_cpus)}", flush=True)
     runs: list[dict] = []
     every_cpu = os.sched_getaffinity(0)
-    with LocalVerifier(target=TARGET, cpus=server_cpus, threads=len(server_cpus)) as server, \
+    with LocalVerifier(target=args.target, cpus=server_cpus, threads=len(server_cpus)) as server, \
             NetemProxy("127.0.0.1", server.port) as link:
         os.sched_setaffinity(0, agent_cpus)
         drafter = Drafter(args.draft, threads=len(agent_cpus))
         # a full q frame takes seconds at 1 Mbit/s and a keepalive ping queues behind it
         decoders = {m: EdgeDecoder(drafter, link.url(), payload=PayloadSpec.parse(m, args.topk),
                                    keepalive_s=args.keepalive_s) for m in MODES}
-        inputs = [drafter.tokenize(p["prompt"], chat=p["chat"]) for p in prompts]
+        inputs = [drafter.tokenize(p["prompt"], chat=p["chat"] and bool(drafter.chat_template)) for p in prompts]
         for m, dec in decoders.items():             # first passes allocate caches: keep them out of the figures
             dec.generate(inputs[0], mode="sd", max_tokens=4, params=mode_params(m, args.temperature, 0),
                          gamma=args.gamma)
@@ -165,12 +165,12 @@ def run_topk(args, prompts: list[dict]) -> dict:
     from server_bridge.target import TargetModel        # torch: only this part needs it
 
     ks = sorted(set(args.ks) | {payload.DEFAULT_TOPK})
-    config = {"temperatures": args.temperatures, "ks": ks, "drafts": args.drafts, "target": TARGET,
+    config = {"temperatures": args.temperatures, "ks": ks, "drafts": args.drafts, "target": args.target,
               "prompts": len(prompts), "tokens": args.tokens, "seed": args.seed, "bootstrap": args.bootstrap,
               "started": time.strftime("%Y-%m-%d %H:%M:%S")}
     print(f"topk: drafts {args.drafts} x T {args.temperatures} x {len(prompts)} prompts x {args.tokens} "
           f"target-sampled tokens; K {ks} and full", flush=True)
-    target = TargetModel(TARGET)
+    target = TargetModel(args.target)
     drafters = {d: Drafter(d, threads=os.cpu_count() or 1) for d in args.drafts}
     first = drafters[args.drafts[0]]
     betas: dict[tuple[str, float], dict[int | None, list[float]]] = {
@@ -178,7 +178,7 @@ def run_topk(args, prompts: list[dict]) -> dict:
     stops = set(target.eos_ids) | first.eos_ids
     for t in args.temperatures:
         for i, p in enumerate(prompts):
-            ids = first.tokenize(p["prompt"], chat=p["chat"])
+            ids = first.tokenize(p["prompt"], chat=p["chat"] and bool(first.chat_template))   # Gemma GGUF: none
             params = SamplingParams(t, 0, args.seed + i)
             tokens, target_logits = target_continuation(target, ids, args.tokens, params, stops)
             for d, drafter in drafters.items():
@@ -436,6 +436,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="docs")
     ap.add_argument("--prompts", type=int, help="prompts per part (default 3 for links, 6 for topk)")
     ap.add_argument("--seed", type=int, default=0, help="prompt i samples with seed + i")
+    ap.add_argument("--target", default=TARGET, help="target name or GGUF path (both parts)")
     links = ap.add_argument_group("part links")
     links.add_argument("--draft", default="smollm2-q4_1")
     links.add_argument("--max-tokens", type=int, default=32)

@@ -157,3 +157,11 @@ def test_bad_specs_are_refused():
         with pytest.raises(ValueError):
             PayloadSpec(kind, k)
     assert PayloadSpec("full", 4).k == 0 and PayloadSpec().to_wire() == {"kind": "topk", "k": payload.DEFAULT_TOPK}
+
+
+def test_vocab_hash_reads_the_sentencepiece_space_marker_as_a_space():
+    """llama.cpp and transformers render Gemma 3's whitespace pieces differently; the tokens are the same."""
+    from server_bridge.modelfiles import vocab_hash
+
+    assert vocab_hash([b"a", "\u2581\u2581".encode()]) == vocab_hash([b"a", b"  "])
+    assert vocab_hash([b"a", b"  "]) != vocab_hash([b"a", b" "]) != vocab_hash([b" ", b"a"])
