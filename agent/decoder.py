@@ -13,8 +13,8 @@ round, so no token is lost or duplicated.
 from __future__ import annotations
 
 import logging
-import time
 import secrets
+import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
@@ -51,7 +51,7 @@ class Metrics:
     bytes_up: int = 0
     bytes_down: int = 0
     # the uplink payload (server_bridge/payload.py) and what the verify rounds cost on the link
-    payload: str = "none"                   # none | full | topk(K=16) | split; none whenever greedy
+    payload: str = "none"                   # none | full | topk(K=256) | split; none when greedy, ar or local
     bytes_up_per_round: float | None = None     # verify frames, mean over rounds
     bytes_down_per_round: float | None = None   # result frames (split residuals included) and exits
     round_bytes_up: int = 0
@@ -191,7 +191,7 @@ class EdgeDecoder:
         t0 = time.perf_counter()
         self._until, self._checked = until, 0
         self._spec = self.payload.for_params(params)
-        m.payload = str(self._spec)
+        m.payload = str(self._spec) if mode in ("sd", "fsd") else "none"      # ar and local send no q
         if mode == "local":
             out = self._generate_local(prompt_ids, max_tokens, params, m)
         else:

@@ -403,11 +403,12 @@ class Result(Message):
         token = _int(d.get("token"), "token", -1 if residual is not None else 0)
         if residual is not None:
             if (not isinstance(residual, list) or not 1 <= len(residual) <= 2
-                    or not all(isinstance(b, bytes) for b in residual) or len(residual[0]) % 4 or not residual[0]):
+                    or not all(isinstance(b, bytes) for b in residual) or not residual[0]
+                    or any(len(b) % 4 for b in residual)):
                 raise WireError("bad_field", "residual must be [float32 logits bytes, optional int32 ids bytes]")
             logits = np.frombuffer(residual[0], "<f4")
             ids = np.frombuffer(residual[1], "<i4") if len(residual) == 2 else None
-            if ids is not None and len(ids) * 4 != len(residual[1]) or ids is not None and len(ids) != len(logits):
+            if ids is not None and len(ids) != len(logits):
                 raise WireError("bad_field", "residual ids and logits differ in length")
             if token != -1:
                 raise WireError("bad_field", "a result with a residual has token -1")

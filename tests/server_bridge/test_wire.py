@@ -84,6 +84,9 @@ def _frame(**fields):
     (msgpack.packb([wire.PROTOCOL_VERSION, "open", "s1"]), "bad_frame"),          # open is not packed
     (msgpack.packb([wire.PROTOCOL_VERSION, "verify", "s1", 0, 3, [1], ["none"], None, None, 7]), "bad_frame"),
     (msgpack.packb([wire.PROTOCOL_VERSION, "result", "s1", 0, 0, -1, 3, {}]), "bad_field"),  # -1 needs a residual
+    (msgpack.packb([wire.PROTOCOL_VERSION, "result", "s1", 0, 0, -1, 3, {}, [b"\0" * 8, b"\0" * 3]]), "bad_field"),
+    (msgpack.packb([wire.PROTOCOL_VERSION, "result", "s1", 0, 0, -1, 3, {}, [b"\0" * 8, b"\0" * 4]]), "bad_field"),
+    (msgpack.packb([wire.PROTOCOL_VERSION, "result", "s1", 0, 0, 5, 3, {}, [b"\0" * 8]]), "bad_field"),
 ])
 def test_bad_frames_get_a_code(frame, code):
     with pytest.raises(WireError) as e:
