@@ -125,12 +125,10 @@ class DraftQ:
         return {"kind": "split", "px": self.px}
 
     def row(self, j: int) -> np.ndarray:
-        """q_j [V] float64: split's residual needs the whole row the robot drew from."""
-        if self.counts is not None:
-            return self.counts[j] / sampling.SPLIT_ONE
-        if self.kind == "full":
-            return sampling.dequantize_q(self.probs[j:j + 1])[0]
-        raise ValueError(f"row() is for full and split drafts, not {self.kind}")
+        """Split: q_j [V] float64, the whole row the robot drew from (its residual needs it)."""
+        if self.counts is None:
+            raise ValueError(f"row() is for split drafts, not {self.kind}")
+        return self.counts[j] / sampling.SPLIT_ONE
 
 
 def correction(residual_logits: np.ndarray, residual_ids: np.ndarray | None, q_row: np.ndarray,
@@ -159,14 +157,14 @@ def target_probs(logits: np.ndarray, ids: np.ndarray | None, vocab: int, params:
     return p
 
 
-def sparse_residual(logits: np.ndarray, params: SamplingParams) -> tuple[np.ndarray | None, np.ndarray]:
-    """What the server sends down for p_j: (ids, logits) of its support when the session samples
-    with top_k (p_j is zero elsewhere, so nothing is lost), else (None, all V logits)."""
+def sparse_residual(logits: np.ndarray, p: np.ndarray,
+                    params: SamplingParams) -> tuple[np.ndarray | None, np.ndarray]:
+    """What the server sends down for p_j (logits [V] float32, p [V] = p_j): (ids, logits) of p_j's
+    support when the session samples with top_k (p_j is zero elsewhere, so nothing is lost), else
+    (None, all V logits)."""
     logits = np.asarray(logits, dtype=np.float32)
     if 0 < params.top_k < len(logits):
-        x = logits.astype(np.float64) / params.temperature
-        kth = np.partition(x, -params.top_k)[-params.top_k]
-        ids = np.flatnonzero(x >= kth).astype(np.int32)       # ties at the k-th kept, as probs_from_logits does
+        ids = np.flatnonzero(p).astype(np.int32)
         return ids, logits[ids]
     return None, logits
 

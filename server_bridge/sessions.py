@@ -30,7 +30,7 @@ class Session:
     retired: bool = False           # set (in the model thread) when a re-open takes over the state
     exits: list[int] = field(default_factory=list)   # early-exit layers the robot wants verdicts from; [] = off
     payload: PayloadSpec = field(default_factory=PayloadSpec)   # what each verify's q must be
-    owed: np.ndarray | None = None  # split: the target's logits at the last rejection; the robot owes the
+    owed: np.ndarray | None = None  # split: the target's p_j [V] at the last rejection; the robot owes the
                                     # correction it draws from them (the next verify's or ar's `fix`)
 
 

@@ -133,13 +133,13 @@ class Verifier:
         try:
             if session.params.greedy:
                 verdict = sampling.verify_greedy(np.asarray(msg.draft_ids), logits.argmax(axis=-1))
-            elif session.payload.kind == "split" and q is not None:
-                p = sampling.probs_from_logits(logits, session.params)    # [k + 1, vocab]
-                verdict = sampling.verify_split(np.asarray(msg.draft_ids), q, p, session.rng)
             else:
                 p = sampling.probs_from_logits(logits, session.params)    # [k + 1, vocab]
-                q = np.zeros((0, p.shape[1])) if q is None else q         # [k, vocab]
-                verdict = sampling.verify_sampled(np.asarray(msg.draft_ids), q, p, session.rng)
+                if session.payload.kind == "split" and q is not None:     # q: q(x_i) [k]
+                    verdict = sampling.verify_split(np.asarray(msg.draft_ids), q, p, session.rng)
+                else:
+                    q = np.zeros((0, p.shape[1])) if q is None else q     # [k, vocab]
+                    verdict = sampling.verify_sampled(np.asarray(msg.draft_ids), q, p, session.rng)
         except sampling.SamplingError as e:
             self.target.rewind(state, state.ids)                      # drop the draft from the cache
             raise WireError("bad_probs", str(e), msg.sid) from None
@@ -148,8 +148,8 @@ class Verifier:
         if verdict.token == sampling.RESIDUAL:
             # The robot draws the correction; until its `fix` comes the cache covers every committed id.
             committed = msg.draft_ids[:verdict.accepted]
-            session.owed = logits[verdict.accepted].astype(np.float32)
-            ids, values = payload.sparse_residual(session.owed, session.params)
+            session.owed = p[verdict.accepted]
+            ids, values = payload.sparse_residual(logits[verdict.accepted], session.owed, session.params)
             residual = {"logits": values, "ids": ids}
         else:
             committed = msg.draft_ids[:verdict.accepted] + [verdict.token]
@@ -229,8 +229,7 @@ class Verifier:
             raise WireError("desync", "the last split round ended in a rejection: send its correction as `fix`",
                             session.sid)
         self._check_ids([token], "fix", session.sid)
-        p = sampling.probs_from_logits(session.owed[None], session.params)[0]
-        if p[token] <= 0:
+        if session.owed[token] <= 0:
             raise WireError("bad_field", f"fix {token} has zero probability under the target: it cannot come "
                             "from the residual", session.sid)
 

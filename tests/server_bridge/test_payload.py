@@ -40,7 +40,8 @@ def _round(spec, target_logits, draft_logits, rng, params=PARAMS, accept=None):
         v = (accept or sampling.verify_split)(np.array(ids), qx, p, rng)
         if v.token != sampling.RESIDUAL:
             return ids[:v.accepted] + [v.token]
-        sent_ids, logits = payload.sparse_residual(target_logits[v.accepted].astype(np.float32), params)
+        sent_ids, logits = payload.sparse_residual(target_logits[v.accepted].astype(np.float32), p[v.accepted],
+                                                   params)
         return ids[:v.accepted] + [payload.correction(logits, sent_ids, dq.row(v.accepted), params, rng)]
     q = payload.dense_q(msg.q, msg.draft_ids, V, spec)
     v = sampling.verify_sampled(np.array(ids), q, p, rng)
@@ -78,7 +79,8 @@ def test_split_with_top_k_sampling_sends_a_sparse_exact_residual():
     params = SamplingParams(temperature=0.9, top_k=4)
     target, draft = _models(5)
     rng = np.random.default_rng(2)
-    ids, logits = payload.sparse_residual(target[0].astype(np.float32), params)
+    ids, logits = payload.sparse_residual(target[0].astype(np.float32),
+                                          sampling.probs_from_logits(target[:1], params)[0], params)
     assert len(ids) == 4
     committed = [_round(PayloadSpec("split"), target, draft, rng, params) for _ in range(12_000)]
     pvalue, pvalue2, _ = _check(committed, target, params)
