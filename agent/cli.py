@@ -40,7 +40,7 @@ def _generate(args) -> int:
         print(f"edge-agent: {e}", file=sys.stderr)
         return 2
     decoder = EdgeDecoder(drafter, None if args.local else args.verifier, token=token, fsd=fsd, policy=policy,
-                          trace=args.trace, payload=PayloadSpec.parse(args.payload, args.topk))
+                          trace=args.trace, payload=PayloadSpec.parse(args.payload, args.topk), slo=args.slo)
     prompt_ids = drafter.tokenize(args.prompt, chat=args.chat)
     try:
         gen = decoder.generate(prompt_ids, mode="local" if args.local else args.mode, max_tokens=args.max_tokens,
@@ -190,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="fsd: order in which early verdicts are pre-drafted")
     g.add_argument("--no-guesses", action="store_true",
                    help="fsd: pre-draft only from early exits, not from the robot's own guesses")
+    g.add_argument("--slo", type=float, default=0.0, help="tokens/s this robot needs: the verifier's SLO class "
+                   "(it schedules rounds by the deadlines this sets); 0 = best effort")
     g.add_argument("--payload", choices=payload.KINDS, default=payload.DEFAULT_KIND,
                    help="what the uplink carries of the draft's distributions at temperature > 0: full (fp16 q), "
                         "topk (the K ids and probabilities the draft sampled from), split (q(x) only; p comes "

@@ -37,6 +37,7 @@ class AgentSection:
     topk: int = DEFAULT_TOPK            # K of payload topk
     max_plan_age_s: float = 5.0         # never act on a plan whose frame is older
     reach_m: float = 0.6
+    slo_tokens_per_s: float = 0.0       # the verifier's SLO class: tokens/s this robot needs; 0 = best effort
 
     def __post_init__(self):
         if self.mode not in ("sd", "fsd", "ar"):
@@ -45,6 +46,8 @@ class AgentSection:
             raise ConfigError(f"agent.draft_policy must be one of {POLICIES}, got {self.draft_policy!r}")
         if self.threads < 1 or self.gamma < 1 or self.max_tokens < 1:
             raise ConfigError("agent.threads, agent.gamma and agent.max_tokens must be >= 1")
+        if not 0 <= self.slo_tokens_per_s <= 1000:
+            raise ConfigError(f"agent.slo_tokens_per_s must be 0..1000 tokens/s, got {self.slo_tokens_per_s}")
         try:
             PayloadSpec.parse(self.payload, self.topk)
         except ValueError as e:

@@ -95,7 +95,7 @@ class Daemon:
         self.decoder = EdgeDecoder(
             self._drafter, cfg.link.verifier or None, token=token, recv_timeout_s=cfg.link.verify_timeout_s,
             keepalive_s=cfg.link.keepalive_s, policy=DraftPolicy(cfg.agent.draft_policy),
-            payload=PayloadSpec.parse(cfg.agent.payload, cfg.agent.topk),
+            payload=PayloadSpec.parse(cfg.agent.payload, cfg.agent.topk), slo=cfg.agent.slo_tokens_per_s,
             reconnect=ReconnectPolicy(max_attempts=1, backoff_s=cfg.link.reconnect_backoff_s,
                                       backoff_max_s=cfg.link.reconnect_backoff_max_s))
         self.nav = Navigator(self.decoder, self.grabber, self._perception(), self.control, NavConfig(

@@ -122,8 +122,10 @@ class EdgeDecoder:
     def __init__(self, drafter: Drafter, url: str | None = None, token: str = "",
                  reconnect: ReconnectPolicy = ReconnectPolicy(), recv_timeout_s: float = 30.0,
                  fsd: FsdOptions = FsdOptions(), policy: DraftPolicy = DraftPolicy(),
-                 trace: str | None = None, keepalive_s: float = 2.0, payload: PayloadSpec = PayloadSpec()):
+                 trace: str | None = None, keepalive_s: float = 2.0, payload: PayloadSpec = PayloadSpec(),
+                 slo: float = 0.0):
         self.drafter = drafter
+        self.slo = slo                          # tokens/s this robot needs (the verifier's SLO class); 0 = none
         self.payload = payload                  # what the uplink carries of q at T > 0 (--payload)
         self.keepalive_s = keepalive_s          # websocket ping interval and timeout (not websockets' 20 s)
         self.url = url
@@ -364,7 +366,8 @@ class EdgeDecoder:
             if self.fsd.exits and len(layers) < len(self.fsd.exits):
                 log.warning("the verifier has exits at %s; asked for %s, using %s", offered, self.fsd.exits, layers)
         msg = wire.Open(sid, list(committed), {"temperature": params.temperature, "top_k": params.top_k,
-                                               "seed": params.seed}, exits=layers, payload=self._spec.to_wire())
+                                               "seed": params.seed}, exits=layers, payload=self._spec.to_wire(),
+                       slo={"tokens_per_s": self.slo} if self.slo else {})
         self._owed = None                       # the prefix re-sent here includes any correction
         self._exits_on = bool(layers)
         # the prefill grows with the prompt: allow it ~20 ms a token on top of the reply timeout (a dead

@@ -8,7 +8,7 @@ import logging
 import os
 import sys
 
-from .config import EXIT_POLICIES, ServerConfig
+from .config import EXIT_POLICIES, SCHEDULERS, ServerConfig
 
 
 def _layers(text: str) -> list[int]:
@@ -42,6 +42,17 @@ def main(argv: list[str] | None = None) -> int:
                    "outbox drops): priority (by confidence), fifo or random")
     s.add_argument("--exit-queue", type=int, help="exit messages pending per connection before drops")
     s.add_argument("--exit-bonus-candidates", type=int, help="ids later exits score at the bonus row")
+    s.add_argument("--scheduler", choices=SCHEDULERS, help="which waiting rounds share a forward pass: slo "
+                   "(deadline- and utility-aware, WISP; default), fcfs (one at a time) or fixed (max-batch in "
+                   "arrival order)")
+    s.add_argument("--max-batch", type=int, help="sessions in one forward pass")
+    s.add_argument("--max-queue", type=int, help="requests waiting for the target before newcomers are shed")
+    s.add_argument("--max-wait-ms", type=float, help="a request waiting longer is shed (the robot falls back)")
+    s.add_argument("--batch-wait-ms", type=float, help="fixed: how long the oldest waits for a full batch")
+    s.add_argument("--guard-ms", type=float, help="guard time in the latest start time")
+    s.add_argument("--default-slo", type=float, help="tokens/s for sessions that open without one (0: best effort)")
+    s.add_argument("--estimator", help="verification-time coefficients JSON; 'auto' (default) = "
+                   "models/estimator/<target>.json; '' = rough defaults")
     s.add_argument("--log-level", default="INFO")
     p = sub.add_parser("prepare", help="convert and cache the target (first start takes ~1 min, later ones ~1 s)")
     p.add_argument("--target", default=None)
@@ -63,7 +74,10 @@ def main(argv: list[str] | None = None) -> int:
                                    threads=args.threads, max_sessions=args.max_sessions,
                                    idle_timeout_s=args.idle_timeout_s, exits=args.exits,
                                    exit_layers=args.exit_layers, exit_policy=args.exit_policy,
-                                   exit_queue=args.exit_queue, exit_bonus_candidates=args.exit_bonus_candidates)
+                                   exit_queue=args.exit_queue, exit_bonus_candidates=args.exit_bonus_candidates,
+                                   scheduler=args.scheduler, max_batch=args.max_batch, max_queue=args.max_queue,
+                                   max_wait_ms=args.max_wait_ms, batch_wait_ms=args.batch_wait_ms,
+                                   guard_ms=args.guard_ms, default_slo=args.default_slo, estimator=args.estimator)
     except (ValueError, OSError) as e:
         print(f"server-bridge: bad configuration: {e}", file=sys.stderr)
         return 2

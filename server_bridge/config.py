@@ -8,6 +8,7 @@ from typing import Any
 
 from . import modelfiles
 from .outbox import POLICIES as EXIT_POLICIES
+from .scheduler import POLICIES as SCHEDULERS
 from .wire import DEFAULT_MAX_FRAME_BYTES
 
 
@@ -31,6 +32,16 @@ class ServerConfig:
     exit_policy: str = "priority"   # per-connection outbox: priority (by confidence), fifo or random
     exit_queue: int = 64            # exit messages pending per connection; when full the least valuable drops
     exit_bonus_candidates: int = 16  # ids the later exits score at the bonus row (after one full-head row)
+    # Batched verification (server_bridge/scheduler.py, batcher.py)
+    scheduler: str = "slo"          # slo (WISP Algorithm 1) | fcfs (one at a time) | fixed (max_batch, arrival order)
+    max_batch: int = 16             # sessions in one forward pass
+    max_queue: int = 128            # requests waiting for the target; a newcomer beyond it is shed (`overloaded`)
+    max_wait_ms: float = 3000.0     # a request that waited longer is shed (`overloaded`): the robot falls back
+    batch_wait_ms: float = 20.0     # fixed: how long the oldest request waits for a full batch
+    guard_ms: float = 10.0          # delta in the latest start time (estimation error, queueing jitter)
+    batch_memory_mb: int = 2048     # one pass's padded KV and logits; a batch that would exceed it stops growing
+    default_slo: float = 0.0        # tokens/s for sessions that open without an slo; 0 = best effort
+    estimator: str = "auto"         # verification-time coefficients (JSON); "auto" = models/estimator/<target>.json
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -53,6 +64,17 @@ class ServerConfig:
             raise ValueError(f"exit_queue must be 1-4096, got {self.exit_queue}")
         if not 1 <= self.exit_bonus_candidates <= 1024:
             raise ValueError(f"exit_bonus_candidates must be 1-1024, got {self.exit_bonus_candidates}")
+        if self.scheduler not in SCHEDULERS:
+            raise ValueError(f"scheduler must be one of {', '.join(SCHEDULERS)}, got {self.scheduler!r}")
+        for name in ("max_batch", "max_queue", "batch_memory_mb"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_batch > 1024:
+            raise ValueError(f"max_batch must be <= 1024, got {self.max_batch}")
+        for name in ("max_wait_ms", "batch_wait_ms", "guard_ms", "default_slo"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not 0 <= value < 1e6:
+                raise ValueError(f"{name} must be a non-negative number, got {value!r}")
         if self.max_frame_bytes < 64 * 1024:
             raise ValueError("max_frame_bytes below 64 KiB cannot carry one full draft distribution")
 

@@ -5,6 +5,14 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+
+
+def _label(slo: float) -> str:
+    """An SLO class as a metrics label: 8.0 -> '8', 2.5 -> '2.5', 0 -> '0' (best effort)."""
+    return f"{slo:g}"
+
+
 @dataclass
 class ServerMetrics:
     rounds: int = 0
@@ -25,6 +33,30 @@ class ServerMetrics:
     exit_rounds: int = 0                # rounds that ran exits
     exit_layer_sum: int = 0             # over those rounds: the earliest exit that agreed with the result
     residuals_sent: int = 0             # split rejections answered with the target's p_j
+    # Batched verification (server_bridge/batcher.py)
+    batches: int = 0                    # forward passes run by the batcher
+    batch_sessions: int = 0             # sessions over those passes (mean batch size = batch_sessions / batches)
+    batch_size_max: int = 0
+    batch_sizes: Counter = field(default_factory=Counter)       # histogram: le bucket -> passes
+    pass_ms_sum: float = 0.0            # time in those passes
+    queue_wait_s: float = 0.0           # time requests waited for a batch, summed
+    slo_requests: Counter = field(default_factory=Counter)      # class (tokens/s) -> requests served
+    slo_violations: Counter = field(default_factory=Counter)    # class -> served after their deadline
+    slo_shed: Counter = field(default_factory=Counter)          # class -> shed (`overloaded`)
+
+    def count_batch(self, size: int, ms: float) -> None:
+        self.batches += 1
+        self.batch_sessions += size
+        self.batch_size_max = max(self.batch_size_max, size)
+        self.batch_sizes[next(b for b in BATCH_BUCKETS if size <= b)] += 1
+        self.pass_ms_sum += ms
+
+    def count_request(self, slo: float, late: bool) -> None:
+        self.slo_requests[_label(slo)] += 1
+        self.slo_violations[_label(slo)] += late
+
+    def count_shed(self, slo: float) -> None:
+        self.slo_shed[_label(slo)] += 1
 
     def count_round(self, drafted: int, accepted: int, ms: float, exit_layer: int | None = None,
                     exit_ms: float = 0.0) -> None:
@@ -45,7 +77,7 @@ class ServerMetrics:
         self.target_forward_passes += 1
         self.verify_ms_sum += ms
 
-    def render(self, sessions, connections: int) -> str:
+    def render(self, sessions, connections: int, queue_length: int = 0) -> str:
         rows = [
             ("bridge_sessions_active", "gauge", "open sessions", len(sessions)),
             ("bridge_sessions_evicted_total", "counter", "sessions evicted (idle or table full)",
@@ -68,6 +100,12 @@ class ServerMetrics:
              self.exit_ms_sum / 1e3),
             ("bridge_split_residuals_total", "counter", "split rounds rejected: p_j sent for the robot to resample",
              self.residuals_sent),
+            ("bridge_queue_length", "gauge", "requests waiting for the target", queue_length),
+            ("bridge_batches_total", "counter", "batched forward passes", self.batches),
+            ("bridge_batch_sessions_total", "counter", "sessions verified in batched passes", self.batch_sessions),
+            ("bridge_batch_size_max", "gauge", "largest batch so far", self.batch_size_max),
+            ("bridge_batch_verify_seconds_total", "counter", "time in batched forward passes", self.pass_ms_sum / 1e3),
+            ("bridge_queue_wait_seconds_total", "counter", "time requests waited for a batch", self.queue_wait_s),
             ("bridge_bytes_in_total", "counter", "websocket payload bytes received", self.bytes_in),
             ("bridge_bytes_out_total", "counter", "websocket payload bytes sent", self.bytes_out),
         ]
@@ -76,6 +114,20 @@ class ServerMetrics:
             lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {value}"]
         lines += ["# HELP bridge_errors_total error messages sent, by code", "# TYPE bridge_errors_total counter"]
         lines += [f'bridge_errors_total{{code="{code}"}} {n}' for code, n in sorted(self.errors.items())]
+        lines += ["# HELP bridge_batch_size sessions per batched forward pass", "# TYPE bridge_batch_size histogram"]
+        running = 0
+        for bucket in BATCH_BUCKETS:
+            running += self.batch_sizes[bucket]
+            lines.append(f'bridge_batch_size_bucket{{le="{bucket}"}} {running}')
+        lines += [f'bridge_batch_size_bucket{{le="+Inf"}} {self.batches}', f"bridge_batch_size_sum {self.batch_sessions}",
+                  f"bridge_batch_size_count {self.batches}"]
+        for name, help_text, counts in (
+                ("bridge_slo_requests_total", "requests served, by SLO class (tokens/s; 0 = none)", self.slo_requests),
+                ("bridge_slo_violations_total", "requests served after their SLO deadline, by class",
+                 self.slo_violations),
+                ("bridge_slo_shed_total", "requests shed (overloaded), by class", self.slo_shed)):
+            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} counter"]
+            lines += [f'{name}{{class="{c}"}} {n}' for c, n in sorted(counts.items(), key=lambda kv: float(kv[0]))]
         tau = (self.accepted + self.rounds) / self.rounds if self.rounds else None
         if self.drafted:
             lines += ["# HELP bridge_acceptance_rate accepted / drafted since start", "# TYPE bridge_acceptance_rate gauge",

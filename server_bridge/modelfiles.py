@@ -100,6 +100,23 @@ def resolve_exits(spec: str, target_name: str) -> Path | None:
     return path
 
 
+def resolve_estimator(spec: str, target_name: str) -> Path | None:
+    """A target's fitted verification-time coefficients (tools/profile_verifier.py), or None.
+
+    spec "" = none (the defaults); "auto" = models/estimator/<target name>.json if it was
+    profiled; anything else is a JSON file that must exist.
+    """
+    if not spec:
+        return None
+    if spec == "auto":
+        path = models_dir() / "estimator" / f"{target_name}.json"
+        return path if path.is_file() else None
+    path = Path(spec).expanduser()
+    if not path.is_file():
+        raise ModelNotFound(f"no verification-time estimator at {path}; fit one with python -m tools.profile_verifier")
+    return path
+
+
 def _has_exits(prefix: Path) -> bool:
     return prefix.with_suffix(".safetensors").is_file() and prefix.with_suffix(".json").is_file()
 

@@ -2,9 +2,12 @@
 
 One handler per connection reads frames in order; every bad frame gets an
 `error` on that connection and the handler goes on (or closes, for a failed
-handshake), so one robot's garbage never touches another's session. Target
-forward passes run in a single model thread; the event loop keeps serving.
-`/healthz` and `/metrics` (Prometheus text) answer plain HTTP on the same port.
+handshake), so one robot's garbage never touches another's session. Every
+model job (an open's prefill, a verify round, an ar token) goes through the
+`Batcher`: the scheduler picks which waiting jobs share the next forward pass
+(SLO-aware by default), the pass runs in a single model thread, and the event
+loop keeps serving meanwhile. `/healthz` and `/metrics` (Prometheus text)
+answer plain HTTP on the same port.
 
 Early-exit messages (FSD) are made in the model thread during a verify pass;
 they reach the event loop by `call_soon_threadsafe`, wait in the connection's
@@ -28,11 +31,15 @@ from websockets.asyncio.server import ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 
 from . import wire
+from . import modelfiles
+from .batcher import Batcher
 from .config import ServerConfig
+from .estimator import VerifyTimeModel, batch_memory_bytes
 from .metrics import ServerMetrics
 from .outbox import Outbox
-from .sessions import SessionTable
-from .verifier import Verifier
+from .scheduler import Scheduler, deadline
+from .sessions import Session, SessionTable
+from .verifier import Job, Verifier
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +62,15 @@ class BridgeServer:
                                      config.idle_timeout_s)
         self.metrics = ServerMetrics()
         self.model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="target")
+        target = verifier.target
+        self.scheduler = Scheduler(
+            config.scheduler, load_estimator(config.estimator, target.name), max_queue=config.max_queue,
+            max_batch=config.max_batch, guard_ms=config.guard_ms,
+            memory_budget_bytes=config.batch_memory_mb * 2**20,
+            memory_of=lambda members: batch_memory_bytes(members, target.kv_bytes_per_token, 4 * target.vocab_size,
+                                                         config.max_draft_len + 1),
+            batch_wait_ms=config.batch_wait_ms, max_wait_ms=config.max_wait_ms)
+        self.batcher = Batcher(verifier, self.scheduler, self.model_thread, self.metrics)
         self._conn_ids = itertools.count(1)
         self._connections = 0
         self._server = None
@@ -70,11 +86,16 @@ class BridgeServer:
             ping_interval=10, ping_timeout=10)
         self.port = self._server.sockets[0].getsockname()[1]
         self._janitor = asyncio.create_task(self._evict_idle_forever(), name="session-janitor")
-        log.info("server-bridge listening on ws://%s:%d (target %s, token %s)", self.config.host, self.port,
-                 self.verifier.target.name, "required" if self.config.token else "none: loopback clients only")
+        self.batcher.start()
+        model = self.scheduler.model
+        log.info("server-bridge listening on ws://%s:%d (target %s, token %s, scheduler %s, max batch %d, "
+                 "estimator %s)", self.config.host, self.port, self.verifier.target.name,
+                 "required" if self.config.token else "none: loopback clients only", self.config.scheduler,
+                 self.scheduler.max_batch, "fitted" if model.fitted else "defaults (run tools/profile_verifier.py)")
 
     async def stop(self) -> None:
         self._janitor.cancel()
+        await self.batcher.stop()
         self._server.close()
         await self._server.wait_closed()
         self.model_thread.shutdown(wait=False, cancel_futures=True)
@@ -105,7 +126,8 @@ class BridgeServer:
         if request.path == "/healthz":
             return connection.respond(HTTPStatus.OK, "ok\n")
         if request.path == "/metrics":
-            resp = connection.respond(HTTPStatus.OK, self.metrics.render(self.sessions, self._connections))
+            resp = connection.respond(HTTPStatus.OK, self.metrics.render(self.sessions, self._connections,
+                                                                         len(self.scheduler)))
             del resp.headers["Content-Type"]              # Headers is a multidict: replace, not append
             resp.headers["Content-Type"] = "text/plain; version=0.0.4; charset=utf-8"
             return resp
@@ -169,7 +191,13 @@ class BridgeServer:
             self.metrics.exits_purged += outbox.purge(msg.sid)        # hints for the old generation
             self.sessions.check_room(msg.sid, conn_id)
             previous = self.sessions.peek(msg.sid)
-            session, ms = await self._in_model_thread(self.verifier.open, msg, conn_id, previous)
+            now = time.monotonic()
+            job = Job("open", msg, previous, conn_id, arrival=now)
+            slo = msg.slo.get("tokens_per_s", self.config.default_slo)
+            slo = float(slo) if isinstance(slo, (int, float)) and not isinstance(slo, bool) else 0.0
+            fresh = previous is None                    # a re-open keeps the KV of what it shares
+            session, ms = await self.batcher.submit(job, (0, len(msg.prompt_ids) - 1 if fresh else 1), 1.0,
+                                                    deadline(slo, now, 0, 1.0), slo)
             self.sessions.put(session)
             self.metrics.sessions_opened += 1
             await self._send(ws, wire.Opened(msg.sid, len(session.state.ids),
@@ -179,7 +207,8 @@ class BridgeServer:
             session = self.sessions.get(msg.sid, conn_id)
             emit = self._exit_sink(outbox) if session.exits else None
             try:
-                outcome = await self._in_model_thread(self.verifier.verify, session, msg, emit)
+                outcome = await self._submit(Job("verify", msg, session, emit=emit), session,
+                                             len(msg.draft_ids) + (msg.fix is not None))
             finally:
                 # Every exit of this round is in the outbox by now (queued before the pass returned);
                 # what is still pending there is useless once the result is out. No await from here
@@ -207,12 +236,21 @@ class BridgeServer:
         await self._in_model_thread(self.verifier.fix, session, msg.fix)   # a split correction owed, if any
         for seq in range(msg.max_tokens):
             session = self.sessions.get(msg.sid, conn_id)     # evicted mid-stream -> unknown_session
-            token, ms, p = await self._in_model_thread(self.verifier.ar_step, session)
+            token, ms, p = await self._submit(Job("ar", None, session), session, 0)
             self.metrics.count_ar_token(ms)
             done = seq + 1 == msg.max_tokens or token in stop
             sent = await self._send(ws, wire.Token(msg.sid, seq, token, done, {"verify_ms": ms, "passes": 1}, p))
             if done or not sent:            # a dead link stops the stream: the robot re-opens and asks again
                 return
+
+    async def _submit(self, job: Job, session: Session, extra: int):
+        """A verify or ar job of `session` through the batcher; `extra` new tokens beyond the uncached ids."""
+        state = session.state
+        k = len(job.msg.draft_ids) if job.kind == "verify" else 0
+        value = session.alpha * k + 1                   # expected committed tokens
+        return await self.batcher.submit(job, (state.cached, len(state.ids) - state.cached + extra), value,
+                                         deadline(session.slo, session.t0, len(state.ids) - session.n0, value),
+                                         session.slo)
 
     def _exit_sink(self, outbox: Outbox):
         """A callback for the model thread that queues an exit message into this connection's outbox."""
@@ -248,6 +286,19 @@ class BridgeServer:
             return False
         self.metrics.bytes_out += len(frame)
         return True
+
+
+def load_estimator(spec: str, target_name: str) -> VerifyTimeModel:
+    """The verification-time model: a JSON file, "auto" (the profiled one for this target, if any), or ""."""
+    path = modelfiles.resolve_estimator(spec, target_name)
+    if path is None:
+        log.warning("no profiled verification-time estimator for %s: using rough defaults; run "
+                    "`python -m tools.profile_verifier` on this machine", target_name)
+        return VerifyTimeModel()
+    model = VerifyTimeModel.load(path)
+    log.info("verification-time estimator from %s: a %.3g ms/token, b_c %.3g ms/interaction, b_r %.3g ms/cached "
+             "token, c %.3g ms", path, model.a, model.b_c, model.b_r, model.c)
+    return model
 
 
 async def run(config: ServerConfig) -> None:

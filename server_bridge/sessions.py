@@ -32,6 +32,11 @@ class Session:
     payload: PayloadSpec = field(default_factory=PayloadSpec)   # what each verify's q must be
     owed: np.ndarray | None = None  # split: the target's p_j [V] at the last rejection; the robot owes the
                                     # correction it draws from them (the next verify's or ar's `fix`)
+    # The SLO schedule (server_bridge.scheduler): the class, and where the generation began
+    slo: float = 0.0                # tokens/s the robot needs; 0 = best effort
+    t0: float = 0.0                 # monotonic time of the generation's first open
+    n0: int = 0                     # committed tokens then (the prompt)
+    alpha: float = 0.7              # running acceptance rate of its drafts (expected value of a round)
 
 
 class SessionTable:

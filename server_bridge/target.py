@@ -4,6 +4,15 @@ A `TargetState` holds the committed prefix of one session and the KV cache of
 all but its last token (the last one is fed with the next draft, so its logits
 come out of the same forward pass). A round forwards only the new tokens; the
 rejected ones are cropped off the cache.
+
+`TargetModel.extend` runs several sessions in one forward pass. Each row of
+the batch is one session: its cache left-padded to the longest cache in the
+batch, its new tokens right-padded to the longest run, an attention mask that
+hides every pad, and position ids that count from the session's own length.
+A row therefore attends to exactly the keys it would alone, at the positions
+it would have alone, and batching changes no session's tokens (the test:
+tests/server_bridge/test_batching.py). After the pass each session's cache is
+cut back out of the batch's (views, no copy) and the pads are gone.
 """
 from __future__ import annotations
 
@@ -20,6 +29,20 @@ import torch
 from . import modelfiles
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class Extension:
+    """One session's part of a forward pass."""
+    state: "TargetState"
+    new_ids: list[int]                  # appended after state.cached: uncached committed ids, then the draft
+    keep: int                           # logits rows wanted: the last `keep` of new_ids (0: KV only)
+    taps: Mapping[int, Callable[[torch.Tensor], None]] | None = None   # see TargetModel.score
+
+    @property
+    def member(self) -> tuple[int, int]:
+        """(L_cached, L_new) for the verification-time estimator."""
+        return self.state.cached, len(self.new_ids)
 
 
 @dataclass
@@ -69,15 +92,30 @@ class TargetModel:
         eos = self.model.generation_config.eos_token_id
         self.eos_ids = sorted({eos} if isinstance(eos, int) else set(eos or ()))
         self.n_layers = int(self.model.config.num_hidden_layers)
+        cfg = self.model.config
+        self.kv_heads = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+        self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+        # KV of one token in every layer, float32: what a session's cache costs (the memory budget's unit)
+        self.kv_bytes_per_token = 2 * self.n_layers * self.kv_heads * self.head_dim * 4
+        # Padded batches need plain full-attention caches; a sliding-window layer (Gemma 3) keeps only
+        # its window, so such a target runs a batch's sessions one pass each (same tokens, no speed-up).
+        from transformers import DynamicCache
+        from transformers.cache_utils import DynamicLayer
+
+        self.batchable = all(type(layer) is DynamicLayer for layer in DynamicCache(config=cfg).layers)
         log.info("target %s loaded from %s in %.1fs (%d layers, vocab %d, torch threads %d)", self.name,
                  model_dir, time.perf_counter() - t0, self.n_layers, self.vocab_size, torch.get_num_threads())
 
-    def new_state(self, prompt_ids: list[int]) -> TargetState:
-        """Prefill all but the last prompt token; returns the state ready for its first round."""
+    def new_state(self, prompt_ids: list[int], prefill: bool = True) -> TargetState:
+        """A state for prompt_ids; with prefill, all but the last prompt token are forwarded now.
+
+        Without it the cache starts empty and the first `extend` forwards the prompt
+        (the server batches prefills with other sessions' rounds).
+        """
         from transformers import DynamicCache
 
         state = TargetState(ids=list(prompt_ids), cache=DynamicCache(config=self.model.config))
-        if len(prompt_ids) > 1:
+        if prefill and len(prompt_ids) > 1:
             self._forward(state, prompt_ids[:-1], keep=1)       # only the KV is needed
             state.cached = len(prompt_ids) - 1
         return state
@@ -106,21 +144,96 @@ class TargetModel:
         early exits read it there. A tap must not modify it, and should not raise:
         a pass that raises midway is dropped from the cache and re-raised.
         """
-        rows = len(draft_ids) + 1
+        pending = state.ids[state.cached:]
+        return self.extend([Extension(state, pending + list(draft_ids), len(draft_ids) + 1, taps)])[0]
+
+    def extend(self, batch: list[Extension]) -> list[np.ndarray]:
+        """One forward pass over every session in batch; per session its logits [keep, vocab] (float32).
+
+        Each state's cache grows by its new_ids (state.cached is the caller's to
+        advance, by `commit`). If the pass raises, every cache is cropped back to
+        state.cached and the error re-raised. A state may appear once.
+        """
+        if len({id(e.state) for e in batch}) != len(batch):
+            raise ValueError("a session can be in a batch only once")
+        for e in batch:
+            if not e.new_ids or not 0 <= e.keep <= len(e.new_ids):
+                raise ValueError(f"an extension needs new ids and 0 <= keep <= {len(e.new_ids)}, got {e.keep}")
+        if len(batch) > 1 and not self.batchable:
+            return [self.extend([e])[0] for e in batch]
         handles = []
         try:
-            for layer, fn in (taps or {}).items():
+            for layer in sorted({l for e in batch for l in (e.taps or {})}):
                 if not 1 <= layer <= self.n_layers:
                     raise ValueError(f"no decoder block {layer} to tap (the target has {self.n_layers})")
-                handles.append(self.model.model.layers[layer - 1].register_forward_hook(_tap_hook(fn, rows)))
-            pending = state.ids[state.cached:]
-            return self._forward(state, pending + list(draft_ids), keep=rows).numpy()
+                targets = [(row, e.taps[layer], len(e.new_ids), e.keep) for row, e in enumerate(batch)
+                           if e.taps and layer in e.taps]
+                handles.append(self.model.model.layers[layer - 1].register_forward_hook(_tap_hook(targets)))
+            if len(batch) == 1:
+                e = batch[0]
+                logits = self._forward(e.state, e.new_ids, keep=e.keep) if e.keep else None
+                if logits is None:
+                    self._forward(e.state, e.new_ids, keep=1)
+                    return [np.zeros((0, self.vocab_size), np.float32)]
+                return [logits.numpy()]
+            return self._forward_batch(batch)
         except BaseException:
-            _crop(state.cache, state.cached)    # blocks before the failure appended KV, later ones did not
+            for e in batch:             # blocks before the failure appended KV, later ones did not
+                _crop(e.state.cache, e.state.cached)
             raise
         finally:
             for h in handles:
                 h.remove()
+
+    @torch.inference_mode()
+    def _forward_batch(self, batch: list[Extension]) -> list[np.ndarray]:
+        """The padded pass: rows [pad..., cache_b | new_b, pad...]; see the module docstring."""
+        from transformers import DynamicCache
+
+        n_rows = len(batch)
+        past = max(e.state.cached for e in batch)                     # L: the longest cache
+        width = max(len(e.new_ids) for e in batch)                    # N: the longest run of new tokens
+        dev = self.model.device
+        x = torch.zeros((n_rows, width), dtype=torch.long, device=dev)
+        mask = torch.zeros((n_rows, past + width), dtype=torch.long, device=dev)
+        pos = torch.zeros((n_rows, width), dtype=torch.long, device=dev)
+        for row, e in enumerate(batch):
+            n, c = len(e.new_ids), e.state.cached
+            x[row, :n] = torch.tensor(e.new_ids, device=dev)
+            mask[row, past - c:past + n] = 1
+            pos[row] = torch.arange(c, c + width, device=dev)
+        cache = DynamicCache(config=self.model.config)
+        if past:
+            for layer in range(self.n_layers):
+                keys, values = zip(*(self._padded_kv(e.state, layer, past) for e in batch))
+                cache.update(torch.cat(keys), torch.cat(values), layer)
+        # logits only at the columns some row keeps (the same columns for every row: a pass's LM head
+        # runs on [rows, columns], so a prefill row beside drafts costs no extra vocabulary rows)
+        cols = sorted({j for e in batch for j in range(len(e.new_ids) - e.keep, len(e.new_ids))}) or [0]
+        out = self.model(input_ids=x, attention_mask=mask, position_ids=pos, past_key_values=cache,
+                         use_cache=True, logits_to_keep=torch.tensor(cols, device=dev))
+        logits = out.logits.float()                                   # [rows, len(cols), vocab]
+        where = {j: i for i, j in enumerate(cols)}
+        result = []
+        for row, e in enumerate(batch):
+            n, c = len(e.new_ids), e.state.cached
+            _set_kv(e.state.cache, cache, row, past - c, past + n)
+            e.state.passes += 1
+            result.append(logits[row, [where[j] for j in range(n - e.keep, n)]].cpu().numpy())
+        return result
+
+    def _padded_kv(self, state: TargetState, layer: int, past: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One session's keys and values at `layer`, left-padded with zeros to `past` positions [1, H, past, D]."""
+        have = state.cached
+        if not have:
+            pad = torch.zeros((1, self.kv_heads, past, self.head_dim), dtype=self.model.dtype, device=self.model.device)
+            return pad, pad
+        src = state.cache.layers[layer]
+        keys, values = src.keys[:, :, :have], src.values[:, :, :have]
+        if have == past:
+            return keys, values
+        pad = torch.zeros((1, self.kv_heads, past - have, self.head_dim), dtype=keys.dtype, device=keys.device)
+        return torch.cat([pad, keys], dim=2), torch.cat([pad, values], dim=2)
 
     def rewind(self, state: TargetState, ids: list[int]) -> None:
         """Re-point a state at another committed prefix, keeping the KV of the part both share."""
@@ -141,15 +254,28 @@ class TargetModel:
         _crop(state.cache, state.cached)
 
 
-def _tap_hook(fn: Callable[[torch.Tensor], None], rows: int):
-    """A forward hook on a decoder block passing its output's last `rows` positions to fn.
+def _tap_hook(targets: list[tuple[int, Callable[[torch.Tensor], None], int, int]]):
+    """A forward hook on a decoder block passing each tapped row's kept positions to its fn.
 
-    Returns None, so the block's output goes on unchanged.
+    targets: (batch row, fn, new tokens of the row, rows kept). fn gets the block's
+    output at that row's last kept positions, hidden [keep, hidden]. Returns None,
+    so the block's output goes on unchanged.
     """
     def hook(module, args, output):
-        hidden = output[0] if isinstance(output, tuple) else output     # [1, T, hidden]
-        fn(hidden[0, -rows:])                                            # [rows, hidden]
+        hidden = output[0] if isinstance(output, tuple) else output     # [B, T, hidden]
+        for row, fn, n, keep in targets:
+            fn(hidden[row, n - keep:n])                                  # [keep, hidden]
     return hook
+
+
+def _set_kv(cache, batch_cache, row: int, start: int, stop: int) -> None:
+    """Point a session's cache at its row of a batch's cache, positions [start, stop) (views, no copy)."""
+    for layer, src in enumerate(batch_cache.layers):
+        keys, values = src.keys[row:row + 1, :, start:stop], src.values[row:row + 1, :, start:stop]
+        if layer < len(cache.layers) and cache.layers[layer].get_seq_length() > 0:
+            cache.layers[layer].keys, cache.layers[layer].values = keys, values
+        else:                                   # a cold session's first KV
+            cache.update(keys, values, layer)
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

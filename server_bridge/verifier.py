@@ -1,7 +1,11 @@
-"""Verification: turn a session's draft into a verdict with one target forward pass.
+"""Verification: turn sessions' drafts into verdicts, many sessions in one target forward pass.
 
 Synchronous and free of networking, so the server runs it in its model thread
-and tests call it directly. Where a token is accepted: `Verifier.verify`.
+and tests call it directly. Every request is a `Job` (open, verify or one ar
+token); `run_batch` checks each job, runs one padded forward pass over all
+that passed (`TargetModel.extend`), then decides each session's verdict from
+its own rows. A job that fails its checks gets its error and leaves the
+others' pass alone. Where a token is accepted: `Verifier._finish_verify`.
 Early exits (FSD) ride along in the same pass and report through a callback.
 """
 from __future__ import annotations
@@ -9,7 +13,8 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -17,7 +22,7 @@ from . import modelfiles, payload, sampling
 from .config import ServerConfig
 from .exits import ExitHeads, ExitPass, ExitVerdict
 from .sessions import Session
-from .target import TargetModel
+from .target import Extension, TargetModel, TargetState
 from .wire import Exit, Open, Verify, WireError
 
 log = logging.getLogger(__name__)
@@ -32,6 +37,7 @@ class RoundOutcome:
                                     # none did; None when no exits ran this round
     exit_ms: float = 0.0            # time spent in exit heads this round
     residual: dict | None = None    # split rejection: the target's p_j for the robot (Result.residual)
+    pass_ms: float = 0.0            # the batched forward pass this round rode in (shared by its batch)
 
     def timing(self) -> dict:
         """Result.timing: verify_ms, passes; exit_layer and exit_ms when exits ran."""
@@ -39,6 +45,26 @@ class RoundOutcome:
         if self.exit_layer is not None:
             timing.update(exit_layer=self.exit_layer, exit_ms=self.exit_ms)
         return timing
+
+
+@dataclass
+class Job:
+    """One request for the model thread: an open (its prefill), a verify round or one ar token."""
+    kind: str                       # "open" | "verify" | "ar"
+    msg: Any                        # wire.Open | wire.Verify | wire.Ar
+    session: Session | None = None  # verify, ar: the session; open: the one a re-open replaces, if any
+    conn_id: int = 0                # open: the connection that will own the session
+    emit: Callable[[Exit], None] | None = None      # verify: early-exit sink
+    arrival: float = 0.0            # open: monotonic time, the start of the session's SLO schedule
+    # set by Verifier._prepare
+    ext: Extension | None = None    # this job's rows of the pass; None: no model work (a re-open)
+    q: np.ndarray | None = None     # verify: the draft's q (see _draft_q)
+    probe: ExitPass | None = None   # verify: this round's early exits
+    t0: float = field(default=0.0, repr=False)
+
+    @property
+    def sid(self) -> str:
+        return self.session.sid if self.msg is None else self.msg.sid
 
 
 class Verifier:
@@ -52,10 +78,106 @@ class Verifier:
         """The early exits a session may ask for (Welcome.exits)."""
         return list(self.exits.layers) if self.exits is not None else []
 
-    # ------------------------------------------------------------------ sessions
+    # ------------------------------------------------------------------ batches
 
-    def open(self, msg: Open, conn_id: int, previous: Session | None) -> tuple[Session, float]:
+    def run_batch(self, jobs: list[Job]) -> tuple[list[Any], float, list[tuple[int, int]]]:
+        """Run jobs through one forward pass.
+
+        Returns per job its outcome or its WireError, the pass's ms, and the pass's
+        members (L_cached, L_new) for the estimator ([] when no job needed the model).
+        Outcomes: open -> (Session, ms); verify -> RoundOutcome; ar -> (token, ms, p).
+        """
+        out: list[Any] = [None] * len(jobs)
+        live, states = [], set()
+        for i, job in enumerate(jobs):
+            try:
+                self._prepare(job)
+                if job.ext is not None and id(job.ext.state) in states:     # the scheduler keeps sids apart
+                    raise WireError("busy", "another request of this session is in the same pass; retry", job.sid)
+                live.append(job)
+                if job.ext is not None:
+                    states.add(id(job.ext.state))
+            except WireError as e:
+                out[i] = e
+            except Exception as e:          # a bug in one request's checks must not take the batch down
+                log.exception("preparing a %s job failed", job.kind)
+                out[i] = WireError("internal", f"could not prepare the request ({type(e).__name__})", job.sid)
+        exts = [job.ext for job in live if job.ext is not None]
+        members = [e.member for e in exts]
+        t0 = time.perf_counter()
+        try:
+            rows = iter(self.target.extend(exts) if exts else [])
+        except Exception as e:              # every cache is back where it was (TargetModel.extend)
+            log.exception("a batched pass of %d sessions failed", len(exts))
+            for i, job in enumerate(jobs):
+                if out[i] is None:
+                    out[i] = WireError("internal", f"the verification pass failed ({type(e).__name__}); retry "
+                                       "the round", job.sid)
+            return out, (time.perf_counter() - t0) * 1e3, members
+        pass_ms = (time.perf_counter() - t0) * 1e3
+        for i, job in enumerate(jobs):
+            if out[i] is not None:
+                continue
+            try:
+                out[i] = self._finish(job, next(rows) if job.ext is not None else None, pass_ms)
+            except WireError as e:
+                out[i] = e
+        return out, pass_ms, members
+
+    def _prepare(self, job: Job) -> None:
+        """Every check before any model work; sets job.ext. Raises WireError."""
+        job.t0 = time.perf_counter()
+        if job.kind == "open":
+            self._prepare_open(job)
+        elif job.kind == "verify":
+            self._prepare_verify(job)
+        elif job.kind == "ar":
+            self._prepare_ar(job)
+        else:
+            raise ValueError(f"unknown job kind {job.kind!r}")
+
+    def _finish(self, job: Job, logits: np.ndarray | None, pass_ms: float) -> Any:
+        if job.kind == "open":
+            state = job.session.state
+            if job.ext is not None:
+                state.cached = len(job.ext.new_ids)
+            return job.session, (time.perf_counter() - job.t0) * 1e3
+        if job.kind == "verify":
+            return self._finish_verify(job, logits, pass_ms)
+        return self._finish_ar(job, logits, pass_ms)
+
+    # ------------------------------------------------------------------ one job at a time
+
+    def open(self, msg: Open, conn_id: int, previous: Session | None, arrival: float = 0.0) -> tuple[Session, float]:
         """A new session, or a re-opened one that keeps the KV of the prefix it shares with the old one."""
+        return self._one(Job("open", msg, previous, conn_id, arrival=arrival or time.monotonic()))
+
+    def verify(self, session: Session, msg: Verify, emit: Callable[[Exit], None] | None = None) -> "RoundOutcome":
+        """Accept/reject msg.draft_ids against the target; commits the result to the session.
+
+        With `emit` and a session opened with exits, the session's early exits
+        score the draft during the same forward pass and `emit` gets an `exit`
+        message whenever their verdict changes (called from inside the pass).
+        Exits are hints only: the final layer alone decides what is committed,
+        so the outcome is the same with exits on or off, and an exit that fails
+        is logged and skipped without touching the verdict.
+        """
+        return self._one(Job("verify", msg, session, emit=emit))
+
+    def ar_step(self, session: Session) -> tuple[int, float, float]:
+        """One target-only token: (token, ms, the target's probability of it as sampled; 1.0 when greedy)."""
+        return self._one(Job("ar", None, session))
+
+    def _one(self, job: Job) -> Any:
+        (result,), _, _ = self.run_batch([job])
+        if isinstance(result, WireError):
+            raise result
+        return result
+
+    # ------------------------------------------------------------------ opens
+
+    def _prepare_open(self, job: Job) -> None:
+        msg, previous = job.msg, job.session
         self._check_ids(msg.prompt_ids, "prompt_ids", msg.sid)
         if len(msg.prompt_ids) >= self.config.max_context:
             raise WireError("context_full", f"prompt of {len(msg.prompt_ids)} tokens leaves no room in the "
@@ -75,7 +197,8 @@ class Verifier:
         if unknown:
             raise WireError("bad_field", f"no early exit at layers {unknown}; this verifier has "
                             f"{self.exit_layers or 'none'}", msg.sid)
-        t0 = time.perf_counter()
+        slo = slo_class(msg.slo, self.config.default_slo, msg.sid)
+        resumes = previous is not None and previous.slo == slo and _resumes(previous.state.ids, msg.prompt_ids)
         if previous is not None:
             # Work still queued for the old session object (an ar stream of a dropped
             # connection) must not touch the state from now on; see _check_live.
@@ -83,28 +206,26 @@ class Verifier:
         if previous is not None and previous.params == params:
             state = previous.state
             state.passes = 0                              # passes are reported per open / round
-            self.target.rewind(state, msg.prompt_ids)
+            self.target.rewind(state, msg.prompt_ids)     # what is not cached goes with the next round
         else:
-            state = self.target.new_state(msg.prompt_ids)
+            state = self.target.new_state(msg.prompt_ids, prefill=False)
+            if len(msg.prompt_ids) > 1:                   # the prefill: all but the last prompt token
+                job.ext = Extension(state, list(msg.prompt_ids[:-1]), keep=0)
         # A re-opened session draws fresh randomness keyed by where it resumes,
         # so a replayed round is an independent draw, as the math requires.
         rng = np.random.default_rng([params.seed, len(msg.prompt_ids)])
-        session = Session(msg.sid, conn_id, state, params, rng, exits=list(msg.exits), payload=spec)
-        return session, (time.perf_counter() - t0) * 1e3
+        session = Session(msg.sid, job.conn_id, state, params, rng, exits=list(msg.exits), payload=spec, slo=slo)
+        if resumes:
+            # the same generation goes on (a re-open after a lost link): it keeps its schedule
+            session.t0, session.n0, session.alpha = previous.t0, previous.n0, previous.alpha
+        else:
+            session.t0, session.n0 = job.arrival, len(msg.prompt_ids)
+        job.session = session
 
     # ------------------------------------------------------------------ rounds
 
-    def verify(self, session: Session, msg: Verify,
-               emit: Callable[[Exit], None] | None = None) -> RoundOutcome:
-        """Accept/reject msg.draft_ids against the target; commits the result to the session.
-
-        With `emit` and a session opened with exits, the session's early exits
-        score the draft during the same forward pass and `emit` gets an `exit`
-        message whenever their verdict changes (called from inside the pass).
-        Exits are hints only: the final layer alone decides what is committed,
-        so the outcome is the same with exits on or off, and an exit that fails
-        is logged and skipped without touching the verdict.
-        """
+    def _prepare_verify(self, job: Job) -> None:
+        session, msg = job.session, job.msg
         _check_live(session)
         state = session.state
         k = len(msg.draft_ids)
@@ -116,20 +237,24 @@ class Verifier:
         if k > self.config.max_draft_len:
             raise WireError("bad_field", f"draft of {k} tokens exceeds max_draft_len "
                             f"{self.config.max_draft_len}", msg.sid)
-        if len(state.ids) + k + 1 > self.config.max_context:
+        if len(state.ids) + (msg.fix is not None) + k + 1 > self.config.max_context:
             raise WireError("context_full", f"session reached max_context {self.config.max_context}", msg.sid)
         self._check_ids(msg.draft_ids, "draft_ids", msg.sid)
         if msg.cands is not None and msg.cands.size and int(msg.cands.max()) >= self.target.vocab_size:
             raise WireError("bad_field", f"cands holds token id {int(msg.cands.max())} outside the vocabulary "
                             f"of {self.target.vocab_size}", msg.sid)
         # q is needed only for drafted tokens: an empty draft (the last token of a generation) has none
-        q = None if session.params.greedy or not k else self._draft_q(session, msg)
-        probe = self._exit_pass(session, msg, emit)
+        job.q = None if session.params.greedy or not k else self._draft_q(session, msg)
+        job.probe = self._exit_pass(session, msg, job.emit)
         if msg.fix is not None:                     # everything is checked: only now touch the state
             self._apply_fix(session, msg.fix)
+        job.ext = Extension(state, state.ids[state.cached:] + list(msg.draft_ids), keep=k + 1,
+                            taps=job.probe.taps if job.probe else None)
 
-        t0 = time.perf_counter()
-        logits = self.target.score(state, msg.draft_ids, taps=probe.taps if probe else None)   # [k + 1, vocab]
+    def _finish_verify(self, job: Job, logits: np.ndarray, pass_ms: float) -> "RoundOutcome":
+        """Where a token is accepted: the session's rows of the pass [k + 1, vocab] against its draft."""
+        session, msg, q = job.session, job.msg, job.q
+        state = session.state
         try:
             if session.params.greedy:
                 verdict = sampling.verify_greedy(np.asarray(msg.draft_ids), logits.argmax(axis=-1))
@@ -154,11 +279,13 @@ class Verifier:
         else:
             committed = msg.draft_ids[:verdict.accepted] + [verdict.token]
         self.target.commit(state, committed, n_before + verdict.accepted)
-        outcome = RoundOutcome(verdict, (time.perf_counter() - t0) * 1e3, residual=residual)
-        if probe is not None:
-            agreed = probe.agreeing_layer(committed)
+        if msg.draft_ids:
+            session.alpha += 0.2 * (verdict.accepted / len(msg.draft_ids) - session.alpha)
+        outcome = RoundOutcome(verdict, (time.perf_counter() - job.t0) * 1e3, residual=residual, pass_ms=pass_ms)
+        if job.probe is not None:
+            agreed = job.probe.agreeing_layer(committed)
             outcome.exit_layer = self.target.n_layers if agreed is None else agreed
-            outcome.exit_ms = probe.ms
+            outcome.exit_ms = job.probe.ms
         return outcome
 
     def _exit_pass(self, session: Session, msg: Verify, emit: Callable[[Exit], None] | None) -> ExitPass | None:
@@ -171,8 +298,8 @@ class Verifier:
         return ExitPass(self.exits, self.target.model, session.exits, msg.draft_ids, msg.cands,
                         self.config.exit_bonus_candidates, send)
 
-    def ar_step(self, session: Session) -> tuple[int, float, float]:
-        """One target-only token: (token, ms, the target's probability of it as sampled; 1.0 when greedy)."""
+    def _prepare_ar(self, job: Job) -> None:
+        session = job.session
         _check_live(session)
         state = session.state
         if session.owed is not None:
@@ -181,16 +308,19 @@ class Verifier:
         if len(state.ids) + 1 > self.config.max_context:
             raise WireError("context_full", f"session reached max_context {self.config.max_context}",
                             session.sid)
-        t0 = time.perf_counter()
-        logits = self.target.score(state, [])[0]                      # [vocab]
+        job.ext = Extension(state, state.ids[state.cached:], keep=1)
+
+    def _finish_ar(self, job: Job, logits: np.ndarray, pass_ms: float) -> tuple[int, float, float]:
+        session = job.session
+        logits = logits[0]                                            # [vocab]
         if session.params.greedy:
             token, p = int(np.argmax(logits)), 1.0
         else:
             probs = sampling.probs_from_logits(logits, session.params)
             token = sampling.sample(probs, session.rng)
             p = min(1.0, float(probs[token]))
-        self.target.commit(state, [token], len(state.ids))
-        return token, (time.perf_counter() - t0) * 1e3, p
+        self.target.commit(session.state, [token], len(session.state.ids))
+        return token, (time.perf_counter() - job.t0) * 1e3, p
 
     # ------------------------------------------------------------------ checks
 
@@ -242,6 +372,21 @@ class Verifier:
         if ids and max(ids) >= self.target.vocab_size:
             raise WireError("bad_field", f"{name} holds token id {max(ids)} outside the vocabulary of "
                             f"{self.target.vocab_size}", sid)
+
+
+def slo_class(slo: dict, default: float, sid: str) -> float:
+    """Open.slo -> the session's token-speed class in tokens/s (0: best effort)."""
+    value = slo.get("tokens_per_s", default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1000:
+        raise WireError("bad_field", f"slo.tokens_per_s must be a number of tokens/s in [0, 1000], got {value!r}",
+                        sid)
+    return float(value)
+
+
+def _resumes(old: list[int], new: list[int]) -> bool:
+    """Whether a re-open continues the old committed prefix (one is a prefix of the other)."""
+    n = min(len(old), len(new))
+    return old[:n] == new[:n]
 
 
 def _check_live(session: Session) -> None:

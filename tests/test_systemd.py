@@ -122,7 +122,8 @@ def test_server_bridge_unit_type_matches_what_server_bridge_sends():
 def test_example_config_parses_with_the_daemons_field_names():
     config = tomllib.loads((SYSTEMD / "edge-agent.toml").read_text())
     expected = {
-        "agent": {"draft", "threads", "mode", "draft_policy", "gamma", "max_tokens", "temperature", "payload", "topk"},
+        "agent": {"draft", "threads", "mode", "draft_policy", "gamma", "max_tokens", "temperature", "payload", "topk",
+                  "slo_tokens_per_s"},
         "link": {"verifier", "token_env", "keepalive_s", "verify_timeout_s", "reconnect_backoff_s",
                  "reconnect_backoff_max_s"},
         "offline": {"policy"},

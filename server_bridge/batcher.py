@@ -1,0 +1,119 @@
+"""The loop that keeps the target busy: requests in, batches through the model thread, results out.
+
+Every model job of the server (an open's prefill, a verify round, one ar
+token) is submitted here with its estimated shape, value and deadline. The
+loop asks the scheduler for a batch the moment the target is free, runs it in
+the one model thread and resolves each request's future.
+
+Pipelined (the pipelined-serving paper's point, on one verifier): while a
+batch runs in the model thread, the event loop goes on receiving and
+decoding the next rounds, queueing them, and sending the previous batch's
+results; the next batch is chosen from whatever waits as soon as the pass
+returns, so the target never idles while a request waits (except under the
+`fixed` baseline, which waits for a full batch by design).
+
+Bounded: the scheduler's queue holds at most `max_queue` requests; a
+newcomer beyond it, or a request that waited past `max_wait_ms`, is shed
+with `overloaded` and the robot's fallback policy takes over.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from concurrent.futures import Executor
+from typing import Any
+
+from .metrics import ServerMetrics
+from .scheduler import Request, Scheduler
+from .verifier import Job, Verifier
+from .wire import WireError
+
+log = logging.getLogger(__name__)
+
+
+class Batcher:
+    def __init__(self, verifier: Verifier, scheduler: Scheduler, executor: Executor, metrics: ServerMetrics):
+        self.verifier = verifier
+        self.scheduler = scheduler
+        self.executor = executor
+        self.metrics = metrics
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run_forever(), name="batcher")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        for r in self.scheduler.expired(math.inf):
+            _fail(r, WireError("shutting_down", "the verifier is shutting down; retry elsewhere", r.sid))
+
+    async def submit(self, job: Job, member: tuple[int, int], value: float, deadline: float,
+                     slo: float = 0.0) -> Any:
+        """Queue one job and wait for its outcome; raises its WireError (or `overloaded`)."""
+        future = asyncio.get_running_loop().create_future()
+        request = Request(job.sid, member, value, deadline, time.monotonic(), slo, job, future)
+        try:
+            self.scheduler.admit(request)
+        except WireError:
+            self.metrics.count_shed(slo)
+            raise
+        self._wake.set()
+        return await future
+
+    async def _run_forever(self) -> None:
+        while True:
+            try:
+                await self._step()
+            except asyncio.CancelledError:
+                raise
+            except Exception:               # the loop outlives any one batch
+                log.exception("batcher step failed")
+                await asyncio.sleep(0.01)
+
+    async def _step(self) -> None:
+        now = time.monotonic()
+        for r in self.scheduler.expired(now):
+            self.metrics.count_shed(r.slo)
+            _fail(r, WireError("overloaded", f"waited {1e3 * (now - r.arrival):.0f} ms for the verifier "
+                               f"(limit {1e3 * self.scheduler.max_wait_s:.0f}): draft locally and retry later",
+                               r.sid))
+        if not self.scheduler.ready(now):
+            self._wake.clear()
+            wake_at = self.scheduler.wake_at()
+            try:
+                await asyncio.wait_for(self._wake.wait(), None if wake_at is None else max(0.0, wake_at - now))
+            except TimeoutError:
+                pass
+            return
+        batch = [r for r in self.scheduler.next_batch(now) if not r.future.done()]   # done: its robot left
+        if not batch:
+            return
+        self.metrics.queue_wait_s += sum(now - r.arrival for r in batch)
+        try:
+            results, pass_ms, members = await asyncio.get_running_loop().run_in_executor(
+                self.executor, self.verifier.run_batch, [r.job for r in batch])
+        except Exception as e:
+            log.exception("a batch of %d failed", len(batch))
+            for r in batch:
+                _fail(r, WireError("internal", f"verification failed ({type(e).__name__}); retry", r.sid))
+            return
+        done = time.monotonic()
+        if members:
+            self.scheduler.model.observe(members, pass_ms)
+            self.metrics.count_batch(len(members), pass_ms)
+        for r, result in zip(batch, results):
+            self.metrics.count_request(r.slo, late=done > r.deadline)
+            if isinstance(result, WireError):
+                _fail(r, result)
+            elif not r.future.done():
+                r.future.set_result(result)
+
+
+def _fail(r: Request, error: WireError) -> None:
+    if not r.future.done():
+        r.future.set_exception(error)

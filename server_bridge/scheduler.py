@@ -1,0 +1,170 @@
+"""Which waiting verifications go into the next batched pass (WISP Algorithm 1, and two baselines).
+
+Pure and synchronous: the batcher (server_bridge/batcher.py) calls it in the
+event loop whenever the target is free; tests call it with a clock of their own.
+
+A request's deadline comes from its session's SLO class s (tokens/s): the
+time by which the robot, at s tokens a second since its generation began,
+would have committed this round's expected tokens too:
+
+    d_i = t0 + (n_generated + g_i) / s          g_i = alpha_i * k_i + 1
+
+(alpha_i the session's running acceptance, k_i its draft length). WISP's
+per-iteration budget (Eq. 6) is the same schedule taken one round at a time;
+counting from the generation's start lets a robot that got ahead give its
+slack to one that fell behind, and it is the figure the robot's SLO is
+judged by (tokens over the generation's time).
+
+Policies:
+  slo    WISP Algorithm 1: requests past their latest start time
+         (LST_i = d_i - v_i - delta) first in earliest-deadline order, then the
+         rest by utility density U_i = g_i / v_i (v_i: the estimated time of
+         verifying i alone); the batch grows while every tentative batch fits
+         the memory budget and finishes (now + T(B)) before every member's
+         deadline, and stops at the first addition that does not.
+  fcfs   one request at a time in arrival order (SLED's FCFS verification).
+  fixed  the oldest `max_batch` in arrival order, once `max_batch` wait or the
+         oldest has waited `batch_wait_ms`.
+
+One departure from Algorithm 1: a request that cannot meet its deadline even
+alone (now + v_i > d_i) no longer constrains its batch. Algorithm 1 would
+return an empty batch for it, and the target would idle while it waits;
+here it is served first among the critical ones, already counted late.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .estimator import Member, VerifyTimeModel
+from .wire import WireError
+
+POLICIES = ("slo", "fcfs", "fixed")
+
+
+def deadline(slo: float, t0: float, n_generated: int, value: float) -> float:
+    """When a round is due: t0 + (n_generated + value) / slo; inf without a class (slo 0)."""
+    return t0 + (n_generated + value) / slo if slo > 0 else math.inf
+
+
+@dataclass
+class Request:
+    """One verification waiting for the target."""
+    sid: str
+    member: Member                  # (L_cached, L_new) it adds to a batch
+    value: float                    # g_i: expected committed tokens (>= 1 for any round)
+    deadline: float                 # monotonic seconds; inf for a session without an SLO class
+    arrival: float                  # monotonic seconds
+    slo: float = 0.0                # the session's class in tokens/s; 0 = none (metrics label)
+    job: Any = None                 # what the engine runs (verifier.Job)
+    future: Any = None              # the batcher's asyncio future for the outcome
+    late: bool = field(default=False, init=False)   # set when it could not meet its deadline even alone
+
+
+def slo_batch(pending: Sequence[Request], now: float, model: VerifyTimeModel, guard_s: float,
+              fits_memory: Callable[[list[Member]], bool], max_batch: int) -> list[Request]:
+    """WISP Algorithm 1 at dispatch epoch `now`; returns the batch (a sub-list of pending)."""
+    solo = {id(r): model.predict_ms([r.member]) / 1e3 for r in pending}        # v_i, seconds
+    critical, other = [], []
+    for r in pending:
+        r.late = now + solo[id(r)] > r.deadline
+        (critical if now >= r.deadline - solo[id(r)] - guard_s else other).append(r)
+    critical.sort(key=lambda r: (r.deadline, r.arrival))                                   # EDF
+    other.sort(key=lambda r: (-r.value / max(solo[id(r)], 1e-9), r.arrival))              # density
+
+    batch: list[Request] = []
+
+    def feasible_add(r: Request) -> bool:
+        trial = batch + [r]
+        if len(trial) > max_batch or not fits_memory([m.member for m in trial]):
+            return False
+        bound = min((m.deadline for m in trial if not m.late), default=math.inf)
+        return now + model.predict_ms([m.member for m in trial]) / 1e3 <= bound
+
+    sids: set[str] = set()
+    for queue in (critical, other):
+        for r in queue:
+            if r.sid in sids:               # one request per session and pass; the other waits its turn
+                continue
+            if not feasible_add(r):
+                if not batch:           # not even alone (memory, or its own deadline): serve it alone
+                    batch.append(r)
+                return batch
+            batch.append(r)
+            sids.add(r.sid)
+    return batch
+
+
+class Scheduler:
+    """The bounded queue of waiting requests and the policy that empties it."""
+
+    def __init__(self, policy: str, model: VerifyTimeModel, *, max_queue: int, max_batch: int,
+                 guard_ms: float, memory_budget_bytes: int, memory_of: Callable[[list[Member]], int],
+                 batch_wait_ms: float, max_wait_ms: float):
+        if policy not in POLICIES:
+            raise ValueError(f"scheduler must be one of {', '.join(POLICIES)}, got {policy!r}")
+        self.policy = policy
+        self.model = model
+        self.max_queue = max_queue
+        self.max_batch = 1 if policy == "fcfs" else max_batch
+        self.guard_s = guard_ms / 1e3
+        self.memory_budget = memory_budget_bytes
+        self.memory_of = memory_of
+        self.batch_wait_s = batch_wait_ms / 1e3
+        self.max_wait_s = max_wait_ms / 1e3
+        self.pending: list[Request] = []        # arrival order
+
+    def __len__(self) -> int:
+        return len(self.pending)
+
+    def admit(self, r: Request) -> None:
+        """Queue r, or refuse it with `overloaded` when the queue is full (the robot falls back)."""
+        if len(self.pending) >= self.max_queue:
+            raise WireError("overloaded", f"the verifier is overloaded ({len(self.pending)} requests waiting): "
+                            "draft locally and retry later", r.sid)
+        self.pending.append(r)
+
+    def ready(self, now: float) -> bool:
+        """Whether a batch should go now (fixed waits for a full batch or its oldest's timeout)."""
+        if not self.pending:
+            return False
+        if self.policy == "fixed":
+            return len(self.pending) >= self.max_batch or now - self.pending[0].arrival >= self.batch_wait_s
+        return True
+
+    def wake_at(self) -> float | None:
+        """When ready() or expired() may change without a new arrival (monotonic seconds)."""
+        if not self.pending:
+            return None
+        oldest = self.pending[0].arrival
+        t = oldest + self.max_wait_s
+        return min(t, oldest + self.batch_wait_s) if self.policy == "fixed" else t
+
+    def expired(self, now: float) -> list[Request]:
+        """Remove and return the requests that waited longer than max_wait (to be shed)."""
+        gone = [r for r in self.pending if now - r.arrival > self.max_wait_s]
+        if gone:
+            self.pending = [r for r in self.pending if now - r.arrival <= self.max_wait_s]
+        return gone
+
+    def fits_memory(self, members: list[Member]) -> bool:
+        return self.memory_of(members) <= self.memory_budget
+
+    def next_batch(self, now: float) -> list[Request]:
+        """Remove and return the next batch by the policy (empty only when nothing waits)."""
+        if not self.pending:
+            return []
+        if self.policy == "slo":
+            batch = slo_batch(self.pending, now, self.model, self.guard_s, self.fits_memory, self.max_batch)
+        else:                                   # fcfs (max_batch 1) and fixed: arrival order
+            batch = [self.pending[0]]
+            for r in self.pending[1:]:
+                if len(batch) == self.max_batch or not self.fits_memory([m.member for m in batch + [r]]):
+                    break
+                if r.sid not in {m.sid for m in batch}:
+                    batch.append(r)
+        chosen = {id(r) for r in batch}
+        self.pending = [r for r in self.pending if id(r) not in chosen]
+        return batch

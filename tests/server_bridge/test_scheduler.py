@@ -1,0 +1,121 @@
+"""The batch scheduler's decisions, as tables: WISP Algorithm 1 and the FCFS / fixed baselines."""
+import math
+
+import pytest
+
+from server_bridge.estimator import VerifyTimeModel
+from server_bridge.scheduler import Request, Scheduler, deadline, slo_batch
+from server_bridge.wire import WireError
+
+# T(B) = 10 ms + 1 ms per padded new token: a batch of B rows of 5 new tokens takes 10 + 5B ms
+MODEL = VerifyTimeModel(a=1.0, b_c=0.0, b_r=0.0, c=10.0)
+NOW = 100.0
+
+
+def req(sid, deadline_s=math.inf, value=4.0, new=5, arrival=0.0, cached=100):
+    """deadline_s: seconds after NOW."""
+    return Request(sid, (cached, new), value, NOW + deadline_s, NOW - 1.0 + arrival)
+
+
+def pick(pending, guard_s=0.0, memory=lambda members: True, max_batch=16):
+    return [r.sid for r in slo_batch(pending, NOW, MODEL, guard_s, memory, max_batch)]
+
+
+def test_critical_requests_go_first_in_earliest_deadline_order():
+    # solo cost 15 ms: with a 30 ms guard, a deadline within 45 ms is critical; 3 rows take 25 ms
+    pending = [req("relaxed", 5.0, value=9), req("c3", 0.040), req("c1", 0.030), req("c2", 0.035)]
+    assert pick(pending, guard_s=0.030, max_batch=3) == ["c1", "c2", "c3"]
+
+
+def test_non_critical_requests_go_by_utility_density():
+    # same cost: density follows the expected tokens; a longer draft costs more per row
+    pending = [req("low", 5.0, value=1), req("high", 5.0, value=5), req("mid", 5.0, value=3),
+               req("long", 5.0, value=5, new=40)]
+    assert pick(pending, max_batch=3) == ["high", "mid", "long"]
+
+
+def test_growth_stops_at_the_first_infeasible_addition():
+    # by density: a, b, big, small. b's deadline (26 ms) holds 2 rows (20 ms); big's 40 new tokens pad the
+    # batch to 130 ms and growth stops there, though small (3 rows of 5: 25 ms) would have fitted
+    pending = [req("a", 5.0, value=5), req("b", 0.026, value=4), req("big", 5.0, value=3.5, new=40),
+               req("small", 5.0, value=1)]
+    assert pick(pending) == ["a", "b"]
+
+
+def test_a_critical_request_that_does_not_fit_skips_the_utility_phase():
+    pending = [req("c1", 0.016), req("c2", 0.019), req("other", 5.0, value=9)]
+    assert pick(pending, guard_s=0.005) == ["c1"]           # c2 with c1: 20 ms > 19 ms, and then nothing else
+
+
+def test_memory_budget_caps_the_batch():
+    pending = [req(f"s{i}", 5.0) for i in range(6)]
+    assert len(pick(pending, memory=lambda members: len(members) <= 4)) == 4
+
+
+def test_a_request_that_cannot_make_its_deadline_is_served_first_and_does_not_block_others():
+    pending = [req("lost", -0.5), req("ok", 5.0)]
+    assert pick(pending) == ["lost", "ok"]
+    lost = [r for r in pending if r.sid == "lost"][0]
+    assert lost.late
+
+
+def test_even_an_infeasible_request_alone_is_served_rather_than_an_idle_target():
+    assert pick([req("huge", 5.0, new=100)], memory=lambda members: False) == ["huge"]
+
+
+def test_one_request_per_session_in_a_pass():
+    pending = [req("s", 5.0, value=5), req("s", 5.0, value=4), req("t", 5.0, value=3)]
+    assert pick(pending) == ["s", "t"]
+
+
+def make(policy, **kw):
+    args = dict(max_queue=4, max_batch=3, guard_ms=0.0, memory_budget_bytes=1 << 30, memory_of=lambda m: 0,
+                batch_wait_ms=20.0, max_wait_ms=500.0)
+    args.update(kw)
+    return Scheduler(policy, MODEL, **args)
+
+
+def test_fcfs_serves_one_at_a_time_in_arrival_order():
+    s = make("fcfs")
+    for i, d in enumerate([5.0, 0.001, 2.0]):
+        s.admit(req(f"r{i}", d, arrival=i * 0.01))
+    assert [[r.sid for r in s.next_batch(NOW)] for _ in range(3)] == [["r0"], ["r1"], ["r2"]]
+
+
+def test_fixed_waits_for_a_full_batch_or_its_timeout():
+    s = make("fixed")
+    s.admit(req("a", arrival=0.995))                            # arrived 5 ms before NOW
+    s.admit(req("b", arrival=0.996))
+    assert not s.ready(NOW)
+    assert s.ready(NOW + 0.016)                                 # the oldest waited 20 ms
+    s.admit(req("c", arrival=0.997))
+    assert s.ready(NOW)
+    assert [r.sid for r in s.next_batch(NOW)] == ["a", "b", "c"]
+
+
+def test_the_queue_is_bounded_and_sheds_with_overloaded():
+    s = make("slo")
+    for i in range(4):
+        s.admit(req(f"r{i}"))
+    with pytest.raises(WireError) as e:
+        s.admit(req("one-too-many"))
+    assert e.value.code == "overloaded" and len(s) == 4
+
+
+def test_requests_waiting_past_max_wait_are_handed_back_to_be_shed():
+    s = make("slo", max_wait_ms=500.0)
+    s.admit(req("old", arrival=0.0))                            # waited 1 s at NOW
+    s.admit(req("new", arrival=0.9))                            # waited 100 ms
+    assert [r.sid for r in s.expired(NOW)] == ["old"]
+    assert [r.sid for r in s.pending] == ["new"]
+
+
+def test_deadline_follows_the_generations_token_schedule():
+    # 8 tokens/s since t0 = 10 s: 12 tokens generated and 4.6 expected are due at 10 + 16.6 / 8
+    assert deadline(8.0, 10.0, 12, 4.6) == pytest.approx(10 + 16.6 / 8)
+    assert deadline(0.0, 10.0, 12, 4.6) == math.inf
+
+
+def test_unknown_policy_is_refused():
+    with pytest.raises(ValueError, match="scheduler must be one of"):
+        make("lifo")
