@@ -5,6 +5,10 @@ token) is submitted here with its estimated shape, value and deadline. The
 loop asks the scheduler for a batch the moment the target is free, runs it in
 the one model thread and resolves each request's future.
 
+A chosen batch runs as one padded pass, or as a few when a long prefill
+would pad every draft to its length (estimator.split_passes): shortest
+runs first, each pass's results out as soon as it returns.
+
 Pipelined (the pipelined-serving paper's point, on one verifier): while a
 batch runs in the model thread, the event loop goes on receiving and
 decoding the next rounds, queueing them, and sending the previous batch's
@@ -25,6 +29,7 @@ import time
 from concurrent.futures import Executor
 from typing import Any
 
+from .estimator import split_passes
 from .metrics import ServerMetrics
 from .scheduler import Request, Scheduler
 from .verifier import Job, Verifier
@@ -94,6 +99,11 @@ class Batcher:
         if not batch:
             return
         self.metrics.queue_wait_s += sum(now - r.arrival for r in batch)
+        # Shortest runs first: a prefill that would pad every draft to its length gets a pass of its own
+        for group in split_passes([r.member for r in batch], self.scheduler.model):
+            await self._run_pass([batch[i] for i in group])
+
+    async def _run_pass(self, batch: list[Request]) -> None:
         try:
             results, pass_ms, members = await asyncio.get_running_loop().run_in_executor(
                 self.executor, self.verifier.run_batch, [r.job for r in batch])

@@ -16,6 +16,12 @@ L_cached = max L_cached. For a batch of one, or of equal shapes, that is
 WISP's sum exactly; for a cold prompt beside warm drafts it charges the
 warm rows the padding they really pay, which is what the scheduler must see.
 
+A long run of new tokens (a prompt's prefill) pads every other row of its
+pass to its length, so the batcher may run a chosen batch as a few passes
+instead of one: `split_passes` groups the members, by their number of new
+tokens, into the passes whose estimated times sum least, and the scheduler
+prices a batch by that sum (`VerifyTimeModel.batch_ms`).
+
 Pure numpy: the scheduler calls it in the event loop; tools/profile_verifier.py
 fits it and writes the coefficients the server loads.
 """
@@ -74,6 +80,10 @@ class VerifyTimeModel:
         coef = np.array([self.a, self.b_c, self.b_r, self.c])
         return self.scale * max(0.0, float(features(members) @ coef))
 
+    def batch_ms(self, members: Sequence[Member]) -> float:
+        """A whole batch, run as split_passes groups it: the sum of its passes' estimates."""
+        return sum(self.predict_ms([members[i] for i in group]) for group in split_passes(members, self))
+
     def observe(self, members: Sequence[Member], measured_ms: float) -> None:
         """Track this machine's drift from the fitted model (load, another CPU): a bounded EWMA of the ratio."""
         raw = self.predict_ms(members) / self.scale
@@ -94,6 +104,30 @@ class VerifyTimeModel:
             raise ValueError(f"{path}: estimator coefficients {missing} missing or not numbers")
         known = {k: d[k] for k in ("a", "b_c", "b_r", "c", "target", "device", "report") if k in d}
         return cls(**known, fitted=True)
+
+
+def split_passes(members: Sequence[Member], model: "VerifyTimeModel") -> list[list[int]]:
+    """Indices of members grouped into passes, shortest runs of new tokens first, least estimated time.
+
+    Groups are contiguous in the order of L_new (a pass pads to its longest run,
+    so a member never gains from sharing a pass with a longer one while a shorter
+    one waits for a later pass). Dynamic programme over that order: best[j] =
+    min over i < j of best[i] + T(members i..j-1).
+    """
+    order = sorted(range(len(members)), key=lambda i: (members[i][1], members[i][0]))
+    n = len(order)
+    best = [0.0] + [math.inf] * n
+    cut = [0] * (n + 1)
+    for j in range(1, n + 1):
+        for i in range(j):
+            t = best[i] + model.predict_ms([members[k] for k in order[i:j]])
+            if t < best[j]:
+                best[j], cut[j] = t, i
+    groups, j = [], n
+    while j > 0:
+        groups.append(order[cut[j]:j])
+        j = cut[j]
+    return groups[::-1]
 
 
 # ----------------------------------------------------------------------------- fitting (the profiler's)

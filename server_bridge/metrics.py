@@ -41,11 +41,14 @@ class ServerMetrics:
     pass_ms_sum: float = 0.0            # time in those passes
     queue_wait_s: float = 0.0           # time requests waited for a batch, summed
     slo_requests: Counter = field(default_factory=Counter)      # class (tokens/s) -> requests served
-    slo_violations: Counter = field(default_factory=Counter)    # class -> served after their deadline
+    slo_late: Counter = field(default_factory=Counter)          # class -> served after their deadline
     slo_shed: Counter = field(default_factory=Counter)          # class -> shed (`overloaded`)
+    slo_generations: Counter = field(default_factory=Counter)   # class -> generations ended (close or a new open)
+    slo_violations: Counter = field(default_factory=Counter)    # class -> of those, slower than their class
 
     def count_batch(self, size: int, ms: float) -> None:
         self.batches += 1
+        self.target_forward_passes += 1         # a batch is one pass, however many sessions ride in it
         self.batch_sessions += size
         self.batch_size_max = max(self.batch_size_max, size)
         self.batch_sizes[next(b for b in BATCH_BUCKETS if size <= b)] += 1
@@ -53,7 +56,13 @@ class ServerMetrics:
 
     def count_request(self, slo: float, late: bool) -> None:
         self.slo_requests[_label(slo)] += 1
-        self.slo_violations[_label(slo)] += late
+        self.slo_late[_label(slo)] += late
+
+    def count_generation(self, slo: float, tokens: int, seconds: float) -> None:
+        """A generation ended: it violated its SLO if it ran below its class's tokens/s."""
+        if tokens > 0 and seconds > 0:
+            self.slo_generations[_label(slo)] += 1
+            self.slo_violations[_label(slo)] += slo > 0 and tokens / seconds < slo
 
     def count_shed(self, slo: float) -> None:
         self.slo_shed[_label(slo)] += 1
@@ -64,7 +73,6 @@ class ServerMetrics:
         self.drafted += drafted
         self.accepted += accepted
         self.committed += accepted + 1
-        self.target_forward_passes += 1
         self.verify_ms_sum += ms
         self.exit_ms_sum += exit_ms
         if exit_layer is not None:
@@ -74,7 +82,6 @@ class ServerMetrics:
     def count_ar_token(self, ms: float) -> None:
         self.ar_tokens += 1
         self.committed += 1
-        self.target_forward_passes += 1
         self.verify_ms_sum += ms
 
     def render(self, sessions, connections: int, queue_length: int = 0) -> str:
@@ -90,7 +97,9 @@ class ServerMetrics:
             ("bridge_committed_tokens_total", "counter", "tokens committed (rounds and ar)", self.committed),
             ("bridge_ar_tokens_total", "counter", "target-only tokens streamed", self.ar_tokens),
             ("bridge_target_forward_passes_total", "counter", "target forward passes", self.target_forward_passes),
-            ("bridge_verify_seconds_total", "counter", "time in target forward passes", self.verify_ms_sum / 1e3),
+            ("bridge_verify_seconds_total", "counter", "verification time summed over rounds and ar tokens (a "
+             "batched pass counts once per session in it; bridge_batch_verify_seconds_total counts it once)",
+             self.verify_ms_sum / 1e3),
             ("bridge_exits_sent_total", "counter", "early-exit messages sent", self.exits_sent),
             ("bridge_exits_dropped_total", "counter", "early-exit messages dropped by a full outbox",
              self.exits_dropped),
@@ -123,9 +132,13 @@ class ServerMetrics:
                   f"bridge_batch_size_count {self.batches}"]
         for name, help_text, counts in (
                 ("bridge_slo_requests_total", "requests served, by SLO class (tokens/s; 0 = none)", self.slo_requests),
-                ("bridge_slo_violations_total", "requests served after their SLO deadline, by class",
-                 self.slo_violations),
-                ("bridge_slo_shed_total", "requests shed (overloaded), by class", self.slo_shed)):
+                ("bridge_slo_late_total", "requests served after their deadline (the generation's schedule at its "
+                 "class's speed), by class", self.slo_late),
+                ("bridge_slo_shed_total", "requests shed (overloaded), by class", self.slo_shed),
+                ("bridge_slo_generations_total", "generations ended (close, or an open starting another), by class",
+                 self.slo_generations),
+                ("bridge_slo_violations_total", "generations that ran below their class's tokens/s (generated tokens "
+                 "over open to last result), by class", self.slo_violations)):
             lines += [f"# HELP {name} {help_text}", f"# TYPE {name} counter"]
             lines += [f'{name}{{class="{c}"}} {n}' for c, n in sorted(counts.items(), key=lambda kv: float(kv[0]))]
         tau = (self.accepted + self.rounds) / self.rounds if self.rounds else None

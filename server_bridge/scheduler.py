@@ -21,7 +21,9 @@ Policies:
          rest by utility density U_i = g_i / v_i (v_i: the estimated time of
          verifying i alone); the batch grows while every tentative batch fits
          the memory budget and finishes (now + T(B)) before every member's
-         deadline, and stops at the first addition that does not.
+         deadline, and stops at the first addition that does not. T(B) is the
+         batch as the batcher runs it: one padded pass, or a few when a long
+         prefill would pad everyone else (estimator.split_passes).
   fcfs   one request at a time in arrival order (SLED's FCFS verification).
   fixed  the oldest `max_batch` in arrival order, once `max_batch` wait or the
          oldest has waited `batch_wait_ms`.
@@ -81,7 +83,7 @@ def slo_batch(pending: Sequence[Request], now: float, model: VerifyTimeModel, gu
         if len(trial) > max_batch or not fits_memory([m.member for m in trial]):
             return False
         bound = min((m.deadline for m in trial if not m.late), default=math.inf)
-        return now + model.predict_ms([m.member for m in trial]) / 1e3 <= bound
+        return now + model.batch_ms([m.member for m in trial]) / 1e3 <= bound
 
     sids: set[str] = set()
     for queue in (critical, other):

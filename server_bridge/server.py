@@ -198,6 +198,8 @@ class BridgeServer:
             fresh = previous is None                    # a re-open keeps the KV of what it shares
             session, ms = await self.batcher.submit(job, (0, len(msg.prompt_ids) - 1 if fresh else 1), 1.0,
                                                     deadline(slo, now, 0, 1.0), slo)
+            if job.ended is not None:
+                self.metrics.count_generation(job.ended.slo, *job.ended.generation_ended())
             self.sessions.put(session)
             self.metrics.sessions_opened += 1
             await self._send(ws, wire.Opened(msg.sid, len(session.state.ids),
@@ -225,7 +227,9 @@ class BridgeServer:
             await self._stream_ar(ws, conn_id, msg)
         elif isinstance(msg, wire.Close):
             self.metrics.exits_purged += outbox.purge(msg.sid)
-            self.sessions.discard(msg.sid, conn_id)       # idempotent: closing a gone session is fine
+            session = self.sessions.peek(msg.sid)
+            if self.sessions.discard(msg.sid, conn_id):   # idempotent: closing a gone session is fine
+                self.metrics.count_generation(session.slo, *session.generation_ended())
         else:
             raise wire.WireError("bad_type", f"{msg.TYPE} is not a request a robot may send")
 

@@ -37,6 +37,11 @@ class Session:
     t0: float = 0.0                 # monotonic time of the generation's first open
     n0: int = 0                     # committed tokens then (the prompt)
     alpha: float = 0.7              # running acceptance rate of its drafts (expected value of a round)
+    t_last: float = 0.0             # monotonic time its last round or ar token was decided
+
+    def generation_ended(self) -> tuple[int, float]:
+        """(tokens generated, seconds from the generation's open to its last token) for the SLO metrics."""
+        return len(self.state.ids) - self.n0, max(0.0, self.t_last - self.t0)
 
 
 class SessionTable:

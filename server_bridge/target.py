@@ -12,7 +12,9 @@ hides every pad, and position ids that count from the session's own length.
 A row therefore attends to exactly the keys it would alone, at the positions
 it would have alone, and batching changes no session's tokens (the test:
 tests/server_bridge/test_batching.py). After the pass each session's cache is
-cut back out of the batch's (views, no copy) and the pads are gone.
+copied back out of the batch's without the pads. Both copies are the price of
+a padded batch on a dense cache: the estimator's b_r term (cached tokens read)
+carries it.
 """
 from __future__ import annotations
 
@@ -269,9 +271,14 @@ def _tap_hook(targets: list[tuple[int, Callable[[torch.Tensor], None], int, int]
 
 
 def _set_kv(cache, batch_cache, row: int, start: int, stop: int) -> None:
-    """Point a session's cache at its row of a batch's cache, positions [start, stop) (views, no copy)."""
+    """Give a session its row of a batch's cache, positions [start, stop).
+
+    A copy, not a view: a view would keep the whole batch's KV alive for as long as
+    any of its sessions waits for its next round (sessions x batch size x context).
+    """
     for layer, src in enumerate(batch_cache.layers):
-        keys, values = src.keys[row:row + 1, :, start:stop], src.values[row:row + 1, :, start:stop]
+        keys = src.keys[row:row + 1, :, start:stop].clone()
+        values = src.values[row:row + 1, :, start:stop].clone()
         if layer < len(cache.layers) and cache.layers[layer].get_seq_length() > 0:
             cache.layers[layer].keys, cache.layers[layer].values = keys, values
         else:                                   # a cold session's first KV

@@ -60,6 +60,7 @@ class Job:
     ext: Extension | None = None    # this job's rows of the pass; None: no model work (a re-open)
     q: np.ndarray | None = None     # verify: the draft's q (see _draft_q)
     probe: ExitPass | None = None   # verify: this round's early exits
+    ended: Session | None = None    # open: a previous generation of the sid that this open ends
     t0: float = field(default=0.0, repr=False)
 
     @property
@@ -217,9 +218,11 @@ class Verifier:
         session = Session(msg.sid, job.conn_id, state, params, rng, exits=list(msg.exits), payload=spec, slo=slo)
         if resumes:
             # the same generation goes on (a re-open after a lost link): it keeps its schedule
-            session.t0, session.n0, session.alpha = previous.t0, previous.n0, previous.alpha
+            session.t0, session.n0, session.alpha, session.t_last = previous.t0, previous.n0, previous.alpha, \
+                previous.t_last
         else:
             session.t0, session.n0 = job.arrival, len(msg.prompt_ids)
+            job.ended = previous          # the previous generation on this sid ended here (SLO metrics)
         job.session = session
 
     # ------------------------------------------------------------------ rounds
@@ -281,6 +284,7 @@ class Verifier:
         self.target.commit(state, committed, n_before + verdict.accepted)
         if msg.draft_ids:
             session.alpha += 0.2 * (verdict.accepted / len(msg.draft_ids) - session.alpha)
+        session.t_last = time.monotonic()
         outcome = RoundOutcome(verdict, (time.perf_counter() - job.t0) * 1e3, residual=residual, pass_ms=pass_ms)
         if job.probe is not None:
             agreed = job.probe.agreeing_layer(committed)
@@ -320,6 +324,7 @@ class Verifier:
             token = sampling.sample(probs, session.rng)
             p = min(1.0, float(probs[token]))
         self.target.commit(session.state, [token], len(session.state.ids))
+        session.t_last = time.monotonic()
         return token, (time.perf_counter() - job.t0) * 1e3, p
 
     # ------------------------------------------------------------------ checks

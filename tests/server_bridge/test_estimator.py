@@ -4,8 +4,8 @@ import json
 import numpy as np
 import pytest
 
-from server_bridge.estimator import (VerifyTimeModel, batch_memory_bytes, bootstrap_ci, features, fit, mape,
-                                     r2)
+from server_bridge.estimator import (VerifyTimeModel, batch_memory_bytes, bootstrap_ci, features, fit, mape, r2,
+                                     split_passes)
 
 TRUE = np.array([2.5, 4e-5, 8e-3, 35.0])        # a, b_c, b_r, c (ms)
 
@@ -98,3 +98,15 @@ def test_memory_of_a_padded_batch():
     assert batch_memory_bytes([(300, 5), (0, 40)], kv_bytes_per_token=100, logits_row_bytes=10) == \
         2 * 340 * 100 + (5 + 17) * 10
     assert batch_memory_bytes([], 100, 10) == 0
+
+
+def test_a_long_prefill_gets_a_pass_of_its_own_when_that_is_cheaper():
+    model = VerifyTimeModel(a=3.0, b_c=0.0, b_r=0.0, c=130.0)
+    warm, cold = (80, 5), (0, 40)
+    # together: 4 rows padded to 40 = 130 + 480 ms; apart: (130 + 45) + (130 + 120) ms
+    assert split_passes([warm, cold, warm, warm], model) == [[0, 2, 3], [1]]
+    assert model.batch_ms([warm, cold, warm, warm]) == pytest.approx(175 + 250)
+    # drafts alone share one pass: the fixed cost dominates
+    assert split_passes([warm, (80, 3), warm], model) == [[1, 0, 2]]
+    assert model.batch_ms([warm]) == model.predict_ms([warm])
+    assert split_passes([], model) == []

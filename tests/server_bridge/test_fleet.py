@@ -54,6 +54,8 @@ def test_robots_sharing_batches_each_get_the_targets_tokens(make_server, drafter
     m = _metrics(server)
     assert m["bridge_batches_total"] >= 1 and m["bridge_queue_length"] == 0
     assert m['bridge_slo_requests_total{class="4"}'] > 0 and m['bridge_slo_requests_total{class="8"}'] > 0
+    assert m['bridge_slo_generations_total{class="4"}'] == m['bridge_slo_generations_total{class="8"}'] == 3
+    assert m["bridge_target_forward_passes_total"] == m["bridge_batches_total"]
     mean_batch = m["bridge_batch_size_sum"] / m["bridge_batch_size_count"]
     if scheduler == "fcfs":
         assert m["bridge_batch_size_max"] == 1
