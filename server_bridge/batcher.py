@@ -99,6 +99,12 @@ class Batcher:
         if not batch:
             return
         self.metrics.queue_wait_s += sum(now - r.arrival for r in batch)
+        if log.isEnabledFor(logging.DEBUG):
+            model = self.scheduler.model
+            log.debug("batch of %d (%d still waiting, %d late): estimated %.0f ms, scale %.2f, slack %s ms",
+                      len(batch), len(self.scheduler), sum(r.late for r in batch),
+                      model.batch_ms([r.member for r in batch]), model.scale,
+                      [round(1e3 * (r.deadline - now)) if r.deadline < math.inf else None for r in batch])
         # Shortest runs first: a prefill that would pad every draft to its length gets a pass of its own
         for group in split_passes([r.member for r in batch], self.scheduler.model):
             await self._run_pass([batch[i] for i in group])
@@ -113,6 +119,7 @@ class Batcher:
                 _fail(r, WireError("internal", f"verification failed ({type(e).__name__}); retry", r.sid))
             return
         done = time.monotonic()
+        log.debug("pass of %d %s: %.0f ms", len(members), members, pass_ms)
         if members:
             self.scheduler.model.observe(members, pass_ms)
             self.metrics.count_batch(len(members), pass_ms)

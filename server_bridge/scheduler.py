@@ -3,17 +3,18 @@
 Pure and synchronous: the batcher (server_bridge/batcher.py) calls it in the
 event loop whenever the target is free; tests call it with a clock of their own.
 
-A request's deadline comes from its session's SLO class s (tokens/s): the
-time by which the robot, at s tokens a second since its generation began,
-would have committed this round's expected tokens too:
+A request's deadline comes from its session's SLO class s (tokens/s), WISP's
+per-iteration budget (Eq. 6): the round must commit its expected tokens at
+s tokens a second, counted from when the robot got its previous result (so
+the robot's drafting and the network's time are inside the budget, as Eq. 6
+subtracts them):
 
-    d_i = t0 + (n_generated + g_i) / s          g_i = alpha_i * k_i + 1
+    d_i = t_prev + g_i / s          g_i = alpha_i * k_i + 1
 
-(alpha_i the session's running acceptance, k_i its draft length). WISP's
-per-iteration budget (Eq. 6) is the same schedule taken one round at a time;
-counting from the generation's start lets a robot that got ahead give its
-slack to one that fell behind, and it is the figure the robot's SLO is
-judged by (tokens over the generation's time).
+(alpha_i the session's running acceptance, k_i its draft length; t_prev the
+session's last result, or its open for the first round, so the open and the
+prefill count against the first round). A session without a class has no
+deadline.
 
 Policies:
   slo    WISP Algorithm 1: requests past their latest start time
@@ -29,9 +30,12 @@ Policies:
          oldest has waited `batch_wait_ms`.
 
 One departure from Algorithm 1: a request that cannot meet its deadline even
-alone (now + v_i > d_i) no longer constrains its batch. Algorithm 1 would
-return an empty batch for it, and the target would idle while it waits;
-here it is served first among the critical ones, already counted late.
+alone (now + v_i > d_i) is late. Algorithm 1 would return an empty batch for
+it, and the target would idle while it waits. Here it goes first among the
+critical ones (its deadline is the earliest) and no longer bounds its batch:
+bounding batches by deadlines already missed shrinks them exactly when the
+target is behind, and on a CPU, where every row costs, that turns a backlog
+into a collapse (tried: small batches, more late rounds, fewer served).
 """
 from __future__ import annotations
 
@@ -46,9 +50,9 @@ from .wire import WireError
 POLICIES = ("slo", "fcfs", "fixed")
 
 
-def deadline(slo: float, t0: float, n_generated: int, value: float) -> float:
-    """When a round is due: t0 + (n_generated + value) / slo; inf without a class (slo 0)."""
-    return t0 + (n_generated + value) / slo if slo > 0 else math.inf
+def deadline(slo: float, since: float, value: float) -> float:
+    """When a round is due: since + value / slo; inf without a class (slo 0)."""
+    return since + value / slo if slo > 0 else math.inf
 
 
 @dataclass

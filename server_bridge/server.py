@@ -196,8 +196,10 @@ class BridgeServer:
             slo = msg.slo.get("tokens_per_s", self.config.default_slo)
             slo = float(slo) if isinstance(slo, (int, float)) and not isinstance(slo, bool) else 0.0
             fresh = previous is None                    # a re-open keeps the KV of what it shares
+            # worth one token, due when the first token is at the class's speed: an open is always urgent,
+            # since the first round's budget counts from it
             session, ms = await self.batcher.submit(job, (0, len(msg.prompt_ids) - 1 if fresh else 1), 1.0,
-                                                    deadline(slo, now, 0, 1.0), slo)
+                                                    deadline(slo, now, 1.0), slo)
             if job.ended is not None:
                 self.metrics.count_generation(job.ended.slo, *job.ended.generation_ended())
             self.sessions.put(session)
@@ -253,7 +255,7 @@ class BridgeServer:
         k = len(job.msg.draft_ids) if job.kind == "verify" else 0
         value = session.alpha * k + 1                   # expected committed tokens
         return await self.batcher.submit(job, (state.cached, len(state.ids) - state.cached + extra), value,
-                                         deadline(session.slo, session.t0, len(state.ids) - session.n0, value),
+                                         deadline(session.slo, max(session.t0, session.t_last), value),
                                          session.slo)
 
     def _exit_sink(self, outbox: Outbox):
