@@ -124,6 +124,7 @@ class Batcher:
             self.scheduler.model.observe(members, pass_ms)
             self.metrics.count_batch(len(members), pass_ms)
         for r, result in zip(batch, results):
+            self.scheduler.answered(r.sid, done)
             self.metrics.count_request(r.slo, late=done > r.deadline)
             if isinstance(result, WireError):
                 _fail(r, result)

@@ -48,7 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--max-batch", type=int, help="sessions in one forward pass")
     s.add_argument("--max-queue", type=int, help="requests waiting for the target before newcomers are shed")
     s.add_argument("--max-wait-ms", type=float, help="a request waiting longer is shed (the robot falls back)")
-    s.add_argument("--batch-wait-ms", type=float, help="fixed: how long the oldest waits for a full batch")
+    s.add_argument("--batch-wait-ms", type=float, help="fixed: how long the oldest waits for a full batch; slo: how "
+                   "long a free target may wait for a robot due back (never while a request is critical)")
     s.add_argument("--guard-ms", type=float, help="guard time in the latest start time")
     s.add_argument("--default-slo", type=float, help="tokens/s for sessions that open without one (0: best effort)")
     s.add_argument("--estimator", help="verification-time coefficients JSON; 'auto' (default) = "

@@ -37,7 +37,8 @@ class ServerConfig:
     max_batch: int = 16             # sessions in one forward pass
     max_queue: int = 128            # requests waiting for the target; a newcomer beyond it is shed (`overloaded`)
     max_wait_ms: float = 3000.0     # a request that waited longer is shed (`overloaded`): the robot falls back
-    batch_wait_ms: float = 20.0     # fixed: how long the oldest request waits for a full batch
+    batch_wait_ms: float = 50.0     # fixed: how long the oldest waits for a full batch; slo: how long a free target
+                                    # may wait for a robot due back (never while a request is critical)
     guard_ms: float = 10.0          # delta in the latest start time (estimation error, queueing jitter)
     batch_memory_mb: int = 2048     # one pass's padded KV and logits; a batch that would exceed it stops growing
     default_slo: float = 0.0        # tokens/s for sessions that open without an slo; 0 = best effort

@@ -118,3 +118,33 @@ def test_deadline_is_the_rounds_budget_at_its_class_speed():
 def test_unknown_policy_is_refused():
     with pytest.raises(ValueError, match="scheduler must be one of"):
         make("lifo")
+
+
+def robot_back_in(s, sid, answered_at, gap_s):
+    """Teach the scheduler that sid's robot comes back gap_s after an answer, and answer it at answered_at."""
+    s.answered(sid, answered_at - 1.0)
+    s.admit(Request(sid, (100, 5), 4.0, math.inf, answered_at - 1.0 + gap_s))
+    s.next_batch(answered_at - 1.0 + gap_s)
+    s.answered(sid, answered_at)
+
+
+def test_slo_waits_briefly_for_a_robot_due_back_when_nothing_is_critical():
+    s = make("slo", batch_wait_ms=50.0)
+    robot_back_in(s, "returning", NOW - 0.010, gap_s=0.030)     # answered 10 ms ago, back in ~20 ms
+    s.admit(req("waiting", 5.0, arrival=0.995))
+    assert not s.ready(NOW)
+    assert s.wake_at() == pytest.approx(NOW - 0.010 + 0.050)    # at most batch_wait after the target freed
+    s.admit(req("returning", 5.0, arrival=1.0))                 # it came back: no one else is due
+    assert s.ready(NOW)
+    assert sorted(r.sid for r in s.next_batch(NOW)) == ["returning", "waiting"]
+
+
+def test_slo_never_holds_a_critical_request_or_waits_for_an_overdue_robot():
+    s = make("slo", batch_wait_ms=50.0)
+    robot_back_in(s, "returning", NOW - 0.010, gap_s=0.030)
+    s.admit(req("urgent", 0.010))                               # solo 15 ms > 10 ms left: critical now
+    assert s.ready(NOW)
+    s = make("slo", batch_wait_ms=50.0)
+    robot_back_in(s, "gone", NOW - 0.040, gap_s=0.030)          # was due 10 ms ago: it may have left
+    s.admit(req("waiting", 5.0))
+    assert s.ready(NOW)

@@ -1,0 +1,431 @@
+"""tools.loadgen: the SLO rule, capacity, trace replay, /metrics parsing, robots against a fake verifier,
+and (marked real) one small sweep against a real server-bridge with exactness checked token by token.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+import pytest
+from websockets.asyncio.server import serve
+
+from server_bridge import wire
+from tools import loadgen as lg
+
+pytestmark = pytest.mark.timeout(120)
+
+TRACES = Path(lg.__file__).parent / "traces"
+
+
+# --------------------------------------------------------------------------- a synthetic trace
+
+def synthetic_trace(n_prompts: int = 3, length: int = 20, gamma_max: int = 8) -> lg.Trace:
+    """Prompt j: [100 + j, 1, 2]; target: 1000 j + 10 + t; every 5th chain is wrong from its 3rd token on."""
+    prompts = []
+    for j in range(n_prompts):
+        target = [1000 * j + 10 + t for t in range(length)]
+        chains = []
+        for i in range(length):
+            chain = (target[i:] + [7] * gamma_max)[:gamma_max]
+            if i % 5 == 0:
+                chain[2:] = [9] * (gamma_max - 2)
+            chains.append(chain)
+        prompts.append(lg.TracePrompt([100 + j, 1, 2], target, chains))
+    return lg.Trace("fake-draft", "fake-target", "ab" * 32, 5000, [3], gamma_max, prompts)
+
+
+# --------------------------------------------------------------------------- the SLO rule
+
+def test_a_generation_faster_than_its_class_meets_it_and_is_decided_when_it_finishes():
+    assert lg.judge(opened=10.0, done=14.0, tokens=48, goal=48, slo=8, lost=None, now=99) == (14.0, False)
+
+
+def test_a_slower_generation_violates_and_is_decided_at_its_deadline():
+    # 48 tokens at 8 tok/s are due 6 s after open; done after 7 s: 6.9 tok/s
+    assert lg.judge(10.0, 17.0, 48, 48, 8, None, 99) == (16.0, True)
+
+
+def test_exactly_on_the_class_speed_is_not_a_violation():
+    assert lg.judge(0.0, 6.0, 48, 48, 8, None, 99) == (6.0, False)
+
+
+def test_an_unfinished_generation_is_undecided_until_its_deadline_then_violated():
+    assert lg.judge(10.0, None, 30, 48, 4, None, now=21.9) == (None, False)      # due at 22
+    assert lg.judge(10.0, None, 30, 48, 4, None, now=22.0) == (22.0, True)
+
+
+def test_a_shed_generation_violates_even_when_it_ends_fast():
+    assert lg.judge(10.0, 11.0, 48, 48, 2, lost=10.5, now=99) == (10.5, True)
+    # shed after its deadline had passed: it was certain at the deadline already
+    assert lg.judge(10.0, None, 8, 48, 8, lost=20.0, now=99) == (16.0, True)
+
+
+def test_a_generation_ended_early_by_eos_is_judged_on_the_tokens_it_made():
+    assert lg.judge(0.0, 2.0, 10, 48, 4, None, 99) == (2.0, False)                # 5 tok/s >= 4
+    assert lg.judge(0.0, 2.0, 6, 48, 4, None, 99) == (2.0, True)                  # 3 tok/s < 4
+
+
+# --------------------------------------------------------------------------- capacity
+
+def test_capacity_is_the_largest_n_before_the_first_failure():
+    assert lg.capacity({2: True, 4: True, 8: True, 12: False, 16: True}) == (8, False)
+
+
+def test_capacity_when_every_n_passes_is_a_lower_bound():
+    assert lg.capacity({2: True, 4: True, 32: True}) == (32, True)
+
+
+def test_capacity_is_zero_when_the_smallest_n_fails_and_no_data_is_skipped():
+    assert lg.capacity({2: False, 4: True}) == (0, False)
+    assert lg.capacity({2: None, 4: True, 8: None, 12: False}) == (4, False)
+    assert lg.capacity({2: None, 4: None}) == (None, False)
+    assert lg.capacity({2: None, 4: False}) == (0, False)
+
+
+def test_a_point_passes_only_with_every_class_within_the_bound():
+    assert lg.point_passes(0.03, {"8": 0.05, "2": 0.0, "6": None})
+    assert not lg.point_passes(0.03, {"8": 0.06, "2": 0.0})
+    assert not lg.point_passes(0.051, {"8": 0.0})
+    assert not lg.point_passes(None, {"8": None})
+
+
+def point(pair, policy, n, rate, by_class):
+    return {"pair": pair, "policy": policy, "n": n, "violation_rate": rate, "violation_rate_by_class": by_class,
+            "passes": lg.point_passes(rate, by_class)}
+
+
+def test_capacities_per_policy_and_class_and_the_slo_over_fcfs_ratio():
+    table = {  # N: (fcfs overall, fcfs class 8, slo overall, slo class 8); class 2 always fine
+        2: (0.0, 0.0, 0.0, 0.0), 4: (0.02, 0.04, 0.0, 0.0), 8: (0.10, 0.40, 0.01, 0.03),
+        12: (0.30, 0.90, 0.04, 0.05), 16: (0.50, 1.0, 0.20, 0.60)}
+    points = []
+    for n, (f, f8, s, s8) in table.items():
+        points.append(point("p", "fcfs", n, f, {"8": f8, "2": 0.0}))
+        points.append(point("p", "slo", n, s, {"8": s8, "2": 0.0}))
+    caps = lg.capacities(points, (8, 2))["p"]
+    assert caps["policies"]["fcfs"]["capacity"] == 4
+    assert caps["policies"]["slo"]["capacity"] == 12
+    assert caps["policies"]["fcfs"]["by_class"] == {"8": 4, "2": 16}
+    assert caps["policies"]["slo"]["by_class_lower_bound"] == {"8": False, "2": True}
+    assert caps["ratio_slo_over_fcfs"]["overall"] == 3.0
+    assert caps["ratio_slo_over_fcfs"]["class_8"] == 3.0
+
+
+# --------------------------------------------------------------------------- trace replay
+
+def test_on_the_target_path_the_draft_is_the_recorded_chain_cut_to_k():
+    p = synthetic_trace().prompts[0]
+    assert lg.next_draft(p, [], 4) == p.chains[0][:4]
+    assert lg.next_draft(p, p.target_ids[:7], 8) == p.chains[7]
+    assert lg.next_draft(p, p.target_ids[:7], 0) == []
+
+
+def test_off_the_target_path_or_past_the_recording_the_draft_is_empty():
+    p = synthetic_trace().prompts[0]
+    assert lg.next_draft(p, p.target_ids[:3] + [999], 4) == []
+    assert lg.next_draft(p, [999] + p.target_ids[1:5], 4) == []
+    assert lg.next_draft(p, p.target_ids, 4) == []
+
+
+def test_trace_files_load_and_match_their_format(tmp_path):
+    t = synthetic_trace(n_prompts=1, length=3, gamma_max=2)
+    d = {"format": "edgespec-trace/1", "draft": t.draft, "target": t.target, "vocab_hash": t.vocab_hash,
+         "vocab_size": t.vocab_size, "eos_ids": t.eos_ids, "gamma_max": 2,
+         "prompts": [{"prompt_ids": p.prompt_ids, "target_ids": p.target_ids, "chains": p.chains} for p in t.prompts]}
+    (tmp_path / "ok.json").write_text(json.dumps(d))
+    assert lg.Trace.load(tmp_path / "ok.json") == t
+    d["prompts"][0]["chains"].pop()
+    (tmp_path / "bad.json").write_text(json.dumps(d))
+    with pytest.raises(ValueError, match="one chain of 2 per target token"):
+        lg.Trace.load(tmp_path / "bad.json")
+
+
+@pytest.mark.parametrize("pair", ["smollm2-q4_1", "smollm2-q2_k"])
+def test_the_committed_traces_are_small_and_consistent(pair):
+    path = TRACES / f"{pair}__smollm2-f32.json"
+    if not path.exists():
+        pytest.skip(f"{path} not recorded (python -m tools.record_traces)")
+    t = lg.Trace.load(path)
+    assert path.stat().st_size < 1024 * 1024 and t.gamma_max >= 4 and len(t.prompts) >= 3
+    for p in t.prompts:
+        assert len(p.target_ids) >= 8 and all(len(c) == t.gamma_max for c in p.chains)
+
+
+# --------------------------------------------------------------------------- /metrics
+
+METRICS = """# HELP bridge_rounds_total verification rounds
+# TYPE bridge_rounds_total counter
+bridge_rounds_total 120
+bridge_sessions_active 4
+bridge_errors_total{code="overloaded"} 3
+bridge_batch_size_sum 240
+bridge_batch_size_count 80
+bridge_verify_seconds_bucket{le="+Inf"} 80 1700000000
+bridge_tau 3.500000
+python_gc_objects_collected_total 12
+bridge_broken not-a-number
+"""
+
+
+def test_parse_metrics_keeps_every_bridge_sample_with_its_labels():
+    m = lg.parse_metrics(METRICS)
+    assert m == {"bridge_rounds_total": 120.0, "bridge_sessions_active": 4.0,
+                 'bridge_errors_total{code="overloaded"}': 3.0, "bridge_batch_size_sum": 240.0,
+                 "bridge_batch_size_count": 80.0, 'bridge_verify_seconds_bucket{le="+Inf"}': 80.0,
+                 "bridge_tau": 3.5}
+
+
+def test_window_deltas_subtract_counters_keep_gauges_and_give_histogram_means():
+    start = lg.parse_metrics("bridge_rounds_total 20\nbridge_batch_size_sum 40\nbridge_batch_size_count 20\n"
+                             "bridge_sessions_active 9\n")
+    delta = lg.metrics_delta(start, lg.parse_metrics(METRICS))
+    assert delta["bridge_rounds_total"] == 100 and delta["bridge_sessions_active"] == 4
+    assert delta['bridge_errors_total{code="overloaded"}'] == 3
+    assert lg.metric_means(delta) == {"bridge_batch_size": 200 / 60}
+
+
+def test_the_servers_logged_config_is_read_back():
+    log = ('2026-01-01 INFO server_bridge: config in use: {"scheduler": "slo", "max_batch": 8}\n'
+           "2026-01-01 INFO server_bridge.server: listening\n")
+    assert lg.server_config(log) == {"scheduler": "slo", "max_batch": 8}
+    assert lg.server_config("nothing here\n") is None
+
+
+# --------------------------------------------------------------------------- summary of a point
+
+def test_summary_follows_the_generations_opened_in_the_window_and_counts_tokens_committed_in_it():
+    trace = synthetic_trace()
+    out = lg.PointLog(window=(10.0, 20.0), ended=25.0)
+    target = trace.prompts[0].target_ids
+    out.generations = [
+        lg.Generation(0, 8, 0, 16, opened=5.0, tokens=target[:16], done=9.0),      # opened before: out
+        lg.Generation(0, 8, 0, 16, opened=10.5, tokens=target[:16], done=12.0),   # 10.7 tok/s: met
+        lg.Generation(1, 2, 0, 16, opened=11.0, tokens=target[:16], done=20.0),   # 1.8 tok/s < 2: violated
+        lg.Generation(1, 2, 0, 16, opened=19.0, tokens=target[:4]),                # due at 27: undecided at 25
+        lg.Generation(0, 8, 0, 16, opened=18.0, tokens=target[:2] + [1], shed=18.5),  # shed; and not exact
+        lg.Generation(0, 8, 0, 16, opened=21.0, tokens=target[:16], done=22.0),   # opened in the tail: out
+    ]
+    out.rounds = [(9.0, 50.0, 5), (11.0, 60.0, 4), (19.0, 100.0, 3), (21.0, 80.0, 5)]
+    out.sheds = [18.5]
+    s = lg.summarize(out, trace, (8, 2))
+    assert s["decided"] == 3 and s["violations"] == 2 and s["undecided"] == 1
+    assert s["violation_rate_by_class"] == {"8": 0.5, "2": 1.0}
+    assert s["goodput_tokens_per_s"] == pytest.approx(0.7)          # 4 + 3 tokens in 10 s
+    assert s["slo_met_tokens_per_s"] == pytest.approx(1.6)
+    assert s["rounds"] == 2 and s["round_ms_mean"] == pytest.approx(80.0) and s["sheds"] == 1
+    assert s["tail_s"] == 5.0 and not s["exact"] and not s["passes"]
+    assert [g["in_sample"] for g in s["generation_records"]] == [False, True, True, False, True, False]
+
+
+def test_the_sample_is_the_generations_opened_in_the_window_or_the_one_a_stuck_robot_spent_it_in():
+    g = lambda robot, opened, done=None: lg.Generation(robot, 8, 0, 48, opened, done=done)   # noqa: E731
+    gens = [g(0, 1.0, 4.0), g(0, 4.0, 12.0), g(0, 12.0, 30.0), g(0, 30.0),    # robot 0: opens in [10, 20)
+            g(1, 2.0, 25.0), g(1, 25.0),                                      # robot 1: one spans the window
+            g(2, 3.0, 15.0), g(2, 15.0, 21.0), g(2, 21.0)]                    # robot 2: opened 15 only
+    assert lg.sample(gens, (10.0, 20.0)) == [False, False, True, False, True, False, False, True, False]
+
+
+# --------------------------------------------------------------------------- robots against a fake verifier
+
+class FakeVerifier:
+    """A websocket verifier that answers from the trace: greedy acceptance against target_ids.
+
+    Every `shed_every`-th verify is answered with `error overloaded` (and forgets the session,
+    as a shedding server may), so the robots' back-off and re-open path runs.
+    """
+
+    def __init__(self, trace: lg.Trace, shed_every: int = 0, verify_s: float = 0.002):
+        self.trace = trace
+        self.shed_every = shed_every
+        self.verify_s = verify_s
+        self.sessions: dict[str, list[int]] = {}
+        self.verifies = 0
+        self.opens: list[tuple[str, int, dict]] = []
+
+    def continuation(self, ids: list[int]) -> tuple[list[int], int]:
+        p = next(p for p in self.trace.prompts if ids[:len(p.prompt_ids)] == p.prompt_ids)
+        return p.target_ids, len(p.prompt_ids)
+
+    async def handle(self, ws) -> None:
+        async for frame in ws:
+            msg = wire.decode(frame)
+            if isinstance(msg, wire.Hello):
+                if msg.draft_vocab_hash != self.trace.vocab_hash:
+                    await ws.send(wire.encode(wire.Error("vocab_mismatch", "not my vocabulary")))
+                    return
+                await ws.send(wire.encode(wire.Welcome("fake", self.trace.vocab_size, self.trace.vocab_hash, [3], [],
+                                                       {"max_frame_bytes": 1 << 20, "max_draft_len": 16,
+                                                        "max_context": 2048})))
+            elif isinstance(msg, wire.Open):
+                self.sessions[msg.sid] = list(msg.prompt_ids)
+                self.opens.append((msg.sid, len(msg.prompt_ids), msg.slo))
+                await ws.send(wire.encode(wire.Opened(msg.sid, len(msg.prompt_ids), {})))
+            elif isinstance(msg, wire.Verify):
+                await ws.send(wire.encode(await self.verify(msg)))
+            elif isinstance(msg, wire.Close):
+                self.sessions.pop(msg.sid, None)
+
+    async def verify(self, msg: wire.Verify) -> wire.Message:
+        self.verifies += 1
+        if self.shed_every and self.verifies % self.shed_every == 0:
+            self.sessions.pop(msg.sid, None)
+            return wire.Error("overloaded", "shed", msg.sid)
+        ids = self.sessions.get(msg.sid)
+        if ids is None:
+            return wire.Error("unknown_session", "gone", msg.sid)
+        assert msg.n_committed == len(ids)
+        await asyncio.sleep(self.verify_s)
+        target, n_prompt = self.continuation(ids)
+        at = len(ids) - n_prompt
+        accepted = 0
+        while accepted < len(msg.draft_ids) and msg.draft_ids[accepted] == target[at + accepted]:
+            accepted += 1
+        token = target[at + accepted]
+        ids += msg.draft_ids[:accepted] + [token]
+        return wire.Result(msg.sid, msg.round, accepted, token, len(ids), {"verify_ms": 1.0, "passes": 1})
+
+
+async def run_against_fake(fake: FakeVerifier, n: int, cfg: lg.LoadConfig) -> lg.PointLog:
+    async with serve(fake.handle, "127.0.0.1", 0) as server:
+        port = server.sockets[0].getsockname()[1]
+        return await lg.run_robots(f"ws://127.0.0.1:{port}", fake.trace, n, cfg)
+
+
+FAST = lg.LoadConfig(gamma=4, draft_ms=1.0, tokens=12, classes=(8, 2, 6), warmup_s=0.2, window_s=1.0,
+                     backoff_s=0.02, recv_timeout_s=5.0, stagger_s=0.05)
+
+
+def test_robots_commit_exactly_the_target_tokens_generation_after_generation():
+    trace = synthetic_trace()
+    fake = FakeVerifier(trace)
+    out = asyncio.run(run_against_fake(fake, 3, FAST))
+    assert not out.errors and out.sheds == []
+    done = [g for g in out.generations if g.done is not None]
+    assert len(done) >= 3 * 3                          # several generations per robot
+    for g in out.generations:
+        assert g.tokens == trace.prompts[g.prompt].target_ids[:len(g.tokens)]
+    for g in done:
+        assert len(g.tokens) == g.goal == 12            # never past the goal: the last draft is cut short
+    assert {g.prompt for g in out.generations if g.robot == 0} == {0, 1, 2}
+    assert {slo["tokens_per_s"] for _, _, slo in fake.opens} == {8, 2, 6}
+    s = lg.summarize(out, trace, FAST.classes)
+    assert s["exact"] and s["violation_rate"] == 0.0 and s["goodput_tokens_per_s"] > 0
+    # the trace's wrong chains cost rounds: tau is below gamma + 1
+    assert 1 < s["tokens_per_round"] < 5
+
+
+def test_a_shed_round_counts_as_a_violation_and_the_robot_reopens_with_its_prefix():
+    trace = synthetic_trace()
+    fake = FakeVerifier(trace, shed_every=7)
+    out = asyncio.run(run_against_fake(fake, 2, FAST))
+    assert not out.errors and out.sheds
+    shed = [g for g in out.generations if g.sheds]
+    assert shed and all(g.tokens == trace.prompts[g.prompt].target_ids[:len(g.tokens)] for g in out.generations)
+    # a re-open carries the prompt and every token committed before the shed
+    assert any(n > len(trace.prompts[0].prompt_ids) for _, n, _ in fake.opens)
+    s = lg.summarize(out, trace, FAST.classes)
+    recs = [r for r in s["generation_records"] if r["sheds"] and r["in_sample"]]
+    assert recs and all(r["violated"] for r in recs)
+    assert s["sheds"] >= 1 and s["exact"]
+
+
+def test_robots_halt_once_every_generation_opened_in_the_window_is_decided():
+    fake = FakeVerifier(synthetic_trace(), verify_s=0.05)
+    cfg = lg.LoadConfig(gamma=4, draft_ms=1.0, tokens=12, classes=(8,), warmup_s=0.0, window_s=0.5,
+                        recv_timeout_s=5.0, stagger_s=0.0)
+    out = asyncio.run(run_against_fake(fake, 2, cfg))
+    start, stop = out.window
+    sample = [g for g, c in zip(out.generations, lg.sample(out.generations, out.window)) if c]
+    assert sample and all(lg.decided(g, out.ended) for g in sample)
+    assert stop <= out.ended <= stop + 12 / 8 + 1.0               # the tail lasts at most the longest deadline
+    assert time.monotonic() - out.ended < 0.5                      # and the robots stop right after
+    assert out.rounds and all(r[0] <= out.ended + 0.2 for r in out.rounds)
+
+
+def test_a_refused_handshake_is_reported_and_the_run_still_ends_on_time():
+    fake = FakeVerifier(synthetic_trace())
+    other = lg.Trace(**{**synthetic_trace().__dict__, "vocab_hash": "cd" * 32})
+    cfg = lg.LoadConfig(tokens=12, classes=(8,), warmup_s=0.0, window_s=0.3, recv_timeout_s=2.0, stagger_s=0.0)
+
+    async def run():
+        async with serve(fake.handle, "127.0.0.1", 0) as server:
+            port = server.sockets[0].getsockname()[1]
+            return await lg.run_robots(f"ws://127.0.0.1:{port}", other, 2, cfg)
+
+    t0 = time.monotonic()
+    out = asyncio.run(run())
+    assert time.monotonic() - t0 < 3.0
+    assert out.errors and all("vocab_mismatch" in e for e in out.errors)
+    assert out.generations == [] and out.rounds == []
+
+
+def test_reports_render_with_missing_classes_and_failed_points(tmp_path):
+    trace = synthetic_trace()
+    points = []
+    for n, policy, violated in [(2, "fcfs", False), (2, "slo", False), (4, "fcfs", True), (4, "slo", False)]:
+        out = lg.PointLog(window=(0.0, 10.0), ended=10.0)
+        out.generations = [lg.Generation(0, 8, 0, 16, opened=1.0, tokens=trace.prompts[0].target_ids[:16],
+                                         done=10.0 if violated else 2.0)]
+        points.append({"pair": "fake-draft", "target": "fake-target", "policy": policy, "n": n,
+                       **lg.summarize(out, trace, (8, 2)), "server_metrics": lg.server_figures({})})
+    cfg = {**dataclasses.asdict(lg.LoadConfig(classes=(8, 2))), "ns": [2, 4], "policies": ["fcfs", "slo"],
+           "pairs": ["fake-draft"], "target": "fake-target", "scheduler_flag": True, "server_cpus": [1],
+           "server_threads": 1, "client_cpus": [0], "max_violation": lg.MAX_VIOLATION, "started": "now"}
+    result = {"config": cfg, "points": points, "capacities": lg.capacities(points, (8, 2))}
+    assert result["capacities"]["fake-draft"]["ratio_slo_over_fcfs"]["overall"] == 2.0
+    md = lg.render_markdown(result)
+    assert "| fake-draft | fcfs | 2 | - | 2 |" in md and "| fake-draft | slo | >= 4 | - | >= 4 |" in md
+    lg.plot(result, tmp_path / "loadgen.png")
+    assert (tmp_path / "loadgen.png").stat().st_size > 0
+
+
+def test_the_cli_refuses_unknown_policies():
+    with pytest.raises(SystemExit):
+        lg.main(["--policies", "fcfs,lifo", "--out", "/nonexistent"])
+
+
+# --------------------------------------------------------------------------- end to end (real server)
+
+@pytest.mark.real
+def test_a_small_sweep_against_the_real_server_is_exact_and_writes_its_report(tmp_path):
+    trace_path = TRACES / "smollm2-q4_1__smollm2-f32.json"
+    if not trace_path.exists():
+        pytest.fail(f"{trace_path} missing: python -m tools.record_traces")
+    rc = lg.main(["--n", "2", "--policies", "fcfs", "--pairs", "smollm2-q4_1", "--window-s", "3",
+                  "--warmup-s", "1", "--tokens", "16", "--keep-tokens", "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "loadgen.json").read_text())
+    assert (tmp_path / "loadgen.md").read_text().startswith("# Multi-robot load")
+    assert (tmp_path / "loadgen.png").stat().st_size > 0
+    trace = lg.Trace.load(trace_path)
+    [p] = result["points"]
+    assert p["n"] == 2 and p["policy"] == "fcfs" and not p["errors"]
+    gens = p["generation_records"]
+    assert gens and sum(g["tokens"] for g in gens) >= 16
+    for g in gens:                                   # greedy equivalence, token by token
+        assert g["token_ids"] == trace.prompts[g["prompt"]].target_ids[:len(g["token_ids"])]
+    assert p["rounds"] > 0 and p["goodput_tokens_per_s"] > 0
+    assert any(k.startswith("bridge_rounds_total") for k in p["server_metrics"]["end"])
+    assert "fcfs" in result["capacities"]["smollm2-q4_1"]["policies"]
+    assert p["decided"] >= 1
+    assert rc == 0
+
+
+# --------------------------------------------------------------------------- the planner picks gamma
+
+def test_the_planner_drafts_longer_for_a_draft_that_agrees_more(tmp_path):
+    """--gamma plan: tools/planner.py's DP over the fitted estimator chooses the draft length per N."""
+    est = tmp_path / "est.json"
+    est.write_text(json.dumps({"a": 2.9, "b_c": 1.5e-4, "b_r": 0.12, "c": 130.0}))
+    cfg = lg.LoadConfig()
+    good = synthetic_trace()                                    # every chain starts with the target token
+    bad = dataclasses.replace(good, prompts=[lg.TracePrompt(p.prompt_ids, p.target_ids,
+                                                            [[5] + c[1:] if i % 2 else c for i, c in enumerate(p.chains)])
+                                             for p in good.prompts])
+    assert lg.trace_alpha(good) == 1.0 and lg.trace_alpha(bad) == 0.5
+    g_good, plan = lg.planned_gamma(good, 4, cfg, est)
+    g_bad, _ = lg.planned_gamma(bad, 4, cfg, est)
+    assert 1 <= g_bad < g_good <= good.gamma_max
+    assert plan["gammas"] == (g_good,) and sorted(i for b in plan["batches"] for i in b) == [0, 1, 2, 3]
