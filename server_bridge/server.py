@@ -39,7 +39,7 @@ from .metrics import ServerMetrics
 from .outbox import Outbox
 from .scheduler import Scheduler, deadline
 from .sessions import Session, SessionTable
-from .verifier import Job, Verifier
+from .verifier import Job, Verifier, slo_class
 
 log = logging.getLogger(__name__)
 
@@ -193,8 +193,7 @@ class BridgeServer:
             previous = self.sessions.peek(msg.sid)
             now = time.monotonic()
             job = Job("open", msg, previous, conn_id, arrival=now)
-            slo = msg.slo.get("tokens_per_s", self.config.default_slo)
-            slo = float(slo) if isinstance(slo, (int, float)) and not isinstance(slo, bool) else 0.0
+            slo = slo_class(msg.slo, self.config.default_slo, msg.sid)      # bad_field before any queueing
             fresh = previous is None                    # a re-open keeps the KV of what it shares
             # worth one token, due when the first token is at the class's speed: an open is always urgent,
             # since the first round's budget counts from it

@@ -37,6 +37,8 @@ from server_bridge.target import Extension, TargetModel
 WARM_CACHED = (16, 64, 128, 256, 512, 1024)
 COLD_NEW = (16, 32, 64, 128, 256)
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16)
+MIXED_SIZES = SIZES[:6]         # a long prompt pads every warm row to its length: big mixed batches run for
+                                # seconds and the scheduler never forms them
 
 
 def grid(n: int, rng: np.random.Generator) -> list[dict]:
@@ -44,11 +46,11 @@ def grid(n: int, rng: np.random.Generator) -> list[dict]:
     shapes = []
     for i in range(n):
         kind = ("cold", "warm", "mixed")[i % 3]
-        size = int(rng.choice(SIZES[:5] if kind == "cold" else SIZES))
+        size = int(rng.choice({"cold": SIZES[:5], "warm": SIZES, "mixed": MIXED_SIZES}[kind]))
         members = []
         for r in range(size):
             if kind == "cold" or (kind == "mixed" and r == 0):
-                members.append((0, int(rng.choice(COLD_NEW)), 0))
+                members.append((0, int(rng.choice(COLD_NEW[:4] if kind == "mixed" else COLD_NEW)), 0))
             else:
                 new = int(rng.integers(1, 10))      # pending token + a draft of 0-8
                 members.append((int(rng.choice(WARM_CACHED)), new, new))
@@ -63,7 +65,10 @@ class Pool:
     def __init__(self, target: TargetModel, rng: np.random.Generator, per_length: int):
         self.target = target
         self.rng = rng
-        self.states = {c: [target.new_state(self.ids(c + 1)) for _ in range(per_length)] for c in WARM_CACHED}
+        self.states = {}
+        for c in WARM_CACHED:
+            print(f"  building {per_length} warm sessions with {c} cached tokens", flush=True)
+            self.states[c] = [target.new_state(self.ids(c + 1)) for _ in range(per_length)]
 
     def ids(self, n: int) -> list[int]:
         return self.rng.integers(100, self.target.vocab_size, n).tolist()
