@@ -18,7 +18,7 @@ LLAMA_CMAKE_ARGS ?=
 endif
 WHEELHOUSE ?= $(HOME)/.cache/edgespec/wheels/llama-cpp-python-$(LLAMA_CPP_VERSION)-$(LLAMA_FLAVOUR)
 
-.PHONY: setup demo demo-decoding nav-eval test test-fast bench bench-policy bench-payload predictors clean
+.PHONY: setup demo demo-decoding nav-eval test test-fast bench bench-policy bench-payload bench-fleet profile-verifier predictors clean
 
 setup: $(VENV)/.installed models/build/.ready
 
@@ -72,6 +72,14 @@ bench-policy: setup
 # Uplink payloads (none, full, topk, split) over 1-100 Mbit/s links; acceptance against top-K.
 bench-payload: setup
 	$(BIN)/python -m tools.bench_payload
+
+# Fit the verifier's batch-time estimator on this machine (models/estimator/, docs/estimator/).
+profile-verifier: setup
+	$(BIN)/python -m tools.profile_verifier
+
+# Many robots on one verifier: capacity and goodput, FCFS against SLO-aware, both pairs (docs/loadgen/, ~35 min).
+bench-fleet: setup
+	$(BIN)/python -m tools.loadgen --n 2,3,4,6,8,10,12 --policies fcfs,slo --window-s 30 --warmup-s 5
 
 # Retrain the shipped rejection predictors: traces of real rounds, then the MLP -> models/predictors/.
 predictors: setup
