@@ -132,8 +132,8 @@ class ServerMetrics:
                   f"bridge_batch_size_count {self.batches}"]
         for name, help_text, counts in (
                 ("bridge_slo_requests_total", "requests served, by SLO class (tokens/s; 0 = none)", self.slo_requests),
-                ("bridge_slo_late_total", "requests served after their deadline (the generation's schedule at its "
-                 "class's speed), by class", self.slo_late),
+                ("bridge_slo_late_total", "requests served after their deadline (the round's expected tokens at its "
+                 "class's speed, from the previous result), by class", self.slo_late),
                 ("bridge_slo_shed_total", "requests shed (overloaded), by class", self.slo_shed),
                 ("bridge_slo_generations_total", "generations ended (close, or an open starting another), by class",
                  self.slo_generations),

@@ -171,14 +171,11 @@ class TargetModel:
                 targets = [(row, e.taps[layer], len(e.new_ids), e.keep) for row, e in enumerate(batch)
                            if e.taps and layer in e.taps]
                 handles.append(self.model.model.layers[layer - 1].register_forward_hook(_tap_hook(targets)))
-            if len(batch) == 1:
-                e = batch[0]
-                logits = self._forward(e.state, e.new_ids, keep=e.keep) if e.keep else None
-                if logits is None:
-                    self._forward(e.state, e.new_ids, keep=1)
-                    return [np.zeros((0, self.vocab_size), np.float32)]
-                return [logits.numpy()]
-            return self._forward_batch(batch)
+            if len(batch) > 1:
+                return self._forward_batch(batch)
+            e = batch[0]                # one session: its own cache, no padding, no copies
+            logits = self._forward(e.state, e.new_ids, keep=max(1, e.keep)).numpy()
+            return [logits[len(logits) - e.keep:]]
         except BaseException:
             for e in batch:             # blocks before the failure appended KV, later ones did not
                 _crop(e.state.cache, e.state.cached)

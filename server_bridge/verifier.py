@@ -22,7 +22,7 @@ from . import modelfiles, payload, sampling
 from .config import ServerConfig
 from .exits import ExitHeads, ExitPass, ExitVerdict
 from .sessions import Session
-from .target import Extension, TargetModel, TargetState
+from .target import Extension, TargetModel
 from .wire import Exit, Open, Verify, WireError
 
 log = logging.getLogger(__name__)
@@ -37,7 +37,6 @@ class RoundOutcome:
                                     # none did; None when no exits ran this round
     exit_ms: float = 0.0            # time spent in exit heads this round
     residual: dict | None = None    # split rejection: the target's p_j for the robot (Result.residual)
-    pass_ms: float = 0.0            # the batched forward pass this round rode in (shared by its batch)
 
     def timing(self) -> dict:
         """Result.timing: verify_ms, passes; exit_layer and exit_ms when exits ran."""
@@ -55,7 +54,7 @@ class Job:
     session: Session | None = None  # verify, ar: the session; open: the one a re-open replaces, if any
     conn_id: int = 0                # open: the connection that will own the session
     emit: Callable[[Exit], None] | None = None      # verify: early-exit sink
-    arrival: float = 0.0            # open: monotonic time, the start of the session's SLO schedule
+    arrival: float = 0.0            # open: monotonic time; the first round's SLO budget counts from it
     # set by Verifier._prepare
     ext: Extension | None = None    # this job's rows of the pass; None: no model work (a re-open)
     q: np.ndarray | None = None     # verify: the draft's q (see _draft_q)
@@ -120,7 +119,7 @@ class Verifier:
             if out[i] is not None:
                 continue
             try:
-                out[i] = self._finish(job, next(rows) if job.ext is not None else None, pass_ms)
+                out[i] = self._finish(job, next(rows) if job.ext is not None else None)
             except WireError as e:
                 out[i] = e
         return out, pass_ms, members
@@ -137,15 +136,15 @@ class Verifier:
         else:
             raise ValueError(f"unknown job kind {job.kind!r}")
 
-    def _finish(self, job: Job, logits: np.ndarray | None, pass_ms: float) -> Any:
+    def _finish(self, job: Job, logits: np.ndarray | None) -> Any:
         if job.kind == "open":
             state = job.session.state
             if job.ext is not None:
                 state.cached = len(job.ext.new_ids)
             return job.session, (time.perf_counter() - job.t0) * 1e3
         if job.kind == "verify":
-            return self._finish_verify(job, logits, pass_ms)
-        return self._finish_ar(job, logits, pass_ms)
+            return self._finish_verify(job, logits)
+        return self._finish_ar(job, logits)
 
     # ------------------------------------------------------------------ one job at a time
 
@@ -217,7 +216,7 @@ class Verifier:
         rng = np.random.default_rng([params.seed, len(msg.prompt_ids)])
         session = Session(msg.sid, job.conn_id, state, params, rng, exits=list(msg.exits), payload=spec, slo=slo)
         if resumes:
-            # the same generation goes on (a re-open after a lost link): it keeps its schedule
+            # the same generation goes on (a re-open after a lost link): it keeps its SLO bookkeeping
             session.t0, session.n0, session.alpha, session.t_last = previous.t0, previous.n0, previous.alpha, \
                 previous.t_last
         else:
@@ -254,7 +253,7 @@ class Verifier:
         job.ext = Extension(state, state.ids[state.cached:] + list(msg.draft_ids), keep=k + 1,
                             taps=job.probe.taps if job.probe else None)
 
-    def _finish_verify(self, job: Job, logits: np.ndarray, pass_ms: float) -> "RoundOutcome":
+    def _finish_verify(self, job: Job, logits: np.ndarray) -> "RoundOutcome":
         """Where a token is accepted: the session's rows of the pass [k + 1, vocab] against its draft."""
         session, msg, q = job.session, job.msg, job.q
         state = session.state
@@ -285,7 +284,7 @@ class Verifier:
         if msg.draft_ids:
             session.alpha += 0.2 * (verdict.accepted / len(msg.draft_ids) - session.alpha)
         session.t_last = time.monotonic()
-        outcome = RoundOutcome(verdict, (time.perf_counter() - job.t0) * 1e3, residual=residual, pass_ms=pass_ms)
+        outcome = RoundOutcome(verdict, (time.perf_counter() - job.t0) * 1e3, residual=residual)
         if job.probe is not None:
             agreed = job.probe.agreeing_layer(committed)
             outcome.exit_layer = self.target.n_layers if agreed is None else agreed
@@ -314,7 +313,7 @@ class Verifier:
                             session.sid)
         job.ext = Extension(state, state.ids[state.cached:], keep=1)
 
-    def _finish_ar(self, job: Job, logits: np.ndarray, pass_ms: float) -> tuple[int, float, float]:
+    def _finish_ar(self, job: Job, logits: np.ndarray) -> tuple[int, float, float]:
         session = job.session
         logits = logits[0]                                            # [vocab]
         if session.params.greedy:

@@ -118,12 +118,11 @@ class LinearVerifyModel:
     @classmethod
     def load(cls, path: str | Path) -> "LinearVerifyModel":
         """The estimator JSON another tool writes: {"a", "b_c", "b_r", "c"} in ms per unit."""
-        d = json.loads(Path(path).read_text())
-        bad = [k for k in ("a", "b_c", "b_r", "c") if not isinstance(d.get(k), (int, float))]
-        if bad:
-            raise ValueError(f"{path}: estimator coefficients {bad} missing or not numbers")
-        return cls(float(d["a"]), float(d["b_c"]), float(d["b_r"]), float(d["c"]),
-                   source=f"{path} ({d.get('target', '?')} on {d.get('device', '?')})")
+        from server_bridge.estimator import VerifyTimeModel     # the server's loader and its checks
+
+        m = VerifyTimeModel.load(path)
+        return cls(float(m.a), float(m.b_c), float(m.b_r), float(m.c),
+                   source=f"{path} ({m.target or '?'} on {m.device or '?'})")
 
 
 # EXAMPLE, not measured here: WISP's OLS fit for Qwen3-32B on an A100 (WISP Appendix, Table 12:

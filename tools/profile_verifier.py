@@ -136,8 +136,9 @@ def evaluate(rows: list[dict], rng: np.random.Generator, boot: int) -> dict:
         if len(idx):
             report["test_by_kind"][kind] = {"n": len(idx), "mape_pct": estimator.mape(y[idx], pred[idx]),
                                             "mae_ms": float(np.mean(np.abs(pred[idx] - y[idx])))}
+    in_train = set(train.tolist())
     for i, r in enumerate(rows):
-        r["split"] = "train" if i in set(train.tolist()) else "test"
+        r["split"] = "train" if i in in_train else "test"
         r["predicted_ms"] = float(pred[i])
     return report
 
