@@ -94,15 +94,23 @@ def optimal_gamma(alpha: float, L: float, lo: int = 1, hi: int = 64) -> tuple[in
 # ---------------------------------------------------------------------------- online estimates
 
 def _fit(points: deque, min_spread: float = 0.5, min_points: int = 8) -> tuple[float, float] | None:
-    """Least-squares (intercept, slope >= 0) of y on x, or None until there are enough points with
-    enough spread to tell: a slope from a handful of noisy rounds extrapolates to a nonsense
-    intercept (20 ms for a 90 ms pass, seen)."""
+    """Least-squares (intercept >= 0, slope >= 0) of y on x, or None until there are enough points
+    with enough spread to tell: a slope from a handful of noisy rounds extrapolates to a nonsense
+    intercept (20 ms for a 90 ms pass, seen; -207 ms for drafting where pre-drafted rounds cost
+    nothing, seen, which made every round look free)."""
     x = np.fromiter((p[0] for p in points), float, len(points))
     y = np.fromiter((p[1] for p in points), float, len(points))
     if x.size < min_points or x.std() < min_spread:
         return None
-    slope = max(0.0, float(np.cov(x, y, bias=True)[0, 1] / x.var()))
-    return float(y.mean() - slope * x.mean()), slope
+    slope = float(np.cov(x, y, bias=True)[0, 1] / x.var())
+    intercept = float(y.mean() - slope * x.mean())
+    if slope >= 0.0 and intercept >= 0.0:
+        return intercept, slope
+    # the optimum under the constraints lies on an edge: a flat line at the mean, or a line
+    # through the origin; take the one with the smaller squared error
+    flat = (max(0.0, float(y.mean())), 0.0)
+    origin = (0.0, max(0.0, float(x @ y / (x @ x))))
+    return min(flat, origin, key=lambda f: float(np.sum((y - f[0] - f[1] * x) ** 2)))
 
 
 def _line(points: deque) -> tuple[float, float]:
@@ -199,7 +207,14 @@ class CostEstimator:
         self.samples += 1
 
     def observe_latency(self, rtt_ms: float) -> None:
-        """A measured round trip with nothing drafted (a ping while streaming)."""
+        """A measured round trip with nothing drafted (a ping while streaming).
+
+        A trip under half or over twice the running one is a new link: the rounds in
+        the network window were timed on the old one, and a line through both links'
+        rounds has a slope that is neither's bytes (99 ms/token, seen), so the
+        per-token part starts again from this link's rounds."""
+        if self.round_trip is not None and not 0.5 * self.round_trip <= rtt_ms <= 2.0 * self.round_trip:
+            self.network.clear()
         self._round_trip(rtt_ms)
 
     def _round_trip(self, ms: float) -> None:

@@ -162,6 +162,40 @@ def test_slopes_wait_for_eight_rounds_of_different_lengths():
     assert (c.verify_0, c.verify_per_token, c.draft_0, c.t_draft) == pytest.approx((50.0, 10.0, 10.0, 20.0))
 
 
+def test_fitted_lines_never_go_below_zero():
+    """Pre-drafted rounds cost the loop nothing and missed ones the whole draft: an unconstrained
+    line through them can have a negative intercept, which made a round look free."""
+    from collections import deque
+
+    from agent.draftlen import _fit
+
+    pts = deque([(1, 0.0), (2, 0.0), (3, 0.0), (6, 600.0), (7, 700.0), (8, 800.0), (1, 0.0), (8, 790.0)])
+    b0, b1 = _fit(pts)
+    assert b0 >= 0.0 and b1 >= 0.0
+    xs = np.array([p[0] for p in pts], float)
+    ys = np.array([p[1] for p in pts], float)
+    # no feasible line fits better (a grid over intercept and slope >= 0)
+    best = min(float(np.sum((ys - a - b * xs) ** 2)) for a in np.linspace(0, 400, 81) for b in np.linspace(0, 150, 151))
+    assert float(np.sum((ys - b0 - b1 * xs) ** 2)) <= best + 1e-6
+    falling = deque((k, 100.0 - 10.0 * k) for k in (1, 2, 3, 4, 5, 6, 7, 8))
+    assert _fit(falling) == pytest.approx((float(np.mean([p[1] for p in falling])), 0.0))
+
+
+def test_a_new_link_restarts_the_per_token_network_slope():
+    est = CostEstimator()
+    for k in (1, 4, 2, 6, 3, 5, 2, 8, 7, 3):        # a 400 ms link, 1 ms a token
+        est.observe_round(k, k, 10.0 * k, 50.0, 400.0 + k)
+    assert est.costs().net_per_token == pytest.approx(1.0)
+    est.observe_latency(390.0)                      # the same link: the window stays
+    assert est.costs().net_per_token == pytest.approx(1.0)
+    est.observe_latency(12.0)                       # a new link: its rounds alone make the slope
+    assert not est.network and est.costs().net_per_token == 0.0
+    for k in (1, 4, 2, 6, 3, 5, 2, 8):
+        est.observe_round(k, k, 10.0 * k, 50.0, 12.0 + 0.5 * k)
+    c = est.costs()
+    assert c.net_per_token == pytest.approx(0.5) and c.net_0 < 30.0
+
+
 def test_estimates_carry_over_to_the_next_generation():
     from agent.policy import DraftController, DraftPolicy
 

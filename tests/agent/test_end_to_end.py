@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from agent.decoder import EdgeDecoder, FsdOptions, ReconnectPolicy
+from agent.draftlen import As2Config
 from agent.policy import POLICIES, DraftPolicy
 from server_bridge.payload import PayloadSpec
 from server_bridge.sampling import SamplingParams
@@ -278,12 +279,19 @@ def test_fsd_with_the_optimal_length_is_exact(drafter, server_and_proxy, ar_refe
 def test_as2_streams_target_only_on_a_slow_link_and_speculates_again_when_it_recovers(
         weak_drafter, server_and_proxy):
     """The weak pair (acceptance ~0.7) on a 400 ms link: a round costs ~5 streamed tokens' time for ~3
-    tokens, so AS2 lets the target stream alone; once the link is fast again it speculates again."""
+    tokens, so AS2 lets the target stream alone; once the link is fast again it speculates again.
+
+    Room: AS2 decides after 8 rounds and 3 agreeing estimates, so it leaves at ~75 tokens, and
+    coming back takes 50-100 streamed tokens (the round trip's average halves with each ping);
+    128 tokens once left too few on a slower machine. Here the draft and the target share two
+    cores, which puts speculation's speedup on the fast link at only 1.2-1.6, so the test asks
+    for S > 1 to come back rather than the default's hysteresis margin of 1.1."""
     _, proxy = server_and_proxy
     prompt, chat = PROMPTS[0]
     ids = weak_drafter.tokenize(prompt, chat=chat)
-    n = 128
-    dec = EdgeDecoder(weak_drafter, proxy.url(), policy=DraftPolicy("optimal"))
+    n = 320
+    dec = EdgeDecoder(weak_drafter, proxy.url(),
+                      policy=DraftPolicy("optimal", as2_config=As2Config(return_above=1.0)))
     try:
         reference = dec.generate(ids, mode="ar", max_tokens=n).token_ids
         result = {}
@@ -304,7 +312,7 @@ def test_as2_streams_target_only_on_a_slow_link_and_speculates_again_when_it_rec
     assert [s["to"] for s in m.as2_switches][:2] == ["ar", "sd"], m.as2_switches
     off, on = m.as2_switches[:2]
     assert off["expected_speedup"] <= 1.0 and off["network_ms_0"] > 200
-    assert on["expected_speedup"] > 1.1 and on["network_ms_0"] < 200
+    assert on["expected_speedup"] > 1.0 and on["network_ms_0"] < 200
     assert 0 < m.streamed_tokens < n and m.rounds > 0
     assert m.tau == pytest.approx((len(gen.token_ids) - m.streamed_tokens) / m.rounds)
 
