@@ -30,6 +30,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+LINK_JITTER_MS = 5.0        # a trip this close to the running one is the same link, whatever the ratio
+
 
 def speedup(alpha: float, L: float, gamma: int | np.ndarray) -> float | np.ndarray:
     """S(gamma) of TK-SLT Theorem 1: the expected tokens per round over the round's relative cost."""
@@ -169,6 +171,14 @@ class CostEstimator:
     is a line's slope over the last rounds (the bytes); the round trip itself is a
     moving average of what rounds leave after that slope and of ping times, quick
     to follow (weight `link_weight`) because a robot's link changes fast.
+
+    A new link (a trip under half or over twice the running one, and more than
+    `LINK_JITTER_MS` away from it) restarts the per-token slope: rounds timed on
+    the old link and the new one make a line that is neither's bytes (99 ms/token,
+    seen). A ping shows it at once; rounds, which also carry queueing and spikes,
+    only when two in a row land on the same side. A lone round off the link is
+    left out of both estimates: at weight 0.5 one 1.4 s spike on a 0.4 s link would
+    make the next ordinary round look like a new link.
     """
 
     def __init__(self, prior_alpha: float = 0.7, prior_weight: float = 4.0, decay: float = 0.98,
@@ -181,6 +191,7 @@ class CostEstimator:
         self.network = deque(maxlen=window)         # (drafted tokens, ms) of rounds
         self.drafting = deque(maxlen=window)        # (drafted tokens, ms) of rounds
         self.round_trip: float | None = None        # ms, moving average
+        self._off_link: tuple | None = None         # the last round, when off the round trip: (side, round, trip, rt)
         self.draft_ms: float | None = None
         self.samples = 0                            # rounds and streamed tokens seen
 
@@ -194,9 +205,21 @@ class CostEstimator:
             self._draft(draft_ms / k)
         self.drafting.append((k, draft_ms))
         self.verify.append((k + 1, verify_ms))
+        self.samples += 1
+        if self._off_link is not None:
+            side, held, held_trip, was = self._off_link
+            self._off_link = None
+            if self._link_side(network_ms - self._net_per_token() * k, was) == side:
+                self.network.clear()                # the second in a row off the same way: a new link
+                self.network.append(held)
+                self.round_trip = held_trip
+        trip = network_ms - self._net_per_token() * k
+        side = self._link_side(trip, self.round_trip)
+        if side:                                    # held until the next round tells a spike from a new link
+            self._off_link = (side, (k, network_ms), trip, self.round_trip)
+            return
         self.network.append((k, network_ms))
         self._round_trip(network_ms - self._net_per_token() * k)
-        self.samples += 1
 
     def observe_streamed(self, agreement: float, draft_ms: float | None, verify_ms: float) -> None:
         """One target-only token: agreement = P(the draft would have been accepted there)."""
@@ -207,15 +230,19 @@ class CostEstimator:
         self.samples += 1
 
     def observe_latency(self, rtt_ms: float) -> None:
-        """A measured round trip with nothing drafted (a ping while streaming).
-
-        A trip under half or over twice the running one is a new link: the rounds in
-        the network window were timed on the old one, and a line through both links'
-        rounds has a slope that is neither's bytes (99 ms/token, seen), so the
-        per-token part starts again from this link's rounds."""
-        if self.round_trip is not None and not 0.5 * self.round_trip <= rtt_ms <= 2.0 * self.round_trip:
+        """A measured round trip with nothing drafted (a ping while streaming); a new link
+        shows at once, and the per-token part starts again from the rounds on it."""
+        if self._link_side(rtt_ms, self.round_trip):
             self.network.clear()
+            self._off_link = None
         self._round_trip(rtt_ms)
+
+    @staticmethod
+    def _link_side(trip_ms: float, rt: float | None) -> int:
+        """+1 / -1 when a trip is a new link's, slower / faster than the round trip `rt`; 0 when it is rt's."""
+        if rt is None or 0.5 * rt <= trip_ms <= 2.0 * rt or abs(trip_ms - rt) <= LINK_JITTER_MS:
+            return 0
+        return 1 if trip_ms > rt else -1
 
     def _round_trip(self, ms: float) -> None:
         ms = max(0.0, ms)

@@ -196,6 +196,35 @@ def test_a_new_link_restarts_the_per_token_network_slope():
     assert c.net_per_token == pytest.approx(0.5) and c.net_0 < 30.0
 
 
+def test_rounds_show_a_new_link_when_two_in_a_row_agree_and_a_spike_is_not_one():
+    est = CostEstimator()
+    ks = (1, 4, 2, 6, 3, 5, 2, 8, 7, 3)
+    for k in ks:                                    # a 400 ms link, 1 ms a token
+        est.observe_round(k, k, 10.0 * k, 50.0, 400.0 + k)
+    est.observe_round(4, 4, 40.0, 50.0, 1400.0)     # one spike
+    est.observe_round(3, 3, 30.0, 50.0, 403.0)      # and the link is back: the window stays, less the spike
+    assert len(est.network) == 11 and (4, 1400.0) not in est.network
+    assert est.round_trip == pytest.approx(400.0, abs=1.0) and est.costs().net_per_token == pytest.approx(1.0)
+    est.observe_round(2, 2, 20.0, 50.0, 13.0)       # faster, then faster again: a new link
+    est.observe_round(6, 6, 60.0, 50.0, 15.0)
+    assert list(est.network) == [(2, 13.0), (6, 15.0)] and est.round_trip < 20.0
+    for k in ks:
+        est.observe_round(k, k, 10.0 * k, 50.0, 12.0 + 0.5 * k)
+    c = est.costs()
+    assert c.net_per_token == pytest.approx(0.5) and c.net_0 < 40.0
+    for k in (2, 6):                                # and slower again: the same two-round rule
+        est.observe_round(k, k, 10.0 * k, 50.0, 300.0 + k)
+    assert list(est.network) == [(2, 302.0), (6, 306.0)]
+
+
+def test_jitter_of_a_few_ms_on_a_fast_link_is_not_a_new_link():
+    est = CostEstimator()
+    for i in range(40):                             # loopback: 0.3 ms, with 3 ms hiccups (10x, yet the same link)
+        est.observe_round(1 + i % 5, 1, 10.0, 50.0, 3.0 if i % 3 else 0.3)
+        est.observe_latency(0.2 if i % 2 else 2.5)
+    assert len(est.network) == 32
+
+
 def test_estimates_carry_over_to_the_next_generation():
     from agent.policy import DraftController, DraftPolicy
 

@@ -294,14 +294,40 @@ async def run_against_fake(fake: FakeVerifier, n: int, cfg: lg.LoadConfig) -> lg
         return await lg.run_robots(f"ws://127.0.0.1:{port}", fake.trace, n, cfg)
 
 
-FAST = lg.LoadConfig(gamma=4, draft_ms=1.0, tokens=12, classes=(8, 2, 6), warmup_s=0.2, window_s=1.0,
+async def robots_until(fake: FakeVerifier, n: int, cfg: lg.LoadConfig, enough, limit_s: float = 60.0) -> lg.PointLog:
+    """N robots against the fake until `enough(out)` holds, however slow the machine, then halt them.
+
+    The window is the whole run. A test of what the robots commit must not depend on how many
+    rounds a fixed window holds: a loaded CI machine once fitted 6 generations where 150 fit here.
+    """
+    out, halt = lg.PointLog(), asyncio.Event()
+    async with serve(fake.handle, "127.0.0.1", 0) as server:
+        url = f"ws://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        start = time.monotonic()
+        robots = [asyncio.create_task(lg.Robot(i, url, fake.trace, cfg, out, halt).run()) for i in range(n)]
+        while not enough(out) and time.monotonic() - start < limit_s:
+            await asyncio.sleep(0.01)
+        out.window = (start, time.monotonic())
+        out.ended = out.window[1]
+        halt.set()
+        await asyncio.wait_for(asyncio.gather(*robots), cfg.recv_timeout_s + 5)
+    assert enough(out), f"not enough work in {limit_s:.0f}s: {len(out.generations)} generations, {out.errors}"
+    return out
+
+
+def done_per_robot(out: lg.PointLog, n: int) -> list[int]:
+    return [sum(g.robot == r and g.done is not None for g in out.generations) for r in range(n)]
+
+
+# classes lax enough (12 tokens in 4-12 s) that only a broken robot or fake violates them
+FAST = lg.LoadConfig(gamma=4, draft_ms=1.0, tokens=12, classes=(3, 1, 2), warmup_s=0.2, window_s=1.0,
                      backoff_s=0.02, recv_timeout_s=5.0, stagger_s=0.05)
 
 
 def test_robots_commit_exactly_the_target_tokens_generation_after_generation():
     trace = synthetic_trace()
     fake = FakeVerifier(trace)
-    out = asyncio.run(run_against_fake(fake, 3, FAST))
+    out = asyncio.run(robots_until(fake, 3, FAST, lambda o: min(done_per_robot(o, 3)) >= 3))
     assert not out.errors and out.sheds == []
     done = [g for g in out.generations if g.done is not None]
     assert len(done) >= 3 * 3                          # several generations per robot
@@ -310,9 +336,9 @@ def test_robots_commit_exactly_the_target_tokens_generation_after_generation():
     for g in done:
         assert len(g.tokens) == g.goal == 12            # never past the goal: the last draft is cut short
     assert {g.prompt for g in out.generations if g.robot == 0} == {0, 1, 2}
-    assert {slo["tokens_per_s"] for _, _, slo in fake.opens} == {8, 2, 6}
+    assert {slo["tokens_per_s"] for _, _, slo in fake.opens} == {3, 1, 2}
     s = lg.summarize(out, trace, FAST.classes)
-    assert s["exact"] and s["violation_rate"] == 0.0 and s["goodput_tokens_per_s"] > 0
+    assert s["exact"] and s["decided"] >= 9 and s["violation_rate"] == 0.0 and s["goodput_tokens_per_s"] > 0
     # the trace's wrong chains cost rounds: tau is below gamma + 1
     assert 1 < s["tokens_per_round"] < 5
 
@@ -320,7 +346,7 @@ def test_robots_commit_exactly_the_target_tokens_generation_after_generation():
 def test_a_shed_round_counts_as_a_violation_and_the_robot_reopens_with_its_prefix():
     trace = synthetic_trace()
     fake = FakeVerifier(trace, shed_every=7)
-    out = asyncio.run(run_against_fake(fake, 2, FAST))
+    out = asyncio.run(robots_until(fake, 2, FAST, lambda o: len(o.sheds) >= 2 and min(done_per_robot(o, 2)) >= 2))
     assert not out.errors and out.sheds
     shed = [g for g in out.generations if g.sheds]
     assert shed and all(g.tokens == trace.prompts[g.prompt].target_ids[:len(g.tokens)] for g in out.generations)
@@ -341,8 +367,9 @@ def test_robots_halt_once_every_generation_opened_in_the_window_is_decided():
     sample = [g for g, c in zip(out.generations, lg.sample(out.generations, out.window)) if c]
     assert sample and all(lg.decided(g, out.ended) for g in sample)
     assert stop <= out.ended <= stop + 12 / 8 + 1.0               # the tail lasts at most the longest deadline
-    assert time.monotonic() - out.ended < 0.5                      # and the robots stop right after
-    assert out.rounds and all(r[0] <= out.ended + 0.2 for r in out.rounds)
+    # and the robots stop right after: their round in flight (50 ms here) is the last; the slack is a loaded CI's
+    assert time.monotonic() - out.ended < 1.0
+    assert out.rounds and all(r[0] <= out.ended + 0.5 for r in out.rounds)
 
 
 def test_a_refused_handshake_is_reported_and_the_run_still_ends_on_time():
