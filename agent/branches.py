@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from server_bridge.payload import DraftQ, PayloadSpec, draw
-from server_bridge.sampling import SamplingParams
+from protocol.payload import DraftQ, PayloadSpec, draw
+from protocol.sampling import SamplingParams
 
 from .drafter import Draft, Drafter, DraftContextFull, stack_candidates, top_candidates
 

@@ -7,11 +7,11 @@ import logging
 import os
 import sys
 
-from server_bridge import modelfiles, payload
-from server_bridge.payload import PayloadSpec
+from protocol import modelfiles, payload
+from protocol.payload import PayloadSpec
 
 from .policy import POLICIES
-from server_bridge.sampling import SamplingError, SamplingParams
+from protocol.sampling import SamplingError, SamplingParams
 
 
 def _generate(args) -> int:

@@ -11,7 +11,7 @@ import tomllib
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from server_bridge.payload import DEFAULT_KIND, DEFAULT_TOPK, PayloadSpec
+from protocol.payload import DEFAULT_KIND, DEFAULT_TOPK, PayloadSpec
 
 from .nav import OFFLINE_POLICIES
 from .policy import POLICIES

@@ -22,7 +22,7 @@ import threading
 import time
 from typing import Callable
 
-from server_bridge.payload import PayloadSpec
+from protocol.payload import PayloadSpec
 
 from .config import Config
 from .decoder import EdgeDecoder, ReconnectPolicy

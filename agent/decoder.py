@@ -20,9 +20,9 @@ from typing import Callable
 
 import numpy as np
 
-from server_bridge import payload, sampling, wire
-from server_bridge.payload import PayloadSpec
-from server_bridge.sampling import SamplingParams
+from protocol import payload, sampling, wire
+from protocol.payload import PayloadSpec
+from protocol.sampling import SamplingParams
 
 from .drafter import Draft, Drafter
 from .link import LinkLost, ServerError, VerifierLink
@@ -50,7 +50,7 @@ class Metrics:
     tokens_per_s: float = 0.0
     bytes_up: int = 0
     bytes_down: int = 0
-    # the uplink payload (server_bridge/payload.py) and what the verify rounds cost on the link
+    # the uplink payload (protocol/payload.py) and what the verify rounds cost on the link
     payload: str = "none"                   # none | full | topk(K=256) | split; none when greedy, ar or local
     bytes_up_per_round: float | None = None     # verify frames, mean over rounds
     bytes_down_per_round: float | None = None   # result frames (split residuals included) and exits

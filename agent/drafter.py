@@ -19,9 +19,9 @@ from typing import Callable
 
 import numpy as np
 
-from server_bridge import modelfiles, sampling
-from server_bridge.payload import DraftQ, PayloadSpec, draw
-from server_bridge.sampling import SamplingParams
+from protocol import modelfiles, sampling
+from protocol.payload import DraftQ, PayloadSpec, draw
+from protocol.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -177,7 +177,7 @@ class Drafter:
                 payload: PayloadSpec = PayloadSpec()) -> Draft:
         """Draft up to k tokens after `committed`; at T > 0 each is drawn from the q it is sent with.
 
-        `payload` says what that q is (server_bridge/payload.py): the fp16 table (full), the
+        `payload` says what that q is (protocol/payload.py): the fp16 table (full), the
         renormalized top-K (topk) or the fixed-point table whose q(x) alone is sent (split).
 
         n_cands > 0 also returns the top-n_cands ids at each position (the early exits' candidates).

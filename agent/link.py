@@ -12,7 +12,7 @@ import time
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
 from websockets.sync.client import connect
 
-from server_bridge import wire
+from protocol import wire
 
 log = logging.getLogger(__name__)
 

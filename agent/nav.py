@@ -30,7 +30,7 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
-from server_bridge.sampling import SamplingParams
+from protocol.sampling import SamplingParams
 
 from .decoder import EdgeDecoder
 from .link import LinkLost, ServerError

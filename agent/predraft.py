@@ -41,8 +41,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from server_bridge.payload import PayloadSpec
-from server_bridge.sampling import SamplingParams
+from protocol.payload import PayloadSpec
+from protocol.sampling import SamplingParams
 
 from .branches import Branch, BranchDrafter
 from .drafter import Draft, Drafter

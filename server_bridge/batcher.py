@@ -33,7 +33,7 @@ from .estimator import split_passes
 from .metrics import ServerMetrics
 from .scheduler import Request, Scheduler
 from .verifier import Job, Verifier
-from .wire import WireError
+from protocol.wire import WireError
 
 log = logging.getLogger(__name__)
 

@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.cmd == "prepare":
-        from . import modelfiles
+        from protocol import modelfiles
         from .target import TargetModel
 
         target = TargetModel(args.target or modelfiles.DEFAULT_TARGET)

@@ -6,10 +6,10 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from . import modelfiles
+from protocol import modelfiles
 from .outbox import POLICIES as EXIT_POLICIES
 from .scheduler import POLICIES as SCHEDULERS
-from .wire import DEFAULT_MAX_FRAME_BYTES
+from protocol.wire import DEFAULT_MAX_FRAME_BYTES
 
 
 @dataclass

@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .estimator import Member, VerifyTimeModel
-from .wire import WireError
+from protocol.wire import WireError
 
 POLICIES = ("slo", "fcfs", "fixed")
 

@@ -30,7 +30,7 @@ from http import HTTPStatus
 from websockets.asyncio.server import ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 
-from . import modelfiles, wire
+from protocol import modelfiles, wire
 from .batcher import Batcher
 from .config import ServerConfig
 from .estimator import VerifyTimeModel, batch_memory_bytes

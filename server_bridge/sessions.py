@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .payload import PayloadSpec
-from .sampling import SamplingParams
+from protocol.payload import PayloadSpec
+from protocol.sampling import SamplingParams
 from .target import TargetState
-from .wire import WireError
+from protocol.wire import WireError
 
 log = logging.getLogger(__name__)
 

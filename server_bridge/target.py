@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import modelfiles
+from protocol import modelfiles
 
 log = logging.getLogger(__name__)
 

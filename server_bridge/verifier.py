@@ -18,12 +18,12 @@ from typing import Any
 
 import numpy as np
 
-from . import modelfiles, payload, sampling
+from protocol import modelfiles, payload, sampling
 from .config import ServerConfig
 from .exits import ExitHeads, ExitPass, ExitVerdict
 from .sessions import Session
 from .target import Extension, TargetModel
-from .wire import Exit, Open, Verify, WireError
+from protocol.wire import Exit, Open, Verify, WireError
 
 log = logging.getLogger(__name__)
 

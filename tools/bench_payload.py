@@ -1,4 +1,4 @@
-"""Benchmark the uplink payload modes (server_bridge/payload.py): what each costs on the link, and
+"""Benchmark the uplink payload modes (protocol/payload.py): what each costs on the link, and
 what top-K truncation costs in acceptance.
 
     python -m tools.bench_payload [--part links|topk|all] [--out docs] [--prompts N]
@@ -46,9 +46,9 @@ import numpy as np
 from agent.decoder import EdgeDecoder
 from agent.drafter import Drafter
 from agent.link import LinkLost, ServerError
-from server_bridge import payload, sampling
-from server_bridge.payload import PayloadSpec
-from server_bridge.sampling import SamplingParams
+from protocol import payload, sampling
+from protocol.payload import PayloadSpec
+from protocol.sampling import SamplingParams
 from tools.bench import load_prompts
 from tools.local_verifier import LocalVerifier, pin_cores
 from tools.netem import LinkProfile, NetemProxy

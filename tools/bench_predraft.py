@@ -24,7 +24,7 @@ import numpy as np
 
 from agent.branches import BranchDrafter
 from agent.drafter import Drafter
-from server_bridge.sampling import SamplingParams
+from protocol.sampling import SamplingParams
 from tools.plots import line_plot
 
 PROMPT = "Walk to the charging dock, avoid the boxes on the left, and report what you see."

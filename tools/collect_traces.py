@@ -21,7 +21,7 @@ from pathlib import Path
 
 from agent.decoder import EdgeDecoder
 from agent.drafter import Drafter
-from server_bridge.sampling import SamplingParams
+from protocol.sampling import SamplingParams
 from tools.local_verifier import LocalVerifier, pin_cores
 
 PROMPTS = Path(__file__).parent / "prompts" / "predictor_train.jsonl"

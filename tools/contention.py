@@ -21,7 +21,7 @@ import time
 SPIN = """
 import numpy as np
 from agent.drafter import Drafter
-from server_bridge.sampling import SamplingParams
+from protocol.sampling import SamplingParams
 d = Drafter(threads=1)
 ids = d.tokenize("Hello there, how are you doing today?")
 while True:

@@ -21,7 +21,7 @@ import time
 import numpy as np
 import torch
 
-from server_bridge import modelfiles
+from protocol import modelfiles
 from server_bridge.exits import ExitHeads, ExitPass
 from server_bridge.target import TargetModel
 

@@ -66,7 +66,7 @@ import numpy as np
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake
 
-from server_bridge import wire
+from protocol import wire
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ import os
 import sys
 import time
 
-from server_bridge import modelfiles
+from protocol import modelfiles
 
 
 def requantize(src: str, dst: str, ftype_name: str = "LLAMA_FTYPE_MOSTLY_Q2_K") -> None:

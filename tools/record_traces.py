@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from agent.drafter import Drafter
-from server_bridge.sampling import SamplingParams
+from protocol.sampling import SamplingParams
 from tools.bench import load_prompts
 
 FORMAT = "edgespec-trace/1"

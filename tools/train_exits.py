@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from server_bridge import modelfiles
+from protocol import modelfiles
 from server_bridge.exits import ExitConfig, ExitHeads
 from tools.plots import line_plot
 

@@ -2,8 +2,8 @@
 import numpy as np
 import pytest
 
-from server_bridge.payload import PayloadSpec
-from server_bridge.sampling import SamplingParams
+from protocol.payload import PayloadSpec
+from protocol.sampling import SamplingParams
 
 pytestmark = pytest.mark.real
 

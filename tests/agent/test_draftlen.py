@@ -133,8 +133,8 @@ def test_speedup_formula_is_theorem_one():
 def test_streamed_agreement_estimates_the_acceptance_rate():
     """While the target streams alone, min(1, q(x)/p(x)) for x ~ p averages to sum_x min(p, q) = alpha."""
     from agent.decoder import _agreement
-    from server_bridge import sampling, wire
-    from server_bridge.sampling import SamplingParams
+    from protocol import sampling, wire
+    from protocol.sampling import SamplingParams
 
     rng = np.random.default_rng(0)
     params = SamplingParams(temperature=0.8)

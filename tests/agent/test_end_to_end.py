@@ -9,8 +9,8 @@ import torch
 from agent.decoder import EdgeDecoder, FsdOptions, ReconnectPolicy
 from agent.draftlen import As2Config
 from agent.policy import POLICIES, DraftPolicy
-from server_bridge.payload import PayloadSpec
-from server_bridge.sampling import SamplingParams
+from protocol.payload import PayloadSpec
+from protocol.sampling import SamplingParams
 from tools.netem import LinkProfile, NetemProxy
 
 pytestmark = pytest.mark.real

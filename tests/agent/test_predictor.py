@@ -6,7 +6,7 @@ import pytest
 
 from agent.policy import DraftController, DraftPolicy
 from agent.predictor import FEATURES, RejectionPredictor, TraceWriter, feature_row, logit_features
-from server_bridge.sampling import SamplingParams
+from protocol.sampling import SamplingParams
 
 
 def position_model(path, stop_from: float, features=FEATURES, threshold: float = 0.5):

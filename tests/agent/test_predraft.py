@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 from agent.predraft import PreDrafter, VerdictQueue
-from server_bridge.payload import PayloadSpec
-from server_bridge.sampling import SamplingParams
+from protocol.payload import PayloadSpec
+from protocol.sampling import SamplingParams
 
 GREEDY = SamplingParams()
 

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from server_bridge import wire
+from protocol import wire
 from server_bridge.config import ServerConfig
 from server_bridge.target import Extension
 from server_bridge.verifier import Job, Verifier

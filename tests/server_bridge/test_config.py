@@ -66,7 +66,7 @@ def test_cli_flags_override_the_exit_settings(monkeypatch):
 
 
 def test_exit_adapters_are_found_by_target_name(tmp_path):
-    from server_bridge import modelfiles
+    from protocol import modelfiles
 
     assert modelfiles.resolve_exits("", "smollm2-f32") is None
     assert modelfiles.resolve_exits("auto", "no-such-target") is None

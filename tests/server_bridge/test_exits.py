@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 import torch
 
-from server_bridge import modelfiles
+from protocol import modelfiles
 from server_bridge.exits import ExitConfig, ExitHeads
 
 pytestmark = pytest.mark.real

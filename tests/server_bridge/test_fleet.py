@@ -7,7 +7,7 @@ import pytest
 from websockets.sync.client import connect
 
 from agent.decoder import EdgeDecoder
-from server_bridge import wire
+from protocol import wire
 
 pytestmark = pytest.mark.real
 

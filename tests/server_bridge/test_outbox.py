@@ -5,7 +5,7 @@ import random
 import pytest
 
 from server_bridge.outbox import Outbox
-from server_bridge.wire import Exit
+from protocol.wire import Exit
 
 
 def _exit(confidence, sid="s", round=0, layer=12):

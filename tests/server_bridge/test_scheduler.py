@@ -5,7 +5,7 @@ import pytest
 
 from server_bridge.estimator import VerifyTimeModel
 from server_bridge.scheduler import Request, Scheduler, deadline, slo_batch
-from server_bridge.wire import WireError
+from protocol.wire import WireError
 
 # T(B) = 10 ms + 1 ms per padded new token: a batch of B rows of 5 new tokens takes 10 + 5B ms
 MODEL = VerifyTimeModel(a=1.0, b_c=0.0, b_r=0.0, c=10.0)

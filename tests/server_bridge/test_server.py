@@ -8,7 +8,7 @@ from websockets.sync.client import connect
 
 from agent.decoder import EdgeDecoder
 from agent.link import LinkLost, ServerError, VerifierLink
-from server_bridge import wire
+from protocol import wire
 
 pytestmark = pytest.mark.real
 

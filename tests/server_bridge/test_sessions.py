@@ -2,9 +2,9 @@
 import numpy as np
 import pytest
 
-from server_bridge.sampling import SamplingParams
+from protocol.sampling import SamplingParams
 from server_bridge.sessions import Session, SessionTable
-from server_bridge.wire import WireError
+from protocol.wire import WireError
 
 
 def _session(sid, conn=1):

@@ -5,10 +5,10 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from server_bridge import payload, sampling, wire
+from protocol import payload, sampling, wire
 from server_bridge.config import ServerConfig
-from server_bridge.payload import PayloadSpec
-from server_bridge.sampling import SamplingParams
+from protocol.payload import PayloadSpec
+from protocol.sampling import SamplingParams
 from server_bridge.verifier import Verifier
 
 pytestmark = pytest.mark.real

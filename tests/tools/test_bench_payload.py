@@ -5,8 +5,8 @@ No models: synthetic logits and synthetic run records.
 import numpy as np
 import pytest
 
-from server_bridge import payload, sampling
-from server_bridge.sampling import SamplingParams
+from protocol import payload, sampling
+from protocol.sampling import SamplingParams
 from tools import bench_payload as bp
 
 T07 = SamplingParams(temperature=0.7)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from websockets.asyncio.server import serve
 
-from server_bridge import wire
+from protocol import wire
 from tools import loadgen as lg
 
 pytestmark = pytest.mark.timeout(120)

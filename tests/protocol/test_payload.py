@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from server_bridge import payload, sampling, wire
-from server_bridge.payload import PayloadSpec
-from server_bridge.sampling import SamplingError, SamplingParams
+from protocol import payload, sampling, wire
+from protocol.payload import PayloadSpec
+from protocol.sampling import SamplingError, SamplingParams
 
 V, K_DRAFT = 10, 3
 PARAMS = SamplingParams(temperature=1.0)
@@ -163,7 +163,7 @@ def test_bad_specs_are_refused():
 
 def test_vocab_hash_reads_the_sentencepiece_space_marker_as_a_space():
     """llama.cpp and transformers render Gemma 3's whitespace pieces differently; the tokens are the same."""
-    from server_bridge.modelfiles import vocab_hash
+    from protocol.modelfiles import vocab_hash
 
     assert vocab_hash([b"a", "\u2581\u2581".encode()]) == vocab_hash([b"a", b"  "])
     assert vocab_hash([b"a", b"  "]) != vocab_hash([b"a", b" "]) != vocab_hash([b" ", b"a"])

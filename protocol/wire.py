@@ -196,7 +196,7 @@ class Open(Message):
     sampling: dict              # temperature, top_k, seed
     slo: dict = field(default_factory=dict)   # optional latency targets in ms (used by the scheduler)
     exits: list[int] = field(default_factory=list)  # early-exit layers to stream verdicts from; [] = off
-    payload: dict = field(default_factory=lambda: {"kind": "full", "k": 0})   # server_bridge.payload.PayloadSpec
+    payload: dict = field(default_factory=lambda: {"kind": "full", "k": 0})   # protocol.payload.PayloadSpec
 
     @classmethod
     def from_wire(cls, d):
@@ -235,7 +235,7 @@ class Opened(Message):
 class Verify(Message):
     """Robot -> server: one speculation round (packed).
 
-    q is the round's payload (server_bridge/payload.py), by q["kind"]:
+    q is the round's payload (protocol/payload.py), by q["kind"]:
       none   {}                                   greedy: ids only
       full   probs fp16 [k, V]
       topk   ids int32 [k, K], probs fp16 [k, K]  (K as declared at open)

@@ -3,8 +3,8 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from server_bridge import sampling
-from server_bridge.sampling import SamplingError, SamplingParams
+from protocol import sampling
+from protocol.sampling import SamplingError, SamplingParams
 
 
 def _random_dist(rng, v, sparsity=0.0):

@@ -3,8 +3,8 @@ import msgpack
 import numpy as np
 import pytest
 
-from server_bridge import wire
-from server_bridge.wire import WireError
+from protocol import wire
+from protocol.wire import WireError
 
 
 @pytest.mark.parametrize("cls", [wire.Hello, wire.Welcome, wire.Open, wire.Verify])
