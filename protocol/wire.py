@@ -157,20 +157,24 @@ class Welcome(Message):
     eos_ids: list[int]
     exits: list[int]            # layers with early exits (empty: none)
     limits: dict                # max_frame_bytes, max_draft_len, max_context, max_sessions
+    engine: dict = field(default_factory=dict)   # what serves: engine, device, dtype (informational; {} from
+                                                 # servers before it was sent)
 
     @classmethod
     def from_wire(cls, d):
         limits = _map(d.get("limits"), "limits")
         for k in ("max_frame_bytes", "max_draft_len", "max_context"):
             _int(limits.get(k), f"limits.{k}", 1)
+        engine = _map(d.get("engine", {}), "engine")
         return cls(_str(d.get("target"), "target"), _int(d.get("vocab_size"), "vocab_size", 1, 1 << 24),
                    _str(d.get("vocab_hash"), "vocab_hash", 128), _ids(d.get("eos_ids"), "eos_ids", 64),
-                   _ids(d.get("exits"), "exits", 256), limits)
+                   _ids(d.get("exits"), "exits", 256), limits, engine)
 
     @classmethod
     def make_dummy(cls):
         return cls("dummy", 49152, "0" * 64, [2], [], {"max_frame_bytes": DEFAULT_MAX_FRAME_BYTES,
-                                                      "max_draft_len": 16, "max_context": 2048})
+                                                      "max_draft_len": 16, "max_context": 2048},
+                   {"engine": "llamacpp", "device": "cpu", "dtype": "float32"})
 
 
 @dataclass

@@ -8,7 +8,7 @@ import logging
 import os
 import sys
 
-from .config import EXIT_POLICIES, SCHEDULERS, ServerConfig
+from .config import DTYPES, ENGINES, EXIT_POLICIES, SCHEDULERS, ServerConfig
 
 
 def _layers(text: str) -> list[int]:
@@ -31,7 +31,16 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--token", help="shared secret robots send in hello (default: $VERIFIER_TOKEN; "
                    "none means loopback clients only)")
     s.add_argument("--target", help="target name (smollm2-f32), a GGUF file or a Hugging Face model directory")
-    s.add_argument("--threads", type=int, help="torch threads")
+    s.add_argument("--engine", choices=ENGINES, help="llamacpp (default for GGUF targets: llama.cpp, no torch) or "
+                   "torch (any transformers model on any device)")
+    s.add_argument("--device", help="torch engine: auto (default: CUDA where present), cpu, cuda or cuda:N")
+    s.add_argument("--dtype", choices=DTYPES, help="torch engine: auto (default: bfloat16 on CUDA, float32 on "
+                   "the CPU), float32, bfloat16 or float16")
+    s.add_argument("--n-gpu-layers", type=int, help="llamacpp engine: layers offloaded to the GPU (default -1: all, "
+                   "when llama.cpp was built with GPU support)")
+    s.add_argument("--kv-tokens", type=int, help="KV memory in tokens over all sessions (default: max-sessions x "
+                   "max-context)")
+    s.add_argument("--threads", type=int, help="engine threads (llama.cpp or torch)")
     s.add_argument("--max-sessions", type=int)
     s.add_argument("--idle-timeout-s", type=float)
     s.add_argument("--exits", help="early-exit adapters: path prefix of <prefix>.safetensors/.json; 'auto' (default) "
@@ -55,24 +64,27 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--estimator", help="verification-time coefficients JSON; 'auto' (default) = "
                    "models/estimator/<target>.json; '' = rough defaults")
     s.add_argument("--log-level", default="INFO")
-    p = sub.add_parser("prepare", help="convert and cache the target (first start takes ~1 min, later ones ~1 s)")
+    p = sub.add_parser("prepare", help="make the target's GGUF (F32, from the shipped Q4_1) and, for --engine torch, "
+                       "its model directory")
     p.add_argument("--target", default=None)
+    p.add_argument("--engine", choices=ENGINES, default="auto")
     p.add_argument("--log-level", default="INFO")
     args = ap.parse_args(argv)
 
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.cmd == "prepare":
-        from protocol import modelfiles
-        from .target import TargetModel
+        from .target import load_target
 
-        target = TargetModel(args.target or modelfiles.DEFAULT_TARGET)
-        print(f"target {target.name} ready: vocab {target.vocab_size}, {target.n_layers} layers")
+        target = load_target(args.target, args.engine, threads=1, max_sequences=1, kv_tokens=256, max_len=256)
+        print(f"target {target.name} ready on the {target.engine.info.engine} engine: vocab {target.vocab_size}, "
+              f"{target.n_layers} layers")
         return 0
     token = args.token if args.token is not None else os.environ.get("VERIFIER_TOKEN")
     try:
         config = ServerConfig.load(args.config, host=args.host, port=args.port, token=token, target=args.target,
-                                   threads=args.threads, max_sessions=args.max_sessions,
+                                   engine=args.engine, device=args.device, dtype=args.dtype,
+                                   n_gpu_layers=args.n_gpu_layers, kv_tokens=args.kv_tokens, threads=args.threads, max_sessions=args.max_sessions,
                                    idle_timeout_s=args.idle_timeout_s, exits=args.exits,
                                    exit_layers=args.exit_layers, exit_policy=args.exit_policy,
                                    exit_queue=args.exit_queue, exit_bonus_candidates=args.exit_bonus_candidates,

@@ -1,12 +1,14 @@
 """The server's one typed config: a TOML file, overridden from the command line, logged at start."""
 from __future__ import annotations
 
+import re
 import tomllib
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from protocol import modelfiles
+from .engine import DTYPES, ENGINES
 from .outbox import POLICIES as EXIT_POLICIES
 from .scheduler import POLICIES as SCHEDULERS
 from protocol.wire import DEFAULT_MAX_FRAME_BYTES
@@ -18,7 +20,13 @@ class ServerConfig:
     port: int = 8765
     token: str = ""                 # shared secret checked in hello; "" = loopback clients only
     target: str = modelfiles.DEFAULT_TARGET
-    threads: int = 0                # torch intra-op threads; 0 = torch's default
+    engine: str = "auto"            # llamacpp | torch; auto = llamacpp for a GGUF target, torch for a HF directory
+    device: str = "auto"            # torch: auto | cpu | cuda[:N] (auto: CUDA where present)
+    dtype: str = "auto"             # torch: auto | float32 | bfloat16 | float16 (auto: bf16 on CUDA, else f32)
+    n_gpu_layers: int = -1          # llamacpp: layers offloaded to the GPU; -1 = all when the build supports it
+    kv_tokens: int = 0              # KV memory in tokens over all sessions; 0 = max_sessions x max_context
+                                    # (llamacpp: the context's cells; torch: slots of max_context each)
+    threads: int = 0                # engine threads; 0 = the engine's default
     max_sessions: int = 64          # session table bound; the least recently used is evicted
     max_sessions_per_connection: int = 8
     idle_timeout_s: float = 300.0   # sessions untouched this long are evicted
@@ -51,6 +59,14 @@ class ServerConfig:
                      "max_context", "max_connections"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
+            raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
+        if self.kv_tokens < 0 or self.threads < 0:
+            raise ValueError("kv_tokens and threads must be >= 0")
         if self.max_draft_len > 256:
             raise ValueError(f"max_draft_len must be <= 256 (an exit message carries at most 257 tokens), "
                              f"got {self.max_draft_len}")

@@ -241,12 +241,12 @@ class ExitPass:
                 logits = logits.masked_fill(dup, -math.inf)
             best = logits.argmax(-1)                                        # [k] column index
             best_ids = best if ids is None else ids.gather(1, best[:, None])[:, 0]
-            accepted = first_rejection(np.asarray(self.draft_ids), best_ids.numpy())
+            accepted = first_rejection(np.asarray(self.draft_ids), best_ids.cpu().numpy())
         if accepted < k:
             row_ids, row = (None if ids is None else ids[accepted]), logits[accepted]
         else:
             row_ids, row = self._bonus_row(layer, hidden[k:])
-        probs = torch.softmax(row, -1)                                      # over this row's candidates
+        probs = torch.softmax(row.float(), -1)                                    # over this row's candidates
         j = int(probs.argmax())
         confidence = float(probs[j])
         if not math.isfinite(confidence):
@@ -259,7 +259,8 @@ class ExitPass:
             return None, None
         if self._rows is None:
             ids, dup = candidate_rows(np.asarray(self.draft_ids), np.asarray(self.cands))
-            self._rows = torch.from_numpy(ids), torch.from_numpy(dup)
+            dev = self.model.lm_head.weight.device
+            self._rows = torch.from_numpy(ids).to(dev), torch.from_numpy(dup).to(dev)
         return self._rows
 
     def _bonus_row(self, layer: int, hidden: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:

@@ -84,7 +84,7 @@ class ServerMetrics:
         self.committed += 1
         self.verify_ms_sum += ms
 
-    def render(self, sessions, connections: int, queue_length: int = 0) -> str:
+    def render(self, sessions, connections: int, queue_length: int = 0, engine=None) -> str:
         rows = [
             ("bridge_sessions_active", "gauge", "open sessions", len(sessions)),
             ("bridge_sessions_evicted_total", "counter", "sessions evicted (idle or table full)",
@@ -118,7 +118,14 @@ class ServerMetrics:
             ("bridge_bytes_in_total", "counter", "websocket payload bytes received", self.bytes_in),
             ("bridge_bytes_out_total", "counter", "websocket payload bytes sent", self.bytes_out),
         ]
+        if engine is not None:
+            rows += [("bridge_kv_tokens_capacity", "gauge", "KV memory of the engine, in tokens", engine.kv_capacity),
+                     ("bridge_kv_tokens_used", "gauge", "KV tokens held by open sessions", engine.kv_used)]
         lines = []
+        if engine is not None:                    # an info metric, as Prometheus exporters name their build
+            labels = ",".join(f'{k}="{v}"' for k, v in engine.info.as_dict().items())
+            lines += ["# HELP bridge_engine_info the engine that serves (value 1)", "# TYPE bridge_engine_info gauge",
+                      f"bridge_engine_info{{{labels}}} 1"]
         for name, kind, help_text, value in rows:
             lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {value}"]
         lines += ["# HELP bridge_errors_total error messages sent, by code", "# TYPE bridge_errors_total counter"]

@@ -21,6 +21,7 @@ import asyncio
 import hmac
 import ipaddress
 import itertools
+import json
 import logging
 import signal
 import time
@@ -87,8 +88,9 @@ class BridgeServer:
         self._janitor = asyncio.create_task(self._evict_idle_forever(), name="session-janitor")
         self.batcher.start()
         model = self.scheduler.model
-        log.info("server-bridge listening on ws://%s:%d (target %s, token %s, scheduler %s, max batch %d, "
+        log.info("server-bridge listening on ws://%s:%d (target %s on %s, token %s, scheduler %s, max batch %d, "
                  "estimator %s)", self.config.host, self.port, self.verifier.target.name,
+                 self.verifier.target.engine.info.as_dict(),
                  "required" if self.config.token else "none: loopback clients only", self.config.scheduler,
                  self.scheduler.max_batch, "fitted" if model.fitted else "defaults (run tools/profile_verifier.py)")
 
@@ -123,10 +125,16 @@ class BridgeServer:
             return connection.respond(HTTPStatus.FORBIDDEN, "this verifier has no token configured and "
                                       "accepts loopback clients only\n")
         if request.path == "/healthz":
-            return connection.respond(HTTPStatus.OK, "ok\n")
+            resp = connection.respond(HTTPStatus.OK, json.dumps({
+                "status": "ok", "target": self.verifier.target.name, **self.verifier.target.engine.info.as_dict(),
+                "sessions": len(self.sessions), "queue": len(self.scheduler)}) + "\n")
+            del resp.headers["Content-Type"]
+            resp.headers["Content-Type"] = "application/json"
+            return resp
         if request.path == "/metrics":
             resp = connection.respond(HTTPStatus.OK, self.metrics.render(self.sessions, self._connections,
-                                                                         len(self.scheduler)))
+                                                                         len(self.scheduler),
+                                                                         self.verifier.target.engine))
             del resp.headers["Content-Type"]              # Headers is a multidict: replace, not append
             resp.headers["Content-Type"] = "text/plain; version=0.0.4; charset=utf-8"
             return resp
@@ -183,7 +191,8 @@ class BridgeServer:
             target=target.name, vocab_size=target.vocab_size, vocab_hash=target.vocab_hash,
             eos_ids=target.eos_ids, exits=self.verifier.exit_layers,
             limits={"max_frame_bytes": self.config.max_frame_bytes, "max_draft_len": self.config.max_draft_len,
-                    "max_context": self.config.max_context, "max_sessions": self.config.max_sessions}))
+                    "max_context": self.config.max_context, "max_sessions": self.config.max_sessions},
+            engine=target.engine.info.as_dict()))
 
     async def _dispatch(self, ws: ServerConnection, conn_id: int, outbox: Outbox, msg: wire.Message) -> None:
         if isinstance(msg, wire.Open):
@@ -305,10 +314,23 @@ def load_estimator(spec: str, target_name: str) -> VerifyTimeModel:
     return model
 
 
-async def run(config: ServerConfig) -> None:
-    from .target import TargetModel
+def target_from_config(config: ServerConfig):
+    """The target on the engine the config names, sized by its session and context limits."""
+    from .target import load_target
 
+    tap_layers = None
+    if config.exits:                                     # the exits' layers must be known when llama.cpp starts
+        path = modelfiles.resolve_exits(config.exits, config.target)
+        tap_layers = config.exit_layers or (json.loads(path.with_suffix(".json").read_text())["layers"]
+                                            if path is not None else None)
+    return load_target(config.target, config.engine, device=config.device, dtype=config.dtype,
+                       threads=config.threads, max_sequences=config.max_sessions,
+                       kv_tokens=config.kv_tokens or config.max_sessions * config.max_context,
+                       n_gpu_layers=config.n_gpu_layers, tap_layers=tap_layers, max_len=config.max_context)
+
+
+async def run(config: ServerConfig) -> None:
     t0 = time.perf_counter()
-    target = TargetModel(config.target, threads=config.threads)
-    log.info("target ready in %.1fs", time.perf_counter() - t0)
+    target = target_from_config(config)
+    log.info("target ready in %.1fs: %s", time.perf_counter() - t0, target.engine.info.as_dict())
     await BridgeServer(Verifier(target, config), config).serve_forever()

@@ -3,7 +3,7 @@
 Synchronous and free of networking, so the server runs it in its model thread
 and tests call it directly. Every request is a `Job` (open, verify or one ar
 token); `run_batch` checks each job, runs one padded forward pass over all
-that passed (`TargetModel.extend`), then decides each session's verdict from
+that passed (`Target.extend`), then decides each session's verdict from
 its own rows. A job that fails its checks gets its error and leaves the
 others' pass alone. Where a token is accepted: `Verifier._finish_verify`.
 Early exits (FSD) ride along in the same pass and report through a callback.
@@ -14,16 +14,19 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from protocol import modelfiles, payload, sampling
 from .config import ServerConfig
-from .exits import ExitHeads, ExitPass, ExitVerdict
 from .sessions import Session
-from .target import Extension, TargetModel
+from .engine import EngineFull
+from .target import Extension, Target
 from protocol.wire import Exit, Open, Verify, WireError
+
+if TYPE_CHECKING:                       # torch: imported only where the torch engine runs exits
+    from .exits import ExitHeads, ExitPass, ExitVerdict
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +71,7 @@ class Job:
 
 
 class Verifier:
-    def __init__(self, target: TargetModel, config: ServerConfig):
+    def __init__(self, target: Target, config: ServerConfig):
         self.target = target
         self.config = config
         self.exits = load_exits(config, target)
@@ -107,21 +110,28 @@ class Verifier:
         t0 = time.perf_counter()
         try:
             rows = iter(self.target.extend(exts) if exts else [])
-        except Exception as e:              # every cache is back where it was (TargetModel.extend)
-            log.exception("a batched pass of %d sessions failed", len(exts))
+        except Exception as e:              # nothing was committed: the next pass starts at state.cached
+            full = isinstance(e, EngineFull)
+            if not full:
+                log.exception("a batched pass of %d sessions failed", len(exts))
             for i, job in enumerate(jobs):
                 if out[i] is None:
-                    out[i] = WireError("internal", f"the verification pass failed ({type(e).__name__}); retry "
-                                       "the round", job.sid)
+                    out[i] = WireError("overloaded", f"{e}: retry later", job.sid) if full else \
+                        WireError("internal", f"the verification pass failed ({type(e).__name__}); retry "
+                                  "the round", job.sid)
             return out, (time.perf_counter() - t0) * 1e3, members
         pass_ms = (time.perf_counter() - t0) * 1e3
         for i, job in enumerate(jobs):
             if out[i] is not None:
                 continue
-            try:
-                out[i] = self._finish(job, next(rows) if job.ext is not None else None)
+            row = next(rows) if job.ext is not None else None
+            try:                            # one session's failure is its own: the others keep their results
+                out[i] = self._finish(job, row)
             except WireError as e:
                 out[i] = e
+            except Exception as e:          # its state is untouched: _finish commits last
+                log.exception("deciding a %s job of %s failed", job.kind, job.sid)
+                out[i] = WireError("internal", f"could not decide the request ({type(e).__name__}); retry", job.sid)
         return out, pass_ms, members
 
     def _prepare(self, job: Job) -> None:
@@ -248,28 +258,36 @@ class Verifier:
         # q is needed only for drafted tokens: an empty draft (the last token of a generation) has none
         job.q = None if session.params.greedy or not k else self._draft_q(session, msg)
         job.probe = self._exit_pass(session, msg, job.emit)
-        if msg.fix is not None:                     # everything is checked: only now touch the state
-            self._apply_fix(session, msg.fix)
-        job.ext = Extension(state, state.ids[state.cached:] + list(msg.draft_ids), keep=k + 1,
+        # The correction a split rejection owed rides in this pass; it is committed only once the pass
+        # and the verdict succeed (_finish_verify), so a round that fails can be sent again as it was.
+        fix = [] if msg.fix is None else [msg.fix]
+        job.ext = Extension(state, state.ids[state.cached:] + fix + list(msg.draft_ids), keep=k + 1,
                             taps=job.probe.taps if job.probe else None)
 
-    def _finish_verify(self, job: Job, logits: np.ndarray) -> "RoundOutcome":
-        """Where a token is accepted: the session's rows of the pass [k + 1, vocab] against its draft."""
+    def _finish_verify(self, job: Job, rows) -> "RoundOutcome":
+        """Where a token is accepted: the session's rows of the pass [k + 1, vocab] against its draft.
+
+        Nothing of the session changes until the verdict stands: a failure here leaves its committed
+        prefix as it was, and the next pass starts at state.cached whatever this one wrote.
+        """
         session, msg, q = job.session, job.msg, job.q
         state = session.state
         try:
-            if session.params.greedy:
-                verdict = sampling.verify_greedy(np.asarray(msg.draft_ids), logits.argmax(axis=-1))
+            if session.params.greedy:                                 # only the argmax ids leave the device
+                verdict = sampling.verify_greedy(np.asarray(msg.draft_ids), self.target.argmax(rows))
             else:
-                p = sampling.probs_from_logits(logits, session.params)    # [k + 1, vocab]
+                logits = self.target.to_numpy(rows)                   # [k + 1, vocab]
+                p = sampling.probs_from_logits(logits, session.params)
                 if session.payload.kind == "split" and q is not None:     # q: q(x_i) [k]
                     verdict = sampling.verify_split(np.asarray(msg.draft_ids), q, p, session.rng)
                 else:
                     q = np.zeros((0, p.shape[1])) if q is None else q     # [k, vocab]
                     verdict = sampling.verify_sampled(np.asarray(msg.draft_ids), q, p, session.rng)
         except sampling.SamplingError as e:
-            self.target.rewind(state, state.ids)                      # drop the draft from the cache
             raise WireError("bad_probs", str(e), msg.sid) from None
+        if msg.fix is not None:                                       # the owed correction, verified with this pass
+            state.ids.append(msg.fix)
+            session.owed = None
         n_before = len(state.ids)
         residual = None
         if verdict.token == sampling.RESIDUAL:
@@ -295,10 +313,12 @@ class Verifier:
         if not session.exits or emit is None or self.exits is None:
             return None
 
+        from .exits import ExitPass
+
         def send(v: ExitVerdict) -> None:
             emit(Exit(msg.sid, msg.round, v.layer, v.tokens, v.confidence))
 
-        return ExitPass(self.exits, self.target.model, session.exits, msg.draft_ids, msg.cands,
+        return ExitPass(self.exits, self.target.engine.model, session.exits, msg.draft_ids, msg.cands,
                         self.config.exit_bonus_candidates, send)
 
     def _prepare_ar(self, job: Job) -> None:
@@ -313,13 +333,12 @@ class Verifier:
                             session.sid)
         job.ext = Extension(state, state.ids[state.cached:], keep=1)
 
-    def _finish_ar(self, job: Job, logits: np.ndarray) -> tuple[int, float, float]:
+    def _finish_ar(self, job: Job, rows) -> tuple[int, float, float]:
         session = job.session
-        logits = logits[0]                                            # [vocab]
         if session.params.greedy:
-            token, p = int(np.argmax(logits)), 1.0
+            token, p = int(self.target.argmax(rows)[0]), 1.0
         else:
-            probs = sampling.probs_from_logits(logits, session.params)
+            probs = sampling.probs_from_logits(self.target.to_numpy(rows)[0], session.params)    # [vocab]
             token = sampling.sample(probs, session.rng)
             p = min(1.0, float(probs[token]))
         self.target.commit(session.state, [token], len(session.state.ids))
@@ -399,14 +418,26 @@ def _check_live(session: Session) -> None:
         raise WireError("unknown_session", f"session {session.sid!r} was re-opened elsewhere", session.sid)
 
 
-def load_exits(config: ServerConfig, target: TargetModel) -> ExitHeads | None:
-    """The early-exit adapters the config names (config.exits, config.exit_layers), or None for none."""
+def load_exits(config: ServerConfig, target: Target) -> ExitHeads | None:
+    """The early-exit adapters the config names (config.exits, config.exit_layers), or None for none.
+
+    Exits run on the torch engine only: on llamacpp every pass would pay the eval callback's
+    per-node cost (README, "Early exits on the llamacpp engine"), more than the exits save.
+    """
     path = modelfiles.resolve_exits(config.exits, target.name)
+    if path is not None and target.engine.info.engine != "torch":
+        if config.exits != "auto":
+            raise ValueError("early exits run on the torch engine only: serve with --engine torch, or --exits ''")
+        log.info("early exits off on the %s engine (they run on --engine torch)", target.engine.info.engine)
+        return None
     if path is None:
         log.info("early exits off (exits=%r, target %s)", config.exits, target.name)
         return None
+    from .exits import ExitHeads
+
     heads = ExitHeads.load(path, config.exit_layers or None)
-    hidden = int(target.model.config.hidden_size)
+    heads.to(device=target.engine.device, dtype=target.engine.dtype)
+    hidden = target.engine.hidden_size
     if heads.config.hidden != hidden or heads.layers[-1] > target.n_layers:
         raise ValueError(f"exit adapters at {path} (hidden {heads.config.hidden}, layers {heads.layers}) do not fit "
                          f"the target {target.name} (hidden {hidden}, {target.n_layers} layers)")

@@ -42,9 +42,9 @@ class ThreadedServer:
 
 @pytest.fixture(scope="session")
 def target():
-    from server_bridge.target import TargetModel
+    from server_bridge.target import load_target
 
-    return TargetModel(threads=1)
+    return load_target(threads=1, max_sequences=32, kv_tokens=16384)
 
 
 @pytest.fixture(scope="session")
@@ -76,3 +76,11 @@ def make_server(target):
     yield make
     for s in started:
         s.__exit__(None, None, None)
+
+
+@pytest.fixture(scope="session")
+def torch_target():
+    """The same target on the torch engine (CPU, float32): early exits and transformers internals."""
+    from server_bridge.target import load_target
+
+    return load_target(engine="torch", threads=1, max_sequences=16, max_len=1024)

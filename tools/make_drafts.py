@@ -9,26 +9,11 @@ Runs in seconds; `make setup` calls it. Nothing is downloaded.
 from __future__ import annotations
 
 import argparse
-import ctypes
-import os
 import sys
 import time
 
 from protocol import modelfiles
-
-
-def requantize(src: str, dst: str, ftype_name: str = "LLAMA_FTYPE_MOSTLY_Q2_K") -> None:
-    import llama_cpp
-
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = getattr(llama_cpp, ftype_name)
-    params.allow_requantize = True
-    params.nthread = os.cpu_count() or 1
-    tmp = dst + ".tmp"
-    rc = llama_cpp.llama_model_quantize(src.encode(), tmp.encode(), ctypes.byref(params))
-    if rc != 0:
-        raise RuntimeError(f"llama_model_quantize returned {rc} for {src} -> {dst}")
-    os.replace(tmp, dst)                 # atomic: a half-written draft never looks built
+from server_bridge.engine_llamacpp import requantize
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -23,12 +23,18 @@ PROMPTS = [
 MAX_TOKENS = 24
 
 
+@pytest.fixture(scope="module", params=["llamacpp", "torch"])
+def engine_target(request):
+    """Every test of this module runs on both engines: exact on each (the torch one also has early exits)."""
+    return request.getfixturevalue("target" if request.param == "llamacpp" else "torch_target")
+
+
 @pytest.fixture(scope="module")
-def server_and_proxy(target):
+def server_and_proxy(engine_target):
     from tests.conftest import ThreadedServer
     from server_bridge.verifier import Verifier
 
-    with ThreadedServer(lambda cfg: Verifier(target, cfg)) as server:
+    with ThreadedServer(lambda cfg: Verifier(engine_target, cfg)) as server:
         with NetemProxy("127.0.0.1", server.port, LinkProfile.from_rtt(10, jitter_ms=2)) as proxy:
             yield server, proxy
 
@@ -45,11 +51,35 @@ def ar_reference(drafter, server_and_proxy):
         dec.close()
 
 
-def test_ar_is_the_targets_own_greedy_decoding(drafter, target, ar_reference):
+def _needs_exits(server_and_proxy):
+    server, _ = server_and_proxy
+    if server.server.verifier.exits is None:
+        pytest.skip("early exits run on the torch engine only")
+
+
+def test_ar_is_the_targets_own_greedy_decoding(drafter, engine_target, ar_reference):
+    """The server's ar stream is the engine's own one-token-a-pass greedy decoding."""
     ids = drafter.tokenize(PROMPTS[1][0])
-    out = target.model.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False,
-                                attention_mask=torch.ones(1, len(ids), dtype=torch.long))
-    assert out[0, len(ids):].tolist()[:len(ar_reference[1])] == ar_reference[1]
+    state, out = engine_target.new_state(ids), []
+    for _ in range(len(ar_reference[1])):
+        token = int(engine_target.score(state, []).argmax(-1)[0])
+        engine_target.commit(state, [token], len(state.ids))
+        out.append(token)
+    assert out == ar_reference[1]
+
+
+def test_torch_generate_agrees_with_the_torch_engine(drafter, torch_target):
+    """The torch engine's slots and ragged passes give what transformers' own generate gives."""
+    ids = drafter.tokenize(PROMPTS[1][0])
+    state, out = torch_target.new_state(ids), []
+    for _ in range(MAX_TOKENS):
+        token = int(torch_target.score(state, []).argmax(-1)[0])
+        torch_target.commit(state, [token], len(state.ids))
+        out.append(token)
+    with torch_target.engine.plain_attention() as model:
+        ref = model.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False,
+                             attention_mask=torch.ones(1, len(ids), dtype=torch.long))
+    assert ref[0, len(ids):].tolist() == out
 
 
 @pytest.mark.parametrize("gamma", [1, 3, 6])
@@ -182,6 +212,7 @@ def _fsd(drafter, server_and_proxy, prompt, chat, **options):
 
 
 def test_fsd_equals_sd_and_ar_at_temperature_zero_and_hits(drafter, server_and_proxy, ar_reference):
+    _needs_exits(server_and_proxy)
     hits = 0
     for (prompt, chat), expected in zip(PROMPTS, ar_reference, strict=True):
         sd = EdgeDecoder(drafter, server_and_proxy[1].url())
@@ -232,6 +263,7 @@ def test_a_failing_predraft_worker_never_stalls_generation(drafter, server_and_p
 
 @pytest.mark.parametrize("kind", ["full", "topk", "split"])
 def test_fsd_samples_at_temperature_above_zero(drafter, server_and_proxy, kind):
+    _needs_exits(server_and_proxy)
     """Pre-drafted drafts carry the q they were sampled from (in the session's payload), so the server
     accepts them. T = 0.6 keeps the target's bonus tokens close enough to the draft's guesses to hit."""
     prompt, chat = PROMPTS[0]

@@ -25,6 +25,12 @@ def greedy(target, ids, n):
     return out
 
 
+@pytest.fixture(scope="module", params=["llamacpp", "torch"])
+def target(request, target):
+    """Every test here on each engine (the session-wide `target` is the llamacpp one)."""
+    return target if request.param == "llamacpp" else request.getfixturevalue("torch_target")
+
+
 @pytest.fixture(scope="module")
 def prompts(drafter):
     return [drafter.tokenize(p, chat=True) for p in PROMPTS]
@@ -55,7 +61,9 @@ def test_a_padded_pass_gives_every_row_the_logits_it_gets_alone(target, prompts,
     for a, b in zip(alone, batched):
         assert a.shape == b.shape
         np.testing.assert_array_equal(a.argmax(-1), b.argmax(-1))
-        np.testing.assert_allclose(a, b, atol=2e-3)
+        # llama.cpp tiles a matmul by the batch's size, so a batched row rounds differently (seen: up to
+        # 0.028 on a cold row whose prompt rides with the draft, logits of magnitude ~20)
+        np.testing.assert_allclose(a, b, atol=2e-3 if target.engine.info.engine == "torch" else 5e-2)
 
 
 def test_after_a_padded_pass_each_cache_is_its_own_again(target, prompts, references):
@@ -65,7 +73,7 @@ def test_after_a_padded_pass_each_cache_is_its_own_again(target, prompts, refere
     target.extend(batch)
     for s, ref in zip(states, references):
         target.commit(s, ref[:3], len(s.ids) + 2)           # the pass verified ref[:2]; ref[2] is its bonus
-        assert s.cache.get_seq_length() == s.cached == len(s.ids) - 1
+        assert s.seq.length >= s.cached == len(s.ids) - 1
         assert int(np.argmax(target.score(s, [])[0])) == ref[3]
 
 
@@ -115,18 +123,29 @@ def test_a_bad_request_gets_its_error_and_leaves_the_others_pass_alone(target, p
     assert len(members) == 1
 
 
-def test_taps_in_a_batch_see_their_own_rows(target, prompts, references):
-    """Early exits read the residual stream of their session's rows, not a neighbour's or a pad's."""
+@pytest.fixture(scope="module", params=["llamacpp", "torch"])
+def tapped(request):
+    """A target whose layer 12 can be tapped, on each engine (llama.cpp names its tapped layers at start)."""
+    if request.param == "torch":
+        return request.getfixturevalue("torch_target")
+    from server_bridge.target import load_target
+
+    return load_target(threads=1, max_sequences=8, kv_tokens=4096, tap_layers=[12])
+
+
+def test_taps_in_a_batch_see_their_own_rows(tapped, prompts, references):
+    """Early exits read the residual stream of their session's rows, not a neighbour's, on each engine."""
+    target = tapped
     def run(batch_with_others):
         seen = []
         state = target.new_state(prompts[0])
         mine = Extension(state, state.ids[state.cached:] + references[0][:3], 4,
-                         taps={12: lambda h: seen.append(h.clone())})
+                         taps={12: lambda h: seen.append(np.array(h))})
         others = [Extension(target.new_state(ids), ids[-1:] + ref[:6], 7) for ids, ref in
                   zip(prompts[1:3], references[1:3])] if batch_with_others else []
         target.extend(others[:1] + [mine] + others[1:])
         return seen[0]
 
     alone, batched = run(False), run(True)
-    assert alone.shape == batched.shape == (4, target.model.config.hidden_size)
-    np.testing.assert_allclose(alone.numpy(), batched.numpy(), atol=1e-3)
+    assert alone.shape == batched.shape == (4, target.engine.hidden_size)
+    np.testing.assert_allclose(alone, batched, atol=1e-3)

@@ -16,10 +16,11 @@ def shipped():
     return ExitHeads.load(SHIPPED)
 
 
-def _greedy_hidden(target, layers, texts, new_tokens=32):
+def _greedy_hidden(torch_target, layers, texts, new_tokens=32):
     """The target's own greedy continuation of each text; hidden states at the exits, final argmax."""
     hidden, argmax = {l: [] for l in layers}, []
-    with torch.inference_mode():
+    target = torch_target.engine
+    with torch.inference_mode(), target.plain_attention():
         for text in texts:
             ids = target.tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
                                                        add_generation_prompt=True)
@@ -34,7 +35,8 @@ def _greedy_hidden(target, layers, texts, new_tokens=32):
     return {l: torch.cat(h) for l, h in hidden.items()}, torch.cat(argmax)
 
 
-def test_candidate_scoring_equals_the_full_head(shipped, target):
+def test_candidate_scoring_equals_the_full_head(shipped, torch_target):
+    target = torch_target.engine
     h = torch.randn(5, target.model.config.hidden_size)
     cand = torch.randint(0, target.vocab_size, (5, 16))
     with torch.inference_mode():
@@ -59,11 +61,12 @@ def test_save_load_and_subsets(shipped, tmp_path):
         ExitConfig(layers=[12, 6], hidden=576)
 
 
-def test_shipped_adapters_agree_with_the_final_layer_more_than_the_logit_lens(shipped, target):
+def test_shipped_adapters_agree_with_the_final_layer_more_than_the_logit_lens(shipped, torch_target):
     """Held-out prompts (not in the training set): trained exits beat the same exits with zero adapters."""
     texts = ["Walk to the window and describe what a robot might see there.",
              "Write a haiku about a rainy street.", "Why is the sky blue? Answer in two sentences."]
-    hidden, final = _greedy_hidden(target, shipped.layers, texts)
+    hidden, final = _greedy_hidden(torch_target, shipped.layers, texts)
+    target = torch_target.engine
     lens = ExitHeads(ExitConfig(shipped.layers, shipped.config.hidden, shipped.config.rank))
     hits = {"trained": 0, "lens": 0}
     with torch.inference_mode():
@@ -73,26 +76,28 @@ def test_shipped_adapters_agree_with_the_final_layer_more_than_the_logit_lens(sh
     assert hits["trained"] > hits["lens"] + 0.05 * len(final) * len(shipped.layers), hits
 
 
-def test_taps_see_the_residual_stream_after_their_block_in_verify_passes_only(target):
-    ids = target.tokenizer.encode("The robot turned left at the")
+def test_taps_see_the_residual_stream_after_their_block_in_verify_passes_only(torch_target):
+    target, engine = torch_target, torch_target.engine
+    ids = engine.tokenizer.encode("The robot turned left at the")
     draft = [260, 2078, 30]
     seen = {}
     state = target.new_state(ids)
-    hooks = [len(m._forward_hooks) for m in target.model.model.layers]
+    with torch.inference_mode(), engine.plain_attention() as model:
+        ref = model(torch.tensor([ids + draft]), output_hidden_states=True)
+    hooks = [len(m._forward_hooks) for m in engine.model.model.layers]    # transformers' own recorder's, if any
     logits = target.score(state, draft, taps={l: (lambda h, l=l: seen.__setitem__(l, h.clone())) for l in (1, 12, 30)})
-    with torch.inference_mode():
-        ref = target.model(torch.tensor([ids + draft]), output_hidden_states=True)
     for l in (1, 12):                                  # hidden_states[30] is after the final norm: compare 1, 12
         torch.testing.assert_close(seen[l], ref.hidden_states[l][0, -4:], rtol=1e-4, atol=1e-4)
-    assert seen[30].shape == (4, target.model.config.hidden_size)
+    assert seen[30].shape == (4, engine.hidden_size)
     torch.testing.assert_close(torch.from_numpy(logits), ref.logits[0, -4:], rtol=1e-4, atol=1e-4)
-    assert [len(m._forward_hooks) for m in target.model.model.layers] == hooks     # removed after the pass
+    assert [len(m._forward_hooks) for m in engine.model.model.layers] == hooks     # removed after the pass
     with pytest.raises(ValueError, match="no decoder block 31"):
         target.score(state, draft, taps={31: print})
 
 
-def test_a_pass_that_dies_midway_leaves_the_cache_as_it_was(target):
-    ids = target.tokenizer.encode("Go to the red door")
+def test_a_pass_that_dies_midway_leaves_nothing_a_later_pass_sees(torch_target):
+    target = torch_target
+    ids = target.engine.tokenizer.encode("Go to the red door")
     state = target.new_state(ids)
 
     def boom(hidden):
@@ -100,6 +105,6 @@ def test_a_pass_that_dies_midway_leaves_the_cache_as_it_was(target):
 
     with pytest.raises(RuntimeError, match="tap failed"):
         target.score(state, [288, 1535], taps={12: boom})
-    assert state.cache.get_seq_length() == state.cached == len(ids) - 1
+    assert state.cached == len(ids) - 1
     fresh = target.new_state(ids)
     np.testing.assert_array_equal(target.score(state, [288, 1535]), target.score(fresh, [288, 1535]))

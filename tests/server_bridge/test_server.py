@@ -1,4 +1,5 @@
 """The websocket server: bad input gets a clear error on its own connection; everyone else keeps going."""
+import json
 import urllib.request
 
 import msgpack
@@ -19,6 +20,16 @@ def server(target):
     from server_bridge.verifier import Verifier
 
     with ThreadedServer(lambda cfg: Verifier(target, cfg), max_frame_bytes=256 * 1024) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def exit_server(torch_target):
+    """Early exits run on the torch engine."""
+    from tests.conftest import ThreadedServer
+    from server_bridge.verifier import Verifier
+
+    with ThreadedServer(lambda cfg: Verifier(torch_target, cfg), max_frame_bytes=256 * 1024) as s:
         yield s
 
 
@@ -172,7 +183,9 @@ def test_token_is_checked(make_server, target):
 
 
 def test_healthz_and_metrics(server, target, drafter):
-    assert urllib.request.urlopen(f"http://127.0.0.1:{server.port}/healthz", timeout=5).read() == b"ok\n"
+    health = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{server.port}/healthz", timeout=5).read())
+    assert health["status"] == "ok" and health["target"] == target.name
+    assert (health["engine"], health["device"], health["dtype"]) == ("llamacpp", "cpu", "float32")
     dec = EdgeDecoder(drafter, server.url)
     dec.generate(drafter.tokenize("Say hi."), mode="sd", max_tokens=6)
     dec.close()
@@ -184,6 +197,8 @@ def test_healthz_and_metrics(server, target, drafter):
     assert values["bridge_committed_tokens_total"] >= 6
     assert 0 <= values["bridge_acceptance_rate"] <= 1
     assert "# TYPE bridge_rounds_total counter" in text
+    assert 'bridge_engine_info{engine="llamacpp",device="cpu",dtype="float32"' in text
+    assert 0 < values["bridge_kv_tokens_used"] <= values["bridge_kv_tokens_capacity"]
 
 
 def test_reopen_keeps_the_kv_of_the_shared_prefix(server, target, drafter):
@@ -257,21 +272,21 @@ def _until_result(ws) -> list[wire.Message]:
     return got
 
 
-def test_welcome_lists_the_exits_and_an_unknown_exit_is_refused_without_harm(server, target):
-    with connect(server.url, max_size=None) as ws:
-        ws.send(_hello(target))
+def test_welcome_lists_the_exits_and_an_unknown_exit_is_refused_without_harm(exit_server, torch_target):
+    with connect(exit_server.url, max_size=None) as ws:
+        ws.send(_hello(torch_target))
         assert wire.decode(ws.recv(timeout=10)).exits == [12, 18, 22, 26]
-        ids = target.tokenizer.encode("Walk to the door.")
+        ids = torch_target.tokenizer.encode("Walk to the door.")
         ws.send(wire.encode(wire.Open("e", ids, GREEDY, exits=[12, 99])))
         error = _error(ws)
         assert error.code == "bad_field" and "99" in error.message
         assert _open(ws, "e", ids).TYPE == "opened"                # the connection keeps working
 
 
-def test_exit_messages_stream_before_their_result(server, target):
-    """The target's own continuation as drafts (fetched with `ar`), its true tokens among the candidates."""
-    ws = _raw(server, target)
-    ids = target.tokenizer.encode("The robot walked to the kitchen door, stopped, and")
+def test_exit_messages_stream_before_their_result(exit_server, torch_target):
+    """The torch_target's own continuation as drafts (fetched with `ar`), its true tokens among the candidates."""
+    ws = _raw(exit_server, torch_target)
+    ids = torch_target.tokenizer.encode("The robot walked to the kitchen door, stopped, and")
     _open(ws, "ref", ids)
     ws.send(wire.encode(wire.Ar("ref", 16)))
     ref = [wire.decode(ws.recv(timeout=30)).token for _ in range(16)]
@@ -285,7 +300,7 @@ def test_exit_messages_stream_before_their_result(server, target):
         draft = ref[done:done + 4]
         if r == 1:
             draft[2] = 5                                            # a rejection in the middle
-        cands = rng.integers(0, target.vocab_size, (4, 8)).astype(np.int32)
+        cands = rng.integers(0, torch_target.vocab_size, (4, 8)).astype(np.int32)
         cands[:, 3] = ref[done:done + 4]
         ws.send(wire.encode(wire.Verify("fsd", r, len(committed), draft, {"kind": "none"}, cands=cands)))
         *exits, result = _until_result(ws)
@@ -302,7 +317,7 @@ def test_exit_messages_stream_before_their_result(server, target):
     [result] = _until_result(ws)
     assert result.accepted == 4 and "exit_layer" not in result.timing
     ws.close()
-    text = urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=5).read().decode()
+    text = urllib.request.urlopen(f"http://127.0.0.1:{exit_server.port}/metrics", timeout=5).read().decode()
     values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line and line[0] != "#"}
     assert values["bridge_exits_sent_total"] >= 3 and values["bridge_exit_seconds_total"] > 0
     assert "bridge_exits_dropped_total" in values and 12 <= values["bridge_avg_exit_layer"] <= 30

@@ -54,7 +54,7 @@ def test_real_draft_and_target_commit_the_targets_distribution(drafter, target, 
     assert stats.chisquare(counts, p[support] * len(firsts)).pvalue > 1e-3
 
 
-# --------------------------------------------------------------------------- early exits (FSD)
+# --------------------------------------------------------------------------- early exits (FSD, torch engine)
 
 PROMPT = "The robot walked to the kitchen door, stopped, and"
 SAMPLING = {"greedy": {"temperature": 0.0, "top_k": 0, "seed": 0},
@@ -62,19 +62,19 @@ SAMPLING = {"greedy": {"temperature": 0.0, "top_k": 0, "seed": 0},
 
 
 @pytest.fixture(scope="module")
-def exit_verifier(target):
-    return Verifier(target, ServerConfig())
+def exit_verifier(torch_target):
+    return Verifier(torch_target, ServerConfig())
 
 
 @pytest.fixture(scope="module")
-def continuation(target, exit_verifier):
-    """The prompt and the target's own greedy continuation of it (what a perfect draft would propose)."""
-    ids = target.tokenizer.encode(PROMPT)
+def continuation(torch_target, exit_verifier):
+    """The prompt and the torch_target's own greedy continuation of it (what a perfect draft would propose)."""
+    ids = torch_target.tokenizer.encode(PROMPT)
     s, _ = exit_verifier.open(wire.Open("ref", ids, SAMPLING["greedy"]), 99, None)
     return ids, [exit_verifier.ar_step(s)[0] for _ in range(40)]
 
 
-def _rounds(verifier, target, continuation, sampling_, exits, n=6, k=4, emit_factory=None):
+def _rounds(verifier, torch_target, continuation, sampling_, exits, n=6, k=4, emit_factory=None):
     """Drive one session through n rounds of k-token drafts: the greedy continuation with one token
     changed in most rounds, and the true token among 8 candidates. Returns (verdicts, committed ids, exits).
     """
@@ -86,12 +86,12 @@ def _rounds(verifier, target, continuation, sampling_, exits, n=6, k=4, emit_fac
         done = len(session.state.ids) - len(ids)
         draft = list(ref[done:done + k]) if done + k <= len(ref) else rng.integers(0, 999, k).tolist()
         if r % 3 != 2:                                          # every third draft is left perfect
-            draft[rng.integers(0, k)] = int(rng.integers(0, target.vocab_size))
-        cands = rng.integers(0, target.vocab_size, (k, 8)).astype(np.int32)
+            draft[rng.integers(0, k)] = int(rng.integers(0, torch_target.vocab_size))
+        cands = rng.integers(0, torch_target.vocab_size, (k, 8)).astype(np.int32)
         cands[:, 0] = ref[done:done + k] if done + k <= len(ref) else cands[:, 0]
         q = {"kind": "none"}
         if sampling_["temperature"] > 0:
-            probs = np.full((k, target.vocab_size), 0.5 / target.vocab_size)
+            probs = np.full((k, torch_target.vocab_size), 0.5 / torch_target.vocab_size)
             probs[np.arange(k), draft] += 0.5
             q = {"kind": "full", "probs": probs.astype(np.float16)}
         mine = []
@@ -104,9 +104,9 @@ def _rounds(verifier, target, continuation, sampling_, exits, n=6, k=4, emit_fac
 
 @pytest.mark.parametrize("mode", ["greedy", "sampled"])
 @pytest.mark.parametrize("exits", [[12, 18, 22, 26], [18, 26]])
-def test_exits_change_nothing_and_their_verdicts_are_consistent(exit_verifier, target, continuation, mode, exits):
-    on, on_ids, sent = _rounds(exit_verifier, target, continuation, SAMPLING[mode], exits)
-    off, off_ids, quiet = _rounds(exit_verifier, target, continuation, SAMPLING[mode], [])
+def test_exits_change_nothing_and_their_verdicts_are_consistent(exit_verifier, torch_target, continuation, mode, exits):
+    on, on_ids, sent = _rounds(exit_verifier, torch_target, continuation, SAMPLING[mode], exits)
+    off, off_ids, quiet = _rounds(exit_verifier, torch_target, continuation, SAMPLING[mode], [])
     assert [v for v, _ in on] == [v for v, _ in off] and on_ids == off_ids
     assert all(not mine for _, _, mine in quiet)                         # exits off: nothing emitted
     assert all("exit_layer" not in t for _, t in off)
@@ -122,10 +122,10 @@ def test_exits_change_nothing_and_their_verdicts_are_consistent(exit_verifier, t
         assert all(a.tokens != b.tokens for a, b in itertools.pairwise(mine))   # only changes are sent
         assert [m.layer for m in mine] == sorted({m.layer for m in mine})
         timing = out.timing()
-        assert timing["exit_layer"] in exits + [target.n_layers] and 0 < timing["exit_ms"] < timing["verify_ms"]
+        assert timing["exit_layer"] in exits + [torch_target.n_layers] and 0 < timing["exit_ms"] < timing["verify_ms"]
         # the verdict at exit_layer is the last one sent at or before it, and it equals the result
         before = [m for m in mine if m.layer <= timing["exit_layer"]]
-        if timing["exit_layer"] < target.n_layers:
+        if timing["exit_layer"] < torch_target.n_layers:
             assert before[-1].tokens == committed
         assert all(m.tokens != committed for m in mine if m.layer < timing["exit_layer"])
 
@@ -141,18 +141,18 @@ def test_open_refuses_an_exit_the_server_does_not_have(exit_verifier, continuati
         off.open(wire.Open("bad", continuation[0], SAMPLING["greedy"], exits=[12]), 1, None)
 
 
-def test_a_failing_exit_does_not_stop_the_result(target, continuation, monkeypatch):
-    verifier = Verifier(target, ServerConfig(exit_layers=[18, 26]))
-    off, off_ids, _ = _rounds(verifier, target, continuation, SAMPLING["greedy"], [])
+def test_a_failing_exit_does_not_stop_the_result(torch_target, continuation, monkeypatch):
+    verifier = Verifier(torch_target, ServerConfig(exit_layers=[18, 26]))
+    off, off_ids, _ = _rounds(verifier, torch_target, continuation, SAMPLING["greedy"], [])
     monkeypatch.setattr(verifier.exits, "logits", lambda *a, **k: 1 / 0)
-    broken, broken_ids, sent = _rounds(verifier, target, continuation, SAMPLING["greedy"], [18, 26])
+    broken, broken_ids, sent = _rounds(verifier, torch_target, continuation, SAMPLING["greedy"], [18, 26])
     assert [v for v, _ in broken] == [v for v, _ in off] and broken_ids == off_ids
-    assert all(not mine and out.exit_layer == target.n_layers for _, out, mine in sent)
+    assert all(not mine and out.exit_layer == torch_target.n_layers for _, out, mine in sent)
 
 
-def test_a_verify_with_bad_candidates_is_refused(exit_verifier, target, continuation):
+def test_a_verify_with_bad_candidates_is_refused(exit_verifier, torch_target, continuation):
     session, _ = exit_verifier.open(wire.Open("c", continuation[0], SAMPLING["greedy"], exits=[26]), 1, None)
-    cands = np.full((1, 4), target.vocab_size, np.int32)
+    cands = np.full((1, 4), torch_target.vocab_size, np.int32)
     with pytest.raises(wire.WireError) as e:
         exit_verifier.verify(session, wire.Verify("c", 0, len(session.state.ids), [5], {"kind": "none"}, cands=cands),
                              lambda m: None)

@@ -1,0 +1,287 @@
+"""The `llamacpp` engine: the target in llama.cpp through llama-cpp-python's C API. No torch.
+
+One context holds every session: `n_seq_max` sequences in one unified KV of
+`kv_tokens` cells. A batch is one `llama_decode` over all sessions' new tokens,
+each with its own sequence id and positions, with no padding; logits are asked
+for only at the rows verification uses; a rejected draft leaves with
+`llama_memory_seq_rm`. A released sequence's cells go back to the pool, so the
+KV memory is the context's size however many sessions come and go.
+
+Early exits: llama.cpp calls the context's eval callback (`cb_eval`) for every
+node of the graph as it computes; it asks for the residual stream `l_out-<il>`
+of the tapped blocks and hands the taps their rows, during the pass.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+
+from protocol import modelfiles
+
+from .engine import EngineFull, EngineInfo, Pass, Sequence, SequenceIds, check_batch
+
+log = logging.getLogger(__name__)
+
+
+def requantize(src: str, dst: str, ftype_name: str = "LLAMA_FTYPE_MOSTLY_Q2_K") -> None:
+    """llama.cpp's own quantizer from src to dst (allow_requantize: ALL_F32 dequantizes a quantized GGUF)."""
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, ftype_name)
+    params.allow_requantize = True
+    params.nthread = os.cpu_count() or 1
+    tmp = dst + ".tmp"
+    rc = llama_cpp.llama_model_quantize(src.encode(), tmp.encode(), ctypes.byref(params))
+    if rc != 0:
+        raise RuntimeError(f"llama_model_quantize returned {rc} for {src} -> {dst}")
+    os.replace(tmp, dst)                 # atomic: a half-written file never looks built
+
+
+def prepare_target(name: str) -> Path:
+    """A named target's GGUF, made from the shipped one the first time (F32: ~1 s, no download)."""
+    path = modelfiles.build_dir() / modelfiles.TARGETS[name]
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        log.info("making %s from %s with llama.cpp's quantizer (F32)", path.name, modelfiles.SHIPPED_GGUF)
+        _quiet_llama()
+        requantize(str(modelfiles.shipped_gguf()), str(path), "LLAMA_FTYPE_ALL_F32")
+    return path
+
+
+def _quiet_llama() -> None:
+    """llama.cpp logs every tensor it loads; keep its errors only."""
+    import llama_cpp._logger
+
+    llama_cpp._logger.set_verbose(False)
+
+
+def _ggml():
+    """libggml-base from llama-cpp-python's own lib folder: tensor names and reads for the eval callback."""
+    import llama_cpp._ggml as g
+
+    lib = g.libggml
+    for name, res, args in (("ggml_get_name", ctypes.c_char_p, [ctypes.c_void_p]),
+                            ("ggml_nelements", ctypes.c_int64, [ctypes.c_void_p]),
+                            ("ggml_nbytes", ctypes.c_size_t, [ctypes.c_void_p]),
+                            ("ggml_backend_tensor_get", None,
+                             [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t])):
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = res, args
+    return lib
+
+
+class _Tokenizer:
+    """encode(text) -> ids with the target's own vocabulary (tools and tests; the wire carries ids)."""
+
+    def __init__(self, vocab):
+        self.vocab = vocab
+
+    def encode(self, text: str) -> list[int]:
+        import llama_cpp as L
+
+        raw = text.encode()
+        buf = (L.llama_token * (len(raw) + 8))()
+        n = L.llama_tokenize(self.vocab, raw, len(raw), buf, len(buf), False, True)
+        if n < 0:
+            raise ValueError(f"could not tokenize {text[:40]!r}")
+        return list(buf[:n])
+
+
+class LlamaCppEngine:
+    def __init__(self, path: Path, name: str, threads: int = 0, max_sequences: int = 64, kv_tokens: int = 0,
+                 n_gpu_layers: int = -1, tap_layers: list[int] | None = None, kv_type: str = "f32"):
+        import llama_cpp as L
+
+        self.L = L
+        _quiet_llama()
+        t0 = time.perf_counter()
+        L.llama_backend_init()
+        gpu = bool(L.llama_supports_gpu_offload())
+        mparams = L.llama_model_default_params()
+        mparams.n_gpu_layers = (0x7FFFFFFF if n_gpu_layers < 0 else n_gpu_layers) if gpu else 0
+        self.model = L.llama_model_load_from_file(str(path).encode(), mparams)
+        if not self.model:
+            raise RuntimeError(f"llama.cpp could not load {path}")
+        self.name = name
+        vocab = L.llama_model_get_vocab(self.model)
+        self.vocab_size = int(L.llama_vocab_n_tokens(vocab))
+        self.tokenizer = _Tokenizer(vocab)
+        self.vocab_hash = modelfiles.vocab_hash(L.llama_vocab_get_text(vocab, i) for i in range(self.vocab_size))
+        self.eos_ids = sorted({int(t) for t in (L.llama_vocab_eos(vocab), L.llama_vocab_eot(vocab)) if t >= 0})
+        self.n_layers = int(L.llama_model_n_layer(self.model))
+        self.hidden_size = int(L.llama_model_n_embd(self.model))
+        n_head, n_head_kv = int(L.llama_model_n_head(self.model)), int(L.llama_model_n_head_kv(self.model))
+        kv_bytes = {"f32": 4, "f16": 2}[kv_type]
+        self.kv_bytes_per_token = 2 * self.n_layers * n_head_kv * (self.hidden_size // n_head) * kv_bytes
+        self.max_sequences = min(max_sequences, 256)                   # LLAMA_MAX_SEQ
+        self.kv_capacity = kv_tokens or 64 * 1024
+        self.n_batch = 2048                                           # tokens per llama_decode call
+        self.batchable = True
+
+        self.tap_names: dict[bytes, int] = {f"l_out-{l - 1}".encode(): l for l in (tap_layers or [])}
+        self._taps: list[tuple[int, int, int, Pass]] | None = None    # the running chunk's (row0, n, keep, pass)
+        cparams = L.llama_context_default_params()
+        cparams.n_ctx = self.kv_capacity
+        cparams.n_batch = cparams.n_ubatch = self.n_batch             # one ubatch per call: tap rows stay in order
+        cparams.n_seq_max = self.max_sequences
+        cparams.kv_unified = True
+        cparams.n_threads = cparams.n_threads_batch = threads or max(1, os.cpu_count() or 1)
+        ggml_type = {"f32": 0, "f16": 1}[kv_type]
+        cparams.type_k = cparams.type_v = ggml_type
+        cparams.no_perf = True
+        if self.tap_names:
+            self._ggml = _ggml()
+            self._cb = L.ggml_backend_sched_eval_callback(self._on_tensor)   # kept alive with the engine
+            cparams.cb_eval = self._cb
+            cparams.cb_eval_user_data = None
+        self.ctx = L.llama_init_from_model(self.model, cparams)
+        if not self.ctx:
+            raise RuntimeError(f"llama.cpp could not make a context of {self.kv_capacity} tokens for {path}")
+        self.mem = L.llama_get_memory(self.ctx)
+        self.batch = L.llama_batch_init(self.n_batch, 0, 1)
+        self.ids = SequenceIds(self.max_sequences)
+        self._used = 0                                                # KV cells held by live sequences
+        self._seqs: dict[int, Sequence] = {}
+        self.threads = cparams.n_threads
+        self.info = EngineInfo("llamacpp", "gpu" if gpu and mparams.n_gpu_layers else "cpu", "float32",
+                               {"n_gpu_layers": int(mparams.n_gpu_layers) if gpu else 0, "kv_type": kv_type,
+                                "threads": self.threads})
+        log.info("llamacpp engine: %s in %.1fs (%d layers, vocab %d, %d sequences, KV %d tokens %s, %d threads, "
+                 "GPU offload %s, exits tapped at %s)", name, time.perf_counter() - t0, self.n_layers,
+                 self.vocab_size, self.max_sequences, self.kv_capacity, kv_type, self.threads,
+                 self.info.extra["n_gpu_layers"] if gpu else "not built in", sorted(self.tap_names.values()) or "none")
+
+    # ------------------------------------------------------------------ sequences
+
+    def new_sequence(self) -> Sequence:
+        seq = Sequence(self.ids.take(self._clear))
+        self._seqs[seq.id] = seq
+        return seq
+
+    def free(self, seq: Sequence) -> None:
+        self.ids.release(seq.id)
+
+    def _clear(self, seq_id: int) -> None:
+        seq = self._seqs.pop(seq_id, None)
+        self.L.llama_memory_seq_rm(self.mem, seq_id, 0, -1)
+        if seq is not None:
+            self._used -= seq.length
+            seq.length = 0
+
+    def truncate(self, seq: Sequence, n: int) -> None:
+        if n < seq.length:
+            self.L.llama_memory_seq_rm(self.mem, seq.id, n, -1)
+            self._used -= seq.length - n
+            seq.length = n
+
+    @property
+    def kv_used(self) -> int:
+        return self._used
+
+    def to_numpy(self, rows: np.ndarray) -> np.ndarray:
+        return rows
+
+    # ------------------------------------------------------------------ the pass
+
+    def forward(self, batch: list[Pass]) -> list[np.ndarray]:
+        """One llama_decode per n_batch tokens over every session's new tokens; logits [keep, vocab] each.
+
+        If a call fails, every sequence is cut back to its pass's start and the error raised.
+        """
+        check_batch(batch)
+        untapped = {l for p in batch for l in (p.taps or {})} - set(self.tap_names.values())
+        if untapped:
+            raise ValueError(f"layers {sorted(untapped)} are not tapped: a llamacpp engine taps only the layers "
+                             "named when it starts (tap_layers)")
+        self.ids.reclaim(self._clear)
+        for p in batch:
+            self.truncate(p.seq, p.start)                 # trust the caller's committed length, never our own
+        need = sum(len(p.new_ids) for p in batch)
+        if self._used + need > self.kv_capacity:
+            raise EngineFull(f"the pass needs {need} KV cells, {self.kv_capacity - self._used} of "
+                             f"{self.kv_capacity} are free")
+        flat = [(p, j) for p in batch for j in range(len(p.new_ids))]
+        out_rows: list[np.ndarray] = []
+        try:
+            for c0 in range(0, len(flat), self.n_batch):
+                out_rows.append(self._decode(flat[c0:c0 + self.n_batch]))
+        except BaseException:
+            for p in batch:
+                self.L.llama_memory_seq_rm(self.mem, p.seq.id, p.start, -1)
+                self._used -= p.seq.length - p.start
+                p.seq.length = p.start
+            raise
+        logits = np.concatenate(out_rows) if out_rows else np.zeros((0, self.vocab_size), np.float32)
+        result, at = [], 0
+        for p in batch:
+            result.append(logits[at:at + p.keep])
+            at += p.keep
+        return result
+
+    def _decode(self, chunk: list[tuple[Pass, int]]) -> np.ndarray:
+        """One llama_decode of (pass, index in its new ids) tokens; the logits rows it asked for, in order."""
+        L, b, n = self.L, self.batch, len(chunk)
+        token = np.ctypeslib.as_array(b.token, shape=(n,))
+        pos = np.ctypeslib.as_array(b.pos, shape=(n,))
+        n_seq = np.ctypeslib.as_array(b.n_seq_id, shape=(n,))
+        want = np.ctypeslib.as_array(b.logits, shape=(n,))
+        n_seq[:] = 1
+        taps: dict[int, tuple[int, int, int, Pass]] = {}
+        for i, (p, j) in enumerate(chunk):
+            token[i] = p.new_ids[j]
+            pos[i] = p.start + j
+            b.seq_id[i][0] = p.seq.id
+            want[i] = j >= len(p.new_ids) - p.keep
+            if p.taps and j >= len(p.new_ids) - p.keep:
+                row0, cnt, _, _ = taps.get(id(p), (i, 0, 0, p))
+                taps[id(p)] = (row0, cnt + 1, 0, p)
+        b.n_tokens = n
+        n_out = int(want.sum())
+        self._taps = list(taps.values()) or None
+        try:
+            rc = L.llama_decode(self.ctx, b)
+        finally:
+            self._taps = None
+        if rc != 0:
+            raise EngineFull(f"llama_decode found no room for {n} tokens (code {rc})") if rc == 1 else \
+                RuntimeError(f"llama_decode failed with code {rc}")
+        for p, j in chunk:
+            if j == 0:
+                p.seq.length = p.start
+            p.seq.length += 1
+            self._used += 1
+        if not n_out:
+            return np.zeros((0, self.vocab_size), np.float32)
+        ptr = L.llama_get_logits(self.ctx)
+        return np.ctypeslib.as_array(ptr, shape=(n_out, self.vocab_size)).copy()
+
+    # ------------------------------------------------------------------ early exits
+
+    def _on_tensor(self, tensor: int, ask: bool, _user) -> bool:
+        """llama.cpp's eval callback: asked for every node, then handed the ones we asked for."""
+        taps = self._taps
+        if taps is None:
+            return False
+        name = self._ggml.ggml_get_name(tensor)
+        layer = self.tap_names.get(name)
+        if layer is None or not any(layer in (p.taps or {}) for *_, p in taps):
+            return False
+        if ask:
+            return True
+        try:
+            n = self._ggml.ggml_nelements(tensor)
+            hidden = np.empty((n // self.hidden_size, self.hidden_size), np.float32)   # [tokens, hidden]
+            self._ggml.ggml_backend_tensor_get(tensor, hidden.ctypes.data, 0, hidden.nbytes)
+            for row0, count, _, p in taps:
+                fn = (p.taps or {}).get(layer)
+                if fn is not None:
+                    fn(hidden[row0:row0 + count])                                      # [keep, hidden]
+        except Exception:                     # never raise through C: the taps log their own failures
+            log.exception("reading layer %d for the early exits failed", layer)
+        return True

@@ -1,0 +1,282 @@
+"""The `torch` engine: any transformers causal LM, on any device, in the dtype asked for.
+
+KV lives in slots allocated once (gpt-fast's KVCache, one row per session):
+keys and values [slots, kv_heads, max_context, head_dim] per layer on the
+model's device. A pass is ragged: every session's new tokens are concatenated
+into one sequence [1, T] with their own position ids, so the projections and
+MLPs run on exactly T tokens, no padding. Each attention layer writes a
+session's new keys and values in place at its positions and attends over a view
+of its own slot, [0, start + n): nothing is copied into a rectangle and back,
+nothing grows by concatenation, and a rollback is only a smaller length.
+
+The model runs through its own forward with two hooks transformers provides: a
+cache object whose `update` writes into the slots, and a registered attention
+function ("edgespec_slots") that reads them. The mask is built here per session
+(causal from its start; a sliding window where the layer has one), so
+transformers builds none.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from protocol import modelfiles
+
+from .engine import EngineFull, EngineInfo, Pass, Sequence, SequenceIds, check_batch
+
+log = logging.getLogger(__name__)
+
+ATTENTION = "edgespec_slots"
+_current = threading.local()            # the pass being run: its layout, read by the attention function
+
+
+class _Layout:
+    """Where each session's tokens sit in the flat pass: (slot, start, n, offset into T)."""
+
+    def __init__(self, rows: list[tuple[int, int, int, int]], pool: "_SlotPool"):
+        self.rows = rows
+        self.pool = pool
+
+
+class _SlotPool:
+    """The KV slots: per layer keys and values [slots, kv_heads, max_len, head_dim], allocated once."""
+
+    def __init__(self, n_layers: int, slots: int, kv_heads: int, max_len: int, head_dim: int, dtype, device):
+        shape = (slots, kv_heads, max_len, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.max_len = max_len
+
+
+class _SlotCache:
+    """What the model's attention layers call `past_key_values.update` on: a write into the slots."""
+
+    is_compileable = False
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        layout: _Layout = _current.layout
+        k, v = layout.pool.k[layer_idx], layout.pool.v[layer_idx]
+        for slot, start, n, off in layout.rows:                 # key_states [1, kv_heads, T, head_dim]
+            k[slot, :, start:start + n].copy_(key_states[0, :, off:off + n])
+            v[slot, :, start:start + n].copy_(value_states[0, :, off:off + n])
+        return key_states, value_states
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0
+
+
+def slot_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None,
+                   **kwargs):
+    """Each session's queries [1, H, n, D] against its own slot's keys [1, kv_heads, start + n, D] (a view)."""
+    layout: _Layout = _current.layout
+    k_pool, v_pool = layout.pool.k[module.layer_idx], layout.pool.v[module.layer_idx]
+    out = torch.empty_like(query)                               # [1, H, T, D]
+    for slot, start, n, off in layout.rows:
+        lo = 0 if not sliding_window else max(0, start + n - sliding_window)
+        k = k_pool[slot:slot + 1, :, lo:start + n]
+        v = v_pool[slot:slot + 1, :, lo:start + n]
+        mask = None
+        if n > 1 or lo:
+            qpos = torch.arange(start, start + n, device=query.device)[:, None]
+            kpos = torch.arange(lo, start + n, device=query.device)[None, :]
+            mask = kpos <= qpos                                 # causal from the session's own start
+            if sliding_window:
+                mask &= kpos > qpos - sliding_window
+        out[:, :, off:off + n] = F.scaled_dot_product_attention(query[:, :, off:off + n], k, v, attn_mask=mask,
+                                                                scale=scaling, enable_gqa=True)
+    return out.transpose(1, 2), None                            # [1, T, H, D], as transformers expects
+
+
+def _register_attention() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION, slot_attention)
+
+
+def resolve_device_dtype(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
+    """auto: CUDA and bfloat16 where a GPU is present, else the CPU and float32."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device} asked for, but this torch has no CUDA device")
+    if dtype == "auto":
+        dtype = "bfloat16" if dev.type == "cuda" else "float32"
+    return dev, {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+
+
+class TorchEngine:
+    def __init__(self, path: Path, name: str, device: str = "auto", dtype: str = "auto", threads: int = 0,
+                 max_sequences: int = 64, kv_tokens: int = 0, max_len: int = 2048, model=None):
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        if threads > 0:
+            torch.set_num_threads(threads)
+        self.device, self.dtype = resolve_device_dtype(device, dtype)
+        t0 = time.perf_counter()
+        if model is None:
+            from transformers import AutoModelForCausalLM, AutoTokenizer
+
+            model_dir = _cached_conversion(path) if Path(path).suffix == ".gguf" else Path(path)
+            tokenizer = self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=self.dtype)
+            pieces = tokenizer.convert_ids_to_tokens(list(range(int(model.config.vocab_size))))
+            self.vocab_hash = modelfiles.vocab_hash(p.encode("utf-8") for p in pieces)
+        else:                                                   # a model built here (tools/bench_gpu_engine.py)
+            self.vocab_hash, self.tokenizer = "", None
+        _register_attention()
+        self.model = model.to(self.device).eval()
+        self.model.config._attn_implementation = ATTENTION
+        self.name = name
+        cfg = self.model.config
+        self.vocab_size = int(cfg.vocab_size)
+        eos = getattr(self.model.generation_config, "eos_token_id", None)
+        self.eos_ids = sorted({eos} if isinstance(eos, int) else set(eos or ()))
+        self.n_layers = int(cfg.num_hidden_layers)
+        self.hidden_size = int(cfg.hidden_size)
+        kv_heads = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+        head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+        self.kv_bytes_per_token = 2 * self.n_layers * kv_heads * head_dim * self.dtype.itemsize
+        self.max_len = max_len
+        self.max_sequences = max(1, (kv_tokens // max_len) if kv_tokens else max_sequences)
+        self.kv_capacity = self.max_sequences * max_len
+        self.pool = _SlotPool(self.n_layers, self.max_sequences, kv_heads, max_len, head_dim, self.dtype, self.device)
+        self.batchable = True
+        self.ids = SequenceIds(self.max_sequences)
+        self._cache = _SlotCache()
+        self._half_head = self.dtype == torch.float16
+        if self._half_head:
+            # fp16 logits overflow past 65504 (an inf row would make NaN verdicts): the LM head runs in
+            # float32 on a float32 copy of its weight, so logits are finite for any hidden state
+            head = self.model.lm_head
+            self._head32 = head.weight.detach().float()
+        self.info = EngineInfo("torch", str(self.device), str(self.dtype).removeprefix("torch."),
+                               {"threads": torch.get_num_threads(), "slots": self.max_sequences, "slot_len": max_len})
+        log.info("torch engine: %s on %s in %s (%.1fs; %d layers, vocab %d, %d KV slots of %d tokens, %.0f MiB)",
+                 name, self.device, self.info.dtype, time.perf_counter() - t0, self.n_layers, self.vocab_size,
+                 self.max_sequences, max_len, self.kv_bytes_per_token * self.kv_capacity / 2**20)
+
+    @contextlib.contextmanager
+    def plain_attention(self):
+        """transformers' own SDPA attention, for code that runs the model itself (generate, training)."""
+        self.model.config._attn_implementation = "sdpa"
+        try:
+            yield self.model
+        finally:
+            self.model.config._attn_implementation = ATTENTION
+
+    # ------------------------------------------------------------------ sequences
+
+    def new_sequence(self) -> Sequence:
+        return Sequence(self.ids.take(lambda slot: None))      # a freed slot is simply overwritten
+
+    def free(self, seq: Sequence) -> None:
+        self.ids.release(seq.id)
+
+    def truncate(self, seq: Sequence, n: int) -> None:
+        seq.length = min(seq.length, n)
+
+    @property
+    def kv_used(self) -> int:
+        return self.ids.in_use() * self.max_len
+
+    def to_numpy(self, rows: torch.Tensor) -> np.ndarray:
+        return rows.cpu().numpy()
+
+    # ------------------------------------------------------------------ the pass
+
+    @torch.inference_mode()
+    def forward(self, batch: list[Pass]) -> list[torch.Tensor]:
+        """One ragged pass; per session its logits [keep, vocab] (float32, on the device)."""
+        check_batch(batch)
+        for p in batch:
+            if p.start + len(p.new_ids) > self.max_len:
+                raise EngineFull(f"a session's KV slot holds {self.max_len} tokens, the pass needs "
+                                 f"{p.start + len(p.new_ids)}")
+        rows, ids, pos, keep_at = [], [], [], []
+        for p in batch:
+            off = len(ids)
+            rows.append((p.seq.id, p.start, len(p.new_ids), off))
+            ids.extend(p.new_ids)
+            pos.extend(range(p.start, p.start + len(p.new_ids)))
+            keep_at.extend(range(off + len(p.new_ids) - p.keep, off + len(p.new_ids)))
+        x = torch.tensor([ids], dtype=torch.long, device=self.device)
+        positions = torch.tensor([pos], dtype=torch.long, device=self.device)
+        handles = self._tap_hooks(batch, rows)
+        _current.layout = _Layout(rows, self.pool)
+        try:
+            hidden = self.model.base_model(input_ids=x, position_ids=positions, past_key_values=self._cache,
+                                      use_cache=True).last_hidden_state        # [1, T, hidden], final norm applied
+        finally:
+            _current.layout = None
+            for h in handles:
+                h.remove()
+        for p in batch:
+            p.seq.length = p.start + len(p.new_ids)
+        kept = hidden[0, torch.tensor(keep_at, dtype=torch.long, device=self.device)]   # [rows kept, hidden]
+        if self._half_head:
+            logits = kept.float() @ self._head32.T
+        else:
+            logits = self.model.lm_head(kept).float()                             # [rows kept, vocab]
+        cap = getattr(self.model.config, "final_logit_softcapping", None)
+        if cap:                                                                   # Gemma 2/3
+            logits = torch.tanh(logits / cap) * cap
+        out, at = [], 0
+        for p in batch:
+            out.append(logits[at:at + p.keep])
+            at += p.keep
+        return out
+
+    def _tap_hooks(self, batch: list[Pass], rows: list[tuple[int, int, int, int]]) -> list:
+        """Forward hooks on the tapped decoder blocks handing each pass its kept rows [keep, hidden]."""
+        handles = []
+        for layer in sorted({l for p in batch for l in (p.taps or {})}):
+            if not 1 <= layer <= self.n_layers:
+                raise ValueError(f"no decoder block {layer} to tap (the target has {self.n_layers})")
+            targets = [(p.taps[layer], off + n - p.keep, off + n) for p, (_, _, n, off) in zip(batch, rows)
+                       if p.taps and layer in p.taps]
+
+            def hook(module, args, output, targets=targets):
+                h = output[0] if isinstance(output, tuple) else output        # [1, T, hidden]
+                for fn, lo, hi in targets:
+                    fn(h[0, lo:hi])
+            handles.append(self.model.base_model.layers[layer - 1].register_forward_hook(hook))
+        return handles
+
+
+def _cached_conversion(gguf: Path) -> Path:
+    """Load a GGUF into a Hugging Face directory once (transformers' GGUF loader); later starts read it."""
+    out = modelfiles.target_cache_dir(gguf)
+    if (out / "config.json").exists() and (out / "model.safetensors").exists():
+        return out
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    log.info("converting %s to a float32 model directory (first start only) -> %s", gguf, out)
+    hf_logging.enable_progress_bar()                # the one slow step: show its progress
+    try:
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    finally:
+        hf_logging.disable_progress_bar()
+    # The weights are plain float32 now; transformers still marks the model as
+    # "gguf-quantized" and refuses to save it, so drop the marker first.
+    model.hf_quantizer = None
+    model.is_quantized = False
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    tmp.rename(out)                     # atomic: a crash mid-save never leaves a half cache
+    return out
