@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import secrets
 import time
+from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
@@ -25,7 +26,7 @@ from protocol.payload import PayloadSpec
 from protocol.sampling import SamplingParams
 
 from .drafter import Draft, Drafter
-from .link import LinkLost, ServerError, VerifierLink
+from .link import TAKEN, LinkLost, ServerError, VerifierLink
 from .draftlen import As2, CostEstimator
 from .policy import DraftController, DraftPolicy
 from .predictor import RejectionPredictor, TraceWriter, predictor_path
@@ -34,6 +35,7 @@ from .predraft import PreDrafter
 log = logging.getLogger(__name__)
 
 MODES = ("ar", "sd", "fsd", "local")
+MAX_SWITCHED_NAMES = 64         # session names remembered with the fresh sid they switched to (LRU)
 
 
 @dataclass
@@ -62,6 +64,7 @@ class Metrics:
     wasted_draft_tokens: int = 0            # drafted tokens the server rejected
     reconnects: int = 0                     # new connections after a lost link
     reopens: int = 0                        # sessions re-opened after the server lost them (evicted)
+    session_switches: int = 0               # opens refused (session_taken) and redone at once under a fresh sid
     prefill_ms: float = 0.0
     # FSD: a round's draft was pre-drafted (cached or in progress when the previous result came) or not
     predraft_hits: int = 0
@@ -144,6 +147,9 @@ class EdgeDecoder:
         self._last_round: tuple[int, tuple[int, ...]] | None = None   # FSD: whose next draft is pre-drafted
         self._bytes_base = (0, 0)
         self._spec = PayloadSpec("none")        # this generation's payload (none when greedy)
+        # session name -> the sid it uses now: the name itself until an open of it is refused with
+        # session_taken (its old connection still holds it), then a fresh one; bounded, least recent out
+        self._sids: OrderedDict[str, str] = OrderedDict()
         self._owed: int | None = None           # split: the correction drawn here and not yet sent
         self._exits_on = False                  # the session asked for early exits: send them candidates
 
@@ -245,7 +251,8 @@ class EdgeDecoder:
     # ------------------------------------------------------------------ remote (AR, SD)
 
     def _generate_remote(self, prompt_ids, mode, max_tokens, params, gamma, m, session=None) -> list[int]:
-        sid = session or secrets.token_urlsafe(6)     # short: it rides in every round
+        sid = self._sid_for(session) if session else secrets.token_urlsafe(6)   # short: it rides in every round
+        switched = False                        # this open already moved to a fresh sid (at most once)
         rng = np.random.default_rng(params.seed)
         committed = list(prompt_ids)
         n_prompt = len(prompt_ids)
@@ -276,7 +283,7 @@ class EdgeDecoder:
                         self._connect()
                     if not is_open:
                         self._open(sid, committed, params, m, exits=mode == "fsd")
-                        is_open = True
+                        is_open, switched = True, False
                     if mode in ("sd", "fsd") and self.controller is None:
                         self.controller = self._make_controller(sid, gamma, m)
                     if mode in ("sd", "fsd") and not self.controller.speculating:
@@ -305,6 +312,16 @@ class EdgeDecoder:
                     m.reconnects += 1
                     time.sleep(delay)
                 except ServerError as e:
+                    if e.code == TAKEN and not is_open and not switched:
+                        # another connection holds sid (ours, before the link dropped, most likely) and
+                        # this prompt is not its prefix: nothing to wait for, a fresh sid costs one prefill
+                        switched = True
+                        old, sid = sid, self._switch_sid(session, sid)
+                        log.info("session %s is held by another connection (%s); re-opening as %s with %d "
+                                 "committed tokens", old, e.code, sid, len(committed))
+                        self._forget_predraft()
+                        m.session_switches += 1
+                        continue
                     failures += 1
                     if not e.recoverable or failures > self.reconnect.max_attempts:
                         e.token_ids = committed[n_prompt:]
@@ -323,6 +340,24 @@ class EdgeDecoder:
                 except LinkLost:
                     pass
             self._fold_bytes(m)
+
+    def _sid_for(self, name: str) -> str:
+        """The sid a named session uses now: the name, or the fresh sid it switched to."""
+        sid = self._sids.get(name, name)
+        if name in self._sids:
+            self._sids.move_to_end(name)
+        return sid
+
+    def _switch_sid(self, name: str | None, old: str) -> str:
+        """A fresh sid for `name` (remembered for its later generations) or for an unnamed session."""
+        base = (name or "s")[:48]
+        sid = f"{base}.{secrets.token_urlsafe(6)}"      # 1-64 of [A-Za-z0-9-_.] as the wire wants
+        if name is not None:
+            self._sids[name] = sid
+            self._sids.move_to_end(name)
+            while len(self._sids) > MAX_SWITCHED_NAMES:
+                self._sids.popitem(last=False)
+        return sid
 
     def connect(self) -> bool:
         """Make sure the verifier link is up (the offline mode's probe); False when it cannot be."""

@@ -18,6 +18,10 @@ log = logging.getLogger(__name__)
 
 # A server error that re-opening the session with the committed prefix repairs.
 RECOVERABLE = {"unknown_session", "desync"}
+# The session id is held by another connection and our prompt does not carry its committed prefix
+# (a named session re-opened with a new prompt after the link dropped between two generations):
+# re-opening the same id cannot help, a fresh id does (agent/decoder.py switches once per open).
+TAKEN = "session_taken"
 
 
 class LinkLost(ConnectionError):

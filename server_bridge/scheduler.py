@@ -112,6 +112,14 @@ def slo_batch(pending: Sequence[Request], now: float, model: VerifyTimeModel, gu
     return batch
 
 
+@dataclass
+class _Seen:
+    """What the scheduler remembers of one robot between its requests."""
+    heard: float                    # when it last sent a request or got an answer (monotonic s)
+    answered: float = math.nan      # its last answer; nan while a request of its is waiting or running
+    gap: float = math.nan           # EWMA of answer -> next request (its drafting and network), seconds
+
+
 class Scheduler:
     """The bounded queue of waiting requests and the policy that empties it."""
 
@@ -130,7 +138,8 @@ class Scheduler:
         self.batch_wait_s = batch_wait_ms / 1e3
         self.max_wait_s = max_wait_ms / 1e3
         self.pending: list[Request] = []        # arrival order
-        self._seen: dict[str, list[float]] = {}  # sid -> [last answered (nan while pending), gap EWMA (s)]
+        self._seen: dict[str, _Seen] = {}       # sid -> its robot's rhythm; bounded, see _forget
+        self._running: set[str] = set()         # sids of the last batch handed out (in the pass now running)
         self._free_since = 0.0                  # when the target last finished a batch
 
     def __len__(self) -> int:
@@ -143,26 +152,36 @@ class Scheduler:
                             "draft locally and retry later", r.sid)
         self.pending.append(r)
         seen = self._seen.get(r.sid)
-        if seen is not None and math.isfinite(seen[0]):        # the robot's gap: drafting and network
-            gap = r.arrival - seen[0]
-            seen[1] = gap if math.isnan(seen[1]) else 0.7 * seen[1] + 0.3 * gap
-            seen[0] = math.nan
+        if seen is not None:
+            if math.isfinite(seen.answered):                    # the robot's gap: drafting and network
+                gap = r.arrival - seen.answered
+                seen.gap = gap if math.isnan(seen.gap) else 0.7 * seen.gap + 0.3 * gap
+            seen.answered, seen.heard = math.nan, r.arrival
 
     def answered(self, sid: str, at: float) -> None:
         """The batcher answered sid's request at `at`: its robot should be back after its usual gap."""
-        seen = self._seen.setdefault(sid, [math.nan, math.nan])
-        seen[0] = at
+        seen = self._seen.setdefault(sid, _Seen(at))
+        seen.answered = seen.heard = at
         self._free_since = at
-        if len(self._seen) > 4 * self.max_queue + 64:        # bounded: forget the longest-silent robots
-            for old in sorted(self._seen, key=lambda s: -1 if math.isnan(self._seen[s][0]) else self._seen[s][0])[
-                    :len(self._seen) // 4]:
-                del self._seen[old]
+        if len(self._seen) > 4 * self.max_queue + 64:
+            self._forget()
+
+    def _forget(self) -> None:
+        """Bounded: drop a quarter of the table, the robots silent longest (last heard from first).
+
+        A robot whose request waits or is in the running pass is the busiest, not the most silent: it
+        stays, or its answer would start its gap afresh. One whose request was shed, or whose pass
+        failed, was last heard when that request came."""
+        busy = {r.sid for r in self.pending} | self._running
+        idle = sorted((s for s in self._seen if s not in busy), key=lambda s: self._seen[s].heard)
+        for sid in idle[:len(self._seen) // 4]:
+            del self._seen[sid]
 
     def _due(self, now: float) -> list[float]:
         """When robots answered lately are expected back, within batch_wait from now (overdue ones: no)."""
         pending = {r.sid for r in self.pending}
-        return [t for sid, (done, gap) in self._seen.items() if sid not in pending and math.isfinite(done)
-                and math.isfinite(gap) and now <= (t := done + gap) <= now + self.batch_wait_s]
+        return [t for sid, seen in self._seen.items() if sid not in pending and math.isfinite(seen.answered)
+                and math.isfinite(seen.gap) and now <= (t := seen.answered + seen.gap) <= now + self.batch_wait_s]
 
     def _critical_at(self) -> float:
         """The earliest latest start time among the waiting requests (monotonic seconds)."""
@@ -215,4 +234,5 @@ class Scheduler:
                     batch.append(r)
         chosen = {id(r) for r in batch}
         self.pending = [r for r in self.pending if id(r) not in chosen]
+        self._running = {r.sid for r in batch}  # the batcher runs one batch at a time: the last one is gone
         return batch

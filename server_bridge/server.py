@@ -196,6 +196,7 @@ class BridgeServer:
 
     async def _dispatch(self, ws: ServerConnection, conn_id: int, outbox: Outbox, msg: wire.Message) -> None:
         if isinstance(msg, wire.Open):
+            self.sessions.check_owner(msg.sid, conn_id, msg.prompt_ids)    # refused: the owner never notices
             self.metrics.exits_purged += outbox.purge(msg.sid)        # hints for the old generation
             self.sessions.check_room(msg.sid, conn_id)
             previous = self.sessions.peek(msg.sid)
@@ -210,12 +211,14 @@ class BridgeServer:
             if job.ended is not None:
                 self.metrics.count_generation(job.ended.slo, *job.ended.generation_ended())
             self.sessions.put(session)
+            session.acknowledge(len(msg.prompt_ids))
             self.metrics.sessions_opened += 1
             await self._send(ws, wire.Opened(msg.sid, len(session.state.ids),
                                              {"prefill_ms": ms, "passes": session.state.passes}))
             session.state.passes = 0
         elif isinstance(msg, wire.Verify):
             session = self.sessions.get(msg.sid, conn_id)
+            session.acknowledge(msg.n_committed)
             emit = self._exit_sink(outbox) if session.exits else None
             try:
                 outcome = await self._submit(Job("verify", msg, session, emit=emit), session,
@@ -246,6 +249,7 @@ class BridgeServer:
         """The cloud-autoregressive baseline: one target token per forward pass, each sent at once."""
         stop = set(msg.stop_ids)
         session = self.sessions.get(msg.sid, conn_id)
+        session.acknowledge(len(session.state.ids))     # it asks after the last open, round or stream ended
         await self._in_model_thread(self.verifier.fix, session, msg.fix)   # a split correction owed, if any
         for seq in range(msg.max_tokens):
             session = self.sessions.get(msg.sid, conn_id)     # evicted mid-stream -> unknown_session

@@ -38,6 +38,22 @@ class Session:
     n0: int = 0                     # committed tokens then (the prompt)
     alpha: float = 0.7              # running acceptance rate of its drafts (expected value of a round)
     t_last: float = 0.0             # monotonic time its last round or ar token was decided
+    # Ownership: another connection may re-open the session only with the committed prefix
+    acked: int = 0                  # committed tokens its robot has shown it holds (its open, then each request)
+
+    def acknowledge(self, n_robot: int) -> None:
+        """The robot sent a request built on n_robot committed tokens: it holds that many of ours."""
+        self.acked = max(self.acked, min(n_robot, len(self.state.ids)))
+
+    def proves(self, prompt_ids: list[int]) -> bool:
+        """Whether a re-open from another connection carries this session's committed prefix.
+
+        The robot may be behind us (a result or ar token lost with the link was committed here, never
+        seen there) or ahead (a split correction it drew and still owes): the prompt must hold at least
+        the tokens it acknowledged, and agree with our ids wherever both have one."""
+        ids = self.state.ids
+        n = min(len(ids), len(prompt_ids))
+        return n >= self.acked and list(prompt_ids[:n]) == list(ids[:n])
 
     def generation_ended(self) -> tuple[int, float]:
         """(tokens generated, seconds from the generation's open to its last token) for the SLO metrics."""
@@ -68,6 +84,14 @@ class SessionTable:
         s.last_used = time.monotonic()
         self._sessions.move_to_end(sid)
         return s
+
+    def check_owner(self, sid: str, conn_id: int, prompt_ids: list[int]) -> None:
+        """Raise before any model work if conn_id may not open sid: it is held by another connection,
+        and this open does not carry its committed prefix (a robot back on a new link does)."""
+        s = self._sessions.get(sid)
+        if s is not None and s.conn_id != conn_id and not s.proves(prompt_ids):
+            raise WireError("session_taken", f"session {sid!r} belongs to another connection; re-open it with "
+                            "its committed prefix, or open a new session id", sid)
 
     def check_room(self, sid: str, conn_id: int) -> None:
         """Raise before any model work if conn_id may not hold one more session."""

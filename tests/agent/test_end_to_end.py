@@ -474,3 +474,65 @@ def test_split_survives_a_dropped_link(weak_drafter, server_and_proxy):
         assert proxy.stats()["disconnects_injected"] >= 1
     assert gen.metrics.reconnects >= 1
     assert len(gen.token_ids) == MAX_TOKENS or gen.token_ids[-1] in weak_drafter.eos_ids   # ran to its end
+
+
+def test_a_named_session_whose_link_dropped_between_steps_switches_sid_and_stays_verified(drafter, make_server,
+                                                                                          caplog):
+    """The navigation loop keeps one session name across steps. The link drops between two steps:
+    the next step opens the name on a new connection with a new prompt, which cannot prove the old
+    session's committed prefix (session_taken). The robot switches the name to a fresh sid at once,
+    keeps it for the later steps, and every answer is the target's own, verified by the server."""
+    from agent import decoder as decoder_mod
+
+    caplog.set_level("INFO", logger="agent.decoder")
+    server = make_server()
+    shared = "You are a careful robot. " * 10
+    steps = [drafter.tokenize(shared + f"Observation: {seen}. Task: go to the door.", chat=True)
+             for seen in ("a hallway", "a door on the left", "an open door")]
+    ref = EdgeDecoder(drafter, server.url)
+    try:
+        expected = [ref.generate(ids, mode="ar", max_tokens=12).token_ids for ids in steps]
+    finally:
+        ref.close()
+    robot = EdgeDecoder(drafter, server.url, reconnect=ReconnectPolicy(backoff_s=0.05))
+    try:
+        first = robot.generate(steps[0], mode="sd", gamma=3, max_tokens=12, session="nav-robot")
+        robot.link.close()                                  # the link drops between the two steps
+        second = robot.generate(steps[1], mode="sd", gamma=3, max_tokens=12, session="nav-robot")
+        third = robot.generate(steps[2], mode="sd", gamma=3, max_tokens=12, session="nav-robot")
+    finally:
+        robot.close()
+    assert first.token_ids == expected[0] and second.token_ids == expected[1] and third.token_ids == expected[2]
+    assert second.metrics.session_switches == 1 and second.metrics.rounds >= 1     # verified, not offline
+    assert second.metrics.reconnects == 1
+    switched = robot._sids["nav-robot"]
+    assert switched.startswith("nav-robot.") and switched != "nav-robot"
+    assert third.metrics.session_switches == 0 and third.metrics.reconnects == 0   # the fresh sid, kept
+    assert robot._sid_for("nav-robot") == switched
+    assert [r.levelname for r in caplog.records if "is held by another connection" in r.getMessage()] == ["INFO"]
+    # the names remembered are bounded: the least recent is forgotten (and falls back to its name)
+    for i in range(decoder_mod.MAX_SWITCHED_NAMES):
+        robot._switch_sid(f"other-{i}", f"other-{i}")
+    assert len(robot._sids) == decoder_mod.MAX_SWITCHED_NAMES and robot._sid_for("nav-robot") == "nav-robot"
+
+
+def test_a_refused_open_switches_sid_at_most_once(drafter, make_server, monkeypatch):
+    """session_taken again under the fresh sid: the robot gives up (an error) instead of looping."""
+    from agent.link import ServerError
+
+    server = make_server()
+    robot = EdgeDecoder(drafter, server.url)
+    opened = []
+
+    def refuse(sid, *args, **kwargs):
+        opened.append(sid)
+        raise ServerError("session_taken", "held by another connection", sid)
+
+    monkeypatch.setattr(robot, "_open", refuse)
+    try:
+        with pytest.raises(ServerError) as e:
+            robot.generate(drafter.tokenize(PROMPTS[0][0], chat=True), mode="sd", max_tokens=4, session="nav-x")
+    finally:
+        robot.close()
+    assert e.value.code == "session_taken" and len(opened) == 2
+    assert opened[0] == "nav-x" and opened[1].startswith("nav-x.")

@@ -148,3 +148,22 @@ def test_slo_never_holds_a_critical_request_or_waits_for_an_overdue_robot():
     robot_back_in(s, "gone", NOW - 0.040, gap_s=0.030)          # was due 10 ms ago: it may have left
     s.admit(req("waiting", 5.0))
     assert s.ready(NOW)
+
+
+def test_the_robot_table_forgets_the_longest_silent_robots_never_one_waiting():
+    s = make("slo")                                             # holds 4 * 4 + 64 = 80 robots, then trims a quarter
+    s.answered("shed", 0.1)                                     # its request was shed and it went quiet
+    s.admit(Request("shed", (100, 5), 4.0, math.inf, 0.2))
+    assert [r.sid for r in s.expired(1.0)] == ["shed"]
+    s.answered("flying", 0.3)                                   # its request is in the pass now running
+    s.admit(Request("flying", (100, 5), 4.0, math.inf, 0.4))
+    assert [r.sid for r in s.next_batch(0.4)] == ["flying"]
+    for i in range(4):                                          # answered long ago, but waiting again: the busiest
+        s.answered(f"busy{i}", 0.5 + i)
+        s.admit(Request(f"busy{i}", (100, 5), 4.0, math.inf, 10.0 + i))
+    quiet = [f"quiet{i}" for i in range(80 - len(s._seen) + 1)]
+    for i, sid in enumerate(quiet):                             # answered one after another, none back yet
+        s.answered(sid, 20.0 + i)
+    gone = ["shed"] + quiet[:81 // 4 - 1]                       # the longest silent: no answer since 0.2 s, then oldest
+    assert len(s._seen) == 81 - 81 // 4
+    assert set(s._seen) == {"flying", "busy0", "busy1", "busy2", "busy3", *quiet} - set(gone)

@@ -331,3 +331,32 @@ def test_a_server_without_exits_says_so(make_server, target):
         link.request(wire.Open("x", [1, 2, 3], GREEDY, exits=[26]))
     assert e.value.code == "bad_field"
     link.close()
+
+
+def _round(ws, sid, rnd, committed):
+    """One empty-draft greedy round: commits the target's next token; returns the prefix with it."""
+    ws.send(wire.encode(wire.Verify(sid, rnd, len(committed), [], {"kind": "none"})))
+    result = wire.decode(ws.recv(timeout=30))
+    assert isinstance(result, wire.Result) and result.n_committed == len(committed) + 1, result
+    return committed + [result.token]
+
+
+def test_a_session_is_reopened_only_by_its_connection_or_with_its_committed_prefix(server, target, drafter):
+    ids = drafter.tokenize("Go to the kitchen.", chat=True)
+    owner, other = _raw(server, target), _raw(server, target)
+    assert _open(owner, "mine", ids).n_committed == len(ids)
+    committed = _round(owner, "mine", 0, _round(owner, "mine", 0, ids))
+    # someone else who knows the sid: another prompt, or the prompt without what the session has committed
+    for prompt in (drafter.tokenize("Go to the garage.", chat=True), ids):
+        other.send(wire.encode(wire.Open("mine", prompt, GREEDY)))
+        assert _error(other).code == "session_taken"
+    committed = _round(owner, "mine", 1, committed)             # the owner goes on as if nothing happened
+    # the owner's robot back on a new link, its last result lost with the old one: one round short
+    back = _raw(server, target)
+    assert _open(back, "mine", committed[:-1]).n_committed == len(committed) - 1
+    owner.send(wire.encode(wire.Verify("mine", 2, len(committed), [], {"kind": "none"})))
+    assert _error(owner).code == "unknown_session"              # the session moved with its robot
+    # a prefix that starts with the whole committed one proves it too (a split correction still owed)
+    assert _open(other, "mine", committed).n_committed == len(committed)
+    for ws in (owner, other, back):
+        ws.close()

@@ -1,4 +1,6 @@
 """The session table is bounded, evicts least-recently-used and idle sessions, and isolates connections."""
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
@@ -50,3 +52,37 @@ def test_sessions_belong_to_their_connection():
     t.put(_session("a", conn=2))                    # a re-open moves it
     assert t.get("a", 2).conn_id == 2
     assert t.discard("a", 2) and not t.discard("a", 2)   # closing twice is fine
+
+
+def _owned(sid, ids, acked, conn=1):
+    """A session of conn whose committed prefix is ids; its robot has shown it holds the first `acked`."""
+    s = _session(sid, conn)
+    s.state = SimpleNamespace(ids=list(ids))
+    s.acknowledge(acked)
+    return s
+
+
+def test_another_connection_cannot_take_a_session_without_its_committed_prefix():
+    t = SessionTable(max_sessions=10, max_per_connection=10, idle_timeout_s=60)
+    owner = _owned("a", [1, 2, 3, 4, 5], acked=5)
+    t.put(owner)
+    for prompt in ([1, 2, 3, 9], [9, 9], [1, 2, 3], [1, 2, 3, 4, 6, 7]):     # another prefix, or too little of it
+        with pytest.raises(WireError) as e:
+            t.check_owner("a", 2, prompt)
+        assert e.value.code == "session_taken" and "committed prefix" in e.value.message
+    assert t.get("a", 1) is owner and owner.state.ids == [1, 2, 3, 4, 5]        # the owner never noticed
+    t.check_owner("a", 1, [7, 7])                   # its own connection may start anything on it
+    t.check_owner("b", 2, [7, 7])                   # an unknown sid is anyone's
+
+
+def test_a_robot_back_on_a_new_connection_reopens_with_its_committed_prefix():
+    t = SessionTable(max_sessions=10, max_per_connection=10, idle_timeout_s=60)
+    t.put(_owned("a", [1, 2, 3, 4, 5], acked=5))
+    t.check_owner("a", 2, [1, 2, 3, 4, 5])          # the whole committed prefix
+    t.check_owner("a", 2, [1, 2, 3, 4, 5, 6])       # and a correction it still owes (split)
+    # its last round was committed here but its result was lost with the link: the robot has 5 of our 8
+    t.put(_owned("b", [1, 2, 3, 4, 5, 6, 7, 8], acked=5))
+    t.check_owner("b", 2, [1, 2, 3, 4, 5])
+    t.check_owner("b", 2, [1, 2, 3, 4, 5, 6])       # part of the lost round came through
+    with pytest.raises(WireError):
+        t.check_owner("b", 2, [1, 2, 3, 4, 5, 9])   # a different token where we have one is no proof
