@@ -14,6 +14,9 @@ from .scheduler import POLICIES as SCHEDULERS
 from protocol.wire import DEFAULT_MAX_FRAME_BYTES
 
 
+AUTO_KV_TOKENS = 32768              # 1.4 GiB of float32 KV for SmolLM2-135M; set kv_tokens on a big server
+
+
 @dataclass
 class ServerConfig:
     host: str = "127.0.0.1"
@@ -24,8 +27,9 @@ class ServerConfig:
     device: str = "auto"            # torch: auto | cpu | cuda[:N] (auto: CUDA where present)
     dtype: str = "auto"             # torch: auto | float32 | bfloat16 | float16 (auto: bf16 on CUDA, else f32)
     n_gpu_layers: int = -1          # llamacpp: layers offloaded to the GPU; -1 = all when the build supports it
-    kv_tokens: int = 0              # KV memory in tokens over all sessions; 0 = max_sessions x max_context
-                                    # (llamacpp: the context's cells; torch: slots of max_context each)
+    kv_tokens: int = 0              # KV memory in tokens over all sessions; 0 = max_sessions x max_context, at most
+                                    # AUTO_KV_TOKENS (llamacpp: the context's cells, shared by every session; torch:
+                                    # slots of max_context each). A pass that finds no room is shed (`overloaded`)
     threads: int = 0                # engine threads; 0 = the engine's default
     max_sessions: int = 64          # session table bound; the least recently used is evicted
     max_sessions_per_connection: int = 8
@@ -51,6 +55,10 @@ class ServerConfig:
     batch_memory_mb: int = 2048     # one pass's padded KV and logits; a batch that would exceed it stops growing
     default_slo: float = 0.0        # tokens/s for sessions that open without an slo; 0 = best effort
     estimator: str = "auto"         # verification-time coefficients (JSON); "auto" = models/estimator/<target>.json
+
+    @property
+    def kv_budget(self) -> int:
+        return self.kv_tokens or min(self.max_sessions * self.max_context, AUTO_KV_TOKENS)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

@@ -329,7 +329,7 @@ def target_from_config(config: ServerConfig):
                                             if path is not None else None)
     return load_target(config.target, config.engine, device=config.device, dtype=config.dtype,
                        threads=config.threads, max_sequences=config.max_sessions,
-                       kv_tokens=config.kv_tokens or config.max_sessions * config.max_context,
+                       kv_tokens=config.kv_budget,
                        n_gpu_layers=config.n_gpu_layers, tap_layers=tap_layers, max_len=config.max_context)
 
 

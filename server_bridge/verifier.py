@@ -218,7 +218,10 @@ class Verifier:
             state.passes = 0                              # passes are reported per open / round
             self.target.rewind(state, msg.prompt_ids)     # what is not cached goes with the next round
         else:
-            state = self.target.new_state(msg.prompt_ids, prefill=False)
+            try:
+                state = self.target.new_state(msg.prompt_ids, prefill=False)
+            except EngineFull as e:                       # every sequence or KV slot is held by a live session
+                raise WireError("overloaded", f"{e}: retry later", msg.sid) from None
             if len(msg.prompt_ids) > 1:                   # the prefill: all but the last prompt token
                 job.ext = Extension(state, list(msg.prompt_ids[:-1]), keep=0)
         # A re-opened session draws fresh randomness keyed by where it resumes,

@@ -15,9 +15,11 @@ TEXTS = [
 ]
 
 
-def test_both_sides_tokenize_identically(drafter, target):
-    assert drafter.vocab_size == target.vocab_size
-    assert drafter.vocab_hash == target.vocab_hash
+def test_both_sides_tokenize_identically(drafter, target, torch_target):
+    """llama.cpp (the draft, and the llamacpp engine) and the Hugging Face tokenizer of the torch engine."""
+    assert drafter.vocab_size == target.vocab_size == torch_target.vocab_size
+    assert drafter.vocab_hash == target.vocab_hash == torch_target.vocab_hash
+    target = torch_target
     for text in TEXTS:
         assert drafter.tokenize(text) == target.tokenizer.encode(text, add_special_tokens=False), text
     chat = drafter.apply_chat_template([{"role": "user", "content": "hi"}])

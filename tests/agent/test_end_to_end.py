@@ -387,14 +387,16 @@ def test_until_cuts_every_mode_at_the_same_token(drafter, server_and_proxy, ar_r
         assert got.token_ids == full[:want]
 
 
-def test_a_named_session_keeps_the_shared_prefix_cached_on_the_server(drafter, target, server_and_proxy,
+def test_a_named_session_keeps_the_shared_prefix_cached_on_the_server(drafter, engine_target, server_and_proxy,
                                                                      monkeypatch):
     """The navigation loop's steps share a long prompt prefix: with one session name the server
     prefills only what changed, and the answers stay the target's."""
     _, proxy = server_and_proxy
     fed = []                                             # positions the target ran per forward pass
-    forward = target._forward
-    monkeypatch.setattr(target, "_forward", lambda state, ids, keep: fed.append(len(ids)) or forward(state, ids, keep))
+    engine = engine_target.engine
+    forward = engine.forward
+    monkeypatch.setattr(engine, "forward", lambda batch: fed.append(sum(len(p.new_ids) for p in batch)) or
+                        forward(batch))
     shared = "You are a careful robot. " * 30
     a = drafter.tokenize(shared + "Task: go to the door.", chat=False)
     b = drafter.tokenize(shared + "Task: go to the window.", chat=False)
