@@ -62,6 +62,7 @@ class Target:
         self.kv_bytes_per_token = engine.kv_bytes_per_token
         self.batchable = engine.batchable
         self.tokenizer = engine.tokenizer          # encode(text) -> ids, for tools and tests
+        self.on_device = engine.info.engine == "torch"   # rows are device tensors: the maths runs there
 
     def new_state(self, prompt_ids: list[int], prefill: bool = True) -> TargetState:
         """A state for prompt_ids; with prefill, all but the last prompt token are forwarded now.

@@ -276,16 +276,7 @@ class Verifier:
         session, msg, q = job.session, job.msg, job.q
         state = session.state
         try:
-            if session.params.greedy:                                 # only the argmax ids leave the device
-                verdict = sampling.verify_greedy(np.asarray(msg.draft_ids), self.target.argmax(rows))
-            else:
-                logits = self.target.to_numpy(rows)                   # [k + 1, vocab]
-                p = sampling.probs_from_logits(logits, session.params)
-                if session.payload.kind == "split" and q is not None:     # q: q(x_i) [k]
-                    verdict = sampling.verify_split(np.asarray(msg.draft_ids), q, p, session.rng)
-                else:
-                    q = np.zeros((0, p.shape[1])) if q is None else q     # [k, vocab]
-                    verdict = sampling.verify_sampled(np.asarray(msg.draft_ids), q, p, session.rng)
+            verdict, p_row = self._verdict(session, msg.draft_ids, q, rows)
         except sampling.SamplingError as e:
             raise WireError("bad_probs", str(e), msg.sid) from None
         if msg.fix is not None:                                       # the owed correction, verified with this pass
@@ -296,8 +287,9 @@ class Verifier:
         if verdict.token == sampling.RESIDUAL:
             # The robot draws the correction; until its `fix` comes the cache covers every committed id.
             committed = msg.draft_ids[:verdict.accepted]
-            session.owed = p[verdict.accepted]
-            ids, values = payload.sparse_residual(logits[verdict.accepted], session.owed, session.params)
+            session.owed = p_row(verdict.accepted)                               # p_j [V] on the host
+            logits_j = self.target.to_numpy(rows[verdict.accepted:verdict.accepted + 1])[0]
+            ids, values = payload.sparse_residual(logits_j, session.owed, session.params)
             residual = {"logits": values, "ids": ids}
         else:
             committed = msg.draft_ids[:verdict.accepted] + [verdict.token]
@@ -311,6 +303,32 @@ class Verifier:
             outcome.exit_layer = self.target.n_layers if agreed is None else agreed
             outcome.exit_ms = job.probe.ms
         return outcome
+
+    def _verdict(self, session: Session, draft_ids: list[int], q: np.ndarray | None, rows):
+        """(verdict, p_row) for a round's rows [k + 1, vocab]; p_row(j) is the target's p_j on the host.
+
+        Greedy: only the argmax ids leave the device. Sampled: on a device engine the maths runs
+        there (server_bridge/devmath.py), elsewhere in numpy (protocol/sampling.py, the reference).
+        """
+        params, rng, split = session.params, session.rng, session.payload.kind == "split" and q is not None
+        if params.greedy:
+            return sampling.verify_greedy(np.asarray(draft_ids), self.target.argmax(rows)), None
+        if self.target.on_device:
+            from . import devmath
+
+            p = devmath.probs_from_logits(rows, params)                  # [k + 1, vocab] on the device
+            if split:
+                verdict = devmath.verify_split(draft_ids, q, p, rng)
+            else:
+                verdict = devmath.verify_sampled(draft_ids, np.zeros((0, p.shape[1])) if q is None else q, p, rng)
+            return verdict, lambda j: p[j].double().cpu().numpy()
+        p = sampling.probs_from_logits(self.target.to_numpy(rows), params)
+        if split:                                                        # q: q(x_i) [k]
+            verdict = sampling.verify_split(np.asarray(draft_ids), q, p, rng)
+        else:                                                            # q: [k, vocab]
+            verdict = sampling.verify_sampled(np.asarray(draft_ids), np.zeros((0, p.shape[1])) if q is None else q,
+                                              p, rng)
+        return verdict, lambda j: p[j]
 
     def _exit_pass(self, session: Session, msg: Verify, emit: Callable[[Exit], None] | None) -> ExitPass | None:
         if not session.exits or emit is None or self.exits is None:
@@ -340,6 +358,12 @@ class Verifier:
         session = job.session
         if session.params.greedy:
             token, p = int(self.target.argmax(rows)[0]), 1.0
+        elif self.target.on_device:
+            from . import devmath
+
+            probs = devmath.probs_from_logits(rows[0], session.params)                     # [vocab] on the device
+            token = devmath.sample(probs, session.rng)
+            p = min(1.0, float(probs[token]))
         else:
             probs = sampling.probs_from_logits(self.target.to_numpy(rows)[0], session.params)    # [vocab]
             token = sampling.sample(probs, session.rng)

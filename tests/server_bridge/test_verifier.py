@@ -14,6 +14,12 @@ from server_bridge.verifier import Verifier
 pytestmark = pytest.mark.real
 
 
+@pytest.fixture(scope="module", params=["llamacpp", "torch"])
+def target(request, target):
+    """The statistical test on each engine: numpy maths on llamacpp, the device maths (devmath) on torch."""
+    return target if request.param == "llamacpp" else request.getfixturevalue("torch_target")
+
+
 @pytest.mark.parametrize("spec", [PayloadSpec("full"), PayloadSpec("topk", 2), PayloadSpec("split")], ids=str)
 def test_real_draft_and_target_commit_the_targets_distribution(drafter, target, spec):
     """Draft one token (real Q4_1 q), verify it (real f32 p), over and over from the same prefix.
