@@ -696,8 +696,8 @@ def fleet_capacity(model: str | Path, trace, cfg, *, ns: list[int] | None = None
         for c in cfg.classes:
             while True:
                 lo, hi = capacity(class_passes(points, c))[0] or 0, failed(c)
-                if hi is None or hi - lo <= max(1, int(refine * lo)):
-                    break
+                if hi is None or hi - lo <= max(1, int(refine * lo)) or (lo + hi) // 2 in points:
+                    break                       # (the last: a point without a robot of this class)
                 run((lo + hi) // 2)
     caps = {str(c): capacity(class_passes(points, c)) for c in cfg.classes}
     return {"points": [points[n] for n in sorted(points)], "capacity": {c: v[0] for c, v in caps.items()},
