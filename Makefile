@@ -18,7 +18,7 @@ LLAMA_CMAKE_ARGS ?=
 endif
 WHEELHOUSE ?= $(HOME)/.cache/edgespec/wheels/llama-cpp-python-$(LLAMA_CPP_VERSION)-$(LLAMA_FLAVOUR)
 
-.PHONY: setup demo demo-decoding nav-eval test test-fast bench bench-policy bench-payload bench-fleet profile-verifier predictors clean
+.PHONY: setup demo demo-decoding nav-eval test test-fast bench bench-policy bench-payload bench-fleet profile-verifier predictors llama-server bench-peer clean
 
 setup: $(VENV)/.installed models/build/.ready
 
@@ -80,6 +80,17 @@ profile-verifier: setup
 # Many robots on one verifier: capacity and goodput, FCFS against SLO-aware, both pairs (docs/loadgen/, ~35 min).
 bench-fleet: setup
 	$(BIN)/python -m tools.loadgen --n 2,3,4,6,8,10,12 --policies fcfs,slo --window-s 30 --warmup-s 5
+
+# llama.cpp's own llama-server, built from the llama.cpp inside the same llama-cpp-python sdist (the peer a user
+# would pick instead); cached once per machine beside the wheelhouse. Only the peer benchmark needs it: neither
+# setup nor test builds it (~10 min on 2 cores the first time, instant after).
+llama-server:
+	LLAMA_CPP_VERSION=$(LLAMA_CPP_VERSION) LLAMA_FLAVOUR=$(LLAMA_FLAVOUR) LLAMA_CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" \
+	  bash tools/build_llama_server.sh
+
+# The peer alone: one robot's tokens/s at RTT 0/20/50 ms and the largest fleet per SLO class (bench_results/peer/).
+bench-peer: setup llama-server
+	$(BIN)/python -m tools.peer
 
 # Retrain the shipped rejection predictors: traces of real rounds, then the MLP -> models/predictors/.
 predictors: setup
