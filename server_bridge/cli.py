@@ -40,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
                    "when llama.cpp was built with GPU support)")
     s.add_argument("--kv-tokens", type=int, help="KV memory in tokens over all sessions (default: max-sessions x "
                    "max-context)")
+    s.add_argument("--kv-type", choices=("f16", "f32"), help="llamacpp engine: KV element type (default f16)")
     s.add_argument("--threads", type=int, help="engine threads (llama.cpp or torch)")
     s.add_argument("--max-sessions", type=int)
     s.add_argument("--idle-timeout-s", type=float)
@@ -84,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = ServerConfig.load(args.config, host=args.host, port=args.port, token=token, target=args.target,
                                    engine=args.engine, device=args.device, dtype=args.dtype,
-                                   n_gpu_layers=args.n_gpu_layers, kv_tokens=args.kv_tokens, threads=args.threads, max_sessions=args.max_sessions,
+                                   n_gpu_layers=args.n_gpu_layers, kv_tokens=args.kv_tokens, kv_type=args.kv_type,
+                                   threads=args.threads, max_sessions=args.max_sessions,
                                    idle_timeout_s=args.idle_timeout_s, exits=args.exits,
                                    exit_layers=args.exit_layers, exit_policy=args.exit_policy,
                                    exit_queue=args.exit_queue, exit_bonus_candidates=args.exit_bonus_candidates,

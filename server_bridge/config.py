@@ -30,6 +30,8 @@ class ServerConfig:
     kv_tokens: int = 0              # KV memory in tokens over all sessions; 0 = max_sessions x max_context, at most
                                     # AUTO_KV_TOKENS (llamacpp: the context's cells, shared by every session; torch:
                                     # slots of max_context each). A pass that finds no room is shed (`overloaded`)
+    kv_type: str = "f16"            # llamacpp: KV element type, f16 (llama.cpp's default: 17 vs 24 ms per token
+                                    # here, docs/engine) or f32
     threads: int = 0                # engine threads; 0 = the engine's default
     max_sessions: int = 64          # session table bound; the least recently used is evicted
     max_sessions_per_connection: int = 8
@@ -73,6 +75,8 @@ class ServerConfig:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
+        if self.kv_type not in ("f16", "f32"):
+            raise ValueError(f"kv_type must be f16 or f32, got {self.kv_type!r}")
         if self.kv_tokens < 0 or self.threads < 0:
             raise ValueError("kv_tokens and threads must be >= 0")
         if self.max_draft_len > 256:

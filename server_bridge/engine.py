@@ -135,7 +135,7 @@ def check_batch(batch: list[Pass]) -> None:
 
 def load_engine(target: str, engine: str = "auto", device: str = "auto", dtype: str = "auto", threads: int = 0,
                 max_sequences: int = 64, kv_tokens: int = 0, n_gpu_layers: int = -1,
-                tap_layers: list[int] | None = None, max_len: int = 2048) -> Engine:
+                tap_layers: list[int] | None = None, max_len: int = 2048, kv_type: str = "f16") -> Engine:
     """The target behind one engine.
 
     engine auto: llamacpp for a GGUF target (the shipped smollm2-f32 is one), torch for a Hugging
@@ -158,7 +158,7 @@ def load_engine(target: str, engine: str = "auto", device: str = "auto", dtype: 
         from .engine_llamacpp import LlamaCppEngine
 
         return LlamaCppEngine(src, name, threads=threads, max_sequences=max_sequences, kv_tokens=kv_tokens,
-                              n_gpu_layers=n_gpu_layers, tap_layers=tap_layers or [])
+                              n_gpu_layers=n_gpu_layers, tap_layers=tap_layers or [], kv_type=kv_type)
     if engine == "torch":
         from .engine_torch import TorchEngine
 

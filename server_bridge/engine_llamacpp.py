@@ -95,7 +95,7 @@ class _Tokenizer:
 
 class LlamaCppEngine:
     def __init__(self, path: Path, name: str, threads: int = 0, max_sequences: int = 64, kv_tokens: int = 0,
-                 n_gpu_layers: int = -1, tap_layers: list[int] | None = None, kv_type: str = "f32"):
+                 n_gpu_layers: int = -1, tap_layers: list[int] | None = None, kv_type: str = "f16"):
         import llama_cpp as L
 
         self.L = L

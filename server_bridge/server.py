@@ -330,7 +330,8 @@ def target_from_config(config: ServerConfig):
     return load_target(config.target, config.engine, device=config.device, dtype=config.dtype,
                        threads=config.threads, max_sequences=config.max_sessions,
                        kv_tokens=config.kv_budget,
-                       n_gpu_layers=config.n_gpu_layers, tap_layers=tap_layers, max_len=config.max_context)
+                       n_gpu_layers=config.n_gpu_layers, tap_layers=tap_layers, max_len=config.max_context,
+                       kv_type=config.kv_type)
 
 
 async def run(config: ServerConfig) -> None:
