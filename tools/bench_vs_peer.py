@@ -9,8 +9,8 @@ greedy continuation).
 
 Beside the figures it prints the per-pass costs they come from: draft ms/token (T_p), the target's ms
 per AR token (T_q) and per verify round (T_v), and where SD would pull ahead: SD beats streaming AR when
-n/tau * (RTT + gamma*T_p + T_v) < n * T_q, i.e. when the target/draft cost ratio T_q/T_p exceeds
-gamma / (tau - (RTT + T_v)/T_q).
+(RTT + gamma*T_p + T_v) / tau < T_q, i.e. (with a verify round costing v = T_v/T_q AR tokens, as measured)
+when the target/draft cost ratio T_q/T_p exceeds (gamma + RTT/T_p) / (tau - v).
 
     python -m tools.bench_vs_peer --out docs/peer      # ~10 min on the 2-core development machine
 """
@@ -71,6 +71,11 @@ def ours(prompts: list[list[int]], rtts: list[float], drafts: list[str], n: int,
     return rows
 
 
+def needed_ratio(gamma: int, tau: float, v: float, t_p: float, rtt: float) -> float | str:
+    """The target/draft cost ratio T_q/T_p above which SD outruns streaming AR at this RTT."""
+    return round((gamma + rtt / t_p) / (tau - v), 2) if tau > v else "never (a round costs more than tau AR tokens)"
+
+
 def markdown(result: dict) -> str:
     rtts = result["rtts"]
     lines = [f"# One robot: our verifier (llamacpp engine) against llama-server, {result['target']}", "",
@@ -92,9 +97,9 @@ def markdown(result: dict) -> str:
               f"draft T_p {c['draft_ms_per_token']:.1f} ms/token (Q4_1), target T_q {c['target_ms_per_ar_token']:.1f} "
               f"ms per AR token on our server, {c['peer_ms_per_token']:.1f} ms on llama-server, a verify round "
               f"T_v {c['verify_ms_per_round']:.1f} ms, tau {c['tau']:.2f} (Q4_1, gamma {result['gamma']}).",
-              f"SD beats streaming AR when T_q/T_p > gamma / (tau - (RTT + T_v)/T_q): here, at RTT 0, "
-              f"T_q/T_p = {c['ratio']:.2f} against a needed {c['needed_ratio_rtt0']:.2f}; at 50 ms "
-              f"{c['needed_ratio_rtt50']}."]
+              f"SD beats streaming AR when T_q/T_p > (gamma + RTT/T_p) / (tau - T_v/T_q): here T_q/T_p = "
+              f"{c['ratio']:.2f}, against a needed {c['needed_ratio_rtt0']} at RTT 0 and "
+              f"{c['needed_ratio_rtt50']} at 50 ms."]
     return "\n".join(lines) + "\n"
 
 
@@ -129,16 +134,13 @@ def main(argv: list[str] | None = None) -> int:
     t_q, t_p, t_v, tau = 1e3 / ar["tokens_per_s"], sd["draft_ms_per_round"] / args.gamma, sd["verify_ms_per_round"], \
         sd["tau"]
 
-    def needed(rtt: float) -> str | float:
-        slack = tau - (rtt + t_v) / t_q
-        return round(args.gamma / slack, 2) if slack > 0 else "never (the round alone outlasts tau AR tokens)"
-
     result = {"command": "python -m tools.bench_vs_peer " + " ".join(argv if argv is not None else sys.argv[1:]),
               "target": "smollm2-f32", "rtts": rtts, "prompts": len(prompts), "tokens": args.tokens,
               "gamma": args.gamma, "rows": rows,
               "costs": {"draft_ms_per_token": t_p, "target_ms_per_ar_token": t_q, "verify_ms_per_round": t_v,
                         "peer_ms_per_token": pe.get("server_ms_per_token") or 0.0, "tau": tau, "ratio": t_q / t_p,
-                        "needed_ratio_rtt0": needed(0.0), "needed_ratio_rtt50": needed(50.0)}}
+                        "needed_ratio_rtt0": needed_ratio(args.gamma, tau, t_v / t_q, t_p, 0.0),
+                        "needed_ratio_rtt50": needed_ratio(args.gamma, tau, t_v / t_q, t_p, 50.0)}}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for r in rows:
