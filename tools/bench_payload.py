@@ -162,7 +162,7 @@ def summarize_links(runs: list[dict]) -> list[dict]:
 
 def run_topk(args, prompts: list[dict]) -> dict:
     """beta per position for every draft, temperature and K on target-sampled continuations."""
-    from server_bridge.target import TargetModel        # torch: only this part needs it
+    from server_bridge.target import load_target        # the target: only this part needs it
 
     ks = sorted(set(args.ks) | {payload.DEFAULT_TOPK})
     config = {"temperatures": args.temperatures, "ks": ks, "drafts": args.drafts, "target": args.target,
@@ -170,7 +170,7 @@ def run_topk(args, prompts: list[dict]) -> dict:
               "started": time.strftime("%Y-%m-%d %H:%M:%S")}
     print(f"topk: drafts {args.drafts} x T {args.temperatures} x {len(prompts)} prompts x {args.tokens} "
           f"target-sampled tokens; K {ks} and full", flush=True)
-    target = TargetModel(args.target)
+    target = load_target(args.target)
     drafters = {d: Drafter(d, threads=os.cpu_count() or 1) for d in args.drafts}
     first = drafters[args.drafts[0]]
     betas: dict[tuple[str, float], dict[int | None, list[float]]] = {

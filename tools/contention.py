@@ -36,12 +36,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=12)
     args = ap.parse_args(argv)
     os.sched_setaffinity(0, {args.server_core})
-    import torch
+    from server_bridge.target import load_target
 
-    from server_bridge.target import TargetModel
-
-    torch.set_num_threads(1)
-    target = TargetModel(threads=1)
+    target = load_target(threads=1, max_sequences=4, kv_tokens=4096)
     prompt = list(range(100, 160))
 
     def verify_ms() -> float:

@@ -23,7 +23,7 @@ import torch
 
 from protocol import modelfiles
 from server_bridge.exits import ExitHeads, ExitPass
-from server_bridge.target import TargetModel
+from server_bridge.target import load_target
 
 
 def _ms(fn) -> float:
@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch threads")
     args = ap.parse_args(argv)
 
-    target = TargetModel(threads=args.threads)
+    target = load_target(engine="torch", threads=args.threads, max_sequences=4, max_len=1024)   # exits: torch
     torch.set_num_threads(args.threads)
     heads = ExitHeads.load(modelfiles.models_dir() / "exits" / target.name)
     prompt = target.tokenizer.encode("The robot walked to the kitchen door, stopped, and looked around for")
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def verify(exits: bool, cands_or_none: np.ndarray | None = None, tokens: list[int] = draft) -> tuple[float, float]:
         """(ms of the whole pass, ms of its exits)."""
-        probe = ExitPass(heads, target.model, heads.layers, tokens, cands_or_none) if exits else None
+        probe = ExitPass(heads, target.engine.model, heads.layers, tokens, cands_or_none) if exits else None
         t0 = time.perf_counter()
         target.score(state, tokens, taps=probe.taps if probe else None)
         ms = (time.perf_counter() - t0) * 1e3
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
             bonus.append(probe.reached_bonus)
         return ms, probe.ms if probe else 0.0
 
-    hidden = torch.randn(args.draft + 1, target.model.config.hidden_size)        # [k + 1, hidden]
+    hidden = torch.randn(args.draft + 1, target.engine.hidden_size)        # [k + 1, hidden]
     cand_rows = torch.from_numpy(cands.astype(np.int64))                          # [k, K]
     runs: dict[str, list[float]] = {}
     with torch.inference_mode():
@@ -80,8 +80,8 @@ def main(argv: list[str] | None = None) -> int:
             t["pass_exits_cands"], t["exits_cands"] = verify(True, cands)
             t["exits_cands_rejected_at_0"] = verify(True, cands, wrong)[1]
             t["pass_exits_full"], t["exits_full"] = verify(True, None)
-            t["bonus_full_row"] = _ms(lambda: heads.logits(target.model, heads.layers[-1], hidden[-1:]))
-            t["one_exit_cands"] = _ms(lambda: heads.logits(target.model, heads.layers[-1], hidden[:-1], cand_rows))
+            t["bonus_full_row"] = _ms(lambda: heads.logits(target.engine.model, heads.layers[-1], hidden[-1:]))
+            t["one_exit_cands"] = _ms(lambda: heads.logits(target.engine.model, heads.layers[-1], hidden[:-1], cand_rows))
             if i >= 3:
                 for k, v in t.items():
                     runs.setdefault(k, []).append(v)

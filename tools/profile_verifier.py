@@ -3,7 +3,7 @@
     python -m tools.profile_verifier [--target smollm2-f32] [--batches 240] [--threads 1] [--cpu 1]
                                      [--out docs/estimator] [--model-out models/estimator/<target>.json]
 
-Times `TargetModel.extend` (the pass the server's batcher runs) over a random
+Times `Target.extend` (the pass the server's batcher runs) over a random
 grid of batch shapes: cold members (a prompt of 16-256 tokens, nothing
 cached, as an open's prefill), warm members (a draft of 1-9 tokens on a
 cache of 16-1024 tokens) and mixed batches (one cold among warm), 1-16
@@ -31,8 +31,9 @@ from pathlib import Path
 
 import numpy as np
 
-from server_bridge import estimator, modelfiles
-from server_bridge.target import Extension, TargetModel
+from protocol import modelfiles
+from server_bridge import estimator
+from server_bridge.target import Extension, Target, load_target
 
 WARM_CACHED = (16, 64, 128, 256, 512, 1024)
 COLD_NEW = (16, 32, 64, 128, 256)
@@ -62,7 +63,7 @@ def grid(n: int, rng: np.random.Generator) -> list[dict]:
 class Pool:
     """Warm states by cache length, built once; a batch takes distinct ones and crops them back after."""
 
-    def __init__(self, target: TargetModel, rng: np.random.Generator, per_length: int):
+    def __init__(self, target: Target, rng: np.random.Generator, per_length: int):
         self.target = target
         self.rng = rng
         self.states = {}
@@ -90,7 +91,7 @@ class Pool:
             self.target.rewind(e.state, e.state.ids)        # crop the pass's tokens off again
 
 
-def profile(target: TargetModel, shapes: list[dict], rng: np.random.Generator) -> list[dict]:
+def profile(target: Target, shapes: list[dict], rng: np.random.Generator) -> list[dict]:
     pool = Pool(target, rng, per_length=max(SIZES))
     for shape in shapes[:6]:                                 # warm-up: allocator, thread pool
         batch = pool.batch(shape["members"])
@@ -192,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default=modelfiles.DEFAULT_TARGET)
     ap.add_argument("--batches", type=int, default=240)
-    ap.add_argument("--threads", type=int, default=1, help="torch threads (as the server will run)")
+    ap.add_argument("--threads", type=int, default=1, help="engine threads (as the server will run)")
+    ap.add_argument("--engine", default="auto", help="llamacpp (default for the GGUF target) or torch")
     ap.add_argument("--cpu", type=int, default=1, help="pin to this core (-1: no pinning)")
     ap.add_argument("--bootstrap", type=int, default=1000)
     ap.add_argument("--seed", type=int, default=0)
@@ -203,8 +205,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.cpu >= 0 and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {args.cpu})
     rng = np.random.default_rng(args.seed)
-    target = TargetModel(args.target, threads=args.threads)
-    device = f"{platform.machine()} {os.cpu_count()} cores, torch threads {args.threads}" + \
+    # room for every warm session of the pool, and the cold ones a batch adds
+    target = load_target(args.target, args.engine, threads=args.threads, max_sequences=256,
+                         kv_tokens=max(SIZES) * sum(c + 1 for c in WARM_CACHED) + 32768, max_len=2048)
+    device = f"{platform.machine()} {os.cpu_count()} cores, {target.engine.info.engine} engine, {args.threads} threads" + \
         (f", pinned to core {args.cpu}" if args.cpu >= 0 else "")
     config = {"target": target.name, "device": device, "batches": args.batches, "seed": args.seed,
               "command": "python -m tools.profile_verifier " + " ".join(argv if argv is not None else sys.argv[1:])}

@@ -20,7 +20,7 @@ One file per pair, tools/traces/<draft>__<target>.json, ints only:
                   "target_ids": [...],           # [n] the target's greedy continuation
                   "chains": [[...] * n]}]}       # [n, gamma_max] the draft's greedy chain at each position
 
-The target runs here directly (server_bridge.target.TargetModel, one token per
+The target runs here directly (server_bridge.target.Target on the default engine, one token per
 forward pass on a warm KV cache), the draft through agent.drafter.Drafter.
 """
 from __future__ import annotations
@@ -90,14 +90,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(TRACES))
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
-    from server_bridge.target import TargetModel            # torch: only here
+    from server_bridge.target import load_target
 
     drafts = args.drafts.split(",")
     prompts = load_prompts(args.prompts)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    target = TargetModel(args.target, threads=args.threads)
+    target = load_target(args.target, threads=args.threads, max_sequences=4, kv_tokens=8192)
     drafters = {d: Drafter(d, threads=args.threads) for d in drafts}
     first = drafters[drafts[0]]
     for d, dr in drafters.items():

@@ -127,10 +127,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(modelfiles.models_dir() / "exits"))
     args = ap.parse_args(argv)
     torch.manual_seed(args.seed)
-    from server_bridge.target import TargetModel
+    from server_bridge.target import load_target
 
     t0 = time.perf_counter()
-    target = TargetModel(args.target, threads=args.threads)
+    # the torch engine's model, run here by transformers itself (SDPA attention: no engine passes in this tool)
+    target = load_target(args.target, "torch", threads=args.threads, max_sequences=1, max_len=64).engine
+    target.model.config._attn_implementation = "sdpa"
     model = target.model.requires_grad_(False)
     layers = [int(x) for x in args.layers.split(",")]
     if max(layers) >= target.n_layers:
