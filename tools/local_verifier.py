@@ -22,6 +22,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def stop_process(proc: subprocess.Popen | None) -> None:
+    """SIGTERM, then SIGKILL after 10 s: a server we started never outlives its benchmark."""
+    if proc and proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+
+
 class LocalVerifier:
     def __init__(self, target: str | None = None, cpus: set[int] | None = None, threads: int = 1,
                  token: str = "", start_timeout_s: float = 300.0, extra_args: list[str] = ()):
@@ -62,12 +73,7 @@ class LocalVerifier:
         raise TimeoutError(f"server-bridge did not answer /healthz in {self.start_timeout_s}s:\n{self.log_tail()}")
 
     def __exit__(self, *exc) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+        stop_process(self.proc)
 
     def metrics(self) -> str:
         return urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=5).read().decode()

@@ -55,6 +55,8 @@ from pathlib import Path
 from typing import Callable, Iterable
 from urllib.parse import urlsplit
 
+from tools.local_verifier import free_port, stop_process
+
 VERSION = "0.3.36"                  # llama-cpp-python's sdist; its vendor/llama.cpp is our engine's llama.cpp
 CACHE_ROOT = Path.home() / ".cache" / "edgespec"
 BUILD_SCRIPT = Path(__file__).parent / "build_llama_server.sh"
@@ -102,12 +104,6 @@ def server_version(binary: str | Path) -> str:
     return " ".join(line.strip() for line in out.stdout.splitlines() if line.startswith(("version", "built")))
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class LlamaServer:
@@ -184,13 +180,7 @@ class LlamaServer:
         raise TimeoutError(f"llama-server did not answer /health in {self.start_timeout_s}s:\n{self.log_tail()}")
 
     def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        stop_process(self.proc)
 
     def log_tail(self, n: int = 20) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
