@@ -85,6 +85,7 @@ class Engine(Protocol):
     kv_bytes_per_token: int         # KV of one token in every layer (the memory budget's unit)
     kv_capacity: int                # tokens of KV the engine can hold over all sequences
     batchable: bool                 # False: a batch runs one pass per session (same tokens)
+    tokenizer: Any                  # encode(text) -> ids with the target's vocabulary (tools, tests)
 
     def new_sequence(self) -> Sequence: ...
     def forward(self, batch: list[Pass]) -> list[Any]: ...
