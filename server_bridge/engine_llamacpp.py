@@ -125,7 +125,7 @@ class LlamaCppEngine:
         self.batchable = True
 
         self.tap_names: dict[bytes, int] = {f"l_out-{l - 1}".encode(): l for l in (tap_layers or [])}
-        self._taps: list[tuple[int, int, int, Pass]] | None = None    # the running chunk's (row0, n, keep, pass)
+        self._taps: list[tuple[int, int, Pass]] | None = None         # the running chunk's (first row, rows, pass)
         cparams = L.llama_context_default_params()
         cparams.n_ctx = self.kv_capacity
         cparams.n_batch = cparams.n_ubatch = self.n_batch             # one ubatch per call: tap rows stay in order
@@ -224,26 +224,30 @@ class LlamaCppEngine:
             at += p.keep
         return result
 
-    def _decode(self, chunk: list[tuple[Pass, int]]) -> np.ndarray:
-        """One llama_decode of (pass, index in its new ids) tokens; the logits rows it asked for, in order."""
-        L, b, n = self.L, self.batch, len(chunk)
+    def fill_batch(self, chunk: list[tuple[Pass, int]]) -> tuple[int, list[tuple[int, int, Pass]]]:
+        """Write (pass, index in its new ids) tokens into the llama_batch; (logits rows asked for, tapped rows)."""
+        b, n = self.batch, len(chunk)
         token = np.ctypeslib.as_array(b.token, shape=(n,))
         pos = np.ctypeslib.as_array(b.pos, shape=(n,))
-        n_seq = np.ctypeslib.as_array(b.n_seq_id, shape=(n,))
         want = np.ctypeslib.as_array(b.logits, shape=(n,))
-        n_seq[:] = 1
-        taps: dict[int, tuple[int, int, int, Pass]] = {}
+        np.ctypeslib.as_array(b.n_seq_id, shape=(n,))[:] = 1
+        taps: dict[int, tuple[int, int, Pass]] = {}
         for i, (p, j) in enumerate(chunk):
             token[i] = p.new_ids[j]
             pos[i] = p.start + j
             b.seq_id[i][0] = p.seq.id
             want[i] = j >= len(p.new_ids) - p.keep
-            if p.taps and j >= len(p.new_ids) - p.keep:
-                row0, cnt, _, _ = taps.get(id(p), (i, 0, 0, p))
-                taps[id(p)] = (row0, cnt + 1, 0, p)
+            if p.taps and want[i]:
+                row0, count, _ = taps.get(id(p), (i, 0, p))
+                taps[id(p)] = (row0, count + 1, p)
         b.n_tokens = n
-        n_out = int(want.sum())
-        self._taps = list(taps.values()) or None
+        return int(want.sum()), list(taps.values())
+
+    def _decode(self, chunk: list[tuple[Pass, int]]) -> np.ndarray:
+        """One llama_decode of (pass, index in its new ids) tokens; the logits rows it asked for, in order."""
+        L, b, n = self.L, self.batch, len(chunk)
+        n_out, taps = self.fill_batch(chunk)
+        self._taps = taps or None
         try:
             rc = L.llama_decode(self.ctx, b)
         finally:
@@ -270,7 +274,7 @@ class LlamaCppEngine:
             return False
         name = self._ggml.ggml_get_name(tensor)
         layer = self.tap_names.get(name)
-        if layer is None or not any(layer in (p.taps or {}) for *_, p in taps):
+        if layer is None or not any(layer in (p.taps or {}) for _, _, p in taps):
             return False
         if ask:
             return True
@@ -278,7 +282,7 @@ class LlamaCppEngine:
             n = self._ggml.ggml_nelements(tensor)
             hidden = np.empty((n // self.hidden_size, self.hidden_size), np.float32)   # [tokens, hidden]
             self._ggml.ggml_backend_tensor_get(tensor, hidden.ctypes.data, 0, hidden.nbytes)
-            for row0, count, _, p in taps:
+            for row0, count, p in taps:
                 fn = (p.taps or {}).get(layer)
                 if fn is not None:
                     fn(hidden[row0:row0 + count])                                      # [keep, hidden]

@@ -322,16 +322,11 @@ def target_from_config(config: ServerConfig):
     """The target on the engine the config names, sized by its session and context limits."""
     from .target import load_target
 
-    tap_layers = None
-    if config.exits:                                     # the exits' layers must be known when llama.cpp starts
-        path = modelfiles.resolve_exits(config.exits, config.target)
-        tap_layers = config.exit_layers or (json.loads(path.with_suffix(".json").read_text())["layers"]
-                                            if path is not None else None)
+    # No tap layers: exits run on the torch engine only (verifier.load_exits), and an eval callback
+    # installed on llama.cpp for nothing would be paid on every pass.
     return load_target(config.target, config.engine, device=config.device, dtype=config.dtype,
-                       threads=config.threads, max_sequences=config.max_sessions,
-                       kv_tokens=config.kv_budget,
-                       n_gpu_layers=config.n_gpu_layers, tap_layers=tap_layers, max_len=config.max_context,
-                       kv_type=config.kv_type)
+                       threads=config.threads, max_sequences=config.max_sessions, kv_tokens=config.kv_budget,
+                       n_gpu_layers=config.n_gpu_layers, max_len=config.max_context, kv_type=config.kv_type)
 
 
 async def run(config: ServerConfig) -> None:

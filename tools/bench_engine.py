@@ -78,24 +78,22 @@ def grid(targets: dict, cache: int, iters: int, rng) -> list[dict]:
 
 def bare_decode_ms(target, batch: list[Extension], iters: int) -> float:
     """The same batch as one llama_decode, filled in advance; only the call is timed."""
+    from server_bridge.engine import Pass
+
     engine = target.engine
-    L, b = engine.L, engine.batch
-    flat = [(e, j) for e in batch for j in range(len(e.new_ids))]
+    passes = [Pass(e.state.seq, e.state.cached, list(e.new_ids), e.keep) for e in batch]
+    flat = [(p, j) for p in passes for j in range(len(p.new_ids))]
     times = []
     for _ in range(iters + 1):
         for e in batch:
             engine.truncate(e.state.seq, e.state.cached)
-        for i, (e, j) in enumerate(flat):
-            b.token[i], b.pos[i], b.n_seq_id[i] = e.new_ids[j], e.state.cached + j, 1
-            b.seq_id[i][0] = e.state.seq.id
-            b.logits[i] = j >= len(e.new_ids) - e.keep
-        b.n_tokens = len(flat)
+        engine.fill_batch(flat)                             # the engine's own batch filling, untimed
         t0 = time.perf_counter()
-        if L.llama_decode(engine.ctx, b) != 0:
+        if engine.L.llama_decode(engine.ctx, engine.batch) != 0:
             raise RuntimeError("llama_decode failed")
         times.append(time.perf_counter() - t0)
         for e in batch:                                     # the engine did not see this pass: undo it
-            L.llama_memory_seq_rm(engine.mem, e.state.seq.id, e.state.cached, -1)
+            engine.L.llama_memory_seq_rm(engine.mem, e.state.seq.id, e.state.cached, -1)
     return 1e3 * statistics.median(times[1:])
 
 
