@@ -22,7 +22,10 @@ setup(
                   "pyserial>=3.5"],
         # The verifier. torch is pinned to the CPU build on this machine's disk; on a GPU server install
         # the CUDA build of the same version first.
-        "server": ["torch==2.13.0", "transformers>=5.0,<6", "gguf>=0.10", "accelerate>=1.0", "safetensors", "tqdm"],
+        "server": ["torch==2.13.0", "transformers>=5.0,<6", "gguf>=0.10", "accelerate>=1.0", "safetensors", "tqdm",
+                   "threadpoolctl"],
+        # A verifier on the llamacpp engine only (early exits in numpy over the GGUF): no torch, no transformers.
+        "server-llamacpp": ["llama-cpp-python==0.3.36", "gguf>=0.10", "safetensors", "threadpoolctl"],
         # onnx and scikit-learn: tools/train_predictor.py (export; the tree baseline).
         "dev": ["pytest>=8", "pytest-timeout", "scipy", "matplotlib", "onnx>=1.15", "scikit-learn>=1.3"],
     },

@@ -109,6 +109,7 @@ class LlamaCppEngine:
         if not self.model:
             raise RuntimeError(f"llama.cpp could not load {path}")
         self.name = name
+        self.path = Path(path)                                        # the exits read its norm and LM head
         vocab = L.llama_model_get_vocab(self.model)
         self.vocab_size = int(L.llama_vocab_n_tokens(vocab))
         self.tokenizer = _Tokenizer(vocab)
@@ -156,6 +157,11 @@ class LlamaCppEngine:
                  "GPU offload %s, exits tapped at %s)", name, time.perf_counter() - t0, self.n_layers,
                  self.vocab_size, self.max_sequences, self.kv_capacity, kv_type, self.threads,
                  self.info.extra["n_gpu_layers"] if gpu else "not built in", sorted(self.tap_names.values()) or "none")
+
+    @property
+    def tapped(self) -> list[int]:
+        """The decoder blocks whose output the eval callback reads (early exits), 1-based."""
+        return sorted(self.tap_names.values())
 
     # ------------------------------------------------------------------ sequences
 

@@ -1,5 +1,5 @@
-"""Early-exit adapters for the target (FSD): after chosen layers, a small residual adapter whose
-output goes through the target's own final norm and LM head. Base weights stay frozen.
+"""Early exits for FSD: after chosen layers of the target, a small residual adapter whose output goes
+through the target's own final norm and LM head. Base weights stay frozen. No torch here.
 
 An exit's verdict is a hint for pre-drafting on the robot; only the final
 layer decides what is committed, so exits never affect exactness. To keep them
@@ -8,42 +8,32 @@ draft's top-K): one full-vocabulary head over 5 positions costs about as much
 as a sixth of the whole verify pass on this CPU (DESIGN.md).
 
 Layer numbering: exit `l` reads the residual stream after decoder block `l`
-(1-based), i.e. `hidden_states[l]` of a transformers forward pass.
+(1-based), i.e. `hidden_states[l]` of a transformers forward pass and
+`l_out-<l - 1>` of a llama.cpp graph.
 
-During a verify pass, `ExitPass` scores the enabled exits from forward hooks
-(`TargetModel.score(..., taps=...)`) as the pass goes, and hands each new
-verdict to a callback at once, before the final layer has run.
+The heads come in two forms with one method, `logits(layer, hidden, candidates)`:
+- `NumpyExitHeads` (here): for the llamacpp engine, the adapters in numpy and the
+  final norm and LM head read from the target's own GGUF (memory-mapped, so the
+  pages are the ones llama.cpp already maps);
+- `exits_torch.TorchExitScorer`: the trained `nn.Module`s on the torch engine's device.
+During a verify pass the engine hands `ExitPass` the exit layers' rows as it
+computes them (forward hooks on torch, the eval callback on llama.cpp), and each
+new verdict goes to a callback at once, before the final layer has run.
 
-What that costs, per verify pass of a 4-token draft on 1 torch thread (medians
-of 40 interleaved runs on the 2-core development machine, shared with other
-work at the time; `python -m tools.exit_cost --draft 4 --cands 8 --iters 40`):
-
-  pass without exits                                     96.1 ms
-  pass with exits at 12, 18, 22, 26 on K=8 candidates   108.1 ms
-    of it in the exits, draft accepted in full (bonus)   11.6 ms
-    of it in the exits, draft rejected at row 0           2.8 ms
-  the bonus row's 1-row full-vocabulary head              8.5 ms  (once per pass)
-  one exit's candidate scoring, 4 rows x 8                0.6 ms
-  pass with the same 4 exits on the full vocabulary     178.5 ms  (exits 79.6 ms)
-
-So exits score candidates only; the one full-head row at the bonus position
-is most of their cost when the draft is accepted.
+Costs are measured by `python -m tools.exit_cost` (see its docstring and the README).
 """
 from __future__ import annotations
 
 import functools
 import json
 import logging
-import math
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Protocol
 
 import numpy as np
-import torch
-import torch.nn.functional as F
-from torch import nn
 
 log = logging.getLogger(__name__)
 
@@ -62,72 +52,92 @@ class ExitConfig:
         if self.rank < 1:
             raise ValueError("rank must be >= 1")
 
+    @classmethod
+    def load(cls, path: str | Path) -> "ExitConfig":
+        """The config saved beside the adapters (path with or without its suffix)."""
+        return cls(**json.loads(Path(path).with_suffix(".json").read_text()))
 
-class ExitAdapter(nn.Module):
-    """h -> h + up(silu(down(h))); `up` starts at zero, so an untrained exit is the plain logit lens."""
-
-    def __init__(self, hidden: int, rank: int):
-        super().__init__()
-        self.down = nn.Linear(hidden, rank, bias=False)
-        self.up = nn.Linear(rank, hidden, bias=False)
-        nn.init.zeros_(self.up.weight)
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:       # [..., hidden] -> [..., hidden]
-        return h + self.up(F.silu(self.down(h)))
+    def pick(self, layers: list[int] | None) -> list[int]:
+        """The layers to run: all trained ones, or the subset asked for (an error names the missing)."""
+        if layers is None:
+            return list(self.layers)
+        missing = set(layers) - set(self.layers)
+        if missing:
+            raise ValueError(f"no trained exit at layers {sorted(missing)}; available: {self.layers}")
+        return sorted(set(layers))
 
 
-class ExitHeads(nn.Module):
-    def __init__(self, config: ExitConfig):
-        super().__init__()
+class ExitScorer(Protocol):
+    """What ExitPass needs of the heads: exit logits as numpy float32."""
+    layers: list[int]
+
+    def logits(self, layer: int, hidden: Any, candidates: np.ndarray | None = None) -> np.ndarray:
+        """hidden [n, H] (the engine's rows) -> [n, vocab], or [n, K] for candidates [n, K] token ids."""
+        ...
+
+
+class NumpyExitHeads:
+    """The exit heads in numpy over the target's GGUF: h -> norm(h + up(silu(down(h)))) -> LM head rows.
+
+    The same function as `exits_torch.ExitHeads` (tests/server_bridge/test_exits.py compares them).
+    """
+
+    def __init__(self, config: ExitConfig, adapters: dict[int, tuple[np.ndarray, np.ndarray]],
+                 norm: np.ndarray, eps: float, head: np.ndarray):
         self.config = config
-        self.adapters = nn.ModuleDict({str(l): ExitAdapter(config.hidden, config.rank) for l in config.layers})
+        self.layers = sorted(adapters)
+        self.adapters = adapters              # layer -> (down [rank, H], up [H, rank]), float32
+        self.norm = norm                      # [H] the final RMSNorm's weight
+        self.eps = eps
+        self.head = head                      # [vocab, H] the LM head (memory-mapped; tied to the embeddings)
 
-    @property
-    def layers(self) -> list[int]:
-        return self.config.layers
+    def features(self, layer: int, hidden: np.ndarray) -> np.ndarray:
+        """final_norm(adapter(hidden)): [n, H] -> [n, H] float32."""
+        down, up = self.adapters[layer]
+        h = np.asarray(hidden, np.float32)
+        z = h @ down.T
+        h = h + (z * 0.5 * (1.0 + np.tanh(0.5 * z))) @ up.T                      # silu, without exp overflow
+        return h / np.sqrt(np.mean(h * h, axis=-1, keepdims=True) + self.eps) * self.norm
 
-    def features(self, model, layer: int, hidden: torch.Tensor) -> torch.Tensor:
-        """What the LM head sees at this exit: final_norm(adapter(hidden)), [n, hidden] -> [n, hidden]."""
-        return model.model.norm(self.adapters[str(layer)](hidden))
-
-    def logits(self, model, layer: int, hidden: torch.Tensor,
-               candidates: torch.Tensor | None = None) -> torch.Tensor:
-        """Exit logits at `layer` for hidden [n, hidden].
-
-        candidates None -> [n, vocab]; candidates [n, K] token ids -> [n, K] (only those rows of the head).
-        """
-        h = self.features(model, layer, hidden)                           # [n, hidden]
-        weight = model.lm_head.weight                                     # [vocab, hidden]
+    def logits(self, layer: int, hidden: np.ndarray, candidates: np.ndarray | None = None) -> np.ndarray:
+        h = self.features(layer, hidden)
         if candidates is None:
-            return h @ weight.T
-        return torch.einsum("nh,nkh->nk", h, weight[candidates])
-
-    def save(self, path: str | Path) -> None:
-        from safetensors.torch import save_file
-
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.detach().contiguous() for k, v in self.state_dict().items()}, str(path.with_suffix(".safetensors")))
-        path.with_suffix(".json").write_text(json.dumps(asdict(self.config), indent=1))
+            return h @ self.head.T
+        return np.einsum("nh,nkh->nk", h, self.head[candidates])
 
     @classmethod
-    def load(cls, path: str | Path, layers: list[int] | None = None) -> "ExitHeads":
-        """Load saved adapters; `layers` keeps a subset of them (the robot's --exits)."""
-        from safetensors.torch import load_file
+    def load(cls, path: str | Path, gguf_path: str | Path, layers: list[int] | None = None) -> "NumpyExitHeads":
+        """Adapters saved by tools/train_exits.py; the final norm and LM head from the target's GGUF."""
+        import gguf
+        import threadpoolctl
+        from safetensors.numpy import load_file
+
+        # The heads run inside llama.cpp's pass, on its thread and cores. OpenBLAS's own threads keep
+        # spinning there after a matmul and slow the pass itself (a 1-thread pass on one core went
+        # from ~40 to ~116 ms), so numpy's BLAS gets one thread in this process.
+        threadpoolctl.threadpool_limits(1, user_api="blas")
 
         path = Path(path)
-        config = ExitConfig(**json.loads(path.with_suffix(".json").read_text()))
-        heads = cls(config)
-        heads.load_state_dict(load_file(str(path.with_suffix(".safetensors"))))
-        if layers is not None:
-            missing = set(layers) - set(config.layers)
-            if missing:
-                raise ValueError(f"no trained exit at layers {sorted(missing)}; available: {config.layers}")
-            keep = ExitHeads(ExitConfig(sorted(layers), config.hidden, config.rank, config.target, config.info))
-            for l in layers:
-                keep.adapters[str(l)].load_state_dict(heads.adapters[str(l)].state_dict())
-            heads = keep
-        return heads.eval().requires_grad_(False)
+        config = ExitConfig.load(path)
+        tensors = load_file(str(path.with_suffix(".safetensors")))
+        adapters = {l: (tensors[f"adapters.{l}.down.weight"].astype(np.float32),
+                        tensors[f"adapters.{l}.up.weight"].astype(np.float32)) for l in config.pick(layers)}
+        reader = gguf.GGUFReader(str(gguf_path))
+        arch = reader.fields["general.architecture"].contents()
+        eps = float(reader.fields[f"{arch}.attention.layer_norm_rms_epsilon"].contents())
+        weights = {t.name: t for t in reader.tensors if t.name in ("output_norm.weight", "output.weight",
+                                                                    "token_embd.weight")}
+        if "output_norm.weight" not in weights:
+            raise ValueError(f"{gguf_path} has no output_norm.weight: not a llama-like model")
+
+        def read(name: str) -> np.ndarray:
+            t = weights[name]
+            if t.tensor_type in (gguf.GGMLQuantizationType.F32,):
+                return t.data
+            return gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+
+        head = read("output.weight" if "output.weight" in weights else "token_embd.weight")
+        return cls(config, adapters, read("output_norm.weight").astype(np.float32), eps, head)
 
 
 # --------------------------------------------------------------------------- verdicts during a verify pass
@@ -164,7 +174,7 @@ def first_rejection(draft_ids: np.ndarray, best_ids: np.ndarray) -> int:
 
 
 class ExitPass:
-    """The enabled exits of one verify pass, scored from forward hooks while the pass runs.
+    """The enabled exits of one verify pass, scored from the engine's taps while the pass runs.
 
     Row i of the pass (i = 0..k) is the position after draft[:i]. At each exit
     the greedy rule decides: a = first_rejection(draft, argmax of rows 0..k-1),
@@ -180,11 +190,10 @@ class ExitPass:
     is logged once and the remaining exits of the pass are skipped.
     """
 
-    def __init__(self, heads: ExitHeads, model, layers: list[int], draft_ids: list[int],
+    def __init__(self, heads: ExitScorer, layers: list[int], draft_ids: list[int],
                  cands: np.ndarray | None = None, bonus_candidates: int = 16,
                  emit: Callable[[ExitVerdict], None] | None = None):
         self.heads = heads
-        self.model = model
         self.layers = list(layers)
         self.draft_ids = list(draft_ids)            # [k]
         self.cands = cands                          # [k, K] int32 or None (full vocabulary)
@@ -193,13 +202,13 @@ class ExitPass:
         self.verdicts: list[ExitVerdict] = []       # every exit that ran, emitted or not, in layer order
         self.ms = 0.0                               # time spent in exit heads (and emit) this pass
         self.failed = False                         # an exit raised: the rest of the pass runs without exits
-        self._rows: tuple[torch.Tensor, torch.Tensor] | None = None   # candidate ids, dup mask [k, K + 1]
-        self._bonus_ids: torch.Tensor | None = None                     # [bonus_candidates] once the full row ran
+        self._rows: tuple[np.ndarray, np.ndarray] | None = None     # candidate ids, dup mask [k, K + 1]
+        self._bonus_ids: np.ndarray | None = None                   # [bonus_candidates] once the full row ran
         self._last_sent: list[int] | None = None
 
     @property
-    def taps(self) -> dict[int, Callable[[torch.Tensor], None]]:
-        """layer -> hook body, for `TargetModel.score(..., taps=...)`."""
+    def taps(self) -> dict[int, Callable[[Any], None]]:
+        """layer -> tap body, for `Target.score(..., taps=...)`."""
         return {l: functools.partial(self._tap, l) for l in self.layers}
 
     @property
@@ -211,7 +220,7 @@ class ExitPass:
         """The earliest exit whose verdict equals the final one (tokens = committed this round), if any."""
         return next((v.layer for v in self.verdicts if v.tokens == list(tokens)), None)
 
-    def _tap(self, layer: int, hidden: torch.Tensor) -> None:      # hidden [k + 1, hidden]
+    def _tap(self, layer: int, hidden: Any) -> None:      # hidden [k + 1, H]
         if self.failed:
             return
         t0 = time.perf_counter()
@@ -228,46 +237,44 @@ class ExitPass:
         finally:
             self.ms += (time.perf_counter() - t0) * 1e3
 
-    def score(self, layer: int, hidden: torch.Tensor) -> ExitVerdict:
-        """The greedy verdict of exit `layer` on the pass's draft rows, hidden [k + 1, hidden]."""
+    def score(self, layer: int, hidden: Any) -> ExitVerdict:
+        """The greedy verdict of exit `layer` on the pass's draft rows, hidden [k + 1, H]."""
         k = len(self.draft_ids)
         if hidden.ndim != 2 or hidden.shape[0] != k + 1:
             raise ValueError(f"exit {layer}: expected hidden [k + 1 = {k + 1}, H], got {list(hidden.shape)}")
         accepted = k
         if k:
             ids, dup = self._candidates()                                   # [k, K + 1] each, or None
-            logits = self.heads.logits(self.model, layer, hidden[:k], ids)  # [k, K + 1] or [k, vocab]
+            logits = self.heads.logits(layer, hidden[:k], ids)              # [k, K + 1] or [k, vocab]
             if dup is not None:
-                logits = logits.masked_fill(dup, -math.inf)
+                logits = np.where(dup, -np.inf, logits)
             best = logits.argmax(-1)                                        # [k] column index
-            best_ids = best if ids is None else ids.gather(1, best[:, None])[:, 0]
-            accepted = first_rejection(np.asarray(self.draft_ids), best_ids.cpu().numpy())
+            best_ids = best if ids is None else np.take_along_axis(ids, best[:, None], 1)[:, 0]
+            accepted = first_rejection(np.asarray(self.draft_ids), best_ids)
         if accepted < k:
             row_ids, row = (None if ids is None else ids[accepted]), logits[accepted]
         else:
             row_ids, row = self._bonus_row(layer, hidden[k:])
-        probs = torch.softmax(row.float(), -1)                                    # over this row's candidates
-        j = int(probs.argmax())
-        confidence = float(probs[j])
-        if not math.isfinite(confidence):
+        row = np.asarray(row, np.float64)
+        j = int(row.argmax())
+        confidence = 1.0 / float(np.exp(row - row[j]).sum())             # softmax over this row's candidates
+        if not np.isfinite(confidence):
             raise ValueError(f"exit {layer}: non-finite confidence {confidence}")
         token = j if row_ids is None else int(row_ids[j])
         return ExitVerdict(layer, accepted, self.draft_ids[:accepted] + [token], min(1.0, confidence))
 
-    def _candidates(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def _candidates(self) -> tuple[np.ndarray | None, np.ndarray | None]:
         if self.cands is None:
             return None, None
         if self._rows is None:
-            ids, dup = candidate_rows(np.asarray(self.draft_ids), np.asarray(self.cands))
-            dev = self.model.lm_head.weight.device
-            self._rows = torch.from_numpy(ids).to(dev), torch.from_numpy(dup).to(dev)
+            self._rows = candidate_rows(np.asarray(self.draft_ids), np.asarray(self.cands))
         return self._rows
 
-    def _bonus_row(self, layer: int, hidden: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """(candidate ids or None for all, logits) of the bonus row; hidden [1, hidden]."""
+    def _bonus_row(self, layer: int, hidden: Any) -> tuple[np.ndarray | None, np.ndarray]:
+        """(candidate ids or None for all, logits) of the bonus row; hidden [1, H]."""
         if self._bonus_ids is None:
-            row = self.heads.logits(self.model, layer, hidden)[0]           # [vocab]: once per pass
-            top = torch.topk(row, min(self.bonus_candidates, row.shape[0])).indices
-            self._bonus_ids = torch.sort(top).values                        # ascending: ties as in the full head
+            row = self.heads.logits(layer, hidden)[0]                       # [vocab]: once per pass
+            n = min(self.bonus_candidates, row.shape[0])
+            self._bonus_ids = np.sort(np.argpartition(row, -n)[-n:])       # ascending: ties as in the full head
             return None, row
-        return self._bonus_ids, self.heads.logits(self.model, layer, hidden, self._bonus_ids[None])[0]
+        return self._bonus_ids, self.heads.logits(layer, hidden, self._bonus_ids[None])[0]

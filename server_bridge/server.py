@@ -27,6 +27,7 @@ import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 from http import HTTPStatus
+from pathlib import Path
 
 from websockets.asyncio.server import ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
@@ -39,7 +40,7 @@ from .metrics import ServerMetrics
 from .outbox import Outbox
 from .scheduler import Scheduler, deadline
 from .sessions import Session, SessionTable
-from .verifier import Job, Verifier, slo_class
+from .verifier import Job, Verifier, exit_taps, slo_class
 
 log = logging.getLogger(__name__)
 
@@ -322,11 +323,12 @@ def target_from_config(config: ServerConfig):
     """The target on the engine the config names, sized by its session and context limits."""
     from .target import load_target
 
-    # No tap layers: exits run on the torch engine only (verifier.load_exits), and an eval callback
-    # installed on llama.cpp for nothing would be paid on every pass.
+    # llama.cpp taps only the exits' layers, and none when exits are off: its eval callback is
+    # then not installed at all
     return load_target(config.target, config.engine, device=config.device, dtype=config.dtype,
                        threads=config.threads, max_sequences=config.max_sessions, kv_tokens=config.kv_budget,
-                       n_gpu_layers=config.n_gpu_layers, max_len=config.max_context, kv_type=config.kv_type)
+                       n_gpu_layers=config.n_gpu_layers, max_len=config.max_context, kv_type=config.kv_type,
+                       tap_layers=exit_taps(config, Path(config.target).name))
 
 
 async def run(config: ServerConfig) -> None:

@@ -14,19 +14,18 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from protocol import modelfiles, payload, sampling
-from .config import ServerConfig
-from .sessions import Session
-from .engine import EngineFull
-from .target import Extension, Target
 from protocol.wire import Exit, Open, Verify, WireError
 
-if TYPE_CHECKING:                       # torch: imported only where the torch engine runs exits
-    from .exits import ExitHeads, ExitPass, ExitVerdict
+from .config import ServerConfig
+from .engine import EngineFull
+from .exits import ExitConfig, ExitPass, ExitScorer, ExitVerdict, NumpyExitHeads
+from .sessions import Session
+from .target import Extension, Target
 
 log = logging.getLogger(__name__)
 
@@ -334,12 +333,10 @@ class Verifier:
         if not session.exits or emit is None or self.exits is None:
             return None
 
-        from .exits import ExitPass
-
         def send(v: ExitVerdict) -> None:
             emit(Exit(msg.sid, msg.round, v.layer, v.tokens, v.confidence))
 
-        return ExitPass(self.exits, self.target.engine.model, session.exits, msg.draft_ids, msg.cands,
+        return ExitPass(self.exits, session.exits, msg.draft_ids, msg.cands,
                         self.config.exit_bonus_candidates, send)
 
     def _prepare_ar(self, job: Job) -> None:
@@ -445,32 +442,47 @@ def _check_live(session: Session) -> None:
         raise WireError("unknown_session", f"session {session.sid!r} was re-opened elsewhere", session.sid)
 
 
-def load_exits(config: ServerConfig, target: Target) -> ExitHeads | None:
-    """The early-exit adapters the config names (config.exits, config.exit_layers), or None for none.
+def exit_taps(config: ServerConfig, target_name: str) -> list[int]:
+    """The layers a llamacpp engine must tap for the exits the config enables ([]: no eval callback)."""
+    path = modelfiles.resolve_exits(config.exits, target_name)
+    return [] if path is None else ExitConfig.load(path).pick(config.exit_layers or None)
 
-    Exits run on the torch engine only. The llamacpp engine can tap the layers (its eval callback
-    costs 0.2-1.7 ms on a 17-40 ms pass, docs/engine), but the exit heads (server_bridge/exits.py)
-    are torch modules; a numpy port of them is what exits on llamacpp still need.
+
+def load_exits(config: ServerConfig, target: Target) -> ExitScorer | None:
+    """The early-exit heads the config names (config.exits, config.exit_layers), or None for none.
+
+    On the torch engine the trained modules run on the model's device and dtype; on the llamacpp
+    engine the same adapters run in numpy over the GGUF's own norm and LM head, fed by the
+    engine's eval callback, which must tap their layers (load the engine with
+    `tap_layers=exit_taps(config, name)`, as `server.target_from_config` does).
     """
     path = modelfiles.resolve_exits(config.exits, target.name)
-    if path is not None and target.engine.info.engine != "torch":
-        if config.exits != "auto":
-            raise ValueError("early exits run on the torch engine only: serve with --engine torch, or --exits ''")
-        log.info("early exits off on the %s engine (they run on --engine torch)", target.engine.info.engine)
-        return None
     if path is None:
         log.info("early exits off (exits=%r, target %s)", config.exits, target.name)
         return None
-    from .exits import ExitHeads
+    engine = target.engine
+    if engine.info.engine == "torch":
+        from .exits_torch import ExitHeads, TorchExitScorer
 
-    heads = ExitHeads.load(path, config.exit_layers or None)
-    heads.to(device=target.engine.device, dtype=target.engine.dtype)
-    hidden = target.engine.hidden_size
-    if heads.config.hidden != hidden or heads.layers[-1] > target.n_layers:
-        raise ValueError(f"exit adapters at {path} (hidden {heads.config.hidden}, layers {heads.layers}) do not fit "
-                         f"the target {target.name} (hidden {hidden}, {target.n_layers} layers)")
-    if heads.config.target and heads.config.target != target.name:
-        log.warning("exit adapters at %s were trained for %s, the target is %s", path, heads.config.target,
+        heads = ExitHeads.load(path, config.exit_layers or None)
+        heads.to(device=engine.device, dtype=engine.dtype)
+        scorer = TorchExitScorer(heads, engine.model)
+    else:
+        need = ExitConfig.load(path).pick(config.exit_layers or None)
+        if not set(need) <= set(engine.tapped):
+            why = (f"the llamacpp engine taps layers {engine.tapped}, the exits need {need}: load it with "
+                   "tap_layers=exit_taps(config, name)")
+            if config.exits != "auto":
+                raise ValueError(why)
+            log.warning("early exits off: %s", why)
+            return None
+        scorer = NumpyExitHeads.load(path, engine.path, need)
+    hidden = engine.hidden_size
+    if scorer.config.hidden != hidden or scorer.layers[-1] > target.n_layers:
+        raise ValueError(f"exit adapters at {path} (hidden {scorer.config.hidden}, layers {scorer.layers}) do not "
+                         f"fit the target {target.name} (hidden {hidden}, {target.n_layers} layers)")
+    if scorer.config.target and scorer.config.target != target.name:
+        log.warning("exit adapters at %s were trained for %s, the target is %s", path, scorer.config.target,
                     target.name)
-    log.info("early exits at layers %s from %s", heads.layers, path)
-    return heads
+    log.info("early exits at layers %s from %s on the %s engine", scorer.layers, path, engine.info.engine)
+    return scorer

@@ -42,9 +42,13 @@ class ThreadedServer:
 
 @pytest.fixture(scope="session")
 def target():
+    """The default target on the default engine (llamacpp), tapped at the exits' layers as `serve` does."""
+    from protocol import modelfiles
     from server_bridge.target import load_target
+    from server_bridge.verifier import exit_taps
 
-    return load_target(threads=1, max_sequences=32, kv_tokens=16384)
+    return load_target(threads=1, max_sequences=32, kv_tokens=16384,
+                       tap_layers=exit_taps(ServerConfig(), modelfiles.DEFAULT_TARGET))
 
 
 @pytest.fixture(scope="session")

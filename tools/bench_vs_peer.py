@@ -30,7 +30,9 @@ from tools import peer
 from tools.local_verifier import LocalVerifier
 from tools.netem import LinkProfile, NetemProxy
 
-MODES = ("ar", "sd", "fsd", "sd predictor+optimal")
+MODES = ("ar", "sd", "fsd", "fsd without exits", "sd predictor+optimal")
+LABELS = {"ar": "ours AR", "sd": "ours SD", "fsd": "ours FSD", "fsd without exits": "ours FSD without exits",
+          "sd predictor+optimal": "ours SD predictor+optimal"}
 
 
 def ours(prompts: list[list[int]], rtts: list[float], drafts: list[str], n: int, gamma: int, log) -> list[dict]:
@@ -38,7 +40,7 @@ def ours(prompts: list[list[int]], rtts: list[float], drafts: list[str], n: int,
     with LocalVerifier(cpus={1}, threads=1) as server, NetemProxy("127.0.0.1", server.port) as link:
         os.sched_setaffinity(0, {0})
         drafters = {d: Drafter(d, threads=1) for d in drafts}
-        dec = {(d, m): EdgeDecoder(dr, link.url(), fsd=FsdOptions(workers=1),
+        dec = {(d, m): EdgeDecoder(dr, link.url(), fsd=FsdOptions(workers=1, exits=() if "without" in m else None),
                                    policy=DraftPolicy("predictor+optimal") if "predictor" in m else DraftPolicy())
                for d, dr in drafters.items() for m in MODES}
         for (d, m), x in dec.items():                                    # warm-up
@@ -53,8 +55,7 @@ def ours(prompts: list[list[int]], rtts: list[float], drafts: list[str], n: int,
                     tok = sum(len(g.token_ids) for g in gens)
                     wall = sum(g.metrics.wall_s for g in gens)
                     rounds = sum(g.metrics.rounds for g in gens)
-                    row = {"rtt_ms": rtt, "mode": f"ours {m.upper()}" if m != "sd predictor+optimal" else
-                           "ours SD predictor+optimal", "draft": None if m == "ar" else d, "tokens": tok,
+                    row = {"rtt_ms": rtt, "mode": LABELS[m], "draft": None if m == "ar" else d, "tokens": tok,
                            "wall_s": wall, "tokens_per_s": tok / wall, "tau": tok / rounds if rounds else None,
                            "verify_ms_per_round": sum(g.metrics.verify_ms for g in gens) / max(rounds, 1),
                            "draft_ms_per_round": sum(g.metrics.draft_ms for g in gens) / max(rounds, 1),

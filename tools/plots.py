@@ -28,3 +28,27 @@ def line_plot(path: Path, series: list[tuple[str, list, list]], xlabel: str, yla
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def bar_plot(path: Path, groups: list[str], series: dict[str, list[float]], ylabel: str, title: str = "") -> None:
+    """Grouped bars: one group per label in `groups`, one bar per series (name -> a value per group)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    width = 0.8 / max(1, len(series))
+    x = np.arange(len(groups))
+    for i, (name, ys) in enumerate(series.items()):
+        ax.bar(x + (i - (len(series) - 1) / 2) * width, ys, width, label=name)
+    ax.set_xticks(x, groups, fontsize=8)
+    ax.set_ylabel(ylabel)
+    if title:
+        ax.set_title(title)
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -31,7 +31,8 @@ import torch
 from tqdm import tqdm
 
 from protocol import modelfiles
-from server_bridge.exits import ExitConfig, ExitHeads
+from server_bridge.exits import ExitConfig
+from server_bridge.exits_torch import ExitHeads
 from tools.plots import line_plot
 
 PROMPTS = Path(__file__).parent / "prompts"

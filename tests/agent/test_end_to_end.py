@@ -25,7 +25,7 @@ MAX_TOKENS = 24
 
 @pytest.fixture(scope="module", params=["llamacpp", "torch"])
 def engine_target(request):
-    """Every test of this module runs on both engines: exact on each (the torch one also has early exits)."""
+    """Every test of this module runs on both engines: exact on each, early exits included."""
     return request.getfixturevalue("target" if request.param == "llamacpp" else "torch_target")
 
 
@@ -49,12 +49,6 @@ def ar_reference(drafter, server_and_proxy):
                 for p, c in PROMPTS]
     finally:
         dec.close()
-
-
-def _needs_exits(server_and_proxy):
-    server, _ = server_and_proxy
-    if server.server.verifier.exits is None:
-        pytest.skip("early exits run on the torch engine only")
 
 
 def test_ar_is_the_targets_own_greedy_decoding(drafter, engine_target, ar_reference):
@@ -212,7 +206,7 @@ def _fsd(drafter, server_and_proxy, prompt, chat, **options):
 
 
 def test_fsd_equals_sd_and_ar_at_temperature_zero_and_hits(drafter, server_and_proxy, ar_reference):
-    _needs_exits(server_and_proxy)
+    assert server_and_proxy[0].server.verifier.exit_layers == [12, 18, 22, 26]     # on both engines
     hits = 0
     for (prompt, chat), expected in zip(PROMPTS, ar_reference, strict=True):
         sd = EdgeDecoder(drafter, server_and_proxy[1].url())
@@ -263,7 +257,6 @@ def test_a_failing_predraft_worker_never_stalls_generation(drafter, server_and_p
 
 @pytest.mark.parametrize("kind", ["full", "topk", "split"])
 def test_fsd_samples_at_temperature_above_zero(drafter, server_and_proxy, kind):
-    _needs_exits(server_and_proxy)
     """Pre-drafted drafts carry the q they were sampled from (in the session's payload), so the server
     accepts them. T = 0.6 keeps the target's bonus tokens close enough to the draft's guesses to hit."""
     prompt, chat = PROMPTS[0]

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from protocol import modelfiles
-from server_bridge.exits import ExitConfig, ExitHeads
+from server_bridge.exits import ExitConfig
+from server_bridge.exits_torch import ExitHeads
 
 pytestmark = pytest.mark.real
 
@@ -108,3 +109,62 @@ def test_a_pass_that_dies_midway_leaves_nothing_a_later_pass_sees(torch_target):
     assert state.cached == len(ids) - 1
     fresh = target.new_state(ids)
     np.testing.assert_array_equal(target.score(state, [288, 1535]), target.score(fresh, [288, 1535]))
+
+
+# --------------------------------------------------------------------------- the llamacpp engine's exits
+
+def test_the_numpy_heads_are_the_torch_heads(shipped, target, torch_target):
+    """NumpyExitHeads (adapters in numpy, norm and LM head from the GGUF) against the torch modules."""
+    from server_bridge.exits import NumpyExitHeads
+
+    heads = NumpyExitHeads.load(SHIPPED, target.engine.path)
+    assert heads.layers == shipped.layers and heads.head.shape == (target.vocab_size, heads.config.hidden)
+    rng = np.random.default_rng(0)
+    h = (rng.standard_normal((5, heads.config.hidden)) * 20).astype(np.float32)
+    cand = rng.integers(0, target.vocab_size, (5, 16))
+    for l in heads.layers:
+        with torch.inference_mode():
+            ref = shipped.logits(torch_target.engine.model, l, torch.from_numpy(h)).numpy()
+        np.testing.assert_allclose(heads.logits(l, h), ref, rtol=1e-4, atol=1e-3)
+        np.testing.assert_allclose(heads.logits(l, h, cand), np.take_along_axis(ref, cand, 1), rtol=1e-4, atol=1e-3)
+    sub = NumpyExitHeads.load(SHIPPED, target.engine.path, layers=[26])
+    assert sub.layers == [26]
+    with pytest.raises(ValueError, match="no trained exit"):
+        NumpyExitHeads.load(SHIPPED, target.engine.path, layers=[3])
+
+
+def test_llamacpp_taps_see_the_residual_stream_after_their_block(target, torch_target):
+    """The eval callback hands each tapped layer the same rows as transformers' hidden_states[l]."""
+    ids = target.tokenizer.encode("The robot turned left at the")
+    draft = [260, 2078, 30]
+    seen = {}
+    state = target.new_state(ids)
+    layers = target.engine.tapped
+    assert layers == [12, 18, 22, 26]
+    logits = target.score(state, draft, taps={l: (lambda h, l=l: seen.__setitem__(l, h.copy())) for l in layers})
+    with torch.inference_mode(), torch_target.engine.plain_attention() as model:
+        ref = model(torch.tensor([ids + draft]), output_hidden_states=True)
+    for l in layers:
+        rows = ref.hidden_states[l][0, -4:].numpy()
+        assert seen[l].shape == rows.shape
+        # f16 KV on llama.cpp: within 1e-3 of the rows' scale (measured: 3e-4)
+        assert np.abs(seen[l] - rows).max() < 1e-3 * np.abs(rows).max(), l
+    np.testing.assert_allclose(logits, ref.logits[0, -4:].numpy(), atol=0.1)
+    with pytest.raises(ValueError, match="not tapped"):
+        target.score(state, draft, taps={13: print})
+
+
+def test_the_server_taps_llama_cpp_only_for_the_exits_it_serves():
+    from server_bridge.config import ServerConfig
+    from server_bridge.server import target_from_config
+    from server_bridge.verifier import Verifier
+
+    small = dict(max_sessions=2, max_context=256, threads=1)
+    served = target_from_config(ServerConfig(exit_layers=[18, 26], **small))
+    assert served.engine.tapped == [18, 26] and Verifier(served, ServerConfig(exit_layers=[18, 26])).exit_layers == [18, 26]
+    plain = target_from_config(ServerConfig(exits="", **small))
+    assert plain.engine.tapped == [] and Verifier(plain, ServerConfig(exits="")).exits is None
+    # an engine made without taps: "auto" exits stay off, adapters named outright are an error
+    assert Verifier(plain, ServerConfig()).exits is None
+    with pytest.raises(ValueError, match="taps layers"):
+        Verifier(plain, ServerConfig(exits=str(SHIPPED)))

@@ -15,13 +15,13 @@ pytestmark = pytest.mark.real
 
 
 @pytest.fixture(scope="module", params=["llamacpp", "torch"])
-def target(request, target):
-    """The statistical test on each engine: numpy maths on llamacpp, the device maths (devmath) on torch."""
-    return target if request.param == "llamacpp" else request.getfixturevalue("torch_target")
+def engine_target(request):
+    """The default target on each engine: numpy maths on llamacpp, the device maths (devmath) on torch."""
+    return request.getfixturevalue("target" if request.param == "llamacpp" else "torch_target")
 
 
 @pytest.mark.parametrize("spec", [PayloadSpec("full"), PayloadSpec("topk", 2), PayloadSpec("split")], ids=str)
-def test_real_draft_and_target_commit_the_targets_distribution(drafter, target, spec):
+def test_real_draft_and_target_commit_the_targets_distribution(drafter, engine_target, spec):
     """Draft one token (real Q4_1 q), verify it (real f32 p), over and over from the same prefix.
 
     T = 1.5 and top-k 4 keep the support small and make the two models disagree
@@ -29,6 +29,7 @@ def test_real_draft_and_target_commit_the_targets_distribution(drafter, target, 
     payload: full, topk (the draft samples from its own top 2 of 4) and split (the
     correction is drawn on the robot's side from the p_j the server sends down).
     """
+    target = engine_target
     params = SamplingParams(temperature=1.5, top_k=4, seed=11)
     ids = drafter.tokenize("The robot turned", chat=False)
     verifier = Verifier(target, ServerConfig())
@@ -60,7 +61,7 @@ def test_real_draft_and_target_commit_the_targets_distribution(drafter, target, 
     assert stats.chisquare(counts, p[support] * len(firsts)).pvalue > 1e-3
 
 
-# --------------------------------------------------------------------------- early exits (FSD, torch engine)
+# --------------------------------------------------------------------------- early exits (FSD), on each engine
 
 PROMPT = "The robot walked to the kitchen door, stopped, and"
 SAMPLING = {"greedy": {"temperature": 0.0, "top_k": 0, "seed": 0},
@@ -68,19 +69,25 @@ SAMPLING = {"greedy": {"temperature": 0.0, "top_k": 0, "seed": 0},
 
 
 @pytest.fixture(scope="module")
-def exit_verifier(torch_target):
-    return Verifier(torch_target, ServerConfig())
+def exit_target(engine_target):
+    """llamacpp: numpy heads fed by the eval callback; torch: the modules fed by forward hooks."""
+    return engine_target
 
 
 @pytest.fixture(scope="module")
-def continuation(torch_target, exit_verifier):
-    """The prompt and the torch_target's own greedy continuation of it (what a perfect draft would propose)."""
-    ids = torch_target.tokenizer.encode(PROMPT)
+def exit_verifier(exit_target):
+    return Verifier(exit_target, ServerConfig())
+
+
+@pytest.fixture(scope="module")
+def continuation(exit_target, exit_verifier):
+    """The prompt and the target's own greedy continuation of it (what a perfect draft would propose)."""
+    ids = exit_target.tokenizer.encode(PROMPT)
     s, _ = exit_verifier.open(wire.Open("ref", ids, SAMPLING["greedy"]), 99, None)
     return ids, [exit_verifier.ar_step(s)[0] for _ in range(40)]
 
 
-def _rounds(verifier, torch_target, continuation, sampling_, exits, n=6, k=4, emit_factory=None):
+def _rounds(verifier, exit_target, continuation, sampling_, exits, n=6, k=4, emit_factory=None):
     """Drive one session through n rounds of k-token drafts: the greedy continuation with one token
     changed in most rounds, and the true token among 8 candidates. Returns (verdicts, committed ids, exits).
     """
@@ -92,12 +99,12 @@ def _rounds(verifier, torch_target, continuation, sampling_, exits, n=6, k=4, em
         done = len(session.state.ids) - len(ids)
         draft = list(ref[done:done + k]) if done + k <= len(ref) else rng.integers(0, 999, k).tolist()
         if r % 3 != 2:                                          # every third draft is left perfect
-            draft[rng.integers(0, k)] = int(rng.integers(0, torch_target.vocab_size))
-        cands = rng.integers(0, torch_target.vocab_size, (k, 8)).astype(np.int32)
+            draft[rng.integers(0, k)] = int(rng.integers(0, exit_target.vocab_size))
+        cands = rng.integers(0, exit_target.vocab_size, (k, 8)).astype(np.int32)
         cands[:, 0] = ref[done:done + k] if done + k <= len(ref) else cands[:, 0]
         q = {"kind": "none"}
         if sampling_["temperature"] > 0:
-            probs = np.full((k, torch_target.vocab_size), 0.5 / torch_target.vocab_size)
+            probs = np.full((k, exit_target.vocab_size), 0.5 / exit_target.vocab_size)
             probs[np.arange(k), draft] += 0.5
             q = {"kind": "full", "probs": probs.astype(np.float16)}
         mine = []
@@ -110,9 +117,9 @@ def _rounds(verifier, torch_target, continuation, sampling_, exits, n=6, k=4, em
 
 @pytest.mark.parametrize("mode", ["greedy", "sampled"])
 @pytest.mark.parametrize("exits", [[12, 18, 22, 26], [18, 26]])
-def test_exits_change_nothing_and_their_verdicts_are_consistent(exit_verifier, torch_target, continuation, mode, exits):
-    on, on_ids, sent = _rounds(exit_verifier, torch_target, continuation, SAMPLING[mode], exits)
-    off, off_ids, quiet = _rounds(exit_verifier, torch_target, continuation, SAMPLING[mode], [])
+def test_exits_change_nothing_and_their_verdicts_are_consistent(exit_verifier, exit_target, continuation, mode, exits):
+    on, on_ids, sent = _rounds(exit_verifier, exit_target, continuation, SAMPLING[mode], exits)
+    off, off_ids, quiet = _rounds(exit_verifier, exit_target, continuation, SAMPLING[mode], [])
     assert [v for v, _ in on] == [v for v, _ in off] and on_ids == off_ids
     assert all(not mine for _, _, mine in quiet)                         # exits off: nothing emitted
     assert all("exit_layer" not in t for _, t in off)
@@ -128,10 +135,10 @@ def test_exits_change_nothing_and_their_verdicts_are_consistent(exit_verifier, t
         assert all(a.tokens != b.tokens for a, b in itertools.pairwise(mine))   # only changes are sent
         assert [m.layer for m in mine] == sorted({m.layer for m in mine})
         timing = out.timing()
-        assert timing["exit_layer"] in exits + [torch_target.n_layers] and 0 < timing["exit_ms"] < timing["verify_ms"]
+        assert timing["exit_layer"] in exits + [exit_target.n_layers] and 0 < timing["exit_ms"] < timing["verify_ms"]
         # the verdict at exit_layer is the last one sent at or before it, and it equals the result
         before = [m for m in mine if m.layer <= timing["exit_layer"]]
-        if timing["exit_layer"] < torch_target.n_layers:
+        if timing["exit_layer"] < exit_target.n_layers:
             assert before[-1].tokens == committed
         assert all(m.tokens != committed for m in mine if m.layer < timing["exit_layer"])
 
@@ -147,18 +154,18 @@ def test_open_refuses_an_exit_the_server_does_not_have(exit_verifier, continuati
         off.open(wire.Open("bad", continuation[0], SAMPLING["greedy"], exits=[12]), 1, None)
 
 
-def test_a_failing_exit_does_not_stop_the_result(torch_target, continuation, monkeypatch):
-    verifier = Verifier(torch_target, ServerConfig(exit_layers=[18, 26]))
-    off, off_ids, _ = _rounds(verifier, torch_target, continuation, SAMPLING["greedy"], [])
+def test_a_failing_exit_does_not_stop_the_result(exit_target, continuation, monkeypatch):
+    verifier = Verifier(exit_target, ServerConfig(exit_layers=[18, 26]))
+    off, off_ids, _ = _rounds(verifier, exit_target, continuation, SAMPLING["greedy"], [])
     monkeypatch.setattr(verifier.exits, "logits", lambda *a, **k: 1 / 0)
-    broken, broken_ids, sent = _rounds(verifier, torch_target, continuation, SAMPLING["greedy"], [18, 26])
+    broken, broken_ids, sent = _rounds(verifier, exit_target, continuation, SAMPLING["greedy"], [18, 26])
     assert [v for v, _ in broken] == [v for v, _ in off] and broken_ids == off_ids
-    assert all(not mine and out.exit_layer == torch_target.n_layers for _, out, mine in sent)
+    assert all(not mine and out.exit_layer == exit_target.n_layers for _, out, mine in sent)
 
 
-def test_a_verify_with_bad_candidates_is_refused(exit_verifier, torch_target, continuation):
+def test_a_verify_with_bad_candidates_is_refused(exit_verifier, exit_target, continuation):
     session, _ = exit_verifier.open(wire.Open("c", continuation[0], SAMPLING["greedy"], exits=[26]), 1, None)
-    cands = np.full((1, 4), torch_target.vocab_size, np.int32)
+    cands = np.full((1, 4), exit_target.vocab_size, np.int32)
     with pytest.raises(wire.WireError) as e:
         exit_verifier.verify(session, wire.Verify("c", 0, len(session.state.ids), [5], {"kind": "none"}, cands=cands),
                              lambda m: None)

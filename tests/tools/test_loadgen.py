@@ -456,3 +456,33 @@ def test_the_planner_drafts_longer_for_a_draft_that_agrees_more(tmp_path):
     g_bad, _ = lg.planned_gamma(bad, 4, cfg, est)
     assert 1 <= g_bad < g_good <= good.gamma_max
     assert plan["gammas"] == (g_good,) and sorted(i for b in plan["batches"] for i in b) == [0, 1, 2, 3]
+
+
+@pytest.mark.real
+def test_a_divergence_is_a_near_tie_only_between_the_targets_top_two():
+    """near_ties: the target's own one-token pass at the divergence decides, and only its top two can tie."""
+    import numpy as np
+
+    from tools.divergence import top2
+
+    trace = lg.Trace.load(TRACES / "smollm2-q4_1__smollm2-f32.json")
+    p = trace.prompts[0]
+    lg.near_ties({"generation_records": []}, [], trace)                 # nothing diverged: no model loaded
+    from server_bridge.target import load_target
+
+    solo = load_target(trace.target, threads=1, max_sequences=1, kv_tokens=1024)
+    _, second, _, margin = top2(np.asarray(solo.score(solo.new_state(p.prompt_ids + p.target_ids[:3]), [])[0]))
+    gens = [lg.Generation(0, 8, 0, 8, 0.0, tokens=p.target_ids[:3] + [second]),
+            lg.Generation(1, 8, 0, 8, 0.0, tokens=p.target_ids[:3] + [next(t for t in range(3) if t not in
+                                                                             (p.target_ids[3], second))]),
+            lg.Generation(2, 8, 0, 8, 0.0, tokens=p.target_ids[:5])]
+    point = {"generation_records": [{"exact": False}, {"exact": False}, {"exact": True}]}
+    lg.near_ties(point, gens, trace, bound=margin + 1e-3)
+    first, other, fine = point["generation_records"]
+    assert first["divergence"]["at"] == 3 and first["divergence"]["near_tie"]
+    assert first["divergence"]["margin"] == pytest.approx(margin, abs=1e-2)
+    assert not other["divergence"]["near_tie"] and "divergence" not in fine
+    assert point["near_ties"] == 1 and not point["exact_up_to_near_ties"]
+    point = {"generation_records": [{"exact": False}]}
+    lg.near_ties(point, gens[:1], trace, bound=margin / 2)             # the same pair, farther apart than the bound
+    assert not point["exact_up_to_near_ties"]

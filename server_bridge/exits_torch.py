@@ -1,0 +1,112 @@
+"""The early-exit adapters as torch modules: what tools/train_exits.py trains and the torch engine runs.
+
+What the exits are and how a verify pass uses them: server_bridge/exits.py. The
+llamacpp engine runs the same saved adapters in numpy (`exits.NumpyExitHeads`).
+
+What the exits cost per verify pass of a 4-token draft on 1 torch thread (medians
+of 40 interleaved runs on the 2-core development machine, shared with other
+work at the time; `python -m tools.exit_cost --engine torch --draft 4 --cands 8 --iters 40`):
+
+  pass without exits                                     96.1 ms
+  pass with exits at 12, 18, 22, 26 on K=8 candidates   108.1 ms
+    of it in the exits, draft accepted in full (bonus)   11.6 ms
+    of it in the exits, draft rejected at row 0           2.8 ms
+  the bonus row's 1-row full-vocabulary head              8.5 ms  (once per pass)
+  one exit's candidate scoring, 4 rows x 8                0.6 ms
+  pass with the same 4 exits on the full vocabulary     178.5 ms  (exits 79.6 ms)
+
+So exits score candidates only; the one full-head row at the bonus position
+is most of their cost when the draft is accepted.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .exits import ExitConfig
+
+
+class ExitAdapter(nn.Module):
+    """h -> h + up(silu(down(h))); `up` starts at zero, so an untrained exit is the plain logit lens."""
+
+    def __init__(self, hidden: int, rank: int):
+        super().__init__()
+        self.down = nn.Linear(hidden, rank, bias=False)
+        self.up = nn.Linear(rank, hidden, bias=False)
+        nn.init.zeros_(self.up.weight)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:       # [..., hidden] -> [..., hidden]
+        return h + self.up(F.silu(self.down(h)))
+
+
+class ExitHeads(nn.Module):
+    def __init__(self, config: ExitConfig):
+        super().__init__()
+        self.config = config
+        self.adapters = nn.ModuleDict({str(l): ExitAdapter(config.hidden, config.rank) for l in config.layers})
+
+    @property
+    def layers(self) -> list[int]:
+        return self.config.layers
+
+    def features(self, model, layer: int, hidden: torch.Tensor) -> torch.Tensor:
+        """What the LM head sees at this exit: final_norm(adapter(hidden)), [n, hidden] -> [n, hidden]."""
+        return model.model.norm(self.adapters[str(layer)](hidden))
+
+    def logits(self, model, layer: int, hidden: torch.Tensor,
+               candidates: torch.Tensor | None = None) -> torch.Tensor:
+        """Exit logits at `layer` for hidden [n, hidden].
+
+        candidates None -> [n, vocab]; candidates [n, K] token ids -> [n, K] (only those rows of the head).
+        """
+        h = self.features(model, layer, hidden)                           # [n, hidden]
+        weight = model.lm_head.weight                                     # [vocab, hidden]
+        if candidates is None:
+            return h @ weight.T
+        return torch.einsum("nh,nkh->nk", h, weight[candidates])
+
+    def save(self, path: str | Path) -> None:
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.detach().contiguous() for k, v in self.state_dict().items()}, str(path.with_suffix(".safetensors")))
+        path.with_suffix(".json").write_text(json.dumps(asdict(self.config), indent=1))
+
+    @classmethod
+    def load(cls, path: str | Path, layers: list[int] | None = None) -> "ExitHeads":
+        """Load saved adapters; `layers` keeps a subset of them (the robot's --exits)."""
+        from safetensors.torch import load_file
+
+        path = Path(path)
+        config = ExitConfig.load(path)
+        keep = config.pick(layers)
+        state = load_file(str(path.with_suffix(".safetensors")))
+        heads = cls(ExitConfig(keep, config.hidden, config.rank, config.target, config.info))
+        heads.load_state_dict({k: v for k, v in state.items() if int(k.split(".")[1]) in keep})
+        return heads.eval().requires_grad_(False)
+
+
+class TorchExitScorer:
+    """ExitHeads bound to the torch engine's model: the `exits.ExitScorer` that ExitPass calls.
+
+    The heads run on the model's device and dtype; only the scored rows ([n, K] candidates, or one
+    [vocab] bonus row per pass) come back to the host as float32.
+    """
+
+    def __init__(self, heads: ExitHeads, model):
+        self.heads = heads
+        self.model = model
+        self.layers = list(heads.layers)
+        self.config = heads.config
+
+    def logits(self, layer: int, hidden: torch.Tensor, candidates: np.ndarray | None = None) -> np.ndarray:
+        with torch.inference_mode():
+            cands = None if candidates is None else torch.from_numpy(np.asarray(candidates)).to(hidden.device)
+            return self.heads.logits(self.model, layer, hidden, cands).float().cpu().numpy()
