@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import re
-import tomllib
+try:
+    import tomllib                      # novm: 3.11+, with the fallback below (CI: vermin)
+except ImportError:                     # Python 3.10 (JetPack 6, ROS 2 Humble): the same parser, as a package
+    import tomli as tomllib
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
