@@ -142,7 +142,7 @@ echo
 echo "Next steps:"
 if (( robot )); then
     echo "  edit $ETC/edge-agent.toml ([link] verifier and ca_file, [robot] controller) and VERIFIER_TOKEN in $ETC/edge-agent.env"
-    echo "  copy the CA of server-bridge's TLS certificate to $ETC/verifier-ca.pem"
+    echo "  copy the CA of the verifier's TLS certificate to $ETC/verifier-ca.pem ([link] ca_file)"
 fi
 for unit in "${units[@]}"; do
     echo "  sudo systemctl enable --now $unit"
