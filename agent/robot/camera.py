@@ -131,7 +131,6 @@ class Go2CameraSource:
     def __init__(self, network_interface: str | None = None, fps: int = 15, timeout_s: float = 1.0):
         self.network_interface, self.fps, self.timeout_s = network_interface, fps, timeout_s
         self.client = None
-        self.errors = 0                 # non-zero codes and undecodable samples
 
     def open(self) -> None:
         from .controllers.base import ControllerError
@@ -153,8 +152,7 @@ class Go2CameraSource:
         image = None
         if code == 0 and data:
             image = cv2.imdecode(np.frombuffer(bytes(data), np.uint8), cv2.IMREAD_COLOR)
-        if image is None:
-            self.errors += 1
+        if image is None:               # a timeout or a bad sample: the grabber counts the failure
             return None
         time.sleep(max(0.0, 1.0 / self.fps - (time.monotonic() - t0)))   # no faster than asked
         return image, {"source": "go2", "t": t0, "jpeg_bytes": len(data)}

@@ -35,8 +35,6 @@ class CallLane:
         self._pending: deque[tuple[str, Callable[[], object], Future]] = deque()
         self._running: tuple[str, float] | None = None     # (call name, monotonic start) of the call in progress
         self._closed = False
-        self.calls = 0                  # calls finished (returned or raised)
-        self.failures = 0               # calls that raised
         self._thread = threading.Thread(target=self._run, name=f"lane-{name}", daemon=True)
         self._thread.start()
 
@@ -98,10 +96,8 @@ class CallLane:
                 fut.set_result(fn())
             except Exception as e:              # the caller may never look at the future: say it here
                 log.error("%s lane: %s failed: %s", self.name, name, e)
-                self.failures += 1
                 fut.set_exception(e)
             finally:
                 with self._cond:
                     self._running = None
-                    self.calls += 1
                     self._cond.notify_all()
