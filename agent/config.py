@@ -7,7 +7,10 @@ systemd/edge-agent.toml is the annotated example.
 """
 from __future__ import annotations
 
-import tomllib
+try:
+    import tomllib                      # novm: 3.11+, with the fallback below (CI: vermin)
+except ImportError:                     # Python 3.10 (JetPack 6, ROS 2 Humble): the same parser, as a package
+    import tomli as tomllib
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -27,6 +30,8 @@ class ConfigError(ValueError):
 class AgentSection:
     draft: str = "smollm2-q4_1"         # draft name or a GGUF path
     threads: int = 2
+    n_gpu_layers: int = -1              # draft layers on the GPU: -1 all when llama.cpp can offload (a CUDA build on
+                                        # the Orin), else none; 0 keeps the draft on the CPU
     mode: str = "sd"                    # sd | fsd | ar (how verified steps decode)
     draft_policy: str = "fixed"
     gamma: int = 4
@@ -44,6 +49,8 @@ class AgentSection:
             raise ConfigError(f"agent.mode must be sd, fsd or ar, got {self.mode!r}")
         if self.draft_policy not in POLICIES:
             raise ConfigError(f"agent.draft_policy must be one of {POLICIES}, got {self.draft_policy!r}")
+        if self.n_gpu_layers < -1:
+            raise ConfigError(f"agent.n_gpu_layers must be -1 (all), 0 (CPU) or a layer count, got {self.n_gpu_layers}")
         if self.threads < 1 or self.gamma < 1 or self.max_tokens < 1:
             raise ConfigError("agent.threads, agent.gamma and agent.max_tokens must be >= 1")
         if not 0 <= self.slo_tokens_per_s <= 1000:
@@ -56,8 +63,10 @@ class AgentSection:
 
 @dataclass(frozen=True)
 class LinkSection:
-    verifier: str = ""                  # ws://HOST:PORT of server-bridge; "" means always offline
+    verifier: str = ""                  # wss://HOST:PORT of server-bridge (ws:// on loopback); "" means always offline
     token_env: str = "VERIFIER_TOKEN"   # the shared secret is read from this environment variable
+    ca_file: str = ""                   # wss://: the CA (PEM) that signed the server's certificate; "" = the system's
+    allow_insecure: bool = False        # send the token over plain ws:// to another host (a lab network only)
     keepalive_s: float = 1.0            # websocket ping interval and timeout (websockets' default is 20 s)
     verify_timeout_s: float = 2.0       # an answer later than this counts as a lost link
     reconnect_backoff_s: float = 0.2
@@ -66,6 +75,8 @@ class LinkSection:
     def __post_init__(self):
         if self.verifier and not self.verifier.startswith(("ws://", "wss://")):
             raise ConfigError(f"link.verifier must be a ws:// or wss:// URL, got {self.verifier!r}")
+        if self.ca_file and not self.verifier.startswith("wss://"):
+            raise ConfigError("link.ca_file is for a wss:// verifier")
         if not 0.1 <= self.keepalive_s <= 5.0:
             raise ConfigError(f"link.keepalive_s must be 0.1..5 s (1-2 s is right for a robot), got {self.keepalive_s}")
         if self.verify_timeout_s <= 0 or self.reconnect_backoff_s <= 0 or \
@@ -100,7 +111,7 @@ class RobotSection:
 
 @dataclass(frozen=True)
 class CameraSection:
-    source: str = "sim"                 # sim | /dev/videoN | a GStreamer pipeline | a video file
+    source: str = "sim"                 # go2 | sim | /dev/videoN | a GStreamer pipeline | rtsp://... | a video file
     width: int = 640
     height: int = 480
     fps: int = 15

@@ -6,10 +6,14 @@ Threads, each with one job:
     nav       runs submitted instructions step by step (agent/nav.py), one task at a time
     main      asyncio: the local API (agent/api.py) and the signal handlers
 
-Start-up order: controller, camera, control loop, draft model (and predictor), a
-first probe of the verifier (the robot comes up offline if it is down), then
-READY=1. Shutdown (SIGTERM/SIGINT): STOPPING=1, cancel the task, stop the motors,
-stop the threads, disconnect.
+Start-up order: controller (a Go2 is checked for sport mode and stood up), camera,
+control loop, draft model (and predictor), a first probe of the verifier (the robot
+comes up offline if it is down), then READY=1. Shutdown (SIGTERM/SIGINT): STOPPING=1,
+cancel the task, stop the motors, stop the threads, disconnect.
+
+A camera that delivers nothing for `camera.max_age_ms` is reported as stale on
+systemd's STATUS=, in the API's status and as a "camera" event (the nav thread
+checks it every 0.2 s), not left to show only as stopped steps.
 """
 from __future__ import annotations
 
@@ -20,18 +24,20 @@ import os
 import queue
 import threading
 import time
+from concurrent.futures import Future, TimeoutError as FutureTimeout     # 3.10: not the builtin TimeoutError
 from typing import Callable
 
 from protocol.payload import PayloadSpec
 
 from .config import Config
 from .decoder import EdgeDecoder, ReconnectPolicy
+from .link import tls_context
 from .nav import NavConfig, Navigator
 from .policy import DraftPolicy
 from .robot.actions import STOP
 from .robot.camera import Frame, FrameGrabber, open_source
 from .robot.control import ControlLoop
-from .robot.controllers.base import Controller, make_controller
+from .robot.controllers.base import Controller, ControllerError, make_controller
 from .robot.safety import SafetyLayer
 from .sdnotify import Notifier
 from .telemetry import TelemetryWriter
@@ -40,6 +46,7 @@ log = logging.getLogger(__name__)
 
 MAX_PENDING = 4                         # submitted tasks waiting behind the running one
 MAX_LISTENERS = 32
+RESET_TIMEOUT_S = 30.0                  # a reset waits this long for the robot to stand up (RecoveryStand, BalanceStand)
 
 
 class Busy(RuntimeError):
@@ -56,7 +63,7 @@ class Daemon:
         self._drafter = drafter
         self.controller = controller or make_controller(cfg.robot.controller, **cfg.robot.options)
         self.world = getattr(self.controller, "world", None)       # the simulator, when the robot is one
-        self.safety = SafetyLayer(self.controller, cfg.safety)
+        self.safety = SafetyLayer(self.controller, cfg.safety, ranges=self.controller.ranges)
         self.grabber: FrameGrabber | None = None
         self.control: ControlLoop | None = None
         self.decoder: EdgeDecoder | None = None
@@ -72,6 +79,8 @@ class Daemon:
         self.task: dict | None = None       # the running task's status
         self.last_step: dict | None = None
         self.history: list[dict] = []       # finished tasks, the last 16
+        self.camera_state = "starting"      # ok | stale (nothing new for camera.max_age_ms) | starting
+        self._camera_since = time.monotonic()   # when the grabber started
         self.started = time.monotonic()
         self.ready = False
 
@@ -80,22 +89,28 @@ class Daemon:
     def start(self, notify_ready: bool = True) -> "Daemon":
         cfg = self.cfg
         log.info("config in use: %s", cfg.to_dict())
+        token = os.environ.get(cfg.link.token_env, "") if cfg.link.token_env else ""
+        if cfg.link.verifier:               # a token in clear or a bad CA file: refused before anything moves
+            tls_context(cfg.link.verifier, token, cfg.link.ca_file, cfg.link.allow_insecure)
         self.controller.connect()
-        source = open_source(cfg.camera.source, cfg.camera.width, cfg.camera.height, cfg.camera.fps, world=self.world)
+        source = open_source(cfg.camera.source, cfg.camera.width, cfg.camera.height, cfg.camera.fps, world=self.world,
+                             network_interface=cfg.robot.options.get("network_interface"))
         self.grabber = FrameGrabber(source, name=cfg.camera.source if len(cfg.camera.source) < 40 else "camera")
         self.grabber.start()
+        self._camera_since = time.monotonic()
         self.control = ControlLoop(self.safety, cfg.robot.control_hz, frame_age=self.grabber.latest_age_s,
                                    watchdog=self.notifier.watchdog,
                                    watchdog_interval_s=self.notifier.watchdog_interval_s()).start()
         self.notifier.status("loading the draft model")
         if self._drafter is None:
             from .drafter import Drafter
-            self._drafter = Drafter(cfg.agent.draft, threads=cfg.agent.threads)
-        token = os.environ.get(cfg.link.token_env, "") if cfg.link.token_env else ""
+            self._drafter = Drafter(cfg.agent.draft, threads=cfg.agent.threads, n_gpu_layers=cfg.agent.n_gpu_layers)
+        log.info("draft offload (llama.cpp's own query): %s", getattr(self._drafter, "offload", "unknown"))
         self.decoder = EdgeDecoder(
             self._drafter, cfg.link.verifier or None, token=token, recv_timeout_s=cfg.link.verify_timeout_s,
             keepalive_s=cfg.link.keepalive_s, policy=DraftPolicy(cfg.agent.draft_policy),
             payload=PayloadSpec.parse(cfg.agent.payload, cfg.agent.topk), slo=cfg.agent.slo_tokens_per_s,
+            ca_file=cfg.link.ca_file, allow_insecure=cfg.link.allow_insecure,
             reconnect=ReconnectPolicy(max_attempts=1, backoff_s=cfg.link.reconnect_backoff_s,
                                       backoff_max_s=cfg.link.reconnect_backoff_max_s))
         self.nav = Navigator(self.decoder, self.grabber, self._perception(), self.control, NavConfig(
@@ -140,6 +155,7 @@ class Daemon:
             self.control.stop()
         if self.grabber is not None:
             self.grabber.stop()
+        self.safety.close()                 # the last StopMove goes out (bounded) before the driver closes
         if self.decoder is not None:
             self.decoder.close()
         try:
@@ -181,26 +197,36 @@ class Daemon:
             self.control.halt("cancelled")
         return dropped
 
-    def estop(self) -> None:
-        """Never through a model: the control loop's e-stop goes to the safety layer and the controller."""
-        if self.control is not None:
-            self.control.estop()
-        else:
-            self.safety.estop()
+    def estop(self) -> Future:
+        """Never through a model and never waiting: latched when this returns; the future is the driver's
+        e-stop (Damp), which runs on a thread of its own (the API's event loop calls this)."""
+        delivery = self.control.estop() if self.control is not None else self.safety.estop()
         self.cancel()
         self._emit({"event": "estop"})
         log.warning("E-STOP")
+        return delivery
 
-    def reset(self) -> None:
-        self.safety.reset()
+    def reset(self, timeout_s: float = RESET_TIMEOUT_S) -> None:
+        """Release the e-stop once the robot is ready (a Go2 stood up again); waits, so never on the event loop.
+        Raises ControllerError when the driver failed, timed out or a new e-stop came meanwhile."""
+        try:
+            self.safety.reset().result(timeout_s)
+        except FutureTimeout:
+            raise ControllerError(f"the robot was not ready within {timeout_s:.0f} s; the e-stop stays latched") \
+                from None
         self._emit({"event": "reset"})
 
     def status(self) -> dict:
         nav = self.nav
         age = self.grabber.latest_age_s() if self.grabber else None
+        grabber = self.grabber
         return {"ready": self.ready, "mode": "verified" if nav and nav.link == "up" else "offline",
                 "link": nav.link if nav else "unknown", "offline_policy": self.cfg.offline.policy,
                 "estopped": self.safety.estopped, "controller": self.controller.name,
+                "driver_calls": self.safety.driver_calls(),
+                "draft_offload": getattr(self._drafter, "offload", None),
+                "camera": {"source": self.cfg.camera.source, "state": self.camera_state,
+                           "frames": grabber.frames if grabber else 0, "error": grabber.error if grabber else None},
                 "camera_age_ms": None if age is None else round(age * 1e3, 1),
                 "perception": self.cfg.perception.kind, "task": self.task, "last_step": self.last_step,
                 "pending": self._tasks.qsize(), "steps": nav.steps if nav else 0,
@@ -224,6 +250,7 @@ class Daemon:
 
     def _run_tasks(self) -> None:
         while not self._stop.is_set():
+            self.check_camera()
             try:
                 task = self._tasks.get(timeout=0.2)
             except queue.Empty:
@@ -253,7 +280,9 @@ class Daemon:
                 state = "error"
                 break
             frame = None                        # an image from the API is used for the first step only
-            record = rec.to_json()
+            self.check_camera()
+            record = {**rec.to_json(), "safety_stops": dict(self.safety.stops),
+                      "clearance_m": self.safety.clearance_m}
             self.telemetry.write(record)
             self.last_step = {k: record[k] for k in ("step", "mode", "action", "parse", "reason", "command",
                                                       "latency_ms")}
@@ -289,6 +318,26 @@ class Daemon:
             except Exception:
                 log.exception("event listener failed")
 
+    def check_camera(self) -> str:
+        """Report a camera that went quiet (or came back) on STATUS=, the log and the events; returns its state."""
+        age = self.grabber.latest_age_s() if self.grabber else None
+        state = "stale" if age is None or age * 1e3 > self.cfg.camera.max_age_ms else "ok"
+        if state == "stale" and self.camera_state == "starting" and age is None \
+                and time.monotonic() - self._camera_since < self.cfg.camera.max_age_ms / 1e3:
+            return self.camera_state        # a camera gets max_age_ms for its first frame
+        if state != self.camera_state:
+            self.camera_state = state
+            detail = "no frame yet" if age is None else f"newest frame {age * 1e3:.0f} ms old"
+            error = self.grabber.error if self.grabber else None
+            if state == "stale":
+                log.warning("camera %s is stale: %s%s (limit %.0f ms); the robot does not move", self.cfg.camera.source,
+                            detail, f", {error}" if error else "", self.cfg.camera.max_age_ms)
+            else:
+                log.info("camera %s delivers again", self.cfg.camera.source)
+            self._emit({"event": "camera", "state": state, "detail": detail, "error": error})
+            self.notifier.status(self._status_line())
+        return state
+
     def _on_mode(self, mode: str) -> None:
         if self.world is not None:
             self.world.tag = mode           # the sim's map colours the path by mode
@@ -298,7 +347,9 @@ class Daemon:
         mode = "verified" if self.nav and self.nav.link == "up" else f"offline ({self.cfg.offline.policy})"
         task = f"task {self.task['id']} step {self.task['step']}" if self.task and self.task["state"] == "running" \
             else "idle"
-        return f"{mode}, {task}"
+        camera = f", camera {self.cfg.camera.source} stale" if self.camera_state == "stale" else ""
+        estop = ", E-STOP latched" if self.safety.estopped else ""
+        return f"{mode}, {task}{camera}{estop}"
 
 
 def _decode_image(data: str) -> Frame:

@@ -126,8 +126,10 @@ class EdgeDecoder:
                  reconnect: ReconnectPolicy = ReconnectPolicy(), recv_timeout_s: float = 30.0,
                  fsd: FsdOptions = FsdOptions(), policy: DraftPolicy = DraftPolicy(),
                  trace: str | None = None, keepalive_s: float = 2.0, payload: PayloadSpec = PayloadSpec(),
-                 slo: float = 0.0):
+                 slo: float = 0.0, ca_file: str = "", allow_insecure: bool = False):
         self.drafter = drafter
+        self.ca_file = ca_file                  # wss://: the CA of the verifier's certificate ("" = the system's)
+        self.allow_insecure = allow_insecure    # a token over plain ws:// to another host
         self.slo = slo                          # tokens/s this robot needs (the verifier's SLO class); 0 = none
         self.payload = payload                  # what the uplink carries of q at T > 0 (--payload)
         self.keepalive_s = keepalive_s          # websocket ping interval and timeout (not websockets' 20 s)
@@ -376,7 +378,7 @@ class EdgeDecoder:
             raise ValueError("no verifier URL: pass --verifier ws://HOST:PORT or use --local")
         link = VerifierLink(self.url, token=self.token, vocab_hash=self.drafter.vocab_hash,
                             vocab_size=self.drafter.vocab_size, recv_timeout_s=self.recv_timeout_s,
-                            keepalive_s=self.keepalive_s)
+                            keepalive_s=self.keepalive_s, ca_file=self.ca_file, allow_insecure=self.allow_insecure)
         link.connect()
         self.link = link
         self._bytes_base = (0, 0)

@@ -100,24 +100,39 @@ def stack_candidates(rows: list[tuple[np.ndarray, np.ndarray]], n_cands: int):
     return np.stack([r[0] for r in rows]), np.stack([r[1] for r in rows])
 
 
+def gpu_layers(requested: int, supported: bool) -> int:
+    """The layers to offload: the request (-1 = all) where this llama.cpp build can offload, else none."""
+    return requested if supported else 0
+
+
 class Drafter:
     def __init__(self, model: str = modelfiles.DEFAULT_DRAFT, n_ctx: int = 4096, threads: int = 2,
-                 extra_buffers: bool = False):
-        from llama_cpp import Llama, llama_model_get_vocab, llama_vocab_get_text
+                 extra_buffers: bool = False, n_gpu_layers: int = -1):
+        from llama_cpp import Llama, llama_model_get_vocab, llama_supports_gpu_offload, llama_vocab_get_text
 
         self.path: Path = modelfiles.resolve_draft(model)
         self.name = model if model in modelfiles.DRAFTS else self.path.name
+        # llama.cpp's own answer: a CUDA build on the Orin says yes, the CPU wheel no (then -1 would be ignored
+        # silently; saying 0 and logging why is what an operator can read)
+        supported = bool(llama_supports_gpu_offload())
+        layers = gpu_layers(n_gpu_layers, supported)
+        self.offload = {"device": "gpu" if layers else "cpu", "n_gpu_layers": layers,
+                        "llama_supports_gpu_offload": supported}
+        if n_gpu_layers and not supported:
+            log.warning("draft on the CPU: this llama.cpp build has no GPU offload (on a Jetson: make setup-robot "
+                        "builds it with CUDA when nvcc is present)")
         t0 = time.perf_counter()
         with _model_params(extra_buffers):
             self.llm = Llama(str(self.path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
-                             n_batch=512, logits_all=False, verbose=False)
+                             n_batch=512, logits_all=False, verbose=False, n_gpu_layers=layers)
         self.vocab_size = int(self.llm.n_vocab())
         vocab = llama_model_get_vocab(self.llm.model)
         self.vocab_hash = modelfiles.vocab_hash(llama_vocab_get_text(vocab, i) for i in range(self.vocab_size))
         self.eos_ids = {int(self.llm.token_eos())}
         self.chat_template = self.llm.metadata.get("tokenizer.chat_template")
-        log.info("draft %s loaded from %s in %.2fs (vocab %d, %d threads)", self.name, self.path,
-                 time.perf_counter() - t0, self.vocab_size, threads)
+        log.info("draft %s loaded from %s in %.2fs (vocab %d, %d threads, %s)", self.name, self.path,
+                 time.perf_counter() - t0, self.vocab_size, threads,
+                 f"GPU: {'all' if layers < 0 else layers} layers" if layers else "CPU")
 
     # ------------------------------------------------------------------ text
 

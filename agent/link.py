@@ -2,12 +2,20 @@
 
 Synchronous (websockets.sync.client) because the decode loop is sequential;
 the receiver thread of later modes wraps the same `recv`. Not thread-safe.
+
+TLS: a wss:// verifier is checked against `ca_file` (the CA that signed
+server-bridge's certificate, e.g. a self-made one) or the system's CAs. The
+token is never sent in clear to another machine: a ws:// URL with a token is
+refused unless its host is loopback or `allow_insecure` is set.
 """
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import logging
+import ssl
 import time
+from urllib.parse import urlsplit
 
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
 from websockets.sync.client import connect
@@ -45,10 +53,40 @@ class ServerError(RuntimeError):
         return self.code in RECOVERABLE
 
 
+class InsecureLink(ValueError):
+    """The token would cross the network in clear."""
+
+
+def is_loopback_host(host: str | None) -> bool:
+    """localhost or a loopback address; a name is not resolved (a name may point anywhere tomorrow)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host or "").is_loopback
+    except ValueError:
+        return False
+
+
+def tls_context(url: str, token: str, ca_file: str = "", allow_insecure: bool = False) -> ssl.SSLContext | None:
+    """The client TLS context for a wss:// URL (None for ws://); raises InsecureLink for a token in clear."""
+    parts = urlsplit(url)
+    if parts.scheme == "wss":
+        try:
+            return ssl.create_default_context(cafile=ca_file or None)
+        except (OSError, ssl.SSLError) as e:
+            raise ValueError(f"link.ca_file {ca_file!r}: {e}") from None
+    if token and not allow_insecure and not is_loopback_host(parts.hostname):
+        raise InsecureLink(f"refusing to send the verifier token in clear over ws:// to {parts.hostname}: use "
+                           f"wss:// (server-bridge serve --tls-cert/--tls-key; link.ca_file here) or set "
+                           f"link.allow_insecure = true on a network you trust")
+    return None
+
+
 class VerifierLink:
     def __init__(self, url: str, *, token: str = "", client: str = "edge-agent", vocab_hash: str,
                  vocab_size: int, open_timeout_s: float = 5.0, recv_timeout_s: float = 30.0,
-                 keepalive_s: float = 2.0):
+                 keepalive_s: float = 2.0, ca_file: str = "", allow_insecure: bool = False):
+        self.ssl = tls_context(url, token, ca_file, allow_insecure)
         self.url = url
         self.token = token
         self.client = client
@@ -71,7 +109,7 @@ class VerifierLink:
             self.ws = self._stack.enter_context(connect(
                 self.url, open_timeout=self.open_timeout_s, max_size=2 * wire.DEFAULT_MAX_FRAME_BYTES,
                 ping_interval=self.keepalive_s, ping_timeout=self.keepalive_s, close_timeout=1.0,
-                compression=None))
+                compression=None, **({"ssl": self.ssl} if self.ssl is not None else {})))
         except InvalidStatus as e:
             status = e.response.status_code
             body = e.response.body.decode("utf-8", "replace").strip() if e.response.body else ""
@@ -79,6 +117,9 @@ class VerifierLink:
                 raise ServerError("forbidden", body or "HTTP 403") from None
             # 503 (full) and anything else: transient, the decoder backs off and retries
             raise LinkLost(f"verifier at {self.url} refused the connection: HTTP {status} {body}") from None
+        except ssl.SSLCertVerificationError as e:   # not for us (or someone in between): retrying will not help
+            raise ServerError("tls", f"the verifier at {self.url} failed TLS verification: {e.verify_message}; "
+                                     f"check link.ca_file") from None
         except (OSError, InvalidHandshake, TimeoutError, ConnectionClosed) as e:   # closed mid-handshake too
             raise LinkLost(f"cannot reach verifier at {self.url}: {e}") from None
         except InvalidURI as e:

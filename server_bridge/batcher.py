@@ -92,7 +92,7 @@ class Batcher:
             wake_at = self.scheduler.wake_at()
             try:
                 await asyncio.wait_for(self._wake.wait(), None if wake_at is None else max(0.0, wake_at - now))
-            except TimeoutError:
+            except asyncio.TimeoutError:        # 3.10: not the builtin TimeoutError
                 pass
             return
         batch = [r for r in self.scheduler.next_batch(now) if not r.future.done()]   # done: its robot left

@@ -6,6 +6,7 @@ import asyncio
 import json
 import logging
 import os
+import ssl
 import sys
 
 from .config import DTYPES, ENGINES, EXIT_POLICIES, SCHEDULERS, ServerConfig
@@ -30,6 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--port", type=int)
     s.add_argument("--token", help="shared secret robots send in hello (default: $VERIFIER_TOKEN; "
                    "none means loopback clients only)")
+    s.add_argument("--tls-cert", help="PEM certificate (chain): serve wss:// (robots: link.ca_file = its CA)")
+    s.add_argument("--tls-key", help="PEM private key of --tls-cert")
     s.add_argument("--target", help="target name (smollm2-f32), a GGUF file or a Hugging Face model directory")
     s.add_argument("--engine", choices=ENGINES, help="llamacpp (default for GGUF targets: llama.cpp, no torch) or "
                    "torch (any transformers model on any device)")
@@ -83,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     token = args.token if args.token is not None else os.environ.get("VERIFIER_TOKEN")
     try:
-        config = ServerConfig.load(args.config, host=args.host, port=args.port, token=token, target=args.target,
+        config = ServerConfig.load(args.config, host=args.host, port=args.port, token=token, tls_cert=args.tls_cert,
+                                   tls_key=args.tls_key, target=args.target,
                                    engine=args.engine, device=args.device, dtype=args.dtype,
                                    n_gpu_layers=args.n_gpu_layers, kv_tokens=args.kv_tokens, kv_type=args.kv_type,
                                    threads=args.threads, max_sessions=args.max_sessions,
@@ -96,8 +100,14 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as e:
         print(f"server-bridge: bad configuration: {e}", file=sys.stderr)
         return 2
+    from .server import run, tls_context
+
+    try:
+        tls_context(config)             # a bad certificate or key fails here, before the model loads
+    except (OSError, ssl.SSLError) as e:
+        print(f"server-bridge: bad configuration: tls_cert/tls_key: {e}", file=sys.stderr)
+        return 2
     logging.getLogger("server_bridge").info("config in use: %s", json.dumps(config.redacted()))
-    from .server import run
 
     asyncio.run(run(config))
     return 0

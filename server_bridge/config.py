@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import re
-import tomllib
+try:
+    import tomllib                      # novm: 3.11+, with the fallback below (CI: vermin)
+except ImportError:                     # Python 3.10 (JetPack 6, ROS 2 Humble): the same parser, as a package
+    import tomli as tomllib
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -22,6 +25,8 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8765
     token: str = ""                 # shared secret checked in hello; "" = loopback clients only
+    tls_cert: str = ""              # PEM certificate chain: serve wss:// (robots set link.ca_file to its CA)
+    tls_key: str = ""               # its PEM private key; both or neither
     target: str = modelfiles.DEFAULT_TARGET
     engine: str = "auto"            # llamacpp | torch; auto = llamacpp for a GGUF target, torch for a HF directory
     device: str = "auto"            # torch: auto | cpu | cuda[:N] (auto: CUDA where present)
@@ -65,6 +70,8 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be 0-65535, got {self.port}")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("tls_cert and tls_key go together (a certificate and its key), or neither")
         for name in ("max_sessions", "max_sessions_per_connection", "max_frame_bytes", "max_draft_len",
                      "max_context", "max_connections"):
             if getattr(self, name) < 1:

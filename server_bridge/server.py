@@ -7,7 +7,8 @@ model job (an open's prefill, a verify round, an ar token) goes through the
 `Batcher`: the scheduler picks which waiting jobs share the next forward pass
 (SLO-aware by default), the pass runs in a single model thread, and the event
 loop keeps serving meanwhile. `/healthz` and `/metrics` (Prometheus text)
-answer plain HTTP on the same port.
+answer plain HTTP on the same port. With `tls_cert`/`tls_key` the port speaks
+TLS only (wss:// and https:// for /healthz and /metrics).
 
 Early-exit messages (FSD) are made in the model thread during a verify pass;
 they reach the event loop by `call_soon_threadsafe`, wait in the connection's
@@ -24,6 +25,7 @@ import itertools
 import json
 import logging
 import signal
+import ssl
 import time
 from concurrent.futures import ThreadPoolExecutor
 from http import HTTPStatus
@@ -55,6 +57,15 @@ def is_loopback(remote) -> bool:
         return False
 
 
+def tls_context(config: ServerConfig) -> ssl.SSLContext | None:
+    """The server's TLS context from tls_cert/tls_key (None: plain ws://); raises OSError or ssl.SSLError."""
+    if not config.tls_cert:
+        return None
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.load_cert_chain(config.tls_cert, config.tls_key)
+    return ctx
+
+
 class BridgeServer:
     def __init__(self, verifier: Verifier, config: ServerConfig):
         self.verifier = verifier
@@ -80,8 +91,9 @@ class BridgeServer:
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
+        tls = tls_context(self.config)
         self._server = await serve(
-            self.handle, self.config.host, self.config.port, process_request=self.process_request,
+            self.handle, self.config.host, self.config.port, process_request=self.process_request, ssl=tls,
             # frames between the cap and twice the cap get an `error`; beyond that websockets closes (1009)
             max_size=2 * self.config.max_frame_bytes, max_queue=16, compression=None,
             ping_interval=10, ping_timeout=10)
@@ -89,8 +101,8 @@ class BridgeServer:
         self._janitor = asyncio.create_task(self._evict_idle_forever(), name="session-janitor")
         self.batcher.start()
         model = self.scheduler.model
-        log.info("server-bridge listening on ws://%s:%d (target %s on %s, token %s, scheduler %s, max batch %d, "
-                 "estimator %s)", self.config.host, self.port, self.verifier.target.name,
+        log.info("server-bridge listening on %s://%s:%d (target %s on %s, token %s, scheduler %s, max batch %d, "
+                 "estimator %s)", "wss" if tls else "ws", self.config.host, self.port, self.verifier.target.name,
                  self.verifier.target.engine.info.as_dict(),
                  "required" if self.config.token else "none: loopback clients only", self.config.scheduler,
                  self.scheduler.max_batch, "fitted" if model.fitted else "defaults (run tools/profile_verifier.py)")

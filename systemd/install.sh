@@ -8,8 +8,8 @@
 #              (default: both)
 #   --dry-run  print what would be done and change nothing; needs no root
 #
-# Assumes the repository is at /opt/edgespec and its venv was built there with `make setup`
-# (the units run /opt/edgespec/.venv/bin/edge-agent and .../server-bridge).
+# Assumes the repository is at /opt/edgespec and its venv was built there: `make setup-robot` on the
+# robot, `make setup` on the server (the units run /opt/edgespec/.venv/bin/edge-agent and .../server-bridge).
 # It creates the `edgespec` system user (no login shell, home /var/lib/edge-agent; the robot install
 # adds it to dialout and video), installs the units into /etc/systemd/system, copies the example
 # TOML configs to /etc/edgespec/ when absent (never overwrites them), creates the 0600 env files when
@@ -74,14 +74,14 @@ env_file() {
 if [[ $SRC != "$PREFIX/systemd" ]]; then
     echo "note: installing from $SRC, but the units run $PREFIX/.venv/bin/...: clone the repo to $PREFIX"
 fi
-# require_venv NAME: the console script the unit runs must exist (a dry run only warns).
+# require_venv NAME SETUP: the console script the unit runs must exist (a dry run only warns).
 require_venv() {
-    local msg="$PREFIX/.venv/bin/$1 not found: run \`make setup\` in $PREFIX first"
+    local msg="$PREFIX/.venv/bin/$1 not found: run \`make $2\` in $PREFIX first"
     if [[ -x $PREFIX/.venv/bin/$1 ]]; then return; fi
     if (( dry_run )); then echo "warning: $msg"; else echo "install.sh: $msg" >&2; exit 1; fi
 }
-if (( robot )); then require_venv edge-agent; fi
-if (( server )); then require_venv server-bridge; fi
+if (( robot )); then require_venv edge-agent setup-robot; fi
+if (( server )); then require_venv server-bridge setup; fi
 
 # 1. The service user: a system account without a login shell.
 if id -u "$USER_NAME" >/dev/null 2>&1; then
@@ -141,7 +141,8 @@ fi
 echo
 echo "Next steps:"
 if (( robot )); then
-    echo "  edit $ETC/edge-agent.toml ([link] verifier, [robot] controller) and VERIFIER_TOKEN in $ETC/edge-agent.env"
+    echo "  edit $ETC/edge-agent.toml ([link] verifier and ca_file, [robot] controller) and VERIFIER_TOKEN in $ETC/edge-agent.env"
+    echo "  copy the CA of the verifier's TLS certificate to $ETC/verifier-ca.pem ([link] ca_file)"
 fi
 for unit in "${units[@]}"; do
     echo "  sudo systemctl enable --now $unit"

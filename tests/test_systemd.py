@@ -122,13 +122,14 @@ def test_server_bridge_unit_type_matches_what_server_bridge_sends():
 def test_example_config_parses_with_the_daemons_field_names():
     config = tomllib.loads((SYSTEMD / "edge-agent.toml").read_text())
     expected = {
-        "agent": {"draft", "threads", "mode", "draft_policy", "gamma", "max_tokens", "temperature", "payload", "topk",
-                  "slo_tokens_per_s"},
-        "link": {"verifier", "token_env", "keepalive_s", "verify_timeout_s", "reconnect_backoff_s",
-                 "reconnect_backoff_max_s"},
+        "agent": {"draft", "threads", "n_gpu_layers", "mode", "draft_policy", "gamma", "max_tokens", "temperature",
+                  "payload", "topk", "slo_tokens_per_s"},
+        "link": {"verifier", "ca_file", "allow_insecure", "token_env", "keepalive_s", "verify_timeout_s",
+                 "reconnect_backoff_s", "reconnect_backoff_max_s"},
         "offline": {"policy"},
         "robot": {"controller", "control_hz", "options"},
-        "safety": {"max_vx", "max_vy", "max_wz", "max_dvx", "max_dvy", "max_dwz", "deadman_s", "max_frame_age_s"},
+        "safety": {"max_vx", "max_vy", "max_wz", "max_dvx", "max_dvy", "max_dwz", "deadman_s", "max_frame_age_s",
+                   "min_clearance_m"},
         "camera": {"source", "width", "height", "fps", "max_age_ms"},
         "perception": {"kind", "target_height_m"},
         "api": {"listen"},
@@ -138,6 +139,9 @@ def test_example_config_parses_with_the_daemons_field_names():
     assert config["agent"]["mode"] in ("sd", "fsd", "ar")
     assert config["offline"]["policy"] in ("hold", "local")
     assert config["robot"]["controller"] in ("sim", "serial", "go2", "ros2")
+    # a Go2 out of the box: its own camera (it has no /dev/video0), TLS to the verifier, the obstacle stop on
+    assert config["robot"]["controller"] == "go2" and config["camera"]["source"] == "go2"
+    assert config["link"]["verifier"].startswith("wss://") and config["safety"]["min_clearance_m"] > 0
     assert isinstance(config["robot"]["options"], dict)
     assert config["perception"]["kind"] in ("sim", "color")
     # The daemon can write only its StateDirectory (ProtectSystem=strict).

@@ -7,6 +7,8 @@ with its capture time, and `read_latest(max_age_ms)` refuses a frame older than
 the limit (StaleFrame) instead of letting the robot act on the past.
 
 Sources, chosen by the config's `camera.source` string:
+    "go2"                       the Go2's front camera through unitree_sdk2py's VideoClient: each
+                                GetImageSample is one JPEG, decoded here (the Go2 has no /dev/video*)
     "sim"                       the simulator's renderer (agent/robot/sim.py)
     "/dev/video0" or "0"        a V4L2 device (MJPG, buffer of one frame)
     "... ! appsink"             a GStreamer pipeline (needs an OpenCV built with GStreamer: JetPack's,
@@ -14,11 +16,20 @@ Sources, chosen by the config's `camera.source` string:
         nvarguscamerasrc sensor-id=0 ! video/x-raw(memory:NVMM),width=1280,height=720,format=NV12,
         framerate=30/1 ! nvvidconv flip-method=0 ! video/x-raw,format=BGRx ! videoconvert !
         video/x-raw,format=BGR ! appsink drop=1 max-buffers=1
+                                a USB camera: v4l2src device=/dev/video0 ! image/jpeg ! jpegdec !
+                                videoconvert ! video/x-raw,format=BGR ! appsink drop=1 max-buffers=1;
+                                RTSP: rtspsrc location=rtsp://HOST/stream latency=0 ! decodebin !
+                                videoconvert ! video/x-raw,format=BGR ! appsink drop=1 max-buffers=1
+    "rtsp://...", "http://..."  a network stream through OpenCV's FFmpeg backend (not looped, not paced)
     anything else               a video file (looped), for replaying a recorded run
+
+A source may put the capture time (time.monotonic()) in its metadata as "t";
+the grabber stamps the frame with it, else with the time the read returned.
 """
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from dataclasses import dataclass, field
@@ -61,12 +72,13 @@ class OpenCVSource:
         self.source, self.width, self.height, self.fps, self.loop = source, width, height, fps, loop
         self.cap = None
         self.kind = ("gstreamer" if "!" in source else
-                     "v4l2" if source.startswith("/dev/video") or source.isdigit() else "file")
+                     "v4l2" if source.startswith("/dev/video") or source.isdigit() else
+                     "stream" if re.match(r"(rtsp|rtmp|https?|udp|tcp)://", source) else "file")
 
     def open(self) -> None:
         import cv2
         if self.kind == "gstreamer":
-            if "GStreamer:                   YES" not in cv2.getBuildInformation():
+            if not has_gstreamer(cv2):
                 raise CameraError("this OpenCV has no GStreamer (pip wheels never do): use JetPack's OpenCV, "
                                   "e.g. a venv made with --system-site-packages")
             cap = cv2.VideoCapture(self.source, cv2.CAP_GSTREAMER)
@@ -77,6 +89,9 @@ class OpenCVSource:
             cap.set(cv2.CAP_PROP_FRAME_WIDTH, self.width)
             cap.set(cv2.CAP_PROP_FRAME_HEIGHT, self.height)
             cap.set(cv2.CAP_PROP_FPS, self.fps)
+            cap.set(cv2.CAP_PROP_BUFFERSIZE, 1)
+        elif self.kind == "stream":
+            cap = cv2.VideoCapture(self.source, cv2.CAP_FFMPEG)
             cap.set(cv2.CAP_PROP_BUFFERSIZE, 1)
         else:
             cap = cv2.VideoCapture(self.source)
@@ -98,6 +113,52 @@ class OpenCVSource:
         if self.cap is not None:
             self.cap.release()
             self.cap = None
+
+
+def has_gstreamer(cv2) -> bool:
+    """Whether this OpenCV was built with GStreamer (JetPack's is; pip's wheels never are)."""
+    return re.search(r"GStreamer:\s*YES", cv2.getBuildInformation()) is not None
+
+
+class Go2CameraSource:
+    """The Go2's front camera: JPEG samples from unitree_sdk2py's VideoClient, decoded to BGR frames.
+
+    GetImageSample waits for the robot's reply (up to timeout_s); it runs in the grabber's thread only.
+    A frame is stamped with the time its request was sent: the robot answers with its newest image, so
+    the image is at least that fresh give or take one camera period.
+    """
+
+    def __init__(self, network_interface: str | None = None, fps: int = 15, timeout_s: float = 1.0):
+        self.network_interface, self.fps, self.timeout_s = network_interface, fps, timeout_s
+        self.client = None
+
+    def open(self) -> None:
+        from .controllers.base import ControllerError
+        from .controllers.go2 import INSTALL_HINT, init_channel
+        try:
+            init_channel(self.network_interface)
+            from unitree_sdk2py.go2.video.video_client import VideoClient
+        except (ImportError, ControllerError) as e:
+            raise CameraError(f"camera 'go2': {INSTALL_HINT if isinstance(e, ImportError) else e}") from None
+        client = VideoClient()
+        client.SetTimeout(self.timeout_s)
+        client.Init()
+        self.client = client
+
+    def read(self):
+        import cv2
+        t0 = time.monotonic()
+        code, data = self.client.GetImageSample()
+        image = None
+        if code == 0 and data:
+            image = cv2.imdecode(np.frombuffer(bytes(data), np.uint8), cv2.IMREAD_COLOR)
+        if image is None:               # a timeout or a bad sample: the grabber counts the failure
+            return None
+        time.sleep(max(0.0, 1.0 / self.fps - (time.monotonic() - t0)))   # no faster than asked
+        return image, {"source": "go2", "t": t0, "jpeg_bytes": len(data)}
+
+    def close(self) -> None:
+        self.client = None
 
 
 class FrameGrabber:
@@ -151,7 +212,7 @@ class FrameGrabber:
             image, meta = got
             with self._lock:
                 self.frames += 1
-                self._latest = Frame(image, self.clock(), self.frames, meta)
+                self._latest = Frame(image, meta.get("t", self.clock()), self.frames, meta)
 
     def read_latest(self, max_age_ms: float) -> Frame:
         """The newest frame if it is at most max_age_ms old; raises StaleFrame otherwise."""
@@ -184,8 +245,12 @@ class FrameGrabber:
         self.source.close()
 
 
-def open_source(source: str, width: int = 640, height: int = 480, fps: int = 15, world=None) -> FrameSource:
-    """The frame source a config string names ("sim" needs the simulator's world)."""
+def open_source(source: str, width: int = 640, height: int = 480, fps: int = 15, world=None,
+                network_interface: str | None = None) -> FrameSource:
+    """The frame source a config string names ("sim" needs the simulator's world; "go2" the robot's network
+    interface, the one its controller uses)."""
+    if source == "go2":
+        return Go2CameraSource(network_interface, fps=fps)
     if source == "sim":
         from .sim import SimCamera
         if world is None:

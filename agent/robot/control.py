@@ -7,14 +7,17 @@ the deadman. It also pings systemd's watchdog, so a hung loop gets the
 service restarted (WATCHDOG=1 must come from here, not from a thread of its own).
 
 The navigation thread hands it a Motion and waits; the local API's e-stop calls
-`estop()`, which goes straight to the safety layer and the controller - no model,
-no queue - and drops the motion.
+`estop()`, which latches the safety layer's e-stop (no model in the way) and drops
+the motion. Nothing here waits for a driver's reply: the safety layer runs the
+driver calls that do (StopMove, Damp, stand-up) on lanes of their own, so the
+loop keeps its rate and the watchdog is fed while the robot is slow to answer.
 """
 from __future__ import annotations
 
 import logging
 import threading
 import time
+from concurrent.futures import Future
 from typing import Callable
 
 from .actions import Motion
@@ -100,11 +103,12 @@ class ControlLoop:
             self._drop()
         self.safety.stop(reason)
 
-    def estop(self) -> None:
-        """The e-stop: latched in the safety layer, the controller's estop() called before this returns."""
+    def estop(self) -> Future:
+        """The e-stop: latched before this returns, and never waits; the future is the controller's e-stop."""
+        delivery = self.safety.estop()
         with self._lock:
             self._drop()
-        self.safety.estop()
+        return delivery
 
     def _drop(self) -> None:
         if self._motion is not None:

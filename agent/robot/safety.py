@@ -1,4 +1,5 @@
-"""One safety layer for every controller: clamps, rate limits, a deadman, stale-frame stops, e-stop.
+"""One safety layer for every controller: clamps, rate limits, a deadman, stale-frame stops, an obstacle
+stop, e-stop.
 
 Every velocity command passes `SafetyLayer.send_action` before it reaches a
 controller. The layer
@@ -7,23 +8,44 @@ controller. The layer
 - clamps each axis to its limit (vx, vy in m/s, wz in rad/s);
 - limits how fast each axis may change (m/s^2, rad/s^2) from the last command sent;
 - sends zero while the camera frame is stale or missing (`frame_age_s` None or over the limit);
-- sends zero while the e-stop is latched (`estop()` until `reset()`); the e-stop itself
-  goes straight to the controller's `estop()`, with no model and no queue in the way;
+- allows no translation toward an obstacle nearer than `min_clearance_m` in the direction of travel
+  (a `RangeSource`: the simulator's ray cast, the Go2's range finder); turning in place stays allowed,
+  so the robot can turn away. Forward motion with no reading for its direction is refused too;
+- sends zero while the e-stop is latched (`estop()` until `reset()`);
 - stops the robot when fresh commands stop: `tick()`, called by the control loop every
   period, stops it once `deadman_s` (default 0.3 s) has passed since the last command.
+
+Which driver calls run where. `send_action` is the driver's set-point and never waits for a
+reply (the Go2's Move is send-and-forget), so it runs inline, under the lock, and a halt sends a
+zero set-point the same way. The driver's `stop()`, `estop()` and `reset()` may wait for a reply
+(StopMove, Damp and the stand-up wait up to the SDK's 10 s timeout); they run on the layer's
+call lanes (agent/robot/lanes.py), never on the caller's thread. `estop()` sets the latch before
+anything else, without the lock, and hands the driver's e-stop to a lane of its own: no stuck
+driver call can delay either.
 
 Time comes from `clock` (a fake one in tests). Thread-safe: the control loop
 and the local API's e-stop may call it at once.
 """
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Protocol
 
-from .controllers.base import Command, Controller
+from .controllers.base import Command, Controller, ControllerError
+from .lanes import CallLane
+
+log = logging.getLogger(__name__)
+
+
+class RangeSource(Protocol):
+    def clearance_m(self, heading_rad: float) -> float | None:
+        """Free distance (m) from the robot's body along a body-frame heading (0 ahead, +pi/2 left);
+        None when no fresh reading covers that heading."""
 
 
 @dataclass(frozen=True)
@@ -36,6 +58,7 @@ class SafetyLimits:
     max_dwz: float = 3.0                # rad/s^2
     deadman_s: float = 0.3              # stop when no fresh command came for this long
     max_frame_age_s: float = 1.0        # stop when the newest camera frame is older (None: no camera check)
+    min_clearance_m: float = 0.0        # no translation toward an obstacle nearer than this (m); 0: no obstacle rule
 
     def __post_init__(self):
         for name in ("max_vx", "max_vy", "max_wz", "max_dvx", "max_dvy", "max_dwz", "deadman_s"):
@@ -44,6 +67,8 @@ class SafetyLimits:
                 raise ValueError(f"safety limit {name} must be a positive number, got {v!r}")
         if self.max_frame_age_s is not None and not self.max_frame_age_s > 0:
             raise ValueError(f"max_frame_age_s must be positive or None, got {self.max_frame_age_s!r}")
+        if not (isinstance(self.min_clearance_m, (int, float)) and 0 <= self.min_clearance_m <= 10):
+            raise ValueError(f"min_clearance_m must be 0..10 m (0: off), got {self.min_clearance_m!r}")
 
 
 def clamp(cmd: Command, limits: SafetyLimits) -> Command:
@@ -62,16 +87,26 @@ def rate_limit(cmd: Command, last: Command, dt: float, limits: SafetyLimits) -> 
 
 class SafetyLayer:
     def __init__(self, controller: Controller, limits: SafetyLimits = SafetyLimits(),
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, ranges: RangeSource | None = None):
+        if limits.min_clearance_m > 0 and ranges is None:
+            raise ValueError(f"safety.min_clearance_m = {limits.min_clearance_m} needs a range source, and the "
+                             f"{controller.name} controller has none: set it to 0 or use a robot with one")
         self.controller = controller
         self.limits = limits
         self.clock = clock
+        self.ranges = ranges
         self._lock = threading.RLock()
         self._last = Command()              # the last command the controller got
         self._last_t: float | None = None   # when a fresh command last came (None: none since the last stop)
         self._estopped = False
-        self.stops: dict[str, int] = {}     # reason -> count: deadman, stale_frame, estop, ...
+        self._estops = 0                    # e-stops so far: a reset finishing after a newer e-stop keeps the latch
+        self._blocked = False               # the obstacle rule is holding the robot back now
+        self.clearance_m: float | None = None   # the last range reading in the direction of travel
+        self._stats = threading.Lock()      # the counters only: estop() never waits for the main lock
+        self.stops: dict[str, int] = {}     # reason -> count: deadman, stale_frame, estop, obstacle, ...
         self.last_stop_reason: str | None = None
+        self._estop_lane = CallLane("estop")
+        self._driver_lane = CallLane("driver")
 
     @property
     def estopped(self) -> bool:
@@ -82,7 +117,7 @@ class SafetyLayer:
         return self._last
 
     def send_action(self, cmd: Command, frame_age_s: float | None = 0.0) -> Command:
-        """Clamp, rate-limit and check staleness; returns the command the controller actually got."""
+        """Clamp, rate-limit and check staleness and clearance; returns the command the controller actually got."""
         with self._lock:
             now = self.clock()
             limits = self.limits
@@ -96,48 +131,109 @@ class SafetyLayer:
             # the time since the last set-point (at most 0.1 s); from a stop, one nominal 20 Hz tick
             dt = 0.05 if self._last_t is None else min(0.1, now - self._last_t)
             safe = rate_limit(safe, self._last, dt, limits)
+            if limits.min_clearance_m > 0 and self._path_blocked(safe):
+                safe = Command(0.0, 0.0, safe.wz)  # at once, not through the rate limit: the obstacle is near now
+                if safe == Command():
+                    return self._halt(None, now)   # counted by _path_blocked, once per blocked spell
             sent = self.controller.send_action(safe)
             self._last, self._last_t = sent, now
             return sent
 
+    def _path_blocked(self, cmd: Command) -> bool:
+        """The obstacle rule for this command's direction of travel; counts each blocked spell once."""
+        if cmd.vx == 0 and cmd.vy == 0:
+            self._blocked = False
+            return False
+        clearance = self.ranges.clearance_m(math.atan2(cmd.vy, cmd.vx))
+        self.clearance_m = clearance
+        # no reading: forward motion is refused (blind), backing away from a wall is not
+        blocked = (cmd.vx > 0) if clearance is None else clearance < self.limits.min_clearance_m
+        if blocked and not self._blocked:
+            log.warning("obstacle stop: %s in the direction of travel (min %.2f m)",
+                        "no range reading" if clearance is None else f"{clearance:.2f} m",
+                        self.limits.min_clearance_m)
+            self._count("obstacle")
+        self._blocked = blocked
+        return blocked
+
     def stop(self, reason: str = "stop") -> Command:
-        """A normal halt (zero velocity, the controller's own stop)."""
+        """A normal halt: a zero set-point now, the controller's own stop on the driver lane."""
         with self._lock:
             return self._halt(reason, self.clock())
 
-    def estop(self) -> None:
-        """Latch the e-stop and call the controller's e-stop at once; motion stays off until reset()."""
-        with self._lock:
-            self._estopped = True
-            self._count("estop")
-            self.controller.estop()
-            self._last, self._last_t = Command(), None
+    def estop(self) -> Future:
+        """Latch the e-stop and hand the controller's e-stop to its own lane; never waits.
 
-    def reset(self) -> None:
-        """Release the e-stop (ours and the driver's own latch); motion needs a fresh command."""
-        with self._lock:
+        The latch is set first and without the lock, so a thread stuck in a driver call under the
+        lock cannot delay it. Returns the future of the controller's e-stop (done when it returned).
+        """
+        self._estopped = True
+        with self._stats:
+            self._estops += 1
+        self._count("estop")
+        return self._estop_lane.submit("estop", self.controller.estop)
+
+    def reset(self) -> Future:
+        """Release the e-stop once the driver is ready again (its own latch cleared; a legged robot standing).
+
+        The driver's reset runs on the driver lane; the latch is released only when it succeeded and no
+        newer e-stop came meanwhile. Motion needs a fresh command. Returns the future of the whole reset.
+        """
+        with self._stats:
+            estops = self._estops
+
+        def run() -> None:
             self.controller.reset()
-            self._estopped = False
+            with self._lock, self._stats:
+                if self._estops != estops:
+                    raise ControllerError("e-stopped again during the reset: the e-stop stays latched")
+                self._estopped = False
+                self._last, self._last_t = Command(), None
+            log.info("e-stop released")
+
+        return self._driver_lane.submit("reset", run)
 
     def tick(self) -> bool:
         """The deadman; call every control period. Returns True when it stopped the robot just now."""
         with self._lock:
             if self._last_t is None:
                 return False
+            if self._estopped:
+                self._halt("estop_latched", self.clock())
+                return True
             if self.clock() - self._last_t > self.limits.deadman_s:
                 self._halt("deadman", self.clock())
                 return True
             return False
 
-    def _halt(self, reason: str, now: float) -> Command:
+    def driver_calls(self) -> dict:
+        """The driver calls in progress per lane ({"estop": None | {"call", "for_s"}, "driver": ...})."""
+        return {"estop": self._estop_lane.busy(), "driver": self._driver_lane.busy()}
+
+    def drain(self, timeout_s: float) -> bool:
+        """Wait (bounded) until every requested driver call has returned; True when they all did."""
+        deadline = time.monotonic() + timeout_s
+        return all(lane.drain(max(0.0, deadline - time.monotonic())) for lane in (self._estop_lane, self._driver_lane))
+
+    def close(self, timeout_s: float = 2.0) -> None:
+        """Let the pending driver calls (the last stop) go out for at most timeout_s, then stop the lanes."""
+        self.drain(timeout_s)
+        self._estop_lane.close(0.0)
+        self._driver_lane.close(0.0)
+
+    def _halt(self, reason: str | None, now: float) -> Command:
+        """Zero set-point now; the driver's stop once per stop (not while e-stopped: the e-stop lane has it)."""
         moving = self._last != Command() or self._last_t is not None
-        self.controller.stop()
-        if moving or reason in ("estop_latched",):
+        if self.controller.connected:
+            self.controller.send_action(Command())
+        if moving and not self._estopped:
+            self._driver_lane.submit("stop", self.controller.stop)
+        if reason is not None and (moving or reason == "estop_latched"):
             self._count(reason)
         self._last, self._last_t = Command(), None
         return Command()
 
     def _count(self, reason: str) -> None:
-        self.stops[reason] = self.stops.get(reason, 0) + 1
-        self.last_stop_reason = reason
-
+        with self._stats:
+            self.stops[reason] = self.stops.get(reason, 0) + 1
+            self.last_stop_reason = reason

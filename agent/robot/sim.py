@@ -403,6 +403,22 @@ class SimWorld:
     def reached(self, name: str, reach_m: float = 0.6) -> bool:
         return self.distance_to(name) <= reach_m
 
+    def clearance_m(self, heading_rad: float) -> float:
+        """The range sensor (the safety layer's range source): free distance from the robot's edge along a
+        body-frame heading, over the robot's width (three parallel rays: centre and both sides)."""
+        x, y, th = self.pose
+        a = th + heading_rad
+        g = self.geometry
+        ang = np.array([a])
+        best = math.inf
+        for side in (-self.radius, 0.0, self.radius):     # the rays start abreast the centre, across the body
+            ox, oy = x - side * math.sin(a), y + side * math.cos(a)
+            hits = ray_segments(ox, oy, ang, g.segs)[0]                                 # [S]
+            if len(g.circles):
+                hits = np.concatenate([hits, ray_circles(ox, oy, ang, g.circles)[0][0]])   # [S + C]
+            best = min(best, float(hits.min()) if hits.size else math.inf)
+        return max(0.0, best - self.radius)
+
     def sightings(self, pose: tuple[float, float, float] | None = None, hfov_deg: float = 90.0,
                   max_range_m: float = 6.0) -> list[Sighting]:
         """The objects the camera at `pose` (default: now) could see, nearest first.

@@ -70,3 +70,17 @@ def test_source_kinds():
     assert OpenCVSource("run.mp4").kind == "file"
     with pytest.raises(CameraError, match="sim"):
         open_source("sim")
+
+
+def test_sources_a_robot_has_pass_to_the_right_opencv_backend():
+    from agent.robot.camera import Go2CameraSource, OpenCVSource, has_gstreamer, open_source
+
+    csi = ("nvarguscamerasrc sensor-id=0 ! video/x-raw(memory:NVMM),width=1280,height=720 ! nvvidconv ! "
+           "video/x-raw,format=BGRx ! videoconvert ! video/x-raw,format=BGR ! appsink drop=1 max-buffers=1")
+    assert OpenCVSource(csi).kind == "gstreamer"
+    assert OpenCVSource("rtsp://192.168.1.20:8554/front").kind == "stream"     # not looped, not paced like a file
+    assert OpenCVSource("/dev/video0").kind == "v4l2" and OpenCVSource("run.mp4").kind == "file"
+    assert isinstance(open_source("go2", network_interface="eth0"), Go2CameraSource)
+    fake = lambda info: type("cv2", (), {"getBuildInformation": staticmethod(lambda: info)})   # noqa: E731
+    assert has_gstreamer(fake("  Video I/O:\n    GStreamer:                   YES (1.20.3)\n"))
+    assert not has_gstreamer(fake("  Video I/O:\n    GStreamer:                   NO\n"))

@@ -129,11 +129,11 @@ def test_estop_is_latched_until_reset():
     clock, robot = Clock(), Recorder()
     s = SafetyLayer(robot, LIM, clock)
     s.send_action(Command(0.3, 0, 0))
-    s.estop()
+    s.estop().result(1)                                  # the driver's e-stop runs on its own lane
     assert robot.estops == 1 and robot.velocity == Command()
     clock.advance(0.05)
     assert s.send_action(Command(0.3, 0, 0)) == Command()
-    s.reset()
+    s.reset().result(1)
     clock.advance(0.05)
     assert s.send_action(Command(0.3, 0, 0)).vx > 0
 
@@ -157,6 +157,7 @@ def test_control_loop_streams_a_motion_then_ramps_down_and_stops():
     streamed = [c for c in robot.sent if c.vx > 0]
     assert len(streamed) >= 19 and max(c.vx for c in streamed) == pytest.approx(0.5)
     _run(loop, clock, 1.0)                               # the ramp down, then the stop
+    assert loop.safety.drain(1.0)                        # the driver's stop runs on the driver lane
     assert robot.velocity == Command() and loop._done.is_set() and robot.stops == 1
     # distance = integral of vx over ticks ~ 0.5 m despite the ramps (up and down give and take back)
     dist = sum(c.vx for c in robot.sent) * 0.05
@@ -181,7 +182,7 @@ def test_estop_stops_within_one_tick_and_drops_the_motion():
     loop = _loop(clock, robot)
     loop.start_motion(Motion(Command(vx=0.5), 5.0))
     _run(loop, clock, 0.5)
-    loop.estop()                                         # from the API's thread, between two ticks
+    loop.estop().result(1)                               # from the API's thread, between two ticks
     assert robot.estops == 1 and robot.velocity == Command()
     n = len(robot.sent)
     _run(loop, clock, 0.5)
@@ -218,3 +219,48 @@ def test_control_loop_thread_keeps_running_after_a_driver_fault():
         assert loop.alive and robot.velocity == Command()
     finally:
         loop.stop()
+
+
+class Ranges:
+    """A range source at the right depth: the clearance (m) per direction, None where nothing looks."""
+
+    def __init__(self, ahead=5.0, behind=None):
+        self.ahead, self.behind, self.asked = ahead, behind, []
+
+    def clearance_m(self, heading_rad):
+        self.asked.append(heading_rad)
+        return self.ahead if abs(heading_rad) <= math.pi / 2 else self.behind
+
+
+OBST = SafetyLimits(**{**LIM.__dict__, "min_clearance_m": 0.5, "max_dvx": 100.0, "max_dwz": 100.0})
+
+
+def test_obstacle_stop_refuses_forward_motion_and_counts_it_once():
+    clock, robot, ranges = Clock(), Recorder(), Ranges(ahead=2.0)
+    s = SafetyLayer(robot, OBST, clock, ranges=ranges)
+    assert s.send_action(Command(0.3, 0, 0)).vx == 0.3
+    ranges.ahead = 0.3                                   # something came within 0.5 m ahead
+    for _ in range(5):
+        clock.advance(0.05)
+        assert s.send_action(Command(0.3, 0, 0)) == Command()
+    assert robot.velocity == Command() and s.stops == {"obstacle": 1} and s.clearance_m == 0.3
+    clock.advance(0.05)                                  # turning away stays allowed, and so does backing off
+    assert s.send_action(Command(0.3, 0, 0.5)) == Command(0, 0, 0.5)
+    clock.advance(0.05)
+    assert s.send_action(Command(-0.2, 0, 0)).vx == -0.2
+    ranges.ahead = 1.0
+    clock.advance(0.05)
+    assert s.send_action(Command(0.3, 0, 0)).vx == 0.3
+
+
+def test_obstacle_stop_without_a_reading_refuses_forward_only():
+    clock, robot = Clock(), Recorder()
+    s = SafetyLayer(robot, OBST, clock, ranges=Ranges(ahead=None, behind=None))
+    assert s.send_action(Command(0.3, 0, 0)) == Command() and s.stops == {"obstacle": 1}
+    assert s.send_action(Command(-0.2, 0, 0)).vx == -0.2          # nothing looks behind: backing is not blind-refused
+
+
+def test_obstacle_rule_needs_a_range_source():
+    with pytest.raises(ValueError, match="needs a range source"):
+        SafetyLayer(Recorder(), OBST)
+    SafetyLayer(Recorder(), LIM)                         # min_clearance_m 0: no rule, no source needed

@@ -252,7 +252,7 @@ def test_safety_layer_estop_goes_through_to_the_mcu(link):
     safety = SafetyLayer(ctl, SafetyLimits(max_dvx=100.0))
     assert safety.send_action(Command(0.3, 0.0, 0.0)).vx == 0.3
     assert wait_until(lambda: mcu.motors.vx == 0.3)
-    safety.estop()
+    safety.estop().result(5)                            # the ESTOP frame waits for its ACK on its own lane
     assert mcu.estopped and mcu.motors == Command()
 
 
@@ -358,7 +358,7 @@ def test_safety_layer_reset_releases_the_mcu_latch(link):
     from agent.robot.safety import SafetyLayer, SafetyLimits
     ctl, mcu = link(status_s=0.02)
     safety = SafetyLayer(ctl, SafetyLimits(max_frame_age_s=None))
-    safety.estop()
+    safety.estop().result(5)
     assert mcu.estopped and ctl.estopped
-    safety.reset()
+    safety.reset().result(5)
     assert not mcu.estopped and not ctl.estopped

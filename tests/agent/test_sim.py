@@ -288,3 +288,24 @@ def test_sim_controller_clamps_and_estop_damps():
     assert not ctl.connected
     with pytest.raises(Exception, match="not connected"):
         ctl.send_action(Command(vx=0.1))
+
+
+def test_sim_ray_cast_is_the_obstacle_stops_range_source():
+    """A block 1 m ahead: the robot drives at it and the safety layer stops it short, without contact."""
+    from agent.robot.actions import Motion
+    from agent.robot.control import ControlLoop
+    from agent.robot.safety import SafetyLayer, SafetyLimits
+
+    world = SimWorld(size_m=(6.0, 5.0), obstacles=[(2.0, 0.5, 2.4, 1.5)], pose=(1.0, 1.0, 0.0))
+    assert world.clearance_m(0.0) == pytest.approx(1.0 - world.radius)
+    assert world.clearance_m(math.pi / 2) == pytest.approx(4.0 - world.radius)     # the wall at y = 5
+    ctl = SimController(world)
+    with ctl:
+        safety = SafetyLayer(ctl, SafetyLimits(min_clearance_m=0.3, max_frame_age_s=None), ranges=ctl.ranges)
+        loop = ControlLoop(safety, hz=50).start()
+        try:
+            assert not loop.execute(Motion(Command(vx=0.4), 5.0))          # cut short by the obstacle
+        finally:
+            loop.stop()
+    assert safety.stops.get("obstacle") == 1 and world.collisions == 0
+    assert 0.25 <= world.clearance_m(0.0) < 0.3 + 0.05

@@ -7,6 +7,12 @@ the command actually sent after the driver's own clamping (hardware limits);
 `Damp`, a serial controller's e-stop frame). Controllers never see a model:
 `agent.robot.safety.SafetyLayer` sits in front of every one of them.
 
+Waiting: `send_action` must never wait for a reply (it runs on the control loop,
+under the safety layer's lock); `stop`, `estop` and `reset` may (the Go2's
+StopMove and Damp wait up to the SDK's timeout), and the safety layer runs them
+on threads of their own. A controller with a range sensor sets `ranges` (a
+`safety.RangeSource`) for the safety layer's obstacle stop.
+
 Fakes (`sim`, a serial controller on `loop://`) are registered beside the
 real drivers, never instead of them.
 """
@@ -42,6 +48,7 @@ class ControllerError(RuntimeError):
 
 class Controller(ABC):
     name = "controller"
+    ranges = None                       # a safety.RangeSource when the robot can measure its clearance
 
     def __enter__(self):
         self.connect()
@@ -74,7 +81,8 @@ class Controller(ABC):
         self.stop()
 
     def reset(self) -> None:
-        """Clear the driver's own e-stop latch, once a person has checked the robot (default: none)."""
+        """Make the robot ready to move after an e-stop, once a person has checked it: clear the driver's
+        own latch, stand a legged robot up (default: nothing to do)."""
 
 
 # name -> "module:Class"; imported only when chosen, so a missing SDK (unitree_sdk2py, rclpy) only

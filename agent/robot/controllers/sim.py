@@ -18,6 +18,7 @@ class SimController(Controller):
     def __init__(self, world: SimWorld | None = None, scene: str = "red_box", start: int | tuple | None = 0,
                  max_vx: float = 1.0, max_vy: float = 0.5, max_wz: float = 1.5):
         self.world = world if world is not None else make_world(scene, start=start)
+        self.ranges = self.world            # the simulated range sensor: a ray cast in the direction of travel
         self.max_vx, self.max_vy, self.max_wz = max_vx, max_vy, max_wz
         self._connected = False
 
