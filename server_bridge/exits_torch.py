@@ -3,17 +3,16 @@
 What the exits are and how a verify pass uses them: server_bridge/exits.py. The
 llamacpp engine runs the same saved adapters in numpy (`exits.NumpyExitHeads`).
 
-What the exits cost per verify pass of a 4-token draft on 1 torch thread (medians
-of 40 interleaved runs on the 2-core development machine, shared with other
-work at the time; `python -m tools.exit_cost --engine torch --draft 4 --cands 8 --iters 40`):
+What the exits cost per verify pass of a 4-token draft, on 1 thread (medians of 40
+interleaved passes, both engines in one run; `python -m tools.exit_cost --out docs/exits`):
 
-  pass without exits                                     96.1 ms
-  pass with exits at 12, 18, 22, 26 on K=8 candidates   108.1 ms
-    of it in the exits, draft accepted in full (bonus)   11.6 ms
-    of it in the exits, draft rejected at row 0           2.8 ms
-  the bonus row's 1-row full-vocabulary head              8.5 ms  (once per pass)
-  one exit's candidate scoring, 4 rows x 8                0.6 ms
-  pass with the same 4 exits on the full vocabulary     178.5 ms  (exits 79.6 ms)
+                                                       torch    llamacpp
+  pass without exits                                  100.8 ms   65.5 ms
+  with exits at 12, 18, 22, 26 on K=8 candidates      117.2      77.7    (draft accepted in full)
+  the same, draft rejected at row 0                   104.9      68.0
+  the bonus row's 1-row full-vocabulary head           11.2       8.6    (once per pass)
+  one exit's candidate scoring, 4 rows x 9              0.7       0.3
+  the exits on the full vocabulary                    199.1     180.9
 
 So exits score candidates only; the one full-head row at the bonus position
 is most of their cost when the draft is accepted.

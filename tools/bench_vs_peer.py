@@ -35,20 +35,21 @@ LABELS = {"ar": "ours AR", "sd": "ours SD", "fsd": "ours FSD", "fsd without exit
           "sd predictor+optimal": "ours SD predictor+optimal"}
 
 
-def ours(prompts: list[list[int]], rtts: list[float], drafts: list[str], n: int, gamma: int, log) -> list[dict]:
+def ours(prompts: list[list[int]], rtts: list[float], drafts: list[str], n: int, gamma: int, log,
+         modes: tuple[str, ...] = MODES) -> list[dict]:
     rows = []
     with LocalVerifier(cpus={1}, threads=1) as server, NetemProxy("127.0.0.1", server.port) as link:
         os.sched_setaffinity(0, {0})
         drafters = {d: Drafter(d, threads=1) for d in drafts}
         dec = {(d, m): EdgeDecoder(dr, link.url(), fsd=FsdOptions(workers=1, exits=() if "without" in m else None),
                                    policy=DraftPolicy("predictor+optimal") if "predictor" in m else DraftPolicy())
-               for d, dr in drafters.items() for m in MODES}
+               for d, dr in drafters.items() for m in modes}
         for (d, m), x in dec.items():                                    # warm-up
             x.generate(prompts[0][:8], mode=m.split()[0], max_tokens=4, gamma=gamma)
         for rtt in rtts:
             link.set_profile(LinkProfile.from_rtt(rtt))
             for d in drafts:
-                for m in MODES:
+                for m in modes:
                     if m == "ar" and d != drafts[0]:
                         continue
                     gens = [dec[d, m].generate(ids, mode=m.split()[0], max_tokens=n, gamma=gamma) for ids in prompts]
@@ -111,27 +112,35 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--gamma", type=int, default=4)
     ap.add_argument("--drafts", default="smollm2-q4_1,smollm2-q2_k")
+    ap.add_argument("--modes", default=",".join(MODES), help=f"ours, of {', '.join(MODES)} (ar is always run)")
+    ap.add_argument("--no-peer", action="store_true", help="our modes only (no llama-server needed)")
     ap.add_argument("--out", default="bench_results/vs_peer")
     args = ap.parse_args(argv)
+    modes = tuple(dict.fromkeys(["ar", "sd"] + args.modes.split(",")))
+    if set(modes) - set(MODES):
+        ap.error(f"unknown modes {sorted(set(modes) - set(MODES))}")
     rtts = [float(x) for x in args.rtts.split(",")]
     trace = peer.load_prompts(n=args.prompts)
     prompts = [p.prompt_ids for p in trace.prompts]
     model = peer.default_model()
-    if model is None or peer.find_llama_server() is None:
+    if model is None or (not args.no_peer and peer.find_llama_server() is None):
         print("needs models/build/SmolLM2-135M-Instruct.F32.gguf (server-bridge prepare) and llama-server "
               "(make llama-server)", file=sys.stderr)
         return 2
-    print("llama-server, one slot, pinned to core 1", flush=True)
     os.sched_setaffinity(0, {0})
-    rows = peer.one_robot(model, trace, rtts, args.tokens, core=1, threads=1)
-    for r in rows:
-        r["draft"] = None
-        r["exact"] = r["matches_trace"] == r["runs"]
+    rows = []
+    if not args.no_peer:
+        print("llama-server, one slot, pinned to core 1", flush=True)
+        rows = peer.one_robot(model, trace, rtts, args.tokens, core=1, threads=1)
+        for r in rows:
+            r["draft"] = None
+            r["exact"] = r["matches_trace"] == r["runs"]
     print("ours: server-bridge (llamacpp engine), pinned to core 1", flush=True)
-    rows += ours(prompts, rtts, args.drafts.split(","), args.tokens, args.gamma, lambda s: print(s, flush=True))
+    rows += ours(prompts, rtts, args.drafts.split(","), args.tokens, args.gamma, lambda s: print(s, flush=True),
+                 modes)
     sd = next(r for r in rows if r["mode"] == "ours SD" and r["rtt_ms"] == rtts[0])
     ar = next(r for r in rows if r["mode"] == "ours AR" and r["rtt_ms"] == rtts[0])
-    pe = next(r for r in rows if r["mode"] == "llama-server AR" and r["rtt_ms"] == rtts[0])
+    pe = next((r for r in rows if r["mode"] == "llama-server AR" and r["rtt_ms"] == rtts[0]), {})
     t_q, t_p, t_v, tau = 1e3 / ar["tokens_per_s"], sd["draft_ms_per_round"] / args.gamma, sd["verify_ms_per_round"], \
         sd["tau"]
 
