@@ -42,13 +42,11 @@ class ThreadedServer:
 
 @pytest.fixture(scope="session")
 def target():
-    """The default target on the default engine (llamacpp), tapped at the exits' layers as `serve` does."""
-    from protocol import modelfiles
+    """The default target on the default engine (llamacpp), tapped at the exits' layers as
+    `serve --exits models/exits/smollm2-f32` does, so the exits run on both engines in the tests."""
     from server_bridge.target import load_target
-    from server_bridge.verifier import exit_taps
 
-    return load_target(threads=1, max_sequences=32, kv_tokens=16384,
-                       tap_layers=exit_taps(ServerConfig(), modelfiles.DEFAULT_TARGET))
+    return load_target(threads=1, max_sequences=32, kv_tokens=16384, tap_layers=[12, 18, 22, 26])
 
 
 @pytest.fixture(scope="session")

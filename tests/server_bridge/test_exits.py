@@ -160,10 +160,11 @@ def test_the_server_taps_llama_cpp_only_for_the_exits_it_serves():
     from server_bridge.verifier import Verifier
 
     small = dict(max_sessions=2, max_context=256, threads=1)
-    served = target_from_config(ServerConfig(exit_layers=[18, 26], **small))
-    assert served.engine.tapped == [18, 26] and Verifier(served, ServerConfig(exit_layers=[18, 26])).exit_layers == [18, 26]
-    plain = target_from_config(ServerConfig(exits="", **small))
-    assert plain.engine.tapped == [] and Verifier(plain, ServerConfig(exits="")).exits is None
+    named = ServerConfig(exits=str(SHIPPED), exit_layers=[18, 26], **small)
+    served = target_from_config(named)
+    assert served.engine.tapped == [18, 26] and Verifier(served, named).exit_layers == [18, 26]
+    plain = target_from_config(ServerConfig(**small))        # "auto": no exits on llamacpp (they do not pay)
+    assert plain.engine.tapped == [] and target_from_config(ServerConfig(exits="", **small)).engine.tapped == []
     # an engine made without taps: "auto" exits stay off, adapters named outright are an error
     assert Verifier(plain, ServerConfig()).exits is None
     with pytest.raises(ValueError, match="taps layers"):
