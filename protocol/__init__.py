@@ -1,5 +1,6 @@
 """What the robot and the server share: the wire, the sampling maths, the payload codecs, model names.
 
 numpy, msgpack and the standard library only, so `agent/` imports it without torch
-and without anything of `server_bridge/`.
+and without anything of `server_bridge/`; `grammar.py` alone also calls llama.cpp's grammar
+sampler (llama-cpp-python, which both sides run), imported when a grammar is first built.
 """

@@ -64,16 +64,17 @@ class PayloadSpec:
 # --------------------------------------------------------------------------- the robot's side
 
 def draw(logits: np.ndarray, params: SamplingParams, spec: PayloadSpec,
-         rng: np.random.Generator) -> tuple[int, np.ndarray | None, object]:
+         rng: np.random.Generator, mask: np.ndarray | None = None) -> tuple[int, np.ndarray | None, object]:
     """One drafted token at one position: (token, q [V] float64 it was drawn from, the row to send).
 
     The row is spec-specific: full an fp16 [V] table, topk (ids int32 [K], fp16 [K]),
     split the fixed-point counts [V] (only the drawn token's count travels).
-    Greedy (or `none`): the argmax, no q, no row.
+    Greedy (or `none`): the argmax, no q, no row. mask [V] bool: q restricted to it (a grammar's
+    allowed tokens; greedy callers pass the masked argmax's logits instead, see Drafter.propose).
     """
     if params.greedy or spec.kind == "none":
-        return int(np.argmax(logits)), None, None
-    probs = sampling.probs_from_logits(np.asarray(logits)[None], params)[0]
+        return int(np.argmax(logits if mask is None else np.where(mask, logits, -np.inf))), None, None
+    probs = sampling.probs_from_logits(np.asarray(logits)[None], params, None if mask is None else mask[None])[0]
     if spec.kind == "full":
         q16, q = sampling.quantize_q(probs[None])
         return sampling.sample(q[0], rng), q[0], q16[0]
@@ -157,13 +158,13 @@ def target_probs(logits: np.ndarray, ids: np.ndarray | None, vocab: int, params:
     return p
 
 
-def sparse_residual(logits: np.ndarray, p: np.ndarray,
-                    params: SamplingParams) -> tuple[np.ndarray | None, np.ndarray]:
+def sparse_residual(logits: np.ndarray, p: np.ndarray, params: SamplingParams,
+                    masked: bool = False) -> tuple[np.ndarray | None, np.ndarray]:
     """What the server sends down for p_j (logits [V] float32, p [V] = p_j): (ids, logits) of p_j's
-    support when the session samples with top_k (p_j is zero elsewhere, so nothing is lost), else
-    (None, all V logits)."""
+    support when the session samples with top_k or under a grammar's mask (p_j is zero elsewhere, so
+    nothing is lost), else (None, all V logits)."""
     logits = np.asarray(logits, dtype=np.float32)
-    if 0 < params.top_k < len(logits):
+    if masked or 0 < params.top_k < len(logits):
         ids = np.flatnonzero(p).astype(np.int32)
         return ids, logits[ids]
     return None, logits

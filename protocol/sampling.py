@@ -54,9 +54,12 @@ RESIDUAL = -1
 SPLIT_ONE = 1 << 23     # split payloads: q(x) = n / 2^23 with n < 2^24, three bytes on the wire
 
 
-def probs_from_logits(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
+def probs_from_logits(logits: np.ndarray, params: SamplingParams, mask: np.ndarray | None = None) -> np.ndarray:
     """Logits [..., V] -> float64 probabilities [..., V] at `params` (T > 0).
 
+    mask [..., V] bool (a grammar's allowed tokens, protocol/grammar.py): the distribution
+    is restricted to it and renormalised, p'(x) = p(x) 1[mask x] / sum_y p(y) 1[mask y];
+    top-k then keeps the k largest allowed logits.
     Top-k keeps the k largest logits (ties at the k-th value are kept too, so
     both sides agree regardless of sort stability).
     """
@@ -65,6 +68,11 @@ def probs_from_logits(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     x = np.asarray(logits, dtype=np.float64) / params.temperature
     if not np.all(np.isfinite(x)):
         raise SamplingError("logits contain NaN or infinity")
+    if mask is not None:
+        mask = np.broadcast_to(np.asarray(mask, dtype=bool), x.shape)
+        if not np.all(mask.any(axis=-1)):
+            raise SamplingError("the mask allows no token in some row")
+        x = np.where(mask, x, -np.inf)
     if 0 < params.top_k < x.shape[-1]:
         kth = np.partition(x, -params.top_k, axis=-1)[..., -params.top_k, None]
         x = np.where(x >= kth, x, -np.inf)

@@ -28,6 +28,7 @@ DEFAULT_MAX_FRAME_BYTES = 4 * 2**20        # a full fp16 q for 16 positions is ~
 _ARRAY_DTYPES = {"<f2": np.float16, "<f4": np.float32, "<i4": np.int32}
 MAX_ID_LIST = 1 << 16                      # longest token-id list any message may carry
 MAX_STR = 4096
+MAX_GBNF_CHARS = 16 * 1024                  # a grammar's GBNF text (protocol/grammar.py)
 MAX_CANDIDATES = 64                        # candidate ids per draft position for early exits
 
 
@@ -201,6 +202,9 @@ class Open(Message):
     slo: dict = field(default_factory=dict)   # optional latency targets in ms (used by the scheduler)
     exits: list[int] = field(default_factory=list)  # early-exit layers to stream verdicts from; [] = off
     payload: dict = field(default_factory=lambda: {"kind": "full", "k": 0})   # protocol.payload.PayloadSpec
+    # constrained decoding (protocol/grammar.py): {"gbnf": GBNF text, "from": the index of prompt_ids where the
+    # constrained part starts (the ids from there on are already under the grammar)}; None: unconstrained
+    grammar: dict | None = None
 
     @classmethod
     def from_wire(cls, d):
@@ -216,7 +220,12 @@ class Open(Message):
             raise WireError("bad_field", "exits must be increasing layer numbers without repeats")
         pl = _map(d.get("payload", {"kind": "full", "k": 0}), "payload")
         payload = {"kind": _str(pl.get("kind"), "payload.kind", 16), "k": _int(pl.get("k", 0), "payload.k", 0, 1 << 20)}
-        return cls(_sid(d.get("sid")), ids, sampling, _map(d.get("slo", {}), "slo"), exits, payload)
+        grammar = d.get("grammar")
+        if grammar is not None:
+            g = _map(grammar, "grammar")
+            grammar = {"gbnf": _str(g.get("gbnf"), "grammar.gbnf", MAX_GBNF_CHARS),
+                       "from": _int(g.get("from"), "grammar.from", 0, len(ids))}
+        return cls(_sid(d.get("sid")), ids, sampling, _map(d.get("slo", {}), "slo"), exits, payload, grammar)
 
     @classmethod
     def make_dummy(cls):

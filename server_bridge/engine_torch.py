@@ -122,6 +122,7 @@ class TorchEngine:
         if threads > 0:
             torch.set_num_threads(threads)
         self.device, self.dtype = resolve_device_dtype(device, dtype)
+        self.path = Path(path)                                  # a GGUF's vocabulary serves grammars (target.py)
         t0 = time.perf_counter()
         if model is None:
             from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -204,7 +204,8 @@ class BridgeServer:
             target=target.name, vocab_size=target.vocab_size, vocab_hash=target.vocab_hash,
             eos_ids=target.eos_ids, exits=self.verifier.exit_layers,
             limits={"max_frame_bytes": self.config.max_frame_bytes, "max_draft_len": self.config.max_draft_len,
-                    "max_context": self.config.max_context, "max_sessions": self.config.max_sessions},
+                    "max_context": self.config.max_context, "max_sessions": self.config.max_sessions,
+                    "grammar": target.grammars_supported},
             engine=target.engine.info.as_dict()))
 
     async def _dispatch(self, ws: ServerConnection, conn_id: int, outbox: Outbox, msg: wire.Message) -> None:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from protocol.grammar import GrammarState
 from protocol.payload import PayloadSpec
 from protocol.sampling import SamplingParams
 from .target import TargetState
@@ -40,6 +41,9 @@ class Session:
     t_last: float = 0.0             # monotonic time its last round or ar token was decided
     # Ownership: another connection may re-open the session only with the committed prefix
     acked: int = 0                  # committed tokens its robot has shown it holds (its open, then each request)
+    # Constrained decoding (protocol/grammar.py): where the committed ids stand in the session's grammar;
+    # None: unconstrained. Advanced with every committed token after the open's grammar.from.
+    grammar: "GrammarState | None" = None
 
     def acknowledge(self, n_robot: int) -> None:
         """The robot sent a request built on n_robot committed tokens: it holds that many of ours."""

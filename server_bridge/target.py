@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import logging
 import weakref
+from pathlib import Path
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+from protocol.grammar import Grammar, GrammarCache, GrammarError, vocab_only
 
 from .engine import Engine, Pass, Sequence, load_engine
 
@@ -63,6 +66,30 @@ class Target:
         self.batchable = engine.batchable
         self.tokenizer = engine.tokenizer          # encode(text) -> ids, for tools and tests
         self.on_device = engine.info.engine == "torch"   # rows are device tensors: the maths runs there
+        self._grammars: GrammarCache | None = None
+
+    @property
+    def grammars_supported(self) -> bool:
+        """Whether sessions may decode under a grammar: llama.cpp's sampler needs the target's GGUF vocabulary
+        (the llamacpp engine's own model, or the GGUF a torch engine was converted from)."""
+        return self.engine.info.engine == "llamacpp" or Path(getattr(self.engine, "path", "")).suffix == ".gguf"
+
+    def grammar(self, gbnf: str) -> Grammar:
+        """`gbnf` compiled over the target's vocabulary (cached, bounded); GrammarError when it cannot be."""
+        if self._grammars is None:
+            import llama_cpp as L
+
+            if self.engine.info.engine == "llamacpp":
+                vocab, owner = L.llama_model_get_vocab(self.engine.model), self.engine
+            elif self.grammars_supported:
+                owner, vocab, n = vocab_only(self.engine.path)          # the vocabulary alone, no weights
+                if n != self.vocab_size:
+                    raise GrammarError(f"{self.engine.path} has {n} tokens, the target {self.vocab_size}")
+            else:
+                raise GrammarError(f"the target {self.name} was not loaded from a GGUF: llama.cpp's grammar "
+                                   "sampler has no vocabulary to run on")
+            self._grammars = GrammarCache(vocab, self.vocab_size, owner)
+        return self._grammars.get(gbnf)
 
     def new_state(self, prompt_ids: list[int], prefill: bool = True) -> TargetState:
         """A state for prompt_ids; with prefill, all but the last prompt token are forwarded now.

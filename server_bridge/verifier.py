@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from protocol import modelfiles, payload, sampling
+from protocol.grammar import GrammarError, GrammarState
 from protocol.wire import Exit, Open, Verify, WireError
 
 from .config import ServerConfig
@@ -207,6 +208,7 @@ class Verifier:
             raise WireError("bad_field", f"no early exit at layers {unknown}; this verifier has "
                             f"{self.exit_layers or 'none'}", msg.sid)
         slo = slo_class(msg.slo, self.config.default_slo, msg.sid)
+        grammar = self._grammar_state(msg)
         resumes = previous is not None and previous.slo == slo and _resumes(previous.state.ids, msg.prompt_ids)
         if previous is not None:
             # Work still queued for the old session object (an ar stream of a dropped
@@ -226,7 +228,8 @@ class Verifier:
         # A re-opened session draws fresh randomness keyed by where it resumes,
         # so a replayed round is an independent draw, as the math requires.
         rng = np.random.default_rng([params.seed, len(msg.prompt_ids)])
-        session = Session(msg.sid, job.conn_id, state, params, rng, exits=list(msg.exits), payload=spec, slo=slo)
+        session = Session(msg.sid, job.conn_id, state, params, rng, exits=list(msg.exits), payload=spec, slo=slo,
+                          grammar=grammar)
         if resumes:
             # the same generation goes on (a re-open after a lost link): it keeps its SLO bookkeeping
             session.t0, session.n0, session.alpha, session.t_last = previous.t0, previous.n0, previous.alpha, \
@@ -235,6 +238,18 @@ class Verifier:
             session.t0, session.n0 = job.arrival, len(msg.prompt_ids)
             job.ended = previous          # the previous generation on this sid ended here (SLO metrics)
         job.session = session
+
+    def _grammar_state(self, msg: Open) -> GrammarState | None:
+        """Open.grammar -> the state after the prompt's constrained part (None: unconstrained)."""
+        if msg.grammar is None:
+            return None
+        if not self.target.grammars_supported:
+            raise WireError("bad_field", f"this verifier's target {self.target.name} cannot decode under a grammar "
+                            "(llama.cpp's grammar sampler needs its GGUF vocabulary)", msg.sid)
+        try:
+            return self.target.grammar(msg.grammar["gbnf"]).walk(msg.prompt_ids[msg.grammar["from"]:])
+        except GrammarError as e:
+            raise WireError("bad_field", f"grammar: {e}", msg.sid) from None
 
     # ------------------------------------------------------------------ rounds
 
@@ -275,12 +290,13 @@ class Verifier:
         session, msg, q = job.session, job.msg, job.q
         state = session.state
         try:
-            verdict, p_row = self._verdict(session, msg.draft_ids, q, rows)
+            verdict, p_row = self._verdict(session, msg.draft_ids, q, rows, msg.fix)
         except sampling.SamplingError as e:
             raise WireError("bad_probs", str(e), msg.sid) from None
         if msg.fix is not None:                                       # the owed correction, verified with this pass
             state.ids.append(msg.fix)
             session.owed = None
+            _advance(session, [msg.fix])
         n_before = len(state.ids)
         residual = None
         if verdict.token == sampling.RESIDUAL:
@@ -288,11 +304,13 @@ class Verifier:
             committed = msg.draft_ids[:verdict.accepted]
             session.owed = p_row(verdict.accepted)                               # p_j [V] on the host
             logits_j = self.target.to_numpy(rows[verdict.accepted:verdict.accepted + 1])[0]
-            ids, values = payload.sparse_residual(logits_j, session.owed, session.params)
+            ids, values = payload.sparse_residual(logits_j, session.owed, session.params,
+                                                  masked=session.grammar is not None)
             residual = {"logits": values, "ids": ids}
         else:
             committed = msg.draft_ids[:verdict.accepted] + [verdict.token]
         self.target.commit(state, committed, n_before + verdict.accepted)
+        _advance(session, committed)
         if msg.draft_ids:
             session.alpha += 0.2 * (verdict.accepted / len(msg.draft_ids) - session.alpha)
         session.t_last = time.monotonic()
@@ -303,13 +321,15 @@ class Verifier:
             outcome.exit_ms = job.probe.ms
         return outcome
 
-    def _verdict(self, session: Session, draft_ids: list[int], q: np.ndarray | None, rows):
+    def _verdict(self, session: Session, draft_ids: list[int], q: np.ndarray | None, rows, fix: int | None = None):
         """(verdict, p_row) for a round's rows [k + 1, vocab]; p_row(j) is the target's p_j on the host.
 
         Greedy: only the argmax ids leave the device. Sampled: on a device engine the maths runs
         there (server_bridge/devmath.py), elsewhere in numpy (protocol/sampling.py, the reference).
         """
         params, rng, split = session.params, session.rng, session.payload.kind == "split" and q is not None
+        if session.grammar is not None:
+            return self._verdict_constrained(session, draft_ids, q, rows, fix)
         if params.greedy:
             return sampling.verify_greedy(np.asarray(draft_ids), self.target.argmax(rows)), None
         if self.target.on_device:
@@ -325,6 +345,44 @@ class Verifier:
         if split:                                                        # q: q(x_i) [k]
             verdict = sampling.verify_split(np.asarray(draft_ids), q, p, rng)
         else:                                                            # q: [k, vocab]
+            verdict = sampling.verify_sampled(np.asarray(draft_ids), np.zeros((0, p.shape[1])) if q is None else q,
+                                              p, rng)
+        return verdict, lambda j: p[j]
+
+    def _verdict_constrained(self, session: Session, draft_ids: list[int], q: np.ndarray | None, rows,
+                             fix: int | None):
+        """_verdict under the session's grammar: row i masked by the grammar after ids + draft[:i].
+
+        Greedy: the masked argmax at each position until the first disagreement (protocol.grammar
+        checks the best candidates first, so an allowed argmax costs one check). Sampled: the
+        target's p restricted to each row's allowed tokens and renormalised; a draft token the
+        grammar forbids has p = 0 there and is rejected, so the rows after it are never used and
+        stay unmasked. Always on the host: the masks come from llama.cpp's sampler on the CPU.
+        """
+        params, rng = session.params, session.rng
+        logits = self.target.to_numpy(rows)                                 # [k + 1, vocab]
+        walk = session.grammar.clone()
+        if fix is not None:                                                 # committed before this draft
+            walk.accept(fix)
+        k = len(draft_ids)
+        if params.greedy:
+            best = np.zeros(k + 1, dtype=np.int64)
+            for i in range(k + 1):
+                best[i:] = walk.argmax(logits[i])
+                if i == k or draft_ids[i] != best[i]:
+                    break
+                walk.accept(draft_ids[i])
+            return sampling.verify_greedy(np.asarray(draft_ids), best), None
+        masks = np.ones(logits.shape, dtype=bool)
+        for i in range(k + 1):
+            masks[i] = walk.mask()
+            if i == k or not masks[i, draft_ids[i]]:
+                break
+            walk.accept(draft_ids[i])
+        p = sampling.probs_from_logits(logits, params, masks)
+        if session.payload.kind == "split" and q is not None:
+            verdict = sampling.verify_split(np.asarray(draft_ids), q, p, rng)
+        else:
             verdict = sampling.verify_sampled(np.asarray(draft_ids), np.zeros((0, p.shape[1])) if q is None else q,
                                               p, rng)
         return verdict, lambda j: p[j]
@@ -353,7 +411,15 @@ class Verifier:
 
     def _finish_ar(self, job: Job, rows) -> tuple[int, float, float]:
         session = job.session
-        if session.params.greedy:
+        if session.grammar is not None:                 # masked like a verify row (_verdict_constrained)
+            logits = self.target.to_numpy(rows)[0]
+            if session.params.greedy:
+                token, p = session.grammar.argmax(logits), 1.0
+            else:
+                probs = sampling.probs_from_logits(logits, session.params, session.grammar.mask())
+                token = sampling.sample(probs, session.rng)
+                p = min(1.0, float(probs[token]))
+        elif session.params.greedy:
             token, p = int(self.target.argmax(rows)[0]), 1.0
         elif self.target.on_device:
             from . import devmath
@@ -366,6 +432,7 @@ class Verifier:
             token = sampling.sample(probs, session.rng)
             p = min(1.0, float(probs[token]))
         self.target.commit(session.state, [token], len(session.state.ids))
+        _advance(session, [token])
         session.t_last = time.monotonic()
         return token, (time.perf_counter() - job.t0) * 1e3, p
 
@@ -414,6 +481,7 @@ class Verifier:
         state = session.state
         self.target.commit(state, [token], len(state.ids))
         session.owed = None
+        _advance(session, [token])
 
     def _check_ids(self, ids: list[int], name: str, sid: str | None = None) -> None:
         if ids and max(ids) >= self.target.vocab_size:
@@ -434,6 +502,15 @@ def _resumes(old: list[int], new: list[int]) -> bool:
     """Whether a re-open continues the old committed prefix (one is a prefix of the other)."""
     n = min(len(old), len(new))
     return old[:n] == new[:n]
+
+
+def _advance(session: Session, committed: list[int]) -> None:
+    """Walk the session's grammar over newly committed ids. Each was chosen under the grammar's mask
+    (a masked argmax, or a token of p' > 0), so the walk cannot fail short of a bug, which then
+    surfaces as GrammarError rather than as llama.cpp's abort."""
+    if session.grammar is not None:
+        for t in committed:
+            session.grammar.accept(t)
 
 
 def _check_live(session: Session) -> None:

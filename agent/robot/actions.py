@@ -64,6 +64,31 @@ VOCABULARY = tuple([Action("forward", d) for d in FORWARD_CM] + [Action(s, a) fo
                                                                  for a in TURN_DEG] + [STOP])
 
 
+REASON_MAX_CHARS = 100                  # the reason sentence, its period included
+
+
+def answer_grammar(reason_max_chars: int = REASON_MAX_CHARS) -> str:
+    """The answer as GBNF: one short reason sentence, free, then exactly one of the 10 NaVILA sentences.
+
+    Both sides decode under it (protocol/grammar.py: llama.cpp's grammar sampler on the draft
+    and on the target), so every answer parses exactly and the controller never guesses. The
+    reason is letters, digits, spaces and , ; ' - up to its period; the action is one
+    alternative per vocabulary entry, generated from VOCABULARY so the two never drift apart.
+    """
+    if reason_max_chars < 2:
+        raise ValueError("the reason needs room for a capital letter and its period")
+    actions = " | ".join(f'"{a.text}"' for a in VOCABULARY)
+    return (f'root ::= reason " " action\n'
+            f'reason ::= [A-Z] [a-zA-Z0-9 ,;\'-]{{0,{reason_max_chars - 2}}} "."\n'
+            f"action ::= {actions}\n")
+
+
+def answer_max_tokens(reason_max_chars: int = REASON_MAX_CHARS) -> int:
+    """Tokens that always suffice for a whole answer under `answer_grammar`: the grammar allows no empty
+    token, so an answer has at most as many tokens as characters (and one stop token)."""
+    return reason_max_chars + 1 + max(len(a.text) for a in VOCABULARY) + 1
+
+
 @dataclass(frozen=True)
 class Parsed:
     action: Action
