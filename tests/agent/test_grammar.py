@@ -113,6 +113,28 @@ def test_every_mode_and_payload_gives_the_targets_constrained_greedy_ids(drafter
         dec.close()
 
 
+@pytest.mark.parametrize("mode", ["sd", "fsd"])
+@pytest.mark.parametrize("kind", ["full", "topk", "split"])
+def test_sampled_answers_under_the_grammar_always_parse_and_sd_replays_its_seed(weak_drafter, grammar_server,
+                                                                                 mode, kind):
+    """T = 1 with the weaker draft (rejections common, split's residuals drawn on the robot): every answer is
+    one reason and one NaVILA sentence, and in sd the same seed gives the same ids."""
+    dec = EdgeDecoder(weak_drafter, grammar_server.url, payload=PayloadSpec.parse(kind, 16),
+                      fsd=FsdOptions(exits=()))
+    try:
+        for seed in range(2):
+            params = SamplingParams(temperature=1.0, seed=seed)
+            ids = prompt(weak_drafter, *TASKS[seed])
+            runs = [dec.generate(ids, mode=mode, gamma=4, max_tokens=answer_max_tokens(), grammar=GBNF,
+                                 params=params) for _ in range(2 if mode == "sd" else 1)]
+            for gen in runs:
+                assert parse_action(gen.text).how == "exact", gen.text
+            assert runs[0].token_ids == runs[-1].token_ids
+            assert runs[0].metrics.payload.startswith(kind)
+    finally:
+        dec.close()
+
+
 def test_local_generation_under_the_grammar_always_parses(drafter):
     dec = EdgeDecoder(drafter, None)
     for task in TASKS:
