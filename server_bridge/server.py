@@ -185,6 +185,7 @@ class BridgeServer:
             pass
         finally:
             self._connections -= 1
+            self.sessions.detach(conn_id)
             outbox.close()
             sender.cancel()
             await asyncio.gather(sender, return_exceptions=True)

@@ -19,6 +19,8 @@ from protocol.wire import WireError
 
 log = logging.getLogger(__name__)
 
+DETACHED = 0                        # Session.conn_id of a session whose connection closed (ids count from 1)
+
 
 @dataclass
 class Session:
@@ -90,12 +92,24 @@ class SessionTable:
         return s
 
     def check_owner(self, sid: str, conn_id: int, prompt_ids: list[int]) -> None:
-        """Raise before any model work if conn_id may not open sid: it is held by another connection,
-        and this open does not carry its committed prefix (a robot back on a new link does)."""
+        """Raise before any model work if conn_id may not open sid: it is held by another live connection,
+        and this open does not carry its committed prefix (a robot back on a new link does). A session
+        whose connection has closed is detached: any connection may re-open it with any prompt, and the
+        KV of the prefix both share is kept (a robot's next step after a dropped link)."""
         s = self._sessions.get(sid)
-        if s is not None and s.conn_id != conn_id and not s.proves(prompt_ids):
+        if s is not None and s.conn_id not in (conn_id, DETACHED) and not s.proves(prompt_ids):
             raise WireError("session_taken", f"session {sid!r} belongs to another connection; re-open it with "
                             "its committed prefix, or open a new session id", sid)
+
+    def detach(self, conn_id: int) -> int:
+        """The connection closed: its sessions stay (until idle or evicted) for whichever connection re-opens
+        them. Returns how many."""
+        n = 0
+        for s in self._sessions.values():
+            if s.conn_id == conn_id:
+                s.conn_id = DETACHED
+                n += 1
+        return n
 
     def check_room(self, sid: str, conn_id: int) -> None:
         """Raise before any model work if conn_id may not hold one more session."""

@@ -471,12 +471,49 @@ def test_split_survives_a_dropped_link(weak_drafter, server_and_proxy):
     assert len(gen.token_ids) == MAX_TOKENS or gen.token_ids[-1] in weak_drafter.eos_ids   # ran to its end
 
 
-def test_a_named_session_whose_link_dropped_between_steps_switches_sid_and_stays_verified(drafter, make_server,
-                                                                                          caplog):
-    """The navigation loop keeps one session name across steps. The link drops between two steps:
-    the next step opens the name on a new connection with a new prompt, which cannot prove the old
-    session's committed prefix (session_taken). The robot switches the name to a fresh sid at once,
-    keeps it for the later steps, and every answer is the target's own, verified by the server."""
+def test_a_named_session_whose_link_dropped_between_steps_reopens_its_detached_session(drafter, target, make_server,
+                                                                                      monkeypatch):
+    """The navigation loop keeps one session name across steps. The link drops between two steps: the
+    server detaches the session when its connection closes, so the next step opens the same sid on a new
+    connection with a new prompt, keeps the KV of the prefix both prompts share, and is verified."""
+    from server_bridge.sessions import DETACHED
+
+    server = make_server()
+    shared = "You are a careful robot. " * 10
+    steps = [drafter.tokenize(shared + f"Observation: {seen}. Task: go to the door.", chat=True)
+             for seen in ("a hallway", "a door on the left")]
+    ref = EdgeDecoder(drafter, server.url)
+    try:
+        expected = [ref.generate(ids, mode="ar", max_tokens=12).token_ids for ids in steps]
+    finally:
+        ref.close()
+    robot = EdgeDecoder(drafter, server.url, reconnect=ReconnectPolicy(backoff_s=0.05))
+    try:
+        first = robot.generate(steps[0], mode="sd", gamma=3, max_tokens=12, session="nav-robot")
+        robot.link.close()                                  # the link drops between the two steps
+        deadline = time.monotonic() + 5
+        while server.server.sessions.peek("nav-robot").conn_id != DETACHED and time.monotonic() < deadline:
+            time.sleep(0.01)
+        fed = []                                            # positions the target runs from here on
+        forward = target.engine.forward
+        monkeypatch.setattr(target.engine, "forward", lambda batch: fed.append(sum(len(p.new_ids) for p in batch))
+                            or forward(batch))
+        second = robot.generate(steps[1], mode="sd", gamma=3, max_tokens=12, session="nav-robot")
+    finally:
+        robot.close()
+    assert first.token_ids == expected[0] and second.token_ids == expected[1]
+    assert second.metrics.session_switches == 0 and second.metrics.rounds >= 1     # the same sid, verified
+    assert second.metrics.reconnects == 1 and robot._sid_for("nav-robot") == "nav-robot"
+    shared_ids = next(i for i, (a, b) in enumerate(zip(*steps)) if a != b)
+    assert shared_ids > 40 and sum(fed) < len(steps[1]) - shared_ids + 12 * 4        # the shared part not again
+
+
+def test_a_named_session_held_by_another_live_connection_switches_sid_and_stays_verified(drafter, make_server,
+                                                                                         caplog):
+    """The sid is still held by a live connection (a half-open link the server has not noticed, another
+    robot): an open with another prompt cannot prove its committed prefix (session_taken). The robot
+    switches the name to a fresh sid at once, keeps it for the later steps, and every answer is the
+    target's own, verified by the server."""
     from agent import decoder as decoder_mod
 
     caplog.set_level("INFO", logger="agent.decoder")
@@ -489,17 +526,17 @@ def test_a_named_session_whose_link_dropped_between_steps_switches_sid_and_stays
         expected = [ref.generate(ids, mode="ar", max_tokens=12).token_ids for ids in steps]
     finally:
         ref.close()
+    holder = EdgeDecoder(drafter, server.url)
     robot = EdgeDecoder(drafter, server.url, reconnect=ReconnectPolicy(backoff_s=0.05))
     try:
-        first = robot.generate(steps[0], mode="sd", gamma=3, max_tokens=12, session="nav-robot")
-        robot.link.close()                                  # the link drops between the two steps
+        first = holder.generate(steps[0], mode="sd", gamma=3, max_tokens=12, session="nav-robot")
         second = robot.generate(steps[1], mode="sd", gamma=3, max_tokens=12, session="nav-robot")
         third = robot.generate(steps[2], mode="sd", gamma=3, max_tokens=12, session="nav-robot")
     finally:
         robot.close()
+        holder.close()
     assert first.token_ids == expected[0] and second.token_ids == expected[1] and third.token_ids == expected[2]
     assert second.metrics.session_switches == 1 and second.metrics.rounds >= 1     # verified, not offline
-    assert second.metrics.reconnects == 1
     switched = robot._sids["nav-robot"]
     assert switched.startswith("nav-robot.") and switched != "nav-robot"
     assert third.metrics.session_switches == 0 and third.metrics.reconnects == 0   # the fresh sid, kept

@@ -86,3 +86,14 @@ def test_a_robot_back_on_a_new_connection_reopens_with_its_committed_prefix():
     t.check_owner("b", 2, [1, 2, 3, 4, 5, 6])       # part of the lost round came through
     with pytest.raises(WireError):
         t.check_owner("b", 2, [1, 2, 3, 4, 5, 9])   # a different token where we have one is no proof
+
+
+def test_a_session_whose_connection_closed_may_be_reopened_by_any_connection_with_any_prompt():
+    t = SessionTable(max_sessions=10, max_per_connection=10, idle_timeout_s=60)
+    t.put(_owned("a", [1, 2, 3], acked=3))
+    with pytest.raises(WireError):
+        t.check_owner("a", 2, [1, 2, 9])                # connection 1 is alive: no proof, no entry
+    assert t.detach(1) == 1 and t.detach(1) == 0
+    t.check_owner("a", 2, [1, 2, 9])                    # closed: the next step's prompt re-opens it
+    with pytest.raises(WireError):
+        t.get("a", 2)                                   # but only an open takes it over
