@@ -37,7 +37,7 @@ define llama_wheel
 	fi
 endef
 
-.PHONY: setup setup-robot demo demo-decoding nav-eval test test-fast bench bench-policy bench-payload bench-fleet profile-verifier predictors llama-server bench-peer clean
+.PHONY: setup setup-robot demo demo-decoding nav-eval nav-eval-scenes test test-fast bench bench-policy bench-payload bench-fleet profile-verifier predictors llama-server bench-peer clean
 
 setup: $(VENV)/.installed models/build/.ready
 
@@ -90,6 +90,11 @@ demo-decoding: setup
 # The navigation prompt: each draft's actions against the scripted policy (docs/nav_prompt_eval.*).
 nav-eval: setup
 	$(BIN)/python -m tools.nav_prompt_eval
+
+# Navigation to a goal: every scene in tools/scenes/ and start pose, link up and cut, one local verifier
+# (docs/nav_eval/: success rate, SPL, steps, collisions, tau; a map per episode). About a minute an episode.
+nav-eval-scenes: setup
+	$(BIN)/python -m tools.nav_eval
 
 # Everything, real-model tests included (what .ci/run calls).
 test: setup

@@ -13,6 +13,8 @@ from protocol.payload import PayloadSpec
 from .policy import POLICIES
 from protocol.sampling import SamplingError, SamplingParams
 
+log = logging.getLogger("edge-agent")
+
 
 def _generate(args) -> int:
     from .decoder import EdgeDecoder, FsdOptions
@@ -76,6 +78,9 @@ def _generate(args) -> int:
     return 0
 
 
+INSTRUCTION_STEPS = 30                  # --instruction's steps when --max-steps is not given
+
+
 def _run(args) -> int:
     import asyncio
 
@@ -83,17 +88,29 @@ def _run(args) -> int:
     from .daemon import Daemon
     from .robot.camera import CameraError
     from .robot.controllers.base import ControllerError
+    from .robot.scene import SceneError
 
     shortcuts = [f"{key}={value!r}".replace("'", '"') for key, value in (
         ("link.verifier", args.verifier), ("robot.controller", args.controller), ("camera.source", args.camera),
         ("perception.kind", args.perception), ("offline.policy", args.offline), ("api.listen", args.listen),
         ("telemetry.path", args.telemetry)) if value is not None]
+    shortcuts += [f"robot.options.{key}={json.dumps(value)}" for key, value in (("scene", args.scene),
+                                                                               ("start", args.start)) if value is not None]
+    if args.json and not (args.instruction and args.exit_when_done):
+        print("edge-agent: --json reports the episode of --instruction: give it with --exit-when-done", file=sys.stderr)
+        return 2
     try:
         cfg = config.load(args.config, shortcuts + list(args.set))
-        daemon = Daemon(cfg, max_steps=args.max_steps)
-    except (config.ConfigError, ControllerError) as e:
+        if (args.scene is not None or args.start is not None) and cfg.robot.controller != "sim":
+            raise config.ConfigError(f"--scene and --start are the simulator's: robot.controller is "
+                                     f"{cfg.robot.controller!r}, not 'sim'")
+        daemon = Daemon(cfg, **({"max_steps": args.max_steps} if args.max_steps else {}))
+    except (config.ConfigError, ControllerError, SceneError) as e:
         print(f"edge-agent: {e}", file=sys.stderr)
         return 2
+    if args.instruction and args.exit_when_done and not cfg.link.verifier and cfg.offline.policy == "hold":
+        log.warning("no verifier and offline.policy 'hold': the robot will hold still until the task times out "
+                    "(--offline local lets the draft model alone drive)")
     try:
         daemon.start(notify_ready=False)
     except (ControllerError, CameraError, FileNotFoundError, ValueError) as e:
@@ -101,9 +118,26 @@ def _run(args) -> int:
         daemon.close()
         return 2
     try:
-        return asyncio.run(_serve(daemon, cfg, args))
+        rc = asyncio.run(_serve(daemon, cfg, args))
     finally:
         daemon.close()
+    if args.json:
+        print(json.dumps(_episode_summary(daemon, args.instruction)), flush=True)
+    return rc
+
+
+def _episode_summary(daemon, instruction: str) -> dict:
+    """The --json line: how the --instruction's task went (agent/episode.py's names; in the simulator also
+    whether the robot reached what the instruction names, the path it took and the shortest one)."""
+    from .episode import summarize
+
+    end = daemon.history[-1]["state"] if daemon.history else "interrupted"
+    records = daemon.task_records
+    if daemon.world is None:
+        return {"instruction": instruction, "end": end, "steps": len(records),
+                "verified_steps": sum(r.mode == "verified" for r in records),
+                "offline_steps": sum(r.mode == "offline" for r in records)}
+    return summarize(daemon.world, records, instruction, end=end, reach_m=daemon.cfg.agent.reach_m)
 
 
 async def _serve(daemon, cfg, args) -> int:
@@ -120,7 +154,7 @@ async def _serve(daemon, cfg, args) -> int:
     daemon.notifier.ready()
     print(f"edge-agent: ready; local API at {api.address}", file=sys.stderr, flush=True)
     if args.instruction:
-        daemon.submit(args.instruction)
+        daemon.submit(args.instruction, max_steps=args.max_steps or INSTRUCTION_STEPS)
     while not done.is_set():
         try:
             await asyncio.wait_for(done.wait(), 0.2)
@@ -221,9 +255,19 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--offline", choices=("hold", "local"), help="= --set offline.policy=...")
     r.add_argument("--listen", help="= --set api.listen=HOST:PORT|unix:PATH")
     r.add_argument("--telemetry", help="= --set telemetry.path=FILE")
+    r.add_argument("--scene", help="sim: a scene file (JSON, agent/robot/scene.py) or a shipped scene's name "
+                                   "(= --set robot.options.scene=...)")
+    r.add_argument("--start", type=int, help="sim: which of the scene's start poses, from 0 "
+                                             "(= --set robot.options.start=...)")
     r.add_argument("--instruction", help="submit this instruction at start (as the local API's submit would)")
-    r.add_argument("--max-steps", type=int, default=40, help="steps per instruction before the robot gives up")
+    r.add_argument("--max-steps", type=int, default=None,
+                   help=f"steps per instruction before the robot gives up (default {INSTRUCTION_STEPS} for "
+                        "--instruction, 40 for the local API's tasks)")
     r.add_argument("--exit-when-done", action="store_true", help="with --instruction: exit once it has finished")
+    r.add_argument("--json", action="store_true",
+                   help="with --instruction and --exit-when-done: the last stdout line is one JSON object saying how "
+                        "it went (reached, steps, distance_m, collisions, verified_steps, offline_steps, path_m, "
+                        "shortest_m, spl, ...)")
     args = ap.parse_args(argv)
     _setup_logging(args.log_level or ("INFO" if args.cmd == "run" else "WARNING"))
     if args.cmd == "generate":

@@ -2,7 +2,8 @@
 
 Every field can be overridden on the command line with `--set section.field=value`
 (the value is read as TOML: `--set safety.max_vx=0.3`, `--set camera.source="sim"`,
-`--set robot.options={port="/dev/ttyUSB0"}`); the config in use is logged at start.
+`--set robot.options={port="/dev/ttyUSB0"}`, or one key of a table: `--set robot.options.scene="red_box"`);
+the config in use is logged at start.
 systemd/edge-agent.toml is the annotated example.
 """
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 
 from protocol.payload import DEFAULT_KIND, DEFAULT_TOPK, PayloadSpec
 
-from .nav import OFFLINE_POLICIES
+from .nav import OFFLINE_POLICIES, check_envelope, check_memory
 from .policy import POLICIES
 from .robot.controllers.base import CONTROLLERS
 from .robot.safety import SafetyLimits
@@ -87,10 +88,32 @@ class LinkSection:
 @dataclass(frozen=True)
 class OfflineSection:
     policy: str = "hold"                # hold: stop and wait | local: the draft model alone, unverified
+    max_forward_cm: float = 25.0        # local: an unverified forward step is at most this (25..75; reduced to fit)
+    max_turn_deg: float = 15.0          # local: an unverified turn is at most this (15..45; reduced to fit)
+    speed_scale: float = 0.5            # local: unverified motion runs at this fraction of speed and turn rate
 
     def __post_init__(self):
         if self.policy not in OFFLINE_POLICIES:
             raise ConfigError(f"offline.policy must be one of {OFFLINE_POLICIES}, got {self.policy!r}")
+        try:
+            check_envelope(self.max_forward_cm, self.max_turn_deg, self.speed_scale)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+
+@dataclass(frozen=True)
+class NavSection:
+    memory_steps: int = 4               # the last steps of the task (seen, done, verified) in the prompt; 0: none
+    memory_max_tokens: int = 160        # their bound in draft tokens (~25 a step); the oldest go first
+    grammar: bool = True                # answers under the NaVILA answer grammar on both sides (exact; never a miss)
+
+    def __post_init__(self):
+        if not isinstance(self.grammar, bool):
+            raise ConfigError(f"nav.grammar must be true or false, got {self.grammar!r}")
+        try:
+            check_memory(self.memory_steps, self.memory_max_tokens)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
 
 @dataclass(frozen=True)
@@ -154,6 +177,7 @@ class Config:
     agent: AgentSection = AgentSection()
     link: LinkSection = LinkSection()
     offline: OfflineSection = OfflineSection()
+    nav: NavSection = NavSection()
     robot: RobotSection = RobotSection()
     safety: SafetyLimits = SafetyLimits()
     camera: CameraSection = CameraSection()
@@ -227,6 +251,13 @@ def load(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
             raise ConfigError(f"config file {path}: {e}") from None
     for item in overrides:
         section, name, value = parse_override(item)
-        data.setdefault(section, {})[name] = value
+        field_name, dot, key = name.partition(".")
+        if not dot:
+            data.setdefault(section, {})[name] = value
+            continue
+        table = data.setdefault(section, {}).setdefault(field_name, {})     # one key of a table field
+        if not isinstance(table, dict) or not key:
+            raise ConfigError(f"--set {section}.{name}: {section}.{field_name} is not a table")
+        table[key] = value
     return build(data)
 

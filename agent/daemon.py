@@ -46,6 +46,8 @@ log = logging.getLogger(__name__)
 
 MAX_PENDING = 4                         # submitted tasks waiting behind the running one
 MAX_LISTENERS = 32
+REFUSED_PAUSE_S = 0.05                  # the nav thread's pause after a refused step (no fresh frame, holding)
+MAX_RECORDS = 1000                      # a task's step records kept for its summary (the later ones are dropped)
 RESET_TIMEOUT_S = 30.0                  # a reset waits this long for the robot to stand up (RecoveryStand, BalanceStand)
 
 
@@ -78,6 +80,7 @@ class Daemon:
         self._lock = threading.Lock()
         self.task: dict | None = None       # the running task's status
         self.last_step: dict | None = None
+        self.task_records: list = []        # the running (or last) task's nav.Step records, the first MAX_RECORDS
         self.history: list[dict] = []       # finished tasks, the last 16
         self.camera_state = "starting"      # ok | stale (nothing new for camera.max_age_ms) | starting
         self._camera_since = time.monotonic()   # when the grabber started
@@ -118,7 +121,10 @@ class Daemon:
             temperature=cfg.agent.temperature, seed=cfg.agent.seed, offline=cfg.offline.policy,
             verify_timeout_s=cfg.link.verify_timeout_s, max_frame_age_ms=cfg.camera.max_age_ms,
             max_plan_age_s=cfg.agent.max_plan_age_s, reach_m=cfg.agent.reach_m,
-            probe_backoff_s=cfg.link.reconnect_backoff_s, probe_backoff_max_s=cfg.link.reconnect_backoff_max_s),
+            probe_backoff_s=cfg.link.reconnect_backoff_s, probe_backoff_max_s=cfg.link.reconnect_backoff_max_s,
+            memory_steps=cfg.nav.memory_steps, memory_max_tokens=cfg.nav.memory_max_tokens,
+            offline_max_forward_cm=cfg.offline.max_forward_cm, offline_max_turn_deg=cfg.offline.max_turn_deg,
+            offline_speed_scale=cfg.offline.speed_scale, grammar=cfg.nav.grammar),
             emit=self._emit, on_mode=self._on_mode)
         self.nav.check_link()
         self.notifier.status("prefilling the prompt")
@@ -230,7 +236,10 @@ class Daemon:
                 "camera_age_ms": None if age is None else round(age * 1e3, 1),
                 "perception": self.cfg.perception.kind, "task": self.task, "last_step": self.last_step,
                 "pending": self._tasks.qsize(), "steps": nav.steps if nav else 0,
-                "offline_steps": nav.offline_steps if nav else 0, "safety_stops": dict(self.safety.stops),
+                "offline_steps": nav.offline_steps if nav else 0,
+                "offline_clamped": nav.offline_clamped if nav else 0,
+                "offline_turn_away_stops": nav.offline_turn_away_stops if nav else 0,
+                "safety_stops": dict(self.safety.stops),
                 "uptime_s": round(time.monotonic() - self.started, 1)}
 
     def listen(self, fn: Callable[[dict], None]) -> Callable[[], None]:
@@ -262,6 +271,7 @@ class Daemon:
         self.task = {"id": task["id"], "instruction": task["instruction"], "step": 0, "state": "running"}
         self._emit({"event": "task", "task": task["id"], "instruction": task["instruction"], "state": "running"})
         t0, frame, moving_steps = time.monotonic(), task["frame"], 0
+        self.task_records = []
         state, misses = "max_steps", 0
         while moving_steps < task["max_steps"]:
             if self.safety.estopped:
@@ -280,6 +290,8 @@ class Daemon:
                 state = "error"
                 break
             frame = None                        # an image from the API is used for the first step only
+            if len(self.task_records) < MAX_RECORDS:    # refused steps do not count toward max_steps
+                self.task_records.append(rec)
             self.check_camera()
             record = {**rec.to_json(), "safety_stops": dict(self.safety.stops),
                       "clearance_m": self.safety.clearance_m}
@@ -289,13 +301,14 @@ class Daemon:
             self.task["step"] = rec.step
             self.notifier.status(self._status_line())
             if rec.parse == "refused":          # holding or no frame: not a step of the plan
+                self._stop.wait(REFUSED_PAUSE_S)    # a camera with no frame yet must not make this a busy loop
                 continue
             moving_steps += 1
             misses = misses + 1 if rec.parse == "miss" else 0
             if misses >= 3:
                 state = "unparseable"
                 break
-            if rec.action == str(STOP) and rec.parse in ("exact", "tolerant"):
+            if rec.action == str(STOP) and rec.parse in ("exact", "tolerant") and not rec.envelope:
                 state = "done"
                 break
         if self.safety.estopped:

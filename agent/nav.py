@@ -8,6 +8,15 @@ the camera could see, with bearing and distance (`perception.kind = "sim"`,
 ground truth); on a robot a pluggable detector (`"color"`: HSV blobs). Every
 telemetry record says which (`perception`).
 
+Memory. The prompt carries the task's last steps (`nav.memory_steps`, at most
+`nav.memory_max_tokens` draft tokens; the oldest go first): what the camera showed, what
+the robot did, whether the target verified it; observations and actions only, never
+advice. It is per task (a new task or instruction empties it). The system text and the
+examples come first and never change, the task, the memory (oldest first) and the camera
+last: the next step's prompt shares this one's tokens up to its camera line, so the draft's
+KV (Drafter keeps the common prefix) and the server session's (re-opened with the same
+name, `rewind` keeps the common prefix) are reused. tools/nav_memory_cost.py measures it.
+
 Offline. The verifier is unreachable (connect fails, the link drops) or answers
 later than `verify_timeout_s`: the robot stops at once and the step goes on in
 the configured offline policy:
@@ -16,7 +25,11 @@ the configured offline policy:
            target already committed (exact, nothing redone); later steps probe the
            link with backoff and re-plan from a fresh frame when it is back.
     local  the draft model alone finishes the answer from the committed tokens;
-           the action and its record are marked unverified.
+           the action and its record are marked unverified, and it runs in a stricter
+           envelope: at most `offline.max_forward_cm` / `offline.max_turn_deg` (a larger
+           step is reduced to the largest NaVILA step within), at `offline.speed_scale`
+           of the speed, and a turn away from the target in view is replaced by a stop
+           (a halt, not the task done). Step.envelope says which.
 The next step after the link answers again is verified. Committed tokens are
 never dropped: they end in the action (resumed or finished locally) and in the
 telemetry record either way.
@@ -27,14 +40,16 @@ import logging
 import threading
 import time
 import uuid
+from collections import deque
 from dataclasses import asdict, dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
 from protocol.sampling import SamplingParams
 
 from .decoder import EdgeDecoder
 from .link import LinkLost, ServerError
-from .robot.actions import STOP, complete, motion_for, parse_action
+from .robot.actions import (FORWARD_CM, STOP, TURN_DEG, Action, answer_grammar, answer_max_tokens, complete,
+                            motion_for, parse_action)
 from .robot.camera import FrameGrabber, StaleFrame
 from .robot.control import ControlLoop
 
@@ -45,32 +60,51 @@ OFFLINE_POLICIES = ("hold", "local")
 SYSTEM = ("You are a robot programmed for navigation tasks. Decide your next action, which could be turning left "
           "or right by 15, 30 or 45 degree, moving forward 25, 50 or 75 cm, or stop if the task is completed.")
 
-# Few-shot turns (task, what the camera shows, answer). A 135M model copies the shape of its
-# examples; with one short reason that names the side ("so I turn right") it picks the side
-# right far more often than with bare numbers (tools/nav_prompt_eval.py measures it).
+# Few-shot turns (task, what the robot remembers, what the camera shows, answer). A 135M model copies
+# the shape of its examples; with one short reason that names the side ("so I turn right") it picks the
+# side right far more often than with bare numbers (tools/nav_prompt_eval.py measures it). The turns
+# with a memory show how to use one: a target seen before and turned away from since is turned back to
+# (on either side); a target still ahead is walked on to; what the camera shows now wins over memory.
+# The wording is brittle at this size: reasons that start "The X is not in view, but it was to the
+# left before" answered more memory cases right but stopped at none of the targets within reach, so
+# the answers keep the shape of the examples without memory. Measure any change with the eval.
 SHOTS = [
-    ("go to the blue ball", "blue ball 40 degrees to the left, 3.1 m away",
+    ("go to the blue ball", (), "blue ball 40 degrees to the left, 3.1 m away",
      "The blue ball is to the left, so I turn left. The next action is turn left 45 degree."),
-    ("go to the green box", "green box ahead, 2.4 m away",
+    ("go to the green box", (), "green box ahead, 2.4 m away",
      "The green box is ahead, so I move forward. The next action is move forward 75 cm."),
-    ("go to the yellow cone", "nothing",
+    ("go to the yellow cone", (), "nothing",
      "I do not see the yellow cone, so I look around. The next action is turn left 45 degree."),
-    ("go to the yellow cone", "yellow cone 20 degrees to the right, 1.5 m away",
+    ("go to the blue ball", (("blue ball 40 degrees to the left, 3.1 m away", Action("right", 15)),
+                             ("nothing", Action("right", 30))), "nothing",
+     "I saw the blue ball to the left and I turned right since, so I turn left. "
+     "The next action is turn left 45 degree."),
+    ("go to the yellow cone", (), "yellow cone 20 degrees to the right, 1.5 m away",
      "The yellow cone is to the right, so I turn right. The next action is turn right 15 degree."),
-    ("go to the blue ball", "blue ball ahead, within reach",
+    ("go to the green box", (("green box ahead, 2.9 m away", Action("forward", 75)),), "green box ahead, 2.2 m away",
+     "The green box is still ahead, so I keep going. The next action is move forward 75 cm."),
+    ("go to the blue ball", (), "blue ball ahead, within reach",
      "The blue ball is within reach, so I stop. I think I should stop because I have finished the instruction."),
-    ("go to the green box", "green box ahead, 0.9 m away",
+    ("go to the yellow cone", (("yellow cone 35 degrees to the right, 2.5 m away", Action("left", 45)),), "nothing",
+     "I saw the yellow cone to the right and I turned left since, so I turn right. "
+     "The next action is turn right 45 degree."),
+    ("go to the green box", (), "green box ahead, 0.9 m away",
      "The green box is ahead, so I move forward. The next action is move forward 25 cm."),
-    ("go to the yellow cone", "yellow cone 31 degrees to the right, 2.0 m away",
+    ("go to the blue ball", (("nothing", Action("left", 45)),), "blue ball 25 degrees to the right, 2.0 m away",
+     "The blue ball is to the right, so I turn right. The next action is turn right 30 degree."),
+    ("go to the yellow cone", (), "yellow cone 31 degrees to the right, 2.0 m away",
      "The yellow cone is to the right, so I turn right. The next action is turn right 30 degree."),
-    ("go to the green box", "green box 16 degrees to the left, 1.2 m away",
+    ("go to the green box", (("nothing", Action("left", 45)),), "nothing",
+     "I still do not see the green box, so I look around. The next action is turn left 45 degree."),
+    ("go to the green box", (), "green box 16 degrees to the left, 1.2 m away",
      "The green box is to the left, so I turn left. The next action is turn left 15 degree."),
-    ("go to the blue ball", "blue ball ahead, 1.3 m away",
+    ("go to the blue ball", (), "blue ball ahead, 1.3 m away",
      "The blue ball is ahead, so I move forward. The next action is move forward 50 cm."),
 ]
+AHEAD_DEG = 10.0                        # a bearing within this of 0 is "ahead"
 
 
-def observation_text(sightings, reach_m: float = 0.6, ahead_deg: float = 10.0) -> str:
+def observation_text(sightings, reach_m: float = 0.6, ahead_deg: float = AHEAD_DEG) -> str:
     """What the camera shows, in words: "red box 35 degrees to the left, 2.1 m away; ..." or "nothing"."""
     parts = []
     for s in sightings:
@@ -89,24 +123,179 @@ def relevant(sightings, instruction: str) -> list:
 
     This is the text-prompted detection a robot would run (an open-vocabulary detector
     queried with the task's object): a 135M model copies whatever object comes first,
-    so distractors are left out. A sighting is scored by the words its name shares with
-    the instruction; the best score wins ("red box" over "red ball"; a colour detector's
-    "red object" still matches "red box"). Nothing the instruction names in view: nothing.
+    so distractors are left out. A sighting qualifies only if the instruction holds every
+    word of its name ("yellow box" is not "the yellow ball", even with the ball out of
+    view; a colour detector's "red object" still matches "red box"); of those, the most
+    shared words win. Nothing the instruction names in view: nothing.
     """
     words = set(instruction.lower().replace(".", " ").replace(",", " ").split()) - GENERIC
-    score = {id(s): len(words & (set(s.name.lower().split()) - GENERIC)) for s in sightings}
+    names = {id(s): set(s.name.lower().split()) - GENERIC for s in sightings}
+    score = {i: len(words & name) if name <= words else 0 for i, name in names.items()}
     best = max(score.values(), default=0)
     return sorted((s for s in sightings if best and score[id(s)] == best), key=lambda s: s.distance_m)
 
 
-def messages(instruction: str, observation: str) -> list[dict]:
+def did_text(action: Action) -> str:
+    """An action done, in the prompt's words: "turned left 30 degrees", "moved forward 50 cm", "stopped".
+
+    In the past tense, not NaVILA's own words: a small model copies the last action sentence it
+    read, and "turn left" right above the camera line would be one to copy.
+    """
+    if action.kind == "stop":
+        return "stopped"
+    return f"moved forward {action.amount} cm" if action.kind == "forward" else \
+        f"turned {action.kind} {action.amount} degrees"
+
+
+def memory_line(observation: str, did: str) -> str:
+    """One remembered step as the prompt shows it (oldest first, so a new step only appends a line)."""
+    return f"Earlier camera: {observation}. Then I {did}."
+
+
+def user_turn(task: str, observation: str, memory: Sequence[str] = ()) -> str:
+    """The last user turn: the task, the remembered steps (oldest first), what the camera shows now."""
+    return "\n".join([f"Task: {task.strip().rstrip('.')}.", *memory, f"Camera: {observation}."])
+
+
+def messages(instruction: str, observation: str, memory: Sequence[str] = ()) -> list[dict]:
+    """The chat: system, the few-shot turns (never changing, so cached on both sides), then this step.
+
+    Everything that changes from step to step (memory, camera) sits in the last user turn, after
+    the task: the prompt of the next step shares all of this one up to the end of its memory.
+    """
     msgs = [{"role": "system", "content": SYSTEM}]
-    for task, seen, answer in SHOTS:
-        msgs += [{"role": "user", "content": f"Task: {task}.\nCamera: {seen}."},
+    for task, remembered, seen, answer in SHOTS:
+        recalled = [Recall(o, a, verified=True).line() for o, a in remembered]
+        msgs += [{"role": "user", "content": user_turn(task, seen, recalled)},
                  {"role": "assistant", "content": answer}]
-    task = instruction.strip().rstrip(".")
-    msgs.append({"role": "user", "content": f"Task: {task}.\nCamera: {observation}."})
+    msgs.append({"role": "user", "content": user_turn(instruction, observation, memory)})
     return msgs
+
+
+@dataclass(frozen=True)
+class Recall:
+    """One remembered step: what the camera showed, what the robot did, whether the target verified it."""
+    observation: str
+    action: Action
+    verified: bool
+    completed: bool = True              # the motion ran to its end (False: cut short by a halt)
+
+    def line(self) -> str:
+        marks = [m for m, on in (("unverified", not self.verified), ("cut short", not self.completed)) if on]
+        return memory_line(self.observation, did_text(self.action) + (f" ({', '.join(marks)})" if marks else ""))
+
+
+class StepMemory:
+    """The last steps of one task, as prompt lines; bounded in steps and in tokens, oldest dropped first.
+
+    It holds observations and actions only (never advice): the decision stays the model's.
+    Per task: `start(key)` with another task's key empties it. `count_tokens(text)` is the
+    draft's tokenizer, so the token bound holds for what the model reads.
+    """
+
+    def __init__(self, max_steps: int, max_tokens: int, count_tokens: Callable[[str], int]):
+        self.max_steps, self.max_tokens, self.count_tokens = max_steps, max_tokens, count_tokens
+        self._steps: deque[Recall] = deque()
+        self.key: object = None
+        self.tokens = 0                 # the tokens of the memory's lines now
+        self.dropped = 0                # steps dropped (over a bound) since the task started
+
+    def start(self, key) -> bool:
+        """Make `key` the current task; a different one clears the memory. True when it was cleared."""
+        if key == self.key:
+            return False
+        self.key, self.dropped, self.tokens = key, 0, 0
+        self._steps.clear()
+        return True
+
+    def add(self, recall: Recall) -> None:
+        if self.max_steps == 0:
+            return
+        self._steps.append(recall)
+        while len(self._steps) > self.max_steps:
+            self._steps.popleft()
+            self.dropped += 1
+        self.tokens = self._count()
+        while self._steps and self.tokens > self.max_tokens:
+            self._steps.popleft()
+            self.dropped += 1
+            self.tokens = self._count()
+
+    def lines(self) -> list[str]:
+        return [r.line() for r in self._steps]
+
+    def __len__(self) -> int:
+        return len(self._steps)
+
+    def _count(self) -> int:
+        return self.count_tokens("\n".join(self.lines())) if self._steps else 0
+
+
+# ------------------------------------------------------------------ the offline envelope
+
+def largest_within(allowed: tuple[int, ...], limit: float) -> int:
+    """The largest NaVILA step not over `limit` (the limits are validated to hold at least the smallest)."""
+    return max(a for a in allowed if a <= limit)
+
+
+def turns_away(action: Action, target, ahead_deg: float = AHEAD_DEG) -> bool:
+    """Whether a turn leaves a target the robot sees: it is off to one side and the turn goes to the
+    other, or it is ahead and the turn takes it out of the ahead cone (bearing b, positive left; a
+    turn left by a moves it to b - a, a turn right to b + a)."""
+    if target is None or action.kind not in ("left", "right"):
+        return False
+    b = target.bearing_deg
+    if abs(b) >= ahead_deg:
+        return (b > 0) != (action.kind == "left")
+    after = b - action.amount if action.kind == "left" else b + action.amount
+    return abs(after) > ahead_deg
+
+
+def offline_envelope(action: Action, target, max_forward_cm: float, max_turn_deg: float,
+                     ahead_deg: float = AHEAD_DEG) -> tuple[Action, str, str]:
+    """The action an unverified answer may run: (action, envelope, note).
+
+    envelope "" (as asked), "clamped" (reduced to the largest NaVILA step within the offline
+    limits) or "turned_away_stop" (it turns away from the target in view: the robot halts,
+    which is not the task done). `target` is the relevant sighting in view now, or None.
+    """
+    run, envelope, note = action, "", ""
+    if action.kind == "forward" and action.amount > max_forward_cm:
+        run = Action("forward", largest_within(FORWARD_CM, max_forward_cm))
+    elif action.kind in ("left", "right") and action.amount > max_turn_deg:
+        run = Action(action.kind, largest_within(TURN_DEG, max_turn_deg))
+    if run != action:
+        envelope, note = "clamped", f"offline envelope: {action} reduced to {run}"
+    if turns_away(run, target, ahead_deg):
+        side = "ahead" if abs(target.bearing_deg) < ahead_deg else \
+            f"{abs(target.bearing_deg):.0f} degrees to the {'left' if target.bearing_deg > 0 else 'right'}"
+        return STOP, "turned_away_stop", \
+            f"offline envelope: {action} turns away from the {target.name} {side}: stopped"
+    return run, envelope, note
+
+
+def check_memory(steps: int, max_tokens: int) -> None:
+    if not isinstance(steps, int) or not 0 <= steps <= 32:
+        raise ValueError(f"nav.memory_steps must be 0..32 (0: no memory), got {steps!r}")
+    if not isinstance(max_tokens, int) or not 32 <= max_tokens <= 2048:
+        raise ValueError(f"nav.memory_max_tokens must be 32..2048 (one remembered step is ~25 tokens), "
+                         f"got {max_tokens!r}")
+
+
+def check_envelope(max_forward_cm: float, max_turn_deg: float, speed_scale: float) -> None:
+    if not FORWARD_CM[0] <= max_forward_cm <= FORWARD_CM[-1]:
+        raise ValueError(f"offline.max_forward_cm must be {FORWARD_CM[0]}..{FORWARD_CM[-1]} cm (NaVILA's steps "
+                         f"are {FORWARD_CM}), got {max_forward_cm!r}")
+    if not TURN_DEG[0] <= max_turn_deg <= TURN_DEG[-1]:
+        raise ValueError(f"offline.max_turn_deg must be {TURN_DEG[0]}..{TURN_DEG[-1]} degrees (NaVILA's steps "
+                         f"are {TURN_DEG}), got {max_turn_deg!r}")
+    if not 0 < speed_scale <= 1:
+        raise ValueError(f"offline.speed_scale must be in (0, 1] (it slows unverified motion), got {speed_scale!r}")
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
 
 
 @dataclass(frozen=True)
@@ -126,6 +315,13 @@ class NavConfig:
     probe_backoff_s: float = 0.2        # offline: first wait before probing the link again
     probe_backoff_max_s: float = 5.0
     hold_wait_s: float = 0.5            # hold: pause between probes while the robot waits
+    ahead_deg: float = AHEAD_DEG        # a bearing within this is "ahead" (observation text, offline envelope)
+    memory_steps: int = 4               # nav.memory_steps: remembered steps in the prompt (0: none)
+    memory_max_tokens: int = 160        # nav.memory_max_tokens: their bound in draft tokens, oldest dropped first
+    offline_max_forward_cm: float = 25.0    # unverified actions: the largest forward step (cm) ...
+    offline_max_turn_deg: float = 15.0      # ... and turn (degrees); larger ones are reduced to fit
+    offline_speed_scale: float = 0.5        # ... run at this fraction of speed and turn_rate
+    grammar: bool = True                # nav.grammar: answers decoded under the NaVILA answer grammar, both sides
 
     def __post_init__(self):
         if self.mode not in ("sd", "fsd", "ar"):
@@ -136,6 +332,10 @@ class NavConfig:
                      "probe_backoff_s", "probe_backoff_max_s", "hold_wait_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
+        if not 0 < self.ahead_deg < 45:
+            raise ValueError(f"ahead_deg must be in (0, 45) degrees, got {self.ahead_deg!r}")
+        check_memory(self.memory_steps, self.memory_max_tokens)
+        check_envelope(self.offline_max_forward_cm, self.offline_max_turn_deg, self.offline_speed_scale)
 
 
 @dataclass
@@ -156,6 +356,7 @@ class Step:
     action_text: str = STOP.text        # its canonical NaVILA sentence
     parse: str = ""                     # exact | tolerant | miss | refused (no plan made)
     parse_note: str = ""
+    envelope: str = ""                  # offline: "" | clamped | turned_away_stop (the unverified action was changed)
     command: dict = field(default_factory=lambda: {"vx": 0.0, "vy": 0.0, "wz": 0.0})   # first set-point sent (clamped)
     command_peak: dict = field(default_factory=lambda: {"vx": 0.0, "vy": 0.0, "wz": 0.0})  # largest set-point sent
     completed: bool = False             # the motion ran to its end
@@ -163,6 +364,10 @@ class Step:
     link: str = "up"                    # up | down
     latency_ms: dict = field(default_factory=dict)  # frame_age, perceive, generate, act, step
     decode: dict = field(default_factory=dict)      # tau, acceptance_rate, rounds, tokens_per_s, ...
+    memory_steps: int = 0               # remembered steps in this step's prompt
+    memory_tokens: int = 0              # their size in draft tokens (bounded by nav.memory_max_tokens)
+    prompt_tokens: int = 0              # the whole prompt
+    prefix_shared_tokens: int = 0       # of it, shared with the previous step's prompt (KV reused on both sides)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -187,7 +392,16 @@ class Navigator:
         self._next_probe = 0.0
         self.steps = 0
         self.offline_steps = 0
+        self.offline_clamped = 0            # unverified actions reduced to the offline envelope
+        self.offline_turn_away_stops = 0    # unverified turns away from a target in view, replaced by stop
+        self.memory = StepMemory(config.memory_steps, config.memory_max_tokens,
+                                 lambda text: len(self.drafter.tokenize(text)))
+        self._last_ids: list[int] = []      # the previous prompt: what both KV caches start from
         self.session = f"nav-{uuid.uuid4().hex[:12]}"     # one server session: the few-shot prefix stays cached
+        # The answer grammar (agent/robot/actions.py): the draft drafts and the target is verified under it, so
+        # an answer is always one reason and one NaVILA sentence; within answer_max_tokens it always ends.
+        self.grammar = answer_grammar() if config.grammar else None
+        self.max_tokens = answer_max_tokens() if config.grammar else config.max_tokens
 
     # -------------------------------------------------------------- the link
 
@@ -237,6 +451,7 @@ class Navigator:
         float32 target on a CPU) and its plan would be stale before it is made.
         """
         ids = self.prompt_ids("look around", "nothing")
+        self._last_ids = ids
         t0 = self.clock()
         self.drafter.next_logits(ids)           # the robot's side: the draft's KV cache
         if self.link == "up":                   # the server's: the session's KV, kept for the next steps
@@ -246,14 +461,21 @@ class Navigator:
                 self._mark("down", str(e))
         log.info("prompt prefix (%d tokens) prefilled in %.1fs", len(ids), self.clock() - t0)
 
-    def prompt_ids(self, instruction: str, observation: str) -> list[int]:
-        return self.drafter.tokenize(self.drafter.apply_chat_template(messages(instruction, observation)))
+    def prompt_ids(self, instruction: str, observation: str, memory: Sequence[str] = ()) -> list[int]:
+        return self.drafter.tokenize(self.drafter.apply_chat_template(messages(instruction, observation, memory)))
+
+    @property
+    def last_prompt_ids(self) -> list[int]:
+        """The prompt of the latest step (with its memory)."""
+        return list(self._last_ids)
 
     def step(self, instruction: str, task: str = "", cancel: threading.Event | None = None,
              frame=None) -> Step:
         """Look, decide, act once. `frame` replaces the camera (an image sent through the local API)."""
         self.steps += 1
         t0 = self.clock()
+        if self.memory.start((task, instruction.strip())):
+            log.info("new task %r (%s): memory cleared", task, instruction.strip())
         rec = Step(self.steps, task, instruction, time.time(), offline_policy=self.cfg.offline,
                    perception=getattr(self.perception, "kind", type(self.perception).__name__))
         try:
@@ -272,10 +494,14 @@ class Navigator:
             log.exception("perception failed")
             self.control.halt("perception_error")
             return self._finish(rec, t0, parse="refused", reason=f"perception failed: {type(e).__name__}: {e}")
-        rec.observation = observation_text(relevant(sightings, instruction), self.cfg.reach_m)
+        seen = relevant(sightings, instruction)
+        rec.observation = observation_text(seen, self.cfg.reach_m, self.cfg.ahead_deg)
         rec.latency_ms["perceive"] = round((self.clock() - t1) * 1e3, 1)
         self.emit({"event": "observation", "step": rec.step, "observation": rec.observation})
-        ids = self.prompt_ids(instruction, rec.observation)
+        ids = self.prompt_ids(instruction, rec.observation, self.memory.lines())
+        rec.memory_steps, rec.memory_tokens, rec.prompt_tokens = len(self.memory), self.memory.tokens, len(ids)
+        rec.prefix_shared_tokens = common_prefix(ids, self._last_ids)
+        self._last_ids = ids
 
         t2 = self.clock()
         decided = self._decide(ids, rec, frame.t, cancel)
@@ -284,8 +510,8 @@ class Navigator:
             self.control.halt("holding")
             return self._finish(rec, t0)
         parsed = parse_action(rec.text)
-        rec.action, rec.action_text, rec.parse, rec.parse_note = str(parsed.action), parsed.action.text, \
-            parsed.how, parsed.note
+        action = parsed.action
+        rec.action, rec.action_text, rec.parse, rec.parse_note = str(action), action.text, parsed.how, parsed.note
         self.emit({"event": "reasoning", "step": rec.step, "text": rec.text, "mode": rec.mode})
         plan_age = self.clock() - frame.t
         if plan_age > self.cfg.max_plan_age_s:
@@ -297,20 +523,48 @@ class Navigator:
         if cancel is not None and cancel.is_set():
             self.control.halt("cancelled")
             return self._finish(rec, t0, reason="cancelled")
-        if parsed.action == STOP:
-            self.control.halt("model_stop" if parsed.how != "miss" else "unparseable")
+        if rec.mode == "offline":               # unverified: the stricter envelope
+            action = self._envelope(action, seen[0] if seen else None, rec)
+            rec.action, rec.action_text = str(action), action.text
+        if action == STOP:
+            self.control.halt("offline_turn_away" if rec.envelope == "turned_away_stop" else
+                              "model_stop" if parsed.how != "miss" else "unparseable")
             rec.completed = True
+            self._remember(rec, action)
             return self._finish(rec, t0, reason=rec.reason or (
                 "the model says the task is done" if parsed.how != "miss" else f"unparseable output: {parsed.note}"))
         t3 = self.clock()
         self.emit({"event": "moving", "step": rec.step, "action": rec.action, "mode": rec.mode})
-        rec.completed = self.control.execute(motion_for(parsed.action, self.cfg.speed, self.cfg.turn_rate), cancel)
+        scale = self.cfg.offline_speed_scale if rec.mode == "offline" else 1.0
+        rec.completed = self.control.execute(motion_for(action, self.cfg.speed * scale, self.cfg.turn_rate * scale),
+                                             cancel)
+        self._remember(rec, action)
         rec.latency_ms["act"] = round((self.clock() - t3) * 1e3, 1)
         first, peak = self.control.first_sent, self.control.peak_sent
         rec.command = first.to_json() if first is not None else {"vx": 0.0, "vy": 0.0, "wz": 0.0}
         rec.command_peak = peak.to_json()
         return self._finish(rec, t0, reason=rec.reason or (
             "" if rec.completed else f"motion cut short ({self.control.safety.last_stop_reason})"))
+
+    def _envelope(self, action: Action, target, rec: Step) -> Action:
+        """An unverified action within the offline limits, or stop when it turns away from the target in view."""
+        run, rec.envelope, note = offline_envelope(action, target, self.cfg.offline_max_forward_cm,
+                                                   self.cfg.offline_max_turn_deg, self.cfg.ahead_deg)
+        if rec.envelope:
+            rec.parse_note = "; ".join(n for n in (rec.parse_note, note) if n)
+            rec.reason = "; ".join(n for n in (rec.reason, note) if n)
+            if rec.envelope == "clamped":
+                self.offline_clamped += 1
+            else:
+                self.offline_turn_away_stops += 1
+                rec.reason += " (a halt, not the task done)"
+            log.warning("%s", note)
+        return run
+
+    def _remember(self, rec: Step, action: Action) -> None:
+        """What this step saw and did, for the next steps' prompts (only steps that acted)."""
+        self.memory.add(Recall(rec.observation, action, verified=rec.mode == "verified",
+                               completed=rec.completed or action == STOP))
 
     def _finish(self, rec: Step, t0: float, parse: str | None = None, reason: str | None = None) -> Step:
         if parse is not None:
@@ -336,9 +590,9 @@ class Navigator:
         committed: list[int] = []
         if self._probe_if_due():
             try:
-                gen = self.decoder.generate(ids, mode=self.cfg.mode, max_tokens=self.cfg.max_tokens,
+                gen = self.decoder.generate(ids, mode=self.cfg.mode, max_tokens=self.max_tokens,
                                             params=self.params, gamma=self.cfg.gamma, until=self._until([]),
-                                            session=self.session)
+                                            session=self.session, grammar=self.grammar)
                 self._mark("up", "generation verified")
                 self._take(rec, gen)
                 return True
@@ -357,8 +611,8 @@ class Navigator:
 
     def _finish_locally(self, ids, committed, rec) -> bool:
         gen = self.decoder.generate(ids + committed, mode="local", params=self.params,
-                                    max_tokens=max(1, self.cfg.max_tokens - len(committed)),
-                                    until=self._until(committed))
+                                    max_tokens=max(1, self.max_tokens - len(committed)),
+                                    until=self._until(committed), grammar=self.grammar, grammar_from=len(ids))
         rec.verified_tokens, rec.unverified_tokens = len(committed), len(gen.token_ids)
         rec.text = self.drafter.detokenize(committed + gen.token_ids, skip=self.decoder.stop_ids())
         rec.decode = {"mode": "local", "tokens": len(gen.token_ids), "tokens_per_s": round(gen.metrics.tokens_per_s, 2)}
@@ -373,9 +627,9 @@ class Navigator:
             if self._probe_if_due():
                 try:
                     gen = self.decoder.generate(ids + committed, mode=self.cfg.mode, params=self.params,
-                                                max_tokens=max(1, self.cfg.max_tokens - len(committed)),
+                                                max_tokens=max(1, self.max_tokens - len(committed)),
                                                 gamma=self.cfg.gamma, until=self._until(committed),
-                                                session=self.session)
+                                                session=self.session, grammar=self.grammar, grammar_from=len(ids))
                 except (LinkLost, ServerError) as e:
                     committed += list(e.token_ids)
                     self._mark("down", str(e))

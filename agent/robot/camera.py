@@ -9,7 +9,7 @@ the limit (StaleFrame) instead of letting the robot act on the past.
 Sources, chosen by the config's `camera.source` string:
     "go2"                       the Go2's front camera through unitree_sdk2py's VideoClient: each
                                 GetImageSample is one JPEG, decoded here (the Go2 has no /dev/video*)
-    "sim"                       the simulator's renderer (agent/robot/sim.py)
+    "sim"                       the simulator's renderer (registered by agent/robot/sim.py; needs its world)
     "/dev/video0" or "0"        a V4L2 device (MJPG, buffer of one frame)
     "... ! appsink"             a GStreamer pipeline (needs an OpenCV built with GStreamer: JetPack's,
                                 not the pip wheel); a Jetson CSI camera, for example:
@@ -22,6 +22,9 @@ Sources, chosen by the config's `camera.source` string:
                                 videoconvert ! video/x-raw,format=BGR ! appsink drop=1 max-buffers=1
     "rtsp://...", "http://..."  a network stream through OpenCV's FFmpeg backend (not looped, not paced)
     anything else               a video file (looped), for replaying a recorded run
+
+Named sources come from a registry (`register_source(name, factory)`): the real ones are
+registered here, a fake beside its own code, so this module imports no simulator.
 
 A source may put the capture time (time.monotonic()) in its metadata as "t";
 the grabber stamps the frame with it, else with the time the read returned.
@@ -245,15 +248,43 @@ class FrameGrabber:
         self.source.close()
 
 
+# ---------------------------------------------------------------- the sources by name
+
+# A factory takes the config's source string and keyword options (width, height, fps, world,
+# network_interface; it ignores the ones it does not need) and returns an unopened FrameSource.
+# The real sources are registered here; a fake registers itself beside them from its own module
+# (agent/robot/sim.py registers "sim"), so this module imports none of them.
+SourceFactory = Callable[..., FrameSource]
+_SOURCES: dict[str, SourceFactory] = {}
+_OWNERS = {"sim": "agent.robot.sim (the sim controller's world)"}     # who registers a source not built in
+
+
+def register_source(name: str, factory: SourceFactory) -> None:
+    """Make `open_source(name, ...)` call `factory(name, **options)`; a later registration replaces it."""
+    if not name or not callable(factory):
+        raise ValueError("register_source needs a name and a callable factory")
+    _SOURCES[name] = factory
+
+
+def registered_sources() -> list[str]:
+    return sorted(_SOURCES)
+
+
+def _go2_source(source: str, *, fps: int = 15, network_interface: str | None = None, **_) -> FrameSource:
+    return Go2CameraSource(network_interface, fps=fps)
+
+
+register_source("go2", _go2_source)
+
+
 def open_source(source: str, width: int = 640, height: int = 480, fps: int = 15, world=None,
                 network_interface: str | None = None) -> FrameSource:
-    """The frame source a config string names ("sim" needs the simulator's world; "go2" the robot's network
-    interface, the one its controller uses)."""
-    if source == "go2":
-        return Go2CameraSource(network_interface, fps=fps)
-    if source == "sim":
-        from .sim import SimCamera
-        if world is None:
-            raise CameraError("camera source 'sim' needs the sim controller's world (robot.controller = 'sim')")
-        return SimCamera(world, fps=fps)
+    """The frame source a config string names: a registered name ("go2"; "sim" once agent.robot.sim is
+    imported, and it needs the simulator's world) or else an OpenCV source (device, pipeline, stream, file)."""
+    factory = _SOURCES.get(source)
+    if factory is not None:
+        return factory(source, width=width, height=height, fps=fps, world=world, network_interface=network_interface)
+    if source in _OWNERS:
+        raise CameraError(f"camera source {source!r} is registered by {_OWNERS[source]}, which is not loaded: "
+                          f"use robot.controller = {source!r}")
     return OpenCVSource(source, width, height, fps)

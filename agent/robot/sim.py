@@ -17,6 +17,10 @@ pinhole model with f = (w/2) / tan(hfov/2), the horizon at row h/2, the camera
     horizon - f * (H - 0.3) / z  ..  horizon + f * 0.3 / z.
 Walls and obstacles are grey (shaded by distance and face), objects flat saturated
 colours so a colour detector (agent.robot.perception.ColorDetector) can find them.
+
+Scenes are JSON files (agent/robot/scene.py; the shipped ones in agent/robot/scenes/):
+`make_world("red_box", start=2)` or `make_world("tools/scenes/hidden_ball.json", start=0)`.
+This module registers the camera source "sim" (SimCamera) with agent.robot.camera.
 """
 from __future__ import annotations
 
@@ -25,12 +29,15 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, NamedTuple
 
 import numpy as np
 
+from .camera import CameraError, register_source
 from .controllers.base import Command
 from .perception import Sighting, focal_px
+from .scene import DEFAULT_SCENE, Obstacle, Scene, SceneError, SimObject, load_scene
 
 ROBOT_RADIUS_M = 0.2
 CAMERA_HEIGHT_M = 0.3
@@ -45,34 +52,6 @@ class Pose(NamedTuple):
     x: float                            # m
     y: float                            # m
     theta: float                        # rad, 0 = +x, CCW positive, wrapped to (-pi, pi]
-
-
-@dataclass(frozen=True)
-class SimObject:
-    name: str                           # "red box"
-    kind: str                           # "box" (axis-aligned square) | "ball" (circle)
-    x: float                            # centre, m
-    y: float
-    size_m: float = 0.4                 # side of a box, diameter of a ball
-    height_m: float = 0.4
-    color_bgr: tuple[int, int, int] = (0, 0, 220)
-
-    def __post_init__(self):
-        if self.kind not in ("box", "ball"):
-            raise ValueError(f"SimObject kind must be 'box' or 'ball', got {self.kind!r}")
-        if not (self.size_m > 0 and self.height_m > 0):
-            raise ValueError(f"SimObject {self.name!r}: size and height must be positive")
-
-
-@dataclass(frozen=True)
-class Obstacle:
-    """An axis-aligned grey block, corners (x0, y0) .. (x1, y1)."""
-    x0: float
-    y0: float
-    x1: float
-    y1: float
-    height_m: float = 0.8
-    name: str = "obstacle"
 
 
 def wrap(a: float) -> float:
@@ -259,7 +238,8 @@ class SimWorld:
     def __init__(self, size_m: tuple[float, float] = (6.0, 5.0), objects: tuple = (), obstacles: tuple = (),
                  walls: tuple = (), pose: tuple[float, float, float] = (1.0, 1.0, 0.0),
                  clock: Callable[[], float] = time.monotonic, auto_stop_s: float = 1.0,
-                 robot_radius_m: float = ROBOT_RADIUS_M, scene: str = "custom"):
+                 robot_radius_m: float = ROBOT_RADIUS_M, scene: str = "custom", spec: Scene | None = None,
+                 start_index: int | None = None):
         w, d = size_m
         self.size_m = (float(w), float(d))
         self.objects: tuple[SimObject, ...] = tuple(objects)
@@ -269,7 +249,9 @@ class SimWorld:
         self.clock = clock
         self.auto_stop_s = auto_stop_s
         self.radius = robot_radius_m
-        self.scene = scene
+        self.scene = scene                  # the scene's name
+        self.spec = spec                    # the Scene it was made from (make_world), None for a hand-made world
+        self.start_index = start_index      # which of the scene's starts, None for a pose given directly
         self._lock = threading.RLock()
         self._pose = Pose(float(pose[0]), float(pose[1]), wrap(float(pose[2])))
         self.start = self._pose
@@ -335,6 +317,19 @@ class SimWorld:
             self.advance()
             self._pose = Pose(float(x), float(y), wrap(float(theta)))
             self._vel = Command()
+            self._path.append((self._t, *self._pose, self._tag))
+
+    def restart(self, pose: tuple[float, float, float], start_index: int | None = None) -> None:
+        """Begin a new episode in the same room: the robot stopped at `pose`, which becomes the start; the
+        path and the collision count start afresh (the tag and the damped state stay)."""
+        with self._lock:
+            self.advance()
+            self._pose = Pose(float(pose[0]), float(pose[1]), wrap(float(pose[2])))
+            self.start = self._pose
+            self.start_index = start_index
+            self._vel = Command()
+            self.collisions = 0
+            self._path.clear()
             self._path.append((self._t, *self._pose, self._tag))
 
     # ---- motion
@@ -541,42 +536,36 @@ def _runs(path: list) -> list[tuple[str, list[tuple[float, float]]]]:
     return [(tag, pts) for tag, pts in runs if len(pts) >= 2]
 
 
-# ---------------------------------------------------------------- scenes
+# ---------------------------------------------------------------- scenes (agent/robot/scene.py reads the files)
 
-RED, BLUE, GREEN = (0, 0, 220), (200, 80, 20), (40, 170, 40)
-
-# The "red_box" room is 6 x 5 m, x right, y up, origin at the lower-left corner. The red box
-# sits in the far upper-right corner; the distractors and the two grey blocks stay clear of the
-# straight lines from every start to it (>= 0.6 m), so "turn toward it and walk" never bumps.
-SCENES: dict[str, dict] = {
-    "red_box": dict(
-        size_m=(6.0, 5.0),
-        objects=(SimObject("red box", "box", 5.3, 4.3, 0.4, 0.4, RED),
-                 SimObject("blue ball", "ball", 5.2, 0.7, 0.3, 0.3, BLUE),
-                 SimObject("green box", "box", 1.0, 4.3, 0.4, 0.4, GREEN)),
-        obstacles=(Obstacle(2.6, 4.4, 3.4, 5.0, 0.8, "shelf"),
-                   Obstacle(4.3, 1.0, 4.8, 1.5, 0.8, "crate")),
-        walls=()),
-}
-
-START_POSES: dict[str, list[tuple[float, float, float]]] = {
-    "red_box": [
-        (1.0, 1.0, 0.0),                    # facing +x: the red box 37 degrees to the left, in view
-        (3.0, 0.8, math.pi / 2),            # facing +y: the box 33 degrees to the right
-        (4.5, 2.2, math.pi),                # facing -x: the box behind, 110 degrees to the right (search)
-        (1.0, 2.5, -math.pi / 2),           # facing -y: the box 113 degrees to the left (search)
-    ],
-}
-
-
-def make_world(scene: str = "red_box", start: int | tuple | None = None,
+def make_world(scene: str | Path | Scene = DEFAULT_SCENE, start: int | tuple | list | None = None,
                clock: Callable[[], float] = time.monotonic, auto_stop_s: float = 1.0) -> SimWorld:
-    """A world from SCENES; `start` is an index into START_POSES[scene], a pose (x, y, theta), or None (the first)."""
-    if scene not in SCENES:
-        raise ValueError(f"unknown scene {scene!r}; choose one of {sorted(SCENES)}")
-    starts = START_POSES.get(scene) or [(1.0, 1.0, 0.0)]
-    pose = starts[0] if start is None else starts[start] if isinstance(start, int) else tuple(start)
-    return SimWorld(**SCENES[scene], pose=pose, clock=clock, auto_stop_s=auto_stop_s, scene=scene)
+    """A world from a scene: a shipped scene's name ("red_box"), a scene file's path, or a loaded Scene.
+
+    `start` is an index into the scene's starts, a pose (x, y, theta), or None (the first start).
+    """
+    sc = scene if isinstance(scene, Scene) else load_scene(scene, ROBOT_RADIUS_M)
+    index = 0 if start is None else start if isinstance(start, int) and not isinstance(start, bool) else None
+    if index is None:                                   # a pose given directly
+        pose = tuple(float(v) for v in start)
+        if len(pose) != 3:
+            raise SceneError(f"a start pose is (x, y, theta), got {start!r}")
+    elif -len(sc.starts) <= index < len(sc.starts):
+        index %= len(sc.starts)
+        pose = sc.starts[index]
+    else:
+        raise SceneError(f"scene {sc.path or sc.name}: start {index} out of range; it has "
+                         f"{len(sc.starts)} start(s), 0..{len(sc.starts) - 1}")
+    return SimWorld(**sc.world_kwargs(), pose=pose, clock=clock, auto_stop_s=auto_stop_s, scene=sc.name, spec=sc,
+                    start_index=index)
+
+
+def __getattr__(name: str):
+    """START_POSES, the old table of the built-in scenes' starts, now read from their files."""
+    if name == "START_POSES":
+        from .scene import builtin_scenes
+        return {n: list(load_scene(n).starts) for n in builtin_scenes()}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # ---------------------------------------------------------------- camera source
@@ -605,3 +594,12 @@ class SimCamera:
 
     def close(self) -> None:
         self._closed.set()
+
+
+def _sim_source(source: str, *, world=None, fps: int = 15, **_) -> SimCamera:
+    if world is None:
+        raise CameraError("camera source 'sim' needs the sim controller's world (robot.controller = 'sim')")
+    return SimCamera(world, fps=fps)
+
+
+register_source("sim", _sim_source)

@@ -103,3 +103,6 @@ def test_observation_keeps_the_objects_the_task_names():
     detector = [Sighting("red object", -4.0, 0.4, "color")]
     assert observation_text(relevant(detector, "go to the red box")) == "red object ahead, within reach"
     assert relevant(seen, "look around") == []                                       # nothing named is in view
+    # a same-coloured distractor is not the target, even when the target itself is out of view
+    assert relevant([Sighting("yellow box", 10.0, 2.0, "sim")], "go to the yellow ball") == []
+    assert observation_text(relevant(seen[2:], "go to the red box")) == "nothing"

@@ -54,17 +54,18 @@ def wait_for(pred, timeout=120.0, every=0.02):
     return False
 
 
-def ar_answer(drafter, url, nav, observation):
-    """The target's own greedy answer to a step's prompt (server alone, no draft)."""
+def ar_answer(drafter, url, nav, observation=None):
+    """The target's own greedy answer to a step's prompt (server alone, no draft): a first step's prompt
+    from its observation (no memory yet), else the latest step's prompt, memory included."""
     dec = EdgeDecoder(drafter, url)
     try:
-        ids = nav.prompt_ids("go to the red box", observation)
+        ids = nav.last_prompt_ids if observation is None else nav.prompt_ids("go to the red box", observation)
         return dec.generate(ids, mode="ar", max_tokens=40, until=nav._until([]))
     finally:
         dec.close()
 
 
-def ar_text(drafter, url, nav, observation):
+def ar_text(drafter, url, nav, observation=None):
     return ar_answer(drafter, url, nav, observation).text
 
 
@@ -90,6 +91,8 @@ def test_episode_with_the_real_models(tmp_path, drafter, proxy, verifier):
             assert {"frame_age", "perceive", "generate", "step"} <= set(r["latency_ms"])
         first = records[0]
         assert first["text"] == ar_text(drafter, verifier.url, d.nav, first["observation"])   # exact: the target's
+        assert [r["memory_steps"] for r in records] == list(range(len(records)))      # seen and done, per step
+        assert all(r["prefix_shared_tokens"] >= 0.8 * r["prompt_tokens"] for r in records)  # the cache is kept
         moved = [r for r in records if r["action"] != "stop"]
         if moved:
             assert d.world.pose != start and d.world.collisions == 0
@@ -110,7 +113,7 @@ def test_offline_local_marks_unverified_and_recovers(tmp_path, drafter, proxy, v
         assert s2.verified_tokens > 0 and "lost mid-answer" in s2.reason
         assert d.status()["mode"] == "offline" and d.world.tag == "offline"
         # what the target committed before the cut is kept: the answer starts with the target's own tokens
-        reference = ar_answer(drafter, verifier.url, d.nav, s2.observation).token_ids
+        reference = ar_answer(drafter, verifier.url, d.nav).token_ids
         assert s2.text.startswith(drafter.detokenize(reference[:s2.verified_tokens]))
         s3 = d.nav.step("go to the red box")             # still down: local again, no long stall
         assert s3.mode == "offline" and s3.latency_ms["generate"] < 15_000
@@ -118,7 +121,7 @@ def test_offline_local_marks_unverified_and_recovers(tmp_path, drafter, proxy, v
         time.sleep(d.nav._backoff + 0.1)
         s4 = d.nav.step("go to the red box")
         assert s4.mode == "verified" and d.world.tag == "verified" and s4.unverified_tokens == 0
-        assert s4.text == ar_text(drafter, verifier.url, d.nav, s4.observation)
+        assert s4.text == ar_text(drafter, verifier.url, d.nav) and 1 <= s4.memory_steps <= 3
     finally:
         d.close()
 
@@ -132,7 +135,7 @@ def test_offline_hold_stops_and_resumes_the_same_answer(tmp_path, drafter, proxy
         threading.Timer(1.5, proxy.refuse_new, (False,)).start()     # the link comes back 1.5 s later
         rec = d.nav.step("go to the red box")
         assert rec.mode == "verified" and "resumed" in rec.reason and "lost mid-answer" in rec.reason
-        assert rec.text == ar_text(drafter, verifier.url, d.nav, rec.observation)   # nothing lost, nothing redone
+        assert rec.text == ar_text(drafter, verifier.url, d.nav)   # nothing lost, nothing redone
         # a link that stays down: the robot holds, stopped, and says so
         proxy.refuse_new(True)
         proxy.disconnect_all()

@@ -1,0 +1,124 @@
+"""One instruction run to its end in the simulator, and the numbers that say how it went.
+
+    target_object(world, instruction)   the object the instruction names (the most shared words, as
+                                        agent.nav.relevant scores a sighting; the nearest on a tie)
+    run_episode(nav, world, instruction, max_steps)
+                                        step the Navigator until the model says stop (exact or tolerant
+                                        parse), three unparseable answers in a row, or max_steps steps;
+                                        hooks before and after each step (a link cut, a printer)
+    summarize(world, records, ...)      the summary: the names `edge-agent run --json`, tools/demo.py
+                                        and tools/nav_eval.py all report
+
+Every step counts toward max_steps, a refused one too (offline hold, a stale frame): an
+episode is bounded in steps whatever the link does. The daemon's own task loop
+(agent/daemon.py) ends a task on the same conditions and counts only moving steps; its
+records go through the same `summarize`.
+
+    SPL = reached * shortest_m / max(path_m, shortest_m)    (agent/robot/shortest.py)
+"""
+from __future__ import annotations
+
+import math
+import time
+from typing import Callable
+
+from .nav import Step, relevant
+from .robot.actions import STOP
+from .robot.perception import Sighting
+from .robot.shortest import shortest_to_object
+
+MAX_MISSES = 3                          # unparseable answers in a row that end an episode (as the daemon's tasks)
+
+
+def target_object(world, instruction: str) -> str | None:
+    """The name of the object `instruction` names best, None when it names none.
+
+    The scene's own target when the instruction is the scene's; else every object scored by the
+    words its name shares with the instruction (agent.nav.relevant), the nearest of the best.
+    """
+    spec = getattr(world, "spec", None)
+    if spec is not None and spec.target and instruction.strip().lower() == spec.task().lower():
+        return spec.target
+    x, y, _ = world.pose
+    everything = [Sighting(o.name, 0.0, max(0.0, math.hypot(o.x - x, o.y - y) - o.size_m / 2), "sim")
+                  for o in world.objects]
+    best = relevant(everything, instruction)
+    return best[0].name if best else None
+
+
+def path_length(path: list, since_t: float = -math.inf) -> float:
+    """Metres along a SimWorld.path ((t, x, y, theta, tag) points) from time since_t on."""
+    pts = [p for p in path if p[0] >= since_t]
+    return sum(math.hypot(b[1] - a[1], b[2] - a[2]) for a, b in zip(pts, pts[1:]))
+
+
+def summarize(world, records: list[Step], instruction: str, *, target: str | None = None, end: str = "",
+              since_t: float = -math.inf, collisions0: int = 0, start: tuple | None = None,
+              wall_s: float | None = None, reach_m: float = 0.6) -> dict:
+    """How an episode went (JSON-ready).
+
+    world: the SimWorld it ran in; records: its Navigator steps; target: the object it was after
+    (default: target_object); since_t / collisions0: the world's clock and collision count when it
+    began (the defaults count the world's whole life); start: the start pose (default world.start).
+    """
+    target = target if target is not None else target_object(world, instruction)
+    start = tuple(start) if start is not None else tuple(world.start)
+    verified = [r for r in records if r.mode == "verified" and r.parse != "refused"]    # acted on, verified
+    taus = [r.decode["tau"] for r in verified if r.decode.get("tau")]
+    step_s = [r.latency_ms["step"] / 1e3 for r in records if "step" in r.latency_ms]
+    reached = bool(target) and world.reached(target, reach_m)
+    path_m = path_length(world.path, since_t)
+    shortest_m = shortest_to_object(world, target, start[:2], reach_m) if target else math.inf
+    spl = (shortest_m / max(path_m, shortest_m, 1e-9) if reached and math.isfinite(shortest_m) else 0.0)
+    if reached and shortest_m == 0.0:
+        spl = 1.0                                   # started within reach: nothing to walk
+    spec = getattr(world, "spec", None)
+    return {
+        "scene": world.scene, "scene_file": spec.path if spec is not None else "",
+        "start": world.start_index if getattr(world, "start_index", None) is not None else list(start),
+        "instruction": instruction, "target": target, "end": end, "reached": reached,
+        "steps": len(records), "distance_m": round(world.distance_to(target), 3) if target else None,
+        "collisions": world.collisions - collisions0,
+        "verified_steps": len(verified), "offline_steps": sum(r.mode == "offline" for r in records),
+        "unverified_tokens": sum(r.unverified_tokens for r in records),
+        "path_m": round(path_m, 3), "shortest_m": round(shortest_m, 3) if math.isfinite(shortest_m) else None,
+        "spl": round(spl, 4), "mean_tau": round(sum(taus) / len(taus), 3) if taus else None,
+        "mean_step_s": round(sum(step_s) / len(step_s), 3) if step_s else None,
+        "mean_think_s_verified": round(sum(r.latency_ms.get("generate", 0.0) for r in verified)
+                                       / max(1, len(verified)) / 1e3, 3),
+        "parses": {k: sum(r.parse == k for r in records) for k in ("exact", "tolerant", "miss", "refused")},
+        "wall_s": round(wall_s, 2) if wall_s is not None else None,
+    }
+
+
+def run_episode(nav, world, instruction: str, max_steps: int = 30, *, task: str = "episode",
+                before_step: Callable[[int], None] | None = None,
+                on_step: Callable[[int, Step], None] | None = None, cancel=None) -> tuple[dict, list[Step]]:
+    """Step `nav` (an agent.nav.Navigator driving `world`) on `instruction`; returns (summary, records).
+
+    before_step(n) runs before step n (1-based; the link cut goes here), on_step(n, record) after it.
+    The summary's `end`: done (the model said stop), unparseable, or max_steps.
+    """
+    target = target_object(world, instruction)
+    t0, collisions0, start, wall0 = world.clock(), world.collisions, tuple(world.pose), time.perf_counter()
+    records: list[Step] = []
+    end, misses = "max_steps", 0
+    for n in range(1, max_steps + 1):
+        if before_step is not None:
+            before_step(n)
+        rec = nav.step(instruction, task=task, cancel=cancel)
+        records.append(rec)
+        if on_step is not None:
+            on_step(n, rec)
+        if rec.parse == "refused":
+            continue
+        misses = misses + 1 if rec.parse == "miss" else 0
+        if rec.action == str(STOP) and rec.parse in ("exact", "tolerant"):
+            end = "done"
+            break
+        if misses >= MAX_MISSES:
+            end = "unparseable"
+            break
+    summary = summarize(world, records, instruction, target=target, end=end, since_t=t0, collisions0=collisions0,
+                        start=start, wall_s=time.perf_counter() - wall0, reach_m=nav.cfg.reach_m)
+    return summary, records
