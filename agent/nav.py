@@ -67,7 +67,10 @@ SYSTEM = ("You are a robot programmed for navigation tasks. Decide your next act
 # (on either side); a target still ahead is walked on to; what the camera shows now wins over memory.
 # The wording is brittle at this size: reasons that start "The X is not in view, but it was to the
 # left before" answered more memory cases right but stopped at none of the targets within reach, so
-# the answers keep the shape of the examples without memory. Measure any change with the eval.
+# the answers keep the shape of the examples without memory. A small turn for a target just off
+# ahead (12 degrees) keeps the robot from swinging past it with 30-degree turns (the demo's start 3).
+# The forward step stays mostly 25 cm: after "move forward " the model copies a digit of the
+# distance it read, and 2 outranks 7 there. Measure any change with the eval.
 SHOTS = [
     ("go to the blue ball", (), "blue ball 40 degrees to the left, 3.1 m away",
      "The blue ball is to the left, so I turn left. The next action is turn left 45 degree."),
@@ -96,6 +99,8 @@ SHOTS = [
      "The yellow cone is to the right, so I turn right. The next action is turn right 30 degree."),
     ("go to the green box", (("nothing", Action("left", 45)),), "nothing",
      "I still do not see the green box, so I look around. The next action is turn left 45 degree."),
+    ("go to the blue ball", (), "blue ball 12 degrees to the right, 3.8 m away",
+     "The blue ball is to the right, so I turn right. The next action is turn right 15 degree."),
     ("go to the green box", (), "green box 16 degrees to the left, 1.2 m away",
      "The green box is to the left, so I turn left. The next action is turn left 15 degree."),
     ("go to the blue ball", (), "blue ball ahead, 1.3 m away",
@@ -186,7 +191,8 @@ class Recall:
 
 
 class StepMemory:
-    """The last steps of one task, as prompt lines; bounded in steps and in tokens, oldest dropped first.
+    """The last steps of one task, as prompt lines; bounded in steps and in tokens, oldest dropped first
+    (down to half a bound at once, see `add`).
 
     It holds observations and actions only (never advice): the decision stays the model's.
     Per task: `start(key)` with another task's key empties it. `count_tokens(text)` is the
@@ -209,14 +215,20 @@ class StepMemory:
         return True
 
     def add(self, recall: Recall) -> None:
+        """Append a step. Over a bound, the oldest go down to half of it in one cut: the prompts of the
+        steps that follow only append a line (their prefix stays cached on both sides), where dropping
+        one line a step would change everything after the task line, every step."""
         if self.max_steps == 0:
             return
         self._steps.append(recall)
-        while len(self._steps) > self.max_steps:
-            self._steps.popleft()
-            self.dropped += 1
+        if len(self._steps) > self.max_steps:
+            self._trim(lambda: len(self._steps) > max(1, self.max_steps // 2))
         self.tokens = self._count()
-        while self._steps and self.tokens > self.max_tokens:
+        if self.tokens > self.max_tokens:
+            self._trim(lambda: self.tokens > self.max_tokens // 2)
+
+    def _trim(self, over: Callable[[], bool]) -> None:
+        while self._steps and over():
             self._steps.popleft()
             self.dropped += 1
             self.tokens = self._count()

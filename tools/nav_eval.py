@@ -235,7 +235,7 @@ def run_models(episodes: list[tuple[Scene, int, bool]], args, maps: Path, meta: 
                 f'link.verifier="{link.url()}"', f'offline.policy="{args.offline}"', f'agent.mode="{args.mode}"',
                 f"robot.options.scene={json.dumps(scene.path)}", f'telemetry.path="{args.telemetry}"',
                 f"agent.threads={len(agent_cpus)}", "link.verify_timeout_s=2.0", "camera.fps=20",
-                ])
+                f"safety.min_clearance_m={args.min_clearance_m}"])
             meta.setdefault("config", cfg.to_dict())
             if drafter is None:
                 drafter = Drafter(cfg.agent.draft, threads=cfg.agent.threads, n_gpu_layers=cfg.agent.n_gpu_layers)
@@ -250,6 +250,8 @@ def run_models(episodes: list[tuple[Scene, int, bool]], args, maps: Path, meta: 
                     cv2.imwrite(str(maps / map_name(scene.name, start, cut)), daemon.world.render_map())
                     out.append(e)
                     progress(len(out), len(episodes), e, t0)
+                    # the report so far after every episode: a run cut short still leaves its figures
+                    write_report(args.out, out, {**meta, "done": f"{len(out)} of {len(episodes)} episodes"})
             finally:
                 daemon.close()
     return out
@@ -270,6 +272,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--offline", choices=("local", "hold"), default="local")
     ap.add_argument("--mode", choices=("sd", "fsd", "ar"), default="sd")
     ap.add_argument("--rtt-ms", type=float, default=20.0)
+    ap.add_argument("--min-clearance-m", type=float, default=0.2,
+                    help="the safety layer's obstacle stop (safety.min_clearance_m; the Go2 example has 0.4; 0: off)")
     ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument("--telemetry", type=Path, default=Path("build/nav_eval/telemetry.jsonl"),
                     help="one JSON line per step (the step's task names its episode)")
@@ -292,12 +296,12 @@ def main(argv: list[str] | None = None) -> int:
     shown = shown.relative_to(Path.cwd()) if shown.is_relative_to(Path.cwd()) else shown
     meta = {"policy": args.policy, "scenes": str(shown), "builtin": list(builtin), "max_steps": args.max_steps,
             "cut_at": CUT_AT, "cut_steps": CUT_STEPS, "offline": args.offline, "mode": args.mode, "rtt_ms": args.rtt_ms,
-            "limit": args.limit, "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+            "limit": args.limit, "min_clearance_m": args.min_clearance_m, "started": time.strftime("%Y-%m-%d %H:%M:%S")}
     t0 = time.perf_counter()
     results = run_scripted(episodes, args, maps) if args.policy == "scripted" else \
         run_models(episodes, args, maps, meta)
     meta["wall_s"] = round(time.perf_counter() - t0, 1)
-    report = write_report(args.out, results, meta)
+    report = write_report(args.out, results, {**meta, "done": f"{len(results)} of {len(episodes)} episodes"})
     a = report["aggregate"]
     for c, agg in a.items():
         print(f"{c}: success {_fmt(agg['success_rate'])} over {agg['episodes']} episodes, SPL {_fmt(agg['spl'])}, "

@@ -41,7 +41,8 @@ from pathlib import Path
 from agent.decoder import EdgeDecoder
 from agent.drafter import Drafter
 from agent.nav import AHEAD_DEG, Recall, messages, observation_text
-from agent.robot.actions import FORWARD_CM, TURN_DEG, Action, complete, parse_action, snap
+from agent.robot.actions import (FORWARD_CM, TURN_DEG, Action, answer_grammar, answer_max_tokens, complete,
+                                 parse_action, snap)
 from agent.robot.perception import Sighting
 from agent.robot.scripted import scripted_action
 
@@ -132,8 +133,11 @@ def recalled_action(case: Case) -> Action:
     return Action("left" if bearing > 0 else "right", snap(min(abs(bearing), TURN_DEG[-1]), TURN_DEG))
 
 
-def evaluate(drafter: Drafter, cases: list[Case], use_memory: bool = True, label: str = "") -> dict:
+def evaluate(drafter: Drafter, cases: list[Case], use_memory: bool = True, label: str = "",
+             grammar: bool = True) -> dict:
+    """The draft alone on each case, under the answer grammar as the robot decodes (nav.grammar) unless told not."""
     dec = EdgeDecoder(drafter)
+    gbnf = answer_grammar() if grammar else None
     stops = dec.stop_ids()
     until = lambda ids: complete(drafter.detokenize(ids, skip=stops))      # noqa: E731
     confusion = {w: {g: 0 for g in KINDS} for w in KINDS}
@@ -146,7 +150,8 @@ def evaluate(drafter: Drafter, cases: list[Case], use_memory: bool = True, label
         memory = case.memory() if use_memory else []
         ids = drafter.tokenize(drafter.apply_chat_template(messages("go to the " + TARGET, obs, memory)))
         t0 = time.perf_counter()
-        gen = dec.generate(ids, mode="local", max_tokens=40, until=until)
+        gen = dec.generate(ids, mode="local", max_tokens=answer_max_tokens() if grammar else 40, until=until,
+                           grammar=gbnf)
         ms.append((time.perf_counter() - t0) * 1e3)
         tokens.append(len(gen.token_ids))
         prompt_tokens.append(len(ids))
@@ -182,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--drafts", default="smollm2-q4_1,smollm2-q2_k")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", type=Path, default=Path("docs"))
+    ap.add_argument("--no-grammar", action="store_true", help="free answers (the robot with nav.grammar = false)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     single = [Case(seen, []) for seen in situations(args.n, args.seed)]
@@ -189,10 +195,11 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for draft in args.drafts.split(","):
         drafter = Drafter(draft, threads=args.threads)
-        results.append(evaluate(drafter, single, label="single"))
+        grammar = not args.no_grammar
+        results.append(evaluate(drafter, single, label="single", grammar=grammar))
         if remembered:
-            results.append(evaluate(drafter, remembered, use_memory=True, label="memory"))
-            results.append(evaluate(drafter, remembered, use_memory=False, label="memory, not shown"))
+            results.append(evaluate(drafter, remembered, use_memory=True, label="memory", grammar=grammar))
+            results.append(evaluate(drafter, remembered, use_memory=False, label="memory, not shown", grammar=grammar))
     args.out.mkdir(parents=True, exist_ok=True)
     report = {"command": "python -m tools.nav_prompt_eval " + " ".join(argv or sys.argv[1:]), "n": args.n,
               "n_memory": args.n_memory, "seed": args.seed, "results": results}
@@ -201,6 +208,8 @@ def main(argv: list[str] | None = None) -> int:
              f"situations, {args.n_memory} with 1-3 earlier steps; seed {args.seed})", "",
              "`memory, not shown`: the memory cases with the current frame only (the prompt before it had a memory). "
              "`back`: of the memory cases whose target is out of view but was seen, the share turned to its side.", "",
+             f"Answers {'free' if args.no_grammar else 'under the answer grammar (nav.grammar, as the robot decodes)'}.",
+             "",
              "| model (local, no verifier) | set | exact action | same kind | back | parses exact / tolerant / miss "
              "| forward when it should stop | mean prompt tokens | mean tokens | mean ms |",
              "|---|---|---|---|---|---|---|---|---|---|"]

@@ -55,12 +55,13 @@ def wait_for(pred, timeout=120.0, every=0.02):
 
 
 def ar_answer(drafter, url, nav, observation=None):
-    """The target's own greedy answer to a step's prompt (server alone, no draft): a first step's prompt
-    from its observation (no memory yet), else the latest step's prompt, memory included."""
+    """The target's own greedy answer to a step's prompt (server alone, no draft) under the navigator's answer
+    grammar: a first step's prompt from its observation (no memory yet), else the latest step's prompt,
+    memory included."""
     dec = EdgeDecoder(drafter, url)
     try:
         ids = nav.last_prompt_ids if observation is None else nav.prompt_ids("go to the red box", observation)
-        return dec.generate(ids, mode="ar", max_tokens=40, until=nav._until([]))
+        return dec.generate(ids, mode="ar", max_tokens=nav.max_tokens, until=nav._until([]), grammar=nav.grammar)
     finally:
         dec.close()
 
@@ -132,7 +133,12 @@ def test_offline_hold_stops_and_resumes_the_same_answer(tmp_path, drafter, proxy
         d.nav.step("go to the red box")
         proxy.refuse_new(True)
         proxy.schedule_disconnect(after_bytes_down=MID_ANSWER)
-        threading.Timer(1.5, proxy.refuse_new, (False,)).start()     # the link comes back 1.5 s later
+        def restore():                                  # the link comes back 1 s after the robot lost it
+            wait_for(lambda: d.nav.link == "down", timeout=60, every=0.01)
+            time.sleep(1.0)
+            proxy.refuse_new(False)
+
+        threading.Thread(target=restore, daemon=True).start()
         rec = d.nav.step("go to the red box")
         assert rec.mode == "verified" and "resumed" in rec.reason and "lost mid-answer" in rec.reason
         assert rec.text == ar_text(drafter, verifier.url, d.nav)   # nothing lost, nothing redone
