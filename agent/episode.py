@@ -113,8 +113,8 @@ def run_episode(nav, world, instruction: str, max_steps: int = 30, *, task: str 
         if rec.parse == "refused":
             continue
         misses = misses + 1 if rec.parse == "miss" else 0
-        if rec.action == str(STOP) and rec.parse in ("exact", "tolerant"):
-            end = "done"
+        if rec.action == str(STOP) and rec.parse in ("exact", "tolerant") and not rec.envelope:
+            end = "done"                    # the model's stop; an offline turn-away stop is the robot's halt
             break
         if misses >= MAX_MISSES:
             end = "unparseable"

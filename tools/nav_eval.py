@@ -150,7 +150,10 @@ def write_report(out: Path, episodes: list[dict], meta: dict) -> dict:
         bar_plot(out / name, [textwrap.fill(s.replace("_", " "), 11) for s in scenes], {c: [by_scene[s].get(c, {}).get(key) or 0.0 for s in scenes] for c in conds},
                  label, f"{label} per scene ({meta['policy']}, {meta['max_steps']} steps at most)")
     cut = f"cut before step {meta['cut_at']} for {meta['cut_steps']} steps"
-    lines = [f"# Navigation to a goal: {len(episodes)} episodes ({meta['policy']})", "",
+    agent_cfg = meta.get("config", {}).get("agent", {})
+    pair = f"draft {agent_cfg.get('draft', '?')}, target smollm2-f32 (llamacpp engine)" \
+        if meta["policy"] == "model" else "no models"
+    lines = [f"# Navigation to a goal: {len(episodes)} episodes ({meta['policy']}: {pair})", "",
              f"Scenes from `{meta['scenes']}` (+ {', '.join(meta['builtin']) or 'none'}), every start pose, "
              f"at most {meta['max_steps']} steps, the link {'up' if conds == ['no cut'] else cut}"
              + ("" if meta["policy"] == "scripted" else f" (offline policy `{meta['offline']}`, mode `{meta['mode']}`,"
@@ -251,7 +254,8 @@ def run_models(episodes: list[tuple[Scene, int, bool]], args, maps: Path, meta: 
                     out.append(e)
                     progress(len(out), len(episodes), e, t0)
                     # the report so far after every episode: a run cut short still leaves its figures
-                    write_report(args.out, out, {**meta, "done": f"{len(out)} of {len(episodes)} episodes"})
+                    write_report(args.out, out, {**meta, "done": f"{len(out)} of {len(episodes)} episodes",
+                                                 "wall_s": round(time.perf_counter() - t0, 1)})
             finally:
                 daemon.close()
     return out
