@@ -484,7 +484,9 @@ class EdgeDecoder:
                 m.predraft_misses += 1
         grammar = self._grammar_at(committed)
         if draft is not None and grammar is not None:
-            draft = draft.head(allowed_prefix(grammar, draft.ids))      # pre-drafted without the grammar
+            # pre-drafted without the grammar: a prefix of a draft is a valid draft (its tokens were drawn from
+            # the q sent with them), and at T = 0 the allowed prefix is what the masked draft would have drafted
+            draft = draft.head(grammar.clone().advance(draft.ids))
         if draft is None or len(draft.ids) < k:
             draft = self.drafter.propose(committed, k, params, rng, n_cands=self.fsd.n_cands, payload=self._spec,
                                          grammar=grammar)
@@ -673,20 +675,6 @@ class EdgeDecoder:
                 break
         m.verify_ms += verify_ms
         m.network_ms += max(0.0, (time.perf_counter() - t0) * 1e3 - verify_ms)
-
-
-def allowed_prefix(grammar: GrammarState, ids: list[int]) -> int:
-    """How many of `ids` the grammar allows in a row from its state (left as it is).
-
-    A prefix of a draft is a valid draft (the tokens were drawn from the q sent with them), so a
-    pre-drafted draft cut here stays exact; at T = 0 the cut prefix is what the masked draft
-    itself would have drafted, since masking changes no allowed argmax."""
-    walk = grammar.clone()
-    for n, t in enumerate(ids):
-        if not walk.allows(t):
-            return n
-        walk.accept(t)
-    return len(ids)
 
 
 def _agreement(logits: np.ndarray, reply: wire.Token, params: SamplingParams) -> float:

@@ -70,11 +70,10 @@ class Grammar:
     def walk(self, ids) -> "GrammarState":
         """The state after `ids` from the root; GrammarError at the first id it forbids."""
         state = self.start()
-        for i, t in enumerate(ids):
-            if not state.allows(int(t)):
-                raise GrammarError(f"token {int(t)} at position {i} of the constrained part is not allowed by "
-                                   "the grammar")
-            state.accept(int(t))
+        n = state.advance(ids)
+        if n < len(ids):
+            raise GrammarError(f"token {int(ids[n])} at position {n} of the constrained part is not allowed by "
+                               "the grammar")
         return state
 
     def __del__(self):
@@ -138,10 +137,18 @@ class GrammarState:
 
     def accept(self, token: int) -> None:
         """Advance past `token`; GrammarError (state unchanged) if the grammar forbids it."""
-        if not self.allows(token):
+        if self.advance([token]) == 0:
             raise GrammarError(f"token {token} is not allowed by the grammar here")
-        self.grammar.L.llama_sampler_accept(self._smpl, int(token))
-        self.n_accepted += 1
+
+    def advance(self, ids) -> int:
+        """Advance past the ids the grammar allows in a row; returns how many (it stops at the first one
+        forbidden, which llama.cpp would abort the process on)."""
+        for n, t in enumerate(ids):
+            if not self.allows(int(t)):
+                return n
+            self.grammar.L.llama_sampler_accept(self._smpl, int(t))
+            self.n_accepted += 1
+        return len(ids)
 
     def __del__(self):
         if getattr(self, "_smpl", None):

@@ -326,13 +326,18 @@ class Verifier:
 
         Greedy: only the argmax ids leave the device. Sampled: on a device engine the maths runs
         there (server_bridge/devmath.py), elsewhere in numpy (protocol/sampling.py, the reference).
+        Under a grammar (`_grammar_rows`) always on the host: the masks come from llama.cpp's
+        sampler on the CPU.
         """
         params, rng, split = session.params, session.rng, session.payload.kind == "split" and q is not None
+        mask = None
         if session.grammar is not None:
-            return self._verdict_constrained(session, draft_ids, q, rows, fix)
-        if params.greedy:
+            best, mask = self._grammar_rows(session, draft_ids, self.target.to_numpy(rows), fix)
+            if params.greedy:
+                return sampling.verify_greedy(np.asarray(draft_ids), best), None
+        elif params.greedy:
             return sampling.verify_greedy(np.asarray(draft_ids), self.target.argmax(rows)), None
-        if self.target.on_device:
+        elif self.target.on_device:
             from . import devmath
 
             p = devmath.probs_from_logits(rows, params)                  # [k + 1, vocab] on the device
@@ -341,7 +346,7 @@ class Verifier:
             else:
                 verdict = devmath.verify_sampled(draft_ids, np.zeros((0, p.shape[1])) if q is None else q, p, rng)
             return verdict, lambda j: p[j].double().cpu().numpy()
-        p = sampling.probs_from_logits(self.target.to_numpy(rows), params)
+        p = sampling.probs_from_logits(self.target.to_numpy(rows), params, mask)
         if split:                                                        # q: q(x_i) [k]
             verdict = sampling.verify_split(np.asarray(draft_ids), q, p, rng)
         else:                                                            # q: [k, vocab]
@@ -349,43 +354,31 @@ class Verifier:
                                               p, rng)
         return verdict, lambda j: p[j]
 
-    def _verdict_constrained(self, session: Session, draft_ids: list[int], q: np.ndarray | None, rows,
-                             fix: int | None):
-        """_verdict under the session's grammar: row i masked by the grammar after ids + draft[:i].
-
-        Greedy: the masked argmax at each position until the first disagreement (protocol.grammar
-        checks the best candidates first, so an allowed argmax costs one check). Sampled: the
-        target's p restricted to each row's allowed tokens and renormalised; a draft token the
-        grammar forbids has p = 0 there and is rejected, so the rows after it are never used and
-        stay unmasked. Always on the host: the masks come from llama.cpp's sampler on the CPU.
-        """
-        params, rng = session.params, session.rng
-        logits = self.target.to_numpy(rows)                                 # [k + 1, vocab]
+    def _grammar_rows(self, session: Session, draft_ids: list[int], logits: np.ndarray, fix: int | None):
+        """What the session's grammar makes of a round's rows logits [k + 1, vocab]: row i is masked by the
+        grammar after ids + draft[:i]. Greedy: (the masked argmax ids [k + 1], None), walked until the first
+        disagreement (protocol.grammar checks the best candidates first, so an allowed argmax costs one
+        check). Sampled: (None, masks [k + 1, vocab]); a draft token the grammar forbids has p = 0 there and
+        is rejected, so the rows after it are never used and stay unmasked."""
         walk = session.grammar.clone()
         if fix is not None:                                                 # committed before this draft
             walk.accept(fix)
         k = len(draft_ids)
-        if params.greedy:
+        if session.params.greedy:
             best = np.zeros(k + 1, dtype=np.int64)
             for i in range(k + 1):
                 best[i:] = walk.argmax(logits[i])
                 if i == k or draft_ids[i] != best[i]:
                     break
                 walk.accept(draft_ids[i])
-            return sampling.verify_greedy(np.asarray(draft_ids), best), None
+            return best, None
         masks = np.ones(logits.shape, dtype=bool)
         for i in range(k + 1):
             masks[i] = walk.mask()
             if i == k or not masks[i, draft_ids[i]]:
                 break
             walk.accept(draft_ids[i])
-        p = sampling.probs_from_logits(logits, params, masks)
-        if session.payload.kind == "split" and q is not None:
-            verdict = sampling.verify_split(np.asarray(draft_ids), q, p, rng)
-        else:
-            verdict = sampling.verify_sampled(np.asarray(draft_ids), np.zeros((0, p.shape[1])) if q is None else q,
-                                              p, rng)
-        return verdict, lambda j: p[j]
+        return None, masks
 
     def _exit_pass(self, session: Session, msg: Verify, emit: Callable[[Exit], None] | None) -> ExitPass | None:
         if not session.exits or emit is None or self.exits is None:
@@ -411,7 +404,7 @@ class Verifier:
 
     def _finish_ar(self, job: Job, rows) -> tuple[int, float, float]:
         session = job.session
-        if session.grammar is not None:                 # masked like a verify row (_verdict_constrained)
+        if session.grammar is not None:                 # masked like a verify row (_grammar_rows)
             logits = self.target.to_numpy(rows)[0]
             if session.params.greedy:
                 token, p = session.grammar.argmax(logits), 1.0
