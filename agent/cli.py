@@ -20,7 +20,7 @@ def _generate(args) -> int:
     from .decoder import EdgeDecoder, FsdOptions
     from .policy import DraftPolicy
     from .drafter import Drafter
-    from .link import LinkLost, ServerError
+    from .link import LinkLost, ServerError, default_robot_id
 
     if not args.local and not args.verifier:
         print("edge-agent: give --verifier ws://HOST:PORT, or --local for the draft alone", file=sys.stderr)
@@ -43,7 +43,8 @@ def _generate(args) -> int:
         return 2
     decoder = EdgeDecoder(drafter, None if args.local else args.verifier, token=token, fsd=fsd, policy=policy,
                           trace=args.trace, payload=PayloadSpec.parse(args.payload, args.topk), slo=args.slo,
-                          ca_file=args.ca_file, allow_insecure=args.allow_insecure)
+                          ca_file=args.ca_file, allow_insecure=args.allow_insecure,
+                          robot_id=default_robot_id() if args.robot_id is None else args.robot_id)
     prompt_ids = drafter.tokenize(args.prompt, chat=args.chat)
     try:
         gen = decoder.generate(prompt_ids, mode="local" if args.local else args.mode, max_tokens=args.max_tokens,
@@ -198,6 +199,8 @@ def main(argv: list[str] | None = None) -> int:
                    "(default: the system's CAs)")
     g.add_argument("--allow-insecure", action="store_true",
                    help="send the token over plain ws:// to another host (refused otherwise)")
+    g.add_argument("--robot-id", default=None, help="X-Robot-Id in the handshake, which a load balancer hashes "
+                   "(default: robot-<hash of this machine's id>)")
     g.add_argument("--prompt", required=True)
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("--max-tokens", type=int, default=64)

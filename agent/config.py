@@ -17,6 +17,7 @@ from pathlib import Path
 
 from protocol.payload import DEFAULT_KIND, DEFAULT_TOPK, PayloadSpec
 
+from .link import ROBOT_ID
 from .nav import OFFLINE_POLICIES, check_envelope, check_memory
 from .policy import POLICIES
 from .robot.controllers.base import CONTROLLERS
@@ -72,8 +73,12 @@ class LinkSection:
     verify_timeout_s: float = 2.0       # an answer later than this counts as a lost link
     reconnect_backoff_s: float = 0.2
     reconnect_backoff_max_s: float = 5.0
+    robot_id: str = ""                  # X-Robot-Id in the handshake, which a balancer hashes to keep this robot on
+                                        # one replica; "" = robot-<hash of /etc/machine-id>, stable across reboots
 
     def __post_init__(self):
+        if self.robot_id and not ROBOT_ID.fullmatch(self.robot_id):
+            raise ConfigError(f"link.robot_id must be 1-64 of [A-Za-z0-9_.:-], got {self.robot_id!r}")
         if self.verifier and not self.verifier.startswith(("ws://", "wss://")):
             raise ConfigError(f"link.verifier must be a ws:// or wss:// URL, got {self.verifier!r}")
         if self.ca_file and not self.verifier.startswith("wss://"):

@@ -31,7 +31,7 @@ from protocol.payload import PayloadSpec
 
 from .config import Config
 from .decoder import EdgeDecoder, ReconnectPolicy
-from .link import tls_context
+from .link import default_robot_id, tls_context
 from .nav import NavConfig, Navigator
 from .policy import DraftPolicy
 from .robot.actions import STOP
@@ -114,6 +114,7 @@ class Daemon:
             keepalive_s=cfg.link.keepalive_s, policy=DraftPolicy(cfg.agent.draft_policy),
             payload=PayloadSpec.parse(cfg.agent.payload, cfg.agent.topk), slo=cfg.agent.slo_tokens_per_s,
             ca_file=cfg.link.ca_file, allow_insecure=cfg.link.allow_insecure,
+            robot_id=cfg.link.robot_id or default_robot_id(),
             reconnect=ReconnectPolicy(max_attempts=1, backoff_s=cfg.link.reconnect_backoff_s,
                                       backoff_max_s=cfg.link.reconnect_backoff_max_s))
         self.nav = Navigator(self.decoder, self.grabber, self._perception(), self.control, NavConfig(

@@ -36,6 +36,7 @@ from .predraft import PreDrafter
 log = logging.getLogger(__name__)
 
 MODES = ("ar", "sd", "fsd", "local")
+MAX_REPLICAS_SEEN = 16          # Metrics.replicas: the replicas a generation was served by, in order
 MAX_SWITCHED_NAMES = 64         # session names remembered with the fresh sid they switched to (LRU)
 
 
@@ -64,6 +65,10 @@ class Metrics:
     accepted: int = 0
     wasted_draft_tokens: int = 0            # drafted tokens the server rejected
     reconnects: int = 0                     # new connections after a lost link
+    restarts: int = 0                       # of those, after the server closed on purpose (a replica draining:
+                                            # 1012), made at once without backing off
+    replicas: list = field(default_factory=list)    # the replicas that held the session, in order (<= 16)
+    reconnect_ms: float = 0.0               # from each lost link to the session re-opened on the next, summed
     reopens: int = 0                        # sessions re-opened after the server lost them (evicted)
     session_switches: int = 0               # opens refused (session_taken) and redone at once under a fresh sid
     prefill_ms: float = 0.0
@@ -127,8 +132,9 @@ class EdgeDecoder:
                  reconnect: ReconnectPolicy = ReconnectPolicy(), recv_timeout_s: float = 30.0,
                  fsd: FsdOptions = FsdOptions(), policy: DraftPolicy = DraftPolicy(),
                  trace: str | None = None, keepalive_s: float = 2.0, payload: PayloadSpec = PayloadSpec(),
-                 slo: float = 0.0, ca_file: str = "", allow_insecure: bool = False):
+                 slo: float = 0.0, ca_file: str = "", allow_insecure: bool = False, robot_id: str = ""):
         self.drafter = drafter
+        self.robot_id = robot_id                # X-Robot-Id in the handshake ("" = none): a balancer's hash key
         self.ca_file = ca_file                  # wss://: the CA of the verifier's certificate ("" = the system's)
         self.allow_insecure = allow_insecure    # a token over plain ws:// to another host
         self.slo = slo                          # tokens/s this robot needs (the verifier's SLO class); 0 = none
@@ -293,6 +299,7 @@ class EdgeDecoder:
         n_prompt = len(prompt_ids)
         is_open = False
         failures = 0
+        lost_at: float | None = None            # when the link was lost, until the session is re-opened
         self._last_round = None
         self.controller = None
         if mode == "fsd" and self.predrafter is None:
@@ -319,6 +326,9 @@ class EdgeDecoder:
                     if not is_open:
                         self._open(sid, committed, params, m, exits=mode == "fsd")
                         is_open, switched = True, False
+                        if lost_at is not None:
+                            m.reconnect_ms += (time.perf_counter() - lost_at) * 1e3
+                            lost_at = None
                     if mode in ("sd", "fsd") and self.controller is None:
                         self.controller = self._make_controller(sid, gamma, m)
                     if mode in ("sd", "fsd") and not self.controller.speculating:
@@ -332,10 +342,13 @@ class EdgeDecoder:
                     failures = 0
                 except LinkLost as e:
                     failures += 1
+                    lost_at = time.perf_counter() if lost_at is None else lost_at
                     if failures > self.reconnect.max_attempts:
                         e.token_ids = committed[n_prompt:]
                         raise
-                    delay = self.reconnect.delay(failures - 1)
+                    # a replica that drains closes on purpose: another one serves now, go at once
+                    delay = 0.0 if e.restart else self.reconnect.delay(failures - 1)
+                    m.restarts += e.restart
                     log.warning("link lost (%s); reconnect %d/%d in %.2fs with %d committed tokens", e,
                                 failures, self.reconnect.max_attempts, delay, len(committed))
                     self._fold_bytes(m)
@@ -411,7 +424,8 @@ class EdgeDecoder:
             raise ValueError("no verifier URL: pass --verifier ws://HOST:PORT or use --local")
         link = VerifierLink(self.url, token=self.token, vocab_hash=self.drafter.vocab_hash,
                             vocab_size=self.drafter.vocab_size, recv_timeout_s=self.recv_timeout_s,
-                            keepalive_s=self.keepalive_s, ca_file=self.ca_file, allow_insecure=self.allow_insecure)
+                            keepalive_s=self.keepalive_s, ca_file=self.ca_file, allow_insecure=self.allow_insecure,
+                            robot_id=self.robot_id)
         link.connect()
         self.link = link
         self._bytes_base = (0, 0)
@@ -450,6 +464,9 @@ class EdgeDecoder:
             raise LinkLost(f"bad reply to open: {reply}")
         m.prefill_ms += reply.timing.get("prefill_ms", 0.0)
         m.target_forward_passes += reply.timing.get("passes", 0)
+        replica = reply.replica or self.link.welcome.replica
+        if replica and (not m.replicas or m.replicas[-1] != replica) and len(m.replicas) < MAX_REPLICAS_SEEN:
+            m.replicas.append(replica)
 
     def _sd_round(self, sid, committed, remaining, params, rng, m) -> None:
         ctl = self.controller

@@ -7,14 +7,25 @@ TLS: a wss:// verifier is checked against `ca_file` (the CA that signed
 server-bridge's certificate, e.g. a self-made one) or the system's CAs. The
 token is never sent in clear to another machine: a ws:// URL with a token is
 refused unless its host is loopback or `allow_insecure` is set.
+
+Fleets: the handshake carries `X-Robot-Id` (link.robot_id), on which a load
+balancer in front of several replicas hashes, so the robot's reconnects find the
+replica that holds its session. A replica that drains closes with 1012 (service
+restart): that LinkLost is marked `restart`, and the decoder reconnects at once,
+through the balancer, instead of backing off.
 """
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import ipaddress
 import logging
+import re
+import socket
 import ssl
 import time
+import uuid
+from pathlib import Path
 from urllib.parse import urlsplit
 
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
@@ -30,11 +41,42 @@ RECOVERABLE = {"unknown_session", "desync"}
 # (a named session re-opened with a new prompt after the link dropped between two generations):
 # re-opening the same id cannot help, a fresh id does (agent/decoder.py switches once per open).
 TAKEN = "session_taken"
+# Close codes after which the server is gone on purpose (1012 a replica draining, 1001 a server going
+# away): reconnect at once, the balancer sends the robot to a replica that serves.
+RESTART_CODES = {1001, 1012}
+ROBOT_ID = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
+MACHINE_ID_FILES = ("/etc/machine-id", "/var/lib/dbus/machine-id")
 
 
 class LinkLost(ConnectionError):
     """The connection dropped, timed out or could not be made; reconnecting may help."""
     token_ids: list[int] = []       # raised out of EdgeDecoder.generate: the ids committed before the failure
+
+    def __init__(self, message: str, restart: bool = False):
+        super().__init__(message)
+        self.restart = restart      # the server closed on purpose (draining): reconnect now, no backoff
+
+
+def default_robot_id() -> str:
+    """A stable id for this machine: a hash of systemd's machine-id (the same across reboots and
+    reinstalls of the agent, and not the id itself, which is meant to stay private), else of the
+    hostname and MAC address."""
+    for path in MACHINE_ID_FILES:
+        try:
+            seed = Path(path).read_text().strip()
+        except OSError:
+            continue
+        if seed:
+            break
+    else:
+        seed = f"{socket.gethostname()}/{uuid.getnode():012x}"
+    return "robot-" + hashlib.sha256(f"edgespec/{seed}".encode()).hexdigest()[:12]
+
+
+def _closed(e: ConnectionClosed) -> tuple[str, bool]:
+    """Why the server closed, and whether it closed to be replaced (reconnect at once)."""
+    code = e.rcvd.code if e.rcvd is not None else None
+    return (f"closed by the verifier ({code} {e.rcvd.reason})" if code is not None else str(e)), code in RESTART_CODES
 
 
 class ServerError(RuntimeError):
@@ -85,8 +127,11 @@ def tls_context(url: str, token: str, ca_file: str = "", allow_insecure: bool = 
 class VerifierLink:
     def __init__(self, url: str, *, token: str = "", client: str = "edge-agent", vocab_hash: str,
                  vocab_size: int, open_timeout_s: float = 5.0, recv_timeout_s: float = 30.0,
-                 keepalive_s: float = 2.0, ca_file: str = "", allow_insecure: bool = False):
+                 keepalive_s: float = 2.0, ca_file: str = "", allow_insecure: bool = False, robot_id: str = ""):
         self.ssl = tls_context(url, token, ca_file, allow_insecure)
+        if robot_id and not ROBOT_ID.fullmatch(robot_id):
+            raise ValueError(f"robot id must be 1-64 of [A-Za-z0-9_.:-], got {robot_id!r}")
+        self.robot_id = robot_id                # X-Robot-Id: what a balancer hashes to pick the replica
         self.url = url
         self.token = token
         self.client = client
@@ -109,7 +154,8 @@ class VerifierLink:
             self.ws = self._stack.enter_context(connect(
                 self.url, open_timeout=self.open_timeout_s, max_size=2 * wire.DEFAULT_MAX_FRAME_BYTES,
                 ping_interval=self.keepalive_s, ping_timeout=self.keepalive_s, close_timeout=1.0,
-                compression=None, **({"ssl": self.ssl} if self.ssl is not None else {})))
+                compression=None, additional_headers={"X-Robot-Id": self.robot_id} if self.robot_id else None,
+                **({"ssl": self.ssl} if self.ssl is not None else {})))
         except InvalidStatus as e:
             status = e.response.status_code
             body = e.response.body.decode("utf-8", "replace").strip() if e.response.body else ""
@@ -138,7 +184,10 @@ class VerifierLink:
         frame = wire.encode(msg)
         try:
             self.ws.send(frame)
-        except (ConnectionClosed, OSError) as e:
+        except ConnectionClosed as e:
+            why, restart = _closed(e)
+            raise LinkLost(f"send failed: {why}", restart) from None
+        except OSError as e:
             raise LinkLost(f"send failed: {e}") from None
         self.bytes_up += len(frame)
 
@@ -158,7 +207,10 @@ class VerifierLink:
                 frame = self.ws.recv(timeout=max(0.0, deadline - time.monotonic()))
             except TimeoutError:
                 raise LinkLost(f"no answer from the verifier in {timeout:.1f}s") from None
-            except (ConnectionClosed, OSError) as e:
+            except ConnectionClosed as e:
+                why, restart = _closed(e)
+                raise LinkLost(f"connection lost: {why}", restart) from None
+            except OSError as e:
                 raise LinkLost(f"connection lost: {e}") from None
             self.bytes_down += len(frame)
             try:

@@ -160,6 +160,7 @@ class Welcome(Message):
     limits: dict                # max_frame_bytes, max_draft_len, max_context, max_sessions
     engine: dict = field(default_factory=dict)   # what serves: engine, device, dtype (informational; {} from
                                                  # servers before it was sent)
+    replica: str = ""           # which replica of a fleet answered (server.replica_id); "" from older servers
 
     @classmethod
     def from_wire(cls, d):
@@ -169,7 +170,7 @@ class Welcome(Message):
         engine = _map(d.get("engine", {}), "engine")
         return cls(_str(d.get("target"), "target"), _int(d.get("vocab_size"), "vocab_size", 1, 1 << 24),
                    _str(d.get("vocab_hash"), "vocab_hash", 128), _ids(d.get("eos_ids"), "eos_ids", 64),
-                   _ids(d.get("exits"), "exits", 256), limits, engine)
+                   _ids(d.get("exits"), "exits", 256), limits, engine, _str(d.get("replica", ""), "replica", 64))
 
     @classmethod
     def make_dummy(cls):
@@ -238,10 +239,12 @@ class Opened(Message):
     sid: str
     n_committed: int            # the server's committed length (== len(prompt_ids))
     timing: dict                # prefill_ms, passes
+    replica: str = ""           # the replica that holds the session now ("" from older servers)
 
     @classmethod
     def from_wire(cls, d):
-        return cls(_sid(d.get("sid")), _int(d.get("n_committed"), "n_committed"), _map(d.get("timing"), "timing"))
+        return cls(_sid(d.get("sid")), _int(d.get("n_committed"), "n_committed"), _map(d.get("timing"), "timing"),
+                   _str(d.get("replica", ""), "replica", 64))
 
 
 @dataclass

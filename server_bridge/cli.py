@@ -47,6 +47,12 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--threads", type=int, help="engine threads (llama.cpp or torch)")
     s.add_argument("--max-sessions", type=int)
     s.add_argument("--idle-timeout-s", type=float)
+    s.add_argument("--replica-id", help="this replica's name in welcome, opened, /healthz and /metrics "
+                   "(default HOST:PORT; on Kubernetes pass the pod's name)")
+    s.add_argument("--detached-grace-s", type=float, help="how long a session whose connection closed keeps its KV "
+                   "for its robot to come back (default 60)")
+    s.add_argument("--drain-timeout-s", type=float, help="SIGTERM drains: no new robots, rounds in flight finish, "
+                   "connections close with 1012; at most this long (default 30)")
     s.add_argument("--exits", help="early-exit adapters: path prefix of <prefix>.safetensors/.json; 'auto' (default) "
                    "= models/exits/<target> if trained; '' = no exits")
     s.add_argument("--exit-layers", type=_layers, help="comma-separated exits to load, e.g. 22,26; "
@@ -91,7 +97,9 @@ def main(argv: list[str] | None = None) -> int:
                                    engine=args.engine, device=args.device, dtype=args.dtype,
                                    n_gpu_layers=args.n_gpu_layers, kv_tokens=args.kv_tokens, kv_type=args.kv_type,
                                    threads=args.threads, max_sessions=args.max_sessions,
-                                   idle_timeout_s=args.idle_timeout_s, exits=args.exits,
+                                   idle_timeout_s=args.idle_timeout_s, replica_id=args.replica_id,
+                                   detached_grace_s=args.detached_grace_s, drain_timeout_s=args.drain_timeout_s,
+                                   exits=args.exits,
                                    exit_layers=args.exit_layers, exit_policy=args.exit_policy,
                                    exit_queue=args.exit_queue, exit_bonus_candidates=args.exit_bonus_candidates,
                                    scheduler=args.scheduler, max_batch=args.max_batch, max_queue=args.max_queue,

@@ -41,6 +41,13 @@ class ServerConfig:
     max_sessions: int = 64          # session table bound; the least recently used is evicted
     max_sessions_per_connection: int = 8
     idle_timeout_s: float = 300.0   # sessions untouched this long are evicted
+    # More than one replica (deploy/haproxy, deploy/k8s, tools/cluster.py)
+    replica_id: str = ""            # this replica's name in welcome, opened, /healthz and /metrics' `replica` label;
+                                    # "" = HOST:PORT (a pod's hostname is its name)
+    detached_grace_s: float = 60.0  # a session whose connection closed keeps its KV this long for a robot that
+                                    # comes back after a blip (then, or when idle_timeout_s is sooner, it goes)
+    drain_timeout_s: float = 30.0   # SIGTERM drains: /healthz 503, no new robots, rounds in flight finish, each
+                                    # connection closes with 1012 once idle; at most this long, then everything closes
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
     max_draft_len: int = 16
     max_context: int = 2048         # prompt + generated tokens per session
@@ -91,6 +98,12 @@ class ServerConfig:
                              f"got {self.max_draft_len}")
         if self.idle_timeout_s <= 0:
             raise ValueError("idle_timeout_s must be > 0")
+        for name in ("detached_grace_s", "drain_timeout_s"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not 0 <= value <= 86400:
+                raise ValueError(f"{name} must be 0-86400 s, got {value!r}")
+        if not re.fullmatch(r"[A-Za-z0-9_.:-]{0,64}", self.replica_id):
+            raise ValueError(f"replica_id must be up to 64 of [A-Za-z0-9_.:-] (a metrics label), got {self.replica_id!r}")
         if (not isinstance(self.exit_layers, list) or not all(isinstance(l, int) and l >= 1 for l in self.exit_layers)
                 or sorted(set(self.exit_layers)) != self.exit_layers):
             raise ValueError(f"exit_layers must be increasing layer numbers >= 1, got {self.exit_layers!r}")

@@ -1,8 +1,23 @@
-"""Server counters, rendered in the Prometheus text format for /metrics."""
+"""Server counters, and /metrics: their Prometheus text page.
+
+`ServerMetrics` is where the server counts (the `count_*` methods, the error Counter). `render` turns
+the counters into the Prometheus text format (0.0.4) with `prometheus_client`, as vLLM does: a custom
+collector yields each family at scrape time into a private `CollectorRegistry` (never the global one:
+one process may run many servers, as the tests do) and `generate_latest` writes the page.
+
+Every sample carries a `replica` label, the replica id of the server process (`replica_id`; HOST:PORT
+by default), so one Prometheus can scrape every replica directly, without a balancer in between, and
+sum or compare them. A render without a replica id labels its samples replica="" (Prometheus reads an
+empty label as no label): the label is always there, so a consumer can rely on it.
+"""
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.registry import Collector
 
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
@@ -84,80 +99,107 @@ class ServerMetrics:
         self.committed += 1
         self.verify_ms_sum += ms
 
-    def render(self, sessions, connections: int, queue_length: int = 0, engine=None) -> str:
-        rows = [
-            ("bridge_sessions_active", "gauge", "open sessions", len(sessions)),
-            ("bridge_sessions_evicted_total", "counter", "sessions evicted (idle or table full)",
-             sessions.evicted_total),
-            ("bridge_sessions_opened_total", "counter", "open and re-open requests served", self.sessions_opened),
-            ("bridge_connections_active", "gauge", "open websocket connections", connections),
-            ("bridge_rounds_total", "counter", "verification rounds", self.rounds),
-            ("bridge_draft_tokens_total", "counter", "draft tokens received for verification", self.drafted),
-            ("bridge_accepted_tokens_total", "counter", "draft tokens accepted", self.accepted),
-            ("bridge_committed_tokens_total", "counter", "tokens committed (rounds and ar)", self.committed),
-            ("bridge_ar_tokens_total", "counter", "target-only tokens streamed", self.ar_tokens),
-            ("bridge_target_forward_passes_total", "counter", "target forward passes", self.target_forward_passes),
-            ("bridge_verify_seconds_total", "counter", "verification time summed over rounds and ar tokens (a "
-             "batched pass counts once per session in it; bridge_batch_verify_seconds_total counts it once)",
-             self.verify_ms_sum / 1e3),
-            ("bridge_exits_sent_total", "counter", "early-exit messages sent", self.exits_sent),
-            ("bridge_exits_dropped_total", "counter", "early-exit messages dropped by a full outbox",
-             self.exits_dropped),
-            ("bridge_exits_purged_total", "counter", "early-exit messages still pending when their result went out",
-             self.exits_purged),
-            ("bridge_exit_seconds_total", "counter", "time in early-exit heads (part of verify time)",
-             self.exit_ms_sum / 1e3),
-            ("bridge_split_residuals_total", "counter", "split rounds rejected: p_j sent for the robot to resample",
-             self.residuals_sent),
-            ("bridge_queue_length", "gauge", "requests waiting for the target", queue_length),
-            ("bridge_batches_total", "counter", "batched forward passes", self.batches),
-            ("bridge_batch_sessions_total", "counter", "sessions verified in batched passes", self.batch_sessions),
-            ("bridge_batch_size_max", "gauge", "largest batch so far", self.batch_size_max),
-            ("bridge_batch_verify_seconds_total", "counter", "time in batched forward passes", self.pass_ms_sum / 1e3),
-            ("bridge_queue_wait_seconds_total", "counter", "time requests waited for a batch", self.queue_wait_s),
-            ("bridge_bytes_in_total", "counter", "websocket payload bytes received", self.bytes_in),
-            ("bridge_bytes_out_total", "counter", "websocket payload bytes sent", self.bytes_out),
-        ]
+    def render(self, sessions, connections: int, queue_length: int = 0, engine=None, *, replica: str = "",
+               draining: bool = False) -> str:
+        """The /metrics page: sessions needs len() and .evicted_total; engine (or None) .info, .kv_capacity
+        and .kv_used; replica labels every sample; draining is bridge_draining's 0/1."""
+        registry = CollectorRegistry()          # one per scrape, private: no global state, no duplicates
+        registry.register(_Scrape(self, sessions, connections, queue_length, engine, replica, draining))
+        return generate_latest(registry).decode()
+
+
+class _Scrape(Collector):
+    """One scrape's families, in the page's order, every sample labelled with the replica."""
+
+    def __init__(self, metrics: ServerMetrics, sessions, connections: int, queue_length: int, engine, replica: str,
+                 draining: bool):
+        self.m, self.sessions, self.connections, self.queue_length = metrics, sessions, connections, queue_length
+        self.engine, self.replica, self.draining = engine, replica, draining
+
+    def _one(self, family, value):
+        family.add_metric([self.replica], value)
+        return family
+
+    def _gauge(self, name: str, help_text: str, value) -> GaugeMetricFamily:
+        return self._one(GaugeMetricFamily(name, help_text, labels=["replica"]), value)
+
+    def _counter(self, name: str, help_text: str, value) -> CounterMetricFamily:
+        # CounterMetricFamily strips `_total` from the family's name and writes it back on the sample
+        return self._one(CounterMetricFamily(name.removesuffix("_total"), help_text, labels=["replica"]), value)
+
+    def _by(self, name: str, help_text: str, label: str, counts) -> CounterMetricFamily:
+        family = CounterMetricFamily(name.removesuffix("_total"), help_text, labels=[label, "replica"])
+        for key, n in counts:
+            family.add_metric([key, self.replica], n)
+        return family
+
+    def collect(self):
+        m, engine = self.m, self.engine
+        if engine is not None:                  # an info metric, as Prometheus exporters name their build
+            info = {k: str(v) for k, v in engine.info.as_dict().items() if k != "replica"}
+            family = GaugeMetricFamily("bridge_engine_info", "the engine that serves (value 1)",
+                                       labels=[*info, "replica"])
+            family.add_metric([*info.values(), self.replica], 1)
+            yield family
+        yield self._gauge("bridge_sessions_active", "open sessions", len(self.sessions))
+        yield self._counter("bridge_sessions_evicted_total", "sessions evicted (idle or table full)",
+                            self.sessions.evicted_total)
+        yield self._counter("bridge_sessions_opened_total", "open and re-open requests served", m.sessions_opened)
+        yield self._gauge("bridge_connections_active", "open websocket connections", self.connections)
+        yield self._gauge("bridge_draining", "1 while the replica drains after SIGTERM: no new robots, rounds in "
+                          "flight finish", int(self.draining))
+        yield self._counter("bridge_rounds_total", "verification rounds", m.rounds)
+        yield self._counter("bridge_draft_tokens_total", "draft tokens received for verification", m.drafted)
+        yield self._counter("bridge_accepted_tokens_total", "draft tokens accepted", m.accepted)
+        yield self._counter("bridge_committed_tokens_total", "tokens committed (rounds and ar)", m.committed)
+        yield self._counter("bridge_ar_tokens_total", "target-only tokens streamed", m.ar_tokens)
+        yield self._counter("bridge_target_forward_passes_total", "target forward passes", m.target_forward_passes)
+        yield self._counter("bridge_verify_seconds_total", "verification time summed over rounds and ar tokens (a "
+                            "batched pass counts once per session in it; bridge_batch_verify_seconds_total counts "
+                            "it once)", m.verify_ms_sum / 1e3)
+        yield self._counter("bridge_exits_sent_total", "early-exit messages sent", m.exits_sent)
+        yield self._counter("bridge_exits_dropped_total", "early-exit messages dropped by a full outbox",
+                            m.exits_dropped)
+        yield self._counter("bridge_exits_purged_total", "early-exit messages still pending when their result "
+                            "went out", m.exits_purged)
+        yield self._counter("bridge_exit_seconds_total", "time in early-exit heads (part of verify time)",
+                            m.exit_ms_sum / 1e3)
+        yield self._counter("bridge_split_residuals_total", "split rounds rejected: p_j sent for the robot to "
+                            "resample", m.residuals_sent)
+        yield self._gauge("bridge_queue_length", "requests waiting for the target", self.queue_length)
+        yield self._counter("bridge_batches_total", "batched forward passes", m.batches)
+        yield self._counter("bridge_batch_sessions_total", "sessions verified in batched passes", m.batch_sessions)
+        yield self._gauge("bridge_batch_size_max", "largest batch so far", m.batch_size_max)
+        yield self._counter("bridge_batch_verify_seconds_total", "time in batched forward passes", m.pass_ms_sum / 1e3)
+        yield self._counter("bridge_queue_wait_seconds_total", "time requests waited for a batch", m.queue_wait_s)
+        yield self._counter("bridge_bytes_in_total", "websocket payload bytes received", m.bytes_in)
+        yield self._counter("bridge_bytes_out_total", "websocket payload bytes sent", m.bytes_out)
         if engine is not None:
-            rows += [("bridge_kv_tokens_capacity", "gauge", "KV memory of the engine, in tokens", engine.kv_capacity),
-                     ("bridge_kv_tokens_used", "gauge", "KV tokens held by open sessions", engine.kv_used)]
-        lines = []
-        if engine is not None:                    # an info metric, as Prometheus exporters name their build
-            labels = ",".join(f'{k}="{v}"' for k, v in engine.info.as_dict().items())
-            lines += ["# HELP bridge_engine_info the engine that serves (value 1)", "# TYPE bridge_engine_info gauge",
-                      f"bridge_engine_info{{{labels}}} 1"]
-        for name, kind, help_text, value in rows:
-            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {value}"]
-        lines += ["# HELP bridge_errors_total error messages sent, by code", "# TYPE bridge_errors_total counter"]
-        lines += [f'bridge_errors_total{{code="{code}"}} {n}' for code, n in sorted(self.errors.items())]
-        lines += ["# HELP bridge_batch_size sessions per batched forward pass", "# TYPE bridge_batch_size histogram"]
-        running = 0
-        for bucket in BATCH_BUCKETS:
-            running += self.batch_sizes[bucket]
-            lines.append(f'bridge_batch_size_bucket{{le="{bucket}"}} {running}')
-        lines += [f'bridge_batch_size_bucket{{le="+Inf"}} {self.batches}', f"bridge_batch_size_sum {self.batch_sessions}",
-                  f"bridge_batch_size_count {self.batches}"]
+            yield self._gauge("bridge_kv_tokens_capacity", "KV memory of the engine, in tokens", engine.kv_capacity)
+            yield self._gauge("bridge_kv_tokens_used", "KV tokens held by open sessions", engine.kv_used)
+        yield self._by("bridge_errors_total", "error messages sent, by code", "code", sorted(m.errors.items()))
+        running, buckets = 0, []
+        for bucket in BATCH_BUCKETS:            # cumulative, as Prometheus histograms are
+            running += m.batch_sizes[bucket]
+            buckets.append((str(bucket), running))
+        histogram = HistogramMetricFamily("bridge_batch_size", "sessions per batched forward pass", labels=["replica"])
+        histogram.add_metric([self.replica], buckets + [("+Inf", m.batches)], sum_value=m.batch_sessions)
+        yield histogram                         # _bucket{le=...}, _count (the +Inf bucket) and _sum
         for name, help_text, counts in (
-                ("bridge_slo_requests_total", "requests served, by SLO class (tokens/s; 0 = none)", self.slo_requests),
+                ("bridge_slo_requests_total", "requests served, by SLO class (tokens/s; 0 = none)", m.slo_requests),
                 ("bridge_slo_late_total", "requests served after their deadline (the round's expected tokens at its "
-                 "class's speed, from the previous result), by class", self.slo_late),
-                ("bridge_slo_shed_total", "requests shed (overloaded), by class", self.slo_shed),
+                 "class's speed, from the previous result), by class", m.slo_late),
+                ("bridge_slo_shed_total", "requests shed (overloaded), by class", m.slo_shed),
                 ("bridge_slo_generations_total", "generations ended (close, or an open starting another), by class",
-                 self.slo_generations),
+                 m.slo_generations),
                 ("bridge_slo_violations_total", "generations that ran below their class's tokens/s (generated tokens "
-                 "over open to last result), by class", self.slo_violations)):
-            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} counter"]
-            lines += [f'{name}{{class="{c}"}} {n}' for c, n in sorted(counts.items(), key=lambda kv: float(kv[0]))]
-        tau = (self.accepted + self.rounds) / self.rounds if self.rounds else None
-        if self.drafted:
-            lines += ["# HELP bridge_acceptance_rate accepted / drafted since start", "# TYPE bridge_acceptance_rate gauge",
-                      f"bridge_acceptance_rate {self.accepted / self.drafted:.6f}"]
-        if tau is not None:
-            lines += ["# HELP bridge_tau tokens committed per verification round", "# TYPE bridge_tau gauge",
-                      f"bridge_tau {tau:.6f}"]
-        if self.exit_rounds:
-            help_text = ("earliest exit agreeing with the result, mean over rounds with exits "
-                         "(the layer count when none agreed)")
-            lines += [f"# HELP bridge_avg_exit_layer {help_text}", "# TYPE bridge_avg_exit_layer gauge",
-                      f"bridge_avg_exit_layer {self.exit_layer_sum / self.exit_rounds:.6f}"]
-        return "\n".join(lines) + "\n"
+                 "over open to last result), by class", m.slo_violations)):
+            yield self._by(name, help_text, "class", sorted(counts.items(), key=lambda kv: float(kv[0])))
+        if m.drafted:
+            yield self._gauge("bridge_acceptance_rate", "accepted / drafted since start", m.accepted / m.drafted)
+        if m.rounds:
+            yield self._gauge("bridge_tau", "tokens committed per verification round",
+                              (m.accepted + m.rounds) / m.rounds)
+        if m.exit_rounds:
+            yield self._gauge("bridge_avg_exit_layer", "earliest exit agreeing with the result, mean over rounds with "
+                              "exits (the layer count when none agreed)", m.exit_layer_sum / m.exit_rounds)

@@ -10,6 +10,15 @@ loop keeps serving meanwhile. `/healthz` and `/metrics` (Prometheus text)
 answer plain HTTP on the same port. With `tls_cert`/`tls_key` the port speaks
 TLS only (wss:// and https:// for /healthz and /metrics).
 
+One of many replicas (deploy/haproxy, deploy/k8s): each names itself
+(`replica_id`) in welcome, opened, /healthz and /metrics. SIGTERM drains: /healthz
+answers 503 so the balancer sends no new robots, an upgrade that still arrives
+gets 503 (HAProxy retries it elsewhere), each connection finishes the request it
+is serving and is then closed with 1012 ("service restart"), on which a robot
+reconnects at once and re-opens its session, with its committed prefix, wherever
+the balancer sends it. A connection's sessions outlive it for `detached_grace_s`,
+so a robot back after a blip finds its KV.
+
 Early-exit messages (FSD) are made in the model thread during a verify pass;
 they reach the event loop by `call_soon_threadsafe`, wait in the connection's
 bounded `Outbox` and go out from one sender task per connection, so they
@@ -25,6 +34,7 @@ import itertools
 import json
 import logging
 import signal
+import socket
 import ssl
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -71,7 +81,7 @@ class BridgeServer:
         self.verifier = verifier
         self.config = config
         self.sessions = SessionTable(config.max_sessions, config.max_sessions_per_connection,
-                                     config.idle_timeout_s)
+                                     config.idle_timeout_s, config.detached_grace_s)
         self.metrics = ServerMetrics()
         self.model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="target")
         target = verifier.target
@@ -85,8 +95,12 @@ class BridgeServer:
         self.batcher = Batcher(verifier, self.scheduler, self.model_thread, self.metrics)
         self._conn_ids = itertools.count(1)
         self._connections = 0
+        self._live: dict[int, ServerConnection] = {}     # conn_id -> connection, for the drain
+        self._busy: set[int] = set()                     # connections serving a request now
         self._server = None
         self.port: int | None = None
+        self.replica_id = config.replica_id             # "" until start() knows the port
+        self.draining = False
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -98,11 +112,12 @@ class BridgeServer:
             max_size=2 * self.config.max_frame_bytes, max_queue=16, compression=None,
             ping_interval=10, ping_timeout=10)
         self.port = self._server.sockets[0].getsockname()[1]
+        self.replica_id = self.config.replica_id or f"{socket.gethostname()}:{self.port}"
         self._janitor = asyncio.create_task(self._evict_idle_forever(), name="session-janitor")
         self.batcher.start()
         model = self.scheduler.model
-        log.info("server-bridge listening on %s://%s:%d (target %s on %s, token %s, scheduler %s, max batch %d, "
-                 "estimator %s)", "wss" if tls else "ws", self.config.host, self.port, self.verifier.target.name,
+        log.info("server-bridge replica %s listening on %s://%s:%d (target %s on %s, token %s, scheduler %s, max batch %d, "
+                 "estimator %s)", self.replica_id, "wss" if tls else "ws", self.config.host, self.port, self.verifier.target.name,
                  self.verifier.target.engine.info.as_dict(),
                  "required" if self.config.token else "none: loopback clients only", self.config.scheduler,
                  self.scheduler.max_batch, "fitted" if model.fitted else "defaults (run tools/profile_verifier.py)")
@@ -115,18 +130,50 @@ class BridgeServer:
         self.model_thread.shutdown(wait=False, cancel_futures=True)
 
     async def serve_forever(self) -> None:
+        """Serve until SIGTERM (drain, then stop) or SIGINT (stop at once)."""
         await self.start()
         loop = asyncio.get_running_loop()
         stop = loop.create_future()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, lambda: stop.done() or stop.set_result(None))
-        await stop
+        loop.add_signal_handler(signal.SIGTERM, lambda: stop.done() or stop.set_result("drain"))
+        loop.add_signal_handler(signal.SIGINT, lambda: stop.done() or stop.set_result("stop"))
+        if await stop == "drain":
+            await self.drain()
         log.info("shutting down")
         await self.stop()
 
+    async def drain(self, timeout_s: float | None = None) -> int:
+        """Stop taking robots and hand the ones here to the other replicas without losing a round.
+
+        /healthz turns 503 at once, and the balancer stops sending new robots (HAProxy: within one
+        check interval). Every connection is closed with 1012 as soon as it is not serving a request:
+        the request in flight gets its answer first. After `timeout_s` (drain_timeout_s) whatever is
+        left is closed the same way; the robot re-opens its session elsewhere with its committed prefix
+        either way. Returns how many connections were closed."""
+        timeout_s = self.config.drain_timeout_s if timeout_s is None else timeout_s
+        self.draining = True
+        n = len(self._live)
+        log.info("draining: %d connection(s), %d request(s) in flight, at most %.0fs", n, len(self._busy), timeout_s)
+        t0 = time.monotonic()
+        for conn_id, ws in list(self._live.items()):
+            if conn_id not in self._busy:
+                await self._close_for_drain(ws)
+        while self._live and time.monotonic() - t0 < timeout_s:
+            await asyncio.sleep(0.02)                   # the handlers close the rest as their requests end
+        late = list(self._live.values())
+        for ws in late:
+            await self._close_for_drain(ws)
+        log.info("drained %d connection(s) in %.2fs%s", n, time.monotonic() - t0,
+                 f" ({len(late)} still busy at the timeout)" if late else "")
+        return n
+
+    @staticmethod
+    async def _close_for_drain(ws: ServerConnection) -> None:
+        # 1012 "service restart": the robot reconnects without backing off (agent/link.py)
+        await ws.close(1012, "replica draining: reconnect")
+
     async def _evict_idle_forever(self) -> None:
         while True:
-            await asyncio.sleep(min(5.0, self.config.idle_timeout_s / 4))
+            await asyncio.sleep(min(5.0, self.config.idle_timeout_s / 4, max(0.25, self.config.detached_grace_s / 4)))
             self.sessions.evict_idle()
 
     # ------------------------------------------------------------------ plain HTTP
@@ -138,36 +185,51 @@ class BridgeServer:
             return connection.respond(HTTPStatus.FORBIDDEN, "this verifier has no token configured and "
                                       "accepts loopback clients only\n")
         if request.path == "/healthz":
-            resp = connection.respond(HTTPStatus.OK, json.dumps({
-                "status": "ok", "target": self.verifier.target.name, **self.verifier.target.engine.info.as_dict(),
-                "sessions": len(self.sessions), "queue": len(self.scheduler)}) + "\n")
+            # 503 while draining: the balancer's check and Kubernetes' readiness take the replica out
+            status = HTTPStatus.SERVICE_UNAVAILABLE if self.draining else HTTPStatus.OK
+            resp = connection.respond(status, json.dumps(self.health()) + "\n")
             del resp.headers["Content-Type"]
             resp.headers["Content-Type"] = "application/json"
             return resp
         if request.path == "/metrics":
-            resp = connection.respond(HTTPStatus.OK, self.metrics.render(self.sessions, self._connections,
-                                                                         len(self.scheduler),
-                                                                         self.verifier.target.engine))
+            resp = connection.respond(HTTPStatus.OK, self.metrics.render(
+                self.sessions, self._connections, len(self.scheduler), self.verifier.target.engine,
+                replica=self.replica_id, draining=self.draining))
             del resp.headers["Content-Type"]              # Headers is a multidict: replace, not append
             resp.headers["Content-Type"] = "text/plain; version=0.0.4; charset=utf-8"
             return resp
+        if self.draining:                            # HAProxy's retry-on 503 sends it to another replica
+            self.metrics.errors["draining"] += 1
+            return connection.respond(HTTPStatus.SERVICE_UNAVAILABLE, "this replica is draining; reconnect\n")
         if self._connections >= self.config.max_connections:
             self.metrics.errors["busy"] += 1
             return connection.respond(HTTPStatus.SERVICE_UNAVAILABLE, "too many connections; retry later\n")
         return None                                  # everything else is a websocket upgrade
+
+    def health(self) -> dict:
+        """/healthz's JSON: who this replica is, what it serves and how loaded it is."""
+        return {"status": "draining" if self.draining else "ok", "replica": self.replica_id,
+                "target": self.verifier.target.name, **self.verifier.target.engine.info.as_dict(),
+                "sessions": len(self.sessions), "connections": self._connections, "queue": len(self.scheduler),
+                "draining": self.draining}
 
     # ------------------------------------------------------------------ websocket
 
     async def handle(self, ws: ServerConnection) -> None:
         conn_id = next(self._conn_ids)
         self._connections += 1
+        self._live[conn_id] = ws
         peer = ws.remote_address
+        robot = ws.request.headers.get("X-Robot-Id", "") if ws.request is not None else ""
+        if robot:
+            log.debug("conn %d %s: robot %s", conn_id, peer, robot)
         outbox = Outbox(self.config.exit_queue, self.config.exit_policy)
         sender = asyncio.create_task(self._send_exits(ws, outbox), name=f"exits-{conn_id}")
         try:
             authed = False
             async for frame in ws:
                 self.metrics.bytes_in += len(frame)
+                self._busy.add(conn_id)
                 try:
                     msg = wire.decode(frame, self.config.max_frame_bytes)
                     if not authed:
@@ -181,10 +243,16 @@ class BridgeServer:
                     await self._send(ws, wire.Error(e.code, e.message, e.sid))
                     if e.code in FATAL:
                         return
+                finally:
+                    self._busy.discard(conn_id)
+                if self.draining:                       # its request is answered: hand the robot over
+                    await self._close_for_drain(ws)
+                    return
         except ConnectionClosed:
             pass
         finally:
             self._connections -= 1
+            self._live.pop(conn_id, None)
             self.sessions.detach(conn_id)
             outbox.close()
             sender.cancel()
@@ -207,7 +275,7 @@ class BridgeServer:
             limits={"max_frame_bytes": self.config.max_frame_bytes, "max_draft_len": self.config.max_draft_len,
                     "max_context": self.config.max_context, "max_sessions": self.config.max_sessions,
                     "grammar": target.grammars_supported},
-            engine=target.engine.info.as_dict()))
+            engine=target.engine.info.as_dict(), replica=self.replica_id))
 
     async def _dispatch(self, ws: ServerConnection, conn_id: int, outbox: Outbox, msg: wire.Message) -> None:
         if isinstance(msg, wire.Open):
@@ -229,7 +297,7 @@ class BridgeServer:
             session.acknowledge(len(msg.prompt_ids))
             self.metrics.sessions_opened += 1
             await self._send(ws, wire.Opened(msg.sid, len(session.state.ids),
-                                             {"prefill_ms": ms, "passes": session.state.passes}))
+                                             {"prefill_ms": ms, "passes": session.state.passes}, self.replica_id))
             session.state.passes = 0
         elif isinstance(msg, wire.Verify):
             session = self.sessions.get(msg.sid, conn_id)

@@ -46,6 +46,7 @@ class Session:
     # Constrained decoding (protocol/grammar.py): where the committed ids stand in the session's grammar;
     # None: unconstrained. Advanced with every committed token after the open's grammar.from.
     grammar: "GrammarState | None" = None
+    detached_at: float = 0.0        # monotonic time its connection closed (DETACHED); its KV waits a grace period
 
     def acknowledge(self, n_robot: int) -> None:
         """The robot sent a request built on n_robot committed tokens: it holds that many of ours."""
@@ -69,10 +70,14 @@ class Session:
 class SessionTable:
     """sid -> Session, least recently used first. Bounded in total and per connection."""
 
-    def __init__(self, max_sessions: int, max_per_connection: int, idle_timeout_s: float):
+    def __init__(self, max_sessions: int, max_per_connection: int, idle_timeout_s: float,
+                 detached_grace_s: float | None = None):
         self.max_sessions = max_sessions
         self.max_per_connection = max_per_connection
         self.idle_timeout_s = idle_timeout_s
+        # a detached session (its connection closed) is kept this long for its robot to come back to,
+        # then its KV is freed: with several replicas the robot may well have re-opened elsewhere
+        self.detached_grace_s = idle_timeout_s if detached_grace_s is None else detached_grace_s
         self._sessions: OrderedDict[str, Session] = OrderedDict()
         self.evicted_total = 0
 
@@ -105,9 +110,11 @@ class SessionTable:
         """The connection closed: its sessions stay (until idle or evicted) for whichever connection re-opens
         them. Returns how many."""
         n = 0
+        now = time.monotonic()
         for s in self._sessions.values():
             if s.conn_id == conn_id:
                 s.conn_id = DETACHED
+                s.detached_at = now
                 n += 1
         return n
 
@@ -139,12 +146,16 @@ class SessionTable:
         return True
 
     def evict_idle(self, now: float | None = None) -> list[str]:
+        """Evict sessions idle past idle_timeout_s and detached ones past detached_grace_s."""
         now = time.monotonic() if now is None else now
         idle = [sid for sid, s in self._sessions.items() if now - s.last_used > self.idle_timeout_s]
-        for sid in idle:
+        gone = [sid for sid, s in self._sessions.items() if s.conn_id == DETACHED and sid not in idle
+                and now - max(s.detached_at, s.last_used) > self.detached_grace_s]
+        for sid in idle + gone:
             del self._sessions[sid]
         self._count_evictions(idle, "idle")
-        return idle
+        self._count_evictions(gone, "detached past the grace period")
+        return idle + gone
 
     def _count_evictions(self, sids: list[str], why: str) -> None:
         if sids:

@@ -194,18 +194,28 @@ def point_passes(rate: float | None, by_class: dict[str, float | None], limit: f
 
 # --------------------------------------------------------------------------- /metrics
 
-_METRIC = re.compile(r"^(bridge_[A-Za-z0-9_:]*)(\{[^}]*\})?\s+(\S+)(\s+-?\d+)?\s*$")
+_LABEL_VALUE = r'"(?:[^"\\]|\\.)*"'
+_METRIC = re.compile(r"^(bridge_[A-Za-z0-9_:]*)(\{(?:[^}\"]|" + _LABEL_VALUE + r")*\})?\s+(\S+)(\s+-?\d+)?\s*$")
+_LABEL = re.compile(r"\s*([A-Za-z_][A-Za-z0-9_]*)\s*=\s*(" + _LABEL_VALUE + r")\s*,?")
+
+
+def _without_replica(labels: str) -> str:
+    """'{code="x",replica="r1"}' -> '{code="x"}', '{replica="r1"}' -> '': the page is one replica's (every
+    server-bridge sample carries its `replica` label), so the keys stay those of any replica."""
+    kept = [f"{k}={v}" for k, v in _LABEL.findall(labels[1:-1]) if k != "replica"]
+    return "{" + ",".join(kept) + "}" if kept else ""
 
 
 def parse_metrics(text: str) -> dict[str, float]:
-    """Every `bridge_*` sample of a Prometheus text page: 'name{labels}' -> value."""
+    """Every `bridge_*` sample of one replica's Prometheus text page: 'name{labels}' -> value, the labels
+    as the page writes them less `replica` (e.g. 'bridge_errors_total{code="overloaded"}')."""
     out: dict[str, float] = {}
     for line in text.splitlines():
         m = _METRIC.match(line.strip())
         if m is None:
             continue
         try:
-            out[m.group(1) + (m.group(2) or "")] = float(m.group(3))
+            out[m.group(1) + _without_replica(m.group(2) or "{}")] = float(m.group(3))
         except ValueError:
             continue
     return out
@@ -314,7 +324,8 @@ class Robot:
                 return
             try:
                 async with connect(self.url, open_timeout=10, close_timeout=1, ping_interval=None,
-                                   max_size=2 * wire.DEFAULT_MAX_FRAME_BYTES, compression=None) as ws:
+                                   max_size=2 * wire.DEFAULT_MAX_FRAME_BYTES, compression=None,
+                                   additional_headers={"X-Robot-Id": f"loadgen-{self.idx}"}) as ws:
                     self.ws = ws
                     await self.handshake()
                     while not self.halt.is_set():

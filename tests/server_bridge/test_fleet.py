@@ -8,6 +8,7 @@ from websockets.sync.client import connect
 
 from agent.decoder import EdgeDecoder
 from protocol import wire
+from tools.loadgen import parse_metrics
 
 pytestmark = pytest.mark.real
 
@@ -16,9 +17,8 @@ PROMPTS = ["Go to the red box.", "Turn left and stop.", "What is in front of you
 
 
 def _metrics(server) -> dict[str, float]:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=10).read().decode()
-    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-            if line and not line.startswith("#")}
+    """name{labels} -> value, less the replica label every sample carries."""
+    return parse_metrics(urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=10).read().decode())
 
 
 @pytest.mark.parametrize("scheduler", ["slo", "fixed", "fcfs"])

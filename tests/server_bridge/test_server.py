@@ -5,11 +5,13 @@ import urllib.request
 import msgpack
 import numpy as np
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from websockets.sync.client import connect
 
 from agent.decoder import EdgeDecoder
 from agent.link import LinkLost, ServerError, VerifierLink
 from protocol import wire
+from tools.loadgen import parse_metrics
 
 pytestmark = pytest.mark.real
 
@@ -192,13 +194,19 @@ def test_healthz_and_metrics(server, target, drafter):
     resp = urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=5)
     assert resp.headers.get_all("Content-Type") == ["text/plain; version=0.0.4; charset=utf-8"]
     text = resp.read().decode()
-    values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line and line[0] != "#"}
+    values = parse_metrics(text)                    # name{labels} -> value, less the replica label
     assert values["bridge_rounds_total"] >= 1
     assert values["bridge_committed_tokens_total"] >= 6
     assert 0 <= values["bridge_acceptance_rate"] <= 1
     assert "# TYPE bridge_rounds_total counter" in text
-    assert 'bridge_engine_info{engine="llamacpp",device="cpu",dtype="float32"' in text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    [info] = families["bridge_engine_info"].samples
+    assert (info.labels["engine"], info.labels["device"], info.labels["dtype"]) == ("llamacpp", "cpu", "float32")
     assert 0 < values["bridge_kv_tokens_used"] <= values["bridge_kv_tokens_capacity"]
+    # every sample names the replica (HOST:PORT without --replica-id), as /healthz does
+    samples = [s for f in families.values() for s in f.samples]
+    assert samples and {s.labels["replica"] for s in samples} == {health["replica"]}
+    assert values["bridge_draining"] == 0
 
 
 def test_reopen_keeps_the_kv_of_the_shared_prefix(server, target, drafter):
@@ -318,7 +326,7 @@ def test_exit_messages_stream_before_their_result(exit_server, torch_target):
     assert result.accepted == 4 and "exit_layer" not in result.timing
     ws.close()
     text = urllib.request.urlopen(f"http://127.0.0.1:{exit_server.port}/metrics", timeout=5).read().decode()
-    values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line and line[0] != "#"}
+    values = parse_metrics(text)
     assert values["bridge_exits_sent_total"] >= 3 and values["bridge_exit_seconds_total"] > 0
     assert "bridge_exits_dropped_total" in values and 12 <= values["bridge_avg_exit_layer"] <= 30
 

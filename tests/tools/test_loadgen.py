@@ -178,6 +178,31 @@ def test_parse_metrics_keeps_every_bridge_sample_with_its_labels():
                  "bridge_tau": 3.5}
 
 
+def test_parse_metrics_drops_the_replica_label_of_the_servers_page():
+    """server-bridge renders /metrics with prometheus_client and labels every sample with its replica:
+    the keys stay as without it, so a window's deltas and means read the same on any replica."""
+    from server_bridge.metrics import ServerMetrics
+
+    class Sessions:
+        evicted_total = 0
+
+        def __len__(self):
+            return 2
+
+    metrics = ServerMetrics()
+    metrics.count_round(4, 3, 10.0)
+    metrics.count_batch(3, 5.0)
+    metrics.errors["overloaded"] += 2
+    metrics.count_request(8.0, late=False)
+    page = metrics.render(Sessions(), 1, replica='gpu-0:8765 "a"')
+    m = lg.parse_metrics(page)
+    assert m["bridge_rounds_total"] == 1 and m["bridge_sessions_active"] == 2
+    assert m['bridge_errors_total{code="overloaded"}'] == 2 and m['bridge_slo_requests_total{class="8"}'] == 1
+    assert m['bridge_batch_size_bucket{le="+Inf"}'] == 1 and lg.metric_means(m) == {"bridge_batch_size": 3.0}
+    assert not any("replica" in k for k in m)
+    assert lg.parse_metrics('bridge_errors_total{code="a}b",replica="r"} 1\n') == {'bridge_errors_total{code="a}b"}': 1}
+
+
 def test_window_deltas_subtract_counters_keep_gauges_and_give_histogram_means():
     start = lg.parse_metrics("bridge_rounds_total 20\nbridge_batch_size_sum 40\nbridge_batch_size_count 20\n"
                              "bridge_sessions_active 9\n")
