@@ -37,7 +37,7 @@ define llama_wheel
 	fi
 endef
 
-.PHONY: setup setup-robot demo demo-decoding nav-eval nav-eval-scenes test test-fast bench bench-policy bench-payload bench-fleet profile-verifier predictors llama-server bench-peer clean
+.PHONY: setup setup-robot demo demo-decoding nav-eval nav-eval-scenes test test-fast bench bench-policy bench-payload bench-fleet bench-cluster profile-verifier predictors llama-server bench-peer clean
 
 setup: $(VENV)/.installed models/build/.ready
 
@@ -122,6 +122,11 @@ profile-verifier: setup
 # Many robots on one verifier: capacity and goodput, FCFS against SLO-aware, both pairs (docs/loadgen/, ~35 min).
 bench-fleet: setup
 	$(BIN)/python -m tools.loadgen --n 2,3,4,6,8,10,12 --policies fcfs,slo --window-s 30 --warmup-s 5
+
+# More than one server: 1 vs 2 replicas behind HAProxy (docs/cluster), and the chaos soak.
+bench-cluster: setup
+	$(BIN)/python -m tools.bench_cluster --n 4,6,7,8,9,10,12,14,16,18 --window-s 20 --warmup-s 5 --out docs/cluster
+	$(BIN)/python -m tools.cluster_soak --duration-s 90 --out docs/cluster
 
 # llama.cpp's own llama-server, built from the llama.cpp inside the same llama-cpp-python sdist (the peer a user
 # would pick instead); cached once per machine beside the wheelhouse. Only the peer benchmark needs it: neither

