@@ -93,14 +93,28 @@ def _stot(cluster: Cluster) -> dict[str, int]:
     return {name: s["stot"] for name, s in cluster.lb_stats().items()}
 
 
+def _cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) a process has used so far, from /proc/PID/stat."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _cpu_all(cluster: Cluster) -> dict[str, float]:
+    return {"robots": _cpu_s(os.getpid()), "haproxy": _cpu_s(cluster.lb.pid),
+            **{r.name: _cpu_s(r.proc.pid) for r in cluster.replicas}}
+
+
 def run_point(cluster: Cluster, trace: Trace, n: int, cfg: LoadConfig) -> dict:
-    """N robots through the balancer: loadgen's summary, the spread over replicas, exactness."""
-    before = _stot(cluster)
+    """N robots through the balancer: loadgen's summary, the spread over replicas, exactness, and the share of
+    a core each process used over the point (robots: this process; the robots' and HAProxy's share of core 0
+    is what r0 loses in the 2-replica run)."""
+    before, cpu0, t0 = _stot(cluster), _cpu_all(cluster), time.monotonic()
     out, held = asyncio.run(_observed(cluster, trace, n, cfg))
-    after = _stot(cluster)
+    after, cpu1, wall = _stot(cluster), _cpu_all(cluster), time.monotonic() - t0
     point = {"replicas": len(cluster.replicas), "n": n, **summarize(out, trace, cfg.classes),
              "spread": {name: total - before.get(name, 0) for name, total in after.items()},
-             "connections_mid_window": held}
+             "connections_mid_window": held,
+             "core_share": {k: round((cpu1[k] - cpu0[k]) / wall, 3) for k in cpu0}}
     near_ties(point, out.generations, trace)        # a divergence: a near-tie of batched rounding, or not exact
     if out.errors:
         point["replica_log_tails"] = {r.name: r.log_tail(8) for r in cluster.replicas}
@@ -279,13 +293,23 @@ def _errors(p: dict) -> str:
     return f" ({len(p['errors'])} errors)" if p["errors"] else ""
 
 
+def _shares(p: dict) -> str:
+    share = p.get("core_share")
+    if not share:
+        return "-"
+    replicas = " ".join(f"{k} {v:.2f}" for k, v in share.items() if k not in ("robots", "haproxy"))
+    return f"{share['robots']:.2f} / {share['haproxy']:.2f} / {replicas}"
+
+
 def _point_table(run: dict) -> list[str]:
     rows = ["| N | violations | decided | goodput tok/s | round ms mean | p95 | shed | connections per replica "
-            "(point) | held mid-window | exact | passes |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+            "(point) | held mid-window | core share: robots / HAProxy / replicas | exact | passes |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for p in run["points"]:
         rows.append(f"| {p['n']} | {_pct(p['violation_rate'])} | {p['decided']} | {p['goodput_tokens_per_s']:.1f} | "
                     f"{_num(p['round_ms_mean'], '.0f')} | {_num(p['round_ms_p95'], '.0f')} | {p['sheds']} | "
-                    f"{_spread(p['spread'])} | {_spread(p['connections_mid_window'])} | {_exactness(p)} | "
+                    f"{_spread(p['spread'])} | {_spread(p['connections_mid_window'])} | {_shares(p)} | "
+                    f"{_exactness(p)} | "
                     f"{'yes' if p['passes'] else '**no**'}{_errors(p)} |")
     return rows
 
@@ -328,8 +352,9 @@ def render_markdown(result: dict) -> str:
            + "; ".join(f"{k} replica(s) on cores {v['replica_cpus']}, robots and HAProxy on {v['client_cpus']}"
                        + (" (**sharing r0's core**)" if v["robots_share_a_replica_core"] else "")
                        for k, v in runs.items())
-           + ". Robots and HAProxy are light but not free: in the 2-replica run they take some of r0's core, "
-             "so the 2-replica capacity is, if anything, understated.\n"]
+           + ". 'Core share' is each process's CPU time over the point's wall time (1.00 = a whole core): "
+             "the robots (this process) and HAProxy beside each replica, i.e. what they take of r0's core in "
+             "the 2-replica run.\n"]
     for k, run in runs.items():
         out += [f"## {k} replica(s)\n", *_point_table(run), ""]
     ns = cfg["ns"]
