@@ -665,4 +665,4 @@ class Navigator:
                       "acceptance_rate": m.acceptance_rate, "tokens_per_s": round(m.tokens_per_s, 2),
                       "draft_ms": round(m.draft_ms, 1), "verify_ms": round(m.verify_ms, 1),
                       "network_ms": round(m.network_ms, 1), "bytes_up": m.bytes_up, "bytes_down": m.bytes_down,
-                      "reconnects": m.reconnects}
+                      "reconnects": m.reconnects, "replicas": list(m.replicas)}
