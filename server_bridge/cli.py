@@ -44,6 +44,12 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--kv-tokens", type=int, help="KV memory in tokens over all sessions (default: max-sessions x "
                    "max-context)")
     s.add_argument("--kv-type", choices=("f16", "f32"), help="llamacpp engine: KV element type (default f16)")
+    s.add_argument("--kv-unified", choices=("auto", "on", "off"), help="llamacpp engine: one KV pool for every "
+                   "session (on) or a stream per session (off: faster batched passes on a GPU); auto (default) = off "
+                   "when layers are offloaded and no exits are tapped")
+    s.add_argument("--n-ubatch", type=int, help="llamacpp engine: tokens per micro-batch (default 0: a whole pass)")
+    s.add_argument("--flash-attn", choices=("auto", "on", "off"), help="llamacpp engine: flash attention "
+                   "(default auto: where the backend has it)")
     s.add_argument("--threads", type=int, help="engine threads (llama.cpp or torch)")
     s.add_argument("--max-sessions", type=int)
     s.add_argument("--idle-timeout-s", type=float)
@@ -96,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
                                    tls_key=args.tls_key, target=args.target,
                                    engine=args.engine, device=args.device, dtype=args.dtype,
                                    n_gpu_layers=args.n_gpu_layers, kv_tokens=args.kv_tokens, kv_type=args.kv_type,
+                                   kv_unified=args.kv_unified, n_ubatch=args.n_ubatch, flash_attn=args.flash_attn,
                                    threads=args.threads, max_sessions=args.max_sessions,
                                    idle_timeout_s=args.idle_timeout_s, replica_id=args.replica_id,
                                    detached_grace_s=args.detached_grace_s, drain_timeout_s=args.drain_timeout_s,

@@ -37,6 +37,11 @@ class ServerConfig:
                                     # slots of max_context each). A pass that finds no room is shed (`overloaded`)
     kv_type: str = "f16"            # llamacpp: KV element type, f16 (llama.cpp's default: 17 vs 24 ms per token
                                     # here, docs/engine) or f32
+    kv_unified: str = "auto"        # llamacpp: one KV pool for every session (on) or a stream of kv_tokens /
+                                    # max_sessions cells each (off: faster batched passes on a GPU); auto = off when
+                                    # layers are offloaded and no exits are tapped
+    n_ubatch: int = 0               # llamacpp: tokens per micro-batch; 0 = a whole call in one (exits need it)
+    flash_attn: str = "auto"        # llamacpp: flash attention auto | on | off (auto: where the backend has it)
     threads: int = 0                # engine threads; 0 = the engine's default
     max_sessions: int = 64          # session table bound; the least recently used is evicted
     max_sessions_per_connection: int = 8
@@ -71,6 +76,12 @@ class ServerConfig:
     estimator: str = "auto"         # verification-time coefficients (JSON); "auto" = models/estimator/<target>.json
 
     @property
+    def llama_options(self) -> dict:
+        """The llamacpp engine's own settings, as LlamaCppEngine takes them."""
+        return {"kv_unified": {"auto": None, "on": True, "off": False}[self.kv_unified], "n_ubatch": self.n_ubatch,
+                "flash_attn": self.flash_attn}
+
+    @property
     def kv_budget(self) -> int:
         return self.kv_tokens or min(self.max_sessions * self.max_context, AUTO_KV_TOKENS)
 
@@ -91,6 +102,11 @@ class ServerConfig:
             raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
         if self.kv_type not in ("f16", "f32"):
             raise ValueError(f"kv_type must be f16 or f32, got {self.kv_type!r}")
+        if self.kv_unified not in ("auto", "on", "off") or self.flash_attn not in ("auto", "on", "off"):
+            raise ValueError(f"kv_unified and flash_attn must be auto, on or off, got {self.kv_unified!r} and "
+                             f"{self.flash_attn!r}")
+        if self.n_ubatch < 0:
+            raise ValueError(f"n_ubatch must be >= 0, got {self.n_ubatch}")
         if self.kv_tokens < 0 or self.threads < 0:
             raise ValueError("kv_tokens and threads must be >= 0")
         if self.max_draft_len > 256:

@@ -134,14 +134,43 @@ def check_batch(batch: list[Pass]) -> None:
         p.check()
 
 
+_gpu_backend: dict[str, str] = {}       # backend -> the target it holds on the GPU, in this process
+
+
+def _claim_gpu(backend: str, name: str, uses_gpu: bool) -> None:
+    """One backend on the GPU per process: a CUDA llama.cpp and a CUDA torch in one process end in
+    `free(): invalid pointer` (measured on an H100), so the second is refused with the reason."""
+    if not uses_gpu:
+        return
+    other = next((b for b in _gpu_backend if b != backend), None)
+    if other is not None:
+        raise RuntimeError(f"this process holds {_gpu_backend[other]} on the GPU through the {other} engine; a "
+                           f"{backend} engine on the GPU beside it crashes the process: run it in its own process")
+    _gpu_backend[backend] = name
+
+
+def _llama_offloads(n_gpu_layers: int) -> bool:
+    import llama_cpp
+
+    return bool(llama_cpp.llama_supports_gpu_offload()) and n_gpu_layers != 0
+
+
+def _torch_on_cuda(device: str) -> bool:
+    import torch
+
+    return device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+
+
 def load_engine(target: str, engine: str = "auto", device: str = "auto", dtype: str = "auto", threads: int = 0,
                 max_sequences: int = 64, kv_tokens: int = 0, n_gpu_layers: int = -1,
-                tap_layers: list[int] | None = None, max_len: int = 2048, kv_type: str = "f16") -> Engine:
+                tap_layers: list[int] | None = None, max_len: int = 2048, kv_type: str = "f16",
+                **llama_options) -> Engine:
     """The target behind one engine.
 
     engine auto: llamacpp for a GGUF target (the shipped smollm2-f32 is one), torch for a Hugging
     Face model directory. tap_layers: the decoder blocks the early exits may tap (llama.cpp must know
-    them when its context is made).
+    them when its context is made). llama_options: the llamacpp engine's own (kv_unified, n_ubatch,
+    flash_attn). A process holds one backend on the GPU at most (`_claim_gpu`).
     """
     from protocol import modelfiles
 
@@ -158,11 +187,14 @@ def load_engine(target: str, engine: str = "auto", device: str = "auto", dtype: 
             raise ValueError(f"the llamacpp engine needs a GGUF target, got {src}")
         from .engine_llamacpp import LlamaCppEngine
 
+        gpu = _llama_offloads(n_gpu_layers)
+        _claim_gpu("llamacpp", name, gpu)
         return LlamaCppEngine(src, name, threads=threads, max_sequences=max_sequences, kv_tokens=kv_tokens,
-                              n_gpu_layers=n_gpu_layers, tap_layers=tap_layers or [], kv_type=kv_type)
+                              n_gpu_layers=n_gpu_layers, tap_layers=tap_layers or [], kv_type=kv_type, **llama_options)
     if engine == "torch":
         from .engine_torch import TorchEngine
 
+        _claim_gpu("torch", name, _torch_on_cuda(device))
         return TorchEngine(src, name, device=device, dtype=dtype, threads=threads, max_sequences=max_sequences,
                            kv_tokens=kv_tokens, max_len=max_len)
     raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")

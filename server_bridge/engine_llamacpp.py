@@ -93,11 +93,40 @@ class _Tokenizer:
         return list(buf[:n])
 
 
+def weight_type(L, model) -> tuple[str, str]:
+    """The weights' type from the GGUF's general.file_type: ("float16", "F16"), ("q4_k_m", "Q4_K_M"), ...
+
+    The first is what welcome, /healthz and /metrics call the dtype (float32/float16/bfloat16 for
+    unquantized weights, as the torch engine names them; llama.cpp's own name, lower-cased, otherwise)."""
+    buf = ctypes.create_string_buffer(64)
+    n = L.llama_model_meta_val_str(model, b"general.file_type", buf, len(buf))
+    names = {getattr(L, a): a.removeprefix("LLAMA_FTYPE_").removeprefix("MOSTLY_").removeprefix("ALL_")
+             for a in dir(L) if a.startswith("LLAMA_FTYPE_") and a != "LLAMA_FTYPE_GUESSED"}
+    try:
+        ftype = names.get(int(buf.value), f"ftype {buf.value.decode()}") if n > 0 else "unknown"
+    except ValueError:
+        ftype = "unknown"
+    return {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}.get(ftype, ftype.lower()), ftype
+
+
+FLASH_ATTN = ("auto", "on", "off")
+
+
 class LlamaCppEngine:
     def __init__(self, path: Path, name: str, threads: int = 0, max_sequences: int = 64, kv_tokens: int = 0,
-                 n_gpu_layers: int = -1, tap_layers: list[int] | None = None, kv_type: str = "f16"):
+                 n_gpu_layers: int = -1, tap_layers: list[int] | None = None, kv_type: str = "f16",
+                 kv_unified: bool | None = None, n_ubatch: int = 0, flash_attn: str = "auto"):
+        """kv_unified: one KV pool shared by every sequence (True), or a stream of kv_tokens/max_sequences
+        cells per sequence (False: faster batched passes on a GPU, measured on an H100); None picks False
+        when layers are offloaded and no exits are tapped, else True. n_ubatch: tokens per llama.cpp
+        micro-batch (0: the whole call, so tapped rows arrive in order). flash_attn: llama.cpp's
+        flash-attention switch (auto: on where the backend has it)."""
         import llama_cpp as L
 
+        from protocol.native import warn_if_numpy_first
+
+        if flash_attn not in FLASH_ATTN:
+            raise ValueError(f"flash_attn must be one of {', '.join(FLASH_ATTN)}, got {flash_attn!r}")
         self.L = L
         _quiet_llama()
         t0 = time.perf_counter()
@@ -105,6 +134,8 @@ class LlamaCppEngine:
         gpu = bool(L.llama_supports_gpu_offload())
         mparams = L.llama_model_default_params()
         mparams.n_gpu_layers = (0x7FFFFFFF if n_gpu_layers < 0 else n_gpu_layers) if gpu else 0
+        offload = gpu and mparams.n_gpu_layers > 0
+        warn_if_numpy_first(offload)
         self.model = L.llama_model_load_from_file(str(path).encode(), mparams)
         if not self.model:
             raise RuntimeError(f"llama.cpp could not load {path}")
@@ -124,14 +155,27 @@ class LlamaCppEngine:
         self.kv_capacity = kv_tokens or 64 * 1024
         self.n_batch = 2048                                           # tokens per llama_decode call
         self.batchable = True
+        if kv_unified is None:
+            kv_unified = not offload or bool(tap_layers)
+        if not kv_unified and tap_layers:
+            raise ValueError("early exits need kv_unified: per-sequence KV streams split a batch by sequence, "
+                             "and the tapped rows would arrive out of order")
+        self.kv_unified = kv_unified
+        # per-sequence streams divide the cells evenly: a session holds at most this many tokens
+        self.seq_capacity = self.kv_capacity if kv_unified else self.kv_capacity // self.max_sequences
 
         self.tap_names: dict[bytes, int] = {f"l_out-{l - 1}".encode(): l for l in (tap_layers or [])}
         self._taps: list[tuple[int, int, Pass]] | None = None         # the running chunk's (first row, rows, pass)
         cparams = L.llama_context_default_params()
         cparams.n_ctx = self.kv_capacity
-        cparams.n_batch = cparams.n_ubatch = self.n_batch             # one ubatch per call: tap rows stay in order
+        cparams.n_batch = self.n_batch
+        cparams.n_ubatch = n_ubatch or self.n_batch                   # one ubatch per call: tap rows stay in order
+        if tap_layers and cparams.n_ubatch != self.n_batch:
+            raise ValueError("early exits need the whole call in one micro-batch (n_ubatch 0)")
         cparams.n_seq_max = self.max_sequences
-        cparams.kv_unified = True
+        cparams.kv_unified = kv_unified
+        cparams.flash_attn_type = {"auto": L.LLAMA_FLASH_ATTN_TYPE_AUTO, "on": L.LLAMA_FLASH_ATTN_TYPE_ENABLED,
+                                   "off": L.LLAMA_FLASH_ATTN_TYPE_DISABLED}[flash_attn]
         cparams.n_threads = cparams.n_threads_batch = threads or max(1, os.cpu_count() or 1)
         ggml_type = {"f32": 0, "f16": 1}[kv_type]
         cparams.type_k = cparams.type_v = ggml_type
@@ -150,12 +194,15 @@ class LlamaCppEngine:
         self._used = 0                                                # KV cells held by live sequences
         self._seqs: dict[int, Sequence] = {}
         self.threads = cparams.n_threads
-        self.info = EngineInfo("llamacpp", "gpu" if gpu and mparams.n_gpu_layers else "cpu", "float32",
+        dtype, self.ftype = weight_type(L, self.model)
+        self.info = EngineInfo("llamacpp", "gpu" if offload else "cpu", dtype,
                                {"n_gpu_layers": int(mparams.n_gpu_layers) if gpu else 0, "kv_type": kv_type,
-                                "threads": self.threads})
-        log.info("llamacpp engine: %s in %.1fs (%d layers, vocab %d, %d sequences, KV %d tokens %s, %d threads, "
-                 "GPU offload %s, exits tapped at %s)", name, time.perf_counter() - t0, self.n_layers,
-                 self.vocab_size, self.max_sequences, self.kv_capacity, kv_type, self.threads,
+                                "threads": self.threads, "weights": self.ftype, "kv_unified": kv_unified,
+                                "n_ubatch": int(cparams.n_ubatch), "flash_attn": flash_attn})
+        log.info("llamacpp engine: %s (%s weights) in %.1fs (%d layers, vocab %d, %d sequences, KV %d tokens %s %s, "
+                 "%d threads, GPU offload %s, exits tapped at %s)", name, self.ftype, time.perf_counter() - t0,
+                 self.n_layers, self.vocab_size, self.max_sequences, self.kv_capacity, kv_type,
+                 "unified" if kv_unified else f"in streams of {self.seq_capacity}", self.threads,
                  self.info.extra["n_gpu_layers"] if gpu else "not built in", sorted(self.tap_names.values()) or "none")
 
     @property
@@ -209,6 +256,10 @@ class LlamaCppEngine:
         for p in batch:
             self.truncate(p.seq, p.start)                 # trust the caller's committed length, never our own
         need = sum(len(p.new_ids) for p in batch)
+        for p in batch:
+            if p.start + len(p.new_ids) > self.seq_capacity:
+                raise EngineFull(f"a session's KV stream holds {self.seq_capacity} tokens, the pass needs "
+                                 f"{p.start + len(p.new_ids)}")
         if self._used + need > self.kv_capacity:
             raise EngineFull(f"the pass needs {need} KV cells, {self.kv_capacity - self._used} of "
                              f"{self.kv_capacity} are free")

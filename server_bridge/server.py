@@ -410,7 +410,8 @@ def target_from_config(config: ServerConfig):
     return load_target(config.target, config.engine, device=config.device, dtype=config.dtype,
                        threads=config.threads, max_sequences=config.max_sessions, kv_tokens=config.kv_budget,
                        n_gpu_layers=config.n_gpu_layers, max_len=config.max_context, kv_type=config.kv_type,
-                       tap_layers=exit_taps(config, Path(config.target).name))
+                       tap_layers=exit_taps(config, Path(config.target).name),
+                       **config.llama_options)                  # the torch engine ignores them
 
 
 async def run(config: ServerConfig) -> None:

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Build llama.cpp's own `llama-server` from the llama.cpp vendored in the llama-cpp-python sdist we
+# Build llama.cpp's own `llama-server` (and `llama-batched-bench`, the engine benchmark it ships) from the llama.cpp vendored in the llama-cpp-python sdist we
 # already build (so the peer and our engine run the same llama.cpp), once per machine, into
 #   $HOME/.cache/edgespec/llama-server-<version>-<flavour>-<hash of cmake args>/llama-server
 # like the Makefile caches the wheel. A second run finds the binary and returns at once.
-# Used only by the peer benchmark (tools/peer.py); `make setup` and `make test` never call it.
+# Used only by the peer benchmark (tools/peer.py) and tools/bench_gpu_engine.py (llama-batched-bench, beside
+# llama-server in the same folder); `make setup` and `make test` never call it.
 #
 # Environment (the Makefile passes the first three):
 #   LLAMA_CPP_VERSION  default 0.3.36
@@ -33,7 +34,7 @@ HASH="$(printf '%s' "$VERSION $ALL_ARGS" | sha256sum | cut -c1-12)"
 CACHE="${HOME}/.cache/edgespec/llama-server-${VERSION}-${FLAVOUR}-${HASH}"
 BIN="$CACHE/llama-server"
 
-if [[ -x "$BIN" ]] && "$BIN" --version >/dev/null 2>&1; then
+if [[ -x "$BIN" && -x "$CACHE/llama-batched-bench" ]] && "$BIN" --version >/dev/null 2>&1; then
   echo "llama-server: cached" >&2
   echo "$BIN"
   exit 0
@@ -66,7 +67,7 @@ fi
 LLAMA_SRC="$SRC/vendor/llama.cpp"
 [[ -f "$LLAMA_SRC/CMakeLists.txt" ]] || { echo "llama-server: no $LLAMA_SRC/CMakeLists.txt" >&2; exit 1; }
 
-# 2. configure and build only the llama-server target
+# 2. configure and build only the llama-server and llama-batched-bench targets
 GEN=()
 command -v ninja >/dev/null && GEN=(-G Ninja)
 echo "llama-server: configuring ($ALL_ARGS)" >&2
@@ -74,13 +75,15 @@ echo "llama-server: configuring ($ALL_ARGS)" >&2
 cmake -S "$LLAMA_SRC" -B "$WORK/build" "${GEN[@]}" $ALL_ARGS >"$WORK/configure.log" 2>&1 \
   || { tail -40 "$WORK/configure.log" >&2; exit 1; }
 echo "llama-server: building with $JOBS jobs (several minutes on 2 cores)" >&2
-cmake --build "$WORK/build" --target llama-server -j "$JOBS" >"$WORK/build.log" 2>&1 \
+cmake --build "$WORK/build" --target llama-server llama-batched-bench -j "$JOBS" >"$WORK/build.log" 2>&1 \
   || { tail -60 "$WORK/build.log" >&2; exit 1; }
 
 # 3. cache it atomically; check it runs
 BUILT="$(find "$WORK/build" -type f -name llama-server -perm -u+x | head -1)"
 [[ -n "$BUILT" ]] || { echo "llama-server: build produced no binary" >&2; exit 1; }
 mkdir -p "$CACHE"
+BENCH="$(find "$WORK/build" -type f -name llama-batched-bench -perm -u+x | head -1)"
+[[ -n "$BENCH" ]] && cp "$BENCH" "$CACHE/llama-batched-bench"
 cp "$BUILT" "$CACHE/llama-server.tmp"
 printf '%s\n' "version=$VERSION" "flavour=$FLAVOUR" "cmake_args=$ALL_ARGS" > "$CACHE/BUILD_INFO"
 mv "$CACHE/llama-server.tmp" "$BIN"

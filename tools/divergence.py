@@ -132,6 +132,41 @@ def configure(spec: str, device: str, sessions: int):
     return f"torch {dtype} ({target.engine.info.device})", target, dtype
 
 
+def one_config(spec: str, args, prompts: list[list[int]]) -> dict:
+    """AR reference, then SD solo and batched against it, for one engine and dtype."""
+    label, target, dtype = configure(spec, args.device, len(prompts))
+    print(f"{label}: AR reference", flush=True)
+    t0 = time.perf_counter()
+    ref = ar_reference(target, prompts, args.tokens)
+    ar_ms = (time.perf_counter() - t0) * 1e3 / (len(prompts) * args.tokens)
+    c = {"spec": spec, "label": label, "dtype": dtype, "ar_ms_per_token": ar_ms,
+         "engine": target.engine.info.as_dict()}
+    for mode in ("solo", "batched"):
+        c[mode] = sd_against(target, prompts, ref, args.tokens, args.gamma, mode == "batched", dtype)
+        r = c[mode]
+        print(f"  SD {mode}: {len(r['divergences'])} divergences in {r['compared']} positions, rounding noise "
+              f"max {r['noise_max']:.3g}" + "".join(f"; at prompt {d['prompt']} pos {d['position']}: top-2 margin "
+                                                    f"{d['ar_margin']:.3g} ({d['margin_ulps']:.2g} ulp)"
+                                                    for d in r["divergences"]), flush=True)
+    return c
+
+
+def _in_child(spec: str, args) -> dict:
+    """one_config in a fresh interpreter (`--only SPEC --result FILE`); its JSON back."""
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        result = Path(tmp) / "config.json"
+        cmd = [sys.executable, "-m", "tools.divergence", "--only", spec, "--result", str(result),
+               "--prompts", str(args.prompts), "--tokens", str(args.tokens), "--gamma", str(args.gamma),
+               "--device", args.device, "--core", str(args.core)]
+        rc = subprocess.run(cmd).returncode
+        if rc != 0 or not result.exists():
+            raise RuntimeError(f"the {spec} run failed (exit code {rc}): {' '.join(cmd)}")
+        return json.loads(result.read_text())
+
+
 def markdown(report: dict) -> str:
     lines = [f"# Verify passes against one-token passes at T = 0 ({report['target']})", "",
              f"`{report['command']}`", "",
@@ -163,32 +198,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu", help="the torch engine's device")
     ap.add_argument("--core", type=int, default=1, help="pin to this core (-1: no pinning)")
     ap.add_argument("--out", default="bench_results/divergence")
+    ap.add_argument("--only", help=argparse.SUPPRESS)       # a child: one config, its JSON to --result
+    ap.add_argument("--result", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.core >= 0:
         os.sched_setaffinity(0, {args.core})
     from tools.peer import load_prompts
 
     prompts = [p.prompt_ids for p in load_prompts(n=args.prompts).prompts]
+    if args.only:
+        Path(args.result).write_text(json.dumps(one_config(args.only, args, prompts)))
+        return 0
     report = {"command": "python -m tools.divergence " + " ".join(argv if argv is not None else sys.argv[1:]),
               "target": "smollm2-f32", "prompts": len(prompts), "tokens": args.tokens, "gamma": args.gamma,
               "machine": platform.processor() or platform.machine(), "configs": []}
     for spec in args.configs.split(","):
-        label, target, dtype = configure(spec, args.device, len(prompts))
-        print(f"{label}: AR reference", flush=True)
-        t0 = time.perf_counter()
-        ref = ar_reference(target, prompts, args.tokens)
-        ar_ms = (time.perf_counter() - t0) * 1e3 / (len(prompts) * args.tokens)
-        c = {"spec": spec, "label": label, "dtype": dtype, "ar_ms_per_token": ar_ms,
-             "engine": target.engine.info.as_dict()}
-        for mode in ("solo", "batched"):
-            c[mode] = sd_against(target, prompts, ref, args.tokens, args.gamma, mode == "batched", dtype)
-            r = c[mode]
-            print(f"  SD {mode}: {len(r['divergences'])} divergences in {r['compared']} positions, rounding noise "
-                  f"max {r['noise_max']:.3g}" + "".join(f"; at prompt {d['prompt']} pos {d['position']}: top-2 margin "
-                                                        f"{d['ar_margin']:.3g} ({d['margin_ulps']:.2g} ulp)"
-                                                        for d in r["divergences"]), flush=True)
-        report["configs"].append(c)
-        del target
+        # each engine in its own process: a CUDA llama.cpp and a CUDA torch in one process crash together
+        report["configs"].append(_in_child(spec, args))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "divergence.json").write_text(json.dumps(report, indent=1))

@@ -1,0 +1,76 @@
+"""The llamacpp engine's settings for a GPU: per-sequence KV streams, micro-batches, and the weights' real type."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from protocol import modelfiles
+from server_bridge.config import ServerConfig
+from server_bridge.engine import EngineFull, Pass, load_engine
+
+pytestmark = pytest.mark.real
+
+PROMPTS = ["The robot walked to the kitchen door and", "Turn left at the red box, then", "Go"]
+
+
+def ragged_rounds(engine, rounds: int = 3) -> list[list[np.ndarray]]:
+    """Three sessions of different lengths: their prompts in one pass, then verify-shaped passes of 1-5 tokens
+    with a rollback each round (start behind the sequence's length), every row's logits kept."""
+    seqs = [engine.new_sequence() for _ in PROMPTS]
+    ids = [engine.tokenizer.encode(p) for p in PROMPTS]
+    out = [engine.forward([Pass(s, 0, i, len(i)) for s, i in zip(seqs, ids)])]
+    for r in range(rounds):
+        batch = [Pass(s, len(i) + r, [(7 * k + r + j) % 1000 + 10 for j in range(1 + (k + r) % 5)],
+                      1 + (k + r) % 5) for k, (s, i) in enumerate(zip(seqs, ids))]
+        out.append(engine.forward(batch))
+    for s in seqs:
+        engine.free(s)
+    return out
+
+
+def test_per_sequence_streams_and_micro_batches_give_the_unified_engines_logits():
+    ref = ragged_rounds(load_engine("smollm2-f32", threads=1, max_sequences=4, kv_tokens=1024, kv_unified=True))
+    for options in ({"kv_unified": False}, {"kv_unified": False, "n_ubatch": 4}, {"flash_attn": "on"}):
+        engine = load_engine("smollm2-f32", threads=1, max_sequences=4, kv_tokens=1024, **options)
+        assert engine.info.extra["kv_unified"] == options.get("kv_unified", True)
+        got = ragged_rounds(engine)
+        for rows_ref, rows in zip(ref, got):
+            for a, b in zip(rows_ref, rows):
+                assert a.shape == b.shape
+                assert np.array_equal(a.argmax(-1), b.argmax(-1)), options
+                assert np.abs(a - b).max() < 0.05, options     # f16 KV and another summation order, no more
+
+
+def test_a_session_longer_than_its_stream_is_refused_and_the_others_keep_their_kv():
+    engine = load_engine("smollm2-f32", threads=1, max_sequences=4, kv_tokens=256, kv_unified=False)
+    assert engine.seq_capacity == 64
+    a, b = engine.new_sequence(), engine.new_sequence()
+    engine.forward([Pass(a, 0, list(range(10, 60)), 1)])
+    with pytest.raises(EngineFull, match="holds 64 tokens"):
+        engine.forward([Pass(a, 50, list(range(10, 30)), 1), Pass(b, 0, [11, 12], 1)])
+    assert a.length == 50 and b.length == 0                                 # nothing half-written
+    [row] = engine.forward([Pass(a, 50, list(range(60, 74)), 1)])          # exactly the stream's 64
+    assert row.shape == (1, engine.vocab_size)
+
+
+def test_exits_need_the_unified_kv_in_one_micro_batch():
+    with pytest.raises(ValueError, match="kv_unified"):
+        load_engine("smollm2-f32", threads=1, max_sequences=2, kv_tokens=256, tap_layers=[12], kv_unified=False)
+    with pytest.raises(ValueError, match="micro-batch"):
+        load_engine("smollm2-f32", threads=1, max_sequences=2, kv_tokens=256, tap_layers=[12], n_ubatch=8)
+
+
+def test_the_weights_real_type_is_reported():
+    f32 = load_engine("smollm2-f32", threads=1, max_sequences=1, kv_tokens=256)
+    assert (f32.info.dtype, f32.info.extra["weights"]) == ("float32", "F32")
+    q41 = load_engine(str(modelfiles.shipped_gguf()), threads=1, max_sequences=1, kv_tokens=256)
+    assert (q41.info.dtype, q41.info.extra["weights"]) == ("q4_1", "Q4_1")
+    assert q41.info.as_dict()["dtype"] == "q4_1"          # what welcome, /healthz and /metrics carry
+
+
+def test_the_server_config_carries_the_options_and_checks_them():
+    assert ServerConfig().llama_options == {"kv_unified": None, "n_ubatch": 0, "flash_attn": "auto"}
+    assert ServerConfig(kv_unified="off", n_ubatch=64).llama_options["kv_unified"] is False
+    for bad in ({"kv_unified": "yes"}, {"flash_attn": "maybe"}, {"n_ubatch": -1}):
+        with pytest.raises(ValueError):
+            ServerConfig(**bad)
