@@ -4,16 +4,20 @@ KV lives in slots allocated once (gpt-fast's KVCache, one row per session):
 keys and values [slots, kv_heads, max_context, head_dim] per layer on the
 model's device. A pass is ragged: every session's new tokens are concatenated
 into one sequence [1, T] with their own position ids, so the projections and
-MLPs run on exactly T tokens, no padding. Each attention layer writes a
-session's new keys and values in place at its positions and attends over a view
-of its own slot, [0, start + n): nothing is copied into a rectangle and back,
-nothing grows by concatenation, and a rollback is only a smaller length.
+MLPs run on exactly T tokens, no padding. Each attention layer writes the
+sessions' new keys and values in place at their positions: nothing grows by
+concatenation, and a rollback is only a smaller length.
 
 The model runs through its own forward with two hooks transformers provides: a
 cache object whose `update` writes into the slots, and a registered attention
-function ("edgespec_slots") that reads them. The mask is built here per session
-(causal from its start; a sliding window where the layer has one), so
-transformers builds none.
+function ("edgespec_slots") that reads them. Neither loops over sessions: with
+more than one session in a pass, each layer writes every new key and value with
+one indexed scatter, and attends with one SDPA call over the sessions' padded
+queries [B, H, n_max, D] against their slots gathered to [B, kv_heads, Lmax, D],
+under a causal mask (a sliding window where the layer has one) built once per
+pass. A pass thus launches the same operators for 2 sessions as for 32
+(tests/server_bridge/test_torch_pass.py counts them with torch.profiler). One
+session attends over a view of its own slot, with no mask for a single token.
 """
 from __future__ import annotations
 
@@ -39,11 +43,50 @@ _current = threading.local()            # the pass being run: its layout, read b
 
 
 class _Layout:
-    """Where each session's tokens sit in the flat pass: (slot, start, n, offset into T)."""
+    """Where a pass's tokens go, built once per pass and read by every layer.
 
-    def __init__(self, rows: list[tuple[int, int, int, int]], pool: "_SlotPool"):
+    rows: (slot, start, n, offset into T) per session. With one session the layers use views of
+    its slot (no gather, no mask for a single token). With more, every tensor below is built here
+    once, so each layer launches the same operators whatever the number of sessions:
+    tok_slot, tok_pos [T]: the slot and position each token's keys and values are written to;
+    slots [B]: the sessions' slots; q_index [B * n_max]: each padded query row's token (padding
+    repeats a session's last token); back [T]: each token's padded row; kpos [Lmax] and qpos
+    [B, n_max, 1]: the positions the causal mask is built from (per sliding window, cached).
+    """
+
+    def __init__(self, rows: list[tuple[int, int, int, int]], pool: "_SlotPool", device):
         self.rows = rows
         self.pool = pool
+        self.single = len(rows) == 1
+        self.k_len = max(start + n for _, start, n, _ in rows)         # Lmax: the longest session's KV
+        self._masks: dict[int, torch.Tensor] = {}
+        if self.single:
+            return
+        n_max = max(n for _, _, n, _ in rows)
+        tok_slot, tok_pos, q_index, back, qpos = [], [], [], [], []
+        for b, (slot, start, n, off) in enumerate(rows):
+            tok_slot += [slot] * n
+            tok_pos += range(start, start + n)
+            q_index += [off + min(i, n - 1) for i in range(n_max)]
+            back += range(b * n_max, b * n_max + n)
+            qpos.append([start + min(i, n - 1) for i in range(n_max)])
+        as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)   # noqa: E731
+        self.n_max = n_max
+        self.tok_slot, self.tok_pos = as_long(tok_slot), as_long(tok_pos)
+        self.slots = as_long([slot for slot, *_ in rows])
+        self.q_index, self.back = as_long(q_index), as_long(back)
+        self.qpos = as_long(qpos)[:, :, None]                          # [B, n_max, 1]
+        self.kpos = torch.arange(self.k_len, device=device)[None, None, :]
+
+    def mask(self, sliding_window: int | None) -> torch.Tensor:
+        """[B, 1, n_max, Lmax] bool: a query sees its own session's keys up to its position (and window)."""
+        key = sliding_window or 0
+        if key not in self._masks:
+            m = self.kpos <= self.qpos
+            if sliding_window:
+                m &= self.kpos > self.qpos - sliding_window
+            self._masks[key] = m[:, None]
+        return self._masks[key]
 
 
 class _SlotPool:
@@ -64,9 +107,13 @@ class _SlotCache:
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         layout: _Layout = _current.layout
         k, v = layout.pool.k[layer_idx], layout.pool.v[layer_idx]
-        for slot, start, n, off in layout.rows:                 # key_states [1, kv_heads, T, head_dim]
-            k[slot, :, start:start + n].copy_(key_states[0, :, off:off + n])
-            v[slot, :, start:start + n].copy_(value_states[0, :, off:off + n])
+        if layout.single:                                       # key_states [1, kv_heads, T, head_dim]
+            slot, start, n, _ = layout.rows[0]
+            k[slot, :, start:start + n].copy_(key_states[0])
+            v[slot, :, start:start + n].copy_(value_states[0])
+        else:                                                   # one indexed scatter for every session
+            k[layout.tok_slot, :, layout.tok_pos] = key_states[0].transpose(0, 1)      # [T, kv_heads, D]
+            v[layout.tok_slot, :, layout.tok_pos] = value_states[0].transpose(0, 1)
         return key_states, value_states
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -75,24 +122,41 @@ class _SlotCache:
 
 def slot_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None,
                    **kwargs):
-    """Each session's queries [1, H, n, D] against its own slot's keys [1, kv_heads, start + n, D] (a view)."""
+    """Every session's queries against its own slot's keys, in one SDPA call per layer.
+
+    query [1, H, T, D] holds the pass's ragged tokens. One session attends over a view of its slot;
+    several are padded to [B, H, n_max, D] against their slots gathered to [B, kv_heads, Lmax, D]
+    under one mask, and their rows taken back out: no loop over sessions.
+    """
     layout: _Layout = _current.layout
     k_pool, v_pool = layout.pool.k[module.layer_idx], layout.pool.v[module.layer_idx]
-    out = torch.empty_like(query)                               # [1, H, T, D]
-    for slot, start, n, off in layout.rows:
-        lo = 0 if not sliding_window else max(0, start + n - sliding_window)
-        k = k_pool[slot:slot + 1, :, lo:start + n]
-        v = v_pool[slot:slot + 1, :, lo:start + n]
+    if layout.single:
+        slot, start, n, _ = layout.rows[0]
+        lo = 0 if not sliding_window else max(0, start + 1 - sliding_window)    # the first query's window
+        k, v = k_pool[slot:slot + 1, :, lo:start + n], v_pool[slot:slot + 1, :, lo:start + n]
         mask = None
         if n > 1 or lo:
-            qpos = torch.arange(start, start + n, device=query.device)[:, None]
-            kpos = torch.arange(lo, start + n, device=query.device)[None, :]
-            mask = kpos <= qpos                                 # causal from the session's own start
-            if sliding_window:
-                mask &= kpos > qpos - sliding_window
-        out[:, :, off:off + n] = F.scaled_dot_product_attention(query[:, :, off:off + n], k, v, attn_mask=mask,
-                                                                scale=scaling, enable_gqa=True)
-    return out.transpose(1, 2), None                            # [1, T, H, D], as transformers expects
+            mask = _single_mask(start, n, lo, sliding_window, query.device)
+        out = F.scaled_dot_product_attention(query, k, v, attn_mask=mask, scale=scaling, enable_gqa=True)
+        return out.transpose(1, 2), None                        # [1, T, H, D], as transformers expects
+    heads, d = query.shape[1], query.shape[3]
+    b = len(layout.rows)
+    q = query[0].index_select(1, layout.q_index).view(heads, b, layout.n_max, d).transpose(0, 1)
+    k = k_pool[:, :, :layout.k_len].index_select(0, layout.slots)        # [B, kv_heads, Lmax, D]
+    v = v_pool[:, :, :layout.k_len].index_select(0, layout.slots)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=layout.mask(sliding_window), scale=scaling,
+                                         enable_gqa=True)                  # [B, H, n_max, D]
+    out = out.transpose(0, 1).reshape(heads, b * layout.n_max, d).index_select(1, layout.back)   # [H, T, D]
+    return out.transpose(0, 1)[None], None                                 # [1, T, H, D]
+
+
+def _single_mask(start: int, n: int, lo: int, sliding_window: int | None, device) -> torch.Tensor:
+    qpos = torch.arange(start, start + n, device=device)[:, None]
+    kpos = torch.arange(lo, start + n, device=device)[None, :]
+    mask = kpos <= qpos                                         # causal from the session's own start
+    if sliding_window:
+        mask &= kpos > qpos - sliding_window
+    return mask
 
 
 def _register_attention() -> None:
@@ -213,7 +277,7 @@ class TorchEngine:
         x = torch.tensor([ids], dtype=torch.long, device=self.device)
         positions = torch.tensor([pos], dtype=torch.long, device=self.device)
         handles = self._tap_hooks(batch, rows)
-        _current.layout = _Layout(rows, self.pool)
+        _current.layout = _Layout(rows, self.pool, self.device)
         try:
             hidden = self.model.base_model(input_ids=x, position_ids=positions, past_key_values=self._cache,
                                       use_cache=True).last_hidden_state        # [1, T, hidden], final norm applied
@@ -231,11 +295,7 @@ class TorchEngine:
         cap = getattr(self.model.config, "final_logit_softcapping", None)
         if cap:                                                                   # Gemma 2/3
             logits = torch.tanh(logits / cap) * cap
-        out, at = [], 0
-        for p in batch:
-            out.append(logits[at:at + p.keep])
-            at += p.keep
-        return out
+        return list(torch.split(logits, [p.keep for p in batch]))
 
     def _tap_hooks(self, batch: list[Pass], rows: list[tuple[int, int, int, int]]) -> list:
         """Forward hooks on the tapped decoder blocks handing each pass its kept rows [keep, hidden]."""

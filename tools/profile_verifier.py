@@ -205,9 +205,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.cpu >= 0 and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {args.cpu})
     rng = np.random.default_rng(args.seed)
-    # room for every warm session of the pool, and the cold ones a batch adds
-    target = load_target(args.target, args.engine, threads=args.threads, max_sequences=256,
-                         kv_tokens=max(SIZES) * sum(c + 1 for c in WARM_CACHED) + 32768, max_len=2048)
+    # room for every warm session of the pool, and the cold ones a batch adds: llama.cpp shares one
+    # KV pool among its sequences; torch gives each session a slot of max_len (f32 135M: ~5 GiB here)
+    slots = max(SIZES) * (len(WARM_CACHED) + 1)
+    target = load_target(args.target, args.engine, threads=args.threads, max_sequences=slots,
+                         kv_tokens=max(SIZES) * sum(c + 1 for c in WARM_CACHED) + 32768, max_len=2048) \
+        if args.engine != "torch" else \
+        load_target(args.target, "torch", threads=args.threads, max_sequences=slots, max_len=max(WARM_CACHED) + 16)
     device = f"{platform.machine()} {os.cpu_count()} cores, {target.engine.info.engine} engine, {args.threads} threads" + \
         (f", pinned to core {args.cpu}" if args.cpu >= 0 else "")
     config = {"target": target.name, "device": device, "batches": args.batches, "seed": args.seed,
