@@ -62,8 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cut-steps", type=int, default=3, help="steps the link stays down")
     ap.add_argument("--offline", choices=("local", "hold"), default="local")
     ap.add_argument("--mode", choices=("sd", "fsd", "ar"), default="sd")
-    ap.add_argument("--min-clearance-m", type=float, default=0.2,
-                    help="the safety layer's obstacle stop (safety.min_clearance_m; the Go2 example has 0.4; 0: off)")
+    ap.add_argument("--min-clearance-m", type=float, default=None,
+                    help="the safety layer's obstacle stop (safety.min_clearance_m; default: the config's, on at "
+                         "0.2 m with the simulator's ray cast; the Go2 example has 0.4; 0: off)")
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.ERROR, stream=sys.stderr)
@@ -90,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
             f'link.verifier="{link.url()}"', f'offline.policy="{args.offline}"', f'agent.mode="{args.mode}"',
             f"robot.options.scene={json.dumps(scene.path)}", f"robot.options.start={starts[0]}",
             f'telemetry.path="{telemetry}"', f"agent.threads={len(agent_cpus)}", "link.verify_timeout_s=2.0",
-            "camera.fps=20", f"safety.min_clearance_m={args.min_clearance_m}"])
+            "camera.fps=20",
+            *([f"safety.min_clearance_m={args.min_clearance_m}"] if args.min_clearance_m is not None else [])])
         daemon = Daemon(cfg)
         print(f"verifier ready in {time.perf_counter() - t0:.1f}s; loading the draft and prefilling the prompt on "
               "both sides ...", flush=True)

@@ -196,13 +196,15 @@ def run_scripted(episodes: list[tuple[Scene, int, bool]], args, maps: Path) -> l
     import cv2
 
     from agent.episode import summarize
+    from agent.robot.safety import SafetyLimits
     from agent.robot.scripted import FakeClock, run_episode
     from agent.robot.sim import make_world
 
     out, t0 = [], time.perf_counter()
     for i, (scene, start, cut) in enumerate(episodes, 1):
         world = make_world(scene, start=start, clock=FakeClock())
-        result = run_episode(world, None, scene.target, max_steps=args.max_steps)
+        limits = SafetyLimits(max_frame_age_s=None, min_clearance_m=args.min_clearance_m)   # None: the default
+        result = run_episode(world, None, scene.target, max_steps=args.max_steps, limits=limits)
         e = summarize(world, [], scene.task(), target=scene.target, start=scene.starts[start],
                       end="done" if result.actions and result.actions[-1].kind == "stop" else "max_steps")
         e.update(steps=result.steps, cut=None)
@@ -238,7 +240,7 @@ def run_models(episodes: list[tuple[Scene, int, bool]], args, maps: Path, meta: 
                 f'link.verifier="{link.url()}"', f'offline.policy="{args.offline}"', f'agent.mode="{args.mode}"',
                 f"robot.options.scene={json.dumps(scene.path)}", f'telemetry.path="{args.telemetry}"',
                 f"agent.threads={len(agent_cpus)}", "link.verify_timeout_s=2.0", "camera.fps=20",
-                f"safety.min_clearance_m={args.min_clearance_m}"])
+                *([f"safety.min_clearance_m={args.min_clearance_m}"] if args.min_clearance_m is not None else [])])
             meta.setdefault("config", cfg.to_dict())
             if drafter is None:
                 drafter = Drafter(cfg.agent.draft, threads=cfg.agent.threads, n_gpu_layers=cfg.agent.n_gpu_layers)
@@ -276,8 +278,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--offline", choices=("local", "hold"), default="local")
     ap.add_argument("--mode", choices=("sd", "fsd", "ar"), default="sd")
     ap.add_argument("--rtt-ms", type=float, default=20.0)
-    ap.add_argument("--min-clearance-m", type=float, default=0.2,
-                    help="the safety layer's obstacle stop (safety.min_clearance_m; the Go2 example has 0.4; 0: off)")
+    ap.add_argument("--min-clearance-m", type=float, default=None,
+                    help="the safety layer's obstacle stop (safety.min_clearance_m; default: the config's, on at "
+                         "0.2 m with the simulator's ray cast; the Go2 example has 0.4; 0: off)")
     ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument("--telemetry", type=Path, default=Path("build/nav_eval/telemetry.jsonl"),
                     help="one JSON line per step (the step's task names its episode)")

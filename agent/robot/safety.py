@@ -10,7 +10,9 @@ controller. The layer
 - sends zero while the camera frame is stale or missing (`frame_age_s` None or over the limit);
 - allows no translation toward an obstacle nearer than `min_clearance_m` in the direction of travel
   (a `RangeSource`: the simulator's ray cast, the Go2's range finder); turning in place stays allowed,
-  so the robot can turn away. Forward motion with no reading for its direction is refused too;
+  so the robot can turn away. Forward motion with no reading for its direction is refused too. On by
+  default (AUTO_CLEARANCE_M) wherever the controller has a range source; a controller without one
+  says at start that the rule is off;
 - sends zero while the e-stop is latched (`estop()` until `reset()`);
 - stops the robot when fresh commands stop: `tick()`, called by the control loop every
   period, stops it once `deadman_s` (default 0.3 s) has passed since the last command.
@@ -33,7 +35,7 @@ import math
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Protocol
 
 from .controllers.base import Command, Controller, ControllerError
@@ -58,7 +60,9 @@ class SafetyLimits:
     max_dwz: float = 3.0                # rad/s^2
     deadman_s: float = 0.3              # stop when no fresh command came for this long
     max_frame_age_s: float = 1.0        # stop when the newest camera frame is older (None: no camera check)
-    min_clearance_m: float = 0.0        # no translation toward an obstacle nearer than this (m); 0: no obstacle rule
+    # no translation toward an obstacle nearer than this (m); 0: no obstacle rule; None (the default): on at
+    # AUTO_CLEARANCE_M wherever the controller has a range source, off (and said so at start) where it has none
+    min_clearance_m: float | None = None
 
     def __post_init__(self):
         for name in ("max_vx", "max_vy", "max_wz", "max_dvx", "max_dvy", "max_dwz", "deadman_s"):
@@ -67,7 +71,8 @@ class SafetyLimits:
                 raise ValueError(f"safety limit {name} must be a positive number, got {v!r}")
         if self.max_frame_age_s is not None and not self.max_frame_age_s > 0:
             raise ValueError(f"max_frame_age_s must be positive or None, got {self.max_frame_age_s!r}")
-        if not (isinstance(self.min_clearance_m, (int, float)) and 0 <= self.min_clearance_m <= 10):
+        if self.min_clearance_m is not None and not (isinstance(self.min_clearance_m, (int, float))
+                                                     and 0 <= self.min_clearance_m <= 10):
             raise ValueError(f"min_clearance_m must be 0..10 m (0: off), got {self.min_clearance_m!r}")
 
 
@@ -85,9 +90,28 @@ def rate_limit(cmd: Command, last: Command, dt: float, limits: SafetyLimits) -> 
                    step(cmd.wz, last.wz, limits.max_dwz))
 
 
+AUTO_CLEARANCE_M = 0.2                  # the obstacle stop's default: the simulator's ray cast measures from the
+                                        # robot's edge, and at 0.2 m a 0.5 m/s robot braking at 1.5 m/s^2 (0.08 m)
+                                        # stays off the wall with a control tick to spare
+
+
+def resolve_clearance(limits: SafetyLimits, ranges: RangeSource | None, controller_name: str) -> SafetyLimits:
+    """min_clearance_m None -> AUTO_CLEARANCE_M with a range source, 0 without; says which at start."""
+    if limits.min_clearance_m is not None:
+        return limits
+    if ranges is None:
+        log.warning("the %s controller has no range source: the obstacle stop is off (safety.min_clearance_m "
+                    "needs a robot that measures its clearance)", controller_name)
+        return replace(limits, min_clearance_m=0.0)
+    log.info("obstacle stop on: no translation toward anything nearer than %.2f m (the %s controller's range "
+             "source; safety.min_clearance_m sets it, 0 turns it off)", AUTO_CLEARANCE_M, controller_name)
+    return replace(limits, min_clearance_m=AUTO_CLEARANCE_M)
+
+
 class SafetyLayer:
     def __init__(self, controller: Controller, limits: SafetyLimits = SafetyLimits(),
                  clock: Callable[[], float] = time.monotonic, ranges: RangeSource | None = None):
+        limits = resolve_clearance(limits, ranges, controller.name)
         if limits.min_clearance_m > 0 and ranges is None:
             raise ValueError(f"safety.min_clearance_m = {limits.min_clearance_m} needs a range source, and the "
                              f"{controller.name} controller has none: set it to 0 or use a robot with one")

@@ -87,7 +87,8 @@ def run_episode(world: SimWorld, policy: Callable[[list[Sighting]], str] | None,
         raise TypeError("run_episode needs a world made with clock=FakeClock() (it advances the clock itself)")
     policy = policy or (lambda s: scripted_action(s, target=target))
     perception = SimPerception(world)
-    safety = SafetyLayer(SimController(world), limits, clock=clock)
+    controller = SimController(world)
+    safety = SafetyLayer(controller, limits, clock=clock, ranges=controller.ranges)   # the obstacle stop as deployed
     safety.controller.connect()
     t0, collisions0 = clock(), world.collisions
     result = EpisodeResult(reached=False, steps=0)

@@ -264,3 +264,39 @@ def test_obstacle_rule_needs_a_range_source():
     with pytest.raises(ValueError, match="needs a range source"):
         SafetyLayer(Recorder(), OBST)
     SafetyLayer(Recorder(), LIM)                         # min_clearance_m 0: no rule, no source needed
+
+
+def test_the_obstacle_stop_is_on_by_default_where_the_robot_has_ranges(caplog):
+    """No config: on at AUTO_CLEARANCE_M with a range source; off, and said so, without one."""
+    from agent.robot.safety import AUTO_CLEARANCE_M
+
+    default = SafetyLimits(**{**LIM.__dict__, "min_clearance_m": None, "max_dvx": 100.0})
+    clock, robot, ranges = Clock(), Recorder(), Ranges(ahead=AUTO_CLEARANCE_M / 2)
+    s = SafetyLayer(robot, default, clock, ranges=ranges)
+    assert s.limits.min_clearance_m == AUTO_CLEARANCE_M > 0
+    assert s.send_action(Command(0.3, 0, 0)) == Command() and s.stops == {"obstacle": 1}
+    with caplog.at_level("WARNING"):
+        blind = SafetyLayer(Recorder(), default, Clock())
+    assert blind.limits.min_clearance_m == 0 and "no range source: the obstacle stop is off" in caplog.text
+    assert blind.send_action(Command(0.3, 0, 0)).vx > 0
+    explicit = SafetyLayer(Recorder(), SafetyLimits(**{**default.__dict__, "min_clearance_m": 0.0}), Clock(),
+                           ranges=ranges)
+    assert explicit.limits.min_clearance_m == 0            # 0 in a config still turns it off
+
+
+def test_the_simulated_robot_keeps_off_the_walls_with_no_config():
+    """The scripted policy from the start where it walks into the block (15 contact ticks with the stop off)."""
+    import pathlib
+
+    from agent.robot.scene import load_scene
+    from agent.robot.scripted import FakeClock, run_episode
+    from agent.robot.sim import make_world
+
+    scene = load_scene(pathlib.Path(__file__).parents[2] / "tools" / "scenes" / "green_box_behind_block.json")
+    contacts = {}
+    for clearance in (0.0, None):
+        world = make_world(scene, start=1, clock=FakeClock())
+        run_episode(world, None, scene.target, max_steps=30,
+                    limits=SafetyLimits(max_frame_age_s=None, min_clearance_m=clearance))
+        contacts[clearance] = world.collisions
+    assert contacts[0.0] > 0 and contacts[None] == 0
