@@ -111,8 +111,13 @@ class NavSection:
     memory_steps: int = 4               # the last steps of the task (seen, done, verified) in the prompt; 0: none
     memory_max_tokens: int = 160        # their bound in draft tokens (~25 a step); the oldest go first
     grammar: bool = True                # answers under the NaVILA answer grammar on both sides (exact; never a miss)
+    blocked_m: float = 0.0              # the camera line says "the way ahead is blocked" when the range source reads
+                                        # less than this straight ahead (0: never; off by default: an example of
+                                        # it in the prompt cost the memory cases, see agent/nav.py blocked_text)
 
     def __post_init__(self):
+        if not (isinstance(self.blocked_m, (int, float)) and 0 <= self.blocked_m <= 5):
+            raise ConfigError(f"nav.blocked_m must be 0..5 m (0: never), got {self.blocked_m!r}")
         if not isinstance(self.grammar, bool):
             raise ConfigError(f"nav.grammar must be true or false, got {self.grammar!r}")
         try:

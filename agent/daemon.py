@@ -125,7 +125,7 @@ class Daemon:
             probe_backoff_s=cfg.link.reconnect_backoff_s, probe_backoff_max_s=cfg.link.reconnect_backoff_max_s,
             memory_steps=cfg.nav.memory_steps, memory_max_tokens=cfg.nav.memory_max_tokens,
             offline_max_forward_cm=cfg.offline.max_forward_cm, offline_max_turn_deg=cfg.offline.max_turn_deg,
-            offline_speed_scale=cfg.offline.speed_scale, grammar=cfg.nav.grammar),
+            offline_speed_scale=cfg.offline.speed_scale, grammar=cfg.nav.grammar, blocked_m=cfg.nav.blocked_m),
             emit=self._emit, on_mode=self._on_mode)
         self.nav.check_link()
         self.notifier.status("prefilling the prompt")
