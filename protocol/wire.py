@@ -23,6 +23,8 @@ from typing import Any, ClassVar
 import msgpack
 import numpy as np
 
+from . import images as image_wire
+
 PROTOCOL_VERSION = 1
 DEFAULT_MAX_FRAME_BYTES = 4 * 2**20        # a full fp16 q for 16 positions is ~1.5 MiB
 _ARRAY_DTYPES = {"<f2": np.float16, "<f4": np.float32, "<i4": np.int32}
@@ -206,6 +208,16 @@ class Open(Message):
     # constrained decoding (protocol/grammar.py): {"gbnf": GBNF text, "from": the index of prompt_ids where the
     # constrained part starts (the ids from there on are already under the grammar)}; None: unconstrained
     grammar: dict | None = None
+    # the prompt's images (protocol/images.py): one per image marker in prompt_ids; [] for a text prompt
+    images: list = field(default_factory=list)
+
+    def to_wire(self) -> dict:
+        d = super().to_wire()
+        if self.images:
+            d["images"] = [im.to_wire() for im in self.images]
+        else:
+            del d["images"]                 # a text prompt's open is what it was before images
+        return d
 
     @classmethod
     def from_wire(cls, d):
@@ -226,7 +238,12 @@ class Open(Message):
             g = _map(grammar, "grammar")
             grammar = {"gbnf": _str(g.get("gbnf"), "grammar.gbnf", MAX_GBNF_CHARS),
                        "from": _int(g.get("from"), "grammar.from", 0, len(ids))}
-        return cls(_sid(d.get("sid")), ids, sampling, _map(d.get("slo", {}), "slo"), exits, payload, grammar)
+        sid = _sid(d.get("sid"))
+        try:
+            images = image_wire.from_wire(d.get("images"), len(ids))
+        except image_wire.ImageError as e:
+            raise WireError("bad_image", str(e), sid) from None
+        return cls(sid, ids, sampling, _map(d.get("slo", {}), "slo"), exits, payload, grammar, images)
 
     @classmethod
     def make_dummy(cls):

@@ -189,6 +189,9 @@ class Verifier:
     def _prepare_open(self, job: Job) -> None:
         msg, previous = job.msg, job.session
         self._check_ids(msg.prompt_ids, "prompt_ids", msg.sid)
+        if msg.images:                  # the wire carries them (protocol/images.py); the engines read text only yet
+            raise WireError("no_vision", f"the target {self.target.name} reads text only: open this session "
+                            "without images, or serve a vision-language target", msg.sid)
         if len(msg.prompt_ids) >= self.config.max_context:
             raise WireError("context_full", f"prompt of {len(msg.prompt_ids)} tokens leaves no room in the "
                             f"context of {self.config.max_context}", msg.sid)

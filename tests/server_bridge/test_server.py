@@ -10,7 +10,7 @@ from websockets.sync.client import connect
 
 from agent.decoder import EdgeDecoder
 from agent.link import LinkLost, ServerError, VerifierLink
-from protocol import wire
+from protocol import images, wire
 from tools.loadgen import parse_metrics
 
 pytestmark = pytest.mark.real
@@ -75,6 +75,10 @@ def test_bad_input_gets_errors_and_another_session_keeps_generating(server, targ
         (wire.encode(wire.Verify("nobody", 0, 3, [1, 2], {"kind": "none"})), "unknown_session"),
         (wire.encode(wire.Open("big", [target.vocab_size + 5], {"temperature": 0.0})), "bad_field"),
         (wire.encode(wire.Open("long", [5] * 2048, {"temperature": 0.0})), "context_full"),
+        (msgpack.packb({"type": "open", "v": 1, "sid": "gif", "prompt_ids": [1, 2], "sampling": {"temperature": 0.0},
+                        "images": [{"at": 0, "data": b"GIF89a....."}]}), "bad_image"),
+        (wire.encode(wire.Open("seeing", [1, 2], {"temperature": 0.0},
+                               images=[images.PromptImage.of(b"\xff\xd8\xff\xe0" + b"\0" * 64, 0)])), "no_vision"),
     ]
     for frame, code in cases:
         bad.send(frame)
