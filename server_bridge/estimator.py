@@ -22,8 +22,10 @@ instead of one: `split_passes` groups the members, by their number of new
 tokens, into the passes whose estimated times sum least, and the scheduler
 prices a batch by that sum (`VerifyTimeModel.batch_ms`).
 
-Pure numpy: the scheduler calls it in the event loop; tools/profile_verifier.py
-fits it and writes the coefficients the server loads.
+Pure: the scheduler calls it in the event loop, several times for every token
+of a stream, so pricing a batch is plain float arithmetic (a few microseconds
+less each time than numpy); tools/profile_verifier.py fits it with numpy and
+writes the coefficients the server loads.
 """
 from __future__ import annotations
 
@@ -41,12 +43,17 @@ TERMS = ("a", "b_c", "b_r", "c")        # coefficient names, in the order of fea
 
 def features(members: Sequence[Member]) -> np.ndarray:
     """[4] (N_linear, N_interactions, N_cached, 1) of one batch as the padded engine runs it."""
+    return np.array(_terms(members), dtype=np.float64)
+
+
+def _terms(members: Sequence[Member]) -> tuple[int, int, int, int]:
+    """features() as a tuple of ints."""
     if not members:
-        return np.array([0.0, 0.0, 0.0, 1.0])
+        return 0, 0, 0, 1
     rows = len(members)
     cached = max(m[0] for m in members)
     new = max(m[1] for m in members)
-    return np.array([rows * new, rows * (cached + new) * new, rows * cached, 1.0], dtype=np.float64)
+    return rows * new, rows * (cached + new) * new, rows * cached, 1
 
 
 def batch_memory_bytes(members: Sequence[Member], kv_bytes_per_token: int, logits_row_bytes: int,
@@ -77,8 +84,10 @@ class VerifyTimeModel:
     smoothing: float = 0.1              # weight of one new measurement in `scale`
 
     def predict_ms(self, members: Sequence[Member]) -> float:
-        coef = np.array([self.a, self.b_c, self.b_r, self.c])
-        return self.scale * max(0.0, float(features(members) @ coef))
+        """scale * max(0, features(members) @ (a, b_c, b_r, c)), without numpy (see the module's note)."""
+        n_linear, n_interactions, n_cached, one = _terms(members)
+        return self.scale * max(0.0, self.a * n_linear + self.b_c * n_interactions + self.b_r * n_cached
+                                + self.c * one)
 
     def batch_ms(self, members: Sequence[Member]) -> float:
         """A whole batch, run as split_passes groups it: the sum of its passes' estimates."""

@@ -113,6 +113,23 @@ def test_probs_from_logits_top_k_and_temperature():
     assert cold.max() > 0.99 and hot.max() < 0.3
 
 
+def test_probs_from_logits_works_on_its_own_copy_and_computes_the_plain_softmax():
+    """It writes into its own array (no fresh row per step): the caller's float64 logits and mask stay as
+    they were, and the result is bit for bit the masked, top-k, tempered softmax written out plainly."""
+    rng = np.random.default_rng(0)
+    logits = rng.normal(0, 3, size=(2, 50))                 # float64: np.asarray alone would not copy it
+    mask = rng.random(50) < 0.5
+    before, mask_before = logits.copy(), mask.copy()
+    p = sampling.probs_from_logits(logits, SamplingParams(temperature=0.7, top_k=5), mask)
+    np.testing.assert_array_equal(logits, before)
+    np.testing.assert_array_equal(mask, mask_before)
+    assert not np.shares_memory(p, logits)
+    x = np.where(mask, logits / 0.7, -np.inf)
+    x = np.where(x >= np.sort(x, axis=-1)[:, -5, None], x, -np.inf)
+    e = np.exp(x - x.max(axis=-1, keepdims=True))
+    np.testing.assert_array_equal(p, e / e.sum(axis=-1, keepdims=True))
+
+
 def test_bad_distributions_are_refused():
     with pytest.raises(SamplingError):
         sampling.probs_from_logits(np.array([[1.0, np.nan]]), SamplingParams(temperature=1.0))
