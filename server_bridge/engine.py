@@ -11,6 +11,9 @@ pass that died earlier can never leave KV that a later pass attends to), the
 new ids, how many of the last rows need logits, and taps: {layer: fn} called
 during the pass with the residual stream after decoder block `layer`
 (1-based) at those rows, hidden [keep, hidden] (the early exits read it).
+A pass may also carry images {index in new_ids: PromptImage}: a vision engine
+expands each image marker there to the image's positions; `start`, `keep`
+and a sequence's `length` still count text ids (a marker is one).
 
 Two backends implement it (`load_engine`): `llamacpp` (server_bridge/
 engine_llamacpp.py; the default for GGUF targets, no torch) and `torch`
@@ -54,10 +57,14 @@ class Pass:
     new_ids: list[int]
     keep: int                       # logits rows wanted: the last `keep` of new_ids (0: KV only)
     taps: Mapping[int, Callable[[Any], None]] | None = None
+    images: Mapping[int, Any] | None = None     # index in new_ids of an image marker -> its protocol.images
+                                                # PromptImage (a vision engine expands the marker; None: text)
 
     def check(self) -> None:
         if not self.new_ids or not 0 <= self.keep <= len(self.new_ids):
             raise ValueError(f"a pass needs new ids and 0 <= keep <= {len(self.new_ids)}, got {self.keep}")
+        if self.images and not all(0 <= i < len(self.new_ids) for i in self.images):
+            raise ValueError(f"image indices {sorted(self.images)} must index the pass's {len(self.new_ids)} new ids")
         if not 0 <= self.start <= self.seq.length:
             raise ValueError(f"start {self.start} is past the {self.seq.length} positions the sequence holds")
 

@@ -7,6 +7,13 @@ for only at the rows verification uses; a rejected draft leaves with
 `llama_memory_seq_rm`. A released sequence's cells go back to the pool, so the
 KV memory is the context's size however many sessions come and go.
 
+Images (a vision-language target, `mmproj` given): a pass's image marker at
+text index t is not decoded; libmtmd (protocol/vision.py) writes the image's
+P positions there instead, and every later id of that sequence sits P - 1
+positions further on. The engine keeps each sequence's images as (t, P - 1),
+so `start`, `keep`, `truncate` and a sequence's `length` go on counting text
+ids while the KV holds positions: kv(t) = t + sum(P_i - 1 for images before t).
+
 Early exits: llama.cpp calls the context's eval callback (`cb_eval`) for every
 node of the graph as it computes; it asks for the residual stream `l_out-<il>`
 of the tapped blocks and hands the taps their rows, during the pass.
@@ -22,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from protocol import modelfiles
+from protocol.vision import MARKERS, MtmdVision, marker_id
 
 from .engine import EngineFull, EngineInfo, Pass, Sequence, SequenceIds, check_batch
 
@@ -115,12 +123,14 @@ FLASH_ATTN = ("auto", "on", "off")
 class LlamaCppEngine:
     def __init__(self, path: Path, name: str, threads: int = 0, max_sequences: int = 64, kv_tokens: int = 0,
                  n_gpu_layers: int = -1, tap_layers: list[int] | None = None, kv_type: str = "f16",
-                 kv_unified: bool | None = None, n_ubatch: int = 0, flash_attn: str = "auto"):
+                 kv_unified: bool | None = None, n_ubatch: int = 0, flash_attn: str = "auto",
+                 mmproj: str | Path | None = None, vision_threads: int = 1):
         """kv_unified: one KV pool shared by every sequence (True), or a stream of kv_tokens/max_sequences
         cells per sequence (False: faster batched passes on a GPU, measured on an H100); None picks False
         when layers are offloaded and no exits are tapped, else True. n_ubatch: tokens per llama.cpp
         micro-batch (0: the whole call, so tapped rows arrive in order). flash_attn: llama.cpp's
-        flash-attention switch (auto: on where the backend has it)."""
+        flash-attention switch (auto: on where the backend has it). mmproj: the target's vision projector
+        (libmtmd's GGUF): passes may then carry images; vision_threads: libmtmd's (1: see protocol/vision.py)."""
         import llama_cpp as L
 
         from protocol.native import warn_if_numpy_first
@@ -145,6 +155,7 @@ class LlamaCppEngine:
         self.vocab_size = int(L.llama_vocab_n_tokens(vocab))
         self.tokenizer = _Tokenizer(vocab)
         self.vocab_hash = modelfiles.vocab_hash(L.llama_vocab_get_text(vocab, i) for i in range(self.vocab_size))
+        self.image_token_id = marker_id(vocab)                        # SmolVLM's <image>; None in a text vocabulary
         self.eos_ids = sorted({int(t) for t in (L.llama_vocab_eos(vocab), L.llama_vocab_eot(vocab)) if t >= 0})
         self.n_layers = int(L.llama_model_n_layer(self.model))
         self.hidden_size = int(L.llama_model_n_embd(self.model))
@@ -185,11 +196,21 @@ class LlamaCppEngine:
             self._cb = L.ggml_backend_sched_eval_callback(self._on_tensor)   # kept alive with the engine
             cparams.cb_eval = self._cb
             cparams.cb_eval_user_data = None
+        self.vision = None
+        if mmproj is not None:
+            self.vision = MtmdVision(mmproj, self.model, threads=vision_threads, use_gpu=offload)
+            if self.image_token_id is None:
+                raise ValueError(f"{path} has a projector ({mmproj}) but no image marker token "
+                                 f"({', '.join(MARKERS)}) in its vocabulary")
+        self._images: dict[int, list[tuple[int, int]]] = {}           # seq id -> [(text index, extra positions)]
         self.ctx = L.llama_init_from_model(self.model, cparams)
         if not self.ctx:
             raise RuntimeError(f"llama.cpp could not make a context of {self.kv_capacity} tokens for {path}")
         self.mem = L.llama_get_memory(self.ctx)
         self.batch = L.llama_batch_init(self.n_batch, 0, 1)
+        # numpy views of the batch's arrays, made once: fill_batch runs for every token of a stream
+        self._batch_views = tuple(np.ctypeslib.as_array(a, shape=(self.n_batch,)) for a in (
+            self.batch.token, self.batch.pos, self.batch.logits, self.batch.n_seq_id))
         self.ids = SequenceIds(self.max_sequences)
         self._used = 0                                                # KV cells held by live sequences
         self._seqs: dict[int, Sequence] = {}
@@ -198,12 +219,15 @@ class LlamaCppEngine:
         self.info = EngineInfo("llamacpp", "gpu" if offload else "cpu", dtype,
                                {"n_gpu_layers": int(mparams.n_gpu_layers) if gpu else 0, "kv_type": kv_type,
                                 "threads": self.threads, "weights": self.ftype, "kv_unified": kv_unified,
-                                "n_ubatch": int(cparams.n_ubatch), "flash_attn": flash_attn})
+                                "n_ubatch": int(cparams.n_ubatch), "flash_attn": flash_attn,
+                                "vision": self.vision is not None})
         log.info("llamacpp engine: %s (%s weights) in %.1fs (%d layers, vocab %d, %d sequences, KV %d tokens %s %s, "
-                 "%d threads, GPU offload %s, exits tapped at %s)", name, self.ftype, time.perf_counter() - t0,
+                 "%d threads, GPU offload %s, exits tapped at %s, images %s)", name, self.ftype,
+                 time.perf_counter() - t0,
                  self.n_layers, self.vocab_size, self.max_sequences, self.kv_capacity, kv_type,
                  "unified" if kv_unified else f"in streams of {self.seq_capacity}", self.threads,
-                 self.info.extra["n_gpu_layers"] if gpu else "not built in", sorted(self.tap_names.values()) or "none")
+                 self.info.extra["n_gpu_layers"] if gpu else "not built in", sorted(self.tap_names.values()) or "none",
+                 f"through {Path(mmproj).name}" if self.vision else "no")
 
     @property
     def tapped(self) -> list[int]:
@@ -224,14 +248,30 @@ class LlamaCppEngine:
         seq = self._seqs.pop(seq_id, None)
         self.L.llama_memory_seq_rm(self.mem, seq_id, 0, -1)
         if seq is not None:
-            self._used -= seq.length
+            self._used -= self.kv_pos(seq, seq.length)
             seq.length = 0
+        self._images.pop(seq_id, None)
 
     def truncate(self, seq: Sequence, n: int) -> None:
         if n < seq.length:
-            self.L.llama_memory_seq_rm(self.mem, seq.id, n, -1)
-            self._used -= seq.length - n
-            seq.length = n
+            self._cut(seq, n)
+
+    def _cut(self, seq: Sequence, n: int) -> None:
+        """Drop the sequence's KV from text index n on (images at n or later included)."""
+        at, end = self.kv_pos(seq, n), self.kv_pos(seq, seq.length)
+        self.L.llama_memory_seq_rm(self.mem, seq.id, at, -1)
+        self._used -= end - at
+        seq.length = n
+        if seq.id in self._images:
+            kept = [(t, extra) for t, extra in self._images[seq.id] if t < n]
+            if kept:
+                self._images[seq.id] = kept
+            else:
+                del self._images[seq.id]
+
+    def kv_pos(self, seq: Sequence, t: int) -> int:
+        """The KV position of text index t: t plus the extra positions of the images before it."""
+        return t + sum(extra for i, extra in self._images.get(seq.id, ()) if i < t)
 
     @property
     def kv_used(self) -> int:
@@ -248,6 +288,7 @@ class LlamaCppEngine:
         If a call fails, every sequence is cut back to its pass's start and the error raised.
         """
         check_batch(batch)
+        extra = self._check_images(batch)                 # before anything is written: bad bytes raise here
         untapped = {l for p in batch for l in (p.taps or {})} - set(self.tap_names.values())
         if untapped:
             raise ValueError(f"layers {sorted(untapped)} are not tapped: a llamacpp engine taps only the layers "
@@ -255,50 +296,111 @@ class LlamaCppEngine:
         self.ids.reclaim(self._clear)
         for p in batch:
             self.truncate(p.seq, p.start)                 # trust the caller's committed length, never our own
-        need = sum(len(p.new_ids) for p in batch)
-        for p in batch:
-            if p.start + len(p.new_ids) > self.seq_capacity:
+        cells = [len(p.new_ids) + e for p, e in zip(batch, extra)]       # KV cells each pass writes
+        for p, n in zip(batch, cells):
+            if self.kv_pos(p.seq, p.start) + n > self.seq_capacity:
                 raise EngineFull(f"a session's KV stream holds {self.seq_capacity} tokens, the pass needs "
-                                 f"{p.start + len(p.new_ids)}")
-        if self._used + need > self.kv_capacity:
-            raise EngineFull(f"the pass needs {need} KV cells, {self.kv_capacity - self._used} of "
+                                 f"{self.kv_pos(p.seq, p.start) + n}")
+        if self._used + sum(cells) > self.kv_capacity:
+            raise EngineFull(f"the pass needs {sum(cells)} KV cells, {self.kv_capacity - self._used} of "
                              f"{self.kv_capacity} are free")
-        flat = [(p, j) for p in batch for j in range(len(p.new_ids))]
+        text = [p for p in batch if not p.images]
+        flat = [(p, j) for p in text for j in range(len(p.new_ids))]
         out_rows: list[np.ndarray] = []
+        by_pass: dict[int, np.ndarray] = {}
         try:
             for c0 in range(0, len(flat), self.n_batch):
                 out_rows.append(self._decode(flat[c0:c0 + self.n_batch]))
+            for p in batch:                               # prompts with images: rare (opens), each on its own
+                if p.images:
+                    by_pass[id(p)] = self._forward_images(p)
         except BaseException:
             for p in batch:
-                self.L.llama_memory_seq_rm(self.mem, p.seq.id, p.start, -1)
-                self._used -= p.seq.length - p.start
-                p.seq.length = p.start
+                self._cut(p.seq, p.start)
             raise
-        logits = np.concatenate(out_rows) if out_rows else np.zeros((0, self.vocab_size), np.float32)
+        if len(out_rows) == 1:                            # one call (a stream's token, a round): no second copy
+            logits = out_rows[0]
+        else:
+            logits = np.concatenate(out_rows) if out_rows else np.zeros((0, self.vocab_size), np.float32)
         result, at = [], 0
         for p in batch:
-            result.append(logits[at:at + p.keep])
-            at += p.keep
+            if p.images:
+                result.append(by_pass[id(p)])
+            else:
+                result.append(logits[at:at + p.keep])
+                at += p.keep
         return result
+
+    # ------------------------------------------------------------------ images
+
+    def _check_images(self, batch: list[Pass]) -> list[int]:
+        """Each pass's extra KV positions for its images (0 for text); raises ValueError (or
+        vision.UnknownImage) for a pass this engine cannot run, before anything is written."""
+        extra = []
+        for p in batch:
+            if not p.images:
+                extra.append(0)
+                continue
+            if self.vision is None:
+                raise ValueError(f"the target {self.name} reads text only (no mmproj): a pass with images")
+            wrong = [i for i in p.images if p.new_ids[i] != self.image_token_id]
+            if wrong:
+                raise ValueError(f"images at {wrong} are not on the image marker {self.image_token_id}: "
+                                 f"the ids there are {[p.new_ids[i] for i in wrong]}")
+            if p.taps and max(p.images) >= len(p.new_ids) - p.keep:
+                raise ValueError("taps read text rows only: an image may not be among a tapped pass's kept rows")
+            extra.append(sum(self.vision.positions(img) - 1 for img in p.images.values()))
+        return extra
+
+    def _forward_images(self, p: Pass) -> np.ndarray:
+        """One sequence's pass with images: its text runs between them through _decode, each image
+        through libmtmd at its KV position; logits [keep, vocab], an image's row the one after it."""
+        L, n, first_kept = self.L, len(p.new_ids), len(p.new_ids) - p.keep
+        rows: list[np.ndarray] = []
+        a = 0
+        for i in sorted(p.images) + [n]:
+            if i > a:                                     # the text ids a..i-1
+                keep = max(0, i - max(a, first_kept))
+                part = Pass(p.seq, p.start + a, p.new_ids[a:i], keep, p.taps if i == n else None)
+                flat = [(part, j) for j in range(i - a)]
+                for c0 in range(0, len(flat), self.n_batch):
+                    rows.append(self._decode(flat[c0:c0 + self.n_batch]))
+            if i == n:
+                break
+            at = self.kv_pos(p.seq, p.start + i)
+            used = self.vision.eval(self.ctx, p.seq.id, at, p.images[i], self.n_batch, logits_last=i >= first_kept)
+            self._images.setdefault(p.seq.id, []).append((p.start + i, used - 1))
+            p.seq.length = p.start + i + 1
+            self._used += used
+            if i >= first_kept:
+                last = L.llama_get_logits_ith(self.ctx, -1)                   # the row after the image
+                rows.append(np.ctypeslib.as_array(last, shape=(1, self.vocab_size)).copy())
+            a = i + 1
+        return np.concatenate(rows) if rows else np.zeros((0, self.vocab_size), np.float32)
 
     def fill_batch(self, chunk: list[tuple[Pass, int]]) -> tuple[int, list[tuple[int, int, Pass]]]:
         """Write (pass, index in its new ids) tokens into the llama_batch; (logits rows asked for, tapped rows)."""
         b, n = self.batch, len(chunk)
-        token = np.ctypeslib.as_array(b.token, shape=(n,))
-        pos = np.ctypeslib.as_array(b.pos, shape=(n,))
-        want = np.ctypeslib.as_array(b.logits, shape=(n,))
-        np.ctypeslib.as_array(b.n_seq_id, shape=(n,))[:] = 1
+        token, pos, want, n_seq_id = self._batch_views
+        n_seq_id[:n] = 1
+        n_out = 0
         taps: dict[int, tuple[int, int, Pass]] = {}
+        base: dict[int, int] = {}                         # a pass's first KV position (images shift it)
         for i, (p, j) in enumerate(chunk):
             token[i] = p.new_ids[j]
-            pos[i] = p.start + j
+            b0 = base.get(id(p))
+            if b0 is None:
+                b0 = base[id(p)] = self.kv_pos(p.seq, p.start)
+            pos[i] = b0 + j
             b.seq_id[i][0] = p.seq.id
-            want[i] = j >= len(p.new_ids) - p.keep
-            if p.taps and want[i]:
+            kept = j >= len(p.new_ids) - p.keep
+            want[i] = kept
+            n_out += kept
+            if p.taps and kept:
                 row0, count, _ = taps.get(id(p), (i, 0, p))
                 taps[id(p)] = (row0, count + 1, p)
         b.n_tokens = n
-        return int(want.sum()), list(taps.values())
+        return n_out, list(taps.values())
 
     def _decode(self, chunk: list[tuple[Pass, int]]) -> np.ndarray:
         """One llama_decode of (pass, index in its new ids) tokens; the logits rows it asked for, in order."""
@@ -319,8 +421,9 @@ class LlamaCppEngine:
             self._used += 1
         if not n_out:
             return np.zeros((0, self.vocab_size), np.float32)
-        ptr = L.llama_get_logits(self.ctx)
-        return np.ctypeslib.as_array(ptr, shape=(n_out, self.vocab_size)).copy()
+        rows = np.empty((n_out, self.vocab_size), np.float32)           # llama.cpp reuses its buffer next call
+        ctypes.memmove(rows.ctypes.data, L.llama_get_logits(self.ctx), rows.nbytes)
+        return rows
 
     # ------------------------------------------------------------------ early exits
 

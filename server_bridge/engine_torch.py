@@ -263,6 +263,9 @@ class TorchEngine:
     def forward(self, batch: list[Pass]) -> list[torch.Tensor]:
         """One ragged pass; per session its logits [keep, vocab] (float32, on the device)."""
         check_batch(batch)
+        if any(getattr(p, "images", None) for p in batch):
+            raise ValueError(f"the torch engine's target {self.name} reads text only: a pass with images needs "
+                             "the llamacpp engine with --mmproj")
         for p in batch:
             if p.start + len(p.new_ids) > self.max_len:
                 raise EngineFull(f"a session's KV slot holds {self.max_len} tokens, the pass needs "
