@@ -70,7 +70,8 @@ class BranchDrafter:
         self._ctx = _internals.LlamaContext(model=drafter.llm._model, params=params, verbose=False)
         self._batch = _internals.LlamaBatch(n_tokens=512, embd=0, n_seq_max=1, verbose=False)
         self.n_ctx = n_ctx
-        self.held: list[int] = []               # tokens in sequence 0
+        self.drafter = drafter                  # its images: sequence 0 holds drafter.expand(committed) + draft
+        self.held: list[int] = []               # tokens in sequence 0 (an image's positions as its stand-in id)
         self.free = list(range(slots, 0, -1))   # free branch sequence ids
         self.kept: dict[tuple[int, ...], Branch] = {}   # finished branches whose KV is still held
 
@@ -115,7 +116,7 @@ class BranchDrafter:
         draft token is evaluated; otherwise the KV of the prefix shared with what
         sequence 0 held is kept and the rest evaluated in one batch.
         """
-        seq = list(committed) + list(draft_ids)
+        seq = self.drafter.expand(list(committed) + list(draft_ids))
         if len(seq) + 1 >= self.n_ctx:
             raise DraftContextFull(f"{len(seq)} tokens do not fit the pre-draft context of {self.n_ctx}")
         import llama_cpp
@@ -129,14 +130,19 @@ class BranchDrafter:
             self._rm(s)
         self.free = list(range(self.slots, 0, -1))
         self.kept.clear()
-        keep = min(_common_prefix(self.held, seq), len(seq) - 1)
+        keep = self.drafter.image_start(seq, min(_common_prefix(self.held, seq), len(seq) - 1))
         self._rm(0, keep)
         self.held = self.held[:keep]
-        for start in range(keep, len(seq), 512):
-            chunk = range(start, min(len(seq), start + 512))
-            self._decode([(seq[p], p, 0, p == len(seq) - 1) for p in chunk])
-            self.held.extend(seq[p] for p in chunk)
-        return self._logits(len(chunk) - 1)             # the last row of the last chunk
+        for kind, run, at in self.drafter.image_runs(seq, keep, len(seq)):
+            if kind == "image":                         # a prompt's image, through the draft's projector
+                n = self.drafter.vision.eval(self._ctx.ctx, 0, at, run, 512, logits_last=True)
+                self.held.extend(seq[at:at + n])
+                continue
+            for start in range(at, at + len(run), 512):
+                chunk = range(start, min(at + len(run), start + 512))
+                self._decode([(seq[p], p, 0, p == len(seq) - 1) for p in chunk])
+                self.held.extend(seq[p] for p in chunk)
+        return self._logits(-1)                         # the row after the last position
 
     # ------------------------------------------------------------------ branches
 
@@ -152,7 +158,7 @@ class BranchDrafter:
             self.drop(self.kept.pop(next(iter(self.kept))))
         if not self.free:
             raise BranchError("no free branch slot")
-        full = self.held[:n_committed] + list(key)
+        full = self.held[:self.drafter.kv_len(n_committed)] + list(key)
         shared = min(_common_prefix(self.held, full), len(full) - 1)
         seq = self.free.pop()
         llama_cpp.llama_memory_seq_cp(self._ctx.memory, 0, seq, 0, shared)

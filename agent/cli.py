@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import sys
+from pathlib import Path
 
 from protocol import modelfiles, payload
 from protocol.payload import PayloadSpec
@@ -30,7 +31,17 @@ def _generate(args) -> int:
     except SamplingError as e:
         print(f"edge-agent: {e}", file=sys.stderr)
         return 2
-    drafter = Drafter(args.draft, threads=args.threads, n_gpu_layers=args.n_gpu_layers)
+    try:
+        images = [Path(f).read_bytes() for f in args.image]
+        drafter = Drafter(args.draft, threads=args.threads, n_gpu_layers=args.n_gpu_layers,
+                          mmproj=args.draft_mmproj or None)
+        if images:
+            prompt_ids, prompt_images = drafter.image_prompt(args.prompt, images, chat=args.chat)
+        else:
+            prompt_ids, prompt_images = drafter.tokenize(args.prompt, chat=args.chat), []
+    except (OSError, ValueError) as e:                  # a missing file, an image that is no JPEG/PNG
+        print(f"edge-agent: {e}", file=sys.stderr)
+        return 2
     token = args.token if args.token is not None else os.environ.get("VERIFIER_TOKEN", "")
     exits = None if args.exits == "all" else tuple(int(x) for x in args.exits.split(",") if x.strip())
     fsd = FsdOptions(exits=exits, workers=args.predraft_workers, policy=args.queue_policy,
@@ -45,10 +56,9 @@ def _generate(args) -> int:
                           trace=args.trace, payload=PayloadSpec.parse(args.payload, args.topk), slo=args.slo,
                           ca_file=args.ca_file, allow_insecure=args.allow_insecure,
                           robot_id=default_robot_id() if args.robot_id is None else args.robot_id)
-    prompt_ids = drafter.tokenize(args.prompt, chat=args.chat)
     try:
         gen = decoder.generate(prompt_ids, mode="local" if args.local else args.mode, max_tokens=args.max_tokens,
-                               params=params, gamma=args.gamma)
+                               params=params, gamma=args.gamma, images=prompt_images)
     except (LinkLost, ServerError) as e:
         print(f"edge-agent: {e}", file=sys.stderr)
         return 3
@@ -242,6 +252,10 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--local", action="store_true", help="generate with the draft alone (offline)")
     g.add_argument("--draft", default=modelfiles.DEFAULT_DRAFT,
                    help=f"draft name ({', '.join(modelfiles.DRAFTS)}) or a GGUF path")
+    g.add_argument("--draft-mmproj", default="", help="the draft's vision projector GGUF (a vision-language draft)")
+    g.add_argument("--image", action="append", default=[], metavar="FILE",
+                   help="a JPEG or PNG for the prompt (repeatable; needs --draft-mmproj and a target that reads "
+                        "images): on the prompt's image markers, in front of it, or with --chat in the user turn")
     g.add_argument("--threads", type=int, default=2)
     g.add_argument("--n-gpu-layers", type=int, default=-1,
                    help="draft layers on the GPU (default -1: all when llama.cpp can offload; 0: CPU)")

@@ -23,6 +23,7 @@ import numpy as np
 
 from protocol import payload, sampling, wire
 from protocol.grammar import GrammarState
+from protocol.images import PromptImage
 from protocol.payload import PayloadSpec
 from protocol.sampling import SamplingParams
 
@@ -164,6 +165,8 @@ class EdgeDecoder:
         self._grammar: dict | None = None       # this generation's Open.grammar ({gbnf, from}); None: free
         self._gstate: GrammarState | None = None     # the draft's walk of it, over committed[:_gpos]
         self._gpos = 0
+        self._images: list[PromptImage] = []    # this generation's prompt images
+        self._image_bytes = True                # the next open sends their bytes (else their sha256)
 
     def close(self) -> None:
         if self.link is not None:
@@ -187,7 +190,8 @@ class EdgeDecoder:
     def generate(self, prompt_ids: list[int], *, mode: str = "sd", max_tokens: int = 64,
                  params: SamplingParams = SamplingParams(), gamma: int = 4,
                  until: Callable[[list[int]], bool] | None = None, session: str | None = None,
-                 grammar: str | None = None, grammar_from: int | None = None) -> Generation:
+                 grammar: str | None = None, grammar_from: int | None = None,
+                 images: list[PromptImage] | None = None) -> Generation:
         """Generate up to max_tokens after prompt_ids.
 
         `until(ids)` ends the generation at the shortest output for which it is true (the
@@ -204,6 +208,11 @@ class EdgeDecoder:
         drafts under it and the server masks the target with it, so every mode's ids are the
         target's own under the grammar. It applies from prompt_ids[grammar_from:] on (default: the
         generated part only); the ids already there must be allowed by it.
+
+        `images` (a vision-language pair: the draft loaded with its mmproj, a target that reads images):
+        the prompt's images, each on its image marker in prompt_ids (PromptImage.of(bytes, at)). Both
+        sides prefill them with their own vision encoder; drafting and verification stay over text.
+        The first open sends their bytes, a re-open their sha256 (the bytes again if the server lost them).
         """
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -217,6 +226,7 @@ class EdgeDecoder:
         t0 = time.perf_counter()
         self._until, self._checked = until, 0
         self._set_grammar(grammar, len(prompt_ids) if grammar_from is None else grammar_from, prompt_ids)
+        self._set_images(images or [], prompt_ids)
         self._spec = self.payload.for_params(params)
         m.payload = str(self._spec) if mode in ("sd", "fsd") else "none"      # ar and local send no q
         if mode == "local":
@@ -252,6 +262,15 @@ class EdgeDecoder:
         self._grammar = {"gbnf": gbnf, "from": start}
         self._gstate = self.drafter.grammars.get(gbnf).walk(prompt_ids[start:])
         self._gpos = len(prompt_ids)
+
+    def _set_images(self, images: list[PromptImage], prompt_ids: list[int]) -> None:
+        """This generation's images: checked on their markers and prefilled by the draft when it drafts."""
+        for i, image in enumerate(images):
+            if not 0 <= image.at < len(prompt_ids) or prompt_ids[image.at] != self.drafter.image_marker:
+                raise ValueError(f"images[{i}] must sit on an image marker of the prompt (index {image.at})")
+        self.drafter.use_images(images)
+        self._images = list(images)
+        self._image_bytes = True                # the first open of a generation sends them whole
 
     def _grammar_at(self, committed: list[int]) -> GrammarState | None:
         """The grammar's state after `committed` (which only grows within a generation), walked on from
@@ -374,6 +393,8 @@ class EdgeDecoder:
                     if not e.recoverable or failures > self.reconnect.max_attempts:
                         e.token_ids = committed[n_prompt:]
                         raise
+                    if e.code == "unknown_image":       # the server no longer holds the images: bytes again
+                        self._image_bytes = True
                     log.info("server lost our session (%s); re-opening with %d committed tokens", e.code,
                              len(committed))
                     is_open = False
@@ -452,9 +473,10 @@ class EdgeDecoder:
         if self._grammar is not None and not self.link.welcome.limits.get("grammar"):
             raise ServerError("no_grammar", f"the verifier ({self.link.welcome.target}) does not decode under a "
                               "grammar: its output would not be the constrained target's", sid)
+        images = self._open_images(sid)
         msg = wire.Open(sid, list(committed), {"temperature": params.temperature, "top_k": params.top_k,
                                                "seed": params.seed}, exits=layers, payload=self._spec.to_wire(),
-                       slo={"tokens_per_s": self.slo} if self.slo else {}, grammar=self._grammar)
+                       slo={"tokens_per_s": self.slo} if self.slo else {}, grammar=self._grammar, images=images)
         self._owed = None                       # the prefix re-sent here includes any correction
         self._exits_on = bool(layers)
         # the prefill grows with the prompt: allow it ~20 ms a token on top of the reply timeout (a dead
@@ -462,11 +484,27 @@ class EdgeDecoder:
         reply, rtt = self.link.request(msg, timeout_s=self.recv_timeout_s + 0.02 * len(committed))
         if not isinstance(reply, wire.Opened) or reply.n_committed != len(committed):
             raise LinkLost(f"bad reply to open: {reply}")
+        self._image_bytes = False               # the server holds them now: a re-open names them by sha256
         m.prefill_ms += reply.timing.get("prefill_ms", 0.0)
         m.target_forward_passes += reply.timing.get("passes", 0)
         replica = reply.replica or self.link.welcome.replica
         if replica and (not m.replicas or m.replicas[-1] != replica) and len(m.replicas) < MAX_REPLICAS_SEEN:
             m.replicas.append(replica)
+
+    def _open_images(self, sid: str) -> list[PromptImage]:
+        """The images as this open sends them; ServerError before sending when the verifier cannot read them."""
+        if not self._images:
+            return []
+        offered = self.link.welcome.limits.get("images")
+        if not isinstance(offered, dict):
+            raise ServerError("no_vision", f"the verifier ({self.link.welcome.target}) reads text only: serve a "
+                              "vision-language target (--mmproj) or send no images", sid)
+        if offered.get("marker") != self.drafter.image_marker:
+            raise ServerError("vocab_mismatch", f"the verifier's image marker is {offered.get('marker')}, the "
+                              f"draft's {self.drafter.image_marker}: not the same vision-language pair", sid)
+        if self._image_bytes:
+            return list(self._images)
+        return [PromptImage(im.at, im.sha256) for im in self._images]
 
     def _sd_round(self, sid, committed, remaining, params, rng, m) -> None:
         ctl = self.controller

@@ -5,6 +5,12 @@ Per-token logits come from `llama_get_logits_ith(ctx, -1)` after each decode
 cache follows the committed prefix: a rejection rolls it back by setting
 `n_tokens` (llama-cpp's `eval` drops every KV entry past it first).
 
+A vision-language draft (`mmproj` given: libmtmd's projector, protocol/vision.py)
+reads the current prompt's images (`use_images`): the context holds each image's
+marker expanded to the image's positions, so the KV is indexed by `expand(ids)`,
+in which an image's positions carry a negative stand-in id of its own. A step's
+image and text are prefilled once and the shared prefix's KV kept, as for text.
+
 Not thread-safe: one `Drafter` (one llama context) per thread.
 """
 from __future__ import annotations
@@ -21,6 +27,7 @@ import numpy as np
 
 from protocol import modelfiles, sampling
 from protocol.grammar import GrammarCache, GrammarState
+from protocol.images import PromptImage
 from protocol.payload import DraftQ, PayloadSpec, draw
 from protocol.sampling import SamplingParams
 
@@ -108,7 +115,8 @@ def gpu_layers(requested: int, supported: bool) -> int:
 
 class Drafter:
     def __init__(self, model: str = modelfiles.DEFAULT_DRAFT, n_ctx: int = 4096, threads: int = 2,
-                 extra_buffers: bool = False, n_gpu_layers: int = -1):
+                 extra_buffers: bool = False, n_gpu_layers: int = -1, mmproj: str | Path | None = None,
+                 vision_threads: int = 1):
         from llama_cpp import Llama, llama_model_get_vocab, llama_supports_gpu_offload, llama_vocab_get_text
 
         self.path: Path = modelfiles.resolve_draft(model)
@@ -132,6 +140,17 @@ class Drafter:
         self.eos_ids = {int(self.llm.token_eos())}
         self.grammars = GrammarCache(vocab, self.vocab_size, owner=self.llm)   # compiled answer grammars
         self.chat_template = self.llm.metadata.get("tokenizer.chat_template")
+        self.vision = None                      # libmtmd's projector (protocol/vision.py) when the draft sees
+        self.image_marker: int | None = None    # the image marker's id in this vocabulary
+        self._images: dict[int, tuple[PromptImage, int, int]] = {}   # marker index -> (image, positions, stand-in)
+        if mmproj is not None:
+            from protocol.vision import MtmdVision, marker_id
+
+            self.image_marker = marker_id(vocab)
+            if self.image_marker is None:
+                raise ValueError(f"draft {self.name} has a projector ({mmproj}) but no image marker token in its "
+                                 "vocabulary: is it a vision-language model?")
+            self.vision = MtmdVision(mmproj, self.llm.model, threads=vision_threads, use_gpu=bool(layers))
         log.info("draft %s loaded from %s in %.2fs (vocab %d, %d threads, %s)", self.name, self.path,
                  time.perf_counter() - t0, self.vocab_size, threads,
                  f"GPU: {'all' if layers < 0 else layers} layers" if layers else "CPU")
@@ -155,6 +174,110 @@ class Drafter:
     def detokenize(self, ids: list[int], skip: set[int] | frozenset = frozenset()) -> str:
         return self.llm.detokenize([t for t in ids if t not in skip], special=True).decode("utf-8", "replace")
 
+    # ------------------------------------------------------------------ images
+
+    def use_images(self, images: list[PromptImage] | None) -> None:
+        """The images of the prompts drafted from now on (each on its marker, `at`); [] or None: text only.
+
+        Raises ValueError for an image this draft cannot read (no projector, bytes that are no image)."""
+        if not images:
+            self._images = {}
+            return
+        if self.vision is None:
+            raise ValueError(f"draft {self.name} reads text only: load it with its mmproj (--draft-mmproj) to "
+                             "send images")
+        self._images = {im.at: (im, self.vision.positions(im), -1 - int(im.sha256[:7], 16)) for im in images}
+
+    def image_prompt(self, text: str, images: list[bytes], chat: bool = False) -> tuple[list[int], list[PromptImage]]:
+        """A prompt with images: (ids, each image on its marker). With chat the images lead the user turn as
+        the model's chat template lays them out; otherwise `text` holds one marker (SmolVLM's `<image>`) per
+        image, or none and the markers go in front of it."""
+        if self.image_marker is None:
+            raise ValueError(f"draft {self.name} reads text only: load it with its mmproj (--draft-mmproj)")
+        import llama_cpp
+
+        marker = llama_cpp.llama_vocab_get_text(llama_cpp.llama_model_get_vocab(self.llm.model),
+                                                self.image_marker).decode()
+        if chat:
+            content = [{"type": "image"} for _ in images] + [{"type": "text", "text": text}]
+            text = self.apply_chat_template([{"role": "user", "content": content}])
+        elif marker not in text:
+            text = marker * len(images) + text
+        ids = self.tokenize(text)
+        at = [i for i, t in enumerate(ids) if t == self.image_marker]
+        if len(at) != len(images):
+            raise ValueError(f"the prompt holds {len(at)} image markers ({marker}) for {len(images)} images")
+        return ids, [PromptImage.of(data, i) for data, i in zip(images, at)]
+
+    @property
+    def images(self) -> list[PromptImage]:
+        return [im for im, _, _ in self._images.values()]
+
+    def expand(self, ids: list[int]) -> list[int]:
+        """ids as the KV holds them: each image's marker replaced by the image's positions (its stand-in id)."""
+        if not self._images:
+            return ids
+        out, prev = [], 0
+        for at in sorted(self._images):
+            if at >= len(ids):
+                break
+            if ids[at] != self.image_marker:
+                raise ValueError(f"the image for index {at} is not on the image marker {self.image_marker}: "
+                                 f"the ids hold {ids[at]} there")
+            _, n, stand_in = self._images[at]
+            out += ids[prev:at]
+            out += [stand_in] * n
+            prev = at + 1
+        out += ids[prev:]
+        return out
+
+    def kv_len(self, n: int) -> int:
+        """KV positions the first n ids take."""
+        return n + sum(positions - 1 for at, (_, positions, _) in self._images.items() if at < n)
+
+    def image_runs(self, kv: list[int], start: int, end: int):
+        """kv[start:end] as ("text", ids, pos) and ("image", PromptImage, pos) runs; start must not cut an image."""
+        stand_ins = {stand_in: image for image, _, stand_in in self._images.values()}
+        p = start
+        while p < end:
+            if kv[p] >= 0:
+                q = p
+                while q < end and kv[q] >= 0:
+                    q += 1
+                yield "text", kv[p:q], p
+            else:
+                if p > 0 and kv[p - 1] == kv[p]:
+                    raise ValueError(f"position {p} lies inside an image")
+                image = stand_ins[kv[p]]
+                q = p
+                while q < len(kv) and kv[q] == kv[p]:
+                    q += 1
+                if q > end:
+                    raise ValueError(f"an image at {p} does not end before {end}")
+                yield "image", image, p
+            p = q
+
+    @staticmethod
+    def image_start(kv: list[int], keep: int) -> int:
+        """keep moved back to the first position of the image it falls inside (if any)."""
+        while 0 < keep < len(kv) and kv[keep] < 0 and kv[keep - 1] == kv[keep]:
+            keep -= 1
+        return keep
+
+    def _eval(self, kv: list[int], start: int, end: int, logits_last: bool = False) -> None:
+        """Decode kv[start:end] into the context at positions start..end-1 (images through libmtmd)."""
+        import llama_cpp
+
+        self.llm.n_tokens = start
+        for kind, what, pos in self.image_runs(kv, start, end):
+            if kind == "text":
+                self.llm.eval(what)
+                continue
+            llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(self.llm.ctx), 0, pos, -1)
+            n = self.vision.eval(self.llm.ctx, 0, pos, what, self.llm.n_batch, logits_last=logits_last)
+            self.llm.input_ids[pos:pos + n] = kv[pos]
+            self.llm.n_tokens = pos + n
+
     # ------------------------------------------------------------------ drafting
 
     def _logits_after(self, committed: list[int]) -> np.ndarray:
@@ -166,12 +289,20 @@ class Drafter:
         up to 0.5 apart between a prompt's last row and the same token alone), so this
         keeps the draft, and a seeded generation, the same whatever the KV held before.
         """
-        if len(committed) >= self.llm.n_ctx():
-            raise DraftContextFull(f"{len(committed)} tokens do not fit the draft context of {self.llm.n_ctx()}")
+        kv = self.expand(committed)
+        if len(kv) >= self.llm.n_ctx():
+            raise DraftContextFull(f"{len(kv)} positions do not fit the draft context of {self.llm.n_ctx()}")
         held = self.llm.input_ids[: self.llm.n_tokens]
-        n = min(len(held), len(committed) - 1)
-        mismatch = np.flatnonzero(held[:n] != np.asarray(committed[:n]))
+        n = min(len(held), len(kv) - 1)
+        mismatch = np.flatnonzero(held[:n] != np.asarray(kv[:n]))
         keep = int(mismatch[0]) if mismatch.size else n
+        if self._images:
+            keep = self.image_start(kv, keep)
+            last = self.image_start(kv, len(kv) - 1)  # the last token, or the whole image the ids end on
+            if last > keep:
+                self._eval(kv, keep, last)
+            self._eval(kv, last, len(kv), logits_last=True)
+            return self._last_logits()
         self.llm.n_tokens = keep                      # KV rollback: eval() drops positions >= keep
         if len(committed) - keep > 1:
             self.llm.eval(committed[keep:-1])
@@ -204,7 +335,7 @@ class Drafter:
         what the grammar allows next (protocol/grammar.py), as the target's p will be.
         """
         t0 = time.perf_counter()
-        if len(committed) + k >= self.llm.n_ctx():
+        if self.kv_len(len(committed)) + k >= self.llm.n_ctx():
             raise DraftContextFull(f"drafting {k} after {len(committed)} tokens exceeds the draft context")
         ids: list[int] = []
         rows: list = []

@@ -36,7 +36,8 @@ from protocol import wire
 log = logging.getLogger(__name__)
 
 # A server error that re-opening the session with the committed prefix repairs.
-RECOVERABLE = {"unknown_session", "desync"}
+# unknown_image: a re-open sent an image's sha256 alone and this server no longer holds it: send the bytes.
+RECOVERABLE = {"unknown_session", "desync", "unknown_image"}
 # The session id is held by another connection and our prompt does not carry its committed prefix
 # (a named session re-opened with a new prompt after the link dropped between two generations):
 # re-opening the same id cannot help, a fresh id does (agent/decoder.py switches once per open).

@@ -36,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--target", help="target name (smollm2-f32), a GGUF file or a Hugging Face model directory")
     s.add_argument("--engine", choices=ENGINES, help="llamacpp (default for GGUF targets: llama.cpp, no torch) or "
                    "torch (any transformers model on any device)")
+    s.add_argument("--mmproj", help="llamacpp engine: the target's vision projector GGUF (robots may then send images)")
     s.add_argument("--device", help="torch engine: auto (default: CUDA where present), cpu, cuda or cuda:N")
     s.add_argument("--dtype", choices=DTYPES, help="torch engine: auto (default: bfloat16 on CUDA, float32 on "
                    "the CPU), float32, bfloat16 or float16")
@@ -100,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = ServerConfig.load(args.config, host=args.host, port=args.port, token=token, tls_cert=args.tls_cert,
                                    tls_key=args.tls_key, target=args.target,
-                                   engine=args.engine, device=args.device, dtype=args.dtype,
+                                   engine=args.engine, mmproj=args.mmproj, device=args.device, dtype=args.dtype,
                                    n_gpu_layers=args.n_gpu_layers, kv_tokens=args.kv_tokens, kv_type=args.kv_type,
                                    kv_unified=args.kv_unified, n_ubatch=args.n_ubatch, flash_attn=args.flash_attn,
                                    threads=args.threads, max_sessions=args.max_sessions,

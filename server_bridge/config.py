@@ -29,6 +29,8 @@ class ServerConfig:
     tls_key: str = ""               # its PEM private key; both or neither
     target: str = modelfiles.DEFAULT_TARGET
     engine: str = "auto"            # llamacpp | torch; auto = llamacpp for a GGUF target, torch for a HF directory
+    mmproj: str = ""                # llamacpp: the target's vision projector (libmtmd's GGUF): robots may then send
+                                    # images (a torch VLM directory needs none: its processor and vision tower are in it)
     device: str = "auto"            # torch: auto | cpu | cuda[:N] (auto: CUDA where present)
     dtype: str = "auto"             # torch: auto | float32 | bfloat16 | float16 (auto: bf16 on CUDA, else f32)
     n_gpu_layers: int = -1          # llamacpp: layers offloaded to the GPU; -1 = all when the build supports it
@@ -78,8 +80,11 @@ class ServerConfig:
     @property
     def llama_options(self) -> dict:
         """The llamacpp engine's own settings, as LlamaCppEngine takes them."""
-        return {"kv_unified": {"auto": None, "on": True, "off": False}[self.kv_unified], "n_ubatch": self.n_ubatch,
-                "flash_attn": self.flash_attn}
+        options = {"kv_unified": {"auto": None, "on": True, "off": False}[self.kv_unified], "n_ubatch": self.n_ubatch,
+                   "flash_attn": self.flash_attn}
+        if self.mmproj:
+            options["mmproj"] = self.mmproj
+        return options
 
     @property
     def kv_budget(self) -> int:
@@ -105,6 +110,8 @@ class ServerConfig:
         if self.kv_unified not in ("auto", "on", "off") or self.flash_attn not in ("auto", "on", "off"):
             raise ValueError(f"kv_unified and flash_attn must be auto, on or off, got {self.kv_unified!r} and "
                              f"{self.flash_attn!r}")
+        if self.mmproj and not Path(self.mmproj).is_file():
+            raise ValueError(f"mmproj: no projector file at {self.mmproj}")
         if self.n_ubatch < 0:
             raise ValueError(f"n_ubatch must be >= 0, got {self.n_ubatch}")
         if self.kv_tokens < 0 or self.threads < 0:

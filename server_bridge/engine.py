@@ -199,6 +199,9 @@ def load_engine(target: str, engine: str = "auto", device: str = "auto", dtype: 
         return LlamaCppEngine(src, name, threads=threads, max_sequences=max_sequences, kv_tokens=kv_tokens,
                               n_gpu_layers=n_gpu_layers, tap_layers=tap_layers or [], kv_type=kv_type, **llama_options)
     if engine == "torch":
+        if llama_options.get("mmproj"):
+            raise ValueError("mmproj is the llamacpp engine's: a torch vision-language target is a Hugging Face "
+                             "directory that holds its own vision tower and processor")
         from .engine_torch import TorchEngine
 
         _claim_gpu("torch", name, _torch_on_cuda(device))

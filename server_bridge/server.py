@@ -44,7 +44,7 @@ from pathlib import Path
 from websockets.asyncio.server import ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 
-from protocol import modelfiles, wire
+from protocol import images, modelfiles, wire
 from .batcher import Batcher
 from .config import ServerConfig
 from .estimator import VerifyTimeModel, batch_memory_bytes
@@ -274,8 +274,15 @@ class BridgeServer:
             eos_ids=target.eos_ids, exits=self.verifier.exit_layers,
             limits={"max_frame_bytes": self.config.max_frame_bytes, "max_draft_len": self.config.max_draft_len,
                     "max_context": self.config.max_context, "max_sessions": self.config.max_sessions,
-                    "grammar": target.grammars_supported},
+                    "grammar": target.grammars_supported, **self._image_limits()},
             engine=target.engine.info.as_dict(), replica=self.replica_id))
+
+    def _image_limits(self) -> dict:
+        """welcome.limits.images where the target reads images: its marker id and the wire's bounds."""
+        marker = self.verifier.target.image_marker
+        if marker is None:
+            return {}
+        return {"images": {"marker": marker, "max_images": images.MAX_IMAGES, "max_bytes": images.MAX_IMAGE_BYTES}}
 
     async def _dispatch(self, ws: ServerConnection, conn_id: int, outbox: Outbox, msg: wire.Message) -> None:
         if isinstance(msg, wire.Open):

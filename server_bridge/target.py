@@ -10,6 +10,11 @@ next pass starts there, so the engine never attends to rejected positions.
 batch is ragged (one llama_decode, each session its own sequence id and
 positions); on the torch engine each session writes into its own preallocated
 KV slot. Batching changes no session's tokens (tests/server_bridge/test_batching.py).
+
+A vision-language target (`sees`) holds a prompt's images by the text index of
+their marker (protocol/images.py); `extend` hands each pass the images among its
+new ids, and the engine expands each marker to the image's positions. A state
+counts text ids, as the wire does; `positions` adds what the images take.
 """
 from __future__ import annotations
 
@@ -17,7 +22,7 @@ import logging
 import weakref
 from pathlib import Path
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -50,6 +55,13 @@ class TargetState:
     cached: int = 0                     # valid KV positions; < len(ids), except == while a split
                                         # rejection waits for the robot's correction (see Verifier.fix)
     passes: int = 0                     # forward passes spent on this session
+    images: dict = field(default_factory=dict)      # text index of a marker in ids -> its PromptImage
+    image_extra: int = 0                # KV positions the images add beyond their markers
+
+    @property
+    def positions(self) -> int:
+        """KV positions the committed prefix takes (its ids, each image's marker expanded)."""
+        return len(self.ids) + self.image_extra
 
 
 class Target:
@@ -66,6 +78,8 @@ class Target:
         self.batchable = engine.batchable
         self.tokenizer = engine.tokenizer          # encode(text) -> ids, for tools and tests
         self.on_device = engine.info.engine == "torch"   # rows are device tensors: the maths runs there
+        # the image marker's id where the engine reads images (a projector or a VLM's vision tower), else None
+        self.image_marker = getattr(engine, "image_token_id", None) if getattr(engine, "vision", None) else None
         self._grammars: GrammarCache | None = None
 
     @property
@@ -91,15 +105,41 @@ class Target:
             self._grammars = GrammarCache(vocab, self.vocab_size, owner)
         return self._grammars.get(gbnf)
 
-    def new_state(self, prompt_ids: list[int], prefill: bool = True) -> TargetState:
+    @property
+    def sees(self) -> bool:
+        return self.image_marker is not None
+
+    def prepare_images(self, prompt_ids: list[int], images: list) -> tuple[dict, int]:
+        """A prompt's images checked against it: ({marker index: image with its bytes}, extra KV positions).
+
+        Raises ValueError (the wire's bad_image) for an image this target cannot take: no vision,
+        not on a marker, bytes that are no image; vision.UnknownImage when only a hash came and the
+        engine no longer holds it. Each image is tokenized here, so a batched pass never meets one."""
+        if not images:
+            return {}, 0
+        if not self.sees:
+            raise ValueError(f"the target {self.name} reads text only")
+        out, extra = {}, 0
+        for i, image in enumerate(images):
+            if prompt_ids[image.at] != self.image_marker:
+                raise ValueError(f"images[{i}].at = {image.at} is not on the image marker (id {self.image_marker}): "
+                                 f"prompt_ids holds {prompt_ids[image.at]} there")
+            image = self.engine.resolve(image)
+            extra += self.engine.image_positions(image) - 1
+            out[image.at] = image
+        return out, extra
+
+    def new_state(self, prompt_ids: list[int], prefill: bool = True, images: list | None = None) -> TargetState:
         """A state for prompt_ids; with prefill, all but the last prompt token are forwarded now.
 
         Without it nothing is cached and the first `extend` forwards the prompt
         (the server batches prefills with other sessions' rounds). The engine's
-        sequence goes back when the state is collected.
+        sequence goes back when the state is collected. images: the prompt's
+        (protocol/images.py PromptImage, `at` its marker's index), see prepare_images.
         """
+        by_index, extra = self.prepare_images(prompt_ids, images or [])
         seq = self.engine.new_sequence()
-        state = TargetState(ids=list(prompt_ids), seq=seq)
+        state = TargetState(ids=list(prompt_ids), seq=seq, images=by_index, image_extra=extra)
         weakref.finalize(state, self.engine.free, seq)
         if prefill and len(prompt_ids) > 1:
             self.extend([Extension(state, list(prompt_ids[:-1]), 0)])
@@ -126,7 +166,7 @@ class Target:
         """
         if len({id(e.state) for e in batch}) != len(batch):
             raise ValueError("a session can be in a batch only once")
-        passes = [Pass(e.state.seq, e.state.cached, list(e.new_ids), e.keep, e.taps) for e in batch]
+        passes = [Pass(e.state.seq, e.state.cached, list(e.new_ids), e.keep, e.taps, _images_in(e)) for e in batch]
         if len(batch) > 1 and not self.batchable:
             rows = [self.engine.forward([p])[0] for p in passes]
         else:
@@ -143,10 +183,16 @@ class Target:
         """A pass's rows on the host, float32 [keep, vocab]."""
         return self.engine.to_numpy(rows)
 
-    def rewind(self, state: TargetState, ids: list[int]) -> None:
-        """Re-point a state at another committed prefix, keeping the KV of the part both share."""
-        keep = min(state.cached, _common_prefix(state.ids, ids), len(ids) - 1)
+    def rewind(self, state: TargetState, ids: list[int], images: list | None = None) -> None:
+        """Re-point a state at another committed prefix and its images (None: the state's own that fall
+        within ids), keeping the KV of the part both share: the ids up to the first that differ, or the
+        first image that is not the same."""
+        if images is None:
+            images = [im for i, im in sorted(state.images.items()) if i < len(ids) and ids[i] == self.image_marker]
+        by_index, extra = self.prepare_images(ids, images)
+        keep = min(state.cached, shared_prefix(state.ids, state.images, ids, by_index), len(ids) - 1)
         state.ids = list(ids)
+        state.images, state.image_extra = by_index, extra
         state.cached = keep
         self.engine.truncate(state.seq, keep)
 
@@ -167,6 +213,23 @@ def load_target(name_or_path: str | None = None, engine: str = "auto", **kw) -> 
     from protocol import modelfiles
 
     return Target(load_engine(name_or_path or modelfiles.DEFAULT_TARGET, engine, **kw))
+
+
+def _images_in(e: Extension) -> dict | None:
+    """The images among an extension's new ids, by their index there (None: text only)."""
+    images, start = e.state.images, e.state.cached
+    if not images:
+        return None
+    inside = {i - start: image for i, image in images.items() if start <= i < start + len(e.new_ids)}
+    return inside or None
+
+
+def shared_prefix(ids_a: list[int], images_a: dict, ids_b: list[int], images_b: dict) -> int:
+    """How many leading ids two prompts share, an image marker counting only where both hold the same image."""
+    n = _common_prefix(ids_a, ids_b)
+    differ = [i for i in set(images_a) | set(images_b) if i < n and
+              getattr(images_a.get(i), "sha256", None) != getattr(images_b.get(i), "sha256", None)]
+    return min(differ, default=n)
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

@@ -20,13 +20,14 @@ import numpy as np
 
 from protocol import modelfiles, payload, sampling
 from protocol.grammar import GrammarError, GrammarState
+from protocol.vision import UnknownImage
 from protocol.wire import Exit, Open, Verify, WireError
 
 from .config import ServerConfig
 from .engine import EngineFull
 from .exits import ExitConfig, ExitPass, ExitScorer, ExitVerdict, NumpyExitHeads
 from .sessions import Session
-from .target import Extension, Target
+from .target import Extension, Target, TargetState, shared_prefix
 
 log = logging.getLogger(__name__)
 
@@ -189,11 +190,10 @@ class Verifier:
     def _prepare_open(self, job: Job) -> None:
         msg, previous = job.msg, job.session
         self._check_ids(msg.prompt_ids, "prompt_ids", msg.sid)
-        if msg.images:                  # the wire carries them (protocol/images.py); the engines read text only yet
-            raise WireError("no_vision", f"the target {self.target.name} reads text only: open this session "
-                            "without images, or serve a vision-language target", msg.sid)
-        if len(msg.prompt_ids) >= self.config.max_context:
-            raise WireError("context_full", f"prompt of {len(msg.prompt_ids)} tokens leaves no room in the "
+        extra = self._check_images(msg)
+        if len(msg.prompt_ids) + extra >= self.config.max_context:
+            raise WireError("context_full", f"prompt of {len(msg.prompt_ids)} tokens"
+                            f"{f' ({extra} more positions for its images)' if extra else ''} leaves no room in the "
                             f"context of {self.config.max_context}", msg.sid)
         try:
             params = sampling.SamplingParams(**msg.sampling)
@@ -212,7 +212,7 @@ class Verifier:
                             f"{self.exit_layers or 'none'}", msg.sid)
         slo = slo_class(msg.slo, self.config.default_slo, msg.sid)
         grammar = self._grammar_state(msg)
-        resumes = previous is not None and previous.slo == slo and _resumes(previous.state.ids, msg.prompt_ids)
+        resumes = previous is not None and previous.slo == slo and _resumes(previous.state, msg)
         if previous is not None:
             # Work still queued for the old session object (an ar stream of a dropped
             # connection) must not touch the state from now on; see _check_live.
@@ -220,10 +220,10 @@ class Verifier:
         if previous is not None and previous.params == params:
             state = previous.state
             state.passes = 0                              # passes are reported per open / round
-            self.target.rewind(state, msg.prompt_ids)     # what is not cached goes with the next round
+            self.target.rewind(state, msg.prompt_ids, msg.images)   # what is not cached goes with the next round
         else:
             try:
-                state = self.target.new_state(msg.prompt_ids, prefill=False)
+                state = self.target.new_state(msg.prompt_ids, prefill=False, images=msg.images)
             except EngineFull as e:                       # every sequence or KV slot is held by a live session
                 raise WireError("overloaded", f"{e}: retry later", msg.sid) from None
             if len(msg.prompt_ids) > 1:                   # the prefill: all but the last prompt token
@@ -241,6 +241,21 @@ class Verifier:
             session.t0, session.n0 = job.arrival, len(msg.prompt_ids)
             job.ended = previous          # the previous generation on this sid ended here (SLO metrics)
         job.session = session
+
+    def _check_images(self, msg: Open) -> int:
+        """The prompt's images, checked on this session alone before anything is queued or cut (each is
+        tokenized now, so no batched pass meets a bad one): the KV positions they add to the prompt."""
+        if not msg.images:
+            return 0
+        if not self.target.sees:
+            raise WireError("no_vision", f"the target {self.target.name} reads text only: open this session "
+                            "without images, or serve a vision-language target", msg.sid)
+        try:
+            return self.target.prepare_images(msg.prompt_ids, msg.images)[1]
+        except UnknownImage as e:
+            raise WireError("unknown_image", f"{e}", msg.sid) from None
+        except ValueError as e:
+            raise WireError("bad_image", f"{e}", msg.sid) from None
 
     def _grammar_state(self, msg: Open) -> GrammarState | None:
         """Open.grammar -> the state after the prompt's constrained part (None: unconstrained)."""
@@ -269,7 +284,7 @@ class Verifier:
         if k > self.config.max_draft_len:
             raise WireError("bad_field", f"draft of {k} tokens exceeds max_draft_len "
                             f"{self.config.max_draft_len}", msg.sid)
-        if len(state.ids) + (msg.fix is not None) + k + 1 > self.config.max_context:
+        if state.positions + (msg.fix is not None) + k + 1 > self.config.max_context:
             raise WireError("context_full", f"session reached max_context {self.config.max_context}", msg.sid)
         self._check_ids(msg.draft_ids, "draft_ids", msg.sid)
         if msg.cands is not None and msg.cands.size and int(msg.cands.max()) >= self.target.vocab_size:
@@ -400,7 +415,7 @@ class Verifier:
         if session.owed is not None:
             raise WireError("desync", "the last split round ended in a rejection: send its correction as `fix`",
                             session.sid)
-        if len(state.ids) + 1 > self.config.max_context:
+        if state.positions + 1 > self.config.max_context:
             raise WireError("context_full", f"session reached max_context {self.config.max_context}",
                             session.sid)
         job.ext = Extension(state, state.ids[state.cached:], keep=1)
@@ -494,10 +509,10 @@ def slo_class(slo: dict, default: float, sid: str) -> float:
     return float(value)
 
 
-def _resumes(old: list[int], new: list[int]) -> bool:
-    """Whether a re-open continues the old committed prefix (one is a prefix of the other)."""
-    n = min(len(old), len(new))
-    return old[:n] == new[:n]
+def _resumes(old: TargetState, msg: Open) -> bool:
+    """Whether a re-open continues the old committed prefix (one is a prefix of the other, with the same images)."""
+    n = min(len(old.ids), len(msg.prompt_ids))
+    return shared_prefix(old.ids, old.images, msg.prompt_ids, {im.at: im for im in msg.images}) == n
 
 
 def _advance(session: Session, committed: list[int]) -> None:
