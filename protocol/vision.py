@@ -3,6 +3,7 @@
     vision = MtmdVision("target-mmproj.gguf", model)    # the projector for a loaded llama_model
     n = vision.positions(image)                          # KV positions the image's one marker expands to
     vision.eval(ctx, seq_id, n_past, image, n_batch)     # writes them at n_past..n_past+n-1 of seq_id
+    image = vision.resolve(image)                        # its bytes from the cache when only the sha256 came
 
 A prompt holds one image marker token per image (protocol/images.py); libmtmd expands one marker to
 the model's whole layout for that image. For SmolVLM (Idefics3) that is more than the image
@@ -13,8 +14,8 @@ image on the test VLM takes 33 positions (20 embeddings, 13 text tokens). Both s
 around a marker on their own; only what stands for the marker comes from here.
 
 Tokenizing an image (decoding the JPEG, resizing, cutting tiles) is kept for the last CACHED images
-by sha256, so an image sent once is known by its hash after (a re-open sends only the hash); the
-vision tower itself runs on every `eval`.
+by sha256, with the image's bytes, so an image sent once is known by its hash after (a re-open sends
+only the hash); the vision tower itself runs on every `eval`.
 
 One thread by default: libmtmd with two threads on a busy two-core machine took 4.8 s for what one
 thread does in 7 ms (the threads spin against the model's own).
@@ -24,11 +25,12 @@ from __future__ import annotations
 import ctypes
 import struct
 from collections import OrderedDict
+from dataclasses import replace
 from pathlib import Path
 
 from .images import PromptImage
 
-CACHED = 8                              # tokenized images kept by sha256 (each holds its preprocessed tiles)
+CACHED = 8                              # tokenized images kept by sha256 (their preprocessed tiles, their bytes)
 MARKERS = ("<image>",)                  # the image marker tokens this reads (SmolVLM's); one id per image
 PROJECTION_IS_TEXT_WIDTH = {"idefics3"}   # projector types whose clip.vision.projection_dim is the text width
 
@@ -60,7 +62,7 @@ class MtmdVision:
         self.L, self.mtmd = L, mtmd
         self.path = Path(mmproj_path)
         self.mctx = None
-        self._cache: OrderedDict[str, tuple[object, int]] = OrderedDict()   # sha256 -> (chunks, positions)
+        self._cache: OrderedDict[str, tuple[object, int, bytes]] = OrderedDict()  # sha256 -> (chunks, positions, bytes)
         check_mmproj(self.path, int(L.llama_model_n_embd(llama_model)))
         _quiet(mtmd)
         params = mtmd.mtmd_context_params_default()
@@ -87,13 +89,19 @@ class MtmdVision:
         Raises ValueError for bytes that are no image, UnknownImage for a hash no longer cached."""
         return self._tokenized(image)[1]
 
+    def resolve(self, image: PromptImage) -> PromptImage:
+        """The image with its bytes: as it came, or filled in from the cache; UnknownImage if not cached."""
+        if image.data is not None:
+            return image
+        return replace(image, data=self._tokenized(image)[2])
+
     def eval(self, ctx, seq_id: int, n_past: int, image: PromptImage, n_batch: int,
              logits_last: bool = False) -> int:
         """Encode the image and decode its positions into seq_id at n_past, n_past + 1, ...; the positions used.
 
         logits_last: the context's last logits row is the one after the image's last position.
         On failure the KV past n_past may hold part of the image: the caller cuts it back."""
-        chunks, n = self._tokenized(image)
+        chunks, n, _ = self._tokenized(image)
         new_n_past = self.L.llama_pos(n_past)
         rc = self.mtmd.mtmd_helper_eval_chunks(self.mctx, ctx, chunks, n_past, seq_id, n_batch, logits_last,
                                                ctypes.byref(new_n_past))
@@ -105,8 +113,8 @@ class MtmdVision:
                                f"its chunks say {n}")
         return n
 
-    def _tokenized(self, image: PromptImage) -> tuple[object, int]:
-        """(mtmd_input_chunks, positions) of the image alone, from the cache or made now."""
+    def _tokenized(self, image: PromptImage) -> tuple[object, int, bytes]:
+        """(mtmd_input_chunks, positions, bytes) of the image alone, from the cache or made now."""
         hit = self._cache.get(image.sha256)
         if hit is not None:
             self._cache.move_to_end(image.sha256)
@@ -115,7 +123,7 @@ class MtmdVision:
             raise UnknownImage(f"image {image.sha256[:12]} came as its sha256 alone and is not cached: "
                                "send its bytes again")
         chunks = self._tokenize(image)
-        entry = (chunks, int(self.mtmd.mtmd_helper_get_n_pos(chunks)))
+        entry = (chunks, int(self.mtmd.mtmd_helper_get_n_pos(chunks)), bytes(image.data))
         self._cache[image.sha256] = entry
         while len(self._cache) > CACHED:
             self.mtmd.mtmd_input_chunks_free(self._cache.popitem(last=False)[1][0])

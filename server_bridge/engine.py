@@ -93,12 +93,19 @@ class Engine(Protocol):
     kv_capacity: int                # tokens of KV the engine can hold over all sequences
     batchable: bool                 # False: a batch runs one pass per session (same tokens)
     tokenizer: Any                  # encode(text) -> ids with the target's vocabulary (tools, tests)
+    image_token_id: int | None      # the image marker's id (SmolVLM's <image>); None: the vocabulary has none
+    vision: Any                     # truthy when passes may carry images (a projector, a VLM's vision tower)
 
     def new_sequence(self) -> Sequence: ...
     def forward(self, batch: list[Pass]) -> list[Any]: ...
     def truncate(self, seq: Sequence, n: int) -> None: ...
     def free(self, seq: Sequence) -> None: ...
     def to_numpy(self, rows: Any) -> np.ndarray: ...
+    # images (ValueError for bytes that are no image or a text-only engine; protocol.vision.UnknownImage for
+    # a sha256-only image the engine no longer holds): the verifier asks both at open, before any pass
+    def image_positions(self, image: Any) -> int: ...     # KV positions the image's marker expands to
+    def resolve(self, image: Any) -> Any: ...             # the PromptImage with its bytes (from the cache)
+    def kv_pos(self, seq: Sequence, t: int) -> int: ...   # the KV position of text index t (images before it)
 
 
 class SequenceIds:

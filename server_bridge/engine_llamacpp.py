@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from protocol import modelfiles
+from protocol.images import PromptImage
 from protocol.vision import MARKERS, MtmdVision, marker_id
 
 from .engine import EngineFull, EngineInfo, Pass, Sequence, SequenceIds, check_batch
@@ -333,6 +334,20 @@ class LlamaCppEngine:
 
     # ------------------------------------------------------------------ images
 
+    def image_positions(self, image: PromptImage) -> int:
+        """KV positions the image's marker expands to. ValueError: no image, or no projector;
+        vision.UnknownImage: only its sha256 came and it is not cached."""
+        return self._seeing().positions(image)
+
+    def resolve(self, image: PromptImage) -> PromptImage:
+        """The image with its bytes (from the cache when only its sha256 came; UnknownImage if not held)."""
+        return self._seeing().resolve(image)
+
+    def _seeing(self) -> MtmdVision:
+        if self.vision is None:
+            raise ValueError(f"the target {self.name} reads text only (no mmproj): a pass with images")
+        return self.vision
+
     def _check_images(self, batch: list[Pass]) -> list[int]:
         """Each pass's extra KV positions for its images (0 for text); raises ValueError (or
         vision.UnknownImage) for a pass this engine cannot run, before anything is written."""
@@ -341,15 +356,14 @@ class LlamaCppEngine:
             if not p.images:
                 extra.append(0)
                 continue
-            if self.vision is None:
-                raise ValueError(f"the target {self.name} reads text only (no mmproj): a pass with images")
+            vision = self._seeing()
             wrong = [i for i in p.images if p.new_ids[i] != self.image_token_id]
             if wrong:
                 raise ValueError(f"images at {wrong} are not on the image marker {self.image_token_id}: "
                                  f"the ids there are {[p.new_ids[i] for i in wrong]}")
             if p.taps and max(p.images) >= len(p.new_ids) - p.keep:
                 raise ValueError("taps read text rows only: an image may not be among a tapped pass's kept rows")
-            extra.append(sum(self.vision.positions(img) - 1 for img in p.images.values()))
+            extra.append(sum(vision.positions(img) - 1 for img in p.images.values()))
         return extra
 
     def _forward_images(self, p: Pass) -> np.ndarray:

@@ -18,6 +18,15 @@ under a causal mask (a sliding window where the layer has one) built once per
 pass. A pass thus launches the same operators for 2 sessions as for 32
 (tests/server_bridge/test_torch_pass.py counts them with torch.profiler). One
 session attends over a view of its own slot, with no mask for a single token.
+
+Images (a vision-language model: Idefics3 / SmolVLM, server_bridge/vision_torch.py): the
+decoder the slots serve is the VLM's text model. A pass's image marker at text
+index t becomes the image's P positions, its layout's embeddings written through
+the same slots in one pass of that sequence alone (opens are rare; text passes
+stay batched), and every later id of the sequence sits P - 1 positions further
+on. Each sequence keeps its images as (t, P - 1), so `start`, `keep`, `truncate`
+and a sequence's `length` go on counting text ids while the slot holds positions:
+kv(t) = t + sum(P_i - 1 for images before t), as in the llamacpp engine.
 """
 from __future__ import annotations
 
@@ -33,7 +42,10 @@ import torch
 import torch.nn.functional as F
 
 from protocol import modelfiles
+from protocol.images import PromptImage
+from protocol.vision import MARKERS
 
+from . import vision_torch
 from .engine import EngineFull, EngineInfo, Pass, Sequence, SequenceIds, check_batch
 
 log = logging.getLogger(__name__)
@@ -189,21 +201,23 @@ class TorchEngine:
         self.path = Path(path)                                  # a GGUF's vocabulary serves grammars (target.py)
         t0 = time.perf_counter()
         if model is None:
-            from transformers import AutoModelForCausalLM, AutoTokenizer
-
-            model_dir = _cached_conversion(path) if Path(path).suffix == ".gguf" else Path(path)
-            tokenizer = self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=self.dtype)
-            pieces = tokenizer.convert_ids_to_tokens(list(range(int(model.config.vocab_size))))
-            self.vocab_hash = modelfiles.vocab_hash(p.encode("utf-8") for p in pieces)
+            model, self.tokenizer, self.vision = _load(path, self.dtype)
         else:                                                   # a model built here (tools/bench_gpu_engine.py)
-            self.vocab_hash, self.tokenizer = "", None
+            self.tokenizer, self.vision = None, None
         _register_attention()
         self.model = model.to(self.device).eval()
-        self.model.config._attn_implementation = ATTENTION
+        self.text = self.model.get_decoder()                    # the decoder the slots serve (a VLM's text model)
+        self.head = self.model.get_output_embeddings()
+        cfg = self.text.config                                  # a VLM's text_config; its vision tower keeps its own
+        cfg._attn_implementation = ATTENTION
         self.name = name
-        cfg = self.model.config
         self.vocab_size = int(cfg.vocab_size)
+        self.vocab_hash = ""
+        if self.tokenizer is not None:
+            pieces = self.tokenizer.convert_ids_to_tokens(list(range(self.vocab_size)))
+            self.vocab_hash = modelfiles.vocab_hash(p.encode("utf-8") for p in pieces)
+        self.image_token_id = self.vision.image_token_id if self.vision else _marker_id(self.tokenizer)
+        self._images: dict[int, list[tuple[int, int]]] = {}    # slot -> [(text index, extra positions)]
         eos = getattr(self.model.generation_config, "eos_token_id", None)
         self.eos_ids = sorted({eos} if isinstance(eos, int) else set(eos or ()))
         self.n_layers = int(cfg.num_hidden_layers)
@@ -222,33 +236,50 @@ class TorchEngine:
         if self._half_head:
             # fp16 logits overflow past 65504 (an inf row would make NaN verdicts): the LM head runs in
             # float32 on a float32 copy of its weight, so logits are finite for any hidden state
-            head = self.model.lm_head
-            self._head32 = head.weight.detach().float()
+            self._head32 = self.head.weight.detach().float()
         self.info = EngineInfo("torch", str(self.device), str(self.dtype).removeprefix("torch."),
-                               {"threads": torch.get_num_threads(), "slots": self.max_sequences, "slot_len": max_len})
-        log.info("torch engine: %s on %s in %s (%.1fs; %d layers, vocab %d, %d KV slots of %d tokens, %.0f MiB)",
-                 name, self.device, self.info.dtype, time.perf_counter() - t0, self.n_layers, self.vocab_size,
-                 self.max_sequences, max_len, self.kv_bytes_per_token * self.kv_capacity / 2**20)
+                               {"threads": torch.get_num_threads(), "slots": self.max_sequences, "slot_len": max_len,
+                                "vision": self.vision is not None})
+        log.info("torch engine: %s on %s in %s (%.1fs; %d layers, vocab %d, %d KV slots of %d tokens, %.0f MiB, "
+                 "images %s)", name, self.device, self.info.dtype, time.perf_counter() - t0, self.n_layers,
+                 self.vocab_size, self.max_sequences, max_len, self.kv_bytes_per_token * self.kv_capacity / 2**20,
+                 f"through {type(self.model).__name__}" if self.vision else "no")
 
     @contextlib.contextmanager
     def plain_attention(self):
         """transformers' own SDPA attention, for code that runs the model itself (generate, training)."""
-        self.model.config._attn_implementation = "sdpa"
+        self.text.config._attn_implementation = "sdpa"
         try:
             yield self.model
         finally:
-            self.model.config._attn_implementation = ATTENTION
+            self.text.config._attn_implementation = ATTENTION
 
     # ------------------------------------------------------------------ sequences
 
     def new_sequence(self) -> Sequence:
-        return Sequence(self.ids.take(lambda slot: None))      # a freed slot is simply overwritten
+        return Sequence(self.ids.take(self._clear))            # a freed slot is simply overwritten
 
     def free(self, seq: Sequence) -> None:
         self.ids.release(seq.id)
 
+    def _clear(self, slot: int) -> None:
+        self._images.pop(slot, None)
+
     def truncate(self, seq: Sequence, n: int) -> None:
+        """Roll back to the first n text ids; images at n or later go with them."""
         seq.length = min(seq.length, n)
+        images = self._images.get(seq.id)
+        if images and images[-1][0] >= n:                       # in text order: the last is the latest
+            kept = [(t, extra) for t, extra in images if t < n]
+            if kept:
+                self._images[seq.id] = kept
+            else:
+                del self._images[seq.id]
+
+    def kv_pos(self, seq: Sequence, t: int) -> int:
+        """The KV position of text index t: t plus the extra positions of the images before it."""
+        images = self._images.get(seq.id)
+        return t + sum(extra for i, extra in images if i < t) if images else t
 
     @property
     def kv_used(self) -> int:
@@ -261,44 +292,97 @@ class TorchEngine:
 
     @torch.inference_mode()
     def forward(self, batch: list[Pass]) -> list[torch.Tensor]:
-        """One ragged pass; per session its logits [keep, vocab] (float32, on the device)."""
+        """One ragged pass over the text passes, then each pass with images on its own; per session its
+        logits [keep, vocab] (float32, on the device). If a pass fails, every sequence is cut back to its
+        pass's start and the error raised."""
         check_batch(batch)
-        if any(getattr(p, "images", None) for p in batch):
-            raise ValueError(f"the torch engine's target {self.name} reads text only: a pass with images needs "
-                             "the llamacpp engine with --mmproj")
-        for p in batch:
-            if p.start + len(p.new_ids) > self.max_len:
-                raise EngineFull(f"a session's KV slot holds {self.max_len} tokens, the pass needs "
-                                 f"{p.start + len(p.new_ids)}")
+        extra = self._check_images(batch)                 # before anything is written: bad bytes raise here
+        for p, e in zip(batch, extra):
+            self.truncate(p.seq, p.start)                 # images at or past start go: the pass overwrites them
+            end = self.kv_pos(p.seq, p.start) + len(p.new_ids) + e
+            if end > self.max_len:
+                raise EngineFull(f"a session's KV slot holds {self.max_len} tokens, the pass needs {end}")
+        seeing = [p for p in batch if p.images]
+        text = [p for p in batch if not p.images] if seeing else batch
+        try:
+            rows = self._forward_text(text) if text else []
+            by_pass = {id(p): self._forward_images(p) for p in seeing}     # opens: rare, one at a time
+        except BaseException:
+            for p in batch:
+                self.truncate(p.seq, p.start)
+            raise
+        if not seeing:
+            return rows
+        rest = iter(rows)
+        return [by_pass[id(p)] if p.images else next(rest) for p in batch]
+
+    def _forward_text(self, batch: list[Pass]) -> list[torch.Tensor]:
+        """The text passes in one ragged decoder pass, each at its sequence's KV positions."""
         rows, ids, pos, keep_at = [], [], [], []
         for p in batch:
-            off = len(ids)
-            rows.append((p.seq.id, p.start, len(p.new_ids), off))
+            off, at = len(ids), self.kv_pos(p.seq, p.start)
+            rows.append((p.seq.id, at, len(p.new_ids), off))
             ids.extend(p.new_ids)
-            pos.extend(range(p.start, p.start + len(p.new_ids)))
+            pos.extend(range(at, at + len(p.new_ids)))
             keep_at.extend(range(off + len(p.new_ids) - p.keep, off + len(p.new_ids)))
         x = torch.tensor([ids], dtype=torch.long, device=self.device)
+        hidden = self._decode(batch, rows, pos, input_ids=x)
+        for p in batch:
+            p.seq.length = p.start + len(p.new_ids)
+        return self._logits(hidden, keep_at, [p.keep for p in batch])
+
+    def _forward_images(self, p: Pass) -> torch.Tensor:
+        """One sequence's pass with images, in one decoder pass over its KV positions: the text ids'
+        embeddings with each marker's replaced by its image's layout [P, hidden]; logits [keep, vocab],
+        a marker's row the one after its image's last position."""
+        embed = self.text.get_input_embeddings()
+        n, a, t = len(p.new_ids), 0, 0      # t: the pass's KV rows so far
+        parts, last, images = [], [], []    # last[j]: the pass's row of text index j (a marker: its image's last)
+        for i in sorted(p.images) + [n]:
+            if i > a:                                     # the text ids a..i-1
+                parts.append(embed(torch.tensor(p.new_ids[a:i], dtype=torch.long, device=self.device)))
+                last.extend(range(t, t + i - a))
+                t += i - a
+            if i == n:
+                break
+            image = self.vision.embed(p.images[i])       # [P, hidden]
+            parts.append(image)
+            t += len(image)
+            last.append(t - 1)
+            images.append((p.start + i, len(image) - 1))
+            a = i + 1
+        at = self.kv_pos(p.seq, p.start)
+        hidden = self._decode([p], [(p.seq.id, at, t, 0)], list(range(at, at + t)),
+                              inputs_embeds=torch.cat(parts)[None])                  # [1, t, hidden]
+        self._images.setdefault(p.seq.id, []).extend(images)
+        p.seq.length = p.start + n
+        return self._logits(hidden, last[n - p.keep:], [p.keep])[0]
+
+    def _decode(self, batch: list[Pass], rows: list[tuple[int, int, int, int]], pos: list[int], **inputs):
+        """The decoder over the rows' tokens (input_ids or inputs_embeds [1, T, ...]) at KV positions pos [T],
+        writing their keys and values into the slots; hidden [1, T, hidden], final norm applied."""
         positions = torch.tensor([pos], dtype=torch.long, device=self.device)
         handles = self._tap_hooks(batch, rows)
         _current.layout = _Layout(rows, self.pool, self.device)
         try:
-            hidden = self.model.base_model(input_ids=x, position_ids=positions, past_key_values=self._cache,
-                                      use_cache=True).last_hidden_state        # [1, T, hidden], final norm applied
+            return self.text(**inputs, position_ids=positions, past_key_values=self._cache,
+                             use_cache=True).last_hidden_state
         finally:
             _current.layout = None
             for h in handles:
                 h.remove()
-        for p in batch:
-            p.seq.length = p.start + len(p.new_ids)
+
+    def _logits(self, hidden: torch.Tensor, keep_at: list[int], keeps: list[int]) -> list[torch.Tensor]:
+        """Per pass its logits [keep, vocab] float32, from hidden [1, T, hidden] at rows keep_at."""
         kept = hidden[0, torch.tensor(keep_at, dtype=torch.long, device=self.device)]   # [rows kept, hidden]
         if self._half_head:
             logits = kept.float() @ self._head32.T
         else:
-            logits = self.model.lm_head(kept).float()                             # [rows kept, vocab]
-        cap = getattr(self.model.config, "final_logit_softcapping", None)
+            logits = self.head(kept).float()                                     # [rows kept, vocab]
+        cap = getattr(self.text.config, "final_logit_softcapping", None)
         if cap:                                                                   # Gemma 2/3
             logits = torch.tanh(logits / cap) * cap
-        return list(torch.split(logits, [p.keep for p in batch]))
+        return list(torch.split(logits, keeps))
 
     def _tap_hooks(self, batch: list[Pass], rows: list[tuple[int, int, int, int]]) -> list:
         """Forward hooks on the tapped decoder blocks handing each pass its kept rows [keep, hidden]."""
@@ -313,8 +397,73 @@ class TorchEngine:
                 h = output[0] if isinstance(output, tuple) else output        # [1, T, hidden]
                 for fn, lo, hi in targets:
                     fn(h[0, lo:hi])
-            handles.append(self.model.base_model.layers[layer - 1].register_forward_hook(hook))
+            handles.append(self.text.layers[layer - 1].register_forward_hook(hook))
         return handles
+
+    # ------------------------------------------------------------------ images
+
+    def image_positions(self, image: PromptImage) -> int:
+        """KV positions the image's marker expands to. ValueError: no image, or a text-only target;
+        vision.UnknownImage: only its sha256 came and it is not cached."""
+        return self._seeing().positions(image)
+
+    def resolve(self, image: PromptImage) -> PromptImage:
+        """The image with its bytes (from the cache when only its sha256 came; UnknownImage if not held)."""
+        return self._seeing().resolve(image)
+
+    def _seeing(self) -> vision_torch.Idefics3Vision:
+        if self.vision is None:
+            raise ValueError(f"the torch engine's target {self.name} reads text only: images need a "
+                             f"vision-language model ({', '.join(vision_torch.VISIONS)}) or the llamacpp "
+                             "engine with --mmproj")
+        return self.vision
+
+    def _check_images(self, batch: list[Pass]) -> list[int]:
+        """Each pass's extra KV positions for its images (0 for text); raises ValueError (or
+        vision.UnknownImage) for a pass this engine cannot run, before anything is written."""
+        extra = [0] * len(batch)
+        for k, p in enumerate(batch):
+            if not p.images:
+                continue
+            vision = self._seeing()
+            wrong = [i for i in p.images if p.new_ids[i] != self.image_token_id]
+            if wrong:
+                raise ValueError(f"images at {wrong} are not on the image marker {self.image_token_id}: "
+                                 f"the ids there are {[p.new_ids[i] for i in wrong]}")
+            if p.taps and max(p.images) >= len(p.new_ids) - p.keep:
+                raise ValueError("taps read text rows only: an image may not be among a tapped pass's kept rows")
+            extra[k] = sum(vision.positions(img) - 1 for img in p.images.values())
+        return extra
+
+
+def _load(path: Path, dtype: torch.dtype):
+    """(model, tokenizer, its vision or None: text only) from a GGUF (converted once) or a Hugging Face
+    directory. A vision-language model loads with its processor (local files only)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    model_dir = _cached_conversion(path) if Path(path).suffix == ".gguf" else Path(path)
+    config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    vlm = vision_torch.is_vlm(config)
+    vision = vision_torch.vision_for(config) if vlm else None       # raises for an M-RoPE model (Qwen2-VL)
+    if vision is None:
+        if vlm:
+            log.warning("%s is a %s vision-language model: the torch engine reads images of %s models only, "
+                        "this one serves text", model_dir, config.model_type, ", ".join(vision_torch.VISIONS))
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype), tokenizer, None
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(model_dir, local_files_only=True)
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=dtype, local_files_only=True)
+    return model, processor.tokenizer, vision(model, processor)     # it reads the model's device when it runs
+
+
+def _marker_id(tokenizer) -> int | None:
+    """The id of an image marker (SmolVLM's `<image>`) in a text model's vocabulary; None if it has none."""
+    if tokenizer is None:
+        return None
+    vocab = tokenizer.get_vocab()
+    return next((vocab[m] for m in MARKERS if m in vocab), None)
 
 
 def _cached_conversion(gguf: Path) -> Path:

@@ -180,12 +180,29 @@ def test_an_image_sent_before_is_known_by_its_hash_until_it_leaves_the_cache(eng
     engine.free(seq)
 
 
+def test_image_positions_and_resolve_answer_from_the_cache(engine):
+    """What the verifier asks at open, before any pass: an image's positions, its bytes for a hash."""
+    image = PromptImage.of(encoded(5), 2)
+    by_hash = PromptImage(2, image.sha256)
+    with pytest.raises(UnknownImage, match="send its bytes again"):
+        engine.resolve(by_hash)
+    with pytest.raises(UnknownImage):
+        engine.image_positions(by_hash)
+    assert engine.image_positions(image) == engine.vision.positions(image) == 33
+    assert engine.resolve(image) is image and engine.resolve(by_hash) == image      # the bytes from the cache
+    assert engine.image_positions(by_hash) == 33
+    with pytest.raises(ValueError, match="could not be decoded"):
+        engine.image_positions(PromptImage.of(b"\xff\xd8\xff\xe0" + b"not a jpeg" * 40, 2))
+
+
 def test_a_text_only_engine_refuses_images(vlm):
     text_only = LlamaCppEngine(vlm.target, "vlm-text", threads=1, max_sequences=2, kv_tokens=256)
     assert text_only.info.extra["vision"] is False and text_only.vision is None
     ids, images = prompt(text_only, encoded(0))
     with pytest.raises(ValueError, match="reads text only"):
         text_only.forward([Pass(text_only.new_sequence(), 0, ids, 1, images=images)])
+    with pytest.raises(ValueError, match="reads text only"):
+        text_only.image_positions(next(iter(images.values())))
 
 
 def test_a_projector_that_does_not_fit_is_refused_with_the_reason(vlm):
