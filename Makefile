@@ -37,7 +37,7 @@ define llama_wheel
 	fi
 endef
 
-.PHONY: setup setup-robot demo demo-decoding nav-eval nav-eval-scenes test test-fast bench bench-policy bench-payload bench-fleet bench-cluster profile-verifier predictors llama-server bench-peer clean
+.PHONY: setup setup-robot demo demo-decoding nav-eval nav-eval-scenes test test-fast bench bench-policy bench-payload bench-fleet bench-vision bench-cluster profile-verifier predictors llama-server bench-peer clean
 
 setup: $(VENV)/.installed models/build/.ready
 
@@ -122,6 +122,10 @@ profile-verifier: setup
 # Many robots on one verifier: capacity and goodput, FCFS against SLO-aware, both pairs (docs/loadgen/, ~35 min).
 bench-fleet: setup
 	$(BIN)/python -m tools.loadgen --n 2,3,4,6,8,10,12 --policies fcfs,slo --window-s 30 --warmup-s 5
+
+# A navigation step with the camera image against the same step in words, on the test VLM (docs/vision/).
+bench-vision: setup
+	$(BIN)/python -m tools.bench_vision --out docs/vision
 
 # More than one server: 1 vs 2 replicas behind HAProxy (docs/cluster), and the chaos soak.
 bench-cluster: setup

@@ -268,7 +268,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--verifier", help="= --set link.verifier=URL")
     r.add_argument("--controller", choices=("sim", "serial", "go2", "ros2"), help="= --set robot.controller=...")
     r.add_argument("--camera", help="= --set camera.source=...")
-    r.add_argument("--perception", choices=("sim", "color"), help="= --set perception.kind=...")
+    r.add_argument("--perception", choices=("sim", "color", "vlm"), help="= --set perception.kind=... (vlm: the "
+                   "camera image itself in the prompt; needs --set agent.draft_mmproj=PATH and a VLM draft)")
     r.add_argument("--offline", choices=("hold", "local"), help="= --set offline.policy=...")
     r.add_argument("--listen", help="= --set api.listen=HOST:PORT|unix:PATH")
     r.add_argument("--telemetry", help="= --set telemetry.path=FILE")

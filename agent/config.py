@@ -31,6 +31,8 @@ class ConfigError(ValueError):
 @dataclass(frozen=True)
 class AgentSection:
     draft: str = "smollm2-q4_1"         # draft name or a GGUF path
+    draft_mmproj: str = ""              # the draft's vision projector (GGUF, libmtmd): a vision-language draft;
+                                        # perception.kind = "vlm" needs it; "" = a text draft
     threads: int = 2
     n_gpu_layers: int = -1              # draft layers on the GPU: -1 all when llama.cpp can offload (a CUDA build on
                                         # the Orin), else none; 0 keeps the draft on the CPU
@@ -155,14 +157,24 @@ class CameraSection:
             raise ConfigError("camera: width/height >= 16, fps 1..120, max_age_ms > 0")
 
 
+PERCEPTION_KINDS = ("sim", "color", "vlm")
+
+
 @dataclass(frozen=True)
 class PerceptionSection:
-    kind: str = "sim"                   # sim (simulator ground truth) | color (HSV blob detector)
+    kind: str = "sim"                   # sim (simulator ground truth) | color (HSV blob detector) | vlm (the frame
+                                        # itself in the prompt: a vision-language draft and target)
     target_height_m: float = 0.4        # color: the objects' real height, for distance
+    image_max_side: int = 384           # vlm: the longest side of the image sent, in pixels (resized, aspect kept)
+    jpeg_quality: int = 85              # vlm: its JPEG quality, 1..100
 
     def __post_init__(self):
-        if self.kind not in ("sim", "color"):
-            raise ConfigError(f"perception.kind must be sim or color, got {self.kind!r}")
+        if self.kind not in PERCEPTION_KINDS:
+            raise ConfigError(f"perception.kind must be one of {PERCEPTION_KINDS}, got {self.kind!r}")
+        if not 16 <= self.image_max_side <= 4096:
+            raise ConfigError(f"perception.image_max_side must be 16..4096 pixels, got {self.image_max_side!r}")
+        if not 1 <= self.jpeg_quality <= 100:
+            raise ConfigError(f"perception.jpeg_quality must be 1..100, got {self.jpeg_quality!r}")
 
 
 @dataclass(frozen=True)
@@ -200,6 +212,10 @@ class Config:
             raise ConfigError("camera.source 'sim' renders the simulator: it needs robot.controller = 'sim'")
         if self.perception.kind == "sim" and self.robot.controller != "sim":
             raise ConfigError("perception.kind 'sim' reads the simulator's ground truth: use 'color' on a robot")
+        if self.perception.kind == "vlm" and not self.agent.draft_mmproj:
+            raise ConfigError("perception.kind 'vlm' shows the camera image to the models: it needs "
+                              "agent.draft_mmproj, the draft's vision projector (GGUF), beside a vision-language "
+                              "agent.draft (and a verifier served with --mmproj)")
 
     def to_dict(self) -> dict:
         return asdict(self)

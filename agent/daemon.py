@@ -107,7 +107,8 @@ class Daemon:
         self.notifier.status("loading the draft model")
         if self._drafter is None:
             from .drafter import Drafter
-            self._drafter = Drafter(cfg.agent.draft, threads=cfg.agent.threads, n_gpu_layers=cfg.agent.n_gpu_layers)
+            self._drafter = Drafter(cfg.agent.draft, threads=cfg.agent.threads, n_gpu_layers=cfg.agent.n_gpu_layers,
+                                    mmproj=cfg.agent.draft_mmproj or None)
         log.info("draft offload (llama.cpp's own query): %s", getattr(self._drafter, "offload", "unknown"))
         self.decoder = EdgeDecoder(
             self._drafter, cfg.link.verifier or None, token=token, recv_timeout_s=cfg.link.verify_timeout_s,
@@ -148,6 +149,8 @@ class Daemon:
             if self.world is None:
                 raise ValueError("perception 'sim' needs the sim controller")
             return perception.SimPerception(self.world)
+        if kind == "vlm":
+            return perception.VlmPerception(self.cfg.perception.image_max_side, self.cfg.perception.jpeg_quality)
         return perception.ColorDetector(object_height_m=self.cfg.perception.target_height_m)
 
     def close(self) -> None:
@@ -178,7 +181,8 @@ class Daemon:
         if not isinstance(instruction, str) or not instruction.strip() or len(instruction) > 500:
             raise ValueError("instruction must be a non-empty string of at most 500 characters")
         if image and self.cfg.perception.kind == "sim":
-            raise ValueError("an image needs perception 'color' (perception 'sim' reads the simulator, not pixels)")
+            raise ValueError("an image needs perception 'color' or 'vlm' (perception 'sim' reads the simulator, "
+                             "not pixels)")
         frame = _decode_image(image) if image else None
         steps = self.max_steps if max_steps is None else int(max_steps)
         if not 1 <= steps <= 1000:

@@ -266,9 +266,11 @@ class EdgeDecoder:
     def _set_images(self, images: list[PromptImage], prompt_ids: list[int]) -> None:
         """This generation's images: checked on their markers and prefilled by the draft when it drafts."""
         for i, image in enumerate(images):
-            if not 0 <= image.at < len(prompt_ids) or prompt_ids[image.at] != self.drafter.image_marker:
+            if not 0 <= image.at < len(prompt_ids) or prompt_ids[image.at] != getattr(self.drafter, "image_marker",
+                                                                                       None):
                 raise ValueError(f"images[{i}] must sit on an image marker of the prompt (index {image.at})")
-        self.drafter.use_images(images)
+        if hasattr(self.drafter, "use_images"):     # a drafter without it (a text-only stand-in) reads no images
+            self.drafter.use_images(images)
         self._images = list(images)
         self._image_bytes = True                # the first open of a generation sends them whole
 

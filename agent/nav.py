@@ -1,12 +1,17 @@
 """The navigation loop: camera frame + instruction -> prompt -> speculative generation -> one
 NaVILA action -> the control loop, with a declared offline mode when the verifier is gone.
 
-Perception. With vision-language models on both sides the frame itself would go
-into the prompt. The bundled models (SmolLM2-135M) read text only, so a
-perception step turns the frame into text first: in the simulator the objects
-the camera could see, with bearing and distance (`perception.kind = "sim"`,
-ground truth); on a robot a pluggable detector (`"color"`: HSV blobs). Every
-telemetry record says which (`perception`).
+Perception. The bundled models (SmolLM2-135M) read text only, so a perception step
+turns the frame into text first: in the simulator the objects the camera could see,
+with bearing and distance (`perception.kind = "sim"`, ground truth); on a robot a
+pluggable detector (`"color"`: HSV blobs). With a vision-language draft and target
+(`"vlm"`: the draft loaded with its mmproj) the frame itself goes into the prompt: the
+last user turn's camera line is "Camera: <the image>." (a JPEG on the image marker, sent
+with every generation of the step), and the step record says "camera image (W x H, N
+bytes)". The few-shot turns stay text: they teach the answer's shape. A prompt holds one
+image, the current frame; remembered steps say only that an image was seen. A VLM's chat
+template reads list-of-parts content, so with a VLM draft every turn is rendered as parts.
+Every telemetry record says which perception (`perception`).
 
 Memory. The prompt carries the task's last steps (`nav.memory_steps`, at most
 `nav.memory_max_tokens` draft tokens; the oldest go first): what the camera showed, what
@@ -44,6 +49,7 @@ from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Sequence
 
+from protocol.images import PromptImage
 from protocol.sampling import SamplingParams
 
 from .decoder import EdgeDecoder
@@ -179,23 +185,46 @@ def memory_line(observation: str, did: str) -> str:
     return f"Earlier camera: {observation}. Then I {did}."
 
 
+CAMERA = "Camera: "
+IMAGE_RECALL = "an image, not shown again"     # a remembered image step's observation in later prompts
+
+
 def user_turn(task: str, observation: str, memory: Sequence[str] = ()) -> str:
     """The last user turn: the task, the remembered steps (oldest first), what the camera shows now."""
-    return "\n".join([f"Task: {task.strip().rstrip('.')}.", *memory, f"Camera: {observation}."])
+    return "\n".join([f"Task: {task.strip().rstrip('.')}.", *memory, f"{CAMERA}{observation}."])
 
 
-def messages(instruction: str, observation: str, memory: Sequence[str] = ()) -> list[dict]:
+def text_part(text: str) -> dict:
+    return {"type": "text", "text": text}
+
+
+def messages(instruction: str, observation: str, memory: Sequence[str] = (), parts: bool = False,
+             image: bool = False) -> list[dict]:
     """The chat: system, the few-shot turns (never changing, so cached on both sides), then this step.
 
     Everything that changes from step to step (memory, camera) sits in the last user turn, after
     the task: the prompt of the next step shares all of this one up to the end of its memory.
+
+    parts: every turn's content is a list of parts, as a vision-language model's chat template reads it
+    (SmolVLM's renders a plain string as nothing); the system and few-shot turns are one text part each.
+    image (parts only): the camera line holds the image itself, "Camera: <image>." with the image part
+    where the text would be; `observation` is then what follows the image on that line ("" or the
+    blocked-way note).
     """
+    if image and not parts:
+        raise ValueError("an image in the prompt needs list-of-parts content (parts=True)")
     msgs = [{"role": "system", "content": SYSTEM}]
     for task, remembered, seen, answer in SHOTS:
         recalled = [Recall(o, a, verified=True).line() for o, a in remembered]
         msgs += [{"role": "user", "content": user_turn(task, seen, recalled)},
                  {"role": "assistant", "content": answer}]
     msgs.append({"role": "user", "content": user_turn(instruction, observation, memory)})
+    if not parts:
+        return msgs
+    msgs = [{"role": m["role"], "content": [text_part(m["content"])]} for m in msgs]
+    if image:
+        head, camera, tail = msgs[-1]["content"][0]["text"].rpartition(CAMERA)
+        msgs[-1]["content"] = [text_part(head + camera), {"type": "image"}, text_part(tail)]
     return msgs
 
 
@@ -382,7 +411,8 @@ class Step:
     t: float                            # wall clock (time.time()) at the start of the step
     mode: str = "verified"              # verified | offline
     offline_policy: str = "hold"
-    perception: str = ""                # sim (ground truth) | color (detector) | image (from the API)
+    perception: str = ""                # sim (ground truth) | color (detector) | image (from the API, as text) |
+                                        # vlm (the image itself in the prompt, the camera's or the API's)
     observation: str = ""
     text: str = ""                      # the raw model text (verified and unverified parts together)
     verified_tokens: int = 0            # committed by the target
@@ -431,7 +461,15 @@ class Navigator:
         self.offline_turn_away_stops = 0    # unverified turns away from a target in view, replaced by stop
         self.memory = StepMemory(config.memory_steps, config.memory_max_tokens,
                                  lambda text: len(self.drafter.tokenize(text)))
+        # A vision-language draft (loaded with its mmproj) has an image marker and a chat template that reads
+        # list-of-parts content; with perception "vlm" the frame itself goes in the prompt on that marker.
+        self.parts = getattr(self.drafter, "image_marker", None) is not None
+        self.sees = getattr(perception, "kind", None) == "vlm"
+        if self.sees and not self.parts:
+            raise ValueError("perception 'vlm' puts the camera image in the prompt: the draft must be a "
+                             "vision-language model loaded with its projector (agent.draft_mmproj)")
         self._last_ids: list[int] = []      # the previous prompt: what both KV caches start from
+        self._last_images: list[PromptImage] = []     # its image (perception "vlm"), else none
         self.session = f"nav-{uuid.uuid4().hex[:12]}"     # one server session: the few-shot prefix stays cached
         # The answer grammar (agent/robot/actions.py): the draft drafts and the target is verified under it, so
         # an answer is always one reason and one NaVILA sentence; within answer_max_tokens it always ends.
@@ -485,9 +523,11 @@ class Navigator:
         The first step would otherwise pay the whole prompt's prefill (seconds for the
         float32 target on a CPU) and its plan would be stale before it is made.
         """
-        ids = self.prompt_ids("look around", "nothing")
+        ids = self.prompt_ids("look around", "nothing")    # with perception "vlm" the text before the image
         self._last_ids = ids
         t0 = self.clock()
+        if self.parts:
+            self.drafter.use_images([])         # a text prompt: no image of an earlier generation on its markers
         self.drafter.next_logits(ids)           # the robot's side: the draft's KV cache
         if self.link == "up":                   # the server's: the session's KV, kept for the next steps
             try:
@@ -497,12 +537,33 @@ class Navigator:
         log.info("prompt prefix (%d tokens) prefilled in %.1fs", len(ids), self.clock() - t0)
 
     def prompt_ids(self, instruction: str, observation: str, memory: Sequence[str] = ()) -> list[int]:
-        return self.drafter.tokenize(self.drafter.apply_chat_template(messages(instruction, observation, memory)))
+        """A text prompt: `observation` in words on the camera line."""
+        return self.prompt(instruction, observation, memory)[0]
+
+    def prompt(self, instruction: str, observation: str, memory: Sequence[str] = (),
+               image: bytes | None = None) -> tuple[list[int], list[PromptImage]]:
+        """(ids, images): with `image` (JPEG/PNG bytes) the camera line holds it, on the prompt's one image
+        marker, and `observation` is what follows it on the line. ValueError when the prompt holds another
+        number of markers (an instruction that spells the marker out)."""
+        chat = messages(instruction, observation, memory, parts=self.parts, image=image is not None)
+        ids = self.drafter.tokenize(self.drafter.apply_chat_template(chat))
+        if image is None:
+            return ids, []
+        at = [i for i, t in enumerate(ids) if t == self.drafter.image_marker]
+        if len(at) != 1:
+            raise ValueError(f"the step's prompt holds {len(at)} image markers, not the camera image's one: "
+                             "the instruction or the memory spells the marker out")
+        return ids, [PromptImage.of(image, at[0])]
 
     @property
     def last_prompt_ids(self) -> list[int]:
         """The prompt of the latest step (with its memory)."""
         return list(self._last_ids)
+
+    @property
+    def last_prompt_images(self) -> list[PromptImage]:
+        """The image of the latest step's prompt (perception "vlm"), else []."""
+        return list(self._last_images)
 
     def _clearance_ahead(self) -> float | None:
         """The free distance straight ahead from the controller's range source; None without one."""
@@ -524,10 +585,11 @@ class Navigator:
             log.info("new task %r (%s): memory cleared", task, instruction.strip())
         rec = Step(self.steps, task, instruction, time.time(), offline_policy=self.cfg.offline,
                    perception=getattr(self.perception, "kind", type(self.perception).__name__))
+        source = "camera" if frame is None else "API"
         try:
             if frame is None:
                 frame = self.grabber.read_latest(self.cfg.max_frame_age_ms)
-            else:
+            elif not self.sees:             # with "vlm" an API image is shown to the models as the camera's is
                 rec.perception = "image"
         except StaleFrame as e:
             self.control.halt("stale_frame")
@@ -536,22 +598,30 @@ class Navigator:
         t1 = self.clock()
         try:
             sightings = self.perception.describe(frame)
+            shown = self.perception.encode(frame) if self.sees else None
         except Exception as e:              # a detector fault must not kill the loop: stop and say why
             log.exception("perception failed")
             self.control.halt("perception_error")
             return self._finish(rec, t0, parse="refused", reason=f"perception failed: {type(e).__name__}: {e}")
         seen = relevant(sightings, instruction)
-        rec.observation = observation_text(seen, self.cfg.reach_m, self.cfg.ahead_deg) + \
-            blocked_text(self._clearance_ahead(), seen, self.cfg.blocked_m, self.cfg.ahead_deg, self.cfg.reach_m)
+        blocked = blocked_text(self._clearance_ahead(), seen, self.cfg.blocked_m, self.cfg.ahead_deg,
+                               self.cfg.reach_m)
+        if shown is None:
+            rec.observation = observation_text(seen, self.cfg.reach_m, self.cfg.ahead_deg) + blocked
+            recalled = rec.observation
+        else:                               # the camera line: "Camera: <image>" + blocked + "."
+            rec.observation = shown.describe(source) + blocked
+            recalled = IMAGE_RECALL + blocked
         rec.latency_ms["perceive"] = round((self.clock() - t1) * 1e3, 1)
         self.emit({"event": "observation", "step": rec.step, "observation": rec.observation})
-        ids = self.prompt_ids(instruction, rec.observation, self.memory.lines())
+        ids, images = self.prompt(instruction, blocked if shown else rec.observation, self.memory.lines(),
+                                  image=shown.data if shown else None)
         rec.memory_steps, rec.memory_tokens, rec.prompt_tokens = len(self.memory), self.memory.tokens, len(ids)
         rec.prefix_shared_tokens = common_prefix(ids, self._last_ids)
-        self._last_ids = ids
+        self._last_ids, self._last_images = ids, images
 
         t2 = self.clock()
-        decided = self._decide(ids, rec, frame.t, cancel)
+        decided = self._decide(ids, images, rec, frame.t, cancel)
         rec.latency_ms["generate"] = round((self.clock() - t2) * 1e3, 1)
         if not decided:
             self.control.halt("holding")
@@ -577,7 +647,7 @@ class Navigator:
             self.control.halt("offline_turn_away" if rec.envelope == "turned_away_stop" else
                               "model_stop" if parsed.how != "miss" else "unparseable")
             rec.completed = True
-            self._remember(rec, action)
+            self._remember(rec, action, recalled)
             return self._finish(rec, t0, reason=rec.reason or (
                 "the model says the task is done" if parsed.how != "miss" else f"unparseable output: {parsed.note}"))
         t3 = self.clock()
@@ -585,7 +655,7 @@ class Navigator:
         scale = self.cfg.offline_speed_scale if rec.mode == "offline" else 1.0
         rec.completed = self.control.execute(motion_for(action, self.cfg.speed * scale, self.cfg.turn_rate * scale),
                                              cancel)
-        self._remember(rec, action)
+        self._remember(rec, action, recalled)
         rec.latency_ms["act"] = round((self.clock() - t3) * 1e3, 1)
         first, peak = self.control.first_sent, self.control.peak_sent
         rec.command = first.to_json() if first is not None else {"vx": 0.0, "vy": 0.0, "wz": 0.0}
@@ -608,9 +678,10 @@ class Navigator:
             log.warning("%s", note)
         return run
 
-    def _remember(self, rec: Step, action: Action) -> None:
-        """What this step saw and did, for the next steps' prompts (only steps that acted)."""
-        self.memory.add(Recall(rec.observation, action, verified=rec.mode == "verified",
+    def _remember(self, rec: Step, action: Action, observation: str) -> None:
+        """What this step saw (in words: an image step's is IMAGE_RECALL) and did, for the next steps' prompts
+        (only steps that acted)."""
+        self.memory.add(Recall(observation, action, verified=rec.mode == "verified",
                                completed=rec.completed or action == STOP))
 
     def _finish(self, rec: Step, t0: float, parse: str | None = None, reason: str | None = None) -> Step:
@@ -632,14 +703,15 @@ class Navigator:
         stops = self.decoder.stop_ids()
         return lambda out: complete(self.drafter.detokenize(prefix + out, skip=stops))
 
-    def _decide(self, ids: list[int], rec: Step, frame_t: float, cancel) -> bool:
-        """Fill rec.text (and mode, tokens, decode metrics); False when the robot must hold."""
+    def _decide(self, ids: list[int], images: list[PromptImage], rec: Step, frame_t: float, cancel) -> bool:
+        """Fill rec.text (and mode, tokens, decode metrics); False when the robot must hold. `images`: the
+        prompt's (its camera image, perception "vlm"), sent with every generation of the step."""
         committed: list[int] = []
         if self._probe_if_due():
             try:
                 gen = self.decoder.generate(ids, mode=self.cfg.mode, max_tokens=self.max_tokens,
                                             params=self.params, gamma=self.cfg.gamma, until=self._until([]),
-                                            session=self.session, grammar=self.grammar)
+                                            session=self.session, grammar=self.grammar, images=images)
                 self._mark("up", "generation verified")
                 self._take(rec, gen)
                 return True
@@ -653,20 +725,21 @@ class Navigator:
             rec.reason = "verifier unreachable"
         rec.mode = "offline"
         if self.cfg.offline == "local":
-            return self._finish_locally(ids, committed, rec)
-        return self._hold(ids, committed, rec, frame_t, cancel)
+            return self._finish_locally(ids, images, committed, rec)
+        return self._hold(ids, images, committed, rec, frame_t, cancel)
 
-    def _finish_locally(self, ids, committed, rec) -> bool:
+    def _finish_locally(self, ids, images, committed, rec) -> bool:
         gen = self.decoder.generate(ids + committed, mode="local", params=self.params,
                                     max_tokens=max(1, self.max_tokens - len(committed)),
-                                    until=self._until(committed), grammar=self.grammar, grammar_from=len(ids))
+                                    until=self._until(committed), grammar=self.grammar, grammar_from=len(ids),
+                                    images=images)
         rec.verified_tokens, rec.unverified_tokens = len(committed), len(gen.token_ids)
         rec.text = self.drafter.detokenize(committed + gen.token_ids, skip=self.decoder.stop_ids())
         rec.decode = {"mode": "local", "tokens": len(gen.token_ids), "tokens_per_s": round(gen.metrics.tokens_per_s, 2)}
         rec.reason = (rec.reason + "; " if rec.reason else "") + "offline local: the draft model alone, unverified"
         return True
 
-    def _hold(self, ids, committed, rec, frame_t, cancel) -> bool:
+    def _hold(self, ids, images, committed, rec, frame_t, cancel) -> bool:
         """Stay stopped; resume the same answer if the link returns while the frame is still fresh."""
         while self.clock() - frame_t < self.cfg.max_plan_age_s - self.cfg.verify_timeout_s:
             if cancel is not None and cancel.is_set():
@@ -676,7 +749,8 @@ class Navigator:
                     gen = self.decoder.generate(ids + committed, mode=self.cfg.mode, params=self.params,
                                                 max_tokens=max(1, self.max_tokens - len(committed)),
                                                 gamma=self.cfg.gamma, until=self._until(committed),
-                                                session=self.session, grammar=self.grammar, grammar_from=len(ids))
+                                                session=self.session, grammar=self.grammar, grammar_from=len(ids),
+                                                images=images)
                 except (LinkLost, ServerError) as e:
                     committed += list(e.token_ids)
                     self._mark("down", str(e))

@@ -7,7 +7,10 @@ the thing's near surface). Two perceptions produce them:
     "sim"    SimPerception  the simulator's ground truth for the frame's pose (privileged)
     "color"  ColorDetector  HSV thresholds on the image itself (works on a real camera)
 
-Both have `kind` and `describe(frame) -> list[Sighting]`, sorted by distance.
+Both have `kind` and `describe(frame) -> list[Sighting]`, sorted by distance. A third
+turns nothing into words: with a vision-language pair the frame itself goes in the prompt.
+
+    "vlm"    VlmPerception  the frame as JPEG bytes (`encode`); it describes no sightings
 Pinhole model shared with the simulator's renderer (agent/robot/sim.py):
 column u (pixel centre u + 0.5) looks along bearing atan((w/2 - (u + 0.5)) / f),
 f = (w/2) / tan(hfov/2); the horizon is row h/2 (the camera looks level).
@@ -158,4 +161,64 @@ class ColorDetector:
         return math.degrees(bearing), max(0.0, z / math.cos(bearing))
 
 
-PERCEPTIONS = {"sim": SimPerception, "color": ColorDetector}
+@dataclass(frozen=True)
+class CameraImage:
+    """One frame as the models are shown it."""
+    data: bytes                         # JPEG, at most protocol.images.MAX_IMAGE_BYTES
+    width: int                          # pixels, after the resize
+    height: int
+
+    def describe(self, source: str = "camera") -> str:
+        """The step record's observation: "camera image (384 x 288, 21456 bytes)"."""
+        return f"{source} image ({self.width} x {self.height}, {len(self.data)} bytes)"
+
+
+def fit_within(width: int, height: int, max_side: int) -> tuple[int, int]:
+    """(w, h) scaled so the longer side is at most max_side, aspect kept (never enlarged, never below 1)."""
+    scale = min(1.0, max_side / max(width, height))
+    return max(1, round(width * scale)), max(1, round(height * scale))
+
+
+class VlmPerception:
+    """The frame itself, for a vision-language draft and target: `encode(frame)` makes the JPEG the prompt
+    carries (longest side at most `max_side`, aspect kept; OpenCV's INTER_AREA, which averages rather
+    than skips pixels when shrinking). The models read the picture, so `describe` reports no sightings:
+    nothing is put into words, and the offline envelope has no target in view to keep turns toward.
+
+    Both models resize again in their own projector's preprocessing (the test VLM to a longest edge of
+    128), so sending more than that keeps only costs uplink bytes and the robot's encode time.
+    """
+    kind = "vlm"
+
+    def __init__(self, max_side: int = 384, jpeg_quality: int = 85):
+        if not 16 <= max_side <= 4096:
+            raise ValueError(f"max_side must be 16..4096 pixels, got {max_side!r}")
+        if not 1 <= jpeg_quality <= 100:
+            raise ValueError(f"jpeg_quality must be 1..100, got {jpeg_quality!r}")
+        self.max_side, self.jpeg_quality = max_side, jpeg_quality
+
+    def describe(self, frame: Frame) -> list[Sighting]:
+        return []
+
+    def encode(self, frame: Frame) -> CameraImage:
+        import cv2
+        from protocol.images import MAX_IMAGE_BYTES
+
+        image = frame.image                                     # [h, w, 3] uint8 BGR
+        if image.ndim != 3 or image.shape[2] != 3 or image.dtype != np.uint8:
+            raise ValueError(f"VlmPerception wants a [h, w, 3] uint8 BGR image, got {image.shape} {image.dtype}")
+        h, w = image.shape[:2]
+        size = fit_within(w, h, self.max_side)
+        if size != (w, h):
+            image = cv2.resize(image, size, interpolation=cv2.INTER_AREA)
+        ok, buf = cv2.imencode(".jpg", image, [cv2.IMWRITE_JPEG_QUALITY, self.jpeg_quality])
+        if not ok:
+            raise ValueError("OpenCV could not encode the frame as JPEG")
+        data = buf.tobytes()
+        if len(data) > MAX_IMAGE_BYTES:
+            raise ValueError(f"the frame's JPEG is {len(data)} bytes, over the wire's {MAX_IMAGE_BYTES}: lower "
+                             "perception.image_max_side or perception.jpeg_quality")
+        return CameraImage(data, size[0], size[1])
+
+
+PERCEPTIONS = {"sim": SimPerception, "color": ColorDetector, "vlm": VlmPerception}

@@ -62,7 +62,7 @@ class ScriptedDecoder:
         return set(self.drafter.eos_ids)
 
     def generate(self, prompt_ids, *, mode="sd", max_tokens=64, params=None, gamma=4, until=None, session=None,
-                 grammar=None, grammar_from=None):
+                 grammar=None, grammar_from=None, images=None):
         self.calls.append({"ids": list(prompt_ids), "mode": mode, "session": session, "grammar": grammar,
                            "grammar_from": grammar_from})
         if self.url is None and mode != "local":

@@ -39,8 +39,8 @@ def proxy(verifier):
 
 def make_daemon(tmp_path, drafter, url, offline="local", start=0, **overrides):
     sets = [f'link.verifier="{url}"', f'offline.policy="{offline}"', 'api.listen="127.0.0.1:0"',
-            f'telemetry.path="{tmp_path / "telemetry.jsonl"}"', "link.verify_timeout_s=1.5",
-            "camera.fps=20"] + [f"{k}={v}" for k, v in overrides.items()]
+            f'telemetry.path="{tmp_path / "telemetry.jsonl"}"', "link.verify_timeout_s=6",
+            "agent.max_plan_age_s=30", "camera.fps=20"] + [f"{k}={v}" for k, v in overrides.items()]
     d = Daemon(config.load(None, sets), drafter=drafter, controller=SimController(start=start), max_steps=8)
     return d.start()
 
@@ -128,7 +128,7 @@ def test_offline_local_marks_unverified_and_recovers(tmp_path, drafter, proxy, v
 
 
 def test_offline_hold_stops_and_resumes_the_same_answer(tmp_path, drafter, proxy, verifier):
-    d = make_daemon(tmp_path, drafter, proxy.url(), offline="hold", **{"agent.max_plan_age_s": 8.0})
+    d = make_daemon(tmp_path, drafter, proxy.url(), offline="hold", **{"agent.max_plan_age_s": 12.0})
     try:
         d.nav.step("go to the red box")
         proxy.refuse_new(True)
