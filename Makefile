@@ -37,7 +37,7 @@ define llama_wheel
 	fi
 endef
 
-.PHONY: setup setup-robot demo demo-decoding nav-eval nav-eval-scenes test test-fast bench bench-policy bench-payload bench-fleet bench-vision bench-cluster profile-verifier predictors llama-server bench-peer clean
+.PHONY: setup setup-robot demo demo-decoding nav-eval nav-eval-scenes test test-fast docs bench bench-policy bench-payload bench-fleet bench-vision bench-cluster profile-verifier predictors llama-server bench-peer clean
 
 setup: $(VENV)/.installed models/build/.ready
 
@@ -104,6 +104,10 @@ test: setup
 test-fast: $(VENV)/.installed
 	$(BIN)/python -m pytest -q
 
+# The documentation site (mkdocs.yml, docs/) into site/; --strict: a broken link or a missing page fails it.
+docs: $(VENV)/.installed
+	$(BIN)/mkdocs build --strict
+
 bench: setup
 	$(BIN)/python -m tools.bench
 
@@ -149,4 +153,4 @@ predictors: setup
 	$(BIN)/python -m tools.train_predictor
 
 clean:
-	rm -rf $(VENV) models/build *.egg-info
+	rm -rf $(VENV) models/build *.egg-info site

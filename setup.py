@@ -42,7 +42,9 @@ setup(
                 # tools/make_test_vlm.py: llama.cpp's convert_hf_to_gguf.py imports it for every Llama
                 "sentencepiece>=0.1.98",
                 # tests/test_deploy.py: deploy/k8s validated offline against the Kubernetes schemas it ships (and KEDA's CRD)
-                "kubernetes-validate>=1.30", "jsonschema>=4.18", "PyYAML>=6"],
+                "kubernetes-validate>=1.30", "jsonschema>=4.18", "PyYAML>=6",
+                # `make docs`: the documentation site (mkdocs.yml), built with --strict so a broken link fails it
+                "mkdocs>=1.6", "mkdocs-material>=9.5"],
     },
     entry_points={"console_scripts": [
         "edge-agent=agent.cli:main",

@@ -1,6 +1,6 @@
 """bf16 on the torch engine, served to the robot: SD and FSD give AR's ids, or part from them at a near-tie.
 
-The contract (README, "Exactness on each engine"): a verify pass of gamma + 1 rows and a one-token
+The contract (docs/guide/server.md, "Exactness on each engine"): a verify pass of gamma + 1 rows and a one-token
 pass sum in different orders, and in bf16 their logits differ by up to ~0.5 here
 (`python -m tools.divergence`, docs/divergence). So SD may pick another id than AR only where AR's
 top two logits are closer than that; from there on both are the target's greedy continuation of
