@@ -37,7 +37,7 @@ define llama_wheel
 	fi
 endef
 
-.PHONY: setup setup-robot demo demo-decoding nav-eval nav-eval-scenes test test-fast docs bench bench-policy bench-payload bench-fleet bench-vision bench-cluster profile-verifier predictors llama-server bench-peer clean
+.PHONY: lint setup setup-robot demo demo-decoding nav-eval nav-eval-scenes test test-fast docs bench bench-policy bench-payload bench-fleet bench-vision bench-cluster profile-verifier predictors llama-server bench-peer clean
 
 setup: $(VENV)/.installed models/build/.ready
 
@@ -105,8 +105,13 @@ test-fast: $(VENV)/.installed
 	$(BIN)/python -m pytest -q
 
 # The documentation site (mkdocs.yml, docs/) into site/; --strict: a broken link or a missing page fails it.
+# Lint: ruff's checks and its formatter (ruff.toml), on every package, tool and test.
+lint: $(VENV)/.installed
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
 docs: $(VENV)/.installed
-	$(BIN)/mkdocs build --strict
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 bench: setup
 	$(BIN)/python -m tools.bench

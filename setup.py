@@ -44,7 +44,10 @@ setup(
                 # tests/test_deploy.py: deploy/k8s validated offline against the Kubernetes schemas it ships (and KEDA's CRD)
                 "kubernetes-validate>=1.30", "jsonschema>=4.18", "PyYAML>=6",
                 # `make docs`: the documentation site (mkdocs.yml), built with --strict so a broken link fails it
-                "mkdocs>=1.6", "mkdocs-material>=9.5"],
+                "mkdocs>=1.6", "mkdocs-material>=9.5",
+                # `make lint`: ruff check and ruff format --check (ruff.toml), run by .ci/run before the tests;
+                # pinned, since the formatter's style changes between releases
+                "ruff==0.17.6"],
     },
     entry_points={"console_scripts": [
         "edge-agent=agent.cli:main",
