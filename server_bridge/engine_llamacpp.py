@@ -32,7 +32,7 @@ from protocol import modelfiles
 from protocol.images import PromptImage
 from protocol.vision import MARKERS, MtmdVision, marker_id
 
-from .engine import EngineFull, EngineInfo, Pass, Sequence, SequenceIds, check_batch
+from .engine_types import EngineFull, EngineInfo, Pass, Sequence, SequenceIds, check_batch
 
 log = logging.getLogger(__name__)
 
