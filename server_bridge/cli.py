@@ -86,12 +86,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--target", default=None)
     p.add_argument("--engine", choices=ENGINES, default="auto")
     p.add_argument("--log-level", default="INFO")
+    p.add_argument("--verbose", action="store_true", help="llama.cpp's own log (the quantizer's line per tensor, "
+                   "the model load) on the terminal; also EDGESPEC_VERBOSE=1")
     args = ap.parse_args(argv)
 
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.cmd == "prepare":
+        from protocol import llamalog
+
         from .target import load_target
+
+        llamalog.want_verbose(args.verbose)
 
         target = load_target(args.target, args.engine, threads=1, max_sequences=1, kv_tokens=256, max_len=256)
         print(f"target {target.name} ready on the {target.engine.info.engine} engine: vocab {target.vocab_size}, "

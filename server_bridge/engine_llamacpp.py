@@ -28,17 +28,20 @@ from pathlib import Path
 
 import numpy as np
 
-from protocol import modelfiles
+from protocol import llamalog, modelfiles
 from protocol.images import PromptImage
 from protocol.vision import MARKERS, MtmdVision, marker_id
 
-from .engine import EngineFull, EngineInfo, Pass, Sequence, SequenceIds, check_batch
+from .engine_types import EngineFull, EngineInfo, Pass, Sequence, SequenceIds, check_batch
 
 log = logging.getLogger(__name__)
 
 
-def requantize(src: str, dst: str, ftype_name: str = "LLAMA_FTYPE_MOSTLY_Q2_K") -> None:
-    """llama.cpp's own quantizer from src to dst (allow_requantize: ALL_F32 dequantizes a quantized GGUF)."""
+def requantize(src: str, dst: str, ftype_name: str = "LLAMA_FTYPE_MOSTLY_Q2_K", verbose: bool | None = None) -> None:
+    """llama.cpp's own quantizer from src to dst (allow_requantize: ALL_F32 dequantizes a quantized GGUF).
+
+    Quiet unless verbose (None: EDGESPEC_VERBOSE): llama.cpp's line per tensor goes to dst + ".log",
+    kept beside dst, and a failure shows its tail."""
     import llama_cpp
 
     params = llama_cpp.llama_model_quantize_default_params()
@@ -46,28 +49,35 @@ def requantize(src: str, dst: str, ftype_name: str = "LLAMA_FTYPE_MOSTLY_Q2_K") 
     params.allow_requantize = True
     params.nthread = os.cpu_count() or 1
     tmp = dst + ".tmp"
-    rc = llama_cpp.llama_model_quantize(src.encode(), tmp.encode(), ctypes.byref(params))
+    log_path = dst + ".log"
+    if llamalog.verbose() if verbose is None else verbose:
+        llamalog.set_verbose(True)
+        rc = llama_cpp.llama_model_quantize(src.encode(), tmp.encode(), ctypes.byref(params))
+    else:
+        with llamalog.c_output_to(log_path):
+            rc = llama_cpp.llama_model_quantize(src.encode(), tmp.encode(), ctypes.byref(params))
     if rc != 0:
-        raise RuntimeError(f"llama_model_quantize returned {rc} for {src} -> {dst}")
+        raise RuntimeError(f"llama_model_quantize returned {rc} for {src} -> {dst}; the end of its log "
+                           f"({log_path}):\n{llamalog.tail(log_path)}")
     os.replace(tmp, dst)                 # atomic: a half-written file never looks built
 
 
 def prepare_target(name: str) -> Path:
-    """A named target's GGUF, made from the shipped one the first time (F32: ~1 s, no download)."""
+    """A named target's GGUF, made from the shipped one the first time (F32: ~3 s, no download)."""
     path = modelfiles.build_dir() / modelfiles.TARGETS[name]
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
-        log.info("making %s from %s with llama.cpp's quantizer (F32)", path.name, modelfiles.SHIPPED_GGUF)
-        _quiet_llama()
+        log.info("making %s from %s with llama.cpp's quantizer (F32, a few seconds) ...", path.name,
+                 modelfiles.SHIPPED_GGUF)
+        t0 = time.perf_counter()
         requantize(str(modelfiles.shipped_gguf()), str(path), "LLAMA_FTYPE_ALL_F32")
+        log.info("made %s (%.0f MiB) in %.1fs", path.name, path.stat().st_size / 2**20, time.perf_counter() - t0)
     return path
 
 
 def _quiet_llama() -> None:
-    """llama.cpp logs every tensor it loads; keep its errors only."""
-    import llama_cpp._logger
-
-    llama_cpp._logger.set_verbose(False)
+    """llama.cpp logs every tensor it loads: keep its errors only, unless EDGESPEC_VERBOSE asks for all."""
+    llamalog.set_verbose()
 
 
 def _ggml():

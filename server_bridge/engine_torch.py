@@ -46,7 +46,7 @@ from protocol.images import PromptImage
 from protocol.vision import MARKERS
 
 from . import vision_torch
-from .engine import EngineFull, EngineInfo, Pass, Sequence, SequenceIds, check_batch
+from .engine_types import EngineFull, EngineInfo, Pass, Sequence, SequenceIds, check_batch
 
 log = logging.getLogger(__name__)
 

@@ -182,7 +182,7 @@ class SoakRobot:
 def judge(gens: list[SoakGeneration], trace: Trace) -> tuple[list[str], list[dict]]:
     """Per generation "exact" (the recorded ids), "near_tie" (off the record only where the target's top
     two are within NEAR_TIE, the target's own argmax everywhere else) or "inexact"; and the divergences."""
-    from tools.divergence import top2
+    from tools.logit_margin import top2
 
     verdicts, divergences, solo = [], [], None
     for g in gens:

@@ -28,6 +28,7 @@ from pathlib import Path
 from agent import config
 from agent.daemon import Daemon
 from agent.robot.scene import SceneError, load_scene
+from protocol import llamalog
 from tools.episode import print_step, restart, run_episode
 from tools.local_verifier import LocalVerifier, pin_cores
 from tools.netem import LinkProfile, NetemProxy
@@ -66,8 +67,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="the safety layer's obstacle stop (safety.min_clearance_m; default: the config's, on at "
                          "0.2 m with the simulator's ray cast; the Go2 example has 0.4; 0: off)")
     ap.add_argument("--out", type=Path, default=OUT)
+    ap.add_argument("--verbose", action="store_true", help="third-party logs (llama.cpp's model loads and context "
+                    "warnings) on the terminal; also EDGESPEC_VERBOSE=1")
     args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.ERROR, stream=sys.stderr)
+    verbose = llamalog.want_verbose(args.verbose)
+    logging.basicConfig(level=logging.INFO if verbose else logging.ERROR, stream=sys.stderr)
+    llamalog.set_verbose(verbose)
     try:
         scene = load_scene(args.scene)
         starts = parse_starts(args.starts if args.starts is not None else str(args.start), len(scene.starts))

@@ -37,6 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from server_bridge.target import Extension, load_target
+from tools.logit_margin import top2
 
 MANTISSA = {"float32": 23, "bfloat16": 7, "float16": 10}
 
@@ -47,13 +48,6 @@ def ulp(x: float, dtype: str) -> float:
     if x == 0.0:
         return 0.0
     return 2.0 ** (math.floor(math.log2(x)) - MANTISSA[dtype])
-
-
-def top2(row: np.ndarray) -> tuple[int, int, float, float]:
-    """(best id, second id, best logit, margin best - second) of a logits row."""
-    two = np.argpartition(row, -2)[-2:]
-    a, b = (two[1], two[0]) if row[two[1]] >= row[two[0]] else (two[0], two[1])
-    return int(a), int(b), float(row[a]), float(row[a] - row[b])
 
 
 def ar_reference(target, prompts: list[list[int]], n: int) -> list[tuple[list[int], list[np.ndarray]]]:

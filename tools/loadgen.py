@@ -538,7 +538,7 @@ def near_ties(point: dict, gens: list[Generation], trace: Trace, bound: float = 
     and the point's `near_ties` (the count) and `exact_up_to_near_ties`.
     """
     global _solo_target
-    from tools.divergence import top2
+    from tools.logit_margin import top2
 
     point["near_ties"], point["exact_up_to_near_ties"] = 0, True
     for rec, g in zip(point["generation_records"], gens):

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from agent.decoder import EdgeDecoder
-from tools.divergence import top2
+from tools.logit_margin import top2
 
 pytestmark = pytest.mark.real
 

@@ -37,10 +37,11 @@ def test_no_module_of_agent_or_protocol_names_the_server_package():
 
 def test_protocol_imports_only_numpy_msgpack_and_the_standard_library():
     """grammar.py also reaches llama.cpp's grammar sampler, which both sides run already, native.py
-    imports llama_cpp (when installed) so that its libraries load before numpy's, and vision.py runs
-    libmtmd (llama.cpp's multimodal library) for the images of a prompt, on either side."""
+    imports llama_cpp (when installed) so that its libraries load before numpy's, vision.py runs
+    libmtmd (llama.cpp's multimodal library) for the images of a prompt, on either side, and llamalog.py
+    sets llama.cpp's log level (quiet unless EDGESPEC_VERBOSE)."""
     allowed = {"numpy", "msgpack"} | set(sys.stdlib_module_names)
-    may_use_llama = {"grammar.py", "native.py", "vision.py"}
+    may_use_llama = {"grammar.py", "llamalog.py", "native.py", "vision.py"}
     for p in (ROOT / "protocol").rglob("*.py"):
         bad = {m for m in _imported_modules(p)
                if m.split(".")[0] not in allowed | ({"llama_cpp"} if p.name in may_use_llama else set())}

@@ -488,7 +488,7 @@ def test_a_divergence_is_a_near_tie_only_between_the_targets_top_two():
     """near_ties: the target's own one-token pass at the divergence decides, and only its top two can tie."""
     import numpy as np
 
-    from tools.divergence import top2
+    from tools.logit_margin import top2
 
     trace = lg.Trace.load(TRACES / "smollm2-q4_1__smollm2-f32.json")
     p = trace.prompts[0]

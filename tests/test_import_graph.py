@@ -1,0 +1,103 @@
+"""No import cycles in the packages or the tools: every `import` (at module level or inside a
+function) of a module of this repository is an edge, and the graph of those edges has no cycle."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("agent", "protocol", "server_bridge", "tools")
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def repo_modules() -> dict[str, Path]:
+    """module name -> file, for every .py file under PACKAGES."""
+    return {module_name(p): p for pkg in PACKAGES for p in sorted((ROOT / pkg).rglob("*.py"))}
+
+
+def imported(node: ast.AST, module: str, is_package: bool, modules: dict[str, Path]) -> set[str]:
+    """The repository modules one import statement reaches. `import a.b.c` runs a, a.b and a.b.c;
+    `from a.b import c` runs a and a.b, and a.b.c when c is a submodule. A module's own packages are
+    imported before it anyway, so an edge to one of them counts only when a name is taken from it
+    (`from . import NAME` in a submodule, NAME not a submodule: the package's __init__ must have run)."""
+    def chain(name: str) -> set[str]:
+        return {p for p in (".".join(name.split(".")[:i + 1]) for i in range(name.count(".") + 1)) if p in modules}
+
+    own = set(chain(module)) - {module}
+    if isinstance(node, ast.Import):
+        return set().union(*(chain(a.name) for a in node.names)) - own - {module}
+    assert isinstance(node, ast.ImportFrom)
+    if node.level:
+        package = module if is_package else module.rpartition(".")[0]
+        for _ in range(node.level - 1):
+            package = package.rpartition(".")[0]
+        base = f"{package}.{node.module}" if node.module else package
+    else:
+        base = node.module or ""
+    subs = {f"{base}.{a.name}" for a in node.names} & modules.keys()
+    names_from_base = len(subs) < len(node.names)
+    out = (chain(base) - own) | subs
+    if names_from_base and base in modules:
+        out.add(base)
+    return out - {module}
+
+
+def import_graph() -> dict[str, set[str]]:
+    modules = repo_modules()
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text(), str(path))
+        edges: set[str] = set()
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                edges |= imported(node, name, path.name == "__init__.py", modules)
+        graph[name] = edges
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle as a path [a, b, ..., a], or None (iterative depth-first search)."""
+    state: dict[str, int] = {}         # 1: on the stack, 2: done
+    for root in sorted(graph):
+        if root in state:
+            continue
+        stack = [(root, iter(sorted(graph[root])))]
+        path = [root]
+        state[root] = 1
+        while stack:
+            node, children = stack[-1]
+            child = next(children, None)
+            if child is None:
+                stack.pop()
+                path.pop()
+                state[node] = 2
+            elif state.get(child) == 1:
+                return path[path.index(child):] + [child]
+            elif child not in state:
+                state[child] = 1
+                path.append(child)
+                stack.append((child, iter(sorted(graph.get(child, ())))))
+    return None
+
+
+def test_the_graph_sees_imports():
+    graph = import_graph()
+    assert "server_bridge.engine" in graph["server_bridge.verifier"] or graph["server_bridge.verifier"]
+    assert "protocol.images" in graph["protocol.wire"]          # `from . import images as image_wire`
+    assert "protocol" in graph["agent.drafter"]                 # `from protocol import modelfiles`
+
+
+def test_find_cycle_reports_the_path():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_no_import_cycles():
+    cycle = find_cycle(import_graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
