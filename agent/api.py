@@ -22,6 +22,7 @@ connection's coroutine, never behind a queue, and nothing on this event loop
 waits for a driver: the e-stop latches and hands Damp to its own thread; a reset
 (seconds of standing up) runs in a worker thread.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -37,8 +38,8 @@ from .robot.controllers.base import ControllerError
 log = logging.getLogger(__name__)
 
 SUBSCRIBER_QUEUE = 256
-MAX_MESSAGE = 12_000_000                # an image of up to 8 MB, base64
-ESTOP_CONFIRM_S = 0.02                  # how long an e-stop reply waits to say the driver's e-stop returned
+MAX_MESSAGE = 12_000_000  # an image of up to 8 MB, base64
+ESTOP_CONFIRM_S = 0.02  # how long an e-stop reply waits to say the driver's e-stop returned
 
 
 class LocalApi:
@@ -80,7 +81,7 @@ class LocalApi:
                     if not isinstance(req, dict):
                         raise ValueError("a request is a JSON object")
                     op = req.get("op")
-                    if op == "estop":           # first, and inline
+                    if op == "estop":  # first, and inline
                         reply = {"ok": True, "latched": True, "delivered": await self._estop()}
                     elif op == "subscribe":
                         if unlisten is None:
@@ -105,13 +106,13 @@ class LocalApi:
     async def _estop(self) -> bool:
         """Latch (before the first await) and wait briefly, without blocking the loop, for the driver's e-stop."""
         delivery = asyncio.wrap_future(self.daemon.estop())
-        delivery.add_done_callback(lambda f: f.cancelled() or f.exception())   # a late failure is the lane's to log
+        delivery.add_done_callback(lambda f: f.cancelled() or f.exception())  # a late failure is the lane's to log
         try:
-            await asyncio.wait_for(asyncio.shield(delivery), ESTOP_CONFIRM_S)     # shield: never cancel the Damp
+            await asyncio.wait_for(asyncio.shield(delivery), ESTOP_CONFIRM_S)  # shield: never cancel the Damp
             return True
         except asyncio.TimeoutError:
             return False
-        except Exception:               # the driver's e-stop failed: logged by its lane; the latch holds anyway
+        except Exception:  # the driver's e-stop failed: logged by its lane; the latch holds anyway
             return False
 
     async def _call(self, op, req) -> dict:

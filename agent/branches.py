@@ -8,12 +8,13 @@ part of it that it shares (`llama_memory_seq_cp` shares KV cells, it does not
 copy them) and then all active branches advance one token per `llama_decode`
 call, in one batch. On this CPU one step of 4 branches takes ~40 ms against
 ~18.5 ms for one (the weights are read once per step, not per branch);
-tools/bench_predraft.py measures this against one context per worker thread
+tools/bench/predraft.py measures this against one context per worker thread
 (batched is 1.3-2x faster from 2 branches on).
 
 Not thread-safe: one BranchDrafter belongs to one thread (the pre-draft worker).
 It shares the model weights of the `Drafter` it is built from.
 """
+
 from __future__ import annotations
 
 import time
@@ -24,7 +25,7 @@ import numpy as np
 from protocol.payload import DraftQ, PayloadSpec, draw
 from protocol.sampling import SamplingParams
 
-from .drafter import Draft, Drafter, DraftContextFull, stack_candidates, top_candidates
+from .drafter import Draft, DraftContextFull, Drafter, stack_candidates, top_candidates
 
 
 class BranchError(RuntimeError):
@@ -33,15 +34,15 @@ class BranchError(RuntimeError):
 
 @dataclass
 class Branch:
-    key: tuple[int, ...]            # the continuation of the committed prefix this branch drafts after
-    seq: int                        # llama sequence id (1..slots)
+    key: tuple[int, ...]  # the continuation of the committed prefix this branch drafts after
+    seq: int  # llama sequence id (1..slots)
     gamma: int
     rng: np.random.Generator
-    tokens: list[int]               # what the sequence holds, positions 0 .. len - 1
-    feed: list[int]                 # tokens to decode next, at positions len(tokens), ...
+    tokens: list[int]  # what the sequence holds, positions 0 .. len - 1
+    feed: list[int]  # tokens to decode next, at positions len(tokens), ...
     ids: list[int] = field(default_factory=list)
-    rows: list = field(default_factory=list)     # the payload's q rows (T > 0), see payload.draw
-    cands: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)   # top-K (ids, probs) per token
+    rows: list = field(default_factory=list)  # the payload's q rows (T > 0), see payload.draw
+    cands: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)  # top-K (ids, probs) per token
     t0: float = field(default_factory=time.perf_counter)
 
     @property
@@ -62,18 +63,18 @@ class BranchDrafter:
         params = llama_cpp.llama_context_default_params()
         params.n_ctx = n_ctx
         params.n_batch = params.n_ubatch = 512
-        params.n_seq_max = slots + 1            # sequence 0 is the base, 1..slots the branches
-        params.kv_unified = True                # branches share the prefix cells
+        params.n_seq_max = slots + 1  # sequence 0 is the base, 1..slots the branches
+        params.kv_unified = True  # branches share the prefix cells
         params.n_threads = params.n_threads_batch = threads
         params.no_perf = True
         # The model object of the drafter (weights mmapped once); a context of our own.
         self._ctx = _internals.LlamaContext(model=drafter.llm._model, params=params, verbose=False)
         self._batch = _internals.LlamaBatch(n_tokens=512, embd=0, n_seq_max=1, verbose=False)
         self.n_ctx = n_ctx
-        self.drafter = drafter                  # its images: sequence 0 holds drafter.expand(committed) + draft
-        self.held: list[int] = []               # tokens in sequence 0 (an image's positions as its stand-in id)
-        self.free = list(range(slots, 0, -1))   # free branch sequence ids
-        self.kept: dict[tuple[int, ...], Branch] = {}   # finished branches whose KV is still held
+        self.drafter = drafter  # its images: sequence 0 holds drafter.expand(committed) + draft
+        self.held: list[int] = []  # tokens in sequence 0 (an image's positions as its stand-in id)
+        self.free = list(range(slots, 0, -1))  # free branch sequence ids
+        self.kept: dict[tuple[int, ...], Branch] = {}  # finished branches whose KV is still held
 
     # ------------------------------------------------------------------ low level
 
@@ -134,15 +135,15 @@ class BranchDrafter:
         self._rm(0, keep)
         self.held = self.held[:keep]
         for kind, run, at in self.drafter.image_runs(seq, keep, len(seq)):
-            if kind == "image":                         # a prompt's image, through the draft's projector
+            if kind == "image":  # a prompt's image, through the draft's projector
                 n = self.drafter.vision.eval(self._ctx.ctx, 0, at, run, 512, logits_last=True)
-                self.held.extend(seq[at:at + n])
+                self.held.extend(seq[at : at + n])
                 continue
             for start in range(at, at + len(run), 512):
                 chunk = range(start, min(at + len(run), start + 512))
                 self._decode([(seq[p], p, 0, p == len(seq) - 1) for p in chunk])
                 self.held.extend(seq[p] for p in chunk)
-        return self._logits(-1)                         # the row after the last position
+        return self._logits(-1)  # the row after the last position
 
     # ------------------------------------------------------------------ branches
 
@@ -158,7 +159,7 @@ class BranchDrafter:
             self.drop(self.kept.pop(next(iter(self.kept))))
         if not self.free:
             raise BranchError("no free branch slot")
-        full = self.held[:self.drafter.kv_len(n_committed)] + list(key)
+        full = self.held[: self.drafter.kv_len(n_committed)] + list(key)
         shared = min(_common_prefix(self.held, full), len(full) - 1)
         seq = self.free.pop()
         llama_cpp.llama_memory_seq_cp(self._ctx.memory, 0, seq, 0, shared)
@@ -188,13 +189,14 @@ class BranchDrafter:
                 b.rows.append(row)
             b.ids.append(token)
             b.cands.append(top_candidates(logits, self.n_cands, params, q))
-            b.feed = [] if b.done else [token]     # the last drafted token is fed next round
+            b.feed = [] if b.done else [token]  # the last drafted token is fed next round
 
     def result(self, b: Branch, payload: PayloadSpec) -> Draft:
         """payload: as the round drafted (already `for_params`)."""
         top, top_p = stack_candidates(b.cands, self.n_cands)
-        return Draft(list(b.ids), DraftQ.stack(payload.kind, b.ids, b.rows), (time.perf_counter() - b.t0) * 1e3,
-                     top, top_p)
+        return Draft(
+            list(b.ids), DraftQ.stack(payload.kind, b.ids, b.rows), (time.perf_counter() - b.t0) * 1e3, top, top_p
+        )
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

@@ -6,11 +6,12 @@ Every field can be overridden on the command line with `--set section.field=valu
 the config in use is logged at start.
 systemd/edge-agent.toml is the annotated example.
 """
+
 from __future__ import annotations
 
 try:
-    import tomllib                      # novm: 3.11+, with the fallback below (CI: vermin)
-except ImportError:                     # Python 3.10 (JetPack 6, ROS 2 Humble): the same parser, as a package
+    import tomllib  # novm: 3.11+, with the fallback below (CI: vermin)
+except ImportError:  # Python 3.10 (JetPack 6, ROS 2 Humble): the same parser, as a package
     import tomli as tomllib
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -30,23 +31,23 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class AgentSection:
-    draft: str = "smollm2-q4_1"         # draft name or a GGUF path
-    draft_mmproj: str = ""              # the draft's vision projector (GGUF, libmtmd): a vision-language draft;
-                                        # perception.kind = "vlm" needs it; "" = a text draft
+    draft: str = "smollm2-q4_1"  # draft name or a GGUF path
+    draft_mmproj: str = ""  # the draft's vision projector (GGUF, libmtmd): a vision-language draft;
+    # perception.kind = "vlm" needs it; "" = a text draft
     threads: int = 2
-    n_gpu_layers: int = -1              # draft layers on the GPU: -1 all when llama.cpp can offload (a CUDA build on
-                                        # the Orin), else none; 0 keeps the draft on the CPU
-    mode: str = "sd"                    # sd | fsd | ar (how verified steps decode)
+    n_gpu_layers: int = -1  # draft layers on the GPU: -1 all when llama.cpp can offload (a CUDA build on
+    # the Orin), else none; 0 keeps the draft on the CPU
+    mode: str = "sd"  # sd | fsd | ar (how verified steps decode)
     draft_policy: str = "fixed"
     gamma: int = 4
     max_tokens: int = 40
     temperature: float = 0.0
     seed: int = 0
-    payload: str = DEFAULT_KIND         # none | full | topk | split: the uplink's q at temperature > 0
-    topk: int = DEFAULT_TOPK            # K of payload topk
-    max_plan_age_s: float = 5.0         # never act on a plan whose frame is older
+    payload: str = DEFAULT_KIND  # none | full | topk | split: the uplink's q at temperature > 0
+    topk: int = DEFAULT_TOPK  # K of payload topk
+    max_plan_age_s: float = 5.0  # never act on a plan whose frame is older
     reach_m: float = 0.6
-    slo_tokens_per_s: float = 0.0       # the verifier's SLO class: tokens/s this robot needs; 0 = best effort
+    slo_tokens_per_s: float = 0.0  # the verifier's SLO class: tokens/s this robot needs; 0 = best effort
 
     def __post_init__(self):
         if self.mode not in ("sd", "fsd", "ar"):
@@ -67,16 +68,16 @@ class AgentSection:
 
 @dataclass(frozen=True)
 class LinkSection:
-    verifier: str = ""                  # wss://HOST:PORT of server-bridge (ws:// on loopback); "" means always offline
-    token_env: str = "VERIFIER_TOKEN"   # the shared secret is read from this environment variable
-    ca_file: str = ""                   # wss://: the CA (PEM) that signed the server's certificate; "" = the system's
-    allow_insecure: bool = False        # send the token over plain ws:// to another host (a lab network only)
-    keepalive_s: float = 1.0            # websocket ping interval and timeout (websockets' default is 20 s)
-    verify_timeout_s: float = 2.0       # an answer later than this counts as a lost link
+    verifier: str = ""  # wss://HOST:PORT of server-bridge (ws:// on loopback); "" means always offline
+    token_env: str = "VERIFIER_TOKEN"  # the shared secret is read from this environment variable
+    ca_file: str = ""  # wss://: the CA (PEM) that signed the server's certificate; "" = the system's
+    allow_insecure: bool = False  # send the token over plain ws:// to another host (a lab network only)
+    keepalive_s: float = 1.0  # websocket ping interval and timeout (websockets' default is 20 s)
+    verify_timeout_s: float = 2.0  # an answer later than this counts as a lost link
     reconnect_backoff_s: float = 0.2
     reconnect_backoff_max_s: float = 5.0
-    robot_id: str = ""                  # X-Robot-Id in the handshake, which a balancer hashes to keep this robot on
-                                        # one replica; "" = robot-<hash of /etc/machine-id>, stable across reboots
+    robot_id: str = ""  # X-Robot-Id in the handshake, which a balancer hashes to keep this robot on
+    # one replica; "" = robot-<hash of /etc/machine-id>, stable across reboots
 
     def __post_init__(self):
         if self.robot_id and not ROBOT_ID.fullmatch(self.robot_id):
@@ -87,17 +88,20 @@ class LinkSection:
             raise ConfigError("link.ca_file is for a wss:// verifier")
         if not 0.1 <= self.keepalive_s <= 5.0:
             raise ConfigError(f"link.keepalive_s must be 0.1..5 s (1-2 s is right for a robot), got {self.keepalive_s}")
-        if self.verify_timeout_s <= 0 or self.reconnect_backoff_s <= 0 or \
-                self.reconnect_backoff_max_s < self.reconnect_backoff_s:
+        if (
+            self.verify_timeout_s <= 0
+            or self.reconnect_backoff_s <= 0
+            or self.reconnect_backoff_max_s < self.reconnect_backoff_s
+        ):
             raise ConfigError("link timeouts must be positive and backoff_max >= backoff")
 
 
 @dataclass(frozen=True)
 class OfflineSection:
-    policy: str = "hold"                # hold: stop and wait | local: the draft model alone, unverified
-    max_forward_cm: float = 25.0        # local: an unverified forward step is at most this (25..75; reduced to fit)
-    max_turn_deg: float = 15.0          # local: an unverified turn is at most this (15..45; reduced to fit)
-    speed_scale: float = 0.5            # local: unverified motion runs at this fraction of speed and turn rate
+    policy: str = "hold"  # hold: stop and wait | local: the draft model alone, unverified
+    max_forward_cm: float = 25.0  # local: an unverified forward step is at most this (25..75; reduced to fit)
+    max_turn_deg: float = 15.0  # local: an unverified turn is at most this (15..45; reduced to fit)
+    speed_scale: float = 0.5  # local: unverified motion runs at this fraction of speed and turn rate
 
     def __post_init__(self):
         if self.policy not in OFFLINE_POLICIES:
@@ -110,12 +114,12 @@ class OfflineSection:
 
 @dataclass(frozen=True)
 class NavSection:
-    memory_steps: int = 4               # the last steps of the task (seen, done, verified) in the prompt; 0: none
-    memory_max_tokens: int = 160        # their bound in draft tokens (~25 a step); the oldest go first
-    grammar: bool = True                # answers under the NaVILA answer grammar on both sides (exact; never a miss)
-    blocked_m: float = 0.0              # the camera line says "the way ahead is blocked" when the range source reads
-                                        # less than this straight ahead (0: never; off by default: an example of
-                                        # it in the prompt cost the memory cases, see agent/nav.py blocked_text)
+    memory_steps: int = 4  # the last steps of the task (seen, done, verified) in the prompt; 0: none
+    memory_max_tokens: int = 160  # their bound in draft tokens (~25 a step); the oldest go first
+    grammar: bool = True  # answers under the NaVILA answer grammar on both sides (exact; never a miss)
+    blocked_m: float = 0.0  # the camera line says "the way ahead is blocked" when the range source reads
+    # less than this straight ahead (0: never; off by default: an example of
+    # it in the prompt cost the memory cases, see agent/nav.py blocked_text)
 
     def __post_init__(self):
         if not (isinstance(self.blocked_m, (int, float)) and 0 <= self.blocked_m <= 5):
@@ -130,27 +134,28 @@ class NavSection:
 
 @dataclass(frozen=True)
 class RobotSection:
-    controller: str = "sim"             # sim | serial | go2 | ros2
+    controller: str = "sim"  # sim | serial | go2 | ros2
     control_hz: float = 20.0
-    options: dict = field(default_factory=dict)     # passed to the controller's constructor
+    options: dict = field(default_factory=dict)  # passed to the controller's constructor
 
     def __post_init__(self):
         if self.controller not in CONTROLLERS:
             raise ConfigError(f"robot.controller must be one of {sorted(CONTROLLERS)}, got {self.controller!r}")
         if not 10.0 <= self.control_hz <= 200.0:
-            raise ConfigError(f"robot.control_hz must be 10..200 (the Go2 wants Move at >= 10 Hz), "
-                              f"got {self.control_hz}")
+            raise ConfigError(
+                f"robot.control_hz must be 10..200 (the Go2 wants Move at >= 10 Hz), got {self.control_hz}"
+            )
         if not isinstance(self.options, dict):
             raise ConfigError("robot.options must be a table")
 
 
 @dataclass(frozen=True)
 class CameraSection:
-    source: str = "sim"                 # go2 | sim | /dev/videoN | a GStreamer pipeline | rtsp://... | a video file
+    source: str = "sim"  # go2 | sim | /dev/videoN | a GStreamer pipeline | rtsp://... | a video file
     width: int = 640
     height: int = 480
     fps: int = 15
-    max_age_ms: float = 500.0           # never plan from an older frame
+    max_age_ms: float = 500.0  # never plan from an older frame
 
     def __post_init__(self):
         if self.width < 16 or self.height < 16 or not 1 <= self.fps <= 120 or self.max_age_ms <= 0:
@@ -162,11 +167,11 @@ PERCEPTION_KINDS = ("sim", "color", "vlm")
 
 @dataclass(frozen=True)
 class PerceptionSection:
-    kind: str = "sim"                   # sim (simulator ground truth) | color (HSV blob detector) | vlm (the frame
-                                        # itself in the prompt: a vision-language draft and target)
-    target_height_m: float = 0.4        # color: the objects' real height, for distance
-    image_max_side: int = 384           # vlm: the longest side of the image sent, in pixels (resized, aspect kept)
-    jpeg_quality: int = 85              # vlm: its JPEG quality, 1..100
+    kind: str = "sim"  # sim (simulator ground truth) | color (HSV blob detector) | vlm (the frame
+    # itself in the prompt: a vision-language draft and target)
+    target_height_m: float = 0.4  # color: the objects' real height, for distance
+    image_max_side: int = 384  # vlm: the longest side of the image sent, in pixels (resized, aspect kept)
+    jpeg_quality: int = 85  # vlm: its JPEG quality, 1..100
 
     def __post_init__(self):
         if self.kind not in PERCEPTION_KINDS:
@@ -179,7 +184,7 @@ class PerceptionSection:
 
 @dataclass(frozen=True)
 class ApiSection:
-    listen: str = "127.0.0.1:8770"      # HOST:PORT (keep it on loopback) or unix:/path/to.sock
+    listen: str = "127.0.0.1:8770"  # HOST:PORT (keep it on loopback) or unix:/path/to.sock
 
     def __post_init__(self):
         if not self.listen.startswith("unix:"):
@@ -190,7 +195,7 @@ class ApiSection:
 
 @dataclass(frozen=True)
 class TelemetrySection:
-    path: str = "telemetry.jsonl"       # "" for none
+    path: str = "telemetry.jsonl"  # "" for none
     max_bytes: int = 50_000_000
 
 
@@ -213,15 +218,17 @@ class Config:
         if self.perception.kind == "sim" and self.robot.controller != "sim":
             raise ConfigError("perception.kind 'sim' reads the simulator's ground truth: use 'color' on a robot")
         if self.perception.kind == "vlm" and not self.agent.draft_mmproj:
-            raise ConfigError("perception.kind 'vlm' shows the camera image to the models: it needs "
-                              "agent.draft_mmproj, the draft's vision projector (GGUF), beside a vision-language "
-                              "agent.draft (and a verifier served with --mmproj)")
+            raise ConfigError(
+                "perception.kind 'vlm' shows the camera image to the models: it needs "
+                "agent.draft_mmproj, the draft's vision projector (GGUF), beside a vision-language "
+                "agent.draft (and a verifier served with --mmproj)"
+            )
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
-_TYPES = {f.name: type(f.default) for f in fields(Config)}     # section name -> its dataclass
+_TYPES = {f.name: type(f.default) for f in fields(Config)}  # section name -> its dataclass
 
 
 def _section(name: str, values: dict):
@@ -231,11 +238,15 @@ def _section(name: str, values: dict):
     if unknown:
         raise ConfigError(f"[{name}] has no field(s) {sorted(unknown)}; known: {sorted(known)}")
     defaults = cls()
-    for key, value in values.items():              # the type each field's default has
+    for key, value in values.items():  # the type each field's default has
         want = type(getattr(defaults, key))
-        ok = (isinstance(value, (int, float)) and not isinstance(value, bool)) if want in (int, float) else \
-            (value is None or isinstance(value, (int, float))) if getattr(defaults, key) is None else \
-            isinstance(value, want)
+        ok = (
+            (isinstance(value, (int, float)) and not isinstance(value, bool))
+            if want in (int, float)
+            else (value is None or isinstance(value, (int, float)))
+            if getattr(defaults, key) is None
+            else isinstance(value, want)
+        )
         if not ok:
             raise ConfigError(f"{name}.{key} must be {want.__name__}, got {value!r}")
     try:
@@ -254,7 +265,7 @@ def build(data: dict) -> Config:
 
 
 def parse_override(item: str) -> tuple[str, str, object]:
-    """"section.field=value" -> (section, field, value); the value is TOML, else a bare string."""
+    """ "section.field=value" -> (section, field, value); the value is TOML, else a bare string."""
     key, sep, raw = item.partition("=")
     section, dot, name = key.strip().partition(".")
     if not sep or not dot or section not in _TYPES:
@@ -281,9 +292,8 @@ def load(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
         if not dot:
             data.setdefault(section, {})[name] = value
             continue
-        table = data.setdefault(section, {}).setdefault(field_name, {})     # one key of a table field
+        table = data.setdefault(section, {}).setdefault(field_name, {})  # one key of a table field
         if not isinstance(table, dict) or not key:
             raise ConfigError(f"--set {section}.{name}: {section}.{field_name} is not a table")
         table[key] = value
     return build(data)
-

@@ -15,6 +15,7 @@ A camera that delivers nothing for `camera.max_age_ms` is reported as stale on
 systemd's STATUS=, in the API's status and as a "camera" event (the nav thread
 checks it every 0.2 s), not left to show only as stopped steps.
 """
+
 from __future__ import annotations
 
 import base64
@@ -24,7 +25,8 @@ import os
 import queue
 import threading
 import time
-from concurrent.futures import Future, TimeoutError as FutureTimeout     # 3.10: not the builtin TimeoutError
+from concurrent.futures import Future  # 3.10: not the builtin TimeoutError
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Callable
 
 from protocol.payload import PayloadSpec
@@ -44,11 +46,11 @@ from .telemetry import TelemetryWriter
 
 log = logging.getLogger(__name__)
 
-MAX_PENDING = 4                         # submitted tasks waiting behind the running one
+MAX_PENDING = 4  # submitted tasks waiting behind the running one
 MAX_LISTENERS = 32
-REFUSED_PAUSE_S = 0.05                  # the nav thread's pause after a refused step (no fresh frame, holding)
-MAX_RECORDS = 1000                      # a task's step records kept for its summary (the later ones are dropped)
-RESET_TIMEOUT_S = 30.0                  # a reset waits this long for the robot to stand up (RecoveryStand, BalanceStand)
+REFUSED_PAUSE_S = 0.05  # the nav thread's pause after a refused step (no fresh frame, holding)
+MAX_RECORDS = 1000  # a task's step records kept for its summary (the later ones are dropped)
+RESET_TIMEOUT_S = 30.0  # a reset waits this long for the robot to stand up (RecoveryStand, BalanceStand)
 
 
 class Busy(RuntimeError):
@@ -56,15 +58,23 @@ class Busy(RuntimeError):
 
 
 class Daemon:
-    def __init__(self, cfg: Config, *, drafter=None, controller: Controller | None = None,
-                 notifier: Notifier | None = None, max_steps: int = 40, task_timeout_s: float = 300.0):
+    def __init__(
+        self,
+        cfg: Config,
+        *,
+        drafter=None,
+        controller: Controller | None = None,
+        notifier: Notifier | None = None,
+        max_steps: int = 40,
+        task_timeout_s: float = 300.0,
+    ):
         self.cfg = cfg
         self.notifier = notifier or Notifier()
         self.max_steps = max_steps
         self.task_timeout_s = task_timeout_s
         self._drafter = drafter
         self.controller = controller or make_controller(cfg.robot.controller, **cfg.robot.options)
-        self.world = getattr(self.controller, "world", None)       # the simulator, when the robot is one
+        self.world = getattr(self.controller, "world", None)  # the simulator, when the robot is one
         self.safety = SafetyLayer(self.controller, cfg.safety, ranges=self.controller.ranges)
         self.grabber: FrameGrabber | None = None
         self.control: ControlLoop | None = None
@@ -78,12 +88,12 @@ class Daemon:
         self._worker: threading.Thread | None = None
         self._listeners: list[Callable[[dict], None]] = []
         self._lock = threading.Lock()
-        self.task: dict | None = None       # the running task's status
+        self.task: dict | None = None  # the running task's status
         self.last_step: dict | None = None
-        self.task_records: list = []        # the running (or last) task's nav.Step records, the first MAX_RECORDS
-        self.history: list[dict] = []       # finished tasks, the last 16
-        self.camera_state = "starting"      # ok | stale (nothing new for camera.max_age_ms) | starting
-        self._camera_since = time.monotonic()   # when the grabber started
+        self.task_records: list = []  # the running (or last) task's nav.Step records, the first MAX_RECORDS
+        self.history: list[dict] = []  # finished tasks, the last 16
+        self.camera_state = "starting"  # ok | stale (nothing new for camera.max_age_ms) | starting
+        self._camera_since = time.monotonic()  # when the grabber started
         self.started = time.monotonic()
         self.ready = False
 
@@ -93,57 +103,106 @@ class Daemon:
         cfg = self.cfg
         log.info("config in use: %s", cfg.to_dict())
         token = os.environ.get(cfg.link.token_env, "") if cfg.link.token_env else ""
-        if cfg.link.verifier:               # a token in clear or a bad CA file: refused before anything moves
+        if cfg.link.verifier:  # a token in clear or a bad CA file: refused before anything moves
             tls_context(cfg.link.verifier, token, cfg.link.ca_file, cfg.link.allow_insecure)
         self.controller.connect()
-        source = open_source(cfg.camera.source, cfg.camera.width, cfg.camera.height, cfg.camera.fps, world=self.world,
-                             network_interface=cfg.robot.options.get("network_interface"))
+        source = open_source(
+            cfg.camera.source,
+            cfg.camera.width,
+            cfg.camera.height,
+            cfg.camera.fps,
+            world=self.world,
+            network_interface=cfg.robot.options.get("network_interface"),
+        )
         self.grabber = FrameGrabber(source, name=cfg.camera.source if len(cfg.camera.source) < 40 else "camera")
         self.grabber.start()
         self._camera_since = time.monotonic()
-        self.control = ControlLoop(self.safety, cfg.robot.control_hz, frame_age=self.grabber.latest_age_s,
-                                   watchdog=self.notifier.watchdog,
-                                   watchdog_interval_s=self.notifier.watchdog_interval_s()).start()
+        self.control = ControlLoop(
+            self.safety,
+            cfg.robot.control_hz,
+            frame_age=self.grabber.latest_age_s,
+            watchdog=self.notifier.watchdog,
+            watchdog_interval_s=self.notifier.watchdog_interval_s(),
+        ).start()
         self.notifier.status("loading the draft model")
         if self._drafter is None:
             from .drafter import Drafter
-            self._drafter = Drafter(cfg.agent.draft, threads=cfg.agent.threads, n_gpu_layers=cfg.agent.n_gpu_layers,
-                                    mmproj=cfg.agent.draft_mmproj or None)
+
+            self._drafter = Drafter(
+                cfg.agent.draft,
+                threads=cfg.agent.threads,
+                n_gpu_layers=cfg.agent.n_gpu_layers,
+                mmproj=cfg.agent.draft_mmproj or None,
+            )
         log.info("draft offload (llama.cpp's own query): %s", getattr(self._drafter, "offload", "unknown"))
         self.decoder = EdgeDecoder(
-            self._drafter, cfg.link.verifier or None, token=token, recv_timeout_s=cfg.link.verify_timeout_s,
-            keepalive_s=cfg.link.keepalive_s, policy=DraftPolicy(cfg.agent.draft_policy),
-            payload=PayloadSpec.parse(cfg.agent.payload, cfg.agent.topk), slo=cfg.agent.slo_tokens_per_s,
-            ca_file=cfg.link.ca_file, allow_insecure=cfg.link.allow_insecure,
+            self._drafter,
+            cfg.link.verifier or None,
+            token=token,
+            recv_timeout_s=cfg.link.verify_timeout_s,
+            keepalive_s=cfg.link.keepalive_s,
+            policy=DraftPolicy(cfg.agent.draft_policy),
+            payload=PayloadSpec.parse(cfg.agent.payload, cfg.agent.topk),
+            slo=cfg.agent.slo_tokens_per_s,
+            ca_file=cfg.link.ca_file,
+            allow_insecure=cfg.link.allow_insecure,
             robot_id=cfg.link.robot_id or default_robot_id(),
-            reconnect=ReconnectPolicy(max_attempts=1, backoff_s=cfg.link.reconnect_backoff_s,
-                                      backoff_max_s=cfg.link.reconnect_backoff_max_s))
-        self.nav = Navigator(self.decoder, self.grabber, self._perception(), self.control, NavConfig(
-            mode=cfg.agent.mode, gamma=cfg.agent.gamma, max_tokens=cfg.agent.max_tokens,
-            temperature=cfg.agent.temperature, seed=cfg.agent.seed, offline=cfg.offline.policy,
-            verify_timeout_s=cfg.link.verify_timeout_s, max_frame_age_ms=cfg.camera.max_age_ms,
-            max_plan_age_s=cfg.agent.max_plan_age_s, reach_m=cfg.agent.reach_m,
-            probe_backoff_s=cfg.link.reconnect_backoff_s, probe_backoff_max_s=cfg.link.reconnect_backoff_max_s,
-            memory_steps=cfg.nav.memory_steps, memory_max_tokens=cfg.nav.memory_max_tokens,
-            offline_max_forward_cm=cfg.offline.max_forward_cm, offline_max_turn_deg=cfg.offline.max_turn_deg,
-            offline_speed_scale=cfg.offline.speed_scale, grammar=cfg.nav.grammar, blocked_m=cfg.nav.blocked_m),
-            emit=self._emit, on_mode=self._on_mode)
+            reconnect=ReconnectPolicy(
+                max_attempts=1, backoff_s=cfg.link.reconnect_backoff_s, backoff_max_s=cfg.link.reconnect_backoff_max_s
+            ),
+        )
+        self.nav = Navigator(
+            self.decoder,
+            self.grabber,
+            self._perception(),
+            self.control,
+            NavConfig(
+                mode=cfg.agent.mode,
+                gamma=cfg.agent.gamma,
+                max_tokens=cfg.agent.max_tokens,
+                temperature=cfg.agent.temperature,
+                seed=cfg.agent.seed,
+                offline=cfg.offline.policy,
+                verify_timeout_s=cfg.link.verify_timeout_s,
+                max_frame_age_ms=cfg.camera.max_age_ms,
+                max_plan_age_s=cfg.agent.max_plan_age_s,
+                reach_m=cfg.agent.reach_m,
+                probe_backoff_s=cfg.link.reconnect_backoff_s,
+                probe_backoff_max_s=cfg.link.reconnect_backoff_max_s,
+                memory_steps=cfg.nav.memory_steps,
+                memory_max_tokens=cfg.nav.memory_max_tokens,
+                offline_max_forward_cm=cfg.offline.max_forward_cm,
+                offline_max_turn_deg=cfg.offline.max_turn_deg,
+                offline_speed_scale=cfg.offline.speed_scale,
+                grammar=cfg.nav.grammar,
+                blocked_m=cfg.nav.blocked_m,
+            ),
+            emit=self._emit,
+            on_mode=self._on_mode,
+        )
         self.nav.check_link()
         self.notifier.status("prefilling the prompt")
         self.nav.warm_up()
         self._worker = threading.Thread(target=self._run_tasks, name="nav", daemon=True)
         self._worker.start()
         self.ready = True
-        if notify_ready:                    # else the caller does, once its API listens too
+        if notify_ready:  # else the caller does, once its API listens too
             self.notifier.ready()
         self.notifier.status(self._status_line())
-        log.info("ready: controller %s, camera %s, perception %s, verifier %s (%s), offline policy %s",
-                 self.controller.name, cfg.camera.source, cfg.perception.kind, cfg.link.verifier or "none",
-                 self.nav.link, cfg.offline.policy)
+        log.info(
+            "ready: controller %s, camera %s, perception %s, verifier %s (%s), offline policy %s",
+            self.controller.name,
+            cfg.camera.source,
+            cfg.perception.kind,
+            cfg.link.verifier or "none",
+            self.nav.link,
+            cfg.offline.policy,
+        )
         return self
 
     def _perception(self):
         from .robot import perception
+
         kind = self.cfg.perception.kind
         if kind == "sim":
             if self.world is None:
@@ -165,7 +224,7 @@ class Daemon:
             self.control.stop()
         if self.grabber is not None:
             self.grabber.stop()
-        self.safety.close()                 # the last StopMove goes out (bounded) before the driver closes
+        self.safety.close()  # the last StopMove goes out (bounded) before the driver closes
         if self.decoder is not None:
             self.decoder.close()
         try:
@@ -181,8 +240,9 @@ class Daemon:
         if not isinstance(instruction, str) or not instruction.strip() or len(instruction) > 500:
             raise ValueError("instruction must be a non-empty string of at most 500 characters")
         if image and self.cfg.perception.kind == "sim":
-            raise ValueError("an image needs perception 'color' or 'vlm' (perception 'sim' reads the simulator, "
-                             "not pixels)")
+            raise ValueError(
+                "an image needs perception 'color' or 'vlm' (perception 'sim' reads the simulator, not pixels)"
+            )
         frame = _decode_image(image) if image else None
         steps = self.max_steps if max_steps is None else int(max_steps)
         if not 1 <= steps <= 1000:
@@ -223,29 +283,42 @@ class Daemon:
         try:
             self.safety.reset().result(timeout_s)
         except FutureTimeout:
-            raise ControllerError(f"the robot was not ready within {timeout_s:.0f} s; the e-stop stays latched") \
-                from None
+            raise ControllerError(
+                f"the robot was not ready within {timeout_s:.0f} s; the e-stop stays latched"
+            ) from None
         self._emit({"event": "reset"})
 
     def status(self) -> dict:
         nav = self.nav
         age = self.grabber.latest_age_s() if self.grabber else None
         grabber = self.grabber
-        return {"ready": self.ready, "mode": "verified" if nav and nav.link == "up" else "offline",
-                "link": nav.link if nav else "unknown", "offline_policy": self.cfg.offline.policy,
-                "estopped": self.safety.estopped, "controller": self.controller.name,
-                "driver_calls": self.safety.driver_calls(),
-                "draft_offload": getattr(self._drafter, "offload", None),
-                "camera": {"source": self.cfg.camera.source, "state": self.camera_state,
-                           "frames": grabber.frames if grabber else 0, "error": grabber.error if grabber else None},
-                "camera_age_ms": None if age is None else round(age * 1e3, 1),
-                "perception": self.cfg.perception.kind, "task": self.task, "last_step": self.last_step,
-                "pending": self._tasks.qsize(), "steps": nav.steps if nav else 0,
-                "offline_steps": nav.offline_steps if nav else 0,
-                "offline_clamped": nav.offline_clamped if nav else 0,
-                "offline_turn_away_stops": nav.offline_turn_away_stops if nav else 0,
-                "safety_stops": dict(self.safety.stops),
-                "uptime_s": round(time.monotonic() - self.started, 1)}
+        return {
+            "ready": self.ready,
+            "mode": "verified" if nav and nav.link == "up" else "offline",
+            "link": nav.link if nav else "unknown",
+            "offline_policy": self.cfg.offline.policy,
+            "estopped": self.safety.estopped,
+            "controller": self.controller.name,
+            "driver_calls": self.safety.driver_calls(),
+            "draft_offload": getattr(self._drafter, "offload", None),
+            "camera": {
+                "source": self.cfg.camera.source,
+                "state": self.camera_state,
+                "frames": grabber.frames if grabber else 0,
+                "error": grabber.error if grabber else None,
+            },
+            "camera_age_ms": None if age is None else round(age * 1e3, 1),
+            "perception": self.cfg.perception.kind,
+            "task": self.task,
+            "last_step": self.last_step,
+            "pending": self._tasks.qsize(),
+            "steps": nav.steps if nav else 0,
+            "offline_steps": nav.offline_steps if nav else 0,
+            "offline_clamped": nav.offline_clamped if nav else 0,
+            "offline_turn_away_stops": nav.offline_turn_away_stops if nav else 0,
+            "safety_stops": dict(self.safety.stops),
+            "uptime_s": round(time.monotonic() - self.started, 1),
+        }
 
     def listen(self, fn: Callable[[dict], None]) -> Callable[[], None]:
         """Add an event listener (the API's subscribers); returns the function that removes it."""
@@ -290,23 +363,23 @@ class Daemon:
                 break
             try:
                 rec = self.nav.step(task["instruction"], task=str(task["id"]), cancel=self._cancel, frame=frame)
-            except Exception:               # never let one bad step kill the nav thread: stop, end the task
+            except Exception:  # never let one bad step kill the nav thread: stop, end the task
                 log.exception("step failed; stopping the robot and ending the task")
                 state = "error"
                 break
-            frame = None                        # an image from the API is used for the first step only
-            if len(self.task_records) < MAX_RECORDS:    # refused steps do not count toward max_steps
+            frame = None  # an image from the API is used for the first step only
+            if len(self.task_records) < MAX_RECORDS:  # refused steps do not count toward max_steps
                 self.task_records.append(rec)
             self.check_camera()
-            record = {**rec.to_json(), "safety_stops": dict(self.safety.stops),
-                      "clearance_m": self.safety.clearance_m}
+            record = {**rec.to_json(), "safety_stops": dict(self.safety.stops), "clearance_m": self.safety.clearance_m}
             self.telemetry.write(record)
-            self.last_step = {k: record[k] for k in ("step", "mode", "action", "parse", "reason", "command",
-                                                      "latency_ms")}
+            self.last_step = {
+                k: record[k] for k in ("step", "mode", "action", "parse", "reason", "command", "latency_ms")
+            }
             self.task["step"] = rec.step
             self.notifier.status(self._status_line())
-            if rec.parse == "refused":          # holding or no frame: not a step of the plan
-                self._stop.wait(REFUSED_PAUSE_S)    # a camera with no frame yet must not make this a busy loop
+            if rec.parse == "refused":  # holding or no frame: not a step of the plan
+                self._stop.wait(REFUSED_PAUSE_S)  # a camera with no frame yet must not make this a busy loop
                 continue
             moving_steps += 1
             misses = misses + 1 if rec.parse == "miss" else 0
@@ -340,16 +413,25 @@ class Daemon:
         """Report a camera that went quiet (or came back) on STATUS=, the log and the events; returns its state."""
         age = self.grabber.latest_age_s() if self.grabber else None
         state = "stale" if age is None or age * 1e3 > self.cfg.camera.max_age_ms else "ok"
-        if state == "stale" and self.camera_state == "starting" and age is None \
-                and time.monotonic() - self._camera_since < self.cfg.camera.max_age_ms / 1e3:
-            return self.camera_state        # a camera gets max_age_ms for its first frame
+        if (
+            state == "stale"
+            and self.camera_state == "starting"
+            and age is None
+            and time.monotonic() - self._camera_since < self.cfg.camera.max_age_ms / 1e3
+        ):
+            return self.camera_state  # a camera gets max_age_ms for its first frame
         if state != self.camera_state:
             self.camera_state = state
             detail = "no frame yet" if age is None else f"newest frame {age * 1e3:.0f} ms old"
             error = self.grabber.error if self.grabber else None
             if state == "stale":
-                log.warning("camera %s is stale: %s%s (limit %.0f ms); the robot does not move", self.cfg.camera.source,
-                            detail, f", {error}" if error else "", self.cfg.camera.max_age_ms)
+                log.warning(
+                    "camera %s is stale: %s%s (limit %.0f ms); the robot does not move",
+                    self.cfg.camera.source,
+                    detail,
+                    f", {error}" if error else "",
+                    self.cfg.camera.max_age_ms,
+                )
             else:
                 log.info("camera %s delivers again", self.cfg.camera.source)
             self._emit({"event": "camera", "state": state, "detail": detail, "error": error})
@@ -358,13 +440,16 @@ class Daemon:
 
     def _on_mode(self, mode: str) -> None:
         if self.world is not None:
-            self.world.tag = mode           # the sim's map colours the path by mode
+            self.world.tag = mode  # the sim's map colours the path by mode
         self.notifier.status(self._status_line())
 
     def _status_line(self) -> str:
         mode = "verified" if self.nav and self.nav.link == "up" else f"offline ({self.cfg.offline.policy})"
-        task = f"task {self.task['id']} step {self.task['step']}" if self.task and self.task["state"] == "running" \
+        task = (
+            f"task {self.task['id']} step {self.task['step']}"
+            if self.task and self.task["state"] == "running"
             else "idle"
+        )
         camera = f", camera {self.cfg.camera.source} stale" if self.camera_state == "stale" else ""
         estop = ", E-STOP latched" if self.safety.estopped else ""
         return f"{mode}, {task}{camera}{estop}"
@@ -373,8 +458,9 @@ class Daemon:
 def _decode_image(data: str) -> Frame:
     import cv2
     import numpy as np
+
     try:
-        raw = base64.b64decode(data.split(",", 1)[-1], validate=True)   # a bare base64 or a data: URI
+        raw = base64.b64decode(data.split(",", 1)[-1], validate=True)  # a bare base64 or a data: URI
     except ValueError:
         raise ValueError("image must be base64 (or a data: URI) of a JPEG or PNG") from None
     if len(raw) > 8_000_000:
@@ -383,4 +469,3 @@ def _decode_image(data: str) -> Frame:
     if img is None:
         raise ValueError("image could not be decoded (JPEG or PNG expected)")
     return Frame(img, time.monotonic(), 0, {"source": "api"})
-

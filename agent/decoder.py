@@ -10,6 +10,7 @@ it only what the server committed; when the link drops, the loop reconnects
 with backoff, re-opens the session with the committed prefix and redoes the
 round, so no token is lost or duplicated.
 """
+
 from __future__ import annotations
 
 import logging
@@ -28,8 +29,8 @@ from protocol.payload import PayloadSpec
 from protocol.sampling import SamplingParams
 
 from .drafter import Draft, Drafter
-from .link import TAKEN, LinkLost, ServerError, VerifierLink
 from .draftlen import As2, CostEstimator
+from .link import TAKEN, LinkLost, ServerError, VerifierLink
 from .policy import DraftController, DraftPolicy
 from .predictor import RejectionPredictor, TraceWriter, predictor_path
 from .predraft import PreDrafter
@@ -37,69 +38,70 @@ from .predraft import PreDrafter
 log = logging.getLogger(__name__)
 
 MODES = ("ar", "sd", "fsd", "local")
-MAX_REPLICAS_SEEN = 16          # Metrics.replicas: the replicas a generation was served by, in order
-MAX_SWITCHED_NAMES = 64         # session names remembered with the fresh sid they switched to (LRU)
+MAX_REPLICAS_SEEN = 16  # Metrics.replicas: the replicas a generation was served by, in order
+MAX_SWITCHED_NAMES = 64  # session names remembered with the fresh sid they switched to (LRU)
 
 
 @dataclass
 class Metrics:
     """Per-generation figures, named as in DESIGN.md everywhere (CLI JSON, /metrics, benchmarks)."""
-    tau: float | None = None                # tokens committed per verification round
-    acceptance_rate: float | None = None    # accepted draft tokens / drafted
+
+    tau: float | None = None  # tokens committed per verification round
+    acceptance_rate: float | None = None  # accepted draft tokens / drafted
     rounds: int = 0
     target_forward_passes: int = 0
-    draft_ms: float = 0.0                   # time spent drafting (gamma * T_p per round)
-    verify_ms: float = 0.0                  # server time in target forward passes (T_q per round)
-    network_ms: float = 0.0                 # waiting time not explained by verify_ms (2 * T_c per round)
+    draft_ms: float = 0.0  # time spent drafting (gamma * T_p per round)
+    verify_ms: float = 0.0  # server time in target forward passes (T_q per round)
+    network_ms: float = 0.0  # waiting time not explained by verify_ms (2 * T_c per round)
     wall_s: float = 0.0
     tokens_per_s: float = 0.0
     bytes_up: int = 0
     bytes_down: int = 0
     # the uplink payload (protocol/payload.py) and what the verify rounds cost on the link
-    payload: str = "none"                   # none | full | topk(K=256) | split; none when greedy, ar or local
-    bytes_up_per_round: float | None = None     # verify frames, mean over rounds
-    bytes_down_per_round: float | None = None   # result frames (split residuals included) and exits
+    payload: str = "none"  # none | full | topk(K=256) | split; none when greedy, ar or local
+    bytes_up_per_round: float | None = None  # verify frames, mean over rounds
+    bytes_down_per_round: float | None = None  # result frames (split residuals included) and exits
     round_bytes_up: int = 0
     round_bytes_down: int = 0
-    residuals: int = 0                      # split rejections: p_j came down and the correction was drawn here
+    residuals: int = 0  # split rejections: p_j came down and the correction was drawn here
     drafted: int = 0
     accepted: int = 0
-    wasted_draft_tokens: int = 0            # drafted tokens the server rejected
-    reconnects: int = 0                     # new connections after a lost link
-    restarts: int = 0                       # of those, after the server closed on purpose (a replica draining:
-                                            # 1012), made at once without backing off
-    replicas: list = field(default_factory=list)    # the replicas that held the session, in order (<= 16)
-    reconnect_ms: float = 0.0               # from each lost link to the session re-opened on the next, summed
-    reopens: int = 0                        # sessions re-opened after the server lost them (evicted)
-    session_switches: int = 0               # opens refused (session_taken) and redone at once under a fresh sid
+    wasted_draft_tokens: int = 0  # drafted tokens the server rejected
+    reconnects: int = 0  # new connections after a lost link
+    restarts: int = 0  # of those, after the server closed on purpose (a replica draining:
+    # 1012), made at once without backing off
+    replicas: list = field(default_factory=list)  # the replicas that held the session, in order (<= 16)
+    reconnect_ms: float = 0.0  # from each lost link to the session re-opened on the next, summed
+    reopens: int = 0  # sessions re-opened after the server lost them (evicted)
+    session_switches: int = 0  # opens refused (session_taken) and redone at once under a fresh sid
     prefill_ms: float = 0.0
     # FSD: a round's draft was pre-drafted (cached or in progress when the previous result came) or not
     predraft_hits: int = 0
     predraft_misses: int = 0
     predraft_miss_rate: float | None = None  # misses / (hits + misses); the first round has no predecessor
-    predraft_failures: int = 0              # rounds the pre-draft worker failed; drafted afresh
-    exits_received: int = 0                 # early-exit verdicts that reached the robot
-    avg_exit_layer: float | None = None     # mean over rounds of the earliest exit that matched the result
+    predraft_failures: int = 0  # rounds the pre-draft worker failed; drafted afresh
+    exits_received: int = 0  # early-exit verdicts that reached the robot
+    avg_exit_layer: float | None = None  # mean over rounds of the earliest exit that matched the result
     exit_layer_sum: int = 0
-    exit_ms: float = 0.0                    # server time in early-exit heads (part of verify_ms)
+    exit_ms: float = 0.0  # server time in early-exit heads (part of verify_ms)
     # draft policy (agent/policy.py)
     draft_policy: str = "fixed"
-    draft_lengths: dict = field(default_factory=dict)   # str(k) -> rounds that drafted k tokens
-    predictor_stops: int = 0                # rounds the rejection predictor ended early
+    draft_lengths: dict = field(default_factory=dict)  # str(k) -> rounds that drafted k tokens
+    predictor_stops: int = 0  # rounds the rejection predictor ended early
     predictor_calls: int = 0
-    predictor_ms: float = 0.0               # onnxruntime time, all calls
-    feature_ms: float = 0.0                 # computing the predictor's features from the logits
-    gamma_star: int | None = None           # the optimal draft length by the last estimates
-    expected_speedup: float | None = None   # S(gamma*) * rho over target-only streaming, last estimate
-    estimates: dict = field(default_factory=dict)       # the cost model's last inputs (alpha, L, rho, ...)
-    streamed_tokens: int = 0                # tokens the target streamed alone while AS2 had speculation off
-    as2_switches: list = field(default_factory=list)    # {token, to, expected_speedup, ...}, at most 64
+    predictor_ms: float = 0.0  # onnxruntime time, all calls
+    feature_ms: float = 0.0  # computing the predictor's features from the logits
+    gamma_star: int | None = None  # the optimal draft length by the last estimates
+    expected_speedup: float | None = None  # S(gamma*) * rho over target-only streaming, last estimate
+    estimates: dict = field(default_factory=dict)  # the cost model's last inputs (alpha, L, rho, ...)
+    streamed_tokens: int = 0  # tokens the target streamed alone while AS2 had speculation off
+    as2_switches: list = field(default_factory=list)  # {token, to, expected_speedup, ...}, at most 64
 
 
 @dataclass
 class Generation:
     text: str
-    token_ids: list[int]                    # generated ids only (a final stop id included)
+    token_ids: list[int]  # generated ids only (a final stop id included)
     mode: str
     metrics: Metrics = field(default_factory=Metrics)
 
@@ -109,38 +111,51 @@ class Generation:
 
 @dataclass(frozen=True)
 class ReconnectPolicy:
-    max_attempts: int = 8                   # consecutive failures before giving up
+    max_attempts: int = 8  # consecutive failures before giving up
     backoff_s: float = 0.1
     backoff_max_s: float = 2.0
 
     def delay(self, attempt: int) -> float:
-        return min(self.backoff_max_s, self.backoff_s * 2 ** attempt)
+        return min(self.backoff_max_s, self.backoff_s * 2**attempt)
 
 
 @dataclass(frozen=True)
 class FsdOptions:
     """The FSD knobs: which exits to ask for, how many branches to pre-draft at once, queue policy."""
-    exits: tuple[int, ...] | None = None    # None: every exit the server has; (): none (pre-draft guesses only)
-    workers: int = 1                        # branches drafted at once (sequences of one batched context)
-    policy: str = "priority"                # order of early verdicts: priority | fifo | random
-    n_cands: int = 8                        # draft top-K ids sent per position for the exits to score
-    guesses: bool = True                    # also pre-draft the robot's own guesses
-    threads: int = 1                        # llama threads of the pre-draft context
+
+    exits: tuple[int, ...] | None = None  # None: every exit the server has; (): none (pre-draft guesses only)
+    workers: int = 1  # branches drafted at once (sequences of one batched context)
+    policy: str = "priority"  # order of early verdicts: priority | fifo | random
+    n_cands: int = 8  # draft top-K ids sent per position for the exits to score
+    guesses: bool = True  # also pre-draft the robot's own guesses
+    threads: int = 1  # llama threads of the pre-draft context
 
 
 class EdgeDecoder:
-    def __init__(self, drafter: Drafter, url: str | None = None, token: str = "",
-                 reconnect: ReconnectPolicy = ReconnectPolicy(), recv_timeout_s: float = 30.0,
-                 fsd: FsdOptions = FsdOptions(), policy: DraftPolicy = DraftPolicy(),
-                 trace: str | None = None, keepalive_s: float = 2.0, payload: PayloadSpec = PayloadSpec(),
-                 slo: float = 0.0, ca_file: str = "", allow_insecure: bool = False, robot_id: str = ""):
+    def __init__(
+        self,
+        drafter: Drafter,
+        url: str | None = None,
+        token: str = "",
+        reconnect: ReconnectPolicy = ReconnectPolicy(),
+        recv_timeout_s: float = 30.0,
+        fsd: FsdOptions = FsdOptions(),
+        policy: DraftPolicy = DraftPolicy(),
+        trace: str | None = None,
+        keepalive_s: float = 2.0,
+        payload: PayloadSpec = PayloadSpec(),
+        slo: float = 0.0,
+        ca_file: str = "",
+        allow_insecure: bool = False,
+        robot_id: str = "",
+    ):
         self.drafter = drafter
-        self.robot_id = robot_id                # X-Robot-Id in the handshake ("" = none): a balancer's hash key
-        self.ca_file = ca_file                  # wss://: the CA of the verifier's certificate ("" = the system's)
-        self.allow_insecure = allow_insecure    # a token over plain ws:// to another host
-        self.slo = slo                          # tokens/s this robot needs (the verifier's SLO class); 0 = none
-        self.payload = payload                  # what the uplink carries of q at T > 0 (--payload)
-        self.keepalive_s = keepalive_s          # websocket ping interval and timeout (not websockets' 20 s)
+        self.robot_id = robot_id  # X-Robot-Id in the handshake ("" = none): a balancer's hash key
+        self.ca_file = ca_file  # wss://: the CA of the verifier's certificate ("" = the system's)
+        self.allow_insecure = allow_insecure  # a token over plain ws:// to another host
+        self.slo = slo  # tokens/s this robot needs (the verifier's SLO class); 0 = none
+        self.payload = payload  # what the uplink carries of q at T > 0 (--payload)
+        self.keepalive_s = keepalive_s  # websocket ping interval and timeout (not websockets' 20 s)
         self.url = url
         self.token = token
         self.reconnect = reconnect
@@ -149,24 +164,24 @@ class EdgeDecoder:
         self.policy = policy
         self.trace = TraceWriter(trace) if trace else None
         self._predictors: dict[str, RejectionPredictor] = {}
-        self.controller: DraftController | None = None      # the current generation's
-        self.estimator = CostEstimator()                    # the link's and the pair's, across generations
+        self.controller: DraftController | None = None  # the current generation's
+        self.estimator = CostEstimator()  # the link's and the pair's, across generations
         self.as2 = As2(policy.as2_config)
         self.link: VerifierLink | None = None
         self.predrafter: PreDrafter | None = None
-        self._last_round: tuple[int, tuple[int, ...]] | None = None   # FSD: whose next draft is pre-drafted
+        self._last_round: tuple[int, tuple[int, ...]] | None = None  # FSD: whose next draft is pre-drafted
         self._bytes_base = (0, 0)
-        self._spec = PayloadSpec("none")        # this generation's payload (none when greedy)
+        self._spec = PayloadSpec("none")  # this generation's payload (none when greedy)
         # session name -> the sid it uses now: the name itself until an open of it is refused with
         # session_taken (its old connection still holds it), then a fresh one; bounded, least recent out
         self._sids: OrderedDict[str, str] = OrderedDict()
-        self._owed: int | None = None           # split: the correction drawn here and not yet sent
-        self._exits_on = False                  # the session asked for early exits: send them candidates
-        self._grammar: dict | None = None       # this generation's Open.grammar ({gbnf, from}); None: free
-        self._gstate: GrammarState | None = None     # the draft's walk of it, over committed[:_gpos]
+        self._owed: int | None = None  # split: the correction drawn here and not yet sent
+        self._exits_on = False  # the session asked for early exits: send them candidates
+        self._grammar: dict | None = None  # this generation's Open.grammar ({gbnf, from}); None: free
+        self._gstate: GrammarState | None = None  # the draft's walk of it, over committed[:_gpos]
         self._gpos = 0
-        self._images: list[PromptImage] = []    # this generation's prompt images
-        self._image_bytes = True                # the next open sends their bytes (else their sha256)
+        self._images: list[PromptImage] = []  # this generation's prompt images
+        self._image_bytes = True  # the next open sends their bytes (else their sha256)
 
     def close(self) -> None:
         if self.link is not None:
@@ -187,11 +202,20 @@ class EdgeDecoder:
 
     # ------------------------------------------------------------------ entry point
 
-    def generate(self, prompt_ids: list[int], *, mode: str = "sd", max_tokens: int = 64,
-                 params: SamplingParams = SamplingParams(), gamma: int = 4,
-                 until: Callable[[list[int]], bool] | None = None, session: str | None = None,
-                 grammar: str | None = None, grammar_from: int | None = None,
-                 images: list[PromptImage] | None = None) -> Generation:
+    def generate(
+        self,
+        prompt_ids: list[int],
+        *,
+        mode: str = "sd",
+        max_tokens: int = 64,
+        params: SamplingParams = SamplingParams(),
+        gamma: int = 4,
+        until: Callable[[list[int]], bool] | None = None,
+        session: str | None = None,
+        grammar: str | None = None,
+        grammar_from: int | None = None,
+        images: list[PromptImage] | None = None,
+    ) -> Generation:
         """Generate up to max_tokens after prompt_ids.
 
         `until(ids)` ends the generation at the shortest output for which it is true (the
@@ -228,7 +252,7 @@ class EdgeDecoder:
         self._set_grammar(grammar, len(prompt_ids) if grammar_from is None else grammar_from, prompt_ids)
         self._set_images(images or [], prompt_ids)
         self._spec = self.payload.for_params(params)
-        m.payload = str(self._spec) if mode in ("sd", "fsd") else "none"      # ar and local send no q
+        m.payload = str(self._spec) if mode in ("sd", "fsd") else "none"  # ar and local send no q
         if mode == "local":
             out = self._generate_local(prompt_ids, max_tokens, params, m)
         else:
@@ -266,20 +290,21 @@ class EdgeDecoder:
     def _set_images(self, images: list[PromptImage], prompt_ids: list[int]) -> None:
         """This generation's images: checked on their markers and prefilled by the draft when it drafts."""
         for i, image in enumerate(images):
-            if not 0 <= image.at < len(prompt_ids) or prompt_ids[image.at] != getattr(self.drafter, "image_marker",
-                                                                                       None):
+            if not 0 <= image.at < len(prompt_ids) or prompt_ids[image.at] != getattr(
+                self.drafter, "image_marker", None
+            ):
                 raise ValueError(f"images[{i}] must sit on an image marker of the prompt (index {image.at})")
-        if hasattr(self.drafter, "use_images"):     # a drafter without it (a text-only stand-in) reads no images
+        if hasattr(self.drafter, "use_images"):  # a drafter without it (a text-only stand-in) reads no images
             self.drafter.use_images(images)
         self._images = list(images)
-        self._image_bytes = True                # the first open of a generation sends them whole
+        self._image_bytes = True  # the first open of a generation sends them whole
 
     def _grammar_at(self, committed: list[int]) -> GrammarState | None:
         """The grammar's state after `committed` (which only grows within a generation), walked on from
         where it was. A token the grammar forbids means the verifier did not apply it: GrammarError."""
         if self._grammar is None:
             return None
-        for t in committed[self._gpos:]:
+        for t in committed[self._gpos :]:
             self._gstate.accept(t)
         self._gpos = len(committed)
         return self._gstate
@@ -313,27 +338,32 @@ class EdgeDecoder:
     # ------------------------------------------------------------------ remote (AR, SD)
 
     def _generate_remote(self, prompt_ids, mode, max_tokens, params, gamma, m, session=None) -> list[int]:
-        sid = self._sid_for(session) if session else secrets.token_urlsafe(6)   # short: it rides in every round
-        switched = False                        # this open already moved to a fresh sid (at most once)
+        sid = self._sid_for(session) if session else secrets.token_urlsafe(6)  # short: it rides in every round
+        switched = False  # this open already moved to a fresh sid (at most once)
         rng = np.random.default_rng(params.seed)
         committed = list(prompt_ids)
         n_prompt = len(prompt_ids)
         is_open = False
         failures = 0
-        lost_at: float | None = None            # when the link was lost, until the session is re-opened
+        lost_at: float | None = None  # when the link was lost, until the session is re-opened
         self._last_round = None
         self.controller = None
         if mode == "fsd" and self.predrafter is None:
-            self.predrafter = PreDrafter(self.drafter, workers=self.fsd.workers, policy=self.fsd.policy,
-                                         n_cands=self.fsd.n_cands, threads=self.fsd.threads,
-                                         guesses=self.fsd.guesses)
+            self.predrafter = PreDrafter(
+                self.drafter,
+                workers=self.fsd.workers,
+                policy=self.fsd.policy,
+                n_cands=self.fsd.n_cands,
+                threads=self.fsd.threads,
+                guesses=self.fsd.guesses,
+            )
         try:
             while True:
                 out = committed[n_prompt:]
                 stops = self.stop_ids()
                 stop = next((i for i, t in enumerate(out) if t in stops), None)
-                if stop is not None:            # SD can commit tokens past a stop id in one round
-                    out = out[:stop + 1]
+                if stop is not None:  # SD can commit tokens past a stop id in one round
+                    out = out[: stop + 1]
                 cut = self._cut(out)
                 if cut is not None:
                     return out[:cut]
@@ -370,8 +400,14 @@ class EdgeDecoder:
                     # a replica that drains closes on purpose: another one serves now, go at once
                     delay = 0.0 if e.restart else self.reconnect.delay(failures - 1)
                     m.restarts += e.restart
-                    log.warning("link lost (%s); reconnect %d/%d in %.2fs with %d committed tokens", e,
-                                failures, self.reconnect.max_attempts, delay, len(committed))
+                    log.warning(
+                        "link lost (%s); reconnect %d/%d in %.2fs with %d committed tokens",
+                        e,
+                        failures,
+                        self.reconnect.max_attempts,
+                        delay,
+                        len(committed),
+                    )
                     self._fold_bytes(m)
                     if self.link is not None:
                         self.link.close()
@@ -386,8 +422,13 @@ class EdgeDecoder:
                         # this prompt is not its prefix: nothing to wait for, a fresh sid costs one prefill
                         switched = True
                         old, sid = sid, self._switch_sid(session, sid)
-                        log.info("session %s is held by another connection (%s); re-opening as %s with %d "
-                                 "committed tokens", old, e.code, sid, len(committed))
+                        log.info(
+                            "session %s is held by another connection (%s); re-opening as %s with %d committed tokens",
+                            old,
+                            e.code,
+                            sid,
+                            len(committed),
+                        )
                         self._forget_predraft()
                         m.session_switches += 1
                         continue
@@ -395,10 +436,11 @@ class EdgeDecoder:
                     if not e.recoverable or failures > self.reconnect.max_attempts:
                         e.token_ids = committed[n_prompt:]
                         raise
-                    if e.code == "unknown_image":       # the server no longer holds the images: bytes again
+                    if e.code == "unknown_image":  # the server no longer holds the images: bytes again
                         self._image_bytes = True
-                    log.info("server lost our session (%s); re-opening with %d committed tokens", e.code,
-                             len(committed))
+                    log.info(
+                        "server lost our session (%s); re-opening with %d committed tokens", e.code, len(committed)
+                    )
                     is_open = False
                     self._forget_predraft()
                     m.reopens += 1
@@ -422,7 +464,7 @@ class EdgeDecoder:
     def _switch_sid(self, name: str | None, old: str) -> str:
         """A fresh sid for `name` (remembered for its later generations) or for an unnamed session."""
         base = (name or "s")[:48]
-        sid = f"{base}.{secrets.token_urlsafe(6)}"      # 1-64 of [A-Za-z0-9-_.] as the wire wants
+        sid = f"{base}.{secrets.token_urlsafe(6)}"  # 1-64 of [A-Za-z0-9-_.] as the wire wants
         if name is not None:
             self._sids[name] = sid
             self._sids.move_to_end(name)
@@ -445,10 +487,17 @@ class EdgeDecoder:
     def _connect(self) -> None:
         if self.url is None:
             raise ValueError("no verifier URL: pass --verifier ws://HOST:PORT or use --local")
-        link = VerifierLink(self.url, token=self.token, vocab_hash=self.drafter.vocab_hash,
-                            vocab_size=self.drafter.vocab_size, recv_timeout_s=self.recv_timeout_s,
-                            keepalive_s=self.keepalive_s, ca_file=self.ca_file, allow_insecure=self.allow_insecure,
-                            robot_id=self.robot_id)
+        link = VerifierLink(
+            self.url,
+            token=self.token,
+            vocab_hash=self.drafter.vocab_hash,
+            vocab_size=self.drafter.vocab_size,
+            recv_timeout_s=self.recv_timeout_s,
+            keepalive_s=self.keepalive_s,
+            ca_file=self.ca_file,
+            allow_insecure=self.allow_insecure,
+            robot_id=self.robot_id,
+        )
         link.connect()
         self.link = link
         self._bytes_base = (0, 0)
@@ -473,20 +522,31 @@ class EdgeDecoder:
             if self.fsd.exits and len(layers) < len(self.fsd.exits):
                 log.warning("the verifier has exits at %s; asked for %s, using %s", offered, self.fsd.exits, layers)
         if self._grammar is not None and not self.link.welcome.limits.get("grammar"):
-            raise ServerError("no_grammar", f"the verifier ({self.link.welcome.target}) does not decode under a "
-                              "grammar: its output would not be the constrained target's", sid)
+            raise ServerError(
+                "no_grammar",
+                f"the verifier ({self.link.welcome.target}) does not decode under a "
+                "grammar: its output would not be the constrained target's",
+                sid,
+            )
         images = self._open_images(sid)
-        msg = wire.Open(sid, list(committed), {"temperature": params.temperature, "top_k": params.top_k,
-                                               "seed": params.seed}, exits=layers, payload=self._spec.to_wire(),
-                       slo={"tokens_per_s": self.slo} if self.slo else {}, grammar=self._grammar, images=images)
-        self._owed = None                       # the prefix re-sent here includes any correction
+        msg = wire.Open(
+            sid,
+            list(committed),
+            {"temperature": params.temperature, "top_k": params.top_k, "seed": params.seed},
+            exits=layers,
+            payload=self._spec.to_wire(),
+            slo={"tokens_per_s": self.slo} if self.slo else {},
+            grammar=self._grammar,
+            images=images,
+        )
+        self._owed = None  # the prefix re-sent here includes any correction
         self._exits_on = bool(layers)
         # the prefill grows with the prompt: allow it ~20 ms a token on top of the reply timeout (a dead
         # link still shows within two keepalives)
         reply, rtt = self.link.request(msg, timeout_s=self.recv_timeout_s + 0.02 * len(committed))
         if not isinstance(reply, wire.Opened) or reply.n_committed != len(committed):
             raise LinkLost(f"bad reply to open: {reply}")
-        self._image_bytes = False               # the server holds them now: a re-open names them by sha256
+        self._image_bytes = False  # the server holds them now: a re-open names them by sha256
         m.prefill_ms += reply.timing.get("prefill_ms", 0.0)
         m.target_forward_passes += reply.timing.get("passes", 0)
         replica = reply.replica or self.link.welcome.replica
@@ -499,20 +559,29 @@ class EdgeDecoder:
             return []
         offered = self.link.welcome.limits.get("images")
         if not isinstance(offered, dict):
-            raise ServerError("no_vision", f"the verifier ({self.link.welcome.target}) reads text only: serve a "
-                              "vision-language target (--mmproj) or send no images", sid)
+            raise ServerError(
+                "no_vision",
+                f"the verifier ({self.link.welcome.target}) reads text only: serve a "
+                "vision-language target (--mmproj) or send no images",
+                sid,
+            )
         if offered.get("marker") != self.drafter.image_marker:
-            raise ServerError("vocab_mismatch", f"the verifier's image marker is {offered.get('marker')}, the "
-                              f"draft's {self.drafter.image_marker}: not the same vision-language pair", sid)
+            raise ServerError(
+                "vocab_mismatch",
+                f"the verifier's image marker is {offered.get('marker')}, the "
+                f"draft's {self.drafter.image_marker}: not the same vision-language pair",
+                sid,
+            )
         if self._image_bytes:
             return list(self._images)
         return [PromptImage(im.at, im.sha256) for im in self._images]
 
     def _sd_round(self, sid, committed, remaining, params, rng, m) -> None:
         ctl = self.controller
-        k = min(ctl.length(), remaining - 1)         # a round commits at most k + 1 tokens
-        draft = self.drafter.propose(committed, k, params, rng, watch=ctl.watch(), payload=self._spec,
-                                     grammar=self._grammar_at(committed))
+        k = min(ctl.length(), remaining - 1)  # a round commits at most k + 1 tokens
+        draft = self.drafter.propose(
+            committed, k, params, rng, watch=ctl.watch(), payload=self._spec, grammar=self._grammar_at(committed)
+        )
         m.draft_ms += draft.ms
         msg = wire.Verify(sid, m.rounds, len(committed), draft.ids, draft.wire_q(), fix=self._owed)
         up, down = self.link.bytes_up, self.link.bytes_down
@@ -532,7 +601,7 @@ class EdgeDecoder:
             t1 = time.perf_counter()
             draft, hit = self.predrafter.take(*self._last_round)
             self._last_round = None
-            m.draft_ms += (time.perf_counter() - t1) * 1e3      # what the loop waited for its draft
+            m.draft_ms += (time.perf_counter() - t1) * 1e3  # what the loop waited for its draft
             if draft is None:
                 m.predraft_failures += 1
             if hit:
@@ -545,20 +614,31 @@ class EdgeDecoder:
             # the q sent with them), and at T = 0 the allowed prefix is what the masked draft would have drafted
             draft = draft.head(grammar.clone().advance(draft.ids))
         if draft is None or len(draft.ids) < k:
-            draft = self.drafter.propose(committed, k, params, rng, n_cands=self.fsd.n_cands, payload=self._spec,
-                                         grammar=grammar)
+            draft = self.drafter.propose(
+                committed, k, params, rng, n_cands=self.fsd.n_cands, payload=self._spec, grammar=grammar
+            )
             m.draft_ms += draft.ms
         draft = draft.head(k)
-        waited = m.draft_ms - waited                  # a hit costs the loop ~nothing: T_p as the loop sees it
+        waited = m.draft_ms - waited  # a hit costs the loop ~nothing: T_p as the loop sees it
         number = m.rounds
         t0 = time.perf_counter()
         up, down = self.link.bytes_up, self.link.bytes_down
-        self.link.send(wire.Verify(sid, number, len(committed), draft.ids, draft.wire_q(), fix=self._owed,
-                                   cands=draft.cands if self._exits_on else None))
+        self.link.send(
+            wire.Verify(
+                sid,
+                number,
+                len(committed),
+                draft.ids,
+                draft.wire_q(),
+                fix=self._owed,
+                cands=draft.cands if self._exits_on else None,
+            )
+        )
         self._owed = None
-        self.predrafter.begin(number, committed, draft, max(k, self.controller.length()), params, params.seed,
-                              self.stop_ids(), self._spec)
-        while True:                          # exits (hints) until the result of this round
+        self.predrafter.begin(
+            number, committed, draft, max(k, self.controller.length()), params, params.seed, self.stop_ids(), self._spec
+        )
+        while True:  # exits (hints) until the result of this round
             reply = self.link.recv(sid=sid)
             if not isinstance(reply, wire.Exit):
                 break
@@ -586,20 +666,24 @@ class EdgeDecoder:
         token, owed = reply.token, 0
         if reply.residual is not None:
             if self._spec.kind != "split" or reply.accepted >= k:
-                raise LinkLost(f"a residual for round {m.rounds}, which cannot have one ({self._spec}, "
-                               f"{reply.accepted}/{k} accepted)")
+                raise LinkLost(
+                    f"a residual for round {m.rounds}, which cannot have one ({self._spec}, "
+                    f"{reply.accepted}/{k} accepted)"
+                )
             try:
-                token = payload.correction(reply.residual["logits"], reply.residual["ids"],
-                                           draft.q.row(reply.accepted), params, rng)
+                token = payload.correction(
+                    reply.residual["logits"], reply.residual["ids"], draft.q.row(reply.accepted), params, rng
+                )
             except sampling.SamplingError as e:
                 raise LinkLost(f"unusable residual for round {m.rounds}: {e}") from None
             self._owed, owed = token, 1
             m.residuals += 1
-        new = draft.ids[:reply.accepted] + [token]
+        new = draft.ids[: reply.accepted] + [token]
         committed.extend(new)
         if reply.n_committed + owed != len(committed):
-            raise ServerError("desync", f"server has {reply.n_committed} tokens after the round, we have "
-                              f"{len(committed)}")
+            raise ServerError(
+                "desync", f"server has {reply.n_committed} tokens after the round, we have {len(committed)}"
+            )
         m.rounds += 1
         m.drafted += k
         m.accepted += reply.accepted
@@ -615,14 +699,23 @@ class EdgeDecoder:
         welcome = self.link.welcome
         predictor = self._predictor(welcome.target) if self.policy.uses_predictor else None
         m.draft_policy = self.policy.kind
-        return DraftController(self.policy, gamma, welcome.limits["max_draft_len"], predictor, self.trace,
-                               session=sid, pair=f"{self.drafter.name}->{welcome.target}",
-                               estimator=self.estimator, as2=self.as2)
+        return DraftController(
+            self.policy,
+            gamma,
+            welcome.limits["max_draft_len"],
+            predictor,
+            self.trace,
+            session=sid,
+            pair=f"{self.drafter.name}->{welcome.target}",
+            estimator=self.estimator,
+            as2=self.as2,
+        )
 
     def _predictor(self, target: str) -> RejectionPredictor:
         """The policy's predictor, or the one trained for this draft and target; loaded once."""
-        path = str(predictor_path(self.drafter.name, target) if self.policy.predictor == "auto"
-                   else self.policy.predictor)
+        path = str(
+            predictor_path(self.drafter.name, target) if self.policy.predictor == "auto" else self.policy.predictor
+        )
         if path not in self._predictors:
             self._predictors[path] = RejectionPredictor(path, self.policy.threshold)
             log.info("rejection predictor %s (threshold %.3f)", path, self._predictors[path].threshold)
@@ -639,11 +732,13 @@ class EdgeDecoder:
         ctl = self.controller
         record = {"to": to, "round": m.rounds, "committed": len(committed), **ctl.summary()}
         bound = self.policy.as2_config.leave_below if to == "ar" else self.policy.as2_config.return_above
-        record["reason"] = (f"speculation's expected speedup over the target alone {ctl.expected_speedup:.2f} "
-                            f"{'<=' if to == 'ar' else '>'} {bound} (acceptance {record['alpha']:.2f}, round trip "
-                            f"{record.get('network_ms_0', 0):.0f} ms, target {record.get('verify_ms_0', 0):.0f} ms "
-                            f"+ {record.get('verify_ms_per_token', 0):.1f} ms/position, draft "
-                            f"{record.get('t_draft_ms', 0):.1f} ms/token)")
+        record["reason"] = (
+            f"speculation's expected speedup over the target alone {ctl.expected_speedup:.2f} "
+            f"{'<=' if to == 'ar' else '>'} {bound} (acceptance {record['alpha']:.2f}, round trip "
+            f"{record.get('network_ms_0', 0):.0f} ms, target {record.get('verify_ms_0', 0):.0f} ms "
+            f"+ {record.get('verify_ms_per_token', 0):.1f} ms/position, draft "
+            f"{record.get('t_draft_ms', 0):.1f} ms/token)"
+        )
         log.info("AS2: %s: %s", "target-only streaming" if to == "ar" else "speculating again", record["reason"])
         if len(m.as2_switches) < 64:
             m.as2_switches.append(record)
@@ -675,7 +770,7 @@ class EdgeDecoder:
         asked = min(self.policy.stream_chunk, remaining)
         self.link.send(wire.Ar(sid, asked, stops, fix=self._owed))
         self._owed = None
-        chunks = 1                                   # asked for and not finished
+        chunks = 1  # asked for and not finished
         back = False
         latency = self.link.latency_ms
         self.link.ping()
@@ -694,7 +789,7 @@ class EdgeDecoder:
             verify_sum += verify_ms
             m.target_forward_passes += reply.timing.get("passes", 1)
             ctl.after_streamed(_agreement(logits, reply, params), draft_ms, verify_ms)
-            if reply.seq == 0:                       # a chunk starts: decide whether to ask for another
+            if reply.seq == 0:  # a chunk starts: decide whether to ask for another
                 if self.link.latency_ms != latency:
                     latency = self.link.latency_ms
                     ctl.after_latency(latency)

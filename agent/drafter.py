@@ -13,6 +13,7 @@ image and text are prefilled once and the shared prefix's KV kept, as for text.
 
 Not thread-safe: one `Drafter` (one llama context) per thread.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -40,25 +41,27 @@ class DraftContextFull(RuntimeError):
 
 @dataclass
 class Draft:
-    ids: list[int]                  # [k] proposed token ids; k can be zero
-    q: DraftQ | None                # the draft distributions as the payload mode sends them; None when greedy
-    ms: float                       # wall time spent drafting (gamma * T_p)
+    ids: list[int]  # [k] proposed token ids; k can be zero
+    q: DraftQ | None  # the draft distributions as the payload mode sends them; None when greedy
+    ms: float  # wall time spent drafting (gamma * T_p)
     cands: np.ndarray | None = None  # [k, K] int32: the draft's top-K ids per position (for early exits)
     cand_p: np.ndarray | None = None  # [k, K] the draft's probabilities of those ids (for pre-draft guesses)
 
     def head(self, k: int) -> "Draft":
         """The first k tokens of this draft (a prefix of a draft is a valid draft)."""
-        cut = (lambda a: None if a is None else a[:k])
-        return Draft(self.ids[:k], None if self.q is None else self.q.head(k), self.ms, cut(self.cands),
-                     cut(self.cand_p))
+        cut = lambda a: None if a is None else a[:k]
+        return Draft(
+            self.ids[:k], None if self.q is None else self.q.head(k), self.ms, cut(self.cands), cut(self.cand_p)
+        )
 
     def wire_q(self) -> dict:
         """Verify.q for this draft."""
         return {"kind": "none"} if self.q is None else self.q.to_wire()
 
 
-def top_candidates(logits: np.ndarray, k: int, params: SamplingParams,
-                   q: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+def top_candidates(
+    logits: np.ndarray, k: int, params: SamplingParams, q: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """The k highest-scoring ids (int32, unordered) and their draft probabilities.
 
     Probabilities are q's where the token was sampled from q (T > 0), else the softmax at T = 1.
@@ -114,9 +117,16 @@ def gpu_layers(requested: int, supported: bool) -> int:
 
 
 class Drafter:
-    def __init__(self, model: str = modelfiles.DEFAULT_DRAFT, n_ctx: int = 4096, threads: int = 2,
-                 extra_buffers: bool = False, n_gpu_layers: int = -1, mmproj: str | Path | None = None,
-                 vision_threads: int = 1):
+    def __init__(
+        self,
+        model: str = modelfiles.DEFAULT_DRAFT,
+        n_ctx: int = 4096,
+        threads: int = 2,
+        extra_buffers: bool = False,
+        n_gpu_layers: int = -1,
+        mmproj: str | Path | None = None,
+        vision_threads: int = 1,
+    ):
         from llama_cpp import Llama, llama_model_get_vocab, llama_supports_gpu_offload, llama_vocab_get_text
 
         self.path: Path = modelfiles.resolve_draft(model)
@@ -125,35 +135,56 @@ class Drafter:
         # silently; saying 0 and logging why is what an operator can read)
         supported = bool(llama_supports_gpu_offload())
         layers = gpu_layers(n_gpu_layers, supported)
-        self.offload = {"device": "gpu" if layers else "cpu", "n_gpu_layers": layers,
-                        "llama_supports_gpu_offload": supported}
+        self.offload = {
+            "device": "gpu" if layers else "cpu",
+            "n_gpu_layers": layers,
+            "llama_supports_gpu_offload": supported,
+        }
         if n_gpu_layers and not supported:
-            log.warning("draft on the CPU: this llama.cpp build has no GPU offload (on a Jetson: make setup-robot "
-                        "builds it with CUDA when nvcc is present)")
+            log.warning(
+                "draft on the CPU: this llama.cpp build has no GPU offload (on a Jetson: make setup-robot "
+                "builds it with CUDA when nvcc is present)"
+            )
         t0 = time.perf_counter()
         with _model_params(extra_buffers):
-            self.llm = Llama(str(self.path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
-                             n_batch=512, logits_all=False, verbose=llamalog.verbose(), n_gpu_layers=layers)
+            self.llm = Llama(
+                str(self.path),
+                n_ctx=n_ctx,
+                n_threads=threads,
+                n_threads_batch=threads,
+                n_batch=512,
+                logits_all=False,
+                verbose=llamalog.verbose(),
+                n_gpu_layers=layers,
+            )
         self.vocab_size = int(self.llm.n_vocab())
         vocab = llama_model_get_vocab(self.llm.model)
         self.vocab_hash = modelfiles.vocab_hash(llama_vocab_get_text(vocab, i) for i in range(self.vocab_size))
         self.eos_ids = {int(self.llm.token_eos())}
-        self.grammars = GrammarCache(vocab, self.vocab_size, owner=self.llm)   # compiled answer grammars
+        self.grammars = GrammarCache(vocab, self.vocab_size, owner=self.llm)  # compiled answer grammars
         self.chat_template = self.llm.metadata.get("tokenizer.chat_template")
-        self.vision = None                      # libmtmd's projector (protocol/vision.py) when the draft sees
-        self.image_marker: int | None = None    # the image marker's id in this vocabulary
-        self._images: dict[int, tuple[PromptImage, int, int]] = {}   # marker index -> (image, positions, stand-in)
+        self.vision = None  # libmtmd's projector (protocol/vision.py) when the draft sees
+        self.image_marker: int | None = None  # the image marker's id in this vocabulary
+        self._images: dict[int, tuple[PromptImage, int, int]] = {}  # marker index -> (image, positions, stand-in)
         if mmproj is not None:
             from protocol.vision import MtmdVision, marker_id
 
             self.image_marker = marker_id(vocab)
             if self.image_marker is None:
-                raise ValueError(f"draft {self.name} has a projector ({mmproj}) but no image marker token in its "
-                                 "vocabulary: is it a vision-language model?")
+                raise ValueError(
+                    f"draft {self.name} has a projector ({mmproj}) but no image marker token in its "
+                    "vocabulary: is it a vision-language model?"
+                )
             self.vision = MtmdVision(mmproj, self.llm.model, threads=vision_threads, use_gpu=bool(layers))
-        log.info("draft %s loaded from %s in %.2fs (vocab %d, %d threads, %s)", self.name, self.path,
-                 time.perf_counter() - t0, self.vocab_size, threads,
-                 f"GPU: {'all' if layers < 0 else layers} layers" if layers else "CPU")
+        log.info(
+            "draft %s loaded from %s in %.2fs (vocab %d, %d threads, %s)",
+            self.name,
+            self.path,
+            time.perf_counter() - t0,
+            self.vocab_size,
+            threads,
+            f"GPU: {'all' if layers < 0 else layers} layers" if layers else "CPU",
+        )
 
     # ------------------------------------------------------------------ text
 
@@ -184,8 +215,9 @@ class Drafter:
             self._images = {}
             return
         if self.vision is None:
-            raise ValueError(f"draft {self.name} reads text only: load it with its mmproj (--draft-mmproj) to "
-                             "send images")
+            raise ValueError(
+                f"draft {self.name} reads text only: load it with its mmproj (--draft-mmproj) to send images"
+            )
         self._images = {im.at: (im, self.vision.positions(im), -1 - int(im.sha256[:7], 16)) for im in images}
 
     def image_prompt(self, text: str, images: list[bytes], chat: bool = False) -> tuple[list[int], list[PromptImage]]:
@@ -196,8 +228,9 @@ class Drafter:
             raise ValueError(f"draft {self.name} reads text only: load it with its mmproj (--draft-mmproj)")
         import llama_cpp
 
-        marker = llama_cpp.llama_vocab_get_text(llama_cpp.llama_model_get_vocab(self.llm.model),
-                                                self.image_marker).decode()
+        marker = llama_cpp.llama_vocab_get_text(
+            llama_cpp.llama_model_get_vocab(self.llm.model), self.image_marker
+        ).decode()
         if chat:
             content = [{"type": "image"} for _ in images] + [{"type": "text", "text": text}]
             text = self.apply_chat_template([{"role": "user", "content": content}])
@@ -222,8 +255,10 @@ class Drafter:
             if at >= len(ids):
                 break
             if ids[at] != self.image_marker:
-                raise ValueError(f"the image for index {at} is not on the image marker {self.image_marker}: "
-                                 f"the ids hold {ids[at]} there")
+                raise ValueError(
+                    f"the image for index {at} is not on the image marker {self.image_marker}: "
+                    f"the ids hold {ids[at]} there"
+                )
             _, n, stand_in = self._images[at]
             out += ids[prev:at]
             out += [stand_in] * n
@@ -275,7 +310,7 @@ class Drafter:
                 continue
             llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(self.llm.ctx), 0, pos, -1)
             n = self.vision.eval(self.llm.ctx, 0, pos, what, self.llm.n_batch, logits_last=logits_last)
-            self.llm.input_ids[pos:pos + n] = kv[pos]
+            self.llm.input_ids[pos : pos + n] = kv[pos]
             self.llm.n_tokens = pos + n
 
     # ------------------------------------------------------------------ drafting
@@ -303,7 +338,7 @@ class Drafter:
                 self._eval(kv, keep, last)
             self._eval(kv, last, len(kv), logits_last=True)
             return self._last_logits()
-        self.llm.n_tokens = keep                      # KV rollback: eval() drops positions >= keep
+        self.llm.n_tokens = keep  # KV rollback: eval() drops positions >= keep
         if len(committed) - keep > 1:
             self.llm.eval(committed[keep:-1])
         self.llm.eval(committed[-1:])
@@ -319,10 +354,17 @@ class Drafter:
         ptr = llama_cpp.llama_get_logits_ith(self.llm.ctx, -1)
         return np.ctypeslib.as_array(ptr, shape=(self.vocab_size,)).copy()
 
-    def propose(self, committed: list[int], k: int, params: SamplingParams,
-                rng: np.random.Generator, n_cands: int = 0,
-                watch: Callable[[int, np.ndarray], bool] | None = None,
-                payload: PayloadSpec = PayloadSpec(), grammar: GrammarState | None = None) -> Draft:
+    def propose(
+        self,
+        committed: list[int],
+        k: int,
+        params: SamplingParams,
+        rng: np.random.Generator,
+        n_cands: int = 0,
+        watch: Callable[[int, np.ndarray], bool] | None = None,
+        payload: PayloadSpec = PayloadSpec(),
+        grammar: GrammarState | None = None,
+    ) -> Draft:
         """Draft up to k tokens after `committed`; at T > 0 each is drawn from the q it is sent with.
 
         `payload` says what that q is (protocol/payload.py): the fp16 table (full), the
@@ -354,14 +396,19 @@ class Drafter:
             ids.append(token)
             if walk is not None:
                 walk.accept(token)
-            if i + 1 < k:                              # the last draft token is fed next round
+            if i + 1 < k:  # the last draft token is fed next round
                 self.llm.eval([token])
                 logits = self._last_logits()
         top, top_p = stack_candidates(cands, n_cands)
         return Draft(ids, DraftQ.stack(payload.kind, ids, rows), (time.perf_counter() - t0) * 1e3, top, top_p)
 
-    def next_token(self, committed: list[int], params: SamplingParams, rng: np.random.Generator,
-                   grammar: GrammarState | None = None) -> int:
+    def next_token(
+        self,
+        committed: list[int],
+        params: SamplingParams,
+        rng: np.random.Generator,
+        grammar: GrammarState | None = None,
+    ) -> int:
         """One token from the draft alone (offline generation), under `grammar` (its state after committed)."""
         logits = self._logits_after(committed)
         if params.greedy:
@@ -370,8 +417,13 @@ class Drafter:
         return sampling.sample(sampling.probs_from_logits(logits, params, mask), rng)
 
 
-def constrained_draw(logits: np.ndarray, params: SamplingParams, spec: PayloadSpec, rng: np.random.Generator,
-                     grammar: GrammarState | None):
+def constrained_draw(
+    logits: np.ndarray,
+    params: SamplingParams,
+    spec: PayloadSpec,
+    rng: np.random.Generator,
+    grammar: GrammarState | None,
+):
     """payload.draw under a grammar's state: greedy takes the masked argmax (one check when the best token is
     allowed), sampling draws from q restricted to the whole allowed set."""
     if grammar is None:

@@ -22,6 +22,7 @@ The speedup over target-only streaming, which pays neither the round trip
 per token nor the draft, is S(gamma) * rho with rho = T_ar / T_q: on a
 slow link rho falls below 1/S and speculation loses (AS2, `As2`).
 """
+
 from __future__ import annotations
 
 import math
@@ -30,7 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-LINK_JITTER_MS = 5.0        # a trip this close to the running one is the same link, whatever the ratio
+LINK_JITTER_MS = 5.0  # a trip this close to the running one is the same link, whatever the ratio
 
 
 def speedup(alpha: float, L: float, gamma: int | np.ndarray) -> float | np.ndarray:
@@ -42,7 +43,7 @@ def speedup(alpha: float, L: float, gamma: int | np.ndarray) -> float | np.ndarr
 
 def gamma_zero(alpha: float, L: float) -> float:
     """The real maximiser of S (Theorem 2); -inf where S only falls with gamma (L >= 1)."""
-    if L >= 1.0:                    # -a ln a <= 1 - a, so S'(0) <= 0 and S is unimodal: falls everywhere
+    if L >= 1.0:  # -a ln a <= 1 - a, so S'(0) <= 0 and S is unimodal: falls everywhere
         return -math.inf
     # W_-1(x) for x = -a^(1/L - 1) / e, in (-1/e, 0) for 0 < a < 1, 0 < L < 1; via ln(-x), as x
     # underflows for small a and L (a = 0.02, L = 0.002: x ~ 1e-849)
@@ -95,6 +96,7 @@ def optimal_gamma(alpha: float, L: float, lo: int = 1, hi: int = 64) -> tuple[in
 
 # ---------------------------------------------------------------------------- online estimates
 
+
 def _fit(points: deque, min_spread: float = 0.5, min_points: int = 8) -> tuple[float, float] | None:
     """Least-squares (intercept >= 0, slope >= 0) of y on x, or None until there are enough points
     with enough spread to tell: a slope from a handful of noisy rounds extrapolates to a nonsense
@@ -126,21 +128,22 @@ def _line(points: deque) -> tuple[float, float]:
 @dataclass
 class Costs:
     """The round model's inputs, in ms, as estimated now."""
-    alpha: float                    # per-token acceptance (censored MLE, decayed)
-    t_draft: float                  # T_p: the draft's time per drafted token (what the loop waited)
-    draft_0: float                  # drafting time per round whatever its length (re-reading the
-                                    # committed tokens, the look-ahead a predictor stop costs)
-    verify_0: float                 # target pass cost independent of positions
-    verify_per_token: float         # target pass cost per position
-    net_0: float                    # network time per round (the round trip)
-    net_per_token: float            # network time per drafted token (bytes)
+
+    alpha: float  # per-token acceptance (censored MLE, decayed)
+    t_draft: float  # T_p: the draft's time per drafted token (what the loop waited)
+    draft_0: float  # drafting time per round whatever its length (re-reading the
+    # committed tokens, the look-ahead a predictor stop costs)
+    verify_0: float  # target pass cost independent of positions
+    verify_per_token: float  # target pass cost per position
+    net_0: float  # network time per round (the round trip)
+    net_per_token: float  # network time per drafted token (bytes)
 
     @property
-    def t_fixed(self) -> float:     # T_q: one round's fixed cost (a pass over one position + the trip)
+    def t_fixed(self) -> float:  # T_q: one round's fixed cost (a pass over one position + the trip)
         return max(1e-3, self.verify_0 + self.verify_per_token + self.net_0 + self.draft_0)
 
     @property
-    def t_ar(self) -> float:        # the target's time per streamed token (a pass over one position)
+    def t_ar(self) -> float:  # the target's time per streamed token (a pass over one position)
         return max(1e-3, self.verify_0 + self.verify_per_token)
 
     @property
@@ -181,19 +184,25 @@ class CostEstimator:
     make the next ordinary round look like a new link.
     """
 
-    def __init__(self, prior_alpha: float = 0.7, prior_weight: float = 4.0, decay: float = 0.98,
-                 window: int = 32, link_weight: float = 0.5):
+    def __init__(
+        self,
+        prior_alpha: float = 0.7,
+        prior_weight: float = 4.0,
+        decay: float = 0.98,
+        window: int = 32,
+        link_weight: float = 0.5,
+    ):
         self.decay = decay
         self.link_weight = link_weight
         self.accepts = prior_alpha * prior_weight
         self.rejects = (1.0 - prior_alpha) * prior_weight
-        self.verify = deque(maxlen=window)          # (positions, ms)
-        self.network = deque(maxlen=window)         # (drafted tokens, ms) of rounds
-        self.drafting = deque(maxlen=window)        # (drafted tokens, ms) of rounds
-        self.round_trip: float | None = None        # ms, moving average
-        self._off_link: tuple | None = None         # the last round, when off the round trip: (side, round, trip, rt)
+        self.verify = deque(maxlen=window)  # (positions, ms)
+        self.network = deque(maxlen=window)  # (drafted tokens, ms) of rounds
+        self.drafting = deque(maxlen=window)  # (drafted tokens, ms) of rounds
+        self.round_trip: float | None = None  # ms, moving average
+        self._off_link: tuple | None = None  # the last round, when off the round trip: (side, round, trip, rt)
         self.draft_ms: float | None = None
-        self.samples = 0                            # rounds and streamed tokens seen
+        self.samples = 0  # rounds and streamed tokens seen
 
     def observe_acceptance(self, accepted: float, rejected: float) -> None:
         self.accepts = self.accepts * self.decay + accepted
@@ -210,12 +219,12 @@ class CostEstimator:
             side, held, held_trip, was = self._off_link
             self._off_link = None
             if self._link_side(network_ms - self._net_per_token() * k, was) == side:
-                self.network.clear()                # the second in a row off the same way: a new link
+                self.network.clear()  # the second in a row off the same way: a new link
                 self.network.append(held)
                 self.round_trip = held_trip
         trip = network_ms - self._net_per_token() * k
         side = self._link_side(trip, self.round_trip)
-        if side:                                    # held until the next round tells a spike from a new link
+        if side:  # held until the next round tells a spike from a new link
             self._off_link = (side, (k, network_ms), trip, self.round_trip)
             return
         self.network.append((k, network_ms))
@@ -271,12 +280,13 @@ class CostEstimator:
 
 # ---------------------------------------------------------------------------- AS2
 
+
 @dataclass(frozen=True)
 class As2Config:
-    leave_below: float = 1.0        # speculate while S(gamma*) > this (TK-SLT Algorithm 2) ...
-    return_above: float = 1.1       # ... and come back from target-only only above this (hysteresis)
-    patience: int = 3               # consecutive decisions the other way before switching
-    warmup: int = 8                 # rounds before the first decision (the estimates start from priors)
+    leave_below: float = 1.0  # speculate while S(gamma*) > this (TK-SLT Algorithm 2) ...
+    return_above: float = 1.1  # ... and come back from target-only only above this (hysteresis)
+    patience: int = 3  # consecutive decisions the other way before switching
+    warmup: int = 8  # rounds before the first decision (the estimates start from priors)
 
     def __post_init__(self):
         if self.return_above < self.leave_below:

@@ -7,7 +7,7 @@
                                         parse), three unparseable answers in a row, or max_steps steps;
                                         hooks before and after each step (a link cut, a printer)
     summarize(world, records, ...)      the summary: the names `edge-agent run --json`, tools/demo.py
-                                        and tools/nav_eval.py all report
+                                        and tools/robot/nav_eval.py all report
 
 Every step counts toward max_steps, a refused one too (offline hold, a stale frame): an
 episode is bounded in steps whatever the link does. The daemon's own task loop
@@ -16,6 +16,7 @@ records go through the same `summarize`.
 
     SPL = reached * shortest_m / max(path_m, shortest_m)    (agent/robot/shortest.py)
 """
+
 from __future__ import annotations
 
 import math
@@ -27,7 +28,7 @@ from .robot.actions import STOP
 from .robot.perception import Sighting
 from .robot.shortest import shortest_to_object
 
-MAX_MISSES = 3                          # unparseable answers in a row that end an episode (as the daemon's tasks)
+MAX_MISSES = 3  # unparseable answers in a row that end an episode (as the daemon's tasks)
 
 
 def target_object(world, instruction: str) -> str | None:
@@ -40,8 +41,9 @@ def target_object(world, instruction: str) -> str | None:
     if spec is not None and spec.target and instruction.strip().lower() == spec.task().lower():
         return spec.target
     x, y, _ = world.pose
-    everything = [Sighting(o.name, 0.0, max(0.0, math.hypot(o.x - x, o.y - y) - o.size_m / 2), "sim")
-                  for o in world.objects]
+    everything = [
+        Sighting(o.name, 0.0, max(0.0, math.hypot(o.x - x, o.y - y) - o.size_m / 2), "sim") for o in world.objects
+    ]
     best = relevant(everything, instruction)
     return best[0].name if best else None
 
@@ -52,9 +54,19 @@ def path_length(path: list, since_t: float = -math.inf) -> float:
     return sum(math.hypot(b[1] - a[1], b[2] - a[2]) for a, b in zip(pts, pts[1:]))
 
 
-def summarize(world, records: list[Step], instruction: str, *, target: str | None = None, end: str = "",
-              since_t: float = -math.inf, collisions0: int = 0, start: tuple | None = None,
-              wall_s: float | None = None, reach_m: float = 0.6) -> dict:
+def summarize(
+    world,
+    records: list[Step],
+    instruction: str,
+    *,
+    target: str | None = None,
+    end: str = "",
+    since_t: float = -math.inf,
+    collisions0: int = 0,
+    start: tuple | None = None,
+    wall_s: float | None = None,
+    reach_m: float = 0.6,
+) -> dict:
     """How an episode went (JSON-ready).
 
     world: the SimWorld it ran in; records: its Navigator steps; target: the object it was after
@@ -63,37 +75,54 @@ def summarize(world, records: list[Step], instruction: str, *, target: str | Non
     """
     target = target if target is not None else target_object(world, instruction)
     start = tuple(start) if start is not None else tuple(world.start)
-    verified = [r for r in records if r.mode == "verified" and r.parse != "refused"]    # acted on, verified
+    verified = [r for r in records if r.mode == "verified" and r.parse != "refused"]  # acted on, verified
     taus = [r.decode["tau"] for r in verified if r.decode.get("tau")]
     step_s = [r.latency_ms["step"] / 1e3 for r in records if "step" in r.latency_ms]
     reached = bool(target) and world.reached(target, reach_m)
     path_m = path_length(world.path, since_t)
     shortest_m = shortest_to_object(world, target, start[:2], reach_m) if target else math.inf
-    spl = (shortest_m / max(path_m, shortest_m, 1e-9) if reached and math.isfinite(shortest_m) else 0.0)
+    spl = shortest_m / max(path_m, shortest_m, 1e-9) if reached and math.isfinite(shortest_m) else 0.0
     if reached and shortest_m == 0.0:
-        spl = 1.0                                   # started within reach: nothing to walk
+        spl = 1.0  # started within reach: nothing to walk
     spec = getattr(world, "spec", None)
     return {
-        "scene": world.scene, "scene_file": spec.path if spec is not None else "",
+        "scene": world.scene,
+        "scene_file": spec.path if spec is not None else "",
         "start": world.start_index if getattr(world, "start_index", None) is not None else list(start),
-        "instruction": instruction, "target": target, "end": end, "reached": reached,
-        "steps": len(records), "distance_m": round(world.distance_to(target), 3) if target else None,
+        "instruction": instruction,
+        "target": target,
+        "end": end,
+        "reached": reached,
+        "steps": len(records),
+        "distance_m": round(world.distance_to(target), 3) if target else None,
         "collisions": world.collisions - collisions0,
-        "verified_steps": len(verified), "offline_steps": sum(r.mode == "offline" for r in records),
+        "verified_steps": len(verified),
+        "offline_steps": sum(r.mode == "offline" for r in records),
         "unverified_tokens": sum(r.unverified_tokens for r in records),
-        "path_m": round(path_m, 3), "shortest_m": round(shortest_m, 3) if math.isfinite(shortest_m) else None,
-        "spl": round(spl, 4), "mean_tau": round(sum(taus) / len(taus), 3) if taus else None,
+        "path_m": round(path_m, 3),
+        "shortest_m": round(shortest_m, 3) if math.isfinite(shortest_m) else None,
+        "spl": round(spl, 4),
+        "mean_tau": round(sum(taus) / len(taus), 3) if taus else None,
         "mean_step_s": round(sum(step_s) / len(step_s), 3) if step_s else None,
-        "mean_think_s_verified": round(sum(r.latency_ms.get("generate", 0.0) for r in verified)
-                                       / max(1, len(verified)) / 1e3, 3),
+        "mean_think_s_verified": round(
+            sum(r.latency_ms.get("generate", 0.0) for r in verified) / max(1, len(verified)) / 1e3, 3
+        ),
         "parses": {k: sum(r.parse == k for r in records) for k in ("exact", "tolerant", "miss", "refused")},
         "wall_s": round(wall_s, 2) if wall_s is not None else None,
     }
 
 
-def run_episode(nav, world, instruction: str, max_steps: int = 30, *, task: str = "episode",
-                before_step: Callable[[int], None] | None = None,
-                on_step: Callable[[int, Step], None] | None = None, cancel=None) -> tuple[dict, list[Step]]:
+def run_episode(
+    nav,
+    world,
+    instruction: str,
+    max_steps: int = 30,
+    *,
+    task: str = "episode",
+    before_step: Callable[[int], None] | None = None,
+    on_step: Callable[[int, Step], None] | None = None,
+    cancel=None,
+) -> tuple[dict, list[Step]]:
     """Step `nav` (an agent.nav.Navigator driving `world`) on `instruction`; returns (summary, records).
 
     before_step(n) runs before step n (1-based; the link cut goes here), on_step(n, record) after it.
@@ -114,11 +143,21 @@ def run_episode(nav, world, instruction: str, max_steps: int = 30, *, task: str 
             continue
         misses = misses + 1 if rec.parse == "miss" else 0
         if rec.action == str(STOP) and rec.parse in ("exact", "tolerant") and not rec.envelope:
-            end = "done"                    # the model's stop; an offline turn-away stop is the robot's halt
+            end = "done"  # the model's stop; an offline turn-away stop is the robot's halt
             break
         if misses >= MAX_MISSES:
             end = "unparseable"
             break
-    summary = summarize(world, records, instruction, target=target, end=end, since_t=t0, collisions0=collisions0,
-                        start=start, wall_s=time.perf_counter() - wall0, reach_m=nav.cfg.reach_m)
+    summary = summarize(
+        world,
+        records,
+        instruction,
+        target=target,
+        end=end,
+        since_t=t0,
+        collisions0=collisions0,
+        start=start,
+        wall_s=time.perf_counter() - wall0,
+        reach_m=nav.cfg.reach_m,
+    )
     return summary, records

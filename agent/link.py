@@ -14,6 +14,7 @@ replica that holds its session. A replica that drains closes with 1012 (service
 restart): that LinkLost is marked `restart`, and the decoder reconnects at once,
 through the balancer, instead of backing off.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -51,11 +52,12 @@ MACHINE_ID_FILES = ("/etc/machine-id", "/var/lib/dbus/machine-id")
 
 class LinkLost(ConnectionError):
     """The connection dropped, timed out or could not be made; reconnecting may help."""
-    token_ids: list[int] = []       # raised out of EdgeDecoder.generate: the ids committed before the failure
+
+    token_ids: list[int] = []  # raised out of EdgeDecoder.generate: the ids committed before the failure
 
     def __init__(self, message: str, restart: bool = False):
         super().__init__(message)
-        self.restart = restart      # the server closed on purpose (draining): reconnect now, no backoff
+        self.restart = restart  # the server closed on purpose (draining): reconnect now, no backoff
 
 
 def default_robot_id() -> str:
@@ -83,7 +85,7 @@ def _closed(e: ConnectionClosed) -> tuple[str, bool]:
 class ServerError(RuntimeError):
     """The server answered with `error`."""
 
-    token_ids: list[int] = []       # raised out of EdgeDecoder.generate: the ids committed before the failure
+    token_ids: list[int] = []  # raised out of EdgeDecoder.generate: the ids committed before the failure
 
     def __init__(self, code: str, message: str, sid: str | None = None):
         super().__init__(f"server error {code}: {message}")
@@ -119,20 +121,34 @@ def tls_context(url: str, token: str, ca_file: str = "", allow_insecure: bool = 
         except (OSError, ssl.SSLError) as e:
             raise ValueError(f"link.ca_file {ca_file!r}: {e}") from None
     if token and not allow_insecure and not is_loopback_host(parts.hostname):
-        raise InsecureLink(f"refusing to send the verifier token in clear over ws:// to {parts.hostname}: use "
-                           f"wss:// (server-bridge serve --tls-cert/--tls-key; link.ca_file here) or set "
-                           f"link.allow_insecure = true on a network you trust")
+        raise InsecureLink(
+            f"refusing to send the verifier token in clear over ws:// to {parts.hostname}: use "
+            f"wss:// (server-bridge serve --tls-cert/--tls-key; link.ca_file here) or set "
+            f"link.allow_insecure = true on a network you trust"
+        )
     return None
 
 
 class VerifierLink:
-    def __init__(self, url: str, *, token: str = "", client: str = "edge-agent", vocab_hash: str,
-                 vocab_size: int, open_timeout_s: float = 5.0, recv_timeout_s: float = 30.0,
-                 keepalive_s: float = 2.0, ca_file: str = "", allow_insecure: bool = False, robot_id: str = ""):
+    def __init__(
+        self,
+        url: str,
+        *,
+        token: str = "",
+        client: str = "edge-agent",
+        vocab_hash: str,
+        vocab_size: int,
+        open_timeout_s: float = 5.0,
+        recv_timeout_s: float = 30.0,
+        keepalive_s: float = 2.0,
+        ca_file: str = "",
+        allow_insecure: bool = False,
+        robot_id: str = "",
+    ):
         self.ssl = tls_context(url, token, ca_file, allow_insecure)
         if robot_id and not ROBOT_ID.fullmatch(robot_id):
             raise ValueError(f"robot id must be 1-64 of [A-Za-z0-9_.:-], got {robot_id!r}")
-        self.robot_id = robot_id                # X-Robot-Id: what a balancer hashes to pick the replica
+        self.robot_id = robot_id  # X-Robot-Id: what a balancer hashes to pick the replica
         self.url = url
         self.token = token
         self.client = client
@@ -140,39 +156,51 @@ class VerifierLink:
         self.vocab_size = vocab_size
         self.open_timeout_s = open_timeout_s
         self.recv_timeout_s = recv_timeout_s
-        self.keepalive_s = keepalive_s          # a dead link shows within ~2 keepalives, not websockets' 20 s
+        self.keepalive_s = keepalive_s  # a dead link shows within ~2 keepalives, not websockets' 20 s
         self.ws = None
-        self._stack = contextlib.ExitStack()   # owns the connection (websockets wants a context manager)
+        self._stack = contextlib.ExitStack()  # owns the connection (websockets wants a context manager)
         self.welcome: wire.Welcome | None = None
         self.bytes_up = 0
         self.bytes_down = 0
-        self.stale = 0                          # late messages for sessions no longer current
+        self.stale = 0  # late messages for sessions no longer current
 
     def connect(self) -> wire.Welcome:
         """Open the connection and do the handshake; raises LinkLost or ServerError (e.g. vocab_mismatch)."""
         self.close()
         try:
-            self.ws = self._stack.enter_context(connect(
-                self.url, open_timeout=self.open_timeout_s, max_size=2 * wire.DEFAULT_MAX_FRAME_BYTES,
-                ping_interval=self.keepalive_s, ping_timeout=self.keepalive_s, close_timeout=1.0,
-                compression=None, additional_headers={"X-Robot-Id": self.robot_id} if self.robot_id else None,
-                **({"ssl": self.ssl} if self.ssl is not None else {})))
+            self.ws = self._stack.enter_context(
+                connect(
+                    self.url,
+                    open_timeout=self.open_timeout_s,
+                    max_size=2 * wire.DEFAULT_MAX_FRAME_BYTES,
+                    ping_interval=self.keepalive_s,
+                    ping_timeout=self.keepalive_s,
+                    close_timeout=1.0,
+                    compression=None,
+                    additional_headers={"X-Robot-Id": self.robot_id} if self.robot_id else None,
+                    **({"ssl": self.ssl} if self.ssl is not None else {}),
+                )
+            )
         except InvalidStatus as e:
             status = e.response.status_code
             body = e.response.body.decode("utf-8", "replace").strip() if e.response.body else ""
-            if status == 403:                   # not for us: retrying will not help
+            if status == 403:  # not for us: retrying will not help
                 raise ServerError("forbidden", body or "HTTP 403") from None
             # 503 (full) and anything else: transient, the decoder backs off and retries
             raise LinkLost(f"verifier at {self.url} refused the connection: HTTP {status} {body}") from None
-        except ssl.SSLCertVerificationError as e:   # not for us (or someone in between): retrying will not help
-            raise ServerError("tls", f"the verifier at {self.url} failed TLS verification: {e.verify_message}; "
-                                     f"check link.ca_file") from None
-        except (OSError, InvalidHandshake, TimeoutError, ConnectionClosed) as e:   # closed mid-handshake too
+        except ssl.SSLCertVerificationError as e:  # not for us (or someone in between): retrying will not help
+            raise ServerError(
+                "tls", f"the verifier at {self.url} failed TLS verification: {e.verify_message}; check link.ca_file"
+            ) from None
+        except (OSError, InvalidHandshake, TimeoutError, ConnectionClosed) as e:  # closed mid-handshake too
             raise LinkLost(f"cannot reach verifier at {self.url}: {e}") from None
         except InvalidURI as e:
             raise ValueError(f"bad verifier URL {self.url!r}: {e}") from None
-        self.send(wire.Hello(token=self.token, client=self.client, draft_vocab_hash=self.vocab_hash,
-                             vocab_size=self.vocab_size))
+        self.send(
+            wire.Hello(
+                token=self.token, client=self.client, draft_vocab_hash=self.vocab_hash, vocab_size=self.vocab_size
+            )
+        )
         reply = self.recv()
         if not isinstance(reply, wire.Welcome):
             raise LinkLost(f"expected welcome, got {reply.TYPE}")
@@ -233,7 +261,7 @@ class VerifierLink:
         self.send(msg)
         while True:
             reply = self.recv(sid=getattr(msg, "sid", None), timeout_s=timeout_s)
-            if not isinstance(reply, wire.Exit):      # a late early-exit hint: no use outside FSD's loop
+            if not isinstance(reply, wire.Exit):  # a late early-exit hint: no use outside FSD's loop
                 break
             self.stale += 1
         return reply, (time.perf_counter() - t0) * 1e3
@@ -257,5 +285,5 @@ class VerifierLink:
             self.ws = None
             try:
                 self._stack.close()
-            except Exception:           # closing a broken socket may raise anything; it is gone either way
+            except Exception:  # closing a broken socket may raise anything; it is gone either way
                 pass

@@ -20,7 +20,7 @@ advice. It is per task (a new task or instruction empties it). The system text a
 examples come first and never change, the task, the memory (oldest first) and the camera
 last: the next step's prompt shares this one's tokens up to its camera line, so the draft's
 KV (Drafter keeps the common prefix) and the server session's (re-opened with the same
-name, `rewind` keeps the common prefix) are reused. tools/nav_memory_cost.py measures it.
+name, `rewind` keeps the common prefix) are reused. tools/robot/nav_memory_cost.py measures it.
 
 Offline. The verifier is unreachable (connect fails, the link drops) or answers
 later than `verify_timeout_s`: the robot stops at once and the step goes on in
@@ -39,6 +39,7 @@ The next step after the link answers again is verified. Committed tokens are
 never dropped: they end in the action (resumed or finished locally) and in the
 telemetry record either way.
 """
+
 from __future__ import annotations
 
 import logging
@@ -54,8 +55,17 @@ from protocol.sampling import SamplingParams
 
 from .decoder import EdgeDecoder
 from .link import LinkLost, ServerError
-from .robot.actions import (FORWARD_CM, STOP, TURN_DEG, Action, answer_grammar, answer_max_tokens, complete,
-                            motion_for, parse_action)
+from .robot.actions import (
+    FORWARD_CM,
+    STOP,
+    TURN_DEG,
+    Action,
+    answer_grammar,
+    answer_max_tokens,
+    complete,
+    motion_for,
+    parse_action,
+)
 from .robot.camera import FrameGrabber, StaleFrame
 from .robot.control import ControlLoop
 
@@ -63,12 +73,14 @@ log = logging.getLogger(__name__)
 
 OFFLINE_POLICIES = ("hold", "local")
 
-SYSTEM = ("You are a robot programmed for navigation tasks. Decide your next action, which could be turning left "
-          "or right by 15, 30 or 45 degree, moving forward 25, 50 or 75 cm, or stop if the task is completed.")
+SYSTEM = (
+    "You are a robot programmed for navigation tasks. Decide your next action, which could be turning left "
+    "or right by 15, 30 or 45 degree, moving forward 25, 50 or 75 cm, or stop if the task is completed."
+)
 
 # Few-shot turns (task, what the robot remembers, what the camera shows, answer). A 135M model copies
 # the shape of its examples; with one short reason that names the side ("so I turn right") it picks the
-# side right far more often than with bare numbers (tools/nav_prompt_eval.py measures it). The turns
+# side right far more often than with bare numbers (tools/robot/nav_prompt_eval.py measures it). The turns
 # with a memory show how to use one: a target seen before and turned away from since is turned back to
 # (on either side); a target still ahead is walked on to; what the camera shows now wins over memory.
 # The wording is brittle at this size: reasons that start "The X is not in view, but it was to the
@@ -78,63 +90,126 @@ SYSTEM = ("You are a robot programmed for navigation tasks. Decide your next act
 # The forward step stays mostly 25 cm: after "move forward " the model copies a digit of the
 # distance it read, and 2 outranks 7 there. Measure any change with the eval.
 SHOTS = [
-    ("go to the blue ball", (), "blue ball 40 degrees to the left, 3.1 m away",
-     "The blue ball is to the left, so I turn left. The next action is turn left 45 degree."),
-    ("go to the green box", (), "green box ahead, 2.4 m away",
-     "The green box is ahead, so I move forward. The next action is move forward 75 cm."),
-    ("go to the yellow cone", (), "nothing",
-     "I do not see the yellow cone, so I look around. The next action is turn left 45 degree."),
-    ("go to the blue ball", (("blue ball 40 degrees to the left, 3.1 m away", Action("right", 15)),
-                             ("nothing", Action("right", 30))), "nothing",
-     "I saw the blue ball to the left and I turned right since, so I turn left. "
-     "The next action is turn left 45 degree."),
-    ("go to the yellow cone", (), "yellow cone 20 degrees to the right, 1.5 m away",
-     "The yellow cone is to the right, so I turn right. The next action is turn right 15 degree."),
-    ("go to the green box", (("green box ahead, 2.9 m away", Action("forward", 75)),), "green box ahead, 2.2 m away",
-     "The green box is still ahead, so I keep going. The next action is move forward 75 cm."),
-    ("go to the blue ball", (), "blue ball ahead, within reach",
-     "The blue ball is within reach, so I stop. I think I should stop because I have finished the instruction."),
-    ("go to the yellow cone", (("yellow cone 35 degrees to the right, 2.5 m away", Action("left", 45)),), "nothing",
-     "I saw the yellow cone to the right and I turned left since, so I turn right. "
-     "The next action is turn right 45 degree."),
-    ("go to the green box", (), "green box ahead, 0.9 m away",
-     "The green box is ahead, so I move forward. The next action is move forward 25 cm."),
-    ("go to the blue ball", (("nothing", Action("left", 45)),), "blue ball 25 degrees to the right, 2.0 m away",
-     "The blue ball is to the right, so I turn right. The next action is turn right 30 degree."),
-    ("go to the yellow cone", (), "yellow cone 31 degrees to the right, 2.0 m away",
-     "The yellow cone is to the right, so I turn right. The next action is turn right 30 degree."),
-    ("go to the green box", (("nothing", Action("left", 45)),), "nothing",
-     "I still do not see the green box, so I look around. The next action is turn left 45 degree."),
-    ("go to the blue ball", (), "blue ball 12 degrees to the right, 3.8 m away",
-     "The blue ball is to the right, so I turn right. The next action is turn right 15 degree."),
-    ("go to the green box", (), "green box 16 degrees to the left, 1.2 m away",
-     "The green box is to the left, so I turn left. The next action is turn left 15 degree."),
-    ("go to the blue ball", (), "blue ball ahead, 1.3 m away",
-     "The blue ball is ahead, so I move forward. The next action is move forward 50 cm."),
+    (
+        "go to the blue ball",
+        (),
+        "blue ball 40 degrees to the left, 3.1 m away",
+        "The blue ball is to the left, so I turn left. The next action is turn left 45 degree.",
+    ),
+    (
+        "go to the green box",
+        (),
+        "green box ahead, 2.4 m away",
+        "The green box is ahead, so I move forward. The next action is move forward 75 cm.",
+    ),
+    (
+        "go to the yellow cone",
+        (),
+        "nothing",
+        "I do not see the yellow cone, so I look around. The next action is turn left 45 degree.",
+    ),
+    (
+        "go to the blue ball",
+        (("blue ball 40 degrees to the left, 3.1 m away", Action("right", 15)), ("nothing", Action("right", 30))),
+        "nothing",
+        "I saw the blue ball to the left and I turned right since, so I turn left. "
+        "The next action is turn left 45 degree.",
+    ),
+    (
+        "go to the yellow cone",
+        (),
+        "yellow cone 20 degrees to the right, 1.5 m away",
+        "The yellow cone is to the right, so I turn right. The next action is turn right 15 degree.",
+    ),
+    (
+        "go to the green box",
+        (("green box ahead, 2.9 m away", Action("forward", 75)),),
+        "green box ahead, 2.2 m away",
+        "The green box is still ahead, so I keep going. The next action is move forward 75 cm.",
+    ),
+    (
+        "go to the blue ball",
+        (),
+        "blue ball ahead, within reach",
+        "The blue ball is within reach, so I stop. I think I should stop because I have finished the instruction.",
+    ),
+    (
+        "go to the yellow cone",
+        (("yellow cone 35 degrees to the right, 2.5 m away", Action("left", 45)),),
+        "nothing",
+        "I saw the yellow cone to the right and I turned left since, so I turn right. "
+        "The next action is turn right 45 degree.",
+    ),
+    (
+        "go to the green box",
+        (),
+        "green box ahead, 0.9 m away",
+        "The green box is ahead, so I move forward. The next action is move forward 25 cm.",
+    ),
+    (
+        "go to the blue ball",
+        (("nothing", Action("left", 45)),),
+        "blue ball 25 degrees to the right, 2.0 m away",
+        "The blue ball is to the right, so I turn right. The next action is turn right 30 degree.",
+    ),
+    (
+        "go to the yellow cone",
+        (),
+        "yellow cone 31 degrees to the right, 2.0 m away",
+        "The yellow cone is to the right, so I turn right. The next action is turn right 30 degree.",
+    ),
+    (
+        "go to the green box",
+        (("nothing", Action("left", 45)),),
+        "nothing",
+        "I still do not see the green box, so I look around. The next action is turn left 45 degree.",
+    ),
+    (
+        "go to the blue ball",
+        (),
+        "blue ball 12 degrees to the right, 3.8 m away",
+        "The blue ball is to the right, so I turn right. The next action is turn right 15 degree.",
+    ),
+    (
+        "go to the green box",
+        (),
+        "green box 16 degrees to the left, 1.2 m away",
+        "The green box is to the left, so I turn left. The next action is turn left 15 degree.",
+    ),
+    (
+        "go to the blue ball",
+        (),
+        "blue ball ahead, 1.3 m away",
+        "The blue ball is ahead, so I move forward. The next action is move forward 50 cm.",
+    ),
 ]
-AHEAD_DEG = 10.0                        # a bearing within this of 0 is "ahead"
+AHEAD_DEG = 10.0  # a bearing within this of 0 is "ahead"
 
 
 def observation_text(sightings, reach_m: float = 0.6, ahead_deg: float = AHEAD_DEG) -> str:
     """What the camera shows, in words: "red box 35 degrees to the left, 2.1 m away; ..." or "nothing"."""
     parts = []
     for s in sightings:
-        where = "ahead" if abs(s.bearing_deg) < ahead_deg else \
-            f"{abs(s.bearing_deg):.0f} degrees to the {'left' if s.bearing_deg > 0 else 'right'}"
+        where = (
+            "ahead"
+            if abs(s.bearing_deg) < ahead_deg
+            else f"{abs(s.bearing_deg):.0f} degrees to the {'left' if s.bearing_deg > 0 else 'right'}"
+        )
         dist = "within reach" if s.distance_m < reach_m else f"{s.distance_m:.1f} m away"
         parts.append(f"{s.name} {where}, {dist}")
     return "; ".join(parts) if parts else "nothing"
 
 
-def blocked_text(clearance_m: float | None, seen, blocked_m: float, ahead_deg: float = AHEAD_DEG,
-                 reach_m: float = 0.6) -> str:
-    """"; the way ahead is blocked, 0.3 m away" when the range ahead is under blocked_m, else "".
+def blocked_text(
+    clearance_m: float | None, seen, blocked_m: float, ahead_deg: float = AHEAD_DEG, reach_m: float = 0.6
+) -> str:
+    """ "; the way ahead is blocked, 0.3 m away" when the range ahead is under blocked_m, else "".
 
     The robot's range source (the simulator's ray cast, the Go2's range finder) sees what the object list
     does not: walls and furniture. Said only when what blocks is not the target itself (a target seen
     ahead, no farther than the reading plus its reach): walking up to it is the task.
 
-    Off by default (nav.blocked_m = 0). Measured with tools/nav_prompt_eval.py (smollm2-q4_1, seed 0, one
+    Off by default (nav.blocked_m = 0). Measured with tools/robot/nav_prompt_eval.py (smollm2-q4_1, seed 0, one
     run each): one few-shot turn that uses it ("nothing; the way ahead is blocked, 0.3 m away" -> turn
     left 45) took the single-frame cases from 60 % to 65 % exact (100 % same kind both), but the memory
     cases from 25 % to 15 % exact, 62 % to 38 % same kind, and turning back to a seen target from 65 % to
@@ -176,8 +251,11 @@ def did_text(action: Action) -> str:
     """
     if action.kind == "stop":
         return "stopped"
-    return f"moved forward {action.amount} cm" if action.kind == "forward" else \
-        f"turned {action.kind} {action.amount} degrees"
+    return (
+        f"moved forward {action.amount} cm"
+        if action.kind == "forward"
+        else f"turned {action.kind} {action.amount} degrees"
+    )
 
 
 def memory_line(observation: str, did: str) -> str:
@@ -186,7 +264,7 @@ def memory_line(observation: str, did: str) -> str:
 
 
 CAMERA = "Camera: "
-IMAGE_RECALL = "an image, not shown again"     # a remembered image step's observation in later prompts
+IMAGE_RECALL = "an image, not shown again"  # a remembered image step's observation in later prompts
 
 
 def user_turn(task: str, observation: str, memory: Sequence[str] = ()) -> str:
@@ -198,8 +276,9 @@ def text_part(text: str) -> dict:
     return {"type": "text", "text": text}
 
 
-def messages(instruction: str, observation: str, memory: Sequence[str] = (), parts: bool = False,
-             image: bool = False) -> list[dict]:
+def messages(
+    instruction: str, observation: str, memory: Sequence[str] = (), parts: bool = False, image: bool = False
+) -> list[dict]:
     """The chat: system, the few-shot turns (never changing, so cached on both sides), then this step.
 
     Everything that changes from step to step (memory, camera) sits in the last user turn, after
@@ -216,8 +295,7 @@ def messages(instruction: str, observation: str, memory: Sequence[str] = (), par
     msgs = [{"role": "system", "content": SYSTEM}]
     for task, remembered, seen, answer in SHOTS:
         recalled = [Recall(o, a, verified=True).line() for o, a in remembered]
-        msgs += [{"role": "user", "content": user_turn(task, seen, recalled)},
-                 {"role": "assistant", "content": answer}]
+        msgs += [{"role": "user", "content": user_turn(task, seen, recalled)}, {"role": "assistant", "content": answer}]
     msgs.append({"role": "user", "content": user_turn(instruction, observation, memory)})
     if not parts:
         return msgs
@@ -231,10 +309,11 @@ def messages(instruction: str, observation: str, memory: Sequence[str] = (), par
 @dataclass(frozen=True)
 class Recall:
     """One remembered step: what the camera showed, what the robot did, whether the target verified it."""
+
     observation: str
     action: Action
     verified: bool
-    completed: bool = True              # the motion ran to its end (False: cut short by a halt)
+    completed: bool = True  # the motion ran to its end (False: cut short by a halt)
 
     def line(self) -> str:
         marks = [m for m, on in (("unverified", not self.verified), ("cut short", not self.completed)) if on]
@@ -254,8 +333,8 @@ class StepMemory:
         self.max_steps, self.max_tokens, self.count_tokens = max_steps, max_tokens, count_tokens
         self._steps: deque[Recall] = deque()
         self.key: object = None
-        self.tokens = 0                 # the tokens of the memory's lines now
-        self.dropped = 0                # steps dropped (over a bound) since the task started
+        self.tokens = 0  # the tokens of the memory's lines now
+        self.dropped = 0  # steps dropped (over a bound) since the task started
 
     def start(self, key) -> bool:
         """Make `key` the current task; a different one clears the memory. True when it was cleared."""
@@ -296,6 +375,7 @@ class StepMemory:
 
 # ------------------------------------------------------------------ the offline envelope
 
+
 def largest_within(allowed: tuple[int, ...], limit: float) -> int:
     """The largest NaVILA step not over `limit` (the limits are validated to hold at least the smallest)."""
     return max(a for a in allowed if a <= limit)
@@ -314,8 +394,9 @@ def turns_away(action: Action, target, ahead_deg: float = AHEAD_DEG) -> bool:
     return abs(after) > ahead_deg
 
 
-def offline_envelope(action: Action, target, max_forward_cm: float, max_turn_deg: float,
-                     ahead_deg: float = AHEAD_DEG) -> tuple[Action, str, str]:
+def offline_envelope(
+    action: Action, target, max_forward_cm: float, max_turn_deg: float, ahead_deg: float = AHEAD_DEG
+) -> tuple[Action, str, str]:
     """The action an unverified answer may run: (action, envelope, note).
 
     envelope "" (as asked), "clamped" (reduced to the largest NaVILA step within the offline
@@ -330,10 +411,12 @@ def offline_envelope(action: Action, target, max_forward_cm: float, max_turn_deg
     if run != action:
         envelope, note = "clamped", f"offline envelope: {action} reduced to {run}"
     if turns_away(run, target, ahead_deg):
-        side = "ahead" if abs(target.bearing_deg) < ahead_deg else \
-            f"{abs(target.bearing_deg):.0f} degrees to the {'left' if target.bearing_deg > 0 else 'right'}"
-        return STOP, "turned_away_stop", \
-            f"offline envelope: {action} turns away from the {target.name} {side}: stopped"
+        side = (
+            "ahead"
+            if abs(target.bearing_deg) < ahead_deg
+            else f"{abs(target.bearing_deg):.0f} degrees to the {'left' if target.bearing_deg > 0 else 'right'}"
+        )
+        return STOP, "turned_away_stop", f"offline envelope: {action} turns away from the {target.name} {side}: stopped"
     return run, envelope, note
 
 
@@ -341,17 +424,22 @@ def check_memory(steps: int, max_tokens: int) -> None:
     if not isinstance(steps, int) or not 0 <= steps <= 32:
         raise ValueError(f"nav.memory_steps must be 0..32 (0: no memory), got {steps!r}")
     if not isinstance(max_tokens, int) or not 32 <= max_tokens <= 2048:
-        raise ValueError(f"nav.memory_max_tokens must be 32..2048 (one remembered step is ~25 tokens), "
-                         f"got {max_tokens!r}")
+        raise ValueError(
+            f"nav.memory_max_tokens must be 32..2048 (one remembered step is ~25 tokens), got {max_tokens!r}"
+        )
 
 
 def check_envelope(max_forward_cm: float, max_turn_deg: float, speed_scale: float) -> None:
     if not FORWARD_CM[0] <= max_forward_cm <= FORWARD_CM[-1]:
-        raise ValueError(f"offline.max_forward_cm must be {FORWARD_CM[0]}..{FORWARD_CM[-1]} cm (NaVILA's steps "
-                         f"are {FORWARD_CM}), got {max_forward_cm!r}")
+        raise ValueError(
+            f"offline.max_forward_cm must be {FORWARD_CM[0]}..{FORWARD_CM[-1]} cm (NaVILA's steps "
+            f"are {FORWARD_CM}), got {max_forward_cm!r}"
+        )
     if not TURN_DEG[0] <= max_turn_deg <= TURN_DEG[-1]:
-        raise ValueError(f"offline.max_turn_deg must be {TURN_DEG[0]}..{TURN_DEG[-1]} degrees (NaVILA's steps "
-                         f"are {TURN_DEG}), got {max_turn_deg!r}")
+        raise ValueError(
+            f"offline.max_turn_deg must be {TURN_DEG[0]}..{TURN_DEG[-1]} degrees (NaVILA's steps "
+            f"are {TURN_DEG}), got {max_turn_deg!r}"
+        )
     if not 0 < speed_scale <= 1:
         raise ValueError(f"offline.speed_scale must be in (0, 1] (it slows unverified motion), got {speed_scale!r}")
 
@@ -363,37 +451,46 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 @dataclass(frozen=True)
 class NavConfig:
-    mode: str = "sd"                    # how verified steps decode: sd | fsd | ar
+    mode: str = "sd"  # how verified steps decode: sd | fsd | ar
     gamma: int = 4
-    max_tokens: int = 40                # NaVILA decodes at most 32; the reason takes a few more
+    max_tokens: int = 40  # NaVILA decodes at most 32; the reason takes a few more
     temperature: float = 0.0
     seed: int = 0
-    offline: str = "hold"               # hold | local
-    verify_timeout_s: float = 2.0       # an answer later than this counts as a lost link
-    max_frame_age_ms: float = 500.0     # refuse to plan from an older frame
-    max_plan_age_s: float = 5.0         # never act on a plan whose frame is older than this
-    reach_m: float = 0.6                # "within reach" in the observation text
-    speed: float = 0.5                  # m/s for "move forward" (NaVILA-Bench)
-    turn_rate: float = 0.5236           # rad/s for turns (pi/6, NaVILA-Bench)
-    probe_backoff_s: float = 0.2        # offline: first wait before probing the link again
+    offline: str = "hold"  # hold | local
+    verify_timeout_s: float = 2.0  # an answer later than this counts as a lost link
+    max_frame_age_ms: float = 500.0  # refuse to plan from an older frame
+    max_plan_age_s: float = 5.0  # never act on a plan whose frame is older than this
+    reach_m: float = 0.6  # "within reach" in the observation text
+    speed: float = 0.5  # m/s for "move forward" (NaVILA-Bench)
+    turn_rate: float = 0.5236  # rad/s for turns (pi/6, NaVILA-Bench)
+    probe_backoff_s: float = 0.2  # offline: first wait before probing the link again
     probe_backoff_max_s: float = 5.0
-    hold_wait_s: float = 0.5            # hold: pause between probes while the robot waits
-    ahead_deg: float = AHEAD_DEG        # a bearing within this is "ahead" (observation text, offline envelope)
-    memory_steps: int = 4               # nav.memory_steps: remembered steps in the prompt (0: none)
-    memory_max_tokens: int = 160        # nav.memory_max_tokens: their bound in draft tokens, oldest dropped first
-    offline_max_forward_cm: float = 25.0    # unverified actions: the largest forward step (cm) ...
-    offline_max_turn_deg: float = 15.0      # ... and turn (degrees); larger ones are reduced to fit
-    offline_speed_scale: float = 0.5        # ... run at this fraction of speed and turn_rate
-    grammar: bool = True                # nav.grammar: answers decoded under the NaVILA answer grammar, both sides
-    blocked_m: float = 0.0              # nav.blocked_m: "the way ahead is blocked" below this range ahead (0: never)
+    hold_wait_s: float = 0.5  # hold: pause between probes while the robot waits
+    ahead_deg: float = AHEAD_DEG  # a bearing within this is "ahead" (observation text, offline envelope)
+    memory_steps: int = 4  # nav.memory_steps: remembered steps in the prompt (0: none)
+    memory_max_tokens: int = 160  # nav.memory_max_tokens: their bound in draft tokens, oldest dropped first
+    offline_max_forward_cm: float = 25.0  # unverified actions: the largest forward step (cm) ...
+    offline_max_turn_deg: float = 15.0  # ... and turn (degrees); larger ones are reduced to fit
+    offline_speed_scale: float = 0.5  # ... run at this fraction of speed and turn_rate
+    grammar: bool = True  # nav.grammar: answers decoded under the NaVILA answer grammar, both sides
+    blocked_m: float = 0.0  # nav.blocked_m: "the way ahead is blocked" below this range ahead (0: never)
 
     def __post_init__(self):
         if self.mode not in ("sd", "fsd", "ar"):
             raise ValueError(f"agent.mode must be sd, fsd or ar, got {self.mode!r}")
         if self.offline not in OFFLINE_POLICIES:
             raise ValueError(f"offline.policy must be one of {OFFLINE_POLICIES}, got {self.offline!r}")
-        for name in ("max_tokens", "verify_timeout_s", "max_frame_age_ms", "max_plan_age_s", "speed", "turn_rate",
-                     "probe_backoff_s", "probe_backoff_max_s", "hold_wait_s"):
+        for name in (
+            "max_tokens",
+            "verify_timeout_s",
+            "max_frame_age_ms",
+            "max_plan_age_s",
+            "speed",
+            "turn_rate",
+            "probe_backoff_s",
+            "probe_backoff_max_s",
+            "hold_wait_s",
+        ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
         if not 0 < self.ahead_deg < 45:
@@ -405,43 +502,52 @@ class NavConfig:
 @dataclass
 class Step:
     """One telemetry record: what the robot saw, what the model said, what was sent, how long it took."""
+
     step: int
     task: str
     instruction: str
-    t: float                            # wall clock (time.time()) at the start of the step
-    mode: str = "verified"              # verified | offline
+    t: float  # wall clock (time.time()) at the start of the step
+    mode: str = "verified"  # verified | offline
     offline_policy: str = "hold"
-    perception: str = ""                # sim (ground truth) | color (detector) | image (from the API, as text) |
-                                        # vlm (the image itself in the prompt, the camera's or the API's)
+    perception: str = ""  # sim (ground truth) | color (detector) | image (from the API, as text) |
+    # vlm (the image itself in the prompt, the camera's or the API's)
     observation: str = ""
-    text: str = ""                      # the raw model text (verified and unverified parts together)
-    verified_tokens: int = 0            # committed by the target
-    unverified_tokens: int = 0          # written by the draft alone (offline local)
-    action: str = "stop"                # the parsed action, e.g. "turn left 30 deg"
-    action_text: str = STOP.text        # its canonical NaVILA sentence
-    parse: str = ""                     # exact | tolerant | miss | refused (no plan made)
+    text: str = ""  # the raw model text (verified and unverified parts together)
+    verified_tokens: int = 0  # committed by the target
+    unverified_tokens: int = 0  # written by the draft alone (offline local)
+    action: str = "stop"  # the parsed action, e.g. "turn left 30 deg"
+    action_text: str = STOP.text  # its canonical NaVILA sentence
+    parse: str = ""  # exact | tolerant | miss | refused (no plan made)
     parse_note: str = ""
-    envelope: str = ""                  # offline: "" | clamped | turned_away_stop (the unverified action was changed)
-    command: dict = field(default_factory=lambda: {"vx": 0.0, "vy": 0.0, "wz": 0.0})   # first set-point sent (clamped)
+    envelope: str = ""  # offline: "" | clamped | turned_away_stop (the unverified action was changed)
+    command: dict = field(default_factory=lambda: {"vx": 0.0, "vy": 0.0, "wz": 0.0})  # first set-point sent (clamped)
     command_peak: dict = field(default_factory=lambda: {"vx": 0.0, "vy": 0.0, "wz": 0.0})  # largest set-point sent
-    completed: bool = False             # the motion ran to its end
-    reason: str = ""                    # why this action (or why none)
-    link: str = "up"                    # up | down
+    completed: bool = False  # the motion ran to its end
+    reason: str = ""  # why this action (or why none)
+    link: str = "up"  # up | down
     latency_ms: dict = field(default_factory=dict)  # frame_age, perceive, generate, act, step
-    decode: dict = field(default_factory=dict)      # tau, acceptance_rate, rounds, tokens_per_s, ...
-    memory_steps: int = 0               # remembered steps in this step's prompt
-    memory_tokens: int = 0              # their size in draft tokens (bounded by nav.memory_max_tokens)
-    prompt_tokens: int = 0              # the whole prompt
-    prefix_shared_tokens: int = 0       # of it, shared with the previous step's prompt (KV reused on both sides)
+    decode: dict = field(default_factory=dict)  # tau, acceptance_rate, rounds, tokens_per_s, ...
+    memory_steps: int = 0  # remembered steps in this step's prompt
+    memory_tokens: int = 0  # their size in draft tokens (bounded by nav.memory_max_tokens)
+    prompt_tokens: int = 0  # the whole prompt
+    prefix_shared_tokens: int = 0  # of it, shared with the previous step's prompt (KV reused on both sides)
 
     def to_json(self) -> dict:
         return asdict(self)
 
 
 class Navigator:
-    def __init__(self, decoder: EdgeDecoder, grabber: FrameGrabber, perception, control: ControlLoop,
-                 config: NavConfig = NavConfig(), emit: Callable[[dict], None] = lambda event: None,
-                 on_mode: Callable[[str], None] = lambda mode: None, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        decoder: EdgeDecoder,
+        grabber: FrameGrabber,
+        perception,
+        control: ControlLoop,
+        config: NavConfig = NavConfig(),
+        emit: Callable[[dict], None] = lambda event: None,
+        on_mode: Callable[[str], None] = lambda mode: None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.decoder = decoder
         self.drafter = decoder.drafter
         self.grabber = grabber
@@ -452,25 +558,28 @@ class Navigator:
         self.on_mode = on_mode
         self.clock = clock
         self.params = SamplingParams(temperature=config.temperature, seed=config.seed)
-        self.link = "unknown"           # up | down | unknown (no step yet)
+        self.link = "unknown"  # up | down | unknown (no step yet)
         self._backoff = config.probe_backoff_s
         self._next_probe = 0.0
         self.steps = 0
         self.offline_steps = 0
-        self.offline_clamped = 0            # unverified actions reduced to the offline envelope
-        self.offline_turn_away_stops = 0    # unverified turns away from a target in view, replaced by stop
-        self.memory = StepMemory(config.memory_steps, config.memory_max_tokens,
-                                 lambda text: len(self.drafter.tokenize(text)))
+        self.offline_clamped = 0  # unverified actions reduced to the offline envelope
+        self.offline_turn_away_stops = 0  # unverified turns away from a target in view, replaced by stop
+        self.memory = StepMemory(
+            config.memory_steps, config.memory_max_tokens, lambda text: len(self.drafter.tokenize(text))
+        )
         # A vision-language draft (loaded with its mmproj) has an image marker and a chat template that reads
         # list-of-parts content; with perception "vlm" the frame itself goes in the prompt on that marker.
         self.parts = getattr(self.drafter, "image_marker", None) is not None
         self.sees = getattr(perception, "kind", None) == "vlm"
         if self.sees and not self.parts:
-            raise ValueError("perception 'vlm' puts the camera image in the prompt: the draft must be a "
-                             "vision-language model loaded with its projector (agent.draft_mmproj)")
-        self._last_ids: list[int] = []      # the previous prompt: what both KV caches start from
-        self._last_images: list[PromptImage] = []     # its image (perception "vlm"), else none
-        self.session = f"nav-{uuid.uuid4().hex[:12]}"     # one server session: the few-shot prefix stays cached
+            raise ValueError(
+                "perception 'vlm' puts the camera image in the prompt: the draft must be a "
+                "vision-language model loaded with its projector (agent.draft_mmproj)"
+            )
+        self._last_ids: list[int] = []  # the previous prompt: what both KV caches start from
+        self._last_images: list[PromptImage] = []  # its image (perception "vlm"), else none
+        self.session = f"nav-{uuid.uuid4().hex[:12]}"  # one server session: the few-shot prefix stays cached
         # The answer grammar (agent/robot/actions.py): the draft drafts and the target is verified under it, so
         # an answer is always one reason and one NaVILA sentence; within answer_max_tokens it always ends.
         self.grammar = answer_grammar() if config.grammar else None
@@ -523,13 +632,13 @@ class Navigator:
         The first step would otherwise pay the whole prompt's prefill (seconds for the
         float32 target on a CPU) and its plan would be stale before it is made.
         """
-        ids = self.prompt_ids("look around", "nothing")    # with perception "vlm" the text before the image
+        ids = self.prompt_ids("look around", "nothing")  # with perception "vlm" the text before the image
         self._last_ids = ids
         t0 = self.clock()
         if self.parts:
-            self.drafter.use_images([])         # a text prompt: no image of an earlier generation on its markers
-        self.drafter.next_logits(ids)           # the robot's side: the draft's KV cache
-        if self.link == "up":                   # the server's: the session's KV, kept for the next steps
+            self.drafter.use_images([])  # a text prompt: no image of an earlier generation on its markers
+        self.drafter.next_logits(ids)  # the robot's side: the draft's KV cache
+        if self.link == "up":  # the server's: the session's KV, kept for the next steps
             try:
                 self.decoder.generate(ids, mode="ar", max_tokens=1, params=self.params, session=self.session)
             except (LinkLost, ServerError) as e:
@@ -540,8 +649,9 @@ class Navigator:
         """A text prompt: `observation` in words on the camera line."""
         return self.prompt(instruction, observation, memory)[0]
 
-    def prompt(self, instruction: str, observation: str, memory: Sequence[str] = (),
-               image: bytes | None = None) -> tuple[list[int], list[PromptImage]]:
+    def prompt(
+        self, instruction: str, observation: str, memory: Sequence[str] = (), image: bytes | None = None
+    ) -> tuple[list[int], list[PromptImage]]:
         """(ids, images): with `image` (JPEG/PNG bytes) the camera line holds it, on the prompt's one image
         marker, and `observation` is what follows it on the line. ValueError when the prompt holds another
         number of markers (an instruction that spells the marker out)."""
@@ -551,8 +661,10 @@ class Navigator:
             return ids, []
         at = [i for i, t in enumerate(ids) if t == self.drafter.image_marker]
         if len(at) != 1:
-            raise ValueError(f"the step's prompt holds {len(at)} image markers, not the camera image's one: "
-                             "the instruction or the memory spells the marker out")
+            raise ValueError(
+                f"the step's prompt holds {len(at)} image markers, not the camera image's one: "
+                "the instruction or the memory spells the marker out"
+            )
         return ids, [PromptImage.of(image, at[0])]
 
     @property
@@ -572,24 +684,29 @@ class Navigator:
             return None
         try:
             return ranges.clearance_m(0.0)
-        except Exception:                   # a range fault must not stop the step: the safety layer still checks
+        except Exception:  # a range fault must not stop the step: the safety layer still checks
             log.exception("reading the range ahead failed")
             return None
 
-    def step(self, instruction: str, task: str = "", cancel: threading.Event | None = None,
-             frame=None) -> Step:
+    def step(self, instruction: str, task: str = "", cancel: threading.Event | None = None, frame=None) -> Step:
         """Look, decide, act once. `frame` replaces the camera (an image sent through the local API)."""
         self.steps += 1
         t0 = self.clock()
         if self.memory.start((task, instruction.strip())):
             log.info("new task %r (%s): memory cleared", task, instruction.strip())
-        rec = Step(self.steps, task, instruction, time.time(), offline_policy=self.cfg.offline,
-                   perception=getattr(self.perception, "kind", type(self.perception).__name__))
+        rec = Step(
+            self.steps,
+            task,
+            instruction,
+            time.time(),
+            offline_policy=self.cfg.offline,
+            perception=getattr(self.perception, "kind", type(self.perception).__name__),
+        )
         source = "camera" if frame is None else "API"
         try:
             if frame is None:
                 frame = self.grabber.read_latest(self.cfg.max_frame_age_ms)
-            elif not self.sees:             # with "vlm" an API image is shown to the models as the camera's is
+            elif not self.sees:  # with "vlm" an API image is shown to the models as the camera's is
                 rec.perception = "image"
         except StaleFrame as e:
             self.control.halt("stale_frame")
@@ -599,23 +716,23 @@ class Navigator:
         try:
             sightings = self.perception.describe(frame)
             shown = self.perception.encode(frame) if self.sees else None
-        except Exception as e:              # a detector fault must not kill the loop: stop and say why
+        except Exception as e:  # a detector fault must not kill the loop: stop and say why
             log.exception("perception failed")
             self.control.halt("perception_error")
             return self._finish(rec, t0, parse="refused", reason=f"perception failed: {type(e).__name__}: {e}")
         seen = relevant(sightings, instruction)
-        blocked = blocked_text(self._clearance_ahead(), seen, self.cfg.blocked_m, self.cfg.ahead_deg,
-                               self.cfg.reach_m)
+        blocked = blocked_text(self._clearance_ahead(), seen, self.cfg.blocked_m, self.cfg.ahead_deg, self.cfg.reach_m)
         if shown is None:
             rec.observation = observation_text(seen, self.cfg.reach_m, self.cfg.ahead_deg) + blocked
             recalled = rec.observation
-        else:                               # the camera line: "Camera: <image>" + blocked + "."
+        else:  # the camera line: "Camera: <image>" + blocked + "."
             rec.observation = shown.describe(source) + blocked
             recalled = IMAGE_RECALL + blocked
         rec.latency_ms["perceive"] = round((self.clock() - t1) * 1e3, 1)
         self.emit({"event": "observation", "step": rec.step, "observation": rec.observation})
-        ids, images = self.prompt(instruction, blocked if shown else rec.observation, self.memory.lines(),
-                                  image=shown.data if shown else None)
+        ids, images = self.prompt(
+            instruction, blocked if shown else rec.observation, self.memory.lines(), image=shown.data if shown else None
+        )
         rec.memory_steps, rec.memory_tokens, rec.prompt_tokens = len(self.memory), self.memory.tokens, len(ids)
         rec.prefix_shared_tokens = common_prefix(ids, self._last_ids)
         self._last_ids, self._last_images = ids, images
@@ -635,38 +752,58 @@ class Navigator:
             self.control.halt("stale_plan")
             rec.parse_note = f"{rec.action} ({rec.parse}) not acted on"
             rec.action, rec.action_text, rec.parse = str(STOP), STOP.text, "refused"
-            return self._finish(rec, t0, reason=f"plan is {plan_age:.1f}s older than its frame "
-                                                f"(limit {self.cfg.max_plan_age_s}s): not acted on")
+            return self._finish(
+                rec,
+                t0,
+                reason=f"plan is {plan_age:.1f}s older than its frame (limit {self.cfg.max_plan_age_s}s): not acted on",
+            )
         if cancel is not None and cancel.is_set():
             self.control.halt("cancelled")
             return self._finish(rec, t0, reason="cancelled")
-        if rec.mode == "offline":               # unverified: the stricter envelope
+        if rec.mode == "offline":  # unverified: the stricter envelope
             action = self._envelope(action, seen[0] if seen else None, rec)
             rec.action, rec.action_text = str(action), action.text
         if action == STOP:
-            self.control.halt("offline_turn_away" if rec.envelope == "turned_away_stop" else
-                              "model_stop" if parsed.how != "miss" else "unparseable")
+            self.control.halt(
+                "offline_turn_away"
+                if rec.envelope == "turned_away_stop"
+                else "model_stop"
+                if parsed.how != "miss"
+                else "unparseable"
+            )
             rec.completed = True
             self._remember(rec, action, recalled)
-            return self._finish(rec, t0, reason=rec.reason or (
-                "the model says the task is done" if parsed.how != "miss" else f"unparseable output: {parsed.note}"))
+            return self._finish(
+                rec,
+                t0,
+                reason=rec.reason
+                or (
+                    "the model says the task is done" if parsed.how != "miss" else f"unparseable output: {parsed.note}"
+                ),
+            )
         t3 = self.clock()
         self.emit({"event": "moving", "step": rec.step, "action": rec.action, "mode": rec.mode})
         scale = self.cfg.offline_speed_scale if rec.mode == "offline" else 1.0
-        rec.completed = self.control.execute(motion_for(action, self.cfg.speed * scale, self.cfg.turn_rate * scale),
-                                             cancel)
+        rec.completed = self.control.execute(
+            motion_for(action, self.cfg.speed * scale, self.cfg.turn_rate * scale), cancel
+        )
         self._remember(rec, action, recalled)
         rec.latency_ms["act"] = round((self.clock() - t3) * 1e3, 1)
         first, peak = self.control.first_sent, self.control.peak_sent
         rec.command = first.to_json() if first is not None else {"vx": 0.0, "vy": 0.0, "wz": 0.0}
         rec.command_peak = peak.to_json()
-        return self._finish(rec, t0, reason=rec.reason or (
-            "" if rec.completed else f"motion cut short ({self.control.safety.last_stop_reason})"))
+        return self._finish(
+            rec,
+            t0,
+            reason=rec.reason
+            or ("" if rec.completed else f"motion cut short ({self.control.safety.last_stop_reason})"),
+        )
 
     def _envelope(self, action: Action, target, rec: Step) -> Action:
         """An unverified action within the offline limits, or stop when it turns away from the target in view."""
-        run, rec.envelope, note = offline_envelope(action, target, self.cfg.offline_max_forward_cm,
-                                                   self.cfg.offline_max_turn_deg, self.cfg.ahead_deg)
+        run, rec.envelope, note = offline_envelope(
+            action, target, self.cfg.offline_max_forward_cm, self.cfg.offline_max_turn_deg, self.cfg.ahead_deg
+        )
         if rec.envelope:
             rec.parse_note = "; ".join(n for n in (rec.parse_note, note) if n)
             rec.reason = "; ".join(n for n in (rec.reason, note) if n)
@@ -681,8 +818,9 @@ class Navigator:
     def _remember(self, rec: Step, action: Action, observation: str) -> None:
         """What this step saw (in words: an image step's is IMAGE_RECALL) and did, for the next steps' prompts
         (only steps that acted)."""
-        self.memory.add(Recall(observation, action, verified=rec.mode == "verified",
-                               completed=rec.completed or action == STOP))
+        self.memory.add(
+            Recall(observation, action, verified=rec.mode == "verified", completed=rec.completed or action == STOP)
+        )
 
     def _finish(self, rec: Step, t0: float, parse: str | None = None, reason: str | None = None) -> Step:
         if parse is not None:
@@ -693,8 +831,17 @@ class Navigator:
         rec.latency_ms["step"] = round((self.clock() - t0) * 1e3, 1)
         if rec.mode == "offline":
             self.offline_steps += 1
-        self.emit({"event": "action", "step": rec.step, "action": rec.action, "mode": rec.mode,
-                   "command": rec.command, "reason": rec.reason, "latency_ms": rec.latency_ms})
+        self.emit(
+            {
+                "event": "action",
+                "step": rec.step,
+                "action": rec.action,
+                "mode": rec.mode,
+                "command": rec.command,
+                "reason": rec.reason,
+                "latency_ms": rec.latency_ms,
+            }
+        )
         return rec
 
     # -------------------------------------------------------------- generation, verified or not
@@ -709,18 +856,29 @@ class Navigator:
         committed: list[int] = []
         if self._probe_if_due():
             try:
-                gen = self.decoder.generate(ids, mode=self.cfg.mode, max_tokens=self.max_tokens,
-                                            params=self.params, gamma=self.cfg.gamma, until=self._until([]),
-                                            session=self.session, grammar=self.grammar, images=images)
+                gen = self.decoder.generate(
+                    ids,
+                    mode=self.cfg.mode,
+                    max_tokens=self.max_tokens,
+                    params=self.params,
+                    gamma=self.cfg.gamma,
+                    until=self._until([]),
+                    session=self.session,
+                    grammar=self.grammar,
+                    images=images,
+                )
                 self._mark("up", "generation verified")
                 self._take(rec, gen)
                 return True
             except (LinkLost, ServerError) as e:
-                self.control.halt("link_lost")              # stop at once; decide what next below
+                self.control.halt("link_lost")  # stop at once; decide what next below
                 committed = list(e.token_ids)
                 self._mark("down", str(e))
-                rec.reason = (f"verifier lost mid-answer after {len(committed)} committed tokens: {e}" if committed
-                              else f"verifier unreachable: {e}")
+                rec.reason = (
+                    f"verifier lost mid-answer after {len(committed)} committed tokens: {e}"
+                    if committed
+                    else f"verifier unreachable: {e}"
+                )
         else:
             rec.reason = "verifier unreachable"
         rec.mode = "offline"
@@ -729,10 +887,16 @@ class Navigator:
         return self._hold(ids, images, committed, rec, frame_t, cancel)
 
     def _finish_locally(self, ids, images, committed, rec) -> bool:
-        gen = self.decoder.generate(ids + committed, mode="local", params=self.params,
-                                    max_tokens=max(1, self.max_tokens - len(committed)),
-                                    until=self._until(committed), grammar=self.grammar, grammar_from=len(ids),
-                                    images=images)
+        gen = self.decoder.generate(
+            ids + committed,
+            mode="local",
+            params=self.params,
+            max_tokens=max(1, self.max_tokens - len(committed)),
+            until=self._until(committed),
+            grammar=self.grammar,
+            grammar_from=len(ids),
+            images=images,
+        )
         rec.verified_tokens, rec.unverified_tokens = len(committed), len(gen.token_ids)
         rec.text = self.drafter.detokenize(committed + gen.token_ids, skip=self.decoder.stop_ids())
         rec.decode = {"mode": "local", "tokens": len(gen.token_ids), "tokens_per_s": round(gen.metrics.tokens_per_s, 2)}
@@ -746,11 +910,18 @@ class Navigator:
                 break
             if self._probe_if_due():
                 try:
-                    gen = self.decoder.generate(ids + committed, mode=self.cfg.mode, params=self.params,
-                                                max_tokens=max(1, self.max_tokens - len(committed)),
-                                                gamma=self.cfg.gamma, until=self._until(committed),
-                                                session=self.session, grammar=self.grammar, grammar_from=len(ids),
-                                                images=images)
+                    gen = self.decoder.generate(
+                        ids + committed,
+                        mode=self.cfg.mode,
+                        params=self.params,
+                        max_tokens=max(1, self.max_tokens - len(committed)),
+                        gamma=self.cfg.gamma,
+                        until=self._until(committed),
+                        session=self.session,
+                        grammar=self.grammar,
+                        grammar_from=len(ids),
+                        images=images,
+                    )
                 except (LinkLost, ServerError) as e:
                     committed += list(e.token_ids)
                     self._mark("down", str(e))
@@ -766,12 +937,22 @@ class Navigator:
         return False
 
     def _take(self, rec: Step, gen, prefix: list[int] = ()) -> None:
-        rec.mode = "verified"               # every token of the answer was committed by the target
+        rec.mode = "verified"  # every token of the answer was committed by the target
         rec.text = self.drafter.detokenize(list(prefix) + gen.token_ids, skip=self.decoder.stop_ids())
         rec.verified_tokens = len(prefix) + len(gen.token_ids)
         m = gen.metrics
-        rec.decode = {"mode": gen.mode, "tokens": len(gen.token_ids), "rounds": m.rounds, "tau": m.tau,
-                      "acceptance_rate": m.acceptance_rate, "tokens_per_s": round(m.tokens_per_s, 2),
-                      "draft_ms": round(m.draft_ms, 1), "verify_ms": round(m.verify_ms, 1),
-                      "network_ms": round(m.network_ms, 1), "bytes_up": m.bytes_up, "bytes_down": m.bytes_down,
-                      "reconnects": m.reconnects, "replicas": list(m.replicas)}
+        rec.decode = {
+            "mode": gen.mode,
+            "tokens": len(gen.token_ids),
+            "rounds": m.rounds,
+            "tau": m.tau,
+            "acceptance_rate": m.acceptance_rate,
+            "tokens_per_s": round(m.tokens_per_s, 2),
+            "draft_ms": round(m.draft_ms, 1),
+            "verify_ms": round(m.verify_ms, 1),
+            "network_ms": round(m.network_ms, 1),
+            "bytes_up": m.bytes_up,
+            "bytes_down": m.bytes_down,
+            "reconnects": m.reconnects,
+            "replicas": list(m.replicas),
+        }

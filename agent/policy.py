@@ -10,6 +10,7 @@ Every policy keeps the output exact: a policy only chooses the draft's length.
 The estimates (and gamma*, S) are kept under every policy, so a fixed-gamma
 run reports what the optimal policy would have chosen.
 """
+
 from __future__ import annotations
 
 import time
@@ -17,7 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .draftlen import As2, As2Config, Costs, CostEstimator, optimal_gamma
+from .draftlen import As2, As2Config, CostEstimator, Costs, optimal_gamma
 from .predictor import RejectionPredictor, TraceWriter, feature_row
 
 POLICIES = ("fixed", "predictor", "optimal", "predictor+optimal")
@@ -26,13 +27,13 @@ POLICIES = ("fixed", "predictor", "optimal", "predictor+optimal")
 @dataclass(frozen=True)
 class DraftPolicy:
     kind: str = "fixed"
-    min_len: int = 1                        # the predictor never stops a draft shorter than this
-    max_len: int | None = None              # None: gamma (fixed, predictor); the server's limit (optimal)
-    predictor: str = "auto"                 # an .onnx path, or auto: models/predictors/<draft>__<target>.onnx
-    threshold: float | None = None          # stop below this p_accept; None: the model's own (chosen in training)
-    as2: bool = True                        # optimal kinds: fall back to target-only streaming when S <= 1
+    min_len: int = 1  # the predictor never stops a draft shorter than this
+    max_len: int | None = None  # None: gamma (fixed, predictor); the server's limit (optimal)
+    predictor: str = "auto"  # an .onnx path, or auto: models/predictors/<draft>__<target>.onnx
+    threshold: float | None = None  # stop below this p_accept; None: the model's own (chosen in training)
+    as2: bool = True  # optimal kinds: fall back to target-only streaming when S <= 1
     as2_config: As2Config = field(default_factory=As2Config)
-    stream_chunk: int = 8                   # target-only tokens per request while AS2 has speculation off
+    stream_chunk: int = 8  # target-only tokens per request while AS2 has speculation off
 
     def __post_init__(self):
         if self.kind not in POLICIES:
@@ -63,31 +64,39 @@ class DraftController:
     feature) is the session's own.
     """
 
-    def __init__(self, policy: DraftPolicy, gamma: int, server_limit: int,
-                 predictor: RejectionPredictor | None = None, trace: TraceWriter | None = None,
-                 session: str = "", pair: str = "", estimator: CostEstimator | None = None,
-                 as2: As2 | None = None):
+    def __init__(
+        self,
+        policy: DraftPolicy,
+        gamma: int,
+        server_limit: int,
+        predictor: RejectionPredictor | None = None,
+        trace: TraceWriter | None = None,
+        session: str = "",
+        pair: str = "",
+        estimator: CostEstimator | None = None,
+        as2: As2 | None = None,
+    ):
         if policy.uses_predictor and predictor is None:
             raise ValueError(f"draft policy {policy.kind} needs a rejection predictor")
         self.policy = policy
         self.predictor = predictor if policy.uses_predictor else None
         self.trace = trace
         self.session = session
-        self.pair = pair                            # "draft->target", for the trace
+        self.pair = pair  # "draft->target", for the trace
         cap = policy.max_len if policy.max_len is not None else (server_limit if policy.uses_optimal else gamma)
         self.max_len = max(0, min(cap, server_limit))
         self.gamma = min(gamma, self.max_len)
         self.estimator = estimator if estimator is not None else CostEstimator()
         self.as2 = as2 if as2 is not None else As2(policy.as2_config)
-        self.accepted = 0                           # the session's judged tokens (running acceptance)
+        self.accepted = 0  # the session's judged tokens (running acceptance)
         self.rejected = 0
         self.gamma_star: int | None = None
         self.expected_speedup: float | None = None  # S(gamma*) * rho: over target-only streaming
         self.feature_ms = 0.0
-        self.stops = 0                              # rounds the predictor cut short
-        self._rows: list[np.ndarray] = []           # this round's feature rows
+        self.stops = 0  # rounds the predictor cut short
+        self._rows: list[np.ndarray] = []  # this round's feature rows
         self._stopped = False
-        self._estimate()                            # from earlier generations' rounds, if any
+        self._estimate()  # from earlier generations' rounds, if any
 
     @property
     def speculating(self) -> bool:
@@ -112,8 +121,7 @@ class DraftController:
             t0 = time.perf_counter()
             row = feature_row(logits, position, self.accepted, self.rejected)
             self.feature_ms += (time.perf_counter() - t0) * 1e3
-            if (self.predictor is not None and position >= self.policy.min_len
-                    and self.predictor.should_stop(row)):
+            if self.predictor is not None and position >= self.policy.min_len and self.predictor.should_stop(row):
                 self._stopped = True
                 return False
             self._rows.append(row)
@@ -121,8 +129,9 @@ class DraftController:
 
         return keep
 
-    def after_round(self, number: int, k: int, accepted: int, draft_ms: float, verify_ms: float,
-                    network_ms: float) -> bool:
+    def after_round(
+        self, number: int, k: int, accepted: int, draft_ms: float, verify_ms: float, network_ms: float
+    ) -> bool:
         """Record a verified round; True when AS2 says to stop speculating now."""
         self.stops += self._stopped
         if self.trace is not None and self._rows:
@@ -162,12 +171,24 @@ class DraftController:
 
     def summary(self) -> dict:
         c = self.costs()
-        return {"alpha": round(self.estimator.alpha, 4), "gamma_star": self.gamma_star,
-                "expected_speedup": None if self.expected_speedup is None else round(self.expected_speedup, 3),
-                **({} if c is None else {"L": round(c.L, 4), "b": round(c.b, 4), "c": round(c.c, 4),
-                                         "rho": round(c.rho, 4), "t_draft_ms": round(c.t_draft, 2),
-                                         "draft_ms_0": round(c.draft_0, 2),
-                                         "verify_ms_0": round(c.verify_0, 2),
-                                         "verify_ms_per_token": round(c.verify_per_token, 2),
-                                         "network_ms_0": round(c.net_0, 2),
-                                         "network_ms_per_token": round(c.net_per_token, 3)})}
+        return {
+            "alpha": round(self.estimator.alpha, 4),
+            "gamma_star": self.gamma_star,
+            "expected_speedup": None if self.expected_speedup is None else round(self.expected_speedup, 3),
+            **(
+                {}
+                if c is None
+                else {
+                    "L": round(c.L, 4),
+                    "b": round(c.b, 4),
+                    "c": round(c.c, 4),
+                    "rho": round(c.rho, 4),
+                    "t_draft_ms": round(c.t_draft, 2),
+                    "draft_ms_0": round(c.draft_0, 2),
+                    "verify_ms_0": round(c.verify_0, 2),
+                    "verify_ms_per_token": round(c.verify_per_token, 2),
+                    "network_ms_0": round(c.net_0, 2),
+                    "network_ms_per_token": round(c.net_per_token, 3),
+                }
+            ),
+        }

@@ -2,7 +2,7 @@
 
 Each drafted token is described by what the draft model itself shows about it
 (its logits at that position) and where it stands: `FEATURES`. A small MLP,
-trained offline on traces of real rounds (tools/train_predictor.py) and run
+trained offline on traces of real rounds (tools/train/predictor.py) and run
 here by onnxruntime, gives the probability that the target accepts it; the
 draft stops at the first token below the threshold. The stop never changes
 the output (a shorter draft is still a draft), only what is drafted.
@@ -11,6 +11,7 @@ Traces (`TraceWriter`) hold one JSON line per drafted token that reached a
 verdict: accepted (1), or the first rejected of its round (0). Tokens after
 the first rejection are left out; the target never judged them.
 """
+
 from __future__ import annotations
 
 import json
@@ -35,7 +36,7 @@ def logit_features(logits: np.ndarray) -> tuple[float, float, float, float]:
     z = np.asarray(logits, dtype=np.float32)
     top = int(np.argmax(z))
     m = float(z[top])
-    d = z - m                                       # <= 0
+    d = z - m  # <= 0
     e = np.exp(d)
     s = float(e.sum())
     # H = -sum p ln p = ln s - sum p (z - m)
@@ -70,7 +71,7 @@ class RejectionPredictor:
 
         self.path = Path(path)
         if not self.path.is_file():
-            raise FileNotFoundError(f"no rejection predictor at {self.path} (train one with tools/train_predictor.py)")
+            raise FileNotFoundError(f"no rejection predictor at {self.path} (train one with tools/train/predictor.py)")
         opts = ort.SessionOptions()
         opts.intra_op_num_threads = 1
         opts.inter_op_num_threads = 1
@@ -99,7 +100,7 @@ class RejectionPredictor:
         p = float(self.p_accept(features)[0])
         self.ms += (time.perf_counter() - t0) * 1e3
         self.calls += 1
-        return not p >= self.threshold              # a NaN output stops too: the safe side
+        return not p >= self.threshold  # a NaN output stops too: the safe side
 
 
 class TraceWriter:
@@ -113,7 +114,7 @@ class TraceWriter:
 
     def round(self, pair: str, session: str, number: int, features: list[np.ndarray], accepted: int) -> None:
         """features: one row per drafted token of the round; `accepted` of them were accepted."""
-        judged = features[:accepted + 1]            # the accepted ones and the first rejected, if any
+        judged = features[: accepted + 1]  # the accepted ones and the first rejected, if any
         for pos, row in enumerate(judged):
             rec = {"pair": pair, "session": session, "round": number, "label": int(pos < accepted)}
             rec.update({name: round(float(v), 6) for name, v in zip(FEATURES, row)})

@@ -30,6 +30,7 @@ save time, never stall or change a generation.
 Everything is bounded: the verdict queue (`queue_size`), the cache
 (`cache_size` entries, emptied every round) and the branches (`workers`).
 """
+
 from __future__ import annotations
 
 import heapq
@@ -63,7 +64,7 @@ class VerdictQueue:
         self.maxlen = maxlen
         self.policy = policy
         self.rng = rng or np.random.default_rng()
-        self._items: list[tuple[float, int, tuple[int, ...], int]] = []   # (confidence, arrival, key, layer)
+        self._items: list[tuple[float, int, tuple[int, ...], int]] = []  # (confidence, arrival, key, layer)
         self._arrival = itertools.count()
         self.dropped = 0
 
@@ -110,15 +111,15 @@ class _Round:
     stop_ids: frozenset[int]
     exits: VerdictQueue
     payload: PayloadSpec = field(default_factory=PayloadSpec)
-    guesses: list[tuple[float, tuple[int, ...]]] = field(default_factory=list)   # max-heap by -score
-    seen: set[tuple[int, ...]] = field(default_factory=set)     # keys queued, drafting or drafted
+    guesses: list[tuple[float, tuple[int, ...]]] = field(default_factory=list)  # max-heap by -score
+    seen: set[tuple[int, ...]] = field(default_factory=set)  # keys queued, drafting or drafted
     drafting: dict[tuple[int, ...], float] = field(default_factory=dict)  # active branch keys -> estimate
-    verdicts: dict[int, tuple[int, ...]] = field(default_factory=dict)    # layer -> its last verdict
+    verdicts: dict[int, tuple[int, ...]] = field(default_factory=dict)  # layer -> its last verdict
     guess_odds: dict[tuple[int, ...], float] = field(default_factory=dict)  # the robot's own guesses
     cache: dict[tuple[int, ...], Draft] = field(default_factory=dict)
-    wanted: tuple[int, ...] | None = None      # set by take(): the only key still worth drafting
+    wanted: tuple[int, ...] | None = None  # set by take(): the only key still worth drafting
     t0: float = field(default_factory=time.perf_counter)
-    log: list = field(default_factory=list)    # (ms since begin, event) for --log-level DEBUG
+    log: list = field(default_factory=list)  # (ms since begin, event) for --log-level DEBUG
     failed: bool = False
     ended: bool = False
 
@@ -126,7 +127,7 @@ class _Round:
 @dataclass
 class PreDraftStats:
     exits_received: int = 0
-    exits_ignored: int = 0          # inconsistent with the draft, for an old round, or already known
+    exits_ignored: int = 0  # inconsistent with the draft, for an old round, or already known
     branches_started: int = 0
     branches_done: int = 0
     branches_preempted: int = 0
@@ -134,9 +135,19 @@ class PreDraftStats:
 
 
 class PreDrafter:
-    def __init__(self, drafter: Drafter, workers: int = 1, policy: str = "priority",
-                 queue_size: int = 16, cache_size: int = 16, n_cands: int = 8, threads: int = 1,
-                 n_ctx: int = 4096, guesses: bool = True, min_odds: float = 0.05):
+    def __init__(
+        self,
+        drafter: Drafter,
+        workers: int = 1,
+        policy: str = "priority",
+        queue_size: int = 16,
+        cache_size: int = 16,
+        n_cands: int = 8,
+        threads: int = 1,
+        n_ctx: int = 4096,
+        guesses: bool = True,
+        min_odds: float = 0.05,
+    ):
         if workers < 1:
             raise ValueError("workers must be >= 1")
         self.workers = workers
@@ -149,11 +160,11 @@ class PreDrafter:
         self.min_odds = min_odds
         self.stats = PreDraftStats()
         self.branches = BranchDrafter(drafter, slots=workers, n_ctx=n_ctx, threads=threads, n_cands=n_cands)
-        VerdictQueue(queue_size, policy)            # validate the policy now, not in the worker
+        VerdictQueue(queue_size, policy)  # validate the policy now, not in the worker
         self._cv = threading.Condition()
         self._round: _Round | None = None
-        self._reuse: tuple[int, ...] | None = None   # the key whose draft went out; its branch KV is reused
-        self._accepted = self._trials = 0                          # calibration: see _learn
+        self._reuse: tuple[int, ...] | None = None  # the key whose draft went out; its branch KV is reused
+        self._accepted = self._trials = 0  # calibration: see _learn
         self._exit_odds: dict[int, tuple[int, int]] = {}
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="predraft", daemon=True)
@@ -161,19 +172,34 @@ class PreDrafter:
 
     # ------------------------------------------------------------------ decode-loop side
 
-    def begin(self, number: int, committed: list[int], draft: Draft, gamma: int,
-              params: SamplingParams, seed: int, stop_ids: set[int],
-              payload: PayloadSpec = PayloadSpec()) -> None:
+    def begin(
+        self,
+        number: int,
+        committed: list[int],
+        draft: Draft,
+        gamma: int,
+        params: SamplingParams,
+        seed: int,
+        stop_ids: set[int],
+        payload: PayloadSpec = PayloadSpec(),
+    ) -> None:
         """A draft went out for verification: start guessing how its round ends.
 
         `draft.cand_p` (the draft's top-K probabilities) ranks the robot's own guesses.
         """
         with self._cv:
             self._end_locked()
-            self._round = _Round(number, list(committed), draft, gamma, params, seed,
-                                 frozenset(stop_ids), VerdictQueue(self.queue_size, self.policy,
-                                                                   np.random.default_rng([seed, number])),
-                                 payload.for_params(params))
+            self._round = _Round(
+                number,
+                list(committed),
+                draft,
+                gamma,
+                params,
+                seed,
+                frozenset(stop_ids),
+                VerdictQueue(self.queue_size, self.policy, np.random.default_rng([seed, number])),
+                payload.for_params(params),
+            )
             self._cv.notify_all()
 
     def offer(self, number: int, layer: int, tokens: list[int], confidence: float) -> bool:
@@ -182,8 +208,15 @@ class PreDrafter:
         with self._cv:
             r = self._round
             key = tuple(tokens)
-            if (r is None or r.number != number or r.ended or r.wanted is not None or not key
-                    or len(key) > len(r.draft.ids) + 1 or list(key[:-1]) != r.draft.ids[:len(key) - 1]):
+            if (
+                r is None
+                or r.number != number
+                or r.ended
+                or r.wanted is not None
+                or not key
+                or len(key) > len(r.draft.ids) + 1
+                or list(key[:-1]) != r.draft.ids[: len(key) - 1]
+            ):
                 self.stats.exits_ignored += 1
                 return False
             r.verdicts[layer] = key
@@ -230,13 +263,20 @@ class PreDrafter:
                 return None, False
             self._learn(r, key)
             hit = key in r.drafting
-            log.debug("round %d result after %.0f ms: key %s (guessed %s, queued/seen %s, drafting %s, "
-                      "cached %d: %s)", number, (time.perf_counter() - r.t0) * 1e3,
-                      "cached" if key in r.cache else "drafting" if hit else "new", key in r.guess_odds,
-                      key in r.seen, len(r.drafting), len(r.cache), r.log)
+            log.debug(
+                "round %d result after %.0f ms: key %s (guessed %s, queued/seen %s, drafting %s, cached %d: %s)",
+                number,
+                (time.perf_counter() - r.t0) * 1e3,
+                "cached" if key in r.cache else "drafting" if hit else "new",
+                key in r.guess_odds,
+                key in r.seen,
+                len(r.drafting),
+                len(r.cache),
+                r.log,
+            )
             if key in r.cache:
                 draft = r.cache[key]
-                self._reuse = key                       # its KV seeds the next round's base sequence
+                self._reuse = key  # its KV seeds the next round's base sequence
                 self._end_locked()
                 return draft, True
             r.wanted = key
@@ -292,13 +332,13 @@ class PreDrafter:
                     self._cv.notify_all()
             finally:
                 with self._cv:
-                    while self._round is r and not self._closed:   # wait for the next round
+                    while self._round is r and not self._closed:  # wait for the next round
                         self._cv.wait()
 
     def _work(self, r: _Round) -> None:
         with self._cv:
             reuse, self._reuse = self._reuse, None
-        bonus = self.branches.base(r.committed, r.draft.ids, reuse)   # [vocab] after the whole draft
+        bonus = self.branches.base(r.committed, r.draft.ids, reuse)  # [vocab] after the whole draft
         r.log.append((round((time.perf_counter() - r.t0) * 1e3), "base", reuse is not None))
         if self.guesses:
             self._guess(r, bonus)
@@ -345,7 +385,7 @@ class PreDrafter:
         worst running branch.
         """
         if r.wanted is not None:
-            for b in [b for b in active if b.key != r.wanted]:        # nothing else is worth a step now
+            for b in [b for b in active if b.key != r.wanted]:  # nothing else is worth a step now
                 self._drop(r, active, b)
                 self.stats.branches_preempted += 1
             if r.wanted not in r.cache and r.wanted not in r.drafting:
@@ -358,7 +398,7 @@ class PreDrafter:
             estimate, key, item = best
             if len(active) >= self.workers:
                 victim = min(active, key=lambda b: r.drafting[b.key])
-                if r.drafting[victim.key] >= estimate:       # not worth a slot yet: back in its queue
+                if r.drafting[victim.key] >= estimate:  # not worth a slot yet: back in its queue
                     if item is not None:
                         r.exits.push_back(item)
                     else:
@@ -386,7 +426,7 @@ class PreDrafter:
         while r.guesses and r.guesses[0][1] in r.seen:
             heapq.heappop(r.guesses)
         if r.guesses and -r.guesses[0][0] < self.min_odds:
-            r.guesses.clear()                        # a heap: every other guess is less likely still
+            r.guesses.clear()  # a heap: every other guess is less likely still
         guess = (-r.guesses[0][0], r.guesses[0][1]) if r.guesses else None
         if exit_ is not None and (guess is None or exit_[0] >= guess[0]):
             return exit_[0], exit_[1][2], exit_[1]
@@ -421,7 +461,7 @@ class PreDrafter:
             others = [(float(p), int(c)) for c, p in zip(cands[j], cand_p[j]) if c != tok]
             if others:
                 p_alt, alt = max(others)
-                scored.append((a ** j * (1 - a) * p_alt / max(1e-6, 1 - p_tok), tuple(ids[:j]) + (alt,)))
+                scored.append((a**j * (1 - a) * p_alt / max(1e-6, 1 - p_tok), tuple(ids[:j]) + (alt,)))
         with self._cv:
             for score, key in scored:
                 if not any(tok in r.stop_ids for tok in key):

@@ -4,6 +4,7 @@ Send WATCHDOG=1 from the control loop itself, once per watchdog_interval_s(), ne
 its own: a timer thread keeps pinging while the loop is hung, and the point of WatchdogSec= is that a
 hung loop stops pinging and systemd kills and restarts the service.
 """
+
 from __future__ import annotations
 
 import logging
@@ -20,7 +21,7 @@ class Notifier:
     def __init__(self, env: Mapping[str, str] | None = None):
         env = os.environ if env is None else env
         path = env.get("NOTIFY_SOCKET", "")
-        self.address = "\0" + path[1:] if path.startswith("@") else path    # '@': Linux abstract namespace
+        self.address = "\0" + path[1:] if path.startswith("@") else path  # '@': Linux abstract namespace
         self._usec, self._pid = env.get("WATCHDOG_USEC", ""), env.get("WATCHDOG_PID", "")
         self._logged = False
 
@@ -30,24 +31,24 @@ class Notifier:
             return False
         # A newline inside a value would start a new field: STATUS text is one line.
         msg = "".join(f"{k}={str(v).replace(chr(10), ' ')}\n" for k, v in fields.items())
-        try:    # a socket per message, as libsystemd does: nothing to keep open or to reopen after fork
+        try:  # a socket per message, as libsystemd does: nothing to keep open or to reopen after fork
             with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
                 sock.sendto(msg.encode(), self.address)
             return True
-        except (OSError, ValueError) as e:     # systemd gone, socket full, a bad path: never fatal
+        except (OSError, ValueError) as e:  # systemd gone, socket full, a bad path: never fatal
             if not self._logged:
                 log.debug("sd_notify to %r failed: %s (not logged again)", self.address, e)
                 self._logged = True
             return False
 
     def ready(self) -> bool:
-        return self.notify(READY=1)       # after the model, the controller and the camera are up
+        return self.notify(READY=1)  # after the model, the controller and the camera are up
 
     def status(self, text: str) -> bool:
-        return self.notify(STATUS=text)   # one line shown by `systemctl status`
+        return self.notify(STATUS=text)  # one line shown by `systemctl status`
 
     def watchdog(self) -> bool:
-        return self.notify(WATCHDOG=1)    # from the control loop: see the module docstring
+        return self.notify(WATCHDOG=1)  # from the control loop: see the module docstring
 
     def stopping(self) -> bool:
         return self.notify(STOPPING=1)

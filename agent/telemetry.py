@@ -4,6 +4,7 @@ When the file passes `max_bytes` it is renamed to `<path>.1` (replacing the
 previous one) and a new file starts, so the disk holds at most about twice
 `max_bytes`. Thread-safe; a write error is logged once and never stops the robot.
 """
+
 from __future__ import annotations
 
 import json

@@ -4,6 +4,7 @@ numpy, msgpack and the standard library only, so `agent/` imports it without tor
 and without anything of `server_bridge/`; `grammar.py` alone also calls llama.cpp's grammar
 sampler (llama-cpp-python, which both sides run), imported when a grammar is first built.
 """
+
 from .native import load_llama_first
 
-load_llama_first()          # llama.cpp's native libraries before numpy's: see protocol/native.py
+load_llama_first()  # llama.cpp's native libraries before numpy's: see protocol/native.py

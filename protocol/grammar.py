@@ -21,6 +21,7 @@ The only module of `protocol/` that reaches beyond numpy: llama-cpp-python, whic
 both sides run already (the draft on the robot, the default engine on the server),
 imported when a grammar is first built.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -30,8 +31,8 @@ from collections import OrderedDict
 
 import numpy as np
 
-MAX_GBNF_BYTES = 16 * 1024              # a grammar on the wire: at most this much GBNF text
-MAX_COMPILED = 16                       # grammars compiled per vocabulary, least recently used out
+MAX_GBNF_BYTES = 16 * 1024  # a grammar on the wire: at most this much GBNF text
+MAX_COMPILED = 16  # grammars compiled per vocabulary, least recently used out
 # llama_token_data {int32 id; float logit; float p}: 12 bytes, no padding
 TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])
 
@@ -62,7 +63,7 @@ class Grammar:
         self._root = L.llama_sampler_init_grammar(vocab, gbnf.encode("utf-8"), root.encode("utf-8"))
         if not self._root:
             raise GrammarError(f"llama.cpp could not parse the grammar (GBNF, root {root!r})")
-        self._all = _token_table(np.arange(n_vocab, dtype=np.int32))     # every token, for whole masks
+        self._all = _token_table(np.arange(n_vocab, dtype=np.int32))  # every token, for whole masks
 
     def start(self) -> "GrammarState":
         return GrammarState(self, self.L.llama_sampler_clone(self._root))
@@ -72,8 +73,9 @@ class Grammar:
         state = self.start()
         n = state.advance(ids)
         if n < len(ids):
-            raise GrammarError(f"token {int(ids[n])} at position {n} of the constrained part is not allowed by "
-                               "the grammar")
+            raise GrammarError(
+                f"token {int(ids[n])} at position {n} of the constrained part is not allowed by the grammar"
+            )
         return state
 
     def __del__(self):
@@ -99,8 +101,9 @@ class GrammarState:
         """llama.cpp's grammar sampler over `table` (TOKEN_DATA rows): True where allowed."""
         L = self.grammar.L
         table["logit"] = 0.0
-        cur = L.llama_token_data_array(data=table.ctypes.data_as(L.llama_token_data_p), size=len(table),
-                                       selected=-1, sorted=False)
+        cur = L.llama_token_data_array(
+            data=table.ctypes.data_as(L.llama_token_data_p), size=len(table), selected=-1, sorted=False
+        )
         L.llama_sampler_apply(self._smpl, ctypes.byref(cur))
         return np.isfinite(table["logit"])
 
@@ -123,10 +126,10 @@ class GrammarState:
         best = int(np.argmax(logits))
         if self.allows(best):
             return best
-        order = np.argsort(-np.asarray(logits, dtype=np.float64), kind="stable")     # ties: lowest id first
+        order = np.argsort(-np.asarray(logits, dtype=np.float64), kind="stable")  # ties: lowest id first
         start = 1
         for size in (31, 992, len(order)):
-            ids = order[start:start + size].astype(np.int32)
+            ids = order[start : start + size].astype(np.int32)
             if not len(ids):
                 break
             ok = self._apply(_token_table(ids))

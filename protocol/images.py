@@ -11,14 +11,15 @@ the server may still hold the bytes (it answers `unknown_image` when it does not
 them again). Bounded: at most MAX_IMAGES per prompt, MAX_IMAGE_BYTES each, JPEG or PNG by their magic
 bytes; anything else is refused with `bad_image` on that session only.
 """
+
 from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
 from typing import Any
 
-MAX_IMAGES = 4                          # images in one prompt
-MAX_IMAGE_BYTES = 1 << 20               # one encoded image (a 640x480 JPEG is ~50-150 KB)
+MAX_IMAGES = 4  # images in one prompt
+MAX_IMAGE_BYTES = 1 << 20  # one encoded image (a 640x480 JPEG is ~50-150 KB)
 _MAGIC = {"jpeg": b"\xff\xd8\xff", "png": b"\x89PNG\r\n\x1a\n"}
 
 
@@ -28,9 +29,9 @@ class ImageError(ValueError):
 
 @dataclass(frozen=True)
 class PromptImage:
-    at: int                             # the index in prompt_ids of the image marker this image replaces
-    sha256: str                         # of the encoded bytes
-    data: bytes | None = None           # None: only the hash travelled (a re-open)
+    at: int  # the index in prompt_ids of the image marker this image replaces
+    sha256: str  # of the encoded bytes
+    data: bytes | None = None  # None: only the hash travelled (a re-open)
 
     @classmethod
     def of(cls, data: bytes, at: int) -> "PromptImage":
@@ -48,7 +49,7 @@ class PromptImage:
 
 
 def image_format(data: bytes) -> str | None:
-    """"jpeg" or "png" by the magic bytes; None for anything else."""
+    """ "jpeg" or "png" by the magic bytes; None for anything else."""
     return next((name for name, magic in _MAGIC.items() if data.startswith(magic)), None)
 
 
@@ -58,8 +59,10 @@ def check_bytes(data: Any) -> bytes:
     if not data:
         raise ImageError("an image is empty")
     if len(data) > MAX_IMAGE_BYTES:
-        raise ImageError(f"an image of {len(data)} bytes is over the limit of {MAX_IMAGE_BYTES}: "
-                         "send it smaller (a 640x480 JPEG is ~100 KB)")
+        raise ImageError(
+            f"an image of {len(data)} bytes is over the limit of {MAX_IMAGE_BYTES}: "
+            "send it smaller (a 640x480 JPEG is ~100 KB)"
+        )
     if image_format(data) is None:
         raise ImageError("an image must be a JPEG or a PNG (its first bytes are neither)")
     return bytes(data)

@@ -7,6 +7,7 @@ to the process's file descriptors 1 and 2, which no callback sees: `c_output_to`
 descriptors at a log file around a call, so a long C operation (the quantizer) stays off the
 terminal while its log is kept for when it fails.
 """
+
 from __future__ import annotations
 
 import contextlib

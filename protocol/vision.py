@@ -20,6 +20,7 @@ only the hash); the vision tower itself runs on every `eval`.
 One thread by default: libmtmd with two threads on a busy two-core machine took 4.8 s for what one
 thread does in 7 ms (the threads spin against the model's own).
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -30,9 +31,9 @@ from pathlib import Path
 
 from .images import PromptImage
 
-CACHED = 8                              # tokenized images kept by sha256 (their preprocessed tiles, their bytes)
-MARKERS = ("<image>",)                  # the image marker tokens this reads (SmolVLM's); one id per image
-PROJECTION_IS_TEXT_WIDTH = {"idefics3"}   # projector types whose clip.vision.projection_dim is the text width
+CACHED = 8  # tokenized images kept by sha256 (their preprocessed tiles, their bytes)
+MARKERS = ("<image>",)  # the image marker tokens this reads (SmolVLM's); one id per image
+PROJECTION_IS_TEXT_WIDTH = {"idefics3"}  # projector types whose clip.vision.projection_dim is the text width
 
 
 class UnknownImage(LookupError):
@@ -46,7 +47,7 @@ def marker_id(vocab) -> int | None:
     for text in MARKERS:
         raw = text.encode()
         buf = (L.llama_token * 8)()
-        n = L.llama_tokenize(vocab, raw, len(raw), buf, len(buf), False, True)   # parse_special: one id
+        n = L.llama_tokenize(vocab, raw, len(raw), buf, len(buf), False, True)  # parse_special: one id
         if n == 1 and L.llama_vocab_get_text(vocab, buf[0]) == raw:
             return int(buf[0])
     return None
@@ -69,15 +70,19 @@ class MtmdVision:
         params.use_gpu, params.n_threads, params.print_timings, params.warmup = use_gpu, threads, False, False
         self.mctx = mtmd.mtmd_init_from_file(str(self.path).encode(), llama_model, params)
         if not self.mctx:
-            raise ValueError(f"libmtmd could not load {self.path} as a projector for this model (llama.cpp's log "
-                             "says why): is it the mmproj made with this model?")
+            raise ValueError(
+                f"libmtmd could not load {self.path} as a projector for this model (llama.cpp's log "
+                "says why): is it the mmproj made with this model?"
+            )
         if not mtmd.mtmd_support_vision(self.mctx):
             self.close()
             raise ValueError(f"{self.path} is a projector without a vision encoder (audio only?)")
         if mtmd.mtmd_decode_use_mrope(self.mctx):
             self.close()
-            raise ValueError(f"{self.path} is for an M-RoPE model (Qwen2-VL-like): its image positions are 2-D, "
-                             "and this engine places tokens at 1-D positions")
+            raise ValueError(
+                f"{self.path} is for an M-RoPE model (Qwen2-VL-like): its image positions are 2-D, "
+                "and this engine places tokens at 1-D positions"
+            )
         self.threads = threads
         self.marker = mtmd.mtmd_default_marker()
 
@@ -95,22 +100,25 @@ class MtmdVision:
             return image
         return replace(image, data=self._tokenized(image)[2])
 
-    def eval(self, ctx, seq_id: int, n_past: int, image: PromptImage, n_batch: int,
-             logits_last: bool = False) -> int:
+    def eval(self, ctx, seq_id: int, n_past: int, image: PromptImage, n_batch: int, logits_last: bool = False) -> int:
         """Encode the image and decode its positions into seq_id at n_past, n_past + 1, ...; the positions used.
 
         logits_last: the context's last logits row is the one after the image's last position.
         On failure the KV past n_past may hold part of the image: the caller cuts it back."""
         chunks, n, _ = self._tokenized(image)
         new_n_past = self.L.llama_pos(n_past)
-        rc = self.mtmd.mtmd_helper_eval_chunks(self.mctx, ctx, chunks, n_past, seq_id, n_batch, logits_last,
-                                               ctypes.byref(new_n_past))
+        rc = self.mtmd.mtmd_helper_eval_chunks(
+            self.mctx, ctx, chunks, n_past, seq_id, n_batch, logits_last, ctypes.byref(new_n_past)
+        )
         if rc != 0:
-            raise RuntimeError(f"libmtmd could not evaluate image {image.sha256[:12]} at position {n_past} "
-                               f"(mtmd_helper_eval_chunks returned {rc})")
+            raise RuntimeError(
+                f"libmtmd could not evaluate image {image.sha256[:12]} at position {n_past} "
+                f"(mtmd_helper_eval_chunks returned {rc})"
+            )
         if new_n_past.value - n_past != n:
-            raise RuntimeError(f"image {image.sha256[:12]} took {new_n_past.value - n_past} positions, "
-                               f"its chunks say {n}")
+            raise RuntimeError(
+                f"image {image.sha256[:12]} took {new_n_past.value - n_past} positions, its chunks say {n}"
+            )
         return n
 
     def _tokenized(self, image: PromptImage) -> tuple[object, int, bytes]:
@@ -120,8 +128,9 @@ class MtmdVision:
             self._cache.move_to_end(image.sha256)
             return hit
         if image.data is None:
-            raise UnknownImage(f"image {image.sha256[:12]} came as its sha256 alone and is not cached: "
-                               "send its bytes again")
+            raise UnknownImage(
+                f"image {image.sha256[:12]} came as its sha256 alone and is not cached: send its bytes again"
+            )
         chunks = self._tokenize(image)
         entry = (chunks, int(self.mtmd.mtmd_helper_get_n_pos(chunks)), bytes(image.data))
         self._cache[image.sha256] = entry
@@ -135,12 +144,14 @@ class MtmdVision:
         buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
         bitmap = mtmd.mtmd_helper_bitmap_init_from_buf(self.mctx, buf, len(data), False)
         if not bitmap:
-            raise ValueError(f"image {image.sha256[:12]} ({len(data)} bytes, {image.format or 'neither JPEG nor PNG'}) "
-                             "could not be decoded: corrupt or truncated bytes?")
+            raise ValueError(
+                f"image {image.sha256[:12]} ({len(data)} bytes, {image.format or 'neither JPEG nor PNG'}) "
+                "could not be decoded: corrupt or truncated bytes?"
+            )
         chunks = mtmd.mtmd_input_chunks_init()
         try:
             mtmd.mtmd_bitmap_set_id(bitmap, image.sha256.encode())
-            text = mtmd.mtmd_input_text(self.marker, len(self.marker), False, True)   # no BOS: the marker alone
+            text = mtmd.mtmd_input_text(self.marker, len(self.marker), False, True)  # no BOS: the marker alone
             rc = mtmd.mtmd_tokenize(self.mctx, chunks, ctypes.byref(text), (mtmd.mtmd_bitmap_p_ctypes * 1)(bitmap), 1)
         finally:
             mtmd.mtmd_bitmap_free(bitmap)
@@ -183,6 +194,7 @@ def gguf_metadata(path: str | Path, keys: set[str]) -> dict:
     """The scalar and string values of `keys` in a GGUF file's header (stops once all are read)."""
     out: dict = {}
     with open(path, "rb") as f:
+
         def read(fmt: str):
             size = struct.calcsize("<" + fmt)
             raw = f.read(size)
@@ -227,16 +239,21 @@ def check_mmproj(path: Path, n_embd: int) -> None:
     """Raise ValueError saying why `path` is not a vision projector for a model of width n_embd."""
     if not path.is_file():
         raise ValueError(f"no projector file at {path}")
-    meta = gguf_metadata(path, {"general.architecture", "clip.has_vision_encoder", "clip.projector_type",
-                                "clip.vision.projection_dim"})
+    meta = gguf_metadata(
+        path, {"general.architecture", "clip.has_vision_encoder", "clip.projector_type", "clip.vision.projection_dim"}
+    )
     arch = meta.get("general.architecture")
     if arch != "clip":
-        raise ValueError(f"{path} is not an mmproj (a vision projector): its general.architecture is {arch!r}, "
-                         "not 'clip'; pass the model's -mmproj GGUF")
+        raise ValueError(
+            f"{path} is not an mmproj (a vision projector): its general.architecture is {arch!r}, "
+            "not 'clip'; pass the model's -mmproj GGUF"
+        )
     if not meta.get("clip.has_vision_encoder", False):
         raise ValueError(f"{path} has no vision encoder")
     # Idefics3's converter writes the text model's width here; other projectors (LLaVA's) their own
     dim = meta.get("clip.vision.projection_dim")
     if meta.get("clip.projector_type") in PROJECTION_IS_TEXT_WIDTH and dim is not None and dim != n_embd:
-        raise ValueError(f"{path} projects images to width {dim}, the model's embeddings are {n_embd} wide: "
-                         "it is another model's mmproj")
+        raise ValueError(
+            f"{path} projects images to width {dim}, the model's embeddings are {n_embd} wide: "
+            "it is another model's mmproj"
+        )

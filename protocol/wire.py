@@ -14,6 +14,7 @@ back in an `error` message.
 Where a message is decoded: `decode()`. Where it is built: the dataclasses
 below, each with `to_wire()` and a `make_dummy()` for tests.
 """
+
 from __future__ import annotations
 
 import math
@@ -26,12 +27,12 @@ import numpy as np
 from . import images as image_wire
 
 PROTOCOL_VERSION = 1
-DEFAULT_MAX_FRAME_BYTES = 4 * 2**20        # a full fp16 q for 16 positions is ~1.5 MiB
+DEFAULT_MAX_FRAME_BYTES = 4 * 2**20  # a full fp16 q for 16 positions is ~1.5 MiB
 _ARRAY_DTYPES = {"<f2": np.float16, "<f4": np.float32, "<i4": np.int32}
-MAX_ID_LIST = 1 << 16                      # longest token-id list any message may carry
+MAX_ID_LIST = 1 << 16  # longest token-id list any message may carry
 MAX_STR = 4096
-MAX_GBNF_CHARS = 16 * 1024                  # a grammar's GBNF text (protocol/grammar.py)
-MAX_CANDIDATES = 64                        # candidate ids per draft position for early exits
+MAX_GBNF_CHARS = 16 * 1024  # a grammar's GBNF text (protocol/grammar.py)
+MAX_CANDIDATES = 64  # candidate ids per draft position for early exits
 
 
 class WireError(ValueError):
@@ -45,6 +46,7 @@ class WireError(ValueError):
 
 
 # --------------------------------------------------------------------------- arrays
+
 
 def encode_array(a: np.ndarray) -> dict:
     a = np.ascontiguousarray(a)
@@ -60,8 +62,11 @@ def decode_array(obj: Any, name: str, max_bytes: int = DEFAULT_MAX_FRAME_BYTES) 
     dtype, shape, data = obj["dtype"], obj["shape"], obj["data"]
     if dtype not in _ARRAY_DTYPES:
         raise WireError("bad_field", f"{name}.dtype {dtype!r} is not one of {sorted(_ARRAY_DTYPES)}")
-    if (not isinstance(shape, list) or not 1 <= len(shape) <= 4
-            or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d for d in shape)):
+    if (
+        not isinstance(shape, list)
+        or not 1 <= len(shape) <= 4
+        or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d for d in shape)
+    ):
         raise WireError("bad_field", f"{name}.shape must be a list of 1-4 non-negative ints")
     if not isinstance(data, bytes):
         raise WireError("bad_field", f"{name}.data must be bytes")
@@ -72,6 +77,7 @@ def decode_array(obj: Any, name: str, max_bytes: int = DEFAULT_MAX_FRAME_BYTES) 
 
 
 # --------------------------------------------------------------------------- field checks
+
 
 def _int(v: Any, name: str, lo: int = 0, hi: int = 2**31 - 1) -> int:
     if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
@@ -115,10 +121,11 @@ def _sid(v: Any) -> str:
 
 # --------------------------------------------------------------------------- messages
 
+
 @dataclass
 class Message:
     TYPE: ClassVar[str] = ""
-    PACKED: ClassVar[bool] = False     # travels as [v, type, *fields] (the per-round messages)
+    PACKED: ClassVar[bool] = False  # travels as [v, type, *fields] (the per-round messages)
 
     def to_wire(self) -> dict:
         d = {"type": self.TYPE, "v": PROTOCOL_VERSION}
@@ -126,24 +133,28 @@ class Message:
         return d
 
     @classmethod
-    def from_wire(cls, d: dict) -> "Message":   # overridden: each type validates its own fields
+    def from_wire(cls, d: dict) -> "Message":  # overridden: each type validates its own fields
         raise NotImplementedError
 
 
 @dataclass
 class Hello(Message):
     """Robot -> server, first message on a connection."""
+
     TYPE: ClassVar[str] = "hello"
-    token: str                  # shared secret; "" when the server runs loopback-only
-    client: str                 # free text: agent name and version
-    draft_vocab_hash: str       # vocab.vocab_hash of the draft's tokenizer
+    token: str  # shared secret; "" when the server runs loopback-only
+    client: str  # free text: agent name and version
+    draft_vocab_hash: str  # vocab.vocab_hash of the draft's tokenizer
     vocab_size: int
 
     @classmethod
     def from_wire(cls, d):
-        return cls(_str(d.get("token"), "token", 256), _str(d.get("client"), "client", 256),
-                   _str(d.get("draft_vocab_hash"), "draft_vocab_hash", 128),
-                   _int(d.get("vocab_size"), "vocab_size", 1, 1 << 24))
+        return cls(
+            _str(d.get("token"), "token", 256),
+            _str(d.get("client"), "client", 256),
+            _str(d.get("draft_vocab_hash"), "draft_vocab_hash", 128),
+            _int(d.get("vocab_size"), "vocab_size", 1, 1 << 24),
+        )
 
     @classmethod
     def make_dummy(cls):
@@ -153,16 +164,17 @@ class Hello(Message):
 @dataclass
 class Welcome(Message):
     """Server -> robot: the handshake succeeded; what the server can do."""
+
     TYPE: ClassVar[str] = "welcome"
     target: str
     vocab_size: int
     vocab_hash: str
     eos_ids: list[int]
-    exits: list[int]            # layers with early exits (empty: none)
-    limits: dict                # max_frame_bytes, max_draft_len, max_context, max_sessions
-    engine: dict = field(default_factory=dict)   # what serves: engine, device, dtype (informational; {} from
-                                                 # servers before it was sent)
-    replica: str = ""           # which replica of a fleet answered (server.replica_id); "" from older servers
+    exits: list[int]  # layers with early exits (empty: none)
+    limits: dict  # max_frame_bytes, max_draft_len, max_context, max_sessions
+    engine: dict = field(default_factory=dict)  # what serves: engine, device, dtype (informational; {} from
+    # servers before it was sent)
+    replica: str = ""  # which replica of a fleet answered (server.replica_id); "" from older servers
 
     @classmethod
     def from_wire(cls, d):
@@ -170,41 +182,56 @@ class Welcome(Message):
         for k in ("max_frame_bytes", "max_draft_len", "max_context"):
             _int(limits.get(k), f"limits.{k}", 1)
         engine = _map(d.get("engine", {}), "engine")
-        return cls(_str(d.get("target"), "target"), _int(d.get("vocab_size"), "vocab_size", 1, 1 << 24),
-                   _str(d.get("vocab_hash"), "vocab_hash", 128), _ids(d.get("eos_ids"), "eos_ids", 64),
-                   _ids(d.get("exits"), "exits", 256), limits, engine, _str(d.get("replica", ""), "replica", 64))
+        return cls(
+            _str(d.get("target"), "target"),
+            _int(d.get("vocab_size"), "vocab_size", 1, 1 << 24),
+            _str(d.get("vocab_hash"), "vocab_hash", 128),
+            _ids(d.get("eos_ids"), "eos_ids", 64),
+            _ids(d.get("exits"), "exits", 256),
+            limits,
+            engine,
+            _str(d.get("replica", ""), "replica", 64),
+        )
 
     @classmethod
     def make_dummy(cls):
-        return cls("dummy", 49152, "0" * 64, [2], [], {"max_frame_bytes": DEFAULT_MAX_FRAME_BYTES,
-                                                      "max_draft_len": 16, "max_context": 2048},
-                   {"engine": "llamacpp", "device": "cpu", "dtype": "float32"})
+        return cls(
+            "dummy",
+            49152,
+            "0" * 64,
+            [2],
+            [],
+            {"max_frame_bytes": DEFAULT_MAX_FRAME_BYTES, "max_draft_len": 16, "max_context": 2048},
+            {"engine": "llamacpp", "device": "cpu", "dtype": "float32"},
+        )
 
 
 @dataclass
 class Error(Message):
     TYPE: ClassVar[str] = "error"
-    code: str                   # machine-readable: bad_frame, bad_field, unknown_session, ...
-    message: str                # for a human reading the robot's log
-    sid: str | None = None      # the session it concerns, if any
+    code: str  # machine-readable: bad_frame, bad_field, unknown_session, ...
+    message: str  # for a human reading the robot's log
+    sid: str | None = None  # the session it concerns, if any
 
     @classmethod
     def from_wire(cls, d):
         sid = d.get("sid")
-        return cls(_str(d.get("code"), "code", 64), _str(d.get("message"), "message"),
-                   None if sid is None else _sid(sid))
+        return cls(
+            _str(d.get("code"), "code", 64), _str(d.get("message"), "message"), None if sid is None else _sid(sid)
+        )
 
 
 @dataclass
 class Open(Message):
     """Robot -> server: start (or re-open) a session whose committed prefix is prompt_ids."""
+
     TYPE: ClassVar[str] = "open"
     sid: str
-    prompt_ids: list[int]       # the whole committed prefix: prompt plus every committed token
-    sampling: dict              # temperature, top_k, seed
-    slo: dict = field(default_factory=dict)   # optional latency targets in ms (used by the scheduler)
+    prompt_ids: list[int]  # the whole committed prefix: prompt plus every committed token
+    sampling: dict  # temperature, top_k, seed
+    slo: dict = field(default_factory=dict)  # optional latency targets in ms (used by the scheduler)
     exits: list[int] = field(default_factory=list)  # early-exit layers to stream verdicts from; [] = off
-    payload: dict = field(default_factory=lambda: {"kind": "full", "k": 0})   # protocol.payload.PayloadSpec
+    payload: dict = field(default_factory=lambda: {"kind": "full", "k": 0})  # protocol.payload.PayloadSpec
     # constrained decoding (protocol/grammar.py): {"gbnf": GBNF text, "from": the index of prompt_ids where the
     # constrained part starts (the ids from there on are already under the grammar)}; None: unconstrained
     grammar: dict | None = None
@@ -216,15 +243,17 @@ class Open(Message):
         if self.images:
             d["images"] = [im.to_wire() for im in self.images]
         else:
-            del d["images"]                 # a text prompt's open is what it was before images
+            del d["images"]  # a text prompt's open is what it was before images
         return d
 
     @classmethod
     def from_wire(cls, d):
         s = _map(d.get("sampling"), "sampling")
-        sampling = {"temperature": _float(s.get("temperature"), "sampling.temperature", 0.0, 100.0),
-                    "top_k": _int(s.get("top_k", 0), "sampling.top_k", 0, 1 << 24),
-                    "seed": _int(s.get("seed", 0), "sampling.seed", 0, 2**63 - 1)}
+        sampling = {
+            "temperature": _float(s.get("temperature"), "sampling.temperature", 0.0, 100.0),
+            "top_k": _int(s.get("top_k", 0), "sampling.top_k", 0, 1 << 24),
+            "seed": _int(s.get("seed", 0), "sampling.seed", 0, 2**63 - 1),
+        }
         ids = _ids(d.get("prompt_ids"), "prompt_ids")
         if not ids:
             raise WireError("bad_field", "prompt_ids must hold at least one token")
@@ -236,8 +265,10 @@ class Open(Message):
         grammar = d.get("grammar")
         if grammar is not None:
             g = _map(grammar, "grammar")
-            grammar = {"gbnf": _str(g.get("gbnf"), "grammar.gbnf", MAX_GBNF_CHARS),
-                       "from": _int(g.get("from"), "grammar.from", 0, len(ids))}
+            grammar = {
+                "gbnf": _str(g.get("gbnf"), "grammar.gbnf", MAX_GBNF_CHARS),
+                "from": _int(g.get("from"), "grammar.from", 0, len(ids)),
+            }
         sid = _sid(d.get("sid"))
         try:
             images = image_wire.from_wire(d.get("images"), len(ids))
@@ -254,14 +285,18 @@ class Open(Message):
 class Opened(Message):
     TYPE: ClassVar[str] = "opened"
     sid: str
-    n_committed: int            # the server's committed length (== len(prompt_ids))
-    timing: dict                # prefill_ms, passes
-    replica: str = ""           # the replica that holds the session now ("" from older servers)
+    n_committed: int  # the server's committed length (== len(prompt_ids))
+    timing: dict  # prefill_ms, passes
+    replica: str = ""  # the replica that holds the session now ("" from older servers)
 
     @classmethod
     def from_wire(cls, d):
-        return cls(_sid(d.get("sid")), _int(d.get("n_committed"), "n_committed"), _map(d.get("timing"), "timing"),
-                   _str(d.get("replica", ""), "replica", 64))
+        return cls(
+            _sid(d.get("sid")),
+            _int(d.get("n_committed"), "n_committed"),
+            _map(d.get("timing"), "timing"),
+            _str(d.get("replica", ""), "replica", 64),
+        )
 
 
 @dataclass
@@ -279,12 +314,13 @@ class Verify(Message):
     `cands` (optional, int32 [k, K], K <= 64) are the draft's top-K ids at each
     position: early exits score only those rows of the LM head (FSD).
     """
+
     TYPE: ClassVar[str] = "verify"
     PACKED: ClassVar[bool] = True
     sid: str
     round: int
-    n_committed: int            # the robot's committed length (fix included); a mismatch means divergence
-    draft_ids: list[int]        # [k]; k can be zero (the server then returns one target token)
+    n_committed: int  # the robot's committed length (fix included); a mismatch means divergence
+    draft_ids: list[int]  # [k]; k can be zero (the server then returns one target token)
     q: dict
     fix: int | None = None
     cands: np.ndarray | None = None
@@ -303,16 +339,28 @@ class Verify(Message):
         cands = None
         if d.get("cands") is not None:
             cands = decode_array(d["cands"], "cands")
-            if (cands.dtype != np.int32 or cands.ndim != 2 or cands.shape[0] != len(draft)
-                    or not 1 <= cands.shape[1] <= MAX_CANDIDATES):
-                raise WireError("bad_field", f"cands must be int32 [k={len(draft)}, 1..{MAX_CANDIDATES}], got "
-                                f"{cands.dtype} {list(cands.shape)}")
+            if (
+                cands.dtype != np.int32
+                or cands.ndim != 2
+                or cands.shape[0] != len(draft)
+                or not 1 <= cands.shape[1] <= MAX_CANDIDATES
+            ):
+                raise WireError(
+                    "bad_field",
+                    f"cands must be int32 [k={len(draft)}, 1..{MAX_CANDIDATES}], got {cands.dtype} {list(cands.shape)}",
+                )
             if cands.size and cands.min() < 0:
                 raise WireError("bad_field", "cands holds a negative token id")
         fix = d.get("fix")
-        return cls(_sid(d.get("sid")), _int(d.get("round"), "round"),
-                   _int(d.get("n_committed"), "n_committed", 1), draft, q,
-                   None if fix is None else _int(fix, "fix"), cands)
+        return cls(
+            _sid(d.get("sid")),
+            _int(d.get("round"), "round"),
+            _int(d.get("n_committed"), "n_committed", 1),
+            draft,
+            q,
+            None if fix is None else _int(fix, "fix"),
+            cands,
+        )
 
     @classmethod
     def make_dummy(cls):
@@ -327,8 +375,11 @@ def _q_to_wire(q: dict) -> list:
     if kind == "full":
         return [kind, np.ascontiguousarray(q["probs"], dtype="<f2").tobytes()]
     if kind == "topk":
-        return [kind, np.ascontiguousarray(q["ids"], dtype="<i4").tobytes(),
-                np.ascontiguousarray(q["probs"], dtype="<f2").tobytes()]
+        return [
+            kind,
+            np.ascontiguousarray(q["ids"], dtype="<i4").tobytes(),
+            np.ascontiguousarray(q["probs"], dtype="<f2").tobytes(),
+        ]
     if kind == "split":
         px = np.asarray(q["px"], dtype="<u4")
         if px.size and px.max() >= 1 << 24:
@@ -353,13 +404,18 @@ def _q_from_wire(v: Any, k: int) -> dict:
         if len(parts[0]) != 3 * k:
             raise WireError("bad_field", f"split q carries {len(parts[0])} bytes, {k} draft tokens need {3 * k}")
         raw = np.frombuffer(parts[0], np.uint8).reshape(k, 3)
-        return {"kind": "split", "px": raw[:, 0].astype(np.int64) | raw[:, 1].astype(np.int64) << 8
-                | raw[:, 2].astype(np.int64) << 16}
+        return {
+            "kind": "split",
+            "px": raw[:, 0].astype(np.int64) | raw[:, 1].astype(np.int64) << 8 | raw[:, 2].astype(np.int64) << 16,
+        }
     if k == 0:
         if any(parts):
             raise WireError("bad_field", "q of an empty draft must be empty")
-        return {"kind": kind, "probs": np.zeros((0, 0), np.float16)} if kind == "full" else \
-            {"kind": kind, "ids": np.zeros((0, 0), np.int32), "probs": np.zeros((0, 0), np.float16)}
+        return (
+            {"kind": kind, "probs": np.zeros((0, 0), np.float16)}
+            if kind == "full"
+            else {"kind": kind, "ids": np.zeros((0, 0), np.int32), "probs": np.zeros((0, 0), np.float16)}
+        )
     if kind == "full":
         n = len(parts[0]) // 2
         if len(parts[0]) % (2 * k) or n == 0:
@@ -367,8 +423,10 @@ def _q_from_wire(v: Any, k: int) -> dict:
         return {"kind": "full", "probs": np.frombuffer(parts[0], "<f2").reshape(k, n // k)}
     ids_b, probs_b = parts
     if len(ids_b) % (4 * k) or not ids_b or len(probs_b) * 2 != len(ids_b):
-        raise WireError("bad_field", f"topk q must be int32 ids [k={k}, K] and fp16 probs [k, K], got "
-                        f"{len(ids_b)} and {len(probs_b)} bytes")
+        raise WireError(
+            "bad_field",
+            f"topk q must be int32 ids [k={k}, K] and fp16 probs [k, K], got {len(ids_b)} and {len(probs_b)} bytes",
+        )
     big_k = len(ids_b) // (4 * k)
     ids = np.frombuffer(ids_b, "<i4").reshape(k, big_k)
     return {"kind": "topk", "ids": ids, "probs": np.frombuffer(probs_b, "<f2").reshape(k, big_k)}
@@ -381,20 +439,26 @@ class Exit(Message):
     A hint only: `tokens` is what this exit predicts the round will commit (the
     accepted draft prefix and the next token); the `result` decides.
     """
+
     TYPE: ClassVar[str] = "exit"
     sid: str
     round: int
-    layer: int                  # decoder block after which the exit sits (1-based)
-    tokens: list[int]           # draft_ids[:accepted] + [next token]
-    confidence: float           # max softmax probability at the deciding position
+    layer: int  # decoder block after which the exit sits (1-based)
+    tokens: list[int]  # draft_ids[:accepted] + [next token]
+    confidence: float  # max softmax probability at the deciding position
 
     @classmethod
     def from_wire(cls, d):
         tokens = _ids(d.get("tokens"), "tokens", 257)
         if not tokens:
             raise WireError("bad_field", "an exit verdict holds at least the next token")
-        return cls(_sid(d.get("sid")), _int(d.get("round"), "round"), _int(d.get("layer"), "layer", 1, 1 << 12),
-                   tokens, _float(d.get("confidence"), "confidence", 0.0, 1.0))
+        return cls(
+            _sid(d.get("sid")),
+            _int(d.get("round"), "round"),
+            _int(d.get("layer"), "layer", 1, 1 << 12),
+            tokens,
+            _float(d.get("confidence"), "confidence", 0.0, 1.0),
+        )
 
     @classmethod
     def make_dummy(cls):
@@ -411,14 +475,15 @@ class Result(Message):
     elsewhere); the robot draws the correction and sends it as the next
     round's `fix`. `n_committed` then does not count the correction yet.
     """
+
     TYPE: ClassVar[str] = "result"
     PACKED: ClassVar[bool] = True
     sid: str
     round: int
-    accepted: int               # draft tokens kept; can be zero
-    token: int                  # correction at the first rejection, or the bonus token; -1: see residual
-    n_committed: int            # the server's committed length after this round
-    timing: dict                # verify_ms, passes; with exits: exit_layer (earliest exit that agreed), exit_ms
+    accepted: int  # draft tokens kept; can be zero
+    token: int  # correction at the first rejection, or the bonus token; -1: see residual
+    n_committed: int  # the server's committed length after this round
+    timing: dict  # verify_ms, passes; with exits: exit_layer (earliest exit that agreed), exit_ms
     residual: dict | None = None
 
     def to_wire(self) -> dict:
@@ -435,9 +500,13 @@ class Result(Message):
         residual = d.get("residual")
         token = _int(d.get("token"), "token", -1 if residual is not None else 0)
         if residual is not None:
-            if (not isinstance(residual, list) or not 1 <= len(residual) <= 2
-                    or not all(isinstance(b, bytes) for b in residual) or not residual[0]
-                    or any(len(b) % 4 for b in residual)):
+            if (
+                not isinstance(residual, list)
+                or not 1 <= len(residual) <= 2
+                or not all(isinstance(b, bytes) for b in residual)
+                or not residual[0]
+                or any(len(b) % 4 for b in residual)
+            ):
                 raise WireError("bad_field", "residual must be [float32 logits bytes, optional int32 ids bytes]")
             logits = np.frombuffer(residual[0], "<f4")
             ids = np.frombuffer(residual[1], "<i4") if len(residual) == 2 else None
@@ -446,37 +515,50 @@ class Result(Message):
             if token != -1:
                 raise WireError("bad_field", "a result with a residual has token -1")
             residual = {"logits": logits, "ids": ids}
-        return cls(_sid(d.get("sid")), _int(d.get("round"), "round"), _int(d.get("accepted"), "accepted"),
-                   token, _int(d.get("n_committed"), "n_committed"), _map(d.get("timing"), "timing"), residual)
+        return cls(
+            _sid(d.get("sid")),
+            _int(d.get("round"), "round"),
+            _int(d.get("accepted"), "accepted"),
+            token,
+            _int(d.get("n_committed"), "n_committed"),
+            _map(d.get("timing"), "timing"),
+            residual,
+        )
 
 
 @dataclass
 class Ar(Message):
     """Robot -> server: stream target-only tokens (the cloud-autoregressive baseline)."""
+
     TYPE: ClassVar[str] = "ar"
     sid: str
     max_tokens: int
     stop_ids: list[int] = field(default_factory=list)
-    fix: int | None = None      # split: the correction owed from the last verify round, committed first
+    fix: int | None = None  # split: the correction owed from the last verify round, committed first
 
     @classmethod
     def from_wire(cls, d):
         fix = d.get("fix")
-        return cls(_sid(d.get("sid")), _int(d.get("max_tokens"), "max_tokens", 1, MAX_ID_LIST),
-                   _ids(d.get("stop_ids", []), "stop_ids", 64), None if fix is None else _int(fix, "fix"))
+        return cls(
+            _sid(d.get("sid")),
+            _int(d.get("max_tokens"), "max_tokens", 1, MAX_ID_LIST),
+            _ids(d.get("stop_ids", []), "stop_ids", 64),
+            None if fix is None else _int(fix, "fix"),
+        )
 
 
 @dataclass
 class Token(Message):
     """Server -> robot: one streamed target token of an `ar` request."""
+
     TYPE: ClassVar[str] = "token"
     sid: str
-    seq: int                    # 0-based index within this ar request
+    seq: int  # 0-based index within this ar request
     token: int
-    done: bool                  # the last token of the request (max_tokens or a stop id)
-    timing: dict                # verify_ms (this step's forward pass), passes
-    p: float | None = None      # the target's probability of `token` under the session's sampling
-                                # (1.0 when greedy): lets the robot estimate its acceptance while streaming
+    done: bool  # the last token of the request (max_tokens or a stop id)
+    timing: dict  # verify_ms (this step's forward pass), passes
+    p: float | None = None  # the target's probability of `token` under the session's sampling
+    # (1.0 when greedy): lets the robot estimate its acceptance while streaming
 
     @classmethod
     def from_wire(cls, d):
@@ -484,8 +566,14 @@ class Token(Message):
         if not isinstance(done, bool):
             raise WireError("bad_field", "done must be a bool")
         p = d.get("p")
-        return cls(_sid(d.get("sid")), _int(d.get("seq"), "seq"), _int(d.get("token"), "token"), done,
-                   _map(d.get("timing"), "timing"), None if p is None else _float(p, "p", 0.0, 1.0))
+        return cls(
+            _sid(d.get("sid")),
+            _int(d.get("seq"), "seq"),
+            _int(d.get("token"), "token"),
+            done,
+            _map(d.get("timing"), "timing"),
+            None if p is None else _float(p, "p", 0.0, 1.0),
+        )
 
 
 @dataclass
@@ -498,15 +586,16 @@ class Close(Message):
         return cls(_sid(d.get("sid")))
 
 
-MESSAGES: dict[str, type[Message]] = {m.TYPE: m for m in
-                                      (Hello, Welcome, Error, Open, Opened, Verify, Exit, Result, Ar, Token, Close)}
+MESSAGES: dict[str, type[Message]] = {
+    m.TYPE: m for m in (Hello, Welcome, Error, Open, Opened, Verify, Exit, Result, Ar, Token, Close)
+}
 
 
 def encode(msg: Message) -> bytes:
     d = msg.to_wire()
     if msg.PACKED:
         values = [d[f.name] for f in fields(msg)]
-        while values and values[-1] is None:            # absent optional fields at the tail cost nothing
+        while values and values[-1] is None:  # absent optional fields at the tail cost nothing
             values.pop()
         return msgpack.packb([d["v"], d["type"], *values], use_bin_type=True)
     return msgpack.packb(d, use_bin_type=True)
@@ -515,8 +604,11 @@ def encode(msg: Message) -> bytes:
 def _unpack(a: list) -> dict:
     """A packed frame [v, type, *fields] -> the same map its unpacked form would be."""
     if len(a) < 2 or not isinstance(a[1], str) or a[1] not in MESSAGES or not MESSAGES[a[1]].PACKED:
-        raise WireError("bad_frame", "an array frame must be [v, type, fields...] of a packed message "
-                        f"({', '.join(t for t, m in MESSAGES.items() if m.PACKED)})")
+        raise WireError(
+            "bad_frame",
+            "an array frame must be [v, type, fields...] of a packed message "
+            f"({', '.join(t for t, m in MESSAGES.items() if m.PACKED)})",
+        )
     names = [f.name for f in fields(MESSAGES[a[1]])]
     if len(a) - 2 > len(names):
         raise WireError("bad_frame", f"a packed {a[1]} has at most {len(names)} fields, got {len(a) - 2}")
@@ -530,18 +622,26 @@ def decode(frame: Any, max_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Message:
     if len(frame) > max_bytes:
         raise WireError("too_large", f"frame of {len(frame)} bytes exceeds the cap of {max_bytes}")
     try:
-        d = msgpack.unpackb(frame, raw=False, strict_map_key=True, max_bin_len=max_bytes,
-                            max_str_len=MAX_STR * 4, max_array_len=MAX_ID_LIST, max_map_len=64)
-    except Exception as e:          # msgpack raises several unrelated types on garbage
+        d = msgpack.unpackb(
+            frame,
+            raw=False,
+            strict_map_key=True,
+            max_bin_len=max_bytes,
+            max_str_len=MAX_STR * 4,
+            max_array_len=MAX_ID_LIST,
+            max_map_len=64,
+        )
+    except Exception as e:  # msgpack raises several unrelated types on garbage
         raise WireError("bad_frame", f"not a msgpack message: {type(e).__name__}") from None
     if isinstance(d, list):
         d = _unpack(d)
     if not isinstance(d, dict):
         raise WireError("bad_frame", "a message must be a msgpack map or a packed array")
     if d.get("v") != PROTOCOL_VERSION:
-        raise WireError("bad_version", f"protocol version {d.get('v')!r} is not supported (this side speaks "
-                        f"{PROTOCOL_VERSION})")
-    cls = MESSAGES.get(d.get("type"))   # type: ignore[arg-type]
+        raise WireError(
+            "bad_version", f"protocol version {d.get('v')!r} is not supported (this side speaks {PROTOCOL_VERSION})"
+        )
+    cls = MESSAGES.get(d.get("type"))  # type: ignore[arg-type]
     if cls is None:
         raise WireError("bad_type", f"unknown message type {d.get('type')!r}")
     try:
@@ -553,5 +653,11 @@ def decode(frame: Any, max_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Message:
 
 
 __all__ = [m.__name__ for m in MESSAGES.values()] + [
-    "PROTOCOL_VERSION", "DEFAULT_MAX_FRAME_BYTES", "WireError", "encode", "decode", "encode_array",
-    "decode_array"]
+    "PROTOCOL_VERSION",
+    "DEFAULT_MAX_FRAME_BYTES",
+    "WireError",
+    "encode",
+    "decode",
+    "encode_array",
+    "decode_array",
+]

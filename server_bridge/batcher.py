@@ -20,6 +20,7 @@ Bounded: the scheduler's queue holds at most `max_queue` requests; a
 newcomer beyond it, or a request that waited past `max_wait_ms`, is shed
 with `overloaded` and the robot's fallback policy takes over.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -29,11 +30,12 @@ import time
 from concurrent.futures import Executor
 from typing import Any
 
+from protocol.wire import WireError
+
 from .estimator import split_passes
 from .metrics import ServerMetrics
 from .scheduler import Request, Scheduler
 from .verifier import Job, Verifier
-from protocol.wire import WireError
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +59,7 @@ class Batcher:
         for r in self.scheduler.expired(math.inf):
             _fail(r, WireError("shutting_down", "the verifier is shutting down; retry elsewhere", r.sid))
 
-    async def submit(self, job: Job, member: tuple[int, int], value: float, deadline: float,
-                     slo: float = 0.0) -> Any:
+    async def submit(self, job: Job, member: tuple[int, int], value: float, deadline: float, slo: float = 0.0) -> Any:
         """Queue one job and wait for its outcome; raises its WireError (or `overloaded`)."""
         future = asyncio.get_running_loop().create_future()
         request = Request(job.sid, member, value, deadline, time.monotonic(), slo, job, future)
@@ -76,7 +77,7 @@ class Batcher:
                 await self._step()
             except asyncio.CancelledError:
                 raise
-            except Exception:               # the loop outlives any one batch
+            except Exception:  # the loop outlives any one batch
                 log.exception("batcher step failed")
                 await asyncio.sleep(0.01)
 
@@ -84,27 +85,38 @@ class Batcher:
         now = time.monotonic()
         for r in self.scheduler.expired(now):
             self.metrics.count_shed(r.slo)
-            _fail(r, WireError("overloaded", f"waited {1e3 * (now - r.arrival):.0f} ms for the verifier "
-                               f"(limit {1e3 * self.scheduler.max_wait_s:.0f}): draft locally and retry later",
-                               r.sid))
+            _fail(
+                r,
+                WireError(
+                    "overloaded",
+                    f"waited {1e3 * (now - r.arrival):.0f} ms for the verifier "
+                    f"(limit {1e3 * self.scheduler.max_wait_s:.0f}): draft locally and retry later",
+                    r.sid,
+                ),
+            )
         if not self.scheduler.ready(now):
             self._wake.clear()
             wake_at = self.scheduler.wake_at()
             try:
                 await asyncio.wait_for(self._wake.wait(), None if wake_at is None else max(0.0, wake_at - now))
-            except asyncio.TimeoutError:        # 3.10: not the builtin TimeoutError
+            except asyncio.TimeoutError:  # 3.10: not the builtin TimeoutError
                 pass
             return
-        batch = [r for r in self.scheduler.next_batch(now) if not r.future.done()]   # done: its robot left
+        batch = [r for r in self.scheduler.next_batch(now) if not r.future.done()]  # done: its robot left
         if not batch:
             return
         self.metrics.queue_wait_s += sum(now - r.arrival for r in batch)
         if log.isEnabledFor(logging.DEBUG):
             model = self.scheduler.model
-            log.debug("batch of %d (%d still waiting, %d late): estimated %.0f ms, scale %.2f, slack %s ms",
-                      len(batch), len(self.scheduler), sum(r.late for r in batch),
-                      model.batch_ms([r.member for r in batch]), model.scale,
-                      [round(1e3 * (r.deadline - now)) if r.deadline < math.inf else None for r in batch])
+            log.debug(
+                "batch of %d (%d still waiting, %d late): estimated %.0f ms, scale %.2f, slack %s ms",
+                len(batch),
+                len(self.scheduler),
+                sum(r.late for r in batch),
+                model.batch_ms([r.member for r in batch]),
+                model.scale,
+                [round(1e3 * (r.deadline - now)) if r.deadline < math.inf else None for r in batch],
+            )
         # Shortest runs first: a prefill that would pad every draft to its length gets a pass of its own
         for group in split_passes([r.member for r in batch], self.scheduler.model):
             await self._run_pass([batch[i] for i in group])
@@ -112,7 +124,8 @@ class Batcher:
     async def _run_pass(self, batch: list[Request]) -> None:
         try:
             results, pass_ms, members = await asyncio.get_running_loop().run_in_executor(
-                self.executor, self.verifier.run_batch, [r.job for r in batch])
+                self.executor, self.verifier.run_batch, [r.job for r in batch]
+            )
         except Exception as e:
             log.exception("a batch of %d failed", len(batch))
             for r in batch:

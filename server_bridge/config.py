@@ -1,87 +1,92 @@
 """The server's one typed config: a TOML file, overridden from the command line, logged at start."""
+
 from __future__ import annotations
 
 import re
+
 try:
-    import tomllib                      # novm: 3.11+, with the fallback below (CI: vermin)
-except ImportError:                     # Python 3.10 (JetPack 6, ROS 2 Humble): the same parser, as a package
+    import tomllib  # novm: 3.11+, with the fallback below (CI: vermin)
+except ImportError:  # Python 3.10 (JetPack 6, ROS 2 Humble): the same parser, as a package
     import tomli as tomllib
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from protocol import modelfiles
+from protocol.wire import DEFAULT_MAX_FRAME_BYTES
+
 from .engine import DTYPES, ENGINES
 from .outbox import POLICIES as EXIT_POLICIES
 from .scheduler import POLICIES as SCHEDULERS
-from protocol.wire import DEFAULT_MAX_FRAME_BYTES
 
-
-AUTO_KV_TOKENS = 32768              # 1.4 GiB of float32 KV for SmolLM2-135M; set kv_tokens on a big server
+AUTO_KV_TOKENS = 32768  # 1.4 GiB of float32 KV for SmolLM2-135M; set kv_tokens on a big server
 
 
 @dataclass
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8765
-    token: str = ""                 # shared secret checked in hello; "" = loopback clients only
-    tls_cert: str = ""              # PEM certificate chain: serve wss:// (robots set link.ca_file to its CA)
-    tls_key: str = ""               # its PEM private key; both or neither
+    token: str = ""  # shared secret checked in hello; "" = loopback clients only
+    tls_cert: str = ""  # PEM certificate chain: serve wss:// (robots set link.ca_file to its CA)
+    tls_key: str = ""  # its PEM private key; both or neither
     target: str = modelfiles.DEFAULT_TARGET
-    engine: str = "auto"            # llamacpp | torch; auto = llamacpp for a GGUF target, torch for a HF directory
-    mmproj: str = ""                # llamacpp: the target's vision projector (libmtmd's GGUF): robots may then send
-                                    # images (a torch VLM directory needs none: its processor and vision tower are in it)
-    device: str = "auto"            # torch: auto | cpu | cuda[:N] (auto: CUDA where present)
-    dtype: str = "auto"             # torch: auto | float32 | bfloat16 | float16 (auto: bf16 on CUDA, else f32)
-    n_gpu_layers: int = -1          # llamacpp: layers offloaded to the GPU; -1 = all when the build supports it
-    kv_tokens: int = 0              # KV memory in tokens over all sessions; 0 = max_sessions x max_context, at most
-                                    # AUTO_KV_TOKENS (llamacpp: the context's cells, shared by every session; torch:
-                                    # slots of max_context each). A pass that finds no room is shed (`overloaded`)
-    kv_type: str = "f16"            # llamacpp: KV element type, f16 (llama.cpp's default: 17 vs 24 ms per token
-                                    # here, docs/engine) or f32
-    kv_unified: str = "auto"        # llamacpp: one KV pool for every session (on) or a stream of kv_tokens /
-                                    # max_sessions cells each (off: faster batched passes on a GPU); auto = off when
-                                    # layers are offloaded and no exits are tapped
-    n_ubatch: int = 0               # llamacpp: tokens per micro-batch; 0 = a whole call in one (exits need it)
-    flash_attn: str = "auto"        # llamacpp: flash attention auto | on | off (auto: where the backend has it)
-    threads: int = 0                # engine threads; 0 = the engine's default
-    max_sessions: int = 64          # session table bound; the least recently used is evicted
+    engine: str = "auto"  # llamacpp | torch; auto = llamacpp for a GGUF target, torch for a HF directory
+    mmproj: str = ""  # llamacpp: the target's vision projector (libmtmd's GGUF): robots may then send
+    # images (a torch VLM directory needs none: its processor and vision tower are in it)
+    device: str = "auto"  # torch: auto | cpu | cuda[:N] (auto: CUDA where present)
+    dtype: str = "auto"  # torch: auto | float32 | bfloat16 | float16 (auto: bf16 on CUDA, else f32)
+    n_gpu_layers: int = -1  # llamacpp: layers offloaded to the GPU; -1 = all when the build supports it
+    kv_tokens: int = 0  # KV memory in tokens over all sessions; 0 = max_sessions x max_context, at most
+    # AUTO_KV_TOKENS (llamacpp: the context's cells, shared by every session; torch:
+    # slots of max_context each). A pass that finds no room is shed (`overloaded`)
+    kv_type: str = "f16"  # llamacpp: KV element type, f16 (llama.cpp's default: 17 vs 24 ms per token
+    # here, docs/engine) or f32
+    kv_unified: str = "auto"  # llamacpp: one KV pool for every session (on) or a stream of kv_tokens /
+    # max_sessions cells each (off: faster batched passes on a GPU); auto = off when
+    # layers are offloaded and no exits are tapped
+    n_ubatch: int = 0  # llamacpp: tokens per micro-batch; 0 = a whole call in one (exits need it)
+    flash_attn: str = "auto"  # llamacpp: flash attention auto | on | off (auto: where the backend has it)
+    threads: int = 0  # engine threads; 0 = the engine's default
+    max_sessions: int = 64  # session table bound; the least recently used is evicted
     max_sessions_per_connection: int = 8
-    idle_timeout_s: float = 300.0   # sessions untouched this long are evicted
-    # More than one replica (deploy/haproxy, deploy/k8s, tools/cluster.py)
-    replica_id: str = ""            # this replica's name in welcome, opened, /healthz and /metrics' `replica` label;
-                                    # "" = HOST:PORT (a pod's hostname is its name)
+    idle_timeout_s: float = 300.0  # sessions untouched this long are evicted
+    # More than one replica (deploy/haproxy, deploy/k8s, tools/cluster/fleet.py)
+    replica_id: str = ""  # this replica's name in welcome, opened, /healthz and /metrics' `replica` label;
+    # "" = HOST:PORT (a pod's hostname is its name)
     detached_grace_s: float = 60.0  # a session whose connection closed keeps its KV this long for a robot that
-                                    # comes back after a blip (then, or when idle_timeout_s is sooner, it goes)
-    drain_timeout_s: float = 30.0   # SIGTERM drains: /healthz 503, no new robots, rounds in flight finish, each
-                                    # connection closes with 1012 once idle; at most this long, then everything closes
+    # comes back after a blip (then, or when idle_timeout_s is sooner, it goes)
+    drain_timeout_s: float = 30.0  # SIGTERM drains: /healthz 503, no new robots, rounds in flight finish, each
+    # connection closes with 1012 once idle; at most this long, then everything closes
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
     max_draft_len: int = 16
-    max_context: int = 2048         # prompt + generated tokens per session
+    max_context: int = 2048  # prompt + generated tokens per session
     max_connections: int = 256
     # Early exits (FSD): verdicts from adapters inside the target, streamed before each result.
-    exits: str = "auto"             # adapters' path prefix; "auto" = models/exits/<target> if trained, "" = off
-    exit_layers: list[int] = field(default_factory=list)   # the exits to load; [] = every trained one
-    exit_policy: str = "priority"   # per-connection outbox: priority (by confidence), fifo or random
-    exit_queue: int = 64            # exit messages pending per connection; when full the least valuable drops
+    exits: str = "auto"  # adapters' path prefix; "auto" = models/exits/<target> if trained, "" = off
+    exit_layers: list[int] = field(default_factory=list)  # the exits to load; [] = every trained one
+    exit_policy: str = "priority"  # per-connection outbox: priority (by confidence), fifo or random
+    exit_queue: int = 64  # exit messages pending per connection; when full the least valuable drops
     exit_bonus_candidates: int = 16  # ids the later exits score at the bonus row (after one full-head row)
     # Batched verification (server_bridge/scheduler.py, batcher.py)
-    scheduler: str = "slo"          # slo (WISP Algorithm 1) | fcfs (one at a time) | fixed (max_batch, arrival order)
-    max_batch: int = 16             # sessions in one forward pass
-    max_queue: int = 128            # requests waiting for the target; a newcomer beyond it is shed (`overloaded`)
-    max_wait_ms: float = 3000.0     # a request that waited longer is shed (`overloaded`): the robot falls back
-    batch_wait_ms: float = 50.0     # fixed: how long the oldest waits for a full batch; slo: how long a free target
-                                    # may wait for a robot due back (never while a request is critical)
-    guard_ms: float = 10.0          # delta in the latest start time (estimation error, queueing jitter)
-    batch_memory_mb: int = 2048     # one pass's padded KV and logits; a batch that would exceed it stops growing
-    default_slo: float = 0.0        # tokens/s for sessions that open without an slo; 0 = best effort
-    estimator: str = "auto"         # verification-time coefficients (JSON); "auto" = models/estimator/<target>.json
+    scheduler: str = "slo"  # slo (WISP Algorithm 1) | fcfs (one at a time) | fixed (max_batch, arrival order)
+    max_batch: int = 16  # sessions in one forward pass
+    max_queue: int = 128  # requests waiting for the target; a newcomer beyond it is shed (`overloaded`)
+    max_wait_ms: float = 3000.0  # a request that waited longer is shed (`overloaded`): the robot falls back
+    batch_wait_ms: float = 50.0  # fixed: how long the oldest waits for a full batch; slo: how long a free target
+    # may wait for a robot due back (never while a request is critical)
+    guard_ms: float = 10.0  # delta in the latest start time (estimation error, queueing jitter)
+    batch_memory_mb: int = 2048  # one pass's padded KV and logits; a batch that would exceed it stops growing
+    default_slo: float = 0.0  # tokens/s for sessions that open without an slo; 0 = best effort
+    estimator: str = "auto"  # verification-time coefficients (JSON); "auto" = models/estimator/<target>.json
 
     @property
     def llama_options(self) -> dict:
         """The llamacpp engine's own settings, as LlamaCppEngine takes them."""
-        options = {"kv_unified": {"auto": None, "on": True, "off": False}[self.kv_unified], "n_ubatch": self.n_ubatch,
-                   "flash_attn": self.flash_attn}
+        options = {
+            "kv_unified": {"auto": None, "on": True, "off": False}[self.kv_unified],
+            "n_ubatch": self.n_ubatch,
+            "flash_attn": self.flash_attn,
+        }
         if self.mmproj:
             options["mmproj"] = self.mmproj
         return options
@@ -95,8 +100,14 @@ class ServerConfig:
             raise ValueError(f"port must be 0-65535, got {self.port}")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("tls_cert and tls_key go together (a certificate and its key), or neither")
-        for name in ("max_sessions", "max_sessions_per_connection", "max_frame_bytes", "max_draft_len",
-                     "max_context", "max_connections"):
+        for name in (
+            "max_sessions",
+            "max_sessions_per_connection",
+            "max_frame_bytes",
+            "max_draft_len",
+            "max_context",
+            "max_connections",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.engine not in ENGINES:
@@ -108,8 +119,9 @@ class ServerConfig:
         if self.kv_type not in ("f16", "f32"):
             raise ValueError(f"kv_type must be f16 or f32, got {self.kv_type!r}")
         if self.kv_unified not in ("auto", "on", "off") or self.flash_attn not in ("auto", "on", "off"):
-            raise ValueError(f"kv_unified and flash_attn must be auto, on or off, got {self.kv_unified!r} and "
-                             f"{self.flash_attn!r}")
+            raise ValueError(
+                f"kv_unified and flash_attn must be auto, on or off, got {self.kv_unified!r} and {self.flash_attn!r}"
+            )
         if self.mmproj and not Path(self.mmproj).is_file():
             raise ValueError(f"mmproj: no projector file at {self.mmproj}")
         if self.n_ubatch < 0:
@@ -117,8 +129,9 @@ class ServerConfig:
         if self.kv_tokens < 0 or self.threads < 0:
             raise ValueError("kv_tokens and threads must be >= 0")
         if self.max_draft_len > 256:
-            raise ValueError(f"max_draft_len must be <= 256 (an exit message carries at most 257 tokens), "
-                             f"got {self.max_draft_len}")
+            raise ValueError(
+                f"max_draft_len must be <= 256 (an exit message carries at most 257 tokens), got {self.max_draft_len}"
+            )
         if self.idle_timeout_s <= 0:
             raise ValueError("idle_timeout_s must be > 0")
         for name in ("detached_grace_s", "drain_timeout_s"):
@@ -126,9 +139,14 @@ class ServerConfig:
             if not isinstance(value, (int, float)) or not 0 <= value <= 86400:
                 raise ValueError(f"{name} must be 0-86400 s, got {value!r}")
         if not re.fullmatch(r"[A-Za-z0-9_.:-]{0,64}", self.replica_id):
-            raise ValueError(f"replica_id must be up to 64 of [A-Za-z0-9_.:-] (a metrics label), got {self.replica_id!r}")
-        if (not isinstance(self.exit_layers, list) or not all(isinstance(l, int) and l >= 1 for l in self.exit_layers)
-                or sorted(set(self.exit_layers)) != self.exit_layers):
+            raise ValueError(
+                f"replica_id must be up to 64 of [A-Za-z0-9_.:-] (a metrics label), got {self.replica_id!r}"
+            )
+        if (
+            not isinstance(self.exit_layers, list)
+            or not all(isinstance(l, int) and l >= 1 for l in self.exit_layers)
+            or sorted(set(self.exit_layers)) != self.exit_layers
+        ):
             raise ValueError(f"exit_layers must be increasing layer numbers >= 1, got {self.exit_layers!r}")
         if self.exit_policy not in EXIT_POLICIES:
             raise ValueError(f"exit_policy must be one of {', '.join(EXIT_POLICIES)}, got {self.exit_policy!r}")

@@ -13,6 +13,7 @@ protocol.sampling stays the reference these functions are tested against
     accept x_i with probability min(1, p_i(x_i) / q_i(x_i))
     at the first rejection draw from norm(max(0, p_i - q_i)); if none, draw from p_k
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -38,8 +39,12 @@ def sample(probs: torch.Tensor, rng: np.random.Generator) -> int:
     """One draw from probs [V] by inverse CDF with one host uniform (as protocol.sampling.sample)."""
     cdf = torch.cumsum(probs.double(), dim=0)
     u = rng.random() * float(cdf[-1])
-    return int(min(int(torch.searchsorted(cdf, torch.tensor([u], dtype=cdf.dtype, device=cdf.device),
-                                          right=True)), probs.shape[0] - 1))
+    return int(
+        min(
+            int(torch.searchsorted(cdf, torch.tensor([u], dtype=cdf.dtype, device=cdf.device), right=True)),
+            probs.shape[0] - 1,
+        )
+    )
 
 
 def _accept_loop(ratio: np.ndarray, rng: np.random.Generator) -> int:
@@ -77,8 +82,9 @@ def verify_split(draft_ids: list[int], qx: np.ndarray, p: torch.Tensor, rng: np.
         raise SamplingError(f"shape mismatch: draft [{k}], qx [{len(qx)}], p {tuple(p.shape)}")
     bad = [(i, float(v)) for i, v in enumerate(qx) if not 0.0 < float(v) <= 1.0]
     if bad:
-        raise SamplingError(f"q(x) of draft token {draft_ids[bad[0][0]]} at position {bad[0][0]} is {bad[0][1]}, "
-                            "not in (0, 1]")
+        raise SamplingError(
+            f"q(x) of draft token {draft_ids[bad[0][0]]} at position {bad[0][0]} is {bad[0][1]}, not in (0, 1]"
+        )
     x = torch.as_tensor(np.asarray(draft_ids, dtype=np.int64), device=p.device)
     px = p[torch.arange(k, device=p.device), x].double().cpu().numpy()
     i = _accept_loop(px / np.asarray(qx, dtype=np.float64), rng)

@@ -22,6 +22,7 @@ verifier, batcher, exits and tools see only this interface. Its types live in
 server_bridge/engine_types.py (what the backends import, so the backends never import this
 module back) and are importable from here.
 """
+
 from __future__ import annotations
 
 import logging
@@ -29,8 +30,18 @@ from pathlib import Path
 
 from .engine_types import Engine, EngineFull, EngineInfo, Pass, Sequence, SequenceIds, check_batch
 
-__all__ = ["DTYPES", "ENGINES", "Engine", "EngineFull", "EngineInfo", "Pass", "Sequence", "SequenceIds",
-           "check_batch", "load_engine"]
+__all__ = [
+    "DTYPES",
+    "ENGINES",
+    "Engine",
+    "EngineFull",
+    "EngineInfo",
+    "Pass",
+    "Sequence",
+    "SequenceIds",
+    "check_batch",
+    "load_engine",
+]
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +49,7 @@ ENGINES = ("auto", "llamacpp", "torch")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
-_gpu_backend: dict[str, str] = {}       # backend -> the target it holds on the GPU, in this process
+_gpu_backend: dict[str, str] = {}  # backend -> the target it holds on the GPU, in this process
 
 
 def _claim_gpu(backend: str, name: str, uses_gpu: bool) -> None:
@@ -48,8 +59,10 @@ def _claim_gpu(backend: str, name: str, uses_gpu: bool) -> None:
         return
     other = next((b for b in _gpu_backend if b != backend), None)
     if other is not None:
-        raise RuntimeError(f"this process holds {_gpu_backend[other]} on the GPU through the {other} engine; a "
-                           f"{backend} engine on the GPU beside it crashes the process: run it in its own process")
+        raise RuntimeError(
+            f"this process holds {_gpu_backend[other]} on the GPU through the {other} engine; a "
+            f"{backend} engine on the GPU beside it crashes the process: run it in its own process"
+        )
     _gpu_backend[backend] = name
 
 
@@ -65,10 +78,20 @@ def _torch_on_cuda(device: str) -> bool:
     return device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
 
 
-def load_engine(target: str, engine: str = "auto", device: str = "auto", dtype: str = "auto", threads: int = 0,
-                max_sequences: int = 64, kv_tokens: int = 0, n_gpu_layers: int = -1,
-                tap_layers: list[int] | None = None, max_len: int = 2048, kv_type: str = "f16",
-                **llama_options) -> Engine:
+def load_engine(
+    target: str,
+    engine: str = "auto",
+    device: str = "auto",
+    dtype: str = "auto",
+    threads: int = 0,
+    max_sequences: int = 64,
+    kv_tokens: int = 0,
+    n_gpu_layers: int = -1,
+    tap_layers: list[int] | None = None,
+    max_len: int = 2048,
+    kv_type: str = "f16",
+    **llama_options,
+) -> Engine:
     """The target behind one engine.
 
     engine auto: llamacpp for a GGUF target (the shipped smollm2-f32 is one), torch for a Hugging
@@ -93,15 +116,34 @@ def load_engine(target: str, engine: str = "auto", device: str = "auto", dtype: 
 
         gpu = _llama_offloads(n_gpu_layers)
         _claim_gpu("llamacpp", name, gpu)
-        return LlamaCppEngine(src, name, threads=threads, max_sequences=max_sequences, kv_tokens=kv_tokens,
-                              n_gpu_layers=n_gpu_layers, tap_layers=tap_layers or [], kv_type=kv_type, **llama_options)
+        return LlamaCppEngine(
+            src,
+            name,
+            threads=threads,
+            max_sequences=max_sequences,
+            kv_tokens=kv_tokens,
+            n_gpu_layers=n_gpu_layers,
+            tap_layers=tap_layers or [],
+            kv_type=kv_type,
+            **llama_options,
+        )
     if engine == "torch":
         if llama_options.get("mmproj"):
-            raise ValueError("mmproj is the llamacpp engine's: a torch vision-language target is a Hugging Face "
-                             "directory that holds its own vision tower and processor")
+            raise ValueError(
+                "mmproj is the llamacpp engine's: a torch vision-language target is a Hugging Face "
+                "directory that holds its own vision tower and processor"
+            )
         from .engine_torch import TorchEngine
 
         _claim_gpu("torch", name, _torch_on_cuda(device))
-        return TorchEngine(src, name, device=device, dtype=dtype, threads=threads, max_sequences=max_sequences,
-                           kv_tokens=kv_tokens, max_len=max_len)
+        return TorchEngine(
+            src,
+            name,
+            device=device,
+            dtype=dtype,
+            threads=threads,
+            max_sequences=max_sequences,
+            kv_tokens=kv_tokens,
+            max_len=max_len,
+        )
     raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")

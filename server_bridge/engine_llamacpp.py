@@ -18,6 +18,7 @@ Early exits: llama.cpp calls the context's eval callback (`cb_eval`) for every
 node of the graph as it computes; it asks for the residual stream `l_out-<il>`
 of the tapped blocks and hands the taps their rows, during the pass.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -32,7 +33,7 @@ from protocol import llamalog, modelfiles
 from protocol.images import PromptImage
 from protocol.vision import MARKERS, MtmdVision, marker_id
 
-from .engine_types import EngineFull, EngineInfo, Pass, Sequence, SequenceIds, check_batch
+from .engine_types import EngineFull, EngineInfo, Pass, Sequence, SequenceIds, check_batch, image_extra
 
 log = logging.getLogger(__name__)
 
@@ -57,9 +58,11 @@ def requantize(src: str, dst: str, ftype_name: str = "LLAMA_FTYPE_MOSTLY_Q2_K", 
         with llamalog.c_output_to(log_path):
             rc = llama_cpp.llama_model_quantize(src.encode(), tmp.encode(), ctypes.byref(params))
     if rc != 0:
-        raise RuntimeError(f"llama_model_quantize returned {rc} for {src} -> {dst}; the end of its log "
-                           f"({log_path}):\n{llamalog.tail(log_path)}")
-    os.replace(tmp, dst)                 # atomic: a half-written file never looks built
+        raise RuntimeError(
+            f"llama_model_quantize returned {rc} for {src} -> {dst}; the end of its log "
+            f"({log_path}):\n{llamalog.tail(log_path)}"
+        )
+    os.replace(tmp, dst)  # atomic: a half-written file never looks built
 
 
 def prepare_target(name: str) -> Path:
@@ -67,8 +70,9 @@ def prepare_target(name: str) -> Path:
     path = modelfiles.build_dir() / modelfiles.TARGETS[name]
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
-        log.info("making %s from %s with llama.cpp's quantizer (F32, a few seconds) ...", path.name,
-                 modelfiles.SHIPPED_GGUF)
+        log.info(
+            "making %s from %s with llama.cpp's quantizer (F32, a few seconds) ...", path.name, modelfiles.SHIPPED_GGUF
+        )
         t0 = time.perf_counter()
         requantize(str(modelfiles.shipped_gguf()), str(path), "LLAMA_FTYPE_ALL_F32")
         log.info("made %s (%.0f MiB) in %.1fs", path.name, path.stat().st_size / 2**20, time.perf_counter() - t0)
@@ -85,11 +89,12 @@ def _ggml():
     import llama_cpp._ggml as g
 
     lib = g.libggml
-    for name, res, args in (("ggml_get_name", ctypes.c_char_p, [ctypes.c_void_p]),
-                            ("ggml_nelements", ctypes.c_int64, [ctypes.c_void_p]),
-                            ("ggml_nbytes", ctypes.c_size_t, [ctypes.c_void_p]),
-                            ("ggml_backend_tensor_get", None,
-                             [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t])):
+    for name, res, args in (
+        ("ggml_get_name", ctypes.c_char_p, [ctypes.c_void_p]),
+        ("ggml_nelements", ctypes.c_int64, [ctypes.c_void_p]),
+        ("ggml_nbytes", ctypes.c_size_t, [ctypes.c_void_p]),
+        ("ggml_backend_tensor_get", None, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]),
+    ):
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = res, args
     return lib
@@ -119,8 +124,11 @@ def weight_type(L, model) -> tuple[str, str]:
     unquantized weights, as the torch engine names them; llama.cpp's own name, lower-cased, otherwise)."""
     buf = ctypes.create_string_buffer(64)
     n = L.llama_model_meta_val_str(model, b"general.file_type", buf, len(buf))
-    names = {getattr(L, a): a.removeprefix("LLAMA_FTYPE_").removeprefix("MOSTLY_").removeprefix("ALL_")
-             for a in dir(L) if a.startswith("LLAMA_FTYPE_") and a != "LLAMA_FTYPE_GUESSED"}
+    names = {
+        getattr(L, a): a.removeprefix("LLAMA_FTYPE_").removeprefix("MOSTLY_").removeprefix("ALL_")
+        for a in dir(L)
+        if a.startswith("LLAMA_FTYPE_") and a != "LLAMA_FTYPE_GUESSED"
+    }
     try:
         ftype = names.get(int(buf.value), f"ftype {buf.value.decode()}") if n > 0 else "unknown"
     except ValueError:
@@ -132,10 +140,22 @@ FLASH_ATTN = ("auto", "on", "off")
 
 
 class LlamaCppEngine:
-    def __init__(self, path: Path, name: str, threads: int = 0, max_sequences: int = 64, kv_tokens: int = 0,
-                 n_gpu_layers: int = -1, tap_layers: list[int] | None = None, kv_type: str = "f16",
-                 kv_unified: bool | None = None, n_ubatch: int = 0, flash_attn: str = "auto",
-                 mmproj: str | Path | None = None, vision_threads: int = 1):
+    def __init__(
+        self,
+        path: Path,
+        name: str,
+        threads: int = 0,
+        max_sequences: int = 64,
+        kv_tokens: int = 0,
+        n_gpu_layers: int = -1,
+        tap_layers: list[int] | None = None,
+        kv_type: str = "f16",
+        kv_unified: bool | None = None,
+        n_ubatch: int = 0,
+        flash_attn: str = "auto",
+        mmproj: str | Path | None = None,
+        vision_threads: int = 1,
+    ):
         """kv_unified: one KV pool shared by every sequence (True), or a stream of kv_tokens/max_sequences
         cells per sequence (False: faster batched passes on a GPU, measured on an H100); None picks False
         when layers are offloaded and no exits are tapped, else True. n_ubatch: tokens per llama.cpp
@@ -161,84 +181,113 @@ class LlamaCppEngine:
         if not self.model:
             raise RuntimeError(f"llama.cpp could not load {path}")
         self.name = name
-        self.path = Path(path)                                        # the exits read its norm and LM head
+        self.path = Path(path)  # the exits read its norm and LM head
         vocab = L.llama_model_get_vocab(self.model)
         self.vocab_size = int(L.llama_vocab_n_tokens(vocab))
         self.tokenizer = _Tokenizer(vocab)
         self.vocab_hash = modelfiles.vocab_hash(L.llama_vocab_get_text(vocab, i) for i in range(self.vocab_size))
-        self.image_token_id = marker_id(vocab)                        # SmolVLM's <image>; None in a text vocabulary
+        self.image_token_id = marker_id(vocab)  # SmolVLM's <image>; None in a text vocabulary
         self.eos_ids = sorted({int(t) for t in (L.llama_vocab_eos(vocab), L.llama_vocab_eot(vocab)) if t >= 0})
         self.n_layers = int(L.llama_model_n_layer(self.model))
         self.hidden_size = int(L.llama_model_n_embd(self.model))
         n_head, n_head_kv = int(L.llama_model_n_head(self.model)), int(L.llama_model_n_head_kv(self.model))
         kv_bytes = {"f32": 4, "f16": 2}[kv_type]
         self.kv_bytes_per_token = 2 * self.n_layers * n_head_kv * (self.hidden_size // n_head) * kv_bytes
-        self.max_sequences = min(max_sequences, 256)                   # LLAMA_MAX_SEQ
+        self.max_sequences = min(max_sequences, 256)  # LLAMA_MAX_SEQ
         self.kv_capacity = kv_tokens or 64 * 1024
-        self.n_batch = 2048                                           # tokens per llama_decode call
+        self.n_batch = 2048  # tokens per llama_decode call
         self.batchable = True
         if kv_unified is None:
             kv_unified = not offload or bool(tap_layers)
         if not kv_unified and tap_layers:
-            raise ValueError("early exits need kv_unified: per-sequence KV streams split a batch by sequence, "
-                             "and the tapped rows would arrive out of order")
+            raise ValueError(
+                "early exits need kv_unified: per-sequence KV streams split a batch by sequence, "
+                "and the tapped rows would arrive out of order"
+            )
         self.kv_unified = kv_unified
         # per-sequence streams divide the cells evenly: a session holds at most this many tokens
         self.seq_capacity = self.kv_capacity if kv_unified else self.kv_capacity // self.max_sequences
 
         self.tap_names: dict[bytes, int] = {f"l_out-{l - 1}".encode(): l for l in (tap_layers or [])}
-        self._taps: list[tuple[int, int, Pass]] | None = None         # the running chunk's (first row, rows, pass)
+        self._taps: list[tuple[int, int, Pass]] | None = None  # the running chunk's (first row, rows, pass)
         cparams = L.llama_context_default_params()
         cparams.n_ctx = self.kv_capacity
         cparams.n_batch = self.n_batch
-        cparams.n_ubatch = n_ubatch or self.n_batch                   # one ubatch per call: tap rows stay in order
+        cparams.n_ubatch = n_ubatch or self.n_batch  # one ubatch per call: tap rows stay in order
         if tap_layers and cparams.n_ubatch != self.n_batch:
             raise ValueError("early exits need the whole call in one micro-batch (n_ubatch 0)")
         cparams.n_seq_max = self.max_sequences
         cparams.kv_unified = kv_unified
-        cparams.flash_attn_type = {"auto": L.LLAMA_FLASH_ATTN_TYPE_AUTO, "on": L.LLAMA_FLASH_ATTN_TYPE_ENABLED,
-                                   "off": L.LLAMA_FLASH_ATTN_TYPE_DISABLED}[flash_attn]
+        cparams.flash_attn_type = {
+            "auto": L.LLAMA_FLASH_ATTN_TYPE_AUTO,
+            "on": L.LLAMA_FLASH_ATTN_TYPE_ENABLED,
+            "off": L.LLAMA_FLASH_ATTN_TYPE_DISABLED,
+        }[flash_attn]
         cparams.n_threads = cparams.n_threads_batch = threads or max(1, os.cpu_count() or 1)
         ggml_type = {"f32": 0, "f16": 1}[kv_type]
         cparams.type_k = cparams.type_v = ggml_type
         cparams.no_perf = True
         if self.tap_names:
             self._ggml = _ggml()
-            self._cb = L.ggml_backend_sched_eval_callback(self._on_tensor)   # kept alive with the engine
+            self._cb = L.ggml_backend_sched_eval_callback(self._on_tensor)  # kept alive with the engine
             cparams.cb_eval = self._cb
             cparams.cb_eval_user_data = None
         self.vision = None
         if mmproj is not None:
             self.vision = MtmdVision(mmproj, self.model, threads=vision_threads, use_gpu=offload)
             if self.image_token_id is None:
-                raise ValueError(f"{path} has a projector ({mmproj}) but no image marker token "
-                                 f"({', '.join(MARKERS)}) in its vocabulary")
-        self._images: dict[int, list[tuple[int, int]]] = {}           # seq id -> [(text index, extra positions)]
+                raise ValueError(
+                    f"{path} has a projector ({mmproj}) but no image marker token "
+                    f"({', '.join(MARKERS)}) in its vocabulary"
+                )
+        self._images: dict[int, list[tuple[int, int]]] = {}  # seq id -> [(text index, extra positions)]
         self.ctx = L.llama_init_from_model(self.model, cparams)
         if not self.ctx:
             raise RuntimeError(f"llama.cpp could not make a context of {self.kv_capacity} tokens for {path}")
         self.mem = L.llama_get_memory(self.ctx)
         self.batch = L.llama_batch_init(self.n_batch, 0, 1)
         # numpy views of the batch's arrays, made once: fill_batch runs for every token of a stream
-        self._batch_views = tuple(np.ctypeslib.as_array(a, shape=(self.n_batch,)) for a in (
-            self.batch.token, self.batch.pos, self.batch.logits, self.batch.n_seq_id))
+        self._batch_views = tuple(
+            np.ctypeslib.as_array(a, shape=(self.n_batch,))
+            for a in (self.batch.token, self.batch.pos, self.batch.logits, self.batch.n_seq_id)
+        )
         self.ids = SequenceIds(self.max_sequences)
-        self._used = 0                                                # KV cells held by live sequences
+        self._used = 0  # KV cells held by live sequences
         self._seqs: dict[int, Sequence] = {}
         self.threads = cparams.n_threads
         dtype, self.ftype = weight_type(L, self.model)
-        self.info = EngineInfo("llamacpp", "gpu" if offload else "cpu", dtype,
-                               {"n_gpu_layers": int(mparams.n_gpu_layers) if gpu else 0, "kv_type": kv_type,
-                                "threads": self.threads, "weights": self.ftype, "kv_unified": kv_unified,
-                                "n_ubatch": int(cparams.n_ubatch), "flash_attn": flash_attn,
-                                "vision": self.vision is not None})
-        log.info("llamacpp engine: %s (%s weights) in %.1fs (%d layers, vocab %d, %d sequences, KV %d tokens %s %s, "
-                 "%d threads, GPU offload %s, exits tapped at %s, images %s)", name, self.ftype,
-                 time.perf_counter() - t0,
-                 self.n_layers, self.vocab_size, self.max_sequences, self.kv_capacity, kv_type,
-                 "unified" if kv_unified else f"in streams of {self.seq_capacity}", self.threads,
-                 self.info.extra["n_gpu_layers"] if gpu else "not built in", sorted(self.tap_names.values()) or "none",
-                 f"through {Path(mmproj).name}" if self.vision else "no")
+        self.info = EngineInfo(
+            "llamacpp",
+            "gpu" if offload else "cpu",
+            dtype,
+            {
+                "n_gpu_layers": int(mparams.n_gpu_layers) if gpu else 0,
+                "kv_type": kv_type,
+                "threads": self.threads,
+                "weights": self.ftype,
+                "kv_unified": kv_unified,
+                "n_ubatch": int(cparams.n_ubatch),
+                "flash_attn": flash_attn,
+                "vision": self.vision is not None,
+            },
+        )
+        log.info(
+            "llamacpp engine: %s (%s weights) in %.1fs (%d layers, vocab %d, %d sequences, KV %d tokens %s %s, "
+            "%d threads, GPU offload %s, exits tapped at %s, images %s)",
+            name,
+            self.ftype,
+            time.perf_counter() - t0,
+            self.n_layers,
+            self.vocab_size,
+            self.max_sequences,
+            self.kv_capacity,
+            kv_type,
+            "unified" if kv_unified else f"in streams of {self.seq_capacity}",
+            self.threads,
+            self.info.extra["n_gpu_layers"] if gpu else "not built in",
+            sorted(self.tap_names.values()) or "none",
+            f"through {Path(mmproj).name}" if self.vision else "no",
+        )
 
     @property
     def tapped(self) -> list[int]:
@@ -299,37 +348,42 @@ class LlamaCppEngine:
         If a call fails, every sequence is cut back to its pass's start and the error raised.
         """
         check_batch(batch)
-        extra = self._check_images(batch)                 # before anything is written: bad bytes raise here
+        extra = self._check_images(batch)  # before anything is written: bad bytes raise here
         untapped = {l for p in batch for l in (p.taps or {})} - set(self.tap_names.values())
         if untapped:
-            raise ValueError(f"layers {sorted(untapped)} are not tapped: a llamacpp engine taps only the layers "
-                             "named when it starts (tap_layers)")
+            raise ValueError(
+                f"layers {sorted(untapped)} are not tapped: a llamacpp engine taps only the layers "
+                "named when it starts (tap_layers)"
+            )
         self.ids.reclaim(self._clear)
         for p in batch:
-            self.truncate(p.seq, p.start)                 # trust the caller's committed length, never our own
-        cells = [len(p.new_ids) + e for p, e in zip(batch, extra)]       # KV cells each pass writes
+            self.truncate(p.seq, p.start)  # trust the caller's committed length, never our own
+        cells = [len(p.new_ids) + e for p, e in zip(batch, extra)]  # KV cells each pass writes
         for p, n in zip(batch, cells):
             if self.kv_pos(p.seq, p.start) + n > self.seq_capacity:
-                raise EngineFull(f"a session's KV stream holds {self.seq_capacity} tokens, the pass needs "
-                                 f"{self.kv_pos(p.seq, p.start) + n}")
+                raise EngineFull(
+                    f"a session's KV stream holds {self.seq_capacity} tokens, the pass needs "
+                    f"{self.kv_pos(p.seq, p.start) + n}"
+                )
         if self._used + sum(cells) > self.kv_capacity:
-            raise EngineFull(f"the pass needs {sum(cells)} KV cells, {self.kv_capacity - self._used} of "
-                             f"{self.kv_capacity} are free")
+            raise EngineFull(
+                f"the pass needs {sum(cells)} KV cells, {self.kv_capacity - self._used} of {self.kv_capacity} are free"
+            )
         text = [p for p in batch if not p.images]
         flat = [(p, j) for p in text for j in range(len(p.new_ids))]
         out_rows: list[np.ndarray] = []
         by_pass: dict[int, np.ndarray] = {}
         try:
             for c0 in range(0, len(flat), self.n_batch):
-                out_rows.append(self._decode(flat[c0:c0 + self.n_batch]))
-            for p in batch:                               # prompts with images: rare (opens), each on its own
+                out_rows.append(self._decode(flat[c0 : c0 + self.n_batch]))
+            for p in batch:  # prompts with images: rare (opens), each on its own
                 if p.images:
                     by_pass[id(p)] = self._forward_images(p)
         except BaseException:
             for p in batch:
                 self._cut(p.seq, p.start)
             raise
-        if len(out_rows) == 1:                            # one call (a stream's token, a round): no second copy
+        if len(out_rows) == 1:  # one call (a stream's token, a round): no second copy
             logits = out_rows[0]
         else:
             logits = np.concatenate(out_rows) if out_rows else np.zeros((0, self.vocab_size), np.float32)
@@ -338,7 +392,7 @@ class LlamaCppEngine:
             if p.images:
                 result.append(by_pass[id(p)])
             else:
-                result.append(logits[at:at + p.keep])
+                result.append(logits[at : at + p.keep])
                 at += p.keep
         return result
 
@@ -359,22 +413,8 @@ class LlamaCppEngine:
         return self.vision
 
     def _check_images(self, batch: list[Pass]) -> list[int]:
-        """Each pass's extra KV positions for its images (0 for text); raises ValueError (or
-        vision.UnknownImage) for a pass this engine cannot run, before anything is written."""
-        extra = []
-        for p in batch:
-            if not p.images:
-                extra.append(0)
-                continue
-            vision = self._seeing()
-            wrong = [i for i in p.images if p.new_ids[i] != self.image_token_id]
-            if wrong:
-                raise ValueError(f"images at {wrong} are not on the image marker {self.image_token_id}: "
-                                 f"the ids there are {[p.new_ids[i] for i in wrong]}")
-            if p.taps and max(p.images) >= len(p.new_ids) - p.keep:
-                raise ValueError("taps read text rows only: an image may not be among a tapped pass's kept rows")
-            extra.append(sum(vision.positions(img) - 1 for img in p.images.values()))
-        return extra
+        """Each pass's extra KV positions for its images (engine_types.image_extra)."""
+        return image_extra(batch, self.image_token_id, self._seeing)
 
     def _forward_images(self, p: Pass) -> np.ndarray:
         """One sequence's pass with images: its text runs between them through _decode, each image
@@ -383,12 +423,12 @@ class LlamaCppEngine:
         rows: list[np.ndarray] = []
         a = 0
         for i in sorted(p.images) + [n]:
-            if i > a:                                     # the text ids a..i-1
+            if i > a:  # the text ids a..i-1
                 keep = max(0, i - max(a, first_kept))
                 part = Pass(p.seq, p.start + a, p.new_ids[a:i], keep, p.taps if i == n else None)
                 flat = [(part, j) for j in range(i - a)]
                 for c0 in range(0, len(flat), self.n_batch):
-                    rows.append(self._decode(flat[c0:c0 + self.n_batch]))
+                    rows.append(self._decode(flat[c0 : c0 + self.n_batch]))
             if i == n:
                 break
             at = self.kv_pos(p.seq, p.start + i)
@@ -397,7 +437,7 @@ class LlamaCppEngine:
             p.seq.length = p.start + i + 1
             self._used += used
             if i >= first_kept:
-                last = L.llama_get_logits_ith(self.ctx, -1)                   # the row after the image
+                last = L.llama_get_logits_ith(self.ctx, -1)  # the row after the image
                 rows.append(np.ctypeslib.as_array(last, shape=(1, self.vocab_size)).copy())
             a = i + 1
         return np.concatenate(rows) if rows else np.zeros((0, self.vocab_size), np.float32)
@@ -409,7 +449,7 @@ class LlamaCppEngine:
         n_seq_id[:n] = 1
         n_out = 0
         taps: dict[int, tuple[int, int, Pass]] = {}
-        base: dict[int, int] = {}                         # a pass's first KV position (images shift it)
+        base: dict[int, int] = {}  # a pass's first KV position (images shift it)
         for i, (p, j) in enumerate(chunk):
             token[i] = p.new_ids[j]
             b0 = base.get(id(p))
@@ -436,8 +476,11 @@ class LlamaCppEngine:
         finally:
             self._taps = None
         if rc != 0:
-            raise EngineFull(f"llama_decode found no room for {n} tokens (code {rc})") if rc == 1 else \
-                RuntimeError(f"llama_decode failed with code {rc}")
+            raise (
+                EngineFull(f"llama_decode found no room for {n} tokens (code {rc})")
+                if rc == 1
+                else RuntimeError(f"llama_decode failed with code {rc}")
+            )
         for p, j in chunk:
             if j == 0:
                 p.seq.length = p.start
@@ -445,7 +488,7 @@ class LlamaCppEngine:
             self._used += 1
         if not n_out:
             return np.zeros((0, self.vocab_size), np.float32)
-        rows = np.empty((n_out, self.vocab_size), np.float32)           # llama.cpp reuses its buffer next call
+        rows = np.empty((n_out, self.vocab_size), np.float32)  # llama.cpp reuses its buffer next call
         ctypes.memmove(rows.ctypes.data, L.llama_get_logits(self.ctx), rows.nbytes)
         return rows
 
@@ -464,12 +507,12 @@ class LlamaCppEngine:
             return True
         try:
             n = self._ggml.ggml_nelements(tensor)
-            hidden = np.empty((n // self.hidden_size, self.hidden_size), np.float32)   # [tokens, hidden]
+            hidden = np.empty((n // self.hidden_size, self.hidden_size), np.float32)  # [tokens, hidden]
             self._ggml.ggml_backend_tensor_get(tensor, hidden.ctypes.data, 0, hidden.nbytes)
             for row0, count, p in taps:
                 fn = (p.taps or {}).get(layer)
                 if fn is not None:
-                    fn(hidden[row0:row0 + count])                                      # [keep, hidden]
-        except Exception:                     # never raise through C: the taps log their own failures
+                    fn(hidden[row0 : row0 + count])  # [keep, hidden]
+        except Exception:  # never raise through C: the taps log their own failures
             log.exception("reading layer %d for the early exits failed", layer)
         return True

@@ -28,6 +28,7 @@ on. Each sequence keeps its images as (t, P - 1), so `start`, `keep`, `truncate`
 and a sequence's `length` go on counting text ids while the slot holds positions:
 kv(t) = t + sum(P_i - 1 for images before t), as in the llamacpp engine.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -46,12 +47,12 @@ from protocol.images import PromptImage
 from protocol.vision import MARKERS
 
 from . import vision_torch
-from .engine_types import EngineFull, EngineInfo, Pass, Sequence, SequenceIds, check_batch
+from .engine_types import EngineFull, EngineInfo, Pass, Sequence, SequenceIds, check_batch, image_extra
 
 log = logging.getLogger(__name__)
 
 ATTENTION = "edgespec_slots"
-_current = threading.local()            # the pass being run: its layout, read by the attention function
+_current = threading.local()  # the pass being run: its layout, read by the attention function
 
 
 class _Layout:
@@ -70,7 +71,7 @@ class _Layout:
         self.rows = rows
         self.pool = pool
         self.single = len(rows) == 1
-        self.k_len = max(start + n for _, start, n, _ in rows)         # Lmax: the longest session's KV
+        self.k_len = max(start + n for _, start, n, _ in rows)  # Lmax: the longest session's KV
         self._masks: dict[int, torch.Tensor] = {}
         if self.single:
             return
@@ -82,12 +83,12 @@ class _Layout:
             q_index += [off + min(i, n - 1) for i in range(n_max)]
             back += range(b * n_max, b * n_max + n)
             qpos.append([start + min(i, n - 1) for i in range(n_max)])
-        as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)   # noqa: E731
+        as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
         self.n_max = n_max
         self.tok_slot, self.tok_pos = as_long(tok_slot), as_long(tok_pos)
         self.slots = as_long([slot for slot, *_ in rows])
         self.q_index, self.back = as_long(q_index), as_long(back)
-        self.qpos = as_long(qpos)[:, :, None]                          # [B, n_max, 1]
+        self.qpos = as_long(qpos)[:, :, None]  # [B, n_max, 1]
         self.kpos = torch.arange(self.k_len, device=device)[None, None, :]
 
     def mask(self, sliding_window: int | None) -> torch.Tensor:
@@ -119,12 +120,12 @@ class _SlotCache:
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         layout: _Layout = _current.layout
         k, v = layout.pool.k[layer_idx], layout.pool.v[layer_idx]
-        if layout.single:                                       # key_states [1, kv_heads, T, head_dim]
+        if layout.single:  # key_states [1, kv_heads, T, head_dim]
             slot, start, n, _ = layout.rows[0]
-            k[slot, :, start:start + n].copy_(key_states[0])
-            v[slot, :, start:start + n].copy_(value_states[0])
-        else:                                                   # one indexed scatter for every session
-            k[layout.tok_slot, :, layout.tok_pos] = key_states[0].transpose(0, 1)      # [T, kv_heads, D]
+            k[slot, :, start : start + n].copy_(key_states[0])
+            v[slot, :, start : start + n].copy_(value_states[0])
+        else:  # one indexed scatter for every session
+            k[layout.tok_slot, :, layout.tok_pos] = key_states[0].transpose(0, 1)  # [T, kv_heads, D]
             v[layout.tok_slot, :, layout.tok_pos] = value_states[0].transpose(0, 1)
         return key_states, value_states
 
@@ -132,8 +133,7 @@ class _SlotCache:
         return 0
 
 
-def slot_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None,
-                   **kwargs):
+def slot_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None, **kwargs):
     """Every session's queries against its own slot's keys, in one SDPA call per layer.
 
     query [1, H, T, D] holds the pass's ragged tokens. One session attends over a view of its slot;
@@ -144,28 +144,29 @@ def slot_attention(module, query, key, value, attention_mask, scaling=None, drop
     k_pool, v_pool = layout.pool.k[module.layer_idx], layout.pool.v[module.layer_idx]
     if layout.single:
         slot, start, n, _ = layout.rows[0]
-        lo = 0 if not sliding_window else max(0, start + 1 - sliding_window)    # the first query's window
-        k, v = k_pool[slot:slot + 1, :, lo:start + n], v_pool[slot:slot + 1, :, lo:start + n]
+        lo = 0 if not sliding_window else max(0, start + 1 - sliding_window)  # the first query's window
+        k, v = k_pool[slot : slot + 1, :, lo : start + n], v_pool[slot : slot + 1, :, lo : start + n]
         mask = None
         if n > 1 or lo:
             mask = _single_mask(start, n, lo, sliding_window, query.device)
         out = F.scaled_dot_product_attention(query, k, v, attn_mask=mask, scale=scaling, enable_gqa=True)
-        return out.transpose(1, 2), None                        # [1, T, H, D], as transformers expects
+        return out.transpose(1, 2), None  # [1, T, H, D], as transformers expects
     heads, d = query.shape[1], query.shape[3]
     b = len(layout.rows)
     q = query[0].index_select(1, layout.q_index).view(heads, b, layout.n_max, d).transpose(0, 1)
-    k = k_pool[:, :, :layout.k_len].index_select(0, layout.slots)        # [B, kv_heads, Lmax, D]
-    v = v_pool[:, :, :layout.k_len].index_select(0, layout.slots)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=layout.mask(sliding_window), scale=scaling,
-                                         enable_gqa=True)                  # [B, H, n_max, D]
-    out = out.transpose(0, 1).reshape(heads, b * layout.n_max, d).index_select(1, layout.back)   # [H, T, D]
-    return out.transpose(0, 1)[None], None                                 # [1, T, H, D]
+    k = k_pool[:, :, : layout.k_len].index_select(0, layout.slots)  # [B, kv_heads, Lmax, D]
+    v = v_pool[:, :, : layout.k_len].index_select(0, layout.slots)
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=layout.mask(sliding_window), scale=scaling, enable_gqa=True
+    )  # [B, H, n_max, D]
+    out = out.transpose(0, 1).reshape(heads, b * layout.n_max, d).index_select(1, layout.back)  # [H, T, D]
+    return out.transpose(0, 1)[None], None  # [1, T, H, D]
 
 
 def _single_mask(start: int, n: int, lo: int, sliding_window: int | None, device) -> torch.Tensor:
     qpos = torch.arange(start, start + n, device=device)[:, None]
     kpos = torch.arange(lo, start + n, device=device)[None, :]
-    mask = kpos <= qpos                                         # causal from the session's own start
+    mask = kpos <= qpos  # causal from the session's own start
     if sliding_window:
         mask &= kpos > qpos - sliding_window
     return mask
@@ -190,25 +191,35 @@ def resolve_device_dtype(device: str, dtype: str) -> tuple[torch.device, torch.d
 
 
 class TorchEngine:
-    def __init__(self, path: Path, name: str, device: str = "auto", dtype: str = "auto", threads: int = 0,
-                 max_sequences: int = 64, kv_tokens: int = 0, max_len: int = 2048, model=None):
+    def __init__(
+        self,
+        path: Path,
+        name: str,
+        device: str = "auto",
+        dtype: str = "auto",
+        threads: int = 0,
+        max_sequences: int = 64,
+        kv_tokens: int = 0,
+        max_len: int = 2048,
+        model=None,
+    ):
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
         if threads > 0:
             torch.set_num_threads(threads)
         self.device, self.dtype = resolve_device_dtype(device, dtype)
-        self.path = Path(path)                                  # a GGUF's vocabulary serves grammars (target.py)
+        self.path = Path(path)  # a GGUF's vocabulary serves grammars (target.py)
         t0 = time.perf_counter()
         if model is None:
             model, self.tokenizer, self.vision = _load(path, self.dtype)
-        else:                                                   # a model built here (tools/bench_gpu_engine.py)
+        else:  # a model built here (tools/bench/gpu_engine.py)
             self.tokenizer, self.vision = None, None
         _register_attention()
         self.model = model.to(self.device).eval()
-        self.text = self.model.get_decoder()                    # the decoder the slots serve (a VLM's text model)
+        self.text = self.model.get_decoder()  # the decoder the slots serve (a VLM's text model)
         self.head = self.model.get_output_embeddings()
-        cfg = self.text.config                                  # a VLM's text_config; its vision tower keeps its own
+        cfg = self.text.config  # a VLM's text_config; its vision tower keeps its own
         cfg._attn_implementation = ATTENTION
         self.name = name
         self.vocab_size = int(cfg.vocab_size)
@@ -217,7 +228,7 @@ class TorchEngine:
             pieces = self.tokenizer.convert_ids_to_tokens(list(range(self.vocab_size)))
             self.vocab_hash = modelfiles.vocab_hash(p.encode("utf-8") for p in pieces)
         self.image_token_id = self.vision.image_token_id if self.vision else _marker_id(self.tokenizer)
-        self._images: dict[int, list[tuple[int, int]]] = {}    # slot -> [(text index, extra positions)]
+        self._images: dict[int, list[tuple[int, int]]] = {}  # slot -> [(text index, extra positions)]
         eos = getattr(self.model.generation_config, "eos_token_id", None)
         self.eos_ids = sorted({eos} if isinstance(eos, int) else set(eos or ()))
         self.n_layers = int(cfg.num_hidden_layers)
@@ -237,13 +248,30 @@ class TorchEngine:
             # fp16 logits overflow past 65504 (an inf row would make NaN verdicts): the LM head runs in
             # float32 on a float32 copy of its weight, so logits are finite for any hidden state
             self._head32 = self.head.weight.detach().float()
-        self.info = EngineInfo("torch", str(self.device), str(self.dtype).removeprefix("torch."),
-                               {"threads": torch.get_num_threads(), "slots": self.max_sequences, "slot_len": max_len,
-                                "vision": self.vision is not None})
-        log.info("torch engine: %s on %s in %s (%.1fs; %d layers, vocab %d, %d KV slots of %d tokens, %.0f MiB, "
-                 "images %s)", name, self.device, self.info.dtype, time.perf_counter() - t0, self.n_layers,
-                 self.vocab_size, self.max_sequences, max_len, self.kv_bytes_per_token * self.kv_capacity / 2**20,
-                 f"through {type(self.model).__name__}" if self.vision else "no")
+        self.info = EngineInfo(
+            "torch",
+            str(self.device),
+            str(self.dtype).removeprefix("torch."),
+            {
+                "threads": torch.get_num_threads(),
+                "slots": self.max_sequences,
+                "slot_len": max_len,
+                "vision": self.vision is not None,
+            },
+        )
+        log.info(
+            "torch engine: %s on %s in %s (%.1fs; %d layers, vocab %d, %d KV slots of %d tokens, %.0f MiB, images %s)",
+            name,
+            self.device,
+            self.info.dtype,
+            time.perf_counter() - t0,
+            self.n_layers,
+            self.vocab_size,
+            self.max_sequences,
+            max_len,
+            self.kv_bytes_per_token * self.kv_capacity / 2**20,
+            f"through {type(self.model).__name__}" if self.vision else "no",
+        )
 
     @contextlib.contextmanager
     def plain_attention(self):
@@ -257,7 +285,7 @@ class TorchEngine:
     # ------------------------------------------------------------------ sequences
 
     def new_sequence(self) -> Sequence:
-        return Sequence(self.ids.take(self._clear))            # a freed slot is simply overwritten
+        return Sequence(self.ids.take(self._clear))  # a freed slot is simply overwritten
 
     def free(self, seq: Sequence) -> None:
         self.ids.release(seq.id)
@@ -269,7 +297,7 @@ class TorchEngine:
         """Roll back to the first n text ids; images at n or later go with them."""
         seq.length = min(seq.length, n)
         images = self._images.get(seq.id)
-        if images and images[-1][0] >= n:                       # in text order: the last is the latest
+        if images and images[-1][0] >= n:  # in text order: the last is the latest
             kept = [(t, extra) for t, extra in images if t < n]
             if kept:
                 self._images[seq.id] = kept
@@ -296,9 +324,9 @@ class TorchEngine:
         logits [keep, vocab] (float32, on the device). If a pass fails, every sequence is cut back to its
         pass's start and the error raised."""
         check_batch(batch)
-        extra = self._check_images(batch)                 # before anything is written: bad bytes raise here
+        extra = self._check_images(batch)  # before anything is written: bad bytes raise here
         for p, e in zip(batch, extra):
-            self.truncate(p.seq, p.start)                 # images at or past start go: the pass overwrites them
+            self.truncate(p.seq, p.start)  # images at or past start go: the pass overwrites them
             end = self.kv_pos(p.seq, p.start) + len(p.new_ids) + e
             if end > self.max_len:
                 raise EngineFull(f"a session's KV slot holds {self.max_len} tokens, the pass needs {end}")
@@ -306,7 +334,7 @@ class TorchEngine:
         text = [p for p in batch if not p.images] if seeing else batch
         try:
             rows = self._forward_text(text) if text else []
-            by_pass = {id(p): self._forward_images(p) for p in seeing}     # opens: rare, one at a time
+            by_pass = {id(p): self._forward_images(p) for p in seeing}  # opens: rare, one at a time
         except BaseException:
             for p in batch:
                 self.truncate(p.seq, p.start)
@@ -336,27 +364,28 @@ class TorchEngine:
         embeddings with each marker's replaced by its image's layout [P, hidden]; logits [keep, vocab],
         a marker's row the one after its image's last position."""
         embed = self.text.get_input_embeddings()
-        n, a, t = len(p.new_ids), 0, 0      # t: the pass's KV rows so far
-        parts, last, images = [], [], []    # last[j]: the pass's row of text index j (a marker: its image's last)
+        n, a, t = len(p.new_ids), 0, 0  # t: the pass's KV rows so far
+        parts, last, images = [], [], []  # last[j]: the pass's row of text index j (a marker: its image's last)
         for i in sorted(p.images) + [n]:
-            if i > a:                                     # the text ids a..i-1
+            if i > a:  # the text ids a..i-1
                 parts.append(embed(torch.tensor(p.new_ids[a:i], dtype=torch.long, device=self.device)))
                 last.extend(range(t, t + i - a))
                 t += i - a
             if i == n:
                 break
-            image = self.vision.embed(p.images[i])       # [P, hidden]
+            image = self.vision.embed(p.images[i])  # [P, hidden]
             parts.append(image)
             t += len(image)
             last.append(t - 1)
             images.append((p.start + i, len(image) - 1))
             a = i + 1
         at = self.kv_pos(p.seq, p.start)
-        hidden = self._decode([p], [(p.seq.id, at, t, 0)], list(range(at, at + t)),
-                              inputs_embeds=torch.cat(parts)[None])                  # [1, t, hidden]
+        hidden = self._decode(
+            [p], [(p.seq.id, at, t, 0)], list(range(at, at + t)), inputs_embeds=torch.cat(parts)[None]
+        )  # [1, t, hidden]
         self._images.setdefault(p.seq.id, []).extend(images)
         p.seq.length = p.start + n
-        return self._logits(hidden, last[n - p.keep:], [p.keep])[0]
+        return self._logits(hidden, last[n - p.keep :], [p.keep])[0]
 
     def _decode(self, batch: list[Pass], rows: list[tuple[int, int, int, int]], pos: list[int], **inputs):
         """The decoder over the rows' tokens (input_ids or inputs_embeds [1, T, ...]) at KV positions pos [T],
@@ -365,8 +394,9 @@ class TorchEngine:
         handles = self._tap_hooks(batch, rows)
         _current.layout = _Layout(rows, self.pool, self.device)
         try:
-            return self.text(**inputs, position_ids=positions, past_key_values=self._cache,
-                             use_cache=True).last_hidden_state
+            return self.text(
+                **inputs, position_ids=positions, past_key_values=self._cache, use_cache=True
+            ).last_hidden_state
         finally:
             _current.layout = None
             for h in handles:
@@ -374,13 +404,13 @@ class TorchEngine:
 
     def _logits(self, hidden: torch.Tensor, keep_at: list[int], keeps: list[int]) -> list[torch.Tensor]:
         """Per pass its logits [keep, vocab] float32, from hidden [1, T, hidden] at rows keep_at."""
-        kept = hidden[0, torch.tensor(keep_at, dtype=torch.long, device=self.device)]   # [rows kept, hidden]
+        kept = hidden[0, torch.tensor(keep_at, dtype=torch.long, device=self.device)]  # [rows kept, hidden]
         if self._half_head:
             logits = kept.float() @ self._head32.T
         else:
-            logits = self.head(kept).float()                                     # [rows kept, vocab]
+            logits = self.head(kept).float()  # [rows kept, vocab]
         cap = getattr(self.text.config, "final_logit_softcapping", None)
-        if cap:                                                                   # Gemma 2/3
+        if cap:  # Gemma 2/3
             logits = torch.tanh(logits / cap) * cap
         return list(torch.split(logits, keeps))
 
@@ -390,13 +420,17 @@ class TorchEngine:
         for layer in sorted({l for p in batch for l in (p.taps or {})}):
             if not 1 <= layer <= self.n_layers:
                 raise ValueError(f"no decoder block {layer} to tap (the target has {self.n_layers})")
-            targets = [(p.taps[layer], off + n - p.keep, off + n) for p, (_, _, n, off) in zip(batch, rows)
-                       if p.taps and layer in p.taps]
+            targets = [
+                (p.taps[layer], off + n - p.keep, off + n)
+                for p, (_, _, n, off) in zip(batch, rows)
+                if p.taps and layer in p.taps
+            ]
 
             def hook(module, args, output, targets=targets):
-                h = output[0] if isinstance(output, tuple) else output        # [1, T, hidden]
+                h = output[0] if isinstance(output, tuple) else output  # [1, T, hidden]
                 for fn, lo, hi in targets:
                     fn(h[0, lo:hi])
+
             handles.append(self.text.layers[layer - 1].register_forward_hook(hook))
         return handles
 
@@ -413,27 +447,16 @@ class TorchEngine:
 
     def _seeing(self) -> vision_torch.Idefics3Vision:
         if self.vision is None:
-            raise ValueError(f"the torch engine's target {self.name} reads text only: images need a "
-                             f"vision-language model ({', '.join(vision_torch.VISIONS)}) or the llamacpp "
-                             "engine with --mmproj")
+            raise ValueError(
+                f"the torch engine's target {self.name} reads text only: images need a "
+                f"vision-language model ({', '.join(vision_torch.VISIONS)}) or the llamacpp "
+                "engine with --mmproj"
+            )
         return self.vision
 
     def _check_images(self, batch: list[Pass]) -> list[int]:
-        """Each pass's extra KV positions for its images (0 for text); raises ValueError (or
-        vision.UnknownImage) for a pass this engine cannot run, before anything is written."""
-        extra = [0] * len(batch)
-        for k, p in enumerate(batch):
-            if not p.images:
-                continue
-            vision = self._seeing()
-            wrong = [i for i in p.images if p.new_ids[i] != self.image_token_id]
-            if wrong:
-                raise ValueError(f"images at {wrong} are not on the image marker {self.image_token_id}: "
-                                 f"the ids there are {[p.new_ids[i] for i in wrong]}")
-            if p.taps and max(p.images) >= len(p.new_ids) - p.keep:
-                raise ValueError("taps read text rows only: an image may not be among a tapped pass's kept rows")
-            extra[k] = sum(vision.positions(img) - 1 for img in p.images.values())
-        return extra
+        """Each pass's extra KV positions for its images (engine_types.image_extra)."""
+        return image_extra(batch, self.image_token_id, self._seeing)
 
 
 def _load(path: Path, dtype: torch.dtype):
@@ -444,18 +467,23 @@ def _load(path: Path, dtype: torch.dtype):
     model_dir = _cached_conversion(path) if Path(path).suffix == ".gguf" else Path(path)
     config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
     vlm = vision_torch.is_vlm(config)
-    vision = vision_torch.vision_for(config) if vlm else None       # raises for an M-RoPE model (Qwen2-VL)
+    vision = vision_torch.vision_for(config) if vlm else None  # raises for an M-RoPE model (Qwen2-VL)
     if vision is None:
         if vlm:
-            log.warning("%s is a %s vision-language model: the torch engine reads images of %s models only, "
-                        "this one serves text", model_dir, config.model_type, ", ".join(vision_torch.VISIONS))
+            log.warning(
+                "%s is a %s vision-language model: the torch engine reads images of %s models only, "
+                "this one serves text",
+                model_dir,
+                config.model_type,
+                ", ".join(vision_torch.VISIONS),
+            )
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype), tokenizer, None
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     processor = AutoProcessor.from_pretrained(model_dir, local_files_only=True)
     model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=dtype, local_files_only=True)
-    return model, processor.tokenizer, vision(model, processor)     # it reads the model's device when it runs
+    return model, processor.tokenizer, vision(model, processor)  # it reads the model's device when it runs
 
 
 def _marker_id(tokenizer) -> int | None:
@@ -475,7 +503,7 @@ def _cached_conversion(gguf: Path) -> Path:
     from transformers.utils import logging as hf_logging
 
     log.info("converting %s to a float32 model directory (first start only) -> %s", gguf, out)
-    hf_logging.enable_progress_bar()                # the one slow step: show its progress
+    hf_logging.enable_progress_bar()  # the one slow step: show its progress
     try:
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
@@ -491,5 +519,5 @@ def _cached_conversion(gguf: Path) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
-    tmp.rename(out)                     # atomic: a crash mid-save never leaves a half cache
+    tmp.rename(out)  # atomic: a crash mid-save never leaves a half cache
     return out

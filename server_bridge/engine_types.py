@@ -4,6 +4,7 @@
 `check_batch` (server_bridge/engine.py describes the operations). The backends import this
 module, never engine.py, so engine.py's `load_engine` may import them without a cycle.
 """
+
 from __future__ import annotations
 
 import threading
@@ -21,21 +22,23 @@ class EngineFull(RuntimeError):
 @dataclass
 class Sequence:
     """One session's KV in the engine. `id` is the engine's slot or sequence id."""
+
     id: int
-    length: int = 0                 # positions the engine holds (may exceed the caller's committed length
-                                    # after a pass; the next pass's `start` decides what is kept)
+    length: int = 0  # positions the engine holds (may exceed the caller's committed length
+    # after a pass; the next pass's `start` decides what is kept)
 
 
 @dataclass
 class Pass:
     """One session's part of a forward pass."""
+
     seq: Sequence
-    start: int                      # positions of seq that stay valid; new_ids go at start, start + 1, ...
+    start: int  # positions of seq that stay valid; new_ids go at start, start + 1, ...
     new_ids: list[int]
-    keep: int                       # logits rows wanted: the last `keep` of new_ids (0: KV only)
+    keep: int  # logits rows wanted: the last `keep` of new_ids (0: KV only)
     taps: Mapping[int, Callable[[Any], None]] | None = None
-    images: Mapping[int, Any] | None = None     # index in new_ids of an image marker -> its protocol.images
-                                                # PromptImage (a vision engine expands the marker; None: text)
+    images: Mapping[int, Any] | None = None  # index in new_ids of an image marker -> its protocol.images
+    # PromptImage (a vision engine expands the marker; None: text)
 
     def check(self) -> None:
         if not self.new_ids or not 0 <= self.keep <= len(self.new_ids):
@@ -49,9 +52,10 @@ class Pass:
 @dataclass
 class EngineInfo:
     """What serves: for welcome, /healthz and /metrics."""
-    engine: str                     # llamacpp | torch
-    device: str                     # cpu, cuda:0, gpu (llama.cpp offload)
-    dtype: str                      # float32, bfloat16, ... (the weights' type as computed)
+
+    engine: str  # llamacpp | torch
+    device: str  # cpu, cuda:0, gpu (llama.cpp offload)
+    dtype: str  # float32, bfloat16, ... (the weights' type as computed)
     extra: dict = field(default_factory=dict)
 
     def as_dict(self) -> dict:
@@ -59,19 +63,19 @@ class EngineInfo:
 
 
 class Engine(Protocol):
-    name: str                       # the target's name (smollm2-f32 or a file name)
+    name: str  # the target's name (smollm2-f32 or a file name)
     info: EngineInfo
     vocab_size: int
     vocab_hash: str
     eos_ids: list[int]
     n_layers: int
     hidden_size: int
-    kv_bytes_per_token: int         # KV of one token in every layer (the memory budget's unit)
-    kv_capacity: int                # tokens of KV the engine can hold over all sequences
-    batchable: bool                 # False: a batch runs one pass per session (same tokens)
-    tokenizer: Any                  # encode(text) -> ids with the target's vocabulary (tools, tests)
-    image_token_id: int | None      # the image marker's id (SmolVLM's <image>); None: the vocabulary has none
-    vision: Any                     # truthy when passes may carry images (a projector, a VLM's vision tower)
+    kv_bytes_per_token: int  # KV of one token in every layer (the memory budget's unit)
+    kv_capacity: int  # tokens of KV the engine can hold over all sequences
+    batchable: bool  # False: a batch runs one pass per session (same tokens)
+    tokenizer: Any  # encode(text) -> ids with the target's vocabulary (tools, tests)
+    image_token_id: int | None  # the image marker's id (SmolVLM's <image>); None: the vocabulary has none
+    vision: Any  # truthy when passes may carry images (a projector, a VLM's vision tower)
 
     def new_sequence(self) -> Sequence: ...
     def forward(self, batch: list[Pass]) -> list[Any]: ...
@@ -80,9 +84,9 @@ class Engine(Protocol):
     def to_numpy(self, rows: Any) -> np.ndarray: ...
     # images (ValueError for bytes that are no image or a text-only engine; protocol.vision.UnknownImage for
     # a sha256-only image the engine no longer holds): the verifier asks both at open, before any pass
-    def image_positions(self, image: Any) -> int: ...     # KV positions the image's marker expands to
-    def resolve(self, image: Any) -> Any: ...             # the PromptImage with its bytes (from the cache)
-    def kv_pos(self, seq: Sequence, t: int) -> int: ...   # the KV position of text index t (images before it)
+    def image_positions(self, image: Any) -> int: ...  # KV positions the image's marker expands to
+    def resolve(self, image: Any) -> Any: ...  # the PromptImage with its bytes (from the cache)
+    def kv_pos(self, seq: Sequence, t: int) -> int: ...  # the KV position of text index t (images before it)
 
 
 class SequenceIds:
@@ -123,3 +127,26 @@ def check_batch(batch: list[Pass]) -> None:
         raise ValueError("a session can be in a batch only once")
     for p in batch:
         p.check()
+
+
+def image_extra(batch: list[Pass], marker: int | None, seeing: Callable[[], Any]) -> list[int]:
+    """Each pass's extra KV positions for its images (0 for text): an image's positions less its marker.
+
+    Raises ValueError (or the vision's UnknownImage) for a pass the engine cannot run, before anything
+    is written: images off the marker, an image among a tapped pass's kept rows, or no vision at all
+    (`seeing()` returns the engine's vision or raises)."""
+    extra = [0] * len(batch)
+    for k, p in enumerate(batch):
+        if not p.images:
+            continue
+        vision = seeing()
+        wrong = [i for i in p.images if p.new_ids[i] != marker]
+        if wrong:
+            raise ValueError(
+                f"images at {wrong} are not on the image marker {marker}: "
+                f"the ids there are {[p.new_ids[i] for i in wrong]}"
+            )
+        if p.taps and max(p.images) >= len(p.new_ids) - p.keep:
+            raise ValueError("taps read text rows only: an image may not be among a tapped pass's kept rows")
+        extra[k] = sum(vision.positions(img) - 1 for img in p.images.values())
+    return extra

@@ -24,9 +24,10 @@ prices a batch by that sum (`VerifyTimeModel.batch_ms`).
 
 Pure: the scheduler calls it in the event loop, several times for every token
 of a stream, so pricing a batch is plain float arithmetic (a few microseconds
-less each time than numpy); tools/profile_verifier.py fits it with numpy and
+less each time than numpy); tools/train/profile_verifier.py fits it with numpy and
 writes the coefficients the server loads.
 """
+
 from __future__ import annotations
 
 import json
@@ -37,8 +38,8 @@ from pathlib import Path
 
 import numpy as np
 
-Member = tuple[int, int]                # (L_cached, L_new) of one session in a batch
-TERMS = ("a", "b_c", "b_r", "c")        # coefficient names, in the order of features()' columns
+Member = tuple[int, int]  # (L_cached, L_new) of one session in a batch
+TERMS = ("a", "b_c", "b_r", "c")  # coefficient names, in the order of features()' columns
 
 
 def features(members: Sequence[Member]) -> np.ndarray:
@@ -56,8 +57,9 @@ def _terms(members: Sequence[Member]) -> tuple[int, int, int, int]:
     return rows * new, rows * (cached + new) * new, rows * cached, 1
 
 
-def batch_memory_bytes(members: Sequence[Member], kv_bytes_per_token: int, logits_row_bytes: int,
-                       max_rows: int = 17) -> int:
+def batch_memory_bytes(
+    members: Sequence[Member], kv_bytes_per_token: int, logits_row_bytes: int, max_rows: int = 17
+) -> int:
     """Peak extra memory of one padded pass: the batch's KV [B, max L_cached + max L_new] and its logits.
 
     A member gets logits for at most `max_rows` positions (its draft and the bonus row; a prefill none).
@@ -72,22 +74,22 @@ def batch_memory_bytes(members: Sequence[Member], kv_bytes_per_token: int, logit
 @dataclass
 class VerifyTimeModel:
     """T(B) in milliseconds; `scale` is the online correction (measured / predicted, smoothed)."""
-    a: float = 4.0                      # ms per new token (linear layers)
-    b_c: float = 2e-5                   # ms per query-key interaction (attention)
-    b_r: float = 5e-3                   # ms per cached token read
-    c: float = 40.0                     # ms per pass (fixed overheads: the LM head's weights, dispatch)
-    target: str = ""                    # what it was fitted on
+
+    a: float = 4.0  # ms per new token (linear layers)
+    b_c: float = 2e-5  # ms per query-key interaction (attention)
+    b_r: float = 5e-3  # ms per cached token read
+    c: float = 40.0  # ms per pass (fixed overheads: the LM head's weights, dispatch)
+    target: str = ""  # what it was fitted on
     device: str = ""
-    fitted: bool = False                # False: the defaults above, a rough guess for the f32 SmolLM2 on 2 cores
-    report: dict = field(default_factory=dict)   # the profiler's R2, MAPE, confidence intervals
+    fitted: bool = False  # False: the defaults above, a rough guess for the f32 SmolLM2 on 2 cores
+    report: dict = field(default_factory=dict)  # the profiler's R2, MAPE, confidence intervals
     scale: float = 1.0
-    smoothing: float = 0.1              # weight of one new measurement in `scale`
+    smoothing: float = 0.1  # weight of one new measurement in `scale`
 
     def predict_ms(self, members: Sequence[Member]) -> float:
         """scale * max(0, features(members) @ (a, b_c, b_r, c)), without numpy (see the module's note)."""
         n_linear, n_interactions, n_cached, one = _terms(members)
-        return self.scale * max(0.0, self.a * n_linear + self.b_c * n_interactions + self.b_r * n_cached
-                                + self.c * one)
+        return self.scale * max(0.0, self.a * n_linear + self.b_c * n_interactions + self.b_r * n_cached + self.c * one)
 
     def batch_ms(self, members: Sequence[Member]) -> float:
         """A whole batch, run as split_passes groups it: the sum of its passes' estimates."""
@@ -134,12 +136,13 @@ def split_passes(members: Sequence[Member], model: "VerifyTimeModel") -> list[li
                 best[j], cut[j] = t, i
     groups, j = [], n
     while j > 0:
-        groups.append(order[cut[j]:j])
+        groups.append(order[cut[j] : j])
         j = cut[j]
     return groups[::-1]
 
 
 # ----------------------------------------------------------------------------- fitting (the profiler's)
+
 
 def fit(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     """Least squares with non-negative coefficients: x [n, 4] from features(), y [n] ms -> [4].
@@ -174,8 +177,9 @@ def mape(y: np.ndarray, pred: np.ndarray) -> float:
     return float(np.mean(np.abs(pred - y) / np.abs(y)) * 100)
 
 
-def bootstrap_ci(x: np.ndarray, y: np.ndarray, n: int = 1000, level: float = 0.95,
-                 rng: np.random.Generator | None = None) -> np.ndarray:
+def bootstrap_ci(
+    x: np.ndarray, y: np.ndarray, n: int = 1000, level: float = 0.95, rng: np.random.Generator | None = None
+) -> np.ndarray:
     """[4, 2] percentile intervals of each coefficient over n resamples of the rows."""
     rng = rng or np.random.default_rng(0)
     draws = np.array([fit(x[idx], y[idx]) for idx in (rng.integers(0, len(y), len(y)) for _ in range(n))])

@@ -20,8 +20,9 @@ During a verify pass the engine hands `ExitPass` the exit layers' rows as it
 computes them (forward hooks on torch, the eval callback on llama.cpp), and each
 new verdict goes to a callback at once, before the final layer has run.
 
-Costs are measured by `python -m tools.exit_cost` (see its docstring and the README).
+Costs are measured by `python -m tools.bench.exit_cost` (see its docstring and the README).
 """
+
 from __future__ import annotations
 
 import functools
@@ -40,11 +41,11 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class ExitConfig:
-    layers: list[int]           # decoder blocks after which an exit sits (1-based)
+    layers: list[int]  # decoder blocks after which an exit sits (1-based)
     hidden: int
     rank: int = 64
-    target: str = ""            # which target the adapters were trained for
-    info: dict = field(default_factory=dict)   # training provenance and measured agreement
+    target: str = ""  # which target the adapters were trained for
+    info: dict = field(default_factory=dict)  # training provenance and measured agreement
 
     def __post_init__(self) -> None:
         if not self.layers or sorted(set(self.layers)) != list(self.layers) or self.layers[0] < 1:
@@ -69,6 +70,7 @@ class ExitConfig:
 
 class ExitScorer(Protocol):
     """What ExitPass needs of the heads: exit logits as numpy float32."""
+
     layers: list[int]
 
     def logits(self, layer: int, hidden: Any, candidates: np.ndarray | None = None) -> np.ndarray:
@@ -82,21 +84,27 @@ class NumpyExitHeads:
     The same function as `exits_torch.ExitHeads` (tests/server_bridge/test_exits.py compares them).
     """
 
-    def __init__(self, config: ExitConfig, adapters: dict[int, tuple[np.ndarray, np.ndarray]],
-                 norm: np.ndarray, eps: float, head: np.ndarray):
+    def __init__(
+        self,
+        config: ExitConfig,
+        adapters: dict[int, tuple[np.ndarray, np.ndarray]],
+        norm: np.ndarray,
+        eps: float,
+        head: np.ndarray,
+    ):
         self.config = config
         self.layers = sorted(adapters)
-        self.adapters = adapters              # layer -> (down [rank, H], up [H, rank]), float32
-        self.norm = norm                      # [H] the final RMSNorm's weight
+        self.adapters = adapters  # layer -> (down [rank, H], up [H, rank]), float32
+        self.norm = norm  # [H] the final RMSNorm's weight
         self.eps = eps
-        self.head = head                      # [vocab, H] the LM head (memory-mapped; tied to the embeddings)
+        self.head = head  # [vocab, H] the LM head (memory-mapped; tied to the embeddings)
 
     def features(self, layer: int, hidden: np.ndarray) -> np.ndarray:
         """final_norm(adapter(hidden)): [n, H] -> [n, H] float32."""
         down, up = self.adapters[layer]
         h = np.asarray(hidden, np.float32)
         z = h @ down.T
-        h = h + (z * 0.5 * (1.0 + np.tanh(0.5 * z))) @ up.T                      # silu, without exp overflow
+        h = h + (z * 0.5 * (1.0 + np.tanh(0.5 * z))) @ up.T  # silu, without exp overflow
         return h / np.sqrt(np.mean(h * h, axis=-1, keepdims=True) + self.eps) * self.norm
 
     def logits(self, layer: int, hidden: np.ndarray, candidates: np.ndarray | None = None) -> np.ndarray:
@@ -107,7 +115,7 @@ class NumpyExitHeads:
 
     @classmethod
     def load(cls, path: str | Path, gguf_path: str | Path, layers: list[int] | None = None) -> "NumpyExitHeads":
-        """Adapters saved by tools/train_exits.py; the final norm and LM head from the target's GGUF."""
+        """Adapters saved by tools/train/exits.py; the final norm and LM head from the target's GGUF."""
         import gguf
         import threadpoolctl
         from safetensors.numpy import load_file
@@ -120,13 +128,19 @@ class NumpyExitHeads:
         path = Path(path)
         config = ExitConfig.load(path)
         tensors = load_file(str(path.with_suffix(".safetensors")))
-        adapters = {l: (tensors[f"adapters.{l}.down.weight"].astype(np.float32),
-                        tensors[f"adapters.{l}.up.weight"].astype(np.float32)) for l in config.pick(layers)}
+        adapters = {
+            l: (
+                tensors[f"adapters.{l}.down.weight"].astype(np.float32),
+                tensors[f"adapters.{l}.up.weight"].astype(np.float32),
+            )
+            for l in config.pick(layers)
+        }
         reader = gguf.GGUFReader(str(gguf_path))
         arch = reader.fields["general.architecture"].contents()
         eps = float(reader.fields[f"{arch}.attention.layer_norm_rms_epsilon"].contents())
-        weights = {t.name: t for t in reader.tensors if t.name in ("output_norm.weight", "output.weight",
-                                                                    "token_embd.weight")}
+        weights = {
+            t.name: t for t in reader.tensors if t.name in ("output_norm.weight", "output.weight", "token_embd.weight")
+        }
         if "output_norm.weight" not in weights:
             raise ValueError(f"{gguf_path} has no output_norm.weight: not a llama-like model")
 
@@ -142,12 +156,13 @@ class NumpyExitHeads:
 
 # --------------------------------------------------------------------------- verdicts during a verify pass
 
+
 @dataclass
 class ExitVerdict:
-    layer: int                  # the exit that decided it
-    accepted: int               # draft tokens this exit would keep
-    tokens: list[int]           # draft_ids[:accepted] + [this exit's next token]
-    confidence: float           # max softmax probability over the candidates of row `accepted`
+    layer: int  # the exit that decided it
+    accepted: int  # draft tokens this exit would keep
+    tokens: list[int]  # draft_ids[:accepted] + [this exit's next token]
+    confidence: float  # max softmax probability over the candidates of row `accepted`
 
 
 def candidate_rows(draft_ids: np.ndarray, cands: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -190,20 +205,26 @@ class ExitPass:
     is logged once and the remaining exits of the pass are skipped.
     """
 
-    def __init__(self, heads: ExitScorer, layers: list[int], draft_ids: list[int],
-                 cands: np.ndarray | None = None, bonus_candidates: int = 16,
-                 emit: Callable[[ExitVerdict], None] | None = None):
+    def __init__(
+        self,
+        heads: ExitScorer,
+        layers: list[int],
+        draft_ids: list[int],
+        cands: np.ndarray | None = None,
+        bonus_candidates: int = 16,
+        emit: Callable[[ExitVerdict], None] | None = None,
+    ):
         self.heads = heads
         self.layers = list(layers)
-        self.draft_ids = list(draft_ids)            # [k]
-        self.cands = cands                          # [k, K] int32 or None (full vocabulary)
+        self.draft_ids = list(draft_ids)  # [k]
+        self.cands = cands  # [k, K] int32 or None (full vocabulary)
         self.bonus_candidates = bonus_candidates
-        self.emit = emit                            # called with each verdict that differs from the last sent
-        self.verdicts: list[ExitVerdict] = []       # every exit that ran, emitted or not, in layer order
-        self.ms = 0.0                               # time spent in exit heads (and emit) this pass
-        self.failed = False                         # an exit raised: the rest of the pass runs without exits
-        self._rows: tuple[np.ndarray, np.ndarray] | None = None     # candidate ids, dup mask [k, K + 1]
-        self._bonus_ids: np.ndarray | None = None                   # [bonus_candidates] once the full row ran
+        self.emit = emit  # called with each verdict that differs from the last sent
+        self.verdicts: list[ExitVerdict] = []  # every exit that ran, emitted or not, in layer order
+        self.ms = 0.0  # time spent in exit heads (and emit) this pass
+        self.failed = False  # an exit raised: the rest of the pass runs without exits
+        self._rows: tuple[np.ndarray, np.ndarray] | None = None  # candidate ids, dup mask [k, K + 1]
+        self._bonus_ids: np.ndarray | None = None  # [bonus_candidates] once the full row ran
         self._last_sent: list[int] | None = None
 
     @property
@@ -220,7 +241,7 @@ class ExitPass:
         """The earliest exit whose verdict equals the final one (tokens = committed this round), if any."""
         return next((v.layer for v in self.verdicts if v.tokens == list(tokens)), None)
 
-    def _tap(self, layer: int, hidden: Any) -> None:      # hidden [k + 1, H]
+    def _tap(self, layer: int, hidden: Any) -> None:  # hidden [k + 1, H]
         if self.failed:
             return
         t0 = time.perf_counter()
@@ -244,11 +265,11 @@ class ExitPass:
             raise ValueError(f"exit {layer}: expected hidden [k + 1 = {k + 1}, H], got {list(hidden.shape)}")
         accepted = k
         if k:
-            ids, dup = self._candidates()                                   # [k, K + 1] each, or None
-            logits = self.heads.logits(layer, hidden[:k], ids)              # [k, K + 1] or [k, vocab]
+            ids, dup = self._candidates()  # [k, K + 1] each, or None
+            logits = self.heads.logits(layer, hidden[:k], ids)  # [k, K + 1] or [k, vocab]
             if dup is not None:
                 logits = np.where(dup, -np.inf, logits)
-            best = logits.argmax(-1)                                        # [k] column index
+            best = logits.argmax(-1)  # [k] column index
             best_ids = best if ids is None else np.take_along_axis(ids, best[:, None], 1)[:, 0]
             accepted = first_rejection(np.asarray(self.draft_ids), best_ids)
         if accepted < k:
@@ -257,7 +278,7 @@ class ExitPass:
             row_ids, row = self._bonus_row(layer, hidden[k:])
         row = np.asarray(row, np.float64)
         j = int(row.argmax())
-        confidence = 1.0 / float(np.exp(row - row[j]).sum())             # softmax over this row's candidates
+        confidence = 1.0 / float(np.exp(row - row[j]).sum())  # softmax over this row's candidates
         if not np.isfinite(confidence):
             raise ValueError(f"exit {layer}: non-finite confidence {confidence}")
         token = j if row_ids is None else int(row_ids[j])
@@ -273,8 +294,8 @@ class ExitPass:
     def _bonus_row(self, layer: int, hidden: Any) -> tuple[np.ndarray | None, np.ndarray]:
         """(candidate ids or None for all, logits) of the bonus row; hidden [1, H]."""
         if self._bonus_ids is None:
-            row = self.heads.logits(layer, hidden)[0]                       # [vocab]: once per pass
+            row = self.heads.logits(layer, hidden)[0]  # [vocab]: once per pass
             n = min(self.bonus_candidates, row.shape[0])
-            self._bonus_ids = np.sort(np.argpartition(row, -n)[-n:])       # ascending: ties as in the full head
+            self._bonus_ids = np.sort(np.argpartition(row, -n)[-n:])  # ascending: ties as in the full head
             return None, row
         return self._bonus_ids, self.heads.logits(layer, hidden, self._bonus_ids[None])[0]

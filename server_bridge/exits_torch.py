@@ -1,10 +1,10 @@
-"""The early-exit adapters as torch modules: what tools/train_exits.py trains and the torch engine runs.
+"""The early-exit adapters as torch modules: what tools/train/exits.py trains and the torch engine runs.
 
 What the exits are and how a verify pass uses them: server_bridge/exits.py. The
 llamacpp engine runs the same saved adapters in numpy (`exits.NumpyExitHeads`).
 
 What the exits cost per verify pass of a 4-token draft, on 1 thread (medians of 40
-interleaved passes, both engines in one run; `python -m tools.exit_cost --out docs/exits`):
+interleaved passes, both engines in one run; `python -m tools.bench.exit_cost --out docs/exits`):
 
                                                        torch    llamacpp
   pass without exits                                  100.8 ms   65.5 ms
@@ -17,6 +17,7 @@ interleaved passes, both engines in one run; `python -m tools.exit_cost --out do
 So exits score candidates only; the one full-head row at the bonus position
 is most of their cost when the draft is accepted.
 """
+
 from __future__ import annotations
 
 import json
@@ -40,7 +41,7 @@ class ExitAdapter(nn.Module):
         self.up = nn.Linear(rank, hidden, bias=False)
         nn.init.zeros_(self.up.weight)
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:       # [..., hidden] -> [..., hidden]
+    def forward(self, h: torch.Tensor) -> torch.Tensor:  # [..., hidden] -> [..., hidden]
         return h + self.up(F.silu(self.down(h)))
 
 
@@ -58,14 +59,13 @@ class ExitHeads(nn.Module):
         """What the LM head sees at this exit: final_norm(adapter(hidden)), [n, hidden] -> [n, hidden]."""
         return model.model.norm(self.adapters[str(layer)](hidden))
 
-    def logits(self, model, layer: int, hidden: torch.Tensor,
-               candidates: torch.Tensor | None = None) -> torch.Tensor:
+    def logits(self, model, layer: int, hidden: torch.Tensor, candidates: torch.Tensor | None = None) -> torch.Tensor:
         """Exit logits at `layer` for hidden [n, hidden].
 
         candidates None -> [n, vocab]; candidates [n, K] token ids -> [n, K] (only those rows of the head).
         """
-        h = self.features(model, layer, hidden)                           # [n, hidden]
-        weight = model.lm_head.weight                                     # [vocab, hidden]
+        h = self.features(model, layer, hidden)  # [n, hidden]
+        weight = model.lm_head.weight  # [vocab, hidden]
         if candidates is None:
             return h @ weight.T
         return torch.einsum("nh,nkh->nk", h, weight[candidates])
@@ -75,7 +75,9 @@ class ExitHeads(nn.Module):
 
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.detach().contiguous() for k, v in self.state_dict().items()}, str(path.with_suffix(".safetensors")))
+        save_file(
+            {k: v.detach().contiguous() for k, v in self.state_dict().items()}, str(path.with_suffix(".safetensors"))
+        )
         path.with_suffix(".json").write_text(json.dumps(asdict(self.config), indent=1))
 
     @classmethod

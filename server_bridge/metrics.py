@@ -10,6 +10,7 @@ by default), so one Prometheus can scrape every replica directly, without a bala
 sum or compare them. A render without a replica id labels its samples replica="" (Prometheus reads an
 empty label as no label): the label is always there, so a consumer can rely on it.
 """
+
 from __future__ import annotations
 
 from collections import Counter
@@ -18,7 +19,6 @@ from dataclasses import dataclass, field
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
-
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
@@ -33,7 +33,7 @@ class ServerMetrics:
     rounds: int = 0
     drafted: int = 0
     accepted: int = 0
-    committed: int = 0                  # tokens committed by verify rounds and ar steps
+    committed: int = 0  # tokens committed by verify rounds and ar steps
     target_forward_passes: int = 0
     verify_ms_sum: float = 0.0
     ar_tokens: int = 0
@@ -41,29 +41,29 @@ class ServerMetrics:
     bytes_in: int = 0
     bytes_out: int = 0
     errors: Counter = field(default_factory=Counter)
-    exits_sent: int = 0                 # early-exit messages sent
-    exits_dropped: int = 0              # dropped by a full per-connection outbox
-    exits_purged: int = 0               # still pending when their round's result went out
-    exit_ms_sum: float = 0.0            # time in exit heads (part of verify_ms_sum)
-    exit_rounds: int = 0                # rounds that ran exits
-    exit_layer_sum: int = 0             # over those rounds: the earliest exit that agreed with the result
-    residuals_sent: int = 0             # split rejections answered with the target's p_j
+    exits_sent: int = 0  # early-exit messages sent
+    exits_dropped: int = 0  # dropped by a full per-connection outbox
+    exits_purged: int = 0  # still pending when their round's result went out
+    exit_ms_sum: float = 0.0  # time in exit heads (part of verify_ms_sum)
+    exit_rounds: int = 0  # rounds that ran exits
+    exit_layer_sum: int = 0  # over those rounds: the earliest exit that agreed with the result
+    residuals_sent: int = 0  # split rejections answered with the target's p_j
     # Batched verification (server_bridge/batcher.py)
-    batches: int = 0                    # forward passes run by the batcher
-    batch_sessions: int = 0             # sessions over those passes (mean batch size = batch_sessions / batches)
+    batches: int = 0  # forward passes run by the batcher
+    batch_sessions: int = 0  # sessions over those passes (mean batch size = batch_sessions / batches)
     batch_size_max: int = 0
-    batch_sizes: Counter = field(default_factory=Counter)       # histogram: le bucket -> passes
-    pass_ms_sum: float = 0.0            # time in those passes
-    queue_wait_s: float = 0.0           # time requests waited for a batch, summed
-    slo_requests: Counter = field(default_factory=Counter)      # class (tokens/s) -> requests served
-    slo_late: Counter = field(default_factory=Counter)          # class -> served after their deadline
-    slo_shed: Counter = field(default_factory=Counter)          # class -> shed (`overloaded`)
-    slo_generations: Counter = field(default_factory=Counter)   # class -> generations ended (close or a new open)
-    slo_violations: Counter = field(default_factory=Counter)    # class -> of those, slower than their class
+    batch_sizes: Counter = field(default_factory=Counter)  # histogram: le bucket -> passes
+    pass_ms_sum: float = 0.0  # time in those passes
+    queue_wait_s: float = 0.0  # time requests waited for a batch, summed
+    slo_requests: Counter = field(default_factory=Counter)  # class (tokens/s) -> requests served
+    slo_late: Counter = field(default_factory=Counter)  # class -> served after their deadline
+    slo_shed: Counter = field(default_factory=Counter)  # class -> shed (`overloaded`)
+    slo_generations: Counter = field(default_factory=Counter)  # class -> generations ended (close or a new open)
+    slo_violations: Counter = field(default_factory=Counter)  # class -> of those, slower than their class
 
     def count_batch(self, size: int, ms: float) -> None:
         self.batches += 1
-        self.target_forward_passes += 1         # a batch is one pass, however many sessions ride in it
+        self.target_forward_passes += 1  # a batch is one pass, however many sessions ride in it
         self.batch_sessions += size
         self.batch_size_max = max(self.batch_size_max, size)
         self.batch_sizes[next(b for b in BATCH_BUCKETS if size <= b)] += 1
@@ -82,8 +82,9 @@ class ServerMetrics:
     def count_shed(self, slo: float) -> None:
         self.slo_shed[_label(slo)] += 1
 
-    def count_round(self, drafted: int, accepted: int, ms: float, exit_layer: int | None = None,
-                    exit_ms: float = 0.0) -> None:
+    def count_round(
+        self, drafted: int, accepted: int, ms: float, exit_layer: int | None = None, exit_ms: float = 0.0
+    ) -> None:
         self.rounds += 1
         self.drafted += drafted
         self.accepted += accepted
@@ -99,11 +100,19 @@ class ServerMetrics:
         self.committed += 1
         self.verify_ms_sum += ms
 
-    def render(self, sessions, connections: int, queue_length: int = 0, engine=None, *, replica: str = "",
-               draining: bool = False) -> str:
+    def render(
+        self,
+        sessions,
+        connections: int,
+        queue_length: int = 0,
+        engine=None,
+        *,
+        replica: str = "",
+        draining: bool = False,
+    ) -> str:
         """The /metrics page: sessions needs len() and .evicted_total; engine (or None) .info, .kv_capacity
         and .kv_used; replica labels every sample; draining is bridge_draining's 0/1."""
-        registry = CollectorRegistry()          # one per scrape, private: no global state, no duplicates
+        registry = CollectorRegistry()  # one per scrape, private: no global state, no duplicates
         registry.register(_Scrape(self, sessions, connections, queue_length, engine, replica, draining))
         return generate_latest(registry).decode()
 
@@ -111,8 +120,16 @@ class ServerMetrics:
 class _Scrape(Collector):
     """One scrape's families, in the page's order, every sample labelled with the replica."""
 
-    def __init__(self, metrics: ServerMetrics, sessions, connections: int, queue_length: int, engine, replica: str,
-                 draining: bool):
+    def __init__(
+        self,
+        metrics: ServerMetrics,
+        sessions,
+        connections: int,
+        queue_length: int,
+        engine,
+        replica: str,
+        draining: bool,
+    ):
         self.m, self.sessions, self.connections, self.queue_length = metrics, sessions, connections, queue_length
         self.engine, self.replica, self.draining = engine, replica, draining
 
@@ -135,37 +152,52 @@ class _Scrape(Collector):
 
     def collect(self):
         m, engine = self.m, self.engine
-        if engine is not None:                  # an info metric, as Prometheus exporters name their build
+        if engine is not None:  # an info metric, as Prometheus exporters name their build
             info = {k: str(v) for k, v in engine.info.as_dict().items() if k != "replica"}
-            family = GaugeMetricFamily("bridge_engine_info", "the engine that serves (value 1)",
-                                       labels=[*info, "replica"])
+            family = GaugeMetricFamily(
+                "bridge_engine_info", "the engine that serves (value 1)", labels=[*info, "replica"]
+            )
             family.add_metric([*info.values(), self.replica], 1)
             yield family
         yield self._gauge("bridge_sessions_active", "open sessions", len(self.sessions))
-        yield self._counter("bridge_sessions_evicted_total", "sessions evicted (idle or table full)",
-                            self.sessions.evicted_total)
+        yield self._counter(
+            "bridge_sessions_evicted_total", "sessions evicted (idle or table full)", self.sessions.evicted_total
+        )
         yield self._counter("bridge_sessions_opened_total", "open and re-open requests served", m.sessions_opened)
         yield self._gauge("bridge_connections_active", "open websocket connections", self.connections)
-        yield self._gauge("bridge_draining", "1 while the replica drains after SIGTERM: no new robots, rounds in "
-                          "flight finish", int(self.draining))
+        yield self._gauge(
+            "bridge_draining",
+            "1 while the replica drains after SIGTERM: no new robots, rounds in flight finish",
+            int(self.draining),
+        )
         yield self._counter("bridge_rounds_total", "verification rounds", m.rounds)
         yield self._counter("bridge_draft_tokens_total", "draft tokens received for verification", m.drafted)
         yield self._counter("bridge_accepted_tokens_total", "draft tokens accepted", m.accepted)
         yield self._counter("bridge_committed_tokens_total", "tokens committed (rounds and ar)", m.committed)
         yield self._counter("bridge_ar_tokens_total", "target-only tokens streamed", m.ar_tokens)
         yield self._counter("bridge_target_forward_passes_total", "target forward passes", m.target_forward_passes)
-        yield self._counter("bridge_verify_seconds_total", "verification time summed over rounds and ar tokens (a "
-                            "batched pass counts once per session in it; bridge_batch_verify_seconds_total counts "
-                            "it once)", m.verify_ms_sum / 1e3)
+        yield self._counter(
+            "bridge_verify_seconds_total",
+            "verification time summed over rounds and ar tokens (a "
+            "batched pass counts once per session in it; bridge_batch_verify_seconds_total counts "
+            "it once)",
+            m.verify_ms_sum / 1e3,
+        )
         yield self._counter("bridge_exits_sent_total", "early-exit messages sent", m.exits_sent)
-        yield self._counter("bridge_exits_dropped_total", "early-exit messages dropped by a full outbox",
-                            m.exits_dropped)
-        yield self._counter("bridge_exits_purged_total", "early-exit messages still pending when their result "
-                            "went out", m.exits_purged)
-        yield self._counter("bridge_exit_seconds_total", "time in early-exit heads (part of verify time)",
-                            m.exit_ms_sum / 1e3)
-        yield self._counter("bridge_split_residuals_total", "split rounds rejected: p_j sent for the robot to "
-                            "resample", m.residuals_sent)
+        yield self._counter(
+            "bridge_exits_dropped_total", "early-exit messages dropped by a full outbox", m.exits_dropped
+        )
+        yield self._counter(
+            "bridge_exits_purged_total", "early-exit messages still pending when their result went out", m.exits_purged
+        )
+        yield self._counter(
+            "bridge_exit_seconds_total", "time in early-exit heads (part of verify time)", m.exit_ms_sum / 1e3
+        )
+        yield self._counter(
+            "bridge_split_residuals_total",
+            "split rounds rejected: p_j sent for the robot to resample",
+            m.residuals_sent,
+        )
         yield self._gauge("bridge_queue_length", "requests waiting for the target", self.queue_length)
         yield self._counter("bridge_batches_total", "batched forward passes", m.batches)
         yield self._counter("bridge_batch_sessions_total", "sessions verified in batched passes", m.batch_sessions)
@@ -179,27 +211,44 @@ class _Scrape(Collector):
             yield self._gauge("bridge_kv_tokens_used", "KV tokens held by open sessions", engine.kv_used)
         yield self._by("bridge_errors_total", "error messages sent, by code", "code", sorted(m.errors.items()))
         running, buckets = 0, []
-        for bucket in BATCH_BUCKETS:            # cumulative, as Prometheus histograms are
+        for bucket in BATCH_BUCKETS:  # cumulative, as Prometheus histograms are
             running += m.batch_sizes[bucket]
             buckets.append((str(bucket), running))
         histogram = HistogramMetricFamily("bridge_batch_size", "sessions per batched forward pass", labels=["replica"])
         histogram.add_metric([self.replica], buckets + [("+Inf", m.batches)], sum_value=m.batch_sessions)
-        yield histogram                         # _bucket{le=...}, _count (the +Inf bucket) and _sum
+        yield histogram  # _bucket{le=...}, _count (the +Inf bucket) and _sum
         for name, help_text, counts in (
-                ("bridge_slo_requests_total", "requests served, by SLO class (tokens/s; 0 = none)", m.slo_requests),
-                ("bridge_slo_late_total", "requests served after their deadline (the round's expected tokens at its "
-                 "class's speed, from the previous result), by class", m.slo_late),
-                ("bridge_slo_shed_total", "requests shed (overloaded), by class", m.slo_shed),
-                ("bridge_slo_generations_total", "generations ended (close, or an open starting another), by class",
-                 m.slo_generations),
-                ("bridge_slo_violations_total", "generations that ran below their class's tokens/s (generated tokens "
-                 "over open to last result), by class", m.slo_violations)):
+            ("bridge_slo_requests_total", "requests served, by SLO class (tokens/s; 0 = none)", m.slo_requests),
+            (
+                "bridge_slo_late_total",
+                "requests served after their deadline (the round's expected tokens at its "
+                "class's speed, from the previous result), by class",
+                m.slo_late,
+            ),
+            ("bridge_slo_shed_total", "requests shed (overloaded), by class", m.slo_shed),
+            (
+                "bridge_slo_generations_total",
+                "generations ended (close, or an open starting another), by class",
+                m.slo_generations,
+            ),
+            (
+                "bridge_slo_violations_total",
+                "generations that ran below their class's tokens/s (generated tokens "
+                "over open to last result), by class",
+                m.slo_violations,
+            ),
+        ):
             yield self._by(name, help_text, "class", sorted(counts.items(), key=lambda kv: float(kv[0])))
         if m.drafted:
             yield self._gauge("bridge_acceptance_rate", "accepted / drafted since start", m.accepted / m.drafted)
         if m.rounds:
-            yield self._gauge("bridge_tau", "tokens committed per verification round",
-                              (m.accepted + m.rounds) / m.rounds)
+            yield self._gauge(
+                "bridge_tau", "tokens committed per verification round", (m.accepted + m.rounds) / m.rounds
+            )
         if m.exit_rounds:
-            yield self._gauge("bridge_avg_exit_layer", "earliest exit agreeing with the result, mean over rounds with "
-                              "exits (the layer count when none agreed)", m.exit_layer_sum / m.exit_rounds)
+            yield self._gauge(
+                "bridge_avg_exit_layer",
+                "earliest exit agreeing with the result, mean over rounds with "
+                "exits (the layer count when none agreed)",
+                m.exit_layer_sum / m.exit_rounds,
+            )

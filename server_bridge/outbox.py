@@ -13,6 +13,7 @@ Event-loop only, not thread-safe: the model thread reaches it through
 `loop.call_soon_threadsafe`. Items need `sid`, `round` and `confidence`
 attributes (wire.Exit).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -31,10 +32,10 @@ class Outbox:
         self.maxsize = maxsize
         self.policy = policy
         self.rng = rng or random.Random()
-        self.dropped = 0                    # items dropped because the outbox was full
-        self.purged = 0                     # items removed by `purge` (their round was answered)
+        self.dropped = 0  # items dropped because the outbox was full
+        self.purged = 0  # items removed by `purge` (their round was answered)
         self.closed = False
-        self._items: list[tuple[int, Any]] = []     # (arrival number, item), in arrival order
+        self._items: list[tuple[int, Any]] = []  # (arrival number, item), in arrival order
         self._seq = 0
         self._ready = asyncio.Event()
 

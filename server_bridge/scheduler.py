@@ -46,6 +46,7 @@ bounding batches by deadlines already missed shrinks them exactly when the
 target is behind, and on a CPU, where every row costs, that turns a backlog
 into a collapse (tried: small batches, more late rounds, fewer served).
 """
+
 from __future__ import annotations
 
 import math
@@ -53,8 +54,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .estimator import Member, VerifyTimeModel
 from protocol.wire import WireError
+
+from .estimator import Member, VerifyTimeModel
 
 POLICIES = ("slo", "fcfs", "fixed")
 
@@ -67,27 +69,34 @@ def deadline(slo: float, since: float, value: float) -> float:
 @dataclass
 class Request:
     """One verification waiting for the target."""
+
     sid: str
-    member: Member                  # (L_cached, L_new) it adds to a batch
-    value: float                    # g_i: expected committed tokens (>= 1 for any round)
-    deadline: float                 # monotonic seconds; inf for a session without an SLO class
-    arrival: float                  # monotonic seconds
-    slo: float = 0.0                # the session's class in tokens/s; 0 = none (metrics label)
-    job: Any = None                 # what the engine runs (verifier.Job)
-    future: Any = None              # the batcher's asyncio future for the outcome
-    late: bool = field(default=False, init=False)   # set when it could not meet its deadline even alone
+    member: Member  # (L_cached, L_new) it adds to a batch
+    value: float  # g_i: expected committed tokens (>= 1 for any round)
+    deadline: float  # monotonic seconds; inf for a session without an SLO class
+    arrival: float  # monotonic seconds
+    slo: float = 0.0  # the session's class in tokens/s; 0 = none (metrics label)
+    job: Any = None  # what the engine runs (verifier.Job)
+    future: Any = None  # the batcher's asyncio future for the outcome
+    late: bool = field(default=False, init=False)  # set when it could not meet its deadline even alone
 
 
-def slo_batch(pending: Sequence[Request], now: float, model: VerifyTimeModel, guard_s: float,
-              fits_memory: Callable[[list[Member]], bool], max_batch: int) -> list[Request]:
+def slo_batch(
+    pending: Sequence[Request],
+    now: float,
+    model: VerifyTimeModel,
+    guard_s: float,
+    fits_memory: Callable[[list[Member]], bool],
+    max_batch: int,
+) -> list[Request]:
     """WISP Algorithm 1 at dispatch epoch `now`; returns the batch (a sub-list of pending)."""
-    solo = {id(r): model.predict_ms([r.member]) / 1e3 for r in pending}        # v_i, seconds
+    solo = {id(r): model.predict_ms([r.member]) / 1e3 for r in pending}  # v_i, seconds
     critical, other = [], []
     for r in pending:
         r.late = now + solo[id(r)] > r.deadline
         (critical if now >= r.deadline - solo[id(r)] - guard_s else other).append(r)
-    critical.sort(key=lambda r: (r.deadline, r.arrival))                                   # EDF
-    other.sort(key=lambda r: (-r.value / max(solo[id(r)], 1e-9), r.arrival))              # density
+    critical.sort(key=lambda r: (r.deadline, r.arrival))  # EDF
+    other.sort(key=lambda r: (-r.value / max(solo[id(r)], 1e-9), r.arrival))  # density
 
     batch: list[Request] = []
 
@@ -101,10 +110,10 @@ def slo_batch(pending: Sequence[Request], now: float, model: VerifyTimeModel, gu
     sids: set[str] = set()
     for queue in (critical, other):
         for r in queue:
-            if r.sid in sids:               # one request per session and pass; the other waits its turn
+            if r.sid in sids:  # one request per session and pass; the other waits its turn
                 continue
             if not feasible_add(r):
-                if not batch:           # not even alone (memory, or its own deadline): serve it alone
+                if not batch:  # not even alone (memory, or its own deadline): serve it alone
                     batch.append(r)
                 return batch
             batch.append(r)
@@ -115,17 +124,28 @@ def slo_batch(pending: Sequence[Request], now: float, model: VerifyTimeModel, gu
 @dataclass
 class _Seen:
     """What the scheduler remembers of one robot between its requests."""
-    heard: float                    # when it last sent a request or got an answer (monotonic s)
-    answered: float = math.nan      # its last answer; nan while a request of its is waiting or running
-    gap: float = math.nan           # EWMA of answer -> next request (its drafting and network), seconds
+
+    heard: float  # when it last sent a request or got an answer (monotonic s)
+    answered: float = math.nan  # its last answer; nan while a request of its is waiting or running
+    gap: float = math.nan  # EWMA of answer -> next request (its drafting and network), seconds
 
 
 class Scheduler:
     """The bounded queue of waiting requests and the policy that empties it."""
 
-    def __init__(self, policy: str, model: VerifyTimeModel, *, max_queue: int, max_batch: int,
-                 guard_ms: float, memory_budget_bytes: int, memory_of: Callable[[list[Member]], int],
-                 batch_wait_ms: float, max_wait_ms: float):
+    def __init__(
+        self,
+        policy: str,
+        model: VerifyTimeModel,
+        *,
+        max_queue: int,
+        max_batch: int,
+        guard_ms: float,
+        memory_budget_bytes: int,
+        memory_of: Callable[[list[Member]], int],
+        batch_wait_ms: float,
+        max_wait_ms: float,
+    ):
         if policy not in POLICIES:
             raise ValueError(f"scheduler must be one of {', '.join(POLICIES)}, got {policy!r}")
         self.policy = policy
@@ -137,10 +157,10 @@ class Scheduler:
         self.memory_of = memory_of
         self.batch_wait_s = batch_wait_ms / 1e3
         self.max_wait_s = max_wait_ms / 1e3
-        self.pending: list[Request] = []        # arrival order
-        self._seen: dict[str, _Seen] = {}       # sid -> its robot's rhythm; bounded, see _forget
-        self._running: set[str] = set()         # sids of the last batch handed out (in the pass now running)
-        self._free_since = 0.0                  # when the target last finished a batch
+        self.pending: list[Request] = []  # arrival order
+        self._seen: dict[str, _Seen] = {}  # sid -> its robot's rhythm; bounded, see _forget
+        self._running: set[str] = set()  # sids of the last batch handed out (in the pass now running)
+        self._free_since = 0.0  # when the target last finished a batch
 
     def __len__(self) -> int:
         return len(self.pending)
@@ -148,12 +168,15 @@ class Scheduler:
     def admit(self, r: Request) -> None:
         """Queue r, or refuse it with `overloaded` when the queue is full (the robot falls back)."""
         if len(self.pending) >= self.max_queue:
-            raise WireError("overloaded", f"the verifier is overloaded ({len(self.pending)} requests waiting): "
-                            "draft locally and retry later", r.sid)
+            raise WireError(
+                "overloaded",
+                f"the verifier is overloaded ({len(self.pending)} requests waiting): draft locally and retry later",
+                r.sid,
+            )
         self.pending.append(r)
         seen = self._seen.get(r.sid)
         if seen is not None:
-            if math.isfinite(seen.answered):                    # the robot's gap: drafting and network
+            if math.isfinite(seen.answered):  # the robot's gap: drafting and network
                 gap = r.arrival - seen.answered
                 seen.gap = gap if math.isnan(seen.gap) else 0.7 * seen.gap + 0.3 * gap
             seen.answered, seen.heard = math.nan, r.arrival
@@ -174,14 +197,20 @@ class Scheduler:
         failed, was last heard when that request came."""
         busy = {r.sid for r in self.pending} | self._running
         idle = sorted((s for s in self._seen if s not in busy), key=lambda s: self._seen[s].heard)
-        for sid in idle[:len(self._seen) // 4]:
+        for sid in idle[: len(self._seen) // 4]:
             del self._seen[sid]
 
     def _due(self, now: float) -> list[float]:
         """When robots answered lately are expected back, within batch_wait from now (overdue ones: no)."""
         pending = {r.sid for r in self.pending}
-        return [t for sid, seen in self._seen.items() if sid not in pending and math.isfinite(seen.answered)
-                and math.isfinite(seen.gap) and now <= (t := seen.answered + seen.gap) <= now + self.batch_wait_s]
+        return [
+            t
+            for sid, seen in self._seen.items()
+            if sid not in pending
+            and math.isfinite(seen.answered)
+            and math.isfinite(seen.gap)
+            and now <= (t := seen.answered + seen.gap) <= now + self.batch_wait_s
+        ]
 
     def _critical_at(self) -> float:
         """The earliest latest start time among the waiting requests (monotonic seconds)."""
@@ -225,7 +254,7 @@ class Scheduler:
             return []
         if self.policy == "slo":
             batch = slo_batch(self.pending, now, self.model, self.guard_s, self.fits_memory, self.max_batch)
-        else:                                   # fcfs (max_batch 1) and fixed: arrival order
+        else:  # fcfs (max_batch 1) and fixed: arrival order
             batch = [self.pending[0]]
             for r in self.pending[1:]:
                 if len(batch) == self.max_batch or not self.fits_memory([m.member for m in batch + [r]]):

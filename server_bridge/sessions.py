@@ -2,6 +2,7 @@
 
 An evicted session loses nothing: the robot re-opens with its committed prefix.
 """
+
 from __future__ import annotations
 
 import logging
@@ -14,39 +15,40 @@ import numpy as np
 from protocol.grammar import GrammarState
 from protocol.payload import PayloadSpec
 from protocol.sampling import SamplingParams
-from .target import TargetState
 from protocol.wire import WireError
+
+from .target import TargetState
 
 log = logging.getLogger(__name__)
 
-DETACHED = 0                        # Session.conn_id of a session whose connection closed (ids count from 1)
+DETACHED = 0  # Session.conn_id of a session whose connection closed (ids count from 1)
 
 
 @dataclass
 class Session:
     sid: str
-    conn_id: int                    # the connection that owns it; a re-open moves it
+    conn_id: int  # the connection that owns it; a re-open moves it
     state: TargetState
     params: SamplingParams
     rng: np.random.Generator
     last_used: float = field(default_factory=time.monotonic)
-    retired: bool = False           # set (in the model thread) when a re-open takes over the state
-    exits: list[int] = field(default_factory=list)   # early-exit layers the robot wants verdicts from; [] = off
-    payload: PayloadSpec = field(default_factory=PayloadSpec)   # what each verify's q must be
+    retired: bool = False  # set (in the model thread) when a re-open takes over the state
+    exits: list[int] = field(default_factory=list)  # early-exit layers the robot wants verdicts from; [] = off
+    payload: PayloadSpec = field(default_factory=PayloadSpec)  # what each verify's q must be
     owed: np.ndarray | None = None  # split: the target's p_j [V] at the last rejection; the robot owes the
-                                    # correction it draws from them (the next verify's or ar's `fix`)
+    # correction it draws from them (the next verify's or ar's `fix`)
     # The SLO schedule (server_bridge.scheduler): the class, and where the generation began
-    slo: float = 0.0                # tokens/s the robot needs; 0 = best effort
-    t0: float = 0.0                 # monotonic time of the generation's first open
-    n0: int = 0                     # committed tokens then (the prompt)
-    alpha: float = 0.7              # running acceptance rate of its drafts (expected value of a round)
-    t_last: float = 0.0             # monotonic time its last round or ar token was decided
+    slo: float = 0.0  # tokens/s the robot needs; 0 = best effort
+    t0: float = 0.0  # monotonic time of the generation's first open
+    n0: int = 0  # committed tokens then (the prompt)
+    alpha: float = 0.7  # running acceptance rate of its drafts (expected value of a round)
+    t_last: float = 0.0  # monotonic time its last round or ar token was decided
     # Ownership: another connection may re-open the session only with the committed prefix
-    acked: int = 0                  # committed tokens its robot has shown it holds (its open, then each request)
+    acked: int = 0  # committed tokens its robot has shown it holds (its open, then each request)
     # Constrained decoding (protocol/grammar.py): where the committed ids stand in the session's grammar;
     # None: unconstrained. Advanced with every committed token after the open's grammar.from.
     grammar: "GrammarState | None" = None
-    detached_at: float = 0.0        # monotonic time its connection closed (DETACHED); its KV waits a grace period
+    detached_at: float = 0.0  # monotonic time its connection closed (DETACHED); its KV waits a grace period
 
     def acknowledge(self, n_robot: int) -> None:
         """The robot sent a request built on n_robot committed tokens: it holds that many of ours."""
@@ -70,8 +72,9 @@ class Session:
 class SessionTable:
     """sid -> Session, least recently used first. Bounded in total and per connection."""
 
-    def __init__(self, max_sessions: int, max_per_connection: int, idle_timeout_s: float,
-                 detached_grace_s: float | None = None):
+    def __init__(
+        self, max_sessions: int, max_per_connection: int, idle_timeout_s: float, detached_grace_s: float | None = None
+    ):
         self.max_sessions = max_sessions
         self.max_per_connection = max_per_connection
         self.idle_timeout_s = idle_timeout_s
@@ -90,8 +93,12 @@ class SessionTable:
     def get(self, sid: str, conn_id: int) -> Session:
         s = self._sessions.get(sid)
         if s is None or s.conn_id != conn_id:
-            raise WireError("unknown_session", f"session {sid!r} is not open on this connection "
-                            "(evicted, closed or never opened): re-open it with the committed prefix", sid)
+            raise WireError(
+                "unknown_session",
+                f"session {sid!r} is not open on this connection "
+                "(evicted, closed or never opened): re-open it with the committed prefix",
+                sid,
+            )
         s.last_used = time.monotonic()
         self._sessions.move_to_end(sid)
         return s
@@ -103,8 +110,12 @@ class SessionTable:
         KV of the prefix both share is kept (a robot's next step after a dropped link)."""
         s = self._sessions.get(sid)
         if s is not None and s.conn_id not in (conn_id, DETACHED) and not s.proves(prompt_ids):
-            raise WireError("session_taken", f"session {sid!r} belongs to another connection; re-open it with "
-                            "its committed prefix, or open a new session id", sid)
+            raise WireError(
+                "session_taken",
+                f"session {sid!r} belongs to another connection; re-open it with "
+                "its committed prefix, or open a new session id",
+                sid,
+            )
 
     def detach(self, conn_id: int) -> int:
         """The connection closed: its sessions stay (until idle or evicted) for whichever connection re-opens
@@ -122,8 +133,11 @@ class SessionTable:
         """Raise before any model work if conn_id may not hold one more session."""
         owned = sum(1 for s in self._sessions.values() if s.conn_id == conn_id and s.sid != sid)
         if owned >= self.max_per_connection:
-            raise WireError("too_many_sessions", f"a connection may hold at most {self.max_per_connection} "
-                            "sessions; close one first", sid)
+            raise WireError(
+                "too_many_sessions",
+                f"a connection may hold at most {self.max_per_connection} sessions; close one first",
+                sid,
+            )
 
     def put(self, session: Session) -> list[str]:
         """Insert (or replace) a session; returns the sids evicted to make room."""
@@ -149,8 +163,13 @@ class SessionTable:
         """Evict sessions idle past idle_timeout_s and detached ones past detached_grace_s."""
         now = time.monotonic() if now is None else now
         idle = [sid for sid, s in self._sessions.items() if now - s.last_used > self.idle_timeout_s]
-        gone = [sid for sid, s in self._sessions.items() if s.conn_id == DETACHED and sid not in idle
-                and now - max(s.detached_at, s.last_used) > self.detached_grace_s]
+        gone = [
+            sid
+            for sid, s in self._sessions.items()
+            if s.conn_id == DETACHED
+            and sid not in idle
+            and now - max(s.detached_at, s.last_used) > self.detached_grace_s
+        ]
         for sid in idle + gone:
             del self._sessions[sid]
         self._count_evictions(idle, "idle")

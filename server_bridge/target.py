@@ -16,13 +16,14 @@ their marker (protocol/images.py); `extend` hands each pass the images among its
 new ids, and the engine expands each marker to the image's positions. A state
 counts text ids, as the wire does; `positions` adds what the images take.
 """
+
 from __future__ import annotations
 
 import logging
 import weakref
-from pathlib import Path
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -37,10 +38,11 @@ log = logging.getLogger(__name__)
 @dataclass
 class Extension:
     """One session's part of a forward pass."""
+
     state: "TargetState"
-    new_ids: list[int]                  # appended after state.cached: uncached committed ids, then the draft
-    keep: int                           # logits rows wanted: the last `keep` of new_ids (0: KV only)
-    taps: Mapping[int, Callable[[Any], None]] | None = None   # see Target.score
+    new_ids: list[int]  # appended after state.cached: uncached committed ids, then the draft
+    keep: int  # logits rows wanted: the last `keep` of new_ids (0: KV only)
+    taps: Mapping[int, Callable[[Any], None]] | None = None  # see Target.score
 
     @property
     def member(self) -> tuple[int, int]:
@@ -50,13 +52,13 @@ class Extension:
 
 @dataclass(eq=False)
 class TargetState:
-    ids: list[int]                      # the committed prefix, prompt included
-    seq: Sequence                       # the engine's KV for ids[:cached] (and whatever the last pass added)
-    cached: int = 0                     # valid KV positions; < len(ids), except == while a split
-                                        # rejection waits for the robot's correction (see Verifier.fix)
-    passes: int = 0                     # forward passes spent on this session
-    images: dict = field(default_factory=dict)      # text index of a marker in ids -> its PromptImage
-    image_extra: int = 0                # KV positions the images add beyond their markers
+    ids: list[int]  # the committed prefix, prompt included
+    seq: Sequence  # the engine's KV for ids[:cached] (and whatever the last pass added)
+    cached: int = 0  # valid KV positions; < len(ids), except == while a split
+    # rejection waits for the robot's correction (see Verifier.fix)
+    passes: int = 0  # forward passes spent on this session
+    images: dict = field(default_factory=dict)  # text index of a marker in ids -> its PromptImage
+    image_extra: int = 0  # KV positions the images add beyond their markers
 
     @property
     def positions(self) -> int:
@@ -76,8 +78,8 @@ class Target:
         self.n_layers = engine.n_layers
         self.kv_bytes_per_token = engine.kv_bytes_per_token
         self.batchable = engine.batchable
-        self.tokenizer = engine.tokenizer          # encode(text) -> ids, for tools and tests
-        self.on_device = engine.info.engine == "torch"   # rows are device tensors: the maths runs there
+        self.tokenizer = engine.tokenizer  # encode(text) -> ids, for tools and tests
+        self.on_device = engine.info.engine == "torch"  # rows are device tensors: the maths runs there
         # the image marker's id where the engine reads images (a projector or a VLM's vision tower), else None
         self.image_marker = getattr(engine, "image_token_id", None) if getattr(engine, "vision", None) else None
         self._grammars: GrammarCache | None = None
@@ -96,12 +98,14 @@ class Target:
             if self.engine.info.engine == "llamacpp":
                 vocab, owner = L.llama_model_get_vocab(self.engine.model), self.engine
             elif self.grammars_supported:
-                owner, vocab, n = vocab_only(self.engine.path)          # the vocabulary alone, no weights
+                owner, vocab, n = vocab_only(self.engine.path)  # the vocabulary alone, no weights
                 if n != self.vocab_size:
                     raise GrammarError(f"{self.engine.path} has {n} tokens, the target {self.vocab_size}")
             else:
-                raise GrammarError(f"the target {self.name} was not loaded from a GGUF: llama.cpp's grammar "
-                                   "sampler has no vocabulary to run on")
+                raise GrammarError(
+                    f"the target {self.name} was not loaded from a GGUF: llama.cpp's grammar "
+                    "sampler has no vocabulary to run on"
+                )
             self._grammars = GrammarCache(vocab, self.vocab_size, owner)
         return self._grammars.get(gbnf)
 
@@ -122,8 +126,10 @@ class Target:
         out, extra = {}, 0
         for i, image in enumerate(images):
             if prompt_ids[image.at] != self.image_marker:
-                raise ValueError(f"images[{i}].at = {image.at} is not on the image marker (id {self.image_marker}): "
-                                 f"prompt_ids holds {prompt_ids[image.at]} there")
+                raise ValueError(
+                    f"images[{i}].at = {image.at} is not on the image marker (id {self.image_marker}): "
+                    f"prompt_ids holds {prompt_ids[image.at]} there"
+                )
             image = self.engine.resolve(image)
             extra += self.engine.image_positions(image) - 1
             out[image.at] = image
@@ -146,14 +152,15 @@ class Target:
             state.cached = len(prompt_ids) - 1
         return state
 
-    def score(self, state: TargetState, draft_ids: list[int],
-              taps: Mapping[int, Callable[[Any], None]] | None = None) -> np.ndarray:
+    def score(
+        self, state: TargetState, draft_ids: list[int], taps: Mapping[int, Callable[[Any], None]] | None = None
+    ) -> np.ndarray:
         """One verification pass: logits [k + 1, vocab] for the positions after each draft prefix.
 
         Row i is the target's distribution for the token after ids + draft[:i]. Call
         `commit` to keep what was accepted. taps: {layer: fn}, see engine.Pass.
         """
-        pending = state.ids[state.cached:]
+        pending = state.ids[state.cached :]
         rows = self.extend([Extension(state, pending + list(draft_ids), len(draft_ids) + 1, taps)])[0]
         return self.engine.to_numpy(rows)
 
@@ -227,8 +234,11 @@ def _images_in(e: Extension) -> dict | None:
 def shared_prefix(ids_a: list[int], images_a: dict, ids_b: list[int], images_b: dict) -> int:
     """How many leading ids two prompts share, an image marker counting only where both hold the same image."""
     n = _common_prefix(ids_a, ids_b)
-    differ = [i for i in set(images_a) | set(images_b) if i < n and
-              getattr(images_a.get(i), "sha256", None) != getattr(images_b.get(i), "sha256", None)]
+    differ = [
+        i
+        for i in set(images_a) | set(images_b)
+        if i < n and getattr(images_a.get(i), "sha256", None) != getattr(images_b.get(i), "sha256", None)
+    ]
     return min(differ, default=n)
 
 

@@ -8,6 +8,7 @@ its own rows. A job that fails its checks gets its error and leaves the
 others' pass alone. Where a token is accepted: `Verifier._finish_verify`.
 Early exits (FSD) ride along in the same pass and report through a callback.
 """
+
 from __future__ import annotations
 
 import logging
@@ -35,12 +36,13 @@ log = logging.getLogger(__name__)
 @dataclass
 class RoundOutcome:
     """What one verify round produced, for the `result` message and the metrics."""
+
     verdict: sampling.Verdict
-    verify_ms: float                # the whole round, exit heads included
-    exit_layer: int | None = None   # earliest enabled exit whose verdict equalled the final one, n_layers if
-                                    # none did; None when no exits ran this round
-    exit_ms: float = 0.0            # time spent in exit heads this round
-    residual: dict | None = None    # split rejection: the target's p_j for the robot (Result.residual)
+    verify_ms: float  # the whole round, exit heads included
+    exit_layer: int | None = None  # earliest enabled exit whose verdict equalled the final one, n_layers if
+    # none did; None when no exits ran this round
+    exit_ms: float = 0.0  # time spent in exit heads this round
+    residual: dict | None = None  # split rejection: the target's p_j for the robot (Result.residual)
 
     def timing(self) -> dict:
         """Result.timing: verify_ms, passes; exit_layer and exit_ms when exits ran."""
@@ -53,17 +55,18 @@ class RoundOutcome:
 @dataclass
 class Job:
     """One request for the model thread: an open (its prefill), a verify round or one ar token."""
-    kind: str                       # "open" | "verify" | "ar"
-    msg: Any                        # wire.Open | wire.Verify | wire.Ar
+
+    kind: str  # "open" | "verify" | "ar"
+    msg: Any  # wire.Open | wire.Verify | wire.Ar
     session: Session | None = None  # verify, ar: the session; open: the one a re-open replaces, if any
-    conn_id: int = 0                # open: the connection that will own the session
-    emit: Callable[[Exit], None] | None = None      # verify: early-exit sink
-    arrival: float = 0.0            # open: monotonic time; the first round's SLO budget counts from it
+    conn_id: int = 0  # open: the connection that will own the session
+    emit: Callable[[Exit], None] | None = None  # verify: early-exit sink
+    arrival: float = 0.0  # open: monotonic time; the first round's SLO budget counts from it
     # set by Verifier._prepare
-    ext: Extension | None = None    # this job's rows of the pass; None: no model work (a re-open)
-    q: np.ndarray | None = None     # verify: the draft's q (see _draft_q)
-    probe: ExitPass | None = None   # verify: this round's early exits
-    ended: Session | None = None    # open: a previous generation of the sid that this open ends
+    ext: Extension | None = None  # this job's rows of the pass; None: no model work (a re-open)
+    q: np.ndarray | None = None  # verify: the draft's q (see _draft_q)
+    probe: ExitPass | None = None  # verify: this round's early exits
+    ended: Session | None = None  # open: a previous generation of the sid that this open ends
     t0: float = field(default=0.0, repr=False)
 
     @property
@@ -96,14 +99,14 @@ class Verifier:
         for i, job in enumerate(jobs):
             try:
                 self._prepare(job)
-                if job.ext is not None and id(job.ext.state) in states:     # the scheduler keeps sids apart
+                if job.ext is not None and id(job.ext.state) in states:  # the scheduler keeps sids apart
                     raise WireError("busy", "another request of this session is in the same pass; retry", job.sid)
                 live.append(job)
                 if job.ext is not None:
                     states.add(id(job.ext.state))
             except WireError as e:
                 out[i] = e
-            except Exception as e:          # a bug in one request's checks must not take the batch down
+            except Exception as e:  # a bug in one request's checks must not take the batch down
                 log.exception("preparing a %s job failed", job.kind)
                 out[i] = WireError("internal", f"could not prepare the request ({type(e).__name__})", job.sid)
         exts = [job.ext for job in live if job.ext is not None]
@@ -111,26 +114,30 @@ class Verifier:
         t0 = time.perf_counter()
         try:
             rows = iter(self.target.extend(exts) if exts else [])
-        except Exception as e:              # nothing was committed: the next pass starts at state.cached
+        except Exception as e:  # nothing was committed: the next pass starts at state.cached
             full = isinstance(e, EngineFull)
             if not full:
                 log.exception("a batched pass of %d sessions failed", len(exts))
             for i, job in enumerate(jobs):
                 if out[i] is None:
-                    out[i] = WireError("overloaded", f"{e}: retry later", job.sid) if full else \
-                        WireError("internal", f"the verification pass failed ({type(e).__name__}); retry "
-                                  "the round", job.sid)
+                    out[i] = (
+                        WireError("overloaded", f"{e}: retry later", job.sid)
+                        if full
+                        else WireError(
+                            "internal", f"the verification pass failed ({type(e).__name__}); retry the round", job.sid
+                        )
+                    )
             return out, (time.perf_counter() - t0) * 1e3, members
         pass_ms = (time.perf_counter() - t0) * 1e3
         for i, job in enumerate(jobs):
             if out[i] is not None:
                 continue
             row = next(rows) if job.ext is not None else None
-            try:                            # one session's failure is its own: the others keep their results
+            try:  # one session's failure is its own: the others keep their results
                 out[i] = self._finish(job, row)
             except WireError as e:
                 out[i] = e
-            except Exception as e:          # its state is untouched: _finish commits last
+            except Exception as e:  # its state is untouched: _finish commits last
                 log.exception("deciding a %s job of %s failed", job.kind, job.sid)
                 out[i] = WireError("internal", f"could not decide the request ({type(e).__name__}); retry", job.sid)
         return out, pass_ms, members
@@ -192,9 +199,13 @@ class Verifier:
         self._check_ids(msg.prompt_ids, "prompt_ids", msg.sid)
         extra = self._check_images(msg)
         if len(msg.prompt_ids) + extra >= self.config.max_context:
-            raise WireError("context_full", f"prompt of {len(msg.prompt_ids)} tokens"
-                            f"{f' ({extra} more positions for its images)' if extra else ''} leaves no room in the "
-                            f"context of {self.config.max_context}", msg.sid)
+            raise WireError(
+                "context_full",
+                f"prompt of {len(msg.prompt_ids)} tokens"
+                f"{f' ({extra} more positions for its images)' if extra else ''} leaves no room in the "
+                f"context of {self.config.max_context}",
+                msg.sid,
+            )
         try:
             params = sampling.SamplingParams(**msg.sampling)
         except sampling.SamplingError as e:
@@ -204,12 +215,14 @@ class Verifier:
         except ValueError as e:
             raise WireError("bad_field", str(e), msg.sid) from None
         if spec.k > self.target.vocab_size:
-            raise WireError("bad_field", f"topk K={spec.k} exceeds the vocabulary of {self.target.vocab_size}",
-                            msg.sid)
+            raise WireError("bad_field", f"topk K={spec.k} exceeds the vocabulary of {self.target.vocab_size}", msg.sid)
         unknown = sorted(set(msg.exits) - set(self.exit_layers))
         if unknown:
-            raise WireError("bad_field", f"no early exit at layers {unknown}; this verifier has "
-                            f"{self.exit_layers or 'none'}", msg.sid)
+            raise WireError(
+                "bad_field",
+                f"no early exit at layers {unknown}; this verifier has {self.exit_layers or 'none'}",
+                msg.sid,
+            )
         slo = slo_class(msg.slo, self.config.default_slo, msg.sid)
         grammar = self._grammar_state(msg)
         resumes = previous is not None and previous.slo == slo and _resumes(previous.state, msg)
@@ -219,27 +232,32 @@ class Verifier:
             previous.retired = True
         if previous is not None and previous.params == params:
             state = previous.state
-            state.passes = 0                              # passes are reported per open / round
-            self.target.rewind(state, msg.prompt_ids, msg.images)   # what is not cached goes with the next round
+            state.passes = 0  # passes are reported per open / round
+            self.target.rewind(state, msg.prompt_ids, msg.images)  # what is not cached goes with the next round
         else:
             try:
                 state = self.target.new_state(msg.prompt_ids, prefill=False, images=msg.images)
-            except EngineFull as e:                       # every sequence or KV slot is held by a live session
+            except EngineFull as e:  # every sequence or KV slot is held by a live session
                 raise WireError("overloaded", f"{e}: retry later", msg.sid) from None
-            if len(msg.prompt_ids) > 1:                   # the prefill: all but the last prompt token
+            if len(msg.prompt_ids) > 1:  # the prefill: all but the last prompt token
                 job.ext = Extension(state, list(msg.prompt_ids[:-1]), keep=0)
         # A re-opened session draws fresh randomness keyed by where it resumes,
         # so a replayed round is an independent draw, as the math requires.
         rng = np.random.default_rng([params.seed, len(msg.prompt_ids)])
-        session = Session(msg.sid, job.conn_id, state, params, rng, exits=list(msg.exits), payload=spec, slo=slo,
-                          grammar=grammar)
+        session = Session(
+            msg.sid, job.conn_id, state, params, rng, exits=list(msg.exits), payload=spec, slo=slo, grammar=grammar
+        )
         if resumes:
             # the same generation goes on (a re-open after a lost link): it keeps its SLO bookkeeping
-            session.t0, session.n0, session.alpha, session.t_last = previous.t0, previous.n0, previous.alpha, \
-                previous.t_last
+            session.t0, session.n0, session.alpha, session.t_last = (
+                previous.t0,
+                previous.n0,
+                previous.alpha,
+                previous.t_last,
+            )
         else:
             session.t0, session.n0 = job.arrival, len(msg.prompt_ids)
-            job.ended = previous          # the previous generation on this sid ended here (SLO metrics)
+            job.ended = previous  # the previous generation on this sid ended here (SLO metrics)
         job.session = session
 
     def _check_images(self, msg: Open) -> int:
@@ -248,8 +266,12 @@ class Verifier:
         if not msg.images:
             return 0
         if not self.target.sees:
-            raise WireError("no_vision", f"the target {self.target.name} reads text only: open this session "
-                            "without images, or serve a vision-language target", msg.sid)
+            raise WireError(
+                "no_vision",
+                f"the target {self.target.name} reads text only: open this session "
+                "without images, or serve a vision-language target",
+                msg.sid,
+            )
         try:
             return self.target.prepare_images(msg.prompt_ids, msg.images)[1]
         except UnknownImage as e:
@@ -262,10 +284,14 @@ class Verifier:
         if msg.grammar is None:
             return None
         if not self.target.grammars_supported:
-            raise WireError("bad_field", f"this verifier's target {self.target.name} cannot decode under a grammar "
-                            "(llama.cpp's grammar sampler needs its GGUF vocabulary)", msg.sid)
+            raise WireError(
+                "bad_field",
+                f"this verifier's target {self.target.name} cannot decode under a grammar "
+                "(llama.cpp's grammar sampler needs its GGUF vocabulary)",
+                msg.sid,
+            )
         try:
-            return self.target.grammar(msg.grammar["gbnf"]).walk(msg.prompt_ids[msg.grammar["from"]:])
+            return self.target.grammar(msg.grammar["gbnf"]).walk(msg.prompt_ids[msg.grammar["from"] :])
         except GrammarError as e:
             raise WireError("bad_field", f"grammar: {e}", msg.sid) from None
 
@@ -279,25 +305,37 @@ class Verifier:
         self._check_fix(session, msg.fix)
         n_server = len(state.ids) + (msg.fix is not None)
         if msg.n_committed != n_server:
-            raise WireError("desync", f"robot has {msg.n_committed} committed tokens, server has "
-                            f"{n_server}: re-open the session with the committed prefix", msg.sid)
+            raise WireError(
+                "desync",
+                f"robot has {msg.n_committed} committed tokens, server has "
+                f"{n_server}: re-open the session with the committed prefix",
+                msg.sid,
+            )
         if k > self.config.max_draft_len:
-            raise WireError("bad_field", f"draft of {k} tokens exceeds max_draft_len "
-                            f"{self.config.max_draft_len}", msg.sid)
+            raise WireError(
+                "bad_field", f"draft of {k} tokens exceeds max_draft_len {self.config.max_draft_len}", msg.sid
+            )
         if state.positions + (msg.fix is not None) + k + 1 > self.config.max_context:
             raise WireError("context_full", f"session reached max_context {self.config.max_context}", msg.sid)
         self._check_ids(msg.draft_ids, "draft_ids", msg.sid)
         if msg.cands is not None and msg.cands.size and int(msg.cands.max()) >= self.target.vocab_size:
-            raise WireError("bad_field", f"cands holds token id {int(msg.cands.max())} outside the vocabulary "
-                            f"of {self.target.vocab_size}", msg.sid)
+            raise WireError(
+                "bad_field",
+                f"cands holds token id {int(msg.cands.max())} outside the vocabulary of {self.target.vocab_size}",
+                msg.sid,
+            )
         # q is needed only for drafted tokens: an empty draft (the last token of a generation) has none
         job.q = None if session.params.greedy or not k else self._draft_q(session, msg)
         job.probe = self._exit_pass(session, msg, job.emit)
         # The correction a split rejection owed rides in this pass; it is committed only once the pass
         # and the verdict succeed (_finish_verify), so a round that fails can be sent again as it was.
         fix = [] if msg.fix is None else [msg.fix]
-        job.ext = Extension(state, state.ids[state.cached:] + fix + list(msg.draft_ids), keep=k + 1,
-                            taps=job.probe.taps if job.probe else None)
+        job.ext = Extension(
+            state,
+            state.ids[state.cached :] + fix + list(msg.draft_ids),
+            keep=k + 1,
+            taps=job.probe.taps if job.probe else None,
+        )
 
     def _finish_verify(self, job: Job, rows) -> "RoundOutcome":
         """Where a token is accepted: the session's rows of the pass [k + 1, vocab] against its draft.
@@ -311,7 +349,7 @@ class Verifier:
             verdict, p_row = self._verdict(session, msg.draft_ids, q, rows, msg.fix)
         except sampling.SamplingError as e:
             raise WireError("bad_probs", str(e), msg.sid) from None
-        if msg.fix is not None:                                       # the owed correction, verified with this pass
+        if msg.fix is not None:  # the owed correction, verified with this pass
             state.ids.append(msg.fix)
             session.owed = None
             _advance(session, [msg.fix])
@@ -319,14 +357,15 @@ class Verifier:
         residual = None
         if verdict.token == sampling.RESIDUAL:
             # The robot draws the correction; until its `fix` comes the cache covers every committed id.
-            committed = msg.draft_ids[:verdict.accepted]
-            session.owed = p_row(verdict.accepted)                               # p_j [V] on the host
-            logits_j = self.target.to_numpy(rows[verdict.accepted:verdict.accepted + 1])[0]
-            ids, values = payload.sparse_residual(logits_j, session.owed, session.params,
-                                                  masked=session.grammar is not None)
+            committed = msg.draft_ids[: verdict.accepted]
+            session.owed = p_row(verdict.accepted)  # p_j [V] on the host
+            logits_j = self.target.to_numpy(rows[verdict.accepted : verdict.accepted + 1])[0]
+            ids, values = payload.sparse_residual(
+                logits_j, session.owed, session.params, masked=session.grammar is not None
+            )
             residual = {"logits": values, "ids": ids}
         else:
-            committed = msg.draft_ids[:verdict.accepted] + [verdict.token]
+            committed = msg.draft_ids[: verdict.accepted] + [verdict.token]
         self.target.commit(state, committed, n_before + verdict.accepted)
         _advance(session, committed)
         if msg.draft_ids:
@@ -358,18 +397,19 @@ class Verifier:
         elif self.target.on_device:
             from . import devmath
 
-            p = devmath.probs_from_logits(rows, params)                  # [k + 1, vocab] on the device
+            p = devmath.probs_from_logits(rows, params)  # [k + 1, vocab] on the device
             if split:
                 verdict = devmath.verify_split(draft_ids, q, p, rng)
             else:
                 verdict = devmath.verify_sampled(draft_ids, np.zeros((0, p.shape[1])) if q is None else q, p, rng)
             return verdict, lambda j: p[j].double().cpu().numpy()
         p = sampling.probs_from_logits(self.target.to_numpy(rows), params, mask)
-        if split:                                                        # q: q(x_i) [k]
+        if split:  # q: q(x_i) [k]
             verdict = sampling.verify_split(np.asarray(draft_ids), q, p, rng)
-        else:                                                            # q: [k, vocab]
-            verdict = sampling.verify_sampled(np.asarray(draft_ids), np.zeros((0, p.shape[1])) if q is None else q,
-                                              p, rng)
+        else:  # q: [k, vocab]
+            verdict = sampling.verify_sampled(
+                np.asarray(draft_ids), np.zeros((0, p.shape[1])) if q is None else q, p, rng
+            )
         return verdict, lambda j: p[j]
 
     def _grammar_rows(self, session: Session, draft_ids: list[int], logits: np.ndarray, fix: int | None):
@@ -379,7 +419,7 @@ class Verifier:
         check). Sampled: (None, masks [k + 1, vocab]); a draft token the grammar forbids has p = 0 there and
         is rejected, so the rows after it are never used and stay unmasked."""
         walk = session.grammar.clone()
-        if fix is not None:                                                 # committed before this draft
+        if fix is not None:  # committed before this draft
             walk.accept(fix)
         k = len(draft_ids)
         if session.params.greedy:
@@ -405,24 +445,23 @@ class Verifier:
         def send(v: ExitVerdict) -> None:
             emit(Exit(msg.sid, msg.round, v.layer, v.tokens, v.confidence))
 
-        return ExitPass(self.exits, session.exits, msg.draft_ids, msg.cands,
-                        self.config.exit_bonus_candidates, send)
+        return ExitPass(self.exits, session.exits, msg.draft_ids, msg.cands, self.config.exit_bonus_candidates, send)
 
     def _prepare_ar(self, job: Job) -> None:
         session = job.session
         _check_live(session)
         state = session.state
         if session.owed is not None:
-            raise WireError("desync", "the last split round ended in a rejection: send its correction as `fix`",
-                            session.sid)
+            raise WireError(
+                "desync", "the last split round ended in a rejection: send its correction as `fix`", session.sid
+            )
         if state.positions + 1 > self.config.max_context:
-            raise WireError("context_full", f"session reached max_context {self.config.max_context}",
-                            session.sid)
-        job.ext = Extension(state, state.ids[state.cached:], keep=1)
+            raise WireError("context_full", f"session reached max_context {self.config.max_context}", session.sid)
+        job.ext = Extension(state, state.ids[state.cached :], keep=1)
 
     def _finish_ar(self, job: Job, rows) -> tuple[int, float, float]:
         session = job.session
-        if session.grammar is not None:                 # masked like a verify row (_grammar_rows)
+        if session.grammar is not None:  # masked like a verify row (_grammar_rows)
             logits = self.target.to_numpy(rows)[0]
             if session.params.greedy:
                 token, p = session.grammar.argmax(logits), 1.0
@@ -435,11 +474,11 @@ class Verifier:
         elif self.target.on_device:
             from . import devmath
 
-            probs = devmath.probs_from_logits(rows[0], session.params)                     # [vocab] on the device
+            probs = devmath.probs_from_logits(rows[0], session.params)  # [vocab] on the device
             token = devmath.sample(probs, session.rng)
             p = min(1.0, float(probs[token]))
         else:
-            probs = sampling.probs_from_logits(self.target.to_numpy(rows)[0], session.params)    # [vocab]
+            probs = sampling.probs_from_logits(self.target.to_numpy(rows)[0], session.params)  # [vocab]
             token = sampling.sample(probs, session.rng)
             p = min(1.0, float(probs[token]))
         self.target.commit(session.state, [token], len(session.state.ids))
@@ -453,11 +492,17 @@ class Verifier:
         """The draft's q, checked before any model work: [k, vocab] float64, or q(x_i) [k] for split."""
         spec = session.payload
         if spec.kind == "none":
-            raise WireError("bad_field", "temperature > 0 needs the draft distributions: open the session with "
-                            "payload full, topk or split", msg.sid)
+            raise WireError(
+                "bad_field",
+                "temperature > 0 needs the draft distributions: open the session with payload full, topk or split",
+                msg.sid,
+            )
         if msg.q["kind"] != spec.kind:
-            raise WireError("bad_field", f"this session declared payload {spec.kind!r} at open, the round sent "
-                            f"{msg.q['kind']!r}", msg.sid)
+            raise WireError(
+                "bad_field",
+                f"this session declared payload {spec.kind!r} at open, the round sent {msg.q['kind']!r}",
+                msg.sid,
+            )
         try:
             if spec.kind == "split":
                 return payload.split_qx(msg.q, msg.draft_ids, spec)
@@ -477,16 +522,21 @@ class Verifier:
     def _check_fix(self, session: Session, token: int | None) -> None:
         if session.owed is None:
             if token is not None:
-                raise WireError("bad_field", "fix sent, but no split rejection is waiting for a correction",
-                                session.sid)
+                raise WireError(
+                    "bad_field", "fix sent, but no split rejection is waiting for a correction", session.sid
+                )
             return
         if token is None:
-            raise WireError("desync", "the last split round ended in a rejection: send its correction as `fix`",
-                            session.sid)
+            raise WireError(
+                "desync", "the last split round ended in a rejection: send its correction as `fix`", session.sid
+            )
         self._check_ids([token], "fix", session.sid)
         if session.owed[token] <= 0:
-            raise WireError("bad_field", f"fix {token} has zero probability under the target: it cannot come "
-                            "from the residual", session.sid)
+            raise WireError(
+                "bad_field",
+                f"fix {token} has zero probability under the target: it cannot come from the residual",
+                session.sid,
+            )
 
     def _apply_fix(self, session: Session, token: int) -> None:
         state = session.state
@@ -496,16 +546,16 @@ class Verifier:
 
     def _check_ids(self, ids: list[int], name: str, sid: str | None = None) -> None:
         if ids and max(ids) >= self.target.vocab_size:
-            raise WireError("bad_field", f"{name} holds token id {max(ids)} outside the vocabulary of "
-                            f"{self.target.vocab_size}", sid)
+            raise WireError(
+                "bad_field", f"{name} holds token id {max(ids)} outside the vocabulary of {self.target.vocab_size}", sid
+            )
 
 
 def slo_class(slo: dict, default: float, sid: str) -> float:
     """Open.slo -> the session's token-speed class in tokens/s (0: best effort)."""
     value = slo.get("tokens_per_s", default)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1000:
-        raise WireError("bad_field", f"slo.tokens_per_s must be a number of tokens/s in [0, 1000], got {value!r}",
-                        sid)
+        raise WireError("bad_field", f"slo.tokens_per_s must be a number of tokens/s in [0, 1000], got {value!r}", sid)
     return float(value)
 
 
@@ -565,8 +615,10 @@ def load_exits(config: ServerConfig, target: Target) -> ExitScorer | None:
     else:
         need = ExitConfig.load(path).pick(config.exit_layers or None)
         if not set(need) <= set(engine.tapped):
-            why = (f"the llamacpp engine taps layers {engine.tapped}, the exits need {need}: load it with "
-                   "tap_layers=exit_taps(config, name)")
+            why = (
+                f"the llamacpp engine taps layers {engine.tapped}, the exits need {need}: load it with "
+                "tap_layers=exit_taps(config, name)"
+            )
             if config.exits != "auto":
                 raise ValueError(why)
             log.info("early exits off on this llamacpp engine (name them with --exits PATH to run them): %s", why)
@@ -574,10 +626,13 @@ def load_exits(config: ServerConfig, target: Target) -> ExitScorer | None:
         scorer = NumpyExitHeads.load(path, engine.path, need)
     hidden = engine.hidden_size
     if scorer.config.hidden != hidden or scorer.layers[-1] > target.n_layers:
-        raise ValueError(f"exit adapters at {path} (hidden {scorer.config.hidden}, layers {scorer.layers}) do not "
-                         f"fit the target {target.name} (hidden {hidden}, {target.n_layers} layers)")
+        raise ValueError(
+            f"exit adapters at {path} (hidden {scorer.config.hidden}, layers {scorer.layers}) do not "
+            f"fit the target {target.name} (hidden {hidden}, {target.n_layers} layers)"
+        )
     if scorer.config.target and scorer.config.target != target.name:
-        log.warning("exit adapters at %s were trained for %s, the target is %s", path, scorer.config.target,
-                    target.name)
+        log.warning(
+            "exit adapters at %s were trained for %s, the target is %s", path, scorer.config.target, target.name
+        )
     log.info("early exits at layers %s from %s on the %s engine", scorer.layers, path, engine.info.engine)
     return scorer

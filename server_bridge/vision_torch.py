@@ -24,6 +24,7 @@ Qwen2-VL (M-RoPE) gives image tokens 3-D (time, row, column) positions, and the 
 positions below its KV index; such models are refused (`vision_for`) until a vision class for them
 returns those position ids beside its embeddings and the engine passes them on.
 """
+
 from __future__ import annotations
 
 import io
@@ -37,16 +38,17 @@ import torch
 from protocol.images import PromptImage
 from protocol.vision import UnknownImage
 
-CACHED = 8                              # preprocessed images kept by sha256 (tiles in the model's dtype + bytes)
+CACHED = 8  # preprocessed images kept by sha256 (tiles in the model's dtype + bytes)
 
 
 @dataclass(frozen=True)
 class Prepared:
     """One image, decoded and preprocessed by the model's processor (on the CPU)."""
-    data: bytes                         # the encoded image (resolve hands it back)
-    ids: torch.Tensor                   # [P] long: the marker's layout; features go at its <image> ids
-    pixel_values: torch.Tensor          # [tiles, 3, tile, tile] in the model's dtype (its tower casts to it anyway)
-    pixel_mask: torch.Tensor            # [tiles, tile, tile] bool: real pixels, not padding
+
+    data: bytes  # the encoded image (resolve hands it back)
+    ids: torch.Tensor  # [P] long: the marker's layout; features go at its <image> ids
+    pixel_values: torch.Tensor  # [tiles, 3, tile, tile] in the model's dtype (its tower casts to it anyway)
+    pixel_mask: torch.Tensor  # [tiles, tile, tile] bool: real pixels, not padding
 
 
 def decode(image: PromptImage) -> np.ndarray:
@@ -56,21 +58,23 @@ def decode(image: PromptImage) -> np.ndarray:
     try:
         with Image.open(io.BytesIO(image.data)) as im:
             return np.asarray(im.convert("RGB"))
-    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:   # PIL raises each for some bytes
-        raise ValueError(f"image {image.sha256[:12]} ({len(image.data)} bytes, "
-                         f"{image.format or 'neither JPEG nor PNG'}) could not be decoded: {e}") from e
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:  # PIL raises each for some bytes
+        raise ValueError(
+            f"image {image.sha256[:12]} ({len(image.data)} bytes, "
+            f"{image.format or 'neither JPEG nor PNG'}) could not be decoded: {e}"
+        ) from e
 
 
 class Idefics3Vision:
     """Idefics3 and SmolVLM: the processor's layout, the SigLIP tower + pixel-shuffle connector's features."""
 
     def __init__(self, model, processor):
-        self.model = model                              # the ...ForConditionalGeneration, on its device
+        self.model = model  # the ...ForConditionalGeneration, on its device
         self.processor = processor
         self.image_token_id = int(model.config.image_token_id)
         self.marker = getattr(processor, "image_token", "<image>")
         self._cache: OrderedDict[str, Prepared] = OrderedDict()
-        self._lock = threading.Lock()                   # the cache: positions() may come from another thread
+        self._lock = threading.Lock()  # the cache: positions() may come from another thread
 
     def positions(self, image: PromptImage) -> int:
         """KV positions the image's marker expands to (the layout's text tokens included).
@@ -89,14 +93,17 @@ class Idefics3Vision:
         prep = self._prepared(image)
         device = self.model.device
         ids = prep.ids.to(device)
-        text = self.model.get_input_embeddings()(ids)                                   # [P, hidden]
-        out = self.model.get_image_features(pixel_values=prep.pixel_values[None].to(device),
-                                            pixel_attention_mask=prep.pixel_mask[None].to(device))
-        features = torch.cat(list(out.pooler_output)).to(text.dtype)                   # [image tokens, hidden]
+        text = self.model.get_input_embeddings()(ids)  # [P, hidden]
+        out = self.model.get_image_features(
+            pixel_values=prep.pixel_values[None].to(device), pixel_attention_mask=prep.pixel_mask[None].to(device)
+        )
+        features = torch.cat(list(out.pooler_output)).to(text.dtype)  # [image tokens, hidden]
         at = ids == self.image_token_id
         if int(at.sum()) != len(features):
-            raise RuntimeError(f"image {image.sha256[:12]}: the processor laid out {int(at.sum())} image tokens, "
-                               f"the vision tower made {len(features)} features")
+            raise RuntimeError(
+                f"image {image.sha256[:12]}: the processor laid out {int(at.sum())} image tokens, "
+                f"the vision tower made {len(features)} features"
+            )
         return text.masked_scatter(at[:, None], features)
 
     def _prepared(self, image: PromptImage) -> Prepared:
@@ -106,8 +113,9 @@ class Idefics3Vision:
                 self._cache.move_to_end(image.sha256)
                 return hit
         if image.data is None:
-            raise UnknownImage(f"image {image.sha256[:12]} came as its sha256 alone and is not cached: "
-                               "send its bytes again")
+            raise UnknownImage(
+                f"image {image.sha256[:12]} came as its sha256 alone and is not cached: send its bytes again"
+            )
         prep = self._prepare(image)
         with self._lock:
             self._cache[image.sha256] = prep
@@ -120,15 +128,16 @@ class Idefics3Vision:
         try:
             out = self.processor(text=self.marker, images=[[pixels]], add_special_tokens=False, return_tensors="pt")
         except (ValueError, RuntimeError) as e:
-            raise ValueError(f"the processor could not tile image {image.sha256[:12]} "
-                             f"({pixels.shape[1]} x {pixels.shape[0]}): {e}") from e
-        values = out["pixel_values"][0].to(self.model.dtype)                           # [tiles, 3, tile, tile]
+            raise ValueError(
+                f"the processor could not tile image {image.sha256[:12]} ({pixels.shape[1]} x {pixels.shape[0]}): {e}"
+            ) from e
+        values = out["pixel_values"][0].to(self.model.dtype)  # [tiles, 3, tile, tile]
         mask = out.get("pixel_attention_mask")
         mask = mask[0].bool() if mask is not None else torch.ones(values.shape[:1] + values.shape[2:], dtype=torch.bool)
         return Prepared(bytes(image.data), out["input_ids"][0], values, mask)
 
 
-VISIONS = {"idefics3": Idefics3Vision, "smolvlm": Idefics3Vision}     # model_type -> how its images are read
+VISIONS = {"idefics3": Idefics3Vision, "smolvlm": Idefics3Vision}  # model_type -> how its images are read
 MROPE_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen2_5_omni", "qwen3_omni", "glm4v")
 
 
@@ -140,8 +149,7 @@ def is_vlm(config) -> bool:
 def uses_mrope(config) -> bool:
     text = getattr(config, "text_config", None) or config
     ropes = [getattr(c, a, None) for c in (config, text) for a in ("rope_scaling", "rope_parameters")]
-    return config.model_type.startswith(MROPE_TYPES) or any(isinstance(r, dict) and "mrope_section" in r
-                                                            for r in ropes)
+    return config.model_type.startswith(MROPE_TYPES) or any(isinstance(r, dict) and "mrope_section" in r for r in ropes)
 
 
 def vision_for(config):
@@ -151,6 +159,8 @@ def vision_for(config):
     if kind in VISIONS:
         return VISIONS[kind]
     if uses_mrope(config):
-        raise ValueError(f"{kind} places image tokens at M-RoPE (3-D) positions: the torch engine writes 1-D "
-                         f"positions and reads images of {', '.join(VISIONS)} models only")
+        raise ValueError(
+            f"{kind} places image tokens at M-RoPE (3-D) positions: the torch engine writes 1-D "
+            f"positions and reads images of {', '.join(VISIONS)} models only"
+        )
     return None

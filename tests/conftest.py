@@ -1,4 +1,5 @@
 """Shared fixtures: the real models (loaded once per test run) and a real verifier on port 0."""
+
 from __future__ import annotations
 
 import asyncio

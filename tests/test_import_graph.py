@@ -1,5 +1,6 @@
 """No import cycles in the packages or the tools: every `import` (at module level or inside a
 function) of a module of this repository is an edge, and the graph of those edges has no cycle."""
+
 from __future__ import annotations
 
 import ast
@@ -26,8 +27,9 @@ def imported(node: ast.AST, module: str, is_package: bool, modules: dict[str, Pa
     `from a.b import c` runs a and a.b, and a.b.c when c is a submodule. A module's own packages are
     imported before it anyway, so an edge to one of them counts only when a name is taken from it
     (`from . import NAME` in a submodule, NAME not a submodule: the package's __init__ must have run)."""
+
     def chain(name: str) -> set[str]:
-        return {p for p in (".".join(name.split(".")[:i + 1]) for i in range(name.count(".") + 1)) if p in modules}
+        return {p for p in (".".join(name.split(".")[: i + 1]) for i in range(name.count(".") + 1)) if p in modules}
 
     own = set(chain(module)) - {module}
     if isinstance(node, ast.Import):
@@ -63,7 +65,7 @@ def import_graph() -> dict[str, set[str]]:
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     """One cycle as a path [a, b, ..., a], or None (iterative depth-first search)."""
-    state: dict[str, int] = {}         # 1: on the stack, 2: done
+    state: dict[str, int] = {}  # 1: on the stack, 2: done
     for root in sorted(graph):
         if root in state:
             continue
@@ -78,7 +80,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
                 path.pop()
                 state[node] = 2
             elif state.get(child) == 1:
-                return path[path.index(child):] + [child]
+                return path[path.index(child) :] + [child]
             elif child not in state:
                 state[child] = 1
                 path.append(child)
@@ -89,8 +91,8 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 def test_the_graph_sees_imports():
     graph = import_graph()
     assert "server_bridge.engine" in graph["server_bridge.verifier"] or graph["server_bridge.verifier"]
-    assert "protocol.images" in graph["protocol.wire"]          # `from . import images as image_wire`
-    assert "protocol" in graph["agent.drafter"]                 # `from protocol import modelfiles`
+    assert "protocol.images" in graph["protocol.wire"]  # `from . import images as image_wire`
+    assert "protocol" in graph["agent.drafter"]  # `from protocol import modelfiles`
 
 
 def test_find_cycle_reports_the_path():

@@ -1,5 +1,6 @@
 """`make setup-robot`: the robot's install only, and a llama.cpp wheel keyed by its build flags (checked with
 `make -n`, which prints the recipe without running it)."""
+
 from __future__ import annotations
 
 import re
@@ -40,6 +41,6 @@ def test_jetson_with_nvcc_builds_llama_cpp_with_cuda_into_its_own_wheelhouse(tmp
     cuda = dry_run("setup-robot", tmp_path, ARCH="aarch64", NVCC="/usr/local/cuda/bin/nvcc")
     cpu = dry_run("setup-robot", tmp_path, ARCH="aarch64", NVCC="")
     assert "-DGGML_CUDA=on" in cuda and "-DGGML_CUDA" not in cpu
-    assert wheelhouse(cuda) != wheelhouse(cpu)                  # a CPU wheel is never reused for CUDA
+    assert wheelhouse(cuda) != wheelhouse(cpu)  # a CPU wheel is never reused for CUDA
     other_flags = dry_run("setup", tmp_path, LLAMA_CMAKE_ARGS="-DGGML_NATIVE=ON")
     assert wheelhouse(other_flags) != wheelhouse(dry_run("setup", tmp_path))

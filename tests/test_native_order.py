@@ -6,6 +6,7 @@ linker keeps it: the link map, in load order, of a fresh interpreter after each 
 import. Without `load_llama_first()` in the packages' __init__ files, numpy comes first (or
 llama.cpp not at all) and they fail.
 """
+
 from __future__ import annotations
 
 import json
@@ -18,8 +19,18 @@ import pytest
 from protocol import native
 
 # every way a process of the project starts: the console scripts' modules, the tools, the test run
-ENTRY_POINTS = ["server_bridge.cli", "agent.cli", "server_bridge.server", "agent.daemon", "protocol.wire",
-                "tools.demo", "tools.divergence", "tools.loadgen", "tools.bench_gpu_engine", "tests.conftest"]
+ENTRY_POINTS = [
+    "server_bridge.cli",
+    "agent.cli",
+    "server_bridge.server",
+    "agent.daemon",
+    "protocol.wire",
+    "tools.demo",
+    "tools.bench.divergence",
+    "tools.bench.loadgen",
+    "tools.bench.gpu_engine",
+    "tests.conftest",
+]
 
 PROBE = """
 import importlib, json, sys
@@ -39,24 +50,28 @@ def probe(module: str) -> dict:
 @pytest.mark.parametrize("module", ENTRY_POINTS)
 def test_each_entry_point_loads_llama_before_numpy(module):
     r = probe(module)
-    assert r["numpy_first"] is False, (f"importing {module} loaded "
-                                       + ("no libllama" if r["numpy_first"] is None else "numpy's core first")
-                                       + f": {[n for n in r['libs'] if 'llama' in n or 'multiarray' in n]}")
+    assert r["numpy_first"] is False, (
+        f"importing {module} loaded "
+        + ("no libllama" if r["numpy_first"] is None else "numpy's core first")
+        + f": {[n for n in r['libs'] if 'llama' in n or 'multiarray' in n]}"
+    )
 
 
 def test_the_link_map_sees_numpy_first_when_a_script_imports_it_first():
     """The detector itself: a script that imports numpy and then llama_cpp is caught, and warned about."""
-    code = ("import numpy, llama_cpp, logging\n"
-            "from protocol import native\n"     # protocol's own load_llama_first finds llama_cpp already loaded
-            "logging.basicConfig(level=logging.WARNING)\n"
-            "print(native.numpy_loaded_first())\n"
-            "native.warn_if_numpy_first(gpu_offload=False)\n"
-            "native.warn_if_numpy_first(gpu_offload=True)\n"
-            "native.warn_if_numpy_first(gpu_offload=True)\n")
+    code = (
+        "import numpy, llama_cpp, logging\n"
+        "from protocol import native\n"  # protocol's own load_llama_first finds llama_cpp already loaded
+        "logging.basicConfig(level=logging.WARNING)\n"
+        "print(native.numpy_loaded_first())\n"
+        "native.warn_if_numpy_first(gpu_offload=False)\n"
+        "native.warn_if_numpy_first(gpu_offload=True)\n"
+        "native.warn_if_numpy_first(gpu_offload=True)\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "True"
-    assert out.stderr.count("numpy was imported before llama_cpp") == 1      # once, and only with GPU offload
+    assert out.stderr.count("numpy was imported before llama_cpp") == 1  # once, and only with GPU offload
 
 
 def test_this_test_process_loaded_llama_first(caplog):
@@ -71,7 +86,7 @@ def test_one_backend_holds_the_gpu_per_process(monkeypatch):
 
     monkeypatch.setattr(engine, "_gpu_backend", {})
     engine._claim_gpu("llamacpp", "big.gguf", uses_gpu=True)
-    engine._claim_gpu("llamacpp", "other.gguf", uses_gpu=True)       # the same backend twice is fine
-    engine._claim_gpu("torch", "hf-dir", uses_gpu=False)              # torch on the CPU beside it is fine
+    engine._claim_gpu("llamacpp", "other.gguf", uses_gpu=True)  # the same backend twice is fine
+    engine._claim_gpu("torch", "hf-dir", uses_gpu=False)  # torch on the CPU beside it is fine
     with pytest.raises(RuntimeError, match="own process"):
         engine._claim_gpu("torch", "hf-dir", uses_gpu=True)

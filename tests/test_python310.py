@@ -4,6 +4,7 @@ No 3.10 interpreter can be installed on the development machine (none in its pac
 so the check is static: vermin finds 3.11-only syntax, modules and APIs, and fails the build on one.
 The one 3.11 module used, tomllib, has a fallback (tomli), exercised here by hiding tomllib.
 """
+
 from __future__ import annotations
 
 import subprocess
@@ -17,8 +18,13 @@ PACKAGES = ("agent", "server_bridge", "protocol")
 def test_packages_need_nothing_newer_than_python_310():
     vermin = Path(sys.executable).with_name("vermin")
     assert vermin.exists(), "vermin is missing: it is in setup.py's dev extra (make setup installs it)"
-    proc = subprocess.run([str(vermin), "--target=3.10-", "--violations", "--eval-annotations", "--no-tips",
-                           *PACKAGES], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [str(vermin), "--target=3.10-", "--violations", "--eval-annotations", "--no-tips", *PACKAGES],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 

@@ -1,6 +1,7 @@
 """systemd/: the units pass `systemd-analyze verify`, the robot unit keeps its devices, the example
 config parses, and install.sh works (a dry run as an unprivileged user; a real run inside a private
 mount namespace when the tests run as root)."""
+
 from __future__ import annotations
 
 import os
@@ -8,10 +9,10 @@ import pwd
 import re
 import shutil
 import subprocess
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 SYSTEMD = Path(__file__).resolve().parents[1] / "systemd"
 INSTALL = SYSTEMD / "install.sh"
@@ -57,7 +58,7 @@ def verify(unit_text: str, name: str, tmp_path: Path) -> list[str]:
     unit.write_text(text)
     cmd = [SYSTEMD_ANALYZE, "verify"]
     help_text = subprocess.run([SYSTEMD_ANALYZE, "--help"], capture_output=True, text=True).stdout
-    if "--recursive-errors" in help_text:     # systemd >= 250: non-zero exit on any warning about this unit
+    if "--recursive-errors" in help_text:  # systemd >= 250: non-zero exit on any warning about this unit
         cmd.append("--recursive-errors=no")
     proc = subprocess.run([*cmd, str(unit)], capture_output=True, text=True, timeout=60)
     lines = (proc.stdout + proc.stderr).splitlines()
@@ -69,8 +70,9 @@ def verify(unit_text: str, name: str, tmp_path: Path) -> list[str]:
     return complaints
 
 
-needs_analyze = pytest.mark.skipif(SYSTEMD_ANALYZE is None,
-                                   reason="systemd-analyze not installed (apt-get install systemd)")
+needs_analyze = pytest.mark.skipif(
+    SYSTEMD_ANALYZE is None, reason="systemd-analyze not installed (apt-get install systemd)"
+)
 
 
 @needs_analyze
@@ -97,7 +99,7 @@ def test_edge_agent_unit_notifies_and_keeps_the_devices():
     assert "Unit.StartLimitIntervalSec" in s and "Unit.StartLimitBurst" in s
     assert s["Service.User"] == ["edgespec"]
     groups = " ".join(s["Service.SupplementaryGroups"]).split()
-    assert "dialout" in groups and "video" in groups          # serial ports; cameras and Jetson CUDA
+    assert "dialout" in groups and "video" in groups  # serial ports; cameras and Jetson CUDA
     # Any of these would hide /dev/ttyUSB*, /dev/video* or /dev/nvmap from the daemon.
     for key in ("PrivateDevices", "DeviceAllow", "DevicePolicy", "ProtectClock", "DynamicUser"):
         assert f"Service.{key}" not in s, key
@@ -105,8 +107,16 @@ def test_edge_agent_unit_notifies_and_keeps_the_devices():
     assert s["Service.ExecStart"] == [f"{VENV_BIN}edge-agent run --config /etc/edgespec/edge-agent.toml"]
     assert s["Service.StateDirectory"] == ["edge-agent"]
     assert "HOME=/var/lib/edge-agent" in s["Service.Environment"][0].split()
-    for key in ("NoNewPrivileges", "ProtectHome", "PrivateTmp", "ProtectKernelTunables", "ProtectKernelModules",
-                "ProtectControlGroups", "RestrictSUIDSGID", "LockPersonality"):
+    for key in (
+        "NoNewPrivileges",
+        "ProtectHome",
+        "PrivateTmp",
+        "ProtectKernelTunables",
+        "ProtectKernelModules",
+        "ProtectControlGroups",
+        "RestrictSUIDSGID",
+        "LockPersonality",
+    ):
         assert s[f"Service.{key}"] == ["yes"], key
     assert s["Service.ProtectSystem"] == ["strict"]
     assert set(s["Service.RestrictAddressFamilies"][0].split()) == {"AF_UNIX", "AF_INET", "AF_INET6", "AF_NETLINK"}
@@ -122,17 +132,46 @@ def test_server_bridge_unit_type_matches_what_server_bridge_sends():
 def test_example_config_parses_with_the_daemons_field_names():
     config = tomllib.loads((SYSTEMD / "edge-agent.toml").read_text())
     expected = {
-        "agent": {"draft", "threads", "n_gpu_layers", "mode", "draft_policy", "gamma", "max_tokens", "temperature",
-                  "payload", "topk", "slo_tokens_per_s"},
-        "link": {"verifier", "ca_file", "allow_insecure", "token_env", "keepalive_s", "verify_timeout_s",
-                 "reconnect_backoff_s", "reconnect_backoff_max_s"},
+        "agent": {
+            "draft",
+            "draft_mmproj",
+            "threads",
+            "n_gpu_layers",
+            "mode",
+            "draft_policy",
+            "gamma",
+            "max_tokens",
+            "temperature",
+            "payload",
+            "topk",
+            "slo_tokens_per_s",
+        },
+        "link": {
+            "verifier",
+            "ca_file",
+            "allow_insecure",
+            "token_env",
+            "keepalive_s",
+            "verify_timeout_s",
+            "reconnect_backoff_s",
+            "reconnect_backoff_max_s",
+        },
         "offline": {"policy", "max_forward_cm", "max_turn_deg", "speed_scale"},
         "nav": {"memory_steps", "memory_max_tokens", "grammar"},
         "robot": {"controller", "control_hz", "options"},
-        "safety": {"max_vx", "max_vy", "max_wz", "max_dvx", "max_dvy", "max_dwz", "deadman_s", "max_frame_age_s",
-                   "min_clearance_m"},
+        "safety": {
+            "max_vx",
+            "max_vy",
+            "max_wz",
+            "max_dvx",
+            "max_dvy",
+            "max_dwz",
+            "deadman_s",
+            "max_frame_age_s",
+            "min_clearance_m",
+        },
         "camera": {"source", "width", "height", "fps", "max_age_ms"},
-        "perception": {"kind", "target_height_m"},
+        "perception": {"kind", "target_height_m", "image_max_side", "jpeg_quality"},
         "api": {"listen"},
         "telemetry": {"path", "max_bytes"},
     }
@@ -144,7 +183,7 @@ def test_example_config_parses_with_the_daemons_field_names():
     assert config["robot"]["controller"] == "go2" and config["camera"]["source"] == "go2"
     assert config["link"]["verifier"].startswith("wss://") and config["safety"]["min_clearance_m"] > 0
     assert isinstance(config["robot"]["options"], dict)
-    assert config["perception"]["kind"] in ("sim", "color")
+    assert config["perception"]["kind"] in ("sim", "color", "vlm")
     # The daemon can write only its StateDirectory (ProtectSystem=strict).
     assert config["telemetry"]["path"].startswith("/var/lib/edge-agent/")
 
@@ -163,8 +202,13 @@ def run_unprivileged(*args: str) -> subprocess.CompletedProcess:
             pytest.skip("running as root and setpriv (util-linux) is missing: cannot drop to an unprivileged user")
         nobody = pwd.getpwnam("nobody")
         cmd = [setpriv, f"--reuid={nobody.pw_uid}", f"--regid={nobody.pw_gid}", "--clear-groups", *cmd]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=60,
-                          env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LC_ALL": "C"})
+    return subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LC_ALL": "C"},
+    )
 
 
 def test_install_dry_run_needs_no_root_and_changes_nothing():
@@ -221,11 +265,28 @@ cmp /etc/edgespec/edge-agent.toml "$src/edge-agent.toml" && echo "toml copied"
 """
 
 
-@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
-                    reason="the sandboxed real install needs root and unshare (a private mount namespace)")
+@pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("unshare") is None,
+    reason="the sandboxed real install needs root and unshare (a private mount namespace)",
+)
 def test_install_for_real_in_a_sandbox_is_idempotent(tmp_path):
-    proc = subprocess.run(["unshare", "--mount", "--propagation", "private", "bash", "-c", SANDBOX, "sandbox",
-                           str(SYSTEMD), str(tmp_path)], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            "unshare",
+            "--mount",
+            "--propagation",
+            "private",
+            "bash",
+            "-c",
+            SANDBOX,
+            "sandbox",
+            str(SYSTEMD),
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     if proc.returncode == 77:
         pytest.skip("cannot mount tmpfs/overlay here (no CAP_SYS_ADMIN in this container?)")
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -3,7 +3,7 @@
 # already build (so the peer and our engine run the same llama.cpp), once per machine, into
 #   $HOME/.cache/edgespec/llama-server-<version>-<flavour>-<hash of cmake args>/llama-server
 # like the Makefile caches the wheel. A second run finds the binary and returns at once.
-# Used only by the peer benchmark (tools/peer.py) and tools/bench_gpu_engine.py (llama-batched-bench, beside
+# Used only by the peer benchmark (tools/bench/peer.py) and tools/bench/gpu_engine.py (llama-batched-bench, beside
 # llama-server in the same folder); `make setup` and `make test` never call it.
 #
 # Environment (the Makefile passes the first three):

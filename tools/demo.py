@@ -14,6 +14,7 @@ Any scene (`--scene`, a name or a JSON file, agent/robot/scene.py) and any of it
 (`--starts all` runs them one after another with the same verifier and draft); each start
 ends with whether the robot reached what the instruction names.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,15 +30,15 @@ from agent import config
 from agent.daemon import Daemon
 from agent.robot.scene import SceneError, load_scene
 from protocol import llamalog
-from tools.episode import print_step, restart, run_episode
-from tools.local_verifier import LocalVerifier, pin_cores
-from tools.netem import LinkProfile, NetemProxy
+from tools.cluster.local_verifier import LocalVerifier, pin_cores
+from tools.cluster.netem import LinkProfile, NetemProxy
+from tools.robot.episode import print_step, restart, run_episode
 
 OUT = Path("build/demo")
 
 
 def parse_starts(text: str, n: int) -> list[int]:
-    """"all" -> every start of the scene; "0,2" -> those; "1" -> that one (indices 0..n-1)."""
+    """ "all" -> every start of the scene; "0,2" -> those; "1" -> that one (indices 0..n-1)."""
     if text.strip() == "all":
         return list(range(n))
     try:
@@ -53,22 +54,30 @@ def parse_starts(text: str, n: int) -> list[int]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--scene", default="red_box", help="a shipped scene's name or a scene file (JSON)")
-    ap.add_argument("--starts", default=None, help="the start poses to run: 'all', or indices like 0,2 "
-                                                  "(default: --start)")
+    ap.add_argument(
+        "--starts", default=None, help="the start poses to run: 'all', or indices like 0,2 (default: --start)"
+    )
     ap.add_argument("--start", type=int, default=0, help="one start pose (index into the scene's starts)")
-    ap.add_argument("--instruction", default=None, help="default: the scene's (\"go to the red box\")")
+    ap.add_argument("--instruction", default=None, help='default: the scene\'s ("go to the red box")')
     ap.add_argument("--max-steps", type=int, default=30)
     ap.add_argument("--rtt-ms", type=float, default=20.0)
     ap.add_argument("--cut-at", type=int, default=3, help="cut the link before this step (0: never)")
     ap.add_argument("--cut-steps", type=int, default=3, help="steps the link stays down")
     ap.add_argument("--offline", choices=("local", "hold"), default="local")
     ap.add_argument("--mode", choices=("sd", "fsd", "ar"), default="sd")
-    ap.add_argument("--min-clearance-m", type=float, default=None,
-                    help="the safety layer's obstacle stop (safety.min_clearance_m; default: the config's, on at "
-                         "0.2 m with the simulator's ray cast; the Go2 example has 0.4; 0: off)")
+    ap.add_argument(
+        "--min-clearance-m",
+        type=float,
+        default=None,
+        help="the safety layer's obstacle stop (safety.min_clearance_m; default: the config's, on at "
+        "0.2 m with the simulator's ray cast; the Go2 example has 0.4; 0: off)",
+    )
     ap.add_argument("--out", type=Path, default=OUT)
-    ap.add_argument("--verbose", action="store_true", help="third-party logs (llama.cpp's model loads and context "
-                    "warnings) on the terminal; also EDGESPEC_VERBOSE=1")
+    ap.add_argument(
+        "--verbose",
+        action="store_true",
+        help="third-party logs (llama.cpp's model loads and context warnings) on the terminal; also EDGESPEC_VERBOSE=1",
+    )
     args = ap.parse_args(argv)
     verbose = llamalog.want_verbose(args.verbose)
     logging.basicConfig(level=logging.INFO if verbose else logging.ERROR, stream=sys.stderr)
@@ -85,28 +94,49 @@ def main(argv: list[str] | None = None) -> int:
     telemetry.unlink(missing_ok=True)
 
     agent_cpus, server_cpus = pin_cores()
-    print(f"starting the verifier (target smollm2-f32) on cores {sorted(server_cpus)}; the robot runs on cores "
-          f"{sorted(agent_cpus)} behind a {args.rtt_ms:.0f} ms RTT link ...", flush=True)
+    print(
+        f"starting the verifier (target smollm2-f32) on cores {sorted(server_cpus)}; the robot runs on cores "
+        f"{sorted(agent_cpus)} behind a {args.rtt_ms:.0f} ms RTT link ...",
+        flush=True,
+    )
     t0 = time.perf_counter()
     summaries = []
-    with LocalVerifier(cpus=server_cpus, threads=len(server_cpus)) as server, \
-            NetemProxy("127.0.0.1", server.port, LinkProfile.from_rtt(args.rtt_ms, jitter_ms=2)) as link:
+    with (
+        LocalVerifier(cpus=server_cpus, threads=len(server_cpus)) as server,
+        NetemProxy("127.0.0.1", server.port, LinkProfile.from_rtt(args.rtt_ms, jitter_ms=2)) as link,
+    ):
         os.sched_setaffinity(0, agent_cpus)
-        cfg = config.load(None, [
-            f'link.verifier="{link.url()}"', f'offline.policy="{args.offline}"', f'agent.mode="{args.mode}"',
-            f"robot.options.scene={json.dumps(scene.path)}", f"robot.options.start={starts[0]}",
-            f'telemetry.path="{telemetry}"', f"agent.threads={len(agent_cpus)}", "link.verify_timeout_s=2.0",
-            "camera.fps=20",
-            *([f"safety.min_clearance_m={args.min_clearance_m}"] if args.min_clearance_m is not None else [])])
+        cfg = config.load(
+            None,
+            [
+                f'link.verifier="{link.url()}"',
+                f'offline.policy="{args.offline}"',
+                f'agent.mode="{args.mode}"',
+                f"robot.options.scene={json.dumps(scene.path)}",
+                f"robot.options.start={starts[0]}",
+                f'telemetry.path="{telemetry}"',
+                f"agent.threads={len(agent_cpus)}",
+                "link.verify_timeout_s=2.0",
+                "camera.fps=20",
+                *([f"safety.min_clearance_m={args.min_clearance_m}"] if args.min_clearance_m is not None else []),
+            ],
+        )
         daemon = Daemon(cfg)
-        print(f"verifier ready in {time.perf_counter() - t0:.1f}s; loading the draft and prefilling the prompt on "
-              "both sides ...", flush=True)
+        print(
+            f"verifier ready in {time.perf_counter() - t0:.1f}s; loading the draft and prefilling the prompt on "
+            "both sides ...",
+            flush=True,
+        )
         daemon.start(notify_ready=False)
         world, nav = daemon.world, daemon.nav
-        print(f"robot ready: controller sim (scene {world.scene}, starts {starts}), camera sim, perception "
-              f"'{cfg.perception.kind}' (the simulator's ground truth of what the camera sees, as text: the bundled "
-              f"models read text only), offline policy '{args.offline}', link {nav.link}\n", flush=True)
+        print(
+            f"robot ready: controller sim (scene {world.scene}, starts {starts}), camera sim, perception "
+            f"'{cfg.perception.kind}' (the simulator's ground truth of what the camera sees, as text: the bundled "
+            f"models read text only), offline policy '{args.offline}', link {nav.link}\n",
+            flush=True,
+        )
         import cv2
+
         try:
             for k, start in enumerate(starts):
                 if k:
@@ -115,9 +145,17 @@ def main(argv: list[str] | None = None) -> int:
                     x, y, th = scene.starts[start]
                     print(f"--- start {start}: ({x:.1f}, {y:.1f}) facing {math.degrees(th):.0f} deg ---")
                 print(f'instruction: "{instruction}"\n')
-                summary, _ = run_episode(daemon, world, instruction, args.max_steps, cut_at=args.cut_at,
-                                         cut_steps=args.cut_steps, link_proxy=link, printer=print_step,
-                                         task=f"demo-{start}")
+                summary, _ = run_episode(
+                    daemon,
+                    world,
+                    instruction,
+                    args.max_steps,
+                    cut_at=args.cut_at,
+                    cut_steps=args.cut_steps,
+                    link_proxy=link,
+                    printer=print_step,
+                    task=f"demo-{start}",
+                )
                 suffix = "" if len(starts) == 1 else f"_start{start}"
                 summary["map"] = str(args.out / f"map{suffix}.png")
                 cv2.imwrite(summary["map"], world.render_map())
@@ -127,24 +165,38 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             daemon.close()
 
-    out = summaries[0] if len(summaries) == 1 else {
-        "scene": scene.name, "instruction": instruction, "episodes": summaries,
-        "reached": sum(s["reached"] for s in summaries), "of": len(summaries)}
+    out = (
+        summaries[0]
+        if len(summaries) == 1
+        else {
+            "scene": scene.name,
+            "instruction": instruction,
+            "episodes": summaries,
+            "reached": sum(s["reached"] for s in summaries),
+            "of": len(summaries),
+        }
+    )
     (args.out / "summary.json").write_text(json.dumps(out, indent=1))
     if len(summaries) > 1:
-        print(f"reached {out['reached']} of {len(summaries)} starts: "
-              + ", ".join(f"start {s['start']} {'yes' if s['reached'] else 'no'}" for s in summaries))
-    print(f"map of the path: {', '.join(s['map'] for s in summaries)}; telemetry (one JSON line per step): "
-          f"{telemetry}; summary: {args.out / 'summary.json'}")
+        print(
+            f"reached {out['reached']} of {len(summaries)} starts: "
+            + ", ".join(f"start {s['start']} {'yes' if s['reached'] else 'no'}" for s in summaries)
+        )
+    print(
+        f"map of the path: {', '.join(s['map'] for s in summaries)}; telemetry (one JSON line per step): "
+        f"{telemetry}; summary: {args.out / 'summary.json'}"
+    )
     return 0
 
 
 def _verdict(s: dict) -> str:
     what = s["target"] or "the target"
-    return (f"{'reached the ' + what if s['reached'] else 'did not reach the ' + what} after {s['steps']} steps "
-            f"({s['end']}; {s['distance_m']} m left, {s['collisions']} collisions, path {s['path_m']} m, shortest "
-            f"{s['shortest_m']} m, SPL {s['spl']}); {s['verified_steps']} verified steps (mean tau {s['mean_tau']}), "
-            f"{s['offline_steps']} offline steps with {s['unverified_tokens']} unverified tokens; parses {s['parses']}")
+    return (
+        f"{'reached the ' + what if s['reached'] else 'did not reach the ' + what} after {s['steps']} steps "
+        f"({s['end']}; {s['distance_m']} m left, {s['collisions']} collisions, path {s['path_m']} m, shortest "
+        f"{s['shortest_m']} m, SPL {s['spl']}); {s['verified_steps']} verified steps (mean tau {s['mean_tau']}), "
+        f"{s['offline_steps']} offline steps with {s['unverified_tokens']} unverified tokens; parses {s['parses']}"
+    )
 
 
 if __name__ == "__main__":

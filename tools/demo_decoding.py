@@ -6,6 +6,7 @@ emulator (a Wi-Fi-like 20 ms RTT); the draft model runs here on another core.
 The answers and their metrics are printed side by side; at temperature 0
 they must be token-for-token identical.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -17,18 +18,27 @@ import time
 from agent.decoder import EdgeDecoder
 from agent.drafter import Drafter
 from agent.policy import DraftPolicy
-from tools.local_verifier import LocalVerifier, pin_cores
-from tools.netem import LinkProfile, NetemProxy
+from tools.cluster.local_verifier import LocalVerifier, pin_cores
+from tools.cluster.netem import LinkProfile, NetemProxy
 
-PROMPT = ("You are a quadruped robot in a hallway. The kitchen door is 2 metres ahead on your left. "
-          "Explain in two sentences how you will get into the kitchen.")
-ROWS = [("tokens", lambda g: len(g.token_ids), "{}"), ("wall_s", lambda g: g.metrics.wall_s, "{:.2f}"),
-        ("tokens_per_s", lambda g: g.metrics.tokens_per_s, "{:.2f}"), ("rounds", lambda g: g.metrics.rounds, "{}"),
-        ("tau", lambda g: g.metrics.tau, "{:.2f}"), ("acceptance_rate", lambda g: g.metrics.acceptance_rate, "{:.3f}"),
-        ("target_forward_passes", lambda g: g.metrics.target_forward_passes, "{}"),
-        ("draft_ms", lambda g: g.metrics.draft_ms, "{:.0f}"), ("verify_ms", lambda g: g.metrics.verify_ms, "{:.0f}"),
-        ("network_ms", lambda g: g.metrics.network_ms, "{:.0f}"), ("bytes_up", lambda g: g.metrics.bytes_up, "{}"),
-        ("bytes_down", lambda g: g.metrics.bytes_down, "{}")]
+PROMPT = (
+    "You are a quadruped robot in a hallway. The kitchen door is 2 metres ahead on your left. "
+    "Explain in two sentences how you will get into the kitchen."
+)
+ROWS = [
+    ("tokens", lambda g: len(g.token_ids), "{}"),
+    ("wall_s", lambda g: g.metrics.wall_s, "{:.2f}"),
+    ("tokens_per_s", lambda g: g.metrics.tokens_per_s, "{:.2f}"),
+    ("rounds", lambda g: g.metrics.rounds, "{}"),
+    ("tau", lambda g: g.metrics.tau, "{:.2f}"),
+    ("acceptance_rate", lambda g: g.metrics.acceptance_rate, "{:.3f}"),
+    ("target_forward_passes", lambda g: g.metrics.target_forward_passes, "{}"),
+    ("draft_ms", lambda g: g.metrics.draft_ms, "{:.0f}"),
+    ("verify_ms", lambda g: g.metrics.verify_ms, "{:.0f}"),
+    ("network_ms", lambda g: g.metrics.network_ms, "{:.0f}"),
+    ("bytes_up", lambda g: g.metrics.bytes_up, "{}"),
+    ("bytes_down", lambda g: g.metrics.bytes_down, "{}"),
+]
 
 
 def _fmt(fmt, value):
@@ -46,11 +56,16 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
 
     agent_cpus, server_cpus = pin_cores()
-    print(f"starting the verifier (target smollm2-f32) on cores {sorted(server_cpus)}; the robot drafts on "
-          f"cores {sorted(agent_cpus)} through a {args.rtt_ms:.0f} ms RTT link ...", flush=True)
+    print(
+        f"starting the verifier (target smollm2-f32) on cores {sorted(server_cpus)}; the robot drafts on "
+        f"cores {sorted(agent_cpus)} through a {args.rtt_ms:.0f} ms RTT link ...",
+        flush=True,
+    )
     t0 = time.perf_counter()
-    with LocalVerifier(cpus=server_cpus, threads=len(server_cpus)) as server, \
-            NetemProxy("127.0.0.1", server.port, LinkProfile.from_rtt(args.rtt_ms, jitter_ms=2)) as link:
+    with (
+        LocalVerifier(cpus=server_cpus, threads=len(server_cpus)) as server,
+        NetemProxy("127.0.0.1", server.port, LinkProfile.from_rtt(args.rtt_ms, jitter_ms=2)) as link,
+    ):
         print(f"verifier ready in {time.perf_counter() - t0:.1f}s at {server.url}, link at {link.url()}", flush=True)
         os.sched_setaffinity(0, agent_cpus)
         drafter = Drafter(args.draft, threads=len(agent_cpus))
@@ -67,23 +82,29 @@ def main(argv: list[str] | None = None) -> int:
 
     ar, sd, sdp = runs
     print("\n=== AR (the server's model alone, streamed) ===\n" + ar.text.strip())
-    print(f"\n=== SD (draft {drafter.name} on the robot, gamma {args.gamma}, verified by the server) ===\n"
-          + sd.text.strip())
+    print(
+        f"\n=== SD (draft {drafter.name} on the robot, gamma {args.gamma}, verified by the server) ===\n"
+        + sd.text.strip()
+    )
     print(f"\n{'metric':<24}{'AR':>12}{'SD':>12}{'SD+':>12}")
     for name, get, fmt in ROWS:
         print(f"{name:<24}{_fmt(fmt, get(ar)):>12}{_fmt(fmt, get(sd)):>12}{_fmt(fmt, get(sdp)):>12}")
     m = sdp.metrics
     lengths = ", ".join(f"{k} tokens x{n}" for k, n in sorted(m.draft_lengths.items(), key=lambda kv: int(kv[0])))
-    print(f"\nSD+ chose its draft lengths ({lengths}): the rejection predictor stopped {m.predictor_stops} "
-          f"drafts early; by the estimates (acceptance {m.estimates.get('alpha')}, L {m.estimates.get('L')}, "
-          f"round trip {m.estimates.get('network_ms_0')} ms) the best length is {m.gamma_star} and speculation "
-          f"should be {m.expected_speedup:.2f}x the target alone"
-          + (f"; AS2 switched: {[s['reason'] for s in m.as2_switches]}" if m.as2_switches else ""))
+    print(
+        f"\nSD+ chose its draft lengths ({lengths}): the rejection predictor stopped {m.predictor_stops} "
+        f"drafts early; by the estimates (acceptance {m.estimates.get('alpha')}, L {m.estimates.get('L')}, "
+        f"round trip {m.estimates.get('network_ms_0')} ms) the best length is {m.gamma_star} and speculation "
+        f"should be {m.expected_speedup:.2f}x the target alone"
+        + (f"; AS2 switched: {[s['reason'] for s in m.as2_switches]}" if m.as2_switches else "")
+    )
     same = ar.token_ids == sd.token_ids == sdp.token_ids
-    print(f"\nidentical token ids: {'yes' if same else 'NO'}; SD is {ar.metrics.wall_s / sd.metrics.wall_s:.2f}x "
-          f"AR's speed with {sd.metrics.target_forward_passes} target passes instead of "
-          f"{ar.metrics.target_forward_passes}; SD+ is {ar.metrics.wall_s / sdp.metrics.wall_s:.2f}x with "
-          f"{sdp.metrics.target_forward_passes}")
+    print(
+        f"\nidentical token ids: {'yes' if same else 'NO'}; SD is {ar.metrics.wall_s / sd.metrics.wall_s:.2f}x "
+        f"AR's speed with {sd.metrics.target_forward_passes} target passes instead of "
+        f"{ar.metrics.target_forward_passes}; SD+ is {ar.metrics.wall_s / sdp.metrics.wall_s:.2f}x with "
+        f"{sdp.metrics.target_forward_passes}"
+    )
     return 0 if same else 1
 
 

@@ -1,8 +1,9 @@
 """A logits row's best two ids and the margin between them: what makes a divergence a near-tie.
 
-Shared by tools/divergence.py (AR against verify passes), tools/loadgen.py and tools/cluster_soak.py
+Shared by tools/bench/divergence.py (AR against verify passes), tools/bench/loadgen.py and tools/cluster/soak.py
 (a fleet's off-record ids); it imports nothing of theirs, so they import it without a cycle.
 """
+
 from __future__ import annotations
 
 import numpy as np

@@ -4,6 +4,7 @@ The README links docs pages as `docs/guide/x.md` (so they work on GitHub); under
 `guide/x.md`. A link out of the repository (`../shared/DESIGN.md`) becomes plain text, since the site
 cannot hold it. Wired in mkdocs.yml under `hooks:`; there is no docs/index.md to keep in step.
 """
+
 from __future__ import annotations
 
 import re

@@ -1,11 +1,19 @@
 """One PNG line plot for the tools' reports (bench, exit training); matplotlib without a display."""
+
 from __future__ import annotations
 
 from pathlib import Path
 
 
-def line_plot(path: Path, series: list[tuple[str, list, list]], xlabel: str, ylabel: str, title: str = "",
-              ylim: tuple[float, float] | None = None, notes: list[tuple[float, float, str]] = ()) -> None:
+def line_plot(
+    path: Path,
+    series: list[tuple[str, list, list]],
+    xlabel: str,
+    ylabel: str,
+    title: str = "",
+    ylim: tuple[float, float] | None = None,
+    notes: list[tuple[float, float, str]] = (),
+) -> None:
     """series: (label, xs, ys) per line; notes: (x, y, text) annotations beside points."""
     import matplotlib
 

@@ -21,6 +21,7 @@ action sentence cannot override it unless it is itself a complete action.
 Every action is bounded (at most 75 cm or 45 degrees), which bounds the harm of any
 one bad output.
 """
+
 from __future__ import annotations
 
 import math
@@ -37,8 +38,8 @@ STOP_TEXT = "I think I should stop because I have finished the instruction."
 
 @dataclass(frozen=True)
 class Action:
-    kind: str                           # forward | left | right | stop
-    amount: int = 0                     # cm for forward, degrees for a turn, 0 for stop
+    kind: str  # forward | left | right | stop
+    amount: int = 0  # cm for forward, degrees for a turn, 0 for stop
 
     def __post_init__(self):
         allowed = {"forward": FORWARD_CM, "left": TURN_DEG, "right": TURN_DEG, "stop": (0,)}
@@ -55,16 +56,20 @@ class Action:
         return f"The next action is turn {self.kind} {self.amount} degree."
 
     def __str__(self) -> str:
-        return "stop" if self.kind == "stop" else (
-            f"forward {self.amount} cm" if self.kind == "forward" else f"turn {self.kind} {self.amount} deg")
+        return (
+            "stop"
+            if self.kind == "stop"
+            else (f"forward {self.amount} cm" if self.kind == "forward" else f"turn {self.kind} {self.amount} deg")
+        )
 
 
 STOP = Action("stop")
-VOCABULARY = tuple([Action("forward", d) for d in FORWARD_CM] + [Action(s, a) for s in ("left", "right")
-                                                                 for a in TURN_DEG] + [STOP])
+VOCABULARY = tuple(
+    [Action("forward", d) for d in FORWARD_CM] + [Action(s, a) for s in ("left", "right") for a in TURN_DEG] + [STOP]
+)
 
 
-REASON_MAX_CHARS = 100                  # the reason sentence, its period included
+REASON_MAX_CHARS = 100  # the reason sentence, its period included
 
 
 def answer_grammar(reason_max_chars: int = REASON_MAX_CHARS) -> str:
@@ -78,9 +83,11 @@ def answer_grammar(reason_max_chars: int = REASON_MAX_CHARS) -> str:
     if reason_max_chars < 2:
         raise ValueError("the reason needs room for a capital letter and its period")
     actions = " | ".join(f'"{a.text}"' for a in VOCABULARY)
-    return (f'root ::= reason " " action\n'
-            f'reason ::= [A-Z] [a-zA-Z0-9 ,;\'-]{{0,{reason_max_chars - 2}}} "."\n'
-            f"action ::= {actions}\n")
+    return (
+        f'root ::= reason " " action\n'
+        f'reason ::= [A-Z] [a-zA-Z0-9 ,;\'-]{{0,{reason_max_chars - 2}}} "."\n'
+        f"action ::= {actions}\n"
+    )
 
 
 def answer_max_tokens(reason_max_chars: int = REASON_MAX_CHARS) -> int:
@@ -92,9 +99,9 @@ def answer_max_tokens(reason_max_chars: int = REASON_MAX_CHARS) -> int:
 @dataclass(frozen=True)
 class Parsed:
     action: Action
-    how: str                            # exact | tolerant | miss
-    span: str = ""                      # the text that decided it ("" on a miss)
-    note: str = ""                      # what the tolerant parse changed, why it missed
+    how: str  # exact | tolerant | miss
+    span: str = ""  # the text that decided it ("" on a miss)
+    note: str = ""  # what the tolerant parse changed, why it missed
 
 
 def _norm(text: str) -> str:
@@ -102,11 +109,16 @@ def _norm(text: str) -> str:
 
 
 # "the next action is turn left 30 degree" with the final period optional; "degrees" is NaVILA's too
-_EXACT = [(a, re.compile(re.escape(_norm(a.text).rstrip(".")).replace("degree", "degrees?") + r"(?=\.|\s|$)"))
-          for a in VOCABULARY]
+_EXACT = [
+    (a, re.compile(re.escape(_norm(a.text).rstrip(".")).replace("degree", "degrees?") + r"(?=\.|\s|$)"))
+    for a in VOCABULARY
+]
 _NUM = r"(\d+(?:\.\d+)?)"
-_FORWARD = re.compile(r"\b(?:move|go|walk|step)s?\s+(?:straight\s+)?forwards?(?:\s+(?:by\s+)?" + _NUM
-                      + r"\s*(cm|centimet(?:er|re)s?|m|met(?:er|re)s?)\b)?")
+_FORWARD = re.compile(
+    r"\b(?:move|go|walk|step)s?\s+(?:straight\s+)?forwards?(?:\s+(?:by\s+)?"
+    + _NUM
+    + r"\s*(cm|centimet(?:er|re)s?|m|met(?:er|re)s?)\b)?"
+)
 _TURN = re.compile(r"\bturns?\s+(?:to\s+the\s+)?(left|right)(?:\s+(?:by\s+)?" + _NUM + r"\s*(?:°|deg(?:ree)?s?)?)?")
 _STOP = re.compile(r"\bstop\b")
 _NEXT = re.compile(r"next action is\s+([^.\n]*)")
@@ -152,7 +164,7 @@ def parse_action(text: str) -> Parsed:
     if exact:
         _, action, span = min(exact, key=lambda e: e[0])
         return Parsed(action, "exact", span)
-    nxt = _NEXT.search(t)                       # the sentence the model was asked to write, if it wrote one
+    nxt = _NEXT.search(t)  # the sentence the model was asked to write, if it wrote one
     if nxt:
         hit = _tolerant(nxt.group(1))
         if hit:
@@ -166,17 +178,18 @@ def parse_action(text: str) -> Parsed:
 def complete(text: str) -> bool:
     """True once `text` holds a finished action sentence (generation can end there)."""
     t = _norm(text)
-    for _, rx in _EXACT:                        # a whole sentence: its period or a line break seen
+    for _, rx in _EXACT:  # a whole sentence: its period or a line break seen
         m = rx.search(t)
-        if m and t[m.end():m.end() + 1] in (".", "\n"):
+        if m and t[m.end() : m.end() + 1] in (".", "\n"):
             return True
     m = _NEXT.search(t)
-    return bool(m and re.search(r"[.\n]", t[m.end():m.end() + 1] or "") and _tolerant(m.group(1)))
+    return bool(m and re.search(r"[.\n]", t[m.end() : m.end() + 1] or "") and _tolerant(m.group(1)))
 
 
 @dataclass(frozen=True)
 class Motion:
     """A velocity held for a duration (NaVILA-Bench's get_vel_command)."""
+
     cmd: Command
     duration_s: float
 

@@ -29,6 +29,7 @@ registered here, a fake beside its own code, so this module imports no simulator
 A source may put the capture time (time.monotonic()) in its metadata as "t";
 the grabber stamps the frame with it, else with the time the read returned.
 """
+
 from __future__ import annotations
 
 import logging
@@ -42,6 +43,7 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
+
 class StaleFrame(RuntimeError):
     """No frame, or the newest one is older than the caller accepts."""
 
@@ -52,10 +54,10 @@ class CameraError(RuntimeError):
 
 @dataclass(frozen=True)
 class Frame:
-    image: np.ndarray                   # [h, w, 3] uint8, BGR
-    t: float                            # time.monotonic() at capture
-    seq: int                            # grabber's count, from 1
-    meta: dict = field(default_factory=dict)   # the simulator's pose at render time, say
+    image: np.ndarray  # [h, w, 3] uint8, BGR
+    t: float  # time.monotonic() at capture
+    seq: int  # grabber's count, from 1
+    meta: dict = field(default_factory=dict)  # the simulator's pose at render time, say
 
     def age_s(self, now: float | None = None) -> float:
         return (time.monotonic() if now is None else now) - self.t
@@ -65,6 +67,7 @@ class FrameSource(Protocol):
     def open(self) -> None: ...
     def read(self) -> tuple[np.ndarray, dict] | None:
         """Block for the next image (with its metadata); None on a failed read."""
+
     def close(self) -> None: ...
 
 
@@ -74,16 +77,25 @@ class OpenCVSource:
     def __init__(self, source: str, width: int = 640, height: int = 480, fps: int = 15, loop: bool = True):
         self.source, self.width, self.height, self.fps, self.loop = source, width, height, fps, loop
         self.cap = None
-        self.kind = ("gstreamer" if "!" in source else
-                     "v4l2" if source.startswith("/dev/video") or source.isdigit() else
-                     "stream" if re.match(r"(rtsp|rtmp|https?|udp|tcp)://", source) else "file")
+        self.kind = (
+            "gstreamer"
+            if "!" in source
+            else "v4l2"
+            if source.startswith("/dev/video") or source.isdigit()
+            else "stream"
+            if re.match(r"(rtsp|rtmp|https?|udp|tcp)://", source)
+            else "file"
+        )
 
     def open(self) -> None:
         import cv2
+
         if self.kind == "gstreamer":
             if not has_gstreamer(cv2):
-                raise CameraError("this OpenCV has no GStreamer (pip wheels never do): use JetPack's OpenCV, "
-                                  "e.g. a venv made with --system-site-packages")
+                raise CameraError(
+                    "this OpenCV has no GStreamer (pip wheels never do): use JetPack's OpenCV, "
+                    "e.g. a venv made with --system-site-packages"
+                )
             cap = cv2.VideoCapture(self.source, cv2.CAP_GSTREAMER)
         elif self.kind == "v4l2":
             dev = int(self.source) if self.source.isdigit() else self.source
@@ -106,9 +118,10 @@ class OpenCVSource:
         ok, img = self.cap.read()
         if not ok and self.kind == "file" and self.loop:
             import cv2
+
             self.cap.set(cv2.CAP_PROP_POS_FRAMES, 0)
             ok, img = self.cap.read()
-        if self.kind == "file":                 # a file reads as fast as it decodes; pace it like a camera
+        if self.kind == "file":  # a file reads as fast as it decodes; pace it like a camera
             time.sleep(1.0 / self.fps)
         return (img, {}) if ok else None
 
@@ -138,6 +151,7 @@ class Go2CameraSource:
     def open(self) -> None:
         from .controllers.base import ControllerError
         from .controllers.go2 import INSTALL_HINT, init_channel
+
         try:
             init_channel(self.network_interface)
             from unitree_sdk2py.go2.video.video_client import VideoClient
@@ -150,14 +164,15 @@ class Go2CameraSource:
 
     def read(self):
         import cv2
+
         t0 = time.monotonic()
         code, data = self.client.GetImageSample()
         image = None
         if code == 0 and data:
             image = cv2.imdecode(np.frombuffer(bytes(data), np.uint8), cv2.IMREAD_COLOR)
-        if image is None:               # a timeout or a bad sample: the grabber counts the failure
+        if image is None:  # a timeout or a bad sample: the grabber counts the failure
             return None
-        time.sleep(max(0.0, 1.0 / self.fps - (time.monotonic() - t0)))   # no faster than asked
+        time.sleep(max(0.0, 1.0 / self.fps - (time.monotonic() - t0)))  # no faster than asked
         return image, {"source": "go2", "t": t0, "jpeg_bytes": len(data)}
 
     def close(self) -> None:
@@ -167,8 +182,13 @@ class Go2CameraSource:
 class FrameGrabber:
     """Reads a source in a background thread and keeps only the newest frame."""
 
-    def __init__(self, source: FrameSource, name: str = "camera", max_failures: int = 50,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        source: FrameSource,
+        name: str = "camera",
+        max_failures: int = 50,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.source = source
         self.name = name
         self.max_failures = max_failures
@@ -199,15 +219,16 @@ class FrameGrabber:
         while not self._stop.is_set():
             try:
                 got = self.source.read()
-            except Exception as e:              # a driver error must not kill the thread silently
+            except Exception as e:  # a driver error must not kill the thread silently
                 got, self.error = None, f"{type(e).__name__}: {e}"
             if got is None:
                 self.failures += 1
                 consecutive += 1
                 if consecutive >= self.max_failures:
                     self.error = self.error or f"{consecutive} failed reads in a row"
-                    log.error("camera %s: %s; the grabber stops (the robot stops on stale frames)",
-                              self.name, self.error)
+                    log.error(
+                        "camera %s: %s; the grabber stops (the robot stops on stale frames)", self.name, self.error
+                    )
                     return
                 self._stop.wait(0.02)
                 continue
@@ -256,7 +277,7 @@ class FrameGrabber:
 # (agent/robot/sim.py registers "sim"), so this module imports none of them.
 SourceFactory = Callable[..., FrameSource]
 _SOURCES: dict[str, SourceFactory] = {}
-_OWNERS = {"sim": "agent.robot.sim (the sim controller's world)"}     # who registers a source not built in
+_OWNERS = {"sim": "agent.robot.sim (the sim controller's world)"}  # who registers a source not built in
 
 
 def register_source(name: str, factory: SourceFactory) -> None:
@@ -277,14 +298,17 @@ def _go2_source(source: str, *, fps: int = 15, network_interface: str | None = N
 register_source("go2", _go2_source)
 
 
-def open_source(source: str, width: int = 640, height: int = 480, fps: int = 15, world=None,
-                network_interface: str | None = None) -> FrameSource:
+def open_source(
+    source: str, width: int = 640, height: int = 480, fps: int = 15, world=None, network_interface: str | None = None
+) -> FrameSource:
     """The frame source a config string names: a registered name ("go2"; "sim" once agent.robot.sim is
     imported, and it needs the simulator's world) or else an OpenCV source (device, pipeline, stream, file)."""
     factory = _SOURCES.get(source)
     if factory is not None:
         return factory(source, width=width, height=height, fps=fps, world=world, network_interface=network_interface)
     if source in _OWNERS:
-        raise CameraError(f"camera source {source!r} is registered by {_OWNERS[source]}, which is not loaded: "
-                          f"use robot.controller = {source!r}")
+        raise CameraError(
+            f"camera source {source!r} is registered by {_OWNERS[source]}, which is not loaded: "
+            f"use robot.controller = {source!r}"
+        )
     return OpenCVSource(source, width, height, fps)

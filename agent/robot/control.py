@@ -12,6 +12,7 @@ the motion. Nothing here waits for a driver's reply: the safety layer runs the
 driver calls that do (StopMove, Damp, stand-up) on lanes of their own, so the
 loop keeps its rate and the watchdog is fed while the robot is slow to answer.
 """
+
 from __future__ import annotations
 
 import logging
@@ -28,10 +29,15 @@ log = logging.getLogger(__name__)
 
 
 class ControlLoop:
-    def __init__(self, safety: SafetyLayer, hz: float = 20.0,
-                 frame_age: Callable[[], float | None] = lambda: 0.0,
-                 watchdog: Callable[[], object] | None = None, watchdog_interval_s: float | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        safety: SafetyLayer,
+        hz: float = 20.0,
+        frame_age: Callable[[], float | None] = lambda: 0.0,
+        watchdog: Callable[[], object] | None = None,
+        watchdog_interval_s: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         if not 1.0 <= hz <= 500.0:
             raise ValueError(f"control rate must be 1..500 Hz, got {hz}")
         self.safety = safety
@@ -52,8 +58,8 @@ class ControlLoop:
         self._last_watchdog = -1e9
         self.ticks = 0
         self.last_sent = Command()
-        self.first_sent: Command | None = None    # the first command of the current motion, after the safety layer
-        self.peak_sent = Command()                # its largest set-point per axis (by magnitude)
+        self.first_sent: Command | None = None  # the first command of the current motion, after the safety layer
+        self.peak_sent = Command()  # its largest set-point per axis (by magnitude)
 
     # -------------------------------------------------------------- lifecycle
 
@@ -126,16 +132,16 @@ class ControlLoop:
         if motion is not None and not ramping and now < until:
             sent = self.safety.send_action(motion.cmd, self.frame_age())
             with self._lock:
-                if sent == Command() and motion.cmd != Command():     # the safety layer refused (stale, e-stop)
+                if sent == Command() and motion.cmd != Command():  # the safety layer refused (stale, e-stop)
                     self._drop()
                 else:
                     if self.first_sent is None:
                         self.first_sent = sent
                     p = self.peak_sent
-                    big = lambda a, b: a if abs(a) >= abs(b) else b      # noqa: E731
+                    big = lambda a, b: a if abs(a) >= abs(b) else b  # noqa: E731
                     self.peak_sent = Command(big(p.vx, sent.vx), big(p.vy, sent.vy), big(p.wz, sent.wz))
         elif motion is not None:
-            sent = self.safety.send_action(Command(), self.frame_age())   # ramp down through the rate limit
+            sent = self.safety.send_action(Command(), self.frame_age())  # ramp down through the rate limit
             with self._lock:
                 self._ramping = True
                 if sent == Command():
@@ -147,8 +153,11 @@ class ControlLoop:
             sent = self.safety.last_sent
         self.last_sent = sent
         self.ticks += 1
-        if self.watchdog is not None and self.watchdog_interval_s is not None \
-                and now - self._last_watchdog >= self.watchdog_interval_s:
+        if (
+            self.watchdog is not None
+            and self.watchdog_interval_s is not None
+            and now - self._last_watchdog >= self.watchdog_interval_s
+        ):
             self.watchdog()
             self._last_watchdog = now
 
@@ -157,7 +166,7 @@ class ControlLoop:
         while not self._stop.is_set():
             try:
                 self.tick()
-            except Exception:                   # a driver fault: stop the motors and keep the loop (and watchdog) alive
+            except Exception:  # a driver fault: stop the motors and keep the loop (and watchdog) alive
                 log.exception("control tick failed; stopping the robot")
                 with self._lock:
                     self._drop()
@@ -167,7 +176,7 @@ class ControlLoop:
                     log.exception("stop failed too")
             next_t += self.period
             delay = next_t - time.monotonic()
-            if delay < -self.period:             # fell behind (a slow driver): do not try to catch up in a burst
+            if delay < -self.period:  # fell behind (a slow driver): do not try to catch up in a burst
                 next_t = time.monotonic()
                 delay = 0.0
             self._stop.wait(max(0.0, delay))

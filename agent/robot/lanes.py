@@ -16,6 +16,7 @@ queue is bounded by coalescing: at most one pending request per call name, and
 a repeat joins the pending one (twenty deadman stops behind a stuck StopMove
 are one more StopMove, not twenty).
 """
+
 from __future__ import annotations
 
 import logging
@@ -33,7 +34,7 @@ class CallLane:
         self.name = name
         self._cond = threading.Condition()
         self._pending: deque[tuple[str, Callable[[], object], Future]] = deque()
-        self._running: tuple[str, float] | None = None     # (call name, monotonic start) of the call in progress
+        self._running: tuple[str, float] | None = None  # (call name, monotonic start) of the call in progress
         self._closed = False
         self._thread = threading.Thread(target=self._run, name=f"lane-{name}", daemon=True)
         self._thread.start()
@@ -94,7 +95,7 @@ class CallLane:
                 self._running = (name, time.monotonic())
             try:
                 fut.set_result(fn())
-            except Exception as e:              # the caller may never look at the future: say it here
+            except Exception as e:  # the caller may never look at the future: say it here
                 log.error("%s lane: %s failed: %s", self.name, name, e)
                 fut.set_exception(e)
             finally:

@@ -15,6 +15,7 @@ Pinhole model shared with the simulator's renderer (agent/robot/sim.py):
 column u (pixel centre u + 0.5) looks along bearing atan((w/2 - (u + 0.5)) / f),
 f = (w/2) / tan(hfov/2); the horizon is row h/2 (the camera looks level).
 """
+
 from __future__ import annotations
 
 import math
@@ -27,14 +28,18 @@ from .camera import Frame
 
 @dataclass(frozen=True)
 class Sighting:
-    name: str                           # "red box"; a detector without names says "red object"
-    bearing_deg: float                  # positive = to the robot's left, 0 = straight ahead
-    distance_m: float                   # robot centre to the thing's near surface, >= 0
-    source: str                         # "sim" | "color" | a detector's kind
+    name: str  # "red box"; a detector without names says "red object"
+    bearing_deg: float  # positive = to the robot's left, 0 = straight ahead
+    distance_m: float  # robot centre to the thing's near surface, >= 0
+    source: str  # "sim" | "color" | a detector's kind
 
     def to_json(self) -> dict:
-        return {"name": self.name, "bearing_deg": round(self.bearing_deg, 1),
-                "distance_m": round(self.distance_m, 2), "source": self.source}
+        return {
+            "name": self.name,
+            "bearing_deg": round(self.bearing_deg, 1),
+            "distance_m": round(self.distance_m, 2),
+            "source": self.source,
+        }
 
 
 def focal_px(width: int, hfov_deg: float) -> float:
@@ -51,6 +56,7 @@ class SimPerception:
     pose stored with the frame (`frame.meta["pose"]`), never the world's current pose,
     so what it reports belongs to the image the model was shown.
     """
+
     kind = "sim"
 
     def __init__(self, world, hfov_deg: float = 90.0, max_range_m: float = 6.0):
@@ -81,8 +87,9 @@ def _ranges(spec) -> list:
     return list(spec)
 
 
-def blob_range(top: float, bottom: float, height: int, f: float, camera_height_m: float,
-               object_height_m: float) -> tuple[float, str]:
+def blob_range(
+    top: float, bottom: float, height: int, f: float, camera_height_m: float, object_height_m: float
+) -> tuple[float, str]:
     """Depth along the optical axis of a blob whose rows span [top, bottom) (continuous rows).
 
     Ground plane (preferred): the blob's bottom edge is where the object meets the floor,
@@ -110,10 +117,18 @@ class ColorDetector:
     the bottom is cut off by the frame it falls back to the known object height (see
     `blob_range`). Assumes a level camera at `camera_height_m` on a flat floor.
     """
+
     kind = "color"
 
-    def __init__(self, colors: dict | None = None, hfov_deg: float = 90.0, object_height_m: float = 0.4,
-                 camera_height_m: float = 0.3, min_area_px: int = 12, names: dict[str, str] | None = None):
+    def __init__(
+        self,
+        colors: dict | None = None,
+        hfov_deg: float = 90.0,
+        object_height_m: float = 0.4,
+        camera_height_m: float = 0.3,
+        min_area_px: int = 12,
+        names: dict[str, str] | None = None,
+    ):
         self.colors = {c: _ranges(spec) for c, spec in (colors or DEFAULT_COLORS).items()}
         self.hfov_deg = hfov_deg
         self.object_height_m = object_height_m
@@ -123,7 +138,8 @@ class ColorDetector:
 
     def describe(self, frame: Frame) -> list[Sighting]:
         import cv2
-        image = frame.image                                     # [h, w, 3] uint8 BGR
+
+        image = frame.image  # [h, w, 3] uint8 BGR
         if image.ndim != 3 or image.shape[2] != 3 or image.dtype != np.uint8:
             raise ValueError(f"ColorDetector wants a [h, w, 3] uint8 BGR image, got {image.shape} {image.dtype}")
         h, w = image.shape[:2]
@@ -154,18 +170,18 @@ class ColorDetector:
         if area < self.min_area_px:
             return None
         rows, cols = np.nonzero(blob)
-        u = cols.mean() + 0.5                                   # centroid column, continuous
-        bearing = math.atan2(w / 2.0 - u, f)                    # positive = left
-        z, _ = blob_range(float(rows.min()), float(rows.max() + 1), h, f,
-                          self.camera_height_m, self.object_height_m)
+        u = cols.mean() + 0.5  # centroid column, continuous
+        bearing = math.atan2(w / 2.0 - u, f)  # positive = left
+        z, _ = blob_range(float(rows.min()), float(rows.max() + 1), h, f, self.camera_height_m, self.object_height_m)
         return math.degrees(bearing), max(0.0, z / math.cos(bearing))
 
 
 @dataclass(frozen=True)
 class CameraImage:
     """One frame as the models are shown it."""
-    data: bytes                         # JPEG, at most protocol.images.MAX_IMAGE_BYTES
-    width: int                          # pixels, after the resize
+
+    data: bytes  # JPEG, at most protocol.images.MAX_IMAGE_BYTES
+    width: int  # pixels, after the resize
     height: int
 
     def describe(self, source: str = "camera") -> str:
@@ -188,6 +204,7 @@ class VlmPerception:
     Both models resize again in their own projector's preprocessing (the test VLM to a longest edge of
     128), so sending more than that keeps only costs uplink bytes and the robot's encode time.
     """
+
     kind = "vlm"
 
     def __init__(self, max_side: int = 384, jpeg_quality: int = 85):
@@ -202,9 +219,10 @@ class VlmPerception:
 
     def encode(self, frame: Frame) -> CameraImage:
         import cv2
+
         from protocol.images import MAX_IMAGE_BYTES
 
-        image = frame.image                                     # [h, w, 3] uint8 BGR
+        image = frame.image  # [h, w, 3] uint8 BGR
         if image.ndim != 3 or image.shape[2] != 3 or image.dtype != np.uint8:
             raise ValueError(f"VlmPerception wants a [h, w, 3] uint8 BGR image, got {image.shape} {image.dtype}")
         h, w = image.shape[:2]
@@ -216,8 +234,10 @@ class VlmPerception:
             raise ValueError("OpenCV could not encode the frame as JPEG")
         data = buf.tobytes()
         if len(data) > MAX_IMAGE_BYTES:
-            raise ValueError(f"the frame's JPEG is {len(data)} bytes, over the wire's {MAX_IMAGE_BYTES}: lower "
-                             "perception.image_max_side or perception.jpeg_quality")
+            raise ValueError(
+                f"the frame's JPEG is {len(data)} bytes, over the wire's {MAX_IMAGE_BYTES}: lower "
+                "perception.image_max_side or perception.jpeg_quality"
+            )
         return CameraImage(data, size[0], size[1])
 
 

@@ -28,6 +28,7 @@ driver call can delay either.
 Time comes from `clock` (a fake one in tests). Thread-safe: the control loop
 and the local API's e-stop may call it at once.
 """
+
 from __future__ import annotations
 
 import logging
@@ -52,14 +53,14 @@ class RangeSource(Protocol):
 
 @dataclass(frozen=True)
 class SafetyLimits:
-    max_vx: float = 0.5                 # m/s forward and back (the Go2 allows 3.8; agents use far less)
-    max_vy: float = 0.3                 # m/s sideways
-    max_wz: float = 0.8                 # rad/s yaw
-    max_dvx: float = 1.5                # m/s^2: the most vx may change per second
-    max_dvy: float = 1.0                # m/s^2
-    max_dwz: float = 3.0                # rad/s^2
-    deadman_s: float = 0.3              # stop when no fresh command came for this long
-    max_frame_age_s: float = 1.0        # stop when the newest camera frame is older (None: no camera check)
+    max_vx: float = 0.5  # m/s forward and back (the Go2 allows 3.8; agents use far less)
+    max_vy: float = 0.3  # m/s sideways
+    max_wz: float = 0.8  # rad/s yaw
+    max_dvx: float = 1.5  # m/s^2: the most vx may change per second
+    max_dvy: float = 1.0  # m/s^2
+    max_dwz: float = 3.0  # rad/s^2
+    deadman_s: float = 0.3  # stop when no fresh command came for this long
+    max_frame_age_s: float = 1.0  # stop when the newest camera frame is older (None: no camera check)
     # no translation toward an obstacle nearer than this (m); 0: no obstacle rule; None (the default): on at
     # AUTO_CLEARANCE_M wherever the controller has a range source, off (and said so at start) where it has none
     min_clearance_m: float | None = None
@@ -71,8 +72,9 @@ class SafetyLimits:
                 raise ValueError(f"safety limit {name} must be a positive number, got {v!r}")
         if self.max_frame_age_s is not None and not self.max_frame_age_s > 0:
             raise ValueError(f"max_frame_age_s must be positive or None, got {self.max_frame_age_s!r}")
-        if self.min_clearance_m is not None and not (isinstance(self.min_clearance_m, (int, float))
-                                                     and 0 <= self.min_clearance_m <= 10):
+        if self.min_clearance_m is not None and not (
+            isinstance(self.min_clearance_m, (int, float)) and 0 <= self.min_clearance_m <= 10
+        ):
             raise ValueError(f"min_clearance_m must be 0..10 m (0: off), got {self.min_clearance_m!r}")
 
 
@@ -83,16 +85,21 @@ def clamp(cmd: Command, limits: SafetyLimits) -> Command:
 
 def rate_limit(cmd: Command, last: Command, dt: float, limits: SafetyLimits) -> Command:
     """Move each axis from `last` toward `cmd` by at most its limit times dt."""
+
     def step(v, v0, a):
         d = a * max(dt, 0.0)
         return max(v0 - d, min(v0 + d, v))
-    return Command(step(cmd.vx, last.vx, limits.max_dvx), step(cmd.vy, last.vy, limits.max_dvy),
-                   step(cmd.wz, last.wz, limits.max_dwz))
+
+    return Command(
+        step(cmd.vx, last.vx, limits.max_dvx),
+        step(cmd.vy, last.vy, limits.max_dvy),
+        step(cmd.wz, last.wz, limits.max_dwz),
+    )
 
 
-AUTO_CLEARANCE_M = 0.2                  # the obstacle stop's default: the simulator's ray cast measures from the
-                                        # robot's edge, and at 0.2 m a 0.5 m/s robot braking at 1.5 m/s^2 (0.08 m)
-                                        # stays off the wall with a control tick to spare
+AUTO_CLEARANCE_M = 0.2  # the obstacle stop's default: the simulator's ray cast measures from the
+# robot's edge, and at 0.2 m a 0.5 m/s robot braking at 1.5 m/s^2 (0.08 m)
+# stays off the wall with a control tick to spare
 
 
 def resolve_clearance(limits: SafetyLimits, ranges: RangeSource | None, controller_name: str) -> SafetyLimits:
@@ -100,34 +107,48 @@ def resolve_clearance(limits: SafetyLimits, ranges: RangeSource | None, controll
     if limits.min_clearance_m is not None:
         return limits
     if ranges is None:
-        log.warning("the %s controller has no range source: the obstacle stop is off (safety.min_clearance_m "
-                    "needs a robot that measures its clearance)", controller_name)
+        log.warning(
+            "the %s controller has no range source: the obstacle stop is off (safety.min_clearance_m "
+            "needs a robot that measures its clearance)",
+            controller_name,
+        )
         return replace(limits, min_clearance_m=0.0)
-    log.info("obstacle stop on: no translation toward anything nearer than %.2f m (the %s controller's range "
-             "source; safety.min_clearance_m sets it, 0 turns it off)", AUTO_CLEARANCE_M, controller_name)
+    log.info(
+        "obstacle stop on: no translation toward anything nearer than %.2f m (the %s controller's range "
+        "source; safety.min_clearance_m sets it, 0 turns it off)",
+        AUTO_CLEARANCE_M,
+        controller_name,
+    )
     return replace(limits, min_clearance_m=AUTO_CLEARANCE_M)
 
 
 class SafetyLayer:
-    def __init__(self, controller: Controller, limits: SafetyLimits = SafetyLimits(),
-                 clock: Callable[[], float] = time.monotonic, ranges: RangeSource | None = None):
+    def __init__(
+        self,
+        controller: Controller,
+        limits: SafetyLimits = SafetyLimits(),
+        clock: Callable[[], float] = time.monotonic,
+        ranges: RangeSource | None = None,
+    ):
         limits = resolve_clearance(limits, ranges, controller.name)
         if limits.min_clearance_m > 0 and ranges is None:
-            raise ValueError(f"safety.min_clearance_m = {limits.min_clearance_m} needs a range source, and the "
-                             f"{controller.name} controller has none: set it to 0 or use a robot with one")
+            raise ValueError(
+                f"safety.min_clearance_m = {limits.min_clearance_m} needs a range source, and the "
+                f"{controller.name} controller has none: set it to 0 or use a robot with one"
+            )
         self.controller = controller
         self.limits = limits
         self.clock = clock
         self.ranges = ranges
         self._lock = threading.RLock()
-        self._last = Command()              # the last command the controller got
-        self._last_t: float | None = None   # when a fresh command last came (None: none since the last stop)
+        self._last = Command()  # the last command the controller got
+        self._last_t: float | None = None  # when a fresh command last came (None: none since the last stop)
         self._estopped = False
-        self._estops = 0                    # e-stops so far: a reset finishing after a newer e-stop keeps the latch
-        self._blocked = False               # the obstacle rule is holding the robot back now
-        self.clearance_m: float | None = None   # the last range reading in the direction of travel
-        self._stats = threading.Lock()      # the counters only: estop() never waits for the main lock
-        self.stops: dict[str, int] = {}     # reason -> count: deadman, stale_frame, estop, obstacle, ...
+        self._estops = 0  # e-stops so far: a reset finishing after a newer e-stop keeps the latch
+        self._blocked = False  # the obstacle rule is holding the robot back now
+        self.clearance_m: float | None = None  # the last range reading in the direction of travel
+        self._stats = threading.Lock()  # the counters only: estop() never waits for the main lock
+        self.stops: dict[str, int] = {}  # reason -> count: deadman, stale_frame, estop, obstacle, ...
         self.last_stop_reason: str | None = None
         self._estop_lane = CallLane("estop")
         self._driver_lane = CallLane("driver")
@@ -158,7 +179,7 @@ class SafetyLayer:
             if limits.min_clearance_m > 0 and self._path_blocked(safe):
                 safe = Command(0.0, 0.0, safe.wz)  # at once, not through the rate limit: the obstacle is near now
                 if safe == Command():
-                    return self._halt(None, now)   # counted by _path_blocked, once per blocked spell
+                    return self._halt(None, now)  # counted by _path_blocked, once per blocked spell
             sent = self.controller.send_action(safe)
             self._last, self._last_t = sent, now
             return sent
@@ -173,9 +194,11 @@ class SafetyLayer:
         # no reading: forward motion is refused (blind), backing away from a wall is not
         blocked = (cmd.vx > 0) if clearance is None else clearance < self.limits.min_clearance_m
         if blocked and not self._blocked:
-            log.warning("obstacle stop: %s in the direction of travel (min %.2f m)",
-                        "no range reading" if clearance is None else f"{clearance:.2f} m",
-                        self.limits.min_clearance_m)
+            log.warning(
+                "obstacle stop: %s in the direction of travel (min %.2f m)",
+                "no range reading" if clearance is None else f"{clearance:.2f} m",
+                self.limits.min_clearance_m,
+            )
             self._count("obstacle")
         self._blocked = blocked
         return blocked

@@ -20,6 +20,7 @@ object or obstacle outside the room, a start the robot (a circle of
 A scene name ("red_box") resolves to the file shipped in agent/robot/scenes/;
 anything with a slash or ending in .json is a path.
 """
+
 from __future__ import annotations
 
 import json
@@ -27,7 +28,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-SCENE_DIR = Path(__file__).with_name("scenes")      # the built-in scenes, shipped as package data
+SCENE_DIR = Path(__file__).with_name("scenes")  # the built-in scenes, shipped as package data
 DEFAULT_SCENE = "red_box"
 
 
@@ -37,11 +38,11 @@ class SceneError(ValueError):
 
 @dataclass(frozen=True)
 class SimObject:
-    name: str                           # "red box"
-    kind: str                           # "box" (axis-aligned square) | "ball" (circle)
-    x: float                            # centre, m
+    name: str  # "red box"
+    kind: str  # "box" (axis-aligned square) | "ball" (circle)
+    x: float  # centre, m
     y: float
-    size_m: float = 0.4                 # side of a box, diameter of a ball
+    size_m: float = 0.4  # side of a box, diameter of a ball
     height_m: float = 0.4
     color_bgr: tuple[int, int, int] = (0, 0, 220)
 
@@ -55,6 +56,7 @@ class SimObject:
 @dataclass(frozen=True)
 class Obstacle:
     """An axis-aligned grey block, corners (x0, y0) .. (x1, y1)."""
+
     x0: float
     y0: float
     x1: float
@@ -65,16 +67,16 @@ class Obstacle:
 
 @dataclass(frozen=True)
 class Scene:
-    name: str                                       # the file's stem ("red_box")
-    size_m: tuple[float, float]                     # room width (x) and depth (y)
+    name: str  # the file's stem ("red_box")
+    size_m: tuple[float, float]  # room width (x) and depth (y)
     objects: tuple[SimObject, ...]
     obstacles: tuple[Obstacle, ...]
     starts: tuple[tuple[float, float, float], ...]  # (x, y, theta) poses; at least one
     walls: tuple[tuple[float, float, float, float], ...] = ()
-    target: str = ""                                # an object's name, "" when the scene names none
-    instruction: str = ""                           # "" = "go to the <target>"
+    target: str = ""  # an object's name, "" when the scene names none
+    instruction: str = ""  # "" = "go to the <target>"
     description: str = ""
-    path: str = ""                                  # the file it came from
+    path: str = ""  # the file it came from
 
     def world_kwargs(self) -> dict:
         """The SimWorld constructor's geometry arguments."""
@@ -85,12 +87,26 @@ class Scene:
         return self.instruction or (f"go to the {self.target}" if self.target else "")
 
     def to_json(self) -> dict:
-        d = {"size_m": list(self.size_m),
-             "objects": [{"name": o.name, "kind": o.kind, "x": o.x, "y": o.y, "size_m": o.size_m,
-                          "height_m": o.height_m, "color_bgr": list(o.color_bgr)} for o in self.objects],
-             "obstacles": [{"x0": o.x0, "y0": o.y0, "x1": o.x1, "y1": o.y1, "height_m": o.height_m, "name": o.name}
-                           for o in self.obstacles],
-             "starts": [list(s) for s in self.starts]}
+        d = {
+            "size_m": list(self.size_m),
+            "objects": [
+                {
+                    "name": o.name,
+                    "kind": o.kind,
+                    "x": o.x,
+                    "y": o.y,
+                    "size_m": o.size_m,
+                    "height_m": o.height_m,
+                    "color_bgr": list(o.color_bgr),
+                }
+                for o in self.objects
+            ],
+            "obstacles": [
+                {"x0": o.x0, "y0": o.y0, "x1": o.x1, "y1": o.y1, "height_m": o.height_m, "name": o.name}
+                for o in self.obstacles
+            ],
+            "starts": [list(s) for s in self.starts],
+        }
         for key in ("walls", "target", "instruction", "description"):
             value = getattr(self, key)
             if value:
@@ -198,9 +214,15 @@ def parse_scene(data, name: str = "custom", source: str = "<scene>", robot_radiu
         color = c.numbers(o.get("color_bgr", [0, 0, 220]), f"{f}.color_bgr", 3)
         if any(v != int(v) or not 0 <= v <= 255 for v in color):
             c.fail(f"{f}.color_bgr", f"must be three integers 0..255, got {o['color_bgr']!r}")
-        ob = SimObject(c.text(o["name"], f"{f}.name"), kind, c.number(o["x"], f"{f}.x"), c.number(o["y"], f"{f}.y"),
-                       c.number(o.get("size_m", 0.4), f"{f}.size_m", positive=True),
-                       c.number(o.get("height_m", 0.4), f"{f}.height_m", positive=True), tuple(int(v) for v in color))
+        ob = SimObject(
+            c.text(o["name"], f"{f}.name"),
+            kind,
+            c.number(o["x"], f"{f}.x"),
+            c.number(o["y"], f"{f}.y"),
+            c.number(o.get("size_m", 0.4), f"{f}.size_m", positive=True),
+            c.number(o.get("height_m", 0.4), f"{f}.height_m", positive=True),
+            tuple(int(v) for v in color),
+        )
         h = ob.size_m / 2
         inside(ob.x - h, ob.y - h, ob.x + h, ob.y + h, f)
         objects.append(ob)
@@ -217,8 +239,16 @@ def parse_scene(data, name: str = "custom", source: str = "<scene>", robot_radiu
         if x1 <= x0 or y1 <= y0:
             c.fail(f, f"needs x0 < x1 and y0 < y1, got ({x0:g}, {y0:g}) .. ({x1:g}, {y1:g})")
         inside(x0, y0, x1, y1, f)
-        obstacles.append(Obstacle(x0, y0, x1, y1, c.number(o.get("height_m", 0.8), f"{f}.height_m", positive=True),
-                                  c.text(o.get("name", "obstacle"), f"{f}.name")))
+        obstacles.append(
+            Obstacle(
+                x0,
+                y0,
+                x1,
+                y1,
+                c.number(o.get("height_m", 0.8), f"{f}.height_m", positive=True),
+                c.text(o.get("name", "obstacle"), f"{f}.name"),
+            )
+        )
 
     walls = []
     for i, s in enumerate(c.items(data.get("walls", []), "walls")):
@@ -241,8 +271,18 @@ def parse_scene(data, name: str = "custom", source: str = "<scene>", robot_radiu
     description = data.get("description", "")
     if not isinstance(description, str):
         c.fail("description", "must be a string")
-    return Scene(name, (w, d), tuple(objects), tuple(obstacles), tuple(starts), tuple(walls), target, instruction,
-                 description, source)
+    return Scene(
+        name,
+        (w, d),
+        tuple(objects),
+        tuple(obstacles),
+        tuple(starts),
+        tuple(walls),
+        target,
+        instruction,
+        description,
+        source,
+    )
 
 
 def _blocker(x: float, y: float, r: float, w: float, d: float, objects, obstacles, walls) -> str:
@@ -254,8 +294,11 @@ def _blocker(x: float, y: float, r: float, w: float, d: float, objects, obstacle
             return f"obstacle {o.name!r}"
     for o in objects:
         h = o.size_m / 2
-        gap = math.hypot(max(abs(x - o.x) - h, 0.0), max(abs(y - o.y) - h, 0.0)) if o.kind == "box" else \
-            math.hypot(x - o.x, y - o.y) - h
+        gap = (
+            math.hypot(max(abs(x - o.x) - h, 0.0), max(abs(y - o.y) - h, 0.0))
+            if o.kind == "box"
+            else math.hypot(x - o.x, y - o.y) - h
+        )
         if gap < r:
             return f"object {o.name!r}"
     for x0, y0, x1, y1 in walls:

@@ -6,6 +6,7 @@ tests use): search by turning left, turn toward the target, walk, stop within re
 policy text -> parse_action -> motion_for -> SafetyLayer -> SimController), on a
 `FakeClock`, so an episode takes no real time.
 """
+
 from __future__ import annotations
 
 import math
@@ -16,13 +17,14 @@ from .actions import FORWARD_CM, TURN_DEG, Action, motion_for, parse_action, sna
 from .camera import Frame
 from .controllers.base import Command
 from .controllers.sim import SimController
-from .perception import SimPerception, Sighting
+from .perception import Sighting, SimPerception
 from .safety import SafetyLayer, SafetyLimits
 from .sim import SimWorld
 
 
-def scripted_action(sightings: list[Sighting], target: str = "red box", reach_m: float = 0.6,
-                    ahead_deg: float = 10.0) -> str:
+def scripted_action(
+    sightings: list[Sighting], target: str = "red box", reach_m: float = 0.6, ahead_deg: float = 10.0
+) -> str:
     """One of NaVILA's 10 sentences: search left, turn toward the target, walk, or stop within reach."""
     seen = [s for s in sightings if s.name.lower() == target.lower()]
     if not seen:
@@ -53,16 +55,23 @@ class FakeClock:
 
 @dataclass
 class EpisodeResult:
-    reached: bool                       # within reach of the target when the episode ended
-    steps: int                          # policy calls
-    actions: list[Action] = field(default_factory=list)     # one per step, as parsed
-    collisions: int = 0                 # collisions during the episode
-    path_len_m: float = 0.0             # distance the robot travelled
+    reached: bool  # within reach of the target when the episode ended
+    steps: int  # policy calls
+    actions: list[Action] = field(default_factory=list)  # one per step, as parsed
+    collisions: int = 0  # collisions during the episode
+    path_len_m: float = 0.0  # distance the robot travelled
     final_distance_m: float = math.inf  # to the target's surface at the end
 
 
-def execute(safety: SafetyLayer, clock: FakeClock, cmd: Command, duration_s: float, period_s: float,
-            frame_t: float, max_ramp_steps: int = 200) -> None:
+def execute(
+    safety: SafetyLayer,
+    clock: FakeClock,
+    cmd: Command,
+    duration_s: float,
+    period_s: float,
+    frame_t: float,
+    max_ramp_steps: int = 200,
+) -> None:
     """Send `cmd` every period for duration_s of fake time, then zero until the rate-limited ramp-down ends."""
     for _ in range(int(round(duration_s / period_s))):
         safety.send_action(cmd, frame_age_s=clock() - frame_t)
@@ -75,9 +84,14 @@ def execute(safety: SafetyLayer, clock: FakeClock, cmd: Command, duration_s: flo
         safety.tick()
 
 
-def run_episode(world: SimWorld, policy: Callable[[list[Sighting]], str] | None, target: str = "red box",
-                max_steps: int = 40, control_hz: float = 20.0,
-                limits: SafetyLimits = SafetyLimits(max_frame_age_s=None)) -> EpisodeResult:
+def run_episode(
+    world: SimWorld,
+    policy: Callable[[list[Sighting]], str] | None,
+    target: str = "red box",
+    max_steps: int = 40,
+    control_hz: float = 20.0,
+    limits: SafetyLimits = SafetyLimits(max_frame_age_s=None),
+) -> EpisodeResult:
     """Run the policy from the world's current pose until it says stop or max_steps pass.
 
     The world's clock must be a FakeClock (the runner moves it); policy None is scripted_action.
@@ -88,7 +102,7 @@ def run_episode(world: SimWorld, policy: Callable[[list[Sighting]], str] | None,
     policy = policy or (lambda s: scripted_action(s, target=target))
     perception = SimPerception(world)
     controller = SimController(world)
-    safety = SafetyLayer(controller, limits, clock=clock, ranges=controller.ranges)   # the obstacle stop as deployed
+    safety = SafetyLayer(controller, limits, clock=clock, ranges=controller.ranges)  # the obstacle stop as deployed
     safety.controller.connect()
     t0, collisions0 = clock(), world.collisions
     result = EpisodeResult(reached=False, steps=0)

@@ -12,6 +12,7 @@ of sight. What remains is the length a robot driving straight segments would nee
 
 Pure functions, numpy in and numpy out; `shortest_to_object` applies them to a SimWorld.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -20,26 +21,36 @@ import math
 import numpy as np
 
 DIAG = math.sqrt(2.0)
-NEIGHBOURS = [(-1, 0, 1.0), (1, 0, 1.0), (0, -1, 1.0), (0, 1, 1.0),
-              (-1, -1, DIAG), (-1, 1, DIAG), (1, -1, DIAG), (1, 1, DIAG)]
+NEIGHBOURS = [
+    (-1, 0, 1.0),
+    (1, 0, 1.0),
+    (0, -1, 1.0),
+    (0, 1, 1.0),
+    (-1, -1, DIAG),
+    (-1, 1, DIAG),
+    (1, -1, DIAG),
+    (1, 1, DIAG),
+]
 
 
-def clearance_grid(xs: np.ndarray, ys: np.ndarray, segs: np.ndarray, rects: np.ndarray,
-                   circles: np.ndarray) -> np.ndarray:
+def clearance_grid(
+    xs: np.ndarray, ys: np.ndarray, segs: np.ndarray, rects: np.ndarray, circles: np.ndarray
+) -> np.ndarray:
     """Distance from each grid point to the nearest geometry (0 inside a rectangle, negative inside a circle).
 
     xs [W] and ys [H] cell centres; segs [S, 4] thin walls, rects [R, 4] (x0, y0, x1, y1), circles [C, 3]
     (cx, cy, r) -> [H, W]. The same distances as sim.point_clearance, for every point at once.
     """
-    px, py = np.meshgrid(xs, ys)                                        # [H, W]
+    px, py = np.meshgrid(xs, ys)  # [H, W]
     best = np.full(px.shape, np.inf)
     for ax, ay, bx, by in segs:
         ex, ey = bx - ax, by - ay
         s = np.clip(((px - ax) * ex + (py - ay) * ey) / max(ex * ex + ey * ey, 1e-12), 0.0, 1.0)
         best = np.minimum(best, np.hypot(ax + s * ex - px, ay + s * ey - py))
     for x0, y0, x1, y1 in rects:
-        best = np.minimum(best, np.hypot(np.maximum(np.maximum(x0 - px, px - x1), 0.0),
-                                         np.maximum(np.maximum(y0 - py, py - y1), 0.0)))
+        best = np.minimum(
+            best, np.hypot(np.maximum(np.maximum(x0 - px, px - x1), 0.0), np.maximum(np.maximum(y0 - py, py - y1), 0.0))
+        )
     for cx, cy, r in circles:
         best = np.minimum(best, np.hypot(px - cx, py - cy) - r)
     return best
@@ -114,8 +125,9 @@ def shortest_length(free: np.ndarray, start: tuple[int, int], goal: np.ndarray, 
     return taut_length(free, path) * cell_m
 
 
-def shortest_to_object(world, name: str, start: tuple[float, float] | None = None, reach_m: float = 0.6,
-                       cell_m: float = 0.05) -> float:
+def shortest_to_object(
+    world, name: str, start: tuple[float, float] | None = None, reach_m: float = 0.6, cell_m: float = 0.05
+) -> float:
     """Metres the robot's centre must travel from `start` (default: the world's start pose) until the object
     `name` is within reach (SimWorld.reached: centre to the object's near side <= reach_m); inf if it cannot."""
     x, y = (world.start.x, world.start.y) if start is None else start
@@ -127,10 +139,10 @@ def shortest_to_object(world, name: str, start: tuple[float, float] | None = Non
         return 0.0
     g = world.geometry
     x0, y0, x1, y1 = g.bounds
-    xs = x0 + (np.arange(int(math.ceil((x1 - x0) / cell_m))) + 0.5) * cell_m        # [W] cell centres
-    ys = y0 + (np.arange(int(math.ceil((y1 - y0) / cell_m))) + 0.5) * cell_m        # [H]
-    free = clearance_grid(xs, ys, g.thin, g.rects, g.circles) >= world.radius      # [H, W]
+    xs = x0 + (np.arange(int(math.ceil((x1 - x0) / cell_m))) + 0.5) * cell_m  # [W] cell centres
+    ys = y0 + (np.arange(int(math.ceil((y1 - y0) / cell_m))) + 0.5) * cell_m  # [H]
+    free = clearance_grid(xs, ys, g.thin, g.rects, g.circles) >= world.radius  # [H, W]
     px, py = np.meshgrid(xs, ys)
     goal = free & (np.hypot(px - obj.x, py - obj.y) - obj.size_m / 2 <= reach_m)
     cell = (min(len(ys) - 1, max(0, int((y - y0) / cell_m))), min(len(xs) - 1, max(0, int((x - x0) / cell_m))))
-    return shortest_length(free, cell, goal, cell_m)         # from the start cell's centre: within 3.5 cm
+    return shortest_length(free, cell, goal, cell_m)  # from the start cell's centre: within 3.5 cm

@@ -22,6 +22,7 @@ Scenes are JSON files (agent/robot/scene.py; the shipped ones in agent/robot/sce
 `make_world("red_box", start=2)` or `make_world("tools/scenes/hidden_ball.json", start=0)`.
 This module registers the camera source "sim" (SimCamera) with agent.robot.camera.
 """
+
 from __future__ import annotations
 
 import math
@@ -42,16 +43,16 @@ from .scene import DEFAULT_SCENE, Obstacle, Scene, SceneError, SimObject, load_s
 ROBOT_RADIUS_M = 0.2
 CAMERA_HEIGHT_M = 0.3
 WALL_HEIGHT_M = 2.5
-SUBSTEP_S = 0.02                        # integration step (s)
-PATH_MAXLEN = 20000                     # path points kept; the oldest are dropped
-PATH_MIN_STEP_M = 0.02                  # a path point at least every 2 cm ...
-PATH_MIN_TURN_RAD = math.radians(2.0)   # ... or 2 degrees of turn (or a tag change)
+SUBSTEP_S = 0.02  # integration step (s)
+PATH_MAXLEN = 20000  # path points kept; the oldest are dropped
+PATH_MIN_STEP_M = 0.02  # a path point at least every 2 cm ...
+PATH_MIN_TURN_RAD = math.radians(2.0)  # ... or 2 degrees of turn (or a tag change)
 
 
 class Pose(NamedTuple):
-    x: float                            # m
-    y: float                            # m
-    theta: float                        # rad, 0 = +x, CCW positive, wrapped to (-pi, pi]
+    x: float  # m
+    y: float  # m
+    theta: float  # rad, 0 = +x, CCW positive, wrapped to (-pi, pi]
 
 
 def wrap(a: float) -> float:
@@ -65,6 +66,7 @@ def rect_segments(x0: float, y0: float, x1: float, y1: float) -> list[tuple[floa
 
 # ---------------------------------------------------------------- pure geometry (numpy in, numpy out)
 
+
 def ray_segments(ox: float, oy: float, ang: np.ndarray, segs: np.ndarray) -> np.ndarray:
     """Distance along each ray to each segment, inf where it misses.
 
@@ -72,10 +74,10 @@ def ray_segments(ox: float, oy: float, ang: np.ndarray, segs: np.ndarray) -> np.
     Ray o + t d meets segment p + s e where t d - s e = p - o; with cross(a, b) = ax by - ay bx:
         t = cross(p - o, e) / cross(d, e),  s = cross(p - o, d) / cross(d, e),  valid for t > 0, 0 <= s <= 1.
     """
-    dx, dy = np.cos(ang)[:, None], np.sin(ang)[:, None]                 # [R, 1]
-    px, py = segs[None, :, 0] - ox, segs[None, :, 1] - oy               # [1, S]
+    dx, dy = np.cos(ang)[:, None], np.sin(ang)[:, None]  # [R, 1]
+    px, py = segs[None, :, 0] - ox, segs[None, :, 1] - oy  # [1, S]
     ex, ey = segs[None, :, 2] - segs[None, :, 0], segs[None, :, 3] - segs[None, :, 1]
-    den = dx * ey - dy * ex                                             # [R, S]
+    den = dx * ey - dy * ex  # [R, S]
     with np.errstate(divide="ignore", invalid="ignore"):
         t = (px * ey - py * ex) / den
         s = (px * dy - py * dx) / den
@@ -123,18 +125,19 @@ def point_clearance(px: float, py: float, segs: np.ndarray, rects: np.ndarray, c
 @dataclass(frozen=True)
 class Geometry:
     """Everything the renderer and the collision check need, as arrays (built once per world)."""
-    segs: np.ndarray                    # [S, 4] every vertical face: walls, obstacle and box sides
-    seg_owner: np.ndarray               # [S] int: object index, -1 wall, -2 obstacle
-    seg_height: np.ndarray              # [S] m
-    seg_color: np.ndarray               # [S, 3] float BGR base colour
-    seg_face: np.ndarray                # [S] brightness factor by orientation (corners stay visible)
-    circles: np.ndarray                 # [C, 3] balls (cx, cy, r)
-    circ_owner: np.ndarray              # [C] object index
-    circ_height: np.ndarray             # [C] m
-    circ_color: np.ndarray              # [C, 3]
-    thin: np.ndarray                    # [Sw, 4] walls for collisions (room boundary + interior walls)
-    rects: np.ndarray                   # [N, 4] obstacles and boxes for collisions
-    bounds: tuple[float, float, float, float]   # x0, y0, x1, y1 of everything
+
+    segs: np.ndarray  # [S, 4] every vertical face: walls, obstacle and box sides
+    seg_owner: np.ndarray  # [S] int: object index, -1 wall, -2 obstacle
+    seg_height: np.ndarray  # [S] m
+    seg_color: np.ndarray  # [S, 3] float BGR base colour
+    seg_face: np.ndarray  # [S] brightness factor by orientation (corners stay visible)
+    circles: np.ndarray  # [C, 3] balls (cx, cy, r)
+    circ_owner: np.ndarray  # [C] object index
+    circ_height: np.ndarray  # [C] m
+    circ_color: np.ndarray  # [C, 3]
+    thin: np.ndarray  # [Sw, 4] walls for collisions (room boundary + interior walls)
+    rects: np.ndarray  # [N, 4] obstacles and boxes for collisions
+    bounds: tuple[float, float, float, float]  # x0, y0, x1, y1 of everything
 
 
 WALL_GREY, OBSTACLE_GREY = 190.0, 140.0
@@ -160,24 +163,33 @@ def build_geometry(walls: list, obstacles: list[Obstacle], objects: list[SimObje
     along_x = np.abs(segs_a[:, 2] - segs_a[:, 0]) >= np.abs(segs_a[:, 3] - segs_a[:, 1])
     rects = [(o.x0, o.y0, o.x1, o.y1) for o in obstacles] + [
         (ob.x - ob.size_m / 2, ob.y - ob.size_m / 2, ob.x + ob.size_m / 2, ob.y + ob.size_m / 2)
-        for ob in objects if ob.kind == "box"]
+        for ob in objects
+        if ob.kind == "box"
+    ]
     xs = np.concatenate([segs_a[:, [0, 2]].ravel(), [c[0] for c in circles]])
     ys = np.concatenate([segs_a[:, [1, 3]].ravel(), [c[1] for c in circles]])
     return Geometry(
-        segs=segs_a, seg_owner=np.array(owner, int), seg_height=np.array(height, float),
-        seg_color=np.array(color, float).reshape(-1, 3), seg_face=np.where(along_x, 1.0, 0.8),
-        circles=np.array(circles, float).reshape(-1, 3), circ_owner=np.array(c_owner, int),
-        circ_height=np.array(c_height, float), circ_color=np.array(c_color, float).reshape(-1, 3),
+        segs=segs_a,
+        seg_owner=np.array(owner, int),
+        seg_height=np.array(height, float),
+        seg_color=np.array(color, float).reshape(-1, 3),
+        seg_face=np.where(along_x, 1.0, 0.8),
+        circles=np.array(circles, float).reshape(-1, 3),
+        circ_owner=np.array(c_owner, int),
+        circ_height=np.array(c_height, float),
+        circ_color=np.array(c_color, float).reshape(-1, 3),
         thin=np.array([tuple(w) for w in walls], float).reshape(-1, 4),
         rects=np.array(rects, float).reshape(-1, 4),
-        bounds=(float(xs.min()), float(ys.min()), float(xs.max()), float(ys.max())))
+        bounds=(float(xs.min()), float(ys.min()), float(xs.max()), float(ys.max())),
+    )
 
 
 # ---------------------------------------------------------------- camera (pure)
 
+
 def _background(h: int, w: int) -> np.ndarray:
     """Ceiling and floor: neutral grey gradients (channels equal, so zero saturation). [h, w, 3] uint8."""
-    rows = (np.arange(h) + 0.5) / h                                     # [h] 0 top .. 1 bottom
+    rows = (np.arange(h) + 0.5) / h  # [h] 0 top .. 1 bottom
     grey = np.where(rows < 0.5, 205 - 40 * rows, 60 + 100 * (rows - 0.5))
     return np.repeat(np.repeat(grey.astype(np.uint8)[:, None, None], w, axis=1), 3, axis=2)
 
@@ -185,8 +197,14 @@ def _background(h: int, w: int) -> np.ndarray:
 _BG_CACHE: dict[tuple[int, int], np.ndarray] = {}
 
 
-def render_view(geo: Geometry, pose: tuple[float, float, float], width: int = 160, height: int = 120,
-                hfov_deg: float = 90.0, camera_height_m: float = CAMERA_HEIGHT_M) -> np.ndarray:
+def render_view(
+    geo: Geometry,
+    pose: tuple[float, float, float],
+    width: int = 160,
+    height: int = 120,
+    hfov_deg: float = 90.0,
+    camera_height_m: float = CAMERA_HEIGHT_M,
+) -> np.ndarray:
     """A first-person view [height, width, 3] uint8 BGR, one ray per column and a z-buffer.
 
     Column u looks along a_u = atan((w/2 - (u + 0.5)) / f) off the heading; a hit at ray
@@ -195,36 +213,36 @@ def render_view(geo: Geometry, pose: tuple[float, float, float], width: int = 16
     """
     x, y, theta = pose
     f = focal_px(width, hfov_deg)
-    a = np.arctan2(width / 2.0 - (np.arange(width) + 0.5), f)          # [W], positive = left
+    a = np.arctan2(width / 2.0 - (np.arange(width) + 0.5), f)  # [W], positive = left
     ang = theta + a
     cos_a = np.cos(a)
     key = (height, width)
     if key not in _BG_CACHE:
         _BG_CACHE[key] = _background(height, width)
-    img = _BG_CACHE[key].copy()                                         # [H, W, 3]
+    img = _BG_CACHE[key].copy()  # [H, W, 3]
     zbuf = np.full((height, width), np.inf)
-    v = np.arange(height)[:, None] + 0.5                                # [H, 1] row centres
+    v = np.arange(height)[:, None] + 0.5  # [H, 1] row centres
     horizon = height / 2.0
-    faces = []                                                          # (z [W], lo [W], hi [W], colour [W, 3])
+    faces = []  # (z [W], lo [W], hi [W], colour [W, 3])
     if len(geo.segs):
-        t = ray_segments(x, y, ang, geo.segs)                           # [W, S]
+        t = ray_segments(x, y, ang, geo.segs)  # [W, S]
         for s in np.flatnonzero(np.isfinite(t).any(axis=0)):
             z = t[:, s] * cos_a
             col = geo.seg_color[s] * geo.seg_face[s]
-            if geo.seg_owner[s] < 0:                                    # grey, darker with distance
+            if geo.seg_owner[s] < 0:  # grey, darker with distance
                 col = col / (1.0 + 0.12 * np.nan_to_num(z, posinf=0.0))[:, None]
             faces.append((z, np.zeros(width), np.full(width, geo.seg_height[s]), np.broadcast_to(col, (width, 3))))
     if len(geo.circles):
-        t, lat = ray_circles(x, y, ang, geo.circles)                    # [W, C]
+        t, lat = ray_circles(x, y, ang, geo.circles)  # [W, C]
         for c in np.flatnonzero(np.isfinite(t).any(axis=0)):
-            r, hh = geo.circles[c, 2], geo.circ_height[c] / 2           # a ball: centre at hh, vertical radius hh
+            r, hh = geo.circles[c, 2], geo.circ_height[c] / 2  # a ball: centre at hh, vertical radius hh
             half = hh * np.sqrt(np.clip(1.0 - (lat[:, c] / r) ** 2, 0.0, 1.0))
             faces.append((t[:, c] * cos_a, hh - half, hh + half, np.broadcast_to(geo.circ_color[c], (width, 3))))
     for z, lo, hi, col in faces:
         zc = np.maximum(z, 1e-3)
-        top = horizon - f * (hi - camera_height_m) / zc                 # [W]
+        top = horizon - f * (hi - camera_height_m) / zc  # [W]
         bot = horizon - f * (lo - camera_height_m) / zc
-        mask = (v >= top) & (v < bot) & (z < zbuf)                      # [H, W]
+        mask = (v >= top) & (v < bot) & (z < zbuf)  # [H, W]
         np.copyto(zbuf, np.broadcast_to(z, zbuf.shape), where=mask)
         np.copyto(img, np.broadcast_to(np.clip(col, 0, 255).astype(np.uint8), img.shape), where=mask[:, :, None])
     return img
@@ -232,14 +250,24 @@ def render_view(geo: Geometry, pose: tuple[float, float, float], width: int = 16
 
 # ---------------------------------------------------------------- the world
 
+
 class SimWorld:
     """A room, its objects and one robot; see the module docstring."""
 
-    def __init__(self, size_m: tuple[float, float] = (6.0, 5.0), objects: tuple = (), obstacles: tuple = (),
-                 walls: tuple = (), pose: tuple[float, float, float] = (1.0, 1.0, 0.0),
-                 clock: Callable[[], float] = time.monotonic, auto_stop_s: float = 1.0,
-                 robot_radius_m: float = ROBOT_RADIUS_M, scene: str = "custom", spec: Scene | None = None,
-                 start_index: int | None = None):
+    def __init__(
+        self,
+        size_m: tuple[float, float] = (6.0, 5.0),
+        objects: tuple = (),
+        obstacles: tuple = (),
+        walls: tuple = (),
+        pose: tuple[float, float, float] = (1.0, 1.0, 0.0),
+        clock: Callable[[], float] = time.monotonic,
+        auto_stop_s: float = 1.0,
+        robot_radius_m: float = ROBOT_RADIUS_M,
+        scene: str = "custom",
+        spec: Scene | None = None,
+        start_index: int | None = None,
+    ):
         w, d = size_m
         self.size_m = (float(w), float(d))
         self.objects: tuple[SimObject, ...] = tuple(objects)
@@ -249,19 +277,19 @@ class SimWorld:
         self.clock = clock
         self.auto_stop_s = auto_stop_s
         self.radius = robot_radius_m
-        self.scene = scene                  # the scene's name
-        self.spec = spec                    # the Scene it was made from (make_world), None for a hand-made world
-        self.start_index = start_index      # which of the scene's starts, None for a pose given directly
+        self.scene = scene  # the scene's name
+        self.spec = spec  # the Scene it was made from (make_world), None for a hand-made world
+        self.start_index = start_index  # which of the scene's starts, None for a pose given directly
         self._lock = threading.RLock()
         self._pose = Pose(float(pose[0]), float(pose[1]), wrap(float(pose[2])))
         self.start = self._pose
         self._vel = Command()
-        self._t = clock()                   # the time the pose belongs to
-        self._cmd_t = self._t               # when the last command came
+        self._t = clock()  # the time the pose belongs to
+        self._cmd_t = self._t  # when the last command came
         self._damped = False
         self._tag = ""
         self.collisions = 0
-        self._path: deque = deque(maxlen=PATH_MAXLEN)   # (t, x, y, theta, tag); the oldest drop off
+        self._path: deque = deque(maxlen=PATH_MAXLEN)  # (t, x, y, theta, tag); the oldest drop off
         self._path.append((self._t, *self._pose, self._tag))
 
     # ---- state
@@ -294,7 +322,7 @@ class SimWorld:
     @tag.setter
     def tag(self, value: str) -> None:
         with self._lock:
-            self.advance()                  # the motion so far keeps the old tag, up to this pose
+            self.advance()  # the motion so far keeps the old tag, up to this pose
             if tuple(self._path[-1][1:4]) != tuple(self._pose):
                 self._path.append((self._t, *self._pose, self._tag))
             self._tag = str(value)
@@ -369,7 +397,7 @@ class SimWorld:
             g = self.geometry
             new = point_clearance(nx, ny, g.thin, g.rects, g.circles) - self.radius
             if new < 0 and new < point_clearance(x, y, g.thin, g.rects, g.circles) - self.radius:
-                self._vel = Command()           # contact: the move is not taken (backing out of contact is)
+                self._vel = Command()  # contact: the move is not taken (backing out of contact is)
                 self.collisions += 1
                 return
         self._pose = Pose(nx, ny, wrap(th + v.wz * dt))
@@ -378,8 +406,11 @@ class SimWorld:
     def _record(self, t: float) -> None:
         _, px, py, pth, ptag = self._path[-1]
         x, y, th = self._pose
-        if (ptag != self._tag or math.hypot(x - px, y - py) >= PATH_MIN_STEP_M
-                or abs(wrap(th - pth)) >= PATH_MIN_TURN_RAD):
+        if (
+            ptag != self._tag
+            or math.hypot(x - px, y - py) >= PATH_MIN_STEP_M
+            or abs(wrap(th - pth)) >= PATH_MIN_TURN_RAD
+        ):
             self._path.append((t, x, y, th, self._tag))
 
     # ---- queries
@@ -406,16 +437,17 @@ class SimWorld:
         g = self.geometry
         ang = np.array([a])
         best = math.inf
-        for side in (-self.radius, 0.0, self.radius):     # the rays start abreast the centre, across the body
+        for side in (-self.radius, 0.0, self.radius):  # the rays start abreast the centre, across the body
             ox, oy = x - side * math.sin(a), y + side * math.cos(a)
-            hits = ray_segments(ox, oy, ang, g.segs)[0]                                 # [S]
+            hits = ray_segments(ox, oy, ang, g.segs)[0]  # [S]
             if len(g.circles):
-                hits = np.concatenate([hits, ray_circles(ox, oy, ang, g.circles)[0][0]])   # [S + C]
+                hits = np.concatenate([hits, ray_circles(ox, oy, ang, g.circles)[0][0]])  # [S + C]
             best = min(best, float(hits.min()) if hits.size else math.inf)
         return max(0.0, best - self.radius)
 
-    def sightings(self, pose: tuple[float, float, float] | None = None, hfov_deg: float = 90.0,
-                  max_range_m: float = 6.0) -> list[Sighting]:
+    def sightings(
+        self, pose: tuple[float, float, float] | None = None, hfov_deg: float = 90.0, max_range_m: float = 6.0
+    ) -> list[Sighting]:
         """The objects the camera at `pose` (default: now) could see, nearest first.
 
         Seen: the centre within +-hfov/2 and max_range_m, and the ray to the centre meets
@@ -430,8 +462,8 @@ class SimWorld:
             if dc > max_range_m or abs(math.degrees(bearing)) > hfov_deg / 2:
                 continue
             ang = np.array([math.atan2(o.y - y, o.x - x)])
-            ts = ray_segments(x, y, ang, g.segs)[0]                     # [S]
-            tc = ray_circles(x, y, ang, g.circles)[0][0] if len(g.circles) else np.zeros(0)   # [C]
+            ts = ray_segments(x, y, ang, g.segs)[0]  # [S]
+            tc = ray_circles(x, y, ang, g.circles)[0][0] if len(g.circles) else np.zeros(0)  # [C]
             own = np.concatenate([ts[g.seg_owner == i], tc[g.circ_owner == i]])
             other = np.concatenate([ts[g.seg_owner != i], tc[g.circ_owner != i]])
             t_own = float(own.min()) if own.size else dc
@@ -441,13 +473,23 @@ class SimWorld:
         return sorted(found, key=lambda s: s.distance_m)
 
     # ---- pictures
-    def render_camera(self, width: int = 160, height: int = 120, hfov_deg: float = 90.0,
-                      pose: tuple[float, float, float] | None = None) -> np.ndarray:
+    def render_camera(
+        self,
+        width: int = 160,
+        height: int = 120,
+        hfov_deg: float = 90.0,
+        pose: tuple[float, float, float] | None = None,
+    ) -> np.ndarray:
         """The robot's camera view, [height, width, 3] uint8 BGR (see render_view)."""
         return render_view(self.geometry, self.pose if pose is None else pose, width, height, hfov_deg)
 
-    def render_map(self, scale_px_per_m: float = 80, tag_colors: dict[str, tuple] | None = None,
-                   hfov_deg: float = 90.0, fov_range_m: float = 6.0) -> np.ndarray:
+    def render_map(
+        self,
+        scale_px_per_m: float = 80,
+        tag_colors: dict[str, tuple] | None = None,
+        hfov_deg: float = 90.0,
+        fov_range_m: float = 6.0,
+    ) -> np.ndarray:
         """A top-down picture (BGR uint8): walls, obstacles, labelled objects, the path coloured by
         tag, the start, the robot with its heading and a faint field-of-view wedge."""
         with self._lock:
@@ -461,15 +503,17 @@ DEFAULT_TAG_COLORS = {"verified": (0, 170, 0), "offline": (0, 140, 255)}
 OTHER_TAG_COLOR = (150, 150, 150)
 
 
-def draw_map(world: SimWorld, pose: Pose, path: list, scale: float, tag_colors: dict | None,
-             hfov_deg: float, fov_range_m: float) -> np.ndarray:
+def draw_map(
+    world: SimWorld, pose: Pose, path: list, scale: float, tag_colors: dict | None, hfov_deg: float, fov_range_m: float
+) -> np.ndarray:
     import cv2
+
     margin = 20
     x0, y0, x1, y1 = world.geometry.bounds
     wpx, hpx = int(round((x1 - x0) * scale)) + 2 * margin, int(round((y1 - y0) * scale)) + 2 * margin
     img = np.full((hpx, wpx, 3), 245, np.uint8)
 
-    def px(x: float, y: float) -> tuple[int, int]:          # world (y up) -> image (row down)
+    def px(x: float, y: float) -> tuple[int, int]:  # world (y up) -> image (row down)
         return int(round((x - x0) * scale)) + margin, int(round((y1 - y) * scale)) + margin
 
     # field of view: the visibility polygon from the camera, faint
@@ -497,13 +541,20 @@ def draw_map(world: SimWorld, pose: Pose, path: list, scale: float, tag_colors: 
         else:
             cv2.circle(img, px(o.x, o.y), max(2, int(round(h * scale))), o.color_bgr, -1, cv2.LINE_AA)
         lx, ly = px(o.x - h, o.y - h)
-        cv2.putText(img, o.name, (lx, min(ly + 12, hpx - 3)), cv2.FONT_HERSHEY_SIMPLEX, 0.35, (30, 30, 30), 1,
-                    cv2.LINE_AA)
+        cv2.putText(
+            img, o.name, (lx, min(ly + 12, hpx - 3)), cv2.FONT_HERSHEY_SIMPLEX, 0.35, (30, 30, 30), 1, cv2.LINE_AA
+        )
 
     colors = {**DEFAULT_TAG_COLORS, **(tag_colors or {})}
     for tag, pts in _runs(path):
-        cv2.polylines(img, [np.array([px(x, y) for x, y in pts], np.int32)], False,
-                      colors.get(tag, OTHER_TAG_COLOR), 2, cv2.LINE_AA)
+        cv2.polylines(
+            img,
+            [np.array([px(x, y) for x, y in pts], np.int32)],
+            False,
+            colors.get(tag, OTHER_TAG_COLOR),
+            2,
+            cv2.LINE_AA,
+        )
     # turns in place draw no line: ring the places where a tagged run stayed put (offline turns, say)
     for tag, pts in _runs(path):
         if tag != "verified" and tag in colors and max(math.dist(pts[0], p) for p in pts) < 0.05:
@@ -511,8 +562,9 @@ def draw_map(world: SimWorld, pose: Pose, path: list, scale: float, tag_colors: 
     legend = [(t, c) for t, c in colors.items() if any(tag == t for *_, tag in path)]
     for i, (tag, color) in enumerate(legend):
         cv2.line(img, (margin + 6, margin + 12 + 14 * i), (margin + 26, margin + 12 + 14 * i), color, 2)
-        cv2.putText(img, tag, (margin + 30, margin + 16 + 14 * i), cv2.FONT_HERSHEY_SIMPLEX, 0.38, (30, 30, 30), 1,
-                    cv2.LINE_AA)
+        cv2.putText(
+            img, tag, (margin + 30, margin + 16 + 14 * i), cv2.FONT_HERSHEY_SIMPLEX, 0.38, (30, 30, 30), 1, cv2.LINE_AA
+        )
 
     sx, sy = px(world.start.x, world.start.y)
     cv2.drawMarker(img, (sx, sy), (0, 0, 0), cv2.MARKER_TILTED_CROSS, 12, 2)
@@ -538,15 +590,20 @@ def _runs(path: list) -> list[tuple[str, list[tuple[float, float]]]]:
 
 # ---------------------------------------------------------------- scenes (agent/robot/scene.py reads the files)
 
-def make_world(scene: str | Path | Scene = DEFAULT_SCENE, start: int | tuple | list | None = None,
-               clock: Callable[[], float] = time.monotonic, auto_stop_s: float = 1.0) -> SimWorld:
+
+def make_world(
+    scene: str | Path | Scene = DEFAULT_SCENE,
+    start: int | tuple | list | None = None,
+    clock: Callable[[], float] = time.monotonic,
+    auto_stop_s: float = 1.0,
+) -> SimWorld:
     """A world from a scene: a shipped scene's name ("red_box"), a scene file's path, or a loaded Scene.
 
     `start` is an index into the scene's starts, a pose (x, y, theta), or None (the first start).
     """
     sc = scene if isinstance(scene, Scene) else load_scene(scene, ROBOT_RADIUS_M)
     index = 0 if start is None else start if isinstance(start, int) and not isinstance(start, bool) else None
-    if index is None:                                   # a pose given directly
+    if index is None:  # a pose given directly
         pose = tuple(float(v) for v in start)
         if len(pose) != 3:
             raise SceneError(f"a start pose is (x, y, theta), got {start!r}")
@@ -554,27 +611,31 @@ def make_world(scene: str | Path | Scene = DEFAULT_SCENE, start: int | tuple | l
         index %= len(sc.starts)
         pose = sc.starts[index]
     else:
-        raise SceneError(f"scene {sc.path or sc.name}: start {index} out of range; it has "
-                         f"{len(sc.starts)} start(s), 0..{len(sc.starts) - 1}")
-    return SimWorld(**sc.world_kwargs(), pose=pose, clock=clock, auto_stop_s=auto_stop_s, scene=sc.name, spec=sc,
-                    start_index=index)
+        raise SceneError(
+            f"scene {sc.path or sc.name}: start {index} out of range; it has "
+            f"{len(sc.starts)} start(s), 0..{len(sc.starts) - 1}"
+        )
+    return SimWorld(
+        **sc.world_kwargs(), pose=pose, clock=clock, auto_stop_s=auto_stop_s, scene=sc.name, spec=sc, start_index=index
+    )
 
 
 def __getattr__(name: str):
     """START_POSES, the old table of the built-in scenes' starts, now read from their files."""
     if name == "START_POSES":
         from .scene import builtin_scenes
+
         return {n: list(load_scene(n).starts) for n in builtin_scenes()}
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # ---------------------------------------------------------------- camera source
 
+
 class SimCamera:
     """The FrameSource (agent.robot.camera) of the simulator: renders the world at `fps` (real time)."""
 
-    def __init__(self, world: SimWorld, fps: float = 10, width: int = 160, height: int = 120,
-                 hfov_deg: float = 90.0):
+    def __init__(self, world: SimWorld, fps: float = 10, width: int = 160, height: int = 120, hfov_deg: float = 90.0):
         self.world, self.fps, self.width, self.height, self.hfov_deg = world, fps, width, height, hfov_deg
         self._closed = threading.Event()
         self._next = 0.0
@@ -588,7 +649,7 @@ class SimCamera:
         if self._closed.wait(max(0.0, self._next - time.monotonic())):
             return None
         self._next = max(self._next + 1.0 / self.fps, time.monotonic())
-        pose = self.world.pose                  # the image and its pose belong to the same moment
+        pose = self.world.pose  # the image and its pose belong to the same moment
         image = render_view(self.world.geometry, pose, self.width, self.height, self.hfov_deg)
         return image, {"pose": tuple(pose), "source": "sim"}
 

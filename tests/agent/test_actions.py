@@ -1,4 +1,5 @@
 """The action parser: exact strings, the tolerant parse that snaps, and garbage that means stop."""
+
 import math
 
 import pytest
@@ -14,8 +15,11 @@ EXACT = [
     # reasoning first, then the sentence: the sentence decides
     ("The red box is ahead, so I move forward. The next action is move forward 50 cm.", Action("forward", 50)),
     # the first whole action wins over a later one
-    ("The box is within reach, so I stop. I think I should stop because I have finished the instruction. "
-     "The next action is turn right 15 degree.", STOP),
+    (
+        "The box is within reach, so I stop. I think I should stop because I have finished the instruction. "
+        "The next action is turn right 15 degree.",
+        STOP,
+    ),
     ("The next  action   is\nturn left 30 degree.", Action("left", 30)),
 ]
 
@@ -23,7 +27,7 @@ TOLERANT = [
     ("The next action is turn right 27 degree.", Action("right", 30), "snapped 27"),
     ("The next action is turn left 120 degrees.", Action("left", 45), "snapped 120"),
     ("The next action is turn right 0 degrees.", Action("right", 15), "snapped 0"),
-    ("The next action is move forward 60 cm.", Action("forward", 50), "snapped 60"),   # tie 50/75 -> nearer: 50
+    ("The next action is move forward 60 cm.", Action("forward", 50), "snapped 60"),  # tie 50/75 -> nearer: 50
     ("The next action is move forward 1 m.", Action("forward", 75), "snapped 100"),
     ("I will walk forward 30 centimeters", Action("forward", 25), "snapped 30"),
     ("turn left", Action("left", 15), "no angle"),
@@ -33,8 +37,19 @@ TOLERANT = [
     ("I should stop here", STOP, ""),
 ]
 
-GARBAGE = ["", "   ", "blah blah", "The next action is jump.", "move backward 50 cm", "turn around",
-           "\x00\xff", "The red box is to the left.", "forwards and backwards are words", None, 42]
+GARBAGE = [
+    "",
+    "   ",
+    "blah blah",
+    "The next action is jump.",
+    "move backward 50 cm",
+    "turn around",
+    "\x00\xff",
+    "The red box is to the left.",
+    "forwards and backwards are words",
+    None,
+    42,
+]
 
 
 @pytest.mark.parametrize("text,want", EXACT)
@@ -76,9 +91,9 @@ def test_snap():
 
 def test_complete_needs_a_whole_sentence():
     assert not complete("The red box is ahead, so I move forward. The next action is move forward 2")
-    assert not complete("The next action is move forward 25 cm")      # "25 cm" could still become more
+    assert not complete("The next action is move forward 25 cm")  # "25 cm" could still become more
     assert complete("The next action is move forward 25 cm.")
-    assert complete("The next action is turn left 27 degree.")           # tolerant, finished
+    assert complete("The next action is turn left 27 degree.")  # tolerant, finished
     assert complete("I think I should stop because I have finished the instruction.")
     assert not complete("The red box is within reach, so I stop")
 
@@ -96,13 +111,17 @@ def test_motion_follows_navila_bench():
 def test_observation_keeps_the_objects_the_task_names():
     from agent.nav import observation_text, relevant
     from agent.robot.perception import Sighting
-    seen = [Sighting("blue ball", 0.0, 1.0, "sim"), Sighting("red box", 38.0, 5.2, "sim"),
-            Sighting("red ball", -20.0, 2.0, "sim")]
+
+    seen = [
+        Sighting("blue ball", 0.0, 1.0, "sim"),
+        Sighting("red box", 38.0, 5.2, "sim"),
+        Sighting("red ball", -20.0, 2.0, "sim"),
+    ]
     assert observation_text(relevant(seen, "Go to the red box.")) == "red box 38 degrees to the left, 5.2 m away"
-    assert observation_text(relevant(seen[:1], "go to the red box")) == "nothing"     # only a distractor in view
+    assert observation_text(relevant(seen[:1], "go to the red box")) == "nothing"  # only a distractor in view
     detector = [Sighting("red object", -4.0, 0.4, "color")]
     assert observation_text(relevant(detector, "go to the red box")) == "red object ahead, within reach"
-    assert relevant(seen, "look around") == []                                       # nothing named is in view
+    assert relevant(seen, "look around") == []  # nothing named is in view
     # a same-coloured distractor is not the target, even when the target itself is out of view
     assert relevant([Sighting("yellow box", 10.0, 2.0, "sim")], "go to the yellow ball") == []
     assert observation_text(relevant(seen[2:], "go to the red box")) == "nothing"

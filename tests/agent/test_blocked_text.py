@@ -1,4 +1,5 @@
 """The camera line names what blocks the way ahead when the range source says so (nav.blocked_m)."""
+
 import pytest
 
 from agent import config
@@ -8,17 +9,17 @@ from agent.robot.perception import Sighting
 
 def test_the_way_ahead_is_named_blocked_below_the_threshold_only():
     assert blocked_text(0.3, [], 0.5) == "; the way ahead is blocked, 0.3 m away"
-    assert blocked_text(0.7, [], 0.5) == ""                     # far enough
-    assert blocked_text(None, [], 0.5) == ""                    # no range source or no reading
-    assert blocked_text(0.1, [], 0.0) == ""                     # off
+    assert blocked_text(0.7, [], 0.5) == ""  # far enough
+    assert blocked_text(None, [], 0.5) == ""  # no range source or no reading
+    assert blocked_text(0.1, [], 0.0) == ""  # off
 
 
 def test_the_target_itself_ahead_is_not_an_obstacle():
     box_ahead = Sighting("green box", 2.0, 0.5, "sim")
     box_aside = Sighting("green box", 40.0, 0.5, "sim")
-    assert blocked_text(0.3, [box_ahead], 0.5) == ""            # walking up to it is the task
+    assert blocked_text(0.3, [box_ahead], 0.5) == ""  # walking up to it is the task
     assert blocked_text(0.3, [box_aside], 0.5).startswith("; the way ahead is blocked")
-    assert blocked_text(0.3, [Sighting("green box", 0.0, 3.0, "sim")], 0.5) != ""     # a wall before the box
+    assert blocked_text(0.3, [Sighting("green box", 0.0, 3.0, "sim")], 0.5) != ""  # a wall before the box
 
 
 def test_nav_blocked_m_is_read_and_checked():
@@ -39,7 +40,7 @@ def test_the_daemon_reads_the_range_ahead_from_the_simulator_when_asked():
             reading = d.nav._clearance_ahead()
             if expect_reading:
                 assert reading == pytest.approx(d.controller.ranges.clearance_m(0.0)) and 0 < reading < 5
-                assert d.safety.limits.min_clearance_m > 0                 # and the obstacle stop is on
+                assert d.safety.limits.min_clearance_m > 0  # and the obstacle stop is on
             else:
                 assert reading is None
         finally:

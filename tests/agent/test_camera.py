@@ -1,4 +1,5 @@
 """The camera grabber: newest frame only, stale frames refused, a dead source noticed."""
+
 import time
 
 import cv2
@@ -15,7 +16,7 @@ def video(tmp_path):
     out = cv2.VideoWriter(path, cv2.VideoWriter_fourcc(*"MJPG"), 20, (64, 48))
     for i in range(40):
         img = np.zeros((48, 64, 3), np.uint8)
-        img[:, :, 2] = i * 6                             # red grows frame by frame
+        img[:, :, 2] = i * 6  # red grows frame by frame
         out.write(img)
     out.release()
     return path
@@ -46,16 +47,21 @@ def test_stale_frame_is_refused_once_the_source_stops(video):
 
 def test_no_frame_yet_is_stale():
     class Never:
-        def open(self): pass
+        def open(self):
+            pass
+
         def read(self):
             time.sleep(0.01)
             return None
-        def close(self): pass
+
+        def close(self):
+            pass
+
     g = FrameGrabber(Never(), name="never", max_failures=5).start()
     time.sleep(0.2)
     with pytest.raises(StaleFrame, match="no frame yet"):
         g.read_latest(1000)
-    assert not g.alive and "failed reads" in g.error          # the grabber gave up and says why
+    assert not g.alive and "failed reads" in g.error  # the grabber gave up and says why
     g.stop()
 
 
@@ -75,12 +81,14 @@ def test_source_kinds():
 def test_sources_a_robot_has_pass_to_the_right_opencv_backend():
     from agent.robot.camera import Go2CameraSource, OpenCVSource, has_gstreamer, open_source
 
-    csi = ("nvarguscamerasrc sensor-id=0 ! video/x-raw(memory:NVMM),width=1280,height=720 ! nvvidconv ! "
-           "video/x-raw,format=BGRx ! videoconvert ! video/x-raw,format=BGR ! appsink drop=1 max-buffers=1")
+    csi = (
+        "nvarguscamerasrc sensor-id=0 ! video/x-raw(memory:NVMM),width=1280,height=720 ! nvvidconv ! "
+        "video/x-raw,format=BGRx ! videoconvert ! video/x-raw,format=BGR ! appsink drop=1 max-buffers=1"
+    )
     assert OpenCVSource(csi).kind == "gstreamer"
-    assert OpenCVSource("rtsp://192.168.1.20:8554/front").kind == "stream"     # not looped, not paced like a file
+    assert OpenCVSource("rtsp://192.168.1.20:8554/front").kind == "stream"  # not looped, not paced like a file
     assert OpenCVSource("/dev/video0").kind == "v4l2" and OpenCVSource("run.mp4").kind == "file"
     assert isinstance(open_source("go2", network_interface="eth0"), Go2CameraSource)
-    fake = lambda info: type("cv2", (), {"getBuildInformation": staticmethod(lambda: info)})   # noqa: E731
+    fake = lambda info: type("cv2", (), {"getBuildInformation": staticmethod(lambda: info)})  # noqa: E731
     assert has_gstreamer(fake("  Video I/O:\n    GStreamer:                   YES (1.20.3)\n"))
     assert not has_gstreamer(fake("  Video I/O:\n    GStreamer:                   NO\n"))

@@ -1,4 +1,5 @@
 """`edge-agent generate --json`: the last stdout line is one JSON object with the documented names."""
+
 import json
 
 import pytest
@@ -7,8 +8,19 @@ from agent import cli
 
 pytestmark = pytest.mark.real
 
-METRICS = {"tau", "acceptance_rate", "rounds", "target_forward_passes", "draft_ms", "verify_ms", "network_ms",
-           "wall_s", "tokens_per_s", "bytes_up", "bytes_down"}
+METRICS = {
+    "tau",
+    "acceptance_rate",
+    "rounds",
+    "target_forward_passes",
+    "draft_ms",
+    "verify_ms",
+    "network_ms",
+    "wall_s",
+    "tokens_per_s",
+    "bytes_up",
+    "bytes_down",
+}
 
 
 def _run(capsys, *args):
@@ -25,8 +37,22 @@ def test_json_output_for_each_mode(make_server, capsys):
     rc, ar = _run(capsys, "--verifier", server.url, "--mode", "ar", *prompt)
     assert rc == 0 and ar["token_ids"] == sd["token_ids"] and ar["text"] == sd["text"]
     assert ar["metrics"]["acceptance_rate"] is None and ar["metrics"]["tau"] == 1.0
-    rc, fsd = _run(capsys, "--verifier", server.url, "--mode", "fsd", "--gamma", "3", "--exits", "22,26",
-                   "--predraft-workers", "2", "--queue-policy", "fifo", *prompt)
+    rc, fsd = _run(
+        capsys,
+        "--verifier",
+        server.url,
+        "--mode",
+        "fsd",
+        "--gamma",
+        "3",
+        "--exits",
+        "22,26",
+        "--predraft-workers",
+        "2",
+        "--queue-policy",
+        "fifo",
+        *prompt,
+    )
     assert rc == 0 and fsd["token_ids"] == sd["token_ids"]
     assert {"predraft_hits", "predraft_misses", "avg_exit_layer"} <= set(fsd["metrics"])
     assert fsd["metrics"]["predraft_hits"] + fsd["metrics"]["predraft_misses"] == fsd["metrics"]["rounds"] - 1
@@ -48,8 +74,8 @@ def test_draft_policy_and_trace_flags(make_server, capsys, tmp_path):
     assert rc == 0
     rows = [json.loads(x) for x in trace.read_text().splitlines()]
     m = fixed["metrics"]
-    assert sum(r["label"] for r in rows) == m["accepted"]           # every accepted token, labelled 1
-    rejections = sum(1 for r in rows if r["label"] == 0)              # at most one per round, the first
+    assert sum(r["label"] for r in rows) == m["accepted"]  # every accepted token, labelled 1
+    rejections = sum(1 for r in rows if r["label"] == 0)  # at most one per round, the first
     assert rejections <= m["rounds"] and (rejections > 0) == (m["wasted_draft_tokens"] > 0)
     assert {r["pair"] for r in rows} == {"smollm2-q4_1->smollm2-f32"}
     for kind in ("predictor", "optimal", "predictor+optimal"):
@@ -64,9 +90,13 @@ def test_draft_policy_and_trace_flags(make_server, capsys, tmp_path):
 def test_under_systemd_log_lines_carry_their_syslog_priority():
     import subprocess
     import sys
-    code = ("import logging; from agent.cli import _setup_logging; _setup_logging('INFO'); "
-            "logging.getLogger('x').warning('careful'); logging.getLogger('x').info('fine')")
+
+    code = (
+        "import logging; from agent.cli import _setup_logging; _setup_logging('INFO'); "
+        "logging.getLogger('x').warning('careful'); logging.getLogger('x').info('fine')"
+    )
     import os
+
     env = {**os.environ, "JOURNAL_STREAM": "8:1234"}
     err = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True).stderr
     assert err.splitlines() == ["<4>x: careful", "<6>x: fine"]

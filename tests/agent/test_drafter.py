@@ -1,4 +1,5 @@
 """The draft model on llama-cpp: same tokenizer as the target, KV rollback, q kept for every token."""
+
 import numpy as np
 import pytest
 
@@ -23,8 +24,9 @@ def test_both_sides_tokenize_identically(drafter, target, torch_target):
     for text in TEXTS:
         assert drafter.tokenize(text) == target.tokenizer.encode(text, add_special_tokens=False), text
     chat = drafter.apply_chat_template([{"role": "user", "content": "hi"}])
-    assert chat == target.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
-                                                         add_generation_prompt=True)
+    assert chat == target.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
 
 
 def test_rollback_gives_the_same_draft_as_a_fresh_context(drafter):
@@ -32,7 +34,7 @@ def test_rollback_gives_the_same_draft_as_a_fresh_context(drafter):
     greedy = SamplingParams()
     rng = np.random.default_rng(0)
     fresh = drafter.propose(ids, 5, greedy, rng).ids
-    drafter.propose(ids + [1, 2, 3, 4], 5, greedy, rng)          # pollute the KV with a rejected path
+    drafter.propose(ids + [1, 2, 3, 4], 5, greedy, rng)  # pollute the KV with a rejected path
     assert drafter.propose(ids, 5, greedy, rng).ids == fresh
     # the draft's own greedy continuation: drafting k after accepting j reproduces it
     assert drafter.propose(ids + fresh[:2], 3, greedy, rng).ids == fresh[2:5]
@@ -40,12 +42,13 @@ def test_rollback_gives_the_same_draft_as_a_fresh_context(drafter):
 
 def test_sampled_draft_keeps_q_for_every_token(drafter):
     ids = drafter.tokenize(TEXTS[0], chat=True)
-    d = drafter.propose(ids, 4, SamplingParams(temperature=1.0, top_k=20, seed=1), np.random.default_rng(1),
-                        payload=PayloadSpec("full"))
+    d = drafter.propose(
+        ids, 4, SamplingParams(temperature=1.0, top_k=20, seed=1), np.random.default_rng(1), payload=PayloadSpec("full")
+    )
     q = d.q.probs
     assert d.q.kind == "full" and q.shape == (4, drafter.vocab_size) and q.dtype == np.float16
     assert all(q[i, t] > 0 for i, t in enumerate(d.ids))
-    assert all(np.count_nonzero(row) <= 20 for row in q)          # top-k applied before sampling
+    assert all(np.count_nonzero(row) <= 20 for row in q)  # top-k applied before sampling
     assert d.ms > 0
 
 
@@ -56,7 +59,7 @@ def test_sampled_draft_keeps_what_its_payload_sends(drafter, spec):
     assert d.q.kind == spec.kind
     if spec.kind == "topk":
         assert d.q.ids.shape == d.q.probs.shape == (4, 4)
-        assert all(t in row for t, row in zip(d.ids, d.q.ids))       # drawn from its own top 4
+        assert all(t in row for t, row in zip(d.ids, d.q.ids))  # drawn from its own top 4
     else:
         assert d.q.counts.shape == (4, drafter.vocab_size) and (d.q.counts.sum(axis=1) == 1 << 23).all()
         assert list(d.q.px) == [d.q.counts[i, t] for i, t in enumerate(d.ids)] and d.q.px.min() > 0

@@ -1,10 +1,11 @@
 """Optimal draft length (TK-SLT Theorem 2 / ODLD), the cost estimator and AS2's hysteresis."""
+
 import math
 
 import numpy as np
 import pytest
 
-from agent.draftlen import As2, As2Config, Costs, CostEstimator, gamma_zero, optimal_gamma, speedup
+from agent.draftlen import As2, As2Config, CostEstimator, Costs, gamma_zero, optimal_gamma, speedup
 
 
 def brute_force(alpha: float, L: float, hi: int = 4000) -> tuple[int, float]:
@@ -48,10 +49,10 @@ def test_gamma_zero_is_the_stationary_point():
 
 def test_degenerate_inputs_and_bounds():
     assert optimal_gamma(0.0, 0.1, lo=1, hi=8)[0] == 1
-    assert optimal_gamma(1.0, 0.1, lo=1, hi=8)[0] == 8          # every token accepted: as long as allowed
-    assert optimal_gamma(0.9, 0.0, lo=1, hi=8)[0] == 8          # drafting is free
-    assert optimal_gamma(0.9, 1.5, lo=1, hi=8)[0] == 1          # L >= 1: S falls from the start
-    assert optimal_gamma(0.99, 0.001, lo=2, hi=6)[0] == 6       # clipped to the bounds
+    assert optimal_gamma(1.0, 0.1, lo=1, hi=8)[0] == 8  # every token accepted: as long as allowed
+    assert optimal_gamma(0.9, 0.0, lo=1, hi=8)[0] == 8  # drafting is free
+    assert optimal_gamma(0.9, 1.5, lo=1, hi=8)[0] == 1  # L >= 1: S falls from the start
+    assert optimal_gamma(0.99, 0.001, lo=2, hi=6)[0] == 6  # clipped to the bounds
     assert optimal_gamma(0.1, 0.5, lo=3, hi=6)[0] == 3
     with pytest.raises(ValueError):
         optimal_gamma(float("nan"), 0.1)
@@ -70,10 +71,10 @@ def test_estimator_recovers_costs_and_alpha():
             accepted += 1
         est.observe_round(k, accepted, draft_ms=15 + 20.0 * k, verify_ms=50 + 10 * (k + 1), network_ms=40 + 0.5 * k)
     c = est.costs()
-    assert est.alpha == pytest.approx(alpha, abs=0.03)             # censored MLE, not accepted/drafted
+    assert est.alpha == pytest.approx(alpha, abs=0.03)  # censored MLE, not accepted/drafted
     assert (c.t_draft, c.draft_0, c.verify_0, c.verify_per_token) == pytest.approx((20.0, 15.0, 50.0, 10.0))
     assert (c.net_0, c.net_per_token) == pytest.approx((40.0, 0.5), rel=0.02)
-    assert c.t_fixed == pytest.approx(115.0)             # one position + the round trip + a round's drafting
+    assert c.t_fixed == pytest.approx(115.0)  # one position + the round trip + a round's drafting
     assert c.L == pytest.approx((20 + 10 + 0.5) / 115)
     assert c.rho == pytest.approx(60 / 115)
 
@@ -95,7 +96,7 @@ def test_streamed_tokens_and_pings_feed_the_estimates():
     assert est.alpha < 0.01
     assert c.t_ar == pytest.approx(60.0) and c.net_0 == pytest.approx(300.0)
     assert c.rho == pytest.approx(60 / 360)
-    for _ in range(8):                                # the link recovers: the round trip follows quickly
+    for _ in range(8):  # the link recovers: the round trip follows quickly
         est.observe_latency(5.0)
     assert est.costs().net_0 < 10.0
 
@@ -110,13 +111,13 @@ def test_slow_link_makes_speculation_lose():
 
 def test_as2_hysteresis_and_patience():
     as2 = As2(As2Config(leave_below=1.0, return_above=1.2, patience=2, warmup=3))
-    assert not as2.decide(0.5, samples=2)            # warming up
-    assert not as2.decide(0.5, samples=3)            # 1 of 2
+    assert not as2.decide(0.5, samples=2)  # warming up
+    assert not as2.decide(0.5, samples=3)  # 1 of 2
     assert as2.decide(0.5, samples=4) and not as2.speculating
-    assert not as2.decide(1.1, samples=5)            # inside the band: stays off
+    assert not as2.decide(1.1, samples=5)  # inside the band: stays off
     assert not as2.decide(1.1, samples=6)
     assert not as2.decide(1.3, samples=7)
-    assert not as2.decide(1.1, samples=8)            # the run of evidence restarts
+    assert not as2.decide(1.1, samples=8)  # the run of evidence restarts
     assert not as2.decide(1.3, samples=9)
     assert as2.decide(1.3, samples=10) and as2.speculating
     with pytest.raises(ValueError):
@@ -142,8 +143,7 @@ def test_streamed_agreement_estimates_the_acceptance_rate():
     p = sampling.probs_from_logits(rng.normal(0, 2, 50), params)
     q = sampling.probs_from_logits(draft_logits, params)
     xs = rng.choice(50, size=40000, p=p)
-    est = np.mean([_agreement(draft_logits, wire.Token("s", 0, int(x), False, {}, float(p[x])), params)
-                   for x in xs])
+    est = np.mean([_agreement(draft_logits, wire.Token("s", 0, int(x), False, {}, float(p[x])), params) for x in xs])
     assert est == pytest.approx(np.minimum(p, q).sum(), abs=0.01)
     greedy = SamplingParams()
     assert _agreement(draft_logits, wire.Token("s", 0, int(np.argmax(draft_logits)), False, {}, 1.0), greedy) == 1.0
@@ -154,10 +154,10 @@ def test_slopes_wait_for_eight_rounds_of_different_lengths():
     from agent.draftlen import _fit
 
     est = CostEstimator()
-    for k in (1, 4, 2, 6, 3, 5, 2):                 # 7 rounds: a slope would be guesswork
+    for k in (1, 4, 2, 6, 3, 5, 2):  # 7 rounds: a slope would be guesswork
         est.observe_round(k, k, 10.0 + 20.0 * k, 50 + 10 * (k + 1), 20.0)
     assert _fit(est.verify) is None and est.costs().verify_per_token == 0.0
-    est.observe_round(4, 4, 90.0, 100.0, 20.0)      # the 8th
+    est.observe_round(4, 4, 90.0, 100.0, 20.0)  # the 8th
     c = est.costs()
     assert (c.verify_0, c.verify_per_token, c.draft_0, c.t_draft) == pytest.approx((50.0, 10.0, 10.0, 20.0))
 
@@ -183,12 +183,12 @@ def test_fitted_lines_never_go_below_zero():
 
 def test_a_new_link_restarts_the_per_token_network_slope():
     est = CostEstimator()
-    for k in (1, 4, 2, 6, 3, 5, 2, 8, 7, 3):        # a 400 ms link, 1 ms a token
+    for k in (1, 4, 2, 6, 3, 5, 2, 8, 7, 3):  # a 400 ms link, 1 ms a token
         est.observe_round(k, k, 10.0 * k, 50.0, 400.0 + k)
     assert est.costs().net_per_token == pytest.approx(1.0)
-    est.observe_latency(390.0)                      # the same link: the window stays
+    est.observe_latency(390.0)  # the same link: the window stays
     assert est.costs().net_per_token == pytest.approx(1.0)
-    est.observe_latency(12.0)                       # a new link: its rounds alone make the slope
+    est.observe_latency(12.0)  # a new link: its rounds alone make the slope
     assert not est.network and est.costs().net_per_token == 0.0
     for k in (1, 4, 2, 6, 3, 5, 2, 8):
         est.observe_round(k, k, 10.0 * k, 50.0, 12.0 + 0.5 * k)
@@ -199,27 +199,27 @@ def test_a_new_link_restarts_the_per_token_network_slope():
 def test_rounds_show_a_new_link_when_two_in_a_row_agree_and_a_spike_is_not_one():
     est = CostEstimator()
     ks = (1, 4, 2, 6, 3, 5, 2, 8, 7, 3)
-    for k in ks:                                    # a 400 ms link, 1 ms a token
+    for k in ks:  # a 400 ms link, 1 ms a token
         est.observe_round(k, k, 10.0 * k, 50.0, 400.0 + k)
-    est.observe_round(4, 4, 40.0, 50.0, 1400.0)     # one spike
-    est.observe_round(3, 3, 30.0, 50.0, 403.0)      # and the link is back: the window stays, less the spike
+    est.observe_round(4, 4, 40.0, 50.0, 1400.0)  # one spike
+    est.observe_round(3, 3, 30.0, 50.0, 403.0)  # and the link is back: the window stays, less the spike
     assert len(est.network) == 11 and (4, 1400.0) not in est.network
     assert est.round_trip == pytest.approx(400.0, abs=1.0) and est.costs().net_per_token == pytest.approx(1.0)
-    est.observe_round(2, 2, 20.0, 50.0, 13.0)       # faster, then faster again: a new link
+    est.observe_round(2, 2, 20.0, 50.0, 13.0)  # faster, then faster again: a new link
     est.observe_round(6, 6, 60.0, 50.0, 15.0)
     assert list(est.network) == [(2, 13.0), (6, 15.0)] and est.round_trip < 20.0
     for k in ks:
         est.observe_round(k, k, 10.0 * k, 50.0, 12.0 + 0.5 * k)
     c = est.costs()
     assert c.net_per_token == pytest.approx(0.5) and c.net_0 < 40.0
-    for k in (2, 6):                                # and slower again: the same two-round rule
+    for k in (2, 6):  # and slower again: the same two-round rule
         est.observe_round(k, k, 10.0 * k, 50.0, 300.0 + k)
     assert list(est.network) == [(2, 302.0), (6, 306.0)]
 
 
 def test_jitter_of_a_few_ms_on_a_fast_link_is_not_a_new_link():
     est = CostEstimator()
-    for i in range(40):                             # loopback: 0.3 ms, with 3 ms hiccups (10x, yet the same link)
+    for i in range(40):  # loopback: 0.3 ms, with 3 ms hiccups (10x, yet the same link)
         est.observe_round(1 + i % 5, 1, 10.0, 50.0, 3.0 if i % 3 else 0.3)
         est.observe_latency(0.2 if i % 2 else 2.5)
     assert len(est.network) == 32
@@ -230,9 +230,9 @@ def test_estimates_carry_over_to_the_next_generation():
 
     est, as2 = CostEstimator(), As2()
     first = DraftController(DraftPolicy("optimal"), 4, 16, estimator=est, as2=as2)
-    assert first.gamma_star is None and first.length() == 4          # nothing known yet: gamma
+    assert first.gamma_star is None and first.length() == 4  # nothing known yet: gamma
     for k in range(1, 11):
         first.after_round(k, k % 8 + 1, k % 8 + 1, 20.0 * (k % 8 + 1), 60 + 5 * (k % 8 + 2), 5.0)
     second = DraftController(DraftPolicy("optimal"), 4, 16, estimator=est, as2=as2)
     assert second.gamma_star == first.gamma_star and second.length() == first.gamma_star
-    assert second.accepted == 0                                        # the running acceptance is per session
+    assert second.accepted == 0  # the running acceptance is per session

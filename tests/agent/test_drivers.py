@@ -1,5 +1,6 @@
 """The go2 and ros2 drivers: imported only when chosen, a clear error without their SDK, and the calls
 they make (checked against stand-in SDK modules that record calls; the robots are absent here)."""
+
 import sys
 import types
 
@@ -16,9 +17,15 @@ def test_unknown_controller():
 
 @pytest.mark.parametrize("kind,msg", [("go2", "unitree_sdk2py is not installed"), ("ros2", "rclpy")])
 def test_missing_sdk_is_a_clear_error(kind, msg, monkeypatch):
-    for mod in ("unitree_sdk2py", "unitree_sdk2py.core.channel", "unitree_sdk2py.go2.sport.sport_client",
-                "rclpy", "geometry_msgs", "geometry_msgs.msg"):
-        monkeypatch.setitem(sys.modules, mod, None)       # None in sys.modules makes the import fail
+    for mod in (
+        "unitree_sdk2py",
+        "unitree_sdk2py.core.channel",
+        "unitree_sdk2py.go2.sport.sport_client",
+        "rclpy",
+        "geometry_msgs",
+        "geometry_msgs.msg",
+    ):
+        monkeypatch.setitem(sys.modules, mod, None)  # None in sys.modules makes the import fail
     c = make_controller(kind)
     with pytest.raises(ControllerError, match=msg):
         c.connect()
@@ -41,7 +48,7 @@ def test_go2_move_stop_damp(unitree):
     assert ("ChannelFactoryInitialize", 0, "eth0") in calls and ("Init", "SportClient") in calls
     assert sent == Command(1.0, 0.1, -1.5) and ("Move", 1.0, 0.1, -1.5) in calls
     names = unitree.names()
-    assert names.index("StopMove") < names.index("Damp") and names[-1] == "StopMove"   # disconnect stops
+    assert names.index("StopMove") < names.index("Damp") and names[-1] == "StopMove"  # disconnect stops
     # the DDS factory is initialised once per process
     unitree.mode = 1
     with make_controller("go2"):
@@ -49,7 +56,7 @@ def test_go2_move_stop_damp(unitree):
     assert sum(1 for c in unitree.calls if c[0] == "ChannelFactoryInitialize") == 1
 
 
-@pytest.mark.parametrize("mode", [5, 7])             # lying down, damped
+@pytest.mark.parametrize("mode", [5, 7])  # lying down, damped
 def test_go2_connect_stands_a_lying_robot_up(unitree, mode):
     unitree.mode = mode
     with make_controller("go2") as c:
@@ -64,7 +71,7 @@ def test_go2_connect_leaves_a_balancing_robot_alone(unitree):
 
 
 def test_go2_connect_refuses_when_sport_mode_is_off(unitree):
-    unitree.sport = ""                                   # released, as after low-level control: Move is ignored
+    unitree.sport = ""  # released, as after low-level control: Move is ignored
     with pytest.raises(ControllerError, match="sport mode is off"):
         make_controller("go2").connect()
     assert "Move" not in unitree.names()
@@ -92,7 +99,7 @@ def test_go2_reset_that_fails_keeps_the_latch(unitree):
     with make_controller("go2", timeout_s=0.05) as c:
         s = SafetyLayer(c, SafetyLimits(max_frame_age_s=None))
         s.estop().result(1)
-        unitree.reply.clear()                            # the robot stops answering: RecoveryStand times out
+        unitree.reply.clear()  # the robot stops answering: RecoveryStand times out
         with pytest.raises(ControllerError, match="RecoveryStand returned 3104"):
             s.reset().result(5)
         assert s.estopped and s.send_action(Command(0.3, 0, 0)) == Command()
@@ -122,9 +129,10 @@ def test_ros2_publishes_twists(monkeypatch):
     class Node:
         def create_publisher(self, typ, topic, depth):
             assert typ is Twist and topic == "/cmd_vel"
-            return types.SimpleNamespace(publish=lambda m: published.append(
-                (m.linear.x, m.linear.y, m.angular.z)))
-        def destroy_node(self): published.append("destroyed")
+            return types.SimpleNamespace(publish=lambda m: published.append((m.linear.x, m.linear.y, m.angular.z)))
+
+        def destroy_node(self):
+            published.append("destroyed")
 
     rclpy = types.ModuleType("rclpy")
     rclpy.ok, rclpy.init, rclpy.shutdown = (lambda: False), (lambda: None), (lambda: None)

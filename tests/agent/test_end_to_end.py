@@ -1,4 +1,5 @@
 """End to end on the real models, over a real websocket on port 0, through the delaying proxy."""
+
 import asyncio
 import threading
 import time
@@ -11,7 +12,7 @@ from agent.draftlen import As2Config
 from agent.policy import POLICIES, DraftPolicy
 from protocol.payload import PayloadSpec
 from protocol.sampling import SamplingParams
-from tools.netem import LinkProfile, NetemProxy
+from tools.cluster.netem import LinkProfile, NetemProxy
 
 pytestmark = pytest.mark.real
 
@@ -31,8 +32,8 @@ def engine_target(request):
 
 @pytest.fixture(scope="module")
 def server_and_proxy(engine_target):
-    from tests.conftest import ThreadedServer
     from server_bridge.verifier import Verifier
+    from tests.conftest import ThreadedServer
 
     with ThreadedServer(lambda cfg: Verifier(engine_target, cfg)) as server:
         with NetemProxy("127.0.0.1", server.port, LinkProfile.from_rtt(10, jitter_ms=2)) as proxy:
@@ -45,8 +46,9 @@ def ar_reference(drafter, server_and_proxy):
     _, proxy = server_and_proxy
     dec = EdgeDecoder(drafter, proxy.url())
     try:
-        return [dec.generate(drafter.tokenize(p, chat=c), mode="ar", max_tokens=MAX_TOKENS).token_ids
-                for p, c in PROMPTS]
+        return [
+            dec.generate(drafter.tokenize(p, chat=c), mode="ar", max_tokens=MAX_TOKENS).token_ids for p, c in PROMPTS
+        ]
     finally:
         dec.close()
 
@@ -71,9 +73,13 @@ def test_torch_generate_agrees_with_the_torch_engine(drafter, torch_target):
         torch_target.commit(state, [token], len(state.ids))
         out.append(token)
     with torch_target.engine.plain_attention() as model:
-        ref = model.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False,
-                             attention_mask=torch.ones(1, len(ids), dtype=torch.long))
-    assert ref[0, len(ids):].tolist() == out
+        ref = model.generate(
+            torch.tensor([ids]),
+            max_new_tokens=MAX_TOKENS,
+            do_sample=False,
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+        )
+    assert ref[0, len(ids) :].tolist() == out
 
 
 @pytest.mark.parametrize("gamma", [1, 3, 6])
@@ -100,7 +106,7 @@ def test_weak_draft_is_still_exact(weak_drafter, server_and_proxy, ar_reference)
         prompt, chat = PROMPTS[0]
         gen = dec.generate(weak_drafter.tokenize(prompt, chat=chat), mode="sd", gamma=4, max_tokens=MAX_TOKENS)
         assert gen.token_ids == ar_reference[0]
-        assert gen.metrics.wasted_draft_tokens > 0          # a weaker draft really is rejected sometimes
+        assert gen.metrics.wasted_draft_tokens > 0  # a weaker draft really is rejected sometimes
     finally:
         dec.close()
 
@@ -119,7 +125,7 @@ def test_dropped_connection_loses_nothing(drafter, server_and_proxy, ar_referenc
             dec.close()
         assert proxy.stats()["disconnects_injected"] >= 1
     assert gen.metrics.reconnects >= 1
-    assert gen.token_ids == ar_reference[0]                 # nothing lost, nothing duplicated
+    assert gen.token_ids == ar_reference[0]  # nothing lost, nothing duplicated
 
 
 def test_evicted_session_is_reopened_and_loses_nothing(drafter, server_and_proxy, ar_reference, monkeypatch):
@@ -161,7 +167,7 @@ def test_sampling_is_reproducible_under_a_seed(drafter, server_and_proxy):
         dec.close()
     assert a.token_ids == b.token_ids
     assert a.token_ids != c.token_ids
-    assert a.metrics.bytes_up > 16 * 49152                # full fp16 q travelled for every draft token
+    assert a.metrics.bytes_up > 16 * 49152  # full fp16 q travelled for every draft token
 
 
 def test_local_mode_needs_no_server(drafter):
@@ -176,7 +182,7 @@ def test_two_robots_interleave_exactly(drafter, target, server_and_proxy, ar_ref
     from agent.drafter import Drafter
 
     _, proxy = server_and_proxy
-    other = Drafter(threads=1)                              # llama contexts are per thread
+    other = Drafter(threads=1)  # llama contexts are per thread
     results = {}
 
     def run(name, d, prompt_idx):
@@ -197,6 +203,7 @@ def test_two_robots_interleave_exactly(drafter, target, server_and_proxy, ar_ref
 
 # --------------------------------------------------------------------------- FSD
 
+
 def _fsd(drafter, server_and_proxy, prompt, chat, **options):
     dec = EdgeDecoder(drafter, server_and_proxy[1].url(), fsd=FsdOptions(**options))
     try:
@@ -206,7 +213,7 @@ def _fsd(drafter, server_and_proxy, prompt, chat, **options):
 
 
 def test_fsd_equals_sd_and_ar_at_temperature_zero_and_hits(drafter, server_and_proxy, ar_reference):
-    assert server_and_proxy[0].server.verifier.exit_layers == [12, 18, 22, 26]     # on both engines
+    assert server_and_proxy[0].server.verifier.exit_layers == [12, 18, 22, 26]  # on both engines
     hits = 0
     for (prompt, chat), expected in zip(PROMPTS, ar_reference, strict=True):
         sd = EdgeDecoder(drafter, server_and_proxy[1].url())
@@ -262,8 +269,13 @@ def test_fsd_samples_at_temperature_above_zero(drafter, server_and_proxy, kind):
     prompt, chat = PROMPTS[0]
     dec = EdgeDecoder(drafter, server_and_proxy[1].url(), payload=PayloadSpec.parse(kind))
     try:
-        gen = dec.generate(drafter.tokenize(prompt, chat=chat), mode="fsd", gamma=4, max_tokens=32,
-                           params=SamplingParams(temperature=0.6, seed=3))
+        gen = dec.generate(
+            drafter.tokenize(prompt, chat=chat),
+            mode="fsd",
+            gamma=4,
+            max_tokens=32,
+            params=SamplingParams(temperature=0.6, seed=3),
+        )
     finally:
         dec.close()
     assert len(gen.token_ids) == 32 or gen.token_ids[-1] in drafter.eos_ids
@@ -272,6 +284,7 @@ def test_fsd_samples_at_temperature_above_zero(drafter, server_and_proxy, kind):
 
 
 # ---------------------------------------------------------------------------- draft policies (agent/policy.py)
+
 
 @pytest.mark.parametrize("kind", POLICIES)
 def test_every_draft_policy_is_exact_at_temperature_zero(drafter, server_and_proxy, ar_reference, kind):
@@ -301,8 +314,7 @@ def test_fsd_with_the_optimal_length_is_exact(drafter, server_and_proxy, ar_refe
         dec.close()
 
 
-def test_as2_streams_target_only_on_a_slow_link_and_speculates_again_when_it_recovers(
-        weak_drafter, server_and_proxy):
+def test_as2_streams_target_only_on_a_slow_link_and_speculates_again_when_it_recovers(weak_drafter, server_and_proxy):
     """The weak pair (acceptance ~0.7) on a 400 ms link: a round costs ~5 streamed tokens' time for ~3
     tokens, so AS2 lets the target stream alone; once the link is fast again it speculates again.
 
@@ -315,8 +327,7 @@ def test_as2_streams_target_only_on_a_slow_link_and_speculates_again_when_it_rec
     prompt, chat = PROMPTS[0]
     ids = weak_drafter.tokenize(prompt, chat=chat)
     n = 320
-    dec = EdgeDecoder(weak_drafter, proxy.url(),
-                      policy=DraftPolicy("optimal", as2_config=As2Config(return_above=1.0)))
+    dec = EdgeDecoder(weak_drafter, proxy.url(), policy=DraftPolicy("optimal", as2_config=As2Config(return_above=1.0)))
     try:
         reference = dec.generate(ids, mode="ar", max_tokens=n).token_ids
         result = {}
@@ -333,7 +344,7 @@ def test_as2_streams_target_only_on_a_slow_link_and_speculates_again_when_it_rec
         dec.close()
     gen = result["gen"]
     m = gen.metrics
-    assert gen.token_ids == reference                     # nothing lost or repeated across the switches
+    assert gen.token_ids == reference  # nothing lost or repeated across the switches
     assert [s["to"] for s in m.as2_switches][:2] == ["ar", "sd"], m.as2_switches
     off, on = m.as2_switches[:2]
     assert off["expected_speedup"] <= 1.0 and off["network_ms_0"] > 200
@@ -370,26 +381,30 @@ def test_until_cuts_every_mode_at_the_same_token(drafter, server_and_proxy, ar_r
     want = next(n for n in range(1, len(full) + 1) if len(drafter.detokenize(full[:n]).split()) >= 5)
     dec = EdgeDecoder(drafter, proxy.url())
     try:
-        got = dec.generate(ids, mode=mode, max_tokens=MAX_TOKENS, until=lambda out: len(drafter.detokenize(out).split()) >= 5)
+        got = dec.generate(
+            ids, mode=mode, max_tokens=MAX_TOKENS, until=lambda out: len(drafter.detokenize(out).split()) >= 5
+        )
     finally:
         dec.close()
-    if mode == "local":                                  # the draft alone: its own tokens, cut by the same rule
+    if mode == "local":  # the draft alone: its own tokens, cut by the same rule
         assert len(drafter.detokenize(got.token_ids).split()) >= 5
         assert len(drafter.detokenize(got.token_ids[:-1]).split()) < 5
     else:
         assert got.token_ids == full[:want]
 
 
-def test_a_named_session_keeps_the_shared_prefix_cached_on_the_server(drafter, engine_target, server_and_proxy,
-                                                                     monkeypatch):
+def test_a_named_session_keeps_the_shared_prefix_cached_on_the_server(
+    drafter, engine_target, server_and_proxy, monkeypatch
+):
     """The navigation loop's steps share a long prompt prefix: with one session name the server
     prefills only what changed, and the answers stay the target's."""
     _, proxy = server_and_proxy
-    fed = []                                             # positions the target ran per forward pass
+    fed = []  # positions the target ran per forward pass
     engine = engine_target.engine
     forward = engine.forward
-    monkeypatch.setattr(engine, "forward", lambda batch: fed.append(sum(len(p.new_ids) for p in batch)) or
-                        forward(batch))
+    monkeypatch.setattr(
+        engine, "forward", lambda batch: fed.append(sum(len(p.new_ids) for p in batch)) or forward(batch)
+    )
     shared = "You are a careful robot. " * 30
     a = drafter.tokenize(shared + "Task: go to the door.", chat=False)
     b = drafter.tokenize(shared + "Task: go to the window.", chat=False)
@@ -405,7 +420,7 @@ def test_a_named_session_keeps_the_shared_prefix_cached_on_the_server(drafter, e
         named.close()
         fresh.close()
     assert warm.token_ids == cold.token_ids
-    assert cold_fed - warm_fed >= len(drafter.tokenize(shared, chat=False)) - 2    # the shared part ran once
+    assert cold_fed - warm_fed >= len(drafter.tokenize(shared, chat=False)) - 2  # the shared part ran once
 
 
 @pytest.mark.parametrize("kind", ["none", "full", "topk", "split"])
@@ -439,17 +454,17 @@ def test_payloads_at_temperature_replay_and_cost_what_they_should(weak_drafter, 
             a, b = (dec.generate(ids, mode=mode, gamma=4, max_tokens=20, params=params) for _ in range(2))
         finally:
             dec.close()
-        assert 0 < len(a.token_ids) <= 20 and 0 < len(b.token_ids) <= 20     # an end-of-text may come first
-        if mode == "sd":                # fsd's drafts come from pre-draft branches or afresh, as timing has it
+        assert 0 < len(a.token_ids) <= 20 and 0 < len(b.token_ids) <= 20  # an end-of-text may come first
+        if mode == "sd":  # fsd's drafts come from pre-draft branches or afresh, as timing has it
             assert a.token_ids == b.token_ids
         m = a.metrics
         assert m.payload == str(spec) and m.wasted_draft_tokens > 0
-        assert (m.residuals > 0) == (spec.kind == "split")     # a residual comes down only in split
+        assert (m.residuals > 0) == (spec.kind == "split")  # a residual comes down only in split
         got[spec.kind] = m
     assert got["split"].residuals >= 1
-    assert got["split"].bytes_up_per_round <= 64                     # ids and 3-byte q(x) only
-    assert got["topk"].bytes_up_per_round < 4 * 8 * 6 + 64           # K ids (4 B) and probabilities (2 B)
-    assert got["full"].bytes_up_per_round > 2 * 49152                # at least one fp16 row per round
+    assert got["split"].bytes_up_per_round <= 64  # ids and 3-byte q(x) only
+    assert got["topk"].bytes_up_per_round < 4 * 8 * 6 + 64  # K ids (4 B) and probabilities (2 B)
+    assert got["full"].bytes_up_per_round > 2 * 49152  # at least one fp16 row per round
     # split pays on the way down instead: p_j (float32 logits) after each rejection
     assert got["split"].bytes_down_per_round > got["topk"].bytes_down_per_round
 
@@ -458,21 +473,28 @@ def test_split_survives_a_dropped_link(weak_drafter, server_and_proxy):
     """A correction owed when the link drops is not lost: the re-open carries it in the prefix."""
     server, _ = server_and_proxy
     with NetemProxy("127.0.0.1", server.port, LinkProfile.from_rtt(10)) as proxy:
-        proxy.schedule_disconnect(after_bytes_down=250_000)          # after a residual or two came down
-        dec = EdgeDecoder(weak_drafter, proxy.url(), payload=PayloadSpec("split"),
-                          reconnect=ReconnectPolicy(backoff_s=0.05))
+        proxy.schedule_disconnect(after_bytes_down=250_000)  # after a residual or two came down
+        dec = EdgeDecoder(
+            weak_drafter, proxy.url(), payload=PayloadSpec("split"), reconnect=ReconnectPolicy(backoff_s=0.05)
+        )
         try:
-            gen = dec.generate(weak_drafter.tokenize(PROMPTS[0][0], chat=True), mode="sd", gamma=4,
-                               max_tokens=MAX_TOKENS, params=SamplingParams(temperature=1.0, seed=2))
+            gen = dec.generate(
+                weak_drafter.tokenize(PROMPTS[0][0], chat=True),
+                mode="sd",
+                gamma=4,
+                max_tokens=MAX_TOKENS,
+                params=SamplingParams(temperature=1.0, seed=2),
+            )
         finally:
             dec.close()
         assert proxy.stats()["disconnects_injected"] >= 1
     assert gen.metrics.reconnects >= 1
-    assert len(gen.token_ids) == MAX_TOKENS or gen.token_ids[-1] in weak_drafter.eos_ids   # ran to its end
+    assert len(gen.token_ids) == MAX_TOKENS or gen.token_ids[-1] in weak_drafter.eos_ids  # ran to its end
 
 
-def test_a_named_session_whose_link_dropped_between_steps_reopens_its_detached_session(drafter, target, make_server,
-                                                                                      monkeypatch):
+def test_a_named_session_whose_link_dropped_between_steps_reopens_its_detached_session(
+    drafter, target, make_server, monkeypatch
+):
     """The navigation loop keeps one session name across steps. The link drops between two steps: the
     server detaches the session when its connection closes, so the next step opens the same sid on a new
     connection with a new prompt, keeps the KV of the prefix both prompts share, and is verified."""
@@ -480,8 +502,10 @@ def test_a_named_session_whose_link_dropped_between_steps_reopens_its_detached_s
 
     server = make_server()
     shared = "You are a careful robot. " * 10
-    steps = [drafter.tokenize(shared + f"Observation: {seen}. Task: go to the door.", chat=True)
-             for seen in ("a hallway", "a door on the left")]
+    steps = [
+        drafter.tokenize(shared + f"Observation: {seen}. Task: go to the door.", chat=True)
+        for seen in ("a hallway", "a door on the left")
+    ]
     ref = EdgeDecoder(drafter, server.url)
     try:
         expected = [ref.generate(ids, mode="ar", max_tokens=12).token_ids for ids in steps]
@@ -490,26 +514,26 @@ def test_a_named_session_whose_link_dropped_between_steps_reopens_its_detached_s
     robot = EdgeDecoder(drafter, server.url, reconnect=ReconnectPolicy(backoff_s=0.05))
     try:
         first = robot.generate(steps[0], mode="sd", gamma=3, max_tokens=12, session="nav-robot")
-        robot.link.close()                                  # the link drops between the two steps
+        robot.link.close()  # the link drops between the two steps
         deadline = time.monotonic() + 5
         while server.server.sessions.peek("nav-robot").conn_id != DETACHED and time.monotonic() < deadline:
             time.sleep(0.01)
-        fed = []                                            # positions the target runs from here on
+        fed = []  # positions the target runs from here on
         forward = target.engine.forward
-        monkeypatch.setattr(target.engine, "forward", lambda batch: fed.append(sum(len(p.new_ids) for p in batch))
-                            or forward(batch))
+        monkeypatch.setattr(
+            target.engine, "forward", lambda batch: fed.append(sum(len(p.new_ids) for p in batch)) or forward(batch)
+        )
         second = robot.generate(steps[1], mode="sd", gamma=3, max_tokens=12, session="nav-robot")
     finally:
         robot.close()
     assert first.token_ids == expected[0] and second.token_ids == expected[1]
-    assert second.metrics.session_switches == 0 and second.metrics.rounds >= 1     # the same sid, verified
+    assert second.metrics.session_switches == 0 and second.metrics.rounds >= 1  # the same sid, verified
     assert second.metrics.reconnects == 1 and robot._sid_for("nav-robot") == "nav-robot"
     shared_ids = next(i for i, (a, b) in enumerate(zip(*steps)) if a != b)
-    assert shared_ids > 40 and sum(fed) < len(steps[1]) - shared_ids + 12 * 4        # the shared part not again
+    assert shared_ids > 40 and sum(fed) < len(steps[1]) - shared_ids + 12 * 4  # the shared part not again
 
 
-def test_a_named_session_held_by_another_live_connection_switches_sid_and_stays_verified(drafter, make_server,
-                                                                                         caplog):
+def test_a_named_session_held_by_another_live_connection_switches_sid_and_stays_verified(drafter, make_server, caplog):
     """The sid is still held by a live connection (a half-open link the server has not noticed, another
     robot): an open with another prompt cannot prove its committed prefix (session_taken). The robot
     switches the name to a fresh sid at once, keeps it for the later steps, and every answer is the
@@ -519,8 +543,10 @@ def test_a_named_session_held_by_another_live_connection_switches_sid_and_stays_
     caplog.set_level("INFO", logger="agent.decoder")
     server = make_server()
     shared = "You are a careful robot. " * 10
-    steps = [drafter.tokenize(shared + f"Observation: {seen}. Task: go to the door.", chat=True)
-             for seen in ("a hallway", "a door on the left", "an open door")]
+    steps = [
+        drafter.tokenize(shared + f"Observation: {seen}. Task: go to the door.", chat=True)
+        for seen in ("a hallway", "a door on the left", "an open door")
+    ]
     ref = EdgeDecoder(drafter, server.url)
     try:
         expected = [ref.generate(ids, mode="ar", max_tokens=12).token_ids for ids in steps]
@@ -536,10 +562,10 @@ def test_a_named_session_held_by_another_live_connection_switches_sid_and_stays_
         robot.close()
         holder.close()
     assert first.token_ids == expected[0] and second.token_ids == expected[1] and third.token_ids == expected[2]
-    assert second.metrics.session_switches == 1 and second.metrics.rounds >= 1     # verified, not offline
+    assert second.metrics.session_switches == 1 and second.metrics.rounds >= 1  # verified, not offline
     switched = robot._sids["nav-robot"]
     assert switched.startswith("nav-robot.") and switched != "nav-robot"
-    assert third.metrics.session_switches == 0 and third.metrics.reconnects == 0   # the fresh sid, kept
+    assert third.metrics.session_switches == 0 and third.metrics.reconnects == 0  # the fresh sid, kept
     assert robot._sid_for("nav-robot") == switched
     assert [r.levelname for r in caplog.records if "is held by another connection" in r.getMessage()] == ["INFO"]
     # the names remembered are bounded: the least recent is forgotten (and falls back to its name)

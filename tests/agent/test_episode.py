@@ -1,4 +1,5 @@
 """agent/episode.py: an episode ends on the model's stop, never on the robot's own offline halt."""
+
 from types import SimpleNamespace
 
 from agent.episode import run_episode
@@ -17,13 +18,28 @@ class ScriptedNav:
 
 
 def _rec(n, action, envelope="", mode="verified"):
-    return Step(n, "t", "go to the red box", 0.0, mode=mode, action=action, parse="exact", envelope=envelope,
-                latency_ms={"step": 1.0})
+    return Step(
+        n,
+        "t",
+        "go to the red box",
+        0.0,
+        mode=mode,
+        action=action,
+        parse="exact",
+        envelope=envelope,
+        latency_ms={"step": 1.0},
+    )
 
 
 def test_an_offline_turn_away_stop_does_not_end_the_episode_the_models_stop_does():
     world = make_world("red_box", start=0)
-    nav = ScriptedNav([_rec(1, "stop", "turned_away_stop", "offline"), _rec(2, "turn left 15 deg"),
-                       _rec(3, "stop"), _rec(4, "turn left 15 deg")])
+    nav = ScriptedNav(
+        [
+            _rec(1, "stop", "turned_away_stop", "offline"),
+            _rec(2, "turn left 15 deg"),
+            _rec(3, "stop"),
+            _rec(4, "turn left 15 deg"),
+        ]
+    )
     summary, records = run_episode(nav, world, "go to the red box", max_steps=4)
     assert len(records) == 3 and summary["end"] == "done" and summary["offline_steps"] == 1

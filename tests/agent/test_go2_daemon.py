@@ -2,6 +2,7 @@
 the local API's e-stop is acknowledged and latched within 50 ms while the robot does not answer, the control
 loop keeps its rate and feeds the watchdog, a reset stands the robot up first, and the Go2's front camera
 feeds frames and is reported stale on STATUS= and the API when it stops."""
+
 from __future__ import annotations
 
 import asyncio
@@ -25,6 +26,7 @@ from tests.agent.unitree_standin import StandIn
 
 class StubDrafter:
     """The daemon's draft model, for tests that never plan: tokens are characters."""
+
     name, vocab_size, vocab_hash, eos_ids, chat_template = "stub", 256, "stub", {0}, None
 
     def apply_chat_template(self, messages):
@@ -83,15 +85,25 @@ class Api:
 def go2(monkeypatch):
     sdk = StandIn().install(monkeypatch)
     yield sdk
-    sdk.close()                                 # answers every hung call: no test waits out the 10 s timeout
+    sdk.close()  # answers every hung call: no test waits out the 10 s timeout
 
 
 def make_daemon(*sets):
-    cfg = config.load(None, ['robot.controller="go2"', 'robot.options={network_interface="eth0"}',
-                             'camera.source="go2"', 'perception.kind="color"', 'telemetry.path=""',
-                             "robot.control_hz=50", "camera.max_age_ms=300", *sets])
+    cfg = config.load(
+        None,
+        [
+            'robot.controller="go2"',
+            'robot.options={network_interface="eth0"}',
+            'camera.source="go2"',
+            'perception.kind="color"',
+            'telemetry.path=""',
+            "robot.control_hz=50",
+            "camera.max_age_ms=300",
+            *sets,
+        ],
+    )
     d = Daemon(cfg, drafter=StubDrafter(), notifier=RecordingNotifier()).start()
-    assert wait_for(lambda: d.grabber.latest_age_s() is not None)     # the first frame: motion is allowed
+    assert wait_for(lambda: d.grabber.latest_age_s() is not None)  # the first frame: motion is allowed
     return d
 
 
@@ -101,14 +113,14 @@ def test_api_estop_is_latched_within_50_ms_while_the_robot_does_not_answer(go2):
     latencies = []
     try:
         for _ in range(10):
-            go2.reply.set()                                   # answer what is pending; stand up again
+            go2.reply.set()  # answer what is pending; stand up again
             if d.safety.estopped:
                 assert api.call(op="reset")["ok"]
             d.control.start_motion(Motion(Command(vx=0.3), 30.0))
             assert wait_for(lambda: any(c[0] == "Move" and c[1] > 0 for c in go2.calls[-5:]))
-            go2.reply.clear()                                 # from now on the robot does not answer (10 s)
-            d.control.halt("test")                            # a StopMove that hangs ...
-            d.control.start_motion(Motion(Command(vx=0.3), 30.0))   # ... and the robot is moving again
+            go2.reply.clear()  # from now on the robot does not answer (10 s)
+            d.control.halt("test")  # a StopMove that hangs ...
+            d.control.start_motion(Motion(Command(vx=0.3), 30.0))  # ... and the robot is moving again
             time.sleep(0.05)
             t0 = time.perf_counter()
             reply = api.call(op="estop")
@@ -119,8 +131,10 @@ def test_api_estop_is_latched_within_50_ms_while_the_robot_does_not_answer(go2):
             n = len(go2.calls)
             time.sleep(0.1)
             assert all(c[1:] == (0.0, 0.0, 0.0) for c in go2.calls[n:] if c[0] == "Move")
-        print(f"\nAPI e-stop latency with StopMove and Damp hung (10 runs): median "
-              f"{statistics.median(latencies) * 1e3:.1f} ms, max {max(latencies) * 1e3:.1f} ms")
+        print(
+            f"\nAPI e-stop latency with StopMove and Damp hung (10 runs): median "
+            f"{statistics.median(latencies) * 1e3:.1f} ms, max {max(latencies) * 1e3:.1f} ms"
+        )
         assert max(latencies) < 0.050
     finally:
         api.close()
@@ -134,15 +148,15 @@ def test_control_loop_keeps_its_rate_and_the_watchdog_while_damp_hangs(go2):
         d.control.start_motion(Motion(Command(vx=0.3), 30.0))
         time.sleep(0.1)
         go2.reply.clear()
-        d.estop()                                             # Damp hangs, and so does every StopMove
+        d.estop()  # Damp hangs, and so does every StopMove
         d.control.halt("again")
         ticks0, t0 = d.control.ticks, time.monotonic()
         time.sleep(1.0)
         rate = (d.control.ticks - ticks0) / (time.monotonic() - t0)
         pings = [t for t in d.notifier.times("WATCHDOG") if t >= t0]
-        assert rate >= 0.6 * 50, rate                         # 50 Hz asked; loose on a shared 2-core machine
+        assert rate >= 0.6 * 50, rate  # 50 Hz asked; loose on a shared 2-core machine
         assert len(pings) >= 8 and max(b - a for a, b in zip([t0] + pings, pings)) < 0.5
-        assert d.status()["driver_calls"]["estop"]["for_s"] >= 0.9     # and the hang shows in status
+        assert d.status()["driver_calls"]["estop"]["for_s"] >= 0.9  # and the hang shows in status
     finally:
         go2.reply.set()
         d.close()
@@ -152,7 +166,7 @@ def test_reset_stands_the_go2_up_before_motion(go2):
     d = make_daemon()
     api = Api(d)
     try:
-        assert api.call(op="estop")["delivered"]             # the robot answers: Damp returned in time
+        assert api.call(op="estop")["delivered"]  # the robot answers: Damp returned in time
         assert go2.mode == 7
         d.control.start_motion(Motion(Command(vx=0.3), 1.0))
         time.sleep(0.1)
@@ -161,7 +175,7 @@ def test_reset_stands_the_go2_up_before_motion(go2):
         assert api.call(op="reset")["ok"] and not d.safety.estopped
         stands = [c[0] for c in go2.calls[n:] if c[0] in ("RecoveryStand", "BalanceStand")]
         assert stands == ["RecoveryStand", "BalanceStand"] and go2.mode == 1
-        go2.reply.clear()                                     # a reset the robot never answers is an error
+        go2.reply.clear()  # a reset the robot never answers is an error
         assert api.call(op="estop")["ok"]
         go2.reply.set()
         d.safety.drain(2.0)
@@ -181,9 +195,9 @@ def test_go2_camera_frames_and_a_stale_camera_is_reported(go2):
     try:
         frame = d.grabber.read_latest(300)
         assert frame.meta["source"] == "go2" and frame.image.shape == (48, 64, 3)
-        assert abs(int(frame.image[..., 2].mean()) - 200) < 10              # the red the robot sent, decoded
+        assert abs(int(frame.image[..., 2].mean()) - 200) < 10  # the red the robot sent, decoded
         assert wait_for(lambda: api.call(op="status")["status"]["camera"]["state"] == "ok")
-        go2.image = None                                                     # the camera stops delivering
+        go2.image = None  # the camera stops delivering
         assert wait_for(lambda: api.call(op="status")["status"]["camera"]["state"] == "stale", 3.0)
         assert any("camera go2 stale" in s for s in d.notifier.statuses())
         go2.image = np.full((48, 64, 3), (0, 200, 0), np.uint8)
@@ -204,12 +218,12 @@ def wait_for(pred, timeout=5.0):
 
 
 def test_obstacle_stop_on_the_go2_range_finder_is_in_the_telemetry(go2, tmp_path):
-    go2.range_m = (0.3, 5.0, 5.0)                            # something 0.3 m ahead
+    go2.range_m = (0.3, 5.0, 5.0)  # something 0.3 m ahead
     d = make_daemon("safety.min_clearance_m=0.5", f'telemetry.path="{tmp_path / "t.jsonl"}"')
     try:
-        assert not d.control.execute(Motion(Command(vx=0.3), 1.0))       # refused at once
+        assert not d.control.execute(Motion(Command(vx=0.3), 1.0))  # refused at once
         assert not any(c[0] == "Move" and c[1] > 0 for c in go2.calls)
-        d.submit("go to the red box", max_steps=1)           # offline (hold): refused steps, each recorded
+        d.submit("go to the red box", max_steps=1)  # offline (hold): refused steps, each recorded
         assert wait_for(lambda: (tmp_path / "t.jsonl").exists() and (tmp_path / "t.jsonl").read_text())
         d.cancel()
         record = json.loads((tmp_path / "t.jsonl").read_text().splitlines()[0])

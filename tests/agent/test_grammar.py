@@ -5,6 +5,7 @@ vocabulary. These tests check that both sides mask identically at every position
 answers, that every decoding mode and payload yields the target's own masked greedy ids at
 T = 0, and that at T > 0 the committed token follows the masked, renormalised target.
 """
+
 import numpy as np
 import pytest
 from scipy import stats
@@ -21,21 +22,29 @@ from server_bridge.verifier import Verifier
 pytestmark = pytest.mark.real
 
 GBNF = answer_grammar()
-TASKS = [("go to the red box", "red box 35 degrees to the left, 2.1 m away"),
-         ("go to the blue ball", "nothing"),
-         ("go to the green box", "green box ahead, 0.4 m away")]
+TASKS = [
+    ("go to the red box", "red box 35 degrees to the left, 2.1 m away"),
+    ("go to the blue ball", "nothing"),
+    ("go to the green box", "green box ahead, 0.4 m away"),
+]
 # answers as a model writes them (the shapes of agent/nav.py's examples), one per kind of action
-RECORDED = ["The red box is to the left, so I turn left. The next action is turn left 30 degree.",
-            "I do not see the blue ball, so I look around. The next action is turn right 45 degree.",
-            "The green box is within reach, so I stop. I think I should stop because I have finished the "
-            "instruction.",
-            "The box is ahead, so I move forward. The next action is move forward 75 cm."]
+RECORDED = [
+    "The red box is to the left, so I turn left. The next action is turn left 30 degree.",
+    "I do not see the blue ball, so I look around. The next action is turn right 45 degree.",
+    "The green box is within reach, so I stop. I think I should stop because I have finished the instruction.",
+    "The box is ahead, so I move forward. The next action is move forward 75 cm.",
+]
 
 
 def prompt(drafter, task, seen):
-    return drafter.tokenize(drafter.apply_chat_template([
-        {"role": "system", "content": "You are a robot. Give one reason, then one action."},
-        {"role": "user", "content": f"Task: {task}.\nCamera: {seen}."}]))
+    return drafter.tokenize(
+        drafter.apply_chat_template(
+            [
+                {"role": "system", "content": "You are a robot. Give one reason, then one action."},
+                {"role": "user", "content": f"Task: {task}.\nCamera: {seen}."},
+            ]
+        )
+    )
 
 
 def target_greedy(target, ids, max_tokens):
@@ -89,24 +98,34 @@ def test_the_grammar_admits_every_navila_sentence_and_nothing_after_it(drafter):
     for action in VOCABULARY:
         state = g.walk(drafter.tokenize(f"I see it. {action.text}"))
         allowed = set(np.flatnonzero(state.mask()).tolist())
-        assert drafter.eos_ids <= allowed and len(allowed) <= 4      # complete: only end-of-generation ids
+        assert drafter.eos_ids <= allowed and len(allowed) <= 4  # complete: only end-of-generation ids
     with pytest.raises(GrammarError):
         g.walk(drafter.tokenize("I see it. The next action is move forward 1 m."))
     with pytest.raises(GrammarError):
         drafter.grammars.get("root ::= (")
 
 
-@pytest.mark.parametrize("mode,gamma,kind", [("ar", 0, "none"), ("sd", 2, "none"), ("sd", 4, "none"),
-                                             ("sd", 4, "full"), ("sd", 4, "topk"), ("sd", 4, "split"),
-                                             ("fsd", 4, "none")])
-def test_every_mode_and_payload_gives_the_targets_constrained_greedy_ids(drafter, grammar_server, references,
-                                                                         mode, gamma, kind):
-    dec = EdgeDecoder(drafter, grammar_server.url, payload=PayloadSpec.parse(kind),
-                      fsd=FsdOptions(exits=()))
+@pytest.mark.parametrize(
+    "mode,gamma,kind",
+    [
+        ("ar", 0, "none"),
+        ("sd", 2, "none"),
+        ("sd", 4, "none"),
+        ("sd", 4, "full"),
+        ("sd", 4, "topk"),
+        ("sd", 4, "split"),
+        ("fsd", 4, "none"),
+    ],
+)
+def test_every_mode_and_payload_gives_the_targets_constrained_greedy_ids(
+    drafter, grammar_server, references, mode, gamma, kind
+):
+    dec = EdgeDecoder(drafter, grammar_server.url, payload=PayloadSpec.parse(kind), fsd=FsdOptions(exits=()))
     try:
         for task, ref in zip(TASKS, references):
-            gen = dec.generate(prompt(drafter, *task), mode=mode, gamma=gamma, max_tokens=answer_max_tokens(),
-                               grammar=GBNF)
+            gen = dec.generate(
+                prompt(drafter, *task), mode=mode, gamma=gamma, max_tokens=answer_max_tokens(), grammar=GBNF
+            )
             assert gen.token_ids == ref
             assert parse_action(gen.text).how == "exact"
     finally:
@@ -115,18 +134,20 @@ def test_every_mode_and_payload_gives_the_targets_constrained_greedy_ids(drafter
 
 @pytest.mark.parametrize("mode", ["sd", "fsd"])
 @pytest.mark.parametrize("kind", ["full", "topk", "split"])
-def test_sampled_answers_under_the_grammar_always_parse_and_sd_replays_its_seed(weak_drafter, grammar_server,
-                                                                                 mode, kind):
+def test_sampled_answers_under_the_grammar_always_parse_and_sd_replays_its_seed(
+    weak_drafter, grammar_server, mode, kind
+):
     """T = 1 with the weaker draft (rejections common, split's residuals drawn on the robot): every answer is
     one reason and one NaVILA sentence, and in sd the same seed gives the same ids."""
-    dec = EdgeDecoder(weak_drafter, grammar_server.url, payload=PayloadSpec.parse(kind, 16),
-                      fsd=FsdOptions(exits=()))
+    dec = EdgeDecoder(weak_drafter, grammar_server.url, payload=PayloadSpec.parse(kind, 16), fsd=FsdOptions(exits=()))
     try:
         for seed in range(2):
             params = SamplingParams(temperature=1.0, seed=seed)
             ids = prompt(weak_drafter, *TASKS[seed])
-            runs = [dec.generate(ids, mode=mode, gamma=4, max_tokens=answer_max_tokens(), grammar=GBNF,
-                                 params=params) for _ in range(2 if mode == "sd" else 1)]
+            runs = [
+                dec.generate(ids, mode=mode, gamma=4, max_tokens=answer_max_tokens(), grammar=GBNF, params=params)
+                for _ in range(2 if mode == "sd" else 1)
+            ]
             for gen in runs:
                 assert parse_action(gen.text).how == "exact", gen.text
             assert runs[0].token_ids == runs[-1].token_ids
@@ -139,8 +160,13 @@ def test_local_generation_under_the_grammar_always_parses(drafter):
     dec = EdgeDecoder(drafter, None)
     for task in TASKS:
         for seed in range(3):
-            gen = dec.generate(prompt(drafter, *task), mode="local", max_tokens=answer_max_tokens(), grammar=GBNF,
-                               params=SamplingParams(temperature=1.5, seed=seed))
+            gen = dec.generate(
+                prompt(drafter, *task),
+                mode="local",
+                max_tokens=answer_max_tokens(),
+                grammar=GBNF,
+                params=SamplingParams(temperature=1.5, seed=seed),
+            )
             assert parse_action(gen.text).how == "exact", gen.text
 
 
@@ -154,8 +180,17 @@ def test_sampled_verification_commits_the_masked_renormalised_target(drafter, ta
     ids = prompt(drafter, *TASKS[0]) + answer
     n_prompt = len(ids) - len(answer)
     verifier = Verifier(target, ServerConfig())
-    session, _ = verifier.open(wire.Open("gstat", ids, {"temperature": 1.5, "top_k": 4, "seed": 3},
-                                         payload=spec.to_wire(), grammar={"gbnf": GBNF, "from": n_prompt}), 1, None)
+    session, _ = verifier.open(
+        wire.Open(
+            "gstat",
+            ids,
+            {"temperature": 1.5, "top_k": 4, "seed": 3},
+            payload=spec.to_wire(),
+            grammar={"gbnf": GBNF, "from": n_prompt},
+        ),
+        1,
+        None,
+    )
     mask = session.grammar.mask()
     logits = target.score(session.state, [])[0]
     target.rewind(session.state, ids)
@@ -169,13 +204,13 @@ def test_sampled_verification_commits_the_masked_renormalised_target(drafter, ta
         d = drafter.propose(ids, 1, params, rng, payload=spec, grammar=grammar)
         out = verifier.verify(session, wire.decode(wire.encode(wire.Verify("gstat", r, len(ids), d.ids, d.wire_q()))))
         token = out.verdict.token
-        if out.residual is not None:                        # split: the robot draws the correction
+        if out.residual is not None:  # split: the robot draws the correction
             res = wire.decode(wire.encode(wire.Result("gstat", r, 0, -1, len(ids), {}, out.residual))).residual
             token = payload.correction(res["logits"], res["ids"], d.q.row(0), params, rng)
         firsts.append(d.ids[0] if out.verdict.accepted else token)
         rejected += out.verdict.accepted == 0
         target.rewind(session.state, ids)
-        session.grammar = target.grammar(GBNF).walk(answer)     # the next round starts from the same prefix
+        session.grammar = target.grammar(GBNF).walk(answer)  # the next round starts from the same prefix
         session.owed = None
     counts = np.array([firsts.count(t) for t in support])
     assert counts.sum() == len(firsts), "a token outside the masked top-k was committed"
@@ -194,7 +229,7 @@ def test_a_bad_grammar_or_a_prompt_outside_it_is_refused_on_that_session_only(dr
         verifier.open(wire.Open("g2", ids, greedy, grammar={"gbnf": GBNF, "from": len(ids) - 2}), 1, None)
     session, _ = verifier.open(wire.Open("g3", ids, greedy, grammar={"gbnf": GBNF, "from": len(ids)}), 1, None)
     assert session.grammar is not None
-    with pytest.raises(wire.WireError):                     # from past the prompt: refused by the wire's check
+    with pytest.raises(wire.WireError):  # from past the prompt: refused by the wire's check
         wire.decode(wire.encode(wire.Open("g4", ids, greedy, grammar={"gbnf": GBNF, "from": len(ids) + 1})))
 
 
@@ -223,8 +258,9 @@ def test_the_torch_engine_masks_with_its_gguf_vocabulary_and_stays_exact(drafter
     with ThreadedServer(lambda cfg: Verifier(torch_target, cfg)) as server:
         dec = EdgeDecoder(drafter, server.url)
         try:
-            gen = dec.generate(prompt(drafter, *TASKS[0]), mode="sd", gamma=4, max_tokens=answer_max_tokens(),
-                               grammar=GBNF)
+            gen = dec.generate(
+                prompt(drafter, *TASKS[0]), mode="sd", gamma=4, max_tokens=answer_max_tokens(), grammar=GBNF
+            )
         finally:
             dec.close()
     assert gen.token_ids == references[0]

@@ -1,5 +1,6 @@
 """The robot never sends its token in clear to another machine: wss:// (with link.ca_file), loopback, or
 link.allow_insecure; a daemon configured otherwise refuses to start before it moves anything."""
+
 import pytest
 
 from agent import config
@@ -12,8 +13,8 @@ from tests.tlscerts import make_cert, needs_openssl
 def test_token_over_plain_ws_to_another_host_is_refused(url):
     with pytest.raises(InsecureLink, match="in clear"):
         tls_context(url, token="secret")
-    assert tls_context(url, token="secret", allow_insecure=True) is None     # a lab network, said so
-    assert tls_context(url, token="") is None                                # nothing to give away
+    assert tls_context(url, token="secret", allow_insecure=True) is None  # a lab network, said so
+    assert tls_context(url, token="") is None  # nothing to give away
 
 
 @pytest.mark.parametrize("url", ["ws://127.0.0.1:8765", "ws://localhost:8765", "ws://[::1]:8765"])

@@ -2,10 +2,11 @@
 
 The contract (docs/guide/server.md, "Exactness on each engine"): a verify pass of gamma + 1 rows and a one-token
 pass sum in different orders, and in bf16 their logits differ by up to ~0.5 here
-(`python -m tools.divergence`, docs/divergence). So SD may pick another id than AR only where AR's
+(`python -m tools.bench.divergence`, docs/divergence). So SD may pick another id than AR only where AR's
 top two logits are closer than that; from there on both are the target's greedy continuation of
 different prefixes. This test checks exactly that, over the real websocket.
 """
+
 import numpy as np
 import pytest
 
@@ -14,9 +15,11 @@ from tools.logit_margin import top2
 
 pytestmark = pytest.mark.real
 
-PROMPTS = [("Go to the kitchen, then turn left and stop next to the red chair. Describe your plan.", True),
-           ("def fibonacci(n):", False)]
-NEAR_TIE = 1.0          # logits: twice the largest bf16 rounding noise measured by tools.divergence on the CPU
+PROMPTS = [
+    ("Go to the kitchen, then turn left and stop next to the red chair. Describe your plan.", True),
+    ("def fibonacci(n):", False),
+]
+NEAR_TIE = 1.0  # logits: twice the largest bf16 rounding noise measured by tools.bench.divergence on the CPU
 
 
 @pytest.fixture(scope="module")
@@ -44,9 +47,10 @@ def test_bf16_sd_and_fsd_are_ar_up_to_near_ties(drafter, bf16_server):
                     continue
                 at = next(i for i, (a, b) in enumerate(zip(ar, got)) if a != b)
                 state = target.new_state(ids + ar[:at])
-                row = np.asarray(target.score(state, [])[0], np.float64)          # AR's own one-token pass
+                row = np.asarray(target.score(state, [])[0], np.float64)  # AR's own one-token pass
                 best, second, _, margin = top2(row)
-                assert {ar[at], got[at]} <= {best, second} and margin <= NEAR_TIE, \
+                assert {ar[at], got[at]} <= {best, second} and margin <= NEAR_TIE, (
                     f"{mode} left AR at token {at} of {prompt!r} where the top two logits are {margin:.3f} apart"
+                )
     finally:
         dec.close()

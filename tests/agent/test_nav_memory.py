@@ -5,6 +5,7 @@ Fakes at the decoder's depth: a word tokenizer and a scripted decoder, so the pr
 the envelope run as the robot runs them, without a model. The real tokenizer's prefix sharing is
 checked under `real`.
 """
+
 from __future__ import annotations
 
 import time
@@ -17,7 +18,7 @@ from agent.config import ConfigError
 from agent.decoder import Generation, Metrics
 from agent.link import LinkLost
 from agent.nav import NavConfig, Navigator, Recall, StepMemory, common_prefix, messages, offline_envelope
-from agent.robot.actions import Action, STOP, parse_action
+from agent.robot.actions import STOP, Action, parse_action
 from agent.robot.camera import Frame
 from agent.robot.controllers.base import Command
 from agent.robot.perception import Sighting
@@ -61,10 +62,29 @@ class ScriptedDecoder:
     def stop_ids(self) -> set[int]:
         return set(self.drafter.eos_ids)
 
-    def generate(self, prompt_ids, *, mode="sd", max_tokens=64, params=None, gamma=4, until=None, session=None,
-                 grammar=None, grammar_from=None, images=None):
-        self.calls.append({"ids": list(prompt_ids), "mode": mode, "session": session, "grammar": grammar,
-                           "grammar_from": grammar_from})
+    def generate(
+        self,
+        prompt_ids,
+        *,
+        mode="sd",
+        max_tokens=64,
+        params=None,
+        gamma=4,
+        until=None,
+        session=None,
+        grammar=None,
+        grammar_from=None,
+        images=None,
+    ):
+        self.calls.append(
+            {
+                "ids": list(prompt_ids),
+                "mode": mode,
+                "session": session,
+                "grammar": grammar,
+                "grammar_from": grammar_from,
+            }
+        )
         if self.url is None and mode != "local":
             raise LinkLost("no verifier")
         text = self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
@@ -78,6 +98,7 @@ class ListGrabber:
 
 class ListPerception:
     """Sightings per step from a list (the last one repeats)."""
+
     kind = "sim"
 
     def __init__(self, views: list[list[Sighting]]):
@@ -117,8 +138,13 @@ def make_nav(answers, views, url="ws://verifier", offline="hold", **cfg):
     drafter = WordDrafter()
     dec = ScriptedDecoder(drafter, answers, url)
     control = RecordingControl()
-    navigator = Navigator(dec, ListGrabber(), ListPerception(views), control,
-                          NavConfig(offline=offline, probe_backoff_s=60.0, probe_backoff_max_s=60.0, **cfg))
+    navigator = Navigator(
+        dec,
+        ListGrabber(),
+        ListPerception(views),
+        control,
+        NavConfig(offline=offline, probe_backoff_s=60.0, probe_backoff_max_s=60.0, **cfg),
+    )
     navigator.check_link()
     return navigator, dec, control
 
@@ -128,7 +154,7 @@ def fixed_prefix_ids(navigator: Navigator, instruction: str = INSTRUCTION) -> li
     last user turn's memory/camera lines), tokenized on its own."""
     msgs = messages(instruction, "nothing")
     text = navigator.drafter.apply_chat_template(msgs)
-    head = text[:text.rindex("Camera: nothing.")]
+    head = text[: text.rindex("Camera: nothing.")]
     return navigator.drafter.tokenize(head)
 
 
@@ -137,29 +163,34 @@ def fixed_prefix_ids(navigator: Navigator, instruction: str = INSTRUCTION) -> li
 
 def test_memory_keeps_the_last_steps_and_drops_the_oldest_first():
     turns = [Action("right", 45), Action("right", 30), Action("forward", 50), Action("left", 15)]
-    navigator, dec, _ = make_nav([answer(a) for a in turns] + [answer(STOP)],
-                                 [[], box(40), box(5), box(-20), box(0, 0.4)], memory_steps=2)
+    navigator, dec, _ = make_nav(
+        [answer(a) for a in turns] + [answer(STOP)], [[], box(40), box(5), box(-20), box(0, 0.4)], memory_steps=2
+    )
     recs = [navigator.step(INSTRUCTION) for _ in range(5)]
     # over two steps the memory is cut to one (half the bound) in one go, then grows again
     assert [r.memory_steps for r in recs] == [0, 1, 2, 1, 2]
     last_prompt = navigator.drafter.detokenize(dec.calls[-1]["ids"])
     # the two latest steps only, oldest first: what was seen and done, and nothing else
-    tail = last_prompt[last_prompt.rindex("Task: go to the red box."):]
+    tail = last_prompt[last_prompt.rindex("Task: go to the red box.") :]
     assert tail.count("Earlier camera:") == 2
-    assert tail.index("red box ahead, 3.0 m away. Then I moved forward 50 cm.") < \
-        tail.index("red box 20 degrees to the right, 3.0 m away. Then I turned left 15 degrees.")
+    assert tail.index("red box ahead, 3.0 m away. Then I moved forward 50 cm.") < tail.index(
+        "red box 20 degrees to the right, 3.0 m away. Then I turned left 15 degrees."
+    )
     assert "turned right 45" not in tail and "turned right 30" not in tail
-    assert navigator.memory.dropped == 4              # steps 1 and 2, then (after the stop) 3 and 4
+    assert navigator.memory.dropped == 4  # steps 1 and 2, then (after the stop) 3 and 4
 
 
 def test_memory_is_bounded_in_tokens_of_the_draft_tokenizer():
     navigator, _, _ = make_nav([answer(Action("left", 15))], [box(30)], memory_steps=8, memory_max_tokens=40)
     recs = [navigator.step(INSTRUCTION) for _ in range(6)]
-    line_tokens = len(navigator.drafter.tokenize(Recall("red box 30 degrees to the left, 3.0 m away",
-                                                        Action("left", 15), True).line()))
-    assert 2 * line_tokens <= 40 < 3 * line_tokens           # room for two lines, not three
+    line_tokens = len(
+        navigator.drafter.tokenize(
+            Recall("red box 30 degrees to the left, 3.0 m away", Action("left", 15), True).line()
+        )
+    )
+    assert 2 * line_tokens <= 40 < 3 * line_tokens  # room for two lines, not three
     assert max(r.memory_tokens for r in recs) <= 40 and max(r.memory_steps for r in recs) == 2
-    assert [r.memory_steps for r in recs] == [0, 1, 2, 1, 2, 1]     # over 40: cut to 20 tokens (one line)
+    assert [r.memory_steps for r in recs] == [0, 1, 2, 1, 2, 1]  # over 40: cut to 20 tokens (one line)
     assert navigator.memory.tokens == len(navigator.drafter.tokenize("\n".join(navigator.memory.lines())))
 
 
@@ -167,9 +198,9 @@ def test_memory_is_per_task():
     navigator, _, _ = make_nav([answer(Action("left", 15))], [box(30)])
     navigator.step(INSTRUCTION, task="1")
     assert navigator.step(INSTRUCTION, task="1").memory_steps == 1
-    assert navigator.step("go to the blue ball", task="1").memory_steps == 0     # a new instruction
+    assert navigator.step("go to the blue ball", task="1").memory_steps == 0  # a new instruction
     assert navigator.step("go to the blue ball", task="1").memory_steps == 1
-    assert navigator.step("go to the blue ball", task="2").memory_steps == 0     # a new task
+    assert navigator.step("go to the blue ball", task="2").memory_steps == 0  # a new task
 
 
 def test_memory_off_gives_the_prompt_without_memory():
@@ -181,12 +212,18 @@ def test_memory_off_gives_the_prompt_without_memory():
 
 
 def test_memory_marks_unverified_and_cut_short_steps():
-    assert Recall("nothing", Action("right", 15), verified=False).line() == \
-        "Earlier camera: nothing. Then I turned right 15 degrees (unverified)."
-    assert Recall("nothing", Action("forward", 25), verified=True, completed=False).line() == \
-        "Earlier camera: nothing. Then I moved forward 25 cm (cut short)."
-    assert Recall("red box ahead, within reach", STOP, verified=True).line() == \
-        "Earlier camera: red box ahead, within reach. Then I stopped."
+    assert (
+        Recall("nothing", Action("right", 15), verified=False).line()
+        == "Earlier camera: nothing. Then I turned right 15 degrees (unverified)."
+    )
+    assert (
+        Recall("nothing", Action("forward", 25), verified=True, completed=False).line()
+        == "Earlier camera: nothing. Then I moved forward 25 cm (cut short)."
+    )
+    assert (
+        Recall("red box ahead, within reach", STOP, verified=True).line()
+        == "Earlier camera: red box ahead, within reach. Then I stopped."
+    )
 
 
 def test_step_memory_unit_bounds():
@@ -213,9 +250,9 @@ def test_each_prompt_shares_the_whole_fixed_prefix_and_the_memory_so_far_with_th
     for i in range(1, len(prompts)):
         before, now = prompts[i - 1], prompts[i]
         shared = common_prefix(before, now)
-        assert now[:len(fixed)] == fixed and shared >= len(fixed)
+        assert now[: len(fixed)] == fixed and shared >= len(fixed)
         assert recs[i].prefix_shared_tokens == shared and recs[i].prompt_tokens == len(now)
-        if recs[i].memory_steps > recs[i - 1].memory_steps:     # memory grew: all of the previous memory kept
+        if recs[i].memory_steps > recs[i - 1].memory_steps:  # memory grew: all of the previous memory kept
             camera_at = navigator.drafter.detokenize(before).rindex("Camera:")
             assert shared >= len(navigator.drafter.tokenize(navigator.drafter.detokenize(before)[:camera_at]))
     assert [r.memory_steps for r in recs] == [0, 1, 2, 3, 1]
@@ -226,19 +263,20 @@ def test_each_prompt_shares_the_whole_fixed_prefix_and_the_memory_so_far_with_th
 def test_the_real_tokenizer_keeps_the_prefix_of_the_previous_prompt(drafter):
     """With SmolLM2's BPE the appended memory line does not re-tokenize what came before it."""
     fixed_text = drafter.apply_chat_template(messages(INSTRUCTION, "nothing"))
-    fixed_text = fixed_text[:fixed_text.rindex("Camera: nothing.")]
+    fixed_text = fixed_text[: fixed_text.rindex("Camera: nothing.")]
     fixed = drafter.tokenize(fixed_text)
     memory = [Recall("red box 40 degrees to the left, 3.1 m away", Action("right", 45), True).line()]
-    first = drafter.tokenize(drafter.apply_chat_template(messages(INSTRUCTION, "red box 40 degrees to the left, "
-                                                                               "3.1 m away")))
+    first = drafter.tokenize(
+        drafter.apply_chat_template(messages(INSTRUCTION, "red box 40 degrees to the left, 3.1 m away"))
+    )
     second = drafter.tokenize(drafter.apply_chat_template(messages(INSTRUCTION, "nothing", memory)))
     more = memory + [Recall("nothing", Action("right", 45), False).line()]
     third = drafter.tokenize(drafter.apply_chat_template(messages(INSTRUCTION, "nothing", more)))
-    assert first[:len(fixed)] == fixed == second[:len(fixed)] == third[:len(fixed)]
+    assert first[: len(fixed)] == fixed == second[: len(fixed)] == third[: len(fixed)]
     head = drafter.apply_chat_template(messages(INSTRUCTION, "nothing", memory))
-    head = drafter.tokenize(head[:head.rindex("Camera: nothing.")])
-    assert third[:len(head)] == head                          # the second prompt's memory is reused too
-    assert len(fixed) > 500                                    # the fixed part is most of the prompt
+    head = drafter.tokenize(head[: head.rindex("Camera: nothing.")])
+    assert third[: len(head)] == head  # the second prompt's memory is reused too
+    assert len(fixed) > 500  # the fixed part is most of the prompt
 
 
 # ------------------------------------------------------------------ the offline envelope
@@ -256,8 +294,9 @@ def test_an_unverified_forward_step_is_clamped_and_slowed():
 
 
 def test_an_unverified_turn_is_clamped_to_the_offline_limit():
-    navigator, _, control = make_nav([answer(Action("left", 45))], [box(50)], url=None, offline="local",
-                                     offline_max_turn_deg=30)
+    navigator, _, control = make_nav(
+        [answer(Action("left", 45))], [box(50)], url=None, offline="local", offline_max_turn_deg=30
+    )
     rec = navigator.step(INSTRUCTION)
     assert rec.envelope == "clamped" and rec.action == "turn left 30 deg"
     motion = control.motions[-1]
@@ -284,20 +323,29 @@ def test_an_unverified_turn_away_from_the_target_in_view_is_replaced_by_stop():
 
 
 def test_unverified_turns_toward_the_target_or_while_searching_still_run():
-    navigator, _, control = make_nav([answer(Action("left", 15)), answer(Action("right", 45))], [box(40), []],
-                                     url=None, offline="local")
-    assert navigator.step(INSTRUCTION).envelope == ""                      # toward the box: as asked
-    rec = navigator.step(INSTRUCTION)                                       # nothing in view: a search turn
+    navigator, _, control = make_nav(
+        [answer(Action("left", 15)), answer(Action("right", 45))], [box(40), []], url=None, offline="local"
+    )
+    assert navigator.step(INSTRUCTION).envelope == ""  # toward the box: as asked
+    rec = navigator.step(INSTRUCTION)  # nothing in view: a search turn
     assert rec.envelope == "clamped" and rec.action == "turn right 15 deg" and len(control.motions) == 2
 
 
-@pytest.mark.parametrize("bearing,action,stops", [
-    (40, Action("right", 15), True), (-25, Action("left", 45), True),       # off to one side, turn to the other
-    (40, Action("left", 15), False), (-25, Action("right", 15), False),     # toward it
-    (0, Action("left", 15), True), (3, Action("right", 15), True),          # ahead: a turn takes it off the axis
-    (7, Action("left", 15), False), (-8, Action("right", 15), False),       # ahead, the turn centres it
-    (40, Action("forward", 25), False), (0, STOP, False),
-])
+@pytest.mark.parametrize(
+    "bearing,action,stops",
+    [
+        (40, Action("right", 15), True),
+        (-25, Action("left", 45), True),  # off to one side, turn to the other
+        (40, Action("left", 15), False),
+        (-25, Action("right", 15), False),  # toward it
+        (0, Action("left", 15), True),
+        (3, Action("right", 15), True),  # ahead: a turn takes it off the axis
+        (7, Action("left", 15), False),
+        (-8, Action("right", 15), False),  # ahead, the turn centres it
+        (40, Action("forward", 25), False),
+        (0, STOP, False),
+    ],
+)
 def test_turns_away_by_bearing(bearing, action, stops):
     run, envelope, _ = offline_envelope(action, Sighting("red box", bearing, 2.0, "sim"), 75, 45)
     assert (envelope == "turned_away_stop") == stops and (run == STOP) == (stops or action == STOP)
@@ -328,33 +376,60 @@ def test_a_turn_away_stop_does_not_end_the_daemons_task_as_done(tmp_path):
 
 
 def test_the_new_config_keys_load_and_reach_the_navigator():
-    cfg = config.load(None, ["nav.memory_steps=2", "nav.memory_max_tokens=80", "offline.max_forward_cm=50",
-                             "offline.max_turn_deg=30", "offline.speed_scale=0.25"])
+    cfg = config.load(
+        None,
+        [
+            "nav.memory_steps=2",
+            "nav.memory_max_tokens=80",
+            "offline.max_forward_cm=50",
+            "offline.max_turn_deg=30",
+            "offline.speed_scale=0.25",
+        ],
+    )
     assert (cfg.nav.memory_steps, cfg.nav.memory_max_tokens) == (2, 80)
     assert (cfg.offline.max_forward_cm, cfg.offline.max_turn_deg, cfg.offline.speed_scale) == (50, 30, 0.25)
     default = config.load(None)
-    assert (default.nav.memory_steps, default.offline.max_forward_cm, default.offline.max_turn_deg,
-            default.offline.speed_scale) == (4, 25, 15, 0.5)
+    assert (
+        default.nav.memory_steps,
+        default.offline.max_forward_cm,
+        default.offline.max_turn_deg,
+        default.offline.speed_scale,
+    ) == (4, 25, 15, 0.5)
 
 
-@pytest.mark.parametrize("override,msg", [
-    ("offline.max_forward_cm=10", "offline.max_forward_cm must be 25..75"),
-    ("offline.max_forward_cm=100", "offline.max_forward_cm"), ("offline.max_turn_deg=5", "offline.max_turn_deg"),
-    ("offline.max_turn_deg=90", "offline.max_turn_deg must be 15..45"),
-    ("offline.speed_scale=0", "offline.speed_scale must be in"), ("offline.speed_scale=1.5", "offline.speed_scale"),
-    ("offline.speed_scale=\"fast\"", "speed_scale must be float"),
-    ("nav.memory_steps=-1", "nav.memory_steps must be 0..32"), ("nav.memory_steps=100", "nav.memory_steps"),
-    ("nav.memory_steps=2.5", "nav.memory_steps must be 0..32"),
-    ("nav.memory_max_tokens=8", "nav.memory_max_tokens must be 32..2048"), ("nav.memory_turns=3", "no field"),
-])
+@pytest.mark.parametrize(
+    "override,msg",
+    [
+        ("offline.max_forward_cm=10", "offline.max_forward_cm must be 25..75"),
+        ("offline.max_forward_cm=100", "offline.max_forward_cm"),
+        ("offline.max_turn_deg=5", "offline.max_turn_deg"),
+        ("offline.max_turn_deg=90", "offline.max_turn_deg must be 15..45"),
+        ("offline.speed_scale=0", "offline.speed_scale must be in"),
+        ("offline.speed_scale=1.5", "offline.speed_scale"),
+        ('offline.speed_scale="fast"', "speed_scale must be float"),
+        ("nav.memory_steps=-1", "nav.memory_steps must be 0..32"),
+        ("nav.memory_steps=100", "nav.memory_steps"),
+        ("nav.memory_steps=2.5", "nav.memory_steps must be 0..32"),
+        ("nav.memory_max_tokens=8", "nav.memory_max_tokens must be 32..2048"),
+        ("nav.memory_turns=3", "no field"),
+    ],
+)
 def test_bad_memory_and_envelope_values_are_refused_with_the_key_named(override, msg):
     with pytest.raises(ConfigError, match=msg):
         config.load(None, [override])
 
 
-@pytest.mark.parametrize("field,value", [("memory_steps", 99), ("memory_max_tokens", 4), ("ahead_deg", 0),
-                                         ("offline_max_forward_cm", 0), ("offline_max_turn_deg", 60),
-                                         ("offline_speed_scale", -1)])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("memory_steps", 99),
+        ("memory_max_tokens", 4),
+        ("ahead_deg", 0),
+        ("offline_max_forward_cm", 0),
+        ("offline_max_turn_deg", 60),
+        ("offline_speed_scale", -1),
+    ],
+)
 def test_nav_config_validates_too(field, value):
     with pytest.raises(ValueError):
         NavConfig(**{field: value})
@@ -371,13 +446,13 @@ def test_the_answers_still_parse_exactly_after_the_memory_examples():
 
 
 def test_the_prompt_evals_memory_cases_are_consistent_and_balanced():
-    """tools/nav_prompt_eval.py: a target turned away from is turned back to; the kinds come in turn."""
-    from tools.nav_prompt_eval import Case, memory_situations, recalled_action
+    """tools/robot/nav_prompt_eval.py: a target turned away from is turned back to; the kinds come in turn."""
+    from tools.robot.nav_prompt_eval import Case, memory_situations, recalled_action
 
     away = Case([], [(box(40), Action("right", 45)), ([], Action("right", 30))], "recalled")
-    assert recalled_action(away) == Action("left", 45)                  # 40 + 45 + 30 = 115 to the left
+    assert recalled_action(away) == Action("left", 45)  # 40 + 45 + 30 = 115 to the left
     assert recalled_action(Case([], [(box(-30), Action("left", 45))], "recalled")) == Action("right", 45)
-    assert recalled_action(Case([], [([], Action("right", 45))], "unseen")) == Action("left", 45)   # search
+    assert recalled_action(Case([], [([], Action("right", 45))], "unseen")) == Action("left", 45)  # search
     assert recalled_action(Case(box(20, 2.0), [([], Action("left", 45))], "visible")) == Action("left", 15)
     cases = memory_situations(16, 0)
     assert [c.kind for c in cases[:4]] == ["recalled", "visible", "recalled", "unseen"]

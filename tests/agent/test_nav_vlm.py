@@ -2,13 +2,14 @@
 
 Without a model: the JPEG the perception makes, the chat as list-of-parts content with the image on the camera
 line, the config's checks, and the image going with every generation of a step (verified, offline local, hold and
-resume) at the decoder's depth. With the test VLM pair (tools/make_test_vlm.py: a random SmolVLM, the Q8_0 draft
+resume) at the decoder's depth. With the test VLM pair (tools/models/make_test_vlm.py: a random SmolVLM, the Q8_0 draft
 with its projector on the robot, the f32 target with its projector behind a real server) over the simulator: the
 prompt holds one image, the current frame's JPEG; a verified step's answer is the target's own (the same prompt
 and image through the target alone); whatever the random weights say is parsed to an action or a safe stop;
 offline local drafts from the image; a cut link resumes the same answer; `edge-agent run --perception vlm` end to
 end.
 """
+
 from __future__ import annotations
 
 import json
@@ -45,15 +46,15 @@ def frame(seed: int = 0, h: int = 120, w: int = 160, source: str | None = None) 
 
 def test_the_frame_becomes_a_jpeg_no_longer_than_max_side():
     p = PERCEPTIONS["vlm"](max_side=96, jpeg_quality=85)
-    assert p.kind == "vlm" and p.describe(frame()) == []          # nothing in words
+    assert p.kind == "vlm" and p.describe(frame()) == []  # nothing in words
     shown = p.encode(frame(h=480, w=640))
     assert image_format(shown.data) == "jpeg" and (shown.width, shown.height) == (96, 72)
     decoded = cv2.imdecode(np.frombuffer(shown.data, np.uint8), cv2.IMREAD_COLOR)
     assert decoded.shape == (72, 96, 3)
     assert shown.describe() == f"camera image (96 x 72, {len(shown.data)} bytes)"
-    small = p.encode(frame(h=40, w=30))                            # never enlarged
+    small = p.encode(frame(h=40, w=30))  # never enlarged
     assert (small.width, small.height) == (30, 40)
-    assert p.encode(frame(3)).data == p.encode(frame(3)).data      # the same frame, the same bytes
+    assert p.encode(frame(3)).data == p.encode(frame(3)).data  # the same frame, the same bytes
     assert p.encode(frame(3)).data != p.encode(frame(4)).data
     assert len(VlmPerception(96, 30).encode(frame(h=480, w=640)).data) < len(shown.data)
     assert fit_within(640, 480, 384) == (384, 288) and fit_within(480, 640, 384) == (288, 384)
@@ -69,7 +70,7 @@ def test_the_frame_becomes_a_jpeg_no_longer_than_max_side():
 def render(msgs) -> str:
     from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
-    from tools.make_test_vlm import CHAT_TEMPLATE
+    from tools.models.make_test_vlm import CHAT_TEMPLATE
 
     return Jinja2ChatFormatter(CHAT_TEMPLATE, eos_token="", bos_token="")(messages=msgs).prompt
 
@@ -82,9 +83,11 @@ def test_the_camera_line_holds_the_image_and_the_examples_stay_text():
     assert msgs[-1]["content"][1] == {"type": "image"}
     text = render(msgs)
     assert text.count(MARKER) == 1
-    assert text.endswith(f"Task: go to the red box.\nEarlier camera: {IMAGE_RECALL}. Then I turned left 15 degrees.\n"
-                         f"Camera: {MARKER}.<end_of_utterance>\nAssistant:")
-    for _, _, seen, answer in SHOTS:                   # the few-shot turns as the text path has them
+    assert text.endswith(
+        f"Task: go to the red box.\nEarlier camera: {IMAGE_RECALL}. Then I turned left 15 degrees.\n"
+        f"Camera: {MARKER}.<end_of_utterance>\nAssistant:"
+    )
+    for _, _, seen, answer in SHOTS:  # the few-shot turns as the text path has them
         assert f"Camera: {seen}.<end_of_utterance>\nAssistant: {answer}<end_of_utterance>" in text
     # what follows the image on its line (the blocked-way note), and the text prompt of the same chat as parts
     blocked = render(messages(INSTRUCTION, "; the way ahead is blocked, 0.3 m away", parts=True, image=True))
@@ -100,22 +103,33 @@ def test_the_camera_line_holds_the_image_and_the_examples_stay_text():
 # ------------------------------------------------------------------ config
 
 
-@pytest.mark.parametrize("overrides,msg", [
-    (['perception.kind="vlm"'], "agent.draft_mmproj"),
-    (['perception.kind="eyes"'], "perception.kind must be one of"),
-    (['perception.image_max_side=8'], "image_max_side"),
-    (['perception.jpeg_quality=101'], "jpeg_quality"),
-    (['perception.jpeg_quality="high"'], "jpeg_quality must be int"),
-])
+@pytest.mark.parametrize(
+    "overrides,msg",
+    [
+        (['perception.kind="vlm"'], "agent.draft_mmproj"),
+        (['perception.kind="eyes"'], "perception.kind must be one of"),
+        (["perception.image_max_side=8"], "image_max_side"),
+        (["perception.jpeg_quality=101"], "jpeg_quality"),
+        (['perception.jpeg_quality="high"'], "jpeg_quality must be int"),
+    ],
+)
 def test_bad_vlm_settings_are_refused_with_the_field_named(overrides, msg):
     with pytest.raises(ConfigError, match=msg):
         config.load(None, overrides)
 
 
 def test_vlm_settings_load_on_any_robot():
-    cfg = config.load(None, ['perception.kind="vlm"', 'agent.draft_mmproj="/models/draft-mmproj.gguf"',
-                             'robot.controller="serial"', 'camera.source="/dev/video0"', "perception.image_max_side=256",
-                             "perception.jpeg_quality=70"])
+    cfg = config.load(
+        None,
+        [
+            'perception.kind="vlm"',
+            'agent.draft_mmproj="/models/draft-mmproj.gguf"',
+            'robot.controller="serial"',
+            'camera.source="/dev/video0"',
+            "perception.image_max_side=256",
+            "perception.jpeg_quality=70",
+        ],
+    )
     assert (cfg.perception.kind, cfg.perception.image_max_side, cfg.perception.jpeg_quality) == ("vlm", 256, 70)
     assert cfg.agent.draft_mmproj == "/models/draft-mmproj.gguf"
     example = config.load("systemd/edge-agent.toml")
@@ -132,6 +146,7 @@ def test_run_perception_vlm_without_a_projector_exits_2(capsys):
 
 class MarkerDrafter:
     """Word tokenizer whose "<image>" is one marker id; renders list-of-parts content as a VLM template does."""
+
     image_marker = 1
     eos_ids = {0}
 
@@ -174,7 +189,7 @@ class LinkDecoder:
         ids = self.drafter.tokenize(self.answer)
         if self.down and mode != "local":
             lost = LinkLost("cut")
-            lost.token_ids = ids[:self.committed]
+            lost.token_ids = ids[: self.committed]
             raise lost
         return Generation(self.answer, ids, mode, Metrics(rounds=1, tokens_per_s=10.0))
 
@@ -208,8 +223,13 @@ class Grabber:
 def fake_nav(answer, offline="local", **cfg):
     drafter = MarkerDrafter()
     dec = LinkDecoder(drafter, answer)
-    n = Navigator(dec, Grabber(), VlmPerception(96), Control(), NavConfig(offline=offline, grammar=False,
-                                                                          probe_backoff_s=60, **cfg))
+    n = Navigator(
+        dec,
+        Grabber(),
+        VlmPerception(96),
+        Control(),
+        NavConfig(offline=offline, grammar=False, probe_backoff_s=60, **cfg),
+    )
     n.check_link()
     return n, dec
 
@@ -235,7 +255,7 @@ def test_every_generation_of_a_step_carries_its_image():
     rec = n.step(INSTRUCTION)
     assert rec.mode == "offline" and rec.verified_tokens == 3
     remote, local = dec.calls[-2:]
-    assert local["mode"] == "local" and local["ids"][:len(remote["ids"])] == remote["ids"]
+    assert local["mode"] == "local" and local["ids"][: len(remote["ids"])] == remote["ids"]
     assert only_image(local, seed=2) == only_image(remote, seed=2) != first
     # later prompts remember that an image was seen, never the image: one image a prompt, the current frame
     prompt = n.drafter.detokenize(dec.calls[-1]["ids"])
@@ -243,8 +263,13 @@ def test_every_generation_of_a_step_carries_its_image():
 
 
 def test_hold_resumes_with_the_same_image():
-    n, dec = fake_nav("I look. The next action is move forward 25 cm.", offline="hold", max_plan_age_s=30.0,
-                      verify_timeout_s=1.0, hold_wait_s=0.01)
+    n, dec = fake_nav(
+        "I look. The next action is move forward 25 cm.",
+        offline="hold",
+        max_plan_age_s=30.0,
+        verify_timeout_s=1.0,
+        hold_wait_s=0.01,
+    )
     dec.down, dec.committed = True, 2
     n._next_probe = 0.0
 
@@ -257,7 +282,7 @@ def test_hold_resumes_with_the_same_image():
     rec = n.step(INSTRUCTION)
     assert rec.mode == "verified" and "resumed" in rec.reason
     cut, resumed = dec.calls[0], dec.calls[-1]
-    assert resumed["ids"][:len(cut["ids"])] == cut["ids"] and only_image(resumed) == only_image(cut)
+    assert resumed["ids"][: len(cut["ids"])] == cut["ids"] and only_image(resumed) == only_image(cut)
 
 
 def test_an_api_image_goes_as_the_image():
@@ -281,7 +306,7 @@ def test_vlm_perception_needs_a_draft_that_sees():
 
 @pytest.fixture(scope="module")
 def vlm():
-    from tools import make_test_vlm as tv
+    from tools.models import make_test_vlm as tv
 
     return tv.make(log=lambda m: None)
 
@@ -299,8 +324,9 @@ def vserver(vlm):
     from server_bridge.verifier import Verifier
     from tests.conftest import ThreadedServer
 
-    target = load_target(str(vlm.target), "llamacpp", threads=1, max_sequences=8, kv_tokens=4096,
-                         mmproj=str(vlm.target_mmproj))
+    target = load_target(
+        str(vlm.target), "llamacpp", threads=1, max_sequences=8, kv_tokens=4096, mmproj=str(vlm.target_mmproj)
+    )
     with ThreadedServer(lambda cfg: Verifier(target, cfg), max_context=2048) as server:
         yield server
 
@@ -310,10 +336,18 @@ def sim_daemon(tmp_path, vlm, vdrafter, url, offline="local", **overrides):
     from agent.robot.controllers.sim import SimController
     from agent.sdnotify import Notifier
 
-    sets = [f'link.verifier="{url}"', 'perception.kind="vlm"', f'agent.draft_mmproj="{vlm.draft_mmproj}"',
-            "perception.image_max_side=128", f'offline.policy="{offline}"', 'api.listen="127.0.0.1:0"',
-            f'telemetry.path="{tmp_path / "telemetry.jsonl"}"', "link.verify_timeout_s=5", "camera.fps=20",
-            "agent.max_plan_age_s=30"] + [f"{k}={v}" for k, v in overrides.items()]
+    sets = [
+        f'link.verifier="{url}"',
+        'perception.kind="vlm"',
+        f'agent.draft_mmproj="{vlm.draft_mmproj}"',
+        "perception.image_max_side=128",
+        f'offline.policy="{offline}"',
+        'api.listen="127.0.0.1:0"',
+        f'telemetry.path="{tmp_path / "telemetry.jsonl"}"',
+        "link.verify_timeout_s=5",
+        "camera.fps=20",
+        "agent.max_plan_age_s=30",
+    ] + [f"{k}={v}" for k, v in overrides.items()]
     d = Daemon(config.load(None, sets), drafter=vdrafter, controller=SimController(start=1), notifier=Notifier({}))
     d.start()
     frames = []
@@ -327,8 +361,14 @@ def target_alone(drafter, url, n: Navigator, mode="ar") -> Generation:
     navigator's answer grammar and stop rule."""
     dec = EdgeDecoder(drafter, None if mode == "local" else url)
     try:
-        return dec.generate(n.last_prompt_ids, mode=mode, max_tokens=n.max_tokens, until=n._until([]),
-                            grammar=n.grammar, images=n.last_prompt_images)
+        return dec.generate(
+            n.last_prompt_ids,
+            mode=mode,
+            max_tokens=n.max_tokens,
+            until=n._until([]),
+            grammar=n.grammar,
+            images=n.last_prompt_images,
+        )
     finally:
         dec.close()
 
@@ -338,8 +378,13 @@ def safe(rec, d) -> None:
     assert rec.parse in ("exact", "tolerant", "miss")
     action = parse_action(rec.text).action
     assert rec.action == str(action) or rec.envelope
-    assert action == STOP or action.kind in ("left", "right") and action.amount in TURN_DEG or \
-        action.kind == "forward" and action.amount in FORWARD_CM
+    assert (
+        action == STOP
+        or action.kind in ("left", "right")
+        and action.amount in TURN_DEG
+        or action.kind == "forward"
+        and action.amount in FORWARD_CM
+    )
     assert abs(rec.command_peak["vx"]) <= d.cfg.safety.max_vx and abs(rec.command_peak["wz"]) <= d.cfg.safety.max_wz
 
 
@@ -347,7 +392,7 @@ def safe(rec, d) -> None:
 def test_verified_steps_show_the_frame_and_answer_as_the_target_alone(tmp_path, vlm, vdrafter, vserver):
     d, frames = sim_daemon(tmp_path, vlm, vdrafter, vserver.url)
     try:
-        warm = d.nav.last_prompt_ids                    # the warm-up's text prompt: the fixed prefix prefilled
+        warm = d.nav.last_prompt_ids  # the warm-up's text prompt: the fixed prefix prefilled
         assert vdrafter.image_marker not in warm
         shown = []
         for i in range(2):
@@ -356,18 +401,18 @@ def test_verified_steps_show_the_frame_and_answer_as_the_target_alone(tmp_path, 
             assert rec.mode == "verified" and rec.perception == "vlm" and rec.verified_tokens > 0
             assert ids.count(vdrafter.image_marker) == 1 and len(images) == 1
             assert images[0].at == ids.index(vdrafter.image_marker)
-            assert images[0].data == d.nav.perception.encode(frames[-1]).data       # the frame of this step
+            assert images[0].data == d.nav.perception.encode(frames[-1]).data  # the frame of this step
             assert rec.observation == f"camera image (128 x 96, {len(images[0].data)} bytes)"
-            assert rec.text == target_alone(vdrafter, vserver.url, d.nav).text       # exact: the target's own
+            assert rec.text == target_alone(vdrafter, vserver.url, d.nav).text  # exact: the target's own
             assert rec.decode["mode"] == "sd" and rec.decode["acceptance_rate"] > 0  # the draft saw the image too
             assert rec.memory_steps == i and rec.prefix_shared_tokens >= 0.9 * len(warm)
             safe(rec, d)
             shown.append(images[0])
-            if rec.action == str(STOP):                 # a stop does not move the robot: turn it by hand
+            if rec.action == str(STOP):  # a stop does not move the robot: turn it by hand
                 x, y, theta = d.world.pose
                 d.world.set_pose(x, y, theta + 0.5)
-                time.sleep(0.2)                         # a frame of the new pose
-        assert shown[0].sha256 != shown[1].sha256       # two frames, two images
+                time.sleep(0.2)  # a frame of the new pose
+        assert shown[0].sha256 != shown[1].sha256  # two frames, two images
         prompt = vdrafter.detokenize(d.nav.last_prompt_ids)
         assert prompt.count(f"Earlier camera: {IMAGE_RECALL}.") == 1
     finally:
@@ -381,9 +426,9 @@ def test_offline_local_drafts_from_the_image(tmp_path, vlm, vdrafter, vserver):
         rec = d.nav.step(INSTRUCTION)
         assert rec.mode == "offline" and rec.unverified_tokens > 0 and rec.verified_tokens == 0
         assert "unverified" in rec.reason and len(d.nav.last_prompt_images) == 1
-        assert rec.text == target_alone(vdrafter, None, d.nav, mode="local").text      # the draft's own answer
+        assert rec.text == target_alone(vdrafter, None, d.nav, mode="local").text  # the draft's own answer
         safe(rec, d)
-        if rec.action != str(STOP):                     # the offline envelope: the smallest steps
+        if rec.action != str(STOP):  # the offline envelope: the smallest steps
             action = parse_action(rec.action_text).action
             assert action.amount <= (25 if action.kind == "forward" else 15)
     finally:
@@ -392,7 +437,7 @@ def test_offline_local_drafts_from_the_image(tmp_path, vlm, vdrafter, vserver):
 
 @real
 def test_a_cut_link_resumes_the_same_answer_with_the_image(tmp_path, vlm, vdrafter, vserver):
-    from tools.netem import LinkProfile, NetemProxy
+    from tools.cluster.netem import LinkProfile, NetemProxy
 
     with NetemProxy("127.0.0.1", vserver.port, LinkProfile.from_rtt(5)) as proxy:
         d, _ = sim_daemon(tmp_path, vlm, vdrafter, proxy.url(), offline="hold", **{"link.verify_timeout_s": 1.5})
@@ -411,7 +456,7 @@ def test_a_cut_link_resumes_the_same_answer_with_the_image(tmp_path, vlm, vdraft
             threading.Thread(target=restore, daemon=True).start()
             rec = d.nav.step(INSTRUCTION)
             assert rec.mode == "verified" and "resumed" in rec.reason and "lost mid-answer" in rec.reason
-            assert rec.text == target_alone(vdrafter, vserver.url, d.nav).text      # nothing lost, nothing redone
+            assert rec.text == target_alone(vdrafter, vserver.url, d.nav).text  # nothing lost, nothing redone
         finally:
             proxy.refuse_new(False)
             d.close()
@@ -420,11 +465,35 @@ def test_a_cut_link_resumes_the_same_answer_with_the_image(tmp_path, vlm, vdraft
 @real
 def test_run_perception_vlm_end_to_end(tmp_path, capsys, vlm, vserver):
     telemetry = tmp_path / "t.jsonl"
-    rc = cli.main(["run", "--controller", "sim", "--perception", "vlm", "--verifier", vserver.url,
-                   "--listen", "127.0.0.1:0", "--telemetry", str(telemetry), "--set", f'agent.draft="{vlm.draft}"',
-                   "--set", f'agent.draft_mmproj="{vlm.draft_mmproj}"', "--set", "agent.threads=1",
-                   "--set", "link.verify_timeout_s=5", "--instruction", INSTRUCTION, "--max-steps", "2",
-                   "--exit-when-done", "--json"])
+    rc = cli.main(
+        [
+            "run",
+            "--controller",
+            "sim",
+            "--perception",
+            "vlm",
+            "--verifier",
+            vserver.url,
+            "--listen",
+            "127.0.0.1:0",
+            "--telemetry",
+            str(telemetry),
+            "--set",
+            f'agent.draft="{vlm.draft}"',
+            "--set",
+            f'agent.draft_mmproj="{vlm.draft_mmproj}"',
+            "--set",
+            "agent.threads=1",
+            "--set",
+            "link.verify_timeout_s=5",
+            "--instruction",
+            INSTRUCTION,
+            "--max-steps",
+            "2",
+            "--exit-when-done",
+            "--json",
+        ]
+    )
     out = capsys.readouterr()
     assert rc == 0, out.err[-2000:]
     summary = json.loads(out.out.strip().splitlines()[-1])

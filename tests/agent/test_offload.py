@@ -1,5 +1,6 @@
 """agent.n_gpu_layers: every layer on the GPU where llama.cpp's own query says this build can offload (a CUDA
 build on the Orin), none where it cannot (this machine's CPU wheel), and the choice reported at start."""
+
 import logging
 
 import pytest
@@ -25,7 +26,7 @@ def test_drafter_asks_llama_cpp_and_passes_the_layers(monkeypatch, caplog, suppo
 
     def fake_llama(path, **kw):
         seen.update(kw)
-        raise Loaded                    # what follows needs a real model; the layers are what this checks
+        raise Loaded  # what follows needs a real model; the layers are what this checks
 
     monkeypatch.setattr(llama_cpp, "llama_supports_gpu_offload", lambda: supported)
     monkeypatch.setattr(llama_cpp, "Llama", fake_llama)

@@ -1,4 +1,5 @@
 """Perception on simulator frames: the colour detector against ground truth, and SimPerception's frame pose."""
+
 from __future__ import annotations
 
 import math
@@ -11,7 +12,7 @@ from agent.robot.perception import PERCEPTIONS, ColorDetector, SimPerception
 from agent.robot.scripted import FakeClock
 from agent.robot.sim import make_world
 
-TARGET = (5.3, 4.3)                                 # the red box in the "red_box" scene
+TARGET = (5.3, 4.3)  # the red box in the "red_box" scene
 
 
 def frame_at(world, pose, seq=1) -> Frame:
@@ -22,9 +23,18 @@ def facing_box(x, y, off_deg=0.0):
     return (x, y, math.atan2(TARGET[1] - y, TARGET[0] - x) + math.radians(off_deg))
 
 
-@pytest.mark.parametrize("pose", [facing_box(1.0, 1.0, 0), facing_box(1.0, 1.0, 30), facing_box(2.0, 2.0, -20),
-                                  facing_box(3.0, 1.5, 10), facing_box(4.0, 3.0, -15), facing_box(1.5, 3.0, 25),
-                                  (1.0, 1.0, 0.0)])
+@pytest.mark.parametrize(
+    "pose",
+    [
+        facing_box(1.0, 1.0, 0),
+        facing_box(1.0, 1.0, 30),
+        facing_box(2.0, 2.0, -20),
+        facing_box(3.0, 1.5, 10),
+        facing_box(4.0, 3.0, -15),
+        facing_box(1.5, 3.0, 25),
+        (1.0, 1.0, 0.0),
+    ],
+)
 def test_color_detector_finds_the_red_box_like_ground_truth(pose):
     world = make_world("red_box")
     frame = frame_at(world, pose)
@@ -48,7 +58,7 @@ def test_color_detector_reports_nothing_when_the_box_is_out_of_view():
 
 def test_color_detector_names_other_colours_and_sorts_by_distance():
     world = make_world("red_box")
-    pose = (1.0, 1.0, math.radians(20))                 # the blue ball to the right, the red box to the left
+    pose = (1.0, 1.0, math.radians(20))  # the blue ball to the right, the red box to the left
     got = ColorDetector().describe(frame_at(world, pose))
     names = [s.name for s in got]
     assert "red object" in names and "blue object" in names
@@ -67,7 +77,7 @@ def test_sim_perception_uses_the_frames_pose_not_the_worlds_now():
     world = make_world("red_box", start=0, clock=FakeClock())
     then = facing_box(1.0, 1.0, 0)
     frame = frame_at(world, then)
-    world.set_pose(4.5, 2.2, math.pi)                   # the robot has since turned away from the box
+    world.set_pose(4.5, 2.2, math.pi)  # the robot has since turned away from the box
     assert "red box" not in [s.name for s in world.sightings()]
     seen = SimPerception(world).describe(frame)
     assert seen == world.sightings(pose=then)

@@ -1,4 +1,5 @@
 """The rejection predictor on the robot: features, the ONNX session, the stop rule and traces."""
+
 import json
 
 import numpy as np
@@ -18,13 +19,19 @@ def position_model(path, stop_from: float, features=FEATURES, threshold: float =
     w[FEATURES.index("position"), 0] = -10.0
     b = np.array([10.0 * (stop_from - 0.5)], np.float32)
     graph = helper.make_graph(
-        [helper.make_node("MatMul", ["features", "w"], ["z0"]), helper.make_node("Add", ["z0", "b"], ["z"]),
-         helper.make_node("Sigmoid", ["z"], ["p_accept"])],
+        [
+            helper.make_node("MatMul", ["features", "w"], ["z0"]),
+            helper.make_node("Add", ["z0", "b"], ["z"]),
+            helper.make_node("Sigmoid", ["z"], ["p_accept"]),
+        ],
         "position_model",
         [helper.make_tensor_value_info("features", TensorProto.FLOAT, ["n", len(FEATURES)])],
         [helper.make_tensor_value_info("p_accept", TensorProto.FLOAT, ["n", 1])],
-        [helper.make_tensor("w", TensorProto.FLOAT, w.shape, w.ravel()),
-         helper.make_tensor("b", TensorProto.FLOAT, b.shape, b)])
+        [
+            helper.make_tensor("w", TensorProto.FLOAT, w.shape, w.ravel()),
+            helper.make_tensor("b", TensorProto.FLOAT, b.shape, b),
+        ],
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
     for k, v in {"features": json.dumps(list(features)), "threshold": str(threshold)}.items():
         entry = model.metadata_props.add()
@@ -63,7 +70,7 @@ def test_predictor_session_threshold_and_bad_inputs(tmp_path):
     assert [pred.should_stop(r) for r in rows] == [False, False, True, True]
     assert pred.calls == 4 and pred.ms > 0
     nan_row = rows[0].copy()
-    nan_row[0] = np.nan                         # NaN in, NaN out: stop, the safe side
+    nan_row[0] = np.nan  # NaN in, NaN out: stop, the safe side
     assert pred.should_stop(nan_row)
     assert RejectionPredictor(tmp_path / "p.onnx", threshold=0.9).threshold == 0.9
     with pytest.raises(FileNotFoundError):
@@ -77,23 +84,32 @@ def test_predictor_session_threshold_and_bad_inputs(tmp_path):
 def test_trace_keeps_accepted_tokens_and_the_first_rejection(tmp_path):
     trace = TraceWriter(tmp_path / "t.jsonl")
     rows = [np.full(len(FEATURES), i, np.float32) for i in range(5)]
-    trace.round("d->t", "s1", 0, rows, accepted=2)    # positions 0, 1 accepted; 2 rejected; 3, 4 never judged
+    trace.round("d->t", "s1", 0, rows, accepted=2)  # positions 0, 1 accepted; 2 rejected; 3, 4 never judged
     trace.round("d->t", "s1", 1, rows[:3], accepted=3)  # all accepted
     trace.close()
     lines = [json.loads(x) for x in (tmp_path / "t.jsonl").read_text().splitlines()]
     assert [(x["round"], x["position"], x["label"]) for x in lines] == [
-        (0, 0, 1), (0, 1, 1), (0, 2, 0), (1, 0, 1), (1, 1, 1), (1, 2, 1)]
+        (0, 0, 1),
+        (0, 1, 1),
+        (0, 2, 0),
+        (1, 0, 1),
+        (1, 1, 1),
+        (1, 2, 1),
+    ]
     assert set(FEATURES) <= set(lines[0])
 
 
 @pytest.mark.real
-@pytest.mark.parametrize("stop_from,min_len,gamma,want", [
-    (2, 1, 6, 2),        # stops at the first predicted rejection
-    (2, 4, 6, 4),        # ... but never before min_len
-    (5, 1, 3, 3),        # ... and never past gamma
-    (0, 1, 6, 1),        # every token predicted rejected: min_len still drafts one
-    (0, 0, 6, 0),        # min_len 0 allows an empty draft (the round is then one target step)
-])
+@pytest.mark.parametrize(
+    "stop_from,min_len,gamma,want",
+    [
+        (2, 1, 6, 2),  # stops at the first predicted rejection
+        (2, 4, 6, 4),  # ... but never before min_len
+        (5, 1, 3, 3),  # ... and never past gamma
+        (0, 1, 6, 1),  # every token predicted rejected: min_len still drafts one
+        (0, 0, 6, 0),  # min_len 0 allows an empty draft (the round is then one target step)
+    ],
+)
 def test_stop_rule_respects_min_and_max(drafter, tmp_path, stop_from, min_len, gamma, want):
     pred = RejectionPredictor(position_model(tmp_path / "p.onnx", stop_from))
     ctl = DraftController(DraftPolicy("predictor", min_len=min_len), gamma, server_limit=16, predictor=pred)
@@ -101,7 +117,7 @@ def test_stop_rule_respects_min_and_max(drafter, tmp_path, stop_from, min_len, g
     draft = drafter.propose(ids, ctl.length(), SamplingParams(), np.random.default_rng(0), watch=ctl.watch())
     assert len(draft.ids) == want
     full = drafter.propose(ids, gamma, SamplingParams(), np.random.default_rng(0))
-    assert draft.ids == full.ids[:want]            # stopping early never changes what was drafted
+    assert draft.ids == full.ids[:want]  # stopping early never changes what was drafted
     ctl.after_round(0, len(draft.ids), len(draft.ids), draft.ms, 50.0, 5.0)
     assert ctl.stops == int(want < gamma)
 
@@ -114,6 +130,6 @@ def test_policy_validation():
     with pytest.raises(ValueError, match="predictor"):
         DraftController(DraftPolicy("predictor"), 4, 16, predictor=None)
     ctl = DraftController(DraftPolicy("optimal"), 4, server_limit=16)
-    assert ctl.max_len == 16 and ctl.length() == 4          # gamma until estimates exist
+    assert ctl.max_len == 16 and ctl.length() == 4  # gamma until estimates exist
     ctl = DraftController(DraftPolicy("fixed"), 20, server_limit=16)
-    assert ctl.length() == 16                                # the server's limit wins
+    assert ctl.length() == 16  # the server's limit wins

@@ -1,4 +1,5 @@
 """Pre-drafting (FSD): the verdict queue, batched branches and the pre-draft cache (FSD end to end: test_end_to_end)."""
+
 import time
 
 import numpy as np
@@ -12,6 +13,7 @@ GREEDY = SamplingParams()
 
 
 # --------------------------------------------------------------------------- the verdict queue
+
 
 def test_priority_pops_highest_confidence_first():
     q = VerdictQueue(8, "priority")
@@ -45,7 +47,7 @@ def test_queue_stays_bounded_under_a_flood(policy):
         q.push((i,), float(rng.random()))
         assert len(q) <= 16
     assert q.dropped == 10_000 - 16
-    if policy == "priority":               # the survivors are the most confident ones
+    if policy == "priority":  # the survivors are the most confident ones
         assert min(q.pop()[0] for _ in range(16)) > 0.99
 
 
@@ -104,7 +106,7 @@ def test_branches_draft_what_the_draft_model_would(drafter):
         total += 4
         out = bd.result(b, PayloadSpec("none"))
         assert out.cands.shape == (4, 8) and out.cand_p.shape == (4, 8)
-        assert all(t in c for t, c in zip(out.ids, out.cands))        # greedy: the token is the top-1
+        assert all(t in c for t, c in zip(out.ids, out.cands))  # greedy: the token is the top-1
     assert agree / total >= 0.75
     # reusing a finished branch's KV as the next base gives the same next-token logits' argmax
     bd.keep(branches[0])
@@ -130,7 +132,7 @@ def test_hit_path_returns_the_cached_draft(drafter, predrafter):
 def test_miss_path_drafts_the_key_on_request(drafter, predrafter):
     committed = drafter.tokenize(PROMPT, chat=True)
     draft = _round(drafter, predrafter, 101, committed)
-    key = tuple(draft.ids[:1]) + (12345,)              # no guess or exit would produce this
+    key = tuple(draft.ids[:1]) + (12345,)  # no guess or exit would produce this
     got, hit = predrafter.take(101, key)
     assert not hit and got is not None and len(got.ids) == 4
 
@@ -139,10 +141,10 @@ def test_miss_path_drafts_the_key_on_request(drafter, predrafter):
 def test_exit_flood_stays_bounded_and_inconsistent_verdicts_are_ignored(drafter, predrafter):
     committed = drafter.tokenize(PROMPT, chat=True)
     draft = _round(drafter, predrafter, 102, committed)
-    assert not predrafter.offer(102, 12, [draft.ids[0] + 1, 5], 0.9)    # not a prefix of the draft
-    assert not predrafter.offer(7, 12, [draft.ids[0], 5], 0.9)          # another round
+    assert not predrafter.offer(102, 12, [draft.ids[0] + 1, 5], 0.9)  # not a prefix of the draft
+    assert not predrafter.offer(7, 12, [draft.ids[0], 5], 0.9)  # another round
     for i in range(5000):
-        predrafter.offer(102, 12 + i % 4, list(draft.ids[:i % 4]) + [1000 + i], float(i % 100) / 100)
+        predrafter.offer(102, 12 + i % 4, list(draft.ids[: i % 4]) + [1000 + i], float(i % 100) / 100)
     with predrafter._cv:
         r = predrafter._round
         assert len(r.exits) <= predrafter.queue_size

@@ -1,5 +1,6 @@
 """The robot daemon end to end with the real models: a sim episode, offline hold and local with the
 link cut by the proxy, recovery, the local API's e-stop, and systemd's READY/WATCHDOG/STOPPING."""
+
 import json
 import os
 import signal
@@ -17,7 +18,7 @@ from agent import config
 from agent.daemon import Daemon
 from agent.decoder import EdgeDecoder
 from agent.robot.controllers.sim import SimController
-from tools.netem import LinkProfile, NetemProxy
+from tools.cluster.netem import LinkProfile, NetemProxy
 
 pytestmark = pytest.mark.real
 
@@ -38,9 +39,15 @@ def proxy(verifier):
 
 
 def make_daemon(tmp_path, drafter, url, offline="local", start=0, **overrides):
-    sets = [f'link.verifier="{url}"', f'offline.policy="{offline}"', 'api.listen="127.0.0.1:0"',
-            f'telemetry.path="{tmp_path / "telemetry.jsonl"}"', "link.verify_timeout_s=6",
-            "agent.max_plan_age_s=30", "camera.fps=20"] + [f"{k}={v}" for k, v in overrides.items()]
+    sets = [
+        f'link.verifier="{url}"',
+        f'offline.policy="{offline}"',
+        'api.listen="127.0.0.1:0"',
+        f'telemetry.path="{tmp_path / "telemetry.jsonl"}"',
+        "link.verify_timeout_s=6",
+        "agent.max_plan_age_s=30",
+        "camera.fps=20",
+    ] + [f"{k}={v}" for k, v in overrides.items()]
     d = Daemon(config.load(None, sets), drafter=drafter, controller=SimController(start=start), max_steps=8)
     return d.start()
 
@@ -83,7 +90,11 @@ def test_episode_with_the_real_models(tmp_path, drafter, proxy, verifier):
         d.submit("go to the red box", max_steps=4)
         assert wait_for(lambda: d.history, timeout=240)
         records = [json.loads(line) for line in (tmp_path / "telemetry.jsonl").read_text().splitlines()]
-        assert 1 <= len(records) <= 4 and d.nav.steps == len(records) and d.history[-1]["state"] in ("done", "max_steps", "unparseable")
+        assert (
+            1 <= len(records) <= 4
+            and d.nav.steps == len(records)
+            and d.history[-1]["state"] in ("done", "max_steps", "unparseable")
+        )
         for r in records:
             assert r["mode"] == "verified" and r["perception"] == "sim" and r["text"] and r["parse"] != "refused"
             assert "older than" not in r["reason"]
@@ -91,8 +102,8 @@ def test_episode_with_the_real_models(tmp_path, drafter, proxy, verifier):
             assert abs(r["command"]["vx"]) <= d.cfg.safety.max_vx and abs(r["command"]["wz"]) <= d.cfg.safety.max_wz
             assert {"frame_age", "perceive", "generate", "step"} <= set(r["latency_ms"])
         first = records[0]
-        assert first["text"] == ar_text(drafter, verifier.url, d.nav, first["observation"])   # exact: the target's
-        assert [r["memory_steps"] for r in records] == list(range(len(records)))      # seen and done, per step
+        assert first["text"] == ar_text(drafter, verifier.url, d.nav, first["observation"])  # exact: the target's
+        assert [r["memory_steps"] for r in records] == list(range(len(records)))  # seen and done, per step
         assert all(r["prefix_shared_tokens"] >= 0.8 * r["prompt_tokens"] for r in records)  # the cache is kept
         moved = [r for r in records if r["action"] != "stop"]
         if moved:
@@ -115,8 +126,8 @@ def test_offline_local_marks_unverified_and_recovers(tmp_path, drafter, proxy, v
         assert d.status()["mode"] == "offline" and d.world.tag == "offline"
         # what the target committed before the cut is kept: the answer starts with the target's own tokens
         reference = ar_answer(drafter, verifier.url, d.nav).token_ids
-        assert s2.text.startswith(drafter.detokenize(reference[:s2.verified_tokens]))
-        s3 = d.nav.step("go to the red box")             # still down: local again, no long stall
+        assert s2.text.startswith(drafter.detokenize(reference[: s2.verified_tokens]))
+        s3 = d.nav.step("go to the red box")  # still down: local again, no long stall
         assert s3.mode == "offline" and s3.latency_ms["generate"] < 15_000
         proxy.refuse_new(False)
         time.sleep(d.nav._backoff + 0.1)
@@ -133,7 +144,8 @@ def test_offline_hold_stops_and_resumes_the_same_answer(tmp_path, drafter, proxy
         d.nav.step("go to the red box")
         proxy.refuse_new(True)
         proxy.schedule_disconnect(after_bytes_down=MID_ANSWER)
-        def restore():                                  # the link comes back 1 s after the robot lost it
+
+        def restore():  # the link comes back 1 s after the robot lost it
             wait_for(lambda: d.nav.link == "down", timeout=60, every=0.01)
             time.sleep(1.0)
             proxy.refuse_new(False)
@@ -141,7 +153,7 @@ def test_offline_hold_stops_and_resumes_the_same_answer(tmp_path, drafter, proxy
         threading.Thread(target=restore, daemon=True).start()
         rec = d.nav.step("go to the red box")
         assert rec.mode == "verified" and "resumed" in rec.reason and "lost mid-answer" in rec.reason
-        assert rec.text == ar_text(drafter, verifier.url, d.nav)   # nothing lost, nothing redone
+        assert rec.text == ar_text(drafter, verifier.url, d.nav)  # nothing lost, nothing redone
         # a link that stays down: the robot holds, stopped, and says so
         proxy.refuse_new(True)
         proxy.disconnect_all()
@@ -158,7 +170,7 @@ def test_local_api_estop_status_and_bad_requests(tmp_path, drafter, proxy):
 
     from agent.api import LocalApi
 
-    d = make_daemon(tmp_path, drafter, proxy.url(), start=1)     # start 1: the first action is a turn
+    d = make_daemon(tmp_path, drafter, proxy.url(), start=1)  # start 1: the first action is a turn
     loop = asyncio.new_event_loop()
     t = threading.Thread(target=loop.run_forever, daemon=True)
     t.start()
@@ -166,18 +178,21 @@ def test_local_api_estop_status_and_bad_requests(tmp_path, drafter, proxy):
     events = []
     try:
         with connect(api.address) as ctl, connect(api.address) as sub:
+
             def call(**req):
                 ctl.send(json.dumps(req))
                 return json.loads(ctl.recv(10))
 
             sub.send(json.dumps({"op": "subscribe"}))
             assert json.loads(sub.recv(10))["ok"]
+
             def collect():
                 try:
                     for m in sub:
                         events.append(json.loads(m))
                 except ConnectionClosed:
                     pass
+
             threading.Thread(target=collect, daemon=True).start()
 
             assert call(op="status")["status"]["mode"] == "verified"
@@ -221,20 +236,40 @@ def test_daemon_tells_systemd_ready_watchdog_and_stopping(tmp_path):
     sock.bind(sock_path)
     sock.settimeout(1.0)
     env = {**os.environ, "NOTIFY_SOCKET": sock_path, "WATCHDOG_USEC": "200000"}
-    proc = subprocess.Popen([sys.executable, "-m", "agent.cli", "run", "--controller", "sim", "--camera", "sim",
-                             "--perception", "sim", "--listen", "127.0.0.1:0", "--telemetry", str(tmp_path / "t.jsonl"),
-                             "--set", "agent.threads=1"], env=env, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "agent.cli",
+            "run",
+            "--controller",
+            "sim",
+            "--camera",
+            "sim",
+            "--perception",
+            "sim",
+            "--listen",
+            "127.0.0.1:0",
+            "--telemetry",
+            str(tmp_path / "t.jsonl"),
+            "--set",
+            "agent.threads=1",
+        ],
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     got = []
     try:
         deadline = time.monotonic() + 120
-        after_ready = lambda: got[got.index("READY=1"):].count("WATCHDOG=1") if "READY=1" in got else 0  # noqa: E731
+        after_ready = lambda: got[got.index("READY=1") :].count("WATCHDOG=1") if "READY=1" in got else 0  # noqa: E731
         while time.monotonic() < deadline and after_ready() < 5:
             try:
                 got += sock.recv(4096).decode().split("\n")
             except socket.timeout:
                 assert proc.poll() is None, proc.stderr.read()
-        assert after_ready() >= 5                          # the control loop pings at half of WATCHDOG_USEC
-        assert any(line.startswith("STATUS=offline (hold)") for line in got)   # no verifier: declared offline
+        assert after_ready() >= 5  # the control loop pings at half of WATCHDOG_USEC
+        assert any(line.startswith("STATUS=offline (hold)") for line in got)  # no verifier: declared offline
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
         while True:

@@ -1,4 +1,5 @@
 """agent.sdnotify against a real AF_UNIX datagram socket standing in for systemd's $NOTIFY_SOCKET."""
+
 from __future__ import annotations
 
 import logging
@@ -68,7 +69,7 @@ def test_unset_variable_is_a_noop(monkeypatch):
 
 
 def test_send_errors_are_swallowed_and_logged_once(tmp_path, monkeypatch, caplog):
-    monkeypatch.setenv("NOTIFY_SOCKET", str(tmp_path / "nobody-listens"))    # systemd went away
+    monkeypatch.setenv("NOTIFY_SOCKET", str(tmp_path / "nobody-listens"))  # systemd went away
     n = Notifier()
     with caplog.at_level(logging.DEBUG, logger="agent.sdnotify"):
         assert n.ready() is False
@@ -78,11 +79,11 @@ def test_send_errors_are_swallowed_and_logged_once(tmp_path, monkeypatch, caplog
 
 
 def test_bad_address_is_swallowed():
-    assert Notifier(env={"NOTIFY_SOCKET": "/tmp/a\0b"}).ready() is False    # ValueError from sendto, not OSError
+    assert Notifier(env={"NOTIFY_SOCKET": "/tmp/a\0b"}).ready() is False  # ValueError from sendto, not OSError
 
 
 def test_watchdog_interval_is_half_of_watchdog_usec(monkeypatch):
-    monkeypatch.setenv("WATCHDOG_USEC", "10000000")      # WatchdogSec=10
+    monkeypatch.setenv("WATCHDOG_USEC", "10000000")  # WatchdogSec=10
     monkeypatch.delenv("WATCHDOG_PID", raising=False)
     assert Notifier().watchdog_interval_s() == pytest.approx(5.0)
     monkeypatch.setenv("WATCHDOG_PID", str(os.getpid()))
@@ -94,7 +95,7 @@ def test_watchdog_interval_none_when_not_for_us(monkeypatch):
     monkeypatch.delenv("WATCHDOG_PID", raising=False)
     assert Notifier().watchdog_interval_s() is None
     monkeypatch.setenv("WATCHDOG_USEC", "10000000")
-    monkeypatch.setenv("WATCHDOG_PID", str(os.getpid() + 1))     # meant for another process
+    monkeypatch.setenv("WATCHDOG_PID", str(os.getpid() + 1))  # meant for another process
     assert Notifier().watchdog_interval_s() is None
     for bad in ("0", "-5", "ten"):
         monkeypatch.setenv("WATCHDOG_USEC", bad)
@@ -104,5 +105,5 @@ def test_watchdog_interval_none_when_not_for_us(monkeypatch):
 
 def test_explicit_env_mapping_overrides_os_environ(systemd_socket):
     n = Notifier(env={"WATCHDOG_USEC": "2000000"})
-    assert n.ready() is False            # no NOTIFY_SOCKET in the given mapping
+    assert n.ready() is False  # no NOTIFY_SOCKET in the given mapping
     assert n.watchdog_interval_s() == pytest.approx(1.0)

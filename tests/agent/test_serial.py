@@ -6,6 +6,7 @@ Which link each test uses, honestly:
 - pyserial's real "socket://" on both ends, joined by a TCP relay: the whole protocol host <-> FakeMcu;
 - fake_mcu.PipePort (in-process, not pyserial): everything that needs timing or fault knobs.
 """
+
 from __future__ import annotations
 
 import random
@@ -19,19 +20,31 @@ import serial
 from agent.robot.controllers import ControllerError, make_controller
 from agent.robot.controllers.base import Command
 from agent.robot.controllers.fake_mcu import FakeMcu, PipePort, fake_link
-from agent.robot.controllers.serial import (MAX_FRAME, MAX_PAYLOAD, STATUS_STRUCT, SYNC, VEL_STRUCT, Frame,
-                                            FrameParser, FrameType, SerialController, crc16_ccitt,
-                                            encode_frame)
+from agent.robot.controllers.serial import (
+    MAX_FRAME,
+    MAX_PAYLOAD,
+    STATUS_STRUCT,
+    SYNC,
+    VEL_STRUCT,
+    Frame,
+    FrameParser,
+    FrameType,
+    SerialController,
+    crc16_ccitt,
+    encode_frame,
+)
 from agent.robot.safety import SafetyLayer, SafetyLimits
 
 
 def wait_until(pred, timeout=1.0, step=0.005) -> bool:
     """Poll pred until true; a ControllerError (e.g. no MCU status yet) counts as false."""
+
     def holds():
         try:
             return pred()
         except ControllerError:
             return False
+
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         if holds():
@@ -67,24 +80,27 @@ def settled(ctl):
 
 # --- framing ---------------------------------------------------------------------------------
 
+
 def test_crc_is_ccitt_false():
-    assert crc16_ccitt(b"123456789") == 0x29B1          # the catalogue check value
+    assert crc16_ccitt(b"123456789") == 0x29B1  # the catalogue check value
     frame = encode_frame(FrameType.STOP, 9)
     assert frame[:2] == SYNC and frame[2:5] == bytes((FrameType.STOP, 9, 0))
     assert int.from_bytes(frame[-2:], "little") == crc16_ccitt(frame[2:-2])
 
 
 def test_round_trip_through_real_loop_port():
-    frames = [Frame.make_dummy(),
-              Frame(FrameType.STOP, 255),
-              Frame(FrameType.ACK, 0),
-              Frame(FrameType.STATUS, 3, STATUS_STRUCT.pack(1, -32768, 32767, 0, 3))]
+    frames = [
+        Frame.make_dummy(),
+        Frame(FrameType.STOP, 255),
+        Frame(FrameType.ACK, 0),
+        Frame(FrameType.STATUS, 3, STATUS_STRUCT.pack(1, -32768, 32767, 0, 3)),
+    ]
     port = serial.serial_for_url("loop://", timeout=0.05)
     try:
         port.write(b"".join(encode_frame(f.type, f.seq, f.payload) for f in frames))
         parser, got = FrameParser(), []
         while len(got) < len(frames):
-            chunk = port.read(7)                            # odd-sized reads split frames anywhere
+            chunk = port.read(7)  # odd-sized reads split frames anywhere
             assert chunk, "loop:// returned nothing"
             got += parser.feed(chunk)
     finally:
@@ -97,13 +113,13 @@ def test_round_trip_through_real_loop_port():
 def test_parser_resyncs_after_garbage_and_corruption(piece):
     good1 = encode_frame(FrameType.VEL, 1, VEL_STRUCT.pack(100, 0, 0))
     bad_crc = bytearray(encode_frame(FrameType.VEL, 2, VEL_STRUCT.pack(200, 0, 0)))
-    bad_crc[7] ^= 0x40                                      # a payload bit flipped on the line
-    bad_len = SYNC + bytes((FrameType.VEL, 3, 200))         # claims 200 payload bytes
+    bad_crc[7] ^= 0x40  # a payload bit flipped on the line
+    bad_len = SYNC + bytes((FrameType.VEL, 3, 200))  # claims 200 payload bytes
     good2 = encode_frame(FrameType.STOP, 4)
-    stream = b"\x00\xAA\x13garbage\xAA" + good1 + bytes(bad_crc) + bad_len + b"\x55\xAA" + good2 + b"\xAA"
+    stream = b"\x00\xaa\x13garbage\xaa" + good1 + bytes(bad_crc) + bad_len + b"\x55\xaa" + good2 + b"\xaa"
     parser, got = FrameParser(), []
     for i in range(0, len(stream), piece):
-        got += parser.feed(stream[i:i + piece])
+        got += parser.feed(stream[i : i + piece])
     assert [(f.type, f.seq) for f in got] == [(FrameType.VEL, 1), (FrameType.STOP, 4)]
     assert VEL_STRUCT.unpack(got[0].payload) == (100, 0, 0)
     assert (parser.bad_crc, parser.bad_len) == (1, 1)
@@ -126,20 +142,20 @@ def test_parser_finds_every_frame_in_random_noise():
     for f in frames:
         stream += bytes(rng.randrange(256) for _ in range(rng.randrange(12)))
         if rng.random() < 0.2:
-            stream += SYNC + bytes(rng.randrange(256) for _ in range(3))   # false sync words too
+            stream += SYNC + bytes(rng.randrange(256) for _ in range(3))  # false sync words too
         stream += encode_frame(f.type, f.seq, f.payload)
-    stream += bytes(MAX_FRAME)                              # flush any false header still waiting
+    stream += bytes(MAX_FRAME)  # flush any false header still waiting
     parser, got, i = FrameParser(), [], 0
     while i < len(stream):
         n = rng.randint(1, 64)
-        got += parser.feed(bytes(stream[i:i + n]))
+        got += parser.feed(bytes(stream[i : i + n]))
         i += n
     assert got == frames
 
 
 def test_parser_memory_stays_bounded():
     parser = FrameParser()
-    junk = (SYNC + bytes((FrameType.STATUS, 0, STATUS_STRUCT.size)) + b"\x01" * 20) * 50_000   # ~1.4 MB
+    junk = (SYNC + bytes((FrameType.STATUS, 0, STATUS_STRUCT.size)) + b"\x01" * 20) * 50_000  # ~1.4 MB
     assert parser.feed(junk) == []
     assert len(parser._buf) < MAX_FRAME + FrameParser.CHUNK
     assert parser.bad_crc > 0 and len(parser.rejected) == parser.rejected.maxlen
@@ -147,34 +163,35 @@ def test_parser_memory_stays_bounded():
 
 # --- the controller against the fake MCU -------------------------------------------------------
 
+
 def test_send_action_clamps_and_quantises(link):
     ctl, mcu = link()
-    sent = ctl.send_action(Command(5.0, -5.0, 0.12345))     # limits 1.0, 0.5, 1.5
+    sent = ctl.send_action(Command(5.0, -5.0, 0.12345))  # limits 1.0, 0.5, 1.5
     assert sent == Command(1.0, -0.5, 0.123)
     assert wait_until(lambda: mcu.motors == sent)
     sent = ctl.send_action(Command(0.0004, 0.2506, -2.0))
     assert sent == Command(0.0, 0.251, -1.5)
     assert wait_until(lambda: mcu.motors == sent)
-    assert ctl.send_action(Command(float("nan"), 0.3, 0.3)) == Command()   # a fault, not a speed
+    assert ctl.send_action(Command(float("nan"), 0.3, 0.3)) == Command()  # a fault, not a speed
     assert wait_until(lambda: mcu.motors == Command())
 
 
 def test_resend_keeps_mcu_moving_and_its_deadman_stops_a_dead_host(link):
     ctl, mcu = link(auto_stop_s=0.25, resend_s=0.04)
     cmd = ctl.send_action(Command(0.3, 0.0, 0.5))
-    time.sleep(0.75)                                        # three auto-stop windows, one command
+    time.sleep(0.75)  # three auto-stop windows, one command
     assert mcu.motors == cmd and mcu.auto_stops == 0
     assert ctl.resends >= 8 and ctl.acked >= 8 and ctl.missed_acks == 0
 
-    ctl.disconnect(stop_motion=False)                       # the host dies: no STOP, no more frames
+    ctl.disconnect(stop_motion=False)  # the host dies: no STOP, no more frames
     assert wait_until(lambda: mcu.auto_stops == 1, timeout=1.5)
     assert mcu.motors == Command() and mcu.auto_stopped and mcu.counts[FrameType.STOP] == 0
     silence = mcu.auto_stop_t - mcu.last_alive_t
-    assert 0.25 <= silence < 0.25 + 0.15                   # the MCU loop ticks every 10 ms
+    assert 0.25 <= silence < 0.25 + 0.15  # the MCU loop ticks every 10 ms
 
 
 def test_without_resend_the_mcu_stops_itself(link):
-    ctl, mcu = link(auto_stop_s=0.15, resend_s=10.0)        # a host that sends once and goes quiet
+    ctl, mcu = link(auto_stop_s=0.15, resend_s=10.0)  # a host that sends once and goes quiet
     settled(ctl)
     ctl.send_action(Command(0.2, 0.0, 0.0))
     assert wait_until(lambda: mcu.motors.vx == 0.2)
@@ -188,10 +205,10 @@ def test_lost_stop_acks_are_retried(link):
     ctl.send_action(Command(0.5, 0.0, 0.0))
     assert wait_until(lambda: ctl.acked >= 2)
     mcu.drop_acks = 2
-    ctl.stop()                                              # third try is acked
+    ctl.stop()  # third try is acked
     assert ctl.retries == 2 and ctl.failed == 0 and ctl.missed_acks >= 2
     stops = [f.seq for _, f in mcu.log if f.type == FrameType.STOP]
-    assert len(stops) == 3 and len(set(stops)) == 1         # the same frame, the same seq
+    assert len(stops) == 3 and len(set(stops)) == 1  # the same frame, the same seq
     assert mcu.motors == Command()
 
 
@@ -203,9 +220,9 @@ def test_stop_never_acked_raises_after_max_retries(link):
     with pytest.raises(ControllerError, match="not acknowledged"):
         ctl.stop()
     assert time.monotonic() - t0 < 1.0
-    assert mcu.counts[FrameType.STOP] == 4                  # 1 + max_retries
+    assert mcu.counts[FrameType.STOP] == 4  # 1 + max_retries
     assert ctl.retries == 3 and ctl.failed == 1 and ctl.missed_acks >= 4
-    assert ctl.connected                                    # a failed STOP does not kill the link
+    assert ctl.connected  # a failed STOP does not kill the link
 
 
 def test_corrupted_ack_is_a_bad_frame_and_retried(link):
@@ -252,7 +269,7 @@ def test_safety_layer_estop_goes_through_to_the_mcu(link):
     safety = SafetyLayer(ctl, SafetyLimits(max_dvx=100.0))
     assert safety.send_action(Command(0.3, 0.0, 0.0)).vx == 0.3
     assert wait_until(lambda: mcu.motors.vx == 0.3)
-    safety.estop().result(5)                            # the ESTOP frame waits for its ACK on its own lane
+    safety.estop().result(5)  # the ESTOP frame waits for its ACK on its own lane
     assert mcu.estopped and mcu.motors == Command()
 
 
@@ -272,7 +289,7 @@ def test_mcu_nacks_a_bad_crc_and_ignores_garbage():
     bad = bytearray(encode_frame(FrameType.STOP, 77))
     bad[-2] ^= 0x01
     with FakeMcu(mcu_end, status_s=None) as mcu:
-        host.write(b"\xAA\xAA\x55\xFF\x00 line noise " + bytes(bad) + encode_frame(FrameType.HEARTBEAT, 78))
+        host.write(b"\xaa\xaa\x55\xff\x00 line noise " + bytes(bad) + encode_frame(FrameType.HEARTBEAT, 78))
         parser, got = FrameParser(), []
         end = time.monotonic() + 1.0
         while len(got) < 2 and time.monotonic() < end:
@@ -282,6 +299,7 @@ def test_mcu_nacks_a_bad_crc_and_ignores_garbage():
 
 
 # --- the controller over real pyserial URLs ------------------------------------------------------
+
 
 def test_make_controller_builds_the_serial_driver():
     ctl = make_controller("serial", port="loop://", max_vx=0.8)
@@ -301,7 +319,7 @@ def test_controller_over_real_loop_port_hears_its_own_frames():
             ctl.stop()
         assert ctl.rx[FrameType.STOP] >= 1 and ctl.failed == 1
     finally:
-        ctl.disconnect()                                    # best-effort STOP fails quietly
+        ctl.disconnect()  # best-effort STOP fails quietly
     ctl.disconnect()
 
 
@@ -356,6 +374,7 @@ def test_whole_protocol_over_real_socket_urls():
 
 def test_safety_layer_reset_releases_the_mcu_latch(link):
     from agent.robot.safety import SafetyLayer, SafetyLimits
+
     ctl, mcu = link(status_s=0.02)
     safety = SafetyLayer(ctl, SafetyLimits(max_frame_age_s=None))
     safety.estop().result(5)

@@ -1,4 +1,5 @@
 """The 2-D simulator: motion, collisions, auto-stop, sightings, camera, map, controller, scripted episodes."""
+
 from __future__ import annotations
 
 import math
@@ -30,6 +31,7 @@ def red_columns_bearing(img: np.ndarray, hfov_deg: float = 90.0) -> float:
 
 # ---------------------------------------------------------------- the scripted policy, end to end
 
+
 @pytest.mark.parametrize("start", range(len(START_POSES["red_box"])))
 def test_scripted_policy_reaches_red_box_from_every_start(start):
     world = make_world("red_box", start=start, clock=FakeClock())
@@ -53,15 +55,17 @@ def test_a_start_needs_search_by_turning():
 
 def test_scripted_action_speaks_navila_exactly():
     texts = {a.text for a in VOCABULARY}
-    cases = [([], "turn left 45 deg"),
-             ([Sighting("blue ball", 0.0, 1.0, "sim")], "turn left 45 deg"),
-             ([Sighting("red box", 3.0, 0.5, "sim")], "stop"),
-             ([Sighting("red box", 20.0, 2.0, "sim")], "turn left 15 deg"),
-             ([Sighting("red box", -40.0, 2.0, "sim")], "turn right 45 deg"),
-             ([Sighting("red box", 28.0, 2.0, "sim")], "turn left 30 deg"),
-             ([Sighting("red box", 5.0, 2.0, "sim")], "forward 75 cm"),
-             ([Sighting("red box", -5.0, 1.3, "sim")], "forward 50 cm"),
-             ([Sighting("red box", 0.0, 0.9, "sim")], "forward 25 cm")]
+    cases = [
+        ([], "turn left 45 deg"),
+        ([Sighting("blue ball", 0.0, 1.0, "sim")], "turn left 45 deg"),
+        ([Sighting("red box", 3.0, 0.5, "sim")], "stop"),
+        ([Sighting("red box", 20.0, 2.0, "sim")], "turn left 15 deg"),
+        ([Sighting("red box", -40.0, 2.0, "sim")], "turn right 45 deg"),
+        ([Sighting("red box", 28.0, 2.0, "sim")], "turn left 30 deg"),
+        ([Sighting("red box", 5.0, 2.0, "sim")], "forward 75 cm"),
+        ([Sighting("red box", -5.0, 1.3, "sim")], "forward 50 cm"),
+        ([Sighting("red box", 0.0, 0.9, "sim")], "forward 25 cm"),
+    ]
     for sightings, want in cases:
         text = scripted_action(sightings)
         assert text in texts
@@ -71,32 +75,38 @@ def test_scripted_action_speaks_navila_exactly():
 
 # ---------------------------------------------------------------- motion
 
+
 def tiny_world(clock, pose=(1.0, 1.0, 0.0), **kw) -> SimWorld:
     return SimWorld(size_m=(2.0, 2.0), pose=pose, clock=clock, **kw)
 
 
 def test_collision_stops_the_robot_against_a_wall_and_counts():
     clock = FakeClock()
-    world = tiny_world(clock, pose=(1.5, 1.0, 0.0))         # wall at x = 2, robot radius 0.2: 0.3 m to go
+    world = tiny_world(clock, pose=(1.5, 1.0, 0.0))  # wall at x = 2, robot radius 0.2: 0.3 m to go
     world.set_velocity(Command(vx=0.5))
     clock.advance(0.9)
     x, y, _ = world.pose
     assert 1.75 < x <= 1.8 + 1e-9 and y == pytest.approx(1.0)
     assert world.collisions == 1
     assert world.velocity == Command()
-    world.set_velocity(Command(vx=0.5))                    # pushing on: still blocked, counted again
+    world.set_velocity(Command(vx=0.5))  # pushing on: still blocked, counted again
     clock.advance(0.5)
     assert world.pose.x <= 1.8 + 1e-9 and world.collisions == 2
-    world.set_velocity(Command(vx=-0.5))                   # backing out of contact is allowed
+    world.set_velocity(Command(vx=-0.5))  # backing out of contact is allowed
     clock.advance(0.5)
     assert world.pose.x == pytest.approx(x - 0.25, abs=1e-6)
 
 
 def test_objects_and_obstacles_block_motion():
     clock = FakeClock()
-    world = SimWorld(size_m=(6.0, 2.0), pose=(0.5, 1.0, 0.0), clock=clock, auto_stop_s=10.0,
-                     obstacles=[Obstacle(2.0, 0.5, 2.5, 1.5)],
-                     objects=[SimObject("ball", "ball", 4.0, 1.0, 0.4, 0.4)])
+    world = SimWorld(
+        size_m=(6.0, 2.0),
+        pose=(0.5, 1.0, 0.0),
+        clock=clock,
+        auto_stop_s=10.0,
+        obstacles=[Obstacle(2.0, 0.5, 2.5, 1.5)],
+        objects=[SimObject("ball", "ball", 4.0, 1.0, 0.4, 0.4)],
+    )
     world.set_velocity(Command(vx=1.0))
     clock.advance(3.0)
     assert world.pose.x == pytest.approx(1.8, abs=0.03) and world.collisions == 1
@@ -111,7 +121,7 @@ def test_auto_stop_after_one_second_without_commands():
     world = tiny_world(clock, pose=(0.5, 1.0, 0.0))
     world.set_velocity(Command(vx=0.5))
     clock.advance(3.0)
-    assert world.pose.x == pytest.approx(1.0, abs=1e-9)     # 0.5 m/s for 1 s, then stopped by itself
+    assert world.pose.x == pytest.approx(1.0, abs=1e-9)  # 0.5 m/s for 1 s, then stopped by itself
     assert world.velocity == Command()
     assert world.collisions == 0
 
@@ -119,13 +129,13 @@ def test_auto_stop_after_one_second_without_commands():
 def test_integration_turns_and_moves_in_the_body_frame():
     clock = FakeClock()
     world = SimWorld(size_m=(10.0, 10.0), pose=(5.0, 5.0, math.pi / 2), clock=clock)
-    world.set_velocity(Command(vx=0.5))                    # facing +y
+    world.set_velocity(Command(vx=0.5))  # facing +y
     clock.advance(0.8)
     assert world.pose.x == pytest.approx(5.0) and world.pose.y == pytest.approx(5.4)
-    world.set_velocity(Command(vy=0.5))                    # left of +y is -x
+    world.set_velocity(Command(vy=0.5))  # left of +y is -x
     clock.advance(0.8)
     assert world.pose.x == pytest.approx(4.6)
-    world.set_velocity(Command(wz=math.pi / 4))            # CCW: a quarter turn in 2 s, done in two commands
+    world.set_velocity(Command(wz=math.pi / 4))  # CCW: a quarter turn in 2 s, done in two commands
     clock.advance(1.0)
     world.set_velocity(Command(wz=math.pi / 4))
     clock.advance(1.0)
@@ -152,10 +162,12 @@ def test_path_records_poses_with_tags():
 
 # ---------------------------------------------------------------- sightings
 
+
 def corridor(clock=None, obstacles=(), objects=()) -> SimWorld:
     objs = [SimObject("red box", "box", 3.0, 1.0, 0.4, 0.4, RED)] + list(objects)
-    return SimWorld(size_m=(8.0, 2.0), pose=(0.5, 1.0, 0.0), clock=clock or FakeClock(),
-                    obstacles=obstacles, objects=objs)
+    return SimWorld(
+        size_m=(8.0, 2.0), pose=(0.5, 1.0, 0.0), clock=clock or FakeClock(), obstacles=obstacles, objects=objs
+    )
 
 
 def test_sightings_bearing_and_surface_distance():
@@ -163,7 +175,7 @@ def test_sightings_bearing_and_surface_distance():
     (s,) = world.sightings()
     assert s.name == "red box" and s.source == "sim"
     assert s.bearing_deg == pytest.approx(0.0) and s.distance_m == pytest.approx(2.3)
-    (s,) = world.sightings(pose=(0.5, 1.0, math.radians(-30)))         # turned right: the box is to the left
+    (s,) = world.sightings(pose=(0.5, 1.0, math.radians(-30)))  # turned right: the box is to the left
     assert s.bearing_deg == pytest.approx(30.0)
     assert world.distance_to("red box") == pytest.approx(2.3)
     assert not world.reached("red box") and world.reached("red box", reach_m=2.4)
@@ -171,26 +183,32 @@ def test_sightings_bearing_and_surface_distance():
 
 def test_sightings_respect_field_of_view_and_range():
     world = corridor()
-    assert world.sightings(pose=(0.5, 1.0, math.radians(50))) == []       # 50 deg off, hfov 90
+    assert world.sightings(pose=(0.5, 1.0, math.radians(50))) == []  # 50 deg off, hfov 90
     assert len(world.sightings(pose=(0.5, 1.0, math.radians(50)), hfov_deg=120)) == 1
-    assert world.sightings(pose=(0.5, 1.0, math.pi)) == []                # behind
-    assert world.sightings(max_range_m=2.0) == []                          # centre 2.5 m away
+    assert world.sightings(pose=(0.5, 1.0, math.pi)) == []  # behind
+    assert world.sightings(max_range_m=2.0) == []  # centre 2.5 m away
     assert len(world.sightings(max_range_m=2.6)) == 1
 
 
 def test_sightings_respect_occlusion():
     hidden = corridor(obstacles=[Obstacle(1.5, 0.8, 1.8, 1.2)])
     assert hidden.sightings() == []
-    side = corridor(obstacles=[Obstacle(1.5, 1.3, 1.8, 1.7)])             # beside the line of sight
+    side = corridor(obstacles=[Obstacle(1.5, 1.3, 1.8, 1.7)])  # beside the line of sight
     assert [s.name for s in side.sightings()] == ["red box"]
     behind_ball = corridor(objects=[SimObject("blue ball", "ball", 2.0, 1.0, 0.3, 0.3, (200, 80, 20))])
     assert [s.name for s in behind_ball.sightings()] == ["blue ball"]
-    walled = SimWorld(size_m=(8.0, 2.0), pose=(0.5, 1.0, 0.0), clock=FakeClock(), walls=[(1.5, 0.0, 1.5, 1.5)],
-                      objects=[SimObject("red box", "box", 3.0, 1.0)])
+    walled = SimWorld(
+        size_m=(8.0, 2.0),
+        pose=(0.5, 1.0, 0.0),
+        clock=FakeClock(),
+        walls=[(1.5, 0.0, 1.5, 1.5)],
+        objects=[SimObject("red box", "box", 3.0, 1.0)],
+    )
     assert walled.sightings() == []
 
 
 # ---------------------------------------------------------------- pictures
+
 
 def test_render_camera_shape_and_red_box_columns_match_its_bearing():
     world = make_world("red_box", start=0)
@@ -207,10 +225,10 @@ def test_render_camera_shape_and_red_box_columns_match_its_bearing():
 
 
 def test_render_camera_object_rows_follow_the_pinhole_model():
-    world = corridor()                                                      # box 0.4 tall, near face 2.3 m ahead
+    world = corridor()  # box 0.4 tall, near face 2.3 m ahead
     img = world.render_camera(width=160, height=120, pose=(0.5, 1.0, 0.0))
     col = img[:, 80].astype(int)
-    rows = np.nonzero((col[:, 2] > 150) & (col[:, 1] < 60))[0]             # red rows in the centre column
+    rows = np.nonzero((col[:, 2] > 150) & (col[:, 1] < 60))[0]  # red rows in the centre column
     f, z, horizon = 80.0, 2.3, 60.0
     assert rows.min() == pytest.approx(horizon - f * (0.4 - 0.3) / z, abs=1.0)
     assert rows.max() + 1 == pytest.approx(horizon + f * 0.3 / z, abs=1.0)
@@ -218,12 +236,13 @@ def test_render_camera_object_rows_follow_the_pinhole_model():
 
 def test_render_camera_is_fast():
     import time
+
     world = make_world("red_box")
     world.render_camera()
     t = time.perf_counter()
     for _ in range(20):
         world.render_camera()
-    assert (time.perf_counter() - t) / 20 < 0.05                           # typically ~3 ms; slack for CI
+    assert (time.perf_counter() - t) / 20 < 0.05  # typically ~3 ms; slack for CI
 
 
 def test_render_map_writes_a_png_with_the_tagged_path(tmp_path):
@@ -242,12 +261,13 @@ def test_render_map_writes_a_png_with_the_tagged_path(tmp_path):
     back = cv2.imread(str(out))
     assert back.shape == img.shape
     px = back.reshape(-1, 3).astype(int)
-    assert ((px == (0, 170, 0)).all(axis=1)).any()                          # verified: green
-    assert ((px == (0, 140, 255)).all(axis=1)).any()                        # offline: orange
-    assert ((px == (0, 0, 220)).all(axis=1)).any()                          # the red box
+    assert ((px == (0, 170, 0)).all(axis=1)).any()  # verified: green
+    assert ((px == (0, 140, 255)).all(axis=1)).any()  # offline: orange
+    assert ((px == (0, 0, 220)).all(axis=1)).any()  # the red box
 
 
 # ---------------------------------------------------------------- camera source and controller
+
 
 def test_sim_camera_is_a_frame_source_with_the_pose():
     world = make_world("red_box", start=1)
@@ -280,7 +300,7 @@ def test_sim_controller_clamps_and_estop_damps():
         x0 = ctl.world.pose.x
         clock.advance(0.5)
         assert ctl.world.pose.x == x0 and ctl.world.velocity == Command()
-        ctl.connect()                                                       # connecting again undamps
+        ctl.connect()  # connecting again undamps
         assert not ctl.world.damped
         assert ctl.send_action(Command(vx=0.5)) == Command(vx=0.5)
         clock.advance(0.5)
@@ -298,13 +318,13 @@ def test_sim_ray_cast_is_the_obstacle_stops_range_source():
 
     world = SimWorld(size_m=(6.0, 5.0), obstacles=[(2.0, 0.5, 2.4, 1.5)], pose=(1.0, 1.0, 0.0))
     assert world.clearance_m(0.0) == pytest.approx(1.0 - world.radius)
-    assert world.clearance_m(math.pi / 2) == pytest.approx(4.0 - world.radius)     # the wall at y = 5
+    assert world.clearance_m(math.pi / 2) == pytest.approx(4.0 - world.radius)  # the wall at y = 5
     ctl = SimController(world)
     with ctl:
         safety = SafetyLayer(ctl, SafetyLimits(min_clearance_m=0.3, max_frame_age_s=None), ranges=ctl.ranges)
         loop = ControlLoop(safety, hz=50).start()
         try:
-            assert not loop.execute(Motion(Command(vx=0.4), 5.0))          # cut short by the obstacle
+            assert not loop.execute(Motion(Command(vx=0.4), 5.0))  # cut short by the obstacle
         finally:
             loop.stop()
     assert safety.stops.get("obstacle") == 1 and world.collisions == 0

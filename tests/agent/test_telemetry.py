@@ -17,7 +17,7 @@ def test_jsonl_records_and_bounded_rotation(tmp_path):
 
 def test_a_write_error_does_not_raise(tmp_path):
     w = TelemetryWriter(tmp_path / "t.jsonl")
-    (tmp_path / "t.jsonl").mkdir()                      # a directory where the file should be
+    (tmp_path / "t.jsonl").mkdir()  # a directory where the file should be
     w.write({"step": 1})
     w.write({"step": 2})
     assert w.records == 0

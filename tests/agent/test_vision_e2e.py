@@ -1,12 +1,13 @@
 """A vision-language pair end to end: the robot's draft VLM and the server's target VLM over the real wire.
 
-The pair is the test VLM (tools/make_test_vlm.py: a random SmolVLM; its f32 GGUF + mmproj serve, its
+The pair is the test VLM (tools/models/make_test_vlm.py: a random SmolVLM; its f32 GGUF + mmproj serve, its
 Q8_0 GGUF + f16 mmproj draft). With an image in the prompt every mode must give the target's own
 greedy ids at T = 0, on each engine; the image must reach the model on both sides (two images, two
 outputs); at T > 0 the committed token must follow the target's distribution after the image; a bad
 image is refused on its session alone; a re-open names the image by its sha256, and sends the bytes
 again when the server no longer holds them.
 """
+
 import asyncio
 import io
 import time
@@ -27,8 +28,8 @@ from server_bridge.config import ServerConfig
 from server_bridge.target import load_target
 from server_bridge.verifier import Verifier
 from tests.conftest import ThreadedServer
-from tools import make_test_vlm as tv
-from tools.netem import LinkProfile, NetemProxy
+from tools.cluster.netem import LinkProfile, NetemProxy
+from tools.models import make_test_vlm as tv
 
 pytestmark = pytest.mark.real
 
@@ -58,10 +59,12 @@ def vtarget(request, vlm):
     """The target VLM on each engine: the f32 GGUF + mmproj through libmtmd, the Hugging Face directory through
     transformers (its own processor and vision tower)."""
     if request.param == "torch":
-        return load_target(str(vlm.hf_dir), "torch", device="cpu", dtype="float32", threads=1, max_sequences=8,
-                           max_len=1024)
-    return load_target(str(vlm.target), "llamacpp", threads=1, max_sequences=8, kv_tokens=4096,
-                       mmproj=str(vlm.target_mmproj))
+        return load_target(
+            str(vlm.hf_dir), "torch", device="cpu", dtype="float32", threads=1, max_sequences=8, max_len=1024
+        )
+    return load_target(
+        str(vlm.target), "llamacpp", threads=1, max_sequences=8, kv_tokens=4096, mmproj=str(vlm.target_mmproj)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -120,10 +123,10 @@ def test_every_mode_gives_the_targets_greedy_ids_with_an_image(vdrafter, vserver
     for seed in (0, 1):
         ids, images = prompt(vdrafter, seed)
         gen = generate(vdrafter, vserver.url, mode, ids, images)
-        assert gen.token_ids == reference[seed][:len(gen.token_ids)]
+        assert gen.token_ids == reference[seed][: len(gen.token_ids)]
         assert len(gen.token_ids) == MAX_TOKENS or gen.token_ids[-1] in vdrafter.eos_ids
         if mode != "ar":
-            assert gen.metrics.accepted > 0             # the draft VLM saw the image too: it is accepted
+            assert gen.metrics.accepted > 0  # the draft VLM saw the image too: it is accepted
 
 
 def test_the_image_reaches_the_model_on_both_sides(vdrafter, reference):
@@ -166,11 +169,11 @@ def test_a_server_that_lost_the_image_gets_its_bytes_again(vdrafter, vserver, vt
 
     def propose(*args, **kwargs):
         calls.append(1)
-        if len(calls) == 2:                             # the server restarts: its sessions and images gone
+        if len(calls) == 2:  # the server restarts: its sessions and images gone
             asyncio.run_coroutine_threadsafe(forget(), vserver.loop).result(10)
         return real(*args, **kwargs)
 
-    def evict_images():                                 # as many other images as the server keeps: ours is out
+    def evict_images():  # as many other images as the server keeps: ours is out
         for seed in range(10, 10 + CACHED):
             vtarget.engine.image_positions(PromptImage.of(encoded(seed), 0))
 
@@ -180,7 +183,7 @@ def test_a_server_that_lost_the_image_gets_its_bytes_again(vdrafter, vserver, vt
 
     monkeypatch.setattr(vdrafter, "propose", propose)
     gen = generate(vdrafter, vserver.url, "sd", ids, images)
-    assert gen.metrics.reopens == 2                     # unknown_session, then unknown_image
+    assert gen.metrics.reopens == 2  # unknown_session, then unknown_image
     assert gen.token_ids == reference[1]
 
 
@@ -189,9 +192,11 @@ def test_a_bad_image_is_refused_on_its_session_alone(vdrafter, vserver, vtarget,
     corrupt = PromptImage(images[0].at, "0" * 64, b"\x89PNG\r\n\x1a\n" + b"\0" * 64)
     verifier = Verifier(vtarget, ServerConfig(max_context=1024))
     good, _ = verifier.open(wire.Open("good", ids, {"temperature": 0.0}, images=images), 1, None)
-    for bad, code in [([corrupt], "bad_image"),
-                      ([PromptImage(images[0].at - 1, images[0].sha256, images[0].data)], "bad_image"),
-                      ([PromptImage(images[0].at, "ab" * 32)], "unknown_image")]:
+    for bad, code in [
+        ([corrupt], "bad_image"),
+        ([PromptImage(images[0].at - 1, images[0].sha256, images[0].data)], "bad_image"),
+        ([PromptImage(images[0].at, "ab" * 32)], "unknown_image"),
+    ]:
         with pytest.raises(wire.WireError) as e:
             verifier.open(wire.Open("bad", ids, {"temperature": 0.0}, images=bad), 1, None)
         assert e.value.code == code and e.value.sid == "bad"
@@ -227,8 +232,11 @@ def test_the_targets_distribution_after_an_image_at_temperature(vdrafter, vtarge
     vdrafter.use_images(prompt(vdrafter, 1)[1])
     verifier = Verifier(vtarget, ServerConfig(max_context=1024))
     spec = PayloadSpec("full")
-    session, _ = verifier.open(wire.Open("stat", ids, {"temperature": 1.5, "top_k": 4, "seed": 11},
-                                         payload=spec.to_wire(), images=images), 1, None)
+    session, _ = verifier.open(
+        wire.Open("stat", ids, {"temperature": 1.5, "top_k": 4, "seed": 11}, payload=spec.to_wire(), images=images),
+        1,
+        None,
+    )
     p = sampling.probs_from_logits(vtarget.score(session.state, [])[0], params)
     vtarget.rewind(session.state, ids)
     support = np.flatnonzero(p)
@@ -257,8 +265,9 @@ def test_the_command_lines(vlm, tmp_path, capsys):
 
     assert server_cli.main(["serve", "--target", str(vlm.target), "--mmproj", str(tmp_path / "none.gguf")]) == 2
     assert "no projector file" in capsys.readouterr().err
-    config = ServerConfig(target=str(vlm.target), mmproj=str(vlm.target_mmproj), threads=1, max_sessions=4,
-                          max_context=1024)
+    config = ServerConfig(
+        target=str(vlm.target), mmproj=str(vlm.target_mmproj), threads=1, max_sessions=4, max_context=1024
+    )
     target = target_from_config(config)
     assert target.sees
     files = []
@@ -267,10 +276,28 @@ def test_the_command_lines(vlm, tmp_path, capsys):
         files[-1].write_bytes(encoded(seed, "JPEG"))
     (tmp_path / "frame.gif").write_bytes(b"GIF89a" + b"\0" * 32)
     with ThreadedServer(lambda cfg: Verifier(target, cfg), max_context=1024) as server:
+
         def run(*args):
-            rc = agent_cli.main(["generate", "--verifier", server.url, "--draft", str(vlm.draft), "--draft-mmproj",
-                                 str(vlm.draft_mmproj), "--threads", "1", "--max-tokens", "8", "--json",
-                                 "--prompt", "Describe the scene.", "--chat", *args])
+            rc = agent_cli.main(
+                [
+                    "generate",
+                    "--verifier",
+                    server.url,
+                    "--draft",
+                    str(vlm.draft),
+                    "--draft-mmproj",
+                    str(vlm.draft_mmproj),
+                    "--threads",
+                    "1",
+                    "--max-tokens",
+                    "8",
+                    "--json",
+                    "--prompt",
+                    "Describe the scene.",
+                    "--chat",
+                    *args,
+                ]
+            )
             captured = capsys.readouterr()
             return rc, (json.loads(captured.out.strip().splitlines()[-1]) if rc == 0 else captured.err)
 
@@ -280,8 +307,20 @@ def test_the_command_lines(vlm, tmp_path, capsys):
         assert run("--mode", "ar", "--image", str(files[1]))[1]["token_ids"] != outs["ar"][1]["token_ids"]
         rc, err = run("--mode", "sd", "--image", str(tmp_path / "frame.gif"))
         assert rc == 2 and "JPEG or a PNG" in err
-    rc = agent_cli.main(["generate", "--local", "--draft", str(vlm.draft), "--threads", "1", "--image", str(files[0]),
-                         "--prompt", "Describe the scene."])
+    rc = agent_cli.main(
+        [
+            "generate",
+            "--local",
+            "--draft",
+            str(vlm.draft),
+            "--threads",
+            "1",
+            "--image",
+            str(files[0]),
+            "--prompt",
+            "Describe the scene.",
+        ]
+    )
     assert rc == 2 and "--draft-mmproj" in capsys.readouterr().err
 
 
@@ -293,14 +332,14 @@ def test_the_draft_prefills_an_image_once_and_keeps_the_shared_prefix(vdrafter, 
     monkeypatch.setattr(vdrafter.vision, "eval", lambda *a, **k: calls.append(a[2]) or real(*a, **k))
     ids, images = prompt(vdrafter, 0)
     vdrafter.use_images(images)
-    vdrafter.llm.n_tokens = 0                           # nothing held: a fresh prefill
+    vdrafter.llm.n_tokens = 0  # nothing held: a fresh prefill
     first = vdrafter.next_logits(ids)
     assert len(calls) == 1
     longer = vdrafter.next_logits(ids + [int(first.argmax())])
-    assert len(calls) == 1                              # the same image: its positions are kept
+    assert len(calls) == 1  # the same image: its positions are kept
     vdrafter.use_images(prompt(vdrafter, 1)[1])
     other = vdrafter.next_logits(ids)
-    assert len(calls) == 2 and calls[-1] == images[0].at   # a new frame: re-encoded at its own position
+    assert len(calls) == 2 and calls[-1] == images[0].at  # a new frame: re-encoded at its own position
     assert not np.allclose(other, first)
     vdrafter.use_images(images)
     assert np.array_equal(vdrafter.next_logits(ids), first)

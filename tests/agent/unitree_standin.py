@@ -8,6 +8,7 @@ waits the 10 s). The robot's state (`rt/sportmodestate`: mode) follows the calls
 range finder (`rt/utlidar/range_info`) and front camera (VideoClient: JPEG samples) give
 what the test puts in `range_m` and `image`.
 """
+
 from __future__ import annotations
 
 import sys
@@ -17,25 +18,25 @@ import types
 
 import numpy as np
 
-TIMEOUT_CODE = 3104                     # the SDK's RPC_ERR_CLIENT_API_TIMEOUT
+TIMEOUT_CODE = 3104  # the SDK's RPC_ERR_CLIENT_API_TIMEOUT
 
 
 class StandIn:
     def __init__(self, mode: int = 1, sport: str = "normal"):
         self.calls: list[tuple] = []
-        self.reply = threading.Event()      # set: the robot answers at once; clear: calls hang until timeout
+        self.reply = threading.Event()  # set: the robot answers at once; clear: calls hang until timeout
         self.reply.set()
-        self.mode = mode                    # SportModeState_.mode: 1 balance stand, 5 lie down, 7 damping
-        self.sport = sport                  # the motion switcher's mode name; "" = sport service released
-        self.range_m = (5.0, 5.0, 5.0)      # ahead, left, right
-        self.image: np.ndarray | None = np.full((48, 64, 3), (0, 0, 200), np.uint8)   # BGR red
+        self.mode = mode  # SportModeState_.mode: 1 balance stand, 5 lie down, 7 damping
+        self.sport = sport  # the motion switcher's mode name; "" = sport service released
+        self.range_m = (5.0, 5.0, 5.0)  # ahead, left, right
+        self.image: np.ndarray | None = np.full((48, 64, 3), (0, 0, 200), np.uint8)  # BGR red
         self._handlers: dict[str, list] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._streamer = threading.Thread(target=self._stream, name="standin-dds", daemon=True)
 
     def _stream(self) -> None:
-        while not self._stop.wait(0.02):        # the robot publishes its state far faster; 50 Hz is enough here
+        while not self._stop.wait(0.02):  # the robot publishes its state far faster; 50 Hz is enough here
             self.publish()
 
     def close(self) -> None:
@@ -51,9 +52,15 @@ class StandIn:
 
     def publish(self) -> None:
         """Deliver the current state and range once to every subscriber (the robot streams them)."""
-        for topic, msg in (("rt/sportmodestate", types.SimpleNamespace(mode=self.mode)),
-                           ("rt/utlidar/range_info", types.SimpleNamespace(point=types.SimpleNamespace(
-                               x=self.range_m[0], y=self.range_m[1], z=self.range_m[2])))):
+        for topic, msg in (
+            ("rt/sportmodestate", types.SimpleNamespace(mode=self.mode)),
+            (
+                "rt/utlidar/range_info",
+                types.SimpleNamespace(
+                    point=types.SimpleNamespace(x=self.range_m[0], y=self.range_m[1], z=self.range_m[2])
+                ),
+            ),
+        ):
             for handler in list(self._handlers.get(topic, ())):
                 handler(msg)
 
@@ -90,10 +97,17 @@ class StandIn:
                 sdk._record("Move", vx, vy, wz)
                 return 0
 
-            def StopMove(self): return self._call("StopMove")
-            def Damp(self): return self._call("Damp", 7)
-            def RecoveryStand(self): return self._call("RecoveryStand", 6)
-            def BalanceStand(self): return self._call("BalanceStand", 1)
+            def StopMove(self):
+                return self._call("StopMove")
+
+            def Damp(self):
+                return self._call("Damp", 7)
+
+            def RecoveryStand(self):
+                return self._call("RecoveryStand", 6)
+
+            def BalanceStand(self):
+                return self._call("BalanceStand", 1)
 
         class MotionSwitcherClient(Client):
             def CheckMode(self):
@@ -103,7 +117,8 @@ class StandIn:
         class VideoClient(Client):
             def GetImageSample(self):
                 import cv2
-                if sdk.image is None:           # no sample: the request times out
+
+                if sdk.image is None:  # no sample: the request times out
                     time.sleep(min(self.timeout, 0.05))
                     return TIMEOUT_CODE, None
                 return 0, list(cv2.imencode(".jpg", sdk.image)[1].tobytes())
@@ -125,19 +140,33 @@ class StandIn:
             mod.__dict__.update(attrs)
             monkeypatch.setitem(sys.modules, name, mod)
 
-        for name in ("unitree_sdk2py", "unitree_sdk2py.core", "unitree_sdk2py.go2", "unitree_sdk2py.go2.sport",
-                     "unitree_sdk2py.go2.video", "unitree_sdk2py.comm", "unitree_sdk2py.comm.motion_switcher",
-                     "unitree_sdk2py.idl", "unitree_sdk2py.idl.unitree_go", "unitree_sdk2py.idl.unitree_go.msg",
-                     "unitree_sdk2py.idl.geometry_msgs", "unitree_sdk2py.idl.geometry_msgs.msg"):
+        for name in (
+            "unitree_sdk2py",
+            "unitree_sdk2py.core",
+            "unitree_sdk2py.go2",
+            "unitree_sdk2py.go2.sport",
+            "unitree_sdk2py.go2.video",
+            "unitree_sdk2py.comm",
+            "unitree_sdk2py.comm.motion_switcher",
+            "unitree_sdk2py.idl",
+            "unitree_sdk2py.idl.unitree_go",
+            "unitree_sdk2py.idl.unitree_go.msg",
+            "unitree_sdk2py.idl.geometry_msgs",
+            "unitree_sdk2py.idl.geometry_msgs.msg",
+        ):
             module(name)
-        module("unitree_sdk2py.core.channel", ChannelSubscriber=ChannelSubscriber,
-               ChannelFactoryInitialize=lambda *a: sdk._record("ChannelFactoryInitialize", *a))
+        module(
+            "unitree_sdk2py.core.channel",
+            ChannelSubscriber=ChannelSubscriber,
+            ChannelFactoryInitialize=lambda *a: sdk._record("ChannelFactoryInitialize", *a),
+        )
         module("unitree_sdk2py.go2.sport.sport_client", SportClient=SportClient)
         module("unitree_sdk2py.go2.video.video_client", VideoClient=VideoClient)
         module("unitree_sdk2py.comm.motion_switcher.motion_switcher_client", MotionSwitcherClient=MotionSwitcherClient)
         module("unitree_sdk2py.idl.unitree_go.msg.dds_", SportModeState_=object)
         module("unitree_sdk2py.idl.geometry_msgs.msg.dds_", PointStamped_=object)
         import agent.robot.controllers.go2 as go2
+
         monkeypatch.setattr(go2, "_channel_ready", False)
         self._streamer.start()
         return self

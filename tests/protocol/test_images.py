@@ -1,4 +1,5 @@
 """A prompt's images on the wire: bytes or their hash, bounded, JPEG or PNG only, errors on the session."""
+
 import hashlib
 
 import cv2
@@ -20,8 +21,17 @@ def png() -> bytes:
 
 
 def open_frame(images_field, ids=(1, 7, 2, 7, 3)):
-    return msgpack.packb({"v": wire.PROTOCOL_VERSION, "type": "open", "sid": "robot-3", "prompt_ids": list(ids),
-                          "sampling": {"temperature": 0.0}, "images": images_field}, use_bin_type=True)
+    return msgpack.packb(
+        {
+            "v": wire.PROTOCOL_VERSION,
+            "type": "open",
+            "sid": "robot-3",
+            "prompt_ids": list(ids),
+            "sampling": {"temperature": 0.0},
+            "images": images_field,
+        },
+        use_bin_type=True,
+    )
 
 
 def test_an_open_carries_its_images_and_a_reopen_only_their_hashes():
@@ -39,18 +49,21 @@ def test_a_text_open_is_the_frame_it_was_before_images():
     assert "images" not in frame and wire.decode(wire.encode(wire.Open.make_dummy())).images == []
 
 
-@pytest.mark.parametrize("field, says", [
-    ("not a list", "must be a list"),
-    ([{"at": 1, "data": jpeg()}] * (images.MAX_IMAGES + 1), "at most"),
-    ([{"at": 1, "data": b"GIF89a" + b"\0" * 20}], "JPEG or a PNG"),
-    ([{"at": 1, "data": b""}], "empty"),
-    ([{"at": 1, "data": b"\xff\xd8\xff" + b"\0" * images.MAX_IMAGE_BYTES}], "over the limit"),
-    ([{"at": 9, "data": jpeg()}], "must index prompt_ids"),
-    ([{"at": 3, "data": jpeg()}, {"at": 1, "data": jpeg(2)}], "prompt order"),
-    ([{"at": 1, "sha256": "abc"}], "64 lower-case hex"),
-    ([{"at": 1, "data": jpeg(), "sha256": "0" * 64}], "does not match"),
-    ([{"at": 1, "pixels": b"x"}], "map of at and data"),
-])
+@pytest.mark.parametrize(
+    "field, says",
+    [
+        ("not a list", "must be a list"),
+        ([{"at": 1, "data": jpeg()}] * (images.MAX_IMAGES + 1), "at most"),
+        ([{"at": 1, "data": b"GIF89a" + b"\0" * 20}], "JPEG or a PNG"),
+        ([{"at": 1, "data": b""}], "empty"),
+        ([{"at": 1, "data": b"\xff\xd8\xff" + b"\0" * images.MAX_IMAGE_BYTES}], "over the limit"),
+        ([{"at": 9, "data": jpeg()}], "must index prompt_ids"),
+        ([{"at": 3, "data": jpeg()}, {"at": 1, "data": jpeg(2)}], "prompt order"),
+        ([{"at": 1, "sha256": "abc"}], "64 lower-case hex"),
+        ([{"at": 1, "data": jpeg(), "sha256": "0" * 64}], "does not match"),
+        ([{"at": 1, "pixels": b"x"}], "map of at and data"),
+    ],
+)
 def test_a_bad_image_is_refused_with_a_clear_error_naming_the_session(field, says):
     with pytest.raises(WireError) as e:
         wire.decode(open_frame(field), max_bytes=8 * 2**20)

@@ -1,6 +1,7 @@
 """protocol/llamalog: C-level output (file descriptors 1 and 2) goes to a log file around a call, then back.
 (Python's own prints and llama.cpp's log callback reach the same descriptors in a process of its own, not
 under pytest's capture: tests/tools/test_make_drafts.py checks those.)"""
+
 import ctypes
 import os
 

@@ -5,6 +5,7 @@ Each round goes through the wire (encode, decode) between the robot's half
 (`payload.draw`, `payload.correction`) and the server's half (`dense_q` /
 `split_qx`, then `verify_sampled` / `verify_split`), as in production.
 """
+
 import numpy as np
 import pytest
 from scipy import stats
@@ -39,13 +40,12 @@ def _round(spec, target_logits, draft_logits, rng, params=PARAMS, accept=None):
         qx = payload.split_qx(msg.q, msg.draft_ids, spec)
         v = (accept or sampling.verify_split)(np.array(ids), qx, p, rng)
         if v.token != sampling.RESIDUAL:
-            return ids[:v.accepted] + [v.token]
-        sent_ids, logits = payload.sparse_residual(target_logits[v.accepted].astype(np.float32), p[v.accepted],
-                                                   params)
-        return ids[:v.accepted] + [payload.correction(logits, sent_ids, dq.row(v.accepted), params, rng)]
+            return ids[: v.accepted] + [v.token]
+        sent_ids, logits = payload.sparse_residual(target_logits[v.accepted].astype(np.float32), p[v.accepted], params)
+        return ids[: v.accepted] + [payload.correction(logits, sent_ids, dq.row(v.accepted), params, rng)]
     q = payload.dense_q(msg.q, msg.draft_ids, V, spec)
     v = sampling.verify_sampled(np.array(ids), q, p, rng)
-    return ids[:v.accepted] + [v.token]
+    return ids[: v.accepted] + [v.token]
 
 
 def _check(committed, target_logits, params=PARAMS):
@@ -63,24 +63,28 @@ def _check(committed, target_logits, params=PARAMS):
     return pvalue, pvalue2, len(seconds)
 
 
-@pytest.mark.parametrize("spec", [PayloadSpec("full"), PayloadSpec("topk", 1), PayloadSpec("topk", 3),
-                                  PayloadSpec("topk", V), PayloadSpec("split")], ids=str)
+@pytest.mark.parametrize(
+    "spec",
+    [PayloadSpec("full"), PayloadSpec("topk", 1), PayloadSpec("topk", 3), PayloadSpec("topk", V), PayloadSpec("split")],
+    ids=str,
+)
 def test_every_payload_commits_the_targets_distribution(spec):
     target, draft = _models(3)
     rng = np.random.default_rng(17)
     committed = [_round(spec, target, draft, rng) for _ in range(12_000)]
     pvalue, pvalue2, n2 = _check(committed, target)
     assert pvalue > 1e-4 and pvalue2 > 1e-4
-    assert n2 > 1_000                                   # the second position was reached often
-    assert sum(len(c) < K_DRAFT + 1 for c in committed) > 1_000   # and rejections happened often
+    assert n2 > 1_000  # the second position was reached often
+    assert sum(len(c) < K_DRAFT + 1 for c in committed) > 1_000  # and rejections happened often
 
 
 def test_split_with_top_k_sampling_sends_a_sparse_exact_residual():
     params = SamplingParams(temperature=0.9, top_k=4)
     target, draft = _models(5)
     rng = np.random.default_rng(2)
-    ids, logits = payload.sparse_residual(target[0].astype(np.float32),
-                                          sampling.probs_from_logits(target[:1], params)[0], params)
+    ids, logits = payload.sparse_residual(
+        target[0].astype(np.float32), sampling.probs_from_logits(target[:1], params)[0], params
+    )
     assert len(ids) == 4
     committed = [_round(PayloadSpec("split"), target, draft, rng, params) for _ in range(12_000)]
     pvalue, pvalue2, _ = _check(committed, target, params)
@@ -89,6 +93,7 @@ def test_split_with_top_k_sampling_sends_a_sparse_exact_residual():
 
 def test_the_inverted_split_ratio_is_caught():
     """The public DSSD code accepts with min(1, q/p); the same test rejects it, so the test has teeth."""
+
     def inverted(draft_ids, qx, p, rng):
         for i, x in enumerate(draft_ids):
             if rng.random() >= min(1.0, qx[i] / p[i, x]):
@@ -124,25 +129,34 @@ def test_greedy_draws_ids_only():
 
 # --------------------------------------------------------------------------- malformed payloads
 
+
 def _topk(ids, probs):
     return {"kind": "topk", "ids": np.array(ids, np.int32), "probs": np.array(probs, np.float16)}
 
 
-@pytest.mark.parametrize("q, spec, draft, words", [
-    (_topk([[1, 2]], [[0.5, 0.5]]), PayloadSpec("topk", 3), [1], "K=2"),                 # wrong K
-    (_topk([[1, 99]], [[0.5, 0.5]]), PayloadSpec("topk", 2), [1], "vocabulary"),        # id outside V
-    (_topk([[1, -1]], [[0.5, 0.5]]), PayloadSpec("topk", 2), [1], "vocabulary"),
-    (_topk([[1, 1]], [[0.5, 0.5]]), PayloadSpec("topk", 2), [1], "repeat"),
-    (_topk([[1, 2]], [[1.5, -0.5]]), PayloadSpec("topk", 2), [1], "negative"),
-    (_topk([[1, 2]], [[np.nan, 0.5]]), PayloadSpec("topk", 2), [1], "NaN"),
-    (_topk([[1, 2]], [[0.9, 0.9]]), PayloadSpec("topk", 2), [1], "sums to 1.79"),
-    (_topk([[1, 2]], [[0.3, 0.3]]), PayloadSpec("topk", 2), [1], "sums to 0.6"),
-    (_topk([[1, 2]], [[1.0, 0.0]]), PayloadSpec("topk", 2), [2], "zero probability"),   # drafted, q says 0
-    (_topk([[1, 2]], [[1.0, 0.0]]), PayloadSpec("topk", 2), [3], "zero probability"),   # not even among the K
-    ({"kind": "full", "probs": np.full((1, V), 0.2, np.float16)}, PayloadSpec("full"), [1], "sums to 1.99|sums to 2.0"),
-    ({"kind": "full", "probs": np.full((1, V - 1), 0.1, np.float16)}, PayloadSpec("full"), [1], "vocabulary"),
-    ({"kind": "full", "probs": np.full((1, V), 0.1, np.float16)}, PayloadSpec("topk", 2), [1], "declared"),
-])
+@pytest.mark.parametrize(
+    "q, spec, draft, words",
+    [
+        (_topk([[1, 2]], [[0.5, 0.5]]), PayloadSpec("topk", 3), [1], "K=2"),  # wrong K
+        (_topk([[1, 99]], [[0.5, 0.5]]), PayloadSpec("topk", 2), [1], "vocabulary"),  # id outside V
+        (_topk([[1, -1]], [[0.5, 0.5]]), PayloadSpec("topk", 2), [1], "vocabulary"),
+        (_topk([[1, 1]], [[0.5, 0.5]]), PayloadSpec("topk", 2), [1], "repeat"),
+        (_topk([[1, 2]], [[1.5, -0.5]]), PayloadSpec("topk", 2), [1], "negative"),
+        (_topk([[1, 2]], [[np.nan, 0.5]]), PayloadSpec("topk", 2), [1], "NaN"),
+        (_topk([[1, 2]], [[0.9, 0.9]]), PayloadSpec("topk", 2), [1], "sums to 1.79"),
+        (_topk([[1, 2]], [[0.3, 0.3]]), PayloadSpec("topk", 2), [1], "sums to 0.6"),
+        (_topk([[1, 2]], [[1.0, 0.0]]), PayloadSpec("topk", 2), [2], "zero probability"),  # drafted, q says 0
+        (_topk([[1, 2]], [[1.0, 0.0]]), PayloadSpec("topk", 2), [3], "zero probability"),  # not even among the K
+        (
+            {"kind": "full", "probs": np.full((1, V), 0.2, np.float16)},
+            PayloadSpec("full"),
+            [1],
+            "sums to 1.99|sums to 2.0",
+        ),
+        ({"kind": "full", "probs": np.full((1, V - 1), 0.1, np.float16)}, PayloadSpec("full"), [1], "vocabulary"),
+        ({"kind": "full", "probs": np.full((1, V), 0.1, np.float16)}, PayloadSpec("topk", 2), [1], "declared"),
+    ],
+)
 def test_bad_dense_payloads_are_refused(q, spec, draft, words):
     with pytest.raises(SamplingError, match=words):
         payload.dense_q(q, draft, V, spec)

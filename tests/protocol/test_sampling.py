@@ -1,4 +1,5 @@
 """The sampling math: exactness of accept/reject + residual resampling, greedy tables, seeds."""
+
 import numpy as np
 import pytest
 from scipy import stats
@@ -10,7 +11,7 @@ from protocol.sampling import SamplingError, SamplingParams
 def _random_dist(rng, v, sparsity=0.0):
     x = rng.gamma(0.5, size=v)
     x[rng.random(v) < sparsity] = 0.0
-    x[rng.integers(v)] += 0.1                   # never all zero
+    x[rng.integers(v)] += 0.1  # never all zero
     return x / x.sum()
 
 
@@ -22,7 +23,7 @@ def _committed_tokens(p, q, n, seed):
     for _ in range(n):
         draft = np.array([sampling.sample(q[i], rng) for i in range(k)])
         v = sampling.verify_sampled(draft, q, p, rng)
-        committed = list(draft[:v.accepted]) + [v.token]
+        committed = list(draft[: v.accepted]) + [v.token]
         first.append(committed[0])
         if len(committed) > 1:
             second.append(committed[1])
@@ -71,15 +72,18 @@ def test_residual_is_where_target_exceeds_draft():
     p = np.array([0.5, 0.3, 0.2, 0.0])
     q = np.array([0.1, 0.6, 0.2, 0.1])
     np.testing.assert_allclose(sampling.residual(p, q), [1.0, 0.0, 0.0, 0.0])
-    np.testing.assert_allclose(sampling.residual(p, p), p)     # no mass left: falls back to p
+    np.testing.assert_allclose(sampling.residual(p, p), p)  # no mass left: falls back to p
 
 
-@pytest.mark.parametrize("draft, target_argmax, accepted, token", [
-    ([5, 6, 7], [5, 6, 7, 8], 3, 8),       # all kept, bonus token
-    ([5, 6, 7], [5, 9, 7, 8], 1, 9),       # rejected at 1, corrected to the target's choice
-    ([5, 6, 7], [4, 6, 7, 8], 0, 4),       # rejected at once
-    ([], [3], 0, 3),                       # no draft: one target token
-])
+@pytest.mark.parametrize(
+    "draft, target_argmax, accepted, token",
+    [
+        ([5, 6, 7], [5, 6, 7, 8], 3, 8),  # all kept, bonus token
+        ([5, 6, 7], [5, 9, 7, 8], 1, 9),  # rejected at 1, corrected to the target's choice
+        ([5, 6, 7], [4, 6, 7, 8], 0, 4),  # rejected at once
+        ([], [3], 0, 3),  # no draft: one target token
+    ],
+)
 def test_greedy_table(draft, target_argmax, accepted, token):
     v = sampling.verify_greedy(np.array(draft, dtype=int), np.array(target_argmax))
     assert (v.accepted, v.token) == (accepted, token)
@@ -97,10 +101,14 @@ def test_same_seed_same_verdicts():
     runs = []
     for _ in range(2):
         r = np.random.default_rng(42)
-        runs.append([sampling.verify_sampled(np.array([sampling.sample(q[i], r) for i in range(4)]), q, p, r)
-                     for _ in range(50)])
+        runs.append(
+            [
+                sampling.verify_sampled(np.array([sampling.sample(q[i], r) for i in range(4)]), q, p, r)
+                for _ in range(50)
+            ]
+        )
     assert runs[0] == runs[1]
-    assert len({v.accepted for v in runs[0]}) > 1       # the draws really vary
+    assert len({v.accepted for v in runs[0]}) > 1  # the draws really vary
 
 
 def test_probs_from_logits_top_k_and_temperature():
@@ -117,7 +125,7 @@ def test_probs_from_logits_works_on_its_own_copy_and_computes_the_plain_softmax(
     """It writes into its own array (no fresh row per step): the caller's float64 logits and mask stay as
     they were, and the result is bit for bit the masked, top-k, tempered softmax written out plainly."""
     rng = np.random.default_rng(0)
-    logits = rng.normal(0, 3, size=(2, 50))                 # float64: np.asarray alone would not copy it
+    logits = rng.normal(0, 3, size=(2, 50))  # float64: np.asarray alone would not copy it
     mask = rng.random(50) < 0.5
     before, mask_before = logits.copy(), mask.copy()
     p = sampling.probs_from_logits(logits, SamplingParams(temperature=0.7, top_k=5), mask)
@@ -138,8 +146,7 @@ def test_bad_distributions_are_refused():
     with pytest.raises(SamplingError):
         sampling.dequantize_q(np.zeros((1, 4), dtype=np.float16))
     with pytest.raises(SamplingError):
-        sampling.verify_sampled(np.array([1]), np.array([[1.0, 0.0]]), np.full((2, 2), 0.5),
-                                np.random.default_rng(0))
+        sampling.verify_sampled(np.array([1]), np.array([[1.0, 0.0]]), np.full((2, 2), 0.5), np.random.default_rng(0))
     with pytest.raises(SamplingError):
         SamplingParams(temperature=-1.0)
 
@@ -147,9 +154,9 @@ def test_bad_distributions_are_refused():
 def test_quantized_q_is_the_distribution_sampled_from():
     """Tokens drawn from the fp16 table never have zero q, even when float32 q underflows fp16."""
     rng = np.random.default_rng(0)
-    logits = rng.normal(0, 8, size=(1, 5000))              # many probabilities below fp16's range
+    logits = rng.normal(0, 8, size=(1, 5000))  # many probabilities below fp16's range
     q16, q = sampling.quantize_q(sampling.probs_from_logits(logits, SamplingParams(temperature=1.0)))
     assert q16.dtype == np.float16
-    np.testing.assert_array_equal(q, sampling.dequantize_q(q16))   # the server rebuilds the same q
+    np.testing.assert_array_equal(q, sampling.dequantize_q(q16))  # the server rebuilds the same q
     for _ in range(500):
         assert q[0, sampling.sample(q[0], rng)] > 0

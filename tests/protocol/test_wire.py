@@ -1,4 +1,5 @@
 """The wire: every message round-trips, and every kind of bad frame gets a WireError with a code."""
+
 import msgpack
 import numpy as np
 import pytest
@@ -13,12 +14,18 @@ def test_dummies_round_trip(cls):
     assert wire.decode(wire.encode(msg)) == msg
 
 
-@pytest.mark.parametrize("q", [
-    {"kind": "none"},
-    {"kind": "topk", "ids": np.array([[5, 9, 1], [2, 3, 4]], np.int32),
-     "probs": np.array([[0.5, 0.25, 0.25], [1, 0, 0]], np.float16)},
-    {"kind": "split", "px": np.array([1, (1 << 23), 12345])[:2]},
-])
+@pytest.mark.parametrize(
+    "q",
+    [
+        {"kind": "none"},
+        {
+            "kind": "topk",
+            "ids": np.array([[5, 9, 1], [2, 3, 4]], np.int32),
+            "probs": np.array([[0.5, 0.25, 0.25], [1, 0, 0]], np.float16),
+        },
+        {"kind": "split", "px": np.array([1, (1 << 23), 12345])[:2]},
+    ],
+)
 def test_payloads_round_trip(q):
     msg = wire.Verify("s1", 2, 10, [5, 2], q, fix=7)
     back = wire.decode(wire.encode(msg))
@@ -29,13 +36,19 @@ def test_payloads_round_trip(q):
 
 def test_a_split_round_is_small():
     """DSSD's point: a split round at gamma 4 carries ids and q(x) only (packed, no key names)."""
-    msg = wire.Verify("a1B2c3D4", 17, 640, [48000, 123, 9, 31000], {"kind": "split", "px": np.array([1 << 23, 5, 77, 4])},
-                      fix=4000)
+    msg = wire.Verify(
+        "a1B2c3D4", 17, 640, [48000, 123, 9, 31000], {"kind": "split", "px": np.array([1 << 23, 5, 77, 4])}, fix=4000
+    )
     frame = wire.encode(msg)
     assert len(frame) <= 64
     back = wire.decode(frame)
-    assert (back.sid, back.round, back.n_committed, back.draft_ids, back.fix) == ("a1B2c3D4", 17, 640, msg.draft_ids,
-                                                                                 4000)
+    assert (back.sid, back.round, back.n_committed, back.draft_ids, back.fix) == (
+        "a1B2c3D4",
+        17,
+        640,
+        msg.draft_ids,
+        4000,
+    )
     np.testing.assert_array_equal(back.q["px"], [1 << 23, 5, 77, 4])
 
 
@@ -62,32 +75,42 @@ def _frame(**fields):
     return msgpack.packb({"v": wire.PROTOCOL_VERSION, **fields}, use_bin_type=True)
 
 
-@pytest.mark.parametrize("frame, code", [
-    (b"\xc1\xff\x00garbage", "bad_frame"),
-    (msgpack.packb([1, 2, 3]), "bad_frame"),
-    (msgpack.packb({"type": "hello", "v": 99}), "bad_version"),
-    (_frame(type="nope"), "bad_type"),
-    (_frame(type="open", sid="s1", prompt_ids="abc", sampling={"temperature": 0.0}), "bad_field"),
-    (_frame(type="open", sid="s1", prompt_ids=[1, -2], sampling={"temperature": 0.0}), "bad_field"),
-    (_frame(type="open", sid="s1", prompt_ids=[], sampling={"temperature": 0.0}), "bad_field"),
-    (_frame(type="open", sid="s1", prompt_ids=[1], sampling={"temperature": float("nan")}), "bad_field"),
-    (_frame(type="open", sid="bad sid!", prompt_ids=[1], sampling={"temperature": 0.0}), "bad_field"),
-    (_frame(type="verify", sid="s1", round=0, n_committed=3, draft_ids=[1, 2], q=["weird"]), "unsupported"),
-    (_frame(type="verify", sid="s1", round=0, n_committed=3, draft_ids=[1, 2], q={"kind": "none"}), "bad_field"),
-    (_frame(type="verify", sid="s1", round=True, n_committed=3, draft_ids=[1], q=["none"]), "bad_field"),
-    (_frame(type="verify", sid="s1", round=0, n_committed=3, draft_ids=[1, 2], q=["full", b"\0" * 3]), "bad_field"),
-    (_frame(type="verify", sid="s1", round=0, n_committed=3, draft_ids=[1, 2], q=["full"]), "bad_field"),
-    (_frame(type="verify", sid="s1", round=0, n_committed=3, draft_ids=[1, 2], q=["topk", b"\0" * 16, b"\0" * 4]),
-     "bad_field"),                                                  # 2 x 2 ids but 2 probabilities
-    (_frame(type="verify", sid="s1", round=0, n_committed=3, draft_ids=[1, 2], q=["split", b"\0" * 5]), "bad_field"),
-    (_frame(type="verify", sid="s1", round=0, n_committed=3, draft_ids=[1, 2], q=["split", "abcdef"]), "bad_field"),
-    (msgpack.packb([wire.PROTOCOL_VERSION, "open", "s1"]), "bad_frame"),          # open is not packed
-    (msgpack.packb([wire.PROTOCOL_VERSION, "verify", "s1", 0, 3, [1], ["none"], None, None, 7]), "bad_frame"),
-    (msgpack.packb([wire.PROTOCOL_VERSION, "result", "s1", 0, 0, -1, 3, {}]), "bad_field"),  # -1 needs a residual
-    (msgpack.packb([wire.PROTOCOL_VERSION, "result", "s1", 0, 0, -1, 3, {}, [b"\0" * 8, b"\0" * 3]]), "bad_field"),
-    (msgpack.packb([wire.PROTOCOL_VERSION, "result", "s1", 0, 0, -1, 3, {}, [b"\0" * 8, b"\0" * 4]]), "bad_field"),
-    (msgpack.packb([wire.PROTOCOL_VERSION, "result", "s1", 0, 0, 5, 3, {}, [b"\0" * 8]]), "bad_field"),
-])
+@pytest.mark.parametrize(
+    "frame, code",
+    [
+        (b"\xc1\xff\x00garbage", "bad_frame"),
+        (msgpack.packb([1, 2, 3]), "bad_frame"),
+        (msgpack.packb({"type": "hello", "v": 99}), "bad_version"),
+        (_frame(type="nope"), "bad_type"),
+        (_frame(type="open", sid="s1", prompt_ids="abc", sampling={"temperature": 0.0}), "bad_field"),
+        (_frame(type="open", sid="s1", prompt_ids=[1, -2], sampling={"temperature": 0.0}), "bad_field"),
+        (_frame(type="open", sid="s1", prompt_ids=[], sampling={"temperature": 0.0}), "bad_field"),
+        (_frame(type="open", sid="s1", prompt_ids=[1], sampling={"temperature": float("nan")}), "bad_field"),
+        (_frame(type="open", sid="bad sid!", prompt_ids=[1], sampling={"temperature": 0.0}), "bad_field"),
+        (_frame(type="verify", sid="s1", round=0, n_committed=3, draft_ids=[1, 2], q=["weird"]), "unsupported"),
+        (_frame(type="verify", sid="s1", round=0, n_committed=3, draft_ids=[1, 2], q={"kind": "none"}), "bad_field"),
+        (_frame(type="verify", sid="s1", round=True, n_committed=3, draft_ids=[1], q=["none"]), "bad_field"),
+        (_frame(type="verify", sid="s1", round=0, n_committed=3, draft_ids=[1, 2], q=["full", b"\0" * 3]), "bad_field"),
+        (_frame(type="verify", sid="s1", round=0, n_committed=3, draft_ids=[1, 2], q=["full"]), "bad_field"),
+        (
+            _frame(
+                type="verify", sid="s1", round=0, n_committed=3, draft_ids=[1, 2], q=["topk", b"\0" * 16, b"\0" * 4]
+            ),
+            "bad_field",
+        ),  # 2 x 2 ids but 2 probabilities
+        (
+            _frame(type="verify", sid="s1", round=0, n_committed=3, draft_ids=[1, 2], q=["split", b"\0" * 5]),
+            "bad_field",
+        ),
+        (_frame(type="verify", sid="s1", round=0, n_committed=3, draft_ids=[1, 2], q=["split", "abcdef"]), "bad_field"),
+        (msgpack.packb([wire.PROTOCOL_VERSION, "open", "s1"]), "bad_frame"),  # open is not packed
+        (msgpack.packb([wire.PROTOCOL_VERSION, "verify", "s1", 0, 3, [1], ["none"], None, None, 7]), "bad_frame"),
+        (msgpack.packb([wire.PROTOCOL_VERSION, "result", "s1", 0, 0, -1, 3, {}]), "bad_field"),  # -1 needs a residual
+        (msgpack.packb([wire.PROTOCOL_VERSION, "result", "s1", 0, 0, -1, 3, {}, [b"\0" * 8, b"\0" * 3]]), "bad_field"),
+        (msgpack.packb([wire.PROTOCOL_VERSION, "result", "s1", 0, 0, -1, 3, {}, [b"\0" * 8, b"\0" * 4]]), "bad_field"),
+        (msgpack.packb([wire.PROTOCOL_VERSION, "result", "s1", 0, 0, 5, 3, {}, [b"\0" * 8]]), "bad_field"),
+    ],
+)
 def test_bad_frames_get_a_code(frame, code):
     with pytest.raises(WireError) as e:
         wire.decode(frame)
@@ -113,7 +136,7 @@ def test_oversized_and_text_frames():
 def test_streamed_token_carries_the_targets_probability():
     msg = wire.Token("s1", 0, 42, False, {"verify_ms": 1.0}, p=0.25)
     assert wire.decode(wire.encode(msg)) == msg
-    assert wire.decode(wire.encode(wire.Token("s1", 0, 42, True, {}))).p is None     # optional
+    assert wire.decode(wire.encode(wire.Token("s1", 0, 42, True, {}))).p is None  # optional
     for bad in (1.5, -0.1, float("nan"), "x"):
         d = msg.to_wire()
         d["p"] = bad

@@ -1,4 +1,5 @@
 """Batched verification on the real target: a session gets the same tokens in a batch as alone."""
+
 import numpy as np
 import pytest
 
@@ -9,9 +10,14 @@ from server_bridge.verifier import Job, Verifier
 
 pytestmark = pytest.mark.real
 
-PROMPTS = ["Go to the red box.", "Turn left at the second door, then stop next to the chair.",
-           "What do you see?", "Walk forward two meters and look around for a person wearing a hat.",
-           "Stop.", "Describe the room in one sentence."]
+PROMPTS = [
+    "Go to the red box.",
+    "Turn left at the second door, then stop next to the chair.",
+    "What do you see?",
+    "Walk forward two meters and look around for a person wearing a hat.",
+    "Stop.",
+    "Describe the room in one sentence.",
+]
 
 
 def greedy(target, ids, n):
@@ -43,17 +49,18 @@ def references(target, prompts):
 
 def test_a_padded_pass_gives_every_row_the_logits_it_gets_alone(target, prompts, references):
     """Warm sessions with caches of different lengths beside cold ones with nothing cached."""
+
     def members():
         out = []
         for i, (ids, ref) in enumerate(zip(prompts, references)):
-            committed = ids + ref[:i]                      # committed prefixes of different lengths
-            draft = ref[i:i + 1 + i % 4]
-            if i % 3 == 2:                                  # cold: the whole prefix goes with the draft
+            committed = ids + ref[:i]  # committed prefixes of different lengths
+            draft = ref[i : i + 1 + i % 4]
+            if i % 3 == 2:  # cold: the whole prefix goes with the draft
                 state = target.new_state(committed, prefill=False)
-                draft[-1:] = [17]                           # and a draft that goes wrong at its end
+                draft[-1:] = [17]  # and a draft that goes wrong at its end
             else:
                 state = target.new_state(committed)
-            out.append(Extension(state, committed[state.cached:] + draft, len(draft) + 1))
+            out.append(Extension(state, committed[state.cached :] + draft, len(draft) + 1))
         return out
 
     alone = [target.extend([e])[0] for e in members()]
@@ -69,10 +76,10 @@ def test_a_padded_pass_gives_every_row_the_logits_it_gets_alone(target, prompts,
 def test_after_a_padded_pass_each_cache_is_its_own_again(target, prompts, references):
     """The caches cut out of a batch carry on alone: the next solo pass gives the reference token."""
     states = [target.new_state(ids) for ids in prompts[:3]]
-    batch = [Extension(s, s.ids[s.cached:] + ref[:2], 3) for s, ref in zip(states, references)]
+    batch = [Extension(s, s.ids[s.cached :] + ref[:2], 3) for s, ref in zip(states, references)]
     target.extend(batch)
     for s, ref in zip(states, references):
-        target.commit(s, ref[:3], len(s.ids) + 2)           # the pass verified ref[:2]; ref[2] is its bonus
+        target.commit(s, ref[:3], len(s.ids) + 2)  # the pass verified ref[:2]; ref[2] is its bonus
         assert s.seq.length >= s.cached == len(s.ids) - 1
         assert int(np.argmax(target.score(s, [])[0])) == ref[3]
 
@@ -82,11 +89,15 @@ def test_batched_rounds_commit_what_each_session_commits_alone(target, prompts, 
     target's greedy tokens, whatever its draft and whoever shares its pass."""
     verifier = Verifier(target, ServerConfig())
     sessions = {}
-    jobs = [Job("open", wire.Open(f"s{i}", ids, {"temperature": 0.0, "top_k": 0, "seed": 0}, payload={"kind": "none",
-                                                                                                      "k": 0}))
-            for i, ids in enumerate(prompts)]
+    jobs = [
+        Job(
+            "open",
+            wire.Open(f"s{i}", ids, {"temperature": 0.0, "top_k": 0, "seed": 0}, payload={"kind": "none", "k": 0}),
+        )
+        for i, ids in enumerate(prompts)
+    ]
     results, _, members = verifier.run_batch(jobs)
-    assert len(members) == len(prompts) and all(m[0] == 0 for m in members)    # six cold prefills in one pass
+    assert len(members) == len(prompts) and all(m[0] == 0 for m in members)  # six cold prefills in one pass
     for (session, _), ids in zip(results, prompts):
         sessions[session.sid] = session
         assert session.state.cached == len(ids) - 1
@@ -98,25 +109,27 @@ def test_batched_rounds_commit_what_each_session_commits_alone(target, prompts, 
             n = len(s.state.ids) - len(ids)
             if n >= 12:
                 continue
-            draft = list(ref[n:n + int(rng.integers(0, 5))])
+            draft = list(ref[n : n + int(rng.integers(0, 5))])
             if draft and rng.random() < 0.4:
-                draft[int(rng.integers(0, len(draft)))] = 42          # a wrong guess somewhere
+                draft[int(rng.integers(0, len(draft)))] = 42  # a wrong guess somewhere
             jobs.append(Job("verify", wire.Verify(s.sid, r, len(s.state.ids), draft, {"kind": "none"}), s))
         results, _, members = verifier.run_batch(jobs)
         assert len(members) == len(jobs)
         for job, outcome in zip(jobs, results):
             assert not isinstance(outcome, Exception), outcome
     for i, (ids, ref) in enumerate(zip(prompts, references)):
-        got = sessions[f"s{i}"].state.ids[len(ids):]
-        assert got == ref[:len(got)] and len(got) >= 6
+        got = sessions[f"s{i}"].state.ids[len(ids) :]
+        assert got == ref[: len(got)] and len(got) >= 6
 
 
 def test_a_bad_request_gets_its_error_and_leaves_the_others_pass_alone(target, prompts, references):
     verifier = Verifier(target, ServerConfig())
     good, _ = verifier.open(wire.Open("good", prompts[0], {"temperature": 0.0}), 1, None)
     bad, _ = verifier.open(wire.Open("bad", prompts[1], {"temperature": 0.0}), 1, None)
-    jobs = [Job("verify", wire.Verify("bad", 0, len(prompts[1]) + 5, [1, 2], {"kind": "none"}), bad),   # desync
-            Job("verify", wire.Verify("good", 0, len(prompts[0]), references[0][:3], {"kind": "none"}), good)]
+    jobs = [
+        Job("verify", wire.Verify("bad", 0, len(prompts[1]) + 5, [1, 2], {"kind": "none"}), bad),  # desync
+        Job("verify", wire.Verify("good", 0, len(prompts[0]), references[0][:3], {"kind": "none"}), good),
+    ]
     (err, outcome), _, members = verifier.run_batch(jobs)
     assert isinstance(err, wire.WireError) and err.code == "desync"
     assert outcome.verdict.accepted == 3 and outcome.verdict.token == references[0][3]
@@ -136,13 +149,18 @@ def tapped(request):
 def test_taps_in_a_batch_see_their_own_rows(tapped, prompts, references):
     """Early exits read the residual stream of their session's rows, not a neighbour's, on each engine."""
     target = tapped
+
     def run(batch_with_others):
         seen = []
         state = target.new_state(prompts[0])
-        mine = Extension(state, state.ids[state.cached:] + references[0][:3], 4,
-                         taps={12: lambda h: seen.append(np.array(h))})
-        others = [Extension(target.new_state(ids), ids[-1:] + ref[:6], 7) for ids, ref in
-                  zip(prompts[1:3], references[1:3])] if batch_with_others else []
+        mine = Extension(
+            state, state.ids[state.cached :] + references[0][:3], 4, taps={12: lambda h: seen.append(np.array(h))}
+        )
+        others = (
+            [Extension(target.new_state(ids), ids[-1:] + ref[:6], 7) for ids, ref in zip(prompts[1:3], references[1:3])]
+            if batch_with_others
+            else []
+        )
         target.extend(others[:1] + [mine] + others[1:])
         return seen[0]
 

@@ -1,4 +1,5 @@
 """The server's config and its loopback-only rule (fast: no model)."""
+
 from pathlib import Path
 
 import pytest
@@ -9,11 +10,19 @@ from server_bridge.server import is_loopback
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize("remote, ok", [
-    (("127.0.0.1", 5000), True), (("127.8.9.1", 1), True), (("::1", 5000, 0, 0), True),
-    (("10.0.0.5", 5000), False), (("192.168.1.20", 1), False), (("8.8.8.8", 1), False),
-    (None, False), (("not-an-ip", 1), False),
-])
+@pytest.mark.parametrize(
+    "remote, ok",
+    [
+        (("127.0.0.1", 5000), True),
+        (("127.8.9.1", 1), True),
+        (("::1", 5000, 0, 0), True),
+        (("10.0.0.5", 5000), False),
+        (("192.168.1.20", 1), False),
+        (("8.8.8.8", 1), False),
+        (None, False),
+        (("not-an-ip", 1), False),
+    ],
+)
 def test_only_loopback_peers_count_as_local(remote, ok):
     assert is_loopback(remote) is ok
 
@@ -39,10 +48,21 @@ def test_bad_config_is_refused(tmp_path):
 
 def test_exit_settings_are_checked():
     cfg = ServerConfig.load(ROOT / "systemd" / "server-bridge.toml")
-    assert (cfg.exits, cfg.exit_layers, cfg.exit_policy, cfg.exit_queue, cfg.exit_bonus_candidates) == \
-        ("auto", [], "priority", 64, 16)
-    for bad in ({"exit_layers": [26, 12]}, {"exit_layers": [0]}, {"exit_layers": [12, 12]},
-                {"exit_policy": "lifo"}, {"exit_queue": 0}, {"exit_bonus_candidates": 0}):
+    assert (cfg.exits, cfg.exit_layers, cfg.exit_policy, cfg.exit_queue, cfg.exit_bonus_candidates) == (
+        "auto",
+        [],
+        "priority",
+        64,
+        16,
+    )
+    for bad in (
+        {"exit_layers": [26, 12]},
+        {"exit_layers": [0]},
+        {"exit_layers": [12, 12]},
+        {"exit_policy": "lifo"},
+        {"exit_queue": 0},
+        {"exit_bonus_candidates": 0},
+    ):
         with pytest.raises(ValueError):
             ServerConfig(**bad)
 
@@ -56,13 +76,34 @@ def test_cli_flags_override_the_exit_settings(monkeypatch):
         seen.append(config)
 
     monkeypatch.setattr(server, "run", fake_run)
-    assert cli.main(["serve", "--exits", "", "--exit-layers", "22,26", "--exit-policy", "fifo",
-                     "--exit-queue", "8", "--exit-bonus-candidates", "4"]) == 0
-    assert (seen[0].exits, seen[0].exit_layers, seen[0].exit_policy, seen[0].exit_queue,
-            seen[0].exit_bonus_candidates) == ("", [22, 26], "fifo", 8, 4)
+    assert (
+        cli.main(
+            [
+                "serve",
+                "--exits",
+                "",
+                "--exit-layers",
+                "22,26",
+                "--exit-policy",
+                "fifo",
+                "--exit-queue",
+                "8",
+                "--exit-bonus-candidates",
+                "4",
+            ]
+        )
+        == 0
+    )
+    assert (
+        seen[0].exits,
+        seen[0].exit_layers,
+        seen[0].exit_policy,
+        seen[0].exit_queue,
+        seen[0].exit_bonus_candidates,
+    ) == ("", [22, 26], "fifo", 8, 4)
     assert cli.main(["serve", "--exit-layers", "all"]) == 0
     assert seen[1].exits == "auto" and seen[1].exit_layers == []
-    assert cli.main(["serve", "--exit-layers", "26,12"]) == 2        # refused by the config, not a traceback
+    assert cli.main(["serve", "--exit-layers", "26,12"]) == 2  # refused by the config, not a traceback
 
 
 def test_exit_adapters_are_found_by_target_name(tmp_path):

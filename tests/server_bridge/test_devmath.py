@@ -1,5 +1,6 @@
 """The torch engine's device maths against protocol.sampling, the numpy reference: same seed, same
 verdicts; the committed token distributed as the target's (chi-squared); bad logits refused."""
+
 import numpy as np
 import pytest
 import torch
@@ -28,8 +29,9 @@ def test_same_seed_same_verdicts_as_the_numpy_reference():
         dev = devmath.verify_sampled(draft, q, torch.from_numpy(p), np.random.default_rng(r))
         assert dev == ref, r
         qx = q[np.arange(k), draft]
-        assert devmath.verify_split(draft, qx, torch.from_numpy(p), np.random.default_rng(r)) == \
-            sampling.verify_split(np.array(draft), qx, p, np.random.default_rng(r))
+        assert devmath.verify_split(draft, qx, torch.from_numpy(p), np.random.default_rng(r)) == sampling.verify_split(
+            np.array(draft), qx, p, np.random.default_rng(r)
+        )
 
 
 def test_the_device_path_commits_the_targets_distribution():
@@ -37,7 +39,7 @@ def test_the_device_path_commits_the_targets_distribution():
     v, k, n = 12, 3, 20_000
     p = np.stack([_dist(rng, v) for _ in range(k + 1)])
     q = np.stack([_dist(rng, v) for _ in range(k)])
-    p_dev = torch.from_numpy(p).float()                       # the device computes in float32
+    p_dev = torch.from_numpy(p).float()  # the device computes in float32
     first = []
     for _ in range(n):
         draft = [sampling.sample(q[i], rng) for i in range(k)]
@@ -53,7 +55,7 @@ def test_the_device_path_commits_the_targets_distribution():
 def test_probs_match_the_reference_and_keep_ties_at_the_kth_value(top_k):
     rng = np.random.default_rng(1)
     logits = rng.normal(size=(3, 50)).astype(np.float32)
-    logits[:, :3] = 4.0                                       # a tie at the top
+    logits[:, :3] = 4.0  # a tie at the top
     params = SamplingParams(temperature=0.7, top_k=top_k)
     ref = sampling.probs_from_logits(logits, params)
     dev = devmath.probs_from_logits(torch.from_numpy(logits), params).double().numpy()
@@ -62,7 +64,7 @@ def test_probs_match_the_reference_and_keep_ties_at_the_kth_value(top_k):
 
 
 def test_half_precision_logits_stay_finite_and_bad_ones_are_refused():
-    big = torch.tensor([[3e38, 1e38, -3e38]], dtype=torch.bfloat16)     # bf16 has float32's range
+    big = torch.tensor([[3e38, 1e38, -3e38]], dtype=torch.bfloat16)  # bf16 has float32's range
     p = devmath.probs_from_logits(big, SamplingParams(temperature=1.0))
     assert torch.isfinite(p).all() and abs(float(p.sum()) - 1) < 1e-6
     for bad in (float("nan"), float("inf")):

@@ -1,8 +1,8 @@
 """A replica's drain and its name: SIGTERM's path, in process on the real target."""
+
 import asyncio
 import json
 import re
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -21,8 +21,11 @@ GREEDY = {"temperature": 0.0, "top_k": 0, "seed": 0}
 
 def _client(server, target):
     ws = connect(server.url, max_size=None, additional_headers={"X-Robot-Id": "robot-test"}, legacy=True)
-    ws.send(wire.encode(wire.Hello(token="", client="test", draft_vocab_hash=target.vocab_hash,
-                                   vocab_size=target.vocab_size)))
+    ws.send(
+        wire.encode(
+            wire.Hello(token="", client="test", draft_vocab_hash=target.vocab_hash, vocab_size=target.vocab_size)
+        )
+    )
     welcome = wire.decode(ws.recv(timeout=10))
     assert isinstance(welcome, wire.Welcome)
     return ws, welcome
@@ -65,7 +68,7 @@ def test_drain_answers_the_round_in_flight_then_closes_with_1012(make_server, ta
     # a long prefill in flight: the open of a long prompt on a fresh session
     long_prompt = prompt * 12
     busy.send(wire.encode(wire.Open("long", long_prompt, GREEDY)))
-    time.sleep(0.05)                                    # the open is being served
+    time.sleep(0.05)  # the open is being served
     drained = asyncio.run_coroutine_threadsafe(server.server.drain(), server.loop)
     time.sleep(0.2)
     status, health = _healthz(server)
@@ -74,12 +77,12 @@ def test_drain_answers_the_round_in_flight_then_closes_with_1012(make_server, ta
         connect(server.url, open_timeout=5)
     assert refused.value.response.status_code == 503
 
-    with pytest.raises(ConnectionClosed) as idle_closed:       # the idle one went first
+    with pytest.raises(ConnectionClosed) as idle_closed:  # the idle one went first
         idle.recv(timeout=10)
     assert idle_closed.value.rcvd.code == 1012
-    reply = wire.decode(busy.recv(timeout=60))                 # the open in flight is answered ...
+    reply = wire.decode(busy.recv(timeout=60))  # the open in flight is answered ...
     assert isinstance(reply, wire.Opened) and reply.n_committed == len(long_prompt)
-    with pytest.raises(ConnectionClosed) as busy_closed:       # ... and only then is the link closed
+    with pytest.raises(ConnectionClosed) as busy_closed:  # ... and only then is the link closed
         busy.recv(timeout=10)
     assert busy_closed.value.rcvd.code == 1012
     assert drained.result(30) == 2
@@ -96,4 +99,4 @@ def test_detached_sessions_keep_their_kv_for_the_grace_period_only(make_server, 
     deadline = time.monotonic() + 5
     while server.server.sessions.peek("blip") is not None and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert server.server.sessions.peek("blip") is None       # evicted past the grace, not after 300 s
+    assert server.server.sessions.peek("blip") is None  # evicted past the grace, not after 300 s

@@ -1,13 +1,22 @@
 """The verification-time estimator: features as the padded engine runs a batch, fitting, calibration."""
+
 import json
 
 import numpy as np
 import pytest
 
-from server_bridge.estimator import (VerifyTimeModel, batch_memory_bytes, bootstrap_ci, features, fit, mape, r2,
-                                     split_passes)
+from server_bridge.estimator import (
+    VerifyTimeModel,
+    batch_memory_bytes,
+    bootstrap_ci,
+    features,
+    fit,
+    mape,
+    r2,
+    split_passes,
+)
 
-TRUE = np.array([2.5, 4e-5, 8e-3, 35.0])        # a, b_c, b_r, c (ms)
+TRUE = np.array([2.5, 4e-5, 8e-3, 35.0])  # a, b_c, b_r, c (ms)
 
 
 def synthetic(n, rng, noise_ms=0.5):
@@ -19,8 +28,9 @@ def synthetic(n, rng, noise_ms=0.5):
         members = []
         for r in range(rows):
             cold = kind == "cold" or (kind == "mixed" and r == 0)
-            members.append((0, int(rng.integers(16, 400))) if cold else
-                           (int(rng.integers(16, 1200)), int(rng.integers(1, 9))))
+            members.append(
+                (0, int(rng.integers(16, 400))) if cold else (int(rng.integers(16, 1200)), int(rng.integers(1, 9)))
+            )
         x.append(features(members))
     x = np.array(x)
     return x, x @ TRUE + rng.normal(0, noise_ms, n)
@@ -61,7 +71,7 @@ def test_bootstrap_intervals_cover_the_truth():
 def test_fit_never_returns_a_negative_cost():
     rng = np.random.default_rng(3)
     x, y = synthetic(100, rng)
-    y = y - 2e-3 * x[:, 2] * 5          # make the cached term's true cost negative: it must be dropped, not kept
+    y = y - 2e-3 * x[:, 2] * 5  # make the cached term's true cost negative: it must be dropped, not kept
     coef = fit(x, y)
     assert np.all(coef >= 0)
     with pytest.raises(ValueError, match="fit needs"):
@@ -73,21 +83,26 @@ def test_online_scale_tracks_a_slower_machine_within_bounds():
     members = [(100, 5)]
     assert model.predict_ms(members) == pytest.approx(15.0)
     for _ in range(60):
-        model.observe(members, 30.0)            # this machine is twice as slow
+        model.observe(members, 30.0)  # this machine is twice as slow
     assert model.predict_ms(members) == pytest.approx(30.0, rel=0.02)
     for _ in range(60):
-        model.observe(members, 1e6)             # a stall is clipped, not believed
+        model.observe(members, 1e6)  # a stall is clipped, not believed
     assert model.scale == pytest.approx(4.0, rel=0.01)
 
 
 def test_save_and_load_round_trip(tmp_path):
-    model = VerifyTimeModel(a=1.5, b_c=1e-5, b_r=2e-3, c=30.0, target="smollm2-f32", fitted=True,
-                            report={"r2": 0.99})
+    model = VerifyTimeModel(a=1.5, b_c=1e-5, b_r=2e-3, c=30.0, target="smollm2-f32", fitted=True, report={"r2": 0.99})
     path = tmp_path / "est.json"
     model.save(path)
     back = VerifyTimeModel.load(path)
-    assert (back.a, back.b_c, back.b_r, back.c, back.target, back.fitted) == (1.5, 1e-5, 2e-3, 30.0, "smollm2-f32",
-                                                                               True)
+    assert (back.a, back.b_c, back.b_r, back.c, back.target, back.fitted) == (
+        1.5,
+        1e-5,
+        2e-3,
+        30.0,
+        "smollm2-f32",
+        True,
+    )
     path.write_text(json.dumps({"a": 1.0, "c": "fast"}))
     with pytest.raises(ValueError, match=r"\['b_c', 'b_r', 'c'\]"):
         VerifyTimeModel.load(path)
@@ -95,8 +110,10 @@ def test_save_and_load_round_trip(tmp_path):
 
 def test_memory_of_a_padded_batch():
     # 2 rows x (300 + 40) positions of KV, logits for min(new, 17) rows each
-    assert batch_memory_bytes([(300, 5), (0, 40)], kv_bytes_per_token=100, logits_row_bytes=10) == \
-        2 * 340 * 100 + (5 + 17) * 10
+    assert (
+        batch_memory_bytes([(300, 5), (0, 40)], kv_bytes_per_token=100, logits_row_bytes=10)
+        == 2 * 340 * 100 + (5 + 17) * 10
+    )
     assert batch_memory_bytes([], 100, 10) == 0
 
 

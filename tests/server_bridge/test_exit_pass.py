@@ -1,4 +1,5 @@
 """The greedy rule at an early exit, on toy heads whose exit logits are the hidden rows themselves (fast)."""
+
 import logging
 
 import numpy as np
@@ -6,11 +7,12 @@ import pytest
 
 from server_bridge.exits import ExitPass, candidate_rows, first_rejection
 
-V = 32                                      # vocabulary = hidden size: the LM head is the identity
+V = 32  # vocabulary = hidden size: the LM head is the identity
 
 
 class Lens:
     """An ExitScorer with exits at layers 2 and 3 whose logits are the hidden rows (identity norm and head)."""
+
     layers = [2, 3]
 
     def logits(self, layer, hidden, candidates=None):
@@ -31,7 +33,7 @@ def _rows(*best, low=0.0, high=5.0):
     """hidden [n, V]: row i peaks at token best[i] (a dict {token: score} gives several scores)."""
     h = np.full((len(best), V), low, np.float32)
     for i, b in enumerate(best):
-        for t, s in (b.items() if isinstance(b, dict) else [(b, high)]):
+        for t, s in b.items() if isinstance(b, dict) else [(b, high)]:
             h[i, t] = s
     return h
 
@@ -57,7 +59,7 @@ def test_rows_score_only_their_candidates_and_the_first_disagreement_decides(toy
     hidden = _rows(3, {30: 9.0, 13: 4.0, 5: 3.0}, 7, 8)
     v = ExitPass(heads, [2], draft, cands).score(2, hidden)
     assert (v.accepted, v.tokens) == (1, [3, 13])
-    p = _softmax([0.0, 4.0, 0.0, 3.0])                     # {12, 13, 14, 5}; the duplicate 3 in row 0
+    p = _softmax([0.0, 4.0, 0.0, 3.0])  # {12, 13, 14, 5}; the duplicate 3 in row 0
     assert v.confidence == pytest.approx(float(p.max()), rel=1e-5)
 
 
@@ -71,8 +73,9 @@ def test_the_bonus_row_pays_the_full_head_once_then_scores_its_top_ids(toy, monk
     model, heads = toy
     calls = []
     real = heads.logits
-    monkeypatch.setattr(heads, "logits", lambda l, h, c=None: calls.append((l, None if c is None else
-                                                                              c.shape)) or real(l, h, c))
+    monkeypatch.setattr(
+        heads, "logits", lambda l, h, c=None: calls.append((l, None if c is None else c.shape)) or real(l, h, c)
+    )
     probe = ExitPass(heads, [2, 3], [3, 5], np.array([[3, 1], [5, 1]], np.int32), bonus_candidates=4)
     first = probe.score(2, _rows(3, 5, {25: 6.0, 26: 5.0, 27: 4.0, 28: 3.0, 29: 2.0}))
     assert (first.accepted, first.tokens) == (2, [3, 5, 25])
@@ -93,7 +96,7 @@ def test_taps_emit_only_a_changed_verdict_and_time_themselves(toy):
     sent = []
     probe = ExitPass(heads, [2, 3], [3], None, emit=sent.append)
     probe.taps[2](_rows(3, 8))
-    probe.taps[3](_rows(3, 8))                         # same verdict: not sent again
+    probe.taps[3](_rows(3, 8))  # same verdict: not sent again
     assert [v.tokens for v in probe.verdicts] == [[3, 8], [3, 8]]
     assert [(v.layer, v.tokens) for v in sent] == [(2, [3, 8])]
     assert probe.agreeing_layer([3, 8]) == 2 and probe.agreeing_layer([9]) is None
@@ -105,7 +108,7 @@ def test_a_failing_exit_is_logged_once_and_the_rest_of_the_pass_skips_exits(toy,
     monkeypatch.setattr(heads, "logits", lambda *a, **k: 1 / 0)
     probe = ExitPass(heads, [2, 3], [3], None, emit=lambda v: None)
     with caplog.at_level(logging.ERROR, logger="server_bridge.exits"):
-        probe.taps[2](_rows(3, 8))                     # does not raise
+        probe.taps[2](_rows(3, 8))  # does not raise
         probe.taps[3](_rows(3, 8))
     assert probe.failed and probe.verdicts == []
     assert len(caplog.records) == 1 and "layer 2" in caplog.records[0].getMessage()

@@ -1,4 +1,5 @@
 """Early-exit adapters: cheap candidate scoring, save/load, and the shipped adapters beat the logit lens."""
+
 import numpy as np
 import pytest
 import torch
@@ -23,11 +24,17 @@ def _greedy_hidden(torch_target, layers, texts, new_tokens=32):
     target = torch_target.engine
     with torch.inference_mode(), target.plain_attention():
         for text in texts:
-            ids = target.tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                                       add_generation_prompt=True)
+            ids = target.tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+            )
             x = torch.tensor([target.tokenizer.encode(ids, add_special_tokens=False)])
-            seq = target.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new_tokens,
-                                        do_sample=False, pad_token_id=target.tokenizer.eos_token_id)
+            seq = target.model.generate(
+                x,
+                attention_mask=torch.ones_like(x),
+                max_new_tokens=new_tokens,
+                do_sample=False,
+                pad_token_id=target.tokenizer.eos_token_id,
+            )
             o = target.model(seq, output_hidden_states=True)
             rows = slice(x.shape[1] - 1, seq.shape[1] - 1)
             for l in layers:
@@ -41,8 +48,8 @@ def test_candidate_scoring_equals_the_full_head(shipped, torch_target):
     h = torch.randn(5, target.model.config.hidden_size)
     cand = torch.randint(0, target.vocab_size, (5, 16))
     with torch.inference_mode():
-        full = shipped.logits(target.model, shipped.layers[-1], h)                 # [5, vocab]
-        part = shipped.logits(target.model, shipped.layers[-1], h, cand)           # [5, 16]
+        full = shipped.logits(target.model, shipped.layers[-1], h)  # [5, vocab]
+        part = shipped.logits(target.model, shipped.layers[-1], h, cand)  # [5, 16]
     torch.testing.assert_close(part, full.gather(1, cand), rtol=1e-4, atol=1e-4)
 
 
@@ -54,8 +61,9 @@ def test_save_load_and_subsets(shipped, tmp_path):
         torch.testing.assert_close(again.state_dict()[k], v)
     sub = ExitHeads.load(tmp_path / "x", layers=shipped.layers[-2:])
     assert sub.layers == shipped.layers[-2:]
-    torch.testing.assert_close(sub.adapters[str(sub.layers[0])].up.weight,
-                               shipped.adapters[str(sub.layers[0])].up.weight)
+    torch.testing.assert_close(
+        sub.adapters[str(sub.layers[0])].up.weight, shipped.adapters[str(sub.layers[0])].up.weight
+    )
     with pytest.raises(ValueError, match="no trained exit"):
         ExitHeads.load(tmp_path / "x", layers=[3])
     with pytest.raises(ValueError):
@@ -64,8 +72,11 @@ def test_save_load_and_subsets(shipped, tmp_path):
 
 def test_shipped_adapters_agree_with_the_final_layer_more_than_the_logit_lens(shipped, torch_target):
     """Held-out prompts (not in the training set): trained exits beat the same exits with zero adapters."""
-    texts = ["Walk to the window and describe what a robot might see there.",
-             "Write a haiku about a rainy street.", "Why is the sky blue? Answer in two sentences."]
+    texts = [
+        "Walk to the window and describe what a robot might see there.",
+        "Write a haiku about a rainy street.",
+        "Why is the sky blue? Answer in two sentences.",
+    ]
     hidden, final = _greedy_hidden(torch_target, shipped.layers, texts)
     target = torch_target.engine
     lens = ExitHeads(ExitConfig(shipped.layers, shipped.config.hidden, shipped.config.rank))
@@ -85,13 +96,13 @@ def test_taps_see_the_residual_stream_after_their_block_in_verify_passes_only(to
     state = target.new_state(ids)
     with torch.inference_mode(), engine.plain_attention() as model:
         ref = model(torch.tensor([ids + draft]), output_hidden_states=True)
-    hooks = [len(m._forward_hooks) for m in engine.model.model.layers]    # transformers' own recorder's, if any
+    hooks = [len(m._forward_hooks) for m in engine.model.model.layers]  # transformers' own recorder's, if any
     logits = target.score(state, draft, taps={l: (lambda h, l=l: seen.__setitem__(l, h.clone())) for l in (1, 12, 30)})
-    for l in (1, 12):                                  # hidden_states[30] is after the final norm: compare 1, 12
+    for l in (1, 12):  # hidden_states[30] is after the final norm: compare 1, 12
         torch.testing.assert_close(seen[l], ref.hidden_states[l][0, -4:], rtol=1e-4, atol=1e-4)
     assert seen[30].shape == (4, engine.hidden_size)
     torch.testing.assert_close(torch.from_numpy(logits), ref.logits[0, -4:], rtol=1e-4, atol=1e-4)
-    assert [len(m._forward_hooks) for m in engine.model.model.layers] == hooks     # removed after the pass
+    assert [len(m._forward_hooks) for m in engine.model.model.layers] == hooks  # removed after the pass
     with pytest.raises(ValueError, match="no decoder block 31"):
         target.score(state, draft, taps={31: print})
 
@@ -112,6 +123,7 @@ def test_a_pass_that_dies_midway_leaves_nothing_a_later_pass_sees(torch_target):
 
 
 # --------------------------------------------------------------------------- the llamacpp engine's exits
+
 
 def test_the_numpy_heads_are_the_torch_heads(shipped, target, torch_target):
     """NumpyExitHeads (adapters in numpy, norm and LM head from the GGUF) against the torch modules."""
@@ -163,7 +175,7 @@ def test_the_server_taps_llama_cpp_only_for_the_exits_it_serves():
     named = ServerConfig(exits=str(SHIPPED), exit_layers=[18, 26], **small)
     served = target_from_config(named)
     assert served.engine.tapped == [18, 26] and Verifier(served, named).exit_layers == [18, 26]
-    plain = target_from_config(ServerConfig(**small))        # "auto": no exits on llamacpp (they do not pay)
+    plain = target_from_config(ServerConfig(**small))  # "auto": no exits on llamacpp (they do not pay)
     assert plain.engine.tapped == [] and target_from_config(ServerConfig(exits="", **small)).engine.tapped == []
     # an engine made without taps: "auto" exits stay off, adapters named outright are an error
     assert Verifier(plain, ServerConfig()).exits is None

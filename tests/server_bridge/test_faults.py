@@ -1,8 +1,9 @@
 """Faults found in review of the verifier, each on the real target and each engine where it applies."""
+
 import numpy as np
 import pytest
 
-from protocol import payload, sampling, wire
+from protocol import payload, wire
 from protocol.payload import PayloadSpec
 from protocol.sampling import SamplingParams
 from server_bridge.config import ServerConfig
@@ -30,8 +31,9 @@ def test_one_sessions_failure_in_a_batch_fails_that_session_alone(engine_target,
     verifier = Verifier(engine_target, ServerConfig(exits=""))
     ids_a, ids_b = drafter.tokenize("Go to the red box."), drafter.tokenize("Stop next to the chair.")
     sampled = {"temperature": 0.7, "top_k": 0, "seed": 1}
-    a, _ = verifier.open(wire.Open("a", ids_a, sampled if failure == "nan_logits" else GREEDY,
-                                   payload={"kind": "full", "k": 0}), 1, None)
+    a, _ = verifier.open(
+        wire.Open("a", ids_a, sampled if failure == "nan_logits" else GREEDY, payload={"kind": "full", "k": 0}), 1, None
+    )
     b, _ = verifier.open(wire.Open("b", ids_b, GREEDY), 1, None)
     truth_b = int(engine_target.score(engine_target.new_state(ids_b), []).argmax(-1)[0])
     if failure == "raises":
@@ -41,23 +43,25 @@ def test_one_sessions_failure_in_a_batch_fails_that_session_alone(engine_target,
             if job.sid == "a":
                 raise RuntimeError("a bug in one verdict")
             return finish(self, job, rows)
+
         monkeypatch.setattr(Verifier, "_finish_verify", broken)
     else:
         forward = engine_target.engine.forward
 
-        def nan_rows_for_a(batch):                      # a is first in the batch: its rows turn NaN
+        def nan_rows_for_a(batch):  # a is first in the batch: its rows turn NaN
             rows = forward(batch)
             rows[0] = rows[0] * float("nan")
             return rows
+
         monkeypatch.setattr(engine_target.engine, "forward", nan_rows_for_a)
 
     (err, ok), _, members = verifier.run_batch([_round("a", a), _round("b", b)])
-    assert len(members) == 2                                             # both were in the one pass
+    assert len(members) == 2  # both were in the one pass
     assert isinstance(err, wire.WireError) and err.code == ("internal" if failure == "raises" else "bad_probs")
     assert isinstance(ok, RoundOutcome) and ok.verdict.token == truth_b
     assert a.state.ids == ids_a and a.state.cached == len(ids_a) - 1
     monkeypatch.undo()
-    again = verifier.verify(a, _round("a", a).msg)                       # the same round, now fine
+    again = verifier.verify(a, _round("a", a).msg)  # the same round, now fine
     assert len(a.state.ids) == len(ids_a) + 1 and again.verdict.accepted == 0
 
 
@@ -66,7 +70,7 @@ def test_a_pass_starts_at_the_committed_length_never_at_stale_kv(engine_target, 
     state.cached; the next solo pass must not attend to it."""
     ids = drafter.tokenize("Walk forward two meters and look around.")
     state = engine_target.new_state(ids)
-    engine_target.extend([Extension(state, state.ids[state.cached:] + [5, 6, 7, 8], 0)])   # never committed
+    engine_target.extend([Extension(state, state.ids[state.cached :] + [5, 6, 7, 8], 0)])  # never committed
     assert state.seq.length > state.cached
     fresh = engine_target.new_state(ids)
     got, want = engine_target.score(state, [288, 1535]), engine_target.score(fresh, [288, 1535])
@@ -76,19 +80,20 @@ def test_a_pass_starts_at_the_committed_length_never_at_stale_kv(engine_target, 
 
 
 def test_a_split_correction_is_committed_only_after_its_pass_and_a_retried_round_is_accepted(
-        target, drafter, monkeypatch):
+    target, drafter, monkeypatch
+):
     params = SamplingParams(temperature=1.5, top_k=4, seed=11)
     spec = PayloadSpec("split")
     ids = drafter.tokenize("The robot turned", chat=False)
     verifier = Verifier(target, ServerConfig(exits=""))
-    session, _ = verifier.open(wire.Open("s", ids, {"temperature": 1.5, "top_k": 4, "seed": 11},
-                                         payload=spec.to_wire()), 1, None)
+    session, _ = verifier.open(
+        wire.Open("s", ids, {"temperature": 1.5, "top_k": 4, "seed": 11}, payload=spec.to_wire()), 1, None
+    )
     rng = np.random.default_rng(5)
-    for r in range(200):                                                  # until a split rejection
+    for r in range(200):  # until a split rejection
         committed = session.state.ids
         d = drafter.propose(committed, 2, params, rng, payload=spec)
-        out = verifier.verify(session, wire.decode(wire.encode(wire.Verify("s", r, len(committed), d.ids,
-                                                                             d.wire_q()))))
+        out = verifier.verify(session, wire.decode(wire.encode(wire.Verify("s", r, len(committed), d.ids, d.wire_q()))))
         if out.residual is not None:
             break
     else:
@@ -101,11 +106,12 @@ def test_a_split_correction_is_committed_only_after_its_pass_and_a_retried_round
 
     def dead_pass(batch):
         raise RuntimeError("the pass died")
+
     monkeypatch.setattr(target, "extend", dead_pass)
     (err,), _, _ = verifier.run_batch([Job("verify", msg, session)])
     assert isinstance(err, wire.WireError) and err.code == "internal"
-    assert session.state.ids == before and session.owed is not None       # the fix is still owed
+    assert session.state.ids == before and session.owed is not None  # the fix is still owed
     monkeypatch.undo()
-    retried = verifier.verify(session, msg)                               # the very same round
-    assert session.state.ids[:len(before) + 1] == before + [fix]
+    retried = verifier.verify(session, msg)  # the very same round
+    assert session.state.ids[: len(before) + 1] == before + [fix]
     assert len(session.state.ids) == len(before) + 1 + retried.verdict.accepted + (retried.residual is None)

@@ -1,4 +1,5 @@
 """Many robots on one verifier: batched passes keep every robot's tokens, overload is shed, /metrics tells."""
+
 import threading
 import time
 import urllib.request
@@ -8,12 +9,18 @@ from websockets.sync.client import connect
 
 from agent.decoder import EdgeDecoder
 from protocol import wire
-from tools.loadgen import parse_metrics
+from tools.bench.loadgen import parse_metrics
 
 pytestmark = pytest.mark.real
 
-PROMPTS = ["Go to the red box.", "Turn left and stop.", "What is in front of you?", "Find the door.",
-           "Walk forward slowly.", "Look for a person."]
+PROMPTS = [
+    "Go to the red box.",
+    "Turn left and stop.",
+    "What is in front of you?",
+    "Find the door.",
+    "Walk forward slowly.",
+    "Look for a person.",
+]
 
 
 def _metrics(server) -> dict[str, float]:
@@ -31,17 +38,17 @@ def test_robots_sharing_batches_each_get_the_targets_tokens(make_server, drafter
     refs = [solo.generate(ids, mode="ar", max_tokens=16).token_ids for ids in prompts]
     solo.close()
 
-    server = make_server(scheduler=scheduler, max_batch=8, batch_wait_ms=30.0, max_wait_ms=60000.0)   # a busy CI box
+    server = make_server(scheduler=scheduler, max_batch=8, batch_wait_ms=30.0, max_wait_ms=60000.0)  # a busy CI box
     got, errors = {}, []
 
-    drafters = [drafter.__class__(threads=1) for _ in prompts]     # a llama.cpp context per robot
+    drafters = [drafter.__class__(threads=1) for _ in prompts]  # a llama.cpp context per robot
 
     def robot(i):
         try:
             dec = EdgeDecoder(drafters[i], server.url, slo=(4.0, 8.0)[i % 2])
             got[i] = dec.generate(prompts[i], mode="sd", max_tokens=16, gamma=2 + i % 4).token_ids
             dec.close()
-        except Exception as e:          # reported below
+        except Exception as e:  # reported below
             errors.append(e)
 
     threads = [threading.Thread(target=robot, args=(i,)) for i in range(len(prompts))]
@@ -64,8 +71,9 @@ def test_robots_sharing_batches_each_get_the_targets_tokens(make_server, drafter
 
 
 def _hello(target):
-    return wire.encode(wire.Hello(token="", client="test", draft_vocab_hash=target.vocab_hash,
-                                  vocab_size=target.vocab_size))
+    return wire.encode(
+        wire.Hello(token="", client="test", draft_vocab_hash=target.vocab_hash, vocab_size=target.vocab_size)
+    )
 
 
 def test_overload_is_shed_with_a_clear_error_not_queued_without_bound(make_server, target, drafter):
@@ -86,7 +94,7 @@ def test_overload_is_shed_with_a_clear_error_not_queued_without_bound(make_serve
     m = _metrics(server)
     assert m['bridge_slo_shed_total{class="8"}'] == len(shed)
     assert m['bridge_errors_total{code="overloaded"}'] == len(shed)
-    for i in shed:                              # the shed robots come back when the burst is over
+    for i in shed:  # the shed robots come back when the burst is over
         conns[i].send(wire.encode(wire.Open(f"r{i}", ids, {"temperature": 0.0})))
         assert isinstance(wire.decode(conns[i].recv(timeout=60)), wire.Opened)
     for ws in conns:

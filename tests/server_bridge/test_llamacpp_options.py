@@ -1,4 +1,5 @@
 """The llamacpp engine's settings for a GPU: per-sequence KV streams, micro-batches, and the weights' real type."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -20,8 +21,10 @@ def ragged_rounds(engine, rounds: int = 3) -> list[list[np.ndarray]]:
     ids = [engine.tokenizer.encode(p) for p in PROMPTS]
     out = [engine.forward([Pass(s, 0, i, len(i)) for s, i in zip(seqs, ids)])]
     for r in range(rounds):
-        batch = [Pass(s, len(i) + r, [(7 * k + r + j) % 1000 + 10 for j in range(1 + (k + r) % 5)],
-                      1 + (k + r) % 5) for k, (s, i) in enumerate(zip(seqs, ids))]
+        batch = [
+            Pass(s, len(i) + r, [(7 * k + r + j) % 1000 + 10 for j in range(1 + (k + r) % 5)], 1 + (k + r) % 5)
+            for k, (s, i) in enumerate(zip(seqs, ids))
+        ]
         out.append(engine.forward(batch))
     for s in seqs:
         engine.free(s)
@@ -38,7 +41,7 @@ def test_per_sequence_streams_and_micro_batches_give_the_unified_engines_logits(
             for a, b in zip(rows_ref, rows):
                 assert a.shape == b.shape
                 assert np.array_equal(a.argmax(-1), b.argmax(-1)), options
-                assert np.abs(a - b).max() < 0.05, options     # f16 KV and another summation order, no more
+                assert np.abs(a - b).max() < 0.05, options  # f16 KV and another summation order, no more
 
 
 def test_a_session_longer_than_its_stream_is_refused_and_the_others_keep_their_kv():
@@ -48,8 +51,8 @@ def test_a_session_longer_than_its_stream_is_refused_and_the_others_keep_their_k
     engine.forward([Pass(a, 0, list(range(10, 60)), 1)])
     with pytest.raises(EngineFull, match="holds 64 tokens"):
         engine.forward([Pass(a, 50, list(range(10, 30)), 1), Pass(b, 0, [11, 12], 1)])
-    assert a.length == 50 and b.length == 0                                 # nothing half-written
-    [row] = engine.forward([Pass(a, 50, list(range(60, 74)), 1)])          # exactly the stream's 64
+    assert a.length == 50 and b.length == 0  # nothing half-written
+    [row] = engine.forward([Pass(a, 50, list(range(60, 74)), 1)])  # exactly the stream's 64
     assert row.shape == (1, engine.vocab_size)
 
 
@@ -65,7 +68,7 @@ def test_the_weights_real_type_is_reported():
     assert (f32.info.dtype, f32.info.extra["weights"]) == ("float32", "F32")
     q41 = load_engine(str(modelfiles.shipped_gguf()), threads=1, max_sequences=1, kv_tokens=256)
     assert (q41.info.dtype, q41.info.extra["weights"]) == ("q4_1", "Q4_1")
-    assert q41.info.as_dict()["dtype"] == "q4_1"          # what welcome, /healthz and /metrics carry
+    assert q41.info.as_dict()["dtype"] == "q4_1"  # what welcome, /healthz and /metrics carry
 
 
 def test_the_server_config_carries_the_options_and_checks_them():

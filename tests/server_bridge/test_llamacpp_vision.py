@@ -1,10 +1,11 @@
 """The llamacpp engine with a vision projector: a prompt's image marker expands to the image's positions.
 
-On the test VLM (tools/make_test_vlm.py: a random SmolVLM, its f32 GGUF and mmproj by llama.cpp's own
+On the test VLM (tools/models/make_test_vlm.py: a random SmolVLM, its f32 GGUF and mmproj by llama.cpp's own
 converter) the engine must compute what libmtmd computes on its own for the whole prompt, place the
 text after an image at the right positions, roll back across and before an image, and refuse what it
 cannot read (corrupt bytes, another model's projector, images on a text-only engine) with the reason.
 """
+
 import io
 
 import numpy as np
@@ -15,11 +16,11 @@ from protocol.images import PromptImage
 from protocol.vision import CACHED, UnknownImage
 from server_bridge.engine import Pass, load_engine
 from server_bridge.engine_llamacpp import LlamaCppEngine
-from tools import make_test_vlm as tv
+from tools.models import make_test_vlm as tv
 
 pytestmark = pytest.mark.real
 
-TAIL = " A red box"                                 # three ids after the prompt: the verify-shaped passes
+TAIL = " A red box"  # three ids after the prompt: the verify-shaped passes
 
 
 @pytest.fixture(scope="module")
@@ -29,8 +30,9 @@ def vlm():
 
 @pytest.fixture(scope="module")
 def engine(vlm):
-    return load_engine(str(vlm.target), engine="llamacpp", threads=1, max_sequences=8, kv_tokens=1024,
-                       mmproj=vlm.target_mmproj)
+    return load_engine(
+        str(vlm.target), engine="llamacpp", threads=1, max_sequences=8, kv_tokens=1024, mmproj=vlm.target_mmproj
+    )
 
 
 def encoded(seed: int, fmt: str = "PNG") -> bytes:
@@ -78,7 +80,7 @@ def test_a_jpeg_is_read_as_its_pixels(vlm, engine):
     data = encoded(0, "JPEG")
     seq, _, _, row = open_with(engine, data)
     ref = tv.llama_logits(vlm.target, vlm.target_mmproj, decoded(data))
-    assert np.abs(row - ref.logits).max() < 2e-3              # libmtmd's decoder against PIL's: a pixel's rounding
+    assert np.abs(row - ref.logits).max() < 2e-3  # libmtmd's decoder against PIL's: a pixel's rounding
     engine.free(seq)
 
 
@@ -101,9 +103,9 @@ def test_an_image_as_the_last_kept_row_gives_the_logits_after_the_image(vlm, eng
 def test_text_after_the_image_sits_at_the_positions_after_it(vlm, engine):
     seq, ids, _, _ = open_with(engine, encoded(0))
     more = engine.tokenizer.encode(tv.PROMPT + TAIL)
-    assert more[:len(ids)] == ids and len(more) == len(ids) + 3
-    tail = more[len(ids):]
-    [verify] = engine.forward([Pass(seq, len(ids), tail, 3)])                # [3, vocab] in one pass
+    assert more[: len(ids)] == ids and len(more) == len(ids) + 3
+    tail = more[len(ids) :]
+    [verify] = engine.forward([Pass(seq, len(ids), tail, 3)])  # [3, vocab] in one pass
     singles = [engine.forward([Pass(seq, len(ids) + k, [t], 1)])[0][0] for k, t in enumerate(tail)]
     assert np.abs(verify - np.stack(singles)).max() < 1e-3
     ref = tv.llama_logits(vlm.target, vlm.target_mmproj, tv.random_image(0), prompt=tv.PROMPT + TAIL)
@@ -114,20 +116,20 @@ def test_text_after_the_image_sits_at_the_positions_after_it(vlm, engine):
 
 def test_a_sequence_rolls_back_after_and_before_its_image(engine):
     seq, ids, images, row = open_with(engine, encoded(0))
-    tail = engine.tokenizer.encode(tv.PROMPT + TAIL)[len(ids):]
+    tail = engine.tokenizer.encode(tv.PROMPT + TAIL)[len(ids) :]
     [first] = engine.forward([Pass(seq, len(ids), tail, 3)])
-    engine.truncate(seq, len(ids))                                           # after the image: it stays
+    engine.truncate(seq, len(ids))  # after the image: it stays
     assert engine.kv_used == len(ids) + 32
     [again] = engine.forward([Pass(seq, len(ids), tail, 3)])
     assert np.abs(again - first).max() < 1e-5
     at = next(iter(images))
-    engine.truncate(seq, at)                                                 # before it: its positions go
+    engine.truncate(seq, at)  # before it: its positions go
     assert seq.length == at and engine.kv_used == at
     [rows] = engine.forward([Pass(seq, at, ids[at:], 1, images={0: images[at]})])
     assert np.abs(rows[0] - row).max() < 1e-4
     engine.free(seq)
     fresh = engine.new_sequence()
-    engine.forward([Pass(fresh, 0, [11, 12], 1)])                            # its cells went back
+    engine.forward([Pass(fresh, 0, [11, 12], 1)])  # its cells went back
     assert engine.kv_used == 2
     engine.free(fresh)
 
@@ -173,7 +175,7 @@ def test_an_image_sent_before_is_known_by_its_hash_until_it_leaves_the_cache(eng
     [full] = engine.forward([Pass(seq, 0, ids, 1, images=images)])
     [again] = engine.forward([Pass(seq, 0, ids, 1, images=by_hash)])
     assert np.abs(full - again).max() < 1e-5
-    for s in range(100, 100 + CACHED):                                       # CACHED others push it out
+    for s in range(100, 100 + CACHED):  # CACHED others push it out
         engine.vision.positions(PromptImage.of(encoded(s), at))
     with pytest.raises(UnknownImage, match="send its bytes again"):
         engine.forward([Pass(seq, 0, ids, 1, images=by_hash)])
@@ -189,7 +191,7 @@ def test_image_positions_and_resolve_answer_from_the_cache(engine):
     with pytest.raises(UnknownImage):
         engine.image_positions(by_hash)
     assert engine.image_positions(image) == engine.vision.positions(image) == 33
-    assert engine.resolve(image) is image and engine.resolve(by_hash) == image      # the bytes from the cache
+    assert engine.resolve(image) is image and engine.resolve(by_hash) == image  # the bytes from the cache
     assert engine.image_positions(by_hash) == 33
     with pytest.raises(ValueError, match="could not be decoded"):
         engine.image_positions(PromptImage.of(b"\xff\xd8\xff\xe0" + b"not a jpeg" * 40, 2))
@@ -209,8 +211,10 @@ def test_a_projector_that_does_not_fit_is_refused_with_the_reason(vlm):
     with pytest.raises(ValueError, match="not an mmproj"):
         LlamaCppEngine(vlm.target, "vlm", threads=1, max_sequences=2, kv_tokens=256, mmproj=vlm.draft)
     with pytest.raises(ValueError, match="another model's mmproj"):
-        LlamaCppEngine(modelfiles.shipped_gguf(), "smollm2", threads=1, max_sequences=2, kv_tokens=256,
-                       mmproj=vlm.target_mmproj)
+        LlamaCppEngine(
+            modelfiles.shipped_gguf(), "smollm2", threads=1, max_sequences=2, kv_tokens=256, mmproj=vlm.target_mmproj
+        )
     with pytest.raises(ValueError, match="no projector file"):
-        LlamaCppEngine(vlm.target, "vlm", threads=1, max_sequences=2, kv_tokens=256,
-                       mmproj=vlm.directory / "missing-mmproj.gguf")
+        LlamaCppEngine(
+            vlm.target, "vlm", threads=1, max_sequences=2, kv_tokens=256, mmproj=vlm.directory / "missing-mmproj.gguf"
+        )

@@ -1,5 +1,6 @@
 """/metrics rendered by prometheus_client: the names, types and values of the hand-written page it replaced,
 and a `replica` label on every sample. No model loads."""
+
 from __future__ import annotations
 
 import pytest
@@ -9,30 +10,55 @@ from server_bridge.engine import EngineInfo
 from server_bridge.metrics import BATCH_BUCKETS, ServerMetrics
 
 # The contract: every family of the page as the hand-written renderer wrote it (its `# TYPE` lines, in order,
-# with every optional family present), plus bridge_draining. Dashboards and tools/loadgen.py read these names.
+# with every optional family present), plus bridge_draining. Dashboards and tools/bench/loadgen.py read these names.
 FAMILIES = [
-    ("bridge_engine_info", "gauge"), ("bridge_sessions_active", "gauge"),
-    ("bridge_sessions_evicted_total", "counter"), ("bridge_sessions_opened_total", "counter"),
-    ("bridge_connections_active", "gauge"), ("bridge_rounds_total", "counter"),
-    ("bridge_draft_tokens_total", "counter"), ("bridge_accepted_tokens_total", "counter"),
-    ("bridge_committed_tokens_total", "counter"), ("bridge_ar_tokens_total", "counter"),
-    ("bridge_target_forward_passes_total", "counter"), ("bridge_verify_seconds_total", "counter"),
-    ("bridge_exits_sent_total", "counter"), ("bridge_exits_dropped_total", "counter"),
-    ("bridge_exits_purged_total", "counter"), ("bridge_exit_seconds_total", "counter"),
-    ("bridge_split_residuals_total", "counter"), ("bridge_queue_length", "gauge"),
-    ("bridge_batches_total", "counter"), ("bridge_batch_sessions_total", "counter"),
-    ("bridge_batch_size_max", "gauge"), ("bridge_batch_verify_seconds_total", "counter"),
-    ("bridge_queue_wait_seconds_total", "counter"), ("bridge_bytes_in_total", "counter"),
-    ("bridge_bytes_out_total", "counter"), ("bridge_kv_tokens_capacity", "gauge"),
-    ("bridge_kv_tokens_used", "gauge"), ("bridge_errors_total", "counter"), ("bridge_batch_size", "histogram"),
-    ("bridge_slo_requests_total", "counter"), ("bridge_slo_late_total", "counter"),
-    ("bridge_slo_shed_total", "counter"), ("bridge_slo_generations_total", "counter"),
-    ("bridge_slo_violations_total", "counter"), ("bridge_acceptance_rate", "gauge"), ("bridge_tau", "gauge"),
+    ("bridge_engine_info", "gauge"),
+    ("bridge_sessions_active", "gauge"),
+    ("bridge_sessions_evicted_total", "counter"),
+    ("bridge_sessions_opened_total", "counter"),
+    ("bridge_connections_active", "gauge"),
+    ("bridge_rounds_total", "counter"),
+    ("bridge_draft_tokens_total", "counter"),
+    ("bridge_accepted_tokens_total", "counter"),
+    ("bridge_committed_tokens_total", "counter"),
+    ("bridge_ar_tokens_total", "counter"),
+    ("bridge_target_forward_passes_total", "counter"),
+    ("bridge_verify_seconds_total", "counter"),
+    ("bridge_exits_sent_total", "counter"),
+    ("bridge_exits_dropped_total", "counter"),
+    ("bridge_exits_purged_total", "counter"),
+    ("bridge_exit_seconds_total", "counter"),
+    ("bridge_split_residuals_total", "counter"),
+    ("bridge_queue_length", "gauge"),
+    ("bridge_batches_total", "counter"),
+    ("bridge_batch_sessions_total", "counter"),
+    ("bridge_batch_size_max", "gauge"),
+    ("bridge_batch_verify_seconds_total", "counter"),
+    ("bridge_queue_wait_seconds_total", "counter"),
+    ("bridge_bytes_in_total", "counter"),
+    ("bridge_bytes_out_total", "counter"),
+    ("bridge_kv_tokens_capacity", "gauge"),
+    ("bridge_kv_tokens_used", "gauge"),
+    ("bridge_errors_total", "counter"),
+    ("bridge_batch_size", "histogram"),
+    ("bridge_slo_requests_total", "counter"),
+    ("bridge_slo_late_total", "counter"),
+    ("bridge_slo_shed_total", "counter"),
+    ("bridge_slo_generations_total", "counter"),
+    ("bridge_slo_violations_total", "counter"),
+    ("bridge_acceptance_rate", "gauge"),
+    ("bridge_tau", "gauge"),
     ("bridge_avg_exit_layer", "gauge"),
 ]
 NEW = [("bridge_draining", "gauge")]
-OPTIONAL = {"bridge_engine_info", "bridge_kv_tokens_capacity", "bridge_kv_tokens_used",   # with an engine
-            "bridge_acceptance_rate", "bridge_tau", "bridge_avg_exit_layer"}            # once there is data
+OPTIONAL = {
+    "bridge_engine_info",
+    "bridge_kv_tokens_capacity",
+    "bridge_kv_tokens_used",  # with an engine
+    "bridge_acceptance_rate",
+    "bridge_tau",
+    "bridge_avg_exit_layer",
+}  # once there is data
 
 
 class Sessions:
@@ -62,7 +88,7 @@ def counted() -> ServerMetrics:
     m.count_request(8.0, late=False)
     m.count_request(2.5, late=False)
     m.count_shed(8.0)
-    m.count_generation(8.0, tokens=10, seconds=2.0)      # 5 tok/s < 8: a violation
+    m.count_generation(8.0, tokens=10, seconds=2.0)  # 5 tok/s < 8: a violation
     m.count_generation(2.5, tokens=10, seconds=2.0)
     m.sessions_opened, m.bytes_in, m.bytes_out = 4, 1000, 2000
     return m
@@ -81,8 +107,9 @@ def value(fams: dict, sample: str, **labels) -> float:
     for suffix in ("_bucket", "_count", "_sum"):
         if name not in fams and name.endswith(suffix):
             name = name.removesuffix(suffix)
-    [v] = [s.value for s in fams[name].samples
-           if s.name == sample and all(s.labels.get(k) == x for k, x in labels.items())]
+    [v] = [
+        s.value for s in fams[name].samples if s.name == sample and all(s.labels.get(k) == x for k, x in labels.items())
+    ]
     return v
 
 
@@ -128,14 +155,20 @@ def test_the_values_are_the_counted_ones():
     assert value(fams, "bridge_avg_exit_layer") == pytest.approx(15)
     assert value(fams, "bridge_kv_tokens_capacity") == 16384 and value(fams, "bridge_kv_tokens_used") == 640
     [info] = fams["bridge_engine_info"].samples
-    assert info.value == 1 and info.labels == {"engine": "llamacpp", "device": "cpu", "dtype": "float32",
-                                               "n_gpu_layers": "0", "replica": "r1"}
+    assert info.value == 1 and info.labels == {
+        "engine": "llamacpp",
+        "device": "cpu",
+        "dtype": "float32",
+        "n_gpu_layers": "0",
+        "replica": "r1",
+    }
 
 
 def test_the_batch_size_histogram_is_cumulative_with_sum_and_count():
     fams = families(counted().render(Sessions(), 0, replica="r1"))
-    buckets = [(s.labels["le"], s.value) for s in fams["bridge_batch_size"].samples
-               if s.name == "bridge_batch_size_bucket"]
+    buckets = [
+        (s.labels["le"], s.value) for s in fams["bridge_batch_size"].samples if s.name == "bridge_batch_size_bucket"
+    ]
     assert [le for le, _ in buckets] == [str(b) for b in BATCH_BUCKETS] + ["+Inf"]
     # sizes 1, 3, 3, 8, 9, 1000: le=1 holds 1, le=2 1, le=4 3, le=8 4, le=16 .. 512 5, le=1024 and +Inf 6
     assert [v for _, v in buckets] == [1, 1, 3, 4, 5, 5, 5, 5, 5, 5, 6, 6]

@@ -1,11 +1,12 @@
 """The per-connection exit outbox: bounded under a flood, ordered by its policy, purged per round (fast)."""
+
 import asyncio
 import random
 
 import pytest
 
-from server_bridge.outbox import Outbox
 from protocol.wire import Exit
+from server_bridge.outbox import Outbox
 
 
 def _exit(confidence, sid="s", round=0, layer=12):
@@ -32,7 +33,7 @@ def test_a_full_priority_outbox_keeps_the_most_confident():
     for c in confidences:
         box.put(_exit(c))
     kept = [m.confidence for m in asyncio.run(_drain(box))]
-    assert kept == sorted(confidences, reverse=True)[:8]          # and sent highest first
+    assert kept == sorted(confidences, reverse=True)[:8]  # and sent highest first
 
 
 def test_priority_sends_the_most_confident_first_and_equals_oldest_first():

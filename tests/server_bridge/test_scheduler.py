@@ -1,11 +1,12 @@
 """The batch scheduler's decisions, as tables: WISP Algorithm 1 and the FCFS / fixed baselines."""
+
 import math
 
 import pytest
 
+from protocol.wire import WireError
 from server_bridge.estimator import VerifyTimeModel
 from server_bridge.scheduler import Request, Scheduler, deadline, slo_batch
-from protocol.wire import WireError
 
 # T(B) = 10 ms + 1 ms per padded new token: a batch of B rows of 5 new tokens takes 10 + 5B ms
 MODEL = VerifyTimeModel(a=1.0, b_c=0.0, b_r=0.0, c=10.0)
@@ -29,22 +30,30 @@ def test_critical_requests_go_first_in_earliest_deadline_order():
 
 def test_non_critical_requests_go_by_utility_density():
     # same cost: density follows the expected tokens; a longer draft costs more per row
-    pending = [req("low", 5.0, value=1), req("high", 5.0, value=5), req("mid", 5.0, value=3),
-               req("long", 5.0, value=5, new=40)]
+    pending = [
+        req("low", 5.0, value=1),
+        req("high", 5.0, value=5),
+        req("mid", 5.0, value=3),
+        req("long", 5.0, value=5, new=40),
+    ]
     assert pick(pending, max_batch=3) == ["high", "mid", "long"]
 
 
 def test_growth_stops_at_the_first_infeasible_addition():
     # by density: a, b, big, small. b's deadline (26 ms) holds 2 rows (20 ms); big's 40 new tokens pad the
     # batch to 130 ms and growth stops there, though small (3 rows of 5: 25 ms) would have fitted
-    pending = [req("a", 5.0, value=5), req("b", 0.026, value=4), req("big", 5.0, value=3.5, new=40),
-               req("small", 5.0, value=1)]
+    pending = [
+        req("a", 5.0, value=5),
+        req("b", 0.026, value=4),
+        req("big", 5.0, value=3.5, new=40),
+        req("small", 5.0, value=1),
+    ]
     assert pick(pending) == ["a", "b"]
 
 
 def test_a_critical_request_that_does_not_fit_skips_the_utility_phase():
     pending = [req("c1", 0.016), req("c2", 0.019), req("other", 5.0, value=9)]
-    assert pick(pending, guard_s=0.005) == ["c1"]           # c2 with c1: 20 ms > 19 ms, and then nothing else
+    assert pick(pending, guard_s=0.005) == ["c1"]  # c2 with c1: 20 ms > 19 ms, and then nothing else
 
 
 def test_memory_budget_caps_the_batch():
@@ -68,8 +77,15 @@ def test_one_request_per_session_in_a_pass():
 
 
 def make(policy, **kw):
-    args = dict(max_queue=4, max_batch=3, guard_ms=0.0, memory_budget_bytes=1 << 30, memory_of=lambda m: 0,
-                batch_wait_ms=20.0, max_wait_ms=500.0)
+    args = dict(
+        max_queue=4,
+        max_batch=3,
+        guard_ms=0.0,
+        memory_budget_bytes=1 << 30,
+        memory_of=lambda m: 0,
+        batch_wait_ms=20.0,
+        max_wait_ms=500.0,
+    )
     args.update(kw)
     return Scheduler(policy, MODEL, **args)
 
@@ -83,10 +99,10 @@ def test_fcfs_serves_one_at_a_time_in_arrival_order():
 
 def test_fixed_waits_for_a_full_batch_or_its_timeout():
     s = make("fixed")
-    s.admit(req("a", arrival=0.995))                            # arrived 5 ms before NOW
+    s.admit(req("a", arrival=0.995))  # arrived 5 ms before NOW
     s.admit(req("b", arrival=0.996))
     assert not s.ready(NOW)
-    assert s.ready(NOW + 0.016)                                 # the oldest waited 20 ms
+    assert s.ready(NOW + 0.016)  # the oldest waited 20 ms
     s.admit(req("c", arrival=0.997))
     assert s.ready(NOW)
     assert [r.sid for r in s.next_batch(NOW)] == ["a", "b", "c"]
@@ -103,8 +119,8 @@ def test_the_queue_is_bounded_and_sheds_with_overloaded():
 
 def test_requests_waiting_past_max_wait_are_handed_back_to_be_shed():
     s = make("slo", max_wait_ms=500.0)
-    s.admit(req("old", arrival=0.0))                            # waited 1 s at NOW
-    s.admit(req("new", arrival=0.9))                            # waited 100 ms
+    s.admit(req("old", arrival=0.0))  # waited 1 s at NOW
+    s.admit(req("new", arrival=0.9))  # waited 100 ms
     assert [r.sid for r in s.expired(NOW)] == ["old"]
     assert [r.sid for r in s.pending] == ["new"]
 
@@ -130,11 +146,11 @@ def robot_back_in(s, sid, answered_at, gap_s):
 
 def test_slo_waits_briefly_for_a_robot_due_back_when_nothing_is_critical():
     s = make("slo", batch_wait_ms=50.0)
-    robot_back_in(s, "returning", NOW - 0.010, gap_s=0.030)     # answered 10 ms ago, back in ~20 ms
+    robot_back_in(s, "returning", NOW - 0.010, gap_s=0.030)  # answered 10 ms ago, back in ~20 ms
     s.admit(req("waiting", 5.0, arrival=0.995))
     assert not s.ready(NOW)
-    assert s.wake_at() == pytest.approx(NOW - 0.010 + 0.050)    # at most batch_wait after the target freed
-    s.admit(req("returning", 5.0, arrival=1.0))                 # it came back: no one else is due
+    assert s.wake_at() == pytest.approx(NOW - 0.010 + 0.050)  # at most batch_wait after the target freed
+    s.admit(req("returning", 5.0, arrival=1.0))  # it came back: no one else is due
     assert s.ready(NOW)
     assert sorted(r.sid for r in s.next_batch(NOW)) == ["returning", "waiting"]
 
@@ -142,28 +158,28 @@ def test_slo_waits_briefly_for_a_robot_due_back_when_nothing_is_critical():
 def test_slo_never_holds_a_critical_request_or_waits_for_an_overdue_robot():
     s = make("slo", batch_wait_ms=50.0)
     robot_back_in(s, "returning", NOW - 0.010, gap_s=0.030)
-    s.admit(req("urgent", 0.010))                               # solo 15 ms > 10 ms left: critical now
+    s.admit(req("urgent", 0.010))  # solo 15 ms > 10 ms left: critical now
     assert s.ready(NOW)
     s = make("slo", batch_wait_ms=50.0)
-    robot_back_in(s, "gone", NOW - 0.040, gap_s=0.030)          # was due 10 ms ago: it may have left
+    robot_back_in(s, "gone", NOW - 0.040, gap_s=0.030)  # was due 10 ms ago: it may have left
     s.admit(req("waiting", 5.0))
     assert s.ready(NOW)
 
 
 def test_the_robot_table_forgets_the_longest_silent_robots_never_one_waiting():
-    s = make("slo")                                             # holds 4 * 4 + 64 = 80 robots, then trims a quarter
-    s.answered("shed", 0.1)                                     # its request was shed and it went quiet
+    s = make("slo")  # holds 4 * 4 + 64 = 80 robots, then trims a quarter
+    s.answered("shed", 0.1)  # its request was shed and it went quiet
     s.admit(Request("shed", (100, 5), 4.0, math.inf, 0.2))
     assert [r.sid for r in s.expired(1.0)] == ["shed"]
-    s.answered("flying", 0.3)                                   # its request is in the pass now running
+    s.answered("flying", 0.3)  # its request is in the pass now running
     s.admit(Request("flying", (100, 5), 4.0, math.inf, 0.4))
     assert [r.sid for r in s.next_batch(0.4)] == ["flying"]
-    for i in range(4):                                          # answered long ago, but waiting again: the busiest
+    for i in range(4):  # answered long ago, but waiting again: the busiest
         s.answered(f"busy{i}", 0.5 + i)
         s.admit(Request(f"busy{i}", (100, 5), 4.0, math.inf, 10.0 + i))
     quiet = [f"quiet{i}" for i in range(80 - len(s._seen) + 1)]
-    for i, sid in enumerate(quiet):                             # answered one after another, none back yet
+    for i, sid in enumerate(quiet):  # answered one after another, none back yet
         s.answered(sid, 20.0 + i)
-    gone = ["shed"] + quiet[:81 // 4 - 1]                       # the longest silent: no answer since 0.2 s, then oldest
+    gone = ["shed"] + quiet[: 81 // 4 - 1]  # the longest silent: no answer since 0.2 s, then oldest
     assert len(s._seen) == 81 - 81 // 4
     assert set(s._seen) == {"flying", "busy0", "busy1", "busy2", "busy3", *quiet} - set(gone)

@@ -1,4 +1,5 @@
 """The websocket server: bad input gets a clear error on its own connection; everyone else keeps going."""
+
 import json
 import urllib.request
 
@@ -11,15 +12,15 @@ from websockets.sync.client import connect
 from agent.decoder import EdgeDecoder
 from agent.link import LinkLost, ServerError, VerifierLink
 from protocol import images, wire
-from tools.loadgen import parse_metrics
+from tools.bench.loadgen import parse_metrics
 
 pytestmark = pytest.mark.real
 
 
 @pytest.fixture(scope="module")
 def server(target):
-    from tests.conftest import ThreadedServer
     from server_bridge.verifier import Verifier
+    from tests.conftest import ThreadedServer
 
     with ThreadedServer(lambda cfg: Verifier(target, cfg), max_frame_bytes=256 * 1024) as s:
         yield s
@@ -28,8 +29,8 @@ def server(target):
 @pytest.fixture(scope="module")
 def exit_server(torch_target):
     """Early exits run on the torch engine."""
-    from tests.conftest import ThreadedServer
     from server_bridge.verifier import Verifier
+    from tests.conftest import ThreadedServer
 
     with ThreadedServer(lambda cfg: Verifier(torch_target, cfg), max_frame_bytes=256 * 1024) as s:
         yield s
@@ -43,7 +44,7 @@ def _hello(target, **over):
 
 
 def _raw(server, target):
-    ws = connect(server.url, max_size=None, legacy=True)    # held across many calls; closed by the test
+    ws = connect(server.url, max_size=None, legacy=True)  # held across many calls; closed by the test
     ws.send(_hello(target))
     assert wire.decode(ws.recv(timeout=10)).TYPE == "welcome"
     return ws
@@ -52,7 +53,7 @@ def _raw(server, target):
 def _error(ws) -> wire.Error:
     msg = wire.decode(ws.recv(timeout=30))
     assert isinstance(msg, wire.Error), msg
-    assert msg.message                              # a sentence for the robot's log, not just a code
+    assert msg.message  # a sentence for the robot's log, not just a code
     return msg
 
 
@@ -64,7 +65,7 @@ def _open(ws, sid, ids):
 def test_bad_input_gets_errors_and_another_session_keeps_generating(server, target, drafter):
     ids = drafter.tokenize("Walk to the door and stop.", chat=True)
     good = EdgeDecoder(drafter, server.url)
-    reference = good.generate(ids, mode="sd", max_tokens=12).token_ids      # a session that must not notice
+    reference = good.generate(ids, mode="sd", max_tokens=12).token_ids  # a session that must not notice
 
     bad = _raw(server, target)
     cases = [
@@ -75,10 +76,30 @@ def test_bad_input_gets_errors_and_another_session_keeps_generating(server, targ
         (wire.encode(wire.Verify("nobody", 0, 3, [1, 2], {"kind": "none"})), "unknown_session"),
         (wire.encode(wire.Open("big", [target.vocab_size + 5], {"temperature": 0.0})), "bad_field"),
         (wire.encode(wire.Open("long", [5] * 2048, {"temperature": 0.0})), "context_full"),
-        (msgpack.packb({"type": "open", "v": 1, "sid": "gif", "prompt_ids": [1, 2], "sampling": {"temperature": 0.0},
-                        "images": [{"at": 0, "data": b"GIF89a....."}]}), "bad_image"),
-        (wire.encode(wire.Open("seeing", [1, 2], {"temperature": 0.0},
-                               images=[images.PromptImage.of(b"\xff\xd8\xff\xe0" + b"\0" * 64, 0)])), "no_vision"),
+        (
+            msgpack.packb(
+                {
+                    "type": "open",
+                    "v": 1,
+                    "sid": "gif",
+                    "prompt_ids": [1, 2],
+                    "sampling": {"temperature": 0.0},
+                    "images": [{"at": 0, "data": b"GIF89a....."}],
+                }
+            ),
+            "bad_image",
+        ),
+        (
+            wire.encode(
+                wire.Open(
+                    "seeing",
+                    [1, 2],
+                    {"temperature": 0.0},
+                    images=[images.PromptImage.of(b"\xff\xd8\xff\xe0" + b"\0" * 64, 0)],
+                )
+            ),
+            "no_vision",
+        ),
     ]
     for frame, code in cases:
         bad.send(frame)
@@ -98,7 +119,7 @@ def test_bad_input_gets_errors_and_another_session_keeps_generating(server, targ
     bad.send(wire.encode(wire.Verify("hot", 0, len(ids), [5], {"kind": "full", "probs": q})))
     assert _error(bad).code == "bad_probs"
     bad.send(wire.encode(wire.Verify("hot", 0, len(ids), [5], {"kind": "none"})))
-    assert _error(bad).code == "bad_field"                     # sampling needs q
+    assert _error(bad).code == "bad_field"  # sampling needs q
     bad.close()
     assert good.generate(ids, mode="ar", max_tokens=12).token_ids == reference
     good.close()
@@ -117,12 +138,12 @@ def test_malformed_payloads_are_refused_and_the_session_survives(server, target,
     assert wire.decode(ws.recv(timeout=30)).TYPE == "opened"
     vocab = target.vocab_size
     cases = [
-        (_topk_q([[5, 6, 7]], [[0.5, 0.25, 0.25]]), "bad_probs", "K=3"),                 # wrong K
-        (_topk_q([[5, vocab + 3]], [[0.5, 0.5]]), "bad_probs", "vocabulary"),            # id outside V
+        (_topk_q([[5, 6, 7]], [[0.5, 0.25, 0.25]]), "bad_probs", "K=3"),  # wrong K
+        (_topk_q([[5, vocab + 3]], [[0.5, 0.5]]), "bad_probs", "vocabulary"),  # id outside V
         (_topk_q([[5, 6]], [[1.5, -0.5]]), "bad_probs", "negative"),
         (_topk_q([[5, 6]], [[np.nan, 0.5]]), "bad_probs", "NaN"),
         (_topk_q([[5, 6]], [[0.75, 0.75]]), "bad_probs", "sums to 1.5"),
-        (_topk_q([[6, 7]], [[0.5, 0.5]]), "bad_probs", "zero probability"),             # 5 is not among its K
+        (_topk_q([[6, 7]], [[0.5, 0.5]]), "bad_probs", "zero probability"),  # 5 is not among its K
         ({"kind": "full", "probs": np.full((1, vocab), 1 / vocab, np.float16)}, "bad_field", "declared"),
         ({"kind": "split", "px": np.array([9])}, "bad_field", "declared"),
     ]
@@ -146,15 +167,14 @@ def test_malformed_payloads_are_refused_and_the_session_survives(server, target,
     ws.send(wire.encode(wire.Verify("sp", 0, len(ids), [unlikely], {"kind": "split", "px": np.array([1 << 23])})))
     res = wire.decode(ws.recv(timeout=30))
     assert (res.accepted, res.token, res.n_committed) == (0, -1, len(ids))
-    assert res.residual["ids"] is None and len(res.residual["logits"]) == vocab      # no top_k: dense p_j
+    assert res.residual["ids"] is None and len(res.residual["logits"]) == vocab  # no top_k: dense p_j
     ws.send(wire.encode(wire.Verify("sp", 1, len(ids) + 1, [], {"kind": "split", "px": np.zeros(0)})))
-    assert "correction" in _error(ws).message                     # fix missing
-    ws.send(wire.encode(wire.Verify("sp", 1, len(ids) + 1, [], {"kind": "split", "px": np.zeros(0)},
-                                    fix=vocab + 1)))
+    assert "correction" in _error(ws).message  # fix missing
+    ws.send(wire.encode(wire.Verify("sp", 1, len(ids) + 1, [], {"kind": "split", "px": np.zeros(0)}, fix=vocab + 1)))
     assert _error(ws).code == "bad_field"
     ws.send(wire.encode(wire.Verify("sp", 1, len(ids) + 1, [], {"kind": "split", "px": np.zeros(0)}, fix=7)))
     done = wire.decode(ws.recv(timeout=30))
-    assert isinstance(done, wire.Result) and done.n_committed == len(ids) + 2      # the fix, then one token
+    assert isinstance(done, wire.Result) and done.n_committed == len(ids) + 2  # the fix, then one token
     ws.close()
 
 
@@ -198,7 +218,7 @@ def test_healthz_and_metrics(server, target, drafter):
     resp = urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=5)
     assert resp.headers.get_all("Content-Type") == ["text/plain; version=0.0.4; charset=utf-8"]
     text = resp.read().decode()
-    values = parse_metrics(text)                    # name{labels} -> value, less the replica label
+    values = parse_metrics(text)  # name{labels} -> value, less the replica label
     assert values["bridge_rounds_total"] >= 1
     assert values["bridge_committed_tokens_total"] >= 6
     assert 0 <= values["bridge_acceptance_rate"] <= 1
@@ -218,7 +238,7 @@ def test_reopen_keeps_the_kv_of_the_shared_prefix(server, target, drafter):
     ids = drafter.tokenize("Turn right and walk forward.", chat=True)
     ws = _raw(server, target)
     first = _open(ws, "re", ids)
-    assert first.timing["passes"] == 1                     # prefill
+    assert first.timing["passes"] == 1  # prefill
     again = _open(ws, "re", ids + [260, 9902])
     assert again.timing["passes"] == 0 and again.n_committed == len(ids) + 2
     ws.send(wire.encode(wire.Verify("re", 0, len(ids) + 2, [], {"kind": "none"})))
@@ -229,13 +249,13 @@ def test_reopen_keeps_the_kv_of_the_shared_prefix(server, target, drafter):
 def test_a_late_error_for_another_session_is_not_taken_as_the_reply(server, target, drafter):
     link = VerifierLink(server.url, vocab_hash=target.vocab_hash, vocab_size=target.vocab_size)
     link.connect()
-    link.send(wire.Verify("finished", 0, 3, [1], {"kind": "none"}))     # answered by error{unknown_session}
+    link.send(wire.Verify("finished", 0, 3, [1], {"kind": "none"}))  # answered by error{unknown_session}
     ids = drafter.tokenize("Stop.")
     reply, _ = link.request(wire.Open("current", ids, {"temperature": 0.0, "top_k": 0, "seed": 0}))
     assert isinstance(reply, wire.Opened) and reply.sid == "current"
     assert link.stale == 1
     link.send(wire.Close("current"))
-    link.send(wire.Close("current"))                                    # closing twice draws no error
+    link.send(wire.Close("current"))  # closing twice draws no error
     reply, _ = link.request(wire.Open("next", ids, {"temperature": 0.0, "top_k": 0, "seed": 0}))
     assert reply.sid == "next" and link.stale == 1
     link.close()
@@ -246,7 +266,7 @@ def test_connection_limit_and_draft_length_limit(make_server, target, drafter):
     first = VerifierLink(s.url, vocab_hash=target.vocab_hash, vocab_size=target.vocab_size)
     first.connect()
     second = VerifierLink(s.url, vocab_hash=target.vocab_hash, vocab_size=target.vocab_size)
-    with pytest.raises(LinkLost, match="503 too many connections"):   # transient: back off and retry
+    with pytest.raises(LinkLost, match="503 too many connections"):  # transient: back off and retry
         second.connect()
     first.close()
     # the robot clamps its draft to the server's advertised max_draft_len instead of failing
@@ -271,7 +291,7 @@ def test_without_a_token_only_loopback_peers_get_the_upgrade(server):
     request = SimpleNamespace(path="/")
     far = server.server.process_request(Peer(("10.1.2.3", 5555)), request)
     assert far.status == HTTPStatus.FORBIDDEN and "loopback clients only" in far.text
-    assert server.server.process_request(Peer(("127.0.0.1", 5555)), request) is None   # upgrade goes on
+    assert server.server.process_request(Peer(("127.0.0.1", 5555)), request) is None  # upgrade goes on
 
 
 GREEDY = {"temperature": 0.0, "top_k": 0, "seed": 0}
@@ -292,7 +312,7 @@ def test_welcome_lists_the_exits_and_an_unknown_exit_is_refused_without_harm(exi
         ws.send(wire.encode(wire.Open("e", ids, GREEDY, exits=[12, 99])))
         error = _error(ws)
         assert error.code == "bad_field" and "99" in error.message
-        assert _open(ws, "e", ids).TYPE == "opened"                # the connection keeps working
+        assert _open(ws, "e", ids).TYPE == "opened"  # the connection keeps working
 
 
 def test_exit_messages_stream_before_their_result(exit_server, torch_target):
@@ -309,11 +329,11 @@ def test_exit_messages_stream_before_their_result(exit_server, torch_target):
     committed = list(ids)
     for r in range(3):
         done = len(committed) - len(ids)
-        draft = ref[done:done + 4]
+        draft = ref[done : done + 4]
         if r == 1:
-            draft[2] = 5                                            # a rejection in the middle
+            draft[2] = 5  # a rejection in the middle
         cands = rng.integers(0, torch_target.vocab_size, (4, 8)).astype(np.int32)
-        cands[:, 3] = ref[done:done + 4]
+        cands[:, 3] = ref[done : done + 4]
         ws.send(wire.encode(wire.Verify("fsd", r, len(committed), draft, {"kind": "none"}, cands=cands)))
         *exits, result = _until_result(ws)
         assert isinstance(result, wire.Result), result
@@ -321,8 +341,8 @@ def test_exit_messages_stream_before_their_result(exit_server, torch_target):
         assert all(isinstance(m, wire.Exit) and (m.sid, m.round) == ("fsd", r) for m in exits)
         assert sorted(m.layer for m in exits) == sorted({m.layer for m in exits})
         assert result.timing["exit_layer"] in (12, 18, 22, 26, 30) and result.timing["exit_ms"] > 0
-        committed += draft[:result.accepted] + [result.token]
-        assert committed == ids + ref[:len(committed) - len(ids)]   # exact, exits or not
+        committed += draft[: result.accepted] + [result.token]
+        assert committed == ids + ref[: len(committed) - len(ids)]  # exact, exits or not
     # the same connection without exits: the result is the only answer
     _open(ws, "plain", ids)
     ws.send(wire.encode(wire.Verify("plain", 0, len(ids), ref[:4], {"kind": "none"}, cands=cands)))
@@ -362,12 +382,12 @@ def test_a_session_is_reopened_only_by_its_connection_or_with_its_committed_pref
     for prompt in (drafter.tokenize("Go to the garage.", chat=True), ids):
         other.send(wire.encode(wire.Open("mine", prompt, GREEDY)))
         assert _error(other).code == "session_taken"
-    committed = _round(owner, "mine", 1, committed)             # the owner goes on as if nothing happened
+    committed = _round(owner, "mine", 1, committed)  # the owner goes on as if nothing happened
     # the owner's robot back on a new link, its last result lost with the old one: one round short
     back = _raw(server, target)
     assert _open(back, "mine", committed[:-1]).n_committed == len(committed) - 1
     owner.send(wire.encode(wire.Verify("mine", 2, len(committed), [], {"kind": "none"})))
-    assert _error(owner).code == "unknown_session"              # the session moved with its robot
+    assert _error(owner).code == "unknown_session"  # the session moved with its robot
     # a prefix that starts with the whole committed one proves it too (a split correction still owed)
     assert _open(other, "mine", committed).n_committed == len(committed)
     for ws in (owner, other, back):

@@ -1,5 +1,6 @@
 """TLS on the link: server-bridge serves wss:// with --tls-cert/--tls-key, the robot checks it against
 link.ca_file, and a wrong CA or a plain ws:// client gets nowhere (certificates made in the test)."""
+
 import json
 import ssl
 import urllib.request
@@ -29,11 +30,11 @@ def test_robot_connects_over_wss_with_its_ca_file(make_server, target, tmp_path)
     ctx = ssl.create_default_context(cafile=str(cert))
     with urllib.request.urlopen(f"https://127.0.0.1:{server.port}/healthz", context=ctx, timeout=10) as r:
         assert json.loads(r.read())["status"] == "ok"
-    other, _ = make_cert(tmp_path, "impostor")                  # a CA that did not sign the server's certificate
+    other, _ = make_cert(tmp_path, "impostor")  # a CA that did not sign the server's certificate
     with pytest.raises(ServerError, match="TLS verification") as e:
         _link(f"wss://127.0.0.1:{server.port}", target, ca_file=str(other)).connect()
     assert e.value.code == "tls" and not e.value.recoverable
-    with pytest.raises(LinkLost):                               # plain ws:// to a TLS port: no handshake
+    with pytest.raises(LinkLost):  # plain ws:// to a TLS port: no handshake
         _link(f"ws://127.0.0.1:{server.port}", target).connect()
 
 
@@ -42,5 +43,5 @@ def test_serve_refuses_a_bad_certificate_before_loading_the_model(tmp_path, caps
     other_cert, _ = make_cert(tmp_path, "other")
     assert cli.main(["serve", "--port", "0", "--tls-cert", str(other_cert), "--tls-key", str(key)]) == 2
     assert "tls_cert/tls_key" in capsys.readouterr().err
-    assert cli.main(["serve", "--port", "0", "--tls-cert", str(cert)]) == 2          # a key is needed too
+    assert cli.main(["serve", "--port", "0", "--tls-cert", str(cert)]) == 2  # a key is needed too
     assert "tls_cert and tls_key go together" in capsys.readouterr().err

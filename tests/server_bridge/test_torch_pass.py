@@ -5,6 +5,7 @@ config: the pass's shape is what is tested, not the weights. A ragged batch (ses
 cache lengths, with different numbers of new tokens) gives each session the logits it gets alone,
 and the operators a pass runs (torch.profiler) are as many for 8 sessions as for 2.
 """
+
 from pathlib import Path
 
 import pytest
@@ -13,13 +14,40 @@ import torch
 from server_bridge.engine import Pass
 from server_bridge.engine_torch import TorchEngine
 
-TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=512)
+TINY = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+)
 # operators that only re-describe memory (views, shapes) and launch no kernel on any device
-VIEWS = {"aten::slice", "aten::narrow", "aten::view", "aten::select", "aten::as_strided", "aten::split",
-         "aten::split_with_sizes", "aten::unsqueeze", "aten::squeeze", "aten::transpose", "aten::expand",
-         "aten::reshape", "aten::_reshape_alias", "aten::t", "aten::permute", "aten::alias", "aten::detach",
-         "aten::lift_fresh", "aten::unbind", "aten::contiguous", "aten::_unsafe_view", "aten::view_as"}
+VIEWS = {
+    "aten::slice",
+    "aten::narrow",
+    "aten::view",
+    "aten::select",
+    "aten::as_strided",
+    "aten::split",
+    "aten::split_with_sizes",
+    "aten::unsqueeze",
+    "aten::squeeze",
+    "aten::transpose",
+    "aten::expand",
+    "aten::reshape",
+    "aten::_reshape_alias",
+    "aten::t",
+    "aten::permute",
+    "aten::alias",
+    "aten::detach",
+    "aten::lift_fresh",
+    "aten::unbind",
+    "aten::contiguous",
+    "aten::_unsafe_view",
+    "aten::view_as",
+}
 
 
 def engine(kind: str = "llama", slots: int = 8) -> TorchEngine:
@@ -30,8 +58,9 @@ def engine(kind: str = "llama", slots: int = 8) -> TorchEngine:
         model = MistralForCausalLM(MistralConfig(**TINY, sliding_window=6))
     else:
         model = LlamaForCausalLM(LlamaConfig(**TINY))
-    return TorchEngine(Path("random"), kind, device="cpu", dtype="float32", threads=1, max_sequences=slots,
-                       max_len=64, model=model)
+    return TorchEngine(
+        Path("random"), kind, device="cpu", dtype="float32", threads=1, max_sequences=slots, max_len=64, model=model
+    )
 
 
 def prefilled(eng: TorchEngine, lengths: list[int]):
@@ -55,7 +84,7 @@ def test_a_ragged_batch_gives_each_session_the_logits_it_gets_alone(kind):
 
     seqs = prefilled(eng, lengths)
     alone = [eng.forward([p])[0] for p in passes(seqs)]
-    batched = eng.forward(passes(seqs))             # the same tokens again, at the same positions
+    batched = eng.forward(passes(seqs))  # the same tokens again, at the same positions
     for a, b, k in zip(alone, batched, keeps):
         assert a.shape == b.shape == (k, TINY["vocab_size"])
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
@@ -88,7 +117,7 @@ def kernel_ops(eng: TorchEngine, sessions: int, tokens: int) -> list[str]:
 
     seqs = prefilled(eng, [10 + 3 * i for i in range(sessions)])
     batch = [Pass(s, 10 + 3 * i, list(range(20, 20 + tokens)), tokens) for i, s in enumerate(seqs)]
-    eng.forward(batch)                                      # warm
+    eng.forward(batch)  # warm
     for i, s in enumerate(seqs):
         eng.truncate(s, 10 + 3 * i)
     batch = [Pass(s, 10 + 3 * i, list(range(20, 20 + tokens)), tokens) for i, s in enumerate(seqs)]

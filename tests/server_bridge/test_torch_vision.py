@@ -1,11 +1,12 @@
 """The torch engine on a vision-language model: a prompt's image marker expands to the image's positions.
 
-On the test VLM (tools/make_test_vlm.py: a random SmolVLM as a Hugging Face directory) the engine must
+On the test VLM (tools/models/make_test_vlm.py: a random SmolVLM as a Hugging Face directory) the engine must
 compute what transformers computes for the whole prompt with its own processor and forward, place the
 text after an image at the right positions, roll back across and before an image, keep a batch's text
 sessions as they are alone, and refuse what it cannot read (corrupt bytes, a hash it does not hold,
 images on a text-only target, an M-RoPE model) with the reason.
 """
+
 import io
 
 import numpy as np
@@ -17,12 +18,12 @@ from protocol.vision import UnknownImage
 from server_bridge.engine import Pass, load_engine
 from server_bridge.engine_torch import TorchEngine
 from server_bridge.vision_torch import CACHED
-from tools import make_test_vlm as tv
+from tools.models import make_test_vlm as tv
 
 pytestmark = pytest.mark.real
 
-TAIL = " A red box"                                 # three ids after the prompt: the verify-shaped passes
-CLOSE = 1e-5                                        # float32 on both sides, the same operations in one pass
+TAIL = " A red box"  # three ids after the prompt: the verify-shaped passes
+CLOSE = 1e-5  # float32 on both sides, the same operations in one pass
 
 
 @pytest.fixture(scope="module")
@@ -32,8 +33,9 @@ def vlm():
 
 @pytest.fixture(scope="module")
 def engine(vlm):
-    return load_engine(str(vlm.hf_dir), engine="torch", device="cpu", dtype="float32", threads=1, max_sequences=8,
-                       max_len=256)
+    return load_engine(
+        str(vlm.hf_dir), engine="torch", device="cpu", dtype="float32", threads=1, max_sequences=8, max_len=256
+    )
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +51,7 @@ def reference(vlm):
         inputs = processor(text=prompt, images=[[pixels]], return_tensors="pt")
         with torch.no_grad():
             return model(**inputs).logits[0, -n:].numpy()
+
     return rows
 
 
@@ -122,29 +125,29 @@ def test_a_verify_pass_after_the_image_gives_transformers_rows(engine, reference
     """As the verifier runs it: the KV holds all but the last committed id, which comes with 3 drafted."""
     ids, images = prompt(engine, encoded(0))
     more = engine.tokenizer.encode(tv.PROMPT + TAIL)
-    assert more[:len(ids)] == ids and len(more) == len(ids) + 3
+    assert more[: len(ids)] == ids and len(more) == len(ids) + 3
     seq = engine.new_sequence()
     run(engine, [Pass(seq, 0, ids[:-1], 0, images=images)])
-    [verify] = run(engine, [Pass(seq, len(ids) - 1, more[len(ids) - 1:], 4)])               # [4, vocab]
+    [verify] = run(engine, [Pass(seq, len(ids) - 1, more[len(ids) - 1 :], 4)])  # [4, vocab]
     assert np.abs(verify - reference(tv.random_image(0), tv.PROMPT + TAIL, 4)).max() < CLOSE
     assert seq.length == len(more) and engine.kv_pos(seq, len(more)) == len(more) + 32
-    singles = [run(engine, [Pass(seq, len(ids) + k, [t], 1)])[0][0] for k, t in enumerate(more[len(ids):])]
+    singles = [run(engine, [Pass(seq, len(ids) + k, [t], 1)])[0][0] for k, t in enumerate(more[len(ids) :])]
     assert np.abs(verify[1:] - np.stack(singles)).max() < CLOSE
     engine.free(seq)
 
 
 def test_a_sequence_rolls_back_after_and_before_its_image(engine, reference):
     seq, ids, images, row = open_with(engine, encoded(0))
-    tail = engine.tokenizer.encode(tv.PROMPT + TAIL)[len(ids):]
+    tail = engine.tokenizer.encode(tv.PROMPT + TAIL)[len(ids) :]
     [first] = run(engine, [Pass(seq, len(ids), tail, 3)])
-    engine.truncate(seq, len(ids))                                           # after the image: it stays
+    engine.truncate(seq, len(ids))  # after the image: it stays
     assert engine.kv_pos(seq, len(ids)) == len(ids) + 32
     [again] = run(engine, [Pass(seq, len(ids), tail, 3)])
     assert np.abs(again - first).max() < CLOSE
     at = next(iter(images))
-    engine.truncate(seq, at)                                                 # before it: its positions go
+    engine.truncate(seq, at)  # before it: its positions go
     assert seq.length == at and engine.kv_pos(seq, at + 1) == at + 1
-    other = PromptImage.of(encoded(1), at)                                   # and another image takes its place
+    other = PromptImage.of(encoded(1), at)  # and another image takes its place
     [rows] = run(engine, [Pass(seq, at, ids[at:], 1, images={0: other})])
     assert np.abs(rows[0] - reference(tv.random_image(1), tv.PROMPT, 1)[0]).max() < CLOSE
     assert np.abs(rows[0] - row).max() > 1e-2
@@ -156,12 +159,13 @@ def test_an_image_pass_in_a_batch_leaves_the_other_sessions_as_they_were(engine)
     alone = engine.new_sequence()
     [ref_text] = run(engine, [Pass(alone, 0, text, 2)])
     seen, ids, _, ref_image = open_with(engine, encoded(0))
-    tail = engine.tokenizer.encode(tv.PROMPT + TAIL)[len(ids):]
-    [ref_tail] = run(engine, [Pass(seen, len(ids), tail, 3)])               # text after an image, alone
+    tail = engine.tokenizer.encode(tv.PROMPT + TAIL)[len(ids) :]
+    [ref_tail] = run(engine, [Pass(seen, len(ids), tail, 3)])  # text after an image, alone
     a, b = engine.new_sequence(), engine.new_sequence()
     _, images = prompt(engine, encoded(0))
-    rows_a, rows_b, rows_tail = run(engine, [Pass(a, 0, ids, 1, images=images), Pass(b, 0, text, 2),
-                                             Pass(seen, len(ids), tail, 3)])
+    rows_a, rows_b, rows_tail = run(
+        engine, [Pass(a, 0, ids, 1, images=images), Pass(b, 0, text, 2), Pass(seen, len(ids), tail, 3)]
+    )
     assert np.abs(rows_a[0] - ref_image).max() < CLOSE and np.abs(rows_b - ref_text).max() < CLOSE
     assert np.abs(rows_tail - ref_tail).max() < CLOSE
     for s in (alone, seen, a, b):
@@ -177,7 +181,7 @@ def test_corrupt_bytes_are_refused_before_anything_is_written_and_the_engine_ser
     with pytest.raises(ValueError, match="could not be decoded"):
         engine.forward([Pass(other, 0, text, 1), Pass(seq, 0, ids, 1, images={at: bad})])
     with pytest.raises(ValueError, match="could not be decoded"):
-        engine.image_positions(PromptImage.of(encoded(0)[:300], at))                    # a truncated PNG
+        engine.image_positions(PromptImage.of(encoded(0)[:300], at))  # a truncated PNG
     assert seq.length == other.length == 0
     [row] = run(engine, [Pass(other, 0, text, 1)])
     assert np.isfinite(row).all()
@@ -194,7 +198,7 @@ def test_an_image_sent_before_is_known_by_its_hash_until_it_leaves_the_cache(eng
     at = next(iter(images))
     by_hash = {at: PromptImage(at, images[at].sha256)}
     seq = engine.new_sequence()
-    with pytest.raises(UnknownImage, match="send its bytes again"):          # never sent
+    with pytest.raises(UnknownImage, match="send its bytes again"):  # never sent
         engine.forward([Pass(seq, 0, ids, 1, images=by_hash)])
     with pytest.raises(UnknownImage):
         engine.resolve(by_hash[at])
@@ -202,7 +206,7 @@ def test_an_image_sent_before_is_known_by_its_hash_until_it_leaves_the_cache(eng
     assert engine.resolve(by_hash[at]) == images[at] and engine.resolve(images[at]) is images[at]
     [again] = run(engine, [Pass(seq, 0, ids, 1, images=by_hash)])
     assert np.abs(full - again).max() < CLOSE
-    for s in range(100, 100 + CACHED):                                       # CACHED others push it out
+    for s in range(100, 100 + CACHED):  # CACHED others push it out
         engine.image_positions(PromptImage.of(encoded(s), at))
     with pytest.raises(UnknownImage, match="send its bytes again"):
         engine.forward([Pass(seq, 0, ids, 1, images=by_hash)])
@@ -214,8 +218,9 @@ def test_a_text_only_engine_refuses_images(torch_target):
     assert text_only.info.extra["vision"] is False and text_only.vision is None
     image = PromptImage.of(encoded(0), 1)
     with pytest.raises(ValueError, match="reads text only"):
-        text_only.forward([Pass(text_only.new_sequence(), 0, text_only.tokenizer.encode("User: look"), 1,
-                                images={1: image})])
+        text_only.forward(
+            [Pass(text_only.new_sequence(), 0, text_only.tokenizer.encode("User: look"), 1, images={1: image})]
+        )
     with pytest.raises(ValueError, match="reads text only"):
         text_only.image_positions(image)
 
@@ -223,6 +228,6 @@ def test_a_text_only_engine_refuses_images(torch_target):
 def test_an_mrope_model_is_refused_at_load_with_the_reason(tmp_path):
     from transformers import Qwen2VLConfig
 
-    Qwen2VLConfig().save_pretrained(tmp_path)                               # the config alone: refused before weights
+    Qwen2VLConfig().save_pretrained(tmp_path)  # the config alone: refused before weights
     with pytest.raises(ValueError, match="M-RoPE"):
         TorchEngine(tmp_path, "qwen2-vl", device="cpu", dtype="float32")

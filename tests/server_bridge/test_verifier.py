@@ -1,4 +1,5 @@
 """The verifier on the real models: at T > 0 the committed token follows the target's distribution."""
+
 import itertools
 
 import numpy as np
@@ -6,9 +7,9 @@ import pytest
 from scipy import stats
 
 from protocol import payload, sampling, wire
-from server_bridge.config import ServerConfig
 from protocol.payload import PayloadSpec
 from protocol.sampling import SamplingParams
+from server_bridge.config import ServerConfig
 from server_bridge.verifier import Verifier
 
 pytestmark = pytest.mark.real
@@ -33,9 +34,10 @@ def test_real_draft_and_target_commit_the_targets_distribution(drafter, engine_t
     params = SamplingParams(temperature=1.5, top_k=4, seed=11)
     ids = drafter.tokenize("The robot turned", chat=False)
     verifier = Verifier(target, ServerConfig())
-    session, _ = verifier.open(wire.Open("stat", ids, {"temperature": 1.5, "top_k": 4, "seed": 11},
-                                         payload=spec.to_wire()), 1, None)
-    p = sampling.probs_from_logits(target.score(session.state, [])[0], params)      # [vocab]
+    session, _ = verifier.open(
+        wire.Open("stat", ids, {"temperature": 1.5, "top_k": 4, "seed": 11}, payload=spec.to_wire()), 1, None
+    )
+    p = sampling.probs_from_logits(target.score(session.state, [])[0], params)  # [vocab]
     target.rewind(session.state, ids)
     support = np.flatnonzero(p)
     assert len(support) == 4
@@ -47,25 +49,27 @@ def test_real_draft_and_target_commit_the_targets_distribution(drafter, engine_t
         frame = wire.encode(wire.Verify("stat", r, len(ids), d.ids, d.wire_q()))
         out = verifier.verify(session, wire.decode(frame))
         token = out.verdict.token
-        if out.residual is not None:                        # split: the robot's half of the round
+        if out.residual is not None:  # split: the robot's half of the round
             res = wire.decode(wire.encode(wire.Result("stat", r, 0, -1, len(ids), {}, out.residual))).residual
-            assert res["ids"] is not None and len(res["ids"]) == 4    # top-k sampling: sent sparse, 4 of 49k
+            assert res["ids"] is not None and len(res["ids"]) == 4  # top-k sampling: sent sparse, 4 of 49k
             token = payload.correction(res["logits"], res["ids"], d.q.row(0), params, rng)
         firsts.append(d.ids[0] if out.verdict.accepted else token)
         rejected += out.verdict.accepted == 0
-        target.rewind(session.state, ids)                   # the next round starts from the same prefix
+        target.rewind(session.state, ids)  # the next round starts from the same prefix
         session.owed = None
     counts = np.array([firsts.count(t) for t in support])
     assert counts.sum() == len(firsts), "a token outside the target's top-k was committed"
-    assert rejected > 0                                     # the residual path really ran
+    assert rejected > 0  # the residual path really ran
     assert stats.chisquare(counts, p[support] * len(firsts)).pvalue > 1e-3
 
 
 # --------------------------------------------------------------------------- early exits (FSD), on each engine
 
 PROMPT = "The robot walked to the kitchen door, stopped, and"
-SAMPLING = {"greedy": {"temperature": 0.0, "top_k": 0, "seed": 0},
-            "sampled": {"temperature": 0.8, "top_k": 40, "seed": 3}}
+SAMPLING = {
+    "greedy": {"temperature": 0.0, "top_k": 0, "seed": 0},
+    "sampled": {"temperature": 0.8, "top_k": 40, "seed": 3},
+}
 
 
 @pytest.fixture(scope="module")
@@ -97,19 +101,20 @@ def _rounds(verifier, exit_target, continuation, sampling_, exits, n=6, k=4, emi
     verdicts, sent = [], []
     for r in range(n):
         done = len(session.state.ids) - len(ids)
-        draft = list(ref[done:done + k]) if done + k <= len(ref) else rng.integers(0, 999, k).tolist()
-        if r % 3 != 2:                                          # every third draft is left perfect
+        draft = list(ref[done : done + k]) if done + k <= len(ref) else rng.integers(0, 999, k).tolist()
+        if r % 3 != 2:  # every third draft is left perfect
             draft[rng.integers(0, k)] = int(rng.integers(0, exit_target.vocab_size))
         cands = rng.integers(0, exit_target.vocab_size, (k, 8)).astype(np.int32)
-        cands[:, 0] = ref[done:done + k] if done + k <= len(ref) else cands[:, 0]
+        cands[:, 0] = ref[done : done + k] if done + k <= len(ref) else cands[:, 0]
         q = {"kind": "none"}
         if sampling_["temperature"] > 0:
             probs = np.full((k, exit_target.vocab_size), 0.5 / exit_target.vocab_size)
             probs[np.arange(k), draft] += 0.5
             q = {"kind": "full", "probs": probs.astype(np.float16)}
         mine = []
-        out = verifier.verify(session, wire.Verify(session.sid, r, len(session.state.ids), draft, q, cands=cands),
-                              mine.append)
+        out = verifier.verify(
+            session, wire.Verify(session.sid, r, len(session.state.ids), draft, q, cands=cands), mine.append
+        )
         verdicts.append((out.verdict, out.timing()))
         sent.append((draft, out, mine))
     return verdicts, session.state.ids, sent
@@ -121,18 +126,18 @@ def test_exits_change_nothing_and_their_verdicts_are_consistent(exit_verifier, e
     on, on_ids, sent = _rounds(exit_verifier, exit_target, continuation, SAMPLING[mode], exits)
     off, off_ids, quiet = _rounds(exit_verifier, exit_target, continuation, SAMPLING[mode], [])
     assert [v for v, _ in on] == [v for v, _ in off] and on_ids == off_ids
-    assert all(not mine for _, _, mine in quiet)                         # exits off: nothing emitted
+    assert all(not mine for _, _, mine in quiet)  # exits off: nothing emitted
     assert all("exit_layer" not in t for _, t in off)
     assert sum(len(mine) for _, _, mine in sent) >= len(sent)
     for r, (draft, out, mine) in enumerate(sent):
         assert mine, "the first exit of a pass always reports"
-        committed = draft[:out.verdict.accepted] + [out.verdict.token]
+        committed = draft[: out.verdict.accepted] + [out.verdict.token]
         for m in mine:
             assert (m.sid, m.round) == (f"x{len(exits)}", r) and m.layer in exits
-            assert 1 <= len(m.tokens) <= len(draft) + 1 and m.tokens[:-1] == draft[:len(m.tokens) - 1]
+            assert 1 <= len(m.tokens) <= len(draft) + 1 and m.tokens[:-1] == draft[: len(m.tokens) - 1]
             assert 0.0 <= m.confidence <= 1.0
-            assert wire.decode(wire.encode(m)) == m                      # a valid wire message
-        assert all(a.tokens != b.tokens for a, b in itertools.pairwise(mine))   # only changes are sent
+            assert wire.decode(wire.encode(m)) == m  # a valid wire message
+        assert all(a.tokens != b.tokens for a, b in itertools.pairwise(mine))  # only changes are sent
         assert [m.layer for m in mine] == sorted({m.layer for m in mine})
         timing = out.timing()
         assert timing["exit_layer"] in exits + [exit_target.n_layers] and 0 < timing["exit_ms"] < timing["verify_ms"]
@@ -167,6 +172,7 @@ def test_a_verify_with_bad_candidates_is_refused(exit_verifier, exit_target, con
     session, _ = exit_verifier.open(wire.Open("c", continuation[0], SAMPLING["greedy"], exits=[26]), 1, None)
     cands = np.full((1, 4), exit_target.vocab_size, np.int32)
     with pytest.raises(wire.WireError) as e:
-        exit_verifier.verify(session, wire.Verify("c", 0, len(session.state.ids), [5], {"kind": "none"}, cands=cands),
-                             lambda m: None)
+        exit_verifier.verify(
+            session, wire.Verify("c", 0, len(session.state.ids), [5], {"kind": "none"}, cands=cands), lambda m: None
+        )
     assert e.value.code == "bad_field"

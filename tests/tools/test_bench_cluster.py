@@ -1,5 +1,6 @@
-"""tools.bench_cluster's pure parts: core layout, the grid's stop rule, capacity and its ratio, the overhead's
+"""tools.bench.cluster's pure parts: core layout, the grid's stop rule, capacity and its ratio, the overhead's
 statistics and block order, and the report on a small fake result (no model, no fleet)."""
+
 from __future__ import annotations
 
 import json
@@ -7,10 +8,10 @@ import json
 import numpy as np
 import pytest
 
-from tools import bench_cluster as bc
-
+from tools.bench import cluster as bc
 
 # --------------------------------------------------------------------------- cores
+
 
 def test_layout_on_two_cores_puts_one_replica_beside_the_robots_and_two_on_both():
     assert bc.layout(1, [0, 1]) == ({0}, [{1}], False)
@@ -23,6 +24,7 @@ def test_layout_with_cores_to_spare_gives_every_replica_its_own():
 
 
 # --------------------------------------------------------------------------- grid and capacity
+
 
 def test_grid_stops_after_two_failures_in_a_row_only():
     assert not bc.should_stop([True, False])
@@ -37,7 +39,10 @@ def _points(passes: dict[int, bool]) -> list[dict]:
 
 def test_fleet_capacity_is_the_largest_n_with_every_smaller_passing():
     assert bc.fleet_capacity(_points({2: True, 3: True, 4: False, 6: True})) == {
-        "capacity": 3, "lower_bound": False, "ns_run": [2, 3, 4, 6]}
+        "capacity": 3,
+        "lower_bound": False,
+        "ns_run": [2, 3, 4, 6],
+    }
     assert bc.fleet_capacity(_points({2: False, 3: False}))["capacity"] == 0
     whole = bc.fleet_capacity(_points({2: True, 4: True}))
     assert whole["capacity"] == 4 and whole["lower_bound"]
@@ -66,6 +71,7 @@ def test_ratio_undefined_when_one_replica_fails_at_the_smallest_n():
 
 # --------------------------------------------------------------------------- overhead
 
+
 def test_block_order_is_abba_with_as_many_blocks_of_each_path():
     assert bc.block_order(20, 5) == ["direct", "lb", "lb", "direct"] * 2
     assert bc.block_order(3, 5) == ["direct", "lb"]
@@ -86,8 +92,10 @@ def test_overhead_stats_medians_p99_and_their_differences():
 
 
 def test_group_differences_per_abba_group_of_block_medians():
-    blocks = [{"path": p, "median": m} for p, m in
-              (("direct", 10.0), ("lb", 12.0), ("lb", 14.0), ("direct", 12.0), ("direct", 20.0), ("lb", None))]
+    blocks = [
+        {"path": p, "median": m}
+        for p, m in (("direct", 10.0), ("lb", 12.0), ("lb", 14.0), ("direct", 12.0), ("direct", 20.0), ("lb", None))
+    ]
     # (12 + 14) / 2 - (10 + 12) / 2 = 2; the last, short group has no lb median: left out
     assert bc.group_differences(blocks) == [2.0]
     assert bc.group_differences(blocks[:2]) == [2.0]
@@ -99,31 +107,86 @@ def test_overhead_stats_without_rounds_on_a_path():
 
 # --------------------------------------------------------------------------- report
 
+
 def _point(replicas: int, n: int, rate: float, passes: bool, spread: dict) -> dict:
-    return {"replicas": replicas, "n": n, "violation_rate": rate, "decided": 3 * n, "goodput_tokens_per_s": 9.5 * n,
-            "round_ms_mean": 120.0, "round_ms_p95": 200.0, "sheds": 0, "spread": spread,
-            "connections_mid_window": {k: v for k, v in spread.items()}, "exact": True, "near_ties": 0,
-            "exact_up_to_near_ties": True, "passes": passes, "errors": []}
+    return {
+        "replicas": replicas,
+        "n": n,
+        "violation_rate": rate,
+        "decided": 3 * n,
+        "goodput_tokens_per_s": 9.5 * n,
+        "round_ms_mean": 120.0,
+        "round_ms_p95": 200.0,
+        "sheds": 0,
+        "spread": spread,
+        "connections_mid_window": {k: v for k, v in spread.items()},
+        "exact": True,
+        "near_ties": 0,
+        "exact_up_to_near_ties": True,
+        "passes": passes,
+        "errors": [],
+    }
 
 
 def fake_result() -> dict:
-    cfg = {"gamma": 4, "draft_ms": 8.0, "tokens": 48, "classes": [8], "warmup_s": 3.0, "window_s": 8.0,
-           "ns": [2, 4, 6], "pair": "smollm2-q4_1", "target": "smollm2-f32", "max_violation": 0.05,
-           "stop_after_fails": 2, "cpu_count": 2, "commit": "abc123", "dirty": True,
-           "command": "python -m tools.bench_cluster --n 2,4,6", "started": "t0", "finished": "t1"}
-    one = {"replicas": 1, "client_cpus": [0], "replica_cpus": [[1]], "robots_share_a_replica_core": False,
-           "points": [_point(1, 2, 0.0, True, {"r0": 2}), _point(1, 4, 0.25, False, {"r0": 4}),
-                      _point(1, 6, 0.6, False, {"r0": 6})]}
-    two = {"replicas": 2, "client_cpus": [0], "replica_cpus": [[0], [1]], "robots_share_a_replica_core": True,
-           "points": [_point(2, 2, 0.0, True, {"r0": 1, "r1": 1}), _point(2, 4, 0.0, True, {"r0": 2, "r1": 2}),
-                      _point(2, 6, 0.1, False, {"r0": 4, "r1": 2})]}
+    cfg = {
+        "gamma": 4,
+        "draft_ms": 8.0,
+        "tokens": 48,
+        "classes": [8],
+        "warmup_s": 3.0,
+        "window_s": 8.0,
+        "ns": [2, 4, 6],
+        "pair": "smollm2-q4_1",
+        "target": "smollm2-f32",
+        "max_violation": 0.05,
+        "stop_after_fails": 2,
+        "cpu_count": 2,
+        "commit": "abc123",
+        "dirty": True,
+        "command": "python -m tools.bench.cluster --n 2,4,6",
+        "started": "t0",
+        "finished": "t1",
+    }
+    one = {
+        "replicas": 1,
+        "client_cpus": [0],
+        "replica_cpus": [[1]],
+        "robots_share_a_replica_core": False,
+        "points": [
+            _point(1, 2, 0.0, True, {"r0": 2}),
+            _point(1, 4, 0.25, False, {"r0": 4}),
+            _point(1, 6, 0.6, False, {"r0": 6}),
+        ],
+    }
+    two = {
+        "replicas": 2,
+        "client_cpus": [0],
+        "replica_cpus": [[0], [1]],
+        "robots_share_a_replica_core": True,
+        "points": [
+            _point(2, 2, 0.0, True, {"r0": 1, "r1": 1}),
+            _point(2, 4, 0.0, True, {"r0": 2, "r1": 2}),
+            _point(2, 6, 0.1, False, {"r0": 4, "r1": 2}),
+        ],
+    }
     for run in (one, two):
         run.update(bc.fleet_capacity(run["points"]))
     direct, lb = [100.0, 101.0, 102.0, 140.0], [101.0, 102.0, 103.0, 150.0]
-    blocks = [{"path": "direct", "rounds": 2, "median": 100.5}, {"path": "lb", "rounds": 2, "median": 101.5},
-              {"path": "lb", "rounds": 2, "median": 126.5}, {"path": "direct", "rounds": 2, "median": 121.0}]
-    overhead = {"blocks": blocks, "block_s": 5.0, "errors": [], **bc.overhead_stats(direct, lb, 100),
-                "added_median_by_group": bc.group_differences(blocks), "round_ms": {"direct": direct, "lb": lb}}
+    blocks = [
+        {"path": "direct", "rounds": 2, "median": 100.5},
+        {"path": "lb", "rounds": 2, "median": 101.5},
+        {"path": "lb", "rounds": 2, "median": 126.5},
+        {"path": "direct", "rounds": 2, "median": 121.0},
+    ]
+    overhead = {
+        "blocks": blocks,
+        "block_s": 5.0,
+        "errors": [],
+        **bc.overhead_stats(direct, lb, 100),
+        "added_median_by_group": bc.group_differences(blocks),
+        "round_ms": {"direct": direct, "lb": lb},
+    }
     return {"config": cfg, "runs": {"1": one, "2": two}, "ratio": bc.capacity_ratio(one, two), "overhead": overhead}
 
 
@@ -131,12 +194,12 @@ def test_markdown_has_a_table_per_replica_count_capacities_ratio_overhead_and_ca
     md = bc.render_markdown(fake_result())
     assert md.count("| N | violations |") == 2
     assert "## 1 replica(s)" in md and "## 2 replica(s)" in md
-    assert "| 1 | 2 |" in md and "| 2 | 4 |" in md               # capacities
+    assert "| 1 | 2 |" in md and "| 2 | 4 |" in md  # capacities
     assert "**2.00**" in md and "met" in md
-    assert "r0 2 / r1 2" in md                                  # spread over replicas
+    assert "r0 2 / r1 2" in md  # spread over replicas
     assert "added by HAProxy" in md and "+1.00" in md and "ABBA group" in md and "+3.25 ms" in md
     assert "4 blocks" not in md and "2 blocks of 5 s per path" in md
-    assert "`python -m tools.bench_cluster --n 2,4,6`" in md and "abc123" in md
+    assert "`python -m tools.bench.cluster --n 2,4,6`" in md and "abc123" in md
     assert "sharing r0's core" in md and "2 cores" in md
 
 
@@ -147,7 +210,7 @@ def test_markdown_without_overhead_and_with_a_ratio_bounded_below():
     r["runs"]["2"].update(bc.fleet_capacity(r["runs"]["2"]["points"]))
     r["ratio"] = bc.capacity_ratio(r["runs"]["1"], r["runs"]["2"])
     md = bc.render_markdown(r)
-    assert "Not measured." in md and "**>= 2.00** (aim >= 1.8: met)" in md     # at least 2: the aim is met
+    assert "Not measured." in md and "**>= 2.00** (aim >= 1.8: met)" in md  # at least 2: the aim is met
 
 
 def test_markdown_says_when_both_capacities_are_lower_bounds():

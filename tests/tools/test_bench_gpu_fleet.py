@@ -1,23 +1,25 @@
-"""Robots per GPU (tools/bench_gpu_fleet.py) and its random target (tools/random_target.py), on the CPU.
+"""Robots per GPU (tools/bench/gpu_fleet.py) and its random target (tools/models/random_target.py), on the CPU.
 
 The figures of the tiny form mean nothing; these check the replay keeps the recorded pair's acceptance,
 the search finds the edge, the random target speaks the draft's vocabulary in both engines, and the
 whole benchmark runs end to end.
 """
+
 import json
 
 import numpy as np
 import pytest
 
 from protocol import modelfiles
-from tools import bench_gpu_fleet as fleet
-from tools import random_target
-from tools.loadgen import Trace
+from tools.bench import gpu_fleet as fleet
+from tools.bench.loadgen import Trace
+from tools.models import random_target
 
 RECORDED = fleet.TRACES / "smollm2-q4_1__smollm2-f32.json"
 
 
 # --------------------------------------------------------------------------- pure pieces
+
 
 def test_the_search_doubles_then_bisects_to_the_edge():
     runs = []
@@ -32,8 +34,11 @@ def test_the_search_doubles_then_bisects_to_the_edge():
 
 
 def test_the_search_reports_lower_bounds_and_failures_at_the_smallest_fleet():
-    assert fleet.capacity_search(lambda n: {"2": True}, ["2"], start=4, max_n=16)["2"] == \
-        {"capacity": 16, "lower_bound": True, "tried": [4, 8, 16]}
+    assert fleet.capacity_search(lambda n: {"2": True}, ["2"], start=4, max_n=16)["2"] == {
+        "capacity": 16,
+        "lower_bound": True,
+        "tried": [4, 8, 16],
+    }
     assert fleet.capacity_search(lambda n: {"8": False}, ["8"], ns=(1, 2))["8"]["capacity"] == 0
     # fixed sizes stop once every class has failed
     seen = []
@@ -42,15 +47,17 @@ def test_the_search_reports_lower_bounds_and_failures_at_the_smallest_fleet():
 
 
 def test_one_sweep_serves_every_class_for_the_peer():
-    caps = fleet.capacity_search(lambda n: {"8": n <= 5, "4": n <= 10, "2": n <= 20}, ["8", "4", "2"],
-                                 start=1, max_n=64, refine=0.01)
+    caps = fleet.capacity_search(
+        lambda n: {"8": n <= 5, "4": n <= 10, "2": n <= 20}, ["8", "4", "2"], start=1, max_n=64, refine=0.01
+    )
     assert {c: v["capacity"] for c, v in caps.items()} == {"8": 5, "4": 10, "2": 20}
 
 
 def test_generations_are_judged_again_at_each_tighter_rate():
-    recs = [{"in_sample": True, "violated": False, "tokens_per_s": s} for s in (9.0, 5.0, 3.0)] + \
-           [{"in_sample": True, "violated": True, "tokens_per_s": None},
-            {"in_sample": False, "violated": False, "tokens_per_s": 1.0}]
+    recs = [{"in_sample": True, "violated": False, "tokens_per_s": s} for s in (9.0, 5.0, 3.0)] + [
+        {"in_sample": True, "violated": True, "tokens_per_s": None},
+        {"in_sample": False, "violated": False, "tokens_per_s": 1.0},
+    ]
     j = fleet.judged(recs, (8, 4, 2))
     assert [j[c]["violation_rate"] for c in ("8", "4", "2")] == [0.75, 0.5, 0.25]
     assert all(j[c]["decided"] == 4 and j[c]["passes"] is False for c in j)
@@ -60,12 +67,12 @@ def test_the_planted_path_is_one_cycle_through_the_normal_tokens():
     types = random_target.token_types()
     succ = random_target.planted_successor(types, seed=0)
     normal = np.flatnonzero(types == random_target.NORMAL_TOKEN)
-    assert set(succ.tolist()) <= set(normal.tolist())               # never an end-of-text or control token
+    assert set(succ.tolist()) <= set(normal.tolist())  # never an end-of-text or control token
     t, seen = int(normal[0]), set()
     for _ in range(len(normal)):
         seen.add(t)
         t = int(succ[t])
-    assert t == normal[0] and len(seen) == len(normal)              # one cycle, every normal token on it
+    assert t == normal[0] and len(seen) == len(normal)  # one cycle, every normal token on it
 
 
 def test_the_replayed_robots_keep_the_recorded_pairs_acceptance():
@@ -85,24 +92,35 @@ def test_the_replayed_robots_keep_the_recorded_pairs_acceptance():
 
 
 def test_the_peer_sweep_judges_every_class_from_one_set_of_points(monkeypatch, tmp_path):
-    from tools import peer
+    from tools.bench import peer
 
     def fake_point(model, trace, n, cfg, **kw):
-        speed = 40.0 / n                                            # the fleet shares 40 tok/s
+        speed = 40.0 / n  # the fleet shares 40 tok/s
         assert cfg.classes == (2,) and kw["extra_args"] == []
         recs = [{"in_sample": True, "violated": speed < 2, "tokens_per_s": speed} for _ in range(n)]
-        return {"generation_records": recs, "matches_trace": True, "server_start_s": 0.1, "goodput_tokens_per_s": 40.0,
-                "tokens_per_round": 1.0, "round_ms_mean": 1.0, "round_ms_p95": 2.0, "sheds": 0, "errors": []}
+        return {
+            "generation_records": recs,
+            "matches_trace": True,
+            "server_start_s": 0.1,
+            "goodput_tokens_per_s": 40.0,
+            "tokens_per_round": 1.0,
+            "round_ms_mean": 1.0,
+            "round_ms_p95": 2.0,
+            "sheds": 0,
+            "errors": [],
+        }
 
     monkeypatch.setattr(peer, "fleet_point", fake_point)
     monkeypatch.setattr(peer, "server_version", lambda b: "version: fake")
     cfg = fleet.FleetConfig(tiny=True, device="cpu", classes=(8, 4, 2), refine=0.01)
-    res = fleet.run_peer(cfg, type("T", (), {"gguf": tmp_path / "x.gguf"})(), None, 64, tmp_path / "llama-server",
-                         {}, lambda m: None)
+    res = fleet.run_peer(
+        cfg, type("T", (), {"gguf": tmp_path / "x.gguf"})(), None, 64, tmp_path / "llama-server", {}, lambda m: None
+    )
     assert {c: v["capacity"] for c, v in res["capacity"].items()} == {"8": 5, "4": 10, "2": 20}
 
 
 # --------------------------------------------------------------------------- with models
+
 
 @pytest.mark.real
 def test_the_random_target_is_one_model_in_both_engines_with_the_drafts_vocabulary():
@@ -114,20 +132,40 @@ def test_the_random_target_is_one_model_in_both_engines_with_the_drafts_vocabula
     prompt = list(range(100, 140))
     logits = {}
     for engine, path in (("llamacpp", target.gguf), ("torch", target.hf_dir)):
-        eng = load_engine(str(path), engine=engine, device="cpu", dtype="float32", max_sequences=2, kv_tokens=512,
-                          max_len=256)
+        eng = load_engine(
+            str(path), engine=engine, device="cpu", dtype="float32", max_sequences=2, kv_tokens=512, max_len=256
+        )
         assert eng.vocab_hash == shipped and eng.vocab_size == 49152
         logits[engine] = eng.to_numpy(eng.forward([Pass(eng.new_sequence(), 0, prompt, len(prompt))])[0])
     # the same function (Q and K permuted as llama.cpp's converter does: a wrong permutation differs by ~7e-4)
     assert np.abs(logits["llamacpp"] - logits["torch"]).max() < 2e-4
     succ = random_target.planted_successor(random_target.token_types(), 0)
-    assert (logits["torch"].argmax(-1) == succ[prompt]).all()       # the planted path wins at every position
+    assert (logits["torch"].argmax(-1) == succ[prompt]).all()  # the planted path wins at every position
 
 
 @pytest.mark.real
 def test_the_tiny_fleet_runs_end_to_end_on_both_engines(tmp_path):
-    assert fleet.main(["--tiny", "--device", "cpu", "--no-peer", "--n", "1,2", "--classes", "8,2",
-                       "--window-s", "2", "--warmup-s", "1", "--out", str(tmp_path)]) == 0
+    assert (
+        fleet.main(
+            [
+                "--tiny",
+                "--device",
+                "cpu",
+                "--no-peer",
+                "--n",
+                "1,2",
+                "--classes",
+                "8,2",
+                "--window-s",
+                "2",
+                "--warmup-s",
+                "1",
+                "--out",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    )
     result = json.loads((tmp_path / "gpu_fleet.json").read_text())
     shipped = random_target.gguf_vocab_hash(modelfiles.shipped_gguf())
     assert result["trace"]["gguf_vocab_hash"] == shipped == result["trace"]["vocab_hash"]
@@ -139,7 +177,7 @@ def test_the_tiny_fleet_runs_end_to_end_on_both_engines(tmp_path):
         assert s["server_config"]["estimator"] == str(tmp_path / f"estimator-{engine}.json")
         assert set(s["estimator"]["coefficients"]) == {"a", "b_c", "b_r", "c"} and s["estimator"]["test"]["n"] > 0
         assert set(s["capacity"]) == {"8", "2"}
-        assert all(c["capacity"] >= 1 for c in s["capacity"].values())   # a robot at 2-8 tok/s on a toy target
+        assert all(c["capacity"] >= 1 for c in s["capacity"].values())  # a robot at 2-8 tok/s on a toy target
         assert {p["n"] for p in s["points"]} == {1, 2} and all(p["exact"] for p in s["points"])
         # the replay keeps the recorded pair's tokens per round (a generation cut by the window aside)
         assert all(abs(p["tokens_per_round"] - result["trace"]["planned_tau"]) < 0.5 for p in s["points"])

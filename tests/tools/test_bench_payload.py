@@ -1,13 +1,14 @@
-"""tools.bench_payload's arithmetic: q_K as the wire has it, beta, the summaries, the checks and the merge.
+"""tools.bench.payload's arithmetic: q_K as the wire has it, beta, the summaries, the checks and the merge.
 
 No models: synthetic logits and synthetic run records.
 """
+
 import numpy as np
 import pytest
 
 from protocol import payload, sampling
 from protocol.sampling import SamplingParams
-from tools import bench_payload as bp
+from tools.bench import payload as bp
 
 T07 = SamplingParams(temperature=0.7)
 
@@ -17,9 +18,20 @@ def logits(seed: int, v: int = 1000) -> np.ndarray:
 
 
 def run(mode: str, rtt: float = 20, bw: float = 10, **kw) -> dict:
-    r = {"mode": mode, "payload": "topk(K=16)" if mode == "topk" else mode, "rtt_ms": rtt, "bandwidth_mbps": bw,
-         "tokens": 10, "wall_s": 1.0, "rounds": 2, "drafted": 8, "accepted": 6, "round_bytes_up": 100,
-         "round_bytes_down": 60, "residuals": 0}
+    r = {
+        "mode": mode,
+        "payload": "topk(K=16)" if mode == "topk" else mode,
+        "rtt_ms": rtt,
+        "bandwidth_mbps": bw,
+        "tokens": 10,
+        "wall_s": 1.0,
+        "rounds": 2,
+        "drafted": 8,
+        "accepted": 6,
+        "round_bytes_up": 100,
+        "round_bytes_down": 60,
+        "residuals": 0,
+    }
     r.update(kw)
     return r
 
@@ -59,7 +71,7 @@ def test_position_betas_full_matches_the_limit_of_large_k_and_k1_is_p_of_the_arg
     v = len(x)
     betas = bp.position_betas(x, x, T07, [1, v])
     p = sampling.probs_from_logits(x[None], T07)[0]
-    assert betas[None] == pytest.approx(1.0, abs=2e-3)            # only fp16 rounding separates q from p
+    assert betas[None] == pytest.approx(1.0, abs=2e-3)  # only fp16 rounding separates q from p
     assert betas[v] == pytest.approx(betas[None], abs=1e-9)
     assert betas[1] == pytest.approx(p.max())
 
@@ -84,13 +96,21 @@ def test_summarize_topk_gaps_and_intervals():
 
 
 def test_summarize_links_averages_over_rounds_and_skips_failed_runs():
-    runs = [run("split", rounds=2, round_bytes_up=100, tokens=10, wall_s=1.0, residuals=1),
-            run("split", rounds=3, round_bytes_up=200, tokens=20, wall_s=3.0, drafted=12, accepted=12),
-            {"mode": "split", "payload": "split", "rtt_ms": 20, "bandwidth_mbps": 10, "error": "lost", "tokens": 3},
-            run("none", bw=1), run("none", bw=100), run("full", rtt=50)]
+    runs = [
+        run("split", rounds=2, round_bytes_up=100, tokens=10, wall_s=1.0, residuals=1),
+        run("split", rounds=3, round_bytes_up=200, tokens=20, wall_s=3.0, drafted=12, accepted=12),
+        {"mode": "split", "payload": "split", "rtt_ms": 20, "bandwidth_mbps": 10, "error": "lost", "tokens": 3},
+        run("none", bw=1),
+        run("none", bw=100),
+        run("full", rtt=50),
+    ]
     rows = bp.summarize_links(runs)
-    assert [(r["mode"], r["rtt_ms"], r["bandwidth_mbps"]) for r in rows] == \
-        [("none", 20, 1), ("none", 20, 100), ("full", 50, 10), ("split", 20, 10)]
+    assert [(r["mode"], r["rtt_ms"], r["bandwidth_mbps"]) for r in rows] == [
+        ("none", 20, 1),
+        ("none", 20, 100),
+        ("full", 50, 10),
+        ("split", 20, 10),
+    ]
     s = rows[-1]
     assert s["runs"] == 2 and s["failed"] == 1
     assert s["bytes_up_per_round"] == pytest.approx(300 / 5)
@@ -100,20 +120,58 @@ def test_summarize_links_averages_over_rounds_and_skips_failed_runs():
 
 
 def links_part(split_up: int, topk_accepted: int) -> dict:
-    runs = [run("split", round_bytes_up=split_up), run("full", accepted=100, drafted=100),
-            run("topk", accepted=topk_accepted, drafted=100)]
-    return {"config": {"gamma": 4, "topk": 16, "temperature": 0.7, "draft": "d", "target": "t", "prompts": 1,
-                       "max_tokens": 8, "server_cpus": [1], "agent_cpus": [0], "started": "now",
-                       "rtts_ms": [20], "bandwidths_mbps": [10]},
-            "runs": runs, "summary": bp.summarize_links(runs)}
+    runs = [
+        run("split", round_bytes_up=split_up),
+        run("full", accepted=100, drafted=100),
+        run("topk", accepted=topk_accepted, drafted=100),
+    ]
+    return {
+        "config": {
+            "gamma": 4,
+            "topk": 16,
+            "temperature": 0.7,
+            "draft": "d",
+            "target": "t",
+            "prompts": 1,
+            "max_tokens": 8,
+            "server_cpus": [1],
+            "agent_cpus": [0],
+            "started": "now",
+            "rtts_ms": [20],
+            "bandwidths_mbps": [10],
+        },
+        "runs": runs,
+        "summary": bp.summarize_links(runs),
+    }
 
 
 def topk_part(gap16: float) -> dict:
-    rows = [{"draft": "d", "temperature": 0.7, "k": k, "positions": 10, "acceptance": 0.9 * (1 - g),
-             "ci95": [0.8, 0.95], "gap_to_full": g, "gap_ci95": [g - 0.01, g + 0.01]}
-            for k, g in ((1, 0.3), (payload.DEFAULT_TOPK, gap16), (None, 0.0))]
-    return {"config": {"drafts": ["d"], "temperatures": [0.7], "ks": [1, payload.DEFAULT_TOPK], "target": "t",
-                       "prompts": 1, "tokens": 8, "bootstrap": 10, "started": "now"}, "rows": rows}
+    rows = [
+        {
+            "draft": "d",
+            "temperature": 0.7,
+            "k": k,
+            "positions": 10,
+            "acceptance": 0.9 * (1 - g),
+            "ci95": [0.8, 0.95],
+            "gap_to_full": g,
+            "gap_ci95": [g - 0.01, g + 0.01],
+        }
+        for k, g in ((1, 0.3), (payload.DEFAULT_TOPK, gap16), (None, 0.0))
+    ]
+    return {
+        "config": {
+            "drafts": ["d"],
+            "temperatures": [0.7],
+            "ks": [1, payload.DEFAULT_TOPK],
+            "target": "t",
+            "prompts": 1,
+            "tokens": 8,
+            "bootstrap": 10,
+            "started": "now",
+        },
+        "rows": rows,
+    }
 
 
 def test_checks_pass_and_fail_on_the_two_claims():

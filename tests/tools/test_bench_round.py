@@ -1,9 +1,10 @@
 """The round benchmark's own code: raw llama.cpp and our streamed AR give the same ids, and it says so."""
+
 import json
 
 import pytest
 
-from tools import bench_round
+from tools.bench import round as bench_round
 
 pytestmark = pytest.mark.real
 

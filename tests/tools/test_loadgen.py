@@ -1,6 +1,7 @@
-"""tools.loadgen: the SLO rule, capacity, trace replay, /metrics parsing, robots against a fake verifier,
+"""tools.bench.loadgen: the SLO rule, capacity, trace replay, /metrics parsing, robots against a fake verifier,
 and (marked real) one small sweep against a real server-bridge with exactness checked token by token.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -13,7 +14,7 @@ import pytest
 from websockets.asyncio.server import serve
 
 from protocol import wire
-from tools import loadgen as lg
+from tools.bench import loadgen as lg
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -21,6 +22,7 @@ TRACES = Path(lg.__file__).parent / "traces"
 
 
 # --------------------------------------------------------------------------- a synthetic trace
+
 
 def synthetic_trace(n_prompts: int = 3, length: int = 20, gamma_max: int = 8) -> lg.Trace:
     """Prompt j: [100 + j, 1, 2]; target: 1000 j + 10 + t; every 5th chain is wrong from its 3rd token on."""
@@ -39,6 +41,7 @@ def synthetic_trace(n_prompts: int = 3, length: int = 20, gamma_max: int = 8) ->
 
 # --------------------------------------------------------------------------- the SLO rule
 
+
 def test_a_generation_faster_than_its_class_meets_it_and_is_decided_when_it_finishes():
     assert lg.judge(opened=10.0, done=14.0, tokens=48, goal=48, slo=8, lost=None, now=99) == (14.0, False)
 
@@ -53,7 +56,7 @@ def test_exactly_on_the_class_speed_is_not_a_violation():
 
 
 def test_an_unfinished_generation_is_undecided_until_its_deadline_then_violated():
-    assert lg.judge(10.0, None, 30, 48, 4, None, now=21.9) == (None, False)      # due at 22
+    assert lg.judge(10.0, None, 30, 48, 4, None, now=21.9) == (None, False)  # due at 22
     assert lg.judge(10.0, None, 30, 48, 4, None, now=22.0) == (22.0, True)
 
 
@@ -64,11 +67,12 @@ def test_a_shed_generation_violates_even_when_it_ends_fast():
 
 
 def test_a_generation_ended_early_by_eos_is_judged_on_the_tokens_it_made():
-    assert lg.judge(0.0, 2.0, 10, 48, 4, None, 99) == (2.0, False)                # 5 tok/s >= 4
-    assert lg.judge(0.0, 2.0, 6, 48, 4, None, 99) == (2.0, True)                  # 3 tok/s < 4
+    assert lg.judge(0.0, 2.0, 10, 48, 4, None, 99) == (2.0, False)  # 5 tok/s >= 4
+    assert lg.judge(0.0, 2.0, 6, 48, 4, None, 99) == (2.0, True)  # 3 tok/s < 4
 
 
 # --------------------------------------------------------------------------- capacity
+
 
 def test_capacity_is_the_largest_n_before_the_first_failure():
     assert lg.capacity({2: True, 4: True, 8: True, 12: False, 16: True}) == (8, False)
@@ -93,14 +97,24 @@ def test_a_point_passes_only_with_every_class_within_the_bound():
 
 
 def point(pair, policy, n, rate, by_class):
-    return {"pair": pair, "policy": policy, "n": n, "violation_rate": rate, "violation_rate_by_class": by_class,
-            "passes": lg.point_passes(rate, by_class)}
+    return {
+        "pair": pair,
+        "policy": policy,
+        "n": n,
+        "violation_rate": rate,
+        "violation_rate_by_class": by_class,
+        "passes": lg.point_passes(rate, by_class),
+    }
 
 
 def test_capacities_per_policy_and_class_and_the_slo_over_fcfs_ratio():
     table = {  # N: (fcfs overall, fcfs class 8, slo overall, slo class 8); class 2 always fine
-        2: (0.0, 0.0, 0.0, 0.0), 4: (0.02, 0.04, 0.0, 0.0), 8: (0.10, 0.40, 0.01, 0.03),
-        12: (0.30, 0.90, 0.04, 0.05), 16: (0.50, 1.0, 0.20, 0.60)}
+        2: (0.0, 0.0, 0.0, 0.0),
+        4: (0.02, 0.04, 0.0, 0.0),
+        8: (0.10, 0.40, 0.01, 0.03),
+        12: (0.30, 0.90, 0.04, 0.05),
+        16: (0.50, 1.0, 0.20, 0.60),
+    }
     points = []
     for n, (f, f8, s, s8) in table.items():
         points.append(point("p", "fcfs", n, f, {"8": f8, "2": 0.0}))
@@ -115,6 +129,7 @@ def test_capacities_per_policy_and_class_and_the_slo_over_fcfs_ratio():
 
 
 # --------------------------------------------------------------------------- trace replay
+
 
 def test_on_the_target_path_the_draft_is_the_recorded_chain_cut_to_k():
     p = synthetic_trace().prompts[0]
@@ -132,9 +147,16 @@ def test_off_the_target_path_or_past_the_recording_the_draft_is_empty():
 
 def test_trace_files_load_and_match_their_format(tmp_path):
     t = synthetic_trace(n_prompts=1, length=3, gamma_max=2)
-    d = {"format": "edgespec-trace/1", "draft": t.draft, "target": t.target, "vocab_hash": t.vocab_hash,
-         "vocab_size": t.vocab_size, "eos_ids": t.eos_ids, "gamma_max": 2,
-         "prompts": [{"prompt_ids": p.prompt_ids, "target_ids": p.target_ids, "chains": p.chains} for p in t.prompts]}
+    d = {
+        "format": "edgespec-trace/1",
+        "draft": t.draft,
+        "target": t.target,
+        "vocab_hash": t.vocab_hash,
+        "vocab_size": t.vocab_size,
+        "eos_ids": t.eos_ids,
+        "gamma_max": 2,
+        "prompts": [{"prompt_ids": p.prompt_ids, "target_ids": p.target_ids, "chains": p.chains} for p in t.prompts],
+    }
     (tmp_path / "ok.json").write_text(json.dumps(d))
     assert lg.Trace.load(tmp_path / "ok.json") == t
     d["prompts"][0]["chains"].pop()
@@ -147,7 +169,7 @@ def test_trace_files_load_and_match_their_format(tmp_path):
 def test_the_committed_traces_are_small_and_consistent(pair):
     path = TRACES / f"{pair}__smollm2-f32.json"
     if not path.exists():
-        pytest.skip(f"{path} not recorded (python -m tools.record_traces)")
+        pytest.skip(f"{path} not recorded (python -m tools.train.record_traces)")
     t = lg.Trace.load(path)
     assert path.stat().st_size < 1024 * 1024 and t.gamma_max >= 4 and len(t.prompts) >= 3
     for p in t.prompts:
@@ -172,10 +194,15 @@ bridge_broken not-a-number
 
 def test_parse_metrics_keeps_every_bridge_sample_with_its_labels():
     m = lg.parse_metrics(METRICS)
-    assert m == {"bridge_rounds_total": 120.0, "bridge_sessions_active": 4.0,
-                 'bridge_errors_total{code="overloaded"}': 3.0, "bridge_batch_size_sum": 240.0,
-                 "bridge_batch_size_count": 80.0, 'bridge_verify_seconds_bucket{le="+Inf"}': 80.0,
-                 "bridge_tau": 3.5}
+    assert m == {
+        "bridge_rounds_total": 120.0,
+        "bridge_sessions_active": 4.0,
+        'bridge_errors_total{code="overloaded"}': 3.0,
+        "bridge_batch_size_sum": 240.0,
+        "bridge_batch_size_count": 80.0,
+        'bridge_verify_seconds_bucket{le="+Inf"}': 80.0,
+        "bridge_tau": 3.5,
+    }
 
 
 def test_parse_metrics_drops_the_replica_label_of_the_servers_page():
@@ -204,8 +231,9 @@ def test_parse_metrics_drops_the_replica_label_of_the_servers_page():
 
 
 def test_window_deltas_subtract_counters_keep_gauges_and_give_histogram_means():
-    start = lg.parse_metrics("bridge_rounds_total 20\nbridge_batch_size_sum 40\nbridge_batch_size_count 20\n"
-                             "bridge_sessions_active 9\n")
+    start = lg.parse_metrics(
+        "bridge_rounds_total 20\nbridge_batch_size_sum 40\nbridge_batch_size_count 20\nbridge_sessions_active 9\n"
+    )
     delta = lg.metrics_delta(start, lg.parse_metrics(METRICS))
     assert delta["bridge_rounds_total"] == 100 and delta["bridge_sessions_active"] == 4
     assert delta['bridge_errors_total{code="overloaded"}'] == 3
@@ -213,32 +241,35 @@ def test_window_deltas_subtract_counters_keep_gauges_and_give_histogram_means():
 
 
 def test_the_servers_logged_config_is_read_back():
-    log = ('2026-01-01 INFO server_bridge: config in use: {"scheduler": "slo", "max_batch": 8}\n'
-           "2026-01-01 INFO server_bridge.server: listening\n")
+    log = (
+        '2026-01-01 INFO server_bridge: config in use: {"scheduler": "slo", "max_batch": 8}\n'
+        "2026-01-01 INFO server_bridge.server: listening\n"
+    )
     assert lg.server_config(log) == {"scheduler": "slo", "max_batch": 8}
     assert lg.server_config("nothing here\n") is None
 
 
 # --------------------------------------------------------------------------- summary of a point
 
+
 def test_summary_follows_the_generations_opened_in_the_window_and_counts_tokens_committed_in_it():
     trace = synthetic_trace()
     out = lg.PointLog(window=(10.0, 20.0), ended=25.0)
     target = trace.prompts[0].target_ids
     out.generations = [
-        lg.Generation(0, 8, 0, 16, opened=5.0, tokens=target[:16], done=9.0),      # opened before: out
-        lg.Generation(0, 8, 0, 16, opened=10.5, tokens=target[:16], done=12.0),   # 10.7 tok/s: met
-        lg.Generation(1, 2, 0, 16, opened=11.0, tokens=target[:16], done=20.0),   # 1.8 tok/s < 2: violated
-        lg.Generation(1, 2, 0, 16, opened=19.0, tokens=target[:4]),                # due at 27: undecided at 25
+        lg.Generation(0, 8, 0, 16, opened=5.0, tokens=target[:16], done=9.0),  # opened before: out
+        lg.Generation(0, 8, 0, 16, opened=10.5, tokens=target[:16], done=12.0),  # 10.7 tok/s: met
+        lg.Generation(1, 2, 0, 16, opened=11.0, tokens=target[:16], done=20.0),  # 1.8 tok/s < 2: violated
+        lg.Generation(1, 2, 0, 16, opened=19.0, tokens=target[:4]),  # due at 27: undecided at 25
         lg.Generation(0, 8, 0, 16, opened=18.0, tokens=target[:2] + [1], shed=18.5),  # shed; and not exact
-        lg.Generation(0, 8, 0, 16, opened=21.0, tokens=target[:16], done=22.0),   # opened in the tail: out
+        lg.Generation(0, 8, 0, 16, opened=21.0, tokens=target[:16], done=22.0),  # opened in the tail: out
     ]
     out.rounds = [(9.0, 50.0, 5), (11.0, 60.0, 4), (19.0, 100.0, 3), (21.0, 80.0, 5)]
     out.sheds = [18.5]
     s = lg.summarize(out, trace, (8, 2))
     assert s["decided"] == 3 and s["violations"] == 2 and s["undecided"] == 1
     assert s["violation_rate_by_class"] == {"8": 0.5, "2": 1.0}
-    assert s["goodput_tokens_per_s"] == pytest.approx(0.7)          # 4 + 3 tokens in 10 s
+    assert s["goodput_tokens_per_s"] == pytest.approx(0.7)  # 4 + 3 tokens in 10 s
     assert s["slo_met_tokens_per_s"] == pytest.approx(1.6)
     assert s["rounds"] == 2 and s["round_ms_mean"] == pytest.approx(80.0) and s["sheds"] == 1
     assert s["tail_s"] == 5.0 and not s["exact"] and not s["passes"]
@@ -246,14 +277,23 @@ def test_summary_follows_the_generations_opened_in_the_window_and_counts_tokens_
 
 
 def test_the_sample_is_the_generations_opened_in_the_window_or_the_one_a_stuck_robot_spent_it_in():
-    g = lambda robot, opened, done=None: lg.Generation(robot, 8, 0, 48, opened, done=done)   # noqa: E731
-    gens = [g(0, 1.0, 4.0), g(0, 4.0, 12.0), g(0, 12.0, 30.0), g(0, 30.0),    # robot 0: opens in [10, 20)
-            g(1, 2.0, 25.0), g(1, 25.0),                                      # robot 1: one spans the window
-            g(2, 3.0, 15.0), g(2, 15.0, 21.0), g(2, 21.0)]                    # robot 2: opened 15 only
+    g = lambda robot, opened, done=None: lg.Generation(robot, 8, 0, 48, opened, done=done)  # noqa: E731
+    gens = [
+        g(0, 1.0, 4.0),
+        g(0, 4.0, 12.0),
+        g(0, 12.0, 30.0),
+        g(0, 30.0),  # robot 0: opens in [10, 20)
+        g(1, 2.0, 25.0),
+        g(1, 25.0),  # robot 1: one spans the window
+        g(2, 3.0, 15.0),
+        g(2, 15.0, 21.0),
+        g(2, 21.0),
+    ]  # robot 2: opened 15 only
     assert lg.sample(gens, (10.0, 20.0)) == [False, False, True, False, True, False, False, True, False]
 
 
 # --------------------------------------------------------------------------- robots against a fake verifier
+
 
 class FakeVerifier:
     """A websocket verifier that answers from the trace: greedy acceptance against target_ids.
@@ -271,7 +311,7 @@ class FakeVerifier:
         self.opens: list[tuple[str, int, dict]] = []
 
     def continuation(self, ids: list[int]) -> tuple[list[int], int]:
-        p = next(p for p in self.trace.prompts if ids[:len(p.prompt_ids)] == p.prompt_ids)
+        p = next(p for p in self.trace.prompts if ids[: len(p.prompt_ids)] == p.prompt_ids)
         return p.target_ids, len(p.prompt_ids)
 
     async def handle(self, ws) -> None:
@@ -281,9 +321,18 @@ class FakeVerifier:
                 if msg.draft_vocab_hash != self.trace.vocab_hash:
                     await ws.send(wire.encode(wire.Error("vocab_mismatch", "not my vocabulary")))
                     return
-                await ws.send(wire.encode(wire.Welcome("fake", self.trace.vocab_size, self.trace.vocab_hash, [3], [],
-                                                       {"max_frame_bytes": 1 << 20, "max_draft_len": 16,
-                                                        "max_context": 2048})))
+                await ws.send(
+                    wire.encode(
+                        wire.Welcome(
+                            "fake",
+                            self.trace.vocab_size,
+                            self.trace.vocab_hash,
+                            [3],
+                            [],
+                            {"max_frame_bytes": 1 << 20, "max_draft_len": 16, "max_context": 2048},
+                        )
+                    )
+                )
             elif isinstance(msg, wire.Open):
                 self.sessions[msg.sid] = list(msg.prompt_ids)
                 self.opens.append((msg.sid, len(msg.prompt_ids), msg.slo))
@@ -345,8 +394,17 @@ def done_per_robot(out: lg.PointLog, n: int) -> list[int]:
 
 
 # classes lax enough (12 tokens in 4-12 s) that only a broken robot or fake violates them
-FAST = lg.LoadConfig(gamma=4, draft_ms=1.0, tokens=12, classes=(3, 1, 2), warmup_s=0.2, window_s=1.0,
-                     backoff_s=0.02, recv_timeout_s=5.0, stagger_s=0.05)
+FAST = lg.LoadConfig(
+    gamma=4,
+    draft_ms=1.0,
+    tokens=12,
+    classes=(3, 1, 2),
+    warmup_s=0.2,
+    window_s=1.0,
+    backoff_s=0.02,
+    recv_timeout_s=5.0,
+    stagger_s=0.05,
+)
 
 
 def test_robots_commit_exactly_the_target_tokens_generation_after_generation():
@@ -355,11 +413,11 @@ def test_robots_commit_exactly_the_target_tokens_generation_after_generation():
     out = asyncio.run(robots_until(fake, 3, FAST, lambda o: min(done_per_robot(o, 3)) >= 3))
     assert not out.errors and out.sheds == []
     done = [g for g in out.generations if g.done is not None]
-    assert len(done) >= 3 * 3                          # several generations per robot
+    assert len(done) >= 3 * 3  # several generations per robot
     for g in out.generations:
-        assert g.tokens == trace.prompts[g.prompt].target_ids[:len(g.tokens)]
+        assert g.tokens == trace.prompts[g.prompt].target_ids[: len(g.tokens)]
     for g in done:
-        assert len(g.tokens) == g.goal == 12            # never past the goal: the last draft is cut short
+        assert len(g.tokens) == g.goal == 12  # never past the goal: the last draft is cut short
     assert {g.prompt for g in out.generations if g.robot == 0} == {0, 1, 2}
     assert {slo["tokens_per_s"] for _, _, slo in fake.opens} == {3, 1, 2}
     s = lg.summarize(out, trace, FAST.classes)
@@ -374,7 +432,7 @@ def test_a_shed_round_counts_as_a_violation_and_the_robot_reopens_with_its_prefi
     out = asyncio.run(robots_until(fake, 2, FAST, lambda o: len(o.sheds) >= 2 and min(done_per_robot(o, 2)) >= 2))
     assert not out.errors and out.sheds
     shed = [g for g in out.generations if g.sheds]
-    assert shed and all(g.tokens == trace.prompts[g.prompt].target_ids[:len(g.tokens)] for g in out.generations)
+    assert shed and all(g.tokens == trace.prompts[g.prompt].target_ids[: len(g.tokens)] for g in out.generations)
     # a re-open carries the prompt and every token committed before the shed
     assert any(n > len(trace.prompts[0].prompt_ids) for _, n, _ in fake.opens)
     s = lg.summarize(out, trace, FAST.classes)
@@ -385,13 +443,14 @@ def test_a_shed_round_counts_as_a_violation_and_the_robot_reopens_with_its_prefi
 
 def test_robots_halt_once_every_generation_opened_in_the_window_is_decided():
     fake = FakeVerifier(synthetic_trace(), verify_s=0.05)
-    cfg = lg.LoadConfig(gamma=4, draft_ms=1.0, tokens=12, classes=(8,), warmup_s=0.0, window_s=0.5,
-                        recv_timeout_s=5.0, stagger_s=0.0)
+    cfg = lg.LoadConfig(
+        gamma=4, draft_ms=1.0, tokens=12, classes=(8,), warmup_s=0.0, window_s=0.5, recv_timeout_s=5.0, stagger_s=0.0
+    )
     out = asyncio.run(run_against_fake(fake, 2, cfg))
     start, stop = out.window
     sample = [g for g, c in zip(out.generations, lg.sample(out.generations, out.window)) if c]
     assert sample and all(lg.decided(g, out.ended) for g in sample)
-    assert stop <= out.ended <= stop + 12 / 8 + 1.0               # the tail lasts at most the longest deadline
+    assert stop <= out.ended <= stop + 12 / 8 + 1.0  # the tail lasts at most the longest deadline
     # and the robots stop right after: their round in flight (50 ms here) is the last; the slack is a loaded CI's
     assert time.monotonic() - out.ended < 1.0
     assert out.rounds and all(r[0] <= out.ended + 0.5 for r in out.rounds)
@@ -419,13 +478,34 @@ def test_reports_render_with_missing_classes_and_failed_points(tmp_path):
     points = []
     for n, policy, violated in [(2, "fcfs", False), (2, "slo", False), (4, "fcfs", True), (4, "slo", False)]:
         out = lg.PointLog(window=(0.0, 10.0), ended=10.0)
-        out.generations = [lg.Generation(0, 8, 0, 16, opened=1.0, tokens=trace.prompts[0].target_ids[:16],
-                                         done=10.0 if violated else 2.0)]
-        points.append({"pair": "fake-draft", "target": "fake-target", "policy": policy, "n": n,
-                       **lg.summarize(out, trace, (8, 2)), "server_metrics": lg.server_figures({})})
-    cfg = {**dataclasses.asdict(lg.LoadConfig(classes=(8, 2))), "ns": [2, 4], "policies": ["fcfs", "slo"],
-           "pairs": ["fake-draft"], "target": "fake-target", "scheduler_flag": True, "server_cpus": [1],
-           "server_threads": 1, "client_cpus": [0], "max_violation": lg.MAX_VIOLATION, "started": "now"}
+        out.generations = [
+            lg.Generation(
+                0, 8, 0, 16, opened=1.0, tokens=trace.prompts[0].target_ids[:16], done=10.0 if violated else 2.0
+            )
+        ]
+        points.append(
+            {
+                "pair": "fake-draft",
+                "target": "fake-target",
+                "policy": policy,
+                "n": n,
+                **lg.summarize(out, trace, (8, 2)),
+                "server_metrics": lg.server_figures({}),
+            }
+        )
+    cfg = {
+        **dataclasses.asdict(lg.LoadConfig(classes=(8, 2))),
+        "ns": [2, 4],
+        "policies": ["fcfs", "slo"],
+        "pairs": ["fake-draft"],
+        "target": "fake-target",
+        "scheduler_flag": True,
+        "server_cpus": [1],
+        "server_threads": 1,
+        "client_cpus": [0],
+        "max_violation": lg.MAX_VIOLATION,
+        "started": "now",
+    }
     result = {"config": cfg, "points": points, "capacities": lg.capacities(points, (8, 2))}
     assert result["capacities"]["fake-draft"]["ratio_slo_over_fcfs"]["overall"] == 2.0
     md = lg.render_markdown(result)
@@ -441,13 +521,31 @@ def test_the_cli_refuses_unknown_policies():
 
 # --------------------------------------------------------------------------- end to end (real server)
 
+
 @pytest.mark.real
 def test_a_small_sweep_against_the_real_server_is_exact_and_writes_its_report(tmp_path):
     trace_path = TRACES / "smollm2-q4_1__smollm2-f32.json"
     if not trace_path.exists():
-        pytest.fail(f"{trace_path} missing: python -m tools.record_traces")
-    rc = lg.main(["--n", "2", "--policies", "fcfs", "--pairs", "smollm2-q4_1", "--window-s", "3",
-                  "--warmup-s", "1", "--tokens", "16", "--keep-tokens", "--out", str(tmp_path)])
+        pytest.fail(f"{trace_path} missing: python -m tools.train.record_traces")
+    rc = lg.main(
+        [
+            "--n",
+            "2",
+            "--policies",
+            "fcfs",
+            "--pairs",
+            "smollm2-q4_1",
+            "--window-s",
+            "3",
+            "--warmup-s",
+            "1",
+            "--tokens",
+            "16",
+            "--keep-tokens",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     result = json.loads((tmp_path / "loadgen.json").read_text())
     assert (tmp_path / "loadgen.md").read_text().startswith("# Multi-robot load")
     assert (tmp_path / "loadgen.png").stat().st_size > 0
@@ -456,8 +554,8 @@ def test_a_small_sweep_against_the_real_server_is_exact_and_writes_its_report(tm
     assert p["n"] == 2 and p["policy"] == "fcfs" and not p["errors"]
     gens = p["generation_records"]
     assert gens and sum(g["tokens"] for g in gens) >= 16
-    for g in gens:                                   # greedy equivalence, token by token
-        assert g["token_ids"] == trace.prompts[g["prompt"]].target_ids[:len(g["token_ids"])]
+    for g in gens:  # greedy equivalence, token by token
+        assert g["token_ids"] == trace.prompts[g["prompt"]].target_ids[: len(g["token_ids"])]
     assert p["rounds"] > 0 and p["goodput_tokens_per_s"] > 0
     assert any(k.startswith("bridge_rounds_total") for k in p["server_metrics"]["end"])
     assert "fcfs" in result["capacities"]["smollm2-q4_1"]["policies"]
@@ -467,15 +565,20 @@ def test_a_small_sweep_against_the_real_server_is_exact_and_writes_its_report(tm
 
 # --------------------------------------------------------------------------- the planner picks gamma
 
+
 def test_the_planner_drafts_longer_for_a_draft_that_agrees_more(tmp_path):
-    """--gamma plan: tools/planner.py's DP over the fitted estimator chooses the draft length per N."""
+    """--gamma plan: tools/bench/planner.py's DP over the fitted estimator chooses the draft length per N."""
     est = tmp_path / "est.json"
     est.write_text(json.dumps({"a": 2.9, "b_c": 1.5e-4, "b_r": 0.12, "c": 130.0}))
     cfg = lg.LoadConfig()
-    good = synthetic_trace()                                    # every chain starts with the target token
-    bad = dataclasses.replace(good, prompts=[lg.TracePrompt(p.prompt_ids, p.target_ids,
-                                                            [[5] + c[1:] if i % 2 else c for i, c in enumerate(p.chains)])
-                                             for p in good.prompts])
+    good = synthetic_trace()  # every chain starts with the target token
+    bad = dataclasses.replace(
+        good,
+        prompts=[
+            lg.TracePrompt(p.prompt_ids, p.target_ids, [[5] + c[1:] if i % 2 else c for i, c in enumerate(p.chains)])
+            for p in good.prompts
+        ],
+    )
     assert lg.trace_alpha(good) == 1.0 and lg.trace_alpha(bad) == 0.5
     g_good, plan = lg.planned_gamma(good, 4, cfg, est)
     g_bad, _ = lg.planned_gamma(bad, 4, cfg, est)
@@ -492,15 +595,18 @@ def test_a_divergence_is_a_near_tie_only_between_the_targets_top_two():
 
     trace = lg.Trace.load(TRACES / "smollm2-q4_1__smollm2-f32.json")
     p = trace.prompts[0]
-    lg.near_ties({"generation_records": []}, [], trace)                 # nothing diverged: no model loaded
+    lg.near_ties({"generation_records": []}, [], trace)  # nothing diverged: no model loaded
     from server_bridge.target import load_target
 
     solo = load_target(trace.target, threads=1, max_sequences=1, kv_tokens=1024)
     _, second, _, margin = top2(np.asarray(solo.score(solo.new_state(p.prompt_ids + p.target_ids[:3]), [])[0]))
-    gens = [lg.Generation(0, 8, 0, 8, 0.0, tokens=p.target_ids[:3] + [second]),
-            lg.Generation(1, 8, 0, 8, 0.0, tokens=p.target_ids[:3] + [next(t for t in range(3) if t not in
-                                                                             (p.target_ids[3], second))]),
-            lg.Generation(2, 8, 0, 8, 0.0, tokens=p.target_ids[:5])]
+    gens = [
+        lg.Generation(0, 8, 0, 8, 0.0, tokens=p.target_ids[:3] + [second]),
+        lg.Generation(
+            1, 8, 0, 8, 0.0, tokens=p.target_ids[:3] + [next(t for t in range(3) if t not in (p.target_ids[3], second))]
+        ),
+        lg.Generation(2, 8, 0, 8, 0.0, tokens=p.target_ids[:5]),
+    ]
     point = {"generation_records": [{"exact": False}, {"exact": False}, {"exact": True}]}
     lg.near_ties(point, gens, trace, bound=margin + 1e-3)
     first, other, fine = point["generation_records"]
@@ -509,5 +615,5 @@ def test_a_divergence_is_a_near_tie_only_between_the_targets_top_two():
     assert not other["divergence"]["near_tie"] and "divergence" not in fine
     assert point["near_ties"] == 1 and not point["exact_up_to_near_ties"]
     point = {"generation_records": [{"exact": False}]}
-    lg.near_ties(point, gens[:1], trace, bound=margin / 2)             # the same pair, farther apart than the bound
+    lg.near_ties(point, gens[:1], trace, bound=margin / 2)  # the same pair, farther apart than the bound
     assert not point["exact_up_to_near_ties"]

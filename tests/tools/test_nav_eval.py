@@ -1,5 +1,6 @@
-"""tools/nav_eval.py: the scene files it runs are navigable and varied; its aggregation; a scripted run end to end
+"""tools/robot/nav_eval.py: the scene files it runs are navigable and varied; its aggregation; a scripted run end to end
 writes the JSON, the markdown table, the plots and one map per episode."""
+
 from __future__ import annotations
 
 import json
@@ -10,7 +11,7 @@ import pytest
 from agent.robot.scripted import FakeClock
 from agent.robot.shortest import shortest_to_object
 from agent.robot.sim import make_world
-from tools import nav_eval
+from tools.robot import nav_eval
 
 SCENES = nav_eval.load_scenes(nav_eval.SCENES)
 
@@ -25,7 +26,7 @@ def test_the_scene_folder_is_varied_and_every_target_reachable_in_30_steps():
         assert any(o.name != scene.target for o in scene.objects), f"{scene.name}: no distractor"
         for i in range(len(scene.starts)):
             world = make_world(scene, start=i, clock=FakeClock())
-            if scene in own:                                            # (the demo's room is as it always was)
+            if scene in own:  # (the demo's room is as it always was)
                 assert 2.0 <= world.distance_to(scene.target) <= 5.0, (scene.name, i)
             shortest = shortest_to_object(world, scene.target)
             # 75 cm a step: 8 steps walk 6 m, which leaves 22 of 30 steps for turns
@@ -34,15 +35,38 @@ def test_the_scene_folder_is_varied_and_every_target_reachable_in_30_steps():
             bearing = abs(math.remainder(math.atan2(target.y - y, target.x - x) - th, 2 * math.pi))
             seen = scene.target in [s.name for s in world.sightings()]
             out_of_view += bearing > math.radians(45)
-            hidden += bearing <= math.radians(45) and not seen          # in the field of view, behind something
+            hidden += bearing <= math.radians(45) and not seen  # in the field of view, behind something
     assert out_of_view >= 5 and hidden >= 3
 
 
 def test_aggregate_weights_tau_by_verified_steps_and_time_by_steps():
-    e = dict(reached=True, spl=0.8, steps=10, path_m=4.0, shortest_m=3.2, collisions=0, mean_tau=3.0,
-             verified_steps=8, offline_steps=2, mean_step_s=2.0, scene="a", cut=None)
-    f = dict(e, reached=False, spl=0.0, steps=30, path_m=1.0, collisions=2, mean_tau=1.0, verified_steps=2,
-             offline_steps=0, mean_step_s=1.0, cut={"at": 3, "steps": 3})
+    e = dict(
+        reached=True,
+        spl=0.8,
+        steps=10,
+        path_m=4.0,
+        shortest_m=3.2,
+        collisions=0,
+        mean_tau=3.0,
+        verified_steps=8,
+        offline_steps=2,
+        mean_step_s=2.0,
+        scene="a",
+        cut=None,
+    )
+    f = dict(
+        e,
+        reached=False,
+        spl=0.0,
+        steps=30,
+        path_m=1.0,
+        collisions=2,
+        mean_tau=1.0,
+        verified_steps=2,
+        offline_steps=0,
+        mean_step_s=1.0,
+        cut={"at": 3, "steps": 3},
+    )
     agg = nav_eval.aggregate([e, f])
     assert agg["success_rate"] == 0.5 and agg["spl"] == 0.4 and agg["mean_steps"] == 20
     assert agg["mean_tau"] == pytest.approx((3.0 * 8 + 1.0 * 2) / 10)
@@ -79,6 +103,10 @@ def test_a_scene_without_a_target_is_refused(tmp_path, capsys):
     data = SCENES[0].to_json()
     data.pop("target")
     (tmp_path / "no_target.json").write_text(json.dumps(data))
-    assert nav_eval.main(["--scenes", str(tmp_path), "--builtin", "", "--policy", "scripted", "--out",
-                          str(tmp_path / "out")]) == 2
+    assert (
+        nav_eval.main(
+            ["--scenes", str(tmp_path), "--builtin", "", "--policy", "scripted", "--out", str(tmp_path / "out")]
+        )
+        == 2
+    )
     assert "names no target" in capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""Behaviour tests for tools.netem: bytes, timing, ordering, injected failures.
+"""Behaviour tests for tools.cluster.netem: bytes, timing, ordering, injected failures.
 
 Everything runs on 127.0.0.1 with OS-assigned ports. Timing bounds are
 one-sided where physics allows it (a delay can only add time) and loose on
@@ -26,7 +26,7 @@ from typing import Callable, Iterator
 
 import pytest
 
-from tools.netem import LinkProfile, NetemProxy
+from tools.cluster.netem import LinkProfile, NetemProxy
 
 pytestmark = pytest.mark.timeout(20)
 
@@ -44,7 +44,7 @@ class _EchoHandler(socketserver.BaseRequestHandler):
         try:
             while data := sock.recv(65536):
                 sock.sendall(data)
-            sock.shutdown(socket.SHUT_WR)   # propagate the half-close back
+            sock.shutdown(socket.SHUT_WR)  # propagate the half-close back
         except OSError:
             pass
 
@@ -57,8 +57,7 @@ class EchoServer(socketserver.ThreadingTCPServer):
 
     def __init__(self) -> None:
         super().__init__(("127.0.0.1", 0), _EchoHandler)
-        self.thread = threading.Thread(target=self.serve_forever, args=(0.02,),
-                                       name="echo", daemon=True)
+        self.thread = threading.Thread(target=self.serve_forever, args=(0.02,), name="echo", daemon=True)
         self.thread.start()
 
     @property
@@ -160,8 +159,7 @@ def wait_for(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
 # --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("profile", [LinkProfile(), LinkProfile(2, 1, 400)],
-                         ids=["unshaped", "shaped"])
+@pytest.mark.parametrize("profile", [LinkProfile(), LinkProfile(2, 1, 400)], ids=["unshaped", "shaped"])
 def test_bytes_pass_unchanged_both_directions(make_proxy, profile):
     proxy = make_proxy(profile=profile)
     payload = os.urandom(2**20)
@@ -176,7 +174,7 @@ def test_half_close_propagates_and_closes_both_sides(make_proxy):
     proxy = make_proxy(profile=LinkProfile(one_way_delay_ms=5))
     with connect(proxy) as sock:
         sock.sendall(b"last words")
-        sock.shutdown(socket.SHUT_WR)          # client EOF -> server EOF -> client EOF
+        sock.shutdown(socket.SHUT_WR)  # client EOF -> server EOF -> client EOF
         assert wait_until_dropped(sock) == len(b"last words")
     wait_for(lambda: proxy.stats()["connections_open"] == 0)
 
@@ -189,18 +187,18 @@ def test_half_close_propagates_and_closes_both_sides(make_proxy):
 def test_delay_adds_round_trip_and_set_profile_applies(make_proxy):
     proxy = make_proxy()
     with connect(proxy) as sock:
-        round_trip_s(sock)                         # warm-up: upstream connect
+        round_trip_s(sock)  # warm-up: upstream connect
         fast = [round_trip_s(sock) for _ in range(5)]
         assert statistics.median(fast) < 0.030
 
         proxy.set_profile(LinkProfile(one_way_delay_ms=30))
         slow = [round_trip_s(sock) for _ in range(5)]
-    assert min(slow) >= 0.0595                     # 2 x 30 ms; a delay only adds
+    assert min(slow) >= 0.0595  # 2 x 30 ms; a delay only adds
     assert statistics.median(slow) < 0.060 + 0.080
 
 
 def test_bandwidth_limits_throughput(make_proxy):
-    payload = os.urandom(200_000)                  # 1.6 Mbit
+    payload = os.urandom(200_000)  # 1.6 Mbit
     limited = make_proxy(profile=LinkProfile(bandwidth_mbps=8))
     unlimited = make_proxy()
 
@@ -212,7 +210,7 @@ def test_bandwidth_limits_throughput(make_proxy):
             return time.perf_counter() - start
 
     slow, fast = timed_echo(limited), timed_echo(unlimited)
-    assert slow >= 0.19                            # 1.6 Mbit / 8 Mbit/s = 0.2 s
+    assert slow >= 0.19  # 1.6 Mbit / 8 Mbit/s = 0.2 s
     assert slow < 1.5
     assert fast < slow / 3
 
@@ -221,10 +219,12 @@ def test_jitter_never_reorders(make_proxy):
     proxy = make_proxy(profile=LinkProfile(one_way_delay_ms=10, jitter_ms=5), seed=1)
     count, width = 500, 8
     with connect(proxy) as sock:
+
         def send_numbered() -> None:
             for i in range(count):
                 sock.sendall(b"%07d\n" % i)
-                time.sleep(0.0005)               # separate chunks, closer than the jitter
+                time.sleep(0.0005)  # separate chunks, closer than the jitter
+
         sender = threading.Thread(target=send_numbered, daemon=True)
         sender.start()
         data = recv_exact(sock, count * width)
@@ -258,7 +258,7 @@ def test_refuse_new_closes_new_connections_only(make_proxy):
         round_trip_s(existing)
         proxy.refuse_new(True)
         assert_closed_on_arrival(proxy)
-        round_trip_s(existing)                     # already-open traffic is unaffected
+        round_trip_s(existing)  # already-open traffic is unaffected
         proxy.refuse_new(False)
         with connect(proxy) as sock:
             round_trip_s(sock)
@@ -270,19 +270,21 @@ def test_schedule_disconnect_after_bytes_fires_once(make_proxy):
     limit = 10_000
     proxy.schedule_disconnect(after_bytes_down=limit)
     with connect(proxy) as sock:
+
         def offer_40kb() -> None:
             with contextlib.suppress(OSError):
                 for _ in range(10):
                     sock.sendall(b"x" * 4000)
                     time.sleep(0.002)
+
         sender = threading.Thread(target=offer_40kb, daemon=True)
         sender.start()
         received = wait_until_dropped(sock)
         sender.join(5)
-    assert proxy.stats()["bytes_down"] == limit    # the chunk is cut at the limit
+    assert proxy.stats()["bytes_down"] == limit  # the chunk is cut at the limit
     assert limit - 4000 <= received <= limit
     assert proxy.stats()["disconnects_injected"] == 1
-    with connect(proxy) as sock:                   # one-shot: later traffic flows
+    with connect(proxy) as sock:  # one-shot: later traffic flows
         payload = os.urandom(3 * limit)
         assert echo_bulk(sock, payload) == payload
     assert proxy.stats()["disconnects_injected"] == 1
@@ -313,7 +315,7 @@ def test_drop_prob_kills_connection_on_a_chunk(make_proxy):
 
 def test_upstream_down_closes_client(echo):
     dead_port = echo.port
-    echo.close()                                   # nothing listens there any more
+    echo.close()  # nothing listens there any more
     with NetemProxy("127.0.0.1", dead_port) as proxy:
         assert_closed_on_arrival(proxy)
         wait_for(lambda: proxy.stats()["connections_refused"] == 1)
@@ -379,16 +381,16 @@ def test_backpressure_bounds_buffering(make_proxy):
     cap = 256 * 1024
     proxy = make_proxy(max_buffered_bytes=cap)
     block = b"z" * 256 * 1024
-    with connect(proxy, timeout=0.5) as sock:      # never reads: the echo path fills up
+    with connect(proxy, timeout=0.5) as sock:  # never reads: the echo path fills up
         with pytest.raises(socket.timeout):
-            for _ in range(2048):                  # offer up to 512 MB
+            for _ in range(2048):  # offer up to 512 MB
                 sock.sendall(block)
-    assert cap // 2 < proxy.stats()["buffered_bytes_peak"] <= cap   # filled up, then held
+    assert cap // 2 < proxy.stats()["buffered_bytes_peak"] <= cap  # filled up, then held
 
 
 def test_stop_is_clean_with_traffic_in_flight(echo, caplog):
     caplog.set_level(logging.WARNING, logger="asyncio")
-    gc.collect()                                   # earlier tests' garbage is not this test's to report
+    gc.collect()  # earlier tests' garbage is not this test's to report
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         proxy = NetemProxy("127.0.0.1", echo.port, LinkProfile(one_way_delay_ms=200)).start()
@@ -407,16 +409,26 @@ def test_stop_is_clean_with_traffic_in_flight(echo, caplog):
 
 
 def test_cli_prints_address_proxies_and_stops_on_sigint(echo):
-    cmd = [sys.executable, "-m", "tools.netem", "--listen", "127.0.0.1:0",
-           "--upstream", f"127.0.0.1:{echo.port}", "--rtt-ms", "20", "--seed", "3"]
-    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "tools.cluster.netem",
+        "--listen",
+        "127.0.0.1:0",
+        "--upstream",
+        f"127.0.0.1:{echo.port}",
+        "--rtt-ms",
+        "20",
+        "--seed",
+        "3",
+    ]
+    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         host, port = proc.stdout.readline().strip().rsplit(":", 1)
         assert host == "127.0.0.1"
         with socket.create_connection((host, int(port)), timeout=5) as sock:
             assert round_trip_s(sock) >= 0.0195
-        time.sleep(0.1)                            # let the close line be logged
+        time.sleep(0.1)  # let the close line be logged
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=10)
     finally:

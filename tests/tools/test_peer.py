@@ -1,8 +1,9 @@
-"""tools.peer: the HTTP/SSE stream parser on canned bytes, the client against a fake llama-server, and (marked
+"""tools.bench.peer: the HTTP/SSE stream parser on canned bytes, the client against a fake llama-server, and (marked
 real) a real llama-server's greedy stream against llama-cpp-python's on the same model.
 
 The real test needs the cached llama-server binary (`make llama-server`); it never builds it.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -10,7 +11,7 @@ import json
 
 import pytest
 
-from tools import peer
+from tools.bench import peer
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -23,12 +24,23 @@ def chunked(*parts: bytes) -> bytes:
     return b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in parts) + b"0\r\n\r\n"
 
 
-HEAD = (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n"
-        b"Keep-Alive: timeout=5, max=100\r\n\r\n")
-EVENTS = [{"content": "Hi", "tokens": [11], "stop": False, "tokens_predicted": 1},
-          {"content": " there", "tokens": [22], "stop": False, "tokens_predicted": 2},
-          {"content": "", "tokens": [], "stop": True, "stop_type": "limit", "tokens_predicted": 2,
-           "tokens_evaluated": 5, "timings": {"predicted_per_token_ms": 9.5, "prompt_ms": 3.0}}]
+HEAD = (
+    b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n"
+    b"Keep-Alive: timeout=5, max=100\r\n\r\n"
+)
+EVENTS = [
+    {"content": "Hi", "tokens": [11], "stop": False, "tokens_predicted": 1},
+    {"content": " there", "tokens": [22], "stop": False, "tokens_predicted": 2},
+    {
+        "content": "",
+        "tokens": [],
+        "stop": True,
+        "stop_type": "limit",
+        "tokens_predicted": 2,
+        "tokens_evaluated": 5,
+        "timings": {"predicted_per_token_ms": 9.5, "prompt_ms": 3.0},
+    },
+]
 RESPONSE = HEAD + chunked(sse(EVENTS[0]), b": ping\n\n" + sse(EVENTS[1]), sse(EVENTS[2]))
 
 
@@ -45,7 +57,7 @@ def test_parser_any_split(step):
     got = []
     for i in range(0, len(RESPONSE), step):
         assert not p.done
-        got += p.feed(RESPONSE[i:i + step])
+        got += p.feed(RESPONSE[i : i + step])
     assert got == EVENTS and p.done
 
 
@@ -75,20 +87,22 @@ def test_parser_error_status_and_error_event():
     assert p.feed(b"HTTP/1.1 400 Bad Request\r\nContent-Length: %d\r\n\r\n" % len(err) + err) == []
     assert p.done and p.status == 400 and b"bad" in p.error_body
     q = peer.StreamParser()
-    assert q.feed(HEAD + chunked(b"event: error\ndata: {\"message\": \"x\"}\n\n")) == [{"error": {"message": "x"}}]
+    assert q.feed(HEAD + chunked(b'event: error\ndata: {"message": "x"}\n\n')) == [{"error": {"message": "x"}}]
 
 
 # --------------------------------------------------------------------------- the client against a fake server
 
+
 async def fake_server(responses: list[bytes], requests: list[dict], pause_s: float = 0.02):
     """Answers each request on a connection with the next canned response, a chunk at a time."""
+
     async def handle(reader, writer):
         for resp in responses:
             head = await reader.readuntil(b"\r\n\r\n")
             length = int([h for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")][0].split(b":")[1])
             requests.append(json.loads(await reader.readexactly(length)))
             for i in range(0, len(resp), 40):
-                writer.write(resp[i:i + 40])
+                writer.write(resp[i : i + 40])
                 await writer.drain()
                 await asyncio.sleep(pause_s)
         writer.close()
@@ -129,7 +143,7 @@ def test_client_streams_tokens_with_monotonic_times(keep_alive):
 def test_client_raises_on_error_and_on_a_cut_stream():
     err = json.dumps({"error": {"message": "no"}}).encode()
     bad = b"HTTP/1.1 500 Internal Server Error\r\nContent-Length: %d\r\n\r\n" % len(err) + err
-    cut = RESPONSE[:len(RESPONSE) // 2]
+    cut = RESPONSE[: len(RESPONSE) // 2]
 
     async def main(resp):
         server = await fake_server([resp], [])
@@ -165,6 +179,7 @@ def test_doubling_grid_and_server_command(tmp_path):
 
 
 # --------------------------------------------------------------------------- a real llama-server
+
 
 def _real_model():
     from protocol import modelfiles

@@ -1,23 +1,24 @@
 """Training the rejection predictor: the exported ONNX is the trained model; the metrics mean what they say."""
+
 import json
 
 import numpy as np
 import pytest
 
 from agent.predictor import FEATURES, RejectionPredictor
-from tools import train_predictor as tp
+from tools.train import predictor as tp
 
 
 def synthetic(n: int, seed: int):
     """Rows whose acceptance depends on max_prob and position, like real traces do."""
     rng = np.random.default_rng(seed)
     x = np.zeros((n, len(FEATURES)), np.float32)
-    x[:, 0] = rng.uniform(0, 1, n)                      # max_prob
-    x[:, 1] = rng.uniform(0, 5, n)                      # entropy
-    x[:, 2] = x[:, 0] * rng.uniform(0, 1, n)            # margin
-    x[:, 3] = rng.uniform(2, 4, n)                      # logit std
-    x[:, 4] = rng.integers(0, 8, n)                     # position
-    x[:, 5] = rng.uniform(0.5, 1, n)                    # running acceptance
+    x[:, 0] = rng.uniform(0, 1, n)  # max_prob
+    x[:, 1] = rng.uniform(0, 5, n)  # entropy
+    x[:, 2] = x[:, 0] * rng.uniform(0, 1, n)  # margin
+    x[:, 3] = rng.uniform(2, 4, n)  # logit std
+    x[:, 4] = rng.integers(0, 8, n)  # position
+    x[:, 5] = rng.uniform(0.5, 1, n)  # running acceptance
     p = 1 / (1 + np.exp(-(6 * x[:, 0] - 0.3 * x[:, 4] - 1)))
     y = (rng.uniform(0, 1, n) < p).astype(np.int64)
     return x, y
@@ -30,8 +31,9 @@ def test_exported_onnx_gives_the_training_models_outputs(tmp_path):
     model = tp.train_mlp(x, y, xv, yv, epochs=15, seed=0, log=lambda *_: None)
     path = tmp_path / "m.onnx"
     tp.export_onnx(model, path, {"features": list(FEATURES), "threshold": "0.42", "pair": "a__b"})
-    fixed = np.array([[0.9, 0.3, 0.8, 3.0, 0, 0.9], [0.1, 4.0, 0.02, 2.5, 5, 0.6],
-                      [0.5, 2.0, 0.3, 3.3, 2, 0.8]], np.float32)
+    fixed = np.array(
+        [[0.9, 0.3, 0.8, 3.0, 0, 0.9], [0.1, 4.0, 0.02, 2.5, 5, 0.6], [0.5, 2.0, 0.3, 3.3, 2, 0.8]], np.float32
+    )
     with torch.no_grad():
         want = model(torch.tensor(fixed)).squeeze(1).numpy()
     pred = RejectionPredictor(path)

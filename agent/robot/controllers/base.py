@@ -16,6 +16,7 @@ on threads of their own. A controller with a range sensor sets `ranges` (a
 Fakes (`sim`, a serial controller on `loop://`) are registered beside the
 real drivers, never instead of them.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -27,9 +28,10 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class Command:
     """A body-frame velocity set-point."""
-    vx: float = 0.0                     # m/s, forward positive
-    vy: float = 0.0                     # m/s, left positive
-    wz: float = 0.0                     # rad/s, counter-clockwise (left turn) positive
+
+    vx: float = 0.0  # m/s, forward positive
+    vy: float = 0.0  # m/s, left positive
+    wz: float = 0.0  # rad/s, counter-clockwise (left turn) positive
 
     def to_json(self) -> dict:
         return {"vx": round(self.vx, 4), "vy": round(self.vy, 4), "wz": round(self.wz, 4)}
@@ -38,7 +40,7 @@ class Command:
         """Each axis clipped to +-its limit; a non-finite axis makes the whole command zero (a fault)."""
         if not all(math.isfinite(v) for v in (self.vx, self.vy, self.wz)):
             return Command()
-        lim = lambda v, m: max(-m, min(m, v))          # noqa: E731
+        lim = lambda v, m: max(-m, min(m, v))  # noqa: E731
         return Command(lim(self.vx, max_vx), lim(self.vy, max_vy), lim(self.wz, max_wz))
 
 
@@ -48,7 +50,7 @@ class ControllerError(RuntimeError):
 
 class Controller(ABC):
     name = "controller"
-    ranges = None                       # a safety.RangeSource when the robot can measure its clearance
+    ranges = None  # a safety.RangeSource when the robot can measure its clearance
 
     def __enter__(self):
         self.connect()

@@ -19,6 +19,7 @@ Test knobs (thread-safe properties): `drop_acks` (do not answer the next n frame
 them: the ACK is lost on the way back), `corrupt_next` (send the next n ACKs with a broken CRC),
 `nack_next` (answer the next n frames with NACK and ignore them, as if their CRC had failed).
 """
+
 from __future__ import annotations
 
 import logging
@@ -28,8 +29,18 @@ from collections import Counter, deque
 from typing import Callable
 
 from .base import Command
-from .serial import (PROTOCOL_VERSION, STATUS_AUTO_STOPPED, STATUS_ESTOP, STATUS_STRUCT, VEL_STRUCT,
-                     Frame, FrameParser, FrameType, dequantise, encode_frame)
+from .serial import (
+    PROTOCOL_VERSION,
+    STATUS_AUTO_STOPPED,
+    STATUS_ESTOP,
+    STATUS_STRUCT,
+    VEL_STRUCT,
+    Frame,
+    FrameParser,
+    FrameType,
+    dequantise,
+    encode_frame,
+)
 
 log = logging.getLogger(__name__)
 
@@ -43,8 +54,8 @@ class _ByteQueue:
 
     def __init__(self, maxsize: int):
         self.maxsize = maxsize
-        self.dropped = 0                # bytes lost to overrun
-        self._buf = bytearray()         # <= maxsize bytes
+        self.dropped = 0  # bytes lost to overrun
+        self._buf = bytearray()  # <= maxsize bytes
         self._cond = threading.Condition()
 
     def put(self, data: bytes) -> None:
@@ -79,7 +90,7 @@ class PipePort:
 
     def __init__(self, rx: _ByteQueue, tx: _ByteQueue, timeout: float | None = 0.01, name: str = "pipe"):
         self._rx, self._tx = rx, tx
-        self.timeout = timeout          # seconds read() waits; None waits for all n bytes
+        self.timeout = timeout  # seconds read() waits; None waits for all n bytes
         self.name = name
         self.is_open = True
 
@@ -134,24 +145,24 @@ class FakeMcu:
             raise ValueError(f"auto_stop_s must be positive, got {auto_stop_s!r}")
         self.port = port
         self.auto_stop_s = auto_stop_s
-        self.status_s = status_s        # None: never send STATUS
+        self.status_s = status_s  # None: never send STATUS
         self.parser = FrameParser()
-        self.log: deque[tuple[float, Frame]] = deque(maxlen=256)   # (monotonic t, frame) received; oldest dropped
-        self.counts: Counter = Counter()                          # good frames received, by type
+        self.log: deque[tuple[float, Frame]] = deque(maxlen=256)  # (monotonic t, frame) received; oldest dropped
+        self.counts: Counter = Counter()  # good frames received, by type
         self.acks_sent = self.nacks_sent = 0
-        self.auto_stops = 0             # times the deadman fired
-        self.auto_stop_t: float | None = None     # monotonic time it last fired
-        self.last_alive_t: float | None = None    # last VEL/STOP/HEARTBEAT... that kept it alive
+        self.auto_stops = 0  # times the deadman fired
+        self.auto_stop_t: float | None = None  # monotonic time it last fired
+        self.last_alive_t: float | None = None  # last VEL/STOP/HEARTBEAT... that kept it alive
         self.estops = 0
-        self._motors = (0, 0, 0)        # mm/s, mm/s, mrad/s
+        self._motors = (0, 0, 0)  # mm/s, mm/s, mrad/s
         self._estopped = False
         self._auto_stopped = False
-        self._armed = False             # the deadman runs once the host has spoken
+        self._armed = False  # the deadman runs once the host has spoken
         self._faults = {"drop_acks": 0, "corrupt_next": 0, "nack_next": 0}
         self._lock = threading.Lock()
         self._stop_event = threading.Event()
         self._thread: threading.Thread | None = None
-        self._seq = 0                   # seq of STATUS frames
+        self._seq = 0  # seq of STATUS frames
         self._status_t = 0.0
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -193,7 +204,7 @@ class FakeMcu:
         """True from the deadman firing until the next set-point."""
         return self._auto_stopped
 
-    def _knob(name: str):       # a lock-guarded int property for each fault knob (class-body helper)
+    def _knob(name: str):  # a lock-guarded int property for each fault knob (class-body helper)
         def get(self) -> int:
             with self._lock:
                 return self._faults[name]
@@ -201,6 +212,7 @@ class FakeMcu:
         def set(self, n: int) -> None:
             with self._lock:
                 self._faults[name] = int(n)
+
         return property(get, set)
 
     drop_acks = _knob("drop_acks")
@@ -226,7 +238,7 @@ class FakeMcu:
                     frames = self.parser.feed(data)
                     while self.parser.rejected:
                         bad = self.parser.rejected.popleft()
-                        if bad.reason == "crc":         # header sane, so its seq is probably right
+                        if bad.reason == "crc":  # header sane, so its seq is probably right
                             self._reply(FrameType.NACK, bad.seq)
                     for f in frames:
                         self._on_frame(f)
@@ -242,7 +254,7 @@ class FakeMcu:
         self.log.append((now, f))
         self.counts[f.type] += 1
         if f.type not in self.HOST_TYPES:
-            return                                      # ACK/STATUS echoes, unknown types: ignored
+            return  # ACK/STATUS echoes, unknown types: ignored
         if self._take("nack_next"):
             self._reply(FrameType.NACK, f.seq)
             return
@@ -272,7 +284,7 @@ class FakeMcu:
     def _reply(self, ftype: FrameType, seq: int, corrupt: bool = False) -> None:
         frame = bytearray(encode_frame(ftype, seq))
         if corrupt:
-            frame[-1] ^= 0xFF                           # break the CRC
+            frame[-1] ^= 0xFF  # break the CRC
         self.port.write(bytes(frame))
         if ftype == FrameType.ACK:
             self.acks_sent += 1
@@ -288,8 +300,9 @@ class FakeMcu:
         self._status_t = now
 
 
-def fake_link(auto_stop_s: float = 0.5, status_s: float | None = 0.1,
-              maxsize: int = 4096) -> tuple[Callable[..., PipePort], FakeMcu]:
+def fake_link(
+    auto_stop_s: float = 0.5, status_s: float | None = 0.1, maxsize: int = 4096
+) -> tuple[Callable[..., PipePort], FakeMcu]:
     """(serial_factory, mcu): pass the factory to SerialController, start the MCU (`with mcu:`).
 
     The factory ignores the URL and baud rate and hands out the host end of one PipePort pair,

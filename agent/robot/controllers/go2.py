@@ -27,6 +27,7 @@ never need it; a missing SDK is a clear ControllerError with the install hint.
 for this driver and the Go2 camera (agent/robot/camera.py) alike.
 The robot's own ~1 s auto-stop and our deadman (0.3 s) back each other up.
 """
+
 from __future__ import annotations
 
 import logging
@@ -38,16 +39,27 @@ from .base import Command, Controller, ControllerError
 
 log = logging.getLogger(__name__)
 
-INSTALL_HINT = ("unitree_sdk2py is not installed: install it from a pinned commit of "
-                "https://github.com/unitreerobotics/unitree_sdk2_python (pip install -e .), with CycloneDDS 0.10.x "
-                "built first on a Jetson (CYCLONEDDS_HOME); the PyPI 'unitree-sdk2py' is stale")
+INSTALL_HINT = (
+    "unitree_sdk2py is not installed: install it from a pinned commit of "
+    "https://github.com/unitreerobotics/unitree_sdk2_python (pip install -e .), with CycloneDDS 0.10.x "
+    "built first on a Jetson (CYCLONEDDS_HOME); the PyPI 'unitree-sdk2py' is stale"
+)
 STATE_TOPIC = "rt/sportmodestate"
 RANGE_TOPIC = "rt/utlidar/range_info"
 # SportModeState_.mode values (Unitree's sport-mode documentation) that decide what connect/reset do.
-MODE_NAMES = {0: "idle", 1: "balance_stand", 2: "pose", 3: "locomotion", 5: "lie_down", 6: "joint_lock",
-              7: "damping", 8: "recovery_stand", 10: "sit"}
-LYING = {5, 7}                          # on the ground or limp: RecoveryStand, then BalanceStand
-LOCKED = {6, 8}                         # standing with locked joints: Move is ignored until BalanceStand
+MODE_NAMES = {
+    0: "idle",
+    1: "balance_stand",
+    2: "pose",
+    3: "locomotion",
+    5: "lie_down",
+    6: "joint_lock",
+    7: "damping",
+    8: "recovery_stand",
+    10: "sit",
+}
+LYING = {5, 7}  # on the ground or limp: RecoveryStand, then BalanceStand
+LOCKED = {6, 8}  # standing with locked joints: Move is ignored until BalanceStand
 _channel_lock = threading.Lock()
 _channel_ready = False
 
@@ -106,27 +118,34 @@ class Go2Ranges:
             return float(msg.point.y)
         if -135.0 <= a < -45.0:
             return float(msg.point.z)
-        return None                     # behind: the range finder does not look there
+        return None  # behind: the range finder does not look there
 
 
 class Go2Controller(Controller):
     name = "go2"
 
-    def __init__(self, network_interface: str | None = None, timeout_s: float = 10.0,
-                 max_vx: float = 1.0, max_vy: float = 0.6, max_wz: float = 1.5, state_timeout_s: float = 2.0,
-                 stand_timeout_s: float = 8.0):
+    def __init__(
+        self,
+        network_interface: str | None = None,
+        timeout_s: float = 10.0,
+        max_vx: float = 1.0,
+        max_vy: float = 0.6,
+        max_wz: float = 1.5,
+        state_timeout_s: float = 2.0,
+        stand_timeout_s: float = 8.0,
+    ):
         self.network_interface = network_interface
         self.timeout_s = timeout_s
-        self.state_timeout_s = state_timeout_s      # the first rt/sportmodestate sample must come within this
-        self.stand_timeout_s = stand_timeout_s      # standing up must show in the state within this
+        self.state_timeout_s = state_timeout_s  # the first rt/sportmodestate sample must come within this
+        self.stand_timeout_s = stand_timeout_s  # standing up must show in the state within this
         # well inside the documented sport-mode ranges (vx -2.5..3.8, vy -1..1, vyaw -4..4)
         self.max_vx, self.max_vy, self.max_wz = max_vx, max_vy, max_wz
         self.client = None
-        self.state = Latest()                       # SportModeState_
-        self._range = Latest()                      # PointStamped_
+        self.state = Latest()  # SportModeState_
+        self._range = Latest()  # PointStamped_
         self.ranges = Go2Ranges(self._range)
         self._subscribers: list = []
-        self.errors = 0                 # non-zero return codes from the SDK
+        self.errors = 0  # non-zero return codes from the SDK
 
     def connect(self) -> None:
         init_channel(self.network_interface)
@@ -144,22 +163,30 @@ class Go2Controller(Controller):
         switcher.Init()
         code, mode = switcher.CheckMode()
         if code != 0:
-            raise ControllerError(f"go2: the motion switcher did not answer on {where} (code {code}): "
-                                  f"check robot.options.network_interface and the cable")
+            raise ControllerError(
+                f"go2: the motion switcher did not answer on {where} (code {code}): "
+                f"check robot.options.network_interface and the cable"
+            )
         if not mode or not mode.get("name"):
-            raise ControllerError("go2: sport mode is off (the motion switcher has released it, as low-level "
-                                  "control does), so Move would be ignored: select it in the Unitree app, or "
-                                  "MotionSwitcherClient().SelectMode('normal'), then start again")
+            raise ControllerError(
+                "go2: sport mode is off (the motion switcher has released it, as low-level "
+                "control does), so Move would be ignored: select it in the Unitree app, or "
+                "MotionSwitcherClient().SelectMode('normal'), then start again"
+            )
         log.info("go2: sport mode %r on %s", mode["name"], where)
-        for topic, typ, latest in ((STATE_TOPIC, SportModeState_, self.state), (RANGE_TOPIC, PointStamped_,
-                                                                                 self._range)):
+        for topic, typ, latest in (
+            (STATE_TOPIC, SportModeState_, self.state),
+            (RANGE_TOPIC, PointStamped_, self._range),
+        ):
             sub = ChannelSubscriber(topic, typ)
             sub.Init(latest.put, 10)
             self._subscribers.append(sub)
         if self._wait_state(lambda s: True, self.state_timeout_s) is None:
             self._close_subscribers()
-            raise ControllerError(f"go2: no {STATE_TOPIC} from the robot within {self.state_timeout_s:.0f} s on "
-                                  f"{where}: check robot.options.network_interface")
+            raise ControllerError(
+                f"go2: no {STATE_TOPIC} from the robot within {self.state_timeout_s:.0f} s on "
+                f"{where}: check robot.options.network_interface"
+            )
         client = SportClient()
         client.SetTimeout(self.timeout_s)
         client.Init()
@@ -204,8 +231,10 @@ class Go2Controller(Controller):
         state = self._wait_state(lambda s: s.mode not in LYING | LOCKED, self.stand_timeout_s)
         if state is None:
             last = self.state.get(1.0)
-            raise ControllerError(f"go2: not balancing {self.stand_timeout_s:.0f} s after standing up (mode "
-                                  f"{_mode_name(last.mode) if last is not None else 'unknown'})")
+            raise ControllerError(
+                f"go2: not balancing {self.stand_timeout_s:.0f} s after standing up (mode "
+                f"{_mode_name(last.mode) if last is not None else 'unknown'})"
+            )
         log.info("go2: balancing (mode %s): motion allowed", _mode_name(state.mode))
 
     def disconnect(self) -> None:
@@ -234,7 +263,7 @@ class Go2Controller(Controller):
         client = self._need()
         sent = cmd.clamped(self.max_vx, self.max_vy, self.max_wz)
         code = client.Move(sent.vx, sent.vy, sent.wz)
-        if code not in (0, None):       # Move is send-and-forget; a code here is a local failure
+        if code not in (0, None):  # Move is send-and-forget; a code here is a local failure
             self.errors += 1
             log.warning("go2: Move returned %s", code)
         return sent

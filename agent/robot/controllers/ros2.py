@@ -4,6 +4,7 @@ With twist_mux in front of the robot, give this topic a lower priority than the
 joystick so a human always wins. Note that go2_ros2_sdk drops all-zero twists,
 so a zero Twist does not actively stop a Go2 there: use the go2 driver for that.
 """
+
 from __future__ import annotations
 
 import logging
@@ -16,8 +17,15 @@ log = logging.getLogger(__name__)
 class Ros2Controller(Controller):
     name = "ros2"
 
-    def __init__(self, topic: str = "/cmd_vel", node_name: str = "edge_agent", qos_depth: int = 1,
-                 max_vx: float = 1.0, max_vy: float = 0.6, max_wz: float = 1.5):
+    def __init__(
+        self,
+        topic: str = "/cmd_vel",
+        node_name: str = "edge_agent",
+        qos_depth: int = 1,
+        max_vx: float = 1.0,
+        max_vy: float = 0.6,
+        max_wz: float = 1.5,
+    ):
         self.topic, self.node_name, self.qos_depth = topic, node_name, qos_depth
         self.max_vx, self.max_vy, self.max_wz = max_vx, max_vy, max_wz
         self.node = self.pub = self._twist = None
@@ -28,8 +36,10 @@ class Ros2Controller(Controller):
             import rclpy
             from geometry_msgs.msg import Twist
         except ImportError as e:
-            raise ControllerError(f"rclpy is not available ({e}): source your ROS 2 setup (e.g. "
-                                  "/opt/ros/humble/setup.bash) in the service's environment") from None
+            raise ControllerError(
+                f"rclpy is not available ({e}): source your ROS 2 setup (e.g. "
+                "/opt/ros/humble/setup.bash) in the service's environment"
+            ) from None
         if not rclpy.ok():
             rclpy.init()
             self._owns_context = True

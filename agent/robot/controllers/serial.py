@@ -39,6 +39,7 @@ the ACK, re-sending the same frame (same seq) up to `max_retries` times on timeo
 the host reads back its own frames and nothing ever acks them; good for the wire, not the MCU).
 A fake MCU that really answers lives in `agent.robot.controllers.fake_mcu`.
 """
+
 from __future__ import annotations
 
 import logging
@@ -56,10 +57,10 @@ from .base import Command, Controller, ControllerError
 log = logging.getLogger(__name__)
 
 PROTOCOL_VERSION = 1
-SYNC = b"\xAA\x55"
-HEADER_LEN = 5                          # sync(2) type seq len
+SYNC = b"\xaa\x55"
+HEADER_LEN = 5  # sync(2) type seq len
 CRC_LEN = 2
-MAX_PAYLOAD = 32                        # bytes; a header claiming more is garbage
+MAX_PAYLOAD = 32  # bytes; a header claiming more is garbage
 MAX_FRAME = HEADER_LEN + MAX_PAYLOAD + CRC_LEN
 
 
@@ -74,23 +75,29 @@ class FrameType(IntEnum):
     STATUS = 0x20
 
 
-VEL_STRUCT = struct.Struct("<hhh")      # vx mm/s, vy mm/s, wz mrad/s
+VEL_STRUCT = struct.Struct("<hhh")  # vx mm/s, vy mm/s, wz mrad/s
 STATUS_STRUCT = struct.Struct("<BhhhB")  # version, vx mm/s, vy mm/s, wz mrad/s, flags
 STATUS_ESTOP, STATUS_AUTO_STOPPED = 0x01, 0x02
 
 # The payload length each type must have. The parser rejects any other type or length: with only
 # these eight headers valid, a false sync word in line noise rarely survives the header check, and
 # one that does holds real frames back for at most the longest frame (14 bytes), not MAX_FRAME.
-PAYLOAD_LEN = {FrameType.VEL: VEL_STRUCT.size, FrameType.STATUS: STATUS_STRUCT.size,
-               **{t: 0 for t in (FrameType.STOP, FrameType.ESTOP, FrameType.RESET, FrameType.HEARTBEAT,
-                                 FrameType.ACK, FrameType.NACK)}}
+PAYLOAD_LEN = {
+    FrameType.VEL: VEL_STRUCT.size,
+    FrameType.STATUS: STATUS_STRUCT.size,
+    **{
+        t: 0
+        for t in (FrameType.STOP, FrameType.ESTOP, FrameType.RESET, FrameType.HEARTBEAT, FrameType.ACK, FrameType.NACK)
+    },
+}
 
-INT16_MAX = 32767                       # the largest |vx| in mm/s a VEL payload can carry (32.767 m/s)
+INT16_MAX = 32767  # the largest |vx| in mm/s a VEL payload can carry (32.767 m/s)
 
 
 # ---------------------------------------------------------------------------------------------
 # Pure protocol functions
 # ---------------------------------------------------------------------------------------------
+
 
 def _crc_table() -> list[int]:
     table = []
@@ -118,9 +125,10 @@ def crc16_ccitt(data: bytes, crc: int = 0xFFFF) -> int:
 @dataclass(frozen=True)
 class Frame:
     """One decoded frame (its CRC already checked)."""
-    type: int                           # a FrameType value; an unknown type stays a plain int
-    seq: int                            # 0..255; for ACK/NACK the seq of the frame answered
-    payload: bytes = b""                # 0..MAX_PAYLOAD bytes, layout by type (module docstring)
+
+    type: int  # a FrameType value; an unknown type stays a plain int
+    seq: int  # 0..255; for ACK/NACK the seq of the frame answered
+    payload: bytes = b""  # 0..MAX_PAYLOAD bytes, layout by type (module docstring)
 
     @classmethod
     def make_dummy(cls) -> "Frame":
@@ -145,7 +153,7 @@ def quantise(cmd: Command, max_vx: float, max_vy: float, max_wz: float) -> tuple
     """
     if not all(math.isfinite(v) for v in (cmd.vx, cmd.vy, cmd.wz)):
         return (0, 0, 0)
-    q = lambda v, m: int(round(1000.0 * max(-m, min(m, v))))   # noqa: E731
+    q = lambda v, m: int(round(1000.0 * max(-m, min(m, v))))  # noqa: E731
     return (q(cmd.vx, max_vx), q(cmd.vy, max_vy), q(cmd.wz, max_wz))
 
 
@@ -168,9 +176,10 @@ def _as_type(t: int) -> int:
 @dataclass(frozen=True)
 class Rejected:
     """A frame the parser dropped; `type`/`seq` come from an unverified header (trust them only for a NACK)."""
+
     type: int
     seq: int
-    reason: str                         # "crc" (header fine, CRC wrong), "len" or "type" (impossible header)
+    reason: str  # "crc" (header fine, CRC wrong), "len" or "type" (impossible header)
 
 
 class FrameParser:
@@ -186,18 +195,19 @@ class FrameParser:
     (the CRC then rejects it): at most the longest frame, 14 bytes with the default `lengths`.
     `lengths` (type -> payload length, default PAYLOAD_LEN) is the one place to add a frame type.
     """
+
     CHUNK = 256
 
     def __init__(self, lengths: dict[int, int] | None = None):
         self.lengths = dict(PAYLOAD_LEN if lengths is None else lengths)
         if any(not 0 <= n <= MAX_PAYLOAD for n in self.lengths.values()):
             raise ValueError(f"payload lengths must be 0..{MAX_PAYLOAD}, got {self.lengths}")
-        self._buf = bytearray()         # < MAX_FRAME + CHUNK bytes
-        self.frames = 0                 # good frames returned
+        self._buf = bytearray()  # < MAX_FRAME + CHUNK bytes
+        self.frames = 0  # good frames returned
         self.bad_crc = 0
         self.bad_len = 0
         self.bad_type = 0
-        self.skipped_bytes = 0          # bytes outside any frame (garbage, line noise)
+        self.skipped_bytes = 0  # bytes outside any frame (garbage, line noise)
         self.rejected: deque[Rejected] = deque(maxlen=32)
 
     @property
@@ -207,7 +217,7 @@ class FrameParser:
     def feed(self, data: bytes) -> list[Frame]:
         out: list[Frame] = []
         for i in range(0, len(data), self.CHUNK):
-            self._buf += data[i:i + self.CHUNK]
+            self._buf += data[i : i + self.CHUNK]
             self._drain(out)
         return out
 
@@ -216,9 +226,9 @@ class FrameParser:
         while True:
             start = buf.find(SYNC)
             if start < 0:
-                keep = 1 if buf[-1:] == SYNC[:1] else 0     # a lone 0xAA may be half a sync word
+                keep = 1 if buf[-1:] == SYNC[:1] else 0  # a lone 0xAA may be half a sync word
                 self.skipped_bytes += len(buf) - keep
-                del buf[:len(buf) - keep]
+                del buf[: len(buf) - keep]
                 return
             if start:
                 self.skipped_bytes += start
@@ -239,12 +249,12 @@ class FrameParser:
             if len(buf) < end:
                 return
             (crc,) = struct.unpack_from("<H", buf, end - CRC_LEN)
-            if crc != crc16_ccitt(bytes(buf[2:end - CRC_LEN])):
+            if crc != crc16_ccitt(bytes(buf[2 : end - CRC_LEN])):
                 self.bad_crc += 1
                 self.rejected.append(Rejected(ftype, seq, "crc"))
                 del buf[:2]
                 continue
-            out.append(Frame(_as_type(ftype), seq, bytes(buf[HEADER_LEN:end - CRC_LEN])))
+            out.append(Frame(_as_type(ftype), seq, bytes(buf[HEADER_LEN : end - CRC_LEN])))
             self.frames += 1
             del buf[:end]
 
@@ -253,14 +263,16 @@ class FrameParser:
 # The controller
 # ---------------------------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class McuStatus:
     """The MCU's last STATUS frame, decoded."""
-    version: int                        # the MCU's PROTOCOL_VERSION
-    motors: Command                     # its current set-point, m/s and rad/s
+
+    version: int  # the MCU's PROTOCOL_VERSION
+    motors: Command  # its current set-point, m/s and rad/s
     estopped: bool
-    auto_stopped: bool                  # its deadman fired since the last set-point
-    t: float                            # time.monotonic() when it arrived
+    auto_stopped: bool  # its deadman fired since the last set-point
+    t: float  # time.monotonic() when it arrived
 
 
 class SerialController(Controller):
@@ -280,15 +292,29 @@ class SerialController(Controller):
     (tests pass a `fake_mcu.PipePort`); it must return an object with read(n), write(b),
     in_waiting, close().
     """
-    name = "serial"
-    PENDING_MAX = 64                    # set-points awaiting an ACK; the oldest is dropped (a miss) past this
 
-    def __init__(self, port: str = "loop://", baudrate: int = 115200, resend_s: float = 0.1,
-                 ack_timeout_s: float = 0.05, max_retries: int = 3, max_vx: float = 1.0,
-                 max_vy: float = 0.5, max_wz: float = 1.5,
-                 serial_factory: Callable[..., object] | None = None):
-        for name, v in (("resend_s", resend_s), ("ack_timeout_s", ack_timeout_s),
-                        ("max_vx", max_vx), ("max_vy", max_vy), ("max_wz", max_wz)):
+    name = "serial"
+    PENDING_MAX = 64  # set-points awaiting an ACK; the oldest is dropped (a miss) past this
+
+    def __init__(
+        self,
+        port: str = "loop://",
+        baudrate: int = 115200,
+        resend_s: float = 0.1,
+        ack_timeout_s: float = 0.05,
+        max_retries: int = 3,
+        max_vx: float = 1.0,
+        max_vy: float = 0.5,
+        max_wz: float = 1.5,
+        serial_factory: Callable[..., object] | None = None,
+    ):
+        for name, v in (
+            ("resend_s", resend_s),
+            ("ack_timeout_s", ack_timeout_s),
+            ("max_vx", max_vx),
+            ("max_vy", max_vy),
+            ("max_wz", max_wz),
+        ):
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
                 raise ValueError(f"{name} must be a positive number, got {v!r}")
         if max(max_vx, max_vy, max_wz) * 1000 > INT16_MAX:
@@ -303,21 +329,21 @@ class SerialController(Controller):
         self._port = None
         self._thread: threading.Thread | None = None
         self._stop_event = threading.Event()
-        self._life_lock = threading.Lock()          # connect / disconnect
-        self._write_lock = threading.Lock()         # port writes, seq, set-point
-        self._cond = threading.Condition()          # pending, waiters, counters, status
-        self._parser = FrameParser()                # used by the io thread only
+        self._life_lock = threading.Lock()  # connect / disconnect
+        self._write_lock = threading.Lock()  # port writes, seq, set-point
+        self._cond = threading.Condition()  # pending, waiters, counters, status
+        self._parser = FrameParser()  # used by the io thread only
         self._seq = 0
-        self._setpoint = (0, 0, 0)                  # mm/s, mm/s, mrad/s: what the re-send repeats
-        self._setpoint_t = 0.0                      # monotonic time of the last VEL written
-        self._pending: OrderedDict[int, float] = OrderedDict()   # seq -> sent at, streamed VEL only
-        self._waiters: dict[int, str | None] = {}   # seq -> None (waiting), "ack" or "nack"
+        self._setpoint = (0, 0, 0)  # mm/s, mm/s, mrad/s: what the re-send repeats
+        self._setpoint_t = 0.0  # monotonic time of the last VEL written
+        self._pending: OrderedDict[int, float] = OrderedDict()  # seq -> sent at, streamed VEL only
+        self._waiters: dict[int, str | None] = {}  # seq -> None (waiting), "ack" or "nack"
         self._status: McuStatus | None = None
-        self.estopped = False                       # latched by estop(), released by clear_estop()
-        self.error: BaseException | None = None     # what ended the io thread, if anything
+        self.estopped = False  # latched by estop(), released by clear_estop()
+        self.error: BaseException | None = None  # what ended the io thread, if anything
         self.sent = self.acked = self.nacks = self.missed_acks = self.late_acks = 0
         self.resends = self.retries = self.failed = 0
-        self.rx: Counter = Counter()                # good frames received, by type
+        self.rx: Counter = Counter()  # good frames received, by type
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -337,7 +363,7 @@ class SerialController(Controller):
             self._parser = FrameParser()
             self._stop_event.clear()
             self.error = None
-            self._setpoint, self._setpoint_t = (0, 0, 0), 0.0    # announce ourselves at once
+            self._setpoint, self._setpoint_t = (0, 0, 0), 0.0  # announce ourselves at once
             self._thread = threading.Thread(target=self._io_loop, name=f"serial-io:{self.port}", daemon=True)
             self._thread.start()
 
@@ -367,12 +393,12 @@ class SerialController(Controller):
             self._port, self._thread = None, None
 
     def _open(self):
-        read_timeout = min(0.01, self.resend_s / 4)     # the io loop's tick: bounds re-send jitter
+        read_timeout = min(0.01, self.resend_s / 4)  # the io loop's tick: bounds re-send jitter
         kw = dict(baudrate=self.baudrate, timeout=read_timeout, write_timeout=0.5)
         if self.serial_factory is not None:
             return self.serial_factory(self.port, **kw)
         try:
-            import serial                   # pyserial; the top-level package, not this module
+            import serial  # pyserial; the top-level package, not this module
         except ImportError as e:
             raise ControllerError("the serial controller needs pyserial: pip install pyserial") from e
         try:
@@ -429,8 +455,20 @@ class SerialController(Controller):
 
     def stats(self) -> dict:
         with self._cond:
-            return {k: getattr(self, k) for k in ("sent", "acked", "nacks", "missed_acks", "late_acks",
-                                                  "resends", "retries", "failed", "bad_frames")}
+            return {
+                k: getattr(self, k)
+                for k in (
+                    "sent",
+                    "acked",
+                    "nacks",
+                    "missed_acks",
+                    "late_acks",
+                    "resends",
+                    "retries",
+                    "failed",
+                    "bad_frames",
+                )
+            }
 
     # -- internals ---------------------------------------------------------------------------
 
@@ -479,8 +517,9 @@ class SerialController(Controller):
             with self._write_lock:
                 self._write(frame)
             with self._cond:
-                self._cond.wait_for(lambda: self._waiters[seq] is not None or not self.connected,
-                                    timeout=self.ack_timeout_s)
+                self._cond.wait_for(
+                    lambda: self._waiters[seq] is not None or not self.connected, timeout=self.ack_timeout_s
+                )
                 answer = self._waiters.pop(seq)
                 if answer == "ack":
                     return
@@ -490,14 +529,15 @@ class SerialController(Controller):
                 break
         with self._cond:
             self.failed += 1
-        raise ControllerError(f"{ftype.name} seq {seq} not acknowledged by the MCU on {self.port!r} "
-                              f"after {attempt + 1} tries")
+        raise ControllerError(
+            f"{ftype.name} seq {seq} not acknowledged by the MCU on {self.port!r} after {attempt + 1} tries"
+        )
 
     def _io_loop(self) -> None:
         port, parser = self._port, self._parser
         try:
             while not self._stop_event.is_set():
-                data = port.read(max(1, min(port.in_waiting, 4096)))    # blocks <= the read timeout
+                data = port.read(max(1, min(port.in_waiting, 4096)))  # blocks <= the read timeout
                 if data:
                     for frame in parser.feed(data):
                         self._on_frame(frame)
@@ -507,15 +547,15 @@ class SerialController(Controller):
                     with self._write_lock:
                         if not self._stop_event.is_set():
                             self._send_setpoint(resend=True)
-        except (OSError, ControllerError) as e:     # port unplugged or closed under us
+        except (OSError, ControllerError) as e:  # port unplugged or closed under us
             self.error = e
             log.error("serial %s: io thread stopped: %s", self.port, e)
-        except Exception as e:                      # a bug: still end visibly (connected -> False)
+        except Exception as e:  # a bug: still end visibly (connected -> False)
             self.error = e
             log.exception("serial %s: io thread crashed", self.port)
         finally:
             with self._cond:
-                self._cond.notify_all()             # wake any _request waiting on an ACK
+                self._cond.notify_all()  # wake any _request waiting on an ACK
 
     def _on_frame(self, f: Frame) -> None:
         with self._cond:
@@ -523,18 +563,23 @@ class SerialController(Controller):
             if f.type in (FrameType.ACK, FrameType.NACK):
                 ok = f.type == FrameType.ACK
                 if not ok:
-                    self.nacks += 1                 # a streamed set-point NACKed is replaced by the next re-send
+                    self.nacks += 1  # a streamed set-point NACKed is replaced by the next re-send
                 if self._waiters.get(f.seq, "") is None:
                     self._waiters[f.seq] = "ack" if ok else "nack"
                     self._cond.notify_all()
                 elif self._pending.pop(f.seq, None) is None:
-                    self.late_acks += ok            # answered after ack_timeout_s (already a miss), or a duplicate
+                    self.late_acks += ok  # answered after ack_timeout_s (already a miss), or a duplicate
                     return
                 self.acked += ok
             elif f.type == FrameType.STATUS:
                 ver, vx, vy, wz, flags = STATUS_STRUCT.unpack(f.payload)
-                self._status = McuStatus(ver, dequantise((vx, vy, wz)), bool(flags & STATUS_ESTOP),
-                                         bool(flags & STATUS_AUTO_STOPPED), time.monotonic())
+                self._status = McuStatus(
+                    ver,
+                    dequantise((vx, vy, wz)),
+                    bool(flags & STATUS_ESTOP),
+                    bool(flags & STATUS_AUTO_STOPPED),
+                    time.monotonic(),
+                )
             # anything else (our own frames echoed back by loop://) is only counted in rx
 
     def _expire(self, now: float) -> None:

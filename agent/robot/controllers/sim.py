@@ -5,8 +5,8 @@ It behaves like a small legged robot's driver: hardware limits clamp every comma
 still and ignores commands until `connect()` again or `world.damped = False`), and
 the world itself stops the robot `auto_stop_s` after the last command.
 """
-from __future__ import annotations
 
+from __future__ import annotations
 
 from ..sim import SimWorld, make_world
 from .base import Command, Controller, ControllerError
@@ -15,10 +15,17 @@ from .base import Command, Controller, ControllerError
 class SimController(Controller):
     name = "sim"
 
-    def __init__(self, world: SimWorld | None = None, scene: str = "red_box", start: int | tuple | None = 0,
-                 max_vx: float = 1.0, max_vy: float = 0.5, max_wz: float = 1.5):
+    def __init__(
+        self,
+        world: SimWorld | None = None,
+        scene: str = "red_box",
+        start: int | tuple | None = 0,
+        max_vx: float = 1.0,
+        max_vy: float = 0.5,
+        max_wz: float = 1.5,
+    ):
         self.world = world if world is not None else make_world(scene, start=start)
-        self.ranges = self.world            # the simulated range sensor: a ray cast in the direction of travel
+        self.ranges = self.world  # the simulated range sensor: a ray cast in the direction of travel
         self.max_vx, self.max_vy, self.max_wz = max_vx, max_vy, max_wz
         self._connected = False
 

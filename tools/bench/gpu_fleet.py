@@ -1,0 +1,945 @@
+"""Robots per GPU: the largest fleet that holds 8, 4 and 2 tok/s per robot, SD on each engine against llama-server.
+
+    python -m tools.bench.gpu_fleet [--out bench_results/gpu_fleet]               # a CUDA server, Llama-7B shape
+    python -m tools.bench.gpu_fleet --tiny --device cpu --no-peer --out /tmp/f    # the same code on a toy model
+
+On a CUDA server the llamacpp engine and the peer need CUDA builds of llama.cpp: `make setup
+LLAMA_FLAVOUR=cuda LLAMA_CMAKE_ARGS="-DGGML_CUDA=on"` for the wheel, `--build-peer` (or `make llama-server`
+with the same two variables) for llama-server. The figure a fleet operator asks for: how many robots one
+GPU serves at a given speed per robot.
+
+What is real, what is replayed, what is modelled:
+
+  target      real passes of a Llama of 7B shape (hidden 4096, 32 layers, 32 heads, FFN 11008, the
+              SmolLM2 vocabulary of 49152 so the robots' drafts share it) with random weights, made here
+              by tools/models/random_target.py: an F16 (or --dtype f32) GGUF for the llamacpp engine and
+              llama-server, and a Hugging Face directory with the same tensors for the torch engine.
+              A greedy path is planted in the random weights (the token after any prefix is a fixed
+              successor of the last token, by a margin no batch's rounding can flip), so a robot knows
+              what the target will say. Cached by shape under models/build (--model-dir).
+  server      real: `server-bridge serve` in its own process per engine (a CUDA llama.cpp and a CUDA
+              torch must never share one), the SLO scheduler (`scheduler = "slo"`), batching, sessions,
+              the wire; its verification-time estimator is fitted first, on this machine and engine,
+              over the batch shapes this fleet makes (tools/train/fleet_estimator.py in a subprocess; --estimator).
+  robots      N websocket clients in this process (tools/bench/loadgen.py's Robot, run_robots and summarize),
+              through the real wire on loopback (no network delay). A robot does not run a draft model:
+              it REPLAYS a recorded trace (tools/traces/<pair>__smollm2-f32.json, the shipped Q4_1 draft
+              against the SmolLM2 target by default). At each committed position i the trace says how
+              many of the real draft's tokens the real target accepted, a_i; the robot sends the planted
+              path's next a_i tokens and then a token the target rejects (gamma tokens in all), sleeps
+              --draft-ms-per-token per drafted token first (25 ms: an Orin-class draft of a 7B's
+              partner), and commits what the server's `result` says. So the server really verifies every
+              chain and accepts exactly what the real pair accepted: tokens per round follow the trace
+              (`planned_tau` in the JSON) while every pass, batch and queue is real. `exact` checks the
+              committed text is the planted path, i.e. that every verdict was the target's.
+  peer        llama.cpp's own `llama-server` (tools/bench/peer.py, built from the same llama.cpp sources) with
+              `--parallel N` continuous batching, streaming plain AR of the same prompts to N robots.
+              It is blind to the rate a robot needs, so one sweep judges every class: a generation
+              holds c tok/s when tokens / (last token - request) >= c (tools/bench/loadgen.py's rule).
+
+A fleet holds a rate when <= 5 % of the generations opened in the window miss it (or are shed),
+at that N and every smaller N tried (tools/loadgen.capacity). SD fleets are homogeneous, one sweep
+per class (the SLO scheduler is told each robot's rate); N doubles from --start-n (the tighter
+class's capacity for the looser ones) until a point fails or --max-n, then bisects to within
+--refine. llama.cpp holds at most 256 sequences per context (LLAMA_MAX_SEQ): its fleets stop at
+248 robots, and a capacity there is a lower bound. On a GPU --max-n is also bounded by the KV memory
+left beside the weights. Each robot generates --tokens tokens a generation, back to back.
+
+Writes gpu_fleet.json (command, machine, model, engine settings, every point, capacities),
+gpu_fleet.md and gpu_fleet.png into --out, and the servers' configs beside them; the JSON and the
+table are rewritten after each system, so a long run leaves what it has.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.metadata
+import json
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+from tools.bench import loadgen
+from tools.bench.loadgen import LoadConfig, Trace, TracePrompt
+from tools.models import random_target
+
+TRACES = Path(__file__).resolve().parents[1] / "traces"
+CLASSES = (8, 4, 2)  # tokens/s per robot, tightest first
+LLAMA_MAX_SEQ = 256  # llama.cpp's sequences per context (the llamacpp engine and llama-server)
+LLAMA_MAX_ROBOTS = LLAMA_MAX_SEQ - 8  # room for sessions that are closing while the next point opens
+SYSTEMS = {"llamacpp": "SD, llamacpp engine", "torch": "SD, torch engine", "llama-server": "llama-server AR"}
+
+
+@dataclass(frozen=True)
+class FleetConfig:
+    tiny: bool = False  # a 2-layer, hidden-64 target (checks the code, not the GPU)
+    device: str = "cuda"  # cuda | cpu
+    dtype: str = "f16"  # the random target's weights: f16 | f32
+    torch_dtype: str = "auto"  # the torch engine's compute dtype; auto: float16 for f16 weights on CUDA
+    engines: tuple = ("llamacpp", "torch")
+    peer: bool = True
+    classes: tuple = CLASSES
+    pair: str = "smollm2-q4_1"  # the recorded trace the robots replay
+    gamma: int = 4  # draft tokens a round
+    draft_ms: float = 25.0  # modelled drafting cost per token on the robot
+    tokens: int = 48  # tokens a generation
+    warmup_s: float = 5.0
+    window_s: float = 15.0
+    ns: tuple = ()  # fixed fleet sizes (no search); () = search
+    start_n: int = 1
+    max_n: int = 512
+    refine: float = 0.1  # bisect until the gap is <= refine x N
+    max_batch: int = 32
+    estimator: str = "profile"  # profile (fit here first: tools/train/fleet_estimator.py) | "" (defaults) | a file
+    server_threads: int = 0  # 0: 1 on the CPU (pinned), 4 on CUDA
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.device not in ("cuda", "cpu") or self.dtype not in ("f16", "f32"):
+            raise ValueError(f"device must be cuda or cpu and dtype f16 or f32, got {self.device}, {self.dtype}")
+        if not set(self.engines) <= {"llamacpp", "torch"}:
+            raise ValueError(f"engines are llamacpp and torch, got {self.engines}")
+        if not self.classes or any(c <= 0 for c in self.classes):
+            raise ValueError(f"classes must be positive tokens/s, got {self.classes}")
+        if self.start_n < 1 or self.max_n < self.start_n or not 0 < self.refine < 1 or any(n < 1 for n in self.ns):
+            raise ValueError("need 1 <= start_n <= max_n, 0 < refine < 1 and fleet sizes >= 1")
+        LoadConfig(
+            gamma=self.gamma, draft_ms=self.draft_ms, tokens=self.tokens, warmup_s=self.warmup_s, window_s=self.window_s
+        )  # its own checks
+
+    @property
+    def threads(self) -> int:
+        return self.server_threads or (4 if self.device == "cuda" else 1)
+
+    def load_config(self, classes: tuple) -> LoadConfig:
+        return LoadConfig(
+            gamma=self.gamma,
+            draft_ms=self.draft_ms,
+            tokens=self.tokens,
+            classes=classes,
+            warmup_s=self.warmup_s,
+            window_s=self.window_s,
+            seed=self.seed,
+        )
+
+
+# --------------------------------------------------------------------------- the replayed robots
+
+
+def agreement(chain: list[int], continuation: list[int]) -> int:
+    """How many leading draft tokens the target accepts at T = 0: the common prefix."""
+    n = 0
+    for a, b in zip(chain, continuation):
+        if a != b:
+            break
+        n += 1
+    return n
+
+
+def replay_trace(recorded: Trace, successor, target_name: str) -> Trace:
+    """The recorded trace moved onto the random target's planted path, acceptance for acceptance.
+
+    At committed position i the recorded draft agreed with the recorded target for a_i tokens;
+    the replayed chain is the planted path's next a_i tokens, then a token the target rejects
+    (then anything), gamma_max in all. loadgen's robots send chains[i][:gamma] on the path.
+    """
+    prompts = []
+    for p in recorded.prompts:
+        path = random_target.greedy_path(successor, p.prompt_ids[-1], len(p.target_ids) + recorded.gamma_max + 1)
+        chains = []
+        for i, chain in enumerate(p.chains):
+            a = agreement(chain, p.target_ids[i:])
+            planted = path[i : i + a]
+            if a < recorded.gamma_max:
+                planted.append(path[i + a + 1])  # != path[i + a] (the cycle has no fixed point): rejected
+            while len(planted) < recorded.gamma_max:
+                planted.append(int(successor[planted[-1]]))
+            chains.append(planted)
+        prompts.append(TracePrompt(p.prompt_ids, path[: len(p.target_ids)], chains))
+    return Trace(
+        recorded.draft,
+        target_name,
+        recorded.vocab_hash,
+        recorded.vocab_size,
+        recorded.eos_ids,
+        recorded.gamma_max,
+        prompts,
+    )
+
+
+def planned_tau(trace: Trace, gamma: int, tokens: int) -> float:
+    """Tokens per round a robot commits replaying `trace` (what loadgen's robot sends, walked offline)."""
+    committed = rounds = 0
+    for p in trace.prompts:
+        goal, i = min(tokens, len(p.target_ids)), 0
+        while i < goal:
+            k = min(gamma, goal - i - 1)
+            i += min(agreement(p.chains[i][:k], p.target_ids[i:]), k) + 1
+            rounds += 1
+        committed += i
+    return committed / rounds
+
+
+# --------------------------------------------------------------------------- the search
+
+
+def capacity_search(
+    run: Callable[[int], dict],
+    classes: list[str],
+    ns: tuple = (),
+    start: int = 1,
+    max_n: int = 256,
+    refine: float = 0.1,
+) -> dict:
+    """The largest N each class holds, running as few points as it can.
+
+    run(n) -> {class: passed (bool, or None without data)} for a fleet of n. With `ns`: those
+    sizes in order, stopping once every class has failed. Otherwise N doubles from `start` until
+    every class has failed above its capacity or max_n is reached; then, per class, bisection
+    between its capacity and the next failing N until the gap is <= max(1, refine x capacity).
+    Capacity is loadgen's: the largest N that passed with every smaller N tried (0: the smallest
+    failed); lower_bound when every N tried passed.
+    """
+    seen: dict[int, dict] = {}
+
+    def at(n: int) -> None:
+        if n not in seen:
+            seen[n] = run(n)
+
+    def cap(c: str) -> tuple[int, bool]:
+        got, held = loadgen.capacity({n: r.get(c) for n, r in seen.items()})
+        return got or 0, held
+
+    def failed_above(c: str) -> int | None:
+        lo = cap(c)[0]
+        return min((n for n, r in seen.items() if r.get(c) is False and n > lo), default=None)
+
+    if ns:
+        for n in ns:
+            at(n)
+            if all(failed_above(c) is not None for c in classes):
+                break
+    else:
+        n = max(1, min(start, max_n))
+        while True:
+            at(n)
+            if n >= max_n or all(failed_above(c) is not None for c in classes):
+                break
+            n = min(2 * n, max_n)
+        for c in classes:
+            while (hi := failed_above(c)) is not None:
+                lo = cap(c)[0]
+                mid = (lo + hi) // 2
+                if hi - lo <= max(1, int(refine * lo)) or mid <= lo or mid in seen:
+                    break
+                at(mid)
+    return {c: {"capacity": cap(c)[0], "lower_bound": cap(c)[1], "tried": sorted(seen)} for c in classes}
+
+
+def sizes_within(ns: tuple, max_n: int) -> tuple:
+    """The fixed fleet sizes a system can take (max_n if it can take none of them); () = search."""
+    if not ns:
+        return ()
+    return tuple(n for n in ns if n <= max_n) or (max_n,)
+
+
+# --------------------------------------------------------------------------- one point
+
+
+def judged(records: list[dict], classes: tuple) -> dict:
+    """Per class c, over a point's sampled generations: the share that missed c tok/s or were lost.
+
+    A record of the window's sample is already decided at its own (loosest) class; a generation
+    that met it is judged again at each tighter c by its speed.
+    """
+    sample = [r for r in records if r["in_sample"]]
+    out = {}
+    for c in classes:
+        bad = [r["violated"] or r["tokens_per_s"] is None or r["tokens_per_s"] < c for r in sample]
+        rate = sum(bad) / len(bad) if bad else None
+        out[str(c)] = {
+            "violation_rate": rate,
+            "decided": len(bad),
+            "passes": loadgen.point_passes(rate, {}) if bad else None,
+        }
+    return out
+
+
+def point_record(system: str, n: int, cls: list[str], s: dict, by_class: dict, extra: dict) -> dict:
+    """A point as the JSON keeps it: the figures, without the per-generation records."""
+    keep = (
+        "goodput_tokens_per_s",
+        "slo_met_tokens_per_s",
+        "rounds",
+        "tokens_per_round",
+        "round_ms_mean",
+        "round_ms_p95",
+        "sheds",
+        "generations",
+        "stale",
+        "tail_s",
+        "speed_by_class",
+    )
+    speeds = [r["tokens_per_s"] for r in s.get("generation_records", []) if r["in_sample"] and r["tokens_per_s"]]
+    return {
+        "system": system,
+        "n": n,
+        "classes": cls,
+        "judged": by_class,
+        **{k: s.get(k) for k in keep},
+        "speed_mean": sum(speeds) / len(speeds) if speeds else None,
+        "speed_min": min(speeds) if speeds else None,
+        "errors": len(s.get("errors", [])),
+        "error_samples": s.get("errors", [])[:3],
+        **extra,
+    }
+
+
+def describe(p: dict) -> str:
+    pct = lambda r: "-" if r is None else f"{100 * r:.0f}%"  # noqa: E731
+    verdicts = " ".join(
+        f"{c} tok/s: {pct(j['violation_rate'])} {'ok' if j['passes'] else 'FAIL'}" for c, j in p["judged"].items()
+    )
+    num = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
+    flags = ("" if p.get("exact", True) else "  NOT EXACT") + (f"  errors {p['errors']}" if p["errors"] else "")
+    if p.get("client_cpu", 0) > 0.85:
+        flags += f"  robots' process at {100 * p['client_cpu']:.0f}% CPU: the client may limit"
+    return (
+        f"{SYSTEMS[p['system']]:<20} N={p['n']:<4} {verdicts}  speed mean/min {num(p['speed_mean'], '.1f')}/"
+        f"{num(p['speed_min'], '.1f')} tok/s  goodput {p['goodput_tokens_per_s']:.1f} tok/s  tokens/round "
+        f"{num(p['tokens_per_round'], '.2f')}  round ms {num(p['round_ms_mean'], '.0f')}/"
+        f"{num(p['round_ms_p95'], '.0f')}  shed {p['sheds']}{flags}"
+    )
+
+
+def _get_json(url: str, timeout: float = 5.0) -> dict:
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return json.loads(r.read().decode())
+
+
+def wait_idle(port: int, timeout_s: float = 30.0) -> None:
+    """Until the server holds no session and no queued request (the previous point's are closing)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        h = _get_json(f"http://127.0.0.1:{port}/healthz")
+        if h.get("sessions", 0) == 0 and h.get("queue", 0) == 0:
+            return
+        time.sleep(0.2)
+
+
+def sd_point(engine: str, url: str, port: int, trace: Trace, n: int, lcfg: LoadConfig) -> dict:
+    """N replayed robots against a running server-bridge: one point."""
+    wait_idle(port)
+    c0, t0 = time.process_time(), time.monotonic()
+    out = asyncio.run(loadgen.run_robots(url, trace, n, lcfg, metrics_port=port))
+    cpu = (time.process_time() - c0) / max(1e-9, time.monotonic() - t0)
+    s = loadgen.summarize(out, trace, lcfg.classes)
+    cls = [str(c) for c in lcfg.classes]
+    by_class = {
+        c: {
+            "violation_rate": s["violation_rate_by_class"][c],
+            "decided": s["decided_by_class"][c],
+            "passes": s["passes"],
+        }
+        for c in cls
+    }
+    means = loadgen.server_figures(out.metrics)["means"]
+    return point_record(
+        engine,
+        n,
+        cls,
+        s,
+        by_class,
+        {
+            "exact": s["exact"],
+            "client_cpu": round(cpu, 3),
+            "server_means": {k.removeprefix("bridge_"): round(v, 3) for k, v in means.items()},
+        },
+    )
+
+
+# --------------------------------------------------------------------------- machine, subprocesses
+
+
+def machine_info() -> dict:
+    info = {
+        "host": platform.node(),
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "gpu": None,
+    }
+    for pkg in ("torch", "transformers", "llama-cpp-python", "gguf"):
+        try:
+            info[pkg] = importlib.metadata.version(pkg)
+        except importlib.metadata.PackageNotFoundError:
+            info[pkg] = None
+    if shutil.which("nvidia-smi"):  # not torch.cuda: this process holds no CUDA context
+        q = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,memory.total,memory.free,driver_version", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        if q.returncode == 0 and q.stdout.strip():
+            name, total, free, driver = [x.strip() for x in q.stdout.splitlines()[0].split(",")]
+            info["gpu"] = {
+                "name": name,
+                "memory_total_mib": int(total),
+                "memory_free_mib": int(free),
+                "driver": driver,
+                "count": len(q.stdout.splitlines()),
+            }
+    return info
+
+
+def kv_bound(machine: dict, shape: random_target.Shape, dtype: str, context: int) -> int | None:
+    """Sessions whose KV (f16, `context` tokens each) fits in the GPU's free memory beside the weights."""
+    gpu = machine.get("gpu")
+    if not gpu:
+        return None
+    room = gpu["memory_free_mib"] * 2**20 * 0.9 - shape.weight_bytes(dtype) - 4 * 2**30  # 4 GiB: activations, head
+    return max(0, int(room // (context * shape.kv_bytes_per_token(2))))
+
+
+def run_json(cmd: list[str], say, cpus: set[int] | None = None, timeout_s: float = 3600) -> dict:
+    """Run a tool in its own process (on `cpus`, if given); its last stdout line is JSON."""
+    say("  $ " + shlex.join(cmd))
+    r = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
+    )
+    if r.returncode not in (0, 1) or not r.stdout.strip():
+        raise RuntimeError(f"{shlex.join(cmd)} failed ({r.returncode}):\n{r.stderr[-3000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def engine_target(target: random_target.RandomTarget, engine: str) -> Path:
+    return target.gguf if engine == "llamacpp" else target.hf_dir
+
+
+def torch_dtype(cfg: FleetConfig) -> str:
+    if cfg.torch_dtype != "auto":
+        return cfg.torch_dtype
+    return "float16" if cfg.device == "cuda" and cfg.dtype == "f16" else "float32"
+
+
+def check_engine(cfg: FleetConfig, target: random_target.RandomTarget, engine: str, say) -> dict:
+    """tools.models.random_target check in a subprocess: loads, vocabulary hash, greedy follows the planted path."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "tools.models.random_target",
+        "check",
+        str(engine_target(target, engine)),
+        "--engine",
+        engine,
+        "--device",
+        cfg.device,
+        "--dtype",
+        torch_dtype(cfg),
+        "--seed",
+        str(cfg.seed),
+    ]
+    return run_json(cmd, say)
+
+
+def fit_estimator(
+    cfg: FleetConfig, target: random_target.RandomTarget, engine: str, trace: Trace, out: Path, cpus: dict, say
+) -> tuple[str, dict | None]:
+    """The verification-time estimator the server loads: fitted here over the fleet's own batch shapes
+    (tools/train/fleet_estimator.py, in the server's place), none (""), or a given file."""
+    if cfg.estimator != "profile":
+        return cfg.estimator, None
+    prompts = sorted({len(p.prompt_ids) for p in trace.prompts})
+    cached = sorted({prompts[0], prompts[-1], prompts[-1] + cfg.tokens})
+    model_out = out / f"estimator-{engine}.json"
+    cmd = [
+        sys.executable,
+        "-m",
+        "tools.train.fleet_estimator",
+        "--target",
+        str(engine_target(target, engine)),
+        "--engine",
+        engine,
+        "--device",
+        cfg.device,
+        "--dtype",
+        torch_dtype(cfg),
+        "--threads",
+        str(cfg.threads),
+        "--max-batch",
+        str(cfg.max_batch),
+        "--gamma",
+        str(cfg.gamma),
+        "--cached",
+        ",".join(map(str, cached)),
+        "--prompts",
+        ",".join(map(str, prompts)),
+        "--batches",
+        "60" if cfg.tiny else "160",
+        "--seed",
+        str(cfg.seed),
+        "--out",
+        str(model_out),
+    ]
+    fitted = run_json(cmd, say, cpus.get("server"))
+    say(
+        f"  estimator: {json.dumps(fitted['coefficients'])}, test R2 {fitted['test']['r2']:.3f}, MAPE "
+        f"{fitted['test']['mape_pct']:.1f} % ({fitted['seconds']}s)"
+    )
+    return str(model_out), fitted
+
+
+def server_toml(
+    cfg: FleetConfig, target: random_target.RandomTarget, engine: str, sessions: int, context: int, estimator: str
+) -> str:
+    """The server's config for this benchmark (saved beside the results; flags would override it)."""
+    values = {
+        "target": str(engine_target(target, engine)),
+        "engine": engine,
+        "scheduler": "slo",
+        "exits": "",
+        "estimator": estimator,
+        "max_sessions": sessions,
+        "max_sessions_per_connection": 2,
+        "max_connections": sessions + 16,
+        "max_context": context,
+        "kv_tokens": sessions * context,
+        "max_batch": cfg.max_batch,
+        "max_queue": max(128, sessions),
+        "detached_grace_s": 1.0,
+        "threads": cfg.threads,
+    }
+    if engine == "torch":
+        values.update(device=cfg.device, dtype=torch_dtype(cfg))
+    else:
+        values.update(n_gpu_layers=-1 if cfg.device == "cuda" else 0)
+    lines = ["[server]"] + [f"{k} = {json.dumps(v)}" for k, v in values.items()]
+    return "\n".join(lines) + "\n"
+
+
+def context_tokens(trace: Trace, cfg: FleetConfig) -> int:
+    """A session's KV: the longest prompt, a generation and a draft, with room; a multiple of 64."""
+    need = max(len(p.prompt_ids) for p in trace.prompts) + cfg.tokens + cfg.gamma + 16
+    return -(-need // 64) * 64
+
+
+# --------------------------------------------------------------------------- the systems
+
+
+def run_sd(cfg: FleetConfig, engine: str, target, trace: Trace, max_n: int, out: Path, cpus: dict, say) -> dict:
+    """One engine: its check, its estimator, one server, a capacity search per class (tightest first)."""
+    from tools.cluster.local_verifier import LocalVerifier
+
+    check = check_engine(cfg, target, engine, say)
+    say(
+        f"  {engine}: loads in {check['load_s']}s on {check['info'].get('device')}, vocab hash "
+        f"{check['vocab_hash'][:12]}, greedy follows the planted path: {check['follows_path']}, "
+        f"{check['ms_per_token_one_session']} ms a token for one session"
+    )
+    result = {"check": check, "points": [], "capacity": {}}
+    if not check["follows_path"]:
+        result["skipped"] = "the engine's greedy tokens leave the planted path (see check)"
+        return result
+    if cfg.device == "cuda" and engine == "llamacpp" and check["info"].get("device") != "gpu":
+        result["skipped"] = (
+            'llama-cpp-python was built without CUDA: make setup LLAMA_FLAVOUR=cuda LLAMA_CMAKE_ARGS="-DGGML_CUDA=on"'
+        )
+        return result
+    if engine == "llamacpp":
+        max_n = min(max_n, LLAMA_MAX_ROBOTS)
+    estimator, result["estimator"] = fit_estimator(cfg, target, engine, trace, out, cpus, say)
+    context = context_tokens(trace, cfg)
+    toml = out / f"server-{engine}.toml"
+    toml.write_text(server_toml(cfg, target, engine, max_n + 8, context, estimator))
+    t0 = time.perf_counter()
+    with LocalVerifier(
+        cpus=cpus.get("server"), threads=cfg.threads, extra_args=["--config", str(toml)], start_timeout_s=1800
+    ) as srv:
+        result["server_start_s"] = round(time.perf_counter() - t0, 1)
+        result["health"] = _get_json(f"http://127.0.0.1:{srv.port}/healthz")
+        say(f"  server-bridge up in {result['server_start_s']}s: {result['health']}")
+        start = cfg.start_n
+        try:
+            for c in sorted(cfg.classes, reverse=True):
+                lcfg = cfg.load_config((c,))
+
+                def run(n: int) -> dict:
+                    p = sd_point(engine, srv.url, srv.port, trace, n, lcfg)
+                    result["points"].append(p)
+                    say("  " + describe(p))
+                    return {k: j["passes"] for k, j in p["judged"].items()}
+
+                found = capacity_search(run, [str(c)], sizes_within(cfg.ns, max_n), start, max_n, cfg.refine)[str(c)]
+                result["capacity"][str(c)] = {**found, "max_n": max_n}
+                start = max(cfg.start_n, found["capacity"])
+        finally:
+            log_text = srv.log_path.read_text(errors="replace")
+            srv.log_path.unlink(missing_ok=True)
+    result["server_config"] = loadgen.server_config(log_text)
+    return result
+
+
+def peer_binary(cfg: FleetConfig, given: str | None, build: bool, say) -> Path | None:
+    """llama-server: --peer-binary, else the newest cached build of the right kind (CUDA or not), else built."""
+    from tools.bench import peer
+
+    if given:
+        return Path(given)
+    want_cuda = cfg.device == "cuda"
+    builds = sorted(
+        peer.CACHE_ROOT.glob(f"llama-server-{peer.VERSION}-*/llama-server"),
+        key=lambda p: p.stat().st_mtime,
+        reverse=True,
+    )
+    for b in builds:
+        info = (b.parent / "BUILD_INFO").read_text() if (b.parent / "BUILD_INFO").exists() else ""
+        if os.access(b, os.X_OK) and ("GGML_CUDA=on" in info) == want_cuda:
+            return b
+    if not build:
+        return None
+    env = dict(os.environ)
+    if want_cuda:
+        env.update(LLAMA_FLAVOUR="cuda", LLAMA_CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=native")
+    say(f"  building llama-server ({'CUDA' if want_cuda else 'CPU'}; minutes): bash {peer.BUILD_SCRIPT}")
+    r = subprocess.run(["bash", str(peer.BUILD_SCRIPT)], stdout=subprocess.PIPE, text=True, env=env, check=True)
+    return Path(r.stdout.strip().splitlines()[-1])
+
+
+def run_peer(cfg: FleetConfig, target, trace: Trace, max_n: int, binary: Path, cpus: dict, say) -> dict:
+    """llama-server --parallel N streaming AR: one sweep, every class judged from the same generations."""
+    from tools.bench import peer
+
+    max_n = min(max_n, LLAMA_MAX_ROBOTS)
+    loose = cfg.load_config((min(cfg.classes),))  # followed to the end: judged for tighter classes after
+    extra = ["-ngl", "999"] if cfg.device == "cuda" else []
+    core = min(cpus["server"]) if cpus.get("server") else None
+    result = {
+        "binary": str(binary),
+        "version": peer.server_version(binary),
+        "extra_args": extra,
+        "threads": cfg.threads,
+        "core": core,
+        "points": [],
+        "capacity": {},
+    }
+    say(f"  {result['version']}")
+
+    def run(n: int) -> dict:
+        s = peer.fleet_point(
+            target.gguf,
+            trace,
+            n,
+            loose,
+            core=core,
+            threads=cfg.threads,
+            binary=binary,
+            cache_ram_mib=0,
+            extra_args=extra,
+        )
+        by_class = judged(s["generation_records"], cfg.classes)
+        p = point_record(
+            "llama-server",
+            n,
+            [str(c) for c in cfg.classes],
+            s,
+            by_class,
+            {"exact": s["matches_trace"], "server_start_s": s["server_start_s"]},
+        )
+        result["points"].append(p)
+        say("  " + describe(p))
+        return {c: j["passes"] for c, j in by_class.items()}
+
+    found = capacity_search(
+        run, [str(c) for c in cfg.classes], sizes_within(cfg.ns, max_n), cfg.start_n, max_n, cfg.refine
+    )
+    result["capacity"] = {c: {**v, "max_n": max_n} for c, v in found.items()}
+    return result
+
+
+# --------------------------------------------------------------------------- reports
+
+
+def cap_text(c: dict | None) -> str:
+    if not c:
+        return "-"
+    if c["capacity"] == 0:
+        return f"< {min(c['tried'])}"
+    return f">= {c['capacity']}" if c["lower_bound"] else str(c["capacity"])
+
+
+def render_markdown(result: dict) -> str:
+    cfg, m, model, tr = result["config"], result["machine"], result["model"], result["trace"]
+    gpu = m["gpu"]["name"] if m.get("gpu") else f"no GPU ({cfg['device']})"
+    shape = model["shape"]
+    classes = cfg["classes"]
+    out = [
+        f"# Robots per GPU: {gpu}, random {shape['name']} ({model['dtype']})\n",
+        f"`{result['command']}`\n",
+        f"Target: random weights with a planted greedy path (tools/models/random_target.py), {shape['layers']} layers, "
+        f"hidden {shape['hidden']}, {shape['heads']} heads, FFN {shape['intermediate']}, vocab {shape['vocab']}, "
+        f"{model['params'] / 1e9:.2f} B parameters ({model['weight_bytes'] / 2**30:.2f} GiB). Robots replay "
+        f"{tr['pair']} (planned {tr['planned_tau']:.2f} tokens a round at gamma {cfg['gamma']}), "
+        f"{cfg['draft_ms']} ms drafting a token, {cfg['tokens']} tokens a generation, on loopback. Window "
+        f"{cfg['window_s']} s after {cfg['warmup_s']} s; a fleet holds a rate when <= 5 % of its generations "
+        f"miss it. Machine: {m['cpu_count']} CPU cores, torch {m.get('torch')}, llama-cpp-python "
+        f"{m.get('llama-cpp-python')}"
+        + (
+            f"; KV room for {result['kv_bound_sessions']} sessions of {result['context_tokens']} tokens"
+            if result.get("kv_bound_sessions") is not None
+            else ""
+        )
+        + f". Started {result['started']}.\n",
+        "## Robots held\n",
+        "| system | " + " | ".join(f"{c} tok/s" for c in classes) + " | settings |",
+        "|---|" + "---|" * len(classes) + "---|",
+    ]
+    for name, sysres in result["systems"].items():
+        if sysres.get("skipped"):
+            dashes = " | ".join("-" for _ in classes)
+            out.append(f"| {SYSTEMS[name]} | {dashes} | skipped: {sysres['skipped']} |")
+            continue
+        caps = sysres.get("capacity", {})
+        if name == "llama-server":
+            settings = f"`--parallel N -t {sysres['threads']} {' '.join(sysres['extra_args'])}`, {sysres['version']}"
+        else:
+            sc = sysres.get("server_config") or {}
+            settings = (
+                f"{sysres['health'].get('device')} {sysres['health'].get('dtype')}, scheduler "
+                f"{sc.get('scheduler')}, max_batch {sc.get('max_batch')}, estimator "
+                f"{'fitted' if sc.get('estimator') else 'defaults'}"
+            )
+        out.append(
+            f"| {SYSTEMS[name]} | " + " | ".join(cap_text(caps.get(str(c))) for c in classes) + f" | {settings} |"
+        )
+    out += [
+        "",
+        "'>= N': every fleet tried held (N is the largest tried; llama.cpp stops at "
+        f"{LLAMA_MAX_ROBOTS} robots); '< N': the smallest fleet tried did not.\n",
+        "## Points\n",
+        "| system | N | judged at | violations | speed mean / min tok/s | goodput tok/s | tokens/round | "
+        "round ms mean / p95 | shed | server means | client CPU | exact |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    num = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
+    for name, sysres in result["systems"].items():
+        for p in sysres.get("points", []):
+            viol = ", ".join(
+                f"{c}: {num(None if j['violation_rate'] is None else 100 * j['violation_rate'], '.0f')} %"
+                for c, j in p["judged"].items()
+            )
+            means = ", ".join(f"{k} {v:.2f}" for k, v in (p.get("server_means") or {}).items()) or "-"
+            out.append(
+                f"| {SYSTEMS[name]} | {p['n']} | {', '.join(p['classes'])} tok/s | {viol} | "
+                f"{num(p['speed_mean'], '.1f')} / {num(p['speed_min'], '.1f')} | "
+                f"{p['goodput_tokens_per_s']:.1f} | {num(p['tokens_per_round'], '.2f')} | "
+                f"{num(p['round_ms_mean'], '.0f')} / {num(p['round_ms_p95'], '.0f')} | {p['sheds']} | {means} | "
+                f"{num(p.get('client_cpu'), '.2f')} | {'yes' if p['exact'] else '**no**'} |"
+            )
+    return "\n".join(out) + "\n"
+
+
+def write_reports(result: dict, out: Path) -> None:
+    from tools.plots import bar_plot
+
+    (out / "gpu_fleet.json").write_text(json.dumps(result, indent=1))
+    (out / "gpu_fleet.md").write_text(render_markdown(result))
+    classes = result["config"]["classes"]
+    series = {
+        SYSTEMS[name]: [(s.get("capacity", {}).get(str(c)) or {}).get("capacity", 0) for c in classes]
+        for name, s in result["systems"].items()
+        if not s.get("skipped")
+    }
+    gpu = result["machine"]["gpu"]["name"] if result["machine"].get("gpu") else result["config"]["device"]
+    if series:
+        bar_plot(
+            out / "gpu_fleet.png",
+            [f"{c} tok/s per robot" for c in classes],
+            series,
+            "robots held (<= 5 % of generations miss the rate)",
+            f"Robots per GPU: {gpu}, random {result['model']['shape']['name']}",
+        )
+
+
+# --------------------------------------------------------------------------- main
+
+
+def _numbers(kind):
+    return lambda s: tuple(kind(x) for x in s.split(",") if x)
+
+
+def parse_args(argv: list[str] | None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="bench_results/gpu_fleet")
+    ap.add_argument("--tiny", action="store_true", help="2 layers, hidden 64, vocab 49152 (checks the code)")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    ap.add_argument("--dtype", choices=("f16", "f32"), default="f16", help="the random target's weights")
+    ap.add_argument("--torch-dtype", default="auto", help="torch engine compute dtype (auto: float16 for f16 on CUDA)")
+    ap.add_argument("--engines", type=lambda s: tuple(x for x in s.split(",") if x), default=("llamacpp", "torch"))
+    ap.add_argument("--no-peer", action="store_true", help="skip llama-server")
+    ap.add_argument("--peer-binary", default=None, help="llama-server to use (default: the cached build of this kind)")
+    ap.add_argument("--build-peer", action="store_true", help="build llama-server if none is cached (CUDA on cuda)")
+    ap.add_argument("--classes", type=_numbers(float), default=CLASSES, help="tokens/s per robot")
+    ap.add_argument("--pair", default="smollm2-q4_1", help="recorded trace: tools/traces/<pair>__smollm2-f32.json")
+    ap.add_argument("--gamma", type=int, default=4)
+    ap.add_argument("--draft-ms-per-token", type=float, default=25.0)
+    ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--warmup-s", type=float, default=5.0)
+    ap.add_argument("--window-s", type=float, default=15.0)
+    ap.add_argument("--n", type=_numbers(int), default=(), help="fixed fleet sizes instead of the search")
+    ap.add_argument("--start-n", type=int, default=1)
+    ap.add_argument("--max-n", type=int, default=512)
+    ap.add_argument("--refine", type=float, default=0.1)
+    ap.add_argument("--max-batch", type=int, default=32)
+    ap.add_argument("--estimator", default="profile", help="profile (fit here first), '' (defaults) or a JSON file")
+    ap.add_argument("--server-threads", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--model-dir", default=None, help="where the random target is cached (default models/build)")
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    classes = tuple(int(c) if float(c).is_integer() else c for c in args.classes)
+    try:
+        cfg = FleetConfig(
+            tiny=args.tiny,
+            device=args.device,
+            dtype=args.dtype,
+            torch_dtype=args.torch_dtype,
+            engines=args.engines,
+            peer=not args.no_peer,
+            classes=classes,
+            pair=args.pair,
+            gamma=args.gamma,
+            draft_ms=args.draft_ms_per_token,
+            tokens=args.tokens,
+            warmup_s=args.warmup_s,
+            window_s=args.window_s,
+            ns=args.n,
+            start_n=args.start_n,
+            max_n=args.max_n,
+            refine=args.refine,
+            max_batch=args.max_batch,
+            estimator=args.estimator,
+            server_threads=args.server_threads,
+            seed=args.seed,
+        )
+    except ValueError as e:
+        raise SystemExit(f"bench_gpu_fleet: {e}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t_start = time.monotonic()
+
+    def say(msg: str) -> None:
+        el = int(time.monotonic() - t_start)
+        print(f"[{el // 60:02d}:{el % 60:02d}] {msg}", flush=True)
+
+    command = "python -m tools.bench.gpu_fleet " + shlex.join(argv if argv is not None else sys.argv[1:])
+    machine = machine_info()
+    say(
+        f"bench_gpu_fleet: {machine['gpu']['name'] if machine['gpu'] else 'no GPU'}, {machine['cpu_count']} cores; "
+        f"config {json.dumps(asdict(cfg))}"
+    )
+    shape = random_target.TINY if cfg.tiny else random_target.LLAMA_7B
+    target = random_target.make(shape, cfg.dtype, cfg.seed, args.model_dir, log=lambda m: say(m))
+    recorded = Trace.load(TRACES / f"{cfg.pair}__smollm2-f32.json")
+    if cfg.gamma > recorded.gamma_max:
+        raise SystemExit(f"--gamma {cfg.gamma} exceeds the trace's recorded chains of {recorded.gamma_max}")
+    gguf_hash = random_target.gguf_vocab_hash(target.gguf)
+    if gguf_hash != recorded.vocab_hash:
+        raise SystemExit(
+            f"the random target's vocabulary ({gguf_hash[:12]}) is not the draft's "
+            f"({recorded.vocab_hash[:12]}): robots would be refused"
+        )
+    successor = random_target.planted_successor(random_target.token_types(), cfg.seed)
+    trace = replay_trace(recorded, successor, target.gguf.name)
+    (out / "replay_trace.json").write_text(
+        json.dumps(
+            {
+                "draft": trace.draft,
+                "target": trace.target,
+                "prompts": [
+                    {"prompt_ids": p.prompt_ids, "target_ids": p.target_ids, "chains": p.chains} for p in trace.prompts
+                ],
+            }
+        )
+    )
+    context = context_tokens(trace, cfg)
+    bound = kv_bound(machine, shape, cfg.dtype, context) if cfg.device == "cuda" else None
+    limit = max(cfg.ns) if cfg.ns else cfg.max_n
+    max_n = max(1, min(limit, bound)) if bound is not None else limit
+    tau = planned_tau(trace, cfg.gamma, cfg.tokens)
+    say(
+        f"robots replay {cfg.pair}: {tau:.2f} tokens a round planned at gamma {cfg.gamma} (the recorded pair's); "
+        f"sessions of {context} tokens; fleets up to {max_n}" + (f" (KV room for {bound})" if bound else "")
+    )
+    cpus = {}
+    every_cpu = os.sched_getaffinity(0)
+    if cfg.device == "cpu" and len(every_cpu) >= 2:  # as tools/bench/loadgen.py: server and robots apart
+        ordered = sorted(every_cpu)
+        cpus = {"server": {ordered[1]}, "client": {ordered[0]}}
+    result = {
+        "command": command,
+        "config": asdict(cfg),
+        "machine": machine,
+        "model": target.describe(),
+        "trace": {
+            "pair": cfg.pair,
+            "file": str(TRACES / f"{cfg.pair}__smollm2-f32.json"),
+            "planned_tau": round(tau, 3),
+            "vocab_hash": recorded.vocab_hash,
+            "gguf_vocab_hash": gguf_hash,
+        },
+        "context_tokens": context,
+        "kv_bound_sessions": bound,
+        "max_n": max_n,
+        "cpus": {k: sorted(v) for k, v in cpus.items()},
+        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "systems": {},
+    }
+    if cpus:
+        os.sched_setaffinity(0, cpus["client"])
+    try:
+        for engine in cfg.engines:
+            say(f"SD on the {engine} engine")
+            result["systems"][engine] = run_sd(cfg, engine, target, trace, max_n, out, cpus, say)
+            write_reports(result, out)
+        if cfg.peer:
+            say("llama-server, plain AR, --parallel N")
+            binary = peer_binary(cfg, args.peer_binary, args.build_peer, say)
+            if binary is None:
+                result["systems"]["llama-server"] = {
+                    "skipped": "no llama-server of this kind cached (--build-peer, "
+                    "or make llama-server; on CUDA with LLAMA_FLAVOUR=cuda "
+                    'LLAMA_CMAKE_ARGS="-DGGML_CUDA=on")'
+                }
+            else:
+                result["systems"]["llama-server"] = run_peer(cfg, target, trace, max_n, binary, cpus, say)
+    finally:
+        os.sched_setaffinity(0, every_cpu)
+        result["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
+        result["wall_s"] = round(time.monotonic() - t_start, 1)
+        write_reports(result, out)
+    md = render_markdown(result)
+    print("\n" + md)
+    say(f"wrote {out / 'gpu_fleet.json'}, {out / 'gpu_fleet.md'}, {out / 'gpu_fleet.png'}")
+    bad = [p for s in result["systems"].values() for p in s.get("points", []) if not p["exact"]]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

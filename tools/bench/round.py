@@ -1,0 +1,231 @@
+"""What our round adds to the engine's pass: streamed AR through the real server against a bare llama.cpp loop.
+
+On one pinned core with one thread, one after the other and repeated alternately:
+
+  raw   llama.cpp alone, in a child process: the prompt but its last token decoded, then one
+        `llama_decode` of one token per step and the argmax of its logits row (read in place), the
+        loop any program on llama-cpp-python would run at the least;
+  ours  `server-bridge serve` on the same core and thread (tools/cluster/local_verifier.py), the robot's
+        client (agent.decoder, mode ar) on the other core: after the session's open (which
+        prefills the same prompt but its last token), the `ar` request and its streamed tokens.
+
+Both time the same steps: from the first decode of the prompt's last token to the last token out
+(for ours, received by the robot). Each repeat gives both; the best of --repeats is kept for each
+(and the medians set against each other beside it), and the ids are checked equal. ours/raw is the fraction of the
+engine's speed the server keeps
+(issue 26 aims at >= 0.9).
+
+    python -m tools.bench.round --out bench_results/round      # ~2 min on the 2-core development machine
+
+Writes round.json, round.md and round.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+PROMPTS = ["Walk forward two meters and look around for a person wearing a hat.", "Describe the room in one sentence."]
+
+
+def raw_child(model: str, prompt: list[int], tokens: int, core: int) -> dict:
+    """Runs in its own process (pinned): the bare loop. Returns ids and the decode loop's seconds."""
+    os.sched_setaffinity(0, {core})
+    import ctypes
+
+    import llama_cpp as L
+    import numpy as np
+
+    from server_bridge.engine_llamacpp import _quiet_llama
+
+    _quiet_llama()
+    L.llama_backend_init()
+    mparams = L.llama_model_default_params()
+    mparams.n_gpu_layers = 0
+    lm = L.llama_model_load_from_file(model.encode(), mparams)
+    vocab = L.llama_model_get_vocab(lm)
+    n_vocab = int(L.llama_vocab_n_tokens(vocab))
+    cparams = L.llama_context_default_params()
+    cparams.n_ctx, cparams.n_batch = 4096, 2048
+    cparams.n_threads = cparams.n_threads_batch = 1
+    ctx = L.llama_init_from_model(lm, cparams)
+    batch = L.llama_batch_init(2048, 0, 1)
+
+    def decode(ids: list[int], start: int) -> None:
+        batch.n_tokens = len(ids)
+        for i, t in enumerate(ids):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i] = t, start + i, 1
+            batch.seq_id[i][0] = 0
+            batch.logits[i] = i == len(ids) - 1
+        if L.llama_decode(ctx, batch) != 0:
+            raise RuntimeError("llama_decode failed")
+
+    seconds, out = 0.0, []
+    for _ in range(2):  # a warm-up run, then the timed one (the last)
+        L.llama_memory_clear(L.llama_get_memory(ctx), True)
+        decode(prompt[:-1], 0)
+        out, last, pos = [], prompt[-1], len(prompt) - 1
+        t0 = time.perf_counter()
+        for _ in range(tokens):
+            decode([last], pos)
+            row = np.ctypeslib.as_array(
+                ctypes.cast(L.llama_get_logits_ith(ctx, -1), ctypes.POINTER(ctypes.c_float)), shape=(n_vocab,)
+            )
+            last, pos = int(row.argmax()), pos + 1
+            out.append(last)
+            if L.llama_vocab_is_eog(vocab, last):  # where the server's stream stops too
+                break
+        seconds = time.perf_counter() - t0
+    L.llama_batch_free(batch)
+    L.llama_free(ctx)
+    L.llama_model_free(lm)
+    return {"ids": out, "seconds": seconds, "ms_per_token": 1e3 * seconds / len(out)}
+
+
+def raw(model: str, prompt: list[int], tokens: int, core: int) -> dict:
+    code = (
+        "import json, sys; from tools.bench.round import raw_child; "
+        f"print(json.dumps(raw_child({model!r}, {prompt!r}, {tokens}, {core})))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def ours(decoder, prompt: list[int], tokens: int) -> dict:
+    gen = decoder.generate(prompt, mode="ar", max_tokens=tokens)
+    m = gen.metrics
+    n = len(gen.token_ids)
+    return {
+        "ids": list(gen.token_ids),
+        "seconds": (m.verify_ms + m.network_ms) / 1e3,
+        "ms_per_token": (m.verify_ms + m.network_ms) / n,
+        "pass_ms_per_token": m.verify_ms / n,
+    }
+
+
+def _median(runs: list[dict]) -> float:
+    import statistics
+
+    return statistics.median(x["ms_per_token"] for x in runs)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="bench_results/round")
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--core", type=int, default=1, help="the core both engines run on (the robot gets another)")
+    ap.add_argument("--target", default=None, help="default: the shipped smollm2-f32")
+    args = ap.parse_args(argv)
+    from agent.decoder import EdgeDecoder
+    from agent.drafter import Drafter
+    from protocol import modelfiles
+    from server_bridge.engine_llamacpp import prepare_target
+    from tools.cluster.local_verifier import LocalVerifier
+
+    target = args.target or modelfiles.DEFAULT_TARGET
+    if target in modelfiles.TARGETS:
+        prepare_target(target)
+    model = str(modelfiles.resolve_target(target))
+    robot_core = (
+        next(c for c in sorted(os.sched_getaffinity(0)) if c != args.core)
+        if len(os.sched_getaffinity(0)) > 1
+        else args.core
+    )
+    drafter = Drafter(threads=1)
+    prompts = [drafter.tokenize(p, chat=True) for p in PROMPTS]
+    rows = []
+    with LocalVerifier(target=args.target, cpus={args.core}, threads=1) as server:
+        os.sched_setaffinity(0, {robot_core})
+        decoder = EdgeDecoder(drafter, server.url)
+        decoder.generate(prompts[0], mode="ar", max_tokens=4)  # warm-up
+        for i, prompt in enumerate(prompts):
+            runs = {"raw": [], "ours": []}
+            for r in range(args.repeats):
+                runs["raw"].append(raw(model, prompt, args.tokens, args.core))
+                runs["ours"].append(ours(decoder, prompt, args.tokens))
+                print(
+                    f"  prompt {i} repeat {r}: raw {runs['raw'][-1]['ms_per_token']:.2f} ms/token, "
+                    f"ours {runs['ours'][-1]['ms_per_token']:.2f} ms/token",
+                    flush=True,
+                )
+            same = all(x["ids"] == runs["raw"][0]["ids"] for x in runs["raw"] + runs["ours"])
+            if not same:
+                raise SystemExit(f"prompt {i}: our AR ids differ from raw llama.cpp's greedy ids")
+            raw_best = min(runs["raw"], key=lambda x: x["ms_per_token"])
+            ours_best = min(runs["ours"], key=lambda x: x["ms_per_token"])
+            rows.append(
+                {
+                    "prompt": PROMPTS[i],
+                    "prompt_tokens": len(prompt),
+                    "tokens": len(raw_best["ids"]),
+                    "raw_ms_per_token": round(raw_best["ms_per_token"], 3),
+                    "ours_ms_per_token": round(ours_best["ms_per_token"], 3),
+                    "ours_pass_ms_per_token": round(ours_best["pass_ms_per_token"], 3),
+                    "ratio": round(raw_best["ms_per_token"] / ours_best["ms_per_token"], 3),
+                    "ratio_of_medians": round(_median(runs["raw"]) / _median(runs["ours"]), 3),
+                    "same_ids": same,
+                }
+            )
+            print(
+                f"prompt {i}: raw {rows[-1]['raw_ms_per_token']:.2f} ms/token, ours "
+                f"{rows[-1]['ours_ms_per_token']:.2f} (of which the pass {rows[-1]['ours_pass_ms_per_token']:.2f}): "
+                f"ours/raw {rows[-1]['ratio']:.3f}",
+                flush=True,
+            )
+    result = {
+        "command": "python -m tools.bench.round " + " ".join(sys.argv[1:] if argv is None else argv),
+        "target": target,
+        "machine": f"{platform.machine()} {os.cpu_count()} cores, engine core {args.core}, "
+        f"robot core {robot_core}, 1 thread",
+        "rows": rows,
+        "ratio_min": min(r["ratio"] for r in rows),
+    }
+    write(Path(args.out), result)
+    return 0
+
+
+def write(out: Path, result: dict) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "round.json").write_text(json.dumps(result, indent=1))
+    md = [
+        f"# Streamed AR through our server against raw llama.cpp ({result['target']})",
+        "",
+        f"`{result['command']}` ({result['machine']})",
+        "",
+        "Best of the repeats for each; the last column sets the medians against each other.",
+        "",
+        "| prompt tokens | tokens | raw llama.cpp ms/token | ours ms/token | our pass ms/token | ours/raw | "
+        "ours/raw, medians |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    md += [
+        f"| {r['prompt_tokens']} | {r['tokens']} | {r['raw_ms_per_token']:.2f} | {r['ours_ms_per_token']:.2f} | "
+        f"{r['ours_pass_ms_per_token']:.2f} | {r['ratio']:.3f} | {r['ratio_of_medians']:.3f} |"
+        for r in result["rows"]
+    ]
+    (out / "round.md").write_text("\n".join(md) + "\n")
+    from tools.plots import bar_plot
+
+    labels = [f"prompt {i} ({r['prompt_tokens']} tok)" for i, r in enumerate(result["rows"])]
+    bar_plot(
+        out / "round.png",
+        labels,
+        {
+            "raw llama.cpp": [r["raw_ms_per_token"] for r in result["rows"]],
+            "ours (streamed AR)": [r["ours_ms_per_token"] for r in result["rows"]],
+        },
+        "ms per token",
+        f"One token: our round against the bare loop ({result['target']})",
+    )
+    print(f"wrote {out}/round.json, .md, .png")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

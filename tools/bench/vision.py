@@ -1,0 +1,225 @@
+"""What a navigation step costs when the robot sees: the camera image in the prompt against the same step in words.
+
+Each step is the navigation loop's own (agent/nav.py): the system prompt and few-shot turns, the task, and the
+camera line, through a real `server-bridge serve` and the robot's EdgeDecoder in SD. Side by side, alternately,
+each in its own server session:
+
+  text   the camera line in words ("a red box 1.2 m ahead"), as perception "sim" or "color" writes it;
+  image  the camera line holding the frame itself (perception "vlm"): a new JPEG each step, rendered by the
+         simulator from a new pose and encoded as VlmPerception does (longest side --max-side).
+
+Per step it records: the robot's JPEG encode, the draft's prefill of the changed prompt (its image encoded by
+libmtmd and the text after it; the few-shot prefix stays in its KV), the server's passes (the open's prefill and
+the verify rounds; a new frame's preprocessing and encoding by libmtmd land in them), the uplink bytes of the step
+(the image's bytes go on the first open; a re-open after a lost link sends its 64-character sha256 instead) and
+the whole step's wall time for --tokens answer tokens.
+
+The default pair is the test VLM (tools/models/make_test_vlm.py: a random tiny SmolVLM, Q8_0 draft + f16 mmproj, f32
+target + f32 mmproj), which says what the machinery costs, not what a real model's vision tower costs; give a
+real pair with --draft/--draft-mmproj/--target/--mmproj (GGUFs: the server on llamacpp):
+
+    python -m tools.bench.vision --out bench_results/vision                 # ~1 min on the 2-core machine
+    python -m tools.bench.vision --draft SmolVLM-256M-Instruct-Q8_0.gguf \\
+        --draft-mmproj mmproj-SmolVLM-256M-Instruct-Q8_0.gguf --target SmolVLM-500M-Instruct-f16.gguf \\
+        --mmproj mmproj-SmolVLM-500M-Instruct-f16.gguf --out bench_results/vision_smolvlm
+
+Server and robot are pinned to different cores when there are two. Writes vision.json, vision.md, vision.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+INSTRUCTION = "go to the red box"
+
+
+def frames(n: int, width: int, height: int):
+    """n camera images of the default scene from poses turning in place (each step sees something new)."""
+    from agent.robot.sim import make_world
+
+    world = make_world("red_box", start=0)
+    x, y, theta = world.pose
+    for i in range(n):
+        yield world.render_camera(width, height, pose=(x, y, theta + 0.35 * i))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="bench_results/vision")
+    ap.add_argument("--steps", type=int, default=6, help="steps of each kind, alternating")
+    ap.add_argument("--tokens", type=int, default=16, help="answer tokens a step")
+    ap.add_argument("--max-side", type=int, default=384, help="perception.image_max_side")
+    ap.add_argument("--camera", default="640x480", help="the camera's frame, WxH, before the resize")
+    for flag in ("--draft", "--draft-mmproj", "--target", "--mmproj"):
+        ap.add_argument(flag, help="a GGUF of your pair (all four, or none for the test VLM)")
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args(argv)
+    given = [args.draft, args.draft_mmproj, args.target, args.mmproj]
+    if any(given) and not all(given):
+        ap.error("a pair needs all four: --draft, --draft-mmproj, --target, --mmproj")
+
+    from agent.decoder import EdgeDecoder
+    from agent.drafter import Drafter
+    from agent.nav import messages
+    from agent.robot.camera import Frame
+    from agent.robot.perception import VlmPerception
+    from protocol.images import PromptImage
+    from tools.cluster.local_verifier import LocalVerifier
+
+    if all(given):
+        pair = {"draft": args.draft, "draft_mmproj": args.draft_mmproj, "target": args.target, "mmproj": args.mmproj}
+        label = f"{Path(args.draft).name} -> {Path(args.target).name}"
+    else:
+        from tools.models import make_test_vlm
+
+        vlm = make_test_vlm.make()
+        pair = {
+            "draft": str(vlm.draft),
+            "draft_mmproj": str(vlm.draft_mmproj),
+            "target": str(vlm.target),
+            "mmproj": str(vlm.target_mmproj),
+        }
+        label = "test VLM (random tiny SmolVLM): Q8_0 draft -> f32 target"
+    width, height = (int(v) for v in args.camera.lower().split("x"))
+    cores = sorted(os.sched_getaffinity(0))
+    server_cores, robot_core = ({cores[-1]}, cores[0]) if len(cores) > 1 else (None, cores[0])
+
+    drafter = Drafter(pair["draft"], n_ctx=4096, threads=args.threads, mmproj=pair["draft_mmproj"])
+    perception = VlmPerception(args.max_side)
+    chat = drafter.apply_chat_template
+    text_ids = drafter.tokenize(chat(messages(INSTRUCTION, "a red box 1.2 m ahead, slightly left", parts=True)))
+    before, after = chat(messages(INSTRUCTION, "", parts=True, image=True)).split(
+        drafter.detokenize([drafter.image_marker]), 1
+    )
+    image_ids = drafter.tokenize(before) + [drafter.image_marker] + drafter.tokenize(after)
+    at = image_ids.index(drafter.image_marker)
+    rows = {"text": [], "image": []}
+    with LocalVerifier(
+        target=pair["target"],
+        cpus=server_cores,
+        threads=args.threads,
+        extra_args=["--mmproj", pair["mmproj"], "--engine", "llamacpp"],
+    ) as server:
+        if len(cores) > 1:
+            os.sched_setaffinity(0, {robot_core})
+        decoder = EdgeDecoder(drafter, server.url)
+        decoder.generate(text_ids, mode="sd", max_tokens=4, session="text")  # the few-shot prefix, both sides
+        for i, bgr in enumerate(frames(args.steps + 1, width, height)):
+            for kind in ("text", "image"):
+                t0 = time.perf_counter()
+                images: list[PromptImage] = []
+                if kind == "image":
+                    shown = perception.encode(Frame(bgr, time.monotonic(), i + 1))
+                    images = [PromptImage.of(shown.data, at)]
+                t1 = time.perf_counter()
+                ids = image_ids if kind == "image" else text_ids
+                drafter.use_images(images)
+                drafter.next_logits(ids)  # the draft's prefill of this step
+                t2 = time.perf_counter()
+                gen = decoder.generate(
+                    ids, mode="sd", max_tokens=args.tokens, images=images, session=kind
+                )  # one session each, as the loop keeps
+                t3 = time.perf_counter()
+                if i == 0:
+                    continue  # first of each: warm-up
+                m = gen.metrics
+                rows[kind].append(
+                    {
+                        "encode_ms": (t1 - t0) * 1e3,
+                        "draft_prefill_ms": (t2 - t1) * 1e3,
+                        "server_prefill_ms": m.prefill_ms,
+                        "server_ms": m.prefill_ms + m.verify_ms,
+                        "generate_ms": (t3 - t2) * 1e3,
+                        "step_ms": (t3 - t0) * 1e3,
+                        "bytes_up": m.bytes_up,
+                        "tokens": len(gen.token_ids),
+                        "tau": m.tau,
+                        "image_bytes": len(images[0].data) if images else 0,
+                    }
+                )
+                r = rows[kind][-1]
+                print(
+                    f"  step {i} {kind:5s}: encode {r['encode_ms']:.1f} ms, draft prefill "
+                    f"{r['draft_prefill_ms']:.1f} ms, server passes {r['server_ms']:.1f} ms, step "
+                    f"{r['step_ms']:.0f} ms, {r['bytes_up']} bytes up",
+                    flush=True,
+                )
+        decoder.close()
+    summary = {
+        k: {f: round(statistics.median(r[f] for r in v), 2) for f in v[0] if f != "tau"} for k, v in rows.items()
+    }
+    result = {
+        "command": "python -m tools.bench.vision " + " ".join(sys.argv[1:] if argv is None else argv),
+        "pair": label,
+        "files": pair,
+        "camera": args.camera,
+        "max_side": args.max_side,
+        "image_positions": drafter.vision.positions(images[0]) if rows["image"] else None,
+        "reopen_bytes_per_image": 64,
+        "machine": f"{platform.machine()} {os.cpu_count()} cores, server "
+        f"{sorted(server_cores) if server_cores else 'shared'}, robot core {robot_core}, {args.threads} thread",
+        "steps": rows,
+        "median": summary,
+    }
+    write(Path(args.out), result)
+    return 0
+
+
+FIELDS = [
+    ("encode_ms", "robot: JPEG encode, ms"),
+    ("draft_prefill_ms", "robot: draft prefill, ms"),
+    ("server_prefill_ms", "server: open's prefill, ms"),
+    ("server_ms", "server: all the step's passes (open + verify rounds), ms"),
+    ("generate_ms", "the SD answer (open included), ms"),
+    ("step_ms", "the step, ms"),
+    ("bytes_up", "uplink bytes"),
+    ("tokens", "answer tokens"),
+]
+
+
+def write(out: Path, result: dict) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "vision.json").write_text(json.dumps(result, indent=1))
+    med = result["median"]
+    md = [
+        f"# A navigation step with the camera image against the same step in words ({result['pair']})",
+        "",
+        f"`{result['command']}` ({result['machine']}); camera {result['camera']} resized to a longest side of "
+        f"{result['max_side']}; the image takes {result['image_positions']} positions on the draft.",
+        "",
+        "Medians over the steps. A re-open after a lost link sends each image's sha256 (64 characters) in "
+        "place of its bytes.",
+        "",
+        "| | in words | with the image |",
+        "|---|---|---|",
+    ]
+    md += [f"| {name} | {med['text'][f]:g} | {med['image'][f]:g} |" for f, name in FIELDS]
+    (out / "vision.md").write_text("\n".join(md) + "\n")
+    from tools.plots import bar_plot
+
+    parts = [FIELDS[0], FIELDS[1], FIELDS[3], FIELDS[5]]
+    short = {
+        "encode_ms": "JPEG encode",
+        "draft_prefill_ms": "draft prefill",
+        "server_ms": "server passes",
+        "step_ms": "whole step",
+    }
+    bar_plot(
+        out / "vision.png",
+        [short[f] for f, _ in parts],
+        {"in words": [med["text"][f] for f, _ in parts], "with the image": [med["image"][f] for f, _ in parts]},
+        "ms (median)",
+        "A navigation step: the image against words",
+    )
+    print(f"wrote {out}/vision.json, .md, .png")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

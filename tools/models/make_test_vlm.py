@@ -1,0 +1,522 @@
+"""A tiny SmolVLM (Idefics3) with random weights, offline: one model as Hugging Face and llama.cpp load it.
+
+    python -m tools.models.make_test_vlm [--out DIR] [--seed 0] [--check]
+
+`DIR/hf/` is a real Idefics3ForConditionalGeneration (a 2-layer SigLIP-like vision tower on 64 x 64
+tiles, the pixel-shuffle connector, a 2-layer Llama) with the shipped SmolLM2 tokenizer plus the image
+tokens SmolVLM's processor writes (`<fake_token_around_image>`, `<image>`, `<global-img>`,
+`<row_R_col_C>`, `<end_of_utterance>`), and its processor: `AutoProcessor.from_pretrained(DIR/hf)`
+works. An image is resized so its longer side is 128 and cut into 64 x 64 tiles plus a 64 x 64
+overview, 4 image tokens each (16 patches, pixel-shuffled by 2): a square image costs 20 tokens.
+
+From that directory llama.cpp's own converter (convert_hf_to_gguf.py of the llama.cpp vendored in the
+llama-cpp-python sdist, cached in ~/.cache/edgespec/llama-convert-<version>/; LLAMA_SDIST names a
+tarball or an extracted sdist for an offline machine, else pip downloads it once) writes
+  target.gguf          the text model, f32        target-mmproj.gguf   the vision tower, f32
+and llama.cpp's quantizer the draft:
+  draft.gguf           Q8_0 of target.gguf        draft-mmproj.gguf    the vision tower, f16
+llama.cpp tiles the image the way the processor does, so both see the same token layout.
+
+Made in ~20 s on 2 cores (the first time on a machine ~1 min more to fetch the sdist) and cached:
+DIR/manifest.json holds the key (VERSION, seed, shape and the library versions) and is written last; a
+second call with the same key returns at once. `--check` loads every file (transformers, llama.cpp,
+libmtmd) and prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import importlib.metadata
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+VERSION = 1  # bump when the construction changes: cached files are keyed by it
+LLAMA_CPP_VERSION = "0.3.36"  # the sdist whose convert_hf_to_gguf.py writes the GGUFs (as the Makefile pins)
+DRAFT_FTYPE = "LLAMA_FTYPE_MOSTLY_Q8_0"  # blocks of 32: every row (64, 128) divides
+PROMPT = "User:<image>Describe the scene.<end_of_utterance>\nAssistant:"
+IMAGE_TOKEN = "<image>"
+# what SmolVLM's tokenizer adds to SmolLM2's and Idefics3Processor writes around each tile
+IMAGE_TOKENS = ["<fake_token_around_image>", IMAGE_TOKEN, "<end_of_utterance>", "<global-img>"] + [
+    f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)
+]
+CHAT_TEMPLATE = (  # SmolVLM-Instruct's
+    "<|im_start|>{% for message in messages %}{{message['role'] | capitalize}}"
+    "{% if message['content'][0]['type'] == 'image' %}{{':'}}{% else %}{{': '}}{% endif %}"
+    "{% for line in message['content'] %}{% if line['type'] == 'text' %}{{line['text']}}"
+    "{% elif line['type'] == 'image' %}{{ '<image>' }}{% endif %}{% endfor %}<end_of_utterance>\n"
+    "{% endfor %}{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
+)
+
+
+@dataclass(frozen=True)
+class Shape:
+    tile: int = 64  # the vision tower's image_size: one tile
+    patch: int = 16
+    longest_edge: int = 128  # an image's longer side after resizing: 2 x 2 tiles for a square one
+    scale_factor: int = 2  # the connector's pixel shuffle: (tile / patch)^2 / scale^2 tokens a tile
+    vision_hidden: int = 32
+    vision_layers: int = 2
+    vision_heads: int = 2
+    vision_intermediate: int = 64
+    hidden: int = 64
+    layers: int = 2
+    heads: int = 4
+    kv_heads: int = 2
+    intermediate: int = 128
+    context: int = 2048
+
+    @property
+    def tokens_per_tile(self) -> int:
+        return (self.tile // self.patch) ** 2 // self.scale_factor**2
+
+
+TINY = Shape()
+
+
+@dataclass(frozen=True)
+class TinyVLM:
+    directory: Path
+    hf_dir: Path  # Idefics3ForConditionalGeneration + Idefics3Processor
+    target: Path  # text model, f32
+    target_mmproj: Path  # vision tower + connector, f32
+    draft: Path  # text model, Q8_0
+    draft_mmproj: Path  # vision tower + connector, f16
+    vocab: int  # the shipped vocabulary + IMAGE_TOKENS
+    image_token_id: int
+    shape: Shape
+    seed: int
+
+    def describe(self) -> dict:
+        d = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(self).items()}
+        d["construction"] = (
+            f"random Idefics3, converted by llama.cpp {LLAMA_CPP_VERSION} (tools/models/make_test_vlm.py v{VERSION})"
+        )
+        return d
+
+
+def paths(directory: Path, shape: Shape = TINY, seed: int = 0, vocab: int = 0, image_token_id: int = 0) -> TinyVLM:
+    d = Path(directory)
+    return TinyVLM(
+        d,
+        d / "hf",
+        d / "target.gguf",
+        d / "target-mmproj.gguf",
+        d / "draft.gguf",
+        d / "draft-mmproj.gguf",
+        vocab,
+        image_token_id,
+        shape,
+        seed,
+    )
+
+
+def cache_key(shape: Shape, seed: int) -> dict:
+    versions = {p: importlib.metadata.version(p) for p in ("transformers", "torch", "llama_cpp_python")}
+    return {"version": VERSION, "seed": seed, "shape": asdict(shape), "converter": LLAMA_CPP_VERSION, **versions}
+
+
+def default_dir(seed: int = 0) -> Path:
+    from protocol import modelfiles
+
+    return modelfiles.build_dir() / f"test-vlm-v{VERSION}-s{seed}"
+
+
+# --------------------------------------------------------------------------- llama.cpp's converter
+
+
+def cache_root() -> Path:
+    return Path.home() / ".cache" / "edgespec"
+
+
+CONVERTER_FILES = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")  # what convert_hf_to_gguf.py imports
+
+
+def converter_dir(log=print) -> Path:
+    """A folder with llama.cpp's convert_hf_to_gguf.py, its conversion/ package and its gguf-py/, taken
+    from the llama-cpp-python sdist once (as tools/build_llama_server.sh takes the sources)."""
+    cache = cache_root() / f"llama-convert-{LLAMA_CPP_VERSION}"
+    if (cache / "convert_hf_to_gguf.py").is_file():
+        return cache
+    cache_root().mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix="llama-convert.", dir=cache_root()))  # same filesystem: renamed at the end
+    try:
+        sdist = os.environ.get("LLAMA_SDIST")
+        if sdist and Path(sdist).is_dir():
+            src = Path(sdist) / "vendor" / "llama.cpp"
+            log(f"make_test_vlm: copying the converter from {src}")
+            for w in CONVERTER_FILES:
+                (shutil.copytree if w.endswith("/") else shutil.copy2)(src / w.rstrip("/"), tmp / w.rstrip("/"))
+        elif sdist:
+            _extract_converter(Path(sdist), tmp, log)
+        else:
+            with tempfile.TemporaryDirectory(prefix="llama-sdist.") as dl:
+                _extract_converter(_download_sdist(Path(dl), log), tmp, log)
+        if not (tmp / "convert_hf_to_gguf.py").is_file():
+            raise FileNotFoundError(
+                f"no vendor/llama.cpp/convert_hf_to_gguf.py in the llama-cpp-python "
+                f"{LLAMA_CPP_VERSION} sdist ({sdist or 'downloaded'})"
+            )
+        shutil.rmtree(cache, ignore_errors=True)
+        os.replace(tmp, cache)  # atomic: a half-extracted converter never looks cached
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return cache
+
+
+def _download_sdist(into: Path, log) -> Path:
+    log(f"make_test_vlm: downloading the llama-cpp-python {LLAMA_CPP_VERSION} sdist (~75 MB and ~1 min, once)")
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--quiet",
+            "--no-deps",
+            "--no-binary",
+            ":all:",
+            "-d",
+            str(into),
+            f"llama-cpp-python=={LLAMA_CPP_VERSION}",
+        ],
+        check=True,
+    )
+    return into / f"llama_cpp_python-{LLAMA_CPP_VERSION}.tar.gz"
+
+
+def _extract_converter(tarball: Path, into: Path, log) -> None:
+    """Only CONVERTER_FILES out of the sdist's vendor/llama.cpp/ (~1 s of its 75 MB)."""
+    log(f"make_test_vlm: extracting the converter from {tarball}")
+    prefix = f"llama_cpp_python-{LLAMA_CPP_VERSION}/vendor/llama.cpp/"
+    with tarfile.open(tarball) as tar:
+        for m in tar:
+            rel = m.name[len(prefix) :] if m.name.startswith(prefix) else ""
+            if (
+                m.isfile()
+                and ".." not in rel.split("/")
+                and any(rel == w or (w.endswith("/") and rel.startswith(w)) for w in CONVERTER_FILES)
+            ):
+                dst = into / rel
+                dst.parent.mkdir(parents=True, exist_ok=True)
+                with tar.extractfile(m) as f_in, open(dst, "wb") as f_out:
+                    shutil.copyfileobj(f_in, f_out)
+
+
+# Runs convert_hf_to_gguf.py as its command line would, once per argv, in one interpreter: torch,
+# transformers and the converter's modules are imported once (10 s against 24 s for three processes).
+_RUN_CONVERTER = """
+import json, runpy, sys
+for argv in json.loads(sys.argv[1]):
+    sys.argv = ["convert_hf_to_gguf.py"] + argv
+    runpy.run_path("convert_hf_to_gguf.py", run_name="__main__")
+"""
+
+
+def convert(conv: Path, hf_dir: Path, jobs: list[tuple[Path, str, bool]], log=print) -> None:
+    """llama.cpp's convert_hf_to_gguf.py on hf_dir for each (output, outtype, mmproj)."""
+    argvs = [
+        [str(hf_dir), "--outtype", outtype, "--outfile", str(out) + ".tmp"] + (["--mmproj"] if mmproj else [])
+        for out, outtype, mmproj in jobs
+    ]
+    done = subprocess.run(
+        [sys.executable, "-c", _RUN_CONVERTER, json.dumps(argvs)],
+        cwd=conv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"convert_hf_to_gguf.py failed (rc {done.returncode}):\n{done.stdout[-3000:]}")
+    for out, outtype, mmproj in jobs:
+        os.replace(str(out) + ".tmp", out)
+        log(f"make_test_vlm: {out.name} ({'mmproj, ' if mmproj else ''}{outtype}) written by llama.cpp's converter")
+
+
+# --------------------------------------------------------------------------- the Hugging Face model
+
+
+def write_hf(hf_dir: Path, shape: Shape, seed: int) -> tuple[int, int]:
+    """The random Idefics3 model and its processor into hf_dir: (vocab size, <image> id)."""
+    import torch
+    from transformers import AutoTokenizer, Idefics3Config, Idefics3ForConditionalGeneration, Idefics3Processor
+    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+
+    from protocol import modelfiles
+
+    shipped = modelfiles.shipped_gguf()
+    tok = AutoTokenizer.from_pretrained(shipped.parent, gguf_file=shipped.name)  # SmolLM2's, from the GGUF
+    n_shipped = len(tok)
+    tok.add_special_tokens({"additional_special_tokens": IMAGE_TOKENS})
+    if len(tok) != n_shipped + len(IMAGE_TOKENS):
+        raise ValueError(f"the shipped tokenizer already holds some of {IMAGE_TOKENS}")
+    image_id = tok.convert_tokens_to_ids(IMAGE_TOKEN)
+    text = dict(
+        model_type="llama",
+        architectures=["VLlama3ForCausalLM"],  # as SmolVLM's config names it
+        vocab_size=len(tok),
+        hidden_size=shape.hidden,
+        intermediate_size=shape.intermediate,
+        num_hidden_layers=shape.layers,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads,
+        max_position_embeddings=shape.context,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        tie_word_embeddings=False,
+    )
+    vision = dict(
+        hidden_size=shape.vision_hidden,
+        intermediate_size=shape.vision_intermediate,
+        num_hidden_layers=shape.vision_layers,
+        num_attention_heads=shape.vision_heads,
+        image_size=shape.tile,
+        patch_size=shape.patch,
+        num_channels=3,
+    )
+    cfg = Idefics3Config(
+        vision_config=vision,
+        text_config=text,
+        image_token_id=image_id,
+        scale_factor=shape.scale_factor,
+        tie_word_embeddings=False,
+        pad_token_id=tok.pad_token_id,
+    )
+    cfg.architectures = ["Idefics3ForConditionalGeneration"]
+    torch.manual_seed(seed)
+    Idefics3ForConditionalGeneration(cfg).eval().save_pretrained(hf_dir)
+    images = Idefics3ImageProcessorPil(
+        size={"longest_edge": shape.longest_edge}, max_image_size={"longest_edge": shape.tile}, do_image_splitting=True
+    )
+    Idefics3Processor(
+        image_processor=images, tokenizer=tok, image_seq_len=shape.tokens_per_tile, chat_template=CHAT_TEMPLATE
+    ).save_pretrained(hf_dir)
+    return len(tok), image_id
+
+
+# --------------------------------------------------------------------------- make
+
+
+def make(directory: str | Path | None = None, shape: Shape = TINY, seed: int = 0, log=print) -> TinyVLM:
+    """All five outputs in `directory` (made once; found by its manifest after)."""
+    directory = Path(directory) if directory else default_dir(seed)
+    manifest = directory / "manifest.json"
+    key = cache_key(shape, seed)
+    if manifest.is_file():
+        saved = json.loads(manifest.read_text())
+        vlm = paths(directory, shape, seed, saved.get("vocab", 0), saved.get("image_token_id", 0))
+        files = (vlm.target, vlm.target_mmproj, vlm.draft, vlm.draft_mmproj, vlm.hf_dir / "config.json")
+        if saved.get("key") == key and all(f.is_file() for f in files):
+            log(f"make_test_vlm: cached in {directory}")
+            return vlm
+    if importlib.util.find_spec("sentencepiece") is None:
+        raise ModuleNotFoundError(
+            "llama.cpp's convert_hf_to_gguf.py imports sentencepiece for every Llama (even a "
+            "BPE one): pip install sentencepiece (setup.py's dev extra)"
+        )
+    t0 = time.perf_counter()
+    directory.mkdir(parents=True, exist_ok=True)
+    manifest.unlink(missing_ok=True)  # the manifest comes last: present means complete
+    conv = converter_dir(log)
+    vlm = paths(directory, shape, seed)
+    shutil.rmtree(vlm.hf_dir, ignore_errors=True)
+    log(f"make_test_vlm: writing the random Idefics3 and its processor to {vlm.hf_dir}")
+    vocab, image_id = write_hf(vlm.hf_dir, shape, seed)
+    log(
+        f"make_test_vlm: converting with llama.cpp {LLAMA_CPP_VERSION}'s convert_hf_to_gguf.py "
+        f"({time.perf_counter() - t0:.1f}s so far)"
+    )
+    convert(
+        conv,
+        vlm.hf_dir,
+        [(vlm.target, "f32", False), (vlm.target_mmproj, "f32", True), (vlm.draft_mmproj, "f16", True)],
+        log,
+    )
+    from server_bridge.engine_llamacpp import requantize
+
+    _quiet()
+    requantize(str(vlm.target), str(vlm.draft), DRAFT_FTYPE)
+    log(f"make_test_vlm: {vlm.draft.name} quantized by llama.cpp ({DRAFT_FTYPE})")
+    vlm = paths(directory, shape, seed, vocab, image_id)
+    manifest.write_text(
+        json.dumps(
+            {"key": key, "vocab": vocab, "image_token_id": image_id, "made_s": round(time.perf_counter() - t0, 1)},
+            indent=1,
+        )
+    )
+    log(f"make_test_vlm: made in {time.perf_counter() - t0:.1f}s")
+    return vlm
+
+
+# --------------------------------------------------------------------------- running it
+
+
+def random_image(seed: int, size: int = 128) -> np.ndarray:
+    """[size, size, 3] uint8 noise."""
+    return np.random.default_rng(seed).integers(0, 256, (size, size, 3), dtype=np.uint8)
+
+
+def hf_logits(hf_dir: str | Path, image: np.ndarray, prompt: str = PROMPT) -> tuple[np.ndarray, list[int]]:
+    """([vocab] transformers' next-token logits after `prompt` with `image` at its <image>, the input ids)."""
+    import torch
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    _check_image(image)
+    processor = AutoProcessor.from_pretrained(hf_dir)
+    model = AutoModelForImageTextToText.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    inputs = processor(text=prompt, images=[[image]], return_tensors="pt")
+    with torch.no_grad():
+        logits = model(**inputs).logits[0, -1]
+    return logits.numpy(), inputs["input_ids"][0].tolist()
+
+
+@dataclass
+class Prefill:
+    logits: np.ndarray  # [vocab] after the last position
+    n_pos: int  # positions the prompt took in the KV cache
+    chunks: list  # ("text", [ids]) and ("image", n_tokens), in order
+
+
+def llama_logits(
+    gguf: str | Path, mmproj: str | Path, image: np.ndarray, prompt: str = PROMPT, n_threads: int = 1
+) -> Prefill:
+    """llama.cpp's next-token logits after `prompt` with `image` at its <image>: libmtmd tokenizes the
+    text around the image marker and tiles the image, mtmd_helper_eval_chunks encodes each tile and
+    decodes text and image embeddings into the context.
+
+    One thread: this model is tiny, and two ggml threads on a busy 2-core machine spin against each
+    other for seconds (5 s against 7 ms measured)."""
+    import llama_cpp
+    import llama_cpp.mtmd_cpp as mtmd
+
+    _check_image(image)
+    _quiet()
+    model = llama_cpp.llama_model_load_from_file(str(gguf).encode(), llama_cpp.llama_model_default_params())
+    if not model:
+        raise RuntimeError(f"llama.cpp could not load {gguf}")
+    cp = llama_cpp.llama_context_default_params()
+    cp.n_ctx, cp.n_batch, cp.n_threads, cp.n_threads_batch = 512, 512, n_threads, n_threads
+    ctx = llama_cpp.llama_init_from_model(model, cp)
+    mp = mtmd.mtmd_context_params_default()
+    mp.use_gpu, mp.n_threads, mp.print_timings, mp.warmup = False, n_threads, False, False
+    mctx = mtmd.mtmd_init_from_file(str(mmproj).encode(), model, mp)
+    chunks = mtmd.mtmd_input_chunks_init()
+    h, w, _ = image.shape
+    bitmap = mtmd.mtmd_bitmap_init(w, h, (ctypes.c_uint8 * image.size).from_buffer_copy(np.ascontiguousarray(image)))
+    try:
+        if not mctx or not mtmd.mtmd_support_vision(mctx):
+            raise RuntimeError(f"libmtmd could not load {mmproj} as a vision projector")
+        text = prompt.replace(IMAGE_TOKEN, mtmd.mtmd_default_marker().decode()).encode()
+        inp = mtmd.mtmd_input_text(text, len(text), True, True)  # add_special, parse_special
+        rc = mtmd.mtmd_tokenize(mctx, chunks, ctypes.byref(inp), (mtmd.mtmd_bitmap_p_ctypes * 1)(bitmap), 1)
+        if rc != 0:
+            raise RuntimeError(f"mtmd_tokenize returned {rc}")
+        layout = []
+        for i in range(mtmd.mtmd_input_chunks_size(chunks)):
+            c = mtmd.mtmd_input_chunks_get(chunks, i)
+            if mtmd.mtmd_input_chunk_get_type(c) == mtmd.MTMD_INPUT_CHUNK_TYPE_TEXT:
+                n = ctypes.c_size_t()
+                ids = mtmd.mtmd_input_chunk_get_tokens_text(c, ctypes.byref(n))
+                layout.append(("text", [ids[j] for j in range(n.value)]))
+            else:
+                layout.append(("image", mtmd.mtmd_input_chunk_get_n_tokens(c)))
+        n_past = llama_cpp.llama_pos(0)
+        rc = mtmd.mtmd_helper_eval_chunks(mctx, ctx, chunks, 0, 0, cp.n_batch, True, ctypes.byref(n_past))
+        if rc != 0:
+            raise RuntimeError(f"mtmd_helper_eval_chunks returned {rc}")
+        n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
+        logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, -1), shape=(n_vocab,)).copy()
+        return Prefill(logits, n_past.value, layout)
+    finally:
+        mtmd.mtmd_bitmap_free(bitmap)
+        mtmd.mtmd_input_chunks_free(chunks)
+        if mctx:
+            mtmd.mtmd_free(mctx)
+        llama_cpp.llama_free(ctx)
+        llama_cpp.llama_model_free(model)
+
+
+def llama_vocab(gguf: str | Path) -> list[bytes]:
+    """[vocab] the token texts llama.cpp reads from a GGUF (vocab_only: no weights loaded)."""
+    import llama_cpp
+
+    _quiet()
+    params = llama_cpp.llama_model_default_params()
+    params.vocab_only = True
+    model = llama_cpp.llama_model_load_from_file(str(gguf).encode(), params)
+    if not model:
+        raise RuntimeError(f"llama.cpp could not load {gguf}")
+    try:
+        vocab = llama_cpp.llama_model_get_vocab(model)
+        return [llama_cpp.llama_vocab_get_text(vocab, i) for i in range(llama_cpp.llama_vocab_n_tokens(vocab))]
+    finally:
+        llama_cpp.llama_model_free(model)
+
+
+def _check_image(image: np.ndarray) -> None:
+    if image.dtype != np.uint8 or image.ndim != 3 or image.shape[2] != 3:
+        raise ValueError(f"an image is [height, width, 3] uint8, got {image.shape} {image.dtype}")
+
+
+def _quiet() -> None:
+    """llama.cpp and libmtmd log every tensor and tile; keep their errors only."""
+    import llama_cpp._logger
+    import llama_cpp.mtmd_cpp as mtmd
+
+    llama_cpp._logger.set_verbose(False)
+    mtmd.mtmd_log_set(llama_cpp._logger.llama_log_callback, ctypes.c_void_p(0))
+    mtmd.mtmd_helper_log_set(llama_cpp._logger.llama_log_callback, ctypes.c_void_p(0))
+
+
+def check(vlm: TinyVLM) -> dict:
+    """Every file loaded by what reads it, two images through each: the figures as a dict."""
+    a, b = random_image(0), random_image(1)
+    out = {"vocab": vlm.vocab}
+    hf_a, ids = hf_logits(vlm.hf_dir, a)
+    hf_b, _ = hf_logits(vlm.hf_dir, b)
+    out["hf"] = {
+        "image_tokens": ids.count(vlm.image_token_id),
+        "prompt_tokens": len(ids),
+        "image_effect": float(np.abs(hf_a - hf_b).max()),
+    }
+    for name, gguf, mmproj in (("target", vlm.target, vlm.target_mmproj), ("draft", vlm.draft, vlm.draft_mmproj)):
+        pa, pb = llama_logits(gguf, mmproj, a), llama_logits(gguf, mmproj, b)
+        out[name] = {
+            "vocab": len(pa.logits),
+            "n_pos": pa.n_pos,
+            "image_tokens": sum(n for kind, n in pa.chunks if kind == "image"),
+            "image_effect": float(np.abs(pa.logits - pb.logits).max()),
+            "max_diff_vs_hf": float(np.abs(pa.logits - hf_a).max()),
+        }
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=Path, default=None, help="output folder (default models/build/test-vlm-v<N>-s<seed>)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--check", action="store_true", help="load every file and print what each computes, as JSON")
+    args = ap.parse_args(argv)
+    vlm = make(args.out, TINY, args.seed, log=lambda m: print(m, file=sys.stderr, flush=True))
+    print(json.dumps(vlm.describe()))
+    if args.check:
+        print(json.dumps(check(vlm)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Evaluation of the robot: navigation over scenes, the prompt, its memory's cost."""
