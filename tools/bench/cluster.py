@@ -222,7 +222,7 @@ def overhead_stats(direct: list[float], lb: list[float], boots: int = 2000, seed
         return {"direct": None, "lb": None, "added": None}
     stats = lambda a: {
         "rounds": int(a.size),
-        "median": float(np.median(a)),  # noqa: E731
+        "median": float(np.median(a)),
         "p99": float(np.percentile(a, 99)),
         "mean": float(a.mean()),
     }

@@ -983,7 +983,7 @@ def render_markdown(result: dict) -> str:
         r, pol = caps["ratio_slo_over_fcfs"], caps["policies"]
         if r:
             cap = lambda p, c=None: _cap(
-                pol[p]["capacity"] if c is None else pol[p]["by_class"][c],  # noqa: E731
+                pol[p]["capacity"] if c is None else pol[p]["by_class"][c],
                 pol[p]["lower_bound"] if c is None else pol[p]["by_class_lower_bound"][c],
                 cfg["ns"],
             )
