@@ -8,7 +8,6 @@ import asyncio
 import dataclasses
 import json
 import time
-from pathlib import Path
 
 import pytest
 from websockets.asyncio.server import serve
@@ -18,7 +17,7 @@ from tools.bench import loadgen as lg
 
 pytestmark = pytest.mark.timeout(120)
 
-TRACES = Path(lg.__file__).parent / "traces"
+TRACES = lg.TRACES
 
 
 # --------------------------------------------------------------------------- a synthetic trace

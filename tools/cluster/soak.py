@@ -65,6 +65,7 @@ class SoakLog:
     restarts: int = 0  # of those, closed on purpose (1012: a replica draining)
     reconnect_ms: list[float] = field(default_factory=list)  # link lost -> the session re-opened
     errors: list[str] = field(default_factory=list)  # errors a robot saw (none expected)
+    overloaded: int = 0  # opens and rounds the verifier refused as overloaded (retried: nothing lost)
 
 
 class SoakRobot:
@@ -183,7 +184,11 @@ class SoakRobot:
         )
         reply = await self.recv(sid, wire.Opened)
         if isinstance(reply, wire.Error):
-            self.out.errors.append(f"{sid}: open refused: {reply.code}: {reply.message}")
+            if reply.code == "overloaded":  # the verifier's admission control under load: retried, nothing lost
+                self.out.overloaded += 1
+                await asyncio.sleep(0.1)
+            else:
+                self.out.errors.append(f"{sid}: open refused: {reply.code}: {reply.message}")
             raise TimeoutError(f"open refused: {reply.code}")  # treated as a lost link: reconnect, retry
         if not gen.replicas or gen.replicas[-1] != reply.replica:
             gen.replicas.append(reply.replica)
@@ -194,6 +199,7 @@ class SoakRobot:
     async def recover(self, err: wire.Error, gen: SoakGeneration) -> bool:
         if err.code not in RECOVERABLE:
             self.out.errors.append(f"{gen.robot}: {err.code}: {err.message}")
+        self.out.overloaded += err.code == "overloaded"
         gen.reopens += 1
         await asyncio.sleep(0.1 if err.code == "overloaded" else 0)
         return False  # re-open with the committed prefix
@@ -354,6 +360,7 @@ async def soak(cluster: Cluster, proxy: NetemProxy, trace: Trace, args) -> dict:
         },
         "r0_rss_mb": {k: round(v, 1) for k, v in rss.items()},
         "errors": out.errors[:20],
+        "overloaded": out.overloaded,
         "r0_health": health(cluster.replica("r0").port)[1],
     }
 
