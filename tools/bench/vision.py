@@ -8,11 +8,11 @@ each in its own server session:
   image  the camera line holding the frame itself (perception "vlm"): a new JPEG each step, rendered by the
          simulator from a new pose and encoded as VlmPerception does (longest side --max-side).
 
-Per step it records: the robot's JPEG encode, the draft's prefill of the changed prompt (its image encoded by
-libmtmd and the text after it; the few-shot prefix stays in its KV), the server's passes (the open's prefill and
-the verify rounds; a new frame's preprocessing and encoding by libmtmd land in them), the uplink bytes of the step
-(the image's bytes go on the first open; a re-open after a lost link sends its 64-character sha256 instead) and
-the whole step's wall time for --tokens answer tokens.
+Per step it records: the robot's prompt ids (and the frame's JPEG encode), the draft's prefill of the
+changed prompt (its image encoded by libmtmd and the text after it; the few-shot prefix stays in its KV),
+the server's passes (the open's prefill and the verify rounds; a new frame's preprocessing and encoding by
+libmtmd land in them), the uplink bytes of the step (the image's bytes go on the first open; a re-open after
+a lost link sends its 64-character sha256 instead) and the whole step's wall time for --tokens answer tokens.
 
 The default pair is the test VLM (tools/models/make_test_vlm.py: a random tiny SmolVLM, Q8_0 draft + f16 mmproj, f32
 target + f32 mmproj), which says what the machinery costs, not what a real model's vision tower costs; give a
@@ -70,7 +70,6 @@ def main(argv: list[str] | None = None) -> int:
     from agent.nav import messages
     from agent.robot.camera import Frame
     from agent.robot.perception import VlmPerception
-    from protocol.images import PromptImage
     from tools.cluster.local_verifier import LocalVerifier
 
     if all(given):
@@ -94,12 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     drafter = Drafter(pair["draft"], n_ctx=4096, threads=args.threads, mmproj=pair["draft_mmproj"])
     perception = VlmPerception(args.max_side)
     chat = drafter.apply_chat_template
-    text_ids = drafter.tokenize(chat(messages(INSTRUCTION, "a red box 1.2 m ahead, slightly left", parts=True)))
-    before, after = chat(messages(INSTRUCTION, "", parts=True, image=True)).split(
-        drafter.detokenize([drafter.image_marker]), 1
-    )
-    image_ids = drafter.tokenize(before) + [drafter.image_marker] + drafter.tokenize(after)
-    at = image_ids.index(drafter.image_marker)
+    text = chat(messages(INSTRUCTION, "a red box 1.2 m ahead, slightly left", parts=True))
+    image_text = chat(messages(INSTRUCTION, "", parts=True, image=True))  # the camera line holds the marker
     rows = {"text": [], "image": []}
     with LocalVerifier(
         target=pair["target"],
@@ -110,16 +105,17 @@ def main(argv: list[str] | None = None) -> int:
         if len(cores) > 1:
             os.sched_setaffinity(0, {robot_core})
         decoder = EdgeDecoder(drafter, server.url)
-        decoder.generate(text_ids, mode="sd", max_tokens=4, session="text")  # the few-shot prefix, both sides
+        decoder.generate(
+            drafter.tokenize(text), mode="sd", max_tokens=4, session="text"
+        )  # the few-shot prefix, both sides
         for i, bgr in enumerate(frames(args.steps + 1, width, height)):
             for kind in ("text", "image"):
                 t0 = time.perf_counter()
-                images: list[PromptImage] = []
+                ids, images = drafter.tokenize(text), []
                 if kind == "image":
                     shown = perception.encode(Frame(bgr, time.monotonic(), i + 1))
-                    images = [PromptImage.of(shown.data, at)]
+                    ids, images = drafter.image_prompt(image_text, [shown.data])
                 t1 = time.perf_counter()
-                ids = image_ids if kind == "image" else text_ids
                 drafter.use_images(images)
                 drafter.next_logits(ids)  # the draft's prefill of this step
                 t2 = time.perf_counter()
@@ -142,11 +138,12 @@ def main(argv: list[str] | None = None) -> int:
                         "tokens": len(gen.token_ids),
                         "tau": m.tau,
                         "image_bytes": len(images[0].data) if images else 0,
+                        "image_positions": drafter.vision.positions(images[0]) if images else 0,
                     }
                 )
                 r = rows[kind][-1]
                 print(
-                    f"  step {i} {kind:5s}: encode {r['encode_ms']:.1f} ms, draft prefill "
+                    f"  step {i} {kind:5s}: prompt {r['encode_ms']:.1f} ms, draft prefill "
                     f"{r['draft_prefill_ms']:.1f} ms, server passes {r['server_ms']:.1f} ms, step "
                     f"{r['step_ms']:.0f} ms, {r['bytes_up']} bytes up",
                     flush=True,
@@ -161,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         "files": pair,
         "camera": args.camera,
         "max_side": args.max_side,
-        "image_positions": drafter.vision.positions(images[0]) if rows["image"] else None,
+        "image_positions": rows["image"][-1]["image_positions"] if rows["image"] else None,
         "reopen_bytes_per_image": 64,
         "machine": f"{platform.machine()} {os.cpu_count()} cores, server "
         f"{sorted(server_cores) if server_cores else 'shared'}, robot core {robot_core}, {args.threads} thread",
@@ -173,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 FIELDS = [
-    ("encode_ms", "robot: JPEG encode, ms"),
+    ("encode_ms", "robot: the prompt's ids (and the frame's JPEG), ms"),
     ("draft_prefill_ms", "robot: draft prefill, ms"),
     ("server_prefill_ms", "server: open's prefill, ms"),
     ("server_ms", "server: all the step's passes (open + verify rounds), ms"),
@@ -206,7 +203,7 @@ def write(out: Path, result: dict) -> None:
 
     parts = [FIELDS[0], FIELDS[1], FIELDS[3], FIELDS[5]]
     short = {
-        "encode_ms": "JPEG encode",
+        "encode_ms": "prompt (+ JPEG)",
         "draft_prefill_ms": "draft prefill",
         "server_ms": "server passes",
         "step_ms": "whole step",
