@@ -87,6 +87,8 @@ class BranchDrafter:
         for i, (tok, pos, seq, want) in enumerate(entries):
             if pos >= self.n_ctx:
                 raise BranchError(f"position {pos} is past the pre-draft context of {self.n_ctx}")
+            if not 0 <= tok < self.vocab_size:  # llama.cpp must never see an id outside its vocabulary
+                raise ValueError(f"token id {tok} is outside the draft's vocabulary of {self.vocab_size}")
             b.token[i] = tok
             b.pos[i] = pos
             b.n_seq_id[i] = 1

@@ -132,6 +132,7 @@ def _run(args) -> int:
     import asyncio
 
     from . import config
+    from .api import LocalApi
     from .daemon import Daemon
     from .robot.camera import CameraError
     from .robot.controllers.base import ControllerError
@@ -164,6 +165,7 @@ def _run(args) -> int:
             raise config.ConfigError(
                 f"--scene and --start are the simulator's: robot.controller is {cfg.robot.controller!r}, not 'sim'"
             )
+        cfg.api.secrets()  # the local API's token files are read before anything moves
         daemon = Daemon(cfg, **({"max_steps": args.max_steps} if args.max_steps else {}))
     except (config.ConfigError, ControllerError, SceneError) as e:
         print(f"edge-agent: {e}", file=sys.stderr)
@@ -180,7 +182,7 @@ def _run(args) -> int:
         daemon.close()
         return 2
     try:
-        rc = asyncio.run(_serve(daemon, cfg, args))
+        rc = asyncio.run(_serve(daemon, LocalApi(daemon), args))
     finally:
         daemon.close()
     if args.json:
@@ -206,17 +208,21 @@ def _episode_summary(daemon, instruction: str) -> dict:
     return summarize(daemon.world, records, instruction, end=end, reach_m=daemon.cfg.agent.reach_m)
 
 
-async def _serve(daemon, cfg, args) -> int:
+async def _serve(daemon, api, args) -> int:
     import asyncio
     import signal
 
-    from .api import LocalApi
+    from .config import ConfigError
 
     loop = asyncio.get_running_loop()
     done = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, done.set)
-    api = await LocalApi(daemon, cfg.api.listen).start()
+    try:
+        await api.start()
+    except (ConfigError, OSError) as e:  # the socket's folder, its group, an address in use
+        print(f"edge-agent: cannot start the local API: {e}", file=sys.stderr)
+        return 2
     daemon.notifier.ready()
     print(f"edge-agent: ready; local API at {api.address}", file=sys.stderr, flush=True)
     if args.instruction:
@@ -390,7 +396,12 @@ def main(argv: list[str] | None = None) -> int:
         "camera image itself in the prompt; needs --set agent.draft_mmproj=PATH and a VLM draft)",
     )
     r.add_argument("--offline", choices=("hold", "local"), help="= --set offline.policy=...")
-    r.add_argument("--listen", help="= --set api.listen=HOST:PORT|unix:PATH")
+    r.add_argument(
+        "--listen",
+        help="= --set api.listen=unix:PATH|HOST:PORT (default: a Unix socket, mode 0600, in $RUNTIME_DIRECTORY, "
+        "$XDG_RUNTIME_DIR/edge-agent or /tmp/edge-agent-UID; TCP needs api.token_file, and an address other "
+        "than loopback also api.allow_remote = true)",
+    )
     r.add_argument("--telemetry", help="= --set telemetry.path=FILE")
     r.add_argument(
         "--scene",

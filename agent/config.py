@@ -13,6 +13,8 @@ try:
     import tomllib  # novm: 3.11+, with the fallback below (CI: vermin)
 except ImportError:  # Python 3.10 (JetPack 6, ROS 2 Humble): the same parser, as a package
     import tomli as tomllib
+import ipaddress
+import os
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -184,13 +186,109 @@ class PerceptionSection:
 
 @dataclass(frozen=True)
 class ApiSection:
-    listen: str = "127.0.0.1:8770"  # HOST:PORT (keep it on loopback) or unix:/path/to.sock
+    listen: str = ""  # "" = a Unix socket at the default path (agent/api.py default_socket: $RUNTIME_DIRECTORY/
+    # api.sock under systemd, else $XDG_RUNTIME_DIR/edge-agent/api.sock, else /tmp/edge-agent-$UID/api.sock);
+    # unix:/ABSOLUTE/PATH; or HOST:PORT (TCP: needs a token; a non-loopback HOST also allow_remote)
+    socket_group: str = ""  # Unix socket: "" = mode 0600 (the daemon's user only); a group name = 0660, that group
+    allow_remote: bool = False  # TCP on an address other than loopback (with a token, over a trusted network only)
+    token: str = ""  # the API credential every connection presents (Authorization: Bearer ...); prefer token_file
+    token_file: str = ""  # a file holding that credential (its first line; not world-readable)
+    reset_token: str = ""  # the credential a reset (which releases the e-stop) carries; "" with no reset_token_file:
+    # reset over the API is refused
+    reset_token_file: str = ""  # a file holding it (its first line; not world-readable)
+    allowed_origins: list = field(default_factory=list)  # browser Origins let in (e.g. "https://ui.robot.lan");
+    # an upgrade with any other Origin header is refused with 403
 
     def __post_init__(self):
-        if not self.listen.startswith("unix:"):
-            host, _, port = self.listen.rpartition(":")
-            if not host or not port.isdigit():
-                raise ConfigError(f"api.listen must be HOST:PORT or unix:PATH, got {self.listen!r}")
+        try:
+            where = parse_listen(self.listen)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        for name in ("token", "reset_token"):
+            inline, path = getattr(self, name), getattr(self, f"{name}_file")
+            if inline and path:
+                raise ConfigError(f"api.{name} and api.{name}_file: give one (the file keeps it out of the TOML)")
+            if inline:
+                _check_secret(f"api.{name}", inline)
+        if self.token and self.token == self.reset_token:
+            raise ConfigError("api.reset_token must differ from api.token: a reset needs a credential of its own")
+        if self.socket_group and where[0] != "unix":
+            raise ConfigError("api.socket_group is for a Unix socket (api.listen unix:PATH or the default)")
+        if where[0] == "tcp":
+            host = where[1]
+            if not is_loopback(host) and not self.allow_remote:
+                raise ConfigError(
+                    f"api.listen {self.listen!r} is not loopback: anyone on the network could drive the robot. "
+                    "Keep the default Unix socket, or set api.allow_remote = true with api.token_file"
+                )
+            if not (self.token or self.token_file):
+                raise ConfigError(
+                    f"api.listen {self.listen!r} is TCP: set api.token_file (or api.token), which every client "
+                    "presents as 'Authorization: Bearer TOKEN', or keep the default Unix socket"
+                )
+        if not isinstance(self.allowed_origins, list) or not all(
+            isinstance(o, str) and o.startswith(("http://", "https://")) and o.count("/") == 2
+            for o in self.allowed_origins
+        ):
+            raise ConfigError(
+                f'api.allowed_origins must be a list of origins like "https://ui.robot.lan:8443", '
+                f"got {self.allowed_origins!r}"
+            )
+
+    def secrets(self) -> tuple[str, str]:
+        """(token, reset_token): inline or read from their files ("" when not configured); ConfigError when a
+        file is missing, empty, too short, readable by every user, or both credentials are the same."""
+        token = self.token or _read_secret("api.token_file", self.token_file)
+        reset = self.reset_token or _read_secret("api.reset_token_file", self.reset_token_file)
+        if token and token == reset:
+            raise ConfigError("api.reset_token must differ from api.token: a reset needs a credential of its own")
+        return token, reset
+
+
+MIN_SECRET = 16  # characters of an API credential
+
+
+def parse_listen(listen: str) -> tuple:
+    """api.listen -> ("unix", PATH) with PATH "" for the default socket, or ("tcp", HOST, PORT)."""
+    if listen == "":
+        return ("unix", "")
+    if listen.startswith("unix:"):
+        path = listen[5:]
+        if not path.startswith("/"):
+            raise ValueError(f"api.listen unix:PATH wants an absolute path, got {listen!r}")
+        return ("unix", path)
+    host, _, port = listen.rpartition(":")
+    if not host or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f'api.listen must be unix:PATH or HOST:PORT (or "" for the default socket), got {listen!r}')
+    return ("tcp", host[1:-1] if host.startswith("[") else host, int(port))
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # another host name: it may resolve to anything
+        return False
+
+
+def _check_secret(name: str, value: str) -> None:
+    if len(value) < MIN_SECRET or value != value.strip():
+        raise ConfigError(f"{name} must be at least {MIN_SECRET} characters without surrounding spaces")
+
+
+def _read_secret(name: str, path: str) -> str:
+    if not path:
+        return ""
+    try:
+        if os.stat(path).st_mode & 0o004:
+            raise ConfigError(f"{name} {path} is readable by every user: chmod o-r (0600 or 0640)")
+        with open(path) as f:
+            value = f.readline().strip()
+    except OSError as e:
+        raise ConfigError(f"{name}: cannot read {path}: {e.strerror}") from None
+    _check_secret(f"{name} ({path})", value)
+    return value
 
 
 @dataclass(frozen=True)
@@ -225,7 +323,12 @@ class Config:
             )
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The config as logged at start and saved beside results: inline API credentials shown as "<set>"."""
+        d = asdict(self)
+        for key in ("token", "reset_token"):
+            if d["api"][key]:
+                d["api"][key] = "<set>"
+        return d
 
 
 _TYPES = {f.name: type(f.default) for f in fields(Config)}  # section name -> its dataclass

@@ -29,6 +29,7 @@ from concurrent.futures import Future  # 3.10: not the builtin TimeoutError
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Callable
 
+from protocol.images import MAX_IMAGE_BYTES, check_bytes
 from protocol.payload import PayloadSpec
 
 from .config import Config
@@ -51,6 +52,7 @@ MAX_LISTENERS = 32
 REFUSED_PAUSE_S = 0.05  # the nav thread's pause after a refused step (no fresh frame, holding)
 MAX_RECORDS = 1000  # a task's step records kept for its summary (the later ones are dropped)
 RESET_TIMEOUT_S = 30.0  # a reset waits this long for the robot to stand up (RecoveryStand, BalanceStand)
+MAX_IMAGE_B64 = 4 * -(-MAX_IMAGE_BYTES // 3)  # base64 characters of the largest image submit takes
 
 
 class Busy(RuntimeError):
@@ -88,6 +90,7 @@ class Daemon:
         self._worker: threading.Thread | None = None
         self._listeners: list[Callable[[dict], None]] = []
         self._lock = threading.Lock()
+        self._decoding = threading.Lock()  # one submitted image decoded at a time; another is refused (Busy)
         self.task: dict | None = None  # the running task's status
         self.last_step: dict | None = None
         self.task_records: list = []  # the running (or last) task's nav.Step records, the first MAX_RECORDS
@@ -236,17 +239,29 @@ class Daemon:
     # -------------------------------------------------------------- the API's verbs
 
     def submit(self, instruction: str, image: str | None = None, max_steps: int | None = None) -> int:
-        """Queue an instruction (with an optional base64 JPEG/PNG); returns its task id. Busy when full."""
+        """Queue an instruction (with an optional base64 JPEG/PNG); returns its task id. Busy when full, checked
+        before the image is decoded (untrusted bytes: bounded first, then decoded one at a time)."""
         if not isinstance(instruction, str) or not instruction.strip() or len(instruction) > 500:
             raise ValueError("instruction must be a non-empty string of at most 500 characters")
+        steps = self.max_steps if max_steps is None else max_steps
+        if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= 1000:
+            raise ValueError(f"max_steps must be an integer 1..1000, got {str(steps)[:20]}")
+        if image is not None and not isinstance(image, str):
+            raise ValueError("image must be a base64 string (or a data: URI) of a JPEG or PNG")
         if image and self.cfg.perception.kind == "sim":
             raise ValueError(
                 "an image needs perception 'color' or 'vlm' (perception 'sim' reads the simulator, not pixels)"
             )
-        frame = _decode_image(image) if image else None
-        steps = self.max_steps if max_steps is None else int(max_steps)
-        if not 1 <= steps <= 1000:
-            raise ValueError("max_steps must be 1..1000")
+        if self._tasks.full():
+            raise Busy(f"{MAX_PENDING} tasks already wait; cancel first")
+        frame = None
+        if image:
+            if not self._decoding.acquire(blocking=False):
+                raise Busy("another submitted image is being decoded; try again")
+            try:
+                frame = _decode_image(image)
+            finally:
+                self._decoding.release()
         task = {"id": next(self._ids), "instruction": instruction.strip(), "frame": frame, "max_steps": steps}
         try:
             self._tasks.put_nowait(task)
@@ -268,18 +283,20 @@ class Daemon:
             self.control.halt("cancelled")
         return dropped
 
-    def estop(self) -> Future:
+    def estop(self, by: str = "") -> Future:
         """Never through a model and never waiting: latched when this returns; the future is the driver's
-        e-stop (Damp), which runs on a thread of its own (the API's event loop calls this)."""
+        e-stop (Damp), which runs on a thread of its own (the API's event loop calls this). `by`: who asked
+        (the API's peer), for the log."""
         delivery = self.control.estop() if self.control is not None else self.safety.estop()
         self.cancel()
         self._emit({"event": "estop"})
-        log.warning("E-STOP")
+        log.warning("E-STOP from %s", by or "this process")
         return delivery
 
-    def reset(self, timeout_s: float = RESET_TIMEOUT_S) -> None:
+    def reset(self, timeout_s: float = RESET_TIMEOUT_S, by: str = "") -> None:
         """Release the e-stop once the robot is ready (a Go2 stood up again); waits, so never on the event loop.
         Raises ControllerError when the driver failed, timed out or a new e-stop came meanwhile."""
+        log.warning("reset (releases the e-stop) from %s", by or "this process")
         try:
             self.safety.reset().result(timeout_s)
         except FutureTimeout:
@@ -456,16 +473,23 @@ class Daemon:
 
 
 def _decode_image(data: str) -> Frame:
+    """A submitted image, bounded before any decoder runs: its base64 length, then its bytes and the width and
+    height in its header (protocol.images.check_bytes); ValueError (ImageError is one) says what is wrong."""
     import cv2
     import numpy as np
 
+    b64 = data.split(",", 1)[-1]  # a bare base64 or a data: URI
+    if len(b64) > MAX_IMAGE_B64:
+        raise ValueError(f"image over {MAX_IMAGE_BYTES} bytes ({len(b64)} base64 characters); send it smaller")
     try:
-        raw = base64.b64decode(data.split(",", 1)[-1], validate=True)  # a bare base64 or a data: URI
+        raw = base64.b64decode(b64, validate=True)
     except ValueError:
         raise ValueError("image must be base64 (or a data: URI) of a JPEG or PNG") from None
-    if len(raw) > 8_000_000:
-        raise ValueError("image larger than 8 MB")
-    img = cv2.imdecode(np.frombuffer(raw, np.uint8), cv2.IMREAD_COLOR)
+    check_bytes(raw)
+    try:
+        img = cv2.imdecode(np.frombuffer(raw, np.uint8), cv2.IMREAD_COLOR)
+    except cv2.error:
+        img = None
     if img is None:
         raise ValueError("image could not be decoded (JPEG or PNG expected)")
     return Frame(img, time.monotonic(), 0, {"source": "api"})

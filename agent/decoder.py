@@ -24,13 +24,14 @@ import numpy as np
 
 from protocol import payload, sampling, wire
 from protocol.grammar import GrammarState
-from protocol.images import PromptImage
+from protocol.images import ImageError, PromptImage, check_offered
 from protocol.payload import PayloadSpec
 from protocol.sampling import SamplingParams
 
+from . import replies
 from .drafter import Draft, Drafter
 from .draftlen import As2, CostEstimator
-from .link import TAKEN, LinkLost, ServerError, VerifierLink
+from .link import TAKEN, LinkLost, ProtocolViolation, ServerError, VerifierLink
 from .policy import DraftController, DraftPolicy
 from .predictor import RejectionPredictor, TraceWriter, predictor_path
 from .predraft import PreDrafter
@@ -40,6 +41,7 @@ log = logging.getLogger(__name__)
 MODES = ("ar", "sd", "fsd", "local")
 MAX_REPLICAS_SEEN = 16  # Metrics.replicas: the replicas a generation was served by, in order
 MAX_SWITCHED_NAMES = 64  # session names remembered with the fresh sid they switched to (LRU)
+MAX_RESUME_SECRETS = 64  # sessions whose resume secret (Opened.resume) is kept for their re-opens (LRU)
 
 
 @dataclass
@@ -68,6 +70,8 @@ class Metrics:
     accepted: int = 0
     wasted_draft_tokens: int = 0  # drafted tokens the server rejected
     reconnects: int = 0  # new connections after a lost link
+    protocol_violations: int = 0  # of those lost links, replies that broke the protocol (agent/replies.py),
+    # dropped with their link and nothing of them committed
     restarts: int = 0  # of those, after the server closed on purpose (a replica draining:
     # 1012), made at once without backing off
     replicas: list = field(default_factory=list)  # the replicas that held the session, in order (<= 16)
@@ -175,8 +179,12 @@ class EdgeDecoder:
         # session name -> the sid it uses now: the name itself until an open of it is refused with
         # session_taken (its old connection still holds it), then a fresh one; bounded, least recent out
         self._sids: OrderedDict[str, str] = OrderedDict()
+        # sid -> the resume secret of its last `opened`: every re-open of that session sends it back, so the
+        # robot back on a new link takes its session over from the old link the server may still think open
+        self._resume: OrderedDict[str, str] = OrderedDict()
         self._owed: int | None = None  # split: the correction drawn here and not yet sent
         self._exits_on = False  # the session asked for early exits: send them candidates
+        self._exit_layers: list[int] = []  # the exits the session asked for (hints from others break the protocol)
         self._grammar: dict | None = None  # this generation's Open.grammar ({gbnf, from}); None: free
         self._gstate: GrammarState | None = None  # the draft's walk of it, over committed[:_gpos]
         self._gpos = 0
@@ -394,6 +402,9 @@ class EdgeDecoder:
                 except LinkLost as e:
                     failures += 1
                     lost_at = time.perf_counter() if lost_at is None else lost_at
+                    if isinstance(e, ProtocolViolation):  # a lost link like any other, and said as such
+                        m.protocol_violations += 1
+                        log.error("the verifier broke the protocol: %s; dropping the link, nothing of it committed", e)
                     if failures > self.reconnect.max_attempts:
                         e.token_ids = committed[n_prompt:]
                         raise
@@ -422,6 +433,7 @@ class EdgeDecoder:
                         # this prompt is not its prefix: nothing to wait for, a fresh sid costs one prefill
                         switched = True
                         old, sid = sid, self._switch_sid(session, sid)
+                        self._resume.pop(old, None)  # that session is another's now
                         log.info(
                             "session %s is held by another connection (%s); re-opening as %s with %d committed tokens",
                             old,
@@ -452,6 +464,8 @@ class EdgeDecoder:
                     self.link.send(wire.Close(sid))
                 except LinkLost:
                     pass
+            if session is None:  # an unnamed session is never opened again
+                self._resume.pop(sid, None)
             self._fold_bytes(m)
 
     def _sid_for(self, name: str) -> str:
@@ -471,6 +485,16 @@ class EdgeDecoder:
             while len(self._sids) > MAX_SWITCHED_NAMES:
                 self._sids.popitem(last=False)
         return sid
+
+    def _keep_resume(self, sid: str, secret: str) -> None:
+        """Remember the session's resume secret for its re-opens ("": the server gave none, forget any)."""
+        if not secret:
+            self._resume.pop(sid, None)
+            return
+        self._resume[sid] = secret
+        self._resume.move_to_end(sid)
+        while len(self._resume) > MAX_RESUME_SECRETS:
+            self._resume.popitem(last=False)
 
     def connect(self) -> bool:
         """Make sure the verifier link is up (the offline mode's probe); False when it cannot be."""
@@ -538,14 +562,16 @@ class EdgeDecoder:
             slo={"tokens_per_s": self.slo} if self.slo else {},
             grammar=self._grammar,
             images=images,
+            resume=self._resume.get(sid, ""),
         )
         self._owed = None  # the prefix re-sent here includes any correction
         self._exits_on = bool(layers)
         # the prefill grows with the prompt: allow it ~20 ms a token on top of the reply timeout (a dead
         # link still shows within two keepalives)
         reply, rtt = self.link.request(msg, timeout_s=self.recv_timeout_s + 0.02 * len(committed))
-        if not isinstance(reply, wire.Opened) or reply.n_committed != len(committed):
-            raise LinkLost(f"bad reply to open: {reply}")
+        replies.check_opened(reply, sid, len(committed))
+        self._exit_layers = layers
+        self._keep_resume(sid, reply.resume)
         self._image_bytes = False  # the server holds them now: a re-open names them by sha256
         m.prefill_ms += reply.timing.get("prefill_ms", 0.0)
         m.target_forward_passes += reply.timing.get("passes", 0)
@@ -572,6 +598,10 @@ class EdgeDecoder:
                 f"draft's {self.drafter.image_marker}: not the same vision-language pair",
                 sid,
             )
+        try:  # the verifier's own bounds, before anything is sent
+            check_offered(self._images, offered)
+        except ImageError as e:
+            raise ServerError("bad_image", str(e), sid) from None
         if self._image_bytes:
             return list(self._images)
         return [PromptImage(im.at, im.sha256) for im in self._images]
@@ -638,13 +668,14 @@ class EdgeDecoder:
         self.predrafter.begin(
             number, committed, draft, max(k, self.controller.length()), params, params.seed, self.stop_ids(), self._spec
         )
+        deadline = time.monotonic() + self.recv_timeout_s  # for the result, however many hints come first
         while True:  # exits (hints) until the result of this round
-            reply = self.link.recv(sid=sid)
+            reply = self.link.recv(sid=sid, timeout_s=max(0.0, deadline - time.monotonic()))
             if not isinstance(reply, wire.Exit):
                 break
+            replies.check_exit(reply, number, draft.ids, self._vocab(), self._exit_layers)
             m.exits_received += 1
-            if reply.round == number:
-                self.predrafter.offer(number, reply.layer, reply.tokens, reply.confidence)
+            self.predrafter.offer(number, reply.layer, reply.tokens, reply.confidence)
         rtt = (time.perf_counter() - t0) * 1e3
         m.round_bytes_up += self.link.bytes_up - up
         m.round_bytes_down += self.link.bytes_down - down
@@ -661,29 +692,23 @@ class EdgeDecoder:
         drawn here from norm(max(0, p_j - q_j)) and owed to the server with the next request.
         """
         k = len(draft.ids)
-        if not isinstance(reply, wire.Result) or reply.round != m.rounds or reply.accepted > k:
-            raise LinkLost(f"unexpected reply to verify round {m.rounds}: {reply}")
-        token, owed = reply.token, 0
+        # ProtocolViolation (a lost link) before anything of a bad reply is committed or drawn from
+        replies.check_result(reply, m.rounds, draft.ids, len(committed), self._vocab(), self._spec.kind == "split")
+        token = reply.token
         if reply.residual is not None:
-            if self._spec.kind != "split" or reply.accepted >= k:
-                raise LinkLost(
-                    f"a residual for round {m.rounds}, which cannot have one ({self._spec}, "
-                    f"{reply.accepted}/{k} accepted)"
-                )
             try:
                 token = payload.correction(
                     reply.residual["logits"], reply.residual["ids"], draft.q.row(reply.accepted), params, rng
                 )
             except sampling.SamplingError as e:
-                raise LinkLost(f"unusable residual for round {m.rounds}: {e}") from None
-            self._owed, owed = token, 1
-            m.residuals += 1
+                raise ProtocolViolation(f"unusable residual for round {m.rounds}: {e}") from None
+            replies.check_ids([token], self._vocab(), f"the correction drawn in round {m.rounds}")
         new = draft.ids[: reply.accepted] + [token]
+        self._check_grammar(committed, new, f"the tokens committed by round {m.rounds}")
+        if reply.residual is not None:
+            self._owed = token
+            m.residuals += 1
         committed.extend(new)
-        if reply.n_committed + owed != len(committed):
-            raise ServerError(
-                "desync", f"server has {reply.n_committed} tokens after the round, we have {len(committed)}"
-            )
         m.rounds += 1
         m.drafted += k
         m.accepted += reply.accepted
@@ -692,6 +717,24 @@ class EdgeDecoder:
         m.network_ms += max(0.0, rtt - reply.timing.get("verify_ms", 0.0))
         m.target_forward_passes += reply.timing.get("passes", 1)
         return new
+
+    def _vocab(self) -> int:
+        """The vocabulary the handshake agreed: every token id a reply carries lies below it."""
+        return min(self.link.welcome.vocab_size, self.drafter.vocab_size)
+
+    def _check_grammar(self, committed: list[int], new: list[int], what: str) -> None:
+        """Under a grammar, `new` (to follow committed) must be what it allows: the verifier masks the target
+        with it. Walks the grammar's state on past them (up to a stop id, where the generation ends), or
+        raises ProtocolViolation and leaves it as it was."""
+        if self._grammar is None:
+            return
+        state = self._grammar_at(committed)
+        stops = self.stop_ids()
+        end = next((i + 1 for i, t in enumerate(new) if t in stops), len(new))
+        walk = state.clone() if end > 1 else state  # accept() leaves the state as it was when it refuses
+        if walk.advance(new[:end]) < end:
+            raise ProtocolViolation(f"{what} leave the grammar the session is constrained by: {new[:end]}")
+        self._gstate, self._gpos = walk, len(committed) + end
 
     # ------------------------------------------------------------------ draft policy
 
@@ -767,8 +810,10 @@ class EdgeDecoder:
         """
         ctl = self.controller
         stops = sorted(self.stop_ids())
+        stream = replies.StreamCheck(self._vocab(), stops)
         asked = min(self.policy.stream_chunk, remaining)
         self.link.send(wire.Ar(sid, asked, stops, fix=self._owed))
+        stream.asked(asked)
         self._owed = None
         chunks = 1  # asked for and not finished
         back = False
@@ -777,9 +822,8 @@ class EdgeDecoder:
         t0 = time.perf_counter()
         verify_sum = 0.0
         while chunks:
-            reply = self.link.recv(sid=sid)
-            if not isinstance(reply, wire.Token):
-                raise LinkLost(f"unexpected message while streaming: {reply}")
+            reply = stream.check(self.link.recv(sid=sid))
+            self._check_grammar(committed, [reply.token], f"streamed token seq {reply.seq}")
             t1 = time.perf_counter()
             logits = self.drafter.next_logits(committed)
             draft_ms = (time.perf_counter() - t1) * 1e3
@@ -799,6 +843,7 @@ class EdgeDecoder:
                 if not back and chunks == 1 and asked < remaining:
                     n = min(self.policy.stream_chunk, remaining - asked)
                     self.link.send(wire.Ar(sid, n, stops))
+                    stream.asked(n)
                     asked += n
                     chunks += 1
             if reply.done:
@@ -814,11 +859,13 @@ class EdgeDecoder:
         """Target-only tokens streamed by the server; each is committed as it arrives."""
         t0 = time.perf_counter()
         verify_ms = 0.0
-        self.link.send(wire.Ar(sid, remaining, sorted(self.stop_ids())))
+        stops = sorted(self.stop_ids())
+        stream = replies.StreamCheck(self._vocab(), stops)
+        self.link.send(wire.Ar(sid, remaining, stops))
+        stream.asked(remaining)
         while True:
-            reply = self.link.recv(sid=sid)
-            if not isinstance(reply, wire.Token):
-                raise LinkLost(f"unexpected message in the ar stream: {reply}")
+            reply = stream.check(self.link.recv(sid=sid))
+            self._check_grammar(committed, [reply.token], f"streamed token seq {reply.seq}")
             committed.append(reply.token)
             m.rounds += 1
             verify_ms += reply.timing.get("verify_ms", 0.0)

@@ -203,7 +203,17 @@ class Drafter:
         return fmt(messages=messages).prompt
 
     def detokenize(self, ids: list[int], skip: set[int] | frozenset = frozenset()) -> str:
-        return self.llm.detokenize([t for t in ids if t not in skip], special=True).decode("utf-8", "replace")
+        ids = [t for t in ids if t not in skip]
+        self.check_ids(ids, "detokenize")
+        return self.llm.detokenize(ids, special=True).decode("utf-8", "replace")
+
+    def check_ids(self, ids, what: str = "token ids") -> None:
+        """ValueError unless every id is in [0, vocab_size). Every id that reaches llama.cpp passes here
+        first: its C++ throws std::out_of_range on an id outside the vocabulary (token_to_piece), which
+        aborts the whole process (the robot's e-stop with it), whatever sent the id."""
+        if len(ids) and (min(ids) < 0 or max(ids) >= self.vocab_size):
+            bad = next(t for t in ids if not 0 <= t < self.vocab_size)
+            raise ValueError(f"{what}: token id {bad} is outside the draft's vocabulary of {self.vocab_size}")
 
     # ------------------------------------------------------------------ images
 
@@ -324,6 +334,7 @@ class Drafter:
         up to 0.5 apart between a prompt's last row and the same token alone), so this
         keeps the draft, and a seeded generation, the same whatever the KV held before.
         """
+        self.check_ids(committed, "the committed ids")
         kv = self.expand(committed)
         if len(kv) >= self.llm.n_ctx():
             raise DraftContextFull(f"{len(kv)} positions do not fit the draft context of {self.llm.n_ctx()}")

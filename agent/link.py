@@ -60,6 +60,14 @@ class LinkLost(ConnectionError):
         self.restart = restart  # the server closed on purpose (draining): reconnect now, no backoff
 
 
+class ProtocolViolation(LinkLost):
+    """A verifier reply that breaks the protocol or what the handshake agreed: a token id outside the
+    vocabulary, more accepted tokens than were drafted, a round that was not asked, an unusable residual
+    (agent/replies.py checks them). The robot trusts nothing it receives: such a reply is dropped with its
+    link, uncommitted, and the decoder goes on as for a lost link (reconnect, re-open with the committed
+    prefix; in the end the robot's offline mode)."""
+
+
 def default_robot_id() -> str:
     """A stable id for this machine: a hash of systemd's machine-id (the same across reboots and
     reinstalls of the agent, and not the id itself, which is meant to stay private), else of the
@@ -203,7 +211,16 @@ class VerifierLink:
         )
         reply = self.recv()
         if not isinstance(reply, wire.Welcome):
-            raise LinkLost(f"expected welcome, got {reply.TYPE}")
+            raise ProtocolViolation(f"expected welcome, got {reply.TYPE}")
+        if reply.vocab_size != self.vocab_size or reply.vocab_hash != self.vocab_hash:
+            # the server refuses a draft of another vocabulary; one that welcomes it anyway is not agreeing
+            raise ProtocolViolation(
+                f"the verifier welcomed a vocabulary of {reply.vocab_size} tokens (hash {reply.vocab_hash[:12]}), "
+                f"the draft's has {self.vocab_size} (hash {self.vocab_hash[:12]})"
+            )
+        bad = next((t for t in reply.eos_ids if t >= self.vocab_size), None)
+        if bad is not None:
+            raise ProtocolViolation(f"welcome names stop id {bad}, outside the vocabulary of {self.vocab_size}")
         self.welcome = reply
         return reply
 
@@ -258,9 +275,11 @@ class VerifierLink:
     def request(self, msg: wire.Message, timeout_s: float | None = None) -> tuple[wire.Message, float]:
         """Send and wait for the reply to it; returns the reply with the round-trip time in ms."""
         t0 = time.perf_counter()
+        # one deadline for the reply, however many late hints come first (a flood of them cannot stall it)
+        deadline = time.monotonic() + (self.recv_timeout_s if timeout_s is None else timeout_s)
         self.send(msg)
         while True:
-            reply = self.recv(sid=getattr(msg, "sid", None), timeout_s=timeout_s)
+            reply = self.recv(sid=getattr(msg, "sid", None), timeout_s=max(0.0, deadline - time.monotonic()))
             if not isinstance(reply, wire.Exit):  # a late early-exit hint: no use outside FSD's loop
                 break
             self.stale += 1

@@ -215,6 +215,7 @@ class PreDrafter:
                 or r.wanted is not None
                 or not key
                 or len(key) > len(r.draft.ids) + 1
+                or not all(0 <= t < self.branches.vocab_size for t in key)  # the decoder checks; so does this
                 or list(key[:-1]) != r.draft.ids[: len(key) - 1]
             ):
                 self.stats.exits_ignored += 1

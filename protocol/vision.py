@@ -4,6 +4,7 @@
     n = vision.positions(image)                          # KV positions the image's one marker expands to
     vision.eval(ctx, seq_id, n_past, image, n_batch)     # writes them at n_past..n_past+n-1 of seq_id
     image = vision.resolve(image)                        # its bytes from the cache when only the sha256 came
+    vision.prepare(image)                                # decode and tile now, in this thread (not the model's)
 
 A prompt holds one image marker token per image (protocol/images.py); libmtmd expands one marker to
 the model's whole layout for that image. For SmolVLM (Idefics3) that is more than the image
@@ -17,6 +18,15 @@ Tokenizing an image (decoding the JPEG, resizing, cutting tiles) is kept for the
 by sha256, with the image's bytes, so an image sent once is known by its hash after (a re-open sends
 only the hash); the vision tower itself runs on every `eval`.
 
+Untrusted bytes: the header's width and height are checked against protocol/images.py's limits before
+libmtmd sees the bytes, a PNG's image data must inflate to no more than that header implies (stb_image
+inflates all there is), and the bitmap it decodes must have the size the header declared. libmtmd hands
+bytes stb_image cannot decode to ffmpeg (as a video) where its build has video support: it is pointed at a
+directory with no ffmpeg, so it never does. The server decodes and tiles an open's images with `prepare`
+in a thread of its own, before the open reaches the model thread, which then finds them READY and only
+evaluates them (libmtmd documents mtmd_tokenize and the bitmap helper as thread-safe on a shared context);
+anything else (`positions`, `eval`, the cache) belongs to one thread, the model's.
+
 One thread by default: libmtmd with two threads on a busy two-core machine took 4.8 s for what one
 thread does in 7 ms (the threads spin against the model's own).
 """
@@ -25,13 +35,17 @@ from __future__ import annotations
 
 import ctypes
 import struct
+import threading
 from collections import OrderedDict
 from dataclasses import replace
 from pathlib import Path
 
-from .images import PromptImage
+from .images import ImageError, PromptImage, check_header, check_png_data
 
 CACHED = 8  # tokenized images kept by sha256 (their preprocessed tiles, their bytes)
+READY = 8  # images tokenized ahead by `prepare`, not yet taken by the model thread (beyond: the oldest is dropped,
+# and tokenized again when its open runs)
+NO_FFMPEG = b"/dev/null"  # where libmtmd looks for ffmpeg for bytes stb_image cannot decode: nothing is found there
 MARKERS = ("<image>",)  # the image marker tokens this reads (SmolVLM's); one id per image
 PROJECTION_IS_TEXT_WIDTH = {"idefics3"}  # projector types whose clip.vision.projection_dim is the text width
 
@@ -64,6 +78,8 @@ class MtmdVision:
         self.path = Path(mmproj_path)
         self.mctx = None
         self._cache: OrderedDict[str, tuple[object, int, bytes]] = OrderedDict()  # sha256 -> (chunks, positions, bytes)
+        self._ready: OrderedDict[str, tuple[object, int, bytes]] = OrderedDict()  # the same, made by `prepare`
+        self._ready_lock = threading.Lock()
         check_mmproj(self.path, int(L.llama_model_n_embd(llama_model)))
         _quiet(mtmd)
         params = mtmd.mtmd_context_params_default()
@@ -100,6 +116,25 @@ class MtmdVision:
             return image
         return replace(image, data=self._tokenized(image)[2])
 
+    def prepare(self, image: PromptImage) -> None:
+        """Decode and tile the image now, in the calling thread, so that the model thread finds it ready.
+
+        Thread-safe; raises ValueError for bytes that are no image (ImageError for an image over the limits,
+        before anything is decoded). An image that came as its hash alone is left to the model thread."""
+        if image.data is None or image.sha256 in self._cache:
+            return
+        with self._ready_lock:
+            if image.sha256 in self._ready:
+                return
+        entry = self._entry(image)
+        with self._ready_lock:
+            if image.sha256 in self._ready:  # made meanwhile by another thread
+                self.mtmd.mtmd_input_chunks_free(entry[0])
+                return
+            self._ready[image.sha256] = entry
+            while len(self._ready) > READY:
+                self.mtmd.mtmd_input_chunks_free(self._ready.popitem(last=False)[1][0])
+
     def eval(self, ctx, seq_id: int, n_past: int, image: PromptImage, n_batch: int, logits_last: bool = False) -> int:
         """Encode the image and decode its positions into seq_id at n_past, n_past + 1, ...; the positions used.
 
@@ -127,26 +162,44 @@ class MtmdVision:
         if hit is not None:
             self._cache.move_to_end(image.sha256)
             return hit
-        if image.data is None:
-            raise UnknownImage(
-                f"image {image.sha256[:12]} came as its sha256 alone and is not cached: send its bytes again"
-            )
-        chunks = self._tokenize(image)
-        entry = (chunks, int(self.mtmd.mtmd_helper_get_n_pos(chunks)), bytes(image.data))
+        with self._ready_lock:
+            entry = self._ready.pop(image.sha256, None)
+        if entry is None:
+            if image.data is None:
+                raise UnknownImage(
+                    f"image {image.sha256[:12]} came as its sha256 alone and is not cached: send its bytes again"
+                )
+            entry = self._entry(image)  # not prepared ahead (a direct caller), or dropped from READY
         self._cache[image.sha256] = entry
         while len(self._cache) > CACHED:
             self.mtmd.mtmd_input_chunks_free(self._cache.popitem(last=False)[1][0])
         return entry
 
+    def _entry(self, image: PromptImage) -> tuple[object, int, bytes]:
+        chunks = self._tokenize(image)
+        return chunks, int(self.mtmd.mtmd_helper_get_n_pos(chunks)), bytes(image.data)
+
     def _tokenize(self, image: PromptImage):
         mtmd = self.mtmd
         data = bytes(image.data)
+        width, height = check_header(data)  # ImageError (a ValueError) over the limits: nothing is decoded
+        if image.format == "png":
+            check_png_data(data)  # stb inflates all the image data there is, whatever the header says
         buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
-        bitmap = mtmd.mtmd_helper_bitmap_init_from_buf(self.mctx, buf, len(data), False)
+        opt = mtmd.mtmd_helper_init_opt_default()
+        opt.video_params.ffmpeg_bin_dir = NO_FFMPEG  # never a video (ffmpeg) for bytes that are no image
+        bitmap = mtmd.mtmd_helper_bitmap_init_from_buf(self.mctx, buf, len(data), False, opt)
         if not bitmap:
             raise ValueError(
                 f"image {image.sha256[:12]} ({len(data)} bytes, {image.format or 'neither JPEG nor PNG'}) "
                 "could not be decoded: corrupt or truncated bytes?"
+            )
+        size = (mtmd.mtmd_bitmap_get_nx(bitmap), mtmd.mtmd_bitmap_get_ny(bitmap))
+        if size != (width, height):
+            mtmd.mtmd_bitmap_free(bitmap)
+            raise ImageError(
+                f"image {image.sha256[:12]} decoded to {size[0]} x {size[1]} pixels, its header says "
+                f"{width} x {height}: refused"
             )
         chunks = mtmd.mtmd_input_chunks_init()
         try:
@@ -165,6 +218,9 @@ class MtmdVision:
     def close(self) -> None:
         while self._cache:
             self.mtmd.mtmd_input_chunks_free(self._cache.popitem()[1][0])
+        with self._ready_lock:
+            while self._ready:
+                self.mtmd.mtmd_input_chunks_free(self._ready.popitem()[1][0])
         if self.mctx:
             self.mtmd.mtmd_free(self.mctx)
             self.mctx = None

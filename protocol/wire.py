@@ -9,7 +9,10 @@ same way. Arrays travel as {"dtype", "shape", "data"} with raw little-endian
 bytes, or inside packed messages as bare bytes whose shape the message
 implies; nothing is ever pickled. `decode()` checks the frame size, the version, the
 type and every field, and raises `WireError` with a code the server sends
-back in an `error` message.
+back in an `error` message. Nothing a peer sends reaches numpy unbounded (an
+array's shape is checked against its bytes and the frame first), and an error
+repeats no more of a bad value than MAX_SHOWN characters and never a sid its
+own decoder would refuse: the `error` is always a message its receiver reads.
 
 Where a message is decoded: `decode()`. Where it is built: the dataclasses
 below, each with `to_wire()` and a `make_dummy()` for tests.
@@ -17,7 +20,9 @@ below, each with `to_wire()` and a `make_dummy()` for tests.
 
 from __future__ import annotations
 
+import logging
 import math
+import reprlib
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
@@ -26,6 +31,7 @@ import numpy as np
 
 from . import images as image_wire
 
+log = logging.getLogger(__name__)
 PROTOCOL_VERSION = 1
 DEFAULT_MAX_FRAME_BYTES = 4 * 2**20  # a full fp16 q for 16 positions is ~1.5 MiB
 _ARRAY_DTYPES = {"<f2": np.float16, "<f4": np.float32, "<i4": np.int32}
@@ -33,6 +39,9 @@ MAX_ID_LIST = 1 << 16  # longest token-id list any message may carry
 MAX_STR = 4096
 MAX_GBNF_CHARS = 16 * 1024  # a grammar's GBNF text (protocol/grammar.py)
 MAX_CANDIDATES = 64  # candidate ids per draft position for early exits
+MAX_SECRET = 64  # a session's resume secret (the server mints 22 characters)
+MAX_ARRAY_NDIM = 2  # the wire's arrays are at most [k, K] (Verify.cands)
+MAX_SHOWN = 64  # characters of a received value an error message repeats
 
 
 class WireError(ValueError):
@@ -57,21 +66,31 @@ def encode_array(a: np.ndarray) -> dict:
 
 
 def decode_array(obj: Any, name: str, max_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> np.ndarray:
+    """{"dtype", "shape", "data"} -> the array; WireError bad_field for anything numpy should not be shown.
+
+    The shape is bounded before numpy sees it: 1..MAX_ARRAY_NDIM dims, each in [0, max_bytes // itemsize],
+    the product of the non-zero ones too (numpy refuses an empty array whose other dims overflow), and the
+    whole must be exactly the data's length."""
     if not isinstance(obj, dict) or set(obj) != {"dtype", "shape", "data"}:
         raise WireError("bad_field", f"{name} must be an array map with dtype, shape and data")
     dtype, shape, data = obj["dtype"], obj["shape"], obj["data"]
-    if dtype not in _ARRAY_DTYPES:
-        raise WireError("bad_field", f"{name}.dtype {dtype!r} is not one of {sorted(_ARRAY_DTYPES)}")
+    if not isinstance(dtype, str) or dtype not in _ARRAY_DTYPES:
+        raise WireError("bad_field", f"{name}.dtype {_show(dtype)} is not one of {sorted(_ARRAY_DTYPES)}")
+    itemsize = np.dtype(dtype).itemsize
+    most = max_bytes // itemsize  # elements that fit in the frame
     if (
         not isinstance(shape, list)
-        or not 1 <= len(shape) <= 4
-        or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d for d in shape)
+        or not 1 <= len(shape) <= MAX_ARRAY_NDIM
+        or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= most for d in shape)
+        or math.prod(max(d, 1) for d in shape) > most
     ):
-        raise WireError("bad_field", f"{name}.shape must be a list of 1-4 non-negative ints")
+        raise WireError(
+            "bad_field", f"{name}.shape must be a list of 1-{MAX_ARRAY_NDIM} non-negative ints within the frame"
+        )
     if not isinstance(data, bytes):
         raise WireError("bad_field", f"{name}.data must be bytes")
-    want = math.prod(shape) * np.dtype(dtype).itemsize
-    if want != len(data) or want > max_bytes:
+    want = math.prod(shape) * itemsize
+    if want != len(data):
         raise WireError("bad_field", f"{name}: shape {shape} of {dtype} needs {want} bytes, got {len(data)}")
     return np.frombuffer(data, dtype=dtype).reshape(shape)
 
@@ -79,15 +98,28 @@ def decode_array(obj: Any, name: str, max_bytes: int = DEFAULT_MAX_FRAME_BYTES) 
 # --------------------------------------------------------------------------- field checks
 
 
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxlist, _REPR.maxdict, _REPR.maxstring, _REPR.maxother = 2, 4, 4, MAX_SHOWN, MAX_SHOWN
+
+
+def _show(v: Any) -> str:
+    """A received value as an error message repeats it: at most MAX_SHOWN characters of its repr (a field can
+    be a MiB of bytes, and the error must stay a message its own decoder accepts)."""
+    if isinstance(v, (bytes, bytearray)) and len(v) > MAX_SHOWN // 4:
+        return f"<{len(v)} bytes>"
+    shown = _REPR.repr(v)
+    return shown if len(shown) <= MAX_SHOWN else shown[: MAX_SHOWN - 3] + "..."
+
+
 def _int(v: Any, name: str, lo: int = 0, hi: int = 2**31 - 1) -> int:
     if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
-        raise WireError("bad_field", f"{name} must be an int in [{lo}, {hi}], got {v!r}")
+        raise WireError("bad_field", f"{name} must be an int in [{lo}, {hi}], got {_show(v)}")
     return v
 
 
 def _float(v: Any, name: str, lo: float, hi: float) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not lo <= v <= hi:
-        raise WireError("bad_field", f"{name} must be a finite number in [{lo}, {hi}], got {v!r}")
+        raise WireError("bad_field", f"{name} must be a finite number in [{lo}, {hi}], got {_show(v)}")
     return float(v)
 
 
@@ -102,7 +134,7 @@ def _ids(v: Any, name: str, max_len: int = MAX_ID_LIST) -> list[int]:
         raise WireError("bad_field", f"{name} must be a list of at most {max_len} token ids")
     for t in v:
         if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < 2**31:
-            raise WireError("bad_field", f"{name} must hold non-negative int token ids, found {t!r}")
+            raise WireError("bad_field", f"{name} must hold non-negative int token ids, found {_show(t)}")
     return v
 
 
@@ -112,11 +144,27 @@ def _map(v: Any, name: str) -> dict:
     return v
 
 
+def _timing(v: Any, name: str) -> dict:
+    """A timing map (ms, counts): string keys, finite numbers only (the robot adds them up)."""
+    timing = _map(v, name)
+    for key, value in timing.items():
+        _float(value, f"{name}.{key[:MAX_SHOWN]}", -math.inf, math.inf)
+    return timing
+
+
 def _sid(v: Any) -> str:
     sid = _str(v, "sid", 64)
     if not sid or not all(c.isalnum() or c in "-_." for c in sid):
-        raise WireError("bad_field", "sid must be 1-64 characters of [A-Za-z0-9-_.]")
+        raise WireError("bad_field", "sid must be 1-64 characters of [A-Za-z0-9-_.]")  # never echoed: it is bad
     return sid
+
+
+def _valid_sid(v: Any) -> str | None:
+    """v if `_sid` accepts it, else None: what an error may name as its session."""
+    try:
+        return _sid(v)
+    except WireError:
+        return None
 
 
 # --------------------------------------------------------------------------- messages
@@ -181,6 +229,12 @@ class Welcome(Message):
         limits = _map(d.get("limits"), "limits")
         for k in ("max_frame_bytes", "max_draft_len", "max_context"):
             _int(limits.get(k), f"limits.{k}", 1)
+        if limits.get("images") is not None:  # a vision target: its marker and the image bounds it takes
+            offered = _map(limits["images"], "limits.images")
+            _int(offered.get("marker"), "limits.images.marker")
+            for k in ("max_images", "max_bytes", "max_side", "max_pixels"):
+                if k in offered or k in ("max_images", "max_bytes"):  # older servers do not send the other two
+                    _int(offered.get(k), f"limits.images.{k}", 1)
         engine = _map(d.get("engine", {}), "engine")
         return cls(
             _str(d.get("target"), "target"),
@@ -213,12 +267,22 @@ class Error(Message):
     message: str  # for a human reading the robot's log
     sid: str | None = None  # the session it concerns, if any
 
+    def to_wire(self) -> dict:
+        # never echo what this message's own decoder would refuse: a bad sid goes as none, a long text is cut
+        d = super().to_wire()
+        d.update(code=str(self.code)[:64], message=str(self.message)[:MAX_STR], sid=_valid_sid(self.sid))
+        return d
+
     @classmethod
     def from_wire(cls, d):
         sid = d.get("sid")
         return cls(
             _str(d.get("code"), "code", 64), _str(d.get("message"), "message"), None if sid is None else _sid(sid)
         )
+
+    @classmethod
+    def make_dummy(cls):
+        return cls("bad_field", "round must be an int in [0, 2147483647], got -1", "s1")
 
 
 @dataclass
@@ -237,6 +301,9 @@ class Open(Message):
     grammar: dict | None = None
     # the prompt's images (protocol/images.py): one per image marker in prompt_ids; [] for a text prompt
     images: list = field(default_factory=list)
+    # the session's resume secret from its last `opened`: lets another connection (the robot back on a new
+    # link while the old one still looks open) take the session over; "" = none (left off the wire)
+    resume: str = ""
 
     def to_wire(self) -> dict:
         d = super().to_wire()
@@ -244,6 +311,8 @@ class Open(Message):
             d["images"] = [im.to_wire() for im in self.images]
         else:
             del d["images"]  # a text prompt's open is what it was before images
+        if not self.resume:
+            del d["resume"]  # an open without one is what it was before resume secrets
         return d
 
     @classmethod
@@ -274,11 +343,12 @@ class Open(Message):
             images = image_wire.from_wire(d.get("images"), len(ids))
         except image_wire.ImageError as e:
             raise WireError("bad_image", str(e), sid) from None
-        return cls(sid, ids, sampling, _map(d.get("slo", {}), "slo"), exits, payload, grammar, images)
+        resume = _str(d.get("resume", ""), "resume", MAX_SECRET)
+        return cls(sid, ids, sampling, _map(d.get("slo", {}), "slo"), exits, payload, grammar, images, resume)
 
     @classmethod
     def make_dummy(cls):
-        return cls("s1", [1, 2, 3], {"temperature": 0.0, "top_k": 0, "seed": 0})
+        return cls("s1", [1, 2, 3], {"temperature": 0.0, "top_k": 0, "seed": 0}, resume="x" * 22)
 
 
 @dataclass
@@ -288,15 +358,23 @@ class Opened(Message):
     n_committed: int  # the server's committed length (== len(prompt_ids))
     timing: dict  # prefill_ms, passes
     replica: str = ""  # the replica that holds the session now ("" from older servers)
+    resume: str = ""  # the session's resume secret: send it as Open.resume to take the session over from
+    # another connection that is still open (minted at its first open, kept while its robot re-opens it;
+    # "" from older servers)
 
     @classmethod
     def from_wire(cls, d):
         return cls(
             _sid(d.get("sid")),
             _int(d.get("n_committed"), "n_committed"),
-            _map(d.get("timing"), "timing"),
+            _timing(d.get("timing"), "timing"),
             _str(d.get("replica", ""), "replica", 64),
+            _str(d.get("resume", ""), "resume", MAX_SECRET),
         )
+
+    @classmethod
+    def make_dummy(cls):
+        return cls("s1", 3, {"prefill_ms": 1.0, "passes": 1}, "replica-0", "x" * 22)
 
 
 @dataclass
@@ -394,7 +472,7 @@ def _q_from_wire(v: Any, k: int) -> dict:
         raise WireError("bad_field", "q must be a list [kind, payload bytes...]")
     kind, parts = v[0], v[1:]
     if kind not in Q_KINDS:
-        raise WireError("unsupported", f"q kind {kind!r} is not one of {', '.join(Q_KINDS)}")
+        raise WireError("unsupported", f"q kind {_show(kind)} is not one of {', '.join(Q_KINDS)}")
     want = {"none": 0, "full": 1, "topk": 2, "split": 1}[kind]
     if len(parts) != want or not all(isinstance(b, bytes) for b in parts):
         raise WireError("bad_field", f"q of kind {kind} carries {want} byte string(s)")
@@ -512,6 +590,10 @@ class Result(Message):
             ids = np.frombuffer(residual[1], "<i4") if len(residual) == 2 else None
             if ids is not None and len(ids) != len(logits):
                 raise WireError("bad_field", "residual ids and logits differ in length")
+            if np.isnan(logits).any() or np.isposinf(logits).any() or not np.isfinite(logits).any():
+                raise WireError("bad_field", "residual logits must be finite or -inf, at least one finite")
+            if ids is not None and ids.size and ids.min() < 0:
+                raise WireError("bad_field", "residual ids hold a negative token id")
             if token != -1:
                 raise WireError("bad_field", "a result with a residual has token -1")
             residual = {"logits": logits, "ids": ids}
@@ -521,9 +603,13 @@ class Result(Message):
             _int(d.get("accepted"), "accepted"),
             token,
             _int(d.get("n_committed"), "n_committed"),
-            _map(d.get("timing"), "timing"),
+            _timing(d.get("timing"), "timing"),
             residual,
         )
+
+    @classmethod
+    def make_dummy(cls):
+        return cls("s1", 0, 2, 7, 6, {"verify_ms": 1.5, "passes": 1})
 
 
 @dataclass
@@ -545,6 +631,10 @@ class Ar(Message):
             _ids(d.get("stop_ids", []), "stop_ids", 64),
             None if fix is None else _int(fix, "fix"),
         )
+
+    @classmethod
+    def make_dummy(cls):
+        return cls("s1", 16, [2])
 
 
 @dataclass
@@ -571,9 +661,13 @@ class Token(Message):
             _int(d.get("seq"), "seq"),
             _int(d.get("token"), "token"),
             done,
-            _map(d.get("timing"), "timing"),
+            _timing(d.get("timing"), "timing"),
             None if p is None else _float(p, "p", 0.0, 1.0),
         )
+
+    @classmethod
+    def make_dummy(cls):
+        return cls("s1", 0, 42, False, {"verify_ms": 1.0, "passes": 1}, 0.25)
 
 
 @dataclass
@@ -584,6 +678,10 @@ class Close(Message):
     @classmethod
     def from_wire(cls, d):
         return cls(_sid(d.get("sid")))
+
+    @classmethod
+    def make_dummy(cls):
+        return cls("s1")
 
 
 MESSAGES: dict[str, type[Message]] = {
@@ -619,6 +717,8 @@ def decode(frame: Any, max_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Message:
     """One websocket frame -> a validated message; raises WireError with a code on anything else."""
     if isinstance(frame, str):
         raise WireError("bad_frame", "text frames are not accepted; send binary msgpack")
+    if not isinstance(frame, (bytes, bytearray, memoryview)):
+        raise WireError("bad_frame", f"a frame must be bytes, got {type(frame).__name__}")
     if len(frame) > max_bytes:
         raise WireError("too_large", f"frame of {len(frame)} bytes exceeds the cap of {max_bytes}")
     try:
@@ -637,19 +737,24 @@ def decode(frame: Any, max_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Message:
         d = _unpack(d)
     if not isinstance(d, dict):
         raise WireError("bad_frame", "a message must be a msgpack map or a packed array")
-    if d.get("v") != PROTOCOL_VERSION:
+    v, kind = d.get("v"), d.get("type")
+    if type(v) is not int or v != PROTOCOL_VERSION:
         raise WireError(
-            "bad_version", f"protocol version {d.get('v')!r} is not supported (this side speaks {PROTOCOL_VERSION})"
+            "bad_version", f"protocol version {_show(v)} is not supported (this side speaks {PROTOCOL_VERSION})"
         )
-    cls = MESSAGES.get(d.get("type"))  # type: ignore[arg-type]
+    cls = MESSAGES.get(kind) if isinstance(kind, str) else None
     if cls is None:
-        raise WireError("bad_type", f"unknown message type {d.get('type')!r}")
+        raise WireError("bad_type", f"unknown message type {_show(kind)}")
     try:
         return cls.from_wire(d)
     except WireError as e:
-        sid = d.get("sid")
-        e.sid = sid if isinstance(sid, str) and len(sid) <= 64 else None
+        e.sid = _valid_sid(d.get("sid"))  # an error names its session only if the sid is one
         raise
+    except Exception as e:  # a check that missed a case: still the sender's bad message, never a crash
+        log.warning("decoding a %s message failed unexpectedly", kind, exc_info=True)
+        raise WireError(
+            "bad_field", f"{kind}: a field cannot be read ({type(e).__name__})", _valid_sid(d.get("sid"))
+        ) from e
 
 
 __all__ = [m.__name__ for m in MESSAGES.values()] + [

@@ -23,6 +23,11 @@ def _layers(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated layer numbers, got {text!r}") from None
 
 
+def _cidrs(text: str) -> list[str]:
+    """'127.0.0.1/32,10.0.0.0/8' -> the list; '' -> [] (no trusted proxy)."""
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="server-bridge", description="Verify robots' drafts with the target model.")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -32,8 +37,40 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--port", type=int)
     s.add_argument(
         "--token",
-        help="shared secret robots send in hello (default: $VERIFIER_TOKEN; none means loopback clients only)",
+        help="shared secret robots send in hello, and /metrics wants as a Bearer credential (default: "
+        "$VERIFIER_TOKEN; none means loopback clients only)",
     )
+    s.add_argument(
+        "--trust-loopback",
+        action=argparse.BooleanOptionalAction,
+        help="loopback clients need no token (default: only when no token is set; with a token, everyone, "
+        "loopback included, presents it)",
+    )
+    s.add_argument(
+        "--trusted-proxies",
+        type=_cidrs,
+        help="comma-separated CIDRs of proxies (HAProxy) whose X-Forwarded-For names the client, e.g. "
+        "127.0.0.1/32 for a proxy on this host (default: none, X-Forwarded-For ignored)",
+    )
+    s.add_argument(
+        "--metrics-listen",
+        help="HOST:PORT for a plain-HTTP /metrics and full /healthz without a token, e.g. 127.0.0.1:9100 "
+        "(default: off; on the main port a set token is needed as Authorization: Bearer)",
+    )
+    s.add_argument(
+        "--hello-timeout-s", type=float, help="a connection without a valid hello this long after accept is closed (5)"
+    )
+    s.add_argument(
+        "--max-unauthenticated",
+        type=int,
+        help="connections before hello over all peers; a newcomer beyond it evicts the oldest (64)",
+    )
+    s.add_argument(
+        "--max-unauthenticated-per-address",
+        type=int,
+        help="connections before hello from one client address; beyond it a newcomer is closed at once (8)",
+    )
+    s.add_argument("--log-lines-per-10s", type=int, help="log lines per connection in 10 s, then one summary (20)")
     s.add_argument("--tls-cert", help="PEM certificate (chain): serve wss:// (robots: link.ca_file = its CA)")
     s.add_argument("--tls-key", help="PEM private key of --tls-cert")
     s.add_argument("--target", help="target name (smollm2-f32), a GGUF file or a Hugging Face model directory")
@@ -168,6 +205,13 @@ def main(argv: list[str] | None = None) -> int:
             host=args.host,
             port=args.port,
             token=token,
+            trust_loopback=args.trust_loopback,
+            trusted_proxies=args.trusted_proxies,
+            metrics_listen=args.metrics_listen,
+            hello_timeout_s=args.hello_timeout_s,
+            max_unauthenticated=args.max_unauthenticated,
+            max_unauthenticated_per_address=args.max_unauthenticated_per_address,
+            log_lines_per_10s=args.log_lines_per_10s,
             tls_cert=args.tls_cert,
             tls_key=args.tls_key,
             target=args.target,

@@ -47,8 +47,12 @@ class ServerConfig:
     n_ubatch: int = 0  # llamacpp: tokens per micro-batch; 0 = a whole call in one (exits need it)
     flash_attn: str = "auto"  # llamacpp: flash attention auto | on | off (auto: where the backend has it)
     threads: int = 0  # engine threads; 0 = the engine's default
-    max_sessions: int = 64  # session table bound; the least recently used is evicted
+    max_sessions: int = 64  # session table bound; the least recently used idle one (detached first) is evicted
     max_sessions_per_connection: int = 8
+    max_sessions_per_client: int = 16  # sessions of one client (its address: server.client_key) over all its
+    # connections; beyond it its own least recently used idle one is evicted, or the open is refused
+    # (too_many_sessions). One credential cannot hold the table: a full server evicts the least recently used
+    # idle session (detached first) before it refuses a robot. Raise it for many robots behind one NAT
     idle_timeout_s: float = 300.0  # sessions untouched this long are evicted
     # More than one replica (deploy/haproxy, deploy/k8s, tools/cluster/fleet.py)
     replica_id: str = ""  # this replica's name in welcome, opened, /healthz and /metrics' `replica` label;
@@ -60,7 +64,28 @@ class ServerConfig:
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
     max_draft_len: int = 16
     max_context: int = 2048  # prompt + generated tokens per session
-    max_connections: int = 256
+    max_connections: int = 256  # authenticated connections: a connection counts from its hello on
+    # Peers before hello (DESIGN.md, Trust; server_bridge/peers.py). A connection is unauthenticated from
+    # its TCP accept until its hello passes; any error before then closes it (1008).
+    hello_timeout_s: float = 5.0  # hello must have passed this long after the TCP accept, or the connection is
+    # closed (1008); a TLS handshake gets as long again before that
+    max_unauthenticated: int = 64  # unauthenticated connections over all peers; a newcomer beyond it evicts the
+    # oldest (silent connections age out instead of locking robots out)
+    max_unauthenticated_per_address: int = 8  # of those, from one client address (an IPv6 /64); beyond it a
+    # newcomer is closed at once (HTTP 429 behind a trusted proxy). Raise it for many robots behind one NAT
+    trust_loopback: bool | None = None  # loopback clients need no token and skip the two caps above. None =
+    # true without a token (a tokenless server serves this host only), false with one: then everyone,
+    # loopback and a same-host proxy's clients included, presents it. A request that carries a forwarding
+    # header (X-Forwarded-For, Forwarded, X-Real-IP) from a peer outside trusted_proxies is never loopback
+    trusted_proxies: list[str] = field(default_factory=list)  # CIDRs of proxies (HAProxy) whose X-Forwarded-For
+    # names the client: its address then decides the loopback rule, the per-address cap and the logs.
+    # [] = every peer is its own client (X-Forwarded-For ignored)
+    metrics_listen: str = ""  # "HOST:PORT": also serve /metrics and the full /healthz there, plain HTTP, no
+    # token (bind it to a private interface; "" = off). On the main port, with a token set, /metrics and the
+    # full /healthz need `Authorization: Bearer <token>`; without it /healthz answers only
+    # {"status": "ok"|"draining"} (200/503: balancer checks and Kubernetes probes) and /metrics 401
+    log_lines_per_10s: int = 20  # log lines per connection (and for all unauthenticated peers together) in
+    # 10 s; the rest are counted (bridge_log_lines_suppressed_total) and reported in one line
     # Early exits (FSD): verdicts from adapters inside the target, streamed before each result.
     exits: str = "auto"  # adapters' path prefix; "auto" = models/exits/<target> if trained, "" = off
     exit_layers: list[int] = field(default_factory=list)  # the exits to load; [] = every trained one
@@ -95,6 +120,41 @@ class ServerConfig:
     def kv_budget(self) -> int:
         return self.kv_tokens or min(self.max_sessions * self.max_context, AUTO_KV_TOKENS)
 
+    @property
+    def loopback_trusted(self) -> bool:
+        """trust_loopback, resolved: by default only a tokenless server trusts loopback clients."""
+        return not self.token if self.trust_loopback is None else self.trust_loopback
+
+    @property
+    def metrics_address(self) -> tuple[str, int] | None:
+        """metrics_listen as (host, port), None when off."""
+        if not self.metrics_listen:
+            return None
+        host, _, port = self.metrics_listen.rpartition(":")
+        return host.strip("[]"), int(port)
+
+    def _check_peers(self) -> None:
+        from .peers import parse_networks
+
+        if not isinstance(self.hello_timeout_s, (int, float)) or not 0 < self.hello_timeout_s <= 300:
+            raise ValueError(f"hello_timeout_s must be 0-300 s (and not 0), got {self.hello_timeout_s!r}")
+        for name in ("max_unauthenticated", "max_unauthenticated_per_address", "log_lines_per_10s"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
+        if self.trust_loopback not in (None, True, False):
+            raise ValueError(f"trust_loopback must be true or false, got {self.trust_loopback!r}")
+        if not self.token and self.trust_loopback is False:
+            raise ValueError("trust_loopback = false needs a token: a server with neither would accept nobody")
+        if not isinstance(self.trusted_proxies, list):
+            raise ValueError(f"trusted_proxies must be a list of CIDRs, got {self.trusted_proxies!r}")
+        parse_networks(self.trusted_proxies)  # ValueError names the bad entry
+        if self.metrics_listen:
+            host, sep, port = self.metrics_listen.rpartition(":")
+            if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+                raise ValueError(
+                    f"metrics_listen must be HOST:PORT (e.g. 127.0.0.1:9100) or '', got {self.metrics_listen!r}"
+                )
+
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be 0-65535, got {self.port}")
@@ -103,6 +163,7 @@ class ServerConfig:
         for name in (
             "max_sessions",
             "max_sessions_per_connection",
+            "max_sessions_per_client",
             "max_frame_bytes",
             "max_draft_len",
             "max_context",
@@ -110,6 +171,7 @@ class ServerConfig:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        self._check_peers()
         if self.engine not in ENGINES:
             raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
         if self.dtype not in DTYPES:

@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from .engine_types import Engine, EngineFull, EngineInfo, Pass, Sequence, SequenceIds, check_batch
+from .engine_types import Engine, EngineFull, EngineInfo, NoRoom, Pass, Sequence, SequenceIds, check_batch
 
 __all__ = [
     "DTYPES",
@@ -36,6 +36,7 @@ __all__ = [
     "Engine",
     "EngineFull",
     "EngineInfo",
+    "NoRoom",
     "Pass",
     "Sequence",
     "SequenceIds",

@@ -33,7 +33,7 @@ from protocol import llamalog, modelfiles
 from protocol.images import PromptImage
 from protocol.vision import MARKERS, MtmdVision, marker_id
 
-from .engine_types import EngineFull, EngineInfo, Pass, Sequence, SequenceIds, check_batch, image_extra
+from .engine_types import EngineFull, EngineInfo, NoRoom, Pass, Sequence, SequenceIds, check_batch, image_extra
 
 log = logging.getLogger(__name__)
 
@@ -366,7 +366,7 @@ class LlamaCppEngine:
                     f"{self.kv_pos(p.seq, p.start) + n}"
                 )
         if self._used + sum(cells) > self.kv_capacity:
-            raise EngineFull(
+            raise NoRoom(
                 f"the pass needs {sum(cells)} KV cells, {self.kv_capacity - self._used} of {self.kv_capacity} are free"
             )
         text = [p for p in batch if not p.images]

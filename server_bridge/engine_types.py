@@ -1,6 +1,6 @@
 """The engine interface's types: what the verifier and every backend share.
 
-`Pass`, `Sequence`, `EngineInfo`, the `Engine` protocol, `EngineFull`, `SequenceIds` and
+`Pass`, `Sequence`, `EngineInfo`, the `Engine` protocol, `EngineFull` (`NoRoom`), `SequenceIds` and
 `check_batch` (server_bridge/engine.py describes the operations). The backends import this
 module, never engine.py, so engine.py's `load_engine` may import them without a cycle.
 """
@@ -17,6 +17,11 @@ import numpy as np
 
 class EngineFull(RuntimeError):
     """No room left in the engine's KV memory (or its sequence ids) for this pass."""
+
+
+class NoRoom(EngineFull):
+    """The room the sessions share (the sequence ids, a unified KV pool's cells) is all held: freeing
+    another session's sequence makes room, where a pass too long for a session's own slot never fits."""
 
 
 @dataclass
@@ -102,7 +107,7 @@ class SequenceIds:
     def take(self, on_release: Callable[[int], None]) -> int:
         self.reclaim(on_release)
         if not self.free_ids:
-            raise EngineFull(f"all {self.capacity} sequences are in use")
+            raise NoRoom(f"all {self.capacity} sequences are in use")
         return self.free_ids.pop()
 
     def release(self, seq_id: int) -> None:

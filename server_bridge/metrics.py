@@ -48,6 +48,10 @@ class ServerMetrics:
     exit_rounds: int = 0  # rounds that ran exits
     exit_layer_sum: int = 0  # over those rounds: the earliest exit that agreed with the result
     residuals_sent: int = 0  # split rejections answered with the target's p_j
+    # Peers (server_bridge/peers.py): connections closed or refused before or at hello, by reason
+    # (address_cap, evicted, hello_timeout, error_before_hello, busy, unauthorized), log lines held back
+    refused: Counter = field(default_factory=Counter)
+    log_lines_suppressed: int = 0
     # Batched verification (server_bridge/batcher.py)
     batches: int = 0  # forward passes run by the batcher
     batch_sessions: int = 0  # sessions over those passes (mean batch size = batch_sessions / batches)
@@ -109,11 +113,15 @@ class ServerMetrics:
         *,
         replica: str = "",
         draining: bool = False,
+        unauthenticated: int = 0,
     ) -> str:
         """The /metrics page: sessions needs len() and .evicted_total; engine (or None) .info, .kv_capacity
-        and .kv_used; replica labels every sample; draining is bridge_draining's 0/1."""
+        and .kv_used; replica labels every sample; draining is bridge_draining's 0/1; connections counts
+        the authenticated ones, unauthenticated those still before hello."""
         registry = CollectorRegistry()  # one per scrape, private: no global state, no duplicates
-        registry.register(_Scrape(self, sessions, connections, queue_length, engine, replica, draining))
+        registry.register(
+            _Scrape(self, sessions, connections, queue_length, engine, replica, draining, unauthenticated)
+        )
         return generate_latest(registry).decode()
 
 
@@ -129,9 +137,11 @@ class _Scrape(Collector):
         engine,
         replica: str,
         draining: bool,
+        unauthenticated: int = 0,
     ):
         self.m, self.sessions, self.connections, self.queue_length = metrics, sessions, connections, queue_length
         self.engine, self.replica, self.draining = engine, replica, draining
+        self.unauthenticated = unauthenticated
 
     def _one(self, family, value):
         family.add_metric([self.replica], value)
@@ -164,11 +174,25 @@ class _Scrape(Collector):
             "bridge_sessions_evicted_total", "sessions evicted (idle or table full)", self.sessions.evicted_total
         )
         yield self._counter("bridge_sessions_opened_total", "open and re-open requests served", m.sessions_opened)
-        yield self._gauge("bridge_connections_active", "open websocket connections", self.connections)
+        yield self._gauge("bridge_connections_active", "authenticated connections (past hello)", self.connections)
         yield self._gauge(
             "bridge_draining",
             "1 while the replica drains after SIGTERM: no new robots, rounds in flight finish",
             int(self.draining),
+        )
+        yield self._gauge(
+            "bridge_connections_unauthenticated", "connections before hello (TCP accepted)", self.unauthenticated
+        )
+        yield self._by(
+            "bridge_connections_refused_total",
+            "connections closed or refused before or at hello, by reason",
+            "reason",
+            sorted(m.refused.items()),
+        )
+        yield self._counter(
+            "bridge_log_lines_suppressed_total",
+            "log lines held back by the per-connection (and unauthenticated peers') rate limit",
+            m.log_lines_suppressed,
         )
         yield self._counter("bridge_rounds_total", "verification rounds", m.rounds)
         yield self._counter("bridge_draft_tokens_total", "draft tokens received for verification", m.drafted)

@@ -10,6 +10,15 @@ loop keeps serving meanwhile. `/healthz` and `/metrics` (Prometheus text)
 answer plain HTTP on the same port. With `tls_cert`/`tls_key` the port speaks
 TLS only (wss:// and https:// for /healthz and /metrics).
 
+Before hello a peer is a stranger (DESIGN.md, Trust; server_bridge/peers.py): it is counted from its
+TCP accept (`_Connection`), capped over all strangers and per client address, must pass hello within
+`hello_timeout_s`, and any error before then closes it (1008). Only a connection past hello counts
+toward `max_connections`. The client's address is the TCP peer's, or the X-Forwarded-For of a proxy
+in `trusted_proxies`; loopback clients skip the token only where `trust_loopback` says so (by default
+only on a tokenless server). With a token set, /metrics and the full /healthz want it as a Bearer
+credential (or are served without one on `metrics_listen`); without it /healthz says only ok or
+draining. Log lines are budgeted per connection, and for all strangers together.
+
 One of many replicas (deploy/haproxy, deploy/k8s): each names itself
 (`replica_id`) in welcome, opened, /healthz and /metrics. SIGTERM drains: /healthz
 answers 503 so the balancer sends no new robots, an upgrade that still arrives
@@ -52,13 +61,14 @@ from .config import ServerConfig
 from .estimator import VerifyTimeModel, batch_memory_bytes
 from .metrics import ServerMetrics
 from .outbox import Outbox
+from .peers import FORWARDED_HEADERS, Client, Gate, LogBudget, address_key, client_address, parse_networks, peer_ip
 from .scheduler import Scheduler, deadline
-from .sessions import Session, SessionTable
-from .verifier import Job, Verifier, exit_taps, slo_class
+from .sessions import Session, SessionTable, in_request
+from .verifier import Job, OpenNeedsRoom, Verifier, exit_taps, slo_class
 
 log = logging.getLogger(__name__)
 
-# Errors after which the connection is closed: the peer is not someone we verify for.
+# Errors after which an authenticated connection is closed too (before hello, every error closes it).
 FATAL = {"bad_token", "vocab_mismatch", "bad_version", "not_authenticated"}
 
 
@@ -67,6 +77,43 @@ def is_loopback(remote) -> bool:
         return ipaddress.ip_address(remote[0]).is_loopback
     except (TypeError, ValueError, IndexError):
         return False
+
+
+# An open that finds every engine sequence held evicts at most this many idle sessions before it is refused:
+# more would mean something besides this table holds them, and one robot must not empty the table.
+MAX_EVICTIONS_PER_OPEN = 4
+
+
+def client_key(ws: ServerConnection, loopback_trusted: bool) -> str:
+    """Whose share of the session table (max_sessions_per_client) a connection's sessions count against: its
+    client's address as process_request found it (behind a trusted proxy, the client the proxy names), an
+    IPv6 address by its /64 (one host's); "" (no share of its own) for a loopback client the config trusts:
+    this host's own tools and benchmarks."""
+    client = getattr(ws, "client", None)
+    if client is None:
+        address, loopback = peer_ip(ws.remote_address), is_loopback(ws.remote_address)
+    else:
+        address, loopback = client.address, client.loopback
+    return "" if loopback and loopback_trusted else address_key(address)
+
+
+class _Connection(ServerConnection):
+    """websockets' connection, reported to its BridgeServer when TCP opens and closes (serve's
+    `create_connection`), so a peer counts from its accept, before it has sent a byte."""
+
+    bridge: BridgeServer
+    accepted_at: float = 0.0  # time.monotonic() of the TCP accept (after TLS): hello's deadline counts from it
+    exempt: bool = False  # a trusted loopback peer: not in the strangers' table
+    client: Client | None = None  # who it is, from its request (process_request)
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self.accepted_at = time.monotonic()
+        self.bridge._accepted(self)
+
+    def connection_lost(self, exc) -> None:
+        super().connection_lost(exc)
+        self.bridge.gate.release(self)
 
 
 def tls_context(config: ServerConfig) -> ssl.SSLContext | None:
@@ -83,10 +130,16 @@ class BridgeServer:
         self.verifier = verifier
         self.config = config
         self.sessions = SessionTable(
-            config.max_sessions, config.max_sessions_per_connection, config.idle_timeout_s, config.detached_grace_s
+            config.max_sessions,
+            config.max_sessions_per_connection,
+            config.idle_timeout_s,
+            config.detached_grace_s,
+            max_per_client=config.max_sessions_per_client,
+            on_release=self._release_sessions,
         )
         self.metrics = ServerMetrics()
         self.model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="target")
+        self.image_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="images")  # opens' images, decoded
         target = verifier.target
         self.scheduler = Scheduler(
             config.scheduler,
@@ -108,6 +161,11 @@ class BridgeServer:
         self._busy: set[int] = set()  # connections serving a request now
         self._server = None
         self.port: int | None = None
+        self.gate = Gate(config.max_unauthenticated, config.max_unauthenticated_per_address)  # before hello
+        self._proxies = parse_networks(config.trusted_proxies)
+        self._strangers_log = LogBudget(config.log_lines_per_10s, name="unauthenticated peers")
+        self._metrics_server = None
+        self.metrics_port: int | None = None  # metrics_listen's port, once started
         self.replica_id = config.replica_id  # "" until start() knows the port
         self.draining = False
 
@@ -127,8 +185,24 @@ class BridgeServer:
             compression=None,
             ping_interval=10,
             ping_timeout=10,
+            # the TLS handshake (ssl_handshake_timeout defaults to it) and the HTTP upgrade: a peer that
+            # sends nothing is gone after this; hello's own deadline then counts from the accept
+            open_timeout=self.config.hello_timeout_s,
+            create_connection=self._new_connection,
         )
         self.port = self._server.sockets[0].getsockname()[1]
+        if self.config.metrics_address is not None:
+            host, port = self.config.metrics_address
+            self._metrics_server = await serve(
+                _no_websocket,
+                host,
+                port,
+                process_request=self._process_metrics_request,
+                compression=None,
+                open_timeout=self.config.hello_timeout_s,
+            )
+            self.metrics_port = self._metrics_server.sockets[0].getsockname()[1]
+            log.info("/metrics and /healthz also on http://%s:%d, without a token", host, self.metrics_port)
         self.replica_id = self.config.replica_id or f"{socket.gethostname()}:{self.port}"
         self._janitor = asyncio.create_task(self._evict_idle_forever(), name="session-janitor")
         self.batcher.start()
@@ -147,13 +221,31 @@ class BridgeServer:
             self.scheduler.max_batch,
             "fitted" if model.fitted else "defaults (run tools/train/profile_verifier.py)",
         )
+        log.info(
+            "peers: loopback clients %s; client addresses from X-Forwarded-For of %s; hello within %gs; at most "
+            "%d unauthenticated connections, %d per address",
+            "need no token" if self.config.loopback_trusted else "present the token like everyone",
+            ", ".join(self.config.trusted_proxies) or "no proxy",
+            self.config.hello_timeout_s,
+            self.config.max_unauthenticated,
+            self.config.max_unauthenticated_per_address,
+        )
 
     async def stop(self) -> None:
         self._janitor.cancel()
         await self.batcher.stop()
+        if self._metrics_server is not None:
+            self._metrics_server.close()
+            await self._metrics_server.wait_closed()
         self._server.close()
         await self._server.wait_closed()
+        if self.sessions.clear():  # their sequences go back to the engine (a target outlives its server)
+            try:  # the model thread frees them after the pass in flight; this waits for that
+                await asyncio.wait_for(self._in_model_thread(lambda: None), 10)
+            except (asyncio.TimeoutError, RuntimeError):
+                log.warning("stopping with sessions' sequences not yet freed (a pass is still running)")
         self.model_thread.shutdown(wait=False, cancel_futures=True)
+        self.image_thread.shutdown(wait=False, cancel_futures=True)
 
     async def serve_forever(self) -> None:
         """Serve until SIGTERM (drain, then stop) or SIGINT (stop at once)."""
@@ -206,54 +298,179 @@ class BridgeServer:
             await asyncio.sleep(min(5.0, self.config.idle_timeout_s / 4, max(0.25, self.config.detached_grace_s / 4)))
             self.sessions.evict_idle()
 
+    # ------------------------------------------------------------------ peers
+
+    def _new_connection(self, *args, **kwargs) -> _Connection:
+        """serve's create_connection: websockets' connection, told who its server is."""
+        conn = _Connection(*args, **kwargs)
+        conn.bridge = self
+        return conn
+
+    def _from_proxy(self, remote) -> bool:
+        return client_address(peer_ip(remote), [], False, self._proxies).via_proxy
+
+    def _accepted(self, conn: _Connection) -> None:
+        """A TCP connection (TLS done): a stranger until its hello passes, capped now by its address. A trusted
+        proxy's is capped by its client's once its request names it (process_request); a loopback peer's where
+        loopback is trusted is not counted at all, unless its request turns out forwarded by a proxy nobody
+        declared (then it is counted from there)."""
+        remote = conn.remote_address
+        proxy = self._from_proxy(remote)
+        if self.config.loopback_trusted and is_loopback(remote) and not proxy:
+            conn.exempt = True
+            return
+        self._admit(conn, None if proxy else peer_ip(remote))
+
+    def _admit(self, conn: _Connection, address: str | None, abort: bool = True) -> bool:
+        """Into the strangers' table, the oldest out if it is full; False (counted, and the connection aborted
+        unless `abort` is False) when `address` holds its share already."""
+        admitted, evicted = self.gate.admit(conn, address)
+        for old in evicted:  # the oldest strangers make room: silent connections age out
+            self.metrics.refused["evicted"] += 1
+            self._log_stranger(
+                logging.INFO,
+                "%s: evicted before hello (%d unauthenticated connections)",
+                peer_ip(old.remote_address),
+                self.config.max_unauthenticated,
+            )
+            old.transport.abort()
+        if not admitted:
+            self.metrics.refused["address_cap"] += 1
+            self._log_stranger(
+                logging.INFO,
+                "%s: refused: %d unauthenticated connections from this address already",
+                address,
+                self.config.max_unauthenticated_per_address,
+            )
+            if abort:
+                conn.transport.abort()
+        return admitted
+
+    def _client(self, connection, request) -> Client:
+        """Who sent `request`: the TCP peer, or the client a trusted proxy names in X-Forwarded-For."""
+        headers = getattr(request, "headers", None)
+        forwarded = headers.get_all("X-Forwarded-For") if headers is not None else []
+        proxied = headers is not None and any(h in headers for h in FORWARDED_HEADERS)
+        return client_address(peer_ip(connection.remote_address), forwarded, proxied, self._proxies)
+
+    def _bearer_ok(self, request) -> bool:
+        """The request carries `Authorization: Bearer <token>` with this server's token."""
+        headers = getattr(request, "headers", None)
+        values = headers.get_all("Authorization") if headers is not None and self.config.token else []
+        if len(values) != 1:
+            return False
+        scheme, _, credential = values[0].strip().partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(
+            credential.strip().encode(), self.config.token.encode()
+        )
+
+    def _log_stranger(self, level: int, fmt: str, *args, exc_info=None) -> None:
+        self._log(self._strangers_log, level, fmt, *args, exc_info=exc_info)
+
+    def _log(self, budget: LogBudget, level: int, fmt: str, *args, exc_info=None) -> None:
+        """One log line within `budget`; beyond it the line is counted, and the count logged once the window turns."""
+        ok, dropped = budget.take()
+        if dropped:
+            log.warning("%s: %d log lines suppressed in %gs", budget.name, dropped, budget.window_s)
+        if ok:
+            log.log(level, fmt, *args, exc_info=exc_info)
+        else:
+            self.metrics.log_lines_suppressed += 1
+
     # ------------------------------------------------------------------ plain HTTP
 
     def process_request(self, connection: ServerConnection, request):
         # Refused before the websocket upgrade, so the robot sees why without a half-open session.
-        if not self.config.token and not is_loopback(connection.remote_address):
+        client = self._client(connection, request)
+        connection.client = client
+        trusted = self.config.loopback_trusted and client.loopback
+        if trusted:
+            self.gate.release(connection)  # this host, and the operator trusts it: no caps
+        if not self.config.token and not trusted:
             self.metrics.errors["forbidden"] += 1
             return connection.respond(
-                HTTPStatus.FORBIDDEN, "this verifier has no token configured and accepts loopback clients only\n"
+                HTTPStatus.FORBIDDEN,
+                "this verifier has no token configured and accepts loopback clients only (a request forwarded "
+                "by a proxy outside trusted_proxies is not loopback)\n",
             )
         if request.path == "/healthz":
-            # 503 while draining: the balancer's check and Kubernetes' readiness take the replica out
-            status = HTTPStatus.SERVICE_UNAVAILABLE if self.draining else HTTPStatus.OK
-            resp = connection.respond(status, json.dumps(self.health()) + "\n")
-            del resp.headers["Content-Type"]
-            resp.headers["Content-Type"] = "application/json"
-            return resp
+            # 503 while draining: the balancer's check and Kubernetes' readiness take the replica out.
+            # Without the token (where one is set) only the status: who and what this is, is for operators.
+            return self._healthz(connection, full=trusted or self._bearer_ok(request))
         if request.path == "/metrics":
-            resp = connection.respond(
-                HTTPStatus.OK,
-                self.metrics.render(
-                    self.sessions,
-                    self._connections,
-                    len(self.scheduler),
-                    self.verifier.target.engine,
-                    replica=self.replica_id,
-                    draining=self.draining,
-                ),
-            )
-            del resp.headers["Content-Type"]  # Headers is a multidict: replace, not append
-            resp.headers["Content-Type"] = "text/plain; version=0.0.4; charset=utf-8"
-            return resp
+            if not (trusted or self._bearer_ok(request)):
+                self.metrics.errors["unauthorized"] += 1
+                resp = connection.respond(
+                    HTTPStatus.UNAUTHORIZED, "/metrics needs Authorization: Bearer <token> (or metrics_listen)\n"
+                )
+                resp.headers["WWW-Authenticate"] = 'Bearer realm="server-bridge"'
+                return resp
+            return self._metrics_page(connection)
         if self.draining:  # HAProxy's retry-on 503 sends it to another replica
             self.metrics.errors["draining"] += 1
             return connection.respond(HTTPStatus.SERVICE_UNAVAILABLE, "this replica is draining; reconnect\n")
         if self._connections >= self.config.max_connections:
             self.metrics.errors["busy"] += 1
             return connection.respond(HTTPStatus.SERVICE_UNAVAILABLE, "too many connections; retry later\n")
+        if not trusted and getattr(connection, "exempt", False):  # loopback, forwarded by an undeclared proxy
+            connection.exempt = False
+            admitted = self._admit(connection, client.address, abort=False)
+        else:
+            admitted = trusted or self.gate.identify(connection, client.address)  # behind a trusted proxy
+            if not admitted:
+                self.metrics.refused["address_cap"] += 1
+                self._log_stranger(logging.INFO, "%s: refused (429): over its share of strangers", client.address)
+        if not admitted:
+            return connection.respond(
+                HTTPStatus.TOO_MANY_REQUESTS, "too many unauthenticated connections from your address; retry later\n"
+            )
         return None  # everything else is a websocket upgrade
 
-    def health(self) -> dict:
-        """/healthz's JSON: who this replica is, what it serves and how loaded it is."""
+    def _process_metrics_request(self, connection: ServerConnection, request):
+        """metrics_listen: /healthz (in full) and /metrics without a token; never a websocket."""
+        if request.path == "/healthz":
+            return self._healthz(connection, full=True)
+        if request.path == "/metrics":
+            return self._metrics_page(connection)
+        return connection.respond(HTTPStatus.NOT_FOUND, "only /healthz and /metrics here\n")
+
+    def _healthz(self, connection: ServerConnection, full: bool):
+        status = HTTPStatus.SERVICE_UNAVAILABLE if self.draining else HTTPStatus.OK
+        resp = connection.respond(status, json.dumps(self.health(full)) + "\n")
+        del resp.headers["Content-Type"]
+        resp.headers["Content-Type"] = "application/json"
+        return resp
+
+    def _metrics_page(self, connection: ServerConnection):
+        resp = connection.respond(
+            HTTPStatus.OK,
+            self.metrics.render(
+                self.sessions,
+                self._connections,
+                len(self.scheduler),
+                self.verifier.target.engine,
+                replica=self.replica_id,
+                draining=self.draining,
+                unauthenticated=len(self.gate),
+            ),
+        )
+        del resp.headers["Content-Type"]  # Headers is a multidict: replace, not append
+        resp.headers["Content-Type"] = "text/plain; version=0.0.4; charset=utf-8"
+        return resp
+
+    def health(self, full: bool = True) -> dict:
+        """/healthz's JSON: who this replica is, what it serves and how loaded it is; only the status when not full."""
+        status = {"status": "draining" if self.draining else "ok"}
+        if not full:
+            return status
         return {
-            "status": "draining" if self.draining else "ok",
+            **status,
             "replica": self.replica_id,
             "target": self.verifier.target.name,
             **self.verifier.target.engine.info.as_dict(),
             "sessions": len(self.sessions),
             "connections": self._connections,
+            "unauthenticated": len(self.gate),
             "queue": len(self.scheduler),
             "draining": self.draining,
         }
@@ -262,29 +479,38 @@ class BridgeServer:
 
     async def handle(self, ws: ServerConnection) -> None:
         conn_id = next(self._conn_ids)
-        self._connections += 1
         self._live[conn_id] = ws
-        peer = ws.remote_address
-        robot = ws.request.headers.get("X-Robot-Id", "") if ws.request is not None else ""
+        client = getattr(ws, "client", None)
+        peer = client.address if client is not None else peer_ip(ws.remote_address)
+        robot = ws.request.headers.get_all("X-Robot-Id") if ws.request is not None else []  # get() raises on two
         if robot:
-            log.debug("conn %d %s: robot %s", conn_id, peer, robot)
+            log.debug("conn %d %s: robot %s", conn_id, peer, robot[0][:64])
+        budget = LogBudget(self.config.log_lines_per_10s, name=f"conn {conn_id} {peer}")
         outbox = Outbox(self.config.exit_queue, self.config.exit_policy)
         sender = asyncio.create_task(self._send_exits(ws, outbox), name=f"exits-{conn_id}")
+        authed = False
         try:
-            authed = False
+            if not await self._hello(ws, conn_id, peer):
+                return
+            self.gate.release(ws)
+            if self._connections >= self.config.max_connections:  # filled up since its upgrade: no welcome
+                self.metrics.refused["busy"] += 1
+                await ws.close(1013, "too many connections; retry later")  # "try again later": the robot backs off
+                return
+            authed = True  # from here on it counts toward max_connections
+            self._connections += 1
+            await self._send(ws, self._welcome())
+            if self.draining:
+                await self._close_for_drain(ws)
+                return
             async for frame in ws:
                 self.metrics.bytes_in += len(frame)
                 self._busy.add(conn_id)
                 try:
-                    msg = wire.decode(frame, self.config.max_frame_bytes)
-                    if not authed:
-                        await self._handshake(ws, msg)
-                        authed = True
-                    else:
-                        await self._dispatch(ws, conn_id, outbox, msg)
+                    await self._dispatch(ws, conn_id, outbox, self._decode(frame))
                 except wire.WireError as e:
                     self.metrics.errors[e.code] += 1
-                    log.info("conn %d %s: %s", conn_id, peer, e)
+                    self._log(budget, logging.INFO, "conn %d %s: %s", conn_id, peer, e)
                     await self._send(ws, wire.Error(e.code, e.message, e.sid))
                     if e.code in FATAL:
                         return
@@ -296,17 +522,70 @@ class BridgeServer:
         except ConnectionClosed:
             pass
         finally:
-            self._connections -= 1
+            if authed:
+                self._connections -= 1
+            self.gate.release(ws)
             self._live.pop(conn_id, None)
             self.sessions.detach(conn_id)
             outbox.close()
             sender.cancel()
             await asyncio.gather(sender, return_exceptions=True)
+            if budget.suppressed:
+                log.warning("%s: %d log lines suppressed", budget.name, budget.flush())
 
-    async def _handshake(self, ws: ServerConnection, msg: wire.Message) -> None:
+    async def _hello(self, ws: ServerConnection, conn_id: int, peer: str) -> bool:
+        """The first frame must be a valid hello, there within hello_timeout_s of the TCP accept. True once it
+        passed (the welcome is the caller's); anything else closes the connection (1008, after an `error`
+        saying why) and is counted."""
+        timeout = self.config.hello_timeout_s
+        left = timeout - (time.monotonic() - getattr(ws, "accepted_at", time.monotonic()))
+        try:
+            frame = await asyncio.wait_for(ws.recv(), max(left, 0.0))  # recv is safe to cancel
+        except asyncio.TimeoutError:
+            self.metrics.refused["hello_timeout"] += 1
+            self._log_stranger(logging.INFO, "conn %d %s: no hello within %gs: closed", conn_id, peer, timeout)
+            self.gate.release(ws)  # its slot is free now, while the close handshake waits for the peer
+            await ws.close(1008, f"no hello within {timeout:g}s")
+            return False
+        self.metrics.bytes_in += len(frame)
+        try:
+            self._check_hello(ws, self._decode(frame))
+            return True
+        except wire.WireError as e:
+            error = e
+        except Exception:  # a bug in a check must not close with 1011 and a traceback for any stranger to trigger
+            self._log_stranger(logging.WARNING, "conn %d %s: hello raised", conn_id, peer, exc_info=True)
+            error = wire.WireError("bad_frame", "the first message could not be checked")
+        self.metrics.errors[error.code] += 1
+        self.metrics.refused["error_before_hello"] += 1
+        self._log_stranger(logging.INFO, "conn %d %s: closed before hello: %s", conn_id, peer, error)
+        self.gate.release(ws)
+        await self._send(ws, wire.Error(error.code, error.message, error.sid))
+        await ws.close(1008, error.code)
+        return False
+
+    def _decode(self, frame) -> wire.Message:
+        """wire.decode, with anything it raises besides WireError turned into bad_frame: a decoder bug must not
+        end the connection with 1011 and a traceback."""
+        try:
+            return wire.decode(frame, self.config.max_frame_bytes)
+        except wire.WireError:
+            raise
+        except Exception as e:
+            raise wire.WireError("bad_frame", f"undecodable message ({type(e).__name__})") from e
+
+    def _check_hello(self, ws: ServerConnection, msg: wire.Message) -> None:
+        """Raises WireError unless `msg` is a hello this verifier serves: the token (unless loopback is trusted
+        and this is loopback), the draft's vocabulary."""
         if not isinstance(msg, wire.Hello):
             raise wire.WireError("not_authenticated", f"the first message must be hello, got {msg.TYPE}")
-        if self.config.token and not hmac.compare_digest(msg.token.encode(), self.config.token.encode()):
+        client = getattr(ws, "client", None)
+        trusted = self.config.loopback_trusted and client is not None and client.loopback
+        if (
+            self.config.token
+            and not trusted
+            and not hmac.compare_digest(msg.token.encode(), self.config.token.encode())
+        ):
             raise wire.WireError("bad_token", "the token in hello does not match this verifier's")
         target = self.verifier.target
         if msg.draft_vocab_hash != target.vocab_hash or msg.vocab_size != target.vocab_size:
@@ -317,25 +596,25 @@ class BridgeServer:
                 f"{target.vocab_size}, hash {target.vocab_hash[:12]}); speculative decoding "
                 "needs identical tokenizers",
             )
-        await self._send(
-            ws,
-            wire.Welcome(
-                target=target.name,
-                vocab_size=target.vocab_size,
-                vocab_hash=target.vocab_hash,
-                eos_ids=target.eos_ids,
-                exits=self.verifier.exit_layers,
-                limits={
-                    "max_frame_bytes": self.config.max_frame_bytes,
-                    "max_draft_len": self.config.max_draft_len,
-                    "max_context": self.config.max_context,
-                    "max_sessions": self.config.max_sessions,
-                    "grammar": target.grammars_supported,
-                    **self._image_limits(),
-                },
-                engine=target.engine.info.as_dict(),
-                replica=self.replica_id,
-            ),
+
+    def _welcome(self) -> wire.Welcome:
+        target = self.verifier.target
+        return wire.Welcome(
+            target=target.name,
+            vocab_size=target.vocab_size,
+            vocab_hash=target.vocab_hash,
+            eos_ids=target.eos_ids,
+            exits=self.verifier.exit_layers,
+            limits={
+                "max_frame_bytes": self.config.max_frame_bytes,
+                "max_draft_len": self.config.max_draft_len,
+                "max_context": self.config.max_context,
+                "max_sessions": self.config.max_sessions,
+                "grammar": target.grammars_supported,
+                **self._image_limits(),
+            },
+            engine=target.engine.info.as_dict(),
+            replica=self.replica_id,
         )
 
     def _image_limits(self) -> dict:
@@ -343,38 +622,48 @@ class BridgeServer:
         marker = self.verifier.target.image_marker
         if marker is None:
             return {}
-        return {"images": {"marker": marker, "max_images": images.MAX_IMAGES, "max_bytes": images.MAX_IMAGE_BYTES}}
+        return {"images": {"marker": marker, **images.limits()}}
+
+    async def _decode_images(self, msg: wire.Open) -> None:
+        """An open's images decoded and tiled in the image thread (one: one image at a time, bounded in pixels
+        by protocol/images.py), never in the model thread, which every robot waits on."""
+        if msg.images:
+            await asyncio.get_running_loop().run_in_executor(self.image_thread, self.verifier.decode_images, msg)
 
     async def _dispatch(self, ws: ServerConnection, conn_id: int, outbox: Outbox, msg: wire.Message) -> None:
         if isinstance(msg, wire.Open):
-            self.sessions.check_owner(msg.sid, conn_id, msg.prompt_ids)  # refused: the owner never notices
-            self.metrics.exits_purged += outbox.purge(msg.sid)  # hints for the old generation
-            self.sessions.check_room(msg.sid, conn_id)
-            previous = self.sessions.peek(msg.sid)
-            now = time.monotonic()
-            job = Job("open", msg, previous, conn_id, arrival=now)
+            self.sessions.check_owner(msg.sid, conn_id, msg.resume)  # refused: the owner never notices
             slo = slo_class(msg.slo, self.config.default_slo, msg.sid)  # bad_field before any queueing
-            fresh = previous is None  # a re-open keeps the KV of what it shares
-            # worth one token, due when the first token is at the class's speed: an open is always urgent,
-            # since the first round's budget counts from it
-            session, ms = await self.batcher.submit(
-                job, (0, len(msg.prompt_ids) - 1 if fresh else 1), 1.0, deadline(slo, now, 1.0), slo
-            )
+            await self._decode_images(msg)  # bad_image before any queueing; the model thread only embeds them
+            self.metrics.exits_purged += outbox.purge(msg.sid)  # hints for the old generation
+            client = client_key(ws, self.config.loopback_trusted)
+            self.sessions.make_room(msg.sid, conn_id, client)  # idle sessions go before a robot is refused
+            secret = self.sessions.secret_for(msg.sid, conn_id, msg.resume)
+            job, (session, ms) = await self._open(msg, conn_id, slo)
             if job.ended is not None:
                 self.metrics.count_generation(job.ended.slo, *job.ended.generation_ended())
-            self.sessions.put(session)
-            session.acknowledge(len(msg.prompt_ids))
+            session.client, session.resume = client, secret
+            try:
+                self.sessions.check_owner(msg.sid, conn_id, msg.resume)  # another connection took it meanwhile
+                self.sessions.put(session)
+            except wire.WireError:
+                session.retired = True
+                self._release_sessions([session])
+                raise
             self.metrics.sessions_opened += 1
             await self._send(
                 ws,
                 wire.Opened(
-                    msg.sid, len(session.state.ids), {"prefill_ms": ms, "passes": session.state.passes}, self.replica_id
+                    msg.sid,
+                    len(session.state.ids),
+                    {"prefill_ms": ms, "passes": session.state.passes},
+                    self.replica_id,
+                    session.resume,
                 ),
             )
             session.state.passes = 0
         elif isinstance(msg, wire.Verify):
             session = self.sessions.get(msg.sid, conn_id)
-            session.acknowledge(msg.n_committed)
             emit = self._exit_sink(outbox) if session.exits else None
             try:
                 outcome = await self._submit(
@@ -417,7 +706,6 @@ class BridgeServer:
         """The cloud-autoregressive baseline: one target token per forward pass, each sent at once."""
         stop = set(msg.stop_ids)
         session = self.sessions.get(msg.sid, conn_id)
-        session.acknowledge(len(session.state.ids))  # it asks after the last open, round or stream ended
         await self._in_model_thread(self.verifier.fix, session, msg.fix)  # a split correction owed, if any
         for seq in range(msg.max_tokens):
             session = self.sessions.get(msg.sid, conn_id)  # evicted mid-stream -> unknown_session
@@ -428,18 +716,56 @@ class BridgeServer:
             if done or not sent:  # a dead link stops the stream: the robot re-opens and asks again
                 return
 
+    async def _open(self, msg: wire.Open, conn_id: int, slo: float) -> tuple[Job, tuple[Session, float]]:
+        """An open through the batcher: its Job and (session, ms). While the engine's shared room is all held
+        (every sequence; a unified KV pool's cells), the least recently used session not in a request
+        (detached first) is evicted and the open tried again: `overloaded` only when every session is in
+        a request (or MAX_EVICTIONS_PER_OPEN went and still no room)."""
+        now = time.monotonic()
+        for evictions in itertools.count():
+            previous = self.sessions.peek(msg.sid)  # a re-open keeps the KV of what it shares
+            job = Job("open", msg, previous, conn_id, arrival=now)
+            try:
+                with in_request(previous):
+                    # worth one token, due when the first token is at the class's speed: an open is always
+                    # urgent, since the first round's budget counts from it
+                    return job, await self.batcher.submit(
+                        job,
+                        (0, len(msg.prompt_ids) - 1 if previous is None else 1),
+                        1.0,
+                        deadline(slo, now, 1.0),
+                        slo,
+                    )
+            except OpenNeedsRoom as e:
+                if evictions == MAX_EVICTIONS_PER_OPEN:
+                    raise
+                if self.sessions.evict_one(msg.sid, e.reason) is None:
+                    raise wire.WireError(
+                        "overloaded", f"{e.reason}, each by a session in a request now: retry later", msg.sid
+                    ) from None
+
+    def _release_sessions(self, sessions: list[Session]) -> None:
+        """SessionTable.on_release: free the engine sequences of sessions let go, in the model thread after
+        the pass running now (which may still use one) and before the next (they are retired: none prepares
+        them)."""
+        try:
+            self.model_thread.submit(self.verifier.release, sessions)
+        except RuntimeError:  # the model thread has stopped: they go when collected
+            pass
+
     async def _submit(self, job: Job, session: Session, extra: int):
         """A verify or ar job of `session` through the batcher; `extra` new tokens beyond the uncached ids."""
         state = session.state
         k = len(job.msg.draft_ids) if job.kind == "verify" else 0
         value = session.alpha * k + 1  # expected committed tokens
-        return await self.batcher.submit(
-            job,
-            (state.cached, len(state.ids) - state.cached + extra),
-            value,
-            deadline(session.slo, max(session.t0, session.t_last), value),
-            session.slo,
-        )
+        with in_request(session):  # not evicted while it waits or runs
+            return await self.batcher.submit(
+                job,
+                (state.cached, len(state.ids) - state.cached + extra),
+                value,
+                deadline(session.slo, max(session.t0, session.t_last), value),
+                session.slo,
+            )
 
     def _exit_sink(self, outbox: Outbox):
         """A callback for the model thread that queues an exit message into this connection's outbox."""
@@ -476,6 +802,10 @@ class BridgeServer:
             return False
         self.metrics.bytes_out += len(frame)
         return True
+
+
+async def _no_websocket(ws: ServerConnection) -> None:  # metrics_listen answers every request in process_request
+    await ws.close(1008, "no websocket here")
 
 
 def load_estimator(spec: str, target_name: str) -> VerifyTimeModel:

@@ -1,13 +1,28 @@
 """The bounded session table: one entry per robot generation, evicted when idle or when full.
 
-An evicted session loses nothing: the robot re-opens with its committed prefix.
+An evicted session loses nothing: the robot re-opens with its committed prefix (its next request
+gets `unknown_session`). Who goes when room is needed (a new robot, a client over its share, an
+engine with every sequence held): the least recently used session that is not in a request right
+now, a detached one (its connection closed) before one whose robot is still connected. Only when
+every candidate is in a request is the newcomer refused (`overloaded`, or `too_many_sessions` for a
+client over its own share). An evicted session is retired at once (no later pass prepares it) and
+handed to `on_release`, which frees its engine sequence in the model thread after the pass running
+now, never under it.
+
+Ownership: a session belongs to the connection that opened it. Another connection may take over a
+session whose connection is still open only with the session's resume secret (`Opened.resume`);
+a detached session is anyone's to re-open, as after a lost link.
 """
 
 from __future__ import annotations
 
+import hmac
 import logging
+import secrets
 import time
 from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -32,7 +47,8 @@ class Session:
     params: SamplingParams
     rng: np.random.Generator
     last_used: float = field(default_factory=time.monotonic)
-    retired: bool = False  # set (in the model thread) when a re-open takes over the state
+    retired: bool = False  # no more work on this object: a re-open took it over (set in the model thread) or
+    # the table evicted it (in the event loop); a request that still names it gets unknown_session
     exits: list[int] = field(default_factory=list)  # early-exit layers the robot wants verdicts from; [] = off
     payload: PayloadSpec = field(default_factory=PayloadSpec)  # what each verify's q must be
     owed: np.ndarray | None = None  # split: the target's p_j [V] at the last rejection; the robot owes the
@@ -43,26 +59,17 @@ class Session:
     n0: int = 0  # committed tokens then (the prompt)
     alpha: float = 0.7  # running acceptance rate of its drafts (expected value of a round)
     t_last: float = 0.0  # monotonic time its last round or ar token was decided
-    # Ownership: another connection may re-open the session only with the committed prefix
-    acked: int = 0  # committed tokens its robot has shown it holds (its open, then each request)
+    # Ownership and shares (see SessionTable)
+    client: str = ""  # who opened it (server.client_key): max_sessions_per_client counts by it
+    resume: str = ""  # the secret another connection must show to take it over while its own is open;
+    # minted at its first open, kept while its robot re-opens it (Opened.resume)
+    requests: int = 0  # requests of it queued or in a pass now (event loop); eviction passes it by
+    handed_over: bool = False  # a re-open of its sid took over its state (model thread): freeing this
+    # object must not free that state
     # Constrained decoding (protocol/grammar.py): where the committed ids stand in the session's grammar;
     # None: unconstrained. Advanced with every committed token after the open's grammar.from.
     grammar: "GrammarState | None" = None
     detached_at: float = 0.0  # monotonic time its connection closed (DETACHED); its KV waits a grace period
-
-    def acknowledge(self, n_robot: int) -> None:
-        """The robot sent a request built on n_robot committed tokens: it holds that many of ours."""
-        self.acked = max(self.acked, min(n_robot, len(self.state.ids)))
-
-    def proves(self, prompt_ids: list[int]) -> bool:
-        """Whether a re-open from another connection carries this session's committed prefix.
-
-        The robot may be behind us (a result or ar token lost with the link was committed here, never
-        seen there) or ahead (a split correction it drew and still owes): the prompt must hold at least
-        the tokens it acknowledged, and agree with our ids wherever both have one."""
-        ids = self.state.ids
-        n = min(len(ids), len(prompt_ids))
-        return n >= self.acked and list(prompt_ids[:n]) == list(ids[:n])
 
     def generation_ended(self) -> tuple[int, float]:
         """(tokens generated, seconds from the generation's open to its last token) for the SLO metrics."""
@@ -70,17 +77,27 @@ class Session:
 
 
 class SessionTable:
-    """sid -> Session, least recently used first. Bounded in total and per connection."""
+    """sid -> Session, least recently used first. Bounded in total, per connection and per client."""
 
     def __init__(
-        self, max_sessions: int, max_per_connection: int, idle_timeout_s: float, detached_grace_s: float | None = None
+        self,
+        max_sessions: int,
+        max_per_connection: int,
+        idle_timeout_s: float,
+        detached_grace_s: float | None = None,
+        max_per_client: int | None = None,
+        on_release: Callable[[list[Session]], None] | None = None,
     ):
         self.max_sessions = max_sessions
         self.max_per_connection = max_per_connection
+        self.max_per_client = max_sessions if max_per_client is None else max_per_client
         self.idle_timeout_s = idle_timeout_s
         # a detached session (its connection closed) is kept this long for its robot to come back to,
         # then its KV is freed: with several replicas the robot may well have re-opened elsewhere
         self.detached_grace_s = idle_timeout_s if detached_grace_s is None else detached_grace_s
+        # called with the sessions the table lets go (evicted or closed), already retired: the server frees
+        # their engine sequences in its model thread. None: they go when collected
+        self.on_release = on_release
         self._sessions: OrderedDict[str, Session] = OrderedDict()
         self.evicted_total = 0
 
@@ -103,19 +120,28 @@ class SessionTable:
         self._sessions.move_to_end(sid)
         return s
 
-    def check_owner(self, sid: str, conn_id: int, prompt_ids: list[int]) -> None:
-        """Raise before any model work if conn_id may not open sid: it is held by another live connection,
-        and this open does not carry its committed prefix (a robot back on a new link does). A session
-        whose connection has closed is detached: any connection may re-open it with any prompt, and the
-        KV of the prefix both share is kept (a robot's next step after a dropped link)."""
+    def check_owner(self, sid: str, conn_id: int, resume: str = "") -> None:
+        """Raise before any model work if conn_id may not open sid: it is held by another connection that
+        is still open, and this open does not carry its resume secret. A session whose connection has
+        closed is detached: any connection may re-open it with any prompt, and the KV of the prefix both
+        share is kept (a robot's next step after a dropped link)."""
         s = self._sessions.get(sid)
-        if s is not None and s.conn_id not in (conn_id, DETACHED) and not s.proves(prompt_ids):
+        if s is not None and s.conn_id not in (conn_id, DETACHED) and not _same_secret(resume, s.resume):
             raise WireError(
                 "session_taken",
-                f"session {sid!r} belongs to another connection; re-open it with "
-                "its committed prefix, or open a new session id",
+                f"session {sid!r} belongs to another open connection; re-open it with its resume "
+                "secret (from its opened), or open a new session id",
                 sid,
             )
+
+    def secret_for(self, sid: str, conn_id: int, resume: str = "") -> str:
+        """The resume secret an open of sid by conn_id gets: the session's own when the opener is its
+        connection or shows it, else a fresh one (a new session, or a detached one re-opened without it:
+        whoever re-opened it without the secret never learns the old one)."""
+        s = self._sessions.get(sid)
+        if s is not None and s.resume and (s.conn_id == conn_id or _same_secret(resume, s.resume)):
+            return s.resume
+        return secrets.token_urlsafe(16)
 
     def detach(self, conn_id: int) -> int:
         """The connection closed: its sessions stay (until idle or evicted) for whichever connection re-opens
@@ -139,16 +165,46 @@ class SessionTable:
                 sid,
             )
 
-    def put(self, session: Session) -> list[str]:
-        """Insert (or replace) a session; returns the sids evicted to make room."""
-        self.check_room(session.sid, session.conn_id)
-        self._sessions.pop(session.sid, None)
+    def make_room(self, sid: str, conn_id: int, client: str) -> list[str]:
+        """Before an open of sid by conn_id for client, and again as it is put: evict what must go for it to
+        fit, or raise. Over the client's share (max_per_client; client "" has none of its own) its own least
+        recently used idle session goes, else `too_many_sessions`; in a full table anyone's goes, else
+        `overloaded`. Returns the evicted sids."""
+        self.check_room(sid, conn_id)
         evicted = []
-        while len(self._sessions) >= self.max_sessions:
-            sid, _ = self._sessions.popitem(last=False)
-            evicted.append(sid)
+        while client:
+            mine = [s for s in self._sessions.values() if s.client == client and s.sid != sid]
+            if len(mine) < self.max_per_client:
+                break
+            victim = _least_recently_used_idle(mine)
+            if victim is None:
+                raise WireError(
+                    "too_many_sessions",
+                    f"this client already holds {len(mine)} sessions, the most one client may "
+                    "(max_sessions_per_client), and each is in a request now: close one or retry later",
+                    sid,
+                )
+            evicted += self._evict([victim], f"client {client} at max_sessions_per_client")
+        while sid not in self._sessions and len(self._sessions) >= self.max_sessions:
+            victim = _least_recently_used_idle(self._sessions.values())
+            if victim is None:
+                raise WireError(
+                    "overloaded", f"all {self.max_sessions} sessions are in a request now: retry later", sid
+                )
+            evicted += self._evict([victim], "table full")
+        return evicted
+
+    def evict_one(self, keep: str, why: str) -> str | None:
+        """Evict the least recently used session not in a request (detached first), other than sid `keep`,
+        to free its engine sequence; None when every one is in a request."""
+        victim = _least_recently_used_idle(s for s in self._sessions.values() if s.sid != keep)
+        return None if victim is None else self._evict([victim], why)[0]
+
+    def put(self, session: Session) -> list[str]:
+        """Insert (or replace) a session; returns the sids evicted to make room (see make_room)."""
+        evicted = self.make_room(session.sid, session.conn_id, session.client)
+        self._sessions.pop(session.sid, None)
         self._sessions[session.sid] = session
-        self._count_evictions(evicted, "table full")
         return evicted
 
     def discard(self, sid: str, conn_id: int) -> bool:
@@ -157,7 +213,15 @@ class SessionTable:
         if s is None or s.conn_id != conn_id:
             return False
         del self._sessions[sid]
+        self._release([s])
         return True
+
+    def clear(self) -> int:
+        """Let every session go (the server stops); returns how many there were."""
+        gone = list(self._sessions.values())
+        self._sessions.clear()
+        self._release(gone)
+        return len(gone)
 
     def evict_idle(self, now: float | None = None) -> list[str]:
         """Evict sessions idle past idle_timeout_s and detached ones past detached_grace_s."""
@@ -170,13 +234,45 @@ class SessionTable:
             and sid not in idle
             and now - max(s.detached_at, s.last_used) > self.detached_grace_s
         ]
-        for sid in idle + gone:
-            del self._sessions[sid]
-        self._count_evictions(idle, "idle")
-        self._count_evictions(gone, "detached past the grace period")
-        return idle + gone
+        return self._evict([self._sessions[sid] for sid in idle], "idle") + self._evict(
+            [self._sessions[sid] for sid in gone], "detached past the grace period"
+        )
 
-    def _count_evictions(self, sids: list[str], why: str) -> None:
+    def _evict(self, victims: list[Session], why: str) -> list[str]:
+        for s in victims:
+            del self._sessions[s.sid]
+        sids = [s.sid for s in victims]
         if sids:
             self.evicted_total += len(sids)
             log.info("evicted %d session(s) (%s): %s", len(sids), why, ", ".join(sids))
+        self._release(victims)
+        return sids
+
+    def _release(self, gone: list[Session]) -> None:
+        for s in gone:
+            s.retired = True  # before anything frees its KV: no pass prepared from now on may use it
+        if gone and self.on_release is not None:
+            self.on_release(gone)
+
+
+@contextmanager
+def in_request(session: Session | None) -> Iterator[None]:
+    """Mark a session as in a request (queued or in a pass) while the block runs: eviction passes it by."""
+    if session is None:
+        yield
+        return
+    session.requests += 1
+    try:
+        yield
+    finally:
+        session.requests -= 1
+
+
+def _least_recently_used_idle(sessions: Iterable[Session]) -> Session | None:
+    """The first of sessions (least recently used first) not in a request, a detached one before others."""
+    idle = [s for s in sessions if s.requests == 0]
+    return next((s for s in idle if s.conn_id == DETACHED), idle[0] if idle else None)
+
+
+def _same_secret(shown: str, secret: str) -> bool:
+    return bool(shown) and bool(secret) and hmac.compare_digest(shown.encode(), secret.encode())

@@ -59,6 +59,8 @@ class TargetState:
     passes: int = 0  # forward passes spent on this session
     images: dict = field(default_factory=dict)  # text index of a marker in ids -> its PromptImage
     image_extra: int = 0  # KV positions the images add beyond their markers
+    free: Callable[[], Any] = field(default=lambda: None, repr=False)  # gives seq back to the engine, once
+    # (set by Target.new_state; also done when the state is collected): only where no pass can still use it
 
     @property
     def positions(self) -> int:
@@ -146,11 +148,16 @@ class Target:
         by_index, extra = self.prepare_images(prompt_ids, images or [])
         seq = self.engine.new_sequence()
         state = TargetState(ids=list(prompt_ids), seq=seq, images=by_index, image_extra=extra)
-        weakref.finalize(state, self.engine.free, seq)
+        state.free = weakref.finalize(state, self.engine.free, seq)
         if prefill and len(prompt_ids) > 1:
             self.extend([Extension(state, list(prompt_ids[:-1]), 0)])
             state.cached = len(prompt_ids) - 1
         return state
+
+    def free(self, state: TargetState) -> None:
+        """Give the state's engine sequence back now, not when the state is collected (idempotent). Only
+        where no pass can still use it: the model thread, between passes."""
+        state.free()
 
     def score(
         self, state: TargetState, draft_ids: list[int], taps: Mapping[int, Callable[[Any], None]] | None = None

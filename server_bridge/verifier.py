@@ -25,12 +25,21 @@ from protocol.vision import UnknownImage
 from protocol.wire import Exit, Open, Verify, WireError
 
 from .config import ServerConfig
-from .engine import EngineFull
+from .engine import EngineFull, NoRoom
 from .exits import ExitConfig, ExitPass, ExitScorer, ExitVerdict, NumpyExitHeads
 from .sessions import Session
 from .target import Extension, Target, TargetState, shared_prefix
 
 log = logging.getLogger(__name__)
+
+
+class OpenNeedsRoom(WireError):
+    """An open found the engine's shared room all held (every sequence, or a unified KV pool): `overloaded`
+    to whoever calls the verifier directly; the server evicts an idle session and tries again."""
+
+    def __init__(self, reason: str, sid: str):
+        super().__init__("overloaded", f"{reason}: retry later", sid)
+        self.reason = reason  # the engine's words: "all 64 sequences are in use"
 
 
 @dataclass
@@ -120,13 +129,14 @@ class Verifier:
                 log.exception("a batched pass of %d sessions failed", len(exts))
             for i, job in enumerate(jobs):
                 if out[i] is None:
-                    out[i] = (
-                        WireError("overloaded", f"{e}: retry later", job.sid)
-                        if full
-                        else WireError(
+                    if isinstance(e, NoRoom) and job.kind == "open":
+                        out[i] = OpenNeedsRoom(str(e), job.sid)
+                    elif full:
+                        out[i] = WireError("overloaded", f"{e}: retry later", job.sid)
+                    else:
+                        out[i] = WireError(
                             "internal", f"the verification pass failed ({type(e).__name__}); retry the round", job.sid
                         )
-                    )
             return out, (time.perf_counter() - t0) * 1e3, members
         pass_ms = (time.perf_counter() - t0) * 1e3
         for i, job in enumerate(jobs):
@@ -186,6 +196,18 @@ class Verifier:
         """One target-only token: (token, ms, the target's probability of it as sampled; 1.0 when greedy)."""
         return self._one(Job("ar", None, session))
 
+    def release(self, sessions: list[Session]) -> None:
+        """Give the engine sequences of sessions the server let go (evicted or closed) back now, rather than
+        when they are collected. In the model thread: after the pass running now (which may still use one),
+        before the next (which cannot: they are retired, so `_check_live` turns their requests away). A state
+        a re-open took over stays with it."""
+        for session in sessions:
+            if session.retired and not session.handed_over and session.state is not None:
+                try:
+                    self.target.free(session.state)
+                except Exception:  # it goes when collected instead
+                    log.exception("freeing the sequence of session %s failed", session.sid)
+
     def _one(self, job: Job) -> Any:
         (result,), _, _ = self.run_batch([job])
         if isinstance(result, WireError):
@@ -225,22 +247,27 @@ class Verifier:
             )
         slo = slo_class(msg.slo, self.config.default_slo, msg.sid)
         grammar = self._grammar_state(msg)
+        if previous is not None and previous.retired:  # evicted (its KV is going) or already re-opened
+            previous = job.session = None
         resumes = previous is not None and previous.slo == slo and _resumes(previous.state, msg)
-        if previous is not None:
-            # Work still queued for the old session object (an ar stream of a dropped
-            # connection) must not touch the state from now on; see _check_live.
-            previous.retired = True
         if previous is not None and previous.params == params:
             state = previous.state
+            previous.handed_over = True  # the state is the new session's: freeing the old one keeps it
             state.passes = 0  # passes are reported per open / round
             self.target.rewind(state, msg.prompt_ids, msg.images)  # what is not cached goes with the next round
         else:
             try:
                 state = self.target.new_state(msg.prompt_ids, prefill=False, images=msg.images)
-            except EngineFull as e:  # every sequence or KV slot is held by a live session
+            except NoRoom as e:  # every sequence is held by a session: the server evicts an idle one
+                raise OpenNeedsRoom(str(e), msg.sid) from None
+            except EngineFull as e:
                 raise WireError("overloaded", f"{e}: retry later", msg.sid) from None
             if len(msg.prompt_ids) > 1:  # the prefill: all but the last prompt token
                 job.ext = Extension(state, list(msg.prompt_ids[:-1]), keep=0)
+        if previous is not None:
+            # Work still queued for the old session object (an ar stream of a dropped
+            # connection) must not touch the state from now on; see _check_live.
+            previous.retired = True
         # A re-opened session draws fresh randomness keyed by where it resumes,
         # so a replayed round is an independent draw, as the math requires.
         rng = np.random.default_rng([params.seed, len(msg.prompt_ids)])
@@ -278,6 +305,25 @@ class Verifier:
             raise WireError("unknown_image", f"{e}", msg.sid) from None
         except ValueError as e:
             raise WireError("bad_image", f"{e}", msg.sid) from None
+
+    def decode_images(self, msg: Open) -> None:
+        """Decode and tile an open's images before its job reaches the model thread: the server calls this in
+        its image thread, and the model thread (`_check_images`, the pass) then finds each one ready and only
+        embeds it. Bytes that are no image get `bad_image` here, on this session alone; everything else
+        (no vision, an image off its marker, a hash no longer held) is left to `_check_images`."""
+        vision = getattr(self.target.engine, "vision", None)
+        if not msg.images or not self.target.sees or not hasattr(vision, "prepare"):
+            return
+        for image in msg.images:
+            if image.data is None or msg.prompt_ids[image.at] != self.target.image_marker:
+                continue
+            try:
+                vision.prepare(image)
+            except ValueError as e:
+                raise WireError("bad_image", f"{e}", msg.sid) from None
+            except Exception:  # not the bytes' fault: the model thread tries again and answers as it always did
+                log.exception("decoding an image of %s ahead of its open failed", msg.sid)
+                return
 
     def _grammar_state(self, msg: Open) -> GrammarState | None:
         """Open.grammar -> the state after the prompt's constrained part (None: unconstrained)."""
@@ -577,7 +623,11 @@ def _advance(session: Session, committed: list[int]) -> None:
 def _check_live(session: Session) -> None:
     """Runs in the model thread, like `open`, so a re-open and a stale request cannot interleave."""
     if session.retired:
-        raise WireError("unknown_session", f"session {session.sid!r} was re-opened elsewhere", session.sid)
+        raise WireError(
+            "unknown_session",
+            f"session {session.sid!r} was evicted or re-opened elsewhere: re-open it with the committed prefix",
+            session.sid,
+        )
 
 
 def exit_taps(config: ServerConfig, target_name: str) -> list[int]:

@@ -4,6 +4,7 @@
     n = vision.positions(image)                     # KV positions the image's one marker expands to
     embeds = vision.embed(image)                    # [n, hidden]: what the decoder reads at those positions
     image = vision.resolve(image)                   # its bytes from the cache when only the sha256 came
+    vision.prepare(image)                           # decode and preprocess now, in this thread (not the model's)
 
 A prompt holds one image marker per image (protocol/images.py). The model's own processor expands that
 marker into the model's whole layout for the image: for SmolVLM (Idefics3) each tile is
@@ -16,8 +17,13 @@ and ends with special tokens, so the text around a marker tokenizes as it does i
 
 Decoding and preprocessing (resize, tiles, normalisation) are kept for the last CACHED images by
 sha256, with their bytes, so an image sent once is known by its hash after (a re-open sends only the
-hash); the vision tower runs on every `embed` (an open: rare). `positions` and `resolve` may be called
-from any thread.
+hash); the vision tower runs on every `embed` (an open: rare). `positions`, `resolve` and `prepare` may be
+called from any thread: the server decodes and preprocesses an open's images with `prepare` in a thread of
+its own, before the open reaches the model thread, which then finds them READY and only embeds them.
+
+Untrusted bytes: the header's width and height are checked against protocol/images.py's limits before PIL
+opens the bytes, PIL's own reading of the size is checked again before it decodes a pixel, and PIL's
+MAX_IMAGE_PIXELS is lowered to the same limit (it refuses twice that by itself).
 
 Positions are 1-D: a layout's tokens take the KV positions they are written at, as in Idefics3. A
 Qwen2-VL (M-RoPE) gives image tokens 3-D (time, row, column) positions, and the text after an image
@@ -35,10 +41,23 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from protocol.images import PromptImage
+from protocol.images import MAX_IMAGE_PIXELS, PromptImage, check_header, check_size
 from protocol.vision import UnknownImage
 
 CACHED = 8  # preprocessed images kept by sha256 (tiles in the model's dtype + bytes)
+READY = 8  # images preprocessed ahead by `prepare`, not yet taken by the model thread (beyond: the oldest is
+# dropped, and preprocessed again when its open runs)
+
+
+def pil_image():
+    """PIL's Image module, its MAX_IMAGE_PIXELS lowered to protocol/images.py's limit (PIL warns above it and
+    refuses twice it by itself: a second line behind check_size). Imported on first use: a text-only torch
+    server needs no Pillow."""
+    from PIL import Image
+
+    if Image.MAX_IMAGE_PIXELS is None or Image.MAX_IMAGE_PIXELS > MAX_IMAGE_PIXELS:
+        Image.MAX_IMAGE_PIXELS = MAX_IMAGE_PIXELS
+    return Image
 
 
 @dataclass(frozen=True)
@@ -52,11 +71,13 @@ class Prepared:
 
 
 def decode(image: PromptImage) -> np.ndarray:
-    """[h, w, 3] uint8 pixels of the image's bytes; ValueError naming the image if they are none."""
-    from PIL import Image
-
+    """[h, w, 3] uint8 pixels of the image's bytes; ValueError naming the image if they are none
+    (ImageError, before anything is decoded, for an image over protocol/images.py's limits)."""
+    Image = pil_image()
+    check_header(image.data)
     try:
-        with Image.open(io.BytesIO(image.data)) as im:
+        with Image.open(io.BytesIO(image.data), formats=("JPEG", "PNG")) as im:
+            check_size(*im.size)  # PIL's own reading of the header, before it decodes a pixel
             return np.asarray(im.convert("RGB"))
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:  # PIL raises each for some bytes
         raise ValueError(
@@ -69,12 +90,14 @@ class Idefics3Vision:
     """Idefics3 and SmolVLM: the processor's layout, the SigLIP tower + pixel-shuffle connector's features."""
 
     def __init__(self, model, processor):
+        pil_image()  # PIL's own limit, from the start
         self.model = model  # the ...ForConditionalGeneration, on its device
         self.processor = processor
         self.image_token_id = int(model.config.image_token_id)
         self.marker = getattr(processor, "image_token", "<image>")
         self._cache: OrderedDict[str, Prepared] = OrderedDict()
-        self._lock = threading.Lock()  # the cache: positions() may come from another thread
+        self._ready: OrderedDict[str, Prepared] = OrderedDict()  # made by `prepare`, not yet in the cache
+        self._lock = threading.Lock()  # the cache and READY: positions() and prepare() come from other threads
 
     def positions(self, image: PromptImage) -> int:
         """KV positions the image's marker expands to (the layout's text tokens included).
@@ -87,6 +110,20 @@ class Idefics3Vision:
         if image.data is not None:
             return image
         return replace(image, data=self._prepared(image).data)
+
+    def prepare(self, image: PromptImage) -> None:
+        """Decode and preprocess the image now, in the calling thread, so that the model thread finds it ready.
+
+        Raises ValueError for bytes that are no image (ImageError for an image over the limits, before
+        anything is decoded). An image that came as its hash alone is left to the model thread."""
+        with self._lock:
+            if image.data is None or image.sha256 in self._cache or image.sha256 in self._ready:
+                return
+        prep = self._prepare(image)
+        with self._lock:
+            self._ready[image.sha256] = prep
+            while len(self._ready) > READY:
+                self._ready.popitem(last=False)
 
     def embed(self, image: PromptImage) -> torch.Tensor:
         """[P, hidden] the layout's input embeddings, image features at its <image> tokens (model's dtype)."""
@@ -112,11 +149,13 @@ class Idefics3Vision:
             if hit is not None:
                 self._cache.move_to_end(image.sha256)
                 return hit
-        if image.data is None:
-            raise UnknownImage(
-                f"image {image.sha256[:12]} came as its sha256 alone and is not cached: send its bytes again"
-            )
-        prep = self._prepare(image)
+            prep = self._ready.pop(image.sha256, None)
+        if prep is None:
+            if image.data is None:
+                raise UnknownImage(
+                    f"image {image.sha256[:12]} came as its sha256 alone and is not cached: send its bytes again"
+                )
+            prep = self._prepare(image)  # not prepared ahead (a direct caller), or dropped from READY
         with self._lock:
             self._cache[image.sha256] = prep
             while len(self._cache) > CACHED:

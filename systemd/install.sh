@@ -12,8 +12,9 @@
 # robot, `make setup` on the server (the units run /opt/edgespec/.venv/bin/edge-agent and .../server-bridge).
 # It creates the `edgespec` system user (no login shell, home /var/lib/edge-agent; the robot install
 # adds it to dialout and video), installs the units into /etc/systemd/system, copies the example
-# TOML configs to /etc/edgespec/ when absent (never overwrites them), creates the 0600 env files when
-# absent, and runs `systemctl daemon-reload`. It does not enable or start anything.
+# TOML configs to /etc/edgespec/ when absent (never overwrites them), creates the 0600 env files and the
+# local API's reset token (api-reset.token, 0640 root:edgespec) when absent, and runs `systemctl daemon-reload`.
+# It does not enable or start anything.
 set -euo pipefail
 
 PREFIX=/opt/edgespec
@@ -71,6 +72,18 @@ env_file() {
     chmod 0600 "$dest"
 }
 
+# secret_file DEST: when absent, a random credential (32 hex digits) in a file that root owns and the service's
+# group reads (0640): the local API's reset token.
+secret_file() {
+    local dest=$1
+    if [[ -e $dest ]]; then echo "keeping existing: $dest"; return; fi
+    if (( dry_run )); then echo "would create: $dest (mode 0640, root:$USER_NAME, a random token)"; return; fi
+    echo "+ create $dest (mode 0640, root:$USER_NAME)"
+    (umask 077 && od -An -tx1 -N16 /dev/urandom | tr -d ' \n' > "$dest" && echo >> "$dest")
+    chgrp "$USER_NAME" "$dest"
+    chmod 0640 "$dest"
+}
+
 if [[ $SRC != "$PREFIX/systemd" ]]; then
     echo "note: installing from $SRC, but the units run $PREFIX/.venv/bin/...: clone the repo to $PREFIX"
 fi
@@ -114,6 +127,7 @@ if (( robot )); then
         "# edge-agent secrets, read by systemd (EnvironmentFile=). Keep this file mode 0600." \
         "# The token server-bridge checks in hello: the VERIFIER_TOKEN line of the server's server-bridge.env." \
         "#VERIFIER_TOKEN="
+    secret_file "$ETC/api-reset.token"  # [api] reset_token_file: a reset over the local API carries it
     install_if_changed 0644 "$SRC/edge-agent.service" "$UNIT_DIR/edge-agent.service"
     units+=(edge-agent)
 fi
@@ -143,6 +157,7 @@ echo "Next steps:"
 if (( robot )); then
     echo "  edit $ETC/edge-agent.toml ([link] verifier and ca_file, [robot] controller) and VERIFIER_TOKEN in $ETC/edge-agent.env"
     echo "  copy the CA of the verifier's TLS certificate to $ETC/verifier-ca.pem ([link] ca_file)"
+    echo "  the local API is /run/edge-agent/api.sock; a reset (releasing the e-stop) carries $ETC/api-reset.token"
 fi
 for unit in "${units[@]}"; do
     echo "  sudo systemctl enable --now $unit"

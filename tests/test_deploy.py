@@ -310,6 +310,11 @@ def test_server_toml_is_a_valid_server_config(tmp_path):
     config = ServerConfig.load(path)  # unknown keys and bad values raise
     assert config.token == "", "the token comes from the Secret (VERIFIER_TOKEN), not the ConfigMap"
     assert config.host == "0.0.0.0"
+    # with the token set (as in the pods): loopback presents it too; HAProxy's pods may name the robot
+    with_token = ServerConfig.load(path, token="from-the-secret")
+    assert with_token.trust_loopback is None and not with_token.loopback_trusted
+    assert with_token.trusted_proxies, "behind HAProxy every robot would share HAProxy's per-address share"
+    assert with_token.metrics_address[1] != with_token.port
 
 
 def test_drain_fits_in_the_grace_period():
@@ -405,6 +410,10 @@ def test_haproxy_config_keeps_the_static_one():
             assert d in k8s[section], f"{section}: {d!r} missing or changed"
     assert not [d for d in k8s["backend verifiers"] if d.startswith("server ")]
     assert "bind :8765" in k8s["frontend robots"]
+    # the replicas learn the robot's address (server.trusted_proxies) and no client can name its own
+    for sections in (static, k8s):
+        assert "option forwardfor" in sections["backend verifiers"]
+        assert "http-request del-header X-Forwarded-For" in sections["frontend robots"]
 
 
 def test_haproxy_finds_the_headless_service():
@@ -811,14 +820,17 @@ def test_prometheus_scrapes_each_replica_directly():
     job = prometheus_job("edgespec-server-bridge")
     assert job.get("metrics_path", "/metrics") == "/metrics"
     got = discover(job, pods)
-    # every running replica, the draining one included, on its own IP and the server's port; not HAProxy
-    assert sorted(t["__address__"] for t in got) == ["10.1.0.11:8765", "10.1.0.12:8765"]
+    # every running replica, the draining one included, on its own IP and its metrics_listen port (no token
+    # there); not HAProxy, and not the robots' port (/metrics wants the token there)
+    metrics_port = int(server_toml()["server"]["metrics_listen"].rsplit(":", 1)[1])
+    assert metrics_port == port_number(container(bridge), "metrics")
+    assert sorted(t["__address__"] for t in got) == [f"10.1.0.11:{metrics_port}", f"10.1.0.12:{metrics_port}"]
     assert all(t["namespace"] == ns and t["pod"].startswith("server-bridge-") for t in got)
     got = discover(prometheus_job("edgespec-haproxy"), pods)
     assert [t["__address__"] for t in got] == ["10.1.0.21:8404"]
     # the pod annotations (for annotation-based setups) point at the same port and path
     ann = bridge["spec"]["template"]["metadata"]["annotations"]
-    assert int(ann["prometheus.io/port"]) == port_number(container(bridge), "http")
+    assert int(ann["prometheus.io/port"]) == port_number(container(bridge), "metrics")
     assert ann["prometheus.io/path"] == "/metrics"
     # the server's own labels do not collide with the ones the job adds (they would become exported_*)
     page_labels = {k for samples in rendered_metrics().values() for s in samples for k in s.labels}

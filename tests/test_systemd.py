@@ -172,7 +172,7 @@ def test_example_config_parses_with_the_daemons_field_names():
         },
         "camera": {"source", "width", "height", "fps", "max_age_ms"},
         "perception": {"kind", "target_height_m", "image_max_side", "jpeg_quality"},
-        "api": {"listen"},
+        "api": {"listen", "socket_group", "token_file", "reset_token_file", "allowed_origins"},
         "telemetry": {"path", "max_bytes"},
     }
     assert {k: set(v) for k, v in config.items()} == expected
@@ -186,6 +186,17 @@ def test_example_config_parses_with_the_daemons_field_names():
     assert config["perception"]["kind"] in ("sim", "color", "vlm")
     # The daemon can write only its StateDirectory (ProtectSystem=strict).
     assert config["telemetry"]["path"].startswith("/var/lib/edge-agent/")
+
+
+def test_the_robots_local_api_is_a_unix_socket_in_the_units_runtime_directory():
+    """Closed by default: the example listens on a 0600 Unix socket in the folder systemd makes for the unit
+    (not on TCP), and a reset over the API carries a credential that install.sh creates."""
+    api = tomllib.loads((SYSTEMD / "edge-agent.toml").read_text())["api"]
+    runtime = unit_settings(SYSTEMD / "edge-agent.service")["Service.RuntimeDirectory"]
+    assert runtime == ["edge-agent"] and api["listen"] == "unix:/run/edge-agent/api.sock"
+    assert api["socket_group"] == "" and api["allowed_origins"] == []
+    assert api["reset_token_file"] == "/etc/edgespec/api-reset.token"
+    assert 'secret_file "$ETC/api-reset.token"' in INSTALL.read_text()
 
 
 def test_install_script_parses():
@@ -258,6 +269,7 @@ echo "=== first"; /opt/edgespec/systemd/install.sh
 echo "=== second"; /opt/edgespec/systemd/install.sh
 echo "=== state"
 stat -c '%n %a' /etc/edgespec/*.env /etc/edgespec/*.toml /etc/systemd/system/edge-agent.service
+stat -c '%n %a %U:%G' /etc/edgespec/api-reset.token
 getent passwd edgespec
 id -nG edgespec
 grep -c '^VERIFIER_TOKEN=[0-9a-f]\{32\}$' /etc/edgespec/server-bridge.env
@@ -295,6 +307,7 @@ def test_install_for_real_in_a_sandbox_is_idempotent(tmp_path):
     assert "+ useradd --system" in first and "+ install -m 0644" in first
     assert [ln for ln in second.splitlines() if ln.startswith("+ ")] == [], "second run changed something"
     assert "/etc/edgespec/edge-agent.env 600" in state and "/etc/edgespec/server-bridge.env 600" in state
+    assert "/etc/edgespec/api-reset.token 640 root:edgespec" in state
     assert "/etc/systemd/system/edge-agent.service 644" in state
     passwd = next(ln for ln in state.splitlines() if ln.startswith("edgespec:"))
     assert passwd.split(":")[5:] == ["/var/lib/edge-agent", shutil.which("nologin") or "/usr/sbin/nologin"]

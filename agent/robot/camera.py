@@ -28,11 +28,17 @@ registered here, a fake beside its own code, so this module imports no simulator
 
 A source may put the capture time (time.monotonic()) in its metadata as "t";
 the grabber stamps the frame with it, else with the time the read returned.
+
+Encoded images the robot decodes (the Go2's JPEG samples here, the local API's images in agent/daemon.py)
+have their width and height read from the header and bounded (protocol/images.py) before OpenCV decodes
+them; OpenCV's own limits (OPENCV_LIMITS) are set to the same bounds when this module is imported, before
+the robot's first `import cv2` (OpenCV reads them once, when it loads), as a second line.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import re
 import threading
 import time
@@ -41,7 +47,19 @@ from typing import Callable, Protocol
 
 import numpy as np
 
+from protocol.images import MAX_IMAGE_PIXELS, MAX_IMAGE_SIDE, ImageError, check_header
+
 log = logging.getLogger(__name__)
+
+# What OpenCV's imdecode/imread decode at most (OpenCV's defaults: 2^30 pixels, 2^20 a side). Set unless the
+# operator set them; they take effect only if cv2 is first imported after this module.
+OPENCV_LIMITS = {
+    "OPENCV_IO_MAX_IMAGE_PIXELS": MAX_IMAGE_PIXELS,
+    "OPENCV_IO_MAX_IMAGE_WIDTH": MAX_IMAGE_SIDE,
+    "OPENCV_IO_MAX_IMAGE_HEIGHT": MAX_IMAGE_SIDE,
+}
+for _name, _value in OPENCV_LIMITS.items():
+    os.environ.setdefault(_name, str(_value))
 
 
 class StaleFrame(RuntimeError):
@@ -169,7 +187,16 @@ class Go2CameraSource:
         code, data = self.client.GetImageSample()
         image = None
         if code == 0 and data:
-            image = cv2.imdecode(np.frombuffer(bytes(data), np.uint8), cv2.IMREAD_COLOR)
+            data = bytes(data)
+            try:
+                check_header(data)  # its size from the header, bounded, before OpenCV allocates for it
+            except ImageError as e:
+                log.warning("camera go2: a sample refused: %s", e)
+                return None
+            try:
+                image = cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_COLOR)
+            except cv2.error as e:  # OpenCV's own limits (OPENCV_LIMITS) raise rather than return None
+                log.warning("camera go2: a sample OpenCV refused: %s", e)
         if image is None:  # a timeout or a bad sample: the grabber counts the failure
             return None
         time.sleep(max(0.0, 1.0 / self.fps - (time.monotonic() - t0)))  # no faster than asked

@@ -208,8 +208,10 @@ class VlmPerception:
     kind = "vlm"
 
     def __init__(self, max_side: int = 384, jpeg_quality: int = 85):
-        if not 16 <= max_side <= 4096:
-            raise ValueError(f"max_side must be 16..4096 pixels, got {max_side!r}")
+        from protocol.images import MAX_IMAGE_SIDE
+
+        if not 16 <= max_side <= MAX_IMAGE_SIDE:  # what the wire takes: 4096 x 4096 is also MAX_IMAGE_PIXELS
+            raise ValueError(f"max_side must be 16..{MAX_IMAGE_SIDE} pixels, got {max_side!r}")
         if not 1 <= jpeg_quality <= 100:
             raise ValueError(f"jpeg_quality must be 1..100, got {jpeg_quality!r}")
         self.max_side, self.jpeg_quality = max_side, jpeg_quality
@@ -220,7 +222,7 @@ class VlmPerception:
     def encode(self, frame: Frame) -> CameraImage:
         import cv2
 
-        from protocol.images import MAX_IMAGE_BYTES
+        from protocol.images import MAX_IMAGE_BYTES, check_header
 
         image = frame.image  # [h, w, 3] uint8 BGR
         if image.ndim != 3 or image.shape[2] != 3 or image.dtype != np.uint8:
@@ -238,6 +240,7 @@ class VlmPerception:
                 f"the frame's JPEG is {len(data)} bytes, over the wire's {MAX_IMAGE_BYTES}: lower "
                 "perception.image_max_side or perception.jpeg_quality"
             )
+        check_header(data)  # what the wire will check: within its pixel bounds (max_side keeps it there)
         return CameraImage(data, size[0], size[1])
 
 

@@ -92,3 +92,38 @@ def test_sources_a_robot_has_pass_to_the_right_opencv_backend():
     fake = lambda info: type("cv2", (), {"getBuildInformation": staticmethod(lambda: info)})  # noqa: E731
     assert has_gstreamer(fake("  Video I/O:\n    GStreamer:                   YES (1.20.3)\n"))
     assert not has_gstreamer(fake("  Video I/O:\n    GStreamer:                   NO\n"))
+
+
+def test_a_go2_sample_over_the_image_limits_is_refused_before_opencv_decodes_it(monkeypatch):
+    import struct
+    from types import SimpleNamespace
+
+    from agent.robot.camera import Go2CameraSource
+
+    jpeg = cv2.imencode(".jpg", np.zeros((48, 64, 3), np.uint8))[1].tobytes()
+    at = jpeg.index(b"\xff\xc0") + 5  # the frame header's height and width
+    bomb = jpeg[:at] + struct.pack(">HH", 30000, 30000) + jpeg[at + 4 :]
+    samples = iter([(0, list(jpeg)), (0, list(bomb))])  # the SDK hands a list of byte values
+    source = Go2CameraSource(fps=1000)
+    source.client = SimpleNamespace(GetImageSample=lambda: next(samples))
+    image, meta = source.read()
+    assert image.shape == (48, 64, 3) and meta["jpeg_bytes"] == len(jpeg)
+    decoded = []
+    monkeypatch.setattr(cv2, "imdecode", lambda *args: decoded.append(args))
+    assert source.read() is None and not decoded  # a failed read, and OpenCV never saw it
+
+
+def test_opencv_decodes_nothing_over_the_image_limits_in_a_robot_process():
+    """OpenCV reads its limits once, when it loads: the camera module sets them before the robot imports cv2."""
+    import subprocess
+    import sys
+
+    code = (
+        "import agent.robot.camera, cv2, numpy as np\n"
+        "tall = cv2.imencode('.png', np.zeros((4097, 2, 3), np.uint8))[1]\n"
+        "try:\n    cv2.imdecode(tall, cv2.IMREAD_COLOR); print('decoded')\n"
+        "except cv2.error:\n    print('refused')\n"
+        "print(cv2.imdecode(cv2.imencode('.png', np.zeros((4096, 2, 3), np.uint8))[1], cv2.IMREAD_COLOR).shape)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.split("\n")[:2] == ["refused", "(4096, 2, 3)"]

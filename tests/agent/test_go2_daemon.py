@@ -8,13 +8,14 @@ from __future__ import annotations
 import asyncio
 import json
 import statistics
+import tempfile
 import threading
 import time
 
 import numpy as np
 import pytest
-from websockets.sync.client import connect
 
+from agent import api as local_api
 from agent import config
 from agent.api import LocalApi
 from agent.daemon import Daemon
@@ -60,25 +61,38 @@ class RecordingNotifier(Notifier):
         return [f["STATUS"] for _, f in list(self.sent) if "STATUS" in f]
 
 
-class Api:
-    """The local API on its own event loop in a thread, as `edge-agent run` serves it."""
+RESET_TOKEN = "reset-token-of-the-tests"  # api.reset_token: a reset over the API carries it
 
-    def __init__(self, daemon):
+
+class Api:
+    """The local API on its own event loop in a thread, as `edge-agent run` serves it: on a Unix socket in a
+    folder of its own (`listen` replaces that), one client connected with `token`."""
+
+    def __init__(self, daemon, listen: str | None = None, token: str = ""):
+        self.folder = tempfile.TemporaryDirectory(prefix="api-")
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="test-api", daemon=True)
         self.thread.start()
-        self.api = asyncio.run_coroutine_threadsafe(LocalApi(daemon, "127.0.0.1:0").start(), self.loop).result(10)
-        self.ws = connect(self.api.address, open_timeout=5).__enter__()
+        listen = f"unix:{self.folder.name}/api.sock" if listen is None else listen
+        self.api = asyncio.run_coroutine_threadsafe(LocalApi(daemon, listen).start(), self.loop).result(10)
+        self.ws = self.connect(token)
+
+    def connect(self, token: str = "", **kw):
+        return local_api.connect(self.api.address, token, open_timeout=5, **kw).__enter__()
 
     def call(self, timeout=15.0, **req):
         self.ws.send(json.dumps(req))
         return json.loads(self.ws.recv(timeout=timeout))
 
     def close(self):
+        if self.folder is None:  # closed already
+            return
         self.ws.__exit__(None, None, None)
         asyncio.run_coroutine_threadsafe(self.api.close(), self.loop).result(10)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(5)
+        self.folder.cleanup()
+        self.folder = None
 
 
 @pytest.fixture
@@ -99,6 +113,7 @@ def make_daemon(*sets):
             'telemetry.path=""',
             "robot.control_hz=50",
             "camera.max_age_ms=300",
+            f'api.reset_token="{RESET_TOKEN}"',
             *sets,
         ],
     )
@@ -115,7 +130,7 @@ def test_api_estop_is_latched_within_50_ms_while_the_robot_does_not_answer(go2):
         for _ in range(10):
             go2.reply.set()  # answer what is pending; stand up again
             if d.safety.estopped:
-                assert api.call(op="reset")["ok"]
+                assert api.call(op="reset", reset_token=RESET_TOKEN)["ok"]
             d.control.start_motion(Motion(Command(vx=0.3), 30.0))
             assert wait_for(lambda: any(c[0] == "Move" and c[1] > 0 for c in go2.calls[-5:]))
             go2.reply.clear()  # from now on the robot does not answer (10 s)
@@ -172,7 +187,7 @@ def test_reset_stands_the_go2_up_before_motion(go2):
         time.sleep(0.1)
         assert not any(c[0] == "Move" and c[1] > 0 for c in go2.calls[-5:])
         n = len(go2.calls)
-        assert api.call(op="reset")["ok"] and not d.safety.estopped
+        assert api.call(op="reset", reset_token=RESET_TOKEN)["ok"] and not d.safety.estopped
         stands = [c[0] for c in go2.calls[n:] if c[0] in ("RecoveryStand", "BalanceStand")]
         assert stands == ["RecoveryStand", "BalanceStand"] and go2.mode == 1
         go2.reply.clear()  # a reset the robot never answers is an error
@@ -181,7 +196,7 @@ def test_reset_stands_the_go2_up_before_motion(go2):
         d.safety.drain(2.0)
         go2.reply.clear()
         d.controller.timeout_s = 0.2
-        reply = api.call(op="reset")
+        reply = api.call(op="reset", reset_token=RESET_TOKEN)
         assert not reply["ok"] and "RecoveryStand returned 3104" in reply["error"] and d.safety.estopped
     finally:
         api.close()

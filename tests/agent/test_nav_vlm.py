@@ -136,8 +136,9 @@ def test_vlm_settings_load_on_any_robot():
     assert example.agent.draft_mmproj == "" and example.perception.image_max_side == 384
 
 
-def test_run_perception_vlm_without_a_projector_exits_2(capsys):
-    rc = cli.main(["run", "--controller", "sim", "--perception", "vlm", "--listen", "127.0.0.1:0", "--telemetry", ""])
+def test_run_perception_vlm_without_a_projector_exits_2(capsys, tmp_path):
+    listen = f"unix:{tmp_path / 'api.sock'}"
+    rc = cli.main(["run", "--controller", "sim", "--perception", "vlm", "--listen", listen, "--telemetry", ""])
     assert rc == 2 and "agent.draft_mmproj" in capsys.readouterr().err
 
 
@@ -342,7 +343,6 @@ def sim_daemon(tmp_path, vlm, vdrafter, url, offline="local", **overrides):
         f'agent.draft_mmproj="{vlm.draft_mmproj}"',
         "perception.image_max_side=128",
         f'offline.policy="{offline}"',
-        'api.listen="127.0.0.1:0"',
         f'telemetry.path="{tmp_path / "telemetry.jsonl"}"',
         "link.verify_timeout_s=5",
         "camera.fps=20",
@@ -444,7 +444,7 @@ def test_a_cut_link_resumes_the_same_answer_with_the_image(tmp_path, vlm, vdraft
         try:
             d.nav.step(INSTRUCTION)
             proxy.refuse_new(True)
-            proxy.schedule_disconnect(after_bytes_down=200)
+            proxy.schedule_disconnect(after_bytes_down=260)  # past opened (its resume secret too), mid-answer
 
             def restore():
                 deadline = time.monotonic() + 60
@@ -475,7 +475,7 @@ def test_run_perception_vlm_end_to_end(tmp_path, capsys, vlm, vserver):
             "--verifier",
             vserver.url,
             "--listen",
-            "127.0.0.1:0",
+            f"unix:{tmp_path / 'api.sock'}",
             "--telemetry",
             str(telemetry),
             "--set",

@@ -12,9 +12,9 @@ import time
 
 import pytest
 from websockets.exceptions import ConnectionClosed
-from websockets.sync.client import connect
 
 from agent import config
+from agent.api import connect
 from agent.daemon import Daemon
 from agent.decoder import EdgeDecoder
 from agent.robot.controllers.sim import SimController
@@ -42,7 +42,7 @@ def make_daemon(tmp_path, drafter, url, offline="local", start=0, **overrides):
     sets = [
         f'link.verifier="{url}"',
         f'offline.policy="{offline}"',
-        'api.listen="127.0.0.1:0"',
+        f'api.listen="unix:{tmp_path / "api.sock"}"',
         f'telemetry.path="{tmp_path / "telemetry.jsonl"}"',
         "link.verify_timeout_s=6",
         "agent.max_plan_age_s=30",
@@ -170,11 +170,13 @@ def test_local_api_estop_status_and_bad_requests(tmp_path, drafter, proxy):
 
     from agent.api import LocalApi
 
-    d = make_daemon(tmp_path, drafter, proxy.url(), start=1)  # start 1: the first action is a turn
+    reset_token = "reset-token-of-the-tests"
+    # start 1: the first action is a turn
+    d = make_daemon(tmp_path, drafter, proxy.url(), start=1, **{"api.reset_token": f'"{reset_token}"'})
     loop = asyncio.new_event_loop()
     t = threading.Thread(target=loop.run_forever, daemon=True)
     t.start()
-    api = asyncio.run_coroutine_threadsafe(LocalApi(d, "127.0.0.1:0").start(), loop).result(10)
+    api = asyncio.run_coroutine_threadsafe(LocalApi(d).start(), loop).result(10)
     events = []
     try:
         with connect(api.address) as ctl, connect(api.address) as sub:
@@ -211,7 +213,7 @@ def test_local_api_estop_status_and_bad_requests(tmp_path, drafter, proxy):
             assert wait_for(lambda: d.history and d.history[-1]["state"] == "estopped", 30)
 
             # 2. e-stop while a generation is in flight: its action never reaches the motors
-            assert call(op="reset")["ok"]
+            assert call(op="reset", reset_token=reset_token)["ok"]
             assert not d.world.damped and not d.safety.estopped
             events.clear()
             assert call(op="submit", instruction="go to the red box")["ok"]
@@ -249,7 +251,7 @@ def test_daemon_tells_systemd_ready_watchdog_and_stopping(tmp_path):
             "--perception",
             "sim",
             "--listen",
-            "127.0.0.1:0",
+            f"unix:{tmp_path / 'api.sock'}",
             "--telemetry",
             str(tmp_path / "t.jsonl"),
             "--set",

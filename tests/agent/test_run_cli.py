@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -83,7 +84,8 @@ class WalkingDrafter:
 
 
 def _run(capsys, *args) -> tuple[int, dict, str]:
-    rc = cli.main(["run", "--listen", "127.0.0.1:0", "--telemetry", "", *args])
+    with tempfile.TemporaryDirectory(prefix="api-") as folder:  # the local API's Unix socket, one per run
+        rc = cli.main(["run", "--listen", f"unix:{folder}/api.sock", "--telemetry", "", *args])
     out = capsys.readouterr()
     lines = out.out.strip().splitlines()
     return rc, (json.loads(lines[-1]) if lines else {}), out.err
@@ -185,7 +187,7 @@ def test_run_json_with_the_real_draft_in_a_subprocess(tmp_path):
             "--offline",
             "local",
             "--listen",
-            "127.0.0.1:0",
+            f"unix:{tmp_path / 'api.sock'}",
             "--telemetry",
             "",
             "--set",

@@ -10,6 +10,7 @@ again when the server no longer holds them.
 
 import asyncio
 import io
+import threading
 import time
 
 import numpy as np
@@ -20,7 +21,7 @@ from agent.decoder import EdgeDecoder, FsdOptions, ReconnectPolicy
 from agent.drafter import Drafter
 from agent.link import ServerError
 from protocol import sampling, wire
-from protocol.images import PromptImage
+from protocol.images import MAX_IMAGE_PIXELS, MAX_IMAGE_SIDE, PromptImage
 from protocol.payload import PayloadSpec
 from protocol.sampling import SamplingParams
 from protocol.vision import CACHED
@@ -116,6 +117,7 @@ def test_the_welcome_offers_images_with_the_drafts_marker(vdrafter, vserver, vta
         dec.close()
     assert offered["marker"] == vdrafter.image_marker == vtarget.image_marker
     assert offered["max_images"] >= 1 and offered["max_bytes"] >= 1 << 20
+    assert offered["max_side"] == MAX_IMAGE_SIDE and offered["max_pixels"] == MAX_IMAGE_PIXELS
 
 
 @pytest.mark.parametrize("mode", ["ar", "sd", "fsd"])
@@ -344,3 +346,20 @@ def test_the_draft_prefills_an_image_once_and_keeps_the_shared_prefix(vdrafter, 
     vdrafter.use_images(images)
     assert np.array_equal(vdrafter.next_logits(ids), first)
     assert vdrafter.llm.n_tokens == len(vdrafter.expand(ids)) and longer.shape == first.shape
+
+
+def test_an_opens_images_are_decoded_off_the_model_thread(vdrafter, vserver, vtarget, monkeypatch):
+    """DESIGN's Trust: the server decodes an open's image (libmtmd's bitmap and tiles; PIL and the processor)
+    in its image thread before the open reaches the model thread, which every robot waits on."""
+    vision = vtarget.engine.vision
+    name = "_tokenize" if hasattr(vision, "_tokenize") else "_prepare"  # llamacpp's libmtmd, torch's processor
+    decode, threads = getattr(vision, name), []
+
+    def spy(image):
+        threads.append(threading.current_thread().name)
+        return decode(image)
+
+    monkeypatch.setattr(vision, name, spy)
+    ids, images = prompt(vdrafter, 7)  # an image no other test sent: not cached
+    assert generate(vdrafter, vserver.url, "sd", ids, images).token_ids
+    assert threads and all(t.startswith("images") for t in threads), threads

@@ -8,7 +8,7 @@ from protocol import wire
 from protocol.wire import WireError
 
 
-@pytest.mark.parametrize("cls", [wire.Hello, wire.Welcome, wire.Open, wire.Verify])
+@pytest.mark.parametrize("cls", [wire.Hello, wire.Welcome, wire.Open, wire.Opened, wire.Verify])
 def test_dummies_round_trip(cls):
     msg = cls.make_dummy()
     assert wire.decode(wire.encode(msg)) == msg
@@ -142,3 +142,74 @@ def test_streamed_token_carries_the_targets_probability():
         d["p"] = bad
         with pytest.raises(WireError):
             wire.decode(msgpack.packb(d))
+
+
+def test_resume_secrets_are_optional_on_the_wire():
+    """An open without a secret is the frame it was before secrets; an older server's opened decodes to ""."""
+    plain = wire.Open("s1", [1, 2, 3], {"temperature": 0.0, "top_k": 0, "seed": 0})
+    assert "resume" not in msgpack.unpackb(wire.encode(plain)) and wire.decode(wire.encode(plain)).resume == ""
+    older = msgpack.packb({"type": "opened", "v": 1, "sid": "s1", "n_committed": 3, "timing": {}})
+    assert wire.decode(older).resume == ""
+    for bad in (7, "x" * 65):
+        frame = msgpack.packb({**plain.to_wire(), "resume": bad})
+        with pytest.raises(WireError) as e:
+            wire.decode(frame)
+        assert e.value.code == "bad_field" and e.value.sid == "s1"
+
+
+def _verify_with_cands(cands) -> bytes:
+    return _frame(type="verify", sid="s1", round=0, n_committed=3, draft_ids=[1, 2], q=["none"], cands=cands)
+
+
+@pytest.mark.parametrize(
+    "cands",
+    [
+        {"dtype": "<i4", "shape": [2**40, 2**30, 0, 5], "data": b""},  # numpy would raise "array is too big"
+        {"dtype": "<i4", "shape": [2**64 - 1, 0], "data": b""},  # past int64: numpy would overflow
+        {"dtype": ["<i4"], "shape": [2, 1], "data": b"\0" * 8},  # unhashable: `in` would raise TypeError
+    ],
+)
+def test_an_array_shape_is_bounded_before_numpy_sees_it(cands):
+    with pytest.raises(WireError) as e:
+        wire.decode(_verify_with_cands(cands))
+    assert e.value.code == "bad_field" and e.value.sid == "s1"
+    good = {"dtype": "<i4", "shape": [2, 3], "data": np.arange(6, dtype="<i4").tobytes()}
+    assert wire.decode(_verify_with_cands(good)).cands.tolist() == [[0, 1, 2], [3, 4, 5]]
+
+
+def test_an_error_never_echoes_what_its_own_decoder_would_refuse():
+    cases = [
+        _frame(type="open", sid="bad sid!", prompt_ids=[1], sampling={"temperature": 0.0}),
+        _frame(type="open", sid="x" * 65, prompt_ids=[1], sampling={"temperature": 0.0}),
+        _frame(type="open", sid=b"s1", prompt_ids=[1], sampling={"temperature": b"\0" * 2**20}),
+        _frame(type="verify", sid="s1", round="r" * 4000, n_committed=3, draft_ids=[], q=["none"]),
+        _frame(type="verify", sid="s1", round=0, n_committed=3, draft_ids=[1, 2], q=["k" * 4000]),
+        _frame(type=["open"] * 1000),  # unhashable: a TypeError before
+        _frame(type="x" * 16000),
+        msgpack.packb({"type": "hello", "v": "v" * 16000}),
+    ]
+    for frame in cases:
+        with pytest.raises(WireError) as e:
+            wire.decode(frame, max_bytes=8 * 2**20)
+        assert e.value.sid in (None, "s1") and len(e.value.message) < 300
+        back = wire.decode(wire.encode(wire.Error(e.value.code, e.value.message, e.value.sid)))
+        assert (back.code, back.message, back.sid) == (e.value.code, e.value.message, e.value.sid)
+    # whatever an error is given, it goes out as an error its receiver can read
+    back = wire.decode(wire.encode(wire.Error("c" * 100, "m" * 10_000, "bad sid!")))
+    assert back.sid is None and len(back.code) == 64 and len(back.message) == wire.MAX_STR
+
+
+def test_replies_the_robot_adds_up_carry_numbers_only():
+    for timing in ({"verify_ms": "fast"}, {"verify_ms": float("nan")}, {"passes": [1]}, {"verify_ms": None}):
+        frame = msgpack.packb([wire.PROTOCOL_VERSION, "result", "s1", 0, 1, 5, 3, timing])
+        with pytest.raises(WireError):
+            wire.decode(frame)
+    for logits in ([np.nan, 0.0], [np.inf, 0.0], [-np.inf, -np.inf]):
+        residual = {"logits": np.array(logits, np.float32), "ids": None}
+        with pytest.raises(WireError, match="residual logits"):
+            wire.decode(wire.encode(wire.Result("s1", 0, 0, -1, 3, {}, residual)))
+    masked = {"logits": np.array([-np.inf, 1.5], np.float32), "ids": np.array([4, 9], np.int32)}
+    assert wire.decode(wire.encode(wire.Result("s1", 0, 0, -1, 3, {"verify_ms": 2.0}, masked))).residual["ids"][1] == 9
+    negative = {"logits": np.array([0.5], np.float32), "ids": np.array([-4], np.int32)}
+    with pytest.raises(WireError, match="negative"):
+        wire.decode(wire.encode(wire.Result("s1", 0, 0, -1, 3, {}, negative)))

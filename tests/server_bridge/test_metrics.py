@@ -50,7 +50,12 @@ FAMILIES = [
     ("bridge_tau", "gauge"),
     ("bridge_avg_exit_layer", "gauge"),
 ]
-NEW = [("bridge_draining", "gauge")]
+NEW = [
+    ("bridge_draining", "gauge"),
+    ("bridge_connections_unauthenticated", "gauge"),  # peers before hello (server_bridge/peers.py)
+    ("bridge_connections_refused_total", "counter"),
+    ("bridge_log_lines_suppressed_total", "counter"),
+]
 OPTIONAL = {
     "bridge_engine_info",
     "bridge_kv_tokens_capacity",

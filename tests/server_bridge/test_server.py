@@ -95,7 +95,11 @@ def test_bad_input_gets_errors_and_another_session_keeps_generating(server, targ
                     "seeing",
                     [1, 2],
                     {"temperature": 0.0},
-                    images=[images.PromptImage.of(b"\xff\xd8\xff\xe0" + b"\0" * 64, 0)],
+                    images=[
+                        images.PromptImage.of(
+                            b"\xff\xd8\xff\xc0\x00\x08\x08\x00\x40\x00\x40\x00\xff\xda" + b"\0" * 64, 0
+                        )
+                    ],
                 )
             ),
             "no_vision",
@@ -373,22 +377,27 @@ def _round(ws, sid, rnd, committed):
     return committed + [result.token]
 
 
-def test_a_session_is_reopened_only_by_its_connection_or_with_its_committed_prefix(server, target, drafter):
+def test_a_session_is_reopened_only_by_its_connection_or_with_its_resume_secret(server, target, drafter):
     ids = drafter.tokenize("Go to the kitchen.", chat=True)
     owner, other = _raw(server, target), _raw(server, target)
-    assert _open(owner, "mine", ids).n_committed == len(ids)
+    opened = _open(owner, "mine", ids)
+    assert opened.n_committed == len(ids) and opened.resume
     committed = _round(owner, "mine", 0, _round(owner, "mine", 0, ids))
-    # someone else who knows the sid: another prompt, or the prompt without what the session has committed
-    for prompt in (drafter.tokenize("Go to the garage.", chat=True), ids):
+    # someone else who knows the sid: another prompt, the prompt, even the whole committed prefix
+    for prompt in (drafter.tokenize("Go to the garage.", chat=True), ids, committed):
         other.send(wire.encode(wire.Open("mine", prompt, GREEDY)))
         assert _error(other).code == "session_taken"
     committed = _round(owner, "mine", 1, committed)  # the owner goes on as if nothing happened
-    # the owner's robot back on a new link, its last result lost with the old one: one round short
+    # the owner's robot back on a new link, its last result lost with the old one (one round short): its
+    # resume secret moves the session, and the secret stays the same
     back = _raw(server, target)
-    assert _open(back, "mine", committed[:-1]).n_committed == len(committed) - 1
+    back.send(wire.encode(wire.Open("mine", committed[:-1], GREEDY, resume=opened.resume)))
+    reopened = wire.decode(back.recv(timeout=30))
+    assert reopened.n_committed == len(committed) - 1 and reopened.resume == opened.resume
     owner.send(wire.encode(wire.Verify("mine", 2, len(committed), [], {"kind": "none"})))
     assert _error(owner).code == "unknown_session"  # the session moved with its robot
-    # a prefix that starts with the whole committed one proves it too (a split correction still owed)
-    assert _open(other, "mine", committed).n_committed == len(committed)
+    # with the secret a longer prefix re-opens it too (a split correction still owed)
+    other.send(wire.encode(wire.Open("mine", committed, GREEDY, resume=opened.resume)))
+    assert wire.decode(other.recv(timeout=30)).n_committed == len(committed)
     for ws in (owner, other, back):
         ws.close()

@@ -1,13 +1,11 @@
 """The session table is bounded, evicts least-recently-used and idle sessions, and isolates connections."""
 
-from types import SimpleNamespace
-
 import numpy as np
 import pytest
 
 from protocol.sampling import SamplingParams
 from protocol.wire import WireError
-from server_bridge.sessions import Session, SessionTable
+from server_bridge.sessions import Session, SessionTable, in_request
 
 
 def _session(sid, conn=1):
@@ -55,46 +53,111 @@ def test_sessions_belong_to_their_connection():
     assert t.discard("a", 2) and not t.discard("a", 2)  # closing twice is fine
 
 
-def _owned(sid, ids, acked, conn=1):
-    """A session of conn whose committed prefix is ids; its robot has shown it holds the first `acked`."""
+def test_another_open_connection_cannot_take_a_session_without_its_resume_secret():
+    t = SessionTable(max_sessions=10, max_per_connection=10, idle_timeout_s=60)
+    owner = _session("a", conn=1)
+    owner.resume = "s3cret-of-a"
+    t.put(owner)
+    for resume in ("", "s3cret-of-b", "s3cret-of-a-"):  # knowing its prompt or sid proves nothing
+        with pytest.raises(WireError) as e:
+            t.check_owner("a", 2, resume)
+        assert e.value.code == "session_taken" and "resume secret" in e.value.message
+    assert t.get("a", 1) is owner  # the owner never noticed
+    t.check_owner("a", 1)  # its own connection may start anything on it
+    t.check_owner("b", 2)  # an unknown sid is anyone's
+    t.check_owner("a", 2, "s3cret-of-a")  # its robot back on a new link, the old one not yet closed
+    # the secret stays with the session while its robot re-opens it; anyone else gets a fresh one
+    assert t.secret_for("a", 1) == t.secret_for("a", 2, "s3cret-of-a") == "s3cret-of-a"
+    fresh = {t.secret_for("a", 2), t.secret_for("new", 1), t.secret_for("new", 1)}
+    assert len(fresh) == 3 and "s3cret-of-a" not in fresh and all(len(x) >= 22 for x in fresh)
+
+
+def test_a_session_whose_connection_closed_may_be_reopened_by_any_connection_but_gets_a_new_secret():
+    t = SessionTable(max_sessions=10, max_per_connection=10, idle_timeout_s=60)
+    s = _session("a", conn=1)
+    s.resume = "s3cret-of-a"
+    t.put(s)
+    with pytest.raises(WireError):
+        t.check_owner("a", 2)  # connection 1 is open: no secret, no entry
+    assert t.detach(1) == 1 and t.detach(1) == 0
+    t.check_owner("a", 2)  # closed: the next step's open re-opens it (a robot after a dropped link)
+    assert t.secret_for("a", 2, "s3cret-of-a") == "s3cret-of-a"  # its robot, with its secret, keeps it
+    assert t.secret_for("a", 2) != "s3cret-of-a"  # whoever re-opens it without the secret never learns it
+    with pytest.raises(WireError):
+        t.get("a", 2)  # but only an open takes it over
+
+
+def _table(released, **kw):
+    return SessionTable(idle_timeout_s=60, on_release=released.extend, **{"max_per_connection": 10, **kw})
+
+
+def test_a_full_table_evicts_the_least_recently_used_idle_session_detached_first():
+    released = []
+    t = _table(released, max_sessions=4)
+    for sid, conn in (("a", 1), ("b", 2), ("c", 1), ("d", 3)):
+        t.put(_session(sid, conn))
+    t.peek("a").requests = 1  # in a request now: never evicted
+    t.detach(3)  # d's connection closed
+    assert t.put(_session("e", 4)) == ["d"]  # detached before idle, though the most recently used
+    assert t.put(_session("f", 4)) == ["b"]  # then the least recently used idle one, a passed by
+    assert [s.sid for s in released] == ["d", "b"] and all(s.retired for s in released)
+    assert t.evicted_total == 2 and sorted(t._sessions) == ["a", "c", "e", "f"]
+    for sid in "cef":
+        t.peek(sid).requests = 1
+    with pytest.raises(WireError) as e:  # every one in a request: the newcomer is refused, nobody evicted
+        t.make_room("g", 5, "")
+    assert e.value.code == "overloaded" and len(t) == 4 and len(released) == 2
+    t.make_room("a", 5, "")  # a re-open needs no room
+
+
+def test_evict_one_frees_a_sequence_for_an_open():
+    released = []
+    t = _table(released, max_sessions=10)
+    for sid in "abc":
+        t.put(_session(sid))
+    t.peek("a").requests = 1
+    assert t.evict_one(keep="b", why="engine full") == "c"  # a is in a request, b is the one opening
+    assert t.evict_one(keep="b", why="engine full") is None and [s.sid for s in released] == ["c"]
+
+
+def _of(client, sid, conn):
     s = _session(sid, conn)
-    s.state = SimpleNamespace(ids=list(ids))
-    s.acknowledge(acked)
+    s.client = client
     return s
 
 
-def test_another_connection_cannot_take_a_session_without_its_committed_prefix():
-    t = SessionTable(max_sessions=10, max_per_connection=10, idle_timeout_s=60)
-    owner = _owned("a", [1, 2, 3, 4, 5], acked=5)
-    t.put(owner)
-    for prompt in ([1, 2, 3, 9], [9, 9], [1, 2, 3], [1, 2, 3, 4, 6, 7]):  # another prefix, or too little of it
-        with pytest.raises(WireError) as e:
-            t.check_owner("a", 2, prompt)
-        assert e.value.code == "session_taken" and "committed prefix" in e.value.message
-    assert t.get("a", 1) is owner and owner.state.ids == [1, 2, 3, 4, 5]  # the owner never noticed
-    t.check_owner("a", 1, [7, 7])  # its own connection may start anything on it
-    t.check_owner("b", 2, [7, 7])  # an unknown sid is anyone's
+def test_one_client_cannot_hold_more_than_its_share():
+    released = []
+    t = _table(released, max_sessions=10, max_per_client=3)
+    for i, sid in enumerate("abc"):
+        t.put(_of("10.0.0.7", sid, conn=i + 1))  # over several connections: still one client
+    t.put(_of("10.0.0.8", "x", conn=9))
+    t.get("a", 1)  # b is now its least recently used
+    assert t.put(_of("10.0.0.7", "d", conn=4)) == ["b"]  # its own idle session goes, not another client's
+    assert t.make_room("a", 4, "10.0.0.7") == []  # a re-open of one of its own counts once
+    for sid in "acd":
+        t.peek(sid).requests = 1
+    with pytest.raises(WireError) as e:
+        t.put(_of("10.0.0.7", "e", conn=4))
+    assert e.value.code == "too_many_sessions" and "max_sessions_per_client" in e.value.message
+    t.put(_of("10.0.0.8", "y", conn=9))  # another client is unaffected
+    for i in range(4):
+        t.put(_of("", f"z{i}", conn=10 + i))  # and "" (a trusted loopback client) has no share of its own
+    assert [s.sid for s in released] == ["b"] and len(t) == 9
 
 
-def test_a_robot_back_on_a_new_connection_reopens_with_its_committed_prefix():
-    t = SessionTable(max_sessions=10, max_per_connection=10, idle_timeout_s=60)
-    t.put(_owned("a", [1, 2, 3, 4, 5], acked=5))
-    t.check_owner("a", 2, [1, 2, 3, 4, 5])  # the whole committed prefix
-    t.check_owner("a", 2, [1, 2, 3, 4, 5, 6])  # and a correction it still owes (split)
-    # its last round was committed here but its result was lost with the link: the robot has 5 of our 8
-    t.put(_owned("b", [1, 2, 3, 4, 5, 6, 7, 8], acked=5))
-    t.check_owner("b", 2, [1, 2, 3, 4, 5])
-    t.check_owner("b", 2, [1, 2, 3, 4, 5, 6])  # part of the lost round came through
-    with pytest.raises(WireError):
-        t.check_owner("b", 2, [1, 2, 3, 4, 5, 9])  # a different token where we have one is no proof
-
-
-def test_a_session_whose_connection_closed_may_be_reopened_by_any_connection_with_any_prompt():
-    t = SessionTable(max_sessions=10, max_per_connection=10, idle_timeout_s=60)
-    t.put(_owned("a", [1, 2, 3], acked=3))
-    with pytest.raises(WireError):
-        t.check_owner("a", 2, [1, 2, 9])  # connection 1 is alive: no proof, no entry
-    assert t.detach(1) == 1 and t.detach(1) == 0
-    t.check_owner("a", 2, [1, 2, 9])  # closed: the next step's prompt re-opens it
-    with pytest.raises(WireError):
-        t.get("a", 2)  # but only an open takes it over
+def test_closing_a_session_releases_it_and_a_session_in_a_request_is_marked_while_it_waits():
+    released = []
+    t = _table(released, max_sessions=10)
+    s = _session("a")
+    t.put(s)
+    with in_request(s):
+        assert s.requests == 1
+        with in_request(s):
+            assert s.requests == 2
+    assert s.requests == 0
+    with in_request(None):  # an open of a new sid has no session yet
+        pass
+    assert t.discard("a", 1) and released == [s] and s.retired
+    t.put(_session("b"))
+    assert t.clear() == 1 and len(t) == 0 and [x.sid for x in released] == ["a", "b"]

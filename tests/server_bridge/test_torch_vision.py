@@ -175,7 +175,7 @@ def test_an_image_pass_in_a_batch_leaves_the_other_sessions_as_they_were(engine)
 def test_corrupt_bytes_are_refused_before_anything_is_written_and_the_engine_serves_on(engine):
     ids, _ = prompt(engine, encoded(0))
     at = ids.index(engine.image_token_id)
-    bad = PromptImage.of(b"\xff\xd8\xff\xe0" + b"not a jpeg" * 40, at)
+    bad = PromptImage.of(b"\xff\xd8\xff\xc0\x00\x08\x08\x00\x40\x00\x40\x00\xff\xda\x00\x02" + b"not a jpeg" * 40, at)
     text = engine.tokenizer.encode("Go to the door")
     seq, other = engine.new_sequence(), engine.new_sequence()
     with pytest.raises(ValueError, match="could not be decoded"):

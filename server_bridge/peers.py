@@ -1,0 +1,184 @@
+"""What a peer may hold before it is trusted (DESIGN.md, Trust): pure bookkeeping, no I/O.
+
+* `client_address`: who the client is. The TCP peer, unless that peer is a proxy the operator listed in
+  `trusted_proxies`: then the right-most address of its `X-Forwarded-For` that is not itself a trusted
+  proxy (HAProxy's `option forwardfor` appends the address it saw, so whatever a client wrote there
+  itself is to the left of it and never read). A forwarding header from a peer that is not a trusted
+  proxy is ignored for the address, and marks the request as proxied: a same-host proxy nobody declared
+  never makes its clients look like loopback.
+* `Gate`: connections that have not passed hello, at most `max_total` over all peers and
+  `max_per_address` from one client address. A newcomer over its address's share is refused; when the
+  whole table is full the oldest pending connection makes room (silent connections age out of the
+  table instead of locking newcomers out: a robot's handshake takes milliseconds).
+* `LogBudget`: at most `limit` log lines per window; the rest are counted and reported in one line.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass
+
+FORWARDED_HEADERS = ("X-Forwarded-For", "Forwarded", "X-Real-IP")  # any of them: the peer is a proxy
+MAX_FORWARDED = 32  # X-Forwarded-For entries read, from the right: no proxy chain is longer
+
+
+def parse_networks(cidrs: Iterable[str]) -> tuple:
+    """["10.0.0.0/8", "127.0.0.1"] -> networks; raises ValueError naming the bad entry."""
+    nets = []
+    for cidr in cidrs:
+        try:
+            nets.append(ipaddress.ip_network(str(cidr).strip(), strict=False))
+        except ValueError:
+            raise ValueError(f"not an address or CIDR: {cidr!r}") from None
+    return tuple(nets)
+
+
+def _ip(text: str):
+    """An address from a peer name or a header entry ("1.2.3.4", "[::1]", "::ffff:1.2.3.4"); None if it is none."""
+    text = text.strip().strip('"')
+    if text.startswith("[") and "]" in text:
+        text = text[1 : text.index("]")]
+    try:
+        ip = ipaddress.ip_address(text)
+    except ValueError:
+        return None
+    return ip.ipv4_mapped or ip if ip.version == 6 else ip
+
+
+def peer_ip(remote) -> str:
+    """The TCP peer's address from websockets' remote_address ((host, port, ...) or None)."""
+    try:
+        return str(remote[0])
+    except (TypeError, IndexError):
+        return ""
+
+
+def _in(ip, networks) -> bool:
+    return ip is not None and any(ip.version == n.version and ip in n for n in networks)
+
+
+@dataclass(frozen=True)
+class Client:
+    address: str  # the client's address as the server uses it (logs, caps, the loopback rule)
+    loopback: bool  # it is this host, and no undeclared proxy stands in between
+    via_proxy: bool  # the TCP peer is a trusted proxy
+
+
+def client_address(peer: str, forwarded_for: list[str], proxied: bool, trusted_proxies) -> Client:
+    """Who the client is: `peer` is the TCP peer's address, `forwarded_for` the X-Forwarded-For header
+    values in order, `proxied` whether the request carries any forwarding header at all."""
+    ip = _ip(peer)
+    if _in(ip, trusted_proxies):
+        hops = [h.strip() for value in forwarded_for for h in value.split(",")][-MAX_FORWARDED:]
+        if not hops:  # the proxy's own request (a health check)
+            return Client(str(ip), ip.is_loopback, True)
+        for hop in reversed(hops):  # nearest first; stop at the first address no trusted proxy vouches for
+            client = _ip(hop)
+            if client is None or not _in(client, trusted_proxies):
+                break
+        if client is None:  # something that is not an address ("unknown"): no loopback, its own bucket
+            return Client(hop[:64] or "unknown", False, True)
+        return Client(str(client), client.is_loopback, True)  # (every hop trusted: the left-most, as nginx does)
+    if ip is None:
+        return Client(peer[:64] or "unknown", False, False)
+    return Client(str(ip), ip.is_loopback and not proxied, False)
+
+
+def address_key(address: str) -> str:
+    """What the per-address cap counts: an IPv4 address, or an IPv6 address's /64 (one host's share)."""
+    ip = _ip(address)
+    if ip is not None and ip.version == 6:
+        return str(ipaddress.ip_network(f"{ip}/64", strict=False))
+    return address
+
+
+@dataclass
+class _Pending:
+    since: float
+    key: str | None  # counted under this address; None: behind a trusted proxy, known at its request
+
+
+class Gate:
+    """Connections before hello. Every method takes an opaque, hashable connection key."""
+
+    def __init__(self, max_total: int, max_per_address: int, clock=time.monotonic):
+        self.max_total = max_total
+        self.max_per_address = max_per_address
+        self.clock = clock
+        self._pending: OrderedDict[Hashable, _Pending] = OrderedDict()  # oldest first
+        self._per_address: Counter = Counter()
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def __contains__(self, conn: Hashable) -> bool:
+        return conn in self._pending
+
+    def admit(self, conn: Hashable, address: str | None) -> tuple[bool, list]:
+        """A new connection (TCP accepted). `address` None: its client is known only from its request (a
+        trusted proxy's connection). Returns (admitted, connections evicted to make room, oldest first):
+        refused when its address already holds max_per_address pending connections."""
+        key = None if address is None else address_key(address)
+        if key is not None and self._per_address[key] >= self.max_per_address:
+            return False, []
+        evicted = []
+        while len(self._pending) >= self.max_total:
+            oldest = next(iter(self._pending))
+            self.release(oldest)
+            evicted.append(oldest)
+        self._pending[conn] = _Pending(self.clock(), key)
+        if key is not None:
+            self._per_address[key] += 1
+        return True, evicted
+
+    def identify(self, conn: Hashable, address: str) -> bool:
+        """The client of a connection admitted without an address; False when that address is over its cap
+        (the connection stays pending until it closes)."""
+        pending = self._pending.get(conn)
+        if pending is None or pending.key is not None:
+            return True
+        key = address_key(address)
+        if self._per_address[key] >= self.max_per_address:
+            return False
+        pending.key = key
+        self._per_address[key] += 1
+        return True
+
+    def release(self, conn: Hashable) -> None:
+        """It passed hello, was exempted or closed; idempotent."""
+        pending = self._pending.pop(conn, None)
+        if pending is not None and pending.key is not None:
+            self._per_address[pending.key] -= 1
+            if not self._per_address[pending.key]:
+                del self._per_address[pending.key]
+
+
+class LogBudget:
+    """At most `limit` lines per `window_s`; lines over it are counted, and reported once the window turns."""
+
+    def __init__(self, limit: int, window_s: float = 10.0, clock=time.monotonic, name: str = ""):
+        self.limit, self.window_s, self.clock, self.name = limit, window_s, clock, name  # name: whose lines
+        self._start = clock()
+        self._used = 0
+        self.suppressed = 0  # in the current window, not reported yet
+
+    def take(self) -> tuple[bool, int]:
+        """(may this line be logged, lines suppressed in the window just ended: report them first)."""
+        now = self.clock()
+        ended = 0
+        if now - self._start >= self.window_s:
+            ended, self.suppressed = self.suppressed, 0
+            self._start, self._used = now, 0
+        if self._used < self.limit:
+            self._used += 1
+            return True, ended
+        self.suppressed += 1
+        return False, ended
+
+    def flush(self) -> int:
+        """Lines suppressed and not reported yet (at the connection's end)."""
+        n, self.suppressed = self.suppressed, 0
+        return n
