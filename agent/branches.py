@@ -11,6 +11,12 @@ call, in one batch. On this CPU one step of 4 branches takes ~40 ms against
 tools/bench/predraft.py measures this against one context per worker thread
 (batched is 1.3-2x faster from 2 branches on).
 
+A vision-language draft's images are in sequence 0 as the `Drafter` lays them out:
+`held` and a branch's `tokens` are indexed by position (an image's positions carry
+its stand-in id), every copy and cut is by position, and a branch's first new
+token sits past every position it shares (for an M-RoPE image, Qwen-VL's, the
+image's cells are more than its positions: the context is sized in cells).
+
 Not thread-safe: one BranchDrafter belongs to one thread (the pre-draft worker).
 It shares the model weights of the `Drafter` it is built from.
 """
@@ -38,7 +44,7 @@ class Branch:
     seq: int  # llama sequence id (1..slots)
     gamma: int
     rng: np.random.Generator
-    tokens: list[int]  # what the sequence holds, positions 0 .. len - 1
+    tokens: list[int]  # what the sequence holds, by position 0 .. len - 1 (an image's as its stand-in id)
     feed: list[int]  # tokens to decode next, at positions len(tokens), ...
     ids: list[int] = field(default_factory=list)
     rows: list = field(default_factory=list)  # the payload's q rows (T > 0), see payload.draw
@@ -72,7 +78,7 @@ class BranchDrafter:
         self._batch = _internals.LlamaBatch(n_tokens=512, embd=0, n_seq_max=1, verbose=False)
         self.n_ctx = n_ctx
         self.drafter = drafter  # its images: sequence 0 holds drafter.expand(committed) + draft
-        self.held: list[int] = []  # tokens in sequence 0 (an image's positions as its stand-in id)
+        self.held: list[int] = []  # sequence 0 by position (an image's positions as its stand-in id)
         self.free = list(range(slots, 0, -1))  # free branch sequence ids
         self.kept: dict[tuple[int, ...], Branch] = {}  # finished branches whose KV is still held
 
@@ -120,8 +126,9 @@ class BranchDrafter:
         sequence 0 held is kept and the rest evaluated in one batch.
         """
         seq = self.drafter.expand(list(committed) + list(draft_ids))
-        if len(seq) + 1 >= self.n_ctx:
-            raise DraftContextFull(f"{len(seq)} tokens do not fit the pre-draft context of {self.n_ctx}")
+        cells = self.drafter.kv_cells(len(committed) + len(draft_ids))
+        if cells + 1 >= self.n_ctx:
+            raise DraftContextFull(f"{cells} KV cells do not fit the pre-draft context of {self.n_ctx}")
         import llama_cpp
 
         promoted = self.kept.get(reuse) if reuse is not None else None
@@ -138,7 +145,8 @@ class BranchDrafter:
         self.held = self.held[:keep]
         for kind, run, at in self.drafter.image_runs(seq, keep, len(seq)):
             if kind == "image":  # a prompt's image, through the draft's projector
-                n = self.drafter.vision.eval(self._ctx.ctx, 0, at, run, 512, logits_last=True)
+                last = at + self.drafter.vision.positions(run) == len(seq)  # the sequence ends on it: its row
+                n = self.drafter.vision.eval(self._ctx.ctx, 0, at, run, 512, logits_last=last)
                 self.held.extend(seq[at : at + n])
                 continue
             for start in range(at, at + len(run), 512):
@@ -163,6 +171,8 @@ class BranchDrafter:
             raise BranchError("no free branch slot")
         full = self.held[: self.drafter.kv_len(n_committed)] + list(key)
         shared = min(_common_prefix(self.held, full), len(full) - 1)
+        if min(full[shared:]) < 0:  # an image to decode: only `base` evaluates images
+            raise BranchError(f"branch {key[:4]} would start inside an image")
         seq = self.free.pop()
         llama_cpp.llama_memory_seq_cp(self._ctx.memory, 0, seq, 0, shared)
         return Branch(key, seq, gamma, rng, tokens=full[:shared], feed=full[shared:])

@@ -7,9 +7,12 @@ cache follows the committed prefix: a rejection rolls it back by setting
 
 A vision-language draft (`mmproj` given: libmtmd's projector, protocol/vision.py)
 reads the current prompt's images (`use_images`): the context holds each image's
-marker expanded to the image's positions, so the KV is indexed by `expand(ids)`,
-in which an image's positions carry a negative stand-in id of its own. A step's
-image and text are prefilled once and the shared prefix's KV kept, as for text.
+marker expanded to the image's positions, so the KV is indexed by position,
+`expand(ids)`, in which an image's positions carry a negative stand-in id of its
+own (`n_tokens` is the next free position, not a count of cells: an M-RoPE image,
+Qwen-VL's, takes more cells than positions). A step's image and text are
+prefilled once and the shared prefix's KV kept, as for text; every rollback cuts
+by position.
 
 Not thread-safe: one `Drafter` (one llama context) per thread.
 """
@@ -165,7 +168,8 @@ class Drafter:
         self.chat_template = self.llm.metadata.get("tokenizer.chat_template")
         self.vision = None  # libmtmd's projector (protocol/vision.py) when the draft sees
         self.image_marker: int | None = None  # the image marker's id in this vocabulary
-        self._images: dict[int, tuple[PromptImage, int, int]] = {}  # marker index -> (image, positions, stand-in)
+        # marker index -> (image, positions, stand-in id, KV cells)
+        self._images: dict[int, tuple[PromptImage, int, int, int]] = {}
         if mmproj is not None:
             from protocol.vision import MtmdVision, marker_id
 
@@ -228,7 +232,9 @@ class Drafter:
             raise ValueError(
                 f"draft {self.name} reads text only: load it with its mmproj (--draft-mmproj) to send images"
             )
-        self._images = {im.at: (im, self.vision.positions(im), -1 - int(im.sha256[:7], 16)) for im in images}
+        self._images = {
+            im.at: (im, self.vision.positions(im), -1 - int(im.sha256[:7], 16), self.vision.cells(im)) for im in images
+        }
 
     def image_prompt(self, text: str, images: list[bytes], chat: bool = False) -> tuple[list[int], list[PromptImage]]:
         """A prompt with images: (ids, each image on its marker). With chat the images lead the user turn as
@@ -238,6 +244,8 @@ class Drafter:
             raise ValueError(f"draft {self.name} reads text only: load it with its mmproj (--draft-mmproj)")
         import llama_cpp
 
+        from protocol.vision import placeholder
+
         marker = llama_cpp.llama_vocab_get_text(
             llama_cpp.llama_model_get_vocab(self.llm.model), self.image_marker
         ).decode()
@@ -245,7 +253,7 @@ class Drafter:
             content = [{"type": "image"} for _ in images] + [{"type": "text", "text": text}]
             text = self.apply_chat_template([{"role": "user", "content": content}])
         elif marker not in text:
-            text = marker * len(images) + text
+            text = placeholder(marker) * len(images) + text
         ids = self.tokenize(text)
         at = [i for i, t in enumerate(ids) if t == self.image_marker]
         if len(at) != len(images):
@@ -254,7 +262,7 @@ class Drafter:
 
     @property
     def images(self) -> list[PromptImage]:
-        return [im for im, _, _ in self._images.values()]
+        return [im for im, _, _, _ in self._images.values()]
 
     def expand(self, ids: list[int]) -> list[int]:
         """ids as the KV holds them: each image's marker replaced by the image's positions (its stand-in id)."""
@@ -269,7 +277,7 @@ class Drafter:
                     f"the image for index {at} is not on the image marker {self.image_marker}: "
                     f"the ids hold {ids[at]} there"
                 )
-            _, n, stand_in = self._images[at]
+            _, n, stand_in, _ = self._images[at]
             out += ids[prev:at]
             out += [stand_in] * n
             prev = at + 1
@@ -277,12 +285,16 @@ class Drafter:
         return out
 
     def kv_len(self, n: int) -> int:
-        """KV positions the first n ids take."""
-        return n + sum(positions - 1 for at, (_, positions, _) in self._images.items() if at < n)
+        """KV positions the first n ids take (the position of id n)."""
+        return n + sum(positions - 1 for at, (_, positions, _, _) in self._images.items() if at < n)
+
+    def kv_cells(self, n: int) -> int:
+        """KV cells the first n ids take (an M-RoPE image's tokens outnumber its positions)."""
+        return n + sum(cells - 1 for at, (_, _, _, cells) in self._images.items() if at < n)
 
     def image_runs(self, kv: list[int], start: int, end: int):
         """kv[start:end] as ("text", ids, pos) and ("image", PromptImage, pos) runs; start must not cut an image."""
-        stand_ins = {stand_in: image for image, _, stand_in in self._images.values()}
+        stand_ins = {stand_in: image for image, _, stand_in, _ in self._images.values()}
         p = start
         while p < end:
             if kv[p] >= 0:
@@ -336,8 +348,9 @@ class Drafter:
         """
         self.check_ids(committed, "the committed ids")
         kv = self.expand(committed)
-        if len(kv) >= self.llm.n_ctx():
-            raise DraftContextFull(f"{len(kv)} positions do not fit the draft context of {self.llm.n_ctx()}")
+        cells = self.kv_cells(len(committed))
+        if cells >= self.llm.n_ctx():
+            raise DraftContextFull(f"{cells} KV cells do not fit the draft context of {self.llm.n_ctx()}")
         held = self.llm.input_ids[: self.llm.n_tokens]
         n = min(len(held), len(kv) - 1)
         mismatch = np.flatnonzero(held[:n] != np.asarray(kv[:n]))
@@ -388,7 +401,7 @@ class Drafter:
         what the grammar allows next (protocol/grammar.py), as the target's p will be.
         """
         t0 = time.perf_counter()
-        if self.kv_len(len(committed)) + k >= self.llm.n_ctx():
+        if self.kv_cells(len(committed)) + k >= self.llm.n_ctx():
             raise DraftContextFull(f"drafting {k} after {len(committed)} tokens exceeds the draft context")
         ids: list[int] = []
         rows: list = []

@@ -1,18 +1,32 @@
 """A prompt's images into a llama.cpp sequence, through libmtmd (llama.cpp's multimodal library).
 
     vision = MtmdVision("target-mmproj.gguf", model)    # the projector for a loaded llama_model
-    n = vision.positions(image)                          # KV positions the image's one marker expands to
-    vision.eval(ctx, seq_id, n_past, image, n_batch)     # writes them at n_past..n_past+n-1 of seq_id
+    n = vision.positions(image)                          # positions the image's one marker advances a sequence by
+    c = vision.cells(image)                              # KV cells it takes (its tokens: > n for M-RoPE)
+    vision.eval(ctx, seq_id, n_past, image, n_batch)     # writes it into seq_id from n_past; the next is n_past + n
     image = vision.resolve(image)                        # its bytes from the cache when only the sha256 came
     vision.prepare(image)                                # decode and tile now, in this thread (not the model's)
 
 A prompt holds one image marker token per image (protocol/images.py); libmtmd expands one marker to
-the model's whole layout for that image. For SmolVLM (Idefics3) that is more than the image
+the model's layout for that image. For SmolVLM (Idefics3) that is more than the image
 embeddings: each 64 x 64 tile (the test VLM's size) is wrapped in its own text tokens,
 `<fake_token_around_image><row_R_col_C>` + 4 embeddings, rows end in "\n", and the overview follows
 as `<fake_token_around_image><global-img>` + 4 embeddings + `<fake_token_around_image>`: a square
-image on the test VLM takes 33 positions (20 embeddings, 13 text tokens). Both sides tokenize the text
-around a marker on their own; only what stands for the marker comes from here.
+image on the test VLM takes 33 positions (20 embeddings, 13 text tokens). For the Qwen-VL family the
+marker is `<|image_pad|>`, and the prompt already holds the text libmtmd wraps an image in (the chat
+template writes `<|vision_start|><|image_pad|><|vision_end|>`, `placeholder`): the marker stands for the
+image chunk alone. Both sides tokenize the text around a marker on their own; only what stands for the
+marker comes from here.
+
+Positions, not token counts (DESIGN invariant 5). An image takes `cells` KV cells (its tokens) and
+advances the sequence's position by `positions` (libmtmd's n_pos). They are equal for SmolVLM; for an
+M-RoPE model (Qwen2-VL, Qwen2.5-VL: MROPE; Qwen3-VL: IMROPE) the image's embeddings carry 2-D positions
+(libmtmd's helper writes 4 x n_tokens of them: n_past on the first plane, n_past + row and n_past + col
+on the next two), and the image advances the position by max(rows, cols), far fewer than its tokens.
+Text after it sits at n_past + n_pos + i (llama.cpp copies a token batch's 1-D position to every plane),
+a new batch must start past the sequence's largest position, and a sequence is cut by position
+(`llama_memory_seq_rm`): every cell of an M-RoPE image holds the image's first position, so a cut after
+the image keeps it all and a cut at or before it drops it all.
 
 Tokenizing an image (decoding the JPEG, resizing, cutting tiles) is kept for the last CACHED images
 by sha256, with the image's bytes, so an image sent once is known by its hash after (a re-open sends
@@ -37,7 +51,7 @@ import ctypes
 import struct
 import threading
 from collections import OrderedDict
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from .images import ImageError, PromptImage, check_header, check_png_data
@@ -46,7 +60,11 @@ CACHED = 8  # tokenized images kept by sha256 (their preprocessed tiles, their b
 READY = 8  # images tokenized ahead by `prepare`, not yet taken by the model thread (beyond: the oldest is dropped,
 # and tokenized again when its open runs)
 NO_FFMPEG = b"/dev/null"  # where libmtmd looks for ffmpeg for bytes stb_image cannot decode: nothing is found there
-MARKERS = ("<image>",)  # the image marker tokens this reads (SmolVLM's); one id per image
+MARKERS = ("<image>", "<|image_pad|>")  # the image marker tokens this reads (SmolVLM's, Qwen-VL's); one id per image
+# Markers that stand for the image's embeddings alone: the prompt holds the text libmtmd wraps them in (before, after).
+# SmolVLM's <image> stands for libmtmd's whole layout, its tiles' text included.
+WRAPPED = {"<|image_pad|>": ("<|vision_start|>", "<|vision_end|>")}
+_TEXT = 0  # MTMD_INPUT_CHUNK_TYPE_TEXT
 PROJECTION_IS_TEXT_WIDTH = {"idefics3"}  # projector types whose clip.vision.projection_dim is the text width
 
 
@@ -55,7 +73,14 @@ class UnknownImage(LookupError):
 
 
 def marker_id(vocab) -> int | None:
-    """The id of the model's image marker (SmolVLM's `<image>`) in a llama.cpp vocabulary; None if it has none."""
+    """The id of the model's image marker (SmolVLM's `<image>`, Qwen-VL's `<|image_pad|>`) in a llama.cpp
+    vocabulary; None if it has none."""
+    found = marker_token(vocab)
+    return None if found is None else found[0]
+
+
+def marker_token(vocab) -> tuple[int, str] | None:
+    """(id, text) of the model's image marker in a llama.cpp vocabulary; None if it has none."""
     import llama_cpp as L
 
     for text in MARKERS:
@@ -63,12 +88,33 @@ def marker_id(vocab) -> int | None:
         buf = (L.llama_token * 8)()
         n = L.llama_tokenize(vocab, raw, len(raw), buf, len(buf), False, True)  # parse_special: one id
         if n == 1 and L.llama_vocab_get_text(vocab, buf[0]) == raw:
-            return int(buf[0])
+            return int(buf[0]), text
     return None
+
+
+def placeholder(marker: str) -> str:
+    """The text that stands for one image in a prompt written by hand: the marker, in what libmtmd would wrap
+    the image in (Qwen-VL's `<|vision_start|><|image_pad|><|vision_end|>`, as its chat template writes it)."""
+    before, after = WRAPPED.get(marker, ("", ""))
+    return before + marker + after
+
+
+@dataclass(eq=False)
+class _Tokenized:
+    """One image as libmtmd tokenized it, cached by sha256."""
+
+    chunks: object  # mtmd_input_chunks of the marker alone (owned: freed when dropped from the cache)
+    parts: list  # the chunks that stand for the marker, in order (Qwen-VL: the image chunk alone)
+    positions: int  # positions they advance a sequence by (libmtmd's n_pos; M-RoPE: max(rows, cols) for an image)
+    cells: int  # KV cells they take (their tokens)
+    data: bytes
 
 
 class MtmdVision:
     """libmtmd's projector for one llama_model: image -> positions, image -> prefilled KV."""
+
+    wrappers: tuple[str, str] | None = None  # text libmtmd wraps an image in that the prompt holds (WRAPPED)
+    mrope: bool = False  # the model places an image's embeddings at 2-D positions (Qwen-VL)
 
     def __init__(self, mmproj_path: str | Path, llama_model, threads: int = 1, use_gpu: bool = False):
         import llama_cpp as L
@@ -77,8 +123,11 @@ class MtmdVision:
         self.L, self.mtmd = L, mtmd
         self.path = Path(mmproj_path)
         self.mctx = None
-        self._cache: OrderedDict[str, tuple[object, int, bytes]] = OrderedDict()  # sha256 -> (chunks, positions, bytes)
-        self._ready: OrderedDict[str, tuple[object, int, bytes]] = OrderedDict()  # the same, made by `prepare`
+        self._cache: OrderedDict[str, _Tokenized] = OrderedDict()  # sha256 -> the image tokenized
+        self._ready: OrderedDict[str, _Tokenized] = OrderedDict()  # the same, made by `prepare`
+        self.vocab = L.llama_model_get_vocab(llama_model)
+        found = marker_token(self.vocab)
+        self.wrappers = WRAPPED.get(found[1]) if found else None
         self._ready_lock = threading.Lock()
         check_mmproj(self.path, int(L.llama_model_n_embd(llama_model)))
         _quiet(mtmd)
@@ -93,28 +142,28 @@ class MtmdVision:
         if not mtmd.mtmd_support_vision(self.mctx):
             self.close()
             raise ValueError(f"{self.path} is a projector without a vision encoder (audio only?)")
-        if mtmd.mtmd_decode_use_mrope(self.mctx):
-            self.close()
-            raise ValueError(
-                f"{self.path} is for an M-RoPE model (Qwen2-VL-like): its image positions are 2-D, "
-                "and this engine places tokens at 1-D positions"
-            )
+        self.mrope = bool(mtmd.mtmd_decode_use_mrope(self.mctx))
         self.threads = threads
         self.marker = mtmd.mtmd_default_marker()
 
     # ------------------------------------------------------------------ images
 
     def positions(self, image: PromptImage) -> int:
-        """KV positions the image's marker expands to (text tokens around the tiles included).
+        """Positions the image's marker advances a sequence by (text tokens around the tiles included).
 
         Raises ValueError for bytes that are no image, UnknownImage for a hash no longer cached."""
-        return self._tokenized(image)[1]
+        return self._tokenized(image).positions
+
+    def cells(self, image: PromptImage) -> int:
+        """KV cells the image's marker takes: its tokens (for M-RoPE more than its positions). Raises as
+        `positions`."""
+        return self._tokenized(image).cells
 
     def resolve(self, image: PromptImage) -> PromptImage:
         """The image with its bytes: as it came, or filled in from the cache; UnknownImage if not cached."""
         if image.data is not None:
             return image
-        return replace(image, data=self._tokenized(image)[2])
+        return replace(image, data=self._tokenized(image).data)
 
     def prepare(self, image: PromptImage) -> None:
         """Decode and tile the image now, in the calling thread, so that the model thread finds it ready.
@@ -129,35 +178,86 @@ class MtmdVision:
         entry = self._entry(image)
         with self._ready_lock:
             if image.sha256 in self._ready:  # made meanwhile by another thread
-                self.mtmd.mtmd_input_chunks_free(entry[0])
+                self.mtmd.mtmd_input_chunks_free(entry.chunks)
                 return
             self._ready[image.sha256] = entry
             while len(self._ready) > READY:
-                self.mtmd.mtmd_input_chunks_free(self._ready.popitem(last=False)[1][0])
+                self.mtmd.mtmd_input_chunks_free(self._ready.popitem(last=False)[1].chunks)
 
     def eval(self, ctx, seq_id: int, n_past: int, image: PromptImage, n_batch: int, logits_last: bool = False) -> int:
-        """Encode the image and decode its positions into seq_id at n_past, n_past + 1, ...; the positions used.
+        """Encode the image and decode it into seq_id from position n_past; the positions it advanced by.
 
-        logits_last: the context's last logits row is the one after the image's last position.
-        On failure the KV past n_past may hold part of the image: the caller cuts it back."""
-        chunks, n, _ = self._tokenized(image)
-        new_n_past = self.L.llama_pos(n_past)
-        rc = self.mtmd.mtmd_helper_eval_chunks(
-            self.mctx, ctx, chunks, n_past, seq_id, n_batch, logits_last, ctypes.byref(new_n_past)
-        )
+        libmtmd's helper places each chunk (an M-RoPE image's 4 x n_tokens positions included) and returns the
+        next free position, which the text after the image starts at. logits_last: the context's last logits
+        row is the one after the image. On failure the KV from n_past on may hold part of the image: the caller
+        cuts it back (by position)."""
+        entry = self._tokenized(image)
+        pos = n_past
+        for i, chunk in enumerate(entry.parts):
+            new_n_past = self.L.llama_pos(pos)
+            last = logits_last and i == len(entry.parts) - 1
+            if last and self.mtmd.mtmd_input_chunk_get_type(chunk) != _TEXT:  # the helper asks no logits of an image
+                rc = self._decode_image(ctx, seq_id, chunk, pos, n_batch)
+                new_n_past.value = pos + int(self.mtmd.mtmd_input_chunk_get_n_pos(chunk))
+            else:
+                rc = self.mtmd.mtmd_helper_eval_chunk_single(
+                    self.mctx, ctx, chunk, pos, seq_id, n_batch, last, ctypes.byref(new_n_past)
+                )
+            if rc != 0:
+                raise RuntimeError(
+                    f"libmtmd could not evaluate image {image.sha256[:12]} at position {pos} "
+                    f"(mtmd_helper_eval_chunk_single returned {rc})"
+                )
+            pos = new_n_past.value
+        if pos - n_past != entry.positions:
+            raise RuntimeError(
+                f"image {image.sha256[:12]} took {pos - n_past} positions, its chunks say {entry.positions}"
+            )
+        return entry.positions
+
+    def _decode_image(self, ctx, seq_id: int, chunk, n_past: int, n_batch: int) -> int:
+        """An image chunk decoded as libmtmd's helper decodes it (its embeddings, at the positions libmtmd gives
+        them: for M-RoPE the planes t, row, column, z of mtmd_image_tokens_get_decoder_pos), with the logits of
+        its last embedding, which the helper never asks for: the row after an image that ends a pass (a
+        Qwen-VL prompt that stops at its marker). 0, or the failing call's code."""
+        L, mtmd = self.L, self.mtmd
+        rc = mtmd.mtmd_encode_chunk(self.mctx, chunk)
         if rc != 0:
-            raise RuntimeError(
-                f"libmtmd could not evaluate image {image.sha256[:12]} at position {n_past} "
-                f"(mtmd_helper_eval_chunks returned {rc})"
-            )
-        if new_n_past.value - n_past != n:
-            raise RuntimeError(
-                f"image {image.sha256[:12]} took {new_n_past.value - n_past} positions, its chunks say {n}"
-            )
-        return n
+            return rc
+        embd = ctypes.cast(mtmd.mtmd_get_output_embd(self.mctx), ctypes.c_void_p).value
+        n = int(mtmd.mtmd_input_chunk_get_n_tokens(chunk))
+        width = int(L.llama_model_n_embd_inp(L.llama_get_model(ctx))) * ctypes.sizeof(ctypes.c_float)
+        planes = 4 if self.mrope else 1
+        pos = [[n_past + i for i in range(n)]]  # [planes][n]
+        if self.mrope:
+            tokens = mtmd.mtmd_input_chunk_get_tokens_image(chunk)
+            at = [mtmd.mtmd_image_tokens_get_decoder_pos(tokens, n_past, i) for i in range(n)]
+            pos = [[p.t for p in at], [p.y for p in at], [p.x for p in at], [p.z for p in at]]
+        non_causal = mtmd.mtmd_decode_use_non_causal(self.mctx, chunk)
+        if non_causal:
+            L.llama_set_causal_attn(ctx, False)
+        try:
+            for a in range(0, n, n_batch):
+                m = min(n_batch, n - a)
+                seq = (L.llama_seq_id * 1)(seq_id)
+                batch = L.llama_batch(
+                    n_tokens=m,
+                    embd=ctypes.cast(embd + a * width, ctypes.POINTER(ctypes.c_float)),
+                    pos=(L.llama_pos * (planes * m))(*[p for plane in pos for p in plane[a : a + m]]),  # by plane
+                    n_seq_id=(ctypes.c_int32 * m)(*([1] * m)),
+                    seq_id=(ctypes.POINTER(L.llama_seq_id) * m)(*([seq] * m)),
+                    logits=(ctypes.c_int8 * m)(*([0] * (m - 1) + [int(a + m == n)])),
+                )
+                rc = L.llama_decode(ctx, batch)
+                if rc != 0:
+                    return rc
+        finally:
+            if non_causal:
+                L.llama_set_causal_attn(ctx, True)
+        return 0
 
-    def _tokenized(self, image: PromptImage) -> tuple[object, int, bytes]:
-        """(mtmd_input_chunks, positions, bytes) of the image alone, from the cache or made now."""
+    def _tokenized(self, image: PromptImage) -> _Tokenized:
+        """The image alone tokenized, from the cache or made now."""
         hit = self._cache.get(image.sha256)
         if hit is not None:
             self._cache.move_to_end(image.sha256)
@@ -172,12 +272,47 @@ class MtmdVision:
             entry = self._entry(image)  # not prepared ahead (a direct caller), or dropped from READY
         self._cache[image.sha256] = entry
         while len(self._cache) > CACHED:
-            self.mtmd.mtmd_input_chunks_free(self._cache.popitem(last=False)[1][0])
+            self.mtmd.mtmd_input_chunks_free(self._cache.popitem(last=False)[1].chunks)
         return entry
 
-    def _entry(self, image: PromptImage) -> tuple[object, int, bytes]:
+    def _entry(self, image: PromptImage) -> _Tokenized:
+        mtmd = self.mtmd
         chunks = self._tokenize(image)
-        return chunks, int(self.mtmd.mtmd_helper_get_n_pos(chunks)), bytes(image.data)
+        try:
+            parts = self._parts(chunks)
+        except ValueError:
+            mtmd.mtmd_input_chunks_free(chunks)
+            raise
+        positions = sum(int(mtmd.mtmd_input_chunk_get_n_pos(c)) for c in parts)
+        cells = sum(int(mtmd.mtmd_input_chunk_get_n_tokens(c)) for c in parts)
+        return _Tokenized(chunks, parts, positions, cells, bytes(image.data))
+
+    def _parts(self, chunks) -> list:
+        """The chunks that stand for the marker: all of libmtmd's layout, or (WRAPPED) the image chunks inside
+        the text libmtmd wraps them in, which the prompt holds around the marker itself."""
+        mtmd = self.mtmd
+        parts = [mtmd.mtmd_input_chunks_get(chunks, i) for i in range(mtmd.mtmd_input_chunks_size(chunks))]
+        if self.wrappers is None:
+            return parts
+        media = [i for i, c in enumerate(parts) if mtmd.mtmd_input_chunk_get_type(c) != _TEXT]
+        if not media:
+            raise ValueError("libmtmd made no image chunk for the image")
+        around = (self._text(parts[: media[0]]), self._text(parts[media[-1] + 1 :]))
+        if around != self.wrappers:
+            raise ValueError(
+                f"libmtmd wraps an image in {around[0]!r} ... {around[1]!r}; the prompt's marker is written "
+                f"inside {self.wrappers[0]!r} ... {self.wrappers[1]!r}: a projector of another layout"
+            )
+        return parts[media[0] : media[-1] + 1]
+
+    def _text(self, chunks: list) -> str:
+        """The text of libmtmd's text chunks, as the vocabulary spells their tokens."""
+        out = []
+        for chunk in chunks:
+            n = ctypes.c_size_t(0)
+            tokens = self.mtmd.mtmd_input_chunk_get_tokens_text(chunk, ctypes.byref(n))
+            out += [self.L.llama_vocab_get_text(self.vocab, tokens[i]).decode(errors="replace") for i in range(n.value)]
+        return "".join(out)
 
     def _tokenize(self, image: PromptImage):
         mtmd = self.mtmd
@@ -217,10 +352,10 @@ class MtmdVision:
 
     def close(self) -> None:
         while self._cache:
-            self.mtmd.mtmd_input_chunks_free(self._cache.popitem()[1][0])
+            self.mtmd.mtmd_input_chunks_free(self._cache.popitem()[1].chunks)
         with self._ready_lock:
             while self._ready:
-                self.mtmd.mtmd_input_chunks_free(self._ready.popitem()[1][0])
+                self.mtmd.mtmd_input_chunks_free(self._ready.popitem()[1].chunks)
         if self.mctx:
             self.mtmd.mtmd_free(self.mctx)
             self.mctx = None

@@ -8,11 +8,17 @@ for only at the rows verification uses; a rejected draft leaves with
 KV memory is the context's size however many sessions come and go.
 
 Images (a vision-language target, `mmproj` given): a pass's image marker at
-text index t is not decoded; libmtmd (protocol/vision.py) writes the image's
-P positions there instead, and every later id of that sequence sits P - 1
-positions further on. The engine keeps each sequence's images as (t, P - 1),
-so `start`, `keep`, `truncate` and a sequence's `length` go on counting text
-ids while the KV holds positions: kv(t) = t + sum(P_i - 1 for images before t).
+text index t is not decoded; libmtmd (protocol/vision.py) writes the image
+there instead, in C cells that advance the sequence's position by P, and every
+later id of that sequence sits P - 1 positions further on. P = C for SmolVLM;
+for an M-RoPE model (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) P is the image's
+max(rows, cols), far fewer than its C tokens. The engine keeps each sequence's
+images as (t, P - 1, C - 1), so `start`, `keep`, `truncate` and a sequence's
+`length` go on counting text ids while the KV is addressed by position,
+kv(t) = t + sum(P_i - 1 for images before t), and holds
+t + sum(C_i - 1) cells. Every cut (`truncate`, a rejection's rollback, a
+re-open's rewind) is `llama_memory_seq_rm` from kv(t); text is never placed
+at or before a position the sequence already holds, as M-RoPE requires.
 
 Early exits: llama.cpp calls the context's eval callback (`cb_eval`) for every
 node of the graph as it computes; it asks for the residual stream `l_out-<il>`
@@ -240,7 +246,8 @@ class LlamaCppEngine:
                     f"{path} has a projector ({mmproj}) but no image marker token "
                     f"({', '.join(MARKERS)}) in its vocabulary"
                 )
-        self._images: dict[int, list[tuple[int, int]]] = {}  # seq id -> [(text index, extra positions)]
+        # seq id -> [(text index, extra positions, extra cells)] of its images, in order
+        self._images: dict[int, list[tuple[int, int, int]]] = {}
         self.ctx = L.llama_init_from_model(self.model, cparams)
         if not self.ctx:
             raise RuntimeError(f"llama.cpp could not make a context of {self.kv_capacity} tokens for {path}")
@@ -308,7 +315,7 @@ class LlamaCppEngine:
         seq = self._seqs.pop(seq_id, None)
         self.L.llama_memory_seq_rm(self.mem, seq_id, 0, -1)
         if seq is not None:
-            self._used -= self.kv_pos(seq, seq.length)
+            self._used -= self.kv_cells(seq, seq.length)
             seq.length = 0
         self._images.pop(seq_id, None)
 
@@ -317,13 +324,12 @@ class LlamaCppEngine:
             self._cut(seq, n)
 
     def _cut(self, seq: Sequence, n: int) -> None:
-        """Drop the sequence's KV from text index n on (images at n or later included)."""
-        at, end = self.kv_pos(seq, n), self.kv_pos(seq, seq.length)
-        self.L.llama_memory_seq_rm(self.mem, seq.id, at, -1)
-        self._used -= end - at
+        """Drop the sequence's KV from text index n on (images at n or later included), by position."""
+        self.L.llama_memory_seq_rm(self.mem, seq.id, self.kv_pos(seq, n), -1)
+        self._used -= self.kv_cells(seq, seq.length) - self.kv_cells(seq, n)
         seq.length = n
         if seq.id in self._images:
-            kept = [(t, extra) for t, extra in self._images[seq.id] if t < n]
+            kept = [image for image in self._images[seq.id] if image[0] < n]
             if kept:
                 self._images[seq.id] = kept
             else:
@@ -331,7 +337,11 @@ class LlamaCppEngine:
 
     def kv_pos(self, seq: Sequence, t: int) -> int:
         """The KV position of text index t: t plus the extra positions of the images before it."""
-        return t + sum(extra for i, extra in self._images.get(seq.id, ()) if i < t)
+        return t + sum(extra for i, extra, _ in self._images.get(seq.id, ()) if i < t)
+
+    def kv_cells(self, seq: Sequence, t: int) -> int:
+        """KV cells the first t text ids take: t plus the extra cells (tokens) of the images among them."""
+        return t + sum(extra for i, _, extra in self._images.get(seq.id, ()) if i < t)
 
     @property
     def kv_used(self) -> int:
@@ -348,7 +358,7 @@ class LlamaCppEngine:
         If a call fails, every sequence is cut back to its pass's start and the error raised.
         """
         check_batch(batch)
-        extra = self._check_images(batch)  # before anything is written: bad bytes raise here
+        extra = self._check_images(batch)  # extra KV cells, before anything is written: bad bytes raise here
         untapped = {l for p in batch for l in (p.taps or {})} - set(self.tap_names.values())
         if untapped:
             raise ValueError(
@@ -360,10 +370,10 @@ class LlamaCppEngine:
             self.truncate(p.seq, p.start)  # trust the caller's committed length, never our own
         cells = [len(p.new_ids) + e for p, e in zip(batch, extra)]  # KV cells each pass writes
         for p, n in zip(batch, cells):
-            if self.kv_pos(p.seq, p.start) + n > self.seq_capacity:
+            if self.kv_cells(p.seq, p.start) + n > self.seq_capacity:
                 raise EngineFull(
                     f"a session's KV stream holds {self.seq_capacity} tokens, the pass needs "
-                    f"{self.kv_pos(p.seq, p.start) + n}"
+                    f"{self.kv_cells(p.seq, p.start) + n}"
                 )
         if self._used + sum(cells) > self.kv_capacity:
             raise NoRoom(
@@ -399,8 +409,8 @@ class LlamaCppEngine:
     # ------------------------------------------------------------------ images
 
     def image_positions(self, image: PromptImage) -> int:
-        """KV positions the image's marker expands to. ValueError: no image, or no projector;
-        vision.UnknownImage: only its sha256 came and it is not cached."""
+        """Positions the image's marker advances a sequence by (not its KV cells: M-RoPE). ValueError: no image,
+        or no projector; vision.UnknownImage: only its sha256 came and it is not cached."""
         return self._seeing().positions(image)
 
     def resolve(self, image: PromptImage) -> PromptImage:
@@ -413,8 +423,9 @@ class LlamaCppEngine:
         return self.vision
 
     def _check_images(self, batch: list[Pass]) -> list[int]:
-        """Each pass's extra KV positions for its images (engine_types.image_extra)."""
-        return image_extra(batch, self.image_token_id, self._seeing)
+        """Each pass's extra KV cells for its images, once engine_types.image_extra found them all readable."""
+        image_extra(batch, self.image_token_id, self._seeing)
+        return [sum(self.vision.cells(im) - 1 for im in p.images.values()) if p.images else 0 for p in batch]
 
     def _forward_images(self, p: Pass) -> np.ndarray:
         """One sequence's pass with images: its text runs between them through _decode, each image
@@ -433,9 +444,10 @@ class LlamaCppEngine:
                 break
             at = self.kv_pos(p.seq, p.start + i)
             used = self.vision.eval(self.ctx, p.seq.id, at, p.images[i], self.n_batch, logits_last=i >= first_kept)
-            self._images.setdefault(p.seq.id, []).append((p.start + i, used - 1))
+            cells = self.vision.cells(p.images[i])
+            self._images.setdefault(p.seq.id, []).append((p.start + i, used - 1, cells - 1))
             p.seq.length = p.start + i + 1
-            self._used += used
+            self._used += cells
             if i >= first_kept:
                 last = L.llama_get_logits_ith(self.ctx, -1)  # the row after the image
                 rows.append(np.ctypeslib.as_array(last, shape=(1, self.vocab_size)).copy())

@@ -19,19 +19,30 @@ pass. A pass thus launches the same operators for 2 sessions as for 32
 (tests/server_bridge/test_torch_pass.py counts them with torch.profiler). One
 session attends over a view of its own slot, with no mask for a single token.
 
-Images (a vision-language model: Idefics3 / SmolVLM, server_bridge/vision_torch.py): the
-decoder the slots serve is the VLM's text model. A pass's image marker at text
-index t becomes the image's P positions, its layout's embeddings written through
-the same slots in one pass of that sequence alone (opens are rare; text passes
-stay batched), and every later id of the sequence sits P - 1 positions further
-on. Each sequence keeps its images as (t, P - 1), so `start`, `keep`, `truncate`
-and a sequence's `length` go on counting text ids while the slot holds positions:
-kv(t) = t + sum(P_i - 1 for images before t), as in the llamacpp engine.
+Images (a vision-language model: Idefics3 / SmolVLM, Qwen2-VL, Qwen2.5-VL, Qwen3-VL;
+server_bridge/vision_torch.py): the decoder the slots serve is the VLM's text model. A
+pass's image marker at text index t becomes the image's C cells (slot rows), its
+layout's embeddings written through the same slots in one pass of that sequence alone
+(opens are rare; text passes stay batched), and advances the sequence's position by
+the image's N positions. Each sequence keeps its images as (t, C - 1, N - 1), so
+`start`, `keep`, `truncate` and a sequence's `length` go on counting text ids while
+the slot holds cells and the rotary embedding reads positions:
+    cell(t) = t + sum(C_i - 1 for images before t)     where text index t's KV is written
+    pos(t)  = t + sum(N_i - 1 for images before t)     its position (`kv_pos`), as in the llamacpp engine
+A truncation or rollback to t cuts both there. For 1-D positions (Idefics3) N = C. For
+M-RoPE (the Qwen-VLs) an image's cells take the 3-D positions pos(t) + its layout's
+(time, row, column) offsets from the model's own get_rope_index, and N = max(rows, cols)
+< C, so the text after it sits at pos(t) = cell(t) + rope_delta (the model's
+`max position + 1 - length`, kept per sequence in its images, never in the model's own
+`rope_deltas`, which robots sharing the model would overwrite). Every pass of such a
+model hands the rotary embedding its positions explicitly, [3, 1, T] (the same on all
+three axes for text), so sessions with and without images batch as before.
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import shutil
 import threading
@@ -221,14 +232,19 @@ class TorchEngine:
         self.head = self.model.get_output_embeddings()
         cfg = self.text.config  # a VLM's text_config; its vision tower keeps its own
         cfg._attn_implementation = ATTENTION
+        # the cache argument's name: `cache` in recent transformers, `past_key_values` before (gone in 5.40)
+        self._cache_arg = "cache" if "cache" in inspect.signature(self.text.forward).parameters else "past_key_values"
         self.name = name
         self.vocab_size = int(cfg.vocab_size)
         self.vocab_hash = ""
         if self.tokenizer is not None:
             pieces = self.tokenizer.convert_ids_to_tokens(list(range(self.vocab_size)))
+            # ids past the tokenizer's (Qwen pads its embeddings): named as llama.cpp's converter names them
+            pieces = [p if p is not None else f"[PAD{i}]" for i, p in enumerate(pieces)]
             self.vocab_hash = modelfiles.vocab_hash(p.encode("utf-8") for p in pieces)
         self.image_token_id = self.vision.image_token_id if self.vision else _marker_id(self.tokenizer)
-        self._images: dict[int, list[tuple[int, int]]] = {}  # slot -> [(text index, extra positions)]
+        self.mrope = bool(self.vision and self.vision.mrope)  # 3-D positions (Qwen-VL) for every pass
+        self._images: dict[int, list[tuple[int, int, int]]] = {}  # slot -> [(text index, extra cells, extra positions)]
         eos = getattr(self.model.generation_config, "eos_token_id", None)
         self.eos_ids = sorted({eos} if isinstance(eos, int) else set(eos or ()))
         self.n_layers = int(cfg.num_hidden_layers)
@@ -298,16 +314,21 @@ class TorchEngine:
         seq.length = min(seq.length, n)
         images = self._images.get(seq.id)
         if images and images[-1][0] >= n:  # in text order: the last is the latest
-            kept = [(t, extra) for t, extra in images if t < n]
+            kept = [image for image in images if image[0] < n]
             if kept:
                 self._images[seq.id] = kept
             else:
                 del self._images[seq.id]
 
     def kv_pos(self, seq: Sequence, t: int) -> int:
-        """The KV position of text index t: t plus the extra positions of the images before it."""
+        """The position of text index t: t plus the extra positions of the images before it."""
         images = self._images.get(seq.id)
-        return t + sum(extra for i, extra in images if i < t) if images else t
+        return t + sum(extra for i, _, extra in images if i < t) if images else t
+
+    def _cell(self, seq: Sequence, t: int) -> int:
+        """The slot row text index t's KV is written at: t plus the extra cells of the images before it."""
+        images = self._images.get(seq.id)
+        return t + sum(extra for i, extra, _ in images if i < t) if images else t
 
     @property
     def kv_used(self) -> int:
@@ -327,7 +348,7 @@ class TorchEngine:
         extra = self._check_images(batch)  # before anything is written: bad bytes raise here
         for p, e in zip(batch, extra):
             self.truncate(p.seq, p.start)  # images at or past start go: the pass overwrites them
-            end = self.kv_pos(p.seq, p.start) + len(p.new_ids) + e
+            end = self._cell(p.seq, p.start) + len(p.new_ids) + e
             if end > self.max_len:
                 raise EngineFull(f"a session's KV slot holds {self.max_len} tokens, the pass needs {end}")
         seeing = [p for p in batch if p.images]
@@ -349,53 +370,72 @@ class TorchEngine:
         rows, ids, pos, keep_at = [], [], [], []
         for p in batch:
             off, at = len(ids), self.kv_pos(p.seq, p.start)
-            rows.append((p.seq.id, at, len(p.new_ids), off))
+            rows.append((p.seq.id, self._cell(p.seq, p.start), len(p.new_ids), off))
             ids.extend(p.new_ids)
-            pos.extend(range(at, at + len(p.new_ids)))
+            pos.extend(range(at, at + len(p.new_ids)))  # for M-RoPE: cell + rope_delta, on all three axes
             keep_at.extend(range(off + len(p.new_ids) - p.keep, off + len(p.new_ids)))
         x = torch.tensor([ids], dtype=torch.long, device=self.device)
-        hidden = self._decode(batch, rows, pos, input_ids=x)
+        positions = torch.tensor([pos], dtype=torch.long, device=self.device)  # [1, T]
+        hidden = self._decode(batch, rows, positions, input_ids=x)
         for p in batch:
             p.seq.length = p.start + len(p.new_ids)
         return self._logits(hidden, keep_at, [p.keep for p in batch])
 
     def _forward_images(self, p: Pass) -> torch.Tensor:
-        """One sequence's pass with images, in one decoder pass over its KV positions: the text ids'
-        embeddings with each marker's replaced by its image's layout [P, hidden]; logits [keep, vocab],
-        a marker's row the one after its image's last position."""
+        """One sequence's pass with images, in one decoder pass over its cells: the text ids' embeddings with
+        each marker's replaced by its image's layout [C, hidden]; logits [keep, vocab], a marker's row the one
+        after its image's last cell."""
         embed = self.text.get_input_embeddings()
-        n, a, t = len(p.new_ids), 0, 0  # t: the pass's KV rows so far
+        n, a, t = len(p.new_ids), 0, 0  # t: the pass's cells so far
+        pos = self.kv_pos(p.seq, p.start)  # the position of the next cell
         parts, last, images = [], [], []  # last[j]: the pass's row of text index j (a marker: its image's last)
+        rope, visual, deep = [], [], []  # [3, cells] positions, [cells] image tokens, per image its deepstack
         for i in sorted(p.images) + [n]:
             if i > a:  # the text ids a..i-1
                 parts.append(embed(torch.tensor(p.new_ids[a:i], dtype=torch.long, device=self.device)))
                 last.extend(range(t, t + i - a))
-                t += i - a
+                rope.append(torch.arange(pos, pos + i - a, device=self.device).expand(3, -1))
+                visual.append(torch.zeros(i - a, dtype=torch.bool, device=self.device))
+                t, pos = t + i - a, pos + i - a
             if i == n:
                 break
-            image = self.vision.embed(p.images[i])  # [P, hidden]
-            parts.append(image)
-            t += len(image)
+            image = self.vision.embed(p.images[i])
+            cells = len(image.embeds)
+            parts.append(image.embeds)
+            offsets = image.rope if image.rope is not None else torch.arange(cells).expand(3, -1)
+            rope.append(pos + offsets.to(self.device))
+            visual.append(image.visual)
+            deep.append(image.deepstack)
+            t += cells
             last.append(t - 1)
-            images.append((p.start + i, len(image) - 1))
+            images.append((p.start + i, cells - 1, image.positions - 1))
+            pos += image.positions
             a = i + 1
-        at = self.kv_pos(p.seq, p.start)
+        positions = torch.cat(rope, dim=1)  # [3, t]
+        positions = positions[:, None] if self.mrope else positions[:1]  # [3, 1, t] or [1, t]
+        extra = {}
+        if any(d is not None for d in deep):  # Qwen3-VL: the tower's features added after the first layers
+            visual_at = torch.cat(visual)[None]  # [1, t]
+            extra = dict(visual_pos_masks=visual_at, deepstack_visual_embeds=[torch.cat(f) for f in zip(*deep)])
+        at = self._cell(p.seq, p.start)
         hidden = self._decode(
-            [p], [(p.seq.id, at, t, 0)], list(range(at, at + t)), inputs_embeds=torch.cat(parts)[None]
+            [p], [(p.seq.id, at, t, 0)], positions, inputs_embeds=torch.cat(parts)[None], **extra
         )  # [1, t, hidden]
         self._images.setdefault(p.seq.id, []).extend(images)
         p.seq.length = p.start + n
         return self._logits(hidden, last[n - p.keep :], [p.keep])[0]
 
-    def _decode(self, batch: list[Pass], rows: list[tuple[int, int, int, int]], pos: list[int], **inputs):
-        """The decoder over the rows' tokens (input_ids or inputs_embeds [1, T, ...]) at KV positions pos [T],
-        writing their keys and values into the slots; hidden [1, T, hidden], final norm applied."""
-        positions = torch.tensor([pos], dtype=torch.long, device=self.device)
+    def _decode(self, batch: list[Pass], rows: list[tuple[int, int, int, int]], positions: torch.Tensor, **inputs):
+        """The decoder over the rows' tokens (input_ids or inputs_embeds [1, T, ...]) at positions [1, T] (1-D
+        or the same on every M-RoPE axis) or [3, 1, T], writing their keys and values into the slots at the
+        rows' cells; hidden [1, T, hidden], final norm applied."""
+        if self.mrope and positions.dim() == 2:
+            positions = positions[None].expand(3, -1, -1)  # explicit: the model never infers (or keeps) its own
         handles = self._tap_hooks(batch, rows)
         _current.layout = _Layout(rows, self.pool, self.device)
         try:
             return self.text(
-                **inputs, position_ids=positions, past_key_values=self._cache, use_cache=True
+                **inputs, position_ids=positions, use_cache=True, **{self._cache_arg: self._cache}
             ).last_hidden_state
         finally:
             _current.layout = None
@@ -437,15 +477,15 @@ class TorchEngine:
     # ------------------------------------------------------------------ images
 
     def image_positions(self, image: PromptImage) -> int:
-        """KV positions the image's marker expands to. ValueError: no image, or a text-only target;
-        vision.UnknownImage: only its sha256 came and it is not cached."""
+        """Positions the image's marker advances a sequence by (fewer than its cells for M-RoPE). ValueError:
+        no image, or a text-only target; vision.UnknownImage: only its sha256 came and it is not cached."""
         return self._seeing().positions(image)
 
     def resolve(self, image: PromptImage) -> PromptImage:
         """The image with its bytes (from the cache when only its sha256 came; UnknownImage if not held)."""
         return self._seeing().resolve(image)
 
-    def _seeing(self) -> vision_torch.Idefics3Vision:
+    def _seeing(self) -> vision_torch.Vision:
         if self.vision is None:
             raise ValueError(
                 f"the torch engine's target {self.name} reads text only: images need a "
@@ -455,8 +495,9 @@ class TorchEngine:
         return self.vision
 
     def _check_images(self, batch: list[Pass]) -> list[int]:
-        """Each pass's extra KV positions for its images (engine_types.image_extra)."""
-        return image_extra(batch, self.image_token_id, self._seeing)
+        """Each pass's extra cells for its images (after engine_types.image_extra's checks)."""
+        image_extra(batch, self.image_token_id, self._seeing)
+        return [sum(self.vision.cells(im) - 1 for im in p.images.values()) if p.images else 0 for p in batch]
 
 
 def _load(path: Path, dtype: torch.dtype):
@@ -467,7 +508,7 @@ def _load(path: Path, dtype: torch.dtype):
     model_dir = _cached_conversion(path) if Path(path).suffix == ".gguf" else Path(path)
     config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
     vlm = vision_torch.is_vlm(config)
-    vision = vision_torch.vision_for(config) if vlm else None  # raises for an M-RoPE model (Qwen2-VL)
+    vision = vision_torch.vision_for(config) if vlm else None  # raises for an M-RoPE model it cannot place
     if vision is None:
         if vlm:
             log.warning(
@@ -479,9 +520,9 @@ def _load(path: Path, dtype: torch.dtype):
             )
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype), tokenizer, None
-    from transformers import AutoModelForImageTextToText, AutoProcessor
+    from transformers import AutoModelForImageTextToText
 
-    processor = AutoProcessor.from_pretrained(model_dir, local_files_only=True)
+    processor = vision_torch.load_processor(model_dir, config)
     model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=dtype, local_files_only=True)
     return model, processor.tokenizer, vision(model, processor)  # it reads the model's device when it runs
 

@@ -87,3 +87,21 @@ def torch_target():
     from server_bridge.target import load_target
 
     return load_target(engine="torch", threads=1, max_sequences=16, max_len=1024)
+
+
+@pytest.fixture(scope="session")
+def qwen_vlm():
+    """qwen_vlm(family) -> the family's tiny test VLM (tools/models/qwen_vlm.py: .hf_dir, .target, .target_mmproj,
+    .draft, .draft_mmproj, .vocab, .image_token_id, .family), made once into models/build/ (~20 s) and found in
+    the cache after; one object per family for the whole run. Families: qwen2vl, qwen2.5vl, qwen3vl, and
+    smolvlm (make_test_vlm.make's TinyVLM)."""
+    from tools.models import make_test_vlm
+
+    made = {}
+
+    def get(family: str):
+        if family not in made:
+            made[family] = make_test_vlm.make_family(family, log=lambda m: None)
+        return made[family]
+
+    return get

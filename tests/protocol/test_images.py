@@ -296,8 +296,16 @@ class FakeMtmd:
     def mtmd_tokenize(self, *args):
         return 0
 
-    def mtmd_helper_get_n_pos(self, chunks):
+    def mtmd_input_chunks_size(self, chunks):
+        return 1  # one chunk of 33 positions, 33 tokens
+
+    def mtmd_input_chunks_get(self, chunks, i):
+        return chunks
+
+    def mtmd_input_chunk_get_n_pos(self, chunk):
         return 33
+
+    mtmd_input_chunk_get_n_tokens = mtmd_input_chunk_get_n_pos
 
     def mtmd_input_chunks_free(self, chunks):
         self.freed += 1

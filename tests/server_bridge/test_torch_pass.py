@@ -3,15 +3,19 @@
 A randomly initialised tiny Llama (and a Mistral, whose layers have a sliding window) built from its
 config: the pass's shape is what is tested, not the weights. A ragged batch (sessions at different
 cache lengths, with different numbers of new tokens) gives each session the logits it gets alone,
-and the operators a pass runs (torch.profiler) are as many for 8 sessions as for 2.
+and the operators a pass runs (torch.profiler) are as many for 8 sessions as for 2: also on an M-RoPE
+model (the tiny Qwen2-VL of tools/models/qwen_vlm.py), each session after an image of its own size, so
+at its own rope delta, its positions handed over as [3, 1, T].
 """
 
+import io
 from pathlib import Path
 
 import pytest
 import torch
 
-from server_bridge.engine import Pass
+from protocol.images import PromptImage
+from server_bridge.engine import Pass, load_engine
 from server_bridge.engine_torch import TorchEngine
 
 TINY = dict(
@@ -111,19 +115,25 @@ def test_the_batch_writes_each_sessions_kv_where_a_solo_pass_does():
             torch.testing.assert_close(solo.pool.v[layer][slot, :, :end], batch.pool.v[layer][slot, :, :end])
 
 
-def kernel_ops(eng: TorchEngine, sessions: int, tokens: int) -> list[str]:
+def text_sessions(eng: TorchEngine, sessions: int) -> list[tuple]:
+    """(sequence, text length) per session: 10, 13, 16, ... ids of text."""
+    lengths = [10 + 3 * i for i in range(sessions)]
+    return list(zip(prefilled(eng, lengths), lengths))
+
+
+def kernel_ops(eng: TorchEngine, sessions: int, tokens: int, opened=text_sessions) -> list[str]:
     """The operators one pass of `sessions` x `tokens` runs, views left out."""
     from torch.profiler import ProfilerActivity, profile
 
-    seqs = prefilled(eng, [10 + 3 * i for i in range(sessions)])
-    batch = [Pass(s, 10 + 3 * i, list(range(20, 20 + tokens)), tokens) for i, s in enumerate(seqs)]
+    held = opened(eng, sessions)
+    batch = [Pass(s, n, list(range(20, 20 + tokens)), tokens) for s, n in held]
     eng.forward(batch)  # warm
-    for i, s in enumerate(seqs):
-        eng.truncate(s, 10 + 3 * i)
-    batch = [Pass(s, 10 + 3 * i, list(range(20, 20 + tokens)), tokens) for i, s in enumerate(seqs)]
+    for s, n in held:
+        eng.truncate(s, n)
+    batch = [Pass(s, n, list(range(20, 20 + tokens)), tokens) for s, n in held]
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         eng.forward(batch)
-    for s in seqs:
+    for s, _ in held:
         eng.free(s)
     return sorted(e.name for e in prof.events() if e.name.startswith("aten::") and e.name not in VIEWS)
 
@@ -149,3 +159,36 @@ def test_a_pass_on_a_cache_gives_the_logits_of_transformers_own_forward(kind):
     with eng.plain_attention() as model, torch.inference_mode():
         theirs = model(torch.tensor([ids])).logits[0, 12:]
     torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+
+
+def image_sessions(eng: TorchEngine, sessions: int) -> list[tuple]:
+    """(sequence, text length) per session: the Qwen-VL prompt with an image of its own size (so its own cells,
+    positions and rope delta), then i more ids of text."""
+    from PIL import Image
+
+    from tools.models import qwen_vlm as qv
+
+    ids = eng.tokenizer.encode(qv.PROMPT)
+    at = ids.index(eng.image_token_id)
+    held = []
+    for i in range(sessions):
+        out = io.BytesIO()
+        Image.fromarray(qv.random_image(i, 32 + 16 * (i % 3), 64 + 16 * (i % 4))).save(out, format="PNG")
+        prompt = ids + [(7 * i + j) % 500 + 3 for j in range(i)]
+        seq = eng.new_sequence()
+        eng.forward([Pass(seq, 0, prompt, 0, images={at: PromptImage.of(out.getvalue(), at)})])
+        held.append((seq, len(prompt)))
+    return held
+
+
+@pytest.mark.real
+def test_an_mrope_pass_runs_as_many_operators_for_eight_sessions_as_for_two(qwen_vlm):
+    vlm = qwen_vlm("qwen2vl")
+    eng = load_engine(
+        str(vlm.hf_dir), engine="torch", device="cpu", dtype="float32", threads=1, max_sequences=16, max_len=128
+    )
+    assert eng.mrope
+    counts = {n: kernel_ops(eng, n, 5, image_sessions) for n in (2, 4, 8)}
+    assert counts[2] == counts[4] == counts[8], {n: len(c) for n, c in counts.items()}
+    sdpa = [name for name in counts[8] if "scaled_dot_product" in name and not name.startswith("aten::_")]
+    assert len(sdpa) == eng.n_layers

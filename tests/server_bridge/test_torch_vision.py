@@ -4,7 +4,8 @@ On the test VLM (tools/models/make_test_vlm.py: a random SmolVLM as a Hugging Fa
 compute what transformers computes for the whole prompt with its own processor and forward, place the
 text after an image at the right positions, roll back across and before an image, keep a batch's text
 sessions as they are alone, and refuse what it cannot read (corrupt bytes, a hash it does not hold,
-images on a text-only target, an M-RoPE model) with the reason.
+images on a text-only target, an M-RoPE model whose positions it does not compute) with the reason. The
+Qwen-VLs (M-RoPE) have tests of their own: test_torch_mrope.py.
 """
 
 import io
@@ -225,9 +226,9 @@ def test_a_text_only_engine_refuses_images(torch_target):
         text_only.image_positions(image)
 
 
-def test_an_mrope_model_is_refused_at_load_with_the_reason(tmp_path):
-    from transformers import Qwen2VLConfig
+def test_an_mrope_model_other_than_the_qwen_vls_is_refused_at_load_with_the_reason(tmp_path):
+    from transformers import Glm4vConfig
 
-    Qwen2VLConfig().save_pretrained(tmp_path)  # the config alone: refused before weights
-    with pytest.raises(ValueError, match="M-RoPE"):
-        TorchEngine(tmp_path, "qwen2-vl", device="cpu", dtype="float32")
+    Glm4vConfig().save_pretrained(tmp_path)  # the config alone: refused before weights
+    with pytest.raises(ValueError, match="M-RoPE.*qwen2_vl, qwen2_5_vl, qwen3_vl only"):
+        TorchEngine(tmp_path, "glm-4v", device="cpu", dtype="float32")

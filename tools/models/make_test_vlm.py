@@ -1,6 +1,9 @@
 """A tiny SmolVLM (Idefics3) with random weights, offline: one model as Hugging Face and llama.cpp load it.
 
-    python -m tools.models.make_test_vlm [--out DIR] [--seed 0] [--check]
+    python -m tools.models.make_test_vlm [--family smolvlm|qwen2vl|qwen2.5vl|qwen3vl] [--out DIR] [--seed 0] [--check]
+
+`--family` other than smolvlm (the default) makes a tiny Qwen-VL (M-RoPE) the same way, with the same
+four files: tools/models/qwen_vlm.py.
 
 `DIR/hf/` is a real Idefics3ForConditionalGeneration (a 2-layer SigLIP-like vision tower on 64 x 64
 tiles, the pixel-shuffle connector, a 2-layer Llama) with the shipped SmolLM2 tokenizer plus the image
@@ -30,20 +33,25 @@ import ctypes
 import importlib.metadata
 import importlib.util
 import json
-import os
 import shutil
-import subprocess
 import sys
-import tarfile
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 
+from tools.models import qwen_vlm
+from tools.models.llama_convert import (  # noqa: F401  (this module's names since it began: kept for its callers)
+    CONVERTER_FILES,
+    LLAMA_CPP_VERSION,
+    cache_root,
+    convert,
+    converter_dir,
+)
+from tools.models.llama_convert import quiet as _quiet
+
 VERSION = 1  # bump when the construction changes: cached files are keyed by it
-LLAMA_CPP_VERSION = "0.3.36"  # the sdist whose convert_hf_to_gguf.py writes the GGUFs (as the Makefile pins)
 DRAFT_FTYPE = "LLAMA_FTYPE_MOSTLY_Q8_0"  # blocks of 32: every row (64, 128) divides
 PROMPT = "User:<image>Describe the scene.<end_of_utterance>\nAssistant:"
 IMAGE_TOKEN = "<image>"
@@ -131,117 +139,6 @@ def default_dir(seed: int = 0) -> Path:
     from protocol import modelfiles
 
     return modelfiles.build_dir() / f"test-vlm-v{VERSION}-s{seed}"
-
-
-# --------------------------------------------------------------------------- llama.cpp's converter
-
-
-def cache_root() -> Path:
-    return Path.home() / ".cache" / "edgespec"
-
-
-CONVERTER_FILES = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")  # what convert_hf_to_gguf.py imports
-
-
-def converter_dir(log=print) -> Path:
-    """A folder with llama.cpp's convert_hf_to_gguf.py, its conversion/ package and its gguf-py/, taken
-    from the llama-cpp-python sdist once (as tools/build_llama_server.sh takes the sources)."""
-    cache = cache_root() / f"llama-convert-{LLAMA_CPP_VERSION}"
-    if (cache / "convert_hf_to_gguf.py").is_file():
-        return cache
-    cache_root().mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix="llama-convert.", dir=cache_root()))  # same filesystem: renamed at the end
-    try:
-        sdist = os.environ.get("LLAMA_SDIST")
-        if sdist and Path(sdist).is_dir():
-            src = Path(sdist) / "vendor" / "llama.cpp"
-            log(f"make_test_vlm: copying the converter from {src}")
-            for w in CONVERTER_FILES:
-                (shutil.copytree if w.endswith("/") else shutil.copy2)(src / w.rstrip("/"), tmp / w.rstrip("/"))
-        elif sdist:
-            _extract_converter(Path(sdist), tmp, log)
-        else:
-            with tempfile.TemporaryDirectory(prefix="llama-sdist.") as dl:
-                _extract_converter(_download_sdist(Path(dl), log), tmp, log)
-        if not (tmp / "convert_hf_to_gguf.py").is_file():
-            raise FileNotFoundError(
-                f"no vendor/llama.cpp/convert_hf_to_gguf.py in the llama-cpp-python "
-                f"{LLAMA_CPP_VERSION} sdist ({sdist or 'downloaded'})"
-            )
-        shutil.rmtree(cache, ignore_errors=True)
-        os.replace(tmp, cache)  # atomic: a half-extracted converter never looks cached
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return cache
-
-
-def _download_sdist(into: Path, log) -> Path:
-    log(f"make_test_vlm: downloading the llama-cpp-python {LLAMA_CPP_VERSION} sdist (~75 MB and ~1 min, once)")
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "download",
-            "--quiet",
-            "--no-deps",
-            "--no-binary",
-            ":all:",
-            "-d",
-            str(into),
-            f"llama-cpp-python=={LLAMA_CPP_VERSION}",
-        ],
-        check=True,
-    )
-    return into / f"llama_cpp_python-{LLAMA_CPP_VERSION}.tar.gz"
-
-
-def _extract_converter(tarball: Path, into: Path, log) -> None:
-    """Only CONVERTER_FILES out of the sdist's vendor/llama.cpp/ (~1 s of its 75 MB)."""
-    log(f"make_test_vlm: extracting the converter from {tarball}")
-    prefix = f"llama_cpp_python-{LLAMA_CPP_VERSION}/vendor/llama.cpp/"
-    with tarfile.open(tarball) as tar:
-        for m in tar:
-            rel = m.name[len(prefix) :] if m.name.startswith(prefix) else ""
-            if (
-                m.isfile()
-                and ".." not in rel.split("/")
-                and any(rel == w or (w.endswith("/") and rel.startswith(w)) for w in CONVERTER_FILES)
-            ):
-                dst = into / rel
-                dst.parent.mkdir(parents=True, exist_ok=True)
-                with tar.extractfile(m) as f_in, open(dst, "wb") as f_out:
-                    shutil.copyfileobj(f_in, f_out)
-
-
-# Runs convert_hf_to_gguf.py as its command line would, once per argv, in one interpreter: torch,
-# transformers and the converter's modules are imported once (10 s against 24 s for three processes).
-_RUN_CONVERTER = """
-import json, runpy, sys
-for argv in json.loads(sys.argv[1]):
-    sys.argv = ["convert_hf_to_gguf.py"] + argv
-    runpy.run_path("convert_hf_to_gguf.py", run_name="__main__")
-"""
-
-
-def convert(conv: Path, hf_dir: Path, jobs: list[tuple[Path, str, bool]], log=print) -> None:
-    """llama.cpp's convert_hf_to_gguf.py on hf_dir for each (output, outtype, mmproj)."""
-    argvs = [
-        [str(hf_dir), "--outtype", outtype, "--outfile", str(out) + ".tmp"] + (["--mmproj"] if mmproj else [])
-        for out, outtype, mmproj in jobs
-    ]
-    done = subprocess.run(
-        [sys.executable, "-c", _RUN_CONVERTER, json.dumps(argvs)],
-        cwd=conv,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    if done.returncode != 0:
-        raise RuntimeError(f"convert_hf_to_gguf.py failed (rc {done.returncode}):\n{done.stdout[-3000:]}")
-    for out, outtype, mmproj in jobs:
-        os.replace(str(out) + ".tmp", out)
-        log(f"make_test_vlm: {out.name} ({'mmproj, ' if mmproj else ''}{outtype}) written by llama.cpp's converter")
 
 
 # --------------------------------------------------------------------------- the Hugging Face model
@@ -472,16 +369,6 @@ def _check_image(image: np.ndarray) -> None:
         raise ValueError(f"an image is [height, width, 3] uint8, got {image.shape} {image.dtype}")
 
 
-def _quiet() -> None:
-    """llama.cpp and libmtmd log every tensor and tile; keep their errors only."""
-    import llama_cpp._logger
-    import llama_cpp.mtmd_cpp as mtmd
-
-    llama_cpp._logger.set_verbose(False)
-    mtmd.mtmd_log_set(llama_cpp._logger.llama_log_callback, ctypes.c_void_p(0))
-    mtmd.mtmd_helper_log_set(llama_cpp._logger.llama_log_callback, ctypes.c_void_p(0))
-
-
 def check(vlm: TinyVLM) -> dict:
     """Every file loaded by what reads it, two images through each: the figures as a dict."""
     a, b = random_image(0), random_image(1)
@@ -505,16 +392,30 @@ def check(vlm: TinyVLM) -> dict:
     return out
 
 
+FAMILIES = ("smolvlm",) + qwen_vlm.FAMILIES
+
+
+def make_family(family: str = "smolvlm", directory: str | Path | None = None, seed: int = 0, log=print):
+    """One family's test VLM: `make` for smolvlm (a TinyVLM), qwen_vlm.make for the Qwen-VLs (a QwenVLM, the
+    same fields and `family`)."""
+    if family == "smolvlm":
+        return make(directory, TINY, seed, log)
+    return qwen_vlm.make(family, directory, seed=seed, log=log)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", type=Path, default=None, help="output folder (default models/build/test-vlm-v<N>-s<seed>)")
+    ap.add_argument("--family", choices=FAMILIES, default="smolvlm", help="which model (default smolvlm)")
+    ap.add_argument(
+        "--out", type=Path, default=None, help="output folder (default models/build/test-vlm[-<family>]-v<N>-s<seed>)"
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--check", action="store_true", help="load every file and print what each computes, as JSON")
     args = ap.parse_args(argv)
-    vlm = make(args.out, TINY, args.seed, log=lambda m: print(m, file=sys.stderr, flush=True))
+    vlm = make_family(args.family, args.out, args.seed, log=lambda m: print(m, file=sys.stderr, flush=True))
     print(json.dumps(vlm.describe()))
     if args.check:
-        print(json.dumps(check(vlm)))
+        print(json.dumps(check(vlm) if args.family == "smolvlm" else qwen_vlm.check(vlm)))
     return 0
 
 
