@@ -10,7 +10,8 @@ last user turn's camera line is "Camera: <the image>." (a JPEG on the image mark
 with every generation of the step), and the step record says "camera image (W x H, N
 bytes)". The few-shot turns stay text: they teach the answer's shape. A prompt holds one
 image, the current frame; remembered steps say only that an image was seen. A VLM's chat
-template reads list-of-parts content, so with a VLM draft every turn is rendered as parts.
+template reads list-of-parts content, so with a VLM draft every turn is rendered as parts
+(SmolVLM and the Qwen-VL families alike: tests/agent/test_nav_vlm.py, test_nav_vlm_qwen.py).
 Every telemetry record says which perception (`perception`).
 
 Memory. The prompt carries the task's last steps (`nav.memory_steps`, at most
@@ -288,7 +289,9 @@ def messages(
     (SmolVLM's renders a plain string as nothing); the system and few-shot turns are one text part each.
     image (parts only): the camera line holds the image itself, "Camera: <image>." with the image part
     where the text would be; `observation` is then what follows the image on that line ("" or the
-    blocked-way note).
+    blocked-way note). The template writes the part as its family does: SmolVLM's `<image>`, Qwen-VL's
+    `<|vision_start|><|image_pad|><|vision_end|>` (the marker `<|image_pad|>` inside the text libmtmd wraps an
+    image in, as protocol/vision.py expects).
     """
     if image and not parts:
         raise ValueError("an image in the prompt needs list-of-parts content (parts=True)")
@@ -577,6 +580,9 @@ class Navigator:
                 "perception 'vlm' puts the camera image in the prompt: the draft must be a "
                 "vision-language model loaded with its projector (agent.draft_mmproj)"
             )
+        if self.sees:  # at start, not at the first step: the draft's chat template lays the image out as expected
+            chat = messages("look around", "", parts=True, image=True)
+            self._image_at(self.drafter.tokenize(self.drafter.apply_chat_template(chat)))
         self._last_ids: list[int] = []  # the previous prompt: what both KV caches start from
         self._last_images: list[PromptImage] = []  # its image (perception "vlm"), else none
         self.session = f"nav-{uuid.uuid4().hex[:12]}"  # one server session: the few-shot prefix stays cached
@@ -659,13 +665,29 @@ class Navigator:
         ids = self.drafter.tokenize(self.drafter.apply_chat_template(chat))
         if image is None:
             return ids, []
+        return ids, [PromptImage.of(image, self._image_at(ids))]
+
+    def _image_at(self, ids: list[int]) -> int:
+        """The index of the prompt's one image marker. A marker that stands for the image chunk alone (Qwen-VL's
+        `<|image_pad|>`) must sit inside the text the projector wraps an image in (`<|vision_start|>` ...
+        `<|vision_end|>`, which the family's chat template writes): ValueError otherwise."""
         at = [i for i, t in enumerate(ids) if t == self.drafter.image_marker]
         if len(at) != 1:
             raise ValueError(
                 f"the step's prompt holds {len(at)} image markers, not the camera image's one: "
                 "the instruction or the memory spells the marker out"
             )
-        return ids, [PromptImage.of(image, at[0])]
+        wrappers = getattr(getattr(self.drafter, "vision", None), "wrappers", None)
+        if wrappers:
+            before, after = (self.drafter.tokenize(w) for w in wrappers)
+            i = at[0]
+            if ids[i - len(before) : i] != before or ids[i + 1 : i + 1 + len(after)] != after:
+                around = self.drafter.detokenize(ids[max(0, i - 3) : i + 4])
+                raise ValueError(
+                    f"the draft's chat template writes the image as {around!r}: its projector expects the marker "
+                    f"inside {wrappers[0]!r} ... {wrappers[1]!r} (a template of another model family?)"
+                )
+        return at[0]
 
     @property
     def last_prompt_ids(self) -> list[int]:

@@ -56,8 +56,10 @@ class ExitHeads(nn.Module):
         return self.config.layers
 
     def features(self, model, layer: int, hidden: torch.Tensor) -> torch.Tensor:
-        """What the LM head sees at this exit: final_norm(adapter(hidden)), [n, hidden] -> [n, hidden]."""
-        return model.model.norm(self.adapters[str(layer)](hidden))
+        """What the LM head sees at this exit: final_norm(adapter(hidden)), [n, hidden] -> [n, hidden].
+
+        model: a causal LM or a vision-language model (its text decoder's final norm: `get_decoder()`)."""
+        return model.get_decoder().norm(self.adapters[str(layer)](hidden))
 
     def logits(self, model, layer: int, hidden: torch.Tensor, candidates: torch.Tensor | None = None) -> torch.Tensor:
         """Exit logits at `layer` for hidden [n, hidden].
@@ -65,7 +67,7 @@ class ExitHeads(nn.Module):
         candidates None -> [n, vocab]; candidates [n, K] token ids -> [n, K] (only those rows of the head).
         """
         h = self.features(model, layer, hidden)  # [n, hidden]
-        weight = model.lm_head.weight  # [vocab, hidden]
+        weight = model.get_output_embeddings().weight  # [vocab, hidden]
         if candidates is None:
             return h @ weight.T
         return torch.einsum("nh,nkh->nk", h, weight[candidates])

@@ -6,20 +6,25 @@ to right after the image, are the engine's for the same pass (the f32 target GGU
 the engine's flash attention off as llama-cpp-python's `Llama` has it); its context is counted in cells.
 FSD's branches start from that KV by position. End to end (the Q8_0 draft + f16 mmproj on the robot, the
 f32 target + mmproj on the server) every mode gives the target's greedy ids with an image in the prompt,
-two images give two outputs, a draft rejected at the first token after the image still gives them, and a
-dropped link re-opens by the image's hash.
+two images give two outputs, a draft rejected at the first token after the image still gives them, a
+dropped link re-opens by the image's hash, and at T > 0 the committed token right after the image follows
+the target's distribution (χ²; `follows_the_targets_distribution`, shared with the torch engine's file).
 """
 
 import io
 
 import numpy as np
 import pytest
+from scipy import stats
 
 from agent.branches import BranchDrafter
 from agent.decoder import EdgeDecoder, FsdOptions, ReconnectPolicy
 from agent.drafter import Draft, DraftContextFull, Drafter
+from protocol import sampling, wire
 from protocol.images import PromptImage
+from protocol.payload import PayloadSpec
 from protocol.sampling import SamplingParams
+from server_bridge.config import ServerConfig
 from server_bridge.engine import Pass, load_engine
 from server_bridge.target import load_target
 from server_bridge.verifier import Verifier
@@ -259,3 +264,40 @@ def test_a_dropped_link_reopens_by_hash_and_loses_nothing(vdrafter, vserver, ref
         assert proxy.stats()["disconnects_injected"] >= 1
     assert gen.metrics.reconnects >= 1 and gen.token_ids == reference[qv.PROMPT, 1]
     assert gen.metrics.bytes_up < 2 * len(images[0].data) + 4096  # the re-open named the image by its hash
+
+
+def follows_the_targets_distribution(drafter, target, ids, images, other, draws: int = 240) -> None:
+    """Draft one token, verify it, from the same image prompt over and over: χ² against the target's p.
+
+    The draft sees another image (`other`, of another position count) so its q differs from p and the
+    residual path runs; the token committed right after the target's image must still follow the target's
+    p [vocab] there (top-4 at T = 1.5: four cells, 240 draws give each about 60). Every draw is rolled back
+    to the prompt, so the KV is cut by position right after the image each time."""
+    params = SamplingParams(temperature=1.5, top_k=4, seed=11)
+    drafter.use_images(other)
+    verifier = Verifier(target, ServerConfig(max_context=1024))
+    spec = PayloadSpec("full")
+    open_ = wire.Open("stat", ids, {"temperature": 1.5, "top_k": 4, "seed": 11}, payload=spec.to_wire(), images=images)
+    session, _ = verifier.open(open_, 1, None)
+    p = sampling.probs_from_logits(target.score(session.state, [])[0], params)  # [vocab]
+    target.rewind(session.state, ids)
+    support = np.flatnonzero(p)
+    assert len(support) == 4
+    rng = np.random.default_rng(5)
+    firsts, rejected = [], 0
+    for r in range(draws):
+        d = drafter.propose(ids, 1, params, rng, payload=spec)
+        out = verifier.verify(session, wire.decode(wire.encode(wire.Verify("stat", r, len(ids), d.ids, d.wire_q()))))
+        firsts.append(d.ids[0] if out.verdict.accepted else out.verdict.token)
+        rejected += out.verdict.accepted == 0
+        target.rewind(session.state, ids)
+    target.free(session.state)
+    counts = np.array([firsts.count(t) for t in support])
+    assert counts.sum() == len(firsts)
+    assert rejected > 0
+    assert stats.chisquare(counts, p[support] * len(firsts)).pvalue > 1e-3
+
+
+def test_the_targets_distribution_right_after_an_image_at_temperature(vdrafter, vtarget):
+    ids, images = prompt(vdrafter, 0, SHORT)  # 48 cells, 8 positions; the draft sees 16 cells, 4 positions
+    follows_the_targets_distribution(vdrafter, vtarget, ids, images, prompt(vdrafter, 1, SHORT)[1])

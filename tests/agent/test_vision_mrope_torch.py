@@ -4,7 +4,8 @@ The same pair as tests/agent/test_vision_mrope.py (each family's tiny random mod
 Q8_0 draft + f16 mmproj on the robot), with the server's target the Hugging Face directory on the torch engine:
 its greedy ids with an image are transformers' own `generate`, every mode gives them, a draft rejected at the
 first token after the image (a 96 x 128 image: 48 cells, 8 positions) still gives them, two images give two
-outputs, and a dropped link re-opens by the image's hash.
+outputs, a dropped link re-opens by the image's hash, and at T > 0 the token committed right after the image
+follows the target's distribution (χ², the same check as the llamacpp engine's).
 """
 
 import io
@@ -17,6 +18,7 @@ from agent.drafter import Draft, Drafter
 from protocol.images import PromptImage
 from server_bridge.target import load_target
 from server_bridge.verifier import Verifier
+from tests.agent.test_vision_mrope import follows_the_targets_distribution
 from tests.conftest import ThreadedServer
 from tools.cluster.netem import LinkProfile, NetemProxy
 from tools.models import qwen_vlm as qv
@@ -140,3 +142,8 @@ def test_a_dropped_link_reopens_by_hash_and_loses_nothing(vdrafter, vserver, ref
         assert proxy.stats()["disconnects_injected"] >= 1
     assert gen.metrics.reconnects >= 1 and gen.token_ids == reference[qv.PROMPT, 1]
     assert gen.metrics.bytes_up < 2 * len(images[0].data) + 4096  # the re-open named the image by its hash
+
+
+def test_the_targets_distribution_right_after_an_image_at_temperature(vdrafter, vtarget):
+    ids, images = prompt(vdrafter, 0, SHORT)  # 48 cells, 8 positions; the draft sees 16 cells, 4 positions
+    follows_the_targets_distribution(vdrafter, vtarget, ids, images, prompt(vdrafter, 1, SHORT)[1])
