@@ -212,15 +212,17 @@ class VerifierLink:
         reply = self.recv()
         if not isinstance(reply, wire.Welcome):
             raise ProtocolViolation(f"expected welcome, got {reply.TYPE}")
-        if reply.vocab_size != self.vocab_size or reply.vocab_hash != self.vocab_hash:
-            # the server refuses a draft of another vocabulary; one that welcomes it anyway is not agreeing
+        if reply.vocab_size > self.vocab_size or reply.vocab_hash != self.vocab_hash:
+            # the server refuses a draft of another vocabulary; one that welcomes it anyway is not agreeing.
+            # Welcome names the agreed vocabulary: the real part both hashes cover (modelfiles.vocab_hash),
+            # which is the draft's own less any tail of padding ids it has, so never more than the draft's.
             raise ProtocolViolation(
                 f"the verifier welcomed a vocabulary of {reply.vocab_size} tokens (hash {reply.vocab_hash[:12]}), "
                 f"the draft's has {self.vocab_size} (hash {self.vocab_hash[:12]})"
             )
-        bad = next((t for t in reply.eos_ids if t >= self.vocab_size), None)
+        bad = next((t for t in reply.eos_ids if t >= reply.vocab_size), None)
         if bad is not None:
-            raise ProtocolViolation(f"welcome names stop id {bad}, outside the vocabulary of {self.vocab_size}")
+            raise ProtocolViolation(f"welcome names stop id {bad}, outside the vocabulary of {reply.vocab_size}")
         self.welcome = reply
         return reply
 

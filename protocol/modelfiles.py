@@ -17,8 +17,9 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import os
+import re
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Sequence
 
 SHIPPED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DRAFTS = {
@@ -143,23 +144,42 @@ def target_cache_dir(gguf: Path) -> Path:
 
 
 _SPM_SPACE = "\u2581".encode()
+_PAD_PIECE = re.compile(rb"\[PAD[0-9]+\]")  # a padding id's piece (real_vocab_size)
+
+
+def real_vocab_size(pieces: Sequence[bytes]) -> int:
+    """The vocabulary's length less its trailing run of padding pieces, `[PAD<digits>]`.
+
+    llama.cpp's HF converter names the embedding rows past the tokenizer so (`[PAD<id>]` for BPE
+    vocabularies, `[PAD1]`.. for SentencePiece ones), and our torch engine names them as it does:
+    Qwen2-VL-7B pads the 151,936 tokens of Qwen2-VL-2B to 152,064. Deliberately narrow: only a tail
+    of exactly that form counts (a `[PAD7]` followed by a real token is itself real), so two
+    vocabularies that differ only by such padding share their real part and nothing else does.
+    """
+    n = len(pieces)
+    while n and _PAD_PIECE.fullmatch(pieces[n - 1]):
+        n -= 1
+    return n
 
 
 def vocab_hash(pieces: Iterable[bytes]) -> str:
-    """sha256 over the token pieces in id order, each length-prefixed.
+    """sha256 over the real part of the vocabulary (`real_vocab_size`): its pieces in id order, each
+    length-prefixed, then their count.
 
     Both sides hash the raw piece text of every id (GGUF/HF byte-level BPE
-    pieces such as b"\\xc4\\xa0hello"), so equal hashes mean equal vocabularies.
+    pieces such as b"\\xc4\\xa0hello"), so equal hashes mean equal vocabularies
+    up to a padding tail (and equal real sizes: the count is hashed). An unpadded
+    vocabulary hashes as it always did.
     SentencePiece's space marker U+2581 counts as a space: llama.cpp renders
     Gemma 3's whitespace-run pieces with spaces where transformers keeps the
     marker (30 of 262,144 pieces), for the very same tokens.
     """
+    pieces = list(pieces)
     h = hashlib.sha256()
-    n = 0
-    for piece in pieces:
+    n = real_vocab_size(pieces)
+    for piece in pieces[:n]:
         piece = piece.replace(_SPM_SPACE, b" ")
         h.update(len(piece).to_bytes(4, "little"))
         h.update(piece)
-        n += 1
     h.update(n.to_bytes(8, "little"))
     return h.hexdigest()

@@ -191,7 +191,9 @@ class LlamaCppEngine:
         vocab = L.llama_model_get_vocab(self.model)
         self.vocab_size = int(L.llama_vocab_n_tokens(vocab))
         self.tokenizer = _Tokenizer(vocab)
-        self.vocab_hash = modelfiles.vocab_hash(L.llama_vocab_get_text(vocab, i) for i in range(self.vocab_size))
+        pieces = [L.llama_vocab_get_text(vocab, i) for i in range(self.vocab_size)]
+        self.vocab_hash = modelfiles.vocab_hash(pieces)  # over the real part: a [PAD] tail is not hashed
+        self.vocab_real = modelfiles.real_vocab_size(pieces)  # the ids verification may produce: [0, vocab_real)
         self.image_token_id = marker_id(vocab)  # SmolVLM's <image>; None in a text vocabulary
         self.eos_ids = sorted({int(t) for t in (L.llama_vocab_eos(vocab), L.llama_vocab_eot(vocab)) if t >= 0})
         self.n_layers = int(L.llama_model_n_layer(self.model))

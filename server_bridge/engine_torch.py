@@ -237,11 +237,13 @@ class TorchEngine:
         self.name = name
         self.vocab_size = int(cfg.vocab_size)
         self.vocab_hash = ""
+        self.vocab_real = self.vocab_size  # the ids verification may produce: [0, vocab_real)
         if self.tokenizer is not None:
             pieces = self.tokenizer.convert_ids_to_tokens(list(range(self.vocab_size)))
             # ids past the tokenizer's (Qwen pads its embeddings): named as llama.cpp's converter names them
-            pieces = [p if p is not None else f"[PAD{i}]" for i, p in enumerate(pieces)]
-            self.vocab_hash = modelfiles.vocab_hash(p.encode("utf-8") for p in pieces)
+            pieces = [(p if p is not None else f"[PAD{i}]").encode("utf-8") for i, p in enumerate(pieces)]
+            self.vocab_hash = modelfiles.vocab_hash(pieces)  # over the real part: a [PAD] tail is not hashed
+            self.vocab_real = modelfiles.real_vocab_size(pieces)
         self.image_token_id = self.vision.image_token_id if self.vision else _marker_id(self.tokenizer)
         self.mrope = bool(self.vision and self.vision.mrope)  # 3-D positions (Qwen-VL) for every pass
         self._images: dict[int, list[tuple[int, int, int]]] = {}  # slot -> [(text index, extra cells, extra positions)]

@@ -70,8 +70,9 @@ class EngineInfo:
 class Engine(Protocol):
     name: str  # the target's name (smollm2-f32 or a file name)
     info: EngineInfo
-    vocab_size: int
-    vocab_hash: str
+    vocab_size: int  # logits rows' width
+    vocab_hash: str  # modelfiles.vocab_hash: over the real part only
+    vocab_real: int  # vocab_size less a tail of padding ids (modelfiles.real_vocab_size): what is served
     eos_ids: list[int]
     n_layers: int
     hidden_size: int

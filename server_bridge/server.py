@@ -588,12 +588,15 @@ class BridgeServer:
         ):
             raise wire.WireError("bad_token", "the token in hello does not match this verifier's")
         target = self.verifier.target
-        if msg.draft_vocab_hash != target.vocab_hash or msg.vocab_size != target.vocab_size:
+        # Both hashes cover the real part only (modelfiles.vocab_hash), its size included: equal hashes are equal
+        # vocabularies up to a tail of padding ids on either side. hello's vocab_size is the draft's full size, so
+        # it holds at least the real part; the agreed vocabulary is the real part (target.vocab_size, welcome's).
+        if msg.draft_vocab_hash != target.vocab_hash or msg.vocab_size < target.vocab_size:
             raise wire.WireError(
                 "vocab_mismatch",
                 f"the draft's vocabulary (size {msg.vocab_size}, hash "
                 f"{msg.draft_vocab_hash[:12]}) differs from the target {target.name}'s (size "
-                f"{target.vocab_size}, hash {target.vocab_hash[:12]}); speculative decoding "
+                f"{target.vocab_size} without padding, hash {target.vocab_hash[:12]}); speculative decoding "
                 "needs identical tokenizers",
             )
 

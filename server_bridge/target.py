@@ -74,7 +74,9 @@ class Target:
     def __init__(self, engine: Engine):
         self.engine = engine
         self.name = engine.name
-        self.vocab_size = engine.vocab_size
+        # The vocabulary served: the engine's less a tail of padding ids (modelfiles.real_vocab_size), which is
+        # what the handshake agrees with the draft. Every logits row leaves `extend` cut to it: [keep, vocab_size].
+        self.vocab_size = getattr(engine, "vocab_real", engine.vocab_size)
         self.vocab_hash = engine.vocab_hash
         self.eos_ids = engine.eos_ids
         self.n_layers = engine.n_layers
@@ -101,8 +103,8 @@ class Target:
                 vocab, owner = L.llama_model_get_vocab(self.engine.model), self.engine
             elif self.grammars_supported:
                 owner, vocab, n = vocab_only(self.engine.path)  # the vocabulary alone, no weights
-                if n != self.vocab_size:
-                    raise GrammarError(f"{self.engine.path} has {n} tokens, the target {self.vocab_size}")
+                if n != self.engine.vocab_size:
+                    raise GrammarError(f"{self.engine.path} has {n} tokens, the target {self.engine.vocab_size}")
             else:
                 raise GrammarError(
                     f"the target {self.name} was not loaded from a GGUF: llama.cpp's grammar "
@@ -174,6 +176,13 @@ class Target:
     def extend(self, batch: list[Extension]) -> list[Any]:
         """One forward pass over every session in batch; per session its logits rows [keep, vocab].
 
+        vocab is the served vocabulary (`vocab_size`): the rows of a target's padding ids are dropped. That is
+        the target's distribution restricted to its real tokens, the same as setting their logits to -inf before
+        the softmax, for greedy, sampled verification, ar and residuals alike, so no id outside the agreed
+        vocabulary can come out. Nothing worth keeping is lost: the padding rows of a trained model were never
+        a training target, so they carry no probability a real token should have had (greedy never picks them
+        in practice).
+
         The rows are the engine's own (numpy for llamacpp, device tensors for torch; `to_numpy`
         brings them to the host). Each pass starts at state.cached, whatever the engine held
         after an earlier pass (state.cached is the caller's to advance, by `commit`).
@@ -187,6 +196,8 @@ class Target:
             rows = self.engine.forward(passes)
         for e in batch:
             e.state.passes += 1
+        if self.vocab_size < self.engine.vocab_size:
+            rows = [r[..., : self.vocab_size] for r in rows]  # a view: no copy on either engine
         return rows
 
     def argmax(self, rows) -> np.ndarray:
