@@ -65,6 +65,7 @@ class BranchDrafter:
             raise ValueError("slots must be >= 1")
         self.slots = slots
         self.vocab_size = drafter.vocab_size
+        self.vocab_real = drafter.vocab_real  # the rows drawn from: the draft's real vocabulary
         self.n_cands = n_cands
         params = llama_cpp.llama_context_default_params()
         params.n_ctx = n_ctx
@@ -108,7 +109,7 @@ class BranchDrafter:
         import llama_cpp
 
         ptr = llama_cpp.llama_get_logits_ith(self._ctx.ctx, row)
-        return np.ctypeslib.as_array(ptr, shape=(self.vocab_size,)).copy()
+        return np.ctypeslib.as_array(ptr, shape=(self.vocab_size,))[: self.vocab_real].copy()  # [vocab_real]
 
     def _rm(self, seq: int, p0: int = -1) -> None:
         import llama_cpp

@@ -720,7 +720,7 @@ class EdgeDecoder:
 
     def _vocab(self) -> int:
         """The vocabulary the handshake agreed: every token id a reply carries lies below it."""
-        return min(self.link.welcome.vocab_size, self.drafter.vocab_size)
+        return min(self.link.welcome.vocab_size, self.drafter.vocab_real)
 
     def _check_grammar(self, committed: list[int], new: list[int], what: str) -> None:
         """Under a grammar, `new` (to follow committed) must be what it allows: the verifier masks the target

@@ -162,9 +162,13 @@ class Drafter:
             )
         self.vocab_size = int(self.llm.n_vocab())
         vocab = llama_model_get_vocab(self.llm.model)
-        self.vocab_hash = modelfiles.vocab_hash(llama_vocab_get_text(vocab, i) for i in range(self.vocab_size))
+        pieces = [llama_vocab_get_text(vocab, i) for i in range(self.vocab_size)]
+        self.vocab_hash = modelfiles.vocab_hash(pieces)  # over the real part: a padding tail is no vocabulary
+        # Ids drawn and logits rows: the real part alone (Qwen2-VL-2B's 151,936 rows pad its tokenizer with
+        # [PAD<id>] rows; the verifier agrees on the real part and never sends past it, so nor does the draft)
+        self.vocab_real = modelfiles.real_vocab_size(pieces)
         self.eos_ids = {int(self.llm.token_eos())}
-        self.grammars = GrammarCache(vocab, self.vocab_size, owner=self.llm)  # compiled answer grammars
+        self.grammars = GrammarCache(vocab, self.vocab_real, owner=self.llm)  # compiled answer grammars
         self.chat_template = self.llm.metadata.get("tokenizer.chat_template")
         self.vision = None  # libmtmd's projector (protocol/vision.py) when the draft sees
         self.image_marker: int | None = None  # the image marker's id in this vocabulary
@@ -376,7 +380,7 @@ class Drafter:
         import llama_cpp
 
         ptr = llama_cpp.llama_get_logits_ith(self.llm.ctx, -1)
-        return np.ctypeslib.as_array(ptr, shape=(self.vocab_size,)).copy()
+        return np.ctypeslib.as_array(ptr, shape=(self.vocab_size,))[: self.vocab_real].copy()  # [vocab_real]
 
     def propose(
         self,

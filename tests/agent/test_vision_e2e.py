@@ -9,27 +9,22 @@ again when the server no longer holds them.
 """
 
 import asyncio
-import io
 import threading
 import time
 
 import numpy as np
 import pytest
-from scipy import stats
 
-from agent.decoder import EdgeDecoder, FsdOptions, ReconnectPolicy
-from agent.drafter import Drafter
+from agent.decoder import EdgeDecoder
 from agent.link import ServerError
-from protocol import sampling, wire
+from protocol import wire
 from protocol.images import MAX_IMAGE_PIXELS, MAX_IMAGE_SIDE, PromptImage
-from protocol.payload import PayloadSpec
-from protocol.sampling import SamplingParams
 from protocol.vision import CACHED
 from server_bridge.config import ServerConfig
 from server_bridge.target import load_target
 from server_bridge.verifier import Verifier
+from tests.agent import vlm_pairs as pairs
 from tests.conftest import ThreadedServer
-from tools.cluster.netem import LinkProfile, NetemProxy
 from tools.models import make_test_vlm as tv
 
 pytestmark = pytest.mark.real
@@ -38,11 +33,7 @@ MAX_TOKENS = 16
 
 
 def encoded(seed: int, fmt: str = "PNG") -> bytes:
-    from PIL import Image
-
-    out = io.BytesIO()
-    Image.fromarray(tv.random_image(seed)).save(out, format=fmt, quality=95)
-    return out.getvalue()
+    return pairs.image_bytes(tv.random_image(seed), fmt)
 
 
 @pytest.fixture(scope="module")
@@ -50,52 +41,22 @@ def vlm():
     return tv.make(log=lambda m: None)
 
 
-@pytest.fixture(scope="module")
-def vdrafter(vlm):
-    return Drafter(str(vlm.draft), n_ctx=1024, threads=1, mmproj=vlm.draft_mmproj)
-
-
 @pytest.fixture(scope="module", params=["llamacpp", "torch"])
 def vtarget(request, vlm):
     """The target VLM on each engine: the f32 GGUF + mmproj through libmtmd, the Hugging Face directory through
     transformers (its own processor and vision tower)."""
-    if request.param == "torch":
-        return load_target(
-            str(vlm.hf_dir), "torch", device="cpu", dtype="float32", threads=1, max_sequences=8, max_len=1024
-        )
-    return load_target(
-        str(vlm.target), "llamacpp", threads=1, max_sequences=8, kv_tokens=4096, mmproj=str(vlm.target_mmproj)
-    )
+    return pairs.load(vlm, request.param)
 
 
-@pytest.fixture(scope="module")
-def vserver(vtarget):
-    with ThreadedServer(lambda cfg: Verifier(vtarget, cfg), max_context=1024) as server:
-        yield server
+# vdrafter and vserver: tests/agent/conftest.py
 
 
 def prompt(drafter, seed: int, text: str = tv.PROMPT) -> tuple[list[int], list[PromptImage]]:
-    ids = drafter.tokenize(text)
-    at = ids.index(drafter.image_marker)
-    return ids, [PromptImage.of(encoded(seed), at)]
-
-
-def greedy(target, ids, images, n=MAX_TOKENS) -> list[int]:
-    """The target's own greedy ids, one token a pass, straight on the engine."""
-    state, out = target.new_state(ids, images=images), []
-    for _ in range(n):
-        token = int(target.score(state, []).argmax(-1)[0])
-        target.commit(state, [token], len(state.ids))
-        out.append(token)
-    return out
+    return pairs.image_prompt(drafter, text, encoded(seed))
 
 
 def generate(drafter, url, mode, ids, images, **kw):
-    dec = EdgeDecoder(drafter, url, fsd=FsdOptions(exits=()), **kw)
-    try:
-        return dec.generate(ids, mode=mode, max_tokens=MAX_TOKENS, gamma=4, images=images)
-    finally:
-        dec.close()
+    return pairs.generate(drafter, url, mode, ids, images, MAX_TOKENS, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +65,7 @@ def reference(vdrafter, vtarget):
     out = {}
     for seed in (0, 1):
         ids, images = prompt(vdrafter, seed)
-        out[seed] = greedy(vtarget, ids, images)
+        out[seed] = pairs.greedy(vtarget, ids, images, MAX_TOKENS)
     return out
 
 
@@ -122,13 +83,8 @@ def test_the_welcome_offers_images_with_the_drafts_marker(vdrafter, vserver, vta
 
 @pytest.mark.parametrize("mode", ["ar", "sd", "fsd"])
 def test_every_mode_gives_the_targets_greedy_ids_with_an_image(vdrafter, vserver, reference, mode):
-    for seed in (0, 1):
-        ids, images = prompt(vdrafter, seed)
-        gen = generate(vdrafter, vserver.url, mode, ids, images)
-        assert gen.token_ids == reference[seed][: len(gen.token_ids)]
-        assert len(gen.token_ids) == MAX_TOKENS or gen.token_ids[-1] in vdrafter.eos_ids
-        if mode != "ar":
-            assert gen.metrics.accepted > 0  # the draft VLM saw the image too: it is accepted
+    runs = [(*prompt(vdrafter, seed), reference[seed]) for seed in (0, 1)]
+    pairs.every_mode_gives_the_targets_ids(vdrafter, vserver.url, mode, runs, MAX_TOKENS)
 
 
 def test_the_image_reaches_the_model_on_both_sides(vdrafter, reference):
@@ -147,20 +103,13 @@ def test_the_image_reaches_the_model_on_both_sides(vdrafter, reference):
 def test_a_text_prompt_after_an_image_prompt_drafts_as_text(vdrafter, vserver, vtarget):
     """use_images([]) leaves no image behind: the draft's KV of the image is not reused for text."""
     ids = vdrafter.tokenize("User: Describe a red box.<end_of_utterance>\nAssistant:")
-    expected = greedy(vtarget, ids, [])
+    expected = pairs.greedy(vtarget, ids, [], MAX_TOKENS)
     assert generate(vdrafter, vserver.url, "sd", ids, None).token_ids == expected[:MAX_TOKENS]
 
 
 def test_a_dropped_link_reopens_by_hash_and_loses_nothing(vdrafter, vserver, reference):
     ids, images = prompt(vdrafter, 0)
-    with NetemProxy("127.0.0.1", vserver.port, LinkProfile.from_rtt(5)) as proxy:
-        proxy.schedule_disconnect(after_bytes_down=700)
-        gen = generate(vdrafter, proxy.url(), "sd", ids, images, reconnect=ReconnectPolicy(backoff_s=0.05))
-        assert proxy.stats()["disconnects_injected"] >= 1
-    assert gen.metrics.reconnects >= 1
-    assert gen.token_ids == reference[0]
-    # the re-open carried the image's sha256, not its bytes: the first open's frame holds the PNG, the others not
-    assert gen.metrics.bytes_up < 2 * len(images[0].data) + 4096
+    pairs.reopens_by_hash(vdrafter, vserver.port, ids, images, reference[0], MAX_TOKENS, after_bytes_down=700)
 
 
 def test_a_server_that_lost_the_image_gets_its_bytes_again(vdrafter, vserver, vtarget, reference, monkeypatch):
@@ -224,37 +173,10 @@ def test_a_target_without_its_projector_says_no_vision(vlm, vdrafter):
 
 
 def test_the_targets_distribution_after_an_image_at_temperature(vdrafter, vtarget):
-    """Draft one token, verify it, from the same image prompt over and over: χ² against the target's p.
-
-    The Q8_0 draft after the same image is too close to its target to be rejected in 240 draws, so the
-    draft here sees another image: its q differs, the residual path runs, and what is committed must
-    still follow the target's p after the target's own image."""
-    params = SamplingParams(temperature=1.5, top_k=4, seed=11)
+    """Draft one token, verify it, from the same image prompt over and over: χ² against the target's p (the
+    draft sees another image, so the residual path runs)."""
     ids, images = prompt(vdrafter, 0)
-    vdrafter.use_images(prompt(vdrafter, 1)[1])
-    verifier = Verifier(vtarget, ServerConfig(max_context=1024))
-    spec = PayloadSpec("full")
-    session, _ = verifier.open(
-        wire.Open("stat", ids, {"temperature": 1.5, "top_k": 4, "seed": 11}, payload=spec.to_wire(), images=images),
-        1,
-        None,
-    )
-    p = sampling.probs_from_logits(vtarget.score(session.state, [])[0], params)
-    vtarget.rewind(session.state, ids)
-    support = np.flatnonzero(p)
-    assert len(support) == 4
-    rng = np.random.default_rng(5)
-    firsts, rejected = [], 0
-    for r in range(240):
-        d = vdrafter.propose(ids, 1, params, rng, payload=spec)
-        out = verifier.verify(session, wire.decode(wire.encode(wire.Verify("stat", r, len(ids), d.ids, d.wire_q()))))
-        firsts.append(d.ids[0] if out.verdict.accepted else out.verdict.token)
-        rejected += out.verdict.accepted == 0
-        vtarget.rewind(session.state, ids)
-    counts = np.array([firsts.count(t) for t in support])
-    assert counts.sum() == len(firsts)
-    assert rejected > 0
-    assert stats.chisquare(counts, p[support] * len(firsts)).pvalue > 1e-3
+    pairs.follows_the_targets_distribution(vdrafter, vtarget, ids, images, prompt(vdrafter, 1)[1])
 
 
 def test_the_command_lines(vlm, tmp_path, capsys):

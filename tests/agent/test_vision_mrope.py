@@ -8,50 +8,27 @@ FSD's branches start from that KV by position. End to end (the Q8_0 draft + f16 
 f32 target + mmproj on the server) every mode gives the target's greedy ids with an image in the prompt,
 two images give two outputs, a draft rejected at the first token after the image still gives them, a
 dropped link re-opens by the image's hash, and at T > 0 the committed token right after the image follows
-the target's distribution (χ²; `follows_the_targets_distribution`, shared with the torch engine's file).
+the target's distribution (χ²; tests/agent/vlm_pairs.py holds what the vision tests share).
 """
-
-import io
 
 import numpy as np
 import pytest
-from scipy import stats
 
 from agent.branches import BranchDrafter
-from agent.decoder import EdgeDecoder, FsdOptions, ReconnectPolicy
-from agent.drafter import Draft, DraftContextFull, Drafter
-from protocol import sampling, wire
-from protocol.images import PromptImage
-from protocol.payload import PayloadSpec
+from agent.decoder import EdgeDecoder
+from agent.drafter import DraftContextFull, Drafter
 from protocol.sampling import SamplingParams
-from server_bridge.config import ServerConfig
 from server_bridge.engine import Pass, load_engine
-from server_bridge.target import load_target
-from server_bridge.verifier import Verifier
-from tests.conftest import ThreadedServer
-from tools.cluster.netem import LinkProfile, NetemProxy
+from tests.agent import vlm_pairs as pairs
 from tools.models import qwen_vlm as qv
 
 pytestmark = pytest.mark.real
 
 GREEDY = SamplingParams()
 MAX_TOKENS = 16
-# seed -> (height, width): 48 tokens / 8 positions, 16 / 4, 48 / 8, 300 / 20
-SIZES = {0: (96, 128), 1: (64, 64), 2: (96, 128), 3: (240, 320)}
-SHORT = "<|im_start|>user\n" + qv.IMAGE_SPAN  # the first generated token follows the image's <|vision_end|>
-
-
-def encoded(seed: int) -> bytes:
-    from PIL import Image
-
-    out = io.BytesIO()
-    Image.fromarray(qv.random_image(seed, *SIZES[seed])).save(out, format="PNG")
-    return out.getvalue()
-
-
-def prompt(drafter, seed: int, text: str = qv.PROMPT) -> tuple[list[int], list[PromptImage]]:
-    ids = drafter.tokenize(text)
-    return ids, [PromptImage.of(encoded(seed), ids.index(drafter.image_marker))]
+SHORT = pairs.QWEN_SHORT  # the first generated token follows the image's <|vision_end|>
+# frames 0 .. 3 (pairs.QWEN_SIZES): 48 tokens / 8 positions, 16 / 4, 48 / 8, 300 / 20
+encoded, prompt = pairs.qwen_frame, pairs.qwen_prompt
 
 
 @pytest.fixture(scope="module", params=qv.FAMILIES)
@@ -163,61 +140,24 @@ def test_branches_start_after_an_image_by_position(f32_draft, engine):
 # --------------------------------------------------------------------------- end to end
 
 
-@pytest.fixture(scope="module")
-def vdrafter(vlm):
-    return Drafter(str(vlm.draft), n_ctx=1024, threads=1, mmproj=vlm.draft_mmproj)
+# vdrafter and vserver: tests/agent/conftest.py
 
 
 @pytest.fixture(scope="module")
 def vtarget(vlm):
-    return load_target(
-        str(vlm.target), "llamacpp", threads=1, max_sequences=8, kv_tokens=4096, mmproj=str(vlm.target_mmproj)
-    )
-
-
-@pytest.fixture(scope="module")
-def vserver(vtarget):
-    with ThreadedServer(lambda cfg: Verifier(vtarget, cfg), max_context=1024) as server:
-        yield server
-
-
-def greedy(target, ids, images, n=MAX_TOKENS) -> list[int]:
-    """The target's own greedy ids, one token a pass, straight on the engine."""
-    state, out = target.new_state(ids, images=images), []
-    for _ in range(n):
-        token = int(target.score(state, []).argmax(-1)[0])
-        target.commit(state, [token], len(state.ids))
-        out.append(token)
-    target.free(state)
-    return out
+    return pairs.load(vlm, "llamacpp")
 
 
 @pytest.fixture(scope="module")
 def reference(vdrafter, vtarget):
     """(prompt, image seed) -> the target's greedy ids after it."""
-    out = {}
-    for text in (qv.PROMPT, SHORT):
-        for seed in (0, 1):
-            out[text, seed] = greedy(vtarget, *prompt(vdrafter, seed, text))
-    return out
-
-
-def generate(drafter, url, mode, ids, images, **kw):
-    dec = EdgeDecoder(drafter, url, fsd=FsdOptions(exits=()), **kw)
-    try:
-        return dec.generate(ids, mode=mode, max_tokens=MAX_TOKENS, gamma=4, images=images)
-    finally:
-        dec.close()
+    return pairs.qwen_references(vdrafter, vtarget, MAX_TOKENS)
 
 
 @pytest.mark.parametrize("mode", ["ar", "sd", "fsd"])
 def test_every_mode_gives_the_targets_greedy_ids_with_an_image(vdrafter, vserver, reference, mode):
-    for seed in (0, 1):
-        gen = generate(vdrafter, vserver.url, mode, *prompt(vdrafter, seed))
-        assert gen.token_ids == reference[qv.PROMPT, seed][: len(gen.token_ids)]
-        assert len(gen.token_ids) == MAX_TOKENS or gen.token_ids[-1] in vdrafter.eos_ids
-        if mode != "ar":
-            assert gen.metrics.accepted > 0  # the draft saw the image too
+    runs = [(*prompt(vdrafter, seed), reference[qv.PROMPT, seed]) for seed in (0, 1)]
+    pairs.every_mode_gives_the_targets_ids(vdrafter, vserver.url, mode, runs, MAX_TOKENS)
 
 
 def test_two_images_give_two_outputs_on_both_sides(vdrafter, reference):
@@ -237,67 +177,21 @@ def test_a_draft_rejected_right_after_the_image_still_gives_the_targets_ids(
     rejects it and cuts its KV at that position, the robot rolls its draft back there (FSD: pre-drafts the
     correction in a branch cut there), and the output is the target's own."""
     ids, images = prompt(vdrafter, 0, SHORT)
-    real = vdrafter.propose
-    forced = []
-
-    def propose(committed, k, *args, **kwargs):
-        draft = real(committed, k, *args, **kwargs)
-        if not forced and draft.ids:
-            second = int(np.argsort(vdrafter.next_logits(committed))[-2])
-            forced.append(second)
-            draft = Draft([second] + draft.ids[1:], draft.q, draft.ms, draft.cands, draft.cand_p)
-        return draft
-
-    monkeypatch.setattr(vdrafter, "propose", propose)
-    gen = generate(vdrafter, vserver.url, mode, ids, images)
-    assert forced and gen.token_ids == reference[SHORT, 0]
-    assert gen.token_ids[0] != forced[0] and gen.metrics.wasted_draft_tokens >= 4
+    expected = reference[SHORT, 0]
+    gen = pairs.rejected_right_after_the_prompt(
+        vdrafter, vserver.url, mode, ids, images, expected, monkeypatch, MAX_TOKENS
+    )
     if mode == "fsd":
         assert gen.metrics.predraft_hits > 0  # the branch of the correction, started right after the image
 
 
 def test_a_dropped_link_reopens_by_hash_and_loses_nothing(vdrafter, vserver, reference):
     ids, images = prompt(vdrafter, 1)
-    with NetemProxy("127.0.0.1", vserver.port, LinkProfile.from_rtt(5)) as proxy:
-        proxy.schedule_disconnect(after_bytes_down=400)
-        gen = generate(vdrafter, proxy.url(), "sd", ids, images, reconnect=ReconnectPolicy(backoff_s=0.05))
-        assert proxy.stats()["disconnects_injected"] >= 1
-    assert gen.metrics.reconnects >= 1 and gen.token_ids == reference[qv.PROMPT, 1]
-    assert gen.metrics.bytes_up < 2 * len(images[0].data) + 4096  # the re-open named the image by its hash
-
-
-def follows_the_targets_distribution(drafter, target, ids, images, other, draws: int = 240) -> None:
-    """Draft one token, verify it, from the same image prompt over and over: χ² against the target's p.
-
-    The draft sees another image (`other`, of another position count) so its q differs from p and the
-    residual path runs; the token committed right after the target's image must still follow the target's
-    p [vocab] there (top-4 at T = 1.5: four cells, 240 draws give each about 60). Every draw is rolled back
-    to the prompt, so the KV is cut by position right after the image each time."""
-    params = SamplingParams(temperature=1.5, top_k=4, seed=11)
-    drafter.use_images(other)
-    verifier = Verifier(target, ServerConfig(max_context=1024))
-    spec = PayloadSpec("full")
-    open_ = wire.Open("stat", ids, {"temperature": 1.5, "top_k": 4, "seed": 11}, payload=spec.to_wire(), images=images)
-    session, _ = verifier.open(open_, 1, None)
-    p = sampling.probs_from_logits(target.score(session.state, [])[0], params)  # [vocab]
-    target.rewind(session.state, ids)
-    support = np.flatnonzero(p)
-    assert len(support) == 4
-    rng = np.random.default_rng(5)
-    firsts, rejected = [], 0
-    for r in range(draws):
-        d = drafter.propose(ids, 1, params, rng, payload=spec)
-        out = verifier.verify(session, wire.decode(wire.encode(wire.Verify("stat", r, len(ids), d.ids, d.wire_q()))))
-        firsts.append(d.ids[0] if out.verdict.accepted else out.verdict.token)
-        rejected += out.verdict.accepted == 0
-        target.rewind(session.state, ids)
-    target.free(session.state)
-    counts = np.array([firsts.count(t) for t in support])
-    assert counts.sum() == len(firsts)
-    assert rejected > 0
-    assert stats.chisquare(counts, p[support] * len(firsts)).pvalue > 1e-3
+    pairs.reopens_by_hash(
+        vdrafter, vserver.port, ids, images, reference[qv.PROMPT, 1], MAX_TOKENS, after_bytes_down=400
+    )
 
 
 def test_the_targets_distribution_right_after_an_image_at_temperature(vdrafter, vtarget):
     ids, images = prompt(vdrafter, 0, SHORT)  # 48 cells, 8 positions; the draft sees 16 cells, 4 positions
-    follows_the_targets_distribution(vdrafter, vtarget, ids, images, prompt(vdrafter, 1, SHORT)[1])
+    pairs.follows_the_targets_distribution(vdrafter, vtarget, ids, images, prompt(vdrafter, 1, SHORT)[1])

@@ -151,3 +151,47 @@ def test_hello_from_a_draft_with_a_pad_tail_is_welcomed_with_the_real_size(padde
             link.connect()
         assert e.value.code == "vocab_mismatch"
         link.close()
+
+
+@pytest.fixture(scope="module")
+def padded_draft(padded, tmp_path_factory):
+    """The padded HF directory as a draft GGUF (Q8_0, llama.cpp's own converter): its vocabulary ends in
+    the [PAD<id>] rows the converter writes, as Qwen2-VL-2B's does."""
+    from tools.models.llama_convert import convert, converter_dir
+
+    _, hf_dir, n = padded
+    out = tmp_path_factory.mktemp("padded-draft") / "draft.gguf"
+    convert(converter_dir(), hf_dir, [(out, "q8_0", False)], log=lambda *_: None)
+    return out
+
+
+def test_a_padded_draft_draws_from_its_real_vocabulary_against_a_padded_target(padded, padded_draft):
+    from agent.decoder import EdgeDecoder, FsdOptions
+    from agent.drafter import Drafter
+    from protocol.payload import PayloadSpec
+    from protocol.sampling import SamplingParams
+    from server_bridge.target import load_target
+    from server_bridge.verifier import Verifier
+    from tests.conftest import ThreadedServer
+
+    vlm, hf_dir, n = padded
+    drafter = Drafter(str(padded_draft), n_ctx=512, threads=1)
+    assert drafter.vocab_size == n + PAD and drafter.vocab_real == n  # the tail the converter wrote
+    ids = drafter.tokenize(TEXT)
+    assert drafter.next_logits(ids).shape == (n,)  # the padding rows (4x the common ones) are never drawn
+    target = load_target(str(hf_dir), "torch", device="cpu", dtype="float32", threads=1, max_sequences=4)
+    assert target.vocab_hash == drafter.vocab_hash
+    with ThreadedServer(lambda cfg: Verifier(target, cfg), max_context=512) as server:
+        runs = {}
+        for mode, kind, temperature in (("ar", "none", 0.0), ("sd", "full", 0.0), ("sd", "full", 1.5)):
+            # full: the q of every drafted token is a row of the agreed width, which the verifier checks
+            dec = EdgeDecoder(drafter, server.url, fsd=FsdOptions(exits=()), payload=PayloadSpec(kind))
+            try:
+                params = SamplingParams(temperature=temperature, seed=5)
+                gen = dec.generate(ids, mode=mode, max_tokens=MAX_TOKENS, gamma=4, params=params)
+                assert dec.link.welcome.vocab_size == n
+            finally:
+                dec.close()
+            runs[(mode, temperature)] = gen.token_ids
+    assert runs[("sd", 0.0)] == runs[("ar", 0.0)]  # exact: the target's own greedy ids
+    assert max(max(r) for r in runs.values()) < n

@@ -15,7 +15,6 @@ little to learn from (~39 % agreement on its own training positions, the logit l
 trip with exits runs on the Qwen-VL families only.
 """
 
-import io
 import json
 
 import numpy as np
@@ -23,12 +22,11 @@ import pytest
 import torch
 
 from agent.decoder import EdgeDecoder, FsdOptions
-from agent.drafter import Drafter
 from protocol.images import PromptImage
 from server_bridge.exits import ExitConfig, NumpyExitHeads
 from server_bridge.exits_torch import ExitHeads
-from server_bridge.target import load_target
 from server_bridge.verifier import Verifier
+from tests.agent import vlm_pairs as pairs
 from tests.conftest import ThreadedServer
 from tools.models import make_test_vlm as tv
 from tools.models import qwen_vlm as qv
@@ -53,12 +51,7 @@ PROMPTS = [
 
 
 def encoded(family: str, seed: int) -> bytes:
-    from PIL import Image
-
-    pixels = tv.random_image(seed) if family == "smolvlm" else qv.random_image(seed, *SIZES[seed])
-    out = io.BytesIO()
-    Image.fromarray(pixels).save(out, format="PNG")
-    return out.getvalue()
+    return pairs.image_bytes(tv.random_image(seed) if family == "smolvlm" else qv.random_image(seed, *SIZES[seed]))
 
 
 def prompt(drafter, family: str, seed: int) -> tuple[list[int], list[PromptImage]]:
@@ -92,28 +85,12 @@ def adapters(family, vlm, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def vdrafter(vlm):
-    return Drafter(str(vlm.draft), n_ctx=1024, threads=1, mmproj=vlm.draft_mmproj)
+    return pairs.drafter(vlm)
 
 
 def load(vlm, engine: str):
-    """The family's target on an engine: the Hugging Face directory on torch, the f32 GGUF + mmproj on llamacpp
-    tapped at the exit's block (what `serve --exits` asks of it)."""
-    if engine == "torch":
-        kw = dict(device="cpu", dtype="float32", threads=1, max_sequences=8, max_len=1024)
-        return load_target(str(vlm.hf_dir), "torch", **kw)
-    kw = dict(threads=1, max_sequences=8, kv_tokens=4096, mmproj=str(vlm.target_mmproj), tap_layers=[1])
-    return load_target(str(vlm.target), "llamacpp", **kw)
-
-
-def greedy(target, ids, images, n=MAX_TOKENS) -> list[int]:
-    """The target's own greedy ids, one token a pass, straight on the engine."""
-    state, out = target.new_state(ids, images=images), []
-    for _ in range(n):
-        token = int(target.score(state, []).argmax(-1)[0])
-        target.commit(state, [token], len(state.ids))
-        out.append(token)
-    target.free(state)
-    return out
+    """The family's target on an engine, on llamacpp tapped at the exit's block (what `serve --exits` asks of it)."""
+    return pairs.load(vlm, engine, **({"tap_layers": [1]} if engine == "llamacpp" else {}))
 
 
 def test_the_trainer_reads_prompts_with_an_image_and_writes_adapters_both_engines_load(family, vlm, adapters):
@@ -143,7 +120,7 @@ def test_fsd_with_trained_exits_and_an_image_streams_verdicts_hits_and_gives_ar_
         hits = 0
         for seed in (0, 1):
             ids, images = prompt(vdrafter, family, seed)
-            reference = greedy(vtarget, ids, images)
+            reference = pairs.greedy(vtarget, ids, images, MAX_TOKENS)
             out = {}
             for mode, fsd in (("ar", FsdOptions()), ("fsd", FsdOptions()), ("exits only", FsdOptions(guesses=False))):
                 dec = EdgeDecoder(vdrafter, server.url, fsd=fsd)

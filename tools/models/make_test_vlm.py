@@ -29,13 +29,10 @@ libmtmd) and prints one JSON line.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import importlib.metadata
 import importlib.util
 import json
-import shutil
 import sys
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -48,6 +45,9 @@ from tools.models.llama_convert import (  # noqa: F401  (this module's names sin
     cache_root,
     convert,
     converter_dir,
+    make_vlm,
+    mtmd_prefill,
+    vlm_files,
 )
 from tools.models.llama_convert import quiet as _quiet
 
@@ -115,19 +115,7 @@ class TinyVLM:
 
 
 def paths(directory: Path, shape: Shape = TINY, seed: int = 0, vocab: int = 0, image_token_id: int = 0) -> TinyVLM:
-    d = Path(directory)
-    return TinyVLM(
-        d,
-        d / "hf",
-        d / "target.gguf",
-        d / "target-mmproj.gguf",
-        d / "draft.gguf",
-        d / "draft-mmproj.gguf",
-        vocab,
-        image_token_id,
-        shape,
-        seed,
-    )
+    return TinyVLM(*vlm_files(directory), vocab, image_token_id, shape, seed)
 
 
 def cache_key(shape: Shape, seed: int) -> dict:
@@ -211,52 +199,15 @@ def write_hf(hf_dir: Path, shape: Shape, seed: int) -> tuple[int, int]:
 def make(directory: str | Path | None = None, shape: Shape = TINY, seed: int = 0, log=print) -> TinyVLM:
     """All five outputs in `directory` (made once; found by its manifest after)."""
     directory = Path(directory) if directory else default_dir(seed)
-    manifest = directory / "manifest.json"
-    key = cache_key(shape, seed)
-    if manifest.is_file():
-        saved = json.loads(manifest.read_text())
-        vlm = paths(directory, shape, seed, saved.get("vocab", 0), saved.get("image_token_id", 0))
-        files = (vlm.target, vlm.target_mmproj, vlm.draft, vlm.draft_mmproj, vlm.hf_dir / "config.json")
-        if saved.get("key") == key and all(f.is_file() for f in files):
-            log(f"make_test_vlm: cached in {directory}")
-            return vlm
-    if importlib.util.find_spec("sentencepiece") is None:
-        raise ModuleNotFoundError(
-            "llama.cpp's convert_hf_to_gguf.py imports sentencepiece for every Llama (even a "
-            "BPE one): pip install sentencepiece (setup.py's dev extra)"
-        )
-    t0 = time.perf_counter()
-    directory.mkdir(parents=True, exist_ok=True)
-    manifest.unlink(missing_ok=True)  # the manifest comes last: present means complete
-    conv = converter_dir(log)
-    vlm = paths(directory, shape, seed)
-    shutil.rmtree(vlm.hf_dir, ignore_errors=True)
-    log(f"make_test_vlm: writing the random Idefics3 and its processor to {vlm.hf_dir}")
-    vocab, image_id = write_hf(vlm.hf_dir, shape, seed)
-    log(
-        f"make_test_vlm: converting with llama.cpp {LLAMA_CPP_VERSION}'s convert_hf_to_gguf.py "
-        f"({time.perf_counter() - t0:.1f}s so far)"
-    )
-    convert(
-        conv,
-        vlm.hf_dir,
-        [(vlm.target, "f32", False), (vlm.target_mmproj, "f32", True), (vlm.draft_mmproj, "f16", True)],
+    return make_vlm(
+        directory,
+        cache_key(shape, seed),
+        lambda vocab, image_id: paths(directory, shape, seed, vocab, image_id),
+        lambda hf_dir: write_hf(hf_dir, shape, seed),
+        DRAFT_FTYPE,
+        ("", "Idefics3"),
         log,
     )
-    from server_bridge.engine_llamacpp import requantize
-
-    _quiet()
-    requantize(str(vlm.target), str(vlm.draft), DRAFT_FTYPE)
-    log(f"make_test_vlm: {vlm.draft.name} quantized by llama.cpp ({DRAFT_FTYPE})")
-    vlm = paths(directory, shape, seed, vocab, image_id)
-    manifest.write_text(
-        json.dumps(
-            {"key": key, "vocab": vocab, "image_token_id": image_id, "made_s": round(time.perf_counter() - t0, 1)},
-            indent=1,
-        )
-    )
-    log(f"make_test_vlm: made in {time.perf_counter() - t0:.1f}s")
-    return vlm
 
 
 # --------------------------------------------------------------------------- running it
@@ -291,60 +242,11 @@ class Prefill:
 def llama_logits(
     gguf: str | Path, mmproj: str | Path, image: np.ndarray, prompt: str = PROMPT, n_threads: int = 1
 ) -> Prefill:
-    """llama.cpp's next-token logits after `prompt` with `image` at its <image>: libmtmd tokenizes the
-    text around the image marker and tiles the image, mtmd_helper_eval_chunks encodes each tile and
-    decodes text and image embeddings into the context.
-
-    One thread: this model is tiny, and two ggml threads on a busy 2-core machine spin against each
-    other for seconds (5 s against 7 ms measured)."""
-    import llama_cpp
-    import llama_cpp.mtmd_cpp as mtmd
-
+    """llama.cpp's next-token logits after `prompt` with `image` at its <image> (llama_convert.mtmd_prefill:
+    libmtmd tiles the image as the processor does)."""
     _check_image(image)
-    _quiet()
-    model = llama_cpp.llama_model_load_from_file(str(gguf).encode(), llama_cpp.llama_model_default_params())
-    if not model:
-        raise RuntimeError(f"llama.cpp could not load {gguf}")
-    cp = llama_cpp.llama_context_default_params()
-    cp.n_ctx, cp.n_batch, cp.n_threads, cp.n_threads_batch = 512, 512, n_threads, n_threads
-    ctx = llama_cpp.llama_init_from_model(model, cp)
-    mp = mtmd.mtmd_context_params_default()
-    mp.use_gpu, mp.n_threads, mp.print_timings, mp.warmup = False, n_threads, False, False
-    mctx = mtmd.mtmd_init_from_file(str(mmproj).encode(), model, mp)
-    chunks = mtmd.mtmd_input_chunks_init()
-    h, w, _ = image.shape
-    bitmap = mtmd.mtmd_bitmap_init(w, h, (ctypes.c_uint8 * image.size).from_buffer_copy(np.ascontiguousarray(image)))
-    try:
-        if not mctx or not mtmd.mtmd_support_vision(mctx):
-            raise RuntimeError(f"libmtmd could not load {mmproj} as a vision projector")
-        text = prompt.replace(IMAGE_TOKEN, mtmd.mtmd_default_marker().decode()).encode()
-        inp = mtmd.mtmd_input_text(text, len(text), True, True)  # add_special, parse_special
-        rc = mtmd.mtmd_tokenize(mctx, chunks, ctypes.byref(inp), (mtmd.mtmd_bitmap_p_ctypes * 1)(bitmap), 1)
-        if rc != 0:
-            raise RuntimeError(f"mtmd_tokenize returned {rc}")
-        layout = []
-        for i in range(mtmd.mtmd_input_chunks_size(chunks)):
-            c = mtmd.mtmd_input_chunks_get(chunks, i)
-            if mtmd.mtmd_input_chunk_get_type(c) == mtmd.MTMD_INPUT_CHUNK_TYPE_TEXT:
-                n = ctypes.c_size_t()
-                ids = mtmd.mtmd_input_chunk_get_tokens_text(c, ctypes.byref(n))
-                layout.append(("text", [ids[j] for j in range(n.value)]))
-            else:
-                layout.append(("image", mtmd.mtmd_input_chunk_get_n_tokens(c)))
-        n_past = llama_cpp.llama_pos(0)
-        rc = mtmd.mtmd_helper_eval_chunks(mctx, ctx, chunks, 0, 0, cp.n_batch, True, ctypes.byref(n_past))
-        if rc != 0:
-            raise RuntimeError(f"mtmd_helper_eval_chunks returned {rc}")
-        n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
-        logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, -1), shape=(n_vocab,)).copy()
-        return Prefill(logits, n_past.value, layout)
-    finally:
-        mtmd.mtmd_bitmap_free(bitmap)
-        mtmd.mtmd_input_chunks_free(chunks)
-        if mctx:
-            mtmd.mtmd_free(mctx)
-        llama_cpp.llama_free(ctx)
-        llama_cpp.llama_model_free(model)
+    with mtmd_prefill(gguf, mmproj, image, prompt, IMAGE_TOKEN, n_ctx=512, n_threads=n_threads) as p:
+        return Prefill(p.logits, p.n_past, [c[:2] for c in p.chunks])
 
 
 def llama_vocab(gguf: str | Path) -> list[bytes]:

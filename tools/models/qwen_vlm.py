@@ -34,14 +34,11 @@ VERSION, family, seed, shape and the library versions, written last; a lock file
 
 from __future__ import annotations
 
-import ctypes
 import fcntl
 import importlib.metadata
 import importlib.util
 import json
 import math
-import shutil
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -136,20 +133,9 @@ class QwenVLM:
 def paths(
     family: str, directory: Path, shape: QwenShape = TINY, seed: int = 0, vocab: int = 0, image_token_id: int = 0
 ) -> QwenVLM:
-    d = Path(directory)
-    return QwenVLM(
-        d,
-        d / "hf",
-        d / "target.gguf",
-        d / "target-mmproj.gguf",
-        d / "draft.gguf",
-        d / "draft-mmproj.gguf",
-        vocab,
-        image_token_id,
-        shape,
-        seed,
-        family,
-    )
+    from tools.models import llama_convert
+
+    return QwenVLM(*llama_convert.vlm_files(directory), vocab, image_token_id, shape, seed, family)
 
 
 def check_family(family: str) -> str:
@@ -350,7 +336,6 @@ def make(
 def _make_locked(family: str, directory: Path, shape: QwenShape, seed: int, log) -> QwenVLM:
     from tools.models import llama_convert
 
-    manifest = directory / "manifest.json"
     key = {
         "version": VERSION,
         "family": family,
@@ -361,45 +346,15 @@ def _make_locked(family: str, directory: Path, shape: QwenShape, seed: int, log)
         "converter": llama_convert.LLAMA_CPP_VERSION,
         **{p: importlib.metadata.version(p) for p in ("transformers", "torch", "llama_cpp_python")},
     }
-    if manifest.is_file():
-        saved = json.loads(manifest.read_text())
-        vlm = paths(family, directory, shape, seed, saved.get("vocab", 0), saved.get("image_token_id", 0))
-        files = (vlm.target, vlm.target_mmproj, vlm.draft, vlm.draft_mmproj, vlm.hf_dir / "config.json")
-        if saved.get("key") == key and all(f.is_file() for f in files):
-            log(f"make_test_vlm: {family} cached in {directory}")
-            return vlm
-    if importlib.util.find_spec("sentencepiece") is None:
-        raise ModuleNotFoundError(
-            "llama.cpp's convert_hf_to_gguf.py imports sentencepiece for a Qwen-VL's vocabulary (even a BPE one): "
-            "pip install sentencepiece (setup.py's dev extra)"
-        )
-    t0 = time.perf_counter()
-    manifest.unlink(missing_ok=True)  # the manifest comes last: present means complete
-    conv = llama_convert.converter_dir(log)
-    vlm = paths(family, directory, shape, seed)
-    shutil.rmtree(vlm.hf_dir, ignore_errors=True)
-    log(f"make_test_vlm: writing the random {family} and its processor to {vlm.hf_dir}")
-    vocab, image_id = write_hf(family, vlm.hf_dir, shape, seed)
-    log(
-        f"make_test_vlm: converting with llama.cpp {llama_convert.LLAMA_CPP_VERSION}'s convert_hf_to_gguf.py "
-        f"({time.perf_counter() - t0:.1f}s so far)"
-    )
-    llama_convert.convert(
-        conv,
-        vlm.hf_dir,
-        [(vlm.target, "f32", False), (vlm.target_mmproj, "f32", True), (vlm.draft_mmproj, "f16", True)],
+    return llama_convert.make_vlm(
+        directory,
+        key,
+        lambda vocab, image_id: paths(family, directory, shape, seed, vocab, image_id),
+        lambda hf_dir: write_hf(family, hf_dir, shape, seed),
+        DRAFT_FTYPE,
+        (f"{family} ", family),
         log,
     )
-    from server_bridge.engine_llamacpp import requantize
-
-    llama_convert.quiet()
-    requantize(str(vlm.target), str(vlm.draft), DRAFT_FTYPE)
-    log(f"make_test_vlm: {vlm.draft.name} quantized by llama.cpp ({DRAFT_FTYPE})")
-    vlm = paths(family, directory, shape, seed, vocab, image_id)
-    made = round(time.perf_counter() - t0, 1)
-    manifest.write_text(json.dumps({"key": key, "vocab": vocab, "image_token_id": image_id, "made_s": made}, indent=1))
-    log(f"make_test_vlm: {family} made in {made}s")
-    return vlm
 
 
 # --------------------------------------------------------------------------- running it
@@ -459,72 +414,32 @@ def llama_run(
     greedy tokens decoded one a batch at positions n_past, n_past + 1, ... (one position a token: llama.cpp
     copies it to the M-RoPE planes). With `follow`, those ids are decoded instead of its own picks and
     `greedy` holds its argmax after each (teacher forcing: a draft's agreement with a target's path). One
-    thread: see make_test_vlm.llama_logits."""
+    thread: see llama_convert.mtmd_prefill."""
     import llama_cpp
-    import llama_cpp.mtmd_cpp as mtmd
     import numpy as np
 
     from tools.models import llama_convert
 
     _check_image(image)
-    llama_convert.quiet()
-    model = llama_cpp.llama_model_load_from_file(str(gguf).encode(), llama_cpp.llama_model_default_params())
-    if not model:
-        raise RuntimeError(f"llama.cpp could not load {gguf}")
-    cp = llama_cpp.llama_context_default_params()
-    cp.n_ctx, cp.n_batch, cp.n_threads, cp.n_threads_batch = 1024, 1024, n_threads, n_threads
-    ctx = llama_cpp.llama_init_from_model(model, cp)
-    mp = mtmd.mtmd_context_params_default()
-    mp.use_gpu, mp.n_threads, mp.print_timings, mp.warmup = False, n_threads, False, False
-    mctx = mtmd.mtmd_init_from_file(str(mmproj).encode(), model, mp)
-    chunks = mtmd.mtmd_input_chunks_init()
-    h, w, _ = image.shape
-    bitmap = mtmd.mtmd_bitmap_init(w, h, (ctypes.c_uint8 * image.size).from_buffer_copy(np.ascontiguousarray(image)))
-    batch = llama_cpp.llama_batch_init(1, 0, 1)
-    try:
-        if not mctx or not mtmd.mtmd_support_vision(mctx):
-            raise RuntimeError(f"libmtmd could not load {mmproj} as a vision projector")
-        text = prompt.replace(IMAGE_SPAN, mtmd.mtmd_default_marker().decode()).encode()
-        inp = mtmd.mtmd_input_text(text, len(text), True, True)  # add_special, parse_special
-        rc = mtmd.mtmd_tokenize(mctx, chunks, ctypes.byref(inp), (mtmd.mtmd_bitmap_p_ctypes * 1)(bitmap), 1)
-        if rc != 0:
-            raise RuntimeError(f"mtmd_tokenize returned {rc}")
-        layout = []
-        for i in range(mtmd.mtmd_input_chunks_size(chunks)):
-            c = mtmd.mtmd_input_chunks_get(chunks, i)
-            if mtmd.mtmd_input_chunk_get_type(c) == mtmd.MTMD_INPUT_CHUNK_TYPE_TEXT:
-                k = ctypes.c_size_t()
-                ids = mtmd.mtmd_input_chunk_get_tokens_text(c, ctypes.byref(k))
-                layout.append(("text", [ids[j] for j in range(k.value)]))
-            else:
-                layout.append(("image", mtmd.mtmd_input_chunk_get_n_tokens(c), mtmd.mtmd_input_chunk_get_n_pos(c)))
-        n_past = llama_cpp.llama_pos(0)
-        rc = mtmd.mtmd_helper_eval_chunks(mctx, ctx, chunks, 0, 0, cp.n_batch, True, ctypes.byref(n_past))
-        if rc != 0:
-            raise RuntimeError(f"mtmd_helper_eval_chunks returned {rc}")
-        n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
-        logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, -1), shape=(n_vocab,)).copy()
-        greedy, row = [], logits
-        for i in range(len(follow) if follow is not None else n):
-            greedy.append(int(row.argmax()))
-            token = follow[i] if follow is not None else greedy[-1]
-            if i == (len(follow) if follow is not None else n) - 1:
-                break
-            batch.n_tokens = 1
-            batch.token[0], batch.pos[0], batch.n_seq_id[0], batch.logits[0] = token, n_past.value + i, 1, True
-            batch.seq_id[0][0] = 0
-            if llama_cpp.llama_decode(ctx, batch) != 0:
-                raise RuntimeError("llama_decode failed")
-            row = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, -1), shape=(n_vocab,))
-        return LlamaRun(logits, n_past.value, layout, llama_cpp.llama_model_rope_type(model), greedy)
-    finally:
-        llama_cpp.llama_batch_free(batch)
-        mtmd.mtmd_bitmap_free(bitmap)
-        mtmd.mtmd_input_chunks_free(chunks)
-        if mctx:
-            mtmd.mtmd_free(mctx)
-        llama_cpp.llama_free(ctx)
-        llama_cpp.llama_model_free(model)
+    with llama_convert.mtmd_prefill(gguf, mmproj, image, prompt, IMAGE_SPAN, n_ctx=1024, n_threads=n_threads) as p:
+        batch = llama_cpp.llama_batch_init(1, 0, 1)
+        try:
+            steps = len(follow) if follow is not None else n
+            greedy, row = [], p.logits
+            for i in range(steps):
+                greedy.append(int(row.argmax()))
+                token = follow[i] if follow is not None else greedy[-1]
+                if i == steps - 1:
+                    break
+                batch.n_tokens = 1
+                batch.token[0], batch.pos[0], batch.n_seq_id[0], batch.logits[0] = token, p.n_past + i, 1, True
+                batch.seq_id[0][0] = 0
+                if llama_cpp.llama_decode(p.ctx, batch) != 0:
+                    raise RuntimeError("llama_decode failed")
+                row = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(p.ctx, -1), shape=(p.n_vocab,))
+            return LlamaRun(p.logits, p.n_past, p.chunks, llama_cpp.llama_model_rope_type(p.model), greedy)
+        finally:
+            llama_cpp.llama_batch_free(batch)
 
 
 def _check_image(image) -> None:
