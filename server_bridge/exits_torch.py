@@ -46,6 +46,8 @@ class ExitAdapter(nn.Module):
 
 
 class ExitHeads(nn.Module):
+    n_vocab: int | None = None  # rows of the LM head that name tokens (None: all); the verifier sets it
+
     def __init__(self, config: ExitConfig):
         super().__init__()
         self.config = config
@@ -67,7 +69,7 @@ class ExitHeads(nn.Module):
         candidates None -> [n, vocab]; candidates [n, K] token ids -> [n, K] (only those rows of the head).
         """
         h = self.features(model, layer, hidden)  # [n, hidden]
-        weight = model.get_output_embeddings().weight  # [vocab, hidden]
+        weight = model.get_output_embeddings().weight[: self.n_vocab]  # [vocab, hidden], the real rows
         if candidates is None:
             return h @ weight.T
         return torch.einsum("nh,nkh->nk", h, weight[candidates])

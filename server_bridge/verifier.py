@@ -661,6 +661,7 @@ def load_exits(config: ServerConfig, target: Target) -> ExitScorer | None:
 
         heads = ExitHeads.load(path, config.exit_layers or None)
         heads.to(device=engine.device, dtype=engine.dtype)
+        heads.n_vocab = target.vocab_size  # the agreed vocabulary: a padded head's [PAD] rows never name a token
         scorer = TorchExitScorer(heads, engine.model)
     else:
         need = ExitConfig.load(path).pick(config.exit_layers or None)
@@ -674,6 +675,7 @@ def load_exits(config: ServerConfig, target: Target) -> ExitScorer | None:
             log.info("early exits off on this llamacpp engine (name them with --exits PATH to run them): %s", why)
             return None
         scorer = NumpyExitHeads.load(path, engine.path, need)
+        scorer.head = scorer.head[: target.vocab_size]  # a view: a padded head's [PAD] rows never name a token
     hidden = engine.hidden_size
     if scorer.config.hidden != hidden or scorer.layers[-1] > target.n_layers:
         raise ValueError(

@@ -195,3 +195,26 @@ def test_a_padded_draft_draws_from_its_real_vocabulary_against_a_padded_target(p
             runs[(mode, temperature)] = gen.token_ids
     assert runs[("sd", 0.0)] == runs[("ar", 0.0)]  # exact: the target's own greedy ids
     assert max(max(r) for r in runs.values()) < n
+
+
+def test_the_exits_of_a_padded_target_score_its_real_vocabulary_alone(padded, tmp_path):
+    """An early exit's full-vocabulary row is the agreed vocabulary's: a [PAD] row (here 4x the common ones,
+    so it would win) never becomes an exit's token, which the robot would refuse as outside the vocabulary."""
+    import torch
+
+    from server_bridge.config import ServerConfig
+    from server_bridge.exits import ExitConfig
+    from server_bridge.exits_torch import ExitHeads
+    from server_bridge.target import load_target
+    from server_bridge.verifier import load_exits
+
+    vlm, hf_dir, n = padded
+    target = load_target(str(hf_dir), "torch", device="cpu", dtype="float32", threads=1, max_sequences=2)
+    heads = ExitHeads(ExitConfig([1], target.engine.hidden_size, rank=4, target=target.name))
+    heads.save(tmp_path / "exits")
+    scorer = load_exits(ServerConfig(exits=str(tmp_path / "exits"), exit_layers=[1]), target)
+    hidden = torch.randn(3, target.engine.hidden_size)
+    row = scorer.heads.logits(target.engine.model, 1, hidden)  # [3, vocab]
+    assert row.shape == (3, n)
+    unmasked = hidden @ target.engine.model.get_output_embeddings().weight.T  # [3, n + PAD]
+    assert unmasked.shape[1] == n + PAD
