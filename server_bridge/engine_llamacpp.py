@@ -426,8 +426,7 @@ class LlamaCppEngine:
 
     def _check_images(self, batch: list[Pass]) -> list[int]:
         """Each pass's extra KV cells for its images, once engine_types.image_extra found them all readable."""
-        image_extra(batch, self.image_token_id, self._seeing)
-        return [sum(self.vision.cells(im) - 1 for im in p.images.values()) if p.images else 0 for p in batch]
+        return image_extra(batch, self.image_token_id, self._seeing)
 
     def _forward_images(self, p: Pass) -> np.ndarray:
         """One sequence's pass with images: its text runs between them through _decode, each image

@@ -497,9 +497,8 @@ class TorchEngine:
         return self.vision
 
     def _check_images(self, batch: list[Pass]) -> list[int]:
-        """Each pass's extra cells for its images (after engine_types.image_extra's checks)."""
-        image_extra(batch, self.image_token_id, self._seeing)
-        return [sum(self.vision.cells(im) - 1 for im in p.images.values()) if p.images else 0 for p in batch]
+        """Each pass's extra KV cells for its images, once engine_types.image_extra found them all readable."""
+        return image_extra(batch, self.image_token_id, self._seeing)
 
 
 def _load(path: Path, dtype: torch.dtype):

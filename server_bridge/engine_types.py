@@ -136,7 +136,8 @@ def check_batch(batch: list[Pass]) -> None:
 
 
 def image_extra(batch: list[Pass], marker: int | None, seeing: Callable[[], Any]) -> list[int]:
-    """Each pass's extra KV positions for its images (0 for text): an image's positions less its marker.
+    """Each pass's extra KV cells for its images (0 for text): an image's cells (its tokens) less its marker.
+    Its positions are another count (fewer, for M-RoPE): each engine keeps them per sequence.
 
     Raises ValueError (or the vision's UnknownImage) for a pass the engine cannot run, before anything
     is written: images off the marker, an image among a tapped pass's kept rows, or no vision at all
@@ -154,5 +155,5 @@ def image_extra(batch: list[Pass], marker: int | None, seeing: Callable[[], Any]
             )
         if p.taps and max(p.images) >= len(p.new_ids) - p.keep:
             raise ValueError("taps read text rows only: an image may not be among a tapped pass's kept rows")
-        extra[k] = sum(vision.positions(img) - 1 for img in p.images.values())
+        extra[k] = sum(vision.cells(img) - 1 for img in p.images.values())
     return extra
