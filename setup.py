@@ -17,7 +17,18 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(
-        include=["agent", "agent.*", "protocol", "protocol.*", "server_bridge", "server_bridge.*", "tools", "tools.*"]
+        include=[
+            "agent",
+            "agent.*",
+            "protocol",
+            "protocol.*",
+            "runtime",
+            "runtime.*",
+            "server_bridge",
+            "server_bridge.*",
+            "tools",
+            "tools.*",
+        ]
     ),
     # the simulator's built-in scenes (agent/robot/scene.py reads them by name)
     package_data={"agent.robot": ["scenes/*.json"]},
@@ -84,7 +95,7 @@ setup(
     },
     entry_points={
         "console_scripts": [
-            "edge-agent=agent.cli:main",
+            "edge-agent=agent.app.cli:main",
             "server-bridge=server_bridge.cli:main",
         ]
     },

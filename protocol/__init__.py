@@ -5,6 +5,6 @@ and without anything of `server_bridge/`; `grammar.py` alone also calls llama.cp
 sampler (llama-cpp-python, which both sides run), imported when a grammar is first built.
 """
 
-from .native import load_llama_first
+from runtime.native import load_llama_first
 
-load_llama_first()  # llama.cpp's native libraries before numpy's: see protocol/native.py
+load_llama_first()  # llama.cpp's native libraries before numpy's: see runtime/native.py

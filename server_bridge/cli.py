@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         level=args.log_level.upper(), stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     if args.cmd == "prepare":
-        from protocol import llamalog
+        from runtime import llamalog
 
         from .target import load_target
 

@@ -8,7 +8,7 @@ for only at the rows verification uses; a rejected draft leaves with
 KV memory is the context's size however many sessions come and go.
 
 Images (a vision-language target, `mmproj` given): a pass's image marker at
-text index t is not decoded; libmtmd (protocol/vision.py) writes the image
+text index t is not decoded; libmtmd (runtime/vision.py) writes the image
 there instead, in C cells that advance the sequence's position by P, and every
 later id of that sequence sits P - 1 positions further on. P = C for SmolVLM;
 for an M-RoPE model (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) P is the image's
@@ -35,9 +35,10 @@ from pathlib import Path
 
 import numpy as np
 
-from protocol import llamalog, modelfiles
+from protocol import modelfiles
 from protocol.images import PromptImage
-from protocol.vision import MARKERS, MtmdVision, marker_id
+from runtime import llamalog
+from runtime.vision import MARKERS, MtmdVision, marker_id
 
 from .engine_types import EngineFull, EngineInfo, NoRoom, Pass, Sequence, SequenceIds, check_batch, image_extra
 
@@ -167,10 +168,10 @@ class LlamaCppEngine:
         when layers are offloaded and no exits are tapped, else True. n_ubatch: tokens per llama.cpp
         micro-batch (0: the whole call, so tapped rows arrive in order). flash_attn: llama.cpp's
         flash-attention switch (auto: on where the backend has it). mmproj: the target's vision projector
-        (libmtmd's GGUF): passes may then carry images; vision_threads: libmtmd's (1: see protocol/vision.py)."""
+        (libmtmd's GGUF): passes may then carry images; vision_threads: libmtmd's (1: see runtime/vision.py)."""
         import llama_cpp as L
 
-        from protocol.native import warn_if_numpy_first
+        from runtime.native import warn_if_numpy_first
 
         if flash_attn not in FLASH_ATTN:
             raise ValueError(f"flash_attn must be one of {', '.join(FLASH_ATTN)}, got {flash_attn!r}")

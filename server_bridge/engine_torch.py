@@ -55,7 +55,7 @@ import torch.nn.functional as F
 
 from protocol import modelfiles
 from protocol.images import PromptImage
-from protocol.vision import MARKERS
+from runtime.vision import MARKERS
 
 from . import vision_torch
 from .engine_types import EngineFull, EngineInfo, Pass, Sequence, SequenceIds, check_batch, image_extra

@@ -290,7 +290,7 @@ class BridgeServer:
 
     @staticmethod
     async def _close_for_drain(ws: ServerConnection) -> None:
-        # 1012 "service restart": the robot reconnects without backing off (agent/link.py)
+        # 1012 "service restart": the robot reconnects without backing off (agent/spec/link.py)
         await ws.close(1012, "replica draining: reconnect")
 
     async def _evict_idle_forever(self) -> None:

@@ -21,8 +21,8 @@ import numpy as np
 
 from protocol import modelfiles, payload, sampling
 from protocol.grammar import GrammarError, GrammarState
-from protocol.vision import UnknownImage
 from protocol.wire import Exit, Open, Verify, WireError
+from runtime.vision import UnknownImage
 
 from .config import ServerConfig
 from .engine import EngineFull, NoRoom

@@ -53,7 +53,7 @@ import numpy as np
 import torch
 
 from protocol.images import MAX_IMAGE_PIXELS, PromptImage, check_header, check_size
-from protocol.vision import UnknownImage
+from runtime.vision import UnknownImage
 
 CACHED = 8  # preprocessed images kept by sha256 (tiles in the model's dtype + bytes)
 READY = 8  # images preprocessed ahead by `prepare`, not yet taken by the model thread (beyond: the oldest is

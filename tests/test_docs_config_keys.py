@@ -11,11 +11,11 @@ import re
 from dataclasses import fields
 from pathlib import Path
 
-from agent.config import Config
+from agent.app.config import Config
 
 ROOT = Path(__file__).resolve().parent.parent
 SECTIONS = {f.name: {g.name for g in fields(type(f.default))} for f in fields(Config)}  # section -> its fields
-# file names that look like keys: agent/api.py, telemetry.jsonl, api.sock
+# file names that look like keys: agent/app/api.py, telemetry.jsonl, api.sock
 NOT_KEYS = {"py", "jsonl", "json", "sock", "md", "toml", "yaml", "service", "png"}
 KEY = re.compile(r"(?<![\w/.\-])(" + "|".join(SECTIONS) + r")\.([a-z_][a-z0-9_]*)(?![\w(])")
 
@@ -33,7 +33,7 @@ def named_keys(text: str) -> list[tuple[str, str]]:
 
 
 def test_the_scan_finds_keys_and_skips_file_names():
-    text = "set `link.token_env`, see agent/api.py and `api.py`, telemetry.jsonl, `robot.options.port = 1`"
+    text = "set `link.token_env`, see agent/app/api.py and `api.py`, telemetry.jsonl, `robot.options.port = 1`"
     assert named_keys(text) == [("link", "token_env"), ("robot", "options")]
 
 

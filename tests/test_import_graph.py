@@ -7,7 +7,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("agent", "protocol", "server_bridge", "tools")
+PACKAGES = ("agent", "protocol", "runtime", "server_bridge", "tools")
 
 
 def module_name(path: Path) -> str:
@@ -92,7 +92,7 @@ def test_the_graph_sees_imports():
     graph = import_graph()
     assert "server_bridge.engine" in graph["server_bridge.verifier"] or graph["server_bridge.verifier"]
     assert "protocol.images" in graph["protocol.wire"]  # `from . import images as image_wire`
-    assert "protocol" in graph["agent.drafter"]  # `from protocol import modelfiles`
+    assert "protocol" in graph["agent.spec.drafter"]  # `from protocol import modelfiles`
 
 
 def test_find_cycle_reports_the_path():
@@ -103,3 +103,44 @@ def test_find_cycle_reports_the_path():
 def test_no_import_cycles():
     cycle = find_cycle(import_graph())
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+# Who may import whom: a module under a key imports only modules under one of the listed prefixes, or
+# the packages those sit in (importing `a.b.c` runs `a` and `a.b`). The decoding client (agent.spec)
+# knows nothing of the robot application, the robot or the server; protocol/ and runtime/ know
+# nothing of either side; agent/ never imports server_bridge/.
+ALLOWED = {
+    "runtime": ("runtime", "protocol.images"),
+    "protocol": ("protocol", "runtime.native"),
+    "agent": ("agent", "runtime.native"),
+    "agent.spec": ("agent.spec", "protocol", "runtime"),
+    "agent.robot": ("agent.robot", "protocol"),
+    "agent.app": ("agent.app", "agent.spec", "agent.robot", "protocol", "runtime"),
+    "server_bridge": ("server_bridge", "protocol", "runtime"),
+}
+
+
+def layer(module: str) -> str | None:
+    """The most specific key of ALLOWED that `module` falls under."""
+    keys = [k for k in ALLOWED if module == k or module.startswith(k + ".")]
+    return max(keys, key=len) if keys else None
+
+
+def allowed(module: str, target: str) -> bool:
+    prefixes = ALLOWED[layer(module)]
+    parents = {".".join(p.split(".")[:i]) for p in prefixes for i in range(1, p.count(".") + 1)}
+    return target in parents or any(target == p or target.startswith(p + ".") for p in prefixes)
+
+
+def test_layering():
+    graph = import_graph()
+    bad = [f"{m} -> {t}" for m, edges in graph.items() if layer(m) for t in edges if not allowed(m, t)]
+    assert not bad, "imports across layers:\n" + "\n".join(sorted(bad))
+
+
+def test_layering_catches_a_crossing():
+    assert allowed("agent.app.cli", "agent.spec.decoder") and allowed("agent.spec.decoder", "agent")
+    assert not allowed("agent.spec.decoder", "agent.app.nav")
+    assert not allowed("agent.spec.decoder", "agent.robot.camera")
+    assert not allowed("agent.app.daemon", "server_bridge.verifier")
+    assert not allowed("protocol.wire", "agent.spec.link")

@@ -1,6 +1,6 @@
 """llama.cpp's native libraries load before numpy's in every process the project starts.
 
-On a CUDA build of llama.cpp, numpy loaded first crashes the model load (protocol/native.py). The
+On a CUDA build of llama.cpp, numpy loaded first crashes the model load (runtime/native.py). The
 order cannot be seen from the CPU build's behaviour, so these tests read it where the dynamic
 linker keeps it: the link map, in load order, of a fresh interpreter after each entry point's
 import. Without `load_llama_first()` in the packages' __init__ files, numpy comes first (or
@@ -16,14 +16,14 @@ import sys
 
 import pytest
 
-from protocol import native
+from runtime import native
 
 # every way a process of the project starts: the console scripts' modules, the tools, the test run
 ENTRY_POINTS = [
     "server_bridge.cli",
-    "agent.cli",
+    "agent.app.cli",
     "server_bridge.server",
-    "agent.daemon",
+    "agent.app.daemon",
     "protocol.wire",
     "tools.demo",
     "tools.bench.divergence",
@@ -35,7 +35,7 @@ ENTRY_POINTS = [
 PROBE = """
 import importlib, json, sys
 importlib.import_module(sys.argv[1])
-from protocol import native
+from runtime import native
 libs = [p.rsplit("/", 1)[-1] for p in native.loaded_libraries()]
 print(json.dumps({"numpy_first": native.numpy_loaded_first(), "libs": libs}))
 """
@@ -61,7 +61,7 @@ def test_the_link_map_sees_numpy_first_when_a_script_imports_it_first():
     """The detector itself: a script that imports numpy and then llama_cpp is caught, and warned about."""
     code = (
         "import numpy, llama_cpp, logging\n"
-        "from protocol import native\n"  # protocol's own load_llama_first finds llama_cpp already loaded
+        "from runtime import native\n"  # runtime's own load_llama_first finds llama_cpp already loaded
         "logging.basicConfig(level=logging.WARNING)\n"
         "print(native.numpy_loaded_first())\n"
         "native.warn_if_numpy_first(gpu_offload=False)\n"

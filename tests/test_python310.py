@@ -33,7 +33,7 @@ def test_configs_load_without_tomllib():
     code = """
 import sys
 sys.modules["tomllib"] = None                   # None in sys.modules makes the import fail
-from agent import config
+from agent.app import config
 from server_bridge.config import ServerConfig
 cfg = config.load("systemd/edge-agent.toml", ["safety.max_vx=0.3"])
 server = ServerConfig.load("systemd/server-bridge.toml")

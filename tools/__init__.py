@@ -10,6 +10,6 @@ At the top: the two demos (`tools.demo`, `tools.demo_decoding`), and what severa
 (`plots`, `logit_margin`, `build_llama_server.sh`, the prompts, scenes and traces they read).
 """
 
-from protocol.native import load_llama_first
+from runtime.native import load_llama_first
 
-load_llama_first()  # llama.cpp's native libraries before numpy's: see protocol/native.py
+load_llama_first()  # llama.cpp's native libraries before numpy's: see runtime/native.py

@@ -26,10 +26,10 @@ import sys
 import time
 from pathlib import Path
 
-from agent import config
-from agent.daemon import Daemon
+from agent.app import config
+from agent.app.daemon import Daemon
 from agent.robot.scene import SceneError, load_scene
-from protocol import llamalog
+from runtime import llamalog
 from tools.cluster.local_verifier import LocalVerifier, pin_cores
 from tools.cluster.netem import LinkProfile, NetemProxy
 from tools.robot.episode import print_step, restart, run_episode

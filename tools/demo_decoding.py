@@ -15,9 +15,9 @@ import os
 import sys
 import time
 
-from agent.decoder import EdgeDecoder
-from agent.drafter import Drafter
-from agent.policy import DraftPolicy
+from agent.spec.decoder import EdgeDecoder
+from agent.spec.drafter import Drafter
+from agent.spec.policy import DraftPolicy
 from tools.cluster.local_verifier import LocalVerifier, pin_cores
 from tools.cluster.netem import LinkProfile, NetemProxy
 

@@ -29,7 +29,7 @@ registered here, a fake beside its own code, so this module imports no simulator
 A source may put the capture time (time.monotonic()) in its metadata as "t";
 the grabber stamps the frame with it, else with the time the read returned.
 
-Encoded images the robot decodes (the Go2's JPEG samples here, the local API's images in agent/daemon.py)
+Encoded images the robot decodes (the Go2's JPEG samples here, the local API's images in agent/app/daemon.py)
 have their width and height read from the header and bounded (protocol/images.py) before OpenCV decodes
 them; OpenCV's own limits (OPENCV_LIMITS) are set to the same bounds when this module is imported, before
 the robot's first `import cv2` (OpenCV reads them once, when it loads), as a second line.

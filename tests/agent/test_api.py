@@ -18,11 +18,11 @@ import zlib
 import pytest
 from websockets.exceptions import InvalidStatus
 
-from agent import api as local_api
-from agent import config, daemon
-from agent.api import LocalApi
-from agent.config import ConfigError
-from agent.daemon import Daemon
+from agent.app import api as local_api
+from agent.app import config, daemon
+from agent.app.api import LocalApi
+from agent.app.config import ConfigError
+from agent.app.daemon import Daemon
 from tests.agent.test_go2_daemon import Api, RecordingNotifier, StubDrafter
 
 TOKEN = "api-token-of-the-tests-0123"
@@ -128,7 +128,7 @@ def test_a_second_daemon_does_not_take_over_a_live_socket(make):
 
 def test_a_browser_origin_is_refused_with_403(make, caplog):
     d, api = make()
-    with caplog.at_level(logging.WARNING, "agent.api"):
+    with caplog.at_level(logging.WARNING, "agent.app.api"):
         assert refused_status(api, additional_headers={"Origin": "http://evil.example"}) == 403
     assert "Origin" in caplog.text and "pid" in caplog.text
     assert api.call(op="status")["ok"]  # no Origin: a robot process
@@ -168,7 +168,7 @@ def test_reset_goes_through_only_with_its_own_credential(make, caplog):
     for given in ({}, {"reset_token": TOKEN}, {"reset_token": "x" * 30}, {"reset_token": 1}):
         reply = api.call(op="reset", **given)
         assert not reply["ok"] and "reset_token" in reply["error"] and d.safety.estopped
-    with caplog.at_level(logging.WARNING, "agent.daemon"):
+    with caplog.at_level(logging.WARNING, "agent.app.daemon"):
         assert api.call(op="reset", reset_token=RESET)["ok"]
     assert not d.safety.estopped and not d.world.damped
     assert any(r.levelno == logging.WARNING and "reset" in r.getMessage() for r in caplog.records)

@@ -2,8 +2,8 @@
 
 import pytest
 
-from agent import config
-from agent.nav import blocked_text
+from agent.app import config
+from agent.app.nav import blocked_text
 from agent.robot.perception import Sighting
 
 
@@ -30,7 +30,7 @@ def test_nav_blocked_m_is_read_and_checked():
 
 
 def test_the_daemon_reads_the_range_ahead_from_the_simulator_when_asked():
-    from agent.daemon import Daemon
+    from agent.app.daemon import Daemon
     from tests.agent.test_go2_daemon import RecordingNotifier, StubDrafter
 
     for blocked_m, expect_reading in ((5.0, True), (0.0, False)):

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from agent import cli
+from agent.app import cli
 
 pytestmark = pytest.mark.real
 
@@ -92,7 +92,7 @@ def test_under_systemd_log_lines_carry_their_syslog_priority():
     import sys
 
     code = (
-        "import logging; from agent.cli import _setup_logging; _setup_logging('INFO'); "
+        "import logging; from agent.app.cli import _setup_logging; _setup_logging('INFO'); "
         "logging.getLogger('x').warning('careful'); logging.getLogger('x').info('fine')"
     )
     import os

@@ -2,8 +2,8 @@
 
 import pytest
 
-from agent import config
-from agent.config import ConfigError
+from agent.app import config
+from agent.app.config import ConfigError
 
 EXAMPLE = "systemd/edge-agent.toml"
 

@@ -1,9 +1,9 @@
-"""agent/episode.py: an episode ends on the model's stop, never on the robot's own offline halt."""
+"""agent/app/episode.py: an episode ends on the model's stop, never on the robot's own offline halt."""
 
 from types import SimpleNamespace
 
-from agent.episode import run_episode
-from agent.nav import Step
+from agent.app.episode import run_episode
+from agent.app.nav import Step
 from agent.robot.sim import make_world
 
 

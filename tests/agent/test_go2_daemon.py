@@ -15,13 +15,13 @@ import time
 import numpy as np
 import pytest
 
-from agent import api as local_api
-from agent import config
-from agent.api import LocalApi
-from agent.daemon import Daemon
+from agent.app import api as local_api
+from agent.app import config
+from agent.app.api import LocalApi
+from agent.app.daemon import Daemon
+from agent.app.sdnotify import Notifier
 from agent.robot.actions import Motion
 from agent.robot.controllers.base import Command
-from agent.sdnotify import Notifier
 from tests.agent.unitree_standin import StandIn
 
 

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from agent.decoder import EdgeDecoder, FsdOptions
 from agent.robot.actions import VOCABULARY, answer_grammar, answer_max_tokens, parse_action
+from agent.spec.decoder import EdgeDecoder, FsdOptions
 from protocol import payload, sampling, wire
 from protocol.grammar import GrammarError
 from protocol.payload import PayloadSpec
@@ -27,7 +27,7 @@ TASKS = [
     ("go to the blue ball", "nothing"),
     ("go to the green box", "green box ahead, 0.4 m away"),
 ]
-# answers as a model writes them (the shapes of agent/nav.py's examples), one per kind of action
+# answers as a model writes them (the shapes of agent/app/nav.py's examples), one per kind of action
 RECORDED = [
     "The red box is to the left, so I turn left. The next action is turn left 30 degree.",
     "I do not see the blue ball, so I look around. The next action is turn right 45 degree.",
@@ -234,7 +234,7 @@ def test_a_bad_grammar_or_a_prompt_outside_it_is_refused_on_that_session_only(dr
 
 
 def test_a_robot_that_needs_a_grammar_refuses_a_verifier_without_one(drafter, grammar_server, monkeypatch):
-    from agent.link import ServerError
+    from agent.spec.link import ServerError
     from server_bridge.target import Target
 
     monkeypatch.setattr(Target, "grammars_supported", property(lambda self: False))

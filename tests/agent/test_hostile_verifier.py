@@ -1,4 +1,4 @@
-"""A hostile verifier: the robot trusts nothing it receives (DESIGN.md, Trust; agent/replies.py).
+"""A hostile verifier: the robot trusts nothing it receives (DESIGN.md, Trust; agent/spec/replies.py).
 
 A fake verifier, a real websocket server on 127.0.0.1:0 speaking the real wire, does a correct
 handshake with the shipped draft's vocabulary and then answers one request with a malformed reply.
@@ -22,8 +22,8 @@ import pytest
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.server import serve
 
-from agent.decoder import EdgeDecoder, FsdOptions, ReconnectPolicy
-from agent.link import LinkLost, ProtocolViolation
+from agent.spec.decoder import EdgeDecoder, FsdOptions, ReconnectPolicy
+from agent.spec.link import LinkLost, ProtocolViolation
 from protocol import wire
 from protocol.payload import PayloadSpec
 from protocol.sampling import SamplingParams
@@ -241,7 +241,7 @@ def test_a_malformed_reply_is_a_protocol_violation_and_commits_nothing(drafter, 
     with FakeVerifier(drafter, tamper) as fake:
         decoder = decoder_for(drafter, fake.url, mode)
         try:
-            with caplog.at_level(logging.ERROR, "agent.decoder"):
+            with caplog.at_level(logging.ERROR, "agent.spec.decoder"):
                 with pytest.raises(ProtocolViolation, match=says) as lost:
                     decoder.generate(prompt, mode=mode, max_tokens=6, params=params, gamma=3)
         finally:
@@ -327,7 +327,7 @@ def run_python(code: str, timeout: float = 120) -> subprocess.CompletedProcess:
 def test_detokenize_refuses_an_id_outside_the_vocabulary_instead_of_aborting():
     """Defence in depth: whatever hands it the id, the draft refuses it before llama.cpp can abort."""
     r = run_python(
-        "from agent.drafter import Drafter\n"
+        "from agent.spec.drafter import Drafter\n"
         "d = Drafter(threads=1)\n"
         "for ids in ([10**9], [-1], [d.vocab_size]):\n"
         "    try:\n"
@@ -348,7 +348,7 @@ def test_edge_agent_survives_a_result_token_of_10_to_the_9(drafter):
     Now the process lives, drops the link, re-opens with its prompt alone and finishes on the honest reply."""
     with FakeVerifier(drafter, on(wire.Result, lambda q, r: replace(r, token=BIG))) as fake:
         r = run_python(
-            "import sys; from agent.cli import main; sys.exit(main(["
+            "import sys; from agent.app.cli import main; sys.exit(main(["
             f"'generate', '--verifier', '{fake.url}', '--prompt', {PROMPT!r}, '--mode', 'sd', "
             "'--gamma', '2', '--max-tokens', '3', '--threads', '1', '--robot-id', 'hostile-test']))"
         )

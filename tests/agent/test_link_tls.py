@@ -3,9 +3,9 @@ link.allow_insecure; a daemon configured otherwise refuses to start before it mo
 
 import pytest
 
-from agent import config
-from agent.daemon import Daemon
-from agent.link import InsecureLink, tls_context
+from agent.app import config
+from agent.app.daemon import Daemon
+from agent.spec.link import InsecureLink, tls_context
 from tests.tlscerts import make_cert, needs_openssl
 
 

@@ -13,15 +13,15 @@ import time
 import numpy as np
 import pytest
 
-from agent import config, nav
-from agent.config import ConfigError
-from agent.decoder import Generation, Metrics
-from agent.link import LinkLost
-from agent.nav import NavConfig, Navigator, Recall, StepMemory, common_prefix, messages, offline_envelope
+from agent.app import config, nav
+from agent.app.config import ConfigError
+from agent.app.nav import NavConfig, Navigator, Recall, StepMemory, common_prefix, messages, offline_envelope
 from agent.robot.actions import STOP, Action, parse_action
 from agent.robot.camera import Frame
 from agent.robot.controllers.base import Command
 from agent.robot.perception import Sighting
+from agent.spec.decoder import Generation, Metrics
+from agent.spec.link import LinkLost
 
 INSTRUCTION = "go to the red box"
 
@@ -359,9 +359,9 @@ def test_no_target_in_view_means_no_turn_away_rule():
 
 def test_a_turn_away_stop_does_not_end_the_daemons_task_as_done(tmp_path):
     """An envelope stop halts the robot for this step; the task goes on (and ends by max_steps here)."""
-    from agent.daemon import Daemon
+    from agent.app.daemon import Daemon
+    from agent.app.sdnotify import Notifier
     from agent.robot.controllers.sim import SimController
-    from agent.sdnotify import Notifier
 
     cfg = config.load(None, ['telemetry.path=""', 'offline.policy="local"'])
     d = Daemon(cfg, controller=SimController(), notifier=Notifier({}))

@@ -20,15 +20,15 @@ import cv2
 import numpy as np
 import pytest
 
-from agent import cli, config, nav
-from agent.config import ConfigError
-from agent.decoder import EdgeDecoder, Generation, Metrics
-from agent.link import LinkLost
-from agent.nav import IMAGE_RECALL, SHOTS, NavConfig, Navigator, messages
+from agent.app import cli, config, nav
+from agent.app.config import ConfigError
+from agent.app.nav import IMAGE_RECALL, SHOTS, NavConfig, Navigator, messages
 from agent.robot.actions import FORWARD_CM, STOP, TURN_DEG, Action, parse_action
 from agent.robot.camera import Frame
 from agent.robot.controllers.base import Command
 from agent.robot.perception import PERCEPTIONS, VlmPerception, fit_within
+from agent.spec.decoder import EdgeDecoder, Generation, Metrics
+from agent.spec.link import LinkLost
 from protocol.images import PromptImage, image_format
 
 real = pytest.mark.real
@@ -314,7 +314,7 @@ def vlm():
 
 @pytest.fixture(scope="module")
 def vdrafter(vlm):
-    from agent.drafter import Drafter
+    from agent.spec.drafter import Drafter
 
     return Drafter(str(vlm.draft), n_ctx=4096, threads=1, mmproj=vlm.draft_mmproj)
 
@@ -333,9 +333,9 @@ def vserver(vlm):
 
 
 def sim_daemon(tmp_path, vlm, vdrafter, url, offline="local", **overrides):
-    from agent.daemon import Daemon
+    from agent.app.daemon import Daemon
+    from agent.app.sdnotify import Notifier
     from agent.robot.controllers.sim import SimController
-    from agent.sdnotify import Notifier
 
     sets = [
         f'link.verifier="{url}"',

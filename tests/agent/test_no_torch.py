@@ -11,7 +11,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 def test_agent_never_imports_torch_or_the_server():
     code = (
-        "import sys, agent.cli, agent.decoder, agent.drafter, agent.link, agent.daemon, agent.api, agent.nav, "
+        "import sys, agent.app.cli, agent.spec.decoder, agent.spec.drafter, agent.spec.link, agent.app.daemon, "
+        "agent.app.api, agent.app.nav, "
         "agent.robot.sim, agent.robot.perception, agent.robot.controllers.serial, agent.robot.scripted; "
         "bad = [m for m in ('torch', 'transformers', 'server_bridge') if m in sys.modules]; "
         "print(bad); sys.exit(1 if bad else 0)"
@@ -36,23 +37,21 @@ def test_no_module_of_agent_or_protocol_names_the_server_package():
         str(p.relative_to(ROOT)): sorted(
             m for m in _imported_modules(p) if m.split(".")[0] in ("server_bridge", "torch", "transformers")
         )
-        for pkg in ("agent", "protocol")
+        for pkg in ("agent", "protocol", "runtime")
         for p in (ROOT / pkg).rglob("*.py")
     }
     assert not {p: m for p, m in offenders.items() if m}
 
 
-def test_protocol_imports_only_numpy_msgpack_and_the_standard_library():
-    """grammar.py also reaches llama.cpp's grammar sampler, which both sides run already, native.py
-    imports llama_cpp (when installed) so that its libraries load before numpy's, vision.py runs
-    libmtmd (llama.cpp's multimodal library) for the images of a prompt, on either side, and llamalog.py
-    sets llama.cpp's log level (quiet unless EDGESPEC_VERBOSE)."""
-    allowed = {"numpy", "msgpack"} | set(sys.stdlib_module_names)
-    may_use_llama = {"grammar.py", "llamalog.py", "native.py", "vision.py"}
-    for p in (ROOT / "protocol").rglob("*.py"):
-        bad = {
-            m
-            for m in _imported_modules(p)
-            if m.split(".")[0] not in allowed | ({"llama_cpp"} if p.name in may_use_llama else set())
-        }
-        assert not bad, f"{p.name} imports {bad}"
+def test_protocol_and_runtime_import_only_numpy_msgpack_llama_cpp_and_the_standard_library():
+    """protocol/ (the wire and the maths) takes numpy, msgpack and, for grammar.py alone, llama.cpp's
+    grammar sampler, which both sides run already; runtime/ is llama.cpp underneath both sides (the
+    native libraries' order, libmtmd's images, llama.cpp's log), so llama_cpp is its own."""
+    allowed = {"numpy", "msgpack", "protocol", "runtime"} | set(sys.stdlib_module_names)
+    for pkg, may_use_llama in (("protocol", {"grammar.py"}), ("runtime", None)):
+        for p in (ROOT / pkg).rglob("*.py"):
+            llama = may_use_llama is None or p.name in may_use_llama
+            bad = {
+                m for m in _imported_modules(p) if m.split(".")[0] not in allowed | ({"llama_cpp"} if llama else set())
+            }
+            assert not bad, f"{pkg}/{p.name} imports {bad}"

@@ -5,8 +5,8 @@ import json
 import numpy as np
 import pytest
 
-from agent.policy import DraftController, DraftPolicy
-from agent.predictor import FEATURES, RejectionPredictor, TraceWriter, feature_row, logit_features
+from agent.spec.policy import DraftController, DraftPolicy
+from agent.spec.predictor import FEATURES, RejectionPredictor, TraceWriter, feature_row, logit_features
 from protocol.sampling import SamplingParams
 
 

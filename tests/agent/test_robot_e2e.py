@@ -13,11 +13,11 @@ import time
 import pytest
 from websockets.exceptions import ConnectionClosed
 
-from agent import config
-from agent.api import connect
-from agent.daemon import Daemon
-from agent.decoder import EdgeDecoder
+from agent.app import config
+from agent.app.api import connect
+from agent.app.daemon import Daemon
 from agent.robot.controllers.sim import SimController
+from agent.spec.decoder import EdgeDecoder
 from tools.cluster.netem import LinkProfile, NetemProxy
 
 pytestmark = pytest.mark.real
@@ -168,7 +168,7 @@ def test_offline_hold_stops_and_resumes_the_same_answer(tmp_path, drafter, proxy
 def test_local_api_estop_status_and_bad_requests(tmp_path, drafter, proxy):
     import asyncio
 
-    from agent.api import LocalApi
+    from agent.app.api import LocalApi
 
     reset_token = "reset-token-of-the-tests"
     # start 1: the first action is a turn
@@ -242,7 +242,7 @@ def test_daemon_tells_systemd_ready_watchdog_and_stopping(tmp_path):
         [
             sys.executable,
             "-m",
-            "agent.cli",
+            "agent.app.cli",
             "run",
             "--controller",
             "sim",

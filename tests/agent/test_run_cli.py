@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from agent import cli
+from agent.app import cli
 
 ROOT = Path(__file__).resolve().parents[2]
 KEYS = {
@@ -92,9 +92,9 @@ def _run(capsys, *args) -> tuple[int, dict, str]:
 
 
 def test_run_exit_when_done_json_in_a_scene_file(tmp_path, capsys, monkeypatch):
-    import agent.drafter
+    import agent.spec.drafter
 
-    monkeypatch.setattr(agent.drafter, "Drafter", WalkingDrafter)
+    monkeypatch.setattr(agent.spec.drafter, "Drafter", WalkingDrafter)
     scene = tmp_path / "ahead.json"
     scene.write_text(json.dumps(SCENE))
     rc, out, err = _run(
@@ -128,9 +128,9 @@ def test_run_exit_when_done_json_in_a_scene_file(tmp_path, capsys, monkeypatch):
 
 
 def test_run_with_a_start_facing_away_reports_max_steps(tmp_path, capsys, monkeypatch):
-    import agent.drafter
+    import agent.spec.drafter
 
-    monkeypatch.setattr(agent.drafter, "Drafter", WalkingDrafter)
+    monkeypatch.setattr(agent.spec.drafter, "Drafter", WalkingDrafter)
     scene = tmp_path / "behind.json"
     scene.write_text(json.dumps(SCENE))
     rc, out, _ = _run(
@@ -176,7 +176,7 @@ def test_run_json_with_the_real_draft_in_a_subprocess(tmp_path):
         [
             sys.executable,
             "-m",
-            "agent.cli",
+            "agent.app.cli",
             "run",
             "--controller",
             "sim",
@@ -213,7 +213,7 @@ def test_run_json_with_the_real_draft_in_a_subprocess(tmp_path):
 
 
 def test_one_key_of_a_table_field_can_be_set():
-    from agent import config
+    from agent.app import config
 
     cfg = config.load(None, ["robot.options={max_vx=0.5}", 'robot.options.scene="red_box"', "robot.options.start=2"])
     assert cfg.robot.options == {"max_vx": 0.5, "scene": "red_box", "start": 2}

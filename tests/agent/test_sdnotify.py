@@ -1,4 +1,4 @@
-"""agent.sdnotify against a real AF_UNIX datagram socket standing in for systemd's $NOTIFY_SOCKET."""
+"""agent.app.sdnotify against a real AF_UNIX datagram socket standing in for systemd's $NOTIFY_SOCKET."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import uuid
 
 import pytest
 
-from agent.sdnotify import Notifier
+from agent.app.sdnotify import Notifier
 
 
 @pytest.fixture
@@ -71,11 +71,11 @@ def test_unset_variable_is_a_noop(monkeypatch):
 def test_send_errors_are_swallowed_and_logged_once(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("NOTIFY_SOCKET", str(tmp_path / "nobody-listens"))  # systemd went away
     n = Notifier()
-    with caplog.at_level(logging.DEBUG, logger="agent.sdnotify"):
+    with caplog.at_level(logging.DEBUG, logger="agent.app.sdnotify"):
         assert n.ready() is False
         assert n.watchdog() is False
         assert n.stopping() is False
-    assert len([r for r in caplog.records if r.name == "agent.sdnotify"]) == 1
+    assert len([r for r in caplog.records if r.name == "agent.app.sdnotify"]) == 1
 
 
 def test_bad_address_is_swallowed():

@@ -1,6 +1,6 @@
 import json
 
-from agent.telemetry import TelemetryWriter
+from agent.app.telemetry import TelemetryWriter
 
 
 def test_jsonl_records_and_bounded_rotation(tmp_path):

@@ -15,11 +15,11 @@ import time
 import numpy as np
 import pytest
 
-from agent.decoder import EdgeDecoder
-from agent.link import ServerError
+from agent.spec.decoder import EdgeDecoder
+from agent.spec.link import ServerError
 from protocol import wire
 from protocol.images import MAX_IMAGE_PIXELS, MAX_IMAGE_SIDE, PromptImage
-from protocol.vision import CACHED
+from runtime.vision import CACHED
 from server_bridge.config import ServerConfig
 from server_bridge.target import load_target
 from server_bridge.verifier import Verifier
@@ -183,7 +183,7 @@ def test_the_command_lines(vlm, tmp_path, capsys):
     """server-bridge serve --mmproj (through the config it builds) and edge-agent generate --draft-mmproj --image."""
     import json
 
-    from agent import cli as agent_cli
+    from agent.app import cli as agent_cli
     from server_bridge import cli as server_cli
     from server_bridge.server import target_from_config
 

@@ -13,8 +13,8 @@ import io
 import numpy as np
 from scipy import stats
 
-from agent.decoder import EdgeDecoder, FsdOptions, ReconnectPolicy
-from agent.drafter import Draft, Drafter
+from agent.spec.decoder import EdgeDecoder, FsdOptions, ReconnectPolicy
+from agent.spec.drafter import Draft, Drafter
 from protocol import sampling, wire
 from protocol.images import PromptImage
 from protocol.payload import PayloadSpec

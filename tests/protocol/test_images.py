@@ -18,8 +18,8 @@ import pytest
 from PIL import Image
 
 from protocol import images, wire
-from protocol.vision import READY
 from protocol.wire import WireError
+from runtime.vision import READY
 
 
 def jpeg(seed: int = 0, size: int = 64) -> bytes:
@@ -264,7 +264,7 @@ def test_the_image_data_a_header_implies_is_what_decoders_read():
         images.check_png_data(out.getvalue())
 
 
-# --------------------------------------------------------------------------- libmtmd's decode (protocol/vision.py)
+# --------------------------------------------------------------------------- libmtmd's decode (runtime/vision.py)
 
 
 class FakeMtmd:
@@ -315,7 +315,7 @@ class FakeMtmd:
 
 
 def fake_vision(size=(64, 64)):
-    from protocol.vision import MtmdVision
+    from runtime.vision import MtmdVision
 
     vision = object.__new__(MtmdVision)  # no projector: the decode path alone
     vision.mtmd, vision.mctx, vision.marker = FakeMtmd(size), 1, b"<__media__>"

@@ -1,4 +1,4 @@
-"""protocol/llamalog: C-level output (file descriptors 1 and 2) goes to a log file around a call, then back.
+"""runtime/llamalog: C-level output (file descriptors 1 and 2) goes to a log file around a call, then back.
 (Python's own prints and llama.cpp's log callback reach the same descriptors in a process of its own, not
 under pytest's capture: tests/tools/test_make_drafts.py checks those.)"""
 
@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from protocol import llamalog
+from runtime import llamalog
 
 
 def c_write(fd: int, text: str) -> None:

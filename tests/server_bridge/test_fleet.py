@@ -7,7 +7,7 @@ import urllib.request
 import pytest
 from websockets.sync.client import connect
 
-from agent.decoder import EdgeDecoder
+from agent.spec.decoder import EdgeDecoder
 from protocol import wire
 from tools.bench.loadgen import parse_metrics
 
@@ -104,7 +104,7 @@ def test_overload_is_shed_with_a_clear_error_not_queued_without_bound(make_serve
 def test_a_round_that_waits_past_max_wait_is_shed_and_the_robot_falls_back(make_server, drafter):
     """The robot's decoder gets `overloaded` as a ServerError it does not retry: its fallback (the
     navigator's offline policy) takes over, and the committed tokens are handed back."""
-    from agent.link import ServerError
+    from agent.spec.link import ServerError
 
     server = make_server(max_wait_ms=0.0)
     dec = EdgeDecoder(drafter, server.url)

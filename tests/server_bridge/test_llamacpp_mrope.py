@@ -223,7 +223,7 @@ def test_robots_with_images_verify_in_one_batched_pass(engine):
 
 def test_a_projector_that_wraps_images_otherwise_is_refused_with_the_reason(vlm, engine):
     """The prompt holds <|vision_start|> and <|vision_end|> around the marker; libmtmd's own wrappers must be those."""
-    from protocol.vision import MtmdVision
+    from runtime.vision import MtmdVision
 
     with MtmdVision(vlm.target_mmproj, engine.model) as vision:
         assert vision.wrappers == ("<|vision_start|>", "<|vision_end|>")

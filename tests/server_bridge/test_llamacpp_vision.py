@@ -13,7 +13,7 @@ import pytest
 
 from protocol import modelfiles
 from protocol.images import PromptImage
-from protocol.vision import CACHED, UnknownImage
+from runtime.vision import CACHED, UnknownImage
 from server_bridge.engine import Pass, load_engine
 from server_bridge.engine_llamacpp import LlamaCppEngine
 from tools.models import make_test_vlm as tv

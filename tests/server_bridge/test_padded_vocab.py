@@ -72,8 +72,8 @@ def padded(qwen_vlm, tmp_path_factory):
 
 
 def test_a_padded_torch_target_serves_its_unpadded_draft(padded):
-    from agent.decoder import EdgeDecoder, FsdOptions
-    from agent.drafter import Drafter
+    from agent.spec.decoder import EdgeDecoder, FsdOptions
+    from agent.spec.drafter import Drafter
     from protocol.payload import PayloadSpec
     from protocol.sampling import SamplingParams
     from server_bridge.target import load_target
@@ -133,7 +133,7 @@ def _pass(target, state):
 
 def test_hello_from_a_draft_with_a_pad_tail_is_welcomed_with_the_real_size(padded):
     """Symmetrically: the draft's full size may exceed the target's real one (its own tail); never fall short."""
-    from agent.link import ServerError, VerifierLink
+    from agent.spec.link import ServerError, VerifierLink
     from server_bridge.target import load_target
     from server_bridge.verifier import Verifier
     from tests.conftest import ThreadedServer
@@ -166,8 +166,8 @@ def padded_draft(padded, tmp_path_factory):
 
 
 def test_a_padded_draft_draws_from_its_real_vocabulary_against_a_padded_target(padded, padded_draft):
-    from agent.decoder import EdgeDecoder, FsdOptions
-    from agent.drafter import Drafter
+    from agent.spec.decoder import EdgeDecoder, FsdOptions
+    from agent.spec.drafter import Drafter
     from protocol.payload import PayloadSpec
     from protocol.sampling import SamplingParams
     from server_bridge.target import load_target

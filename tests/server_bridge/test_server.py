@@ -9,8 +9,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from websockets.sync.client import connect
 
-from agent.decoder import EdgeDecoder
-from agent.link import LinkLost, ServerError, VerifierLink
+from agent.spec.decoder import EdgeDecoder
+from agent.spec.link import LinkLost, ServerError, VerifierLink
 from protocol import images, wire
 from tools.bench.loadgen import parse_metrics
 

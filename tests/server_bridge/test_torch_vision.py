@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from protocol.images import PromptImage
-from protocol.vision import UnknownImage
+from runtime.vision import UnknownImage
 from server_bridge.engine import Pass, load_engine
 from server_bridge.engine_torch import TorchEngine
 from server_bridge.vision_torch import CACHED

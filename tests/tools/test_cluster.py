@@ -17,8 +17,8 @@ import urllib.request
 
 import pytest
 
-from agent.decoder import EdgeDecoder
-from agent.link import VerifierLink
+from agent.spec.decoder import EdgeDecoder
+from agent.spec.link import VerifierLink
 from tools.cluster.fleet import HAPROXY_CFG, Cluster, health, loopback_config
 
 pytestmark = pytest.mark.real
@@ -153,7 +153,7 @@ def test_a_drained_replicas_robots_finish_without_an_error_and_exactly(healed, d
         for p in (PROMPT, "List five things a warehouse robot must check before it moves a pallet, and why.")
     ]
     want = [_reference(cluster, drafter, ids, 80) for ids in prompts]
-    from agent.drafter import Drafter
+    from agent.spec.drafter import Drafter
 
     second = Drafter(threads=1)  # a llama context serves one thread: one per robot
     decs = [EdgeDecoder(d, cluster.url, robot_id=f"robot-drain-{i}") for i, d in enumerate((drafter, second))]

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from agent.decoder import EdgeDecoder, FsdOptions
+from agent.spec.decoder import EdgeDecoder, FsdOptions
 from protocol.images import PromptImage
 from server_bridge.exits import ExitConfig, NumpyExitHeads
 from server_bridge.exits_torch import ExitHeads

@@ -11,7 +11,7 @@ tools/build_llama_server.sh). Aims: a 1-session 5-token pass within 1.5x of the 
 within 2x (torch) and 3x (llamacpp).
 
 Each engine runs in its own process (`--only ENGINE --result FILE`): a CUDA llama.cpp and a CUDA
-torch never share one (protocol/native.py).
+torch never share one (runtime/native.py).
 
     python -m tools.bench.gpu_engine --out bench_results/gpu          # on a CUDA server
     python -m tools.bench.gpu_engine --tiny --device cpu --out /tmp/g  # the same code on a toy model

@@ -24,10 +24,10 @@ import sys
 import time
 from pathlib import Path
 
-from agent.decoder import EdgeDecoder
-from agent.drafter import Drafter
-from agent.nav import messages, observation_text
+from agent.app.nav import messages, observation_text
 from agent.robot.actions import answer_grammar, answer_max_tokens, complete, parse_action
+from agent.spec.decoder import EdgeDecoder
+from agent.spec.drafter import Drafter
 from protocol.sampling import SamplingParams
 from tools.cluster.local_verifier import LocalVerifier, pin_cores
 from tools.cluster.netem import LinkProfile, NetemProxy

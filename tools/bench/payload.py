@@ -44,9 +44,9 @@ from pathlib import Path
 
 import numpy as np
 
-from agent.decoder import EdgeDecoder
-from agent.drafter import Drafter
-from agent.link import LinkLost, ServerError
+from agent.spec.decoder import EdgeDecoder
+from agent.spec.drafter import Drafter
+from agent.spec.link import LinkLost, ServerError
 from protocol import payload, sampling
 from protocol.payload import PayloadSpec
 from protocol.sampling import SamplingParams

@@ -28,10 +28,10 @@ from pathlib import Path
 
 import numpy as np
 
-from agent.decoder import EdgeDecoder
-from agent.drafter import Drafter
-from agent.policy import POLICIES, DraftPolicy
-from agent.predictor import RejectionPredictor, feature_row, predictor_path
+from agent.spec.decoder import EdgeDecoder
+from agent.spec.drafter import Drafter
+from agent.spec.policy import POLICIES, DraftPolicy
+from agent.spec.predictor import RejectionPredictor, feature_row, predictor_path
 from tools.bench.decoding import load_prompts
 from tools.cluster.local_verifier import LocalVerifier, pin_cores
 from tools.cluster.netem import LinkProfile, NetemProxy

@@ -6,7 +6,7 @@ in N worker threads (llama-cpp `Llama` objects are not thread-safe, so one each)
 Both draft the same N continuations of one prompt, gamma tokens each, the way
 a round's pre-drafting does; the figure is the wall time until every branch's
 draft is ready (median over --repeats). Writes predraft_backends.{json,md,png}
-into --out. agent/branches.py implements the batched backend, the faster one.
+into --out. agent/spec/branches.py implements the batched backend, the faster one.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
-from agent.branches import BranchDrafter
-from agent.drafter import Drafter
+from agent.spec.branches import BranchDrafter
+from agent.spec.drafter import Drafter
 from protocol.sampling import SamplingParams
 from tools.plots import line_plot
 

@@ -6,7 +6,7 @@ On one pinned core with one thread, one after the other and repeated alternately
         `llama_decode` of one token per step and the argmax of its logits row (read in place), the
         loop any program on llama-cpp-python would run at the least;
   ours  `server-bridge serve` on the same core and thread (tools/cluster/local_verifier.py), the robot's
-        client (agent.decoder, mode ar) on the other core: after the session's open (which
+        client (agent.spec.decoder, mode ar) on the other core: after the session's open (which
         prefills the same prompt but its last token), the `ar` request and its streamed tokens.
 
 Both time the same steps: from the first decode of the prompt's last token to the last token out
@@ -123,8 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--core", type=int, default=1, help="the core both engines run on (the robot gets another)")
     ap.add_argument("--target", default=None, help="default: the shipped smollm2-f32")
     args = ap.parse_args(argv)
-    from agent.decoder import EdgeDecoder
-    from agent.drafter import Drafter
+    from agent.spec.decoder import EdgeDecoder
+    from agent.spec.drafter import Drafter
     from protocol import modelfiles
     from server_bridge.engine_llamacpp import prepare_target
     from tools.cluster.local_verifier import LocalVerifier

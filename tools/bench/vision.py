@@ -1,6 +1,6 @@
 """What a navigation step costs when the robot sees: the camera image in the prompt against the same step in words.
 
-Each step is the navigation loop's own (agent/nav.py): the system prompt and few-shot turns, the task, and the
+Each step is the navigation loop's own (agent/app/nav.py): the system prompt and few-shot turns, the task, and the
 camera line, through a real `server-bridge serve` and the robot's EdgeDecoder in SD. Side by side, alternately,
 each in its own server session:
 
@@ -65,11 +65,11 @@ def main(argv: list[str] | None = None) -> int:
     if any(given) and not all(given):
         ap.error("a pair needs all four: --draft, --draft-mmproj, --target, --mmproj")
 
-    from agent.decoder import EdgeDecoder
-    from agent.drafter import Drafter
-    from agent.nav import messages
+    from agent.app.nav import messages
     from agent.robot.camera import Frame
     from agent.robot.perception import VlmPerception
+    from agent.spec.decoder import EdgeDecoder
+    from agent.spec.drafter import Drafter
     from tools.cluster.local_verifier import LocalVerifier
 
     if all(given):

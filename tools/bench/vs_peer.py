@@ -23,9 +23,9 @@ import os
 import sys
 from pathlib import Path
 
-from agent.decoder import EdgeDecoder, FsdOptions
-from agent.drafter import Drafter
-from agent.policy import DraftPolicy
+from agent.spec.decoder import EdgeDecoder, FsdOptions
+from agent.spec.drafter import Drafter
+from agent.spec.policy import DraftPolicy
 from tools.bench import peer
 from tools.cluster.local_verifier import LocalVerifier
 from tools.cluster.netem import LinkProfile, NetemProxy

@@ -14,7 +14,8 @@ import argparse
 import sys
 import time
 
-from protocol import llamalog, modelfiles
+from protocol import modelfiles
+from runtime import llamalog
 from server_bridge.engine_llamacpp import requantize
 
 

@@ -1,4 +1,4 @@
-"""The episode runner the demo and nav_eval share: agent/episode.py's step loop, plus a link cut and a printer.
+"""The episode runner the demo and nav_eval share: agent/app/episode.py's step loop, plus a link cut and a printer.
 
     run_episode(daemon_or_nav, world, instruction, max_steps=30, cut_at=3, cut_steps=3, link_proxy=proxy,
                 printer=print_step) -> (summary, records)
@@ -14,8 +14,8 @@ import sys
 import time
 from typing import Callable
 
-from agent.episode import run_episode as _run_steps
-from agent.nav import Step
+from agent.app.episode import run_episode as _run_steps
+from agent.app.nav import Step
 from agent.robot.camera import StaleFrame
 
 
@@ -106,10 +106,10 @@ def run_episode(
 ) -> tuple[dict, list[Step]]:
     """One instruction from the world's current pose until the model says stop or max_steps pass.
 
-    daemon_or_nav: a started agent.daemon.Daemon (its Navigator and telemetry are used) or a Navigator.
+    daemon_or_nav: a started agent.app.daemon.Daemon (its Navigator and telemetry are used) or a Navigator.
     `task` keys the Navigator's per-task memory: give each episode its own. telemetry: a TelemetryWriter
     for one JSON line per step (default: the daemon's). say: where the cut's messages go (None: nowhere).
-    The summary (agent.episode.summarize) also says where the link was cut.
+    The summary (agent.app.episode.summarize) also says where the link was cut.
     """
     nav = getattr(daemon_or_nav, "nav", None) or daemon_or_nav
     telemetry = telemetry if telemetry is not None else getattr(daemon_or_nav, "telemetry", None)

@@ -70,7 +70,7 @@ def _mean(xs: list) -> float | None:
 
 
 def aggregate(episodes: list[dict]) -> dict:
-    """Success rate, SPL and the rest over a list of episode summaries (agent.episode.summarize's names).
+    """Success rate, SPL and the rest over a list of episode summaries (agent.app.episode.summarize's names).
 
     Means are per episode, except tau (over verified steps: each episode's mean weighted by its verified
     steps) and the time per step (over steps).
@@ -259,7 +259,7 @@ def run_scripted(episodes: list[tuple[Scene, int, bool]], args, maps: Path) -> l
     """The scripted policy (agent/robot/scripted.py) on a fake clock: no models, no link."""
     import cv2
 
-    from agent.episode import summarize
+    from agent.app.episode import summarize
     from agent.robot.safety import SafetyLimits
     from agent.robot.scripted import FakeClock, run_episode
     from agent.robot.sim import make_world
@@ -288,9 +288,9 @@ def run_models(episodes: list[tuple[Scene, int, bool]], args, maps: Path, meta: 
     """The robot daemon with the draft model against one local verifier behind the link emulator."""
     import cv2
 
-    from agent import config
-    from agent.daemon import Daemon
-    from agent.drafter import Drafter
+    from agent.app import config
+    from agent.app.daemon import Daemon
+    from agent.spec.drafter import Drafter
     from tools.cluster.local_verifier import LocalVerifier, pin_cores
     from tools.cluster.netem import LinkProfile, NetemProxy
     from tools.robot.episode import restart, run_episode

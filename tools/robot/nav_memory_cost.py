@@ -30,9 +30,9 @@ import sys
 import time
 from pathlib import Path
 
-from agent.drafter import Drafter
-from agent.nav import Recall, common_prefix, messages
+from agent.app.nav import Recall, common_prefix, messages
 from agent.robot.actions import Action
+from agent.spec.drafter import Drafter
 
 INSTRUCTION = "go to the red box"
 ANSWER = "The red box is to the left, so I turn left. The next action is turn left 30 degree."

@@ -12,7 +12,7 @@ memory  1-3 earlier steps (what the camera showed, what the robot did), then the
         in view now, never seen. Run with the memory in the prompt and, for comparison, without it (the
         prompt as the robot had it before: the current frame only).
 
-For each, the navigation prompt (agent/nav.py) goes through the model alone (local
+For each, the navigation prompt (agent/app/nav.py) goes through the model alone (local
 decoding: no verifier, so this measures the draft; the target is the same model in
 float32 and agrees with the Q4_1 draft on ~96 % of greedy tokens) and the parsed action
 is compared with the scripted policy's (`scripted_action`; with a memory, `recalled_action`:
@@ -39,9 +39,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from agent.decoder import EdgeDecoder
-from agent.drafter import Drafter
-from agent.nav import AHEAD_DEG, Recall, messages, observation_text
+from agent.app.nav import AHEAD_DEG, Recall, messages, observation_text
 from agent.robot.actions import (
     FORWARD_CM,
     TURN_DEG,
@@ -54,6 +52,8 @@ from agent.robot.actions import (
 )
 from agent.robot.perception import Sighting
 from agent.robot.scripted import scripted_action
+from agent.spec.decoder import EdgeDecoder
+from agent.spec.drafter import Drafter
 
 KINDS = ("forward", "left", "right", "stop")
 TARGET = "red box"

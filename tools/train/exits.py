@@ -98,7 +98,7 @@ def test_frames(n: int) -> list[bytes]:
 def examples(target, prompts: list[dict], frames: list[bytes], every: int) -> list[Example]:
     """The prompts tokenized for the target; with frames (a VLM target), every `every`-th leads with one
     (chat prompts as the chat template lays an image out, plain ones behind the marker's placeholder)."""
-    from protocol.vision import placeholder
+    from runtime.vision import placeholder
 
     tok, marker = target.engine.tokenizer, target.image_marker
     out = []

@@ -54,7 +54,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from .images import ImageError, PromptImage, check_header, check_png_data
+from protocol.images import ImageError, PromptImage, check_header, check_png_data
 
 CACHED = 8  # tokenized images kept by sha256 (their preprocessed tiles, their bytes)
 READY = 8  # images tokenized ahead by `prepare`, not yet taken by the model thread (beyond: the oldest is dropped,

@@ -51,12 +51,7 @@ from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Sequence
 
-from protocol.images import PromptImage
-from protocol.sampling import SamplingParams
-
-from .decoder import EdgeDecoder
-from .link import LinkLost, ServerError
-from .robot.actions import (
+from agent.robot.actions import (
     FORWARD_CM,
     STOP,
     TURN_DEG,
@@ -67,8 +62,12 @@ from .robot.actions import (
     motion_for,
     parse_action,
 )
-from .robot.camera import FrameGrabber, StaleFrame
-from .robot.control import ControlLoop
+from agent.robot.camera import FrameGrabber, StaleFrame
+from agent.robot.control import ControlLoop
+from agent.spec.decoder import EdgeDecoder
+from agent.spec.link import LinkLost, ServerError
+from protocol.images import PromptImage
+from protocol.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -291,7 +290,7 @@ def messages(
     where the text would be; `observation` is then what follows the image on that line ("" or the
     blocked-way note). The template writes the part as its family does: SmolVLM's `<image>`, Qwen-VL's
     `<|vision_start|><|image_pad|><|vision_end|>` (the marker `<|image_pad|>` inside the text libmtmd wraps an
-    image in, as protocol/vision.py expects).
+    image in, as runtime/vision.py expects).
     """
     if image and not parts:
         raise ValueError("an image in the prompt needs list-of-parts content (parts=True)")

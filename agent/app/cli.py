@@ -9,20 +9,19 @@ import os
 import sys
 from pathlib import Path
 
+from agent.spec.policy import POLICIES
 from protocol import modelfiles, payload
 from protocol.payload import PayloadSpec
 from protocol.sampling import SamplingError, SamplingParams
-
-from .policy import POLICIES
 
 log = logging.getLogger("edge-agent")
 
 
 def _generate(args) -> int:
-    from .decoder import EdgeDecoder, FsdOptions
-    from .drafter import Drafter
-    from .link import LinkLost, ServerError, default_robot_id
-    from .policy import DraftPolicy
+    from agent.spec.decoder import EdgeDecoder, FsdOptions
+    from agent.spec.drafter import Drafter
+    from agent.spec.link import LinkLost, ServerError, default_robot_id
+    from agent.spec.policy import DraftPolicy
 
     if not args.local and not args.verifier:
         print("edge-agent: give --verifier ws://HOST:PORT, or --local for the draft alone", file=sys.stderr)
@@ -131,12 +130,13 @@ INSTRUCTION_STEPS = 30  # --instruction's steps when --max-steps is not given
 def _run(args) -> int:
     import asyncio
 
+    from agent.robot.camera import CameraError
+    from agent.robot.controllers.base import ControllerError
+    from agent.robot.scene import SceneError
+
     from . import config
     from .api import LocalApi
     from .daemon import Daemon
-    from .robot.camera import CameraError
-    from .robot.controllers.base import ControllerError
-    from .robot.scene import SceneError
 
     shortcuts = [
         f"{key}={value!r}".replace("'", '"')
@@ -191,7 +191,7 @@ def _run(args) -> int:
 
 
 def _episode_summary(daemon, instruction: str) -> dict:
-    """The --json line: how the --instruction's task went (agent/episode.py's names; in the simulator also
+    """The --json line: how the --instruction's task went (agent/app/episode.py's names; in the simulator also
     whether the robot reached what the instruction names, the path it took and the shortest one)."""
     from .episode import summarize
 

@@ -24,7 +24,7 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 FEATURES = ("max_prob", "entropy", "margin", "logit_std", "position", "running_acceptance")
-PREDICTORS = Path(__file__).resolve().parent.parent / "models" / "predictors"
+PREDICTORS = Path(__file__).resolve().parents[2] / "models" / "predictors"
 
 
 def logit_features(logits: np.ndarray) -> tuple[float, float, float, float]:

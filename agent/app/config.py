@@ -18,13 +18,13 @@ import os
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
+from agent.robot.controllers.base import CONTROLLERS
+from agent.robot.safety import SafetyLimits
+from agent.spec.link import ROBOT_ID
+from agent.spec.policy import POLICIES
 from protocol.payload import DEFAULT_KIND, DEFAULT_TOPK, PayloadSpec
 
-from .link import ROBOT_ID
 from .nav import OFFLINE_POLICIES, check_envelope, check_memory
-from .policy import POLICIES
-from .robot.controllers.base import CONTROLLERS
-from .robot.safety import SafetyLimits
 
 
 class ConfigError(ValueError):
@@ -121,7 +121,7 @@ class NavSection:
     grammar: bool = True  # answers under the NaVILA answer grammar on both sides (exact; never a miss)
     blocked_m: float = 0.0  # the camera line says "the way ahead is blocked" when the range source reads
     # less than this straight ahead (0: never; off by default: an example of
-    # it in the prompt cost the memory cases, see agent/nav.py blocked_text)
+    # it in the prompt cost the memory cases, see agent/app/nav.py blocked_text)
 
     def __post_init__(self):
         if not (isinstance(self.blocked_m, (int, float)) and 0 <= self.blocked_m <= 5):
@@ -186,7 +186,7 @@ class PerceptionSection:
 
 @dataclass(frozen=True)
 class ApiSection:
-    listen: str = ""  # "" = a Unix socket at the default path (agent/api.py default_socket: $RUNTIME_DIRECTORY/
+    listen: str = ""  # "" = a Unix socket at the default path (agent/app/api.py default_socket: $RUNTIME_DIRECTORY/
     # api.sock under systemd, else $XDG_RUNTIME_DIR/edge-agent/api.sock, else /tmp/edge-agent-$UID/api.sock);
     # unix:/ABSOLUTE/PATH; or HOST:PORT (TCP: needs a token; a non-loopback HOST also allow_remote)
     socket_group: str = ""  # Unix socket: "" = mode 0600 (the daemon's user only); a group name = 0660, that group

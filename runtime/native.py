@@ -83,5 +83,5 @@ def warn_if_numpy_first(gpu_offload: bool) -> None:
         log.warning(
             "numpy was imported before llama_cpp in this process: on a CUDA build of llama.cpp a model "
             "load with GPU layers is known to crash that way; import agent, server_bridge, protocol "
-            "or llama_cpp before numpy (see protocol/native.py)"
+            "or llama_cpp before numpy (see runtime/native.py)"
         )

@@ -1,7 +1,7 @@
 """One instruction run to its end in the simulator, and the numbers that say how it went.
 
     target_object(world, instruction)   the object the instruction names (the most shared words, as
-                                        agent.nav.relevant scores a sighting; the nearest on a tie)
+                                        agent.app.nav.relevant scores a sighting; the nearest on a tie)
     run_episode(nav, world, instruction, max_steps)
                                         step the Navigator until the model says stop (exact or tolerant
                                         parse), three unparseable answers in a row, or max_steps steps;
@@ -11,7 +11,7 @@
 
 Every step counts toward max_steps, a refused one too (offline hold, a stale frame): an
 episode is bounded in steps whatever the link does. The daemon's own task loop
-(agent/daemon.py) ends a task on the same conditions and counts only moving steps; its
+(agent/app/daemon.py) ends a task on the same conditions and counts only moving steps; its
 records go through the same `summarize`.
 
     SPL = reached * shortest_m / max(path_m, shortest_m)    (agent/robot/shortest.py)
@@ -23,10 +23,11 @@ import math
 import time
 from typing import Callable
 
+from agent.robot.actions import STOP
+from agent.robot.perception import Sighting
+from agent.robot.shortest import shortest_to_object
+
 from .nav import Step, relevant
-from .robot.actions import STOP
-from .robot.perception import Sighting
-from .robot.shortest import shortest_to_object
 
 MAX_MISSES = 3  # unparseable answers in a row that end an episode (as the daemon's tasks)
 
@@ -35,7 +36,7 @@ def target_object(world, instruction: str) -> str | None:
     """The name of the object `instruction` names best, None when it names none.
 
     The scene's own target when the instruction is the scene's; else every object scored by the
-    words its name shares with the instruction (agent.nav.relevant), the nearest of the best.
+    words its name shares with the instruction (agent.app.nav.relevant), the nearest of the best.
     """
     spec = getattr(world, "spec", None)
     if spec is not None and spec.target and instruction.strip().lower() == spec.task().lower():
@@ -123,7 +124,7 @@ def run_episode(
     on_step: Callable[[int, Step], None] | None = None,
     cancel=None,
 ) -> tuple[dict, list[Step]]:
-    """Step `nav` (an agent.nav.Navigator driving `world`) on `instruction`; returns (summary, records).
+    """Step `nav` (an agent.app.nav.Navigator driving `world`) on `instruction`; returns (summary, records).
 
     before_step(n) runs before step n (1-based; the link cut goes here), on_step(n, record) after it.
     The summary's `end`: done (the model said stop), unparseable, or max_steps.

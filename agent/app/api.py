@@ -1,6 +1,6 @@
 """The local API other robot processes use: JSON over a websocket on a Unix socket (the default) or TCP.
 
-Closed by default (agent/config.py ApiSection; docs/guide/telemetry.md):
+Closed by default (agent/app/config.py ApiSection; docs/guide/telemetry.md):
 - it listens on a Unix socket of mode 0600 (0660 and api.socket_group when one is named), at
   default_socket() unless api.listen names another; TCP only with a token, and on an address other than
   loopback only with api.allow_remote = true as well;
@@ -59,9 +59,10 @@ from http import HTTPStatus
 from websockets.asyncio.server import serve, unix_serve
 from websockets.exceptions import ConnectionClosed
 
+from agent.robot.controllers.base import ControllerError
+
 from .config import ConfigError, parse_listen
 from .daemon import MAX_IMAGE_B64, Busy, Daemon
-from .robot.controllers.base import ControllerError
 
 log = logging.getLogger(__name__)
 

@@ -3,8 +3,8 @@
 Threads, each with one job:
     control   the control loop (agent/robot/control.py): motors, deadman, WATCHDOG=1
     grabber   the camera, newest frame only (agent/robot/camera.py)
-    nav       runs submitted instructions step by step (agent/nav.py), one task at a time
-    main      asyncio: the local API (agent/api.py) and the signal handlers
+    nav       runs submitted instructions step by step (agent/app/nav.py), one task at a time
+    main      asyncio: the local API (agent/app/api.py) and the signal handlers
 
 Start-up order: controller (a Go2 is checked for sport mode and stood up), camera,
 control loop, draft model (and predictor), a first probe of the verifier (the robot
@@ -29,19 +29,19 @@ from concurrent.futures import Future  # 3.10: not the builtin TimeoutError
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Callable
 
+from agent.robot.actions import STOP
+from agent.robot.camera import Frame, FrameGrabber, open_source
+from agent.robot.control import ControlLoop
+from agent.robot.controllers.base import Controller, ControllerError, make_controller
+from agent.robot.safety import SafetyLayer
+from agent.spec.decoder import EdgeDecoder, ReconnectPolicy
+from agent.spec.link import default_robot_id, tls_context
+from agent.spec.policy import DraftPolicy
 from protocol.images import MAX_IMAGE_BYTES, check_bytes
 from protocol.payload import PayloadSpec
 
 from .config import Config
-from .decoder import EdgeDecoder, ReconnectPolicy
-from .link import default_robot_id, tls_context
 from .nav import NavConfig, Navigator
-from .policy import DraftPolicy
-from .robot.actions import STOP
-from .robot.camera import Frame, FrameGrabber, open_source
-from .robot.control import ControlLoop
-from .robot.controllers.base import Controller, ControllerError, make_controller
-from .robot.safety import SafetyLayer
 from .sdnotify import Notifier
 from .telemetry import TelemetryWriter
 
@@ -129,7 +129,7 @@ class Daemon:
         ).start()
         self.notifier.status("loading the draft model")
         if self._drafter is None:
-            from .drafter import Drafter
+            from agent.spec.drafter import Drafter
 
             self._drafter = Drafter(
                 cfg.agent.draft,
@@ -204,7 +204,7 @@ class Daemon:
         return self
 
     def _perception(self):
-        from .robot import perception
+        from agent.robot import perception
 
         kind = self.cfg.perception.kind
         if kind == "sim":

@@ -1,8 +1,8 @@
 """The robot's decode loop: AR (server alone), SD (draft here, verify there), FSD (SD with
-early-exit verdicts and pre-drafting, agent/predraft.py) and local (draft alone).
+early-exit verdicts and pre-drafting, agent/spec/predraft.py) and local (draft alone).
 
 How long each SD round drafts, and whether to speculate at all, is the draft
-policy's (agent/policy.py): fixed, the rejection predictor, gamma* by Lambert W,
+policy's (agent/spec/policy.py): fixed, the rejection predictor, gamma* by Lambert W,
 and AS2's switch to target-only streaming when speculation cannot win.
 
 The committed prefix is the only state that matters. Every round appends to
@@ -70,7 +70,7 @@ class Metrics:
     accepted: int = 0
     wasted_draft_tokens: int = 0  # drafted tokens the server rejected
     reconnects: int = 0  # new connections after a lost link
-    protocol_violations: int = 0  # of those lost links, replies that broke the protocol (agent/replies.py),
+    protocol_violations: int = 0  # of those lost links, replies that broke the protocol (agent/spec/replies.py),
     # dropped with their link and nothing of them committed
     restarts: int = 0  # of those, after the server closed on purpose (a replica draining:
     # 1012), made at once without backing off
@@ -88,7 +88,7 @@ class Metrics:
     avg_exit_layer: float | None = None  # mean over rounds of the earliest exit that matched the result
     exit_layer_sum: int = 0
     exit_ms: float = 0.0  # server time in early-exit heads (part of verify_ms)
-    # draft policy (agent/policy.py)
+    # draft policy (agent/spec/policy.py)
     draft_policy: str = "fixed"
     draft_lengths: dict = field(default_factory=dict)  # str(k) -> rounds that drafted k tokens
     predictor_stops: int = 0  # rounds the rejection predictor ended early

@@ -5,7 +5,7 @@ Per-token logits come from `llama_get_logits_ith(ctx, -1)` after each decode
 cache follows the committed prefix: a rejection rolls it back by setting
 `n_tokens` (llama-cpp's `eval` drops every KV entry past it first).
 
-A vision-language draft (`mmproj` given: libmtmd's projector, protocol/vision.py)
+A vision-language draft (`mmproj` given: libmtmd's projector, runtime/vision.py)
 reads the current prompt's images (`use_images`): the context holds each image's
 marker expanded to the image's positions, so the KV is indexed by position,
 `expand(ids)`, in which an image's positions carry a negative stand-in id of its
@@ -29,11 +29,12 @@ from typing import Callable
 
 import numpy as np
 
-from protocol import llamalog, modelfiles, sampling
+from protocol import modelfiles, sampling
 from protocol.grammar import GrammarCache, GrammarState
 from protocol.images import PromptImage
 from protocol.payload import DraftQ, PayloadSpec, draw
 from protocol.sampling import SamplingParams
+from runtime import llamalog
 
 log = logging.getLogger(__name__)
 
@@ -170,12 +171,12 @@ class Drafter:
         self.eos_ids = {int(self.llm.token_eos())}
         self.grammars = GrammarCache(vocab, self.vocab_real, owner=self.llm)  # compiled answer grammars
         self.chat_template = self.llm.metadata.get("tokenizer.chat_template")
-        self.vision = None  # libmtmd's projector (protocol/vision.py) when the draft sees
+        self.vision = None  # libmtmd's projector (runtime/vision.py) when the draft sees
         self.image_marker: int | None = None  # the image marker's id in this vocabulary
         # marker index -> (image, positions, stand-in id, KV cells)
         self._images: dict[int, tuple[PromptImage, int, int, int]] = {}
         if mmproj is not None:
-            from protocol.vision import MtmdVision, marker_id
+            from runtime.vision import MtmdVision, marker_id
 
             self.image_marker = marker_id(vocab)
             if self.image_marker is None:
@@ -248,7 +249,7 @@ class Drafter:
             raise ValueError(f"draft {self.name} reads text only: load it with its mmproj (--draft-mmproj)")
         import llama_cpp
 
-        from protocol.vision import placeholder
+        from runtime.vision import placeholder
 
         marker = llama_cpp.llama_vocab_get_text(
             llama_cpp.llama_model_get_vocab(self.llm.model), self.image_marker
