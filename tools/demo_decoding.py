@@ -15,7 +15,7 @@ import os
 import sys
 import time
 
-from agent.spec.decoder import EdgeDecoder
+from agent.spec.decoder import DecoderConfig, EdgeDecoder
 from agent.spec.drafter import Drafter
 from agent.spec.policy import DraftPolicy
 from tools.cluster.local_verifier import LocalVerifier, pin_cores
@@ -69,8 +69,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"verifier ready in {time.perf_counter() - t0:.1f}s at {server.url}, link at {link.url()}", flush=True)
         os.sched_setaffinity(0, agent_cpus)
         drafter = Drafter(args.draft, threads=len(agent_cpus))
-        decoder = EdgeDecoder(drafter, link.url())
-        smart = EdgeDecoder(drafter, link.url(), policy=DraftPolicy("predictor+optimal"))
+        decoder = EdgeDecoder(drafter, DecoderConfig(url=link.url()))
+        smart = EdgeDecoder(drafter, DecoderConfig(url=link.url(), policy=DraftPolicy("predictor+optimal")))
         ids = drafter.tokenize(args.prompt, chat=True)
         print(f"\nprompt ({len(ids)} tokens): {args.prompt}\n", flush=True)
         runs = []

@@ -18,7 +18,7 @@ log = logging.getLogger("edge-agent")
 
 
 def _generate(args) -> int:
-    from agent.spec.decoder import EdgeDecoder, FsdOptions
+    from agent.spec.decoder import DecoderConfig, EdgeDecoder, FsdOptions
     from agent.spec.drafter import Drafter
     from agent.spec.link import LinkLost, ServerError, default_robot_id
     from agent.spec.policy import DraftPolicy
@@ -66,16 +66,18 @@ def _generate(args) -> int:
         return 2
     decoder = EdgeDecoder(
         drafter,
-        None if args.local else args.verifier,
-        token=token,
-        fsd=fsd,
-        policy=policy,
-        trace=args.trace,
-        payload=PayloadSpec.parse(args.payload, args.topk),
-        slo=args.slo,
-        ca_file=args.ca_file,
-        allow_insecure=args.allow_insecure,
-        robot_id=default_robot_id() if args.robot_id is None else args.robot_id,
+        DecoderConfig(
+            url=None if args.local else args.verifier,
+            token=token,
+            fsd=fsd,
+            policy=policy,
+            trace=args.trace,
+            payload=PayloadSpec.parse(args.payload, args.topk),
+            slo=args.slo,
+            ca_file=args.ca_file,
+            allow_insecure=args.allow_insecure,
+            robot_id=default_robot_id() if args.robot_id is None else args.robot_id,
+        ),
     )
     try:
         gen = decoder.generate(

@@ -34,7 +34,7 @@ from agent.robot.camera import Frame, FrameGrabber, open_source
 from agent.robot.control import ControlLoop
 from agent.robot.controllers.base import Controller, ControllerError, make_controller
 from agent.robot.safety import SafetyLayer
-from agent.spec.decoder import EdgeDecoder, ReconnectPolicy
+from agent.spec.decoder import DecoderConfig, EdgeDecoder, ReconnectPolicy
 from agent.spec.link import default_robot_id, tls_context
 from agent.spec.policy import DraftPolicy
 from protocol.images import MAX_IMAGE_BYTES, check_bytes
@@ -140,18 +140,22 @@ class Daemon:
         log.info("draft offload (llama.cpp's own query): %s", getattr(self._drafter, "offload", "unknown"))
         self.decoder = EdgeDecoder(
             self._drafter,
-            cfg.link.verifier or None,
-            token=token,
-            recv_timeout_s=cfg.link.verify_timeout_s,
-            keepalive_s=cfg.link.keepalive_s,
-            policy=DraftPolicy(cfg.agent.draft_policy),
-            payload=PayloadSpec.parse(cfg.agent.payload, cfg.agent.topk),
-            slo=cfg.agent.slo_tokens_per_s,
-            ca_file=cfg.link.ca_file,
-            allow_insecure=cfg.link.allow_insecure,
-            robot_id=cfg.link.robot_id or default_robot_id(),
-            reconnect=ReconnectPolicy(
-                max_attempts=1, backoff_s=cfg.link.reconnect_backoff_s, backoff_max_s=cfg.link.reconnect_backoff_max_s
+            DecoderConfig(
+                url=cfg.link.verifier or None,
+                token=token,
+                recv_timeout_s=cfg.link.verify_timeout_s,
+                keepalive_s=cfg.link.keepalive_s,
+                policy=DraftPolicy(cfg.agent.draft_policy),
+                payload=PayloadSpec.parse(cfg.agent.payload, cfg.agent.topk),
+                slo=cfg.agent.slo_tokens_per_s,
+                ca_file=cfg.link.ca_file,
+                allow_insecure=cfg.link.allow_insecure,
+                robot_id=cfg.link.robot_id or default_robot_id(),
+                reconnect=ReconnectPolicy(
+                    max_attempts=1,
+                    backoff_s=cfg.link.reconnect_backoff_s,
+                    backoff_max_s=cfg.link.reconnect_backoff_max_s,
+                ),
             ),
         )
         self.nav = Navigator(

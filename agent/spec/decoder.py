@@ -135,24 +135,47 @@ class FsdOptions:
     threads: int = 1  # llama threads of the pre-draft context
 
 
+@dataclass(frozen=True)
+class DecoderConfig:
+    """Everything an EdgeDecoder is built from but its draft model: the CLI, the daemon (from its TOML),
+    the tools and the tests all build one of these and hand it to `EdgeDecoder(drafter, config)`."""
+
+    url: str | None = None  # the verifier (ws:// or wss://); None: offline, local drafting only
+    token: str = ""  # the verifier's bearer token, sent in hello
+    reconnect: ReconnectPolicy = ReconnectPolicy()
+    recv_timeout_s: float = 30.0  # a verify reply later than this drops the link
+    fsd: FsdOptions = FsdOptions()
+    policy: DraftPolicy = DraftPolicy()
+    trace: str | None = None  # write the rejection predictor's training rows (JSONL) here
+    keepalive_s: float = 2.0  # websocket ping interval and timeout (not websockets' 20 s)
+    payload: PayloadSpec = PayloadSpec()  # what the uplink carries of q at T > 0 (--payload)
+    slo: float = 0.0  # tokens/s this robot needs (the verifier's SLO class); 0 = none
+    ca_file: str = ""  # wss://: the CA of the verifier's certificate ("" = the system's)
+    allow_insecure: bool = False  # a token over plain ws:// to another host
+    robot_id: str = ""  # X-Robot-Id in the handshake ("" = none): a balancer's hash key
+
+
 class EdgeDecoder:
-    def __init__(
-        self,
-        drafter: Drafter,
-        url: str | None = None,
-        token: str = "",
-        reconnect: ReconnectPolicy = ReconnectPolicy(),
-        recv_timeout_s: float = 30.0,
-        fsd: FsdOptions = FsdOptions(),
-        policy: DraftPolicy = DraftPolicy(),
-        trace: str | None = None,
-        keepalive_s: float = 2.0,
-        payload: PayloadSpec = PayloadSpec(),
-        slo: float = 0.0,
-        ca_file: str = "",
-        allow_insecure: bool = False,
-        robot_id: str = "",
-    ):
+    def __init__(self, drafter: Drafter, config: DecoderConfig = DecoderConfig()) -> None:
+        c = config
+        self.config = c
+        url, token, reconnect, recv_timeout_s, fsd, policy, trace = (
+            c.url,
+            c.token,
+            c.reconnect,
+            c.recv_timeout_s,
+            c.fsd,
+            c.policy,
+            c.trace,
+        )
+        keepalive_s, payload, slo, ca_file, allow_insecure, robot_id = (
+            c.keepalive_s,
+            c.payload,
+            c.slo,
+            c.ca_file,
+            c.allow_insecure,
+            c.robot_id,
+        )
         self.drafter = drafter
         self.robot_id = robot_id  # X-Robot-Id in the handshake ("" = none): a balancer's hash key
         self.ca_file = ca_file  # wss://: the CA of the verifier's certificate ("" = the system's)

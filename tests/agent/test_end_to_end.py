@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from agent.spec.decoder import EdgeDecoder, FsdOptions, ReconnectPolicy
+from agent.spec.decoder import DecoderConfig, EdgeDecoder, FsdOptions, ReconnectPolicy
 from agent.spec.draftlen import As2Config
 from agent.spec.policy import POLICIES, DraftPolicy
 from protocol.payload import PayloadSpec
@@ -44,7 +44,7 @@ def server_and_proxy(engine_target):
 def ar_reference(drafter, server_and_proxy):
     """The target's own greedy tokens, streamed by the server in ar mode."""
     _, proxy = server_and_proxy
-    dec = EdgeDecoder(drafter, proxy.url())
+    dec = EdgeDecoder(drafter, DecoderConfig(url=proxy.url()))
     try:
         return [
             dec.generate(drafter.tokenize(p, chat=c), mode="ar", max_tokens=MAX_TOKENS).token_ids for p, c in PROMPTS
@@ -85,7 +85,7 @@ def test_torch_generate_agrees_with_the_torch_engine(drafter, torch_target):
 @pytest.mark.parametrize("gamma", [1, 3, 6])
 def test_sd_equals_ar_at_temperature_zero(drafter, server_and_proxy, ar_reference, gamma):
     _, proxy = server_and_proxy
-    dec = EdgeDecoder(drafter, proxy.url())
+    dec = EdgeDecoder(drafter, DecoderConfig(url=proxy.url()))
     try:
         for (prompt, chat), expected in zip(PROMPTS, ar_reference, strict=True):
             gen = dec.generate(drafter.tokenize(prompt, chat=chat), mode="sd", gamma=gamma, max_tokens=MAX_TOKENS)
@@ -101,7 +101,7 @@ def test_sd_equals_ar_at_temperature_zero(drafter, server_and_proxy, ar_referenc
 
 def test_weak_draft_is_still_exact(weak_drafter, server_and_proxy, ar_reference):
     _, proxy = server_and_proxy
-    dec = EdgeDecoder(weak_drafter, proxy.url())
+    dec = EdgeDecoder(weak_drafter, DecoderConfig(url=proxy.url()))
     try:
         prompt, chat = PROMPTS[0]
         gen = dec.generate(weak_drafter.tokenize(prompt, chat=chat), mode="sd", gamma=4, max_tokens=MAX_TOKENS)
@@ -117,7 +117,7 @@ def test_dropped_connection_loses_nothing(drafter, server_and_proxy, ar_referenc
     with NetemProxy("127.0.0.1", server.port, LinkProfile.from_rtt(10)) as proxy:
         # welcome is ~250 B and each result/token ~100 B: this drops the link a few rounds in
         proxy.schedule_disconnect(after_bytes_down=700)
-        dec = EdgeDecoder(drafter, proxy.url(), reconnect=ReconnectPolicy(backoff_s=0.05))
+        dec = EdgeDecoder(drafter, DecoderConfig(url=proxy.url(), reconnect=ReconnectPolicy(backoff_s=0.05)))
         try:
             prompt, chat = PROMPTS[0]
             gen = dec.generate(drafter.tokenize(prompt, chat=chat), mode=mode, gamma=3, max_tokens=MAX_TOKENS)
@@ -144,7 +144,7 @@ def test_evicted_session_is_reopened_and_loses_nothing(drafter, server_and_proxy
         return real_propose(*args, **kwargs)
 
     monkeypatch.setattr(drafter, "propose", propose)
-    dec = EdgeDecoder(drafter, proxy.url())
+    dec = EdgeDecoder(drafter, DecoderConfig(url=proxy.url()))
     try:
         prompt, chat = PROMPTS[0]
         gen = dec.generate(drafter.tokenize(prompt, chat=chat), mode="sd", gamma=3, max_tokens=MAX_TOKENS)
@@ -156,7 +156,7 @@ def test_evicted_session_is_reopened_and_loses_nothing(drafter, server_and_proxy
 
 def test_sampling_is_reproducible_under_a_seed(drafter, server_and_proxy):
     _, proxy = server_and_proxy
-    dec = EdgeDecoder(drafter, proxy.url(), payload=PayloadSpec("full"))
+    dec = EdgeDecoder(drafter, DecoderConfig(url=proxy.url(), payload=PayloadSpec("full")))
     params = SamplingParams(temperature=0.8, top_k=40, seed=7)
     ids = drafter.tokenize(PROMPTS[0][0], chat=True)
     try:
@@ -171,7 +171,7 @@ def test_sampling_is_reproducible_under_a_seed(drafter, server_and_proxy):
 
 
 def test_local_mode_needs_no_server(drafter):
-    dec = EdgeDecoder(drafter, url=None)
+    dec = EdgeDecoder(drafter, DecoderConfig(url=None))
     gen = dec.generate(drafter.tokenize("List three colours.", chat=True), mode="local", max_tokens=8)
     assert len(gen.token_ids) >= 1 and gen.text
     assert gen.metrics.bytes_up == 0 and gen.metrics.draft_ms > 0
@@ -186,7 +186,7 @@ def test_two_robots_interleave_exactly(drafter, target, server_and_proxy, ar_ref
     results = {}
 
     def run(name, d, prompt_idx):
-        dec = EdgeDecoder(d, proxy.url())
+        dec = EdgeDecoder(d, DecoderConfig(url=proxy.url()))
         try:
             p, c = PROMPTS[prompt_idx]
             results[name] = dec.generate(d.tokenize(p, chat=c), mode="sd", gamma=3, max_tokens=MAX_TOKENS).token_ids
@@ -205,7 +205,7 @@ def test_two_robots_interleave_exactly(drafter, target, server_and_proxy, ar_ref
 
 
 def _fsd(drafter, server_and_proxy, prompt, chat, **options):
-    dec = EdgeDecoder(drafter, server_and_proxy[1].url(), fsd=FsdOptions(**options))
+    dec = EdgeDecoder(drafter, DecoderConfig(url=server_and_proxy[1].url(), fsd=FsdOptions(**options)))
     try:
         return dec.generate(drafter.tokenize(prompt, chat=chat), mode="fsd", gamma=4, max_tokens=MAX_TOKENS)
     finally:
@@ -216,7 +216,7 @@ def test_fsd_equals_sd_and_ar_at_temperature_zero_and_hits(drafter, server_and_p
     assert server_and_proxy[0].server.verifier.exit_layers == [12, 18, 22, 26]  # on both engines
     hits = 0
     for (prompt, chat), expected in zip(PROMPTS, ar_reference, strict=True):
-        sd = EdgeDecoder(drafter, server_and_proxy[1].url())
+        sd = EdgeDecoder(drafter, DecoderConfig(url=server_and_proxy[1].url()))
         try:
             sd_ids = sd.generate(drafter.tokenize(prompt, chat=chat), mode="sd", max_tokens=MAX_TOKENS).token_ids
         finally:
@@ -267,7 +267,7 @@ def test_fsd_samples_at_temperature_above_zero(drafter, server_and_proxy, kind):
     """Pre-drafted drafts carry the q they were sampled from (in the session's payload), so the server
     accepts them. T = 0.6 keeps the target's bonus tokens close enough to the draft's guesses to hit."""
     prompt, chat = PROMPTS[0]
-    dec = EdgeDecoder(drafter, server_and_proxy[1].url(), payload=PayloadSpec.parse(kind))
+    dec = EdgeDecoder(drafter, DecoderConfig(url=server_and_proxy[1].url(), payload=PayloadSpec.parse(kind)))
     try:
         gen = dec.generate(
             drafter.tokenize(prompt, chat=chat),
@@ -288,7 +288,7 @@ def test_fsd_samples_at_temperature_above_zero(drafter, server_and_proxy, kind):
 
 @pytest.mark.parametrize("kind", POLICIES)
 def test_every_draft_policy_is_exact_at_temperature_zero(drafter, server_and_proxy, ar_reference, kind):
-    dec = EdgeDecoder(drafter, server_and_proxy[1].url(), policy=DraftPolicy(kind))
+    dec = EdgeDecoder(drafter, DecoderConfig(url=server_and_proxy[1].url(), policy=DraftPolicy(kind)))
     try:
         for (prompt, chat), expected in zip(PROMPTS, ar_reference, strict=True):
             gen = dec.generate(drafter.tokenize(prompt, chat=chat), mode="sd", gamma=4, max_tokens=MAX_TOKENS)
@@ -303,13 +303,13 @@ def test_every_draft_policy_is_exact_at_temperature_zero(drafter, server_and_pro
 
 
 def test_fsd_with_the_optimal_length_is_exact(drafter, server_and_proxy, ar_reference):
-    dec = EdgeDecoder(drafter, server_and_proxy[1].url(), policy=DraftPolicy("optimal", as2=False))
+    dec = EdgeDecoder(drafter, DecoderConfig(url=server_and_proxy[1].url(), policy=DraftPolicy("optimal", as2=False)))
     try:
         prompt, chat = PROMPTS[0]
         gen = dec.generate(drafter.tokenize(prompt, chat=chat), mode="fsd", gamma=4, max_tokens=MAX_TOKENS)
         assert gen.token_ids == ar_reference[0]
         with pytest.raises(ValueError, match="fsd"):
-            EdgeDecoder(drafter, None, policy=DraftPolicy("predictor")).generate([1, 2], mode="fsd")
+            EdgeDecoder(drafter, DecoderConfig(url=None, policy=DraftPolicy("predictor"))).generate([1, 2], mode="fsd")
     finally:
         dec.close()
 
@@ -327,7 +327,10 @@ def test_as2_streams_target_only_on_a_slow_link_and_speculates_again_when_it_rec
     prompt, chat = PROMPTS[0]
     ids = weak_drafter.tokenize(prompt, chat=chat)
     n = 320
-    dec = EdgeDecoder(weak_drafter, proxy.url(), policy=DraftPolicy("optimal", as2_config=As2Config(return_above=1.0)))
+    dec = EdgeDecoder(
+        weak_drafter,
+        DecoderConfig(url=proxy.url(), policy=DraftPolicy("optimal", as2_config=As2Config(return_above=1.0))),
+    )
     try:
         reference = dec.generate(ids, mode="ar", max_tokens=n).token_ids
         result = {}
@@ -359,7 +362,9 @@ def test_policies_sample_at_temperature_above_zero(drafter, server_and_proxy):
     distribution (the sampling math itself is tested statistically in tests/server_bridge)."""
     prompt, chat = PROMPTS[0]
     # AS2 off: at T > 0 with the predictor cutting drafts short, streaming can rightly win (tested above)
-    dec = EdgeDecoder(drafter, server_and_proxy[1].url(), policy=DraftPolicy("predictor+optimal", as2=False))
+    dec = EdgeDecoder(
+        drafter, DecoderConfig(url=server_and_proxy[1].url(), policy=DraftPolicy("predictor+optimal", as2=False))
+    )
     try:
         params = SamplingParams(temperature=0.8, seed=5)
         a = dec.generate(drafter.tokenize(prompt, chat=chat), mode="sd", max_tokens=MAX_TOKENS, params=params)
@@ -379,7 +384,7 @@ def test_until_cuts_every_mode_at_the_same_token(drafter, server_and_proxy, ar_r
     ids = drafter.tokenize(PROMPTS[0][0], chat=True)
     full = ar_reference[0]
     want = next(n for n in range(1, len(full) + 1) if len(drafter.detokenize(full[:n]).split()) >= 5)
-    dec = EdgeDecoder(drafter, proxy.url())
+    dec = EdgeDecoder(drafter, DecoderConfig(url=proxy.url()))
     try:
         got = dec.generate(
             ids, mode=mode, max_tokens=MAX_TOKENS, until=lambda out: len(drafter.detokenize(out).split()) >= 5
@@ -408,7 +413,10 @@ def test_a_named_session_keeps_the_shared_prefix_cached_on_the_server(
     shared = "You are a careful robot. " * 30
     a = drafter.tokenize(shared + "Task: go to the door.", chat=False)
     b = drafter.tokenize(shared + "Task: go to the window.", chat=False)
-    named, fresh = EdgeDecoder(drafter, proxy.url()), EdgeDecoder(drafter, proxy.url())
+    named, fresh = (
+        EdgeDecoder(drafter, DecoderConfig(url=proxy.url())),
+        EdgeDecoder(drafter, DecoderConfig(url=proxy.url())),
+    )
     try:
         named.generate(a, mode="sd", max_tokens=4, session="robot-1")
         fed.clear()
@@ -427,7 +435,7 @@ def test_a_named_session_keeps_the_shared_prefix_cached_on_the_server(
 def test_every_payload_is_exact_at_temperature_zero(drafter, server_and_proxy, ar_reference, kind):
     """Greedy: q is a point mass, so every payload sends ids only, and the tokens are the target's."""
     _, proxy = server_and_proxy
-    dec = EdgeDecoder(drafter, proxy.url(), payload=PayloadSpec.parse(kind))
+    dec = EdgeDecoder(drafter, DecoderConfig(url=proxy.url(), payload=PayloadSpec.parse(kind)))
     try:
         prompt, chat = PROMPTS[0]
         gen = dec.generate(drafter.tokenize(prompt, chat=chat), mode="sd", gamma=4, max_tokens=MAX_TOKENS)
@@ -449,7 +457,7 @@ def test_payloads_at_temperature_replay_and_cost_what_they_should(weak_drafter, 
     ids = weak_drafter.tokenize(PROMPTS[0][0], chat=True)
     got = {}
     for spec in (PayloadSpec("full"), PayloadSpec("topk", 8), PayloadSpec("split")):
-        dec = EdgeDecoder(weak_drafter, proxy.url(), payload=spec, fsd=FsdOptions(exits=()))
+        dec = EdgeDecoder(weak_drafter, DecoderConfig(url=proxy.url(), payload=spec, fsd=FsdOptions(exits=())))
         try:
             a, b = (dec.generate(ids, mode=mode, gamma=4, max_tokens=20, params=params) for _ in range(2))
         finally:
@@ -475,7 +483,8 @@ def test_split_survives_a_dropped_link(weak_drafter, server_and_proxy):
     with NetemProxy("127.0.0.1", server.port, LinkProfile.from_rtt(10)) as proxy:
         proxy.schedule_disconnect(after_bytes_down=250_000)  # after a residual or two came down
         dec = EdgeDecoder(
-            weak_drafter, proxy.url(), payload=PayloadSpec("split"), reconnect=ReconnectPolicy(backoff_s=0.05)
+            weak_drafter,
+            DecoderConfig(url=proxy.url(), payload=PayloadSpec("split"), reconnect=ReconnectPolicy(backoff_s=0.05)),
         )
         try:
             gen = dec.generate(
@@ -506,12 +515,12 @@ def test_a_named_session_whose_link_dropped_between_steps_reopens_its_detached_s
         drafter.tokenize(shared + f"Observation: {seen}. Task: go to the door.", chat=True)
         for seen in ("a hallway", "a door on the left")
     ]
-    ref = EdgeDecoder(drafter, server.url)
+    ref = EdgeDecoder(drafter, DecoderConfig(url=server.url))
     try:
         expected = [ref.generate(ids, mode="ar", max_tokens=12).token_ids for ids in steps]
     finally:
         ref.close()
-    robot = EdgeDecoder(drafter, server.url, reconnect=ReconnectPolicy(backoff_s=0.05))
+    robot = EdgeDecoder(drafter, DecoderConfig(url=server.url, reconnect=ReconnectPolicy(backoff_s=0.05)))
     try:
         first = robot.generate(steps[0], mode="sd", gamma=3, max_tokens=12, session="nav-robot")
         robot.link.close()  # the link drops between the two steps
@@ -547,13 +556,13 @@ def test_a_named_session_held_by_another_live_connection_switches_sid_and_stays_
         drafter.tokenize(shared + f"Observation: {seen}. Task: go to the door.", chat=True)
         for seen in ("a hallway", "a door on the left", "an open door")
     ]
-    ref = EdgeDecoder(drafter, server.url)
+    ref = EdgeDecoder(drafter, DecoderConfig(url=server.url))
     try:
         expected = [ref.generate(ids, mode="ar", max_tokens=12).token_ids for ids in steps]
     finally:
         ref.close()
-    holder = EdgeDecoder(drafter, server.url)
-    robot = EdgeDecoder(drafter, server.url, reconnect=ReconnectPolicy(backoff_s=0.05))
+    holder = EdgeDecoder(drafter, DecoderConfig(url=server.url))
+    robot = EdgeDecoder(drafter, DecoderConfig(url=server.url, reconnect=ReconnectPolicy(backoff_s=0.05)))
     try:
         first = holder.generate(steps[0], mode="sd", gamma=3, max_tokens=12, session="nav-robot")
         second = robot.generate(steps[1], mode="sd", gamma=3, max_tokens=12, session="nav-robot")
@@ -579,7 +588,7 @@ def test_a_refused_open_switches_sid_at_most_once(drafter, make_server, monkeypa
     from agent.spec.link import ServerError
 
     server = make_server()
-    robot = EdgeDecoder(drafter, server.url)
+    robot = EdgeDecoder(drafter, DecoderConfig(url=server.url))
     opened = []
 
     def refuse(sid, *args, **kwargs):

@@ -11,7 +11,7 @@ import pytest
 from scipy import stats
 
 from agent.robot.actions import VOCABULARY, answer_grammar, answer_max_tokens, parse_action
-from agent.spec.decoder import EdgeDecoder, FsdOptions
+from agent.spec.decoder import DecoderConfig, EdgeDecoder, FsdOptions
 from protocol import payload, sampling, wire
 from protocol.grammar import GrammarError
 from protocol.payload import PayloadSpec
@@ -120,7 +120,9 @@ def test_the_grammar_admits_every_navila_sentence_and_nothing_after_it(drafter):
 def test_every_mode_and_payload_gives_the_targets_constrained_greedy_ids(
     drafter, grammar_server, references, mode, gamma, kind
 ):
-    dec = EdgeDecoder(drafter, grammar_server.url, payload=PayloadSpec.parse(kind), fsd=FsdOptions(exits=()))
+    dec = EdgeDecoder(
+        drafter, DecoderConfig(url=grammar_server.url, payload=PayloadSpec.parse(kind), fsd=FsdOptions(exits=()))
+    )
     try:
         for task, ref in zip(TASKS, references):
             gen = dec.generate(
@@ -139,7 +141,10 @@ def test_sampled_answers_under_the_grammar_always_parse_and_sd_replays_its_seed(
 ):
     """T = 1 with the weaker draft (rejections common, split's residuals drawn on the robot): every answer is
     one reason and one NaVILA sentence, and in sd the same seed gives the same ids."""
-    dec = EdgeDecoder(weak_drafter, grammar_server.url, payload=PayloadSpec.parse(kind, 16), fsd=FsdOptions(exits=()))
+    dec = EdgeDecoder(
+        weak_drafter,
+        DecoderConfig(url=grammar_server.url, payload=PayloadSpec.parse(kind, 16), fsd=FsdOptions(exits=())),
+    )
     try:
         for seed in range(2):
             params = SamplingParams(temperature=1.0, seed=seed)
@@ -157,7 +162,7 @@ def test_sampled_answers_under_the_grammar_always_parse_and_sd_replays_its_seed(
 
 
 def test_local_generation_under_the_grammar_always_parses(drafter):
-    dec = EdgeDecoder(drafter, None)
+    dec = EdgeDecoder(drafter, DecoderConfig(url=None))
     for task in TASKS:
         for seed in range(3):
             gen = dec.generate(
@@ -238,7 +243,7 @@ def test_a_robot_that_needs_a_grammar_refuses_a_verifier_without_one(drafter, gr
     from server_bridge.target import Target
 
     monkeypatch.setattr(Target, "grammars_supported", property(lambda self: False))
-    dec = EdgeDecoder(drafter, grammar_server.url)
+    dec = EdgeDecoder(drafter, DecoderConfig(url=grammar_server.url))
     try:
         with pytest.raises(ServerError, match="grammar"):
             dec.generate(prompt(drafter, *TASKS[0]), mode="sd", max_tokens=8, grammar=GBNF)
@@ -256,7 +261,7 @@ def test_the_torch_engine_masks_with_its_gguf_vocabulary_and_stays_exact(drafter
     from tests.conftest import ThreadedServer
 
     with ThreadedServer(lambda cfg: Verifier(torch_target, cfg)) as server:
-        dec = EdgeDecoder(drafter, server.url)
+        dec = EdgeDecoder(drafter, DecoderConfig(url=server.url))
         try:
             gen = dec.generate(
                 prompt(drafter, *TASKS[0]), mode="sd", gamma=4, max_tokens=answer_max_tokens(), grammar=GBNF

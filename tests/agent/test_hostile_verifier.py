@@ -22,7 +22,7 @@ import pytest
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.server import serve
 
-from agent.spec.decoder import EdgeDecoder, FsdOptions, ReconnectPolicy
+from agent.spec.decoder import DecoderConfig, EdgeDecoder, FsdOptions, ReconnectPolicy
 from agent.spec.link import LinkLost, ProtocolViolation
 from protocol import wire
 from protocol.payload import PayloadSpec
@@ -222,11 +222,13 @@ CASES = {
 def decoder_for(drafter, url, mode, attempts=0):
     return EdgeDecoder(
         drafter,
-        url,
-        reconnect=ReconnectPolicy(max_attempts=attempts, backoff_s=0.01),
-        recv_timeout_s=10.0,
-        fsd=FsdOptions(guesses=False),
-        payload=PayloadSpec("split"),
+        DecoderConfig(
+            url=url,
+            reconnect=ReconnectPolicy(max_attempts=attempts, backoff_s=0.01),
+            recv_timeout_s=10.0,
+            fsd=FsdOptions(guesses=False),
+            payload=PayloadSpec("split"),
+        ),
     )
 
 

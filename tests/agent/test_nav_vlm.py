@@ -27,7 +27,7 @@ from agent.robot.actions import FORWARD_CM, STOP, TURN_DEG, Action, parse_action
 from agent.robot.camera import Frame
 from agent.robot.controllers.base import Command
 from agent.robot.perception import PERCEPTIONS, VlmPerception, fit_within
-from agent.spec.decoder import EdgeDecoder, Generation, Metrics
+from agent.spec.decoder import DecoderConfig, EdgeDecoder, Generation, Metrics
 from agent.spec.link import LinkLost
 from protocol.images import PromptImage, image_format
 
@@ -359,7 +359,7 @@ def sim_daemon(tmp_path, vlm, vdrafter, url, offline="local", **overrides):
 def target_alone(drafter, url, n: Navigator, mode="ar") -> Generation:
     """The latest step's prompt and image through the target alone (or the draft alone: mode local), under the
     navigator's answer grammar and stop rule."""
-    dec = EdgeDecoder(drafter, None if mode == "local" else url)
+    dec = EdgeDecoder(drafter, DecoderConfig(url=None if mode == "local" else url))
     try:
         return dec.generate(
             n.last_prompt_ids,

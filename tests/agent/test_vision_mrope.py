@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from agent.spec.branches import BranchDrafter
-from agent.spec.decoder import EdgeDecoder
+from agent.spec.decoder import DecoderConfig, EdgeDecoder
 from agent.spec.drafter import DraftContextFull, Drafter
 from protocol.sampling import SamplingParams
 from server_bridge.engine import Pass, load_engine
@@ -165,7 +165,11 @@ def test_two_images_give_two_outputs_on_both_sides(vdrafter, reference):
     local = []
     for seed in (0, 1):  # the draft alone (offline)
         ids, images = prompt(vdrafter, seed)
-        local.append(EdgeDecoder(vdrafter, None).generate(ids, mode="local", max_tokens=MAX_TOKENS, images=images))
+        local.append(
+            EdgeDecoder(vdrafter, DecoderConfig(url=None)).generate(
+                ids, mode="local", max_tokens=MAX_TOKENS, images=images
+            )
+        )
     assert local[0].token_ids != local[1].token_ids
 
 

@@ -72,7 +72,7 @@ def padded(qwen_vlm, tmp_path_factory):
 
 
 def test_a_padded_torch_target_serves_its_unpadded_draft(padded):
-    from agent.spec.decoder import EdgeDecoder, FsdOptions
+    from agent.spec.decoder import DecoderConfig, EdgeDecoder, FsdOptions
     from agent.spec.drafter import Drafter
     from protocol.payload import PayloadSpec
     from protocol.sampling import SamplingParams
@@ -102,7 +102,7 @@ def test_a_padded_torch_target_serves_its_unpadded_draft(padded):
     seen = []
     with ThreadedServer(lambda cfg: Verifier(target, cfg), max_context=512) as server:
         for mode in ("ar", "sd"):
-            dec = EdgeDecoder(drafter, server.url, fsd=FsdOptions(exits=()))
+            dec = EdgeDecoder(drafter, DecoderConfig(url=server.url, fsd=FsdOptions(exits=())))
             try:
                 gen = dec.generate(ids, mode=mode, max_tokens=MAX_TOKENS, gamma=4)
                 assert dec.link.welcome.vocab_size == n  # the agreed vocabulary: the real part
@@ -114,7 +114,9 @@ def test_a_padded_torch_target_serves_its_unpadded_draft(padded):
         assert seen[0] == seen[1]
         # sampled: verification, the residuals the robot resamples from (split) and ar draw over real ids only
         for mode, kind in (("sd", "full"), ("sd", "split"), ("ar", "none")):
-            dec = EdgeDecoder(drafter, server.url, fsd=FsdOptions(exits=()), payload=PayloadSpec(kind))
+            dec = EdgeDecoder(
+                drafter, DecoderConfig(url=server.url, fsd=FsdOptions(exits=()), payload=PayloadSpec(kind))
+            )
             try:
                 params = SamplingParams(temperature=1.5, seed=3)
                 gen = dec.generate(ids, mode=mode, max_tokens=MAX_TOKENS, gamma=4, params=params)
@@ -166,7 +168,7 @@ def padded_draft(padded, tmp_path_factory):
 
 
 def test_a_padded_draft_draws_from_its_real_vocabulary_against_a_padded_target(padded, padded_draft):
-    from agent.spec.decoder import EdgeDecoder, FsdOptions
+    from agent.spec.decoder import DecoderConfig, EdgeDecoder, FsdOptions
     from agent.spec.drafter import Drafter
     from protocol.payload import PayloadSpec
     from protocol.sampling import SamplingParams
@@ -185,7 +187,9 @@ def test_a_padded_draft_draws_from_its_real_vocabulary_against_a_padded_target(p
         runs = {}
         for mode, kind, temperature in (("ar", "none", 0.0), ("sd", "full", 0.0), ("sd", "full", 1.5)):
             # full: the q of every drafted token is a row of the agreed width, which the verifier checks
-            dec = EdgeDecoder(drafter, server.url, fsd=FsdOptions(exits=()), payload=PayloadSpec(kind))
+            dec = EdgeDecoder(
+                drafter, DecoderConfig(url=server.url, fsd=FsdOptions(exits=()), payload=PayloadSpec(kind))
+            )
             try:
                 params = SamplingParams(temperature=temperature, seed=5)
                 gen = dec.generate(ids, mode=mode, max_tokens=MAX_TOKENS, gamma=4, params=params)

@@ -17,7 +17,7 @@ import urllib.request
 
 import pytest
 
-from agent.spec.decoder import EdgeDecoder
+from agent.spec.decoder import DecoderConfig, EdgeDecoder
 from agent.spec.link import VerifierLink
 from tools.cluster.fleet import HAPROXY_CFG, Cluster, health, loopback_config
 
@@ -47,7 +47,7 @@ def _link(cluster, drafter, robot_id):
 
 
 def _reference(cluster, drafter, ids, max_tokens):
-    dec = EdgeDecoder(drafter, cluster.url, robot_id="robot-reference")
+    dec = EdgeDecoder(drafter, DecoderConfig(url=cluster.url, robot_id="robot-reference"))
     try:
         return dec.generate(ids, mode="ar", max_tokens=max_tokens).token_ids
     finally:
@@ -124,7 +124,7 @@ def test_sigkill_mid_answer_fails_over_exactly_and_fast(healed, drafter):
     cluster = healed
     ids = drafter.tokenize(PROMPT, chat=True)
     want = _reference(cluster, drafter, ids, 96)
-    dec = EdgeDecoder(drafter, cluster.url, robot_id="robot-failover")
+    dec = EdgeDecoder(drafter, DecoderConfig(url=cluster.url, robot_id="robot-failover"))
     try:
         thread, box = _generate_in_thread(dec, ids, 96)
         victim = _serving_replica(dec)
@@ -156,7 +156,10 @@ def test_a_drained_replicas_robots_finish_without_an_error_and_exactly(healed, d
     from agent.spec.drafter import Drafter
 
     second = Drafter(threads=1)  # a llama context serves one thread: one per robot
-    decs = [EdgeDecoder(d, cluster.url, robot_id=f"robot-drain-{i}") for i, d in enumerate((drafter, second))]
+    decs = [
+        EdgeDecoder(d, DecoderConfig(url=cluster.url, robot_id=f"robot-drain-{i}"))
+        for i, d in enumerate((drafter, second))
+    ]
     try:
         runs = [_generate_in_thread(d, ids, 80) for d, ids in zip(decs, prompts)]
         victim = _serving_replica(decs[0])

@@ -33,7 +33,7 @@ import sys
 import time
 from pathlib import Path
 
-from agent.spec.decoder import EdgeDecoder, FsdOptions
+from agent.spec.decoder import DecoderConfig, EdgeDecoder, FsdOptions
 from agent.spec.drafter import Drafter
 from tools.cluster.local_verifier import LocalVerifier, pin_cores
 from tools.cluster.netem import LinkProfile, NetemProxy
@@ -212,8 +212,11 @@ class Runner:
         self.link = link
         self.drafters = drafters
         self.max_tokens = max_tokens
-        self.sd = {d: EdgeDecoder(dr, link.url()) for d, dr in drafters.items()}
-        self.fsd = {d: EdgeDecoder(dr, link.url(), fsd=FsdOptions(workers=workers)) for d, dr in drafters.items()}
+        self.sd = {d: EdgeDecoder(dr, DecoderConfig(url=link.url())) for d, dr in drafters.items()}
+        self.fsd = {
+            d: EdgeDecoder(dr, DecoderConfig(url=link.url(), fsd=FsdOptions(workers=workers)))
+            for d, dr in drafters.items()
+        }
 
     def warm_up(self, gamma: int) -> None:
         """First forward passes allocate caches; keep them out of the figures."""
@@ -289,7 +292,7 @@ def run_ablations(
         )
 
     for w in (1, 2, 4, 8):
-        dec = EdgeDecoder(dr, link.url(), fsd=FsdOptions(workers=w))
+        dec = EdgeDecoder(dr, DecoderConfig(url=link.url(), fsd=FsdOptions(workers=w)))
         dec.generate(inputs[0], mode="fsd", max_tokens=16, gamma=gamma)  # warm up its context
         measure("workers", w, dec, "fsd", gamma)
         dec.close()
@@ -324,7 +327,9 @@ def run_server_policies(
             inputs = [dr.tokenize(p["prompt"], chat=p["chat"]) for p in prompts]
             refs = [bench.run(bench.sd[drafters_spec], ids, "ar", gamma, None)["token_ids"] for ids in inputs]
             for robot_policy in POLICIES:
-                dec = EdgeDecoder(dr, link.url(), fsd=FsdOptions(workers=workers, policy=robot_policy))
+                dec = EdgeDecoder(
+                    dr, DecoderConfig(url=link.url(), fsd=FsdOptions(workers=workers, policy=robot_policy))
+                )
                 dec.generate(inputs[0], mode="fsd", max_tokens=16, gamma=gamma)  # warm up its context
                 runs = []
                 for ids, ref in zip(inputs, refs):

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from agent.app.nav import messages, observation_text
 from agent.robot.actions import answer_grammar, answer_max_tokens, complete, parse_action
-from agent.spec.decoder import EdgeDecoder
+from agent.spec.decoder import DecoderConfig, EdgeDecoder
 from agent.spec.drafter import Drafter
 from protocol.sampling import SamplingParams
 from tools.cluster.local_verifier import LocalVerifier, pin_cores
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     ):
         os.sched_setaffinity(0, agent_cpus)
         drafter = Drafter(args.draft, threads=len(agent_cpus))
-        dec = EdgeDecoder(drafter, link.url())
+        dec = EdgeDecoder(drafter, DecoderConfig(url=link.url()))
         stops = dec.stop_ids()
         until = lambda ids: complete(drafter.detokenize(ids, skip=stops))  # noqa: E731
         try:

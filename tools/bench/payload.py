@@ -44,7 +44,7 @@ from pathlib import Path
 
 import numpy as np
 
-from agent.spec.decoder import EdgeDecoder
+from agent.spec.decoder import DecoderConfig, EdgeDecoder
 from agent.spec.drafter import Drafter
 from agent.spec.link import LinkLost, ServerError
 from protocol import payload, sampling
@@ -120,7 +120,10 @@ def run_links(args, prompts: list[dict]) -> dict:
         drafter = Drafter(args.draft, threads=len(agent_cpus))
         # a full q frame takes seconds at 1 Mbit/s and a keepalive ping queues behind it
         decoders = {
-            m: EdgeDecoder(drafter, link.url(), payload=PayloadSpec.parse(m, args.topk), keepalive_s=args.keepalive_s)
+            m: EdgeDecoder(
+                drafter,
+                DecoderConfig(url=link.url(), payload=PayloadSpec.parse(m, args.topk), keepalive_s=args.keepalive_s),
+            )
             for m in MODES
         }
         inputs = [drafter.tokenize(p["prompt"], chat=p["chat"] and bool(drafter.chat_template)) for p in prompts]

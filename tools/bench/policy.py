@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from agent.spec.decoder import EdgeDecoder
+from agent.spec.decoder import DecoderConfig, EdgeDecoder
 from agent.spec.drafter import Drafter
 from agent.spec.policy import POLICIES, DraftPolicy
 from agent.spec.predictor import RejectionPredictor, feature_row, predictor_path
@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
             return str(Path(args.trace) / f"{d}__{TARGET}.jsonl") if args.trace and pol == "fixed" else None
 
         decoders = {
-            (d, p): EdgeDecoder(dr, link.url(), policy=DraftPolicy(p), trace=trace(d, p))
+            (d, p): EdgeDecoder(dr, DecoderConfig(url=link.url(), policy=DraftPolicy(p), trace=trace(d, p)))
             for d, dr in drafters.items()
             for p in policies
         }

@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--core", type=int, default=1, help="the core both engines run on (the robot gets another)")
     ap.add_argument("--target", default=None, help="default: the shipped smollm2-f32")
     args = ap.parse_args(argv)
-    from agent.spec.decoder import EdgeDecoder
+    from agent.spec.decoder import DecoderConfig, EdgeDecoder
     from agent.spec.drafter import Drafter
     from protocol import modelfiles
     from server_bridge.engine_llamacpp import prepare_target
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     with LocalVerifier(target=args.target, cpus={args.core}, threads=1) as server:
         os.sched_setaffinity(0, {robot_core})
-        decoder = EdgeDecoder(drafter, server.url)
+        decoder = EdgeDecoder(drafter, DecoderConfig(url=server.url))
         decoder.generate(prompts[0], mode="ar", max_tokens=4)  # warm-up
         for i, prompt in enumerate(prompts):
             runs = {"raw": [], "ours": []}

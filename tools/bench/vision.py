@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     from agent.app.nav import messages
     from agent.robot.camera import Frame
     from agent.robot.perception import VlmPerception
-    from agent.spec.decoder import EdgeDecoder
+    from agent.spec.decoder import DecoderConfig, EdgeDecoder
     from agent.spec.drafter import Drafter
     from tools.cluster.local_verifier import LocalVerifier
 
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     ) as server:
         if len(cores) > 1:
             os.sched_setaffinity(0, {robot_core})
-        decoder = EdgeDecoder(drafter, server.url)
+        decoder = EdgeDecoder(drafter, DecoderConfig(url=server.url))
         decoder.generate(
             drafter.tokenize(text), mode="sd", max_tokens=4, session="text"
         )  # the few-shot prefix, both sides

@@ -23,7 +23,7 @@ import os
 import sys
 from pathlib import Path
 
-from agent.spec.decoder import EdgeDecoder, FsdOptions
+from agent.spec.decoder import DecoderConfig, EdgeDecoder, FsdOptions
 from agent.spec.drafter import Drafter
 from agent.spec.policy import DraftPolicy
 from tools.bench import peer
@@ -56,9 +56,11 @@ def ours(
         dec = {
             (d, m): EdgeDecoder(
                 dr,
-                link.url(),
-                fsd=FsdOptions(workers=1, exits=() if "without" in m else None),
-                policy=DraftPolicy("predictor+optimal") if "predictor" in m else DraftPolicy(),
+                DecoderConfig(
+                    url=link.url(),
+                    fsd=FsdOptions(workers=1, exits=() if "without" in m else None),
+                    policy=DraftPolicy("predictor+optimal") if "predictor" in m else DraftPolicy(),
+                ),
             )
             for d, dr in drafters.items()
             for m in modes

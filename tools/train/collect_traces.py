@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from agent.spec.decoder import EdgeDecoder
+from agent.spec.decoder import DecoderConfig, EdgeDecoder
 from agent.spec.drafter import Drafter
 from protocol.sampling import SamplingParams
 from tools.cluster.local_verifier import LocalVerifier, pin_cores
@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
             drafter = Drafter(name, threads=len(agent_cpus))
             path = out / f"{name}__{TARGET}.jsonl"
             path.unlink(missing_ok=True)
-            decoder = EdgeDecoder(drafter, server.url, trace=str(path))
+            decoder = EdgeDecoder(drafter, DecoderConfig(url=server.url, trace=str(path)))
             t0 = time.perf_counter()
             drafted = accepted = 0
             try:
