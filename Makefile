@@ -117,10 +117,11 @@ test-fast: $(VENV)/.installed
 	$(BIN)/python -m pytest -q
 
 # The documentation site (mkdocs.yml, docs/) into site/; --strict: a broken link or a missing page fails it.
-# Lint: ruff's checks and its formatter (ruff.toml), on every package, tool and test.
+# Lint: ruff's checks and its formatter (ruff.toml), on every package, tool and test; mypy over the product (mypy.ini).
 lint: $(VENV)/.installed
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 
 docs: $(VENV)/.installed
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict

@@ -91,6 +91,8 @@ setup(
             # `make lint`: ruff check and ruff format --check (ruff.toml), run by .ci/run before the tests;
             # pinned, since the formatter's style changes between releases
             "ruff==0.17.6",
+            # `make lint`: the product packages type-checked (mypy.ini)
+            "mypy==1.19.0",
         ],
     },
     entry_points={
