@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("agent", "server_bridge", "protocol")
+PACKAGES = ("agent", "server_bridge", "protocol", "runtime")
 
 
 def test_packages_need_nothing_newer_than_python_310():
