@@ -251,7 +251,7 @@ def add_flags(
     for f in dataclasses.fields(cls):
         if wanted is not None and f.name not in wanted:
             continue
-        shown = not overriding and _has_default(f) and default_of(f) is not None
+        shown = _has_default(f) and default_of(f) is not None
         default = f" (default: {toml_value(default_of(f))})" if shown else ""
         text = (help_of(f, notes) + default).replace("%", "%%")
         parser.add_argument(flag_name(f), help=text, **_flag_options(f, hints[f.name], overriding))
