@@ -78,7 +78,7 @@ def reference_page() -> str:
         "",
         "`edge-agent run --config /etc/edgespec/edge-agent.toml` reads these tables (systemd/edge-agent.toml is",
         "the annotated example, with every key). Any key can be set on the command line with",
-        "`--set section.key=VALUE` (the value is TOML; one key of a table: `--set robot.options.scene=\"red_box\"`);",
+        '`--set section.key=VALUE` (the value is TOML; one key of a table: `--set robot.options.scene="red_box"`);',
         "the keys with a flag of their own take it too (`--verifier URL` is `--set link.verifier=URL`).",
     ]
     for f in fields(Config):
