@@ -338,9 +338,9 @@ def test_server_bridge_container():
     assert cmd[:2] == ["server-bridge", "serve"]
     flags = dict(zip(cmd[2::2], cmd[3::2]))
     assert len(cmd[2:]) == 2 * len(flags)
-    cli = (ROOT / "server_bridge" / "cli.py").read_text()
-    for flag in flags:
-        assert re.search(rf'add_argument\(\s*"{flag}"', cli), f"server-bridge serve has no {flag}"
+    from server_bridge import cli
+
+    cli._parser().parse_args(cmd[1:])  # server-bridge serve takes every flag (an unknown one exits)
     toml = server_toml()["server"]
     assert int(flags["--port"]) == toml["port"] == port_number(c, "http")
     assert flags["--replica-id"] == "$(POD_NAME)"

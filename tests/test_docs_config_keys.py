@@ -49,3 +49,92 @@ def test_every_config_key_the_documents_name_exists():
 def test_a_made_up_key_is_caught():
     assert "token" not in SECTIONS["link"]
     assert ("link", "token") in named_keys("robots: link.token = the token")
+
+
+# ------------------------------------------------------------------ the reference page and the example
+
+REFERENCE = ROOT / "docs" / "guide" / "configuration.md"
+REGENERATE = "PYTHONPATH=$PWD .venv/bin/python -m tests.test_docs_config_keys"
+
+
+def reference_page() -> str:
+    """docs/guide/configuration.md, generated from the declarations (agent/app/config.py, server_bridge/config.py)."""
+    from agent.app.config import NOTES, GenerateOptions
+    from runtime import settings
+    from server_bridge.config import ServerConfig
+
+    out = [
+        "# Configuration reference",
+        "",
+        "<!-- generated from agent/app/config.py and server_bridge/config.py by",
+        f"     {REGENERATE} ; do not edit by hand -->",
+        "",
+        "Each process has one typed configuration, declared once: a dataclass field with its type, default and",
+        "help. The TOML readers, the flags, the errors and this page are derived from those declarations",
+        "(runtime/settings.py). A value of the wrong type or a key that does not exist is refused at start,",
+        "with the key named.",
+        "",
+        "## edge-agent run",
+        "",
+        "`edge-agent run --config /etc/edgespec/edge-agent.toml` reads these tables (systemd/edge-agent.toml is",
+        "the annotated example, with every key). Any key can be set on the command line with",
+        '`--set section.key=VALUE` (the value is TOML; one key of a table: `--set robot.options.scene="red_box"`);',
+        "the keys with a flag of their own take it too (`--verifier URL` is `--set link.verifier=URL`).",
+    ]
+    for f in fields(Config):
+        out += ["", f"### [{f.name}]", ""]
+        out += settings.reference(type(f.default), flags="declared", notes=NOTES.get(f.name))
+    out += [
+        "",
+        "## edge-agent generate",
+        "",
+        "One prompt, decoded once, with its metrics: `edge-agent generate --prompt TEXT --verifier URL`.",
+        "",
+    ]
+    out += settings.reference(GenerateOptions, flags="all", keys=False)
+    out += [
+        "",
+        "## server-bridge serve",
+        "",
+        "`server-bridge serve --config /etc/edgespec/server-bridge.toml` reads the `[server]` table (or the",
+        "file's top level; systemd/server-bridge.toml is the example). Every key is also a flag, which",
+        "overrides the file: `max_sessions` is `--max-sessions`; a list is comma-separated",
+        "(`--trusted-proxies 127.0.0.1/32,10.0.0.0/8`), a boolean `--trust-loopback` / `--no-trust-loopback`.",
+        "",
+    ]
+    out += settings.reference(ServerConfig, flags="all")
+    return "\n".join(out) + "\n"
+
+
+def test_the_reference_page_is_the_generated_one():
+    assert REFERENCE.read_text() == reference_page(), f"{REFERENCE.relative_to(ROOT)} is stale: run {REGENERATE}"
+
+
+def test_every_setting_has_help():
+    from agent.app.config import NOTES, GenerateOptions
+    from runtime import settings
+    from server_bridge.config import ServerConfig
+
+    for f in fields(Config):
+        assert all(settings.help_of(g, NOTES.get(f.name)) for g in fields(type(f.default))), f.name
+    for cls in (GenerateOptions, ServerConfig):
+        assert all(settings.help_of(g) for g in fields(cls)), cls.__name__
+
+
+def test_the_annotated_examples_hold_every_key():
+    """systemd/edge-agent.toml sets every key of every section; systemd/server-bridge.toml names every key
+    (trust_loopback, unset by default, which TOML cannot write, as a comment)."""
+    from runtime.settings import tomllib
+    from server_bridge.config import ServerConfig
+
+    example = tomllib.loads((ROOT / "systemd" / "edge-agent.toml").read_text())
+    missing = [f"{s}.{k}" for s, keys in SECTIONS.items() for k in sorted(keys) if k not in example.get(s, {})]
+    assert not missing, f"systemd/edge-agent.toml lacks {missing}"
+    server = (ROOT / "systemd" / "server-bridge.toml").read_text()
+    named = set(re.findall(r"^#?\s*([a-z_0-9]+)\s*=", server, re.M))
+    assert not [f.name for f in fields(ServerConfig) if f.name not in named]
+
+
+if __name__ == "__main__":  # regenerate docs/guide/configuration.md
+    REFERENCE.write_text(reference_page())
+    print(f"wrote {REFERENCE.relative_to(ROOT)}")

@@ -1,4 +1,5 @@
-"""`edge-agent generate`: one prompt through AR, SD or the draft alone, with metrics."""
+"""The `edge-agent` command: `generate` (one prompt through AR, SD or the draft alone, with metrics) and
+`run` (the robot daemon); their flags are derived from agent/app/config.py's declarations."""
 
 from __future__ import annotations
 
@@ -7,85 +8,48 @@ import json
 import logging
 import os
 import sys
+from dataclasses import fields
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from agent.spec.policy import POLICIES
-from protocol import modelfiles, payload
 from protocol.payload import PayloadSpec
 from protocol.sampling import SamplingError, SamplingParams
+from runtime import settings
+
+from . import config
+from .config import GenerateOptions
+
+if TYPE_CHECKING:
+    from agent.spec.decoder import DecoderConfig
+
+    from .api import LocalApi
+    from .daemon import Daemon
 
 log = logging.getLogger("edge-agent")
 
 
-def _generate(args) -> int:
-    from agent.spec.decoder import DecoderConfig, EdgeDecoder, FsdOptions
-    from agent.spec.drafter import Drafter
-    from agent.spec.link import LinkLost, ServerError, default_robot_id
-    from agent.spec.policy import DraftPolicy
+def _generate(args: argparse.Namespace) -> int:
+    from agent.spec.decoder import EdgeDecoder
+    from agent.spec.link import LinkLost, ServerError
 
-    if not args.local and not args.verifier:
+    opts = GenerateOptions(**{f.name: getattr(args, f.name) for f in fields(GenerateOptions)})
+    if not opts.local and not opts.verifier:
         print("edge-agent: give --verifier ws://HOST:PORT, or --local for the draft alone", file=sys.stderr)
         return 2
     try:
-        params = SamplingParams(temperature=args.temperature, top_k=args.top_k, seed=args.seed)
-    except SamplingError as e:
+        params = SamplingParams(temperature=opts.temperature, top_k=opts.top_k, seed=opts.seed)
+        drafter, prompt_ids, prompt_images = _prompt(opts)
+        decoder = EdgeDecoder(drafter, _decoder_config(opts))
+    except (OSError, ValueError, SamplingError) as e:  # a missing file, an image that is no JPEG/PNG, a policy
         print(f"edge-agent: {e}", file=sys.stderr)
         return 2
-    try:
-        images = [Path(f).read_bytes() for f in args.image]
-        drafter = Drafter(
-            args.draft, threads=args.threads, n_gpu_layers=args.n_gpu_layers, mmproj=args.draft_mmproj or None
-        )
-        if images:
-            prompt_ids, prompt_images = drafter.image_prompt(args.prompt, images, chat=args.chat)
-        else:
-            prompt_ids, prompt_images = drafter.tokenize(args.prompt, chat=args.chat), []
-    except (OSError, ValueError) as e:  # a missing file, an image that is no JPEG/PNG
-        print(f"edge-agent: {e}", file=sys.stderr)
-        return 2
-    token = args.token if args.token is not None else os.environ.get("VERIFIER_TOKEN", "")
-    exits = None if args.exits == "all" else tuple(int(x) for x in args.exits.split(",") if x.strip())
-    fsd = FsdOptions(
-        exits=exits,
-        workers=args.predraft_workers,
-        policy=args.queue_policy,
-        guesses=not args.no_guesses,
-        threads=args.predraft_threads,
-    )
-    try:
-        policy = DraftPolicy(
-            args.draft_policy,
-            min_len=args.min_draft,
-            max_len=args.max_draft,
-            predictor=args.predictor,
-            threshold=args.predictor_threshold,
-            as2=not args.no_as2,
-        )
-    except ValueError as e:
-        print(f"edge-agent: {e}", file=sys.stderr)
-        return 2
-    decoder = EdgeDecoder(
-        drafter,
-        DecoderConfig(
-            url=None if args.local else args.verifier,
-            token=token,
-            fsd=fsd,
-            policy=policy,
-            trace=args.trace,
-            payload=PayloadSpec.parse(args.payload, args.topk),
-            slo=args.slo,
-            ca_file=args.ca_file,
-            allow_insecure=args.allow_insecure,
-            robot_id=default_robot_id() if args.robot_id is None else args.robot_id,
-        ),
-    )
     try:
         gen = decoder.generate(
             prompt_ids,
-            mode="local" if args.local else args.mode,
-            max_tokens=args.max_tokens,
+            mode="local" if opts.local else opts.mode,
+            max_tokens=opts.max_tokens,
             params=params,
-            gamma=args.gamma,
+            gamma=opts.gamma,
             images=prompt_images,
         )
     except (LinkLost, ServerError) as e:
@@ -96,6 +60,63 @@ def _generate(args) -> int:
         return 2
     finally:
         decoder.close()
+    _report(gen)
+    if opts.json:
+        print(json.dumps(gen.to_json()))
+    return 0
+
+
+def _prompt(opts: GenerateOptions) -> tuple[Any, list[int], list]:
+    """The draft model and the prompt's token ids and images."""
+    from agent.spec.drafter import Drafter
+
+    images = [Path(f).read_bytes() for f in opts.image]
+    drafter = Drafter(
+        opts.draft, threads=opts.threads, n_gpu_layers=opts.n_gpu_layers, mmproj=opts.draft_mmproj or None
+    )
+    if images:
+        prompt_ids, prompt_images = drafter.image_prompt(opts.prompt, images, chat=opts.chat)
+        return drafter, prompt_ids, prompt_images
+    return drafter, drafter.tokenize(opts.prompt, chat=opts.chat), []
+
+
+DECODER_UNSET = ("reconnect", "recv_timeout_s", "keepalive_s")  # generate keeps the decoder's defaults
+
+
+def _decoder_config(opts: GenerateOptions) -> DecoderConfig:
+    """generate's DecoderConfig: the fields of the same name (trace, slo, ca_file, ...) taken by name, the
+    others made from the flags here."""
+    from agent.spec.decoder import DecoderConfig, FsdOptions
+    from agent.spec.link import default_robot_id
+    from agent.spec.policy import DraftPolicy
+
+    exits = None if opts.exits == "all" else tuple(int(x) for x in opts.exits.split(",") if x.strip())
+    computed = {
+        "url": None if opts.local else opts.verifier,
+        "token": opts.token if opts.token is not None else os.environ.get("VERIFIER_TOKEN", ""),
+        "fsd": FsdOptions(
+            exits=exits,
+            workers=opts.predraft_workers,
+            policy=opts.queue_policy,
+            guesses=not opts.no_guesses,
+            threads=opts.predraft_threads,
+        ),
+        "policy": DraftPolicy(
+            opts.draft_policy,
+            min_len=opts.min_draft,
+            max_len=opts.max_draft,
+            predictor=opts.predictor,
+            threshold=opts.predictor_threshold,
+            as2=not opts.no_as2,
+        ),
+        "payload": PayloadSpec.parse(opts.payload, opts.topk),
+        "robot_id": default_robot_id() if opts.robot_id is None else opts.robot_id,
+    }
+    return settings.pick(DecoderConfig, opts, computed=computed, unset=DECODER_UNSET)
+
+
+def _report(gen: Any) -> None:
+    """The metrics of one generation, on stderr."""
     m = gen.metrics
     print(gen.text)
     print(
@@ -121,37 +142,25 @@ def _generate(args) -> int:
             f"streamed alone {m.streamed_tokens}, AS2 switches {[s['to'] for s in m.as2_switches]}",
             file=sys.stderr,
         )
-    if args.json:
-        print(json.dumps(gen.to_json()))
-    return 0
 
 
 INSTRUCTION_STEPS = 30  # --instruction's steps when --max-steps is not given
 
 
-def _run(args) -> int:
+def _run(args: argparse.Namespace) -> int:
     import asyncio
 
     from agent.robot.camera import CameraError
     from agent.robot.controllers.base import ControllerError
     from agent.robot.scene import SceneError
 
-    from . import config
     from .api import LocalApi
     from .daemon import Daemon
 
     shortcuts = [
-        f"{key}={value!r}".replace("'", '"')
-        for key, value in (
-            ("link.verifier", args.verifier),
-            ("robot.controller", args.controller),
-            ("camera.source", args.camera),
-            ("perception.kind", args.perception),
-            ("offline.policy", args.offline),
-            ("api.listen", args.listen),
-            ("telemetry.path", args.telemetry),
-        )
-        if value is not None
+        f"{section}.{name}={json.dumps(getattr(args, f'{section}_{name}'))}"  # a JSON string is a TOML string
+        for section, name, _ in config.shortcut_flags()
+        if getattr(args, f"{section}_{name}") is not None
     ]
     shortcuts += [
         f"robot.options.{key}={json.dumps(value)}"
@@ -192,7 +201,7 @@ def _run(args) -> int:
     return rc
 
 
-def _episode_summary(daemon, instruction: str) -> dict:
+def _episode_summary(daemon: Daemon, instruction: str) -> dict:
     """The --json line: how the --instruction's task went (agent/app/episode.py's names; in the simulator also
     whether the robot reached what the instruction names, the path it took and the shortest one)."""
     from .episode import summarize
@@ -210,7 +219,7 @@ def _episode_summary(daemon, instruction: str) -> dict:
     return summarize(daemon.world, records, instruction, end=end, reach_m=daemon.cfg.agent.reach_m)
 
 
-async def _serve(daemon, api, args) -> int:
+async def _serve(daemon: Daemon, api: LocalApi, args: argparse.Namespace) -> int:
     import asyncio
     import signal
 
@@ -247,7 +256,7 @@ def _setup_logging(level: str) -> None:
         priority = {logging.DEBUG: 7, logging.INFO: 6, logging.WARNING: 4, logging.ERROR: 3, logging.CRITICAL: 2}
 
         class Priority(logging.Filter):
-            def filter(self, record):
+            def filter(self, record: logging.LogRecord) -> bool:
                 record.priority = priority.get(record.levelno, 6)
                 return True
 
@@ -261,122 +270,7 @@ def _setup_logging(level: str) -> None:
         )
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="edge-agent", description="The robot side of speculative edge-cloud decoding.")
-    ap.add_argument(
-        "--log-level", default=None, help="default: INFO for run (the config in use is logged), WARNING otherwise"
-    )
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    g = sub.add_parser("generate", help="answer one prompt")
-    g.add_argument("--verifier", help="wss://HOST:PORT of server-bridge (ws:// on loopback)")
-    g.add_argument("--token", help="shared secret (default: $VERIFIER_TOKEN)")
-    g.add_argument(
-        "--ca-file", default="", help="wss://: the CA (PEM) of the server's certificate (default: the system's CAs)"
-    )
-    g.add_argument(
-        "--allow-insecure",
-        action="store_true",
-        help="send the token over plain ws:// to another host (refused otherwise)",
-    )
-    g.add_argument(
-        "--robot-id",
-        default=None,
-        help="X-Robot-Id in the handshake, which a load balancer hashes (default: robot-<hash of this machine's id>)",
-    )
-    g.add_argument("--prompt", required=True)
-    g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    g.add_argument("--max-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument(
-        "--mode",
-        choices=("ar", "sd", "fsd"),
-        default="sd",
-        help="ar: server alone; sd: speculative; fsd: sd + early exits and pre-drafting",
-    )
-    g.add_argument(
-        "--gamma", type=int, default=4, help="draft tokens per round (fixed), the cap of the predictor policy"
-    )
-    g.add_argument(
-        "--draft-policy",
-        choices=POLICIES,
-        default="fixed",
-        help="fixed: gamma every round; predictor: stop at the first predicted rejection; optimal: "
-        "gamma* by Lambert W, and target-only streaming while speculation cannot win (AS2)",
-    )
-    g.add_argument("--min-draft", type=int, default=1, help="the predictor never stops a draft shorter")
-    g.add_argument(
-        "--max-draft", type=int, default=None, help="longest draft (default: gamma; for optimal the server's limit)"
-    )
-    g.add_argument(
-        "--predictor",
-        default="auto",
-        help="rejection predictor .onnx (default: the one shipped for this draft and target)",
-    )
-    g.add_argument(
-        "--predictor-threshold",
-        type=float,
-        default=None,
-        help="stop below this acceptance probability (default: the model's own)",
-    )
-    g.add_argument("--no-as2", action="store_true", help="optimal: never switch to target-only streaming")
-    g.add_argument(
-        "--trace", metavar="FILE", help="append one JSON line per judged draft token (predictor features and label)"
-    )
-    g.add_argument(
-        "--exits", default="all", help="fsd: early-exit layers to ask for, e.g. 18,26; 'all' (default) or '' for none"
-    )
-    g.add_argument("--predraft-workers", type=int, default=1, help="fsd: branches pre-drafted at once")
-    g.add_argument("--predraft-threads", type=int, default=1, help="fsd: llama threads of the pre-draft context")
-    g.add_argument(
-        "--queue-policy",
-        choices=("priority", "fifo", "random"),
-        default="priority",
-        help="fsd: order in which early verdicts are pre-drafted",
-    )
-    g.add_argument(
-        "--no-guesses",
-        action="store_true",
-        help="fsd: pre-draft only from early exits, not from the robot's own guesses",
-    )
-    g.add_argument(
-        "--slo",
-        type=float,
-        default=0.0,
-        help="tokens/s this robot needs: the verifier's SLO class "
-        "(it schedules rounds by the deadlines this sets); 0 = best effort",
-    )
-    g.add_argument(
-        "--payload",
-        choices=payload.KINDS,
-        default=payload.DEFAULT_KIND,
-        help="what the uplink carries of the draft's distributions at temperature > 0: full (fp16 q), "
-        "topk (the K ids and probabilities the draft sampled from), split (q(x) only; p comes "
-        "back on a rejection) or none (greedy only). Temperature 0 always sends ids only",
-    )
-    g.add_argument("--topk", type=int, default=payload.DEFAULT_TOPK, metavar="K", help="K of --payload topk")
-    g.add_argument("--local", action="store_true", help="generate with the draft alone (offline)")
-    g.add_argument(
-        "--draft", default=modelfiles.DEFAULT_DRAFT, help=f"draft name ({', '.join(modelfiles.DRAFTS)}) or a GGUF path"
-    )
-    g.add_argument("--draft-mmproj", default="", help="the draft's vision projector GGUF (a vision-language draft)")
-    g.add_argument(
-        "--image",
-        action="append",
-        default=[],
-        metavar="FILE",
-        help="a JPEG or PNG for the prompt (repeatable; needs --draft-mmproj and a target that reads "
-        "images): on the prompt's image markers, in front of it, or with --chat in the user turn",
-    )
-    g.add_argument("--threads", type=int, default=2)
-    g.add_argument(
-        "--n-gpu-layers",
-        type=int,
-        default=-1,
-        help="draft layers on the GPU (default -1: all when llama.cpp can offload; 0: CPU)",
-    )
-    g.add_argument("--json", action="store_true", help="last stdout line: one JSON object with text and metrics")
+def _add_run(sub: Any) -> None:
     r = sub.add_parser(
         "run", help="the robot daemon: camera + instruction -> safe navigation actions (systemd/edge-agent.service)"
     )
@@ -388,23 +282,13 @@ def main(argv: list[str] | None = None) -> int:
         metavar="SECTION.FIELD=VALUE",
         help="override any config field, e.g. --set safety.max_vx=0.3 (repeatable; the value is TOML)",
     )
-    r.add_argument("--verifier", help="= --set link.verifier=URL")
-    r.add_argument("--controller", choices=("sim", "serial", "go2", "ros2"), help="= --set robot.controller=...")
-    r.add_argument("--camera", help="= --set camera.source=...")
-    r.add_argument(
-        "--perception",
-        choices=("sim", "color", "vlm"),
-        help="= --set perception.kind=... (vlm: the "
-        "camera image itself in the prompt; needs --set agent.draft_mmproj=PATH and a VLM draft)",
-    )
-    r.add_argument("--offline", choices=("hold", "local"), help="= --set offline.policy=...")
-    r.add_argument(
-        "--listen",
-        help="= --set api.listen=unix:PATH|HOST:PORT (default: a Unix socket, mode 0600, in $RUNTIME_DIRECTORY, "
-        "$XDG_RUNTIME_DIR/edge-agent or /tmp/edge-agent-UID; TCP needs api.token_file, and an address other "
-        "than loopback also api.allow_remote = true)",
-    )
-    r.add_argument("--telemetry", help="= --set telemetry.path=FILE")
+    for section, name, field in config.shortcut_flags():  # --verifier = --set link.verifier=..., ...
+        r.add_argument(
+            field.metadata["flag"],
+            dest=f"{section}_{name}",
+            choices=field.metadata.get("choices"),
+            help=f"= --set {section}.{name}=...: {settings.help_of(field)}".replace("%", "%%"),
+        )
     r.add_argument(
         "--scene",
         help="sim: a scene file (JSON, agent/robot/scene.py) or a shipped scene's name "
@@ -429,6 +313,16 @@ def main(argv: list[str] | None = None) -> int:
         "it went (reached, steps, distance_m, collisions, verified_steps, offline_steps, path_m, "
         "shortest_m, spl, ...)",
     )
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="edge-agent", description="The robot side of speculative edge-cloud decoding.")
+    ap.add_argument(
+        "--log-level", default=None, help="default: INFO for run (the config in use is logged), WARNING otherwise"
+    )
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    settings.add_flags(sub.add_parser("generate", help="answer one prompt"), GenerateOptions)
+    _add_run(sub)
     args = ap.parse_args(argv)
     _setup_logging(args.log_level or ("INFO" if args.cmd == "run" else "WARNING"))
     if args.cmd == "generate":

@@ -1,61 +1,82 @@
-"""`edge-agent run`'s one typed config: TOML sections, each a frozen dataclass validated on creation.
+"""`edge-agent`'s one typed config: `run`'s TOML sections and `generate`'s flags, each a dataclass of settings.
 
-Every field can be overridden on the command line with `--set section.field=value`
-(the value is read as TOML: `--set safety.max_vx=0.3`, `--set camera.source="sim"`,
-`--set robot.options={port="/dev/ttyUSB0"}`, or one key of a table: `--set robot.options.scene="red_box"`);
-the config in use is logged at start.
-systemd/edge-agent.toml is the annotated example.
+Each field is declared once, with its type, default and help (`runtime.settings.setting`); the TOML
+reader, the type errors, the `run` shortcuts (`--verifier`, ...), `generate`'s flags and
+docs/guide/configuration.md are derived from these declarations. Every field of `run` can be
+overridden on the command line with `--set section.field=value` (the value is read as TOML:
+`--set safety.max_vx=0.3`, `--set camera.source="sim"`, `--set robot.options={port="/dev/ttyUSB0"}`,
+or one key of a table: `--set robot.options.scene="red_box"`); the config in use is logged at start.
+systemd/edge-agent.toml is the annotated example and holds every key.
 """
 
 from __future__ import annotations
 
-try:
-    import tomllib  # novm: 3.11+, with the fallback below (CI: vermin)
-except ImportError:  # Python 3.10 (JetPack 6, ROS 2 Humble): the same parser, as a package
-    import tomli as tomllib
 import ipaddress
 import os
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+from typing import Any
 
 from agent.robot.controllers.base import CONTROLLERS
 from agent.robot.safety import SafetyLimits
 from agent.spec.link import ROBOT_ID
 from agent.spec.policy import POLICIES
+from protocol import modelfiles
 from protocol.payload import DEFAULT_KIND, DEFAULT_TOPK, PayloadSpec
+from protocol.payload import KINDS as PAYLOAD_KINDS
+from runtime import settings
+from runtime.settings import ConfigError, setting, tomllib
 
 from .nav import OFFLINE_POLICIES, check_envelope, check_memory
 
+__all__ = ["Config", "ConfigError", "GenerateOptions", "load", "tomllib"]  # tomllib: tomli on Python 3.10
 
-class ConfigError(ValueError):
-    pass
+MODES = ("sd", "fsd", "ar")
+PERCEPTION_KINDS = ("sim", "color", "vlm")
 
 
 @dataclass(frozen=True)
 class AgentSection:
-    draft: str = "smollm2-q4_1"  # draft name or a GGUF path
-    draft_mmproj: str = ""  # the draft's vision projector (GGUF, libmtmd): a vision-language draft;
-    # perception.kind = "vlm" needs it; "" = a text draft
-    threads: int = 2
-    n_gpu_layers: int = -1  # draft layers on the GPU: -1 all when llama.cpp can offload (a CUDA build on
-    # the Orin), else none; 0 keeps the draft on the CPU
-    mode: str = "sd"  # sd | fsd | ar (how verified steps decode)
-    draft_policy: str = "fixed"
-    gamma: int = 4
-    max_tokens: int = 40
-    temperature: float = 0.0
-    seed: int = 0
-    payload: str = DEFAULT_KIND  # none | full | topk | split: the uplink's q at temperature > 0
-    topk: int = DEFAULT_TOPK  # K of payload topk
-    max_plan_age_s: float = 5.0  # never act on a plan whose frame is older
-    reach_m: float = 0.6
-    slo_tokens_per_s: float = 0.0  # the verifier's SLO class: tokens/s this robot needs; 0 = best effort
+    draft: str = setting("smollm2-q4_1", help="The draft model: a name of models/ or a GGUF path.")
+    draft_mmproj: str = setting(
+        "",
+        help="The draft's vision projector (GGUF, libmtmd): a vision-language draft; perception.kind = "
+        '"vlm" needs it. "" = a text draft.',
+    )
+    threads: int = setting(2, help="llama.cpp threads for the draft; leave cores for the control loop.")
+    n_gpu_layers: int = setting(
+        -1,
+        help="Draft layers on the GPU: -1 all when llama.cpp can offload (a CUDA build on the Orin), else "
+        "none; 0 keeps the draft on the CPU. The choice is logged at start.",
+    )
+    mode: str = setting(
+        "sd",
+        choices=MODES,
+        help="How verified steps decode: speculative (sd), SD with early exits and "
+        "pre-drafting (fsd) or the target alone (ar).",
+    )
+    draft_policy: str = setting("fixed", choices=POLICIES, help="The draft length per round.")
+    gamma: int = setting(4, help="Draft tokens per round (draft_policy fixed), the cap of the others.")
+    max_tokens: int = setting(40, help="Tokens per step's answer: one action fits in far fewer.")
+    temperature: float = setting(0.0, help="0 = greedy: the same instruction and view give the same action.")
+    seed: int = setting(0, help="The sampling seed at temperature > 0.")
+    payload: str = setting(
+        DEFAULT_KIND,
+        choices=PAYLOAD_KINDS,
+        help="The uplink's q at temperature > 0: topk (K ids and probabilities), split (q(x) only; p comes "
+        "down on a rejection), full (fp16 q) or none.",
+    )
+    topk: int = setting(DEFAULT_TOPK, help="K of payload topk.")
+    max_plan_age_s: float = setting(5.0, help="Never act on a plan whose frame is older than this (s).")
+    reach_m: float = setting(0.6, help='"Within reach" in the observation text, and a reached target (m).')
+    slo_tokens_per_s: float = setting(
+        0.0,
+        help="The verifier's SLO class: tokens/s this robot needs; it is scheduled by the deadlines this sets "
+        'and shed ("overloaded": the offline policy) when it cannot be met. 0 = best effort.',
+    )
 
-    def __post_init__(self):
-        if self.mode not in ("sd", "fsd", "ar"):
-            raise ConfigError(f"agent.mode must be sd, fsd or ar, got {self.mode!r}")
-        if self.draft_policy not in POLICIES:
-            raise ConfigError(f"agent.draft_policy must be one of {POLICIES}, got {self.draft_policy!r}")
+    def __post_init__(self) -> None:
+        settings.check_choices(self, "agent.")
         if self.n_gpu_layers < -1:
             raise ConfigError(f"agent.n_gpu_layers must be -1 (all), 0 (CPU) or a layer count, got {self.n_gpu_layers}")
         if self.threads < 1 or self.gamma < 1 or self.max_tokens < 1:
@@ -70,18 +91,31 @@ class AgentSection:
 
 @dataclass(frozen=True)
 class LinkSection:
-    verifier: str = ""  # wss://HOST:PORT of server-bridge (ws:// on loopback); "" means always offline
-    token_env: str = "VERIFIER_TOKEN"  # the shared secret is read from this environment variable
-    ca_file: str = ""  # wss://: the CA (PEM) that signed the server's certificate; "" = the system's
-    allow_insecure: bool = False  # send the token over plain ws:// to another host (a lab network only)
-    keepalive_s: float = 1.0  # websocket ping interval and timeout (websockets' default is 20 s)
-    verify_timeout_s: float = 2.0  # an answer later than this counts as a lost link
-    reconnect_backoff_s: float = 0.2
-    reconnect_backoff_max_s: float = 5.0
-    robot_id: str = ""  # X-Robot-Id in the handshake, which a balancer hashes to keep this robot on
-    # one replica; "" = robot-<hash of /etc/machine-id>, stable across reboots
+    verifier: str = setting(
+        "",
+        flag="--verifier",
+        help='wss://HOST:PORT of server-bridge (ws:// on loopback); "" means always offline.',
+    )
+    token_env: str = setting("VERIFIER_TOKEN", help="The environment variable holding the verifier's token.")
+    ca_file: str = setting(
+        "", help="wss://: the CA (PEM) that signed the server's certificate; \"\" = the system's CAs."
+    )
+    allow_insecure: bool = setting(
+        False, help="Send the token over plain ws:// to another host (a lab network only, never a shared Wi-Fi)."
+    )
+    keepalive_s: float = setting(
+        1.0, help="Websocket ping interval and timeout, 0.1..5 s (websockets' 20 s notices a dead link too late)."
+    )
+    verify_timeout_s: float = setting(2.0, help="A verify answer later than this counts as a lost link (s).")
+    reconnect_backoff_s: float = setting(0.2, help="The first reconnect delay; it grows after each failure ...")
+    reconnect_backoff_max_s: float = setting(5.0, help="... up to this (s).")
+    robot_id: str = setting(
+        "",
+        help="X-Robot-Id in the handshake, which a balancer hashes to keep this robot on one replica; "
+        '"" = robot-<hash of /etc/machine-id>, stable across reboots.',
+    )
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.robot_id and not ROBOT_ID.fullmatch(self.robot_id):
             raise ConfigError(f"link.robot_id must be 1-64 of [A-Za-z0-9_.:-], got {self.robot_id!r}")
         if self.verifier and not self.verifier.startswith(("ws://", "wss://")):
@@ -100,14 +134,24 @@ class LinkSection:
 
 @dataclass(frozen=True)
 class OfflineSection:
-    policy: str = "hold"  # hold: stop and wait | local: the draft model alone, unverified
-    max_forward_cm: float = 25.0  # local: an unverified forward step is at most this (25..75; reduced to fit)
-    max_turn_deg: float = 15.0  # local: an unverified turn is at most this (15..45; reduced to fit)
-    speed_scale: float = 0.5  # local: unverified motion runs at this fraction of speed and turn rate
+    policy: str = setting(
+        "hold",
+        choices=OFFLINE_POLICIES,
+        flag="--offline",
+        help="With the verifier unreachable: hold (stop and wait) or local (the draft model alone, unverified).",
+    )
+    max_forward_cm: float = setting(
+        25.0, help="local: an unverified forward step is at most this (25..75 cm; larger ones reduced to fit)."
+    )
+    max_turn_deg: float = setting(
+        15.0,
+        help="local: an unverified turn is at most this (15..45 degrees; larger ones reduced to fit); one "
+        "away from a target in view stops.",
+    )
+    speed_scale: float = setting(0.5, help="local: unverified motion runs at this fraction of speed and turn rate.")
 
-    def __post_init__(self):
-        if self.policy not in OFFLINE_POLICIES:
-            raise ConfigError(f"offline.policy must be one of {OFFLINE_POLICIES}, got {self.policy!r}")
+    def __post_init__(self) -> None:
+        settings.check_choices(self, "offline.")
         try:
             check_envelope(self.max_forward_cm, self.max_turn_deg, self.speed_scale)
         except ValueError as e:
@@ -116,14 +160,23 @@ class OfflineSection:
 
 @dataclass(frozen=True)
 class NavSection:
-    memory_steps: int = 4  # the last steps of the task (seen, done, verified) in the prompt; 0: none
-    memory_max_tokens: int = 160  # their bound in draft tokens (~25 a step); the oldest go first
-    grammar: bool = True  # answers under the NaVILA answer grammar on both sides (exact; never a miss)
-    blocked_m: float = 0.0  # the camera line says "the way ahead is blocked" when the range source reads
-    # less than this straight ahead (0: never; off by default: an example of
-    # it in the prompt cost the memory cases, see agent/app/nav.py blocked_text)
+    memory_steps: int = setting(
+        4, help="The last steps of the task (seen, done, verified or not) in the prompt, 0..32; 0: none."
+    )
+    memory_max_tokens: int = setting(
+        160, help="Their bound in draft tokens (~25 a step), 32..2048; the oldest go first."
+    )
+    grammar: bool = setting(
+        True, help="Answers decoded under the NaVILA answer grammar on both sides: exact, never a parse miss."
+    )
+    blocked_m: float = setting(
+        0.0,
+        help='The camera line says "the way ahead is blocked" when the range source reads less than this '
+        "straight ahead, 0..5 m (0: never; off by default: an example of it in the prompt cost the memory "
+        "cases, see agent/app/nav.py blocked_text).",
+    )
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if not (isinstance(self.blocked_m, (int, float)) and 0 <= self.blocked_m <= 5):
             raise ConfigError(f"nav.blocked_m must be 0..5 m (0: never), got {self.blocked_m!r}")
         if not isinstance(self.grammar, bool):
@@ -136,13 +189,20 @@ class NavSection:
 
 @dataclass(frozen=True)
 class RobotSection:
-    controller: str = "sim"  # sim | serial | go2 | ros2
-    control_hz: float = 20.0
-    options: dict = field(default_factory=dict)  # passed to the controller's constructor
+    controller: str = setting("sim", choices=tuple(CONTROLLERS), flag="--controller", help="The robot's driver.")
+    control_hz: float = setting(
+        20.0,
+        help="The control loop's rate, 10..200 Hz (the Go2 wants Move at >= 10 Hz); it also sends "
+        "WATCHDOG=1 to systemd.",
+    )
+    options: dict = setting(
+        default_factory=dict,
+        help='Passed to the controller\'s constructor: go2 network_interface = "eth0"; serial port = '
+        '"/dev/ttyUSB0"; sim scene and start (--scene, --start).',
+    )
 
-    def __post_init__(self):
-        if self.controller not in CONTROLLERS:
-            raise ConfigError(f"robot.controller must be one of {sorted(CONTROLLERS)}, got {self.controller!r}")
+    def __post_init__(self) -> None:
+        settings.check_choices(self, "robot.")
         if not 10.0 <= self.control_hz <= 200.0:
             raise ConfigError(
                 f"robot.control_hz must be 10..200 (the Go2 wants Move at >= 10 Hz), got {self.control_hz}"
@@ -151,33 +211,63 @@ class RobotSection:
             raise ConfigError("robot.options must be a table")
 
 
+# SafetyLimits is declared in agent/robot/safety.py, beside the layer that enforces it; its help is here.
+SAFETY_HELP = {
+    "max_vx": "m/s forward and backward, clipped before any command reaches the robot.",
+    "max_vy": "m/s sideways.",
+    "max_wz": "rad/s yaw rate.",
+    "max_dvx": "m/s^2: the most vx may change per second.",
+    "max_dvy": "m/s^2: the most vy may change per second.",
+    "max_dwz": "rad/s^2: the most the yaw rate may change per second.",
+    "deadman_s": "No fresh command for this long: send zero velocity (s).",
+    "max_frame_age_s": "Act only on camera frames younger than this (s).",
+    "min_clearance_m": "No translation toward an obstacle nearer than this (m; the Go2's range finder); 0 = off; "
+    "unset = on wherever the controller has a range source.",
+}
+
+
 @dataclass(frozen=True)
 class CameraSection:
-    source: str = "sim"  # go2 | sim | /dev/videoN | a GStreamer pipeline | rtsp://... | a video file
-    width: int = 640
-    height: int = 480
-    fps: int = 15
-    max_age_ms: float = 500.0  # never plan from an older frame
+    source: str = setting(
+        "sim",
+        flag="--camera",
+        help="go2 (the Go2's front camera, over robot.options network_interface), a V4L2 device (/dev/videoN), "
+        'a GStreamer pipeline (CSI: "nvarguscamerasrc ... ! appsink"), rtsp://..., a video file or sim.',
+    )
+    width: int = setting(640, help="Pixels requested from the source (>= 16).")
+    height: int = setting(480, help="Pixels requested from the source (>= 16).")
+    fps: int = setting(15, help="Frames per second requested from the source (1..120).")
+    max_age_ms: float = setting(
+        500.0,
+        help="Never plan from an older frame; a camera silent this long is reported on systemctl status "
+        "(STATUS=) and the API.",
+    )
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.width < 16 or self.height < 16 or not 1 <= self.fps <= 120 or self.max_age_ms <= 0:
             raise ConfigError("camera: width/height >= 16, fps 1..120, max_age_ms > 0")
 
 
-PERCEPTION_KINDS = ("sim", "color", "vlm")
-
-
 @dataclass(frozen=True)
 class PerceptionSection:
-    kind: str = "sim"  # sim (simulator ground truth) | color (HSV blob detector) | vlm (the frame
-    # itself in the prompt: a vision-language draft and target)
-    target_height_m: float = 0.4  # color: the objects' real height, for distance
-    image_max_side: int = 384  # vlm: the longest side of the image sent, in pixels (resized, aspect kept)
-    jpeg_quality: int = 85  # vlm: its JPEG quality, 1..100
+    kind: str = setting(
+        "sim",
+        choices=PERCEPTION_KINDS,
+        flag="--perception",
+        help="sim (the simulator's ground truth), color (a colour-blob target detector) or vlm (the camera "
+        "image itself in the prompt: a vision-language draft with agent.draft_mmproj and a verifier served "
+        "with --mmproj).",
+    )
+    target_height_m: float = setting(
+        0.4, help="color: the target's real height, for a distance from its pixel height (m)."
+    )
+    image_max_side: int = setting(
+        384, help="vlm: the longest side of the image sent, 16..4096 pixels (resized, aspect kept)."
+    )
+    jpeg_quality: int = setting(85, help="vlm: its JPEG quality, 1..100; the wire takes at most 1 MiB an image.")
 
-    def __post_init__(self):
-        if self.kind not in PERCEPTION_KINDS:
-            raise ConfigError(f"perception.kind must be one of {PERCEPTION_KINDS}, got {self.kind!r}")
+    def __post_init__(self) -> None:
+        settings.check_choices(self, "perception.")
         if not 16 <= self.image_max_side <= 4096:
             raise ConfigError(f"perception.image_max_side must be 16..4096 pixels, got {self.image_max_side!r}")
         if not 1 <= self.jpeg_quality <= 100:
@@ -186,20 +276,39 @@ class PerceptionSection:
 
 @dataclass(frozen=True)
 class ApiSection:
-    listen: str = ""  # "" = a Unix socket at the default path (agent/app/api.py default_socket: $RUNTIME_DIRECTORY/
-    # api.sock under systemd, else $XDG_RUNTIME_DIR/edge-agent/api.sock, else /tmp/edge-agent-$UID/api.sock);
-    # unix:/ABSOLUTE/PATH; or HOST:PORT (TCP: needs a token; a non-loopback HOST also allow_remote)
-    socket_group: str = ""  # Unix socket: "" = mode 0600 (the daemon's user only); a group name = 0660, that group
-    allow_remote: bool = False  # TCP on an address other than loopback (with a token, over a trusted network only)
-    token: str = ""  # the API credential every connection presents (Authorization: Bearer ...); prefer token_file
-    token_file: str = ""  # a file holding that credential (its first line; not world-readable)
-    reset_token: str = ""  # the credential a reset (which releases the e-stop) carries; "" with no reset_token_file:
-    # reset over the API is refused
-    reset_token_file: str = ""  # a file holding it (its first line; not world-readable)
-    allowed_origins: list = field(default_factory=list)  # browser Origins let in (e.g. "https://ui.robot.lan");
-    # an upgrade with any other Origin header is refused with 403
+    listen: str = setting(
+        "",
+        flag="--listen",
+        help='The local API (submit, cancel, status, estop, reset). "" = a Unix socket of mode 0600 at the '
+        "default path ($RUNTIME_DIRECTORY/api.sock under systemd, else $XDG_RUNTIME_DIR/edge-agent/api.sock, "
+        "else /tmp/edge-agent-$UID/api.sock); unix:/ABSOLUTE/PATH; or HOST:PORT (TCP: needs a token; an "
+        "address other than loopback also allow_remote).",
+    )
+    socket_group: str = setting(
+        "", help='Unix socket: a group whose members may use it too (mode 0660); "" = this user only (0600).'
+    )
+    allow_remote: bool = setting(
+        False, help="TCP on an address other than loopback (with a token, over a trusted network only)."
+    )
+    token: str = setting(
+        "", help="The credential every connection presents (Authorization: Bearer ...); prefer token_file."
+    )
+    token_file: str = setting("", help="A file holding that credential (its first line; not world-readable).")
+    reset_token: str = setting(
+        "",
+        help='The credential a reset (which releases the e-stop) carries; "" with no reset_token_file: '
+        "reset over the API is refused. Prefer reset_token_file.",
+    )
+    reset_token_file: str = setting(
+        "", help="A file holding it (its first line; not world-readable; install.sh makes one)."
+    )
+    allowed_origins: list = setting(
+        default_factory=list,
+        help='Browser Origins let in (e.g. "https://ui.robot.lan"); an upgrade with any other Origin header '
+        "is refused with 403.",
+    )
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         try:
             where = parse_listen(self.listen)
         except ValueError as e:
@@ -293,12 +402,18 @@ def _read_secret(name: str, path: str) -> str:
 
 @dataclass(frozen=True)
 class TelemetrySection:
-    path: str = "telemetry.jsonl"  # "" for none
-    max_bytes: int = 50_000_000
+    path: str = setting(
+        "telemetry.jsonl",
+        flag="--telemetry",
+        help='One JSON line per step (under systemd: in the unit\'s StateDirectory); "" for none.',
+    )
+    max_bytes: int = setting(50_000_000, help="The size cap of the telemetry file, in bytes.")
 
 
 @dataclass(frozen=True)
 class Config:
+    """`edge-agent run`'s config: one section dataclass per TOML table."""
+
     agent: AgentSection = AgentSection()
     link: LinkSection = LinkSection()
     offline: OfflineSection = OfflineSection()
@@ -310,7 +425,7 @@ class Config:
     api: ApiSection = ApiSection()
     telemetry: TelemetrySection = TelemetrySection()
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.camera.source == "sim" and self.robot.controller != "sim":
             raise ConfigError("camera.source 'sim' renders the simulator: it needs robot.controller = 'sim'")
         if self.perception.kind == "sim" and self.robot.controller != "sim":
@@ -331,64 +446,27 @@ class Config:
         return d
 
 
-_TYPES = {f.name: type(f.default) for f in fields(Config)}  # section name -> its dataclass
-
-
-def _section(name: str, values: dict):
-    cls = _TYPES[name]
-    known = {f.name for f in fields(cls)}
-    unknown = set(values) - known
-    if unknown:
-        raise ConfigError(f"[{name}] has no field(s) {sorted(unknown)}; known: {sorted(known)}")
-    defaults = cls()
-    for key, value in values.items():  # the type each field's default has
-        want = type(getattr(defaults, key))
-        ok = (
-            (isinstance(value, (int, float)) and not isinstance(value, bool))
-            if want in (int, float)
-            else (value is None or isinstance(value, (int, float)))
-            if getattr(defaults, key) is None
-            else isinstance(value, want)
-        )
-        if not ok:
-            raise ConfigError(f"{name}.{key} must be {want.__name__}, got {value!r}")
-    try:
-        return cls(**values)
-    except ConfigError:
-        raise
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"[{name}]: {e}") from None
+SECTIONS: dict[str, Any] = {f.name: type(f.default) for f in fields(Config)}  # section name -> its dataclass
+NOTES = {"safety": SAFETY_HELP}  # help for the sections declared elsewhere
 
 
 def build(data: dict) -> Config:
-    unknown = set(data) - set(_TYPES)
-    if unknown:
-        raise ConfigError(f"unknown config section(s) {sorted(unknown)}; known: {sorted(_TYPES)}")
-    return Config(**{name: _section(name, values) for name, values in data.items()})
+    """TOML sections -> Config; ConfigError names an unknown section or key and a value of the wrong type."""
+    return settings.build_tree(Config, data)
 
 
-def parse_override(item: str) -> tuple[str, str, object]:
+def parse_override(item: str) -> tuple[str, str, Any]:
     """ "section.field=value" -> (section, field, value); the value is TOML, else a bare string."""
     key, sep, raw = item.partition("=")
     section, dot, name = key.strip().partition(".")
-    if not sep or not dot or section not in _TYPES:
-        raise ConfigError(f"--set wants section.field=value with a section of {sorted(_TYPES)}, got {item!r}")
-    try:
-        value = tomllib.loads(f"v = {raw.strip()}")["v"]
-    except tomllib.TOMLDecodeError:
-        value = raw.strip()
-    return section, name.strip(), value
+    if not sep or not dot or section not in SECTIONS:
+        raise ConfigError(f"--set wants section.field=value with a section of {sorted(SECTIONS)}, got {item!r}")
+    return section, name.strip(), settings.parse_value(raw)
 
 
-def load(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
-    data: dict = {}
-    if path is not None:
-        try:
-            data = tomllib.loads(Path(path).read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"config file {path} not found") from None
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"config file {path}: {e}") from None
+def load(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Defaults <- the TOML file <- `--set section.field=value` overrides, in their order."""
+    data: dict = settings.load_toml(path) if path is not None else {}
     for item in overrides:
         section, name, value = parse_override(item)
         field_name, dot, key = name.partition(".")
@@ -400,3 +478,88 @@ def load(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
             raise ConfigError(f"--set {section}.{name}: {section}.{field_name} is not a table")
         table[key] = value
     return build(data)
+
+
+def shortcut_flags() -> list[tuple[str, str, Any]]:
+    """(section, field, its Field) of every field `edge-agent run` takes as a flag of its own (`--verifier`)."""
+    return [(s, f.name, f) for s, cls in SECTIONS.items() for f in fields(cls) if f.metadata.get("flag")]
+
+
+# ------------------------------------------------------------------ edge-agent generate
+
+
+@dataclass(frozen=True)
+class GenerateOptions:
+    """`edge-agent generate`'s flags: one prompt, decoded once (the field name with dashes is the flag)."""
+
+    prompt: str = setting(help="The prompt.")
+    verifier: str | None = setting(None, help="wss://HOST:PORT of server-bridge (ws:// on loopback).")
+    token: str | None = setting(None, help="The shared secret (default: $VERIFIER_TOKEN).")
+    ca_file: str = setting("", help="wss://: the CA (PEM) of the server's certificate (\"\": the system's CAs).")
+    allow_insecure: bool = setting(False, help="Send the token over plain ws:// to another host (refused otherwise).")
+    robot_id: str | None = setting(
+        None,
+        help="X-Robot-Id in the handshake, which a load balancer hashes (default: robot-<hash of this machine's id>).",
+    )
+    chat: bool = setting(False, help="Wrap the prompt in the model's chat template.")
+    max_tokens: int = setting(64, help="Tokens to generate at most.")
+    temperature: float = setting(0.0, help="Sampling temperature; 0 = greedy.")
+    top_k: int = setting(0, help="Sample among the K most likely tokens; 0 = all.")
+    seed: int = setting(0, help="The sampling seed.")
+    mode: str = setting(
+        "sd",
+        choices=("ar", "sd", "fsd"),
+        help="ar: the server alone; sd: speculative; fsd: sd + early exits and pre-drafting.",
+    )
+    gamma: int = setting(4, help="Draft tokens per round (fixed), the cap of the predictor policy.")
+    draft_policy: str = setting(
+        "fixed",
+        choices=POLICIES,
+        help="fixed: gamma every round; predictor: stop at the first predicted rejection; optimal: gamma* by "
+        "Lambert W, and target-only streaming while speculation cannot win (AS2).",
+    )
+    min_draft: int = setting(1, help="The predictor never stops a draft shorter.")
+    max_draft: int | None = setting(None, help="The longest draft (default: gamma; for optimal the server's limit).")
+    predictor: str = setting("auto", help="The rejection predictor .onnx (auto: the one shipped for this pair).")
+    predictor_threshold: float | None = setting(
+        None, help="Stop below this acceptance probability (default: the model's own)."
+    )
+    no_as2: bool = setting(False, help="optimal: never switch to target-only streaming.")
+    trace: str | None = setting(
+        None, metavar="FILE", help="Append one JSON line per judged draft token (predictor features and label)."
+    )
+    exits: str = setting("all", help='fsd: early-exit layers to ask for, e.g. 18,26; all, or "" for none.')
+    predraft_workers: int = setting(1, help="fsd: branches pre-drafted at once.")
+    predraft_threads: int = setting(1, help="fsd: llama threads of the pre-draft context.")
+    queue_policy: str = setting(
+        "priority", choices=("priority", "fifo", "random"), help="fsd: the order early verdicts are pre-drafted in."
+    )
+    no_guesses: bool = setting(False, help="fsd: pre-draft only from early exits, not from the robot's own guesses.")
+    slo: float = setting(
+        0.0,
+        help="Tokens/s this robot needs: the verifier's SLO class (it schedules rounds by the deadlines this "
+        "sets); 0 = best effort.",
+    )
+    payload: str = setting(
+        DEFAULT_KIND,
+        choices=PAYLOAD_KINDS,
+        help="What the uplink carries of the draft's distributions at temperature > 0: full (fp16 q), topk "
+        "(the K ids and probabilities the draft sampled from), split (q(x) only; p comes back on a "
+        "rejection) or none (greedy only). Temperature 0 always sends ids only.",
+    )
+    topk: int = setting(DEFAULT_TOPK, metavar="K", help="K of --payload topk.")
+    local: bool = setting(False, help="Generate with the draft alone (offline).")
+    draft: str = setting(
+        modelfiles.DEFAULT_DRAFT, help=f"The draft: a name ({', '.join(modelfiles.DRAFTS)}) or a GGUF path."
+    )
+    draft_mmproj: str = setting("", help="The draft's vision projector GGUF (a vision-language draft).")
+    image: list[str] = setting(
+        default_factory=list,
+        repeat=True,
+        metavar="FILE",
+        help="A JPEG or PNG for the prompt (repeatable; needs --draft-mmproj and a target that reads images): "
+        "on the prompt's image markers, in front of it, or with --chat in the user turn.",
+    )
+    threads: int = setting(2, help="llama.cpp threads for the draft.")
+    n_gpu_layers: int = setting(-1, help="Draft layers on the GPU (-1: all when llama.cpp can offload; 0: CPU).")
+    json: bool = setting(False, help="The last stdout line: one JSON object with the text and the metrics.")

@@ -27,7 +27,7 @@ import threading
 import time
 from concurrent.futures import Future  # 3.10: not the builtin TimeoutError
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from agent.robot.actions import STOP
 from agent.robot.camera import Frame, FrameGrabber, open_source
@@ -39,11 +39,15 @@ from agent.spec.link import default_robot_id, tls_context
 from agent.spec.policy import DraftPolicy
 from protocol.images import MAX_IMAGE_BYTES, check_bytes
 from protocol.payload import PayloadSpec
+from runtime import settings
 
 from .config import Config
 from .nav import NavConfig, Navigator
 from .sdnotify import Notifier
 from .telemetry import TelemetryWriter
+
+if TYPE_CHECKING:
+    from agent.spec.drafter import Drafter  # llama-cpp: imported when the daemon loads one
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +68,7 @@ class Daemon:
         self,
         cfg: Config,
         *,
-        drafter=None,
+        drafter: Drafter | None = None,
         controller: Controller | None = None,
         notifier: Notifier | None = None,
         max_steps: int = 40,
@@ -109,21 +113,11 @@ class Daemon:
         if cfg.link.verifier:  # a token in clear or a bad CA file: refused before anything moves
             tls_context(cfg.link.verifier, token, cfg.link.ca_file, cfg.link.allow_insecure)
         self.controller.connect()
-        source = open_source(
-            cfg.camera.source,
-            cfg.camera.width,
-            cfg.camera.height,
-            cfg.camera.fps,
-            world=self.world,
-            network_interface=cfg.robot.options.get("network_interface"),
-        )
-        self.grabber = FrameGrabber(source, name=cfg.camera.source if len(cfg.camera.source) < 40 else "camera")
-        self.grabber.start()
-        self._camera_since = time.monotonic()
+        self.grabber = grabber = self._start_camera()
         self.control = ControlLoop(
             self.safety,
             cfg.robot.control_hz,
-            frame_age=self.grabber.latest_age_s,
+            frame_age=grabber.latest_age_s,
             watchdog=self.notifier.watchdog,
             watchdog_interval_s=self.notifier.watchdog_interval_s(),
         ).start()
@@ -138,52 +132,13 @@ class Daemon:
                 mmproj=cfg.agent.draft_mmproj or None,
             )
         log.info("draft offload (llama.cpp's own query): %s", getattr(self._drafter, "offload", "unknown"))
-        self.decoder = EdgeDecoder(
-            self._drafter,
-            DecoderConfig(
-                url=cfg.link.verifier or None,
-                token=token,
-                recv_timeout_s=cfg.link.verify_timeout_s,
-                keepalive_s=cfg.link.keepalive_s,
-                policy=DraftPolicy(cfg.agent.draft_policy),
-                payload=PayloadSpec.parse(cfg.agent.payload, cfg.agent.topk),
-                slo=cfg.agent.slo_tokens_per_s,
-                ca_file=cfg.link.ca_file,
-                allow_insecure=cfg.link.allow_insecure,
-                robot_id=cfg.link.robot_id or default_robot_id(),
-                reconnect=ReconnectPolicy(
-                    max_attempts=1,
-                    backoff_s=cfg.link.reconnect_backoff_s,
-                    backoff_max_s=cfg.link.reconnect_backoff_max_s,
-                ),
-            ),
-        )
+        self.decoder = EdgeDecoder(self._drafter, decoder_config(cfg, token))
         self.nav = Navigator(
             self.decoder,
-            self.grabber,
+            grabber,
             self._perception(),
             self.control,
-            NavConfig(
-                mode=cfg.agent.mode,
-                gamma=cfg.agent.gamma,
-                max_tokens=cfg.agent.max_tokens,
-                temperature=cfg.agent.temperature,
-                seed=cfg.agent.seed,
-                offline=cfg.offline.policy,
-                verify_timeout_s=cfg.link.verify_timeout_s,
-                max_frame_age_ms=cfg.camera.max_age_ms,
-                max_plan_age_s=cfg.agent.max_plan_age_s,
-                reach_m=cfg.agent.reach_m,
-                probe_backoff_s=cfg.link.reconnect_backoff_s,
-                probe_backoff_max_s=cfg.link.reconnect_backoff_max_s,
-                memory_steps=cfg.nav.memory_steps,
-                memory_max_tokens=cfg.nav.memory_max_tokens,
-                offline_max_forward_cm=cfg.offline.max_forward_cm,
-                offline_max_turn_deg=cfg.offline.max_turn_deg,
-                offline_speed_scale=cfg.offline.speed_scale,
-                grammar=cfg.nav.grammar,
-                blocked_m=cfg.nav.blocked_m,
-            ),
+            nav_config(cfg),
             emit=self._emit,
             on_mode=self._on_mode,
         )
@@ -206,6 +161,21 @@ class Daemon:
             cfg.offline.policy,
         )
         return self
+
+    def _start_camera(self) -> FrameGrabber:
+        camera = self.cfg.camera
+        source = open_source(
+            camera.source,
+            camera.width,
+            camera.height,
+            camera.fps,
+            world=self.world,
+            network_interface=self.cfg.robot.options.get("network_interface"),
+        )
+        grabber = FrameGrabber(source, name=camera.source if len(camera.source) < 40 else "camera")
+        grabber.start()
+        self._camera_since = time.monotonic()
+        return grabber
 
     def _perception(self):
         from agent.robot import perception
@@ -266,12 +236,13 @@ class Daemon:
                 frame = _decode_image(image)
             finally:
                 self._decoding.release()
-        task = {"id": next(self._ids), "instruction": instruction.strip(), "frame": frame, "max_steps": steps}
+        task_id = next(self._ids)
+        task = {"id": task_id, "instruction": instruction.strip(), "frame": frame, "max_steps": steps}
         try:
             self._tasks.put_nowait(task)
         except queue.Full:
             raise Busy(f"{MAX_PENDING} tasks already wait; cancel first") from None
-        return task["id"]
+        return task_id
 
     def cancel(self) -> int:
         """Stop the running task (and drop the waiting ones); the robot halts. Returns how many were dropped."""
@@ -349,7 +320,7 @@ class Daemon:
             self._listeners.append(fn)
         return lambda: self._unlisten(fn)
 
-    def _unlisten(self, fn) -> None:
+    def _unlisten(self, fn: Callable[[dict], None]) -> None:
         with self._lock:
             if fn in self._listeners:
                 self._listeners.remove(fn)
@@ -367,6 +338,7 @@ class Daemon:
             self._run_task(task)
 
     def _run_task(self, task: dict) -> None:
+        assert self.nav is not None and self.control is not None, "start() first"
         self.task = {"id": task["id"], "instruction": task["instruction"], "step": 0, "state": "running"}
         self._emit({"event": "task", "task": task["id"], "instruction": task["instruction"], "state": "running"})
         t0, frame, moving_steps = time.monotonic(), task["frame"], 0
@@ -474,6 +446,44 @@ class Daemon:
         camera = f", camera {self.cfg.camera.source} stale" if self.camera_state == "stale" else ""
         estop = ", E-STOP latched" if self.safety.estopped else ""
         return f"{mode}, {task}{camera}{estop}"
+
+
+# NavConfig's and DecoderConfig's fields that differ in name from the config's (the rest match by name, in
+# whichever section holds them); `unset` are the ones the config does not set (their defaults stand).
+NAV_RENAME = {
+    "offline": "offline.policy",
+    "max_frame_age_ms": "camera.max_age_ms",
+    "probe_backoff_s": "link.reconnect_backoff_s",
+    "probe_backoff_max_s": "link.reconnect_backoff_max_s",
+    "offline_max_forward_cm": "offline.max_forward_cm",
+    "offline_max_turn_deg": "offline.max_turn_deg",
+    "offline_speed_scale": "offline.speed_scale",
+}
+NAV_UNSET = ("speed", "turn_rate", "hold_wait_s", "ahead_deg")
+DECODER_RENAME = {"recv_timeout_s": "link.verify_timeout_s", "slo": "agent.slo_tokens_per_s"}
+DECODER_UNSET = ("fsd", "trace")
+
+
+def nav_config(cfg: Config) -> NavConfig:
+    """The navigator's settings from the config: by name, NAV_RENAME where the names differ."""
+    return settings.pick(NavConfig, cfg, rename=NAV_RENAME, unset=NAV_UNSET)
+
+
+def decoder_config(cfg: Config, token: str) -> DecoderConfig:
+    """The decoding client's settings from the config: by name, DECODER_RENAME where the names differ, and
+    the values the config holds in another form (a policy's name, a payload's kind and K) made here."""
+    link = cfg.link
+    computed = {
+        "url": link.verifier or None,
+        "token": token,
+        "policy": DraftPolicy(cfg.agent.draft_policy),
+        "payload": PayloadSpec.parse(cfg.agent.payload, cfg.agent.topk),
+        "robot_id": link.robot_id or default_robot_id(),
+        "reconnect": ReconnectPolicy(
+            max_attempts=1, backoff_s=link.reconnect_backoff_s, backoff_max_s=link.reconnect_backoff_max_s
+        ),
+    }
+    return settings.pick(DecoderConfig, cfg, rename=DECODER_RENAME, computed=computed, unset=DECODER_UNSET)
 
 
 def _decode_image(data: str) -> Frame:

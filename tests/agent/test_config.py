@@ -62,3 +62,39 @@ def test_bad_toml_and_missing_file(tmp_path):
         config.load(bad)
     with pytest.raises(ConfigError, match="not found"):
         config.load(tmp_path / "missing.toml")
+
+
+def test_the_daemon_builds_nav_and_decoder_configs_by_name():
+    """NavConfig and DecoderConfig are filled from the config by field name (daemon.NAV_RENAME and
+    DECODER_RENAME where names differ): every key they take arrives, a new field is never silently dropped."""
+    from agent.app import daemon
+
+    cfg = config.load(
+        EXAMPLE,
+        [
+            "agent.seed=7",
+            "agent.reach_m=0.9",
+            "camera.max_age_ms=321",
+            "offline.max_turn_deg=30",
+            "link.reconnect_backoff_s=0.3",
+            "nav.blocked_m=0.5",
+            "link.verify_timeout_s=1.5",
+            "agent.slo_tokens_per_s=9",
+        ],
+    )
+    nav = daemon.nav_config(cfg)
+    assert (nav.seed, nav.reach_m, nav.max_frame_age_ms, nav.offline_max_turn_deg) == (7, 0.9, 321, 30)
+    assert (nav.probe_backoff_s, nav.blocked_m, nav.offline, nav.mode) == (0.3, 0.5, "hold", "sd")
+    dec = daemon.decoder_config(cfg, "secret")
+    assert (dec.url, dec.token, dec.recv_timeout_s, dec.slo) == (cfg.link.verifier, "secret", 1.5, 9)
+    assert dec.reconnect.backoff_s == 0.3 and dec.payload.kind == cfg.agent.payload and dec.keepalive_s == 1.0
+
+
+def test_a_value_of_the_wrong_type_names_the_key_and_the_type(tmp_path):
+    toml = tmp_path / "robot.toml"
+    toml.write_text('[link]\nkeepalive_s = "fast"\n')
+    with pytest.raises(ConfigError, match="link.keepalive_s must be float, got 'fast'"):
+        config.load(toml)
+    toml.write_text("link = 1\n")
+    with pytest.raises(ConfigError, match=r"\[link\] must be a table"):
+        config.load(toml)

@@ -38,8 +38,13 @@ def test_shipped_toml_loads_and_flags_override_it():
 def test_bad_config_is_refused(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text("[server]\nprot = 1\n")
-    with pytest.raises(ValueError, match="unknown server config keys"):
+    with pytest.raises(ValueError, match=r"\[server\] has no field\(s\) \['prot'\]"):
         ServerConfig.load(bad)
+    bad.write_text('[server]\nport = "8765"\n')
+    with pytest.raises(ValueError, match="server.port must be int, got '8765'"):
+        ServerConfig.load(bad)
+    with pytest.raises(ValueError, match="not found"):
+        ServerConfig.load(tmp_path / "missing.toml")
     with pytest.raises(ValueError):
         ServerConfig(port=70000)
     with pytest.raises(ValueError):
@@ -116,3 +121,36 @@ def test_exit_adapters_are_found_by_target_name(tmp_path):
     assert modelfiles.resolve_exits(str(shipped), "anything") == shipped
     with pytest.raises(modelfiles.ModelNotFound, match="train them"):
         modelfiles.resolve_exits(str(tmp_path / "missing"), "smollm2-f32")
+
+
+def test_every_field_is_a_flag_and_a_flag_overrides_the_file(monkeypatch, tmp_path):
+    """The flags are derived from ServerConfig's fields: each one has its flag (--max-sessions-per-client
+    once had none), typed as the field is; a flag not given leaves the file's value."""
+    from dataclasses import fields
+
+    from runtime import settings
+    from server_bridge import cli, server
+
+    parser = cli._parser()
+    for f in fields(ServerConfig):
+        assert settings.help_of(f), f"{f.name} has no help"
+    seen = []
+
+    async def fake_run(config):
+        seen.append(config)
+
+    monkeypatch.setattr(server, "run", fake_run)
+    monkeypatch.delenv("VERIFIER_TOKEN", raising=False)
+    toml = tmp_path / "server.toml"
+    toml.write_text("[server]\nmax_sessions = 5\nmax_sessions_per_client = 3\n")
+    argv = ["serve", "--config", str(toml), "--max-sessions-per-client", "2", "--no-trust-loopback"]
+    assert cli.main([*argv, "--token", "t" * 16, "--trusted-proxies", "10.0.0.0/8, 127.0.0.1/32"]) == 0
+    cfg = seen[-1]
+    assert (cfg.max_sessions, cfg.max_sessions_per_client, cfg.trust_loopback) == (5, 2, False)
+    assert cfg.trusted_proxies == ["10.0.0.0/8", "127.0.0.1/32"]
+    monkeypatch.setenv("VERIFIER_TOKEN", "from-the-environment")
+    assert cli.main(["serve", "--max-frame-bytes", "70000"]) == 0
+    assert seen[-1].token == "from-the-environment" and seen[-1].max_frame_bytes == 70000
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--max-batch", "many"])
+    assert cli.main(["serve", "--engine", "auto", "--kv-unified", "on", "--max-batch", "0"]) == 2
