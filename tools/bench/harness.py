@@ -53,17 +53,18 @@ class Table:
     """A markdown table over result[rows] (a list of dicts); title and note are formatted with the result."""
 
     rows: str
-    cols: Sequence[Col]
+    cols: Sequence[Col] | Callable[[Row], Sequence[Col]]  # or made from the result (columns per RTT, ...)
     title: str = ""  # "## ..." above the table (can be empty)
     note: str = ""  # a paragraph below it (can be empty)
     where: Callable[[Row], bool] | None = None  # only the rows it accepts (None: all)
 
     def render(self, result: Row) -> list[str]:
         rows = [r for r in result.get(self.rows, []) if self.where is None or self.where(r)]
+        cols = self.cols(result) if callable(self.cols) else self.cols
         lines = [self.title.format(**result), ""] if self.title else []
-        lines += ["| " + " | ".join(c.header or c.key for c in self.cols) + " |"]
-        lines += ["|" + "---|" * len(self.cols)]
-        lines += ["| " + " | ".join(c.cell(r) for c in self.cols) + " |" for r in rows]
+        lines += ["| " + " | ".join(c.header or c.key for c in cols) + " |"]
+        lines += ["|" + "---|" * len(cols)]
+        lines += ["| " + " | ".join(c.cell(r) for c in cols) + " |" for r in rows]
         return lines + (["", self.note.format(**result)] if self.note else []) + [""]
 
 
@@ -90,7 +91,7 @@ class Plot:
         for g in groups:
             sub = [r for r in rows if not self.group or r[self.group] == g]
             for label, key in self.ys.items():
-                name = label if g is None else f"{label}, {self.group} {g}"
+                name = label if g is None else f"{label}, {self.group} {g}" if label else str(g)
                 out.append(
                     (
                         name,
@@ -107,7 +108,13 @@ class Plot:
         title = self.title.format(**result)
         if self.kind == "bar":
             groups = [str(r[self.x]) for r in rows]
-            bar_plot(path, groups, {label: [r[k] for r in rows] for label, k in self.ys.items()}, self.ylabel, title)
+            bar_plot(
+                path,
+                groups,
+                {label: [r.get(k) or 0.0 for r in rows] for label, k in self.ys.items()},
+                self.ylabel,
+                title,
+            )
         else:
             line_plot(path, self.series(rows), self.xlabel, self.ylabel, title, self.ylim)
 
@@ -140,6 +147,15 @@ class Report:
             self.plot.write(out / f"{self.name}.png", result)
             written.append(f"{self.name}.png")
         print(f"wrote {out}/: {', '.join(written)}", flush=True)
+
+
+def pivot(rows: list[Row], keys: Sequence[str], column: str, value: str) -> list[Row]:
+    """Long rows to wide: one row per distinct `keys`, with row[f"{value}@{c}"] for each value c of `column`."""
+    wide: dict[tuple, Row] = {}
+    for r in rows:
+        w = wide.setdefault(tuple(r.get(k) for k in keys), {k: r.get(k) for k in keys})
+        w[f"{value}@{r[column]}"] = r[value]
+    return list(wide.values())
 
 
 def cores(spec: str) -> list[int]:
@@ -238,4 +254,4 @@ def main(
     result.setdefault("started", time.strftime("%Y-%m-%d %H:%M:%S"))
     result["config"] = config
     report.write(Path(args.out), result)
-    return 0
+    return 0 if result.get("exact", True) else 1  # a run whose ids differ from the reference's fails
