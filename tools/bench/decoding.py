@@ -272,7 +272,7 @@ def run_ablations(
 
     def measure(kind: str, value, decoder: EdgeDecoder, mode: str, g: int) -> None:
         runs = []
-        for ids, ref in zip(inputs, refs):
+        for ids, ref in zip(inputs, refs, strict=True):
             r = bench.run(decoder, ids, mode, g, draft)
             r["exact"] = r["token_ids"] == ref
             runs.append(r)
@@ -332,7 +332,7 @@ def run_server_policies(
                 )
                 dec.generate(inputs[0], mode="fsd", max_tokens=16, gamma=gamma)  # warm up its context
                 runs = []
-                for ids, ref in zip(inputs, refs):
+                for ids, ref in zip(inputs, refs, strict=True):
                     r = bench.run(dec, ids, "fsd", gamma, drafters_spec)
                     r["exact"] = r["token_ids"] == ref
                     runs.append(r)

@@ -488,7 +488,7 @@ def plot_links(links: dict, path: Path) -> None:
     rtts = links["config"]["rtts_ms"]
     bws = links["config"]["bandwidths_mbps"]
     fig, axes = plt.subplots(1, len(rtts), figsize=(max(7.0, 5 * len(rtts)), 4.4), sharey=True, squeeze=False)
-    for ax, rtt in zip(axes[0], rtts):
+    for ax, rtt in zip(axes[0], rtts, strict=True):
         for mode in MODES:
             rows = [r for r in links["summary"] if r["mode"] == mode and r["rtt_ms"] == rtt and r["tokens_per_s"]]
             if rows:

@@ -475,10 +475,10 @@ def check(vlm: QwenVLM, sizes=((64, 64), (96, 128))) -> dict:
                 "n_past": pa.n_past,
                 "greedy_differs_by_image": pa.greedy != pb.greedy,
                 "max_diff_vs_hf": float(np.abs(pa.logits - hf_a.logits).max()),
-                "greedy_agrees_with_hf": sum(x == y for x, y in zip(pa.greedy, hf_a.greedy)),
+                "greedy_agrees_with_hf": sum(x == y for x, y in zip(pa.greedy, hf_a.greedy, strict=False)),
                 "greedy": pa.greedy,
             }
-        agree = sum(x == y for x, y in zip(runs["draft"].greedy, runs["target"].greedy))
+        agree = sum(x == y for x, y in zip(runs["draft"].greedy, runs["target"].greedy, strict=False))
         fig["draft"]["greedy_agrees_with_target"] = f"{agree}/{len(runs['target'].greedy)}"
         out[f"{h}x{w}"] = fig
     return out

@@ -109,7 +109,7 @@ def fit(rows: list[dict], rng: np.random.Generator) -> dict:
     coef = estimator.fit(x[train], y[train])
     pred = x @ coef
     return {
-        "coefficients": dict(zip(estimator.TERMS, coef.tolist())),
+        "coefficients": dict(zip(estimator.TERMS, coef.tolist(), strict=True)),
         "train": {
             "n": len(train),
             "r2": estimator.r2(y[train], pred[train]),

@@ -125,7 +125,7 @@ def evaluate(rows: list[dict], rng: np.random.Generator, boot: int) -> dict:
     ci = estimator.bootstrap_ci(x[train], y[train], n=boot, rng=rng)
     pred = x @ coef
     report = {
-        "coefficients": dict(zip(estimator.TERMS, coef.tolist())),
+        "coefficients": dict(zip(estimator.TERMS, coef.tolist(), strict=True)),
         "ci95": {t: ci[i].tolist() for i, t in enumerate(estimator.TERMS)},
         "train": {
             "n": len(train),
