@@ -85,7 +85,7 @@ def test_frames(n: int) -> list[bytes]:
     """n random PNG frames of two sizes (the test models' images), for a VLM target given no --images."""
     from PIL import Image
 
-    from tools.models.qwen_vlm import random_image
+    from tests.models.qwen_vlm import random_image
 
     out = []
     for i in range(n):
