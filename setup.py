@@ -78,7 +78,7 @@ setup(
             "scikit-learn>=1.3",
             "vermin>=1.6",
             "tomli>=1.1",
-            # tools/models/make_test_vlm.py: llama.cpp's convert_hf_to_gguf.py imports it for every Llama
+            # tests/models/make_test_vlm.py: llama.cpp's convert_hf_to_gguf.py imports it for every Llama
             "sentencepiece>=0.1.98",
             # tests/test_deploy.py: deploy/k8s validated offline against the Kubernetes schemas it ships
             # (and KEDA's CRD)

@@ -91,11 +91,11 @@ def torch_target():
 
 @pytest.fixture(scope="session")
 def qwen_vlm():
-    """qwen_vlm(family) -> the family's tiny test VLM (tools/models/qwen_vlm.py: .hf_dir, .target, .target_mmproj,
+    """qwen_vlm(family) -> the family's tiny test VLM (tests/models/qwen_vlm.py: .hf_dir, .target, .target_mmproj,
     .draft, .draft_mmproj, .vocab, .image_token_id, .family), made once into models/build/ (~20 s) and found in
     the cache after; one object per family for the whole run. Families: qwen2vl, qwen2.5vl, qwen3vl, and
     smolvlm (make_test_vlm.make's TinyVLM)."""
-    from tools.models import make_test_vlm
+    from tests.models import make_test_vlm
 
     made = {}
 

@@ -2,7 +2,7 @@
 
 Without a model: the JPEG the perception makes, the chat as list-of-parts content with the image on the camera
 line, the config's checks, and the image going with every generation of a step (verified, offline local, hold and
-resume) at the decoder's depth. With the test VLM pair (tools/models/make_test_vlm.py: a random SmolVLM, the Q8_0 draft
+resume) at the decoder's depth. With the test VLM pair (tests/models/make_test_vlm.py: a random SmolVLM, the Q8_0 draft
 with its projector on the robot, the f32 target with its projector behind a real server) over the simulator: the
 prompt holds one image, the current frame's JPEG; a verified step's answer is the target's own (the same prompt
 and image through the target alone); whatever the random weights say is parsed to an action or a safe stop;
@@ -70,7 +70,7 @@ def test_the_frame_becomes_a_jpeg_no_longer_than_max_side():
 def render(msgs) -> str:
     from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
-    from tools.models.make_test_vlm import CHAT_TEMPLATE
+    from tests.models.make_test_vlm import CHAT_TEMPLATE
 
     return Jinja2ChatFormatter(CHAT_TEMPLATE, eos_token="", bos_token="")(messages=msgs).prompt
 
@@ -307,7 +307,7 @@ def test_vlm_perception_needs_a_draft_that_sees():
 
 @pytest.fixture(scope="module")
 def vlm():
-    from tools.models import make_test_vlm as tv
+    from tests.models import make_test_vlm as tv
 
     return tv.make(log=lambda m: None)
 

@@ -1,4 +1,4 @@
-"""The navigation loop that sees, with each Qwen-VL family's test pair (tools/models/qwen_vlm.py: Qwen2-VL, Qwen2.5-VL,
+"""The navigation loop that sees, with each Qwen-VL family's test pair (tests/models/qwen_vlm.py: Qwen2-VL, Qwen2.5-VL,
 Qwen3-VL; M-RoPE, the image advancing the position by fewer than its tokens) on the llamacpp engine.
 
 `perception.kind = "vlm"` over the simulator, as tests/agent/test_nav_vlm.py runs the SmolVLM pair: the chat
@@ -60,7 +60,7 @@ def render(template: str, chat: list[dict]) -> str:
 
 @pytest.mark.parametrize("which", ["Qwen2-VL's own", "the test models'"])
 def test_the_qwen_template_puts_the_image_span_on_the_camera_line(which):
-    from tools.models.qwen_vlm import CHAT_TEMPLATE
+    from tests.models.qwen_vlm import CHAT_TEMPLATE
 
     template = QWEN2_VL_TEMPLATE if which == "Qwen2-VL's own" else CHAT_TEMPLATE
     memory = ["Earlier camera: a wall. Then I stopped."]

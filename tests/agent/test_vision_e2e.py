@@ -1,6 +1,6 @@
 """A vision-language pair end to end: the robot's draft VLM and the server's target VLM over the real wire.
 
-The pair is the test VLM (tools/models/make_test_vlm.py: a random SmolVLM; its f32 GGUF + mmproj serve, its
+The pair is the test VLM (tests/models/make_test_vlm.py: a random SmolVLM; its f32 GGUF + mmproj serve, its
 Q8_0 GGUF + f16 mmproj draft). With an image in the prompt every mode must give the target's own
 greedy ids at T = 0, on each engine; the image must reach the model on both sides (two images, two
 outputs); at T > 0 the committed token must follow the target's distribution after the image; a bad
@@ -25,7 +25,7 @@ from server_bridge.target import load_target
 from server_bridge.verifier import Verifier
 from tests.agent import vlm_pairs as pairs
 from tests.conftest import ThreadedServer
-from tools.models import make_test_vlm as tv
+from tests.models import make_test_vlm as tv
 
 pytestmark = pytest.mark.real
 

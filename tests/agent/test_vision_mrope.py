@@ -1,6 +1,6 @@
 """The robot's side with a Qwen-VL pair (M-RoPE): the draft, FSD's branches and the round trip to a llamacpp target.
 
-Each family's tiny random model (tools/models/qwen_vlm.py) takes a 96 x 128 image as 48 tokens but only
+Each family's tiny random model (tests/models/qwen_vlm.py) takes a 96 x 128 image as 48 tokens but only
 8 positions. The draft keeps its KV by position: its logits after an image prompt, and after a rollback
 to right after the image, are the engine's for the same pass (the f32 target GGUF loaded as a draft, with
 the engine's flash attention off as llama-cpp-python's `Llama` has it); its context is counted in cells.
@@ -20,7 +20,7 @@ from agent.spec.drafter import DraftContextFull, Drafter
 from protocol.sampling import SamplingParams
 from server_bridge.engine import Pass, load_engine
 from tests.agent import vlm_pairs as pairs
-from tools.models import qwen_vlm as qv
+from tests.models import qwen_vlm as qv
 
 pytestmark = pytest.mark.real
 

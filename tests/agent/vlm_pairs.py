@@ -4,7 +4,7 @@ test pair's draft and target, the target's own greedy ids, one decoder run, and 
 passes: every mode gives the target's ids, a draft rejected right after the image still does, a dropped link
 re-opens by the image's hash, and what is committed after an image follows the target's distribution (χ²).
 
-`vlm` is a test pair from tools/models (make_test_vlm.TinyVLM or qwen_vlm.QwenVLM): the same file fields.
+`vlm` is a test pair from tests/models (make_test_vlm.TinyVLM or qwen_vlm.QwenVLM): the same file fields.
 tests/agent/conftest.py builds the `vdrafter` and `vserver` fixtures from a module's `vlm` and `vtarget`.
 """
 
@@ -22,8 +22,8 @@ from protocol.sampling import SamplingParams
 from server_bridge.config import ServerConfig
 from server_bridge.target import load_target
 from server_bridge.verifier import Verifier
+from tests.models import qwen_vlm as qv
 from tools.cluster.netem import LinkProfile, NetemProxy
-from tools.models import qwen_vlm as qv
 
 # seed -> (height, width) of a Qwen-VL frame: 48 tokens / 8 positions, 16 / 4, 48 / 8, 300 / 20
 QWEN_SIZES = {0: (96, 128), 1: (64, 64), 2: (96, 128), 3: (240, 320)}

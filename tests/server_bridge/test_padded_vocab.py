@@ -159,7 +159,7 @@ def test_hello_from_a_draft_with_a_pad_tail_is_welcomed_with_the_real_size(padde
 def padded_draft(padded, tmp_path_factory):
     """The padded HF directory as a draft GGUF (Q8_0, llama.cpp's own converter): its vocabulary ends in
     the [PAD<id>] rows the converter writes, as Qwen2-VL-2B's does."""
-    from tools.models.llama_convert import convert, converter_dir
+    from tests.models.llama_convert import convert, converter_dir
 
     _, hf_dir, n = padded
     out = tmp_path_factory.mktemp("padded-draft") / "draft.gguf"

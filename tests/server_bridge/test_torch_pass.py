@@ -4,7 +4,7 @@ A randomly initialised tiny Llama (and a Mistral, whose layers have a sliding wi
 config: the pass's shape is what is tested, not the weights. A ragged batch (sessions at different
 cache lengths, with different numbers of new tokens) gives each session the logits it gets alone,
 and the operators a pass runs (torch.profiler) are as many for 8 sessions as for 2: also on an M-RoPE
-model (the tiny Qwen2-VL of tools/models/qwen_vlm.py), each session after an image of its own size, so
+model (the tiny Qwen2-VL of tests/models/qwen_vlm.py), each session after an image of its own size, so
 at its own rope delta, its positions handed over as [3, 1, T].
 """
 
@@ -166,7 +166,7 @@ def image_sessions(eng: TorchEngine, sessions: int) -> list[tuple]:
     positions and rope delta), then i more ids of text."""
     from PIL import Image
 
-    from tools.models import qwen_vlm as qv
+    from tests.models import qwen_vlm as qv
 
     ids = eng.tokenizer.encode(qv.PROMPT)
     at = ids.index(eng.image_token_id)

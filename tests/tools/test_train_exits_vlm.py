@@ -1,5 +1,5 @@
 """FSD on a vision-language target, as the paper ran it (Qwen2-VL): early-exit adapters trained by
-tools/train/exits.py on a tiny Qwen-VL test model (tools/models/qwen_vlm.py), with an image in some of its
+tools/train/exits.py on a tiny Qwen-VL test model (tests/models/qwen_vlm.py), with an image in some of its
 prompts, load for the same model on both engines (the Hugging Face directory on torch, its f32 GGUF + mmproj on
 llamacpp, tapped through the eval callback), early verdicts stream during FSD rounds with an image in the
 prompt, pre-drafting from them hits, and FSD gives AR's ids at T = 0.
@@ -28,8 +28,8 @@ from server_bridge.exits_torch import ExitHeads
 from server_bridge.verifier import Verifier
 from tests.agent import vlm_pairs as pairs
 from tests.conftest import ThreadedServer
-from tools.models import make_test_vlm as tv
-from tools.models import qwen_vlm as qv
+from tests.models import make_test_vlm as tv
+from tests.models import qwen_vlm as qv
 from tools.train import exits as train_exits
 
 pytestmark = pytest.mark.real

@@ -12,9 +12,9 @@ robot x on the server (the server policy needs one verifier per policy).
 The verifier runs in its own process pinned to its own core(s); the drafts run
 here on the other core(s). For every RTT and prompt the modes run back to
 back (AR, SD with each draft), so machine noise hits them alike. Writes
-bench.json (every run, plus the config in use), bench.md (the table) and
-bench.png (tokens/s against RTT) into --out, and prints beside each
-measurement what the latency model predicts:
+bench.json (every run, plus the config in use), bench.md (the table),
+bench.png (tokens/s against RTT) and, with --ablations, bench_ablations.png into --out, and
+prints beside each measurement what the latency model predicts:
 
     cloud AR = 2*T_c + n*T_q            SD = n/tau * (2*T_c + gamma*T_p + T_v)
 
@@ -26,32 +26,22 @@ draft's time per token and T_v the target's time per verification round
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import os
 import sys
-import time
 from pathlib import Path
 
 from agent.spec.decoder import DecoderConfig, EdgeDecoder, FsdOptions
 from agent.spec.drafter import Drafter
-from tools.cluster.local_verifier import LocalVerifier, pin_cores
+from tools.bench import harness
+from tools.bench.link import TARGET, load_prompts, served, summarize
 from tools.cluster.netem import LinkProfile, NetemProxy
-from tools.plots import line_plot
 
-PROMPTS = Path(__file__).resolve().parents[1] / "prompts" / "bench.jsonl"
 POLICIES = ("priority", "fifo", "random")
 PAIRS = {"smollm2-q4_1": "near-identical (Q4_1 draft)", "smollm2-q2_k": "weaker (Q2_K requantized draft)"}
-TARGET = "smollm2-f32"
 
 
-def load_prompts(n: int) -> list[dict]:
-    rows = [json.loads(line) for line in PROMPTS.read_text().splitlines() if line.strip()]
-    return rows[:n]
-
-
-def predict(run: dict, rtt_ms: float, ar: dict) -> float:
-    """Seconds the latency model predicts for this run (ar: the AR run on the same prompt).
+def predict(run: dict, rtt_ms: float) -> float:
+    """Seconds the latency model predicts for this run.
 
     FSD's draft term is what the loop waited for its draft (a miss drafts, a hit waits ~nothing).
     """
@@ -64,145 +54,59 @@ def predict(run: dict, rtt_ms: float, ar: dict) -> float:
     return n / m["tau"] * (2 * t_c + t_draft + t_v)
 
 
-def summarize(runs: list[dict]) -> dict:
-    tok = sum(len(r["token_ids"]) for r in runs)
-    wall = sum(r["metrics"]["wall_s"] for r in runs)
-    rounds = sum(r["metrics"]["rounds"] for r in runs)
-    drafted = sum(r["metrics"]["drafted"] for r in runs)
-    return {
-        "runs": len(runs),
-        "tokens": tok,
-        "wall_s": wall,
-        "tokens_per_s": tok / wall,
-        "tau": tok / rounds if rounds else None,
-        "acceptance_rate": sum(r["metrics"]["accepted"] for r in runs) / drafted if drafted else None,
-        "predicted_s": sum(r["predicted_s"] for r in runs),
-        "target_forward_passes": sum(r["metrics"]["target_forward_passes"] for r in runs),
-        "bytes_up": sum(r["metrics"]["bytes_up"] for r in runs),
-        "bytes_down": sum(r["metrics"]["bytes_down"] for r in runs),
-        "exact": all(r.get("exact", True) for r in runs),
-        "verify_ms_per_round": sum(r["metrics"]["verify_ms"] for r in runs) / rounds if rounds else None,
-        "draft_ms_per_round": sum(r["metrics"]["draft_ms"] for r in runs) / rounds if rounds else None,
-        **_fsd_summary(runs),
-    }
-
-
-def _fsd_summary(runs: list[dict]) -> dict:
-    if not runs or runs[0]["mode"] != "fsd":
-        return {}
-    hits = sum(r["metrics"]["predraft_hits"] for r in runs)
-    misses = sum(r["metrics"]["predraft_misses"] for r in runs)
-    rounds = sum(r["metrics"]["rounds"] for r in runs)
-    return {
-        "predraft_hits": hits,
-        "predraft_misses": misses,
-        "predraft_miss_rate": misses / (hits + misses) if hits + misses else None,
-        "predraft_failures": sum(r["metrics"]["predraft_failures"] for r in runs),
-        "avg_exit_layer": sum(r["metrics"]["exit_layer_sum"] for r in runs) / rounds if rounds else None,
-        "exit_ms_per_round": sum(r["metrics"]["exit_ms"] for r in runs) / rounds if rounds else None,
-        "exits_received": sum(r["metrics"]["exits_received"] for r in runs),
-    }
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rtts", default="0,20,50,100", help="round-trip times in ms")
+def add_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--rtts", type=harness.floats, default=[0.0, 20.0, 50.0, 100.0], help="round-trip times in ms")
     ap.add_argument("--gamma", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--prompts", type=int, default=10)
-    ap.add_argument("--drafts", default=",".join(PAIRS))
-    ap.add_argument("--modes", default="ar,sd,fsd", help="which of ar, sd, fsd to run in the main grid")
+    ap.add_argument("--drafts", type=harness.names, default=list(PAIRS))
+    ap.add_argument("--modes", type=harness.names, default=["ar", "sd", "fsd"], help="of ar, sd, fsd: the main grid")
     ap.add_argument("--workers", type=int, default=FsdOptions.workers, help="FSD pre-draft branches at once")
     ap.add_argument("--ablations", action="store_true", help="also run the FSD ablations")
     ap.add_argument("--ablation-rtt", type=float, default=20.0)
     ap.add_argument("--ablation-prompts", type=int, default=3)
-    ap.add_argument("--out", default="bench_results")
-    args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
-    rtts = [float(x) for x in args.rtts.split(",")]
-    drafts = args.drafts.split(",")
-    modes = args.modes.split(",")
-    prompts = load_prompts(args.prompts)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
 
-    agent_cpus, server_cpus = pin_cores()
-    config = {
-        "rtts_ms": rtts,
-        "gamma": args.gamma,
-        "max_tokens": args.max_tokens,
-        "prompts": len(prompts),
-        "drafts": drafts,
-        "modes": modes,
-        "target": TARGET,
-        "temperature": 0.0,
-        "fsd_workers": args.workers,
-        "agent_cpus": sorted(agent_cpus),
-        "server_cpus": sorted(server_cpus),
-        "cpu_count": os.cpu_count(),
-        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
-    }
-    print(
-        f"bench: {len(rtts)} RTTs x {len(prompts)} prompts x modes {modes} x drafts {drafts}, gamma "
-        f"{args.gamma}, {args.max_tokens} tokens; verifier on cores {sorted(server_cpus)}, drafts on "
-        f"{sorted(agent_cpus)}",
-        flush=True,
-    )
+
+def measure(args: argparse.Namespace) -> dict:
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    if args.quick:  # one prompt, one RTT, a few tokens: the script checked end to end
+        args.prompts, args.rtts, args.max_tokens, args.ablation_prompts = 1, args.rtts[:1], 8, 1
+    prompts = load_prompts(args.prompts)
+    result: dict = {"target": TARGET, "prompts": len(prompts), "max_tokens": args.max_tokens, "gamma": args.gamma}
+    result |= {"workers": args.workers, "ablation_rtt": args.ablation_rtt, "ablation_prompts": args.ablation_prompts}
     runs: list[dict] = []
     ablation: list[dict] = []
-    with (
-        LocalVerifier(target=TARGET, cpus=server_cpus, threads=len(server_cpus)) as server,
-        NetemProxy("127.0.0.1", server.port) as link,
-    ):
-        os.sched_setaffinity(0, agent_cpus)
-        drafters = {d: Drafter(d, threads=len(agent_cpus)) for d in drafts}
-        first = drafters[drafts[0]]
-        bench = Runner(link, drafters, args.max_tokens, args.workers)
+    with served() as s:
+        result |= s.cores()
+        drafters = {d: s.drafter(d) for d in args.drafts}
+        bench = Runner(s.link, drafters, args.max_tokens, args.workers)
         bench.warm_up(args.gamma)
-        total = len(rtts) * len(prompts)
-        step = 0
-        for rtt in rtts:
-            link.set_profile(LinkProfile.from_rtt(rtt))
+        total, step = len(args.rtts) * len(prompts), 0
+        for rtt in args.rtts:
+            s.link.set_profile(LinkProfile.from_rtt(rtt))
             for i, p in enumerate(prompts):
                 step += 1
-                ids = first.tokenize(p["prompt"], chat=p["chat"])
-                batch = bench.compare(ids, modes, drafts, args.gamma)
+                ids = drafters[args.drafts[0]].tokenize(p["prompt"], chat=p["chat"])
                 line = [f"[{step}/{total}] rtt {rtt:>5.0f} ms  {p['category']:<13}"]
-                for r in batch:
-                    r.update(rtt_ms=rtt, prompt=i, category=p["category"])
-                    r["predicted_s"] = predict(r, rtt, batch[0])
+                for r in bench.compare(ids, args.modes, args.drafts, args.gamma):
+                    r.update(rtt_ms=rtt, prompt=i, category=p["category"], predicted_s=predict(r, rtt))
                     runs.append(r)
                     line.append(bench.describe(r))
                 print("  |  ".join(line), flush=True)
         if args.ablations:
             ablation += run_ablations(
-                bench, link, drafts[0], prompts[: args.ablation_prompts], args.ablation_rtt, args.gamma
+                bench, s.link, args.drafts[0], prompts[: args.ablation_prompts], args.ablation_rtt, args.gamma
             )
         bench.close()
-        config["server_metrics_tail"] = server.metrics().splitlines()[-6:]
+        result["server_metrics_tail"] = s.metrics_tail()
     if args.ablations:
-        ablation += run_server_policies(
-            drafters_spec=drafts[0],
-            prompts=prompts[: args.ablation_prompts],
-            rtt=args.ablation_rtt,
-            gamma=args.gamma,
-            max_tokens=args.max_tokens,
-            workers=args.workers,
-            agent_cpus=agent_cpus,
-            server_cpus=server_cpus,
-        )
-
-    table = build_table(runs, rtts, drafts)
-    result = {"config": config, "table": table, "ablations": ablation, "runs": runs}
-    (out / "bench.json").write_text(json.dumps(result, indent=1))
-    md = render_markdown(table, config) + render_ablations(ablation)
-    (out / "bench.md").write_text(md)
-    plot(table, drafts, out / "bench.png")
+        ablation += run_server_policies(args, prompts[: args.ablation_prompts])
+    result |= {"table": build_table(runs, args.rtts, args.drafts), "ablations": ablation, "runs": runs}
+    result["exact"] = all(r["exact"] for r in result["table"] + ablation)
     if ablation:
-        plot_ablations(ablation, out / "bench_ablations.png")
-    print("\n" + md)
-    print(f"wrote {out / 'bench.json'}, {out / 'bench.md'}, {out / 'bench.png'}")
-    return 0 if all(r["exact"] for r in table) and all(a["exact"] for a in ablation) else 1
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        ABLATION_PLOT.write(Path(args.out) / "bench_ablations.png", result)
+    return result
 
 
 class Runner:
@@ -272,13 +176,14 @@ def run_ablations(
 
     def measure(kind: str, value, decoder: EdgeDecoder, mode: str, g: int) -> None:
         runs = []
-        for ids, ref in zip(inputs, refs):
+        for ids, ref in zip(inputs, refs, strict=True):
             r = bench.run(decoder, ids, mode, g, draft)
             r["exact"] = r["token_ids"] == ref
             runs.append(r)
         row = {
             "ablation": kind,
             "value": value,
+            "series": "FSD vs pre-draft workers" if kind == "workers" else f"{mode.upper()} vs gamma",
             "mode": mode,
             "gamma": g,
             "rtt_ms": rtt,
@@ -302,27 +207,14 @@ def run_ablations(
     return rows
 
 
-def run_server_policies(
-    drafters_spec: str,
-    prompts: list[dict],
-    rtt: float,
-    gamma: int,
-    max_tokens: int,
-    workers: int,
-    agent_cpus: set[int],
-    server_cpus: set[int],
-) -> list[dict]:
+def run_server_policies(args: argparse.Namespace, prompts: list[dict]) -> list[dict]:
     """Queue policy on the robot x on the server: one verifier per server policy."""
+    drafters_spec, rtt, gamma, workers = args.drafts[0], args.ablation_rtt, args.gamma, args.workers
     rows = []
     for server_policy in POLICIES:
-        with (
-            LocalVerifier(
-                target=TARGET, cpus=server_cpus, threads=len(server_cpus), extra_args=["--exit-policy", server_policy]
-            ) as server,
-            NetemProxy("127.0.0.1", server.port, LinkProfile.from_rtt(rtt)) as link,
-        ):
-            dr = Drafter(drafters_spec, threads=len(agent_cpus))
-            bench = Runner(link, {drafters_spec: dr}, max_tokens, workers)
+        with served(profile=LinkProfile.from_rtt(rtt), extra_args=["--exit-policy", server_policy]) as s:
+            link, dr = s.link, s.drafter(drafters_spec)
+            bench = Runner(link, {drafters_spec: dr}, args.max_tokens, workers)
             bench.warm_up(gamma)
             inputs = [dr.tokenize(p["prompt"], chat=p["chat"]) for p in prompts]
             refs = [bench.run(bench.sd[drafters_spec], ids, "ar", gamma, None)["token_ids"] for ids in inputs]
@@ -332,7 +224,7 @@ def run_server_policies(
                 )
                 dec.generate(inputs[0], mode="fsd", max_tokens=16, gamma=gamma)  # warm up its context
                 runs = []
-                for ids, ref in zip(inputs, refs):
+                for ids, ref in zip(inputs, refs, strict=True):
                     r = bench.run(dec, ids, "fsd", gamma, drafters_spec)
                     r["exact"] = r["token_ids"] == ref
                     runs.append(r)
@@ -358,7 +250,15 @@ def build_table(runs: list[dict], rtts: list[float], drafts: list[str]) -> list[
     table = []
     for rtt in rtts:
         ar = summarize([r for r in runs if r["rtt_ms"] == rtt and r["mode"] == "ar"])
-        table.append({"rtt_ms": rtt, "mode": "AR", "pair": "target only", **ar, "speedup": 1.0})
+        ar_row = {
+            "rtt_ms": rtt,
+            "mode": "AR",
+            "pair": "target only",
+            "series": "target only (cloud AR)",
+            **ar,
+            "speedup": 1.0,
+        }
+        table.append(ar_row | {"tau": None, "draft_ms_per_round": None})  # AR drafts nothing
         for d in drafts:
             sd = None
             for mode in ("sd", "fsd"):
@@ -369,6 +269,7 @@ def build_table(runs: list[dict], rtts: list[float], drafts: list[str]) -> list[
                 row.update(
                     rtt_ms=rtt,
                     mode=mode.upper(),
+                    series=f"{mode.upper()}, draft {d}",
                     pair=f"{d} -> {TARGET}",
                     speedup=row["tokens_per_s"] / ar["tokens_per_s"],
                 )
@@ -390,93 +291,93 @@ def build_table(runs: list[dict], rtts: list[float], drafts: list[str]) -> list[
     return table
 
 
-def render_markdown(table: list[dict], config: dict) -> str:
-    head = (
-        "| RTT ms | mode | pair | tokens/s | vs AR | SD->FSD | tau | acceptance | miss rate | avg exit layer | "
-        "draft ms/round | verify ms/round | wall s | model s | bytes up | bytes down | exact | "
-        "SD->FSD, separate machines (projected) |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
-    )
-    rows = []
-    fmt = lambda v, f: "-" if v is None else format(v, f)
-    for r in table:
-        ar = r["mode"] == "AR"
-        rows.append(
-            f"| {r['rtt_ms']:.0f} | {r['mode']} | {r['pair']} | {r['tokens_per_s']:.2f} | "
-            f"{r['speedup']:.2f}x | {fmt(r.get('speedup_vs_sd'), '.2f')} | "
-            f"{'-' if ar else fmt(r['tau'], '.2f')} | {fmt(r['acceptance_rate'], '.3f')} | "
-            f"{fmt(r.get('predraft_miss_rate'), '.3f')} | {fmt(r.get('avg_exit_layer'), '.1f')} | "
-            f"{'-' if ar else fmt(r['draft_ms_per_round'], '.0f')} | {fmt(r['verify_ms_per_round'], '.0f')} | "
-            f"{r['wall_s']:.1f} | {r['predicted_s']:.1f} | {r['bytes_up']} | {r['bytes_down']} | "
-            f"{'yes' if r['exact'] else 'NO'} | {fmt(r.get('separate_machines_speedup_vs_sd'), '.2f')} |"
-        )
-    note = (
-        f"\n{config['prompts']} prompts x {config['max_tokens']} tokens, gamma {config['gamma']}, temperature 0, "
-        f"FSD with {config['fsd_workers']} pre-draft branch(es) at once; verifier on cores "
-        f"{config['server_cpus']}, drafts on {config['agent_cpus']}; started {config['started']}. "
-        "'model s' is the latency model's prediction from times measured in the same run. "
-        "'verify ms/round' is the server's time per verification pass; in FSD it includes the exit heads, "
-        "and on this one machine any slowdown from the robot pre-drafting on the other core "
-        "(python -m tools.bench.contention). The last column projects separate machines: each FSD round's verify "
-        "pass as long as an SD round's in the same run plus the exit heads' own time, the rest as measured.\n"
-    )
-    return head + "\n".join(rows) + "\n" + note
+def _f(spec: str):
+    return lambda v: "-" if v is None else format(v, spec)
 
 
-def render_ablations(rows: list[dict]) -> str:
-    if not rows:
-        return ""
-    out = [
-        f"\n## FSD ablations (near-identical pair, RTT {rows[0]['rtt_ms']:.0f} ms, {rows[0]['runs']} prompts)\n",
-        "| ablation | value | mode | gamma | tokens/s | tau | miss rate | avg exit layer | verify ms/round | exact |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    fmt = lambda v, f: "-" if v is None else format(v, f)
-    for r in rows:
-        out.append(
-            f"| {r['ablation']} | {r['value']} | {r['mode'].upper()} | {r['gamma']} | {r['tokens_per_s']:.2f} | "
-            f"{fmt(r['tau'], '.2f')} | {fmt(r.get('predraft_miss_rate'), '.3f')} | "
-            f"{fmt(r.get('avg_exit_layer'), '.1f')} | {fmt(r['verify_ms_per_round'], '.0f')} | "
-            f"{'yes' if r['exact'] else 'NO'} |"
-        )
-    return "\n".join(out) + "\n"
+def _yes(v: bool) -> str:
+    return "yes" if v else "NO"
 
 
-def plot(table: list[dict], drafts: list[str], path: Path) -> None:
-    ar = [r for r in table if r["mode"] == "AR"]
-    series = [("target only (cloud AR)", [r["rtt_ms"] for r in ar], [r["tokens_per_s"] for r in ar])]
-    notes = []
-    for d in drafts:
-        for mode in ("SD", "FSD"):
-            rows = [r for r in table if r["pair"].startswith(d) and r["mode"] == mode]
-            if rows:
-                series.append((f"{mode}, draft {d}", [r["rtt_ms"] for r in rows], [r["tokens_per_s"] for r in rows]))
-                notes += [(r["rtt_ms"], r["tokens_per_s"], f"tau {r['tau']:.1f}") for r in rows if mode == "SD"]
-    line_plot(
-        path,
-        series,
-        "round-trip time (ms)",
-        "committed tokens / s",
-        f"AR vs SD vs FSD through the emulated link (target {TARGET}, CPU)",
-        notes=notes,
-    )
+C = harness.Col
+REPORT = harness.Report(
+    "bench",
+    "# AR vs SD vs FSD through the emulated link (target {target})",
+    [
+        harness.Table(
+            "table",
+            [
+                C("rtt_ms", "RTT ms", "{:.0f}"),
+                C("mode"),
+                C("pair"),
+                C("tokens_per_s", "tokens/s", "{:.2f}"),
+                C("speedup", "vs AR", "{:.2f}x"),
+                C("speedup_vs_sd", "SD->FSD", _f(".2f")),
+                C("tau", "tau", _f(".2f")),
+                C("acceptance_rate", "acceptance", _f(".3f")),
+                C("predraft_miss_rate", "miss rate", _f(".3f")),
+                C("avg_exit_layer", "avg exit layer", _f(".1f")),
+                C("draft_ms_per_round", "draft ms/round", _f(".0f")),
+                C("verify_ms_per_round", "verify ms/round", _f(".0f")),
+                C("wall_s", "wall s", "{:.1f}"),
+                C("predicted_s", "model s", "{:.1f}"),
+                C("bytes_up", "bytes up"),
+                C("bytes_down", "bytes down"),
+                C("exact", fmt=_yes),
+                C("separate_machines_speedup_vs_sd", "SD->FSD, separate machines (projected)", _f(".2f")),
+            ],
+            note="{prompts} prompts x {max_tokens} tokens, gamma {gamma}, temperature 0, FSD with "
+            "{workers} pre-draft branch(es) at once; verifier on cores {server_cpus}, drafts on "
+            "{agent_cpus}; started {started}. 'model s' is the latency model's prediction from times measured in "
+            "the same run. 'verify ms/round' is the server's time per verification pass; in FSD it includes the "
+            "exit heads, and on this one machine any slowdown from the robot pre-drafting on the other core "
+            "(python -m tools.bench.contention). The last column projects separate machines: each FSD round's "
+            "verify pass as long as an SD round's in the same run plus the exit heads' own time, the rest as "
+            "measured.",
+        ),
+    ],
+    harness.Plot(
+        "table",
+        x="rtt_ms",
+        ys={"": "tokens_per_s"},
+        group="series",
+        xlabel="round-trip time (ms)",
+        ylabel="committed tokens / s",
+        title="AR vs SD vs FSD through the emulated link (target {target}, CPU)",
+    ),
+    extra=lambda result: ABLATIONS.render(result) if result["ablations"] else [],
+)
+ABLATIONS = harness.Table(
+    "ablations",
+    [
+        C("ablation"),
+        C("value"),
+        C("mode", fmt=str.upper),
+        C("gamma"),
+        C("tokens_per_s", "tokens/s", "{:.2f}"),
+        C("tau", "tau", _f(".2f")),
+        C("predraft_miss_rate", "miss rate", _f(".3f")),
+        C("avg_exit_layer", "avg exit layer", _f(".1f")),
+        C("verify_ms_per_round", "verify ms/round", _f(".0f")),
+        C("exact", fmt=_yes),
+    ],
+    "## FSD ablations (near-identical pair, RTT {ablation_rtt:.0f} ms, {ablation_prompts} prompts)",
+)
+ABLATION_PLOT = harness.Plot(
+    "ablations",
+    x="value",
+    ys={"": "tokens_per_s"},
+    group="series",
+    xlabel="pre-draft workers / gamma",
+    ylabel="committed tokens / s",
+    title="FSD ablations at RTT {ablation_rtt:.0f} ms",
+    where=lambda r: r["ablation"] != "policy",
+)
 
 
-def plot_ablations(rows: list[dict], path: Path) -> None:
-    series = []
-    w = [r for r in rows if r["ablation"] == "workers"]
-    if w:
-        series.append(("FSD vs pre-draft workers", [r["value"] for r in w], [r["tokens_per_s"] for r in w]))
-    for mode in ("sd", "fsd"):
-        g = [r for r in rows if r["ablation"] == "gamma" and r["mode"] == mode]
-        if g:
-            series.append((f"{mode.upper()} vs gamma", [r["value"] for r in g], [r["tokens_per_s"] for r in g]))
-    line_plot(
-        path,
-        series,
-        "pre-draft workers / gamma",
-        "committed tokens / s",
-        f"FSD ablations at RTT {rows[0]['rtt_ms']:.0f} ms",
+def main(argv: list[str] | None = None) -> int:
+    return harness.main(
+        __doc__, REPORT, measure, add_args, argv, out="bench_results", module="tools.bench.decoding", pin_cores=False
     )
 
 

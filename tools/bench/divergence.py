@@ -83,7 +83,7 @@ def sd_against(target, prompts: list[list[int]], ref, n: int, gamma: int, batche
                 Extension(states[i], states[i].ids[states[i].cached :] + drafts[i], len(drafts[i]) + 1) for i in group
             ]
             rows_all = target.extend(exts)
-            for i, rows in zip(group, rows_all):
+            for i, rows in zip(group, rows_all, strict=True):
                 rows = np.asarray(target.to_numpy(rows), np.float64)  # [k + 1, vocab]
                 d = drafts[i]
                 for j in range(len(d) + 1):

@@ -10,19 +10,15 @@
 
     python -m tools.bench.engine --out docs/engine      # ~3 min on the 2-core development machine
 
-Writes engine.json, engine.md and engine.png. Timings are medians of --iters passes.
+Writes engine.json, engine.md and engine.png. Timings are medians of --repeats passes.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
@@ -30,20 +26,11 @@ from protocol import wire
 from server_bridge.config import ServerConfig
 from server_bridge.target import Extension, load_target
 from server_bridge.verifier import Job, Verifier
+from tools.bench import harness
 
 TOKENS = (1, 2, 4, 8)
 SESSIONS = (1, 2, 4, 8, 16)
 EXITS = [12, 18, 22, 26]
-
-
-def _median_ms(fn, iters: int) -> float:
-    fn()  # warm: graph reservations, allocator
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times)
 
 
 class Warm:
@@ -61,7 +48,7 @@ class Warm:
         ]
 
     def pass_ms(self, sessions: int, k: int, iters: int, taps=None) -> float:
-        return _median_ms(lambda: self.target.extend(self.batch(sessions, k, taps)), iters)
+        return harness.median_ms(lambda: self.target.extend(self.batch(sessions, k, taps)), iters)
 
 
 def grid(targets: dict, cache: int, iters: int, rng) -> list[dict]:
@@ -72,6 +59,7 @@ def grid(targets: dict, cache: int, iters: int, rng) -> list[dict]:
             row = {"sessions": n, "tokens": k}
             for name in targets:  # alternate engines point by point
                 row[name] = round(warm[name].pass_ms(n, k, iters), 2)
+            row["torch_over_llamacpp"] = row["torch"] / row["llamacpp"]
             rows.append(row)
             print(f"  {n:2d} sessions x {k} tokens: " + ", ".join(f"{e} {row[e]:.1f} ms" for e in targets), flush=True)
     return rows
@@ -123,18 +111,18 @@ def round_overhead(target, cache: int, iters: int, rng) -> list[dict]:
         ]
         draft = [greedy[0]] * k  # a draft the target mostly rejects: a short commit
 
-        def one_round():
+        def one_round(sessions: list = sessions, draft: list[int] = draft) -> None:
             frames = [wire.encode(wire.Verify(s.sid, 0, len(s.state.ids), draft, {"kind": "none"})) for s in sessions]
-            jobs = [Job("verify", wire.decode(f), s) for f, s in zip(frames, sessions)]
+            jobs = [Job("verify", wire.decode(f), s) for f, s in zip(frames, sessions, strict=True)]
             results, _, _ = verifier.run_batch(jobs)
-            for s, out in zip(sessions, results):
+            for s, out in zip(sessions, results, strict=True):
                 wire.encode(
                     wire.Result(s.sid, 0, out.verdict.accepted, out.verdict.token, len(s.state.ids), out.timing())
                 )
             for s in sessions:  # back to the same prefix for the next repetition
                 target.rewind(s.state, prompt)
 
-        ours = _median_ms(one_round, iters)
+        ours = harness.median_ms(one_round, iters)
         batch = [Extension(s.state, s.state.ids[s.state.cached :] + draft, k + 1) for s in sessions]
         bare = bare_decode_ms(target, batch, iters)
         rows.append(
@@ -177,62 +165,62 @@ def callback_cost(cache: int, iters: int, rng) -> list[dict]:
     return rows
 
 
-def markdown(result: dict) -> str:
-    lines = [
-        f"# Verification pass cost per engine ({result['target']}, 1 thread, core {result['core']})",
-        "",
-        f"`{result['command']}`",
-        "",
-        f"## Pass time (ms, median), warm caches of {result['cache']} tokens",
-        "",
-        "| sessions | new tokens each | llamacpp | torch | torch / llamacpp |",
-        "|---|---|---|---|---|",
-    ]
-    for r in result["grid"]:
-        lines.append(
-            f"| {r['sessions']} | {r['tokens']} | {r['llamacpp']:.1f} | {r['torch']:.1f} | "
-            f"{r['torch'] / r['llamacpp']:.2f}x |"
-        )
-    lines += [
-        "",
-        "## Our whole round against a bare llama_decode of the same batch (llamacpp)",
-        "",
-        "| sessions | draft | round ms | bare llama_decode ms | overhead |",
-        "|---|---|---|---|---|",
-    ]
-    for r in result["round_overhead"]:
-        lines.append(
-            f"| {r['sessions']} | {r['draft']} | {r['round_ms']:.1f} | {r['bare_decode_ms']:.1f} | "
-            f"{r['overhead_pct']:+.1f} % |"
-        )
-    lines += [
-        "",
-        "## The eval callback that early exits would need on llamacpp (one session)",
-        "",
-        "| new tokens | no callback ms | callback, nothing tapped ms | callback, 4 exits read ms |",
-        "|---|---|---|---|",
-    ]
-    for r in result["callback"]:
-        lines.append(
-            f"| {r['tokens']} | {r['no_callback']:.1f} | {r['callback_untapped']:.1f} | {r['callback_4_exits']:.1f} |"
-        )
-    return "\n".join(lines) + "\n"
+REPORT = harness.Report(
+    "engine",
+    "# Verification pass cost per engine ({target}, 1 thread, cores {cores})",
+    [
+        harness.Table(
+            "grid",
+            [
+                harness.Col("sessions"),
+                harness.Col("tokens", "new tokens each"),
+                harness.Col("llamacpp", fmt="{:.1f}"),
+                harness.Col("torch", fmt="{:.1f}"),
+                harness.Col("torch_over_llamacpp", "torch / llamacpp", "{:.2f}x"),
+            ],
+            "## Pass time (ms, median), warm caches of {cache} tokens",
+        ),
+        harness.Table(
+            "round_overhead",
+            [
+                harness.Col("sessions"),
+                harness.Col("draft"),
+                harness.Col("round_ms", "round ms", "{:.1f}"),
+                harness.Col("bare_decode_ms", "bare llama_decode ms", "{:.1f}"),
+                harness.Col("overhead_pct", "overhead", "{:+.1f} %"),
+            ],
+            "## Our whole round against a bare llama_decode of the same batch (llamacpp)",
+        ),
+        harness.Table(
+            "callback",
+            [
+                harness.Col("tokens", "new tokens"),
+                harness.Col("no_callback", "no callback ms", "{:.1f}"),
+                harness.Col("callback_untapped", "callback, nothing tapped ms", "{:.1f}"),
+                harness.Col("callback_4_exits", "callback, 4 exits read ms", "{:.1f}"),
+            ],
+            "## The eval callback that early exits would need on llamacpp (one session)",
+        ),
+    ],
+    harness.Plot(
+        "grid",
+        x="sessions",
+        ys={"llamacpp": "llamacpp", "torch": "torch"},
+        group="tokens",
+        xlabel="sessions per pass",
+        ylabel="pass time (ms)",
+        title="{target}: one pass, 1 thread, warm caches of {cache}",
+        where=lambda r: r["tokens"] in (1, 4),
+    ),
+)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default="bench_results/engine")
-    ap.add_argument("--core", type=int, default=1, help="the one core the engines run on")
+def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--cache", type=int, default=45, help="cached tokens per session")
-    ap.add_argument("--iters", type=int, default=15)
-    ap.add_argument("--quick", action="store_true", help="fewer iterations (tests)")
-    args = ap.parse_args(argv)
-    if args.quick:
-        args.iters = 2
-    os.sched_setaffinity(0, {args.core})
+
+
+def measure(args: argparse.Namespace) -> dict:
     rng = np.random.default_rng(0)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     print("loading both engines (1 thread each)", flush=True)
     targets = {
         "llamacpp": load_target(threads=1, max_sequences=24, kv_tokens=8192),
@@ -240,38 +228,24 @@ def main(argv: list[str] | None = None) -> int:
     }
     print("pass time against sessions and tokens", flush=True)
     result = {
-        "command": "python -m tools.bench.engine " + " ".join(argv if argv is not None else sys.argv[1:]),
         "target": targets["llamacpp"].name,
-        "core": args.core,
+        "cores": args.cores,
         "cache": args.cache,
-        "iters": args.iters,
-        "machine": platform.processor() or platform.machine(),
         "engines": {n: t.engine.info.as_dict() for n, t in targets.items()},
-        "grid": grid(targets, args.cache, args.iters, rng),
+        "grid": grid(targets, args.cache, args.repeats, rng),
     }
     print("our round against a bare llama_decode", flush=True)
-    result["round_overhead"] = round_overhead(targets["llamacpp"], args.cache, args.iters, rng)
+    result["round_overhead"] = round_overhead(targets["llamacpp"], args.cache, args.repeats, rng)
     del targets
     print("the eval callback's cost", flush=True)
-    result["callback"] = callback_cost(args.cache, args.iters, rng)
-    (out / "engine.json").write_text(json.dumps(result, indent=1))
-    (out / "engine.md").write_text(markdown(result))
-    from tools.plots import line_plot
+    result["callback"] = callback_cost(args.cache, args.repeats, rng)
+    return result
 
-    series = [
-        (f"{e}, {k} token{'s' * (k > 1)}", list(SESSIONS), [r[e] for r in result["grid"] if r["tokens"] == k])
-        for e in ("llamacpp", "torch")
-        for k in (1, 4)
-    ]
-    line_plot(
-        out / "engine.png",
-        series,
-        "sessions per pass",
-        "pass time (ms)",
-        f"{result['target']}: one pass, 1 thread, warm caches of {args.cache}",
+
+def main(argv: list[str] | None = None) -> int:
+    return harness.main(
+        __doc__, REPORT, measure, add_args, argv, out="bench_results/engine", repeats=15, cores_default="1"
     )
-    print(f"wrote {out}/engine.json, engine.md, engine.png")
-    return 0
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """What the early exits cost inside one verify pass (FSD), on the real target, on each engine.
 
-    python -m tools.bench.exit_cost --out docs/exits [--engines llamacpp,torch] [--draft 4] [--cands 8] [--iters 40]
+    python -m tools.bench.exit_cost --out docs/exits [--engines llamacpp,torch] [--draft 4] [--cands 8] [--repeats 40]
 
 The same verify pass (a k-token draft on a warm KV cache, rewound after each
 run) is timed, interleaved so a busy machine hurts all alike:
@@ -12,40 +12,22 @@ run) is timed, interleaved so a busy machine hurts all alike:
   full-vocabulary row at the bonus position) and rejected at row 0;
 - with every exit over the full vocabulary.
 Separately: the bonus row's full head and one exit's candidate scoring.
-The process is pinned to --core with one thread. Medians in ms into
+The process is pinned to --cores with one thread. Medians in ms into
 exit_cost.json, exit_cost.md and exit_cost.png.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
 from protocol import modelfiles
 from server_bridge.exits import ExitConfig, ExitPass, NumpyExitHeads
 from server_bridge.target import load_target
-from tools.plots import bar_plot
-
-ROWS = (
-    "pass_off",
-    "pass_callback_idle",
-    "pass_exits_cands",
-    "pass_exits_cands_rejected_at_0",
-    "pass_exits_full",
-    "exits_cands",
-    "exits_cands_rejected_at_0",
-    "exits_full",
-    "bonus_full_row",
-    "one_exit_cands",
-)
+from tools.bench import harness
 
 
 def _ms(fn) -> float:
@@ -107,7 +89,7 @@ def measure(name: str, layers: list[int], args) -> dict:
 
     hidden = randn(args.draft + 1, heads.config.hidden)  # [k + 1, H]
     runs: dict[str, list[float]] = {}
-    for i in range(args.iters + 3):  # the first 3 warm up
+    for i in range(args.repeats + 3):  # the first 3 warm up
         t = {"pass_off": verify(plain, False)[0]}
         if plain is not target:
             t["pass_callback_idle"] = verify(target, False)[0]
@@ -120,98 +102,107 @@ def measure(name: str, layers: list[int], args) -> dict:
             for k, v in t.items():
                 runs.setdefault(k, []).append(v)
         if (i + 1) % 10 == 0:
-            print(f"  {name}: {i + 1}/{args.iters + 3} iterations", flush=True)
+            print(f"  {name}: {i + 1}/{args.repeats + 3} iterations", flush=True)
     med = {k: round(statistics.median(v), 2) for k, v in runs.items()}
     med["passes_reaching_bonus_row"] = round(sum(bonus) / max(1, len(bonus)), 2)
     med["engine"] = target.engine.info.as_dict()
     return med
 
 
-def markdown(report: dict) -> str:
-    engines = list(report["engines"])
-    label = {
-        "pass_off": "pass without exits",
-        "pass_callback_idle": "pass, eval callback installed, no exits asked",
-        "pass_exits_cands": f"pass with {len(report['exit_layers'])} exits on K={report['cands']} candidates, "
-        "draft accepted",
-        "pass_exits_cands_rejected_at_0": "same, draft rejected at row 0",
-        "pass_exits_full": "pass with the exits on the full vocabulary",
-        "exits_cands": "  of it in the exits (accepted: one bonus full row)",
-        "exits_cands_rejected_at_0": "  of it in the exits (rejected at row 0)",
-        "exits_full": "  of it in the exits (full vocabulary)",
-        "bonus_full_row": "the bonus row's full head (once per pass)",
-        "one_exit_cands": f"one exit's candidate scoring, {report['draft']} rows x {report['cands'] + 1}",
+def labels(args: argparse.Namespace, n_exits: int) -> dict[str, tuple[str, str]]:
+    """Each timed key: (its line in the table, its short label in the plot, or "" for none)."""
+    return {
+        "pass_off": ("pass without exits", "off"),
+        "pass_callback_idle": ("pass, eval callback installed, no exits asked", "callback idle"),
+        "pass_exits_cands": (
+            f"pass with {n_exits} exits on K={args.cands} candidates, draft accepted",
+            "exits (accepted)",
+        ),
+        "pass_exits_cands_rejected_at_0": ("same, draft rejected at row 0", "exits (rejected)"),
+        "pass_exits_full": ("pass with the exits on the full vocabulary", "exits full vocab"),
+        "exits_cands": ("  of it in the exits (accepted: one bonus full row)", ""),
+        "exits_cands_rejected_at_0": ("  of it in the exits (rejected at row 0)", ""),
+        "exits_full": ("  of it in the exits (full vocabulary)", ""),
+        "bonus_full_row": ("the bonus row's full head (once per pass)", ""),
+        "one_exit_cands": (f"one exit's candidate scoring, {args.draft} rows x {args.cands + 1}", ""),
     }
-    lines = [
-        f"# Early exits inside a verify pass ({report['target']}, {report['draft']}-token draft, exits at "
-        f"{report['exit_layers']}, 1 thread, core {report['core']})",
-        "",
-        f"`{report['command']}`",
-        "",
-        "| ms (median of %d) | %s |" % (report["iters"], " | ".join(engines)),
-        "|---|" + "---|" * len(engines),
-    ]
-    for key in ROWS:
-        cells = [f"{report['engines'][e][key]:.1f}" if key in report["engines"][e] else "n/a" for e in engines]
-        lines.append(f"| {label[key]} | {' | '.join(cells)} |")
-    for e in engines:
-        r = report["engines"][e]
-        lines.append("")
-        lines.append(
+
+
+def summary(report: dict) -> list[str]:
+    lines = []
+    for e, r in report["engines"].items():
+        lines += [
             f"- {e}: exits add {r['pass_exits_cands'] - r['pass_off']:+.1f} ms to a pass of "
             f"{r['pass_off']:.1f} ms when the draft is accepted, "
-            f"{r['pass_exits_cands_rejected_at_0'] - r['pass_off']:+.1f} ms when it is rejected at once."
+            f"{r['pass_exits_cands_rejected_at_0'] - r['pass_off']:+.1f} ms when it is rejected at once.",
+            "",
+        ]
+    return lines
+
+
+REPORT = harness.Report(
+    "exit_cost",
+    "# Early exits inside a verify pass ({target}, {draft}-token draft, exits at {exit_layers}, "
+    "{threads} thread, cores {cores})",
+    [
+        harness.Table(
+            "rows",
+            [
+                harness.Col("what", "ms (median)"),
+                harness.Col("llamacpp", fmt="{:.1f}"),
+                harness.Col("torch", fmt="{:.1f}"),
+            ],
+            note="Medians of {repeats} interleaved passes.",
         )
-    return "\n".join(lines) + "\n"
+    ],
+    harness.Plot(
+        "rows",
+        x="short",
+        ys={"llamacpp": "llamacpp", "torch": "torch"},
+        xlabel="",
+        ylabel="verify pass ms (median)",
+        title="Early exits in a {draft}-token verify pass, {threads} thread",
+        kind="bar",
+        where=lambda r: bool(r["short"]),
+    ),
+    extra=summary,
+)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--engines", default="llamacpp,torch")
+def add_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--engines", type=harness.names, default=["llamacpp", "torch"])
     ap.add_argument("--draft", type=int, default=4, help="draft tokens per verify pass")
     ap.add_argument("--cands", type=int, default=8, help="candidates per draft position (K)")
-    ap.add_argument("--iters", type=int, default=40)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--core", type=int, default=1, help="the one core this runs on")
-    ap.add_argument("--out", default="bench_results/exits")
-    args = ap.parse_args(argv)
-    os.sched_setaffinity(0, {args.core})
+
+
+def measure_all(args: argparse.Namespace) -> dict:
     layers = ExitConfig.load(modelfiles.models_dir() / "exits" / modelfiles.DEFAULT_TARGET).layers
-    report = {
-        "command": "python -m tools.bench.exit_cost " + " ".join(argv if argv is not None else sys.argv[1:]),
+    report: dict = {
         "target": modelfiles.DEFAULT_TARGET,
         "draft": args.draft,
         "cands": args.cands,
         "exit_layers": layers,
         "threads": args.threads,
-        "core": args.core,
-        "iters": args.iters,
-        "machine": platform.processor() or platform.machine(),
+        "cores": args.cores,
+        "repeats": args.repeats,
         "engines": {},
     }
-    for name in args.engines.split(","):
-        print(f"{name}: timing {args.iters} interleaved passes of each kind", flush=True)
-        report["engines"][name] = measure(name, layers, args)
-        r = report["engines"][name]
-        print(
-            f"  {name}: pass {r['pass_off']} ms without exits, {r['pass_exits_cands']} ms with exits "
-            f"({r['exits_cands']} ms in them), {r['pass_exits_cands_rejected_at_0']} ms rejected at once",
-            flush=True,
-        )
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "exit_cost.json").write_text(json.dumps(report, indent=1))
-    (out / "exit_cost.md").write_text(markdown(report))
-    keys = ["pass_off", "pass_callback_idle", "pass_exits_cands", "pass_exits_cands_rejected_at_0", "pass_exits_full"]
-    bar_plot(
-        out / "exit_cost.png",
-        ["off", "callback idle", "exits (accepted)", "exits (rejected)", "exits full vocab"],
-        {e: [r.get(k, 0.0) for k in keys] for e, r in report["engines"].items()},
-        ylabel="verify pass ms (median)",
-        title=f"Early exits in a {args.draft}-token verify pass, 1 thread",
+    for name in args.engines:
+        print(f"{name}: timing {args.repeats} interleaved passes of each kind", flush=True)
+        r = report["engines"][name] = measure(name, layers, args)
+        print(f"  {name}: pass {r['pass_off']} ms without exits, {r['pass_exits_cands']} ms with exits", flush=True)
+    report["rows"] = [
+        {"what": line, "short": short, **{e: r.get(key) for e, r in report["engines"].items()}}
+        for key, (line, short) in labels(args, len(layers)).items()
+    ]
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    return harness.main(
+        __doc__, REPORT, measure_all, add_args, argv, out="bench_results/exits", repeats=40, cores_default="1"
     )
-    print(markdown(report))
-    return 0
 
 
 if __name__ == "__main__":

@@ -68,21 +68,11 @@ def bandwidth_gbs(device: str, mib: int) -> float:
 def build_torch(shape: random_target.Shape, device: str, dtype: str, slots: int, max_len: int):
     """A torch engine on a Llama of `shape` built from its config (random weights) on the device."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     from server_bridge.engine_torch import TorchEngine
 
-    cfg = LlamaConfig(
-        vocab_size=shape.vocab,
-        hidden_size=shape.hidden,
-        intermediate_size=shape.intermediate,
-        num_hidden_layers=shape.layers,
-        num_attention_heads=shape.heads,
-        num_key_value_heads=shape.kv_heads,
-        max_position_embeddings=shape.context,
-        rms_norm_eps=shape.rms_eps,
-        rope_theta=shape.rope_theta,
-    )
+    cfg = shape.llama_config()
     torch_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[dtype]
     with torch.device(device):
         model = LlamaForCausalLM(cfg).to(torch_dtype)

@@ -138,7 +138,7 @@ class FleetConfig:
 def agreement(chain: list[int], continuation: list[int]) -> int:
     """How many leading draft tokens the target accepts at T = 0: the common prefix."""
     n = 0
-    for a, b in zip(chain, continuation):
+    for a, b in zip(chain, continuation, strict=False):
         if a != b:
             break
         n += 1
@@ -577,7 +577,7 @@ def run_sd(cfg: FleetConfig, engine: str, target, trace: Trace, max_n: int, out:
             for c in sorted(cfg.classes, reverse=True):
                 lcfg = cfg.load_config((c,))
 
-                def run(n: int) -> dict:
+                def run(n: int, lcfg: LoadConfig = lcfg) -> dict:
                     p = sd_point(engine, srv.url, srv.port, trace, n, lcfg)
                     result["points"].append(p)
                     say("  " + describe(p))
@@ -839,7 +839,7 @@ def main(argv: list[str] | None = None) -> int:
             seed=args.seed,
         )
     except ValueError as e:
-        raise SystemExit(f"bench_gpu_fleet: {e}")
+        raise SystemExit(f"bench_gpu_fleet: {e}") from e
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t_start = time.monotonic()

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import statistics
 import sys
 import time
@@ -29,8 +28,8 @@ from agent.robot.actions import answer_grammar, answer_max_tokens, complete, par
 from agent.spec.decoder import DecoderConfig, EdgeDecoder
 from agent.spec.drafter import Drafter
 from protocol.sampling import SamplingParams
-from tools.cluster.local_verifier import LocalVerifier, pin_cores
-from tools.cluster.netem import LinkProfile, NetemProxy
+from tools.bench.link import served
+from tools.cluster.netem import LinkProfile
 from tools.plots import bar_plot
 from tools.robot.nav_prompt_eval import TARGET, memory_situations, situations
 
@@ -70,14 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     cases = [([], s) for s in situations(args.n, args.seed)] + [
         (c.memory(), c.now) for c in memory_situations(args.n, args.seed)
     ]
-    agent_cpus, server_cpus = pin_cores()
     rows = {r: [] for r in RUNS}
-    with (
-        LocalVerifier(cpus=server_cpus, threads=len(server_cpus)) as server,
-        NetemProxy("127.0.0.1", server.port, LinkProfile.from_rtt(args.rtt_ms, jitter_ms=2)) as link,
-    ):
-        os.sched_setaffinity(0, agent_cpus)
-        drafter = Drafter(args.draft, threads=len(agent_cpus))
+    with served(None, LinkProfile.from_rtt(args.rtt_ms, jitter_ms=2)) as s:
+        link, drafter = s.link, s.drafter(args.draft)
         dec = EdgeDecoder(drafter, DecoderConfig(url=link.url()))
         stops = dec.stop_ids()
         until = lambda ids: complete(drafter.detokenize(ids, skip=stops))  # noqa: E731

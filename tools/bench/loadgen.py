@@ -117,7 +117,7 @@ class Trace:
 
 def trace_alpha(trace: Trace) -> float:
     """How often the draft's first token is the target's, over the trace: the planner's alpha."""
-    hits = [c[0] == t for p in trace.prompts for c, t in zip(p.chains, p.target_ids)]
+    hits = [c[0] == t for p in trace.prompts for c, t in zip(p.chains, p.target_ids, strict=True)]
     return sum(hits) / len(hits)
 
 
@@ -503,7 +503,7 @@ def sample(gens: list[Generation], window: tuple[float, float]) -> list[bool]:
     """
     start, stop = window
     chosen = [start <= g.opened < stop for g in gens]
-    covered = {g.robot for g, c in zip(gens, chosen) if c}
+    covered = {g.robot for g, c in zip(gens, chosen, strict=True) if c}
     for i, g in enumerate(gens):
         if g.robot not in covered and g.opened < start and (g.done is None or g.done >= stop):
             chosen[i] = True
@@ -539,7 +539,8 @@ async def run_robots(url: str, trace: Trace, n: int, cfg: LoadConfig, metrics_po
         out.metrics["end_at"] = time.monotonic() - start
     tail_end = stop + cfg.tokens / min(cfg.classes) + 1.0  # every deadline of the window has passed by then
     while time.monotonic() < tail_end and any(
-        c and not decided(g, time.monotonic()) for g, c in zip(out.generations, sample(out.generations, out.window))
+        c and not decided(g, time.monotonic())
+        for g, c in zip(out.generations, sample(out.generations, out.window), strict=True)
     ):
         await asyncio.sleep(0.05)
     out.ended = time.monotonic()
@@ -567,7 +568,7 @@ def exact(gen: Generation, trace: Trace) -> bool:
 def diverged_at(gen: Generation, trace: Trace) -> int | None:
     """The first position where the robot's ids leave the target's recorded continuation, if any."""
     ref = trace.prompts[gen.prompt].target_ids
-    return next((i for i, (a, b) in enumerate(zip(gen.tokens, ref)) if a != b), None)
+    return next((i for i, (a, b) in enumerate(zip(gen.tokens, ref, strict=False)) if a != b), None)
 
 
 NEAR_TIE = 0.1  # logits: ~3x the llamacpp engine's rounding noise between batch shapes (tools/bench/divergence.py)
@@ -587,7 +588,7 @@ def near_ties(point: dict, gens: list[Generation], trace: Trace, bound: float = 
     from tools.logit_margin import top2
 
     point["near_ties"], point["exact_up_to_near_ties"] = 0, True
-    for rec, g in zip(point["generation_records"], gens):
+    for rec, g in zip(point["generation_records"], gens, strict=True):
         at = None if rec["exact"] else diverged_at(g, trace)
         if at is None:
             continue
@@ -638,8 +639,8 @@ def summarize(out: PointLog, trace: Trace, classes: tuple) -> dict:
     span = stop - start
     per_class = {str(c): {"decided": 0, "violated": 0, "speeds": []} for c in classes}
     chosen = sample(out.generations, out.window)
-    gens = [record(g, trace, c, max(out.ended, stop)) for g, c in zip(out.generations, chosen)]
-    undecided = sum(c and r["violated"] is None for c, r in zip(chosen, gens))
+    gens = [record(g, trace, c, max(out.ended, stop)) for g, c in zip(out.generations, chosen, strict=True)]
+    undecided = sum(c and r["violated"] is None for c, r in zip(chosen, gens, strict=True))
     for r in gens:
         if r["in_sample"]:
             c = per_class[str(r["slo"])]
@@ -757,7 +758,7 @@ def run_point(
     if tail:
         point["server_log_tail"] = tail
     if keep_tokens:  # every generation, with its ids
-        for rec, g in zip(point["generation_records"], out.generations):
+        for rec, g in zip(point["generation_records"], out.generations, strict=True):
             rec["token_ids"] = g.tokens
     else:  # the window's sample only: the JSON stays small
         point["generation_records"] = [r for r in point["generation_records"] if r["in_sample"] or "divergence" in r]
@@ -982,7 +983,7 @@ def render_markdown(result: dict) -> str:
     for pair, caps in result["capacities"].items():
         r, pol = caps["ratio_slo_over_fcfs"], caps["policies"]
         if r:
-            cap = lambda p, c=None: _cap(
+            cap = lambda p, c=None, pol=pol: _cap(
                 pol[p]["capacity"] if c is None else pol[p]["by_class"][c],
                 pol[p]["lower_bound"] if c is None else pol[p]["by_class_lower_bound"][c],
                 cfg["ns"],
@@ -1006,7 +1007,7 @@ def plot(result: dict, path: Path) -> None:
     tight = str(max(cfg["classes"]))
     pairs = cfg["pairs"]
     fig, axes = plt.subplots(len(pairs), 2, figsize=(11, 3.8 * len(pairs)), squeeze=False)
-    for row, pair in zip(axes, pairs):
+    for row, pair in zip(axes, pairs, strict=True):
         for policy in cfg["policies"]:
             sel = sorted(
                 (p for p in result["points"] if p["pair"] == pair and p["policy"] == policy), key=lambda p: p["n"]

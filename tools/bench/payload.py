@@ -50,9 +50,9 @@ from agent.spec.link import LinkLost, ServerError
 from protocol import payload, sampling
 from protocol.payload import PayloadSpec
 from protocol.sampling import SamplingParams
-from tools.bench.decoding import load_prompts
-from tools.cluster.local_verifier import LocalVerifier, pin_cores
-from tools.cluster.netem import LinkProfile, NetemProxy
+from tools.bench import harness
+from tools.bench.link import load_prompts, served
+from tools.cluster.netem import LinkProfile
 
 TARGET = "smollm2-f32"  # --target: any name or GGUF path the server takes (see README for Gemma 3)
 MODES = ("none", "full", "topk", "split")
@@ -84,7 +84,6 @@ RUN_FIELDS = (
 
 def run_links(args, prompts: list[dict]) -> dict:
     """Every mode back to back per link profile and prompt, through one verifier and one proxy."""
-    agent_cpus, server_cpus = pin_cores()
     links = [(rtt, bw) for rtt in args.rtts for bw in args.bandwidths]
     config = {
         "modes": list(MODES),
@@ -99,25 +98,19 @@ def run_links(args, prompts: list[dict]) -> dict:
         "target": args.target,
         "seed": args.seed,
         "keepalive_s": args.keepalive_s,
-        "agent_cpus": sorted(agent_cpus),
-        "server_cpus": sorted(server_cpus),
         "cpu_count": os.cpu_count(),
         "started": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
-    print(
-        f"links: {len(links)} links x {len(prompts)} prompts x modes {list(MODES)}, gamma {args.gamma}, "
-        f"{args.max_tokens} tokens, T {args.temperature}; verifier on cores {sorted(server_cpus)}, draft on "
-        f"{sorted(agent_cpus)}",
-        flush=True,
-    )
     runs: list[dict] = []
-    every_cpu = os.sched_getaffinity(0)
-    with (
-        LocalVerifier(target=args.target, cpus=server_cpus, threads=len(server_cpus)) as server,
-        NetemProxy("127.0.0.1", server.port) as link,
-    ):
-        os.sched_setaffinity(0, agent_cpus)
-        drafter = Drafter(args.draft, threads=len(agent_cpus))
+    with served(args.target) as s:
+        config |= s.cores()
+        print(
+            f"links: {len(links)} links x {len(prompts)} prompts x modes {list(MODES)}, gamma {args.gamma}, "
+            f"{args.max_tokens} tokens, T {args.temperature}; verifier on cores {config['server_cpus']}, draft on "
+            f"{config['agent_cpus']}",
+            flush=True,
+        )
+        link, drafter = s.link, s.drafter(args.draft)
         # a full q frame takes seconds at 1 Mbit/s and a keepalive ping queues behind it
         decoders = {
             m: EdgeDecoder(
@@ -143,8 +136,7 @@ def run_links(args, prompts: list[dict]) -> dict:
                     print(f"[{step}/{total}] rtt {rtt:>3.0f} ms {bw:>5g} Mbit/s prompt {i} {describe(r)}", flush=True)
         for dec in decoders.values():
             dec.close()
-        config["server_metrics_tail"] = server.metrics().splitlines()[-6:]
-    os.sched_setaffinity(0, every_cpu)
+        config["server_metrics_tail"] = s.metrics_tail()
     return {"config": config, "runs": runs, "summary": summarize_links(runs)}
 
 
@@ -488,7 +480,7 @@ def plot_links(links: dict, path: Path) -> None:
     rtts = links["config"]["rtts_ms"]
     bws = links["config"]["bandwidths_mbps"]
     fig, axes = plt.subplots(1, len(rtts), figsize=(max(7.0, 5 * len(rtts)), 4.4), sharey=True, squeeze=False)
-    for ax, rtt in zip(axes[0], rtts):
+    for ax, rtt in zip(axes[0], rtts, strict=True):
         for mode in MODES:
             rows = [r for r in links["summary"] if r["mode"] == mode and r["rtt_ms"] == rtt and r["tokens_per_s"]]
             if rows:
@@ -543,10 +535,6 @@ def plot_topk(topk: dict, path: Path) -> None:
 # --------------------------------------------------------------------------- CLI
 
 
-def _floats(s: str) -> list[float]:
-    return [float(x) for x in s.split(",")]
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--part", choices=("links", "topk", "all"), default="all")
@@ -560,8 +548,8 @@ def main(argv: list[str] | None = None) -> int:
     links.add_argument("--temperature", type=float, default=0.7, help="of full, topk and split (none is greedy)")
     links.add_argument("--topk", type=int, default=payload.DEFAULT_TOPK, help="K of the topk mode")
     links.add_argument("--gamma", type=int, default=4)
-    links.add_argument("--rtts", type=_floats, default=[20.0, 50.0], help="round-trip times in ms")
-    links.add_argument("--bandwidths", type=_floats, default=[1.0, 10.0, 50.0, 100.0], help="Mbit/s each way")
+    links.add_argument("--rtts", type=harness.floats, default=[20.0, 50.0], help="round-trip times in ms")
+    links.add_argument("--bandwidths", type=harness.floats, default=[1.0, 10.0, 50.0, 100.0], help="Mbit/s each way")
     links.add_argument(
         "--keepalive-s",
         type=float,
@@ -570,10 +558,10 @@ def main(argv: list[str] | None = None) -> int:
         "one full-q frame at 1 Mbit/s",
     )
     topk = ap.add_argument_group("part topk")
-    topk.add_argument("--drafts", type=lambda s: s.split(","), default=["smollm2-q4_1", "smollm2-q2_k"])
-    topk.add_argument("--temperatures", type=_floats, default=[0.7, 1.0])
+    topk.add_argument("--drafts", type=harness.names, default=["smollm2-q4_1", "smollm2-q2_k"])
+    topk.add_argument("--temperatures", type=harness.floats, default=[0.7, 1.0])
     topk.add_argument("--tokens", type=int, default=48, help="target-sampled tokens per prompt")
-    topk.add_argument("--ks", type=lambda s: [int(x) for x in s.split(",")], default=list(KS))
+    topk.add_argument("--ks", type=harness.ints, default=list(KS))
     topk.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples for the CIs")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)

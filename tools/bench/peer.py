@@ -593,11 +593,11 @@ def one_robot(
 def one_robot_row(rtt: float, runs: list[StreamResult], trace, n_predict: int) -> dict:
     tok = sum(len(r.ids) for r in runs)
     wall = sum(r.wall_s for r in runs)
-    gaps = [b - a for r in runs for a, b in zip(r.t_tokens, r.t_tokens[1:])]
+    gaps = [b - a for r in runs for a, b in zip(r.t_tokens, r.t_tokens[1:], strict=False)]
     pred = [r.timings.get("predicted_per_token_ms") for r in runs if r.timings.get("predicted_per_token_ms")]
     match = [
         r.ids == p.target_ids[: len(r.ids)] and len(r.ids) == min(n_predict, len(p.target_ids))
-        for r, p in zip(runs, trace.prompts)
+        for r, p in zip(runs, trace.prompts, strict=True)
     ]
     return {
         "rtt_ms": rtt,
@@ -688,7 +688,8 @@ async def run_peer_robots(url: str, trace, n: int, cfg):
     await asyncio.sleep(max(0.0, stop - time.monotonic()))
     tail_end = stop + cfg.tokens / min(cfg.classes) + 1.0
     while time.monotonic() < tail_end and any(
-        c and not decided(g, time.monotonic()) for g, c in zip(out.generations, sample(out.generations, out.window))
+        c and not decided(g, time.monotonic())
+        for g, c in zip(out.generations, sample(out.generations, out.window), strict=True)
     ):
         await asyncio.sleep(0.05)
     out.ended = time.monotonic()

@@ -460,7 +460,7 @@ def evaluate(
         else _vector(bandwidth_hz, "bandwidth_hz")
     )
     horizon = problem.horizon(gammas)
-    stages = [problem.stages(b, g, horizon) for b, g in zip(batches, gammas)]
+    stages = [problem.stages(b, g, horizon) for b, g in zip(batches, gammas, strict=True)]
     draft = np.stack([s[0] for s in stages], axis=1)  # [H, M]
     verify = np.stack([s[1] for s in stages], axis=1)  # [H, M]
     return Plan(
@@ -787,7 +787,7 @@ def report_tables(problem: Problem, plans: list[Plan]) -> tuple[list[str], list[
         "| batch | devices | gamma | rows | I_m | steps n_m | draft ms (step 2) | verify ms (step 2) |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    for m, (b, g) in enumerate(zip(dp.batches, dp.gammas)):
+    for m, (b, g) in enumerate(zip(dp.batches, dp.gammas, strict=True)):
         t_draft, t_verify = problem.stages(b, g, horizon)
         i_m = max(problem.devices[k].prefix_tokens for k in b)
         n_m = int((t_verify > 0).sum())
@@ -863,7 +863,7 @@ def write_png(path: Path, problem: Problem, plans: list[Plan]) -> None:
     step = min(1, horizon - 1)
     shared = problem.drafting.shared
     ready, done = 0.0, 0.0
-    for m, (b, g) in enumerate(zip(dp.batches, dp.gammas)):
+    for m, (b, g) in enumerate(zip(dp.batches, dp.gammas, strict=True)):
         t_draft, t_verify = (x[step] for x in problem.stages(b, g, horizon))
         d0 = ready if shared else 0.0  # a shared drafter works batch after batch
         ready = d0 + t_draft

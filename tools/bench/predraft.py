@@ -12,21 +12,19 @@ into --out. agent/spec/branches.py implements the batched backend, the faster on
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import statistics
 import sys
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
 
 from agent.spec.branches import BranchDrafter
 from agent.spec.drafter import Drafter
 from protocol.sampling import SamplingParams
-from tools.plots import line_plot
+from tools.bench import harness
 
 PROMPT = "Walk to the charging dock, avoid the boxes on the left, and report what you see."
 GREEDY = SamplingParams()
@@ -52,7 +50,7 @@ def threaded(drafters: list[Drafter], committed: list[int], keys, gamma: int) ->
         d.propose(committed + list(key), gamma, GREEDY, None)
 
     # each context already holds the prompt (warm), as the batched base sequence does
-    threads = [threading.Thread(target=work, args=(d, k)) for d, k in zip(drafters, keys)]
+    threads = [threading.Thread(target=work, args=(d, k)) for d, k in zip(drafters, keys, strict=True)]
     t0 = time.perf_counter()
     for t in threads:
         t.start()
@@ -61,27 +59,48 @@ def threaded(drafters: list[Drafter], committed: list[int], keys, gamma: int) ->
     return (time.perf_counter() - t0) * 1e3
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--branches", default="1,2,4,8")
-    ap.add_argument("--gamma", type=int, default=4)
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--cores", default="0", help="cores to pin to (the robot's share of this machine)")
-    ap.add_argument("--draft", default="smollm2-q4_1")
-    ap.add_argument("--out", default="bench_results")
-    args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING)
-    cores = {int(c) for c in args.cores.split(",")}
-    os.sched_setaffinity(0, cores)
-    sizes = [int(x) for x in args.branches.split(",")]
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+REPORT = harness.Report(
+    "predraft_backends",
+    "# Pre-draft backends ({draft}, gamma {gamma})",
+    [
+        harness.Table(
+            "rows",
+            [
+                harness.Col("branches"),
+                harness.Col("batched_ms", "one context, batched (ms)", "{:.0f}"),
+                harness.Col("threads_ms", "one context per thread (ms)", "{:.0f}"),
+                harness.Col("batched_speedup", "batched faster by", "{:.2f}x"),
+            ],
+            note="{draft}, {gamma} tokens per branch, 1 llama thread per context, cores {cores}, "
+            "median of {repeats}; {started}.",
+        )
+    ],
+    harness.Plot(
+        "rows",
+        x="branches",
+        ys={"one context, batched": "batched_ms", "one context per thread": "threads_ms"},
+        xlabel="branches drafted at once",
+        ylabel="ms until every draft is ready",
+        title="pre-draft backends ({draft}, gamma {gamma})",
+    ),
+)
 
+
+def add_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--branches", type=harness.ints, default=[1, 2, 4, 8])
+    ap.add_argument("--gamma", type=int, default=4)
+    ap.add_argument("--draft", default="smollm2-q4_1")
+
+
+def measure(args: argparse.Namespace) -> dict:
+    logging.basicConfig(level=logging.WARNING)
+    sizes = args.branches[:2] if args.quick else args.branches
     main_drafter = Drafter(args.draft, threads=1)
     committed = main_drafter.tokenize(PROMPT, chat=True)
     keys = keys_for(main_drafter, committed, max(sizes))
     rows = []
-    print(f"pre-draft backends: {args.draft}, gamma {args.gamma}, pinned to cores {sorted(cores)}", flush=True)
+    cores = sorted(os.sched_getaffinity(0))
+    print(f"pre-draft backends: {args.draft}, gamma {args.gamma}, pinned to cores {cores}", flush=True)
     for n in sizes:
         bd = BranchDrafter(main_drafter, slots=n, threads=1)
         drafters = [Drafter(args.draft, threads=1) for _ in range(n)]
@@ -91,43 +110,15 @@ def main(argv: list[str] | None = None) -> int:
         b_ms = statistics.median(batched(bd, committed, keys[:n], args.gamma) for _ in range(args.repeats))
         t_ms = statistics.median(threaded(drafters, committed, keys[:n], args.gamma) for _ in range(args.repeats))
         rows.append({"branches": n, "batched_ms": b_ms, "threads_ms": t_ms, "batched_speedup": t_ms / b_ms})
-        print(
-            f"{n} branches x {args.gamma} tokens: one context batched {b_ms:.0f} ms, {n} contexts in threads "
-            f"{t_ms:.0f} ms ({t_ms / b_ms:.2f}x)",
-            flush=True,
-        )
+        print(f"{n} branches x {args.gamma} tokens: batched {b_ms:.0f} ms, threads {t_ms:.0f} ms", flush=True)
         del drafters, bd
-    config = {
-        "draft": args.draft,
-        "gamma": args.gamma,
-        "repeats": args.repeats,
-        "cores": sorted(cores),
-        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
-    }
-    (out / "predraft_backends.json").write_text(json.dumps({"config": config, "rows": rows}, indent=1))
-    md = (
-        "| branches | one context, batched (ms) | one context per thread (ms) | batched faster by |\n"
-        "|---|---|---|---|\n"
-        + "\n".join(
-            f"| {r['branches']} | {r['batched_ms']:.0f} | {r['threads_ms']:.0f} | {r['batched_speedup']:.2f}x |"
-            for r in rows
-        )
-        + f"\n\n{args.draft}, {args.gamma} tokens per branch, 1 llama thread per context, cores {sorted(cores)}, "
-        f"median of {args.repeats}; {config['started']}.\n"
+    return {"draft": args.draft, "gamma": args.gamma, "repeats": args.repeats, "cores": cores, "rows": rows}
+
+
+def main(argv: list[str] | None = None) -> int:
+    return harness.main(
+        __doc__, REPORT, measure, add_args, argv, repeats=5, cores_default="0", module="tools.bench.predraft"
     )
-    (out / "predraft_backends.md").write_text(md)
-    line_plot(
-        out / "predraft_backends.png",
-        [
-            ("one context, batched", sizes, [r["batched_ms"] for r in rows]),
-            ("one context per thread", sizes, [r["threads_ms"] for r in rows]),
-        ],
-        "branches drafted at once",
-        "ms until every draft is ready",
-        f"pre-draft backends ({args.draft}, gamma {args.gamma})",
-    )
-    print("\n" + md)
-    return 0
 
 
 if __name__ == "__main__":

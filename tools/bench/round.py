@@ -26,10 +26,12 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
+
+from tools.bench import harness
 
 PROMPTS = ["Walk forward two meters and look around for a person wearing a hat.", "Describe the room in one sentence."]
 
@@ -110,19 +112,72 @@ def ours(decoder, prompt: list[int], tokens: int) -> dict:
 
 
 def _median(runs: list[dict]) -> float:
-    import statistics
-
     return statistics.median(x["ms_per_token"] for x in runs)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default="bench_results/round")
+REPORT = harness.Report(
+    "round",
+    "# Streamed AR through our server against raw llama.cpp ({target})",
+    [
+        harness.Table(
+            "rows",
+            [
+                harness.Col("prompt_tokens", "prompt tokens"),
+                harness.Col("tokens"),
+                harness.Col("raw_ms_per_token", "raw llama.cpp ms/token", "{:.2f}"),
+                harness.Col("ours_ms_per_token", "ours ms/token", "{:.2f}"),
+                harness.Col("ours_pass_ms_per_token", "our pass ms/token", "{:.2f}"),
+                harness.Col("ratio", "ours/raw", "{:.3f}"),
+                harness.Col("ratio_of_medians", "ours/raw, medians", "{:.3f}"),
+            ],
+            "Best of the repeats for each; the last column sets the medians against each other.",
+        )
+    ],
+    harness.Plot(
+        "rows",
+        x="label",
+        ys={"raw llama.cpp": "raw_ms_per_token", "ours (streamed AR)": "ours_ms_per_token"},
+        xlabel="",
+        ylabel="ms per token",
+        title="One token: our round against the bare loop ({target})",
+        kind="bar",
+    ),
+)
+
+
+def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--core", type=int, default=1, help="the core both engines run on (the robot gets another)")
     ap.add_argument("--target", default=None, help="default: the shipped smollm2-f32")
-    args = ap.parse_args(argv)
+
+
+def one_prompt(decoder, model: str, prompt: list[int], args: argparse.Namespace, core: int) -> dict:
+    """--repeats of raw and ours, alternately; the best of each and the ratio of the medians."""
+    runs: dict[str, list[dict]] = {"raw": [], "ours": []}
+    for r in range(args.repeats):
+        runs["raw"].append(raw(model, prompt, args.tokens, core))
+        runs["ours"].append(ours(decoder, prompt, args.tokens))
+        print(
+            f"  repeat {r}: raw {runs['raw'][-1]['ms_per_token']:.2f} ms/token, "
+            f"ours {runs['ours'][-1]['ms_per_token']:.2f} ms/token",
+            flush=True,
+        )
+    for x in runs["raw"] + runs["ours"]:
+        harness.check_exact("our AR against raw llama.cpp's greedy loop", x["ids"], runs["raw"][0]["ids"])
+    raw_best = min(runs["raw"], key=lambda x: x["ms_per_token"])
+    ours_best = min(runs["ours"], key=lambda x: x["ms_per_token"])
+    return {
+        "prompt_tokens": len(prompt),
+        "tokens": len(raw_best["ids"]),
+        "raw_ms_per_token": round(raw_best["ms_per_token"], 3),
+        "ours_ms_per_token": round(ours_best["ms_per_token"], 3),
+        "ours_pass_ms_per_token": round(ours_best["pass_ms_per_token"], 3),
+        "ratio": round(raw_best["ms_per_token"] / ours_best["ms_per_token"], 3),
+        "ratio_of_medians": round(_median(runs["raw"]) / _median(runs["ours"]), 3),
+        "same_ids": True,
+    }
+
+
+def measure(args: argparse.Namespace) -> dict:
     from agent.spec.decoder import DecoderConfig, EdgeDecoder
     from agent.spec.drafter import Drafter
     from protocol import modelfiles
@@ -133,98 +188,33 @@ def main(argv: list[str] | None = None) -> int:
     if target in modelfiles.TARGETS:
         prepare_target(target)
     model = str(modelfiles.resolve_target(target))
-    robot_core = (
-        next(c for c in sorted(os.sched_getaffinity(0)) if c != args.core)
-        if len(os.sched_getaffinity(0)) > 1
-        else args.core
-    )
+    core = args.cores[0] if args.cores else 1
+    robot_core = harness.other_core(core)
     drafter = Drafter(threads=1)
-    prompts = [drafter.tokenize(p, chat=True) for p in PROMPTS]
+    prompts = [drafter.tokenize(p, chat=True) for p in PROMPTS[: 1 if args.quick else None]]
     rows = []
-    with LocalVerifier(target=args.target, cpus={args.core}, threads=1) as server:
-        os.sched_setaffinity(0, {robot_core})
+    with LocalVerifier(target=args.target, cpus={core}, threads=1) as server:
+        harness.pin({robot_core})
         decoder = EdgeDecoder(drafter, DecoderConfig(url=server.url))
         decoder.generate(prompts[0], mode="ar", max_tokens=4)  # warm-up
         for i, prompt in enumerate(prompts):
-            runs = {"raw": [], "ours": []}
-            for r in range(args.repeats):
-                runs["raw"].append(raw(model, prompt, args.tokens, args.core))
-                runs["ours"].append(ours(decoder, prompt, args.tokens))
-                print(
-                    f"  prompt {i} repeat {r}: raw {runs['raw'][-1]['ms_per_token']:.2f} ms/token, "
-                    f"ours {runs['ours'][-1]['ms_per_token']:.2f} ms/token",
-                    flush=True,
-                )
-            same = all(x["ids"] == runs["raw"][0]["ids"] for x in runs["raw"] + runs["ours"])
-            if not same:
-                raise SystemExit(f"prompt {i}: our AR ids differ from raw llama.cpp's greedy ids")
-            raw_best = min(runs["raw"], key=lambda x: x["ms_per_token"])
-            ours_best = min(runs["ours"], key=lambda x: x["ms_per_token"])
-            rows.append(
-                {
-                    "prompt": PROMPTS[i],
-                    "prompt_tokens": len(prompt),
-                    "tokens": len(raw_best["ids"]),
-                    "raw_ms_per_token": round(raw_best["ms_per_token"], 3),
-                    "ours_ms_per_token": round(ours_best["ms_per_token"], 3),
-                    "ours_pass_ms_per_token": round(ours_best["pass_ms_per_token"], 3),
-                    "ratio": round(raw_best["ms_per_token"] / ours_best["ms_per_token"], 3),
-                    "ratio_of_medians": round(_median(runs["raw"]) / _median(runs["ours"]), 3),
-                    "same_ids": same,
-                }
-            )
-            print(
-                f"prompt {i}: raw {rows[-1]['raw_ms_per_token']:.2f} ms/token, ours "
-                f"{rows[-1]['ours_ms_per_token']:.2f} (of which the pass {rows[-1]['ours_pass_ms_per_token']:.2f}): "
-                f"ours/raw {rows[-1]['ratio']:.3f}",
-                flush=True,
-            )
-    result = {
-        "command": "python -m tools.bench.round " + " ".join(sys.argv[1:] if argv is None else argv),
+            row = {"prompt": PROMPTS[i], "label": f"prompt {i} ({len(prompt)} tok)"}
+            rows.append(row | one_prompt(decoder, model, prompt, args, core))
+            print(f"prompt {i}: ours/raw {rows[-1]['ratio']:.3f}", flush=True)
+    return {
         "target": target,
-        "machine": f"{platform.machine()} {os.cpu_count()} cores, engine core {args.core}, "
-        f"robot core {robot_core}, 1 thread",
+        "machine": f"{platform.machine()} {os.cpu_count()} cores, engine core {core}, robot core {robot_core}, "
+        "1 thread",
         "rows": rows,
         "ratio_min": min(r["ratio"] for r in rows),
     }
-    write(Path(args.out), result)
-    return 0
 
 
-def write(out: Path, result: dict) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "round.json").write_text(json.dumps(result, indent=1))
-    md = [
-        f"# Streamed AR through our server against raw llama.cpp ({result['target']})",
-        "",
-        f"`{result['command']}` ({result['machine']})",
-        "",
-        "Best of the repeats for each; the last column sets the medians against each other.",
-        "",
-        "| prompt tokens | tokens | raw llama.cpp ms/token | ours ms/token | our pass ms/token | ours/raw | "
-        "ours/raw, medians |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    md += [
-        f"| {r['prompt_tokens']} | {r['tokens']} | {r['raw_ms_per_token']:.2f} | {r['ours_ms_per_token']:.2f} | "
-        f"{r['ours_pass_ms_per_token']:.2f} | {r['ratio']:.3f} | {r['ratio_of_medians']:.3f} |"
-        for r in result["rows"]
-    ]
-    (out / "round.md").write_text("\n".join(md) + "\n")
-    from tools.plots import bar_plot
-
-    labels = [f"prompt {i} ({r['prompt_tokens']} tok)" for i, r in enumerate(result["rows"])]
-    bar_plot(
-        out / "round.png",
-        labels,
-        {
-            "raw llama.cpp": [r["raw_ms_per_token"] for r in result["rows"]],
-            "ours (streamed AR)": [r["ours_ms_per_token"] for r in result["rows"]],
-        },
-        "ms per token",
-        f"One token: our round against the bare loop ({result['target']})",
+def main(argv: list[str] | None = None) -> int:
+    # measure pins itself: the server to --cores, the robot to another core
+    return harness.main(
+        __doc__, REPORT, measure, add_args, argv, out="bench_results/round", cores_default="1", pin_cores=False
     )
-    print(f"wrote {out}/round.json, .md, .png")
 
 
 if __name__ == "__main__":

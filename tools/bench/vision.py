@@ -14,7 +14,7 @@ the server's passes (the open's prefill and the verify rounds; a new frame's pre
 libmtmd land in them), the uplink bytes of the step (the image's bytes go on the first open; a re-open after
 a lost link sends its 64-character sha256 instead) and the whole step's wall time for --tokens answer tokens.
 
-The default pair is the test VLM (tools/models/make_test_vlm.py: a random tiny SmolVLM, Q8_0 draft + f16 mmproj, f32
+The default pair is the test VLM (tests/models/make_test_vlm.py: a random tiny SmolVLM, Q8_0 draft + f16 mmproj, f32
 target + f32 mmproj), which says what the machinery costs, not what a real model's vision tower costs; give a
 real pair with --draft/--draft-mmproj/--target/--mmproj (GGUFs: the server on llamacpp):
 
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         pair = {"draft": args.draft, "draft_mmproj": args.draft_mmproj, "target": args.target, "mmproj": args.mmproj}
         label = f"{Path(args.draft).name} -> {Path(args.target).name}"
     else:
-        from tools.models import make_test_vlm
+        from tests.models import make_test_vlm
 
         vlm = make_test_vlm.make()
         pair = {

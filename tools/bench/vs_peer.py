@@ -18,15 +18,12 @@ when the target/draft cost ratio T_q/T_p exceeds (gamma + RTT/T_p) / (tau - v).
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
-from pathlib import Path
 
 from agent.spec.decoder import DecoderConfig, EdgeDecoder, FsdOptions
 from agent.spec.drafter import Drafter
 from agent.spec.policy import DraftPolicy
-from tools.bench import peer
+from tools.bench import harness, peer
 from tools.cluster.local_verifier import LocalVerifier
 from tools.cluster.netem import LinkProfile, NetemProxy
 
@@ -51,7 +48,7 @@ def ours(
 ) -> list[dict]:
     rows = []
     with LocalVerifier(cpus={1}, threads=1) as server, NetemProxy("127.0.0.1", server.port) as link:
-        os.sched_setaffinity(0, {0})
+        harness.pin({0})
         drafters = {d: Drafter(d, threads=1) for d in drafts}
         dec = {
             (d, m): EdgeDecoder(
@@ -65,7 +62,7 @@ def ours(
             for d, dr in drafters.items()
             for m in modes
         }
-        for (d, m), x in dec.items():  # warm-up
+        for (_, m), x in dec.items():  # warm-up
             x.generate(prompts[0][:8], mode=m.split()[0], max_tokens=4, gamma=gamma)
         for rtt in rtts:
             link.set_profile(LinkProfile.from_rtt(rtt))
@@ -109,40 +106,9 @@ def needed_ratio(gamma: int, tau: float, v: float, t_p: float, rtt: float) -> fl
     return round((gamma + rtt / t_p) / (tau - v), 2) if tau > v else "never (a round costs more than tau AR tokens)"
 
 
-def markdown(result: dict) -> str:
-    rtts = result["rtts"]
-    lines = [
-        f"# One robot: our verifier (llamacpp engine) against llama-server, {result['target']}",
-        "",
-        f"`{result['command']}`",
-        "",
-        f"{result['prompts']} prompts x {result['tokens']} tokens, greedy, "
-        f"gamma {result['gamma']}; servers on core 1 with 1 thread, robot on core 0.",
-        "",
-        "| mode | draft | " + " | ".join(f"tok/s at RTT {r:.0f} ms" for r in rtts) + " | exact |",
-        "|---|---|" + "---|" * len(rtts) + "---|",
-    ]
-    keys = []
-    for r in result["rows"]:
-        if (r["mode"], r.get("draft")) not in keys:
-            keys.append((r["mode"], r.get("draft")))
-    for mode, draft in keys:
-        cells = [
-            next(
-                (
-                    f"{r['tokens_per_s']:.1f}"
-                    for r in result["rows"]
-                    if r["mode"] == mode and r.get("draft") == draft and r["rtt_ms"] == rtt
-                ),
-                "",
-            )
-            for rtt in rtts
-        ]
-        exact = all(r.get("exact", True) for r in result["rows"] if r["mode"] == mode and r.get("draft") == draft)
-        lines.append(f"| {mode} | {draft or ''} | " + " | ".join(cells) + f" | {'yes' if exact else 'NO'} |")
+def costs_note(result: dict) -> list[str]:
     c = result["costs"]
-    lines += [
-        "",
+    return [
         "Per-pass costs measured in this run (RTT 0): "
         f"draft T_p {c['draft_ms_per_token']:.1f} ms/token (Q4_1), target T_q {c['target_ms_per_ar_token']:.1f} "
         f"ms per AR token on our server, {c['peer_ms_per_token']:.1f} ms on llama-server, a verify round "
@@ -151,35 +117,64 @@ def markdown(result: dict) -> str:
         f"{c['ratio']:.2f}, against a needed {c['needed_ratio_rtt0']} at RTT 0 and "
         f"{c['needed_ratio_rtt50']} at 50 ms.",
     ]
-    return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rtts", default="0,20,50")
+def _columns(result: dict) -> list[harness.Col]:
+    return [
+        harness.Col("mode"),
+        harness.Col("draft"),
+        *[harness.Col(f"tokens_per_s@{r}", f"tok/s at RTT {r:.0f} ms", "{:.1f}") for r in result["rtts"]],
+        harness.Col("exact", fmt=lambda x: "yes" if x else "NO"),
+    ]
+
+
+REPORT = harness.Report(
+    "vs_peer",
+    "# One robot: our verifier (llamacpp engine) against llama-server, {target}",
+    [
+        harness.Table(
+            "table",
+            _columns,
+            "{prompts} prompts x {tokens} tokens, greedy, gamma {gamma}; servers on core 1 with 1 thread, "
+            "robot on core 0.",
+        )
+    ],
+    harness.Plot(
+        "rows",
+        x="rtt_ms",
+        ys={"": "tokens_per_s"},
+        group="series",
+        xlabel="RTT (ms)",
+        ylabel="tokens/s, one robot",
+        title="ours (llamacpp engine) vs llama-server",
+    ),
+    extra=costs_note,
+)
+
+
+def add_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--rtts", type=harness.floats, default=[0.0, 20.0, 50.0])
     ap.add_argument("--prompts", type=int, default=6)
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--gamma", type=int, default=4)
-    ap.add_argument("--drafts", default="smollm2-q4_1,smollm2-q2_k")
+    ap.add_argument("--drafts", type=harness.names, default=["smollm2-q4_1", "smollm2-q2_k"])
     ap.add_argument("--modes", default=",".join(MODES), help=f"ours, of {', '.join(MODES)} (ar is always run)")
     ap.add_argument("--no-peer", action="store_true", help="our modes only (no llama-server needed)")
-    ap.add_argument("--out", default="bench_results/vs_peer")
-    args = ap.parse_args(argv)
+
+
+def measure(args: argparse.Namespace) -> dict:
     modes = tuple(dict.fromkeys(["ar", "sd"] + args.modes.split(",")))
     if set(modes) - set(MODES):
-        ap.error(f"unknown modes {sorted(set(modes) - set(MODES))}")
-    rtts = [float(x) for x in args.rtts.split(",")]
+        raise SystemExit(f"unknown modes {sorted(set(modes) - set(MODES))}")
+    rtts = args.rtts
     trace = peer.load_prompts(n=args.prompts)
     prompts = [p.prompt_ids for p in trace.prompts]
     model = peer.default_model()
     if model is None or (not args.no_peer and peer.find_llama_server() is None):
-        print(
+        raise SystemExit(
             "needs models/build/SmolLM2-135M-Instruct.F32.gguf (server-bridge prepare) and llama-server "
-            "(make llama-server)",
-            file=sys.stderr,
+            "(make llama-server)"
         )
-        return 2
-    os.sched_setaffinity(0, {0})
     rows = []
     if not args.no_peer:
         print("llama-server, one slot, pinned to core 1", flush=True)
@@ -188,7 +183,11 @@ def main(argv: list[str] | None = None) -> int:
             r["draft"] = None
             r["exact"] = r["matches_trace"] == r["runs"]
     print("ours: server-bridge (llamacpp engine), pinned to core 1", flush=True)
-    rows += ours(prompts, rtts, args.drafts.split(","), args.tokens, args.gamma, lambda s: print(s, flush=True), modes)
+    rows += ours(prompts, rtts, args.drafts, args.tokens, args.gamma, lambda s: print(s, flush=True), modes)
+    if not all(r.get("exact", True) for r in rows):
+        raise SystemExit(
+            "a run's ids differ from our AR's (or the trace's): " + str([r for r in rows if not r.get("exact", True)])
+        )
     sd = next(r for r in rows if r["mode"] == "ours SD" and r["rtt_ms"] == rtts[0])
     ar = next(r for r in rows if r["mode"] == "ours AR" and r["rtt_ms"] == rtts[0])
     pe = next((r for r in rows if r["mode"] == "llama-server AR" and r["rtt_ms"] == rtts[0]), {})
@@ -198,15 +197,19 @@ def main(argv: list[str] | None = None) -> int:
         sd["verify_ms_per_round"],
         sd["tau"],
     )
-
-    result = {
-        "command": "python -m tools.bench.vs_peer " + " ".join(argv if argv is not None else sys.argv[1:]),
+    for r in rows:
+        r.pop("token_ids", None)
+        r["series"] = f"{r['mode']} {r.get('draft') or ''}".strip()
+    table = harness.pivot(rows, ("mode", "draft", "exact"), "rtt_ms", "tokens_per_s")
+    return {
         "target": "smollm2-f32",
         "rtts": rtts,
         "prompts": len(prompts),
         "tokens": args.tokens,
         "gamma": args.gamma,
         "rows": rows,
+        "table": table,
+        "exact": all(r.get("exact", True) for r in rows),  # harness.main exits 1 where not
         "costs": {
             "draft_ms_per_token": t_p,
             "target_ms_per_ar_token": t_q,
@@ -218,37 +221,11 @@ def main(argv: list[str] | None = None) -> int:
             "needed_ratio_rtt50": needed_ratio(args.gamma, tau, t_v / t_q, t_p, 50.0),
         },
     }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    for r in rows:
-        r.pop("token_ids", None)
-    (out / "vs_peer.json").write_text(json.dumps(result, indent=1))
-    (out / "vs_peer.md").write_text(markdown(result))
-    from tools.plots import line_plot
 
-    keys = []
-    for r in rows:
-        if (r["mode"], r.get("draft")) not in keys:
-            keys.append((r["mode"], r.get("draft")))
-    line_plot(
-        out / "vs_peer.png",
-        [
-            (
-                f"{m} {d or ''}".strip(),
-                rtts,
-                [
-                    next(r["tokens_per_s"] for r in rows if r["mode"] == m and r.get("draft") == d and r["rtt_ms"] == t)
-                    for t in rtts
-                ],
-            )
-            for m, d in keys
-        ],
-        "RTT (ms)",
-        "tokens/s, one robot",
-        "ours (llamacpp engine) vs llama-server",
-    )
-    print(markdown(result))
-    return 0 if all(r.get("exact", True) for r in rows) else 1
+
+def main(argv: list[str] | None = None) -> int:
+    # the robot (this process) on core 0; both servers pin themselves to core 1
+    return harness.main(__doc__, REPORT, measure, add_args, argv, out="bench_results/vs_peer", cores_default="0")
 
 
 if __name__ == "__main__":

@@ -230,7 +230,9 @@ def judge(gens: list[SoakGeneration], trace: Trace) -> tuple[list[str], list[dic
         if g.tokens == ref:
             verdicts.append("exact")
             continue
-        at = next((i for i, (a, b) in enumerate(zip(g.tokens, ref)) if a != b), min(len(g.tokens), len(ref)))
+        at = next(
+            (i for i, (a, b) in enumerate(zip(g.tokens, ref, strict=False)) if a != b), min(len(g.tokens), len(ref))
+        )
         if solo is None:
             from server_bridge.target import load_target
 

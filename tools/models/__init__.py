@@ -1,2 +1,2 @@
-"""Models made locally from what ships (nothing downloaded): the weaker drafts, the test VLM, random targets of a
-real shape."""
+"""Models made locally from what ships (nothing downloaded): the weaker drafts and random targets of a real shape.
+(The tiny test VLMs are built by tests/models/.)"""

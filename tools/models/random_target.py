@@ -76,6 +76,23 @@ class Shape:
         block = 2 * h * h + 2 * h * kv + 3 * h * self.intermediate + 2 * h
         return 2 * self.vocab * h + self.layers * block + h
 
+    def llama_config(self, **extra: object):
+        """transformers' LlamaConfig of this shape (extra: more of its fields)."""
+        from transformers import LlamaConfig
+
+        return LlamaConfig(
+            vocab_size=self.vocab,
+            hidden_size=self.hidden,
+            intermediate_size=self.intermediate,
+            num_hidden_layers=self.layers,
+            num_attention_heads=self.heads,
+            num_key_value_heads=self.kv_heads,
+            max_position_embeddings=self.context,
+            rms_norm_eps=self.rms_eps,
+            rope_theta=self.rope_theta,
+            **extra,
+        )
+
     def weight_bytes(self, dtype: str) -> int:
         return self.params * (2 if dtype == "f16" else 4)
 
@@ -365,22 +382,13 @@ def _write(
 
 def _write_hf_config(shape: Shape, dtype: str, fields: dict, hf_dir: Path) -> None:
     """config.json, generation_config.json and the tokenizer (transformers reads it from the shipped GGUF)."""
-    from transformers import AutoTokenizer, GenerationConfig, LlamaConfig
+    from transformers import AutoTokenizer, GenerationConfig
 
     from protocol import modelfiles
 
     bos = int(fields["tokenizer.ggml.bos_token_id"].contents())
     eos = int(fields["tokenizer.ggml.eos_token_id"].contents())
-    cfg = LlamaConfig(
-        vocab_size=shape.vocab,
-        hidden_size=shape.hidden,
-        intermediate_size=shape.intermediate,
-        num_hidden_layers=shape.layers,
-        num_attention_heads=shape.heads,
-        num_key_value_heads=shape.kv_heads,
-        max_position_embeddings=shape.context,
-        rms_norm_eps=shape.rms_eps,
-        rope_theta=shape.rope_theta,
+    cfg = shape.llama_config(
         tie_word_embeddings=False,
         bos_token_id=bos,
         eos_token_id=eos,

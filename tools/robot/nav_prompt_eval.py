@@ -73,7 +73,7 @@ class Case:
 def situations(n: int, seed: int) -> list[list[Sighting]]:
     rnd = random.Random(seed)
     out = []
-    for i in range(n):
+    for _ in range(n):
         if rnd.random() < 1 / 6:
             out.append([])
         else:
@@ -281,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, len(results), figsize=(4.2 * len(results), 3.8))
-    for ax, r in zip(axes if len(results) > 1 else [axes], results):
+    for ax, r in zip(axes if len(results) > 1 else [axes], results, strict=True):
         grid = [[r["confusion"][w][g] for g in KINDS] for w in KINDS]
         ax.imshow(grid, cmap="Blues")
         for i in range(4):

@@ -85,7 +85,7 @@ def test_frames(n: int) -> list[bytes]:
     """n random PNG frames of two sizes (the test models' images), for a VLM target given no --images."""
     from PIL import Image
 
-    from tools.models.qwen_vlm import random_image
+    from tests.models.qwen_vlm import random_image
 
     out = []
     for i in range(n):
@@ -147,7 +147,9 @@ def collect(target, exs: list[Example], layers: list[int], k: int):
     for ex in exs:
         state = target.new_state(ex.ids, images=ex.images)
         rows = {}
-        taps = {l: (lambda h, l=l: rows.__setitem__(l, torch.as_tensor(h).float().cpu().clone())) for l in layers}
+        taps = {
+            l: (lambda h, l=l, rows=rows: rows.__setitem__(l, torch.as_tensor(h).float().cpu().clone())) for l in layers
+        }
         try:
             logits = torch.from_numpy(target.score(state, ex.generated[:-1], taps=taps))  # [len(generated), vocab]
         finally:

@@ -24,7 +24,8 @@ import time
 import numpy as np
 
 from server_bridge import estimator
-from server_bridge.target import Extension, Target, load_target
+from server_bridge.target import load_target
+from tools.train.profile_verifier import Pool, fit_split, time_passes
 
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 
@@ -46,81 +47,10 @@ def grid(n: int, rng: np.random.Generator, max_batch: int, gamma: int, cached: t
     return shapes
 
 
-class Pool:
-    """max_batch warm sessions per cache length, built once; a pass crops its tokens off again after."""
-
-    def __init__(self, target: Target, rng: np.random.Generator, cached: tuple, per_length: int):
-        self.target, self.rng = target, rng
-        self.states = {c: [target.new_state(self.ids(c + 1)) for _ in range(per_length)] for c in cached}
-
-    def ids(self, n: int) -> list[int]:
-        return self.rng.integers(100, self.target.vocab_size, n).tolist()
-
-    def batch(self, members: list[tuple[int, int, int]]) -> list[Extension]:
-        used = dict.fromkeys(self.states, 0)
-        out = []
-        for cached, new, keep in members:
-            if cached == 0:  # an open: nothing cached, the prompt goes through in this pass
-                state = self.target.new_state(self.ids(new + 1), prefill=False)
-            else:
-                state = self.states[cached][used[cached]]
-                used[cached] += 1
-            out.append(Extension(state, self.ids(new), keep))
-        return out
-
-    def reset(self, batch: list[Extension]) -> None:
-        for e in batch:
-            self.target.rewind(e.state, e.state.ids)
-
-
-def _sync(target: Target) -> None:
-    """An open's pass returns no rows: wait for the device all the same."""
-    if target.on_device:
-        import torch
-
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-
-
-def profile(target: Target, pool: Pool, shapes: list[dict]) -> list[dict]:
-    rows = []
-    for shape in shapes[:4] + shapes:  # the first four again, untimed: allocator, kernels, thread pool
-        batch = pool.batch(shape["members"])
-        members = [e.member for e in batch]
-        t0 = time.perf_counter()
-        for r in target.extend(batch):
-            if len(r):
-                target.argmax(r)  # the host copy: the pass has really finished
-        _sync(target)
-        ms = (time.perf_counter() - t0) * 1e3
-        pool.reset(batch)
-        rows.append(
-            {"kind": shape["kind"], "members": members, "features": estimator.features(members).tolist(), "ms": ms}
-        )
-    return rows[4:]
-
-
 def fit(rows: list[dict], rng: np.random.Generator) -> dict:
     """Coefficients on a random 70 %, R2 and MAPE on the rest."""
-    x = np.array([r["features"] for r in rows])
-    y = np.array([r["ms"] for r in rows])
     order = rng.permutation(len(rows))
-    train, test = order[: int(0.7 * len(rows))], order[int(0.7 * len(rows)) :]
-    coef = estimator.fit(x[train], y[train])
-    pred = x @ coef
-    return {
-        "coefficients": dict(zip(estimator.TERMS, coef.tolist())),
-        "train": {
-            "n": len(train),
-            "r2": estimator.r2(y[train], pred[train]),
-            "mape_pct": estimator.mape(y[train], pred[train]),
-        },
-        "test": {
-            "n": len(test),
-            "r2": estimator.r2(y[test], pred[test]),
-            "mape_pct": estimator.mape(y[test], pred[test]),
-        },
-    }
+    return fit_split(rows, order[: int(0.7 * len(rows))], order[int(0.7 * len(rows)) :])[0]
 
 
 def _ints(s: str) -> tuple:
@@ -159,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     pool = Pool(target, rng, args.cached, per_length)
     shapes = grid(args.batches, rng, min(args.max_batch, per_length), args.gamma, args.cached, args.prompts)
-    rows = profile(target, pool, shapes)
+    rows = time_passes(target, pool, shapes, warm=4, to_host=True)
     report = fit(rows, rng)
     c = report["coefficients"]
     info = target.engine.info.as_dict()

@@ -182,7 +182,9 @@ def train_mlp(x_tr, y_tr, x_val, y_val, epochs: int, seed: int, log=print):
     opt = torch.optim.Adam(model.parameters(), lr=1e-3, weight_decay=1e-4)
     gen = torch.Generator().manual_seed(seed)
     best, best_state, since = -1.0, None, 0
+    ran = 0
     for epoch in range(epochs):
+        ran = epoch + 1  # epochs run, early stopping aside
         model.train()
         for idx in torch.randperm(len(xt), generator=gen).split(256):
             opt.zero_grad()
@@ -201,7 +203,7 @@ def train_mlp(x_tr, y_tr, x_val, y_val, epochs: int, seed: int, log=print):
             break
     model.load_state_dict(best_state)
     model.eval()
-    log(f"  mlp: {epoch + 1} epochs, best validation AUC {best:.4f}")
+    log(f"  mlp: {ran} epochs, best validation AUC {best:.4f}")
     return model
 
 
@@ -398,7 +400,7 @@ def write_report(reports: list[dict], out: Path, args) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, len(reports), figsize=(5 * len(reports), 4.5), squeeze=False)
-    for ax, r in zip(axes[0], reports):
+    for ax, r in zip(axes[0], reports, strict=True):
         for name, (fpr, tpr) in r["roc"].items():
             ax.plot(fpr, tpr, label=name)
         ax.plot([0, 1], [0, 1], "k:", lw=0.8)

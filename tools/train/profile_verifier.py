@@ -64,11 +64,11 @@ def grid(n: int, rng: np.random.Generator) -> list[dict]:
 class Pool:
     """Warm states by cache length, built once; a batch takes distinct ones and crops them back after."""
 
-    def __init__(self, target: Target, rng: np.random.Generator, per_length: int):
+    def __init__(self, target: Target, rng: np.random.Generator, cached: tuple, per_length: int):
         self.target = target
         self.rng = rng
         self.states = {}
-        for c in WARM_CACHED:
+        for c in cached:
             print(f"  building {per_length} warm sessions with {c} cached tokens", flush=True)
             self.states[c] = [target.new_state(self.ids(c + 1)) for _ in range(per_length)]
 
@@ -76,10 +76,10 @@ class Pool:
         return self.rng.integers(100, self.target.vocab_size, n).tolist()
 
     def batch(self, members: list[tuple[int, int, int]]) -> list[Extension]:
-        used = {c: 0 for c in WARM_CACHED}
+        used = dict.fromkeys(self.states, 0)
         out = []
         for cached, new, keep in members:
-            if cached == 0:
+            if cached == 0:  # an open: nothing cached, the prompt goes through in this pass
                 state = self.target.new_state(self.ids(new + 1), prefill=False)
             else:
                 state = self.states[cached][used[cached]]
@@ -92,11 +92,27 @@ class Pool:
             self.target.rewind(e.state, e.state.ids)  # crop the pass's tokens off again
 
 
-def profile(target: Target, shapes: list[dict], rng: np.random.Generator) -> list[dict]:
-    pool = Pool(target, rng, per_length=max(SIZES))
-    for shape in shapes[:6]:  # warm-up: allocator, thread pool
+def _pass(target: Target, batch: list[Extension], to_host: bool) -> None:
+    rows = target.extend(batch)
+    if not to_host:
+        return
+    for r in rows:
+        if len(r):
+            target.argmax(r)  # the host copy: the pass has really finished
+    if target.on_device:  # an open's pass returns no rows: wait for the device all the same
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+
+def time_passes(target: Target, pool: Pool, shapes: list[dict], warm: int, to_host: bool = False) -> list[dict]:
+    """Each shape's pass in ms (after `warm` untimed passes: allocator, kernels, thread pool).
+
+    to_host: timed to the host's copy of the greedy ids and a drained GPU queue, not to extend's return."""
+    for shape in shapes[:warm]:
         batch = pool.batch(shape["members"])
-        target.extend(batch)
+        _pass(target, batch, to_host)
         pool.reset(batch)
     rows = []
     t_start = time.perf_counter()
@@ -104,7 +120,7 @@ def profile(target: Target, shapes: list[dict], rng: np.random.Generator) -> lis
         batch = pool.batch(shape["members"])
         members = [e.member for e in batch]
         t0 = time.perf_counter()
-        target.extend(batch)
+        _pass(target, batch, to_host)
         ms = (time.perf_counter() - t0) * 1e3
         pool.reset(batch)
         rows.append(
@@ -115,29 +131,39 @@ def profile(target: Target, shapes: list[dict], rng: np.random.Generator) -> lis
     return rows
 
 
-def evaluate(rows: list[dict], rng: np.random.Generator, boot: int) -> dict:
+def fit_split(rows: list[dict], train: np.ndarray, test: np.ndarray) -> tuple[dict, np.ndarray]:
+    """Coefficients fitted on the train rows, R2 / MAPE / MAE on each side; and every row's prediction."""
     x = np.array([r["features"] for r in rows])
     y = np.array([r["ms"] for r in rows])
+    coef = estimator.fit(x[train], y[train])
+    pred = x @ coef
+
+    def side(idx: np.ndarray) -> dict:
+        return {
+            "n": len(idx),
+            "r2": estimator.r2(y[idx], pred[idx]),
+            "mape_pct": estimator.mape(y[idx], pred[idx]),
+            "mae_ms": float(np.mean(np.abs(pred[idx] - y[idx]))),
+        }
+
+    report = {"coefficients": dict(zip(estimator.TERMS, coef.tolist(), strict=True))}
+    return report | {"train": side(train), "test": side(test)}, pred
+
+
+def evaluate(rows: list[dict], rng: np.random.Generator, boot: int) -> dict:
     order = rng.permutation(len(rows))
     n_train = int(round(0.7 * len(rows)))
     train, test = order[:n_train], order[n_train:]
-    coef = estimator.fit(x[train], y[train])
+    report, pred = fit_split(rows, train, test)
+    x = np.array([r["features"] for r in rows])
+    y = np.array([r["ms"] for r in rows])
     ci = estimator.bootstrap_ci(x[train], y[train], n=boot, rng=rng)
-    pred = x @ coef
     report = {
-        "coefficients": dict(zip(estimator.TERMS, coef.tolist())),
+        "coefficients": report["coefficients"],
         "ci95": {t: ci[i].tolist() for i, t in enumerate(estimator.TERMS)},
-        "train": {
-            "n": len(train),
-            "r2": estimator.r2(y[train], pred[train]),
-            "mape_pct": estimator.mape(y[train], pred[train]),
-        },
-        "test": {
-            "n": len(test),
-            "r2": estimator.r2(y[test], pred[test]),
-            "mape_pct": estimator.mape(y[test], pred[test]),
-            "mae_ms": float(np.mean(np.abs(pred[test] - y[test]))),
-        },
+    } | {
+        "train": report["train"],
+        "test": report["test"],
         "test_by_kind": {},
     }
     for kind in ("cold", "warm", "mixed"):
@@ -276,7 +302,8 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python -m tools.train.profile_verifier " + " ".join(argv if argv is not None else sys.argv[1:]),
     }
     print(f"profiling {target.name} over {args.batches} batch shapes ({device})", flush=True)
-    rows = profile(target, grid(args.batches, rng), rng)
+    pool = Pool(target, rng, WARM_CACHED, per_length=max(SIZES))
+    rows = time_passes(target, pool, grid(args.batches, rng), warm=6)
     report = evaluate(rows, rng, args.bootstrap)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -70,7 +70,7 @@ def draft_chains(drafter: Drafter, prompt_ids: list[int], target_ids: list[int],
 
 def agreement(target_ids: list[int], chains: list[list[int]]) -> float:
     """Share of positions whose first draft token is the target's (the greedy acceptance of one token)."""
-    return float(np.mean([c[0] == t for c, t in zip(chains, target_ids)])) if chains else 0.0
+    return float(np.mean([c[0] == t for c, t in zip(chains, target_ids, strict=True)])) if chains else 0.0
 
 
 def dump(trace: dict) -> str:

@@ -1,4 +1,4 @@
-"""The tiny test VLM (tools/models/make_test_vlm.py): one random Idefics3 that transformers and llama.cpp both run.
+"""The tiny test VLM (tests/models/make_test_vlm.py): one random Idefics3 that transformers and llama.cpp both run.
 
 Made once into models/build/ (~20 s on 2 cores) and found in the cache after. The checks: every file
 loads in what reads it, llama.cpp sees the Hugging Face vocabulary (the shipped SmolLM2 one first),
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from protocol import modelfiles
-from tools.models import make_test_vlm as tv
+from tests.models import make_test_vlm as tv
 
 pytestmark = pytest.mark.real
 

@@ -1,9 +1,9 @@
 """A tiny SmolVLM (Idefics3) with random weights, offline: one model as Hugging Face and llama.cpp load it.
 
-    python -m tools.models.make_test_vlm [--family smolvlm|qwen2vl|qwen2.5vl|qwen3vl] [--out DIR] [--seed 0] [--check]
+    python -m tests.models.make_test_vlm [--family smolvlm|qwen2vl|qwen2.5vl|qwen3vl] [--out DIR] [--seed 0] [--check]
 
 `--family` other than smolvlm (the default) makes a tiny Qwen-VL (M-RoPE) the same way, with the same
-four files: tools/models/qwen_vlm.py.
+four files: tests/models/qwen_vlm.py.
 
 `DIR/hf/` is a real Idefics3ForConditionalGeneration (a 2-layer SigLIP-like vision tower on 64 x 64
 tiles, the pixel-shuffle connector, a 2-layer Llama) with the shipped SmolLM2 tokenizer plus the image
@@ -38,8 +38,8 @@ from pathlib import Path
 
 import numpy as np
 
-from tools.models import qwen_vlm
-from tools.models.llama_convert import (  # noqa: F401  (this module's names since it began: kept for its callers)
+from tests.models import qwen_vlm
+from tests.models.llama_convert import (  # noqa: F401  (this module's names since it began: kept for its callers)
     CONVERTER_FILES,
     LLAMA_CPP_VERSION,
     cache_root,
@@ -49,7 +49,7 @@ from tools.models.llama_convert import (  # noqa: F401  (this module's names sin
     mtmd_prefill,
     vlm_files,
 )
-from tools.models.llama_convert import quiet as _quiet
+from tests.models.llama_convert import quiet as _quiet
 
 VERSION = 1  # bump when the construction changes: cached files are keyed by it
 DRAFT_FTYPE = "LLAMA_FTYPE_MOSTLY_Q8_0"  # blocks of 32: every row (64, 128) divides
@@ -109,7 +109,7 @@ class TinyVLM:
     def describe(self) -> dict:
         d = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(self).items()}
         d["construction"] = (
-            f"random Idefics3, converted by llama.cpp {LLAMA_CPP_VERSION} (tools/models/make_test_vlm.py v{VERSION})"
+            f"random Idefics3, converted by llama.cpp {LLAMA_CPP_VERSION} (tests/models/make_test_vlm.py v{VERSION})"
         )
         return d
 

@@ -1,7 +1,7 @@
 """Tiny Qwen-VL models (M-RoPE) with random weights, offline: Qwen2-VL, Qwen2.5-VL and Qwen3-VL, each as Hugging
 Face and llama.cpp load it.
 
-    python -m tools.models.make_test_vlm --family qwen2vl|qwen2.5vl|qwen3vl [--out DIR] [--seed 0] [--check]
+    python -m tests.models.make_test_vlm --family qwen2vl|qwen2.5vl|qwen3vl [--out DIR] [--seed 0] [--check]
 
 `DIR/hf/` is a real Qwen2VLForConditionalGeneration / Qwen2_5_VLForConditionalGeneration /
 Qwen3VLForConditionalGeneration (a 3-block vision tower on 8 x 8 patches merged 2 x 2, a 2-layer text
@@ -16,7 +16,7 @@ count differs from its token count: 64 x 64 takes 16 tokens and 4 positions, 96 
 8 positions. In a prompt an image is `<|vision_start|><|image_pad|><|vision_end|>` (IMAGE_SPAN) for the
 processor; libmtmd writes the start and end tokens itself around its media marker.
 
-From that directory llama.cpp's own converter (tools/models/llama_convert.py) writes
+From that directory llama.cpp's own converter (tests/models/llama_convert.py) writes
   target.gguf          the text model, f32        target-mmproj.gguf   the vision tower, f32
 and llama.cpp's quantizer the draft:
   draft.gguf           Q8_0 of target.gguf        draft-mmproj.gguf    the vision tower, f16
@@ -126,14 +126,14 @@ class QwenVLM:
 
     def describe(self) -> dict:
         d = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(self).items()}
-        d["construction"] = f"random {self.family}, converted by llama.cpp (tools/models/qwen_vlm.py v{VERSION})"
+        d["construction"] = f"random {self.family}, converted by llama.cpp (tests/models/qwen_vlm.py v{VERSION})"
         return d
 
 
 def paths(
     family: str, directory: Path, shape: QwenShape = TINY, seed: int = 0, vocab: int = 0, image_token_id: int = 0
 ) -> QwenVLM:
-    from tools.models import llama_convert
+    from tests.models import llama_convert
 
     return QwenVLM(*llama_convert.vlm_files(directory), vocab, image_token_id, shape, seed, family)
 
@@ -334,7 +334,7 @@ def make(
 
 
 def _make_locked(family: str, directory: Path, shape: QwenShape, seed: int, log) -> QwenVLM:
-    from tools.models import llama_convert
+    from tests.models import llama_convert
 
     key = {
         "version": VERSION,
@@ -418,7 +418,7 @@ def llama_run(
     import llama_cpp
     import numpy as np
 
-    from tools.models import llama_convert
+    from tests.models import llama_convert
 
     _check_image(image)
     with llama_convert.mtmd_prefill(gguf, mmproj, image, prompt, IMAGE_SPAN, n_ctx=1024, n_threads=n_threads) as p:
@@ -475,10 +475,10 @@ def check(vlm: QwenVLM, sizes=((64, 64), (96, 128))) -> dict:
                 "n_past": pa.n_past,
                 "greedy_differs_by_image": pa.greedy != pb.greedy,
                 "max_diff_vs_hf": float(np.abs(pa.logits - hf_a.logits).max()),
-                "greedy_agrees_with_hf": sum(x == y for x, y in zip(pa.greedy, hf_a.greedy)),
+                "greedy_agrees_with_hf": sum(x == y for x, y in zip(pa.greedy, hf_a.greedy, strict=False)),
                 "greedy": pa.greedy,
             }
-        agree = sum(x == y for x, y in zip(runs["draft"].greedy, runs["target"].greedy))
+        agree = sum(x == y for x, y in zip(runs["draft"].greedy, runs["target"].greedy, strict=False))
         fig["draft"]["greedy_agrees_with_target"] = f"{agree}/{len(runs['target'].greedy)}"
         out[f"{h}x{w}"] = fig
     return out
