@@ -80,10 +80,10 @@ def test_the_replayed_robots_keep_the_recorded_pairs_acceptance():
     succ = random_target.planted_successor(random_target.token_types(), seed=0)
     replay = fleet.replay_trace(recorded, succ, "random.gguf")
     assert replay.vocab_hash == recorded.vocab_hash and replay.target == "random.gguf"
-    for rp, pp in zip(recorded.prompts, replay.prompts):
+    for rp, pp in zip(recorded.prompts, replay.prompts, strict=True):
         assert pp.prompt_ids == rp.prompt_ids and len(pp.target_ids) == len(rp.target_ids)
         assert pp.target_ids == random_target.greedy_path(succ, rp.prompt_ids[-1], len(rp.target_ids))
-        for i, (rc, pc) in enumerate(zip(rp.chains, pp.chains)):
+        for i, (rc, pc) in enumerate(zip(rp.chains, pp.chains, strict=True)):
             assert len(pc) == recorded.gamma_max
             assert fleet.agreement(pc, pp.target_ids[i:]) == fleet.agreement(rc, rp.target_ids[i:])
     for gamma in (1, 4, 8):

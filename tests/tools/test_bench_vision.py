@@ -16,7 +16,7 @@ def test_the_vision_benchmark_runs_both_kinds_of_step(tmp_path):
     text, image = result["steps"]["text"], result["steps"]["image"]
     assert len(text) == len(image) == 2 and result["image_positions"] > 1
     assert all(r["image_bytes"] == 0 for r in text) and all(r["image_bytes"] > 0 for r in image)
-    for t, i in zip(text, image):  # the image's bytes travel on the step's open
+    for t, i in zip(text, image, strict=True):  # the image's bytes travel on the step's open
         assert i["bytes_up"] >= t["bytes_up"] + i["image_bytes"] - 512
         assert t["tokens"] == i["tokens"] == 4 and i["encode_ms"] > 0 and i["draft_prefill_ms"] > 0
     assert "with the image" in (tmp_path / "vision.md").read_text() and (tmp_path / "vision.png").stat().st_size > 0

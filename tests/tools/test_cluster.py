@@ -161,7 +161,7 @@ def test_a_drained_replicas_robots_finish_without_an_error_and_exactly(healed, d
         for i, d in enumerate((drafter, second))
     ]
     try:
-        runs = [_generate_in_thread(d, ids, 80) for d, ids in zip(decs, prompts)]
+        runs = [_generate_in_thread(d, ids, 80) for d, ids in zip(decs, prompts, strict=True)]
         victim = _serving_replica(decs[0])
         time.sleep(0.3)
         t0 = time.monotonic()
@@ -177,7 +177,7 @@ def test_a_drained_replicas_robots_finish_without_an_error_and_exactly(healed, d
     assert status == 503  # /healthz said draining at once
     assert cluster.replica(victim).proc.returncode == 0
     assert "drained" in cluster.replica(victim).log_path.read_text()
-    for (thread, box), ids in zip(runs, want):
+    for (_thread, box), ids in zip(runs, want, strict=True):
         assert "error" not in box, box.get("error")
         assert box["gen"].token_ids == ids
     first = runs[0][1]["gen"].metrics

@@ -447,7 +447,7 @@ def test_robots_halt_once_every_generation_opened_in_the_window_is_decided():
     )
     out = asyncio.run(run_against_fake(fake, 2, cfg))
     start, stop = out.window
-    sample = [g for g, c in zip(out.generations, lg.sample(out.generations, out.window)) if c]
+    sample = [g for g, c in zip(out.generations, lg.sample(out.generations, out.window), strict=True) if c]
     assert sample and all(lg.decided(g, out.ended) for g in sample)
     assert stop <= out.ended <= stop + 12 / 8 + 1.0  # the tail lasts at most the longest deadline
     # and the robots stop right after: their round in flight (50 ms here) is the last; the slack is a loaded CI's

@@ -94,7 +94,7 @@ def test_the_q8_draft_agrees_with_the_target_on_most_greedy_tokens(vlm):
         image = qv.random_image(seed, 64, 64)
         target = qv.llama_run(vlm.target, vlm.target_mmproj, image, n=16)
         draft = qv.llama_run(vlm.draft, vlm.draft_mmproj, image, follow=target.greedy)  # on the target's path
-        agree += sum(a == b for a, b in zip(draft.greedy, target.greedy))
+        agree += sum(a == b for a, b in zip(draft.greedy, target.greedy, strict=True))
         total += len(target.greedy)
     assert agree >= 0.75 * total, f"{agree}/{total}"
 

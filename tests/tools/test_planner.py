@@ -53,7 +53,7 @@ def random_problem(rng, n: int, shared: bool = False, padded: bool = True, gamma
 
 
 def t_inf(problem: P.Problem, batches, gammas, stages) -> float:
-    cols = [stages(tuple(b), g) for b, g in zip(batches, gammas)]
+    cols = [stages(tuple(b), g) for b, g in zip(batches, gammas, strict=True)]
     return P.pipeline_ms(np.stack([c[0] for c in cols], 1), np.stack([c[1] for c in cols], 1), problem.drafting.shared)
 
 
@@ -65,7 +65,7 @@ def compositions(order):
     """Every split of `order` into consecutive non-empty batches."""
     for cuts in itertools.product((False, True), repeat=len(order) - 1):
         batches, cur = [], [order[0]]
-        for cut, k in zip(cuts, order[1:]):
+        for cut, k in zip(cuts, order[1:], strict=True):
             if cut:
                 batches.append(tuple(cur))
                 cur = []
@@ -337,7 +337,9 @@ def test_plan_is_the_closed_form_split_plus_the_dp_schedule():
     bits = [d.uplink_bits for d in problem.devices]
     se = [d.spectral_efficiency for d in problem.devices]
     np.testing.assert_allclose(p.bandwidth_hz, P.bandwidth_split(bits, se, problem.total_bandwidth_hz))
-    assert p.t_com_ms == pytest.approx(sum(b / s for b, s in zip(bits, se)) / problem.total_bandwidth_hz * 1e3)
+    assert p.t_com_ms == pytest.approx(
+        sum(b / s for b, s in zip(bits, se, strict=True)) / problem.total_bandwidth_hz * 1e3
+    )
     assert p.total_ms == pytest.approx(p.t_com_ms + p.t_inf_ms)
     assert p.tokens_per_s == pytest.approx(sum(d.output_tokens for d in problem.devices) / p.total_ms * 1e3)
     assert p.steps == max(P.decoding_steps(d.output_tokens, d.alpha, p.gammas[0]) for d in problem.devices)
