@@ -26,10 +26,18 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import os
 import threading
 from collections import OrderedDict
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:  # typing only: llama_cpp is imported when a grammar is first built
+    from llama_cpp import llama_model_p, llama_sampler_p, llama_vocab_p
+
+TokenIds = Sequence[int] | np.ndarray  # [n] token ids, a list or an int array
 
 MAX_GBNF_BYTES = 16 * 1024  # a grammar on the wire: at most this much GBNF text
 MAX_COMPILED = 16  # grammars compiled per vocabulary, least recently used out
@@ -48,11 +56,15 @@ class Grammar:
     (`owner` is kept to make sure).
     """
 
-    def __init__(self, gbnf: str, vocab, n_vocab: int, owner=None, root: str = "root"):
+    def __init__(
+        self, gbnf: str, vocab: llama_vocab_p | None, n_vocab: int, owner: object = None, root: str = "root"
+    ) -> None:
         import llama_cpp as L
 
         if not isinstance(gbnf, str) or not gbnf.strip():
             raise GrammarError("the grammar is empty")
+        if not vocab:
+            raise GrammarError("no vocabulary to compile the grammar over (a null llama_vocab pointer)")
         if len(gbnf.encode("utf-8")) > MAX_GBNF_BYTES:
             raise GrammarError(f"the grammar is {len(gbnf.encode('utf-8'))} bytes; at most {MAX_GBNF_BYTES}")
         self.L = L
@@ -65,10 +77,10 @@ class Grammar:
             raise GrammarError(f"llama.cpp could not parse the grammar (GBNF, root {root!r})")
         self._all = _token_table(np.arange(n_vocab, dtype=np.int32))  # every token, for whole masks
 
-    def start(self) -> "GrammarState":
+    def start(self) -> GrammarState:
         return GrammarState(self, self.L.llama_sampler_clone(self._root))
 
-    def walk(self, ids) -> "GrammarState":
+    def walk(self, ids: TokenIds) -> GrammarState:
         """The state after `ids` from the root; GrammarError at the first id it forbids."""
         state = self.start()
         n = state.advance(ids)
@@ -78,21 +90,21 @@ class Grammar:
             )
         return state
 
-    def __del__(self):
+    def __del__(self) -> None:
         if getattr(self, "_root", None):
             self.L.llama_sampler_free(self._root)
-            self._root = None
+            del self._root  # freed: a second call finds nothing to free
 
 
 class GrammarState:
     """Where a generation stands in its grammar. Not thread-safe; `clone()` for a branch."""
 
-    def __init__(self, grammar: Grammar, sampler):
+    def __init__(self, grammar: Grammar, sampler: llama_sampler_p) -> None:
         self.grammar = grammar
         self._smpl = sampler
         self.n_accepted = 0
 
-    def clone(self) -> "GrammarState":
+    def clone(self) -> GrammarState:
         other = GrammarState(self.grammar, self.grammar.L.llama_sampler_clone(self._smpl))
         other.n_accepted = self.n_accepted
         return other
@@ -143,7 +155,7 @@ class GrammarState:
         if self.advance([token]) == 0:
             raise GrammarError(f"token {token} is not allowed by the grammar here")
 
-    def advance(self, ids) -> int:
+    def advance(self, ids: TokenIds) -> int:
         """Advance past the ids the grammar allows in a row; returns how many (it stops at the first one
         forbidden, which llama.cpp would abort the process on)."""
         for n, t in enumerate(ids):
@@ -153,10 +165,10 @@ class GrammarState:
             self.n_accepted += 1
         return len(ids)
 
-    def __del__(self):
+    def __del__(self) -> None:
         if getattr(self, "_smpl", None):
             self.grammar.L.llama_sampler_free(self._smpl)
-            self._smpl = None
+            del self._smpl  # freed: a second call finds nothing to free
 
 
 def _token_table(ids: np.ndarray) -> np.ndarray:
@@ -172,7 +184,9 @@ def digest(gbnf: str) -> str:
 class GrammarCache:
     """Compiled grammars of one vocabulary by their text; bounded (MAX_COMPILED, least recently used out)."""
 
-    def __init__(self, vocab, n_vocab: int, owner=None, size: int = MAX_COMPILED):
+    def __init__(
+        self, vocab: llama_vocab_p | None, n_vocab: int, owner: object = None, size: int = MAX_COMPILED
+    ) -> None:
         self.vocab, self.n_vocab, self.owner, self.size = vocab, n_vocab, owner, size
         self._compiled: OrderedDict[str, Grammar] = OrderedDict()
         self._lock = threading.Lock()
@@ -192,7 +206,7 @@ class GrammarCache:
         return grammar
 
 
-def vocab_only(path: str):
+def vocab_only(path: str | os.PathLike[str]) -> tuple[llama_model_p, llama_vocab_p, int]:
     """(model, vocab, n_vocab) of a GGUF loaded for its vocabulary alone (no weights): a grammar's
     vocabulary where the model itself runs elsewhere (the torch engine). Free with
     llama_model_free(model) (or keep it for the process)."""
@@ -204,4 +218,6 @@ def vocab_only(path: str):
     if not model:
         raise GrammarError(f"llama.cpp could not read the vocabulary of {path}")
     vocab = L.llama_model_get_vocab(model)
+    if not vocab:
+        raise GrammarError(f"llama.cpp gave no vocabulary for {path}")
     return model, vocab, int(L.llama_vocab_n_tokens(vocab))

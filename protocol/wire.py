@@ -181,7 +181,7 @@ class Message:
         return d
 
     @classmethod
-    def from_wire(cls, d: dict) -> "Message":  # overridden: each type validates its own fields
+    def from_wire(cls, d: dict[str, Any]) -> Message:  # overridden: each type validates its own fields
         raise NotImplementedError
 
 
@@ -196,7 +196,7 @@ class Hello(Message):
     vocab_size: int
 
     @classmethod
-    def from_wire(cls, d):
+    def from_wire(cls, d: dict[str, Any]) -> Hello:
         return cls(
             _str(d.get("token"), "token", 256),
             _str(d.get("client"), "client", 256),
@@ -205,7 +205,7 @@ class Hello(Message):
         )
 
     @classmethod
-    def make_dummy(cls):
+    def make_dummy(cls) -> Hello:
         return cls(token="", client="test", draft_vocab_hash="0" * 64, vocab_size=49152)
 
 
@@ -225,7 +225,7 @@ class Welcome(Message):
     replica: str = ""  # which replica of a fleet answered (server.replica_id); "" from older servers
 
     @classmethod
-    def from_wire(cls, d):
+    def from_wire(cls, d: dict[str, Any]) -> Welcome:
         limits = _map(d.get("limits"), "limits")
         for k in ("max_frame_bytes", "max_draft_len", "max_context"):
             _int(limits.get(k), f"limits.{k}", 1)
@@ -248,7 +248,7 @@ class Welcome(Message):
         )
 
     @classmethod
-    def make_dummy(cls):
+    def make_dummy(cls) -> Welcome:
         return cls(
             "dummy",
             49152,
@@ -274,14 +274,14 @@ class Error(Message):
         return d
 
     @classmethod
-    def from_wire(cls, d):
+    def from_wire(cls, d: dict[str, Any]) -> Error:
         sid = d.get("sid")
         return cls(
             _str(d.get("code"), "code", 64), _str(d.get("message"), "message"), None if sid is None else _sid(sid)
         )
 
     @classmethod
-    def make_dummy(cls):
+    def make_dummy(cls) -> Error:
         return cls("bad_field", "round must be an int in [0, 2147483647], got -1", "s1")
 
 
@@ -316,7 +316,7 @@ class Open(Message):
         return d
 
     @classmethod
-    def from_wire(cls, d):
+    def from_wire(cls, d: dict[str, Any]) -> Open:
         s = _map(d.get("sampling"), "sampling")
         sampling = {
             "temperature": _float(s.get("temperature"), "sampling.temperature", 0.0, 100.0),
@@ -347,7 +347,7 @@ class Open(Message):
         return cls(sid, ids, sampling, _map(d.get("slo", {}), "slo"), exits, payload, grammar, images, resume)
 
     @classmethod
-    def make_dummy(cls):
+    def make_dummy(cls) -> Open:
         return cls("s1", [1, 2, 3], {"temperature": 0.0, "top_k": 0, "seed": 0}, resume="x" * 22)
 
 
@@ -363,7 +363,7 @@ class Opened(Message):
     # "" from older servers)
 
     @classmethod
-    def from_wire(cls, d):
+    def from_wire(cls, d: dict[str, Any]) -> Opened:
         return cls(
             _sid(d.get("sid")),
             _int(d.get("n_committed"), "n_committed"),
@@ -373,7 +373,7 @@ class Opened(Message):
         )
 
     @classmethod
-    def make_dummy(cls):
+    def make_dummy(cls) -> Opened:
         return cls("s1", 3, {"prefill_ms": 1.0, "passes": 1}, "replica-0", "x" * 22)
 
 
@@ -411,7 +411,7 @@ class Verify(Message):
         return d
 
     @classmethod
-    def from_wire(cls, d):
+    def from_wire(cls, d: dict[str, Any]) -> Verify:
         draft = _ids(d.get("draft_ids"), "draft_ids", 256)
         q = _q_from_wire(d.get("q"), len(draft))
         cands = None
@@ -441,7 +441,7 @@ class Verify(Message):
         )
 
     @classmethod
-    def make_dummy(cls):
+    def make_dummy(cls) -> Verify:
         return cls("s1", 0, 3, [4, 5], {"kind": "none"})
 
 
@@ -526,7 +526,7 @@ class Exit(Message):
     confidence: float  # max softmax probability at the deciding position
 
     @classmethod
-    def from_wire(cls, d):
+    def from_wire(cls, d: dict[str, Any]) -> Exit:
         tokens = _ids(d.get("tokens"), "tokens", 257)
         if not tokens:
             raise WireError("bad_field", "an exit verdict holds at least the next token")
@@ -539,7 +539,7 @@ class Exit(Message):
         )
 
     @classmethod
-    def make_dummy(cls):
+    def make_dummy(cls) -> Exit:
         return cls("s1", 0, 12, [4, 7], 0.9)
 
 
@@ -574,7 +574,7 @@ class Result(Message):
         return d
 
     @classmethod
-    def from_wire(cls, d):
+    def from_wire(cls, d: dict[str, Any]) -> Result:
         residual = d.get("residual")
         token = _int(d.get("token"), "token", -1 if residual is not None else 0)
         if residual is not None:
@@ -608,7 +608,7 @@ class Result(Message):
         )
 
     @classmethod
-    def make_dummy(cls):
+    def make_dummy(cls) -> Result:
         return cls("s1", 0, 2, 7, 6, {"verify_ms": 1.5, "passes": 1})
 
 
@@ -623,7 +623,7 @@ class Ar(Message):
     fix: int | None = None  # split: the correction owed from the last verify round, committed first
 
     @classmethod
-    def from_wire(cls, d):
+    def from_wire(cls, d: dict[str, Any]) -> Ar:
         fix = d.get("fix")
         return cls(
             _sid(d.get("sid")),
@@ -633,7 +633,7 @@ class Ar(Message):
         )
 
     @classmethod
-    def make_dummy(cls):
+    def make_dummy(cls) -> Ar:
         return cls("s1", 16, [2])
 
 
@@ -651,7 +651,7 @@ class Token(Message):
     # (1.0 when greedy): lets the robot estimate its acceptance while streaming
 
     @classmethod
-    def from_wire(cls, d):
+    def from_wire(cls, d: dict[str, Any]) -> Token:
         done = d.get("done")
         if not isinstance(done, bool):
             raise WireError("bad_field", "done must be a bool")
@@ -666,7 +666,7 @@ class Token(Message):
         )
 
     @classmethod
-    def make_dummy(cls):
+    def make_dummy(cls) -> Token:
         return cls("s1", 0, 42, False, {"verify_ms": 1.0, "passes": 1}, 0.25)
 
 
@@ -676,11 +676,11 @@ class Close(Message):
     sid: str
 
     @classmethod
-    def from_wire(cls, d):
+    def from_wire(cls, d: dict[str, Any]) -> Close:
         return cls(_sid(d.get("sid")))
 
     @classmethod
-    def make_dummy(cls):
+    def make_dummy(cls) -> Close:
         return cls("s1")
 
 
@@ -710,7 +710,7 @@ def _unpack(a: list) -> dict:
     names = [f.name for f in fields(MESSAGES[a[1]])]
     if len(a) - 2 > len(names):
         raise WireError("bad_frame", f"a packed {a[1]} has at most {len(names)} fields, got {len(a) - 2}")
-    return {"v": a[0], "type": a[1], **dict(zip(names, a[2:]))}
+    return {"v": a[0], "type": a[1], **dict(zip(names, a[2:], strict=False))}  # trailing absent fields left off
 
 
 def decode(frame: Any, max_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Message:

@@ -5,7 +5,7 @@ a fresh interpreter that imports numpy and then loads a model with layers offloa
 SIGSEGV inside `llama_model_load_from_file`; the same two imports in the other order load and
 serve. Users of llama-cpp-python report the same order dependence (its issue #1581: import
 llama_cpp before numpy or pandas). The order is the whole difference, so every package here
-(`agent`, `server_bridge`, `protocol`, `tools`) calls `load_llama_first()` in its `__init__`,
+(`agent`, `server_bridge`, `protocol`, `runtime`, `tools`, `tests`) calls `load_llama_first()` in its `__init__`,
 which Python runs before any of the package's modules, and so before anything they import
 pulls in numpy: the console scripts, `python -m tools.X`, the systemd units and the tests all
 come through one of them. `tests/test_native_order.py` checks the order in fresh interpreters.
@@ -52,7 +52,7 @@ def loaded_libraries() -> list[str]:
 
     callback_t = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(Info), ctypes.c_size_t, ctypes.c_void_p)
 
-    def visit(info, _size, _data) -> int:
+    def visit(info: ctypes._Pointer[Info], _size: int, _data: int | None) -> int:
         names.append((info.contents.name or b"").decode(errors="replace"))
         return 0
 
@@ -70,9 +70,10 @@ def numpy_loaded_first() -> bool | None:
         key: next((i for i, n in enumerate(libs) if key in n.rsplit("/", 1)[-1]), None)
         for key in (LLAMA_LIB, NUMPY_LIB)
     }
-    if at[LLAMA_LIB] is None or at[NUMPY_LIB] is None:
+    llama, numpy = at[LLAMA_LIB], at[NUMPY_LIB]
+    if llama is None or numpy is None:
         return None
-    return at[NUMPY_LIB] < at[LLAMA_LIB]
+    return numpy < llama
 
 
 def warn_if_numpy_first(gpu_offload: bool) -> None:

@@ -336,7 +336,7 @@ def test_server_bridge_container():
     assert c["image"].startswith("registry.example.com/")  # the placeholder, until an image exists
     cmd = c["command"]
     assert cmd[:2] == ["server-bridge", "serve"]
-    flags = dict(zip(cmd[2::2], cmd[3::2]))
+    flags = dict(zip(cmd[2::2], cmd[3::2], strict=True))
     assert len(cmd[2:]) == 2 * len(flags)
     from server_bridge import cli
 

@@ -59,7 +59,7 @@ def test_sampled_draft_keeps_what_its_payload_sends(drafter, spec):
     assert d.q.kind == spec.kind
     if spec.kind == "topk":
         assert d.q.ids.shape == d.q.probs.shape == (4, 4)
-        assert all(t in row for t, row in zip(d.ids, d.q.ids))  # drawn from its own top 4
+        assert all(t in row for t, row in zip(d.ids, d.q.ids, strict=True))  # drawn from its own top 4
     else:
         assert d.q.counts.shape == (4, drafter.vocab_size) and (d.q.counts.sum(axis=1) == 1 << 23).all()
         assert list(d.q.px) == [d.q.counts[i, t] for i, t in enumerate(d.ids)] and d.q.px.min() > 0

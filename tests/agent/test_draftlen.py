@@ -32,7 +32,7 @@ TABLE_I = {0.4: [4, 2, 1, 1, "1*"], 0.6: [7, 3, 2, 1, "1*"], 0.8: [14, 6, 4, 2, 
 
 @pytest.mark.parametrize("alpha", sorted(TABLE_I))
 def test_paper_table_one(alpha):
-    for L, want in zip((0.01, 0.1, 0.2, 0.4, 0.6), TABLE_I[alpha]):
+    for L, want in zip((0.01, 0.1, 0.2, 0.4, 0.6), TABLE_I[alpha], strict=True):
         g, s = optimal_gamma(alpha, L)
         assert g == int(str(want).rstrip("*")), (alpha, L)
         if abs(s - 1) > 1e-9:

@@ -124,7 +124,7 @@ def test_every_mode_and_payload_gives_the_targets_constrained_greedy_ids(
         drafter, DecoderConfig(url=grammar_server.url, payload=PayloadSpec.parse(kind), fsd=FsdOptions(exits=()))
     )
     try:
-        for task, ref in zip(TASKS, references):
+        for task, ref in zip(TASKS, references, strict=True):
             gen = dec.generate(
                 prompt(drafter, *task), mode=mode, gamma=gamma, max_tokens=answer_max_tokens(), grammar=GBNF
             )

@@ -45,7 +45,7 @@ def test_bf16_sd_and_fsd_are_ar_up_to_near_ties(drafter, bf16_server):
                 got = dec.generate(ids, mode=mode, gamma=4, max_tokens=24).token_ids
                 if got == ar:
                     continue
-                at = next(i for i, (a, b) in enumerate(zip(ar, got)) if a != b)
+                at = next(i for i, (a, b) in enumerate(zip(ar, got, strict=False)) if a != b)
                 state = target.new_state(ids + ar[:at])
                 row = np.asarray(target.score(state, [])[0], np.float64)  # AR's own one-token pass
                 best, second, _, margin = top2(row)

@@ -235,12 +235,12 @@ def fake_nav(answer, offline="local", **cfg):
     return n, dec
 
 
-def only_image(call, perception=VlmPerception(96), seed=None) -> PromptImage:
+def only_image(call, perception: VlmPerception | None = None, seed=None) -> PromptImage:
     ids, images = call["ids"], call["images"]
     assert ids.count(MarkerDrafter.image_marker) == 1 and len(images) == 1
     assert images[0].at == ids.index(MarkerDrafter.image_marker) and image_format(images[0].data) == "jpeg"
     if seed is not None:
-        assert images[0].data == perception.encode(frame(seed)).data
+        assert images[0].data == (perception or VlmPerception(96)).encode(frame(seed)).data
     return images[0]
 
 

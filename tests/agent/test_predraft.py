@@ -102,11 +102,11 @@ def test_branches_draft_what_the_draft_model_would(drafter):
     agree = total = 0
     for b in branches:
         ref = drafter.propose(committed + list(b.key), 4, GREEDY, None)
-        agree += sum(x == y for x, y in zip(ref.ids, b.ids))
+        agree += sum(x == y for x, y in zip(ref.ids, b.ids, strict=True))
         total += 4
         out = bd.result(b, PayloadSpec("none"))
         assert out.cands.shape == (4, 8) and out.cand_p.shape == (4, 8)
-        assert all(t in c for t, c in zip(out.ids, out.cands))  # greedy: the token is the top-1
+        assert all(t in c for t, c in zip(out.ids, out.cands, strict=True))  # greedy: the token is the top-1
     assert agree / total >= 0.75
     # reusing a finished branch's KV as the next base gives the same next-token logits' argmax
     bd.keep(branches[0])

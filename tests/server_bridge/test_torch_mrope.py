@@ -76,7 +76,7 @@ def prompt(engine, datas: list[bytes], text: str = qv.PROMPT) -> tuple[list[int]
     ids = engine.tokenizer.encode(text)
     at = [i for i, t in enumerate(ids) if t == engine.image_token_id]
     assert len(at) == len(datas)
-    return ids, {i: PromptImage.of(d, i) for i, d in zip(at, datas)}
+    return ids, {i: PromptImage.of(d, i) for i, d in zip(at, datas, strict=True)}
 
 
 def run(engine, passes: list[Pass]) -> list[np.ndarray]:
