@@ -12,6 +12,7 @@ ROBOT = ["llama-cpp-python==0.3.36", "jinja2", "onnxruntime>=1.17", "scipy>=1.10
 setup(
     name="edgespec",
     version="0.1.0",
+    license="MIT",
     description="Robots draft with a small GGUF model; a server verifies with the large model over a websocket.",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",

@@ -345,3 +345,13 @@ def reference(
         cells += [type_name(hints[f.name]), default, text]
         lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
     return lines
+
+
+def version() -> str:
+    """This installation's version (setup.py's), for both CLIs' --version."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("edgespec")
+    except metadata.PackageNotFoundError:  # a checkout on sys.path, not installed
+        return "0.1.0+checkout"

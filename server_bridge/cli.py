@@ -18,6 +18,7 @@ from .config import ENGINES, ServerConfig
 
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="server-bridge", description="Verify robots' drafts with the target model.")
+    ap.add_argument("--version", action="version", version=f"%(prog)s {settings.version()}")
     sub = ap.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("serve", help="run the websocket verifier")
     s.add_argument("--config", help="TOML file ([server] table); flags override it")

@@ -317,6 +317,7 @@ def _add_run(sub: Any) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="edge-agent", description="The robot side of speculative edge-cloud decoding.")
+    ap.add_argument("--version", action="version", version=f"%(prog)s {settings.version()}")
     ap.add_argument(
         "--log-level", default=None, help="default: INFO for run (the config in use is logged), WARNING otherwise"
     )
