@@ -19,18 +19,19 @@ from .config import ENGINES, ServerConfig
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="server-bridge", description="Verify robots' drafts with the target model.")
     ap.add_argument("--version", action="version", version=f"%(prog)s {settings.version()}")
+    ap.add_argument("--log-level", default="INFO", help="before or after the subcommand")
     sub = ap.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("serve", help="run the websocket verifier")
     s.add_argument("--config", help="TOML file ([server] table); flags override it")
     settings.add_flags(s, ServerConfig, overriding=True)  # --host, --port, ..., one per field
-    s.add_argument("--log-level", default="INFO")
+    s.add_argument("--log-level", default=argparse.SUPPRESS, help="default INFO")
     p = sub.add_parser(
         "prepare",
         help="make the target's GGUF (F32, from the shipped Q4_1) and, for --engine torch, its model directory",
     )
     p.add_argument("--target", default=None)
     p.add_argument("--engine", choices=ENGINES, default="auto")
-    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-level", default=argparse.SUPPRESS, help="default INFO")
     p.add_argument(
         "--verbose",
         action="store_true",

@@ -25,3 +25,19 @@ def test_licence_is_stated():
     text = (ROOT / "LICENSE").read_text()
     assert text.startswith("MIT License")
     assert 'license="MIT"' in (ROOT / "setup.py").read_text()
+
+
+@pytest.mark.parametrize("argv", [["--log-level", "DEBUG", "prepare", "--help"], ["prepare", "--log-level", "DEBUG"]])
+def test_server_log_level_either_side_of_the_subcommand(argv):
+    args = server_cli._parser().parse_args([a for a in argv if a != "--help"])
+    assert args.log_level == "DEBUG" and args.cmd == "prepare"
+
+
+def test_agent_log_level_either_side_of_the_subcommand(monkeypatch):
+    seen = []
+    monkeypatch.setattr(agent_cli, "_setup_logging", seen.append)
+    monkeypatch.setattr(agent_cli, "_generate", lambda args: 0)
+    assert agent_cli.main(["--log-level", "DEBUG", "generate", "--prompt", "hi"]) == 0
+    assert agent_cli.main(["generate", "--prompt", "hi", "--log-level", "ERROR"]) == 0
+    assert agent_cli.main(["generate", "--prompt", "hi"]) == 0
+    assert seen == ["DEBUG", "ERROR", "WARNING"]

@@ -318,12 +318,13 @@ def _add_run(sub: Any) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="edge-agent", description="The robot side of speculative edge-cloud decoding.")
     ap.add_argument("--version", action="version", version=f"%(prog)s {settings.version()}")
-    ap.add_argument(
-        "--log-level", default=None, help="default: INFO for run (the config in use is logged), WARNING otherwise"
-    )
+    log_help = "default: INFO for run (the config in use is logged), WARNING otherwise"
+    ap.add_argument("--log-level", default=None, help=log_help)
     sub = ap.add_subparsers(dest="cmd", required=True)
     settings.add_flags(sub.add_parser("generate", help="answer one prompt"), GenerateOptions)
     _add_run(sub)
+    for command in sub.choices.values():  # --log-level before or after the subcommand, as a user puts it
+        command.add_argument("--log-level", default=argparse.SUPPRESS, help=log_help)
     args = ap.parse_args(argv)
     _setup_logging(args.log_level or ("INFO" if args.cmd == "run" else "WARNING"))
     if args.cmd == "generate":
