@@ -8,9 +8,11 @@ import asyncio
 import json
 import logging
 import os
+import socket
 import ssl
 import sys
 
+from protocol.modelfiles import ModelNotFound
 from runtime import settings
 
 from .config import ENGINES, ServerConfig
@@ -71,17 +73,50 @@ def _serve(args: argparse.Namespace) -> int:
     except (OSError, ssl.SSLError) as e:
         print(f"server-bridge: bad configuration: tls_cert/tls_key: {e}", file=sys.stderr)
         return 2
+    busy = _port_in_use(config.host, config.port)
+    if busy:  # before the model loads (tens of seconds), not after
+        print(f"server-bridge: cannot listen on {config.host}:{config.port}: {busy}", file=sys.stderr)
+        return 1
     logging.getLogger("server_bridge").info("config in use: %s", json.dumps(config.redacted()))
     asyncio.run(run(config))
     return 0
 
 
+def _port_in_use(host: str, port: int) -> str | None:
+    """Why (host, port) cannot be bound now, or None. Port 0 (any free port) is always free."""
+    if port == 0:
+        return None
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        return str(e)
+    for family, kind, proto, _, address in infos[:1]:
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server binds: TIME_WAIT is no obstacle
+            try:
+                s.bind(address)
+            except OSError as e:
+                return e.strerror or str(e)
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Every error a user can cause is one line on stderr and a non-zero exit, not a traceback."""
     args = _parser().parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(), stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    return _prepare(args) if args.cmd == "prepare" else _serve(args)
+    try:
+        return _prepare(args) if args.cmd == "prepare" else _serve(args)
+    except ModelNotFound as e:
+        print(f"server-bridge: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # the port taken between the check and the bind, a model file unreadable, ...
+        print(f"server-bridge: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("server-bridge: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
-"""Both CLIs answer --version with the installed version, and the project states its licence."""
+"""What a user meets first on both CLIs: --version, --log-level on either side of the subcommand, one-line
+errors (no traceback) for a misspelt target or a busy port, and the licence the project states."""
 
 import re
+import socket
 from pathlib import Path
 
 import pytest
@@ -41,3 +43,16 @@ def test_agent_log_level_either_side_of_the_subcommand(monkeypatch):
     assert agent_cli.main(["generate", "--prompt", "hi", "--log-level", "ERROR"]) == 0
     assert agent_cli.main(["generate", "--prompt", "hi"]) == 0
     assert seen == ["DEBUG", "ERROR", "WARNING"]
+
+
+def test_server_errors_are_one_line(capsys):
+    assert server_cli.main(["serve", "--target", "no-such-model", "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "server-bridge: target 'no-such-model'" in err and "Traceback" not in err
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert server_cli.main(["serve", "--port", str(port)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"server-bridge: cannot listen on 127.0.0.1:{port}") and "Traceback" not in "".join(err)
