@@ -66,7 +66,6 @@ import time
 import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
 
 from tools.bench import loadgen
 from tools.bench.loadgen import LoadConfig, Trace, TracePrompt
@@ -190,59 +189,6 @@ def planned_tau(trace: Trace, gamma: int, tokens: int) -> float:
 
 
 # --------------------------------------------------------------------------- the search
-
-
-def capacity_search(
-    run: Callable[[int], dict],
-    classes: list[str],
-    ns: tuple = (),
-    start: int = 1,
-    max_n: int = 256,
-    refine: float = 0.1,
-) -> dict:
-    """The largest N each class holds, running as few points as it can.
-
-    run(n) -> {class: passed (bool, or None without data)} for a fleet of n. With `ns`: those
-    sizes in order, stopping once every class has failed. Otherwise N doubles from `start` until
-    every class has failed above its capacity or max_n is reached; then, per class, bisection
-    between its capacity and the next failing N until the gap is <= max(1, refine x capacity).
-    Capacity is loadgen's: the largest N that passed with every smaller N tried (0: the smallest
-    failed); lower_bound when every N tried passed.
-    """
-    seen: dict[int, dict] = {}
-
-    def at(n: int) -> None:
-        if n not in seen:
-            seen[n] = run(n)
-
-    def cap(c: str) -> tuple[int, bool]:
-        got, held = loadgen.capacity({n: r.get(c) for n, r in seen.items()})
-        return got or 0, held
-
-    def failed_above(c: str) -> int | None:
-        lo = cap(c)[0]
-        return min((n for n, r in seen.items() if r.get(c) is False and n > lo), default=None)
-
-    if ns:
-        for n in ns:
-            at(n)
-            if all(failed_above(c) is not None for c in classes):
-                break
-    else:
-        n = max(1, min(start, max_n))
-        while True:
-            at(n)
-            if n >= max_n or all(failed_above(c) is not None for c in classes):
-                break
-            n = min(2 * n, max_n)
-        for c in classes:
-            while (hi := failed_above(c)) is not None:
-                lo = cap(c)[0]
-                mid = (lo + hi) // 2
-                if hi - lo <= max(1, int(refine * lo)) or mid <= lo or mid in seen:
-                    break
-                at(mid)
-    return {c: {"capacity": cap(c)[0], "lower_bound": cap(c)[1], "tried": sorted(seen)} for c in classes}
 
 
 def sizes_within(ns: tuple, max_n: int) -> tuple:
@@ -583,7 +529,9 @@ def run_sd(cfg: FleetConfig, engine: str, target, trace: Trace, max_n: int, out:
                     say("  " + describe(p))
                     return {k: j["passes"] for k, j in p["judged"].items()}
 
-                found = capacity_search(run, [str(c)], sizes_within(cfg.ns, max_n), start, max_n, cfg.refine)[str(c)]
+                found = loadgen.capacity_search(run, [str(c)], sizes_within(cfg.ns, max_n), start, max_n, cfg.refine)[
+                    str(c)
+                ]
                 result["capacity"][str(c)] = {**found, "max_n": max_n}
                 start = max(cfg.start_n, found["capacity"])
         finally:
@@ -663,7 +611,7 @@ def run_peer(cfg: FleetConfig, target, trace: Trace, max_n: int, binary: Path, c
         say("  " + describe(p))
         return {c: j["passes"] for c, j in by_class.items()}
 
-    found = capacity_search(
+    found = loadgen.capacity_search(
         run, [str(c) for c in cfg.classes], sizes_within(cfg.ns, max_n), cfg.start_n, max_n, cfg.refine
     )
     result["capacity"] = {c: {**v, "max_n": max_n} for c, v in found.items()}
