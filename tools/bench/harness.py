@@ -320,7 +320,8 @@ def main(
         "machine", f"{platform.machine()} {os.cpu_count()} cores, pinned to {sorted(os.sched_getaffinity(0))}"
     )
     result.setdefault("started", time.strftime("%Y-%m-%d %H:%M:%S"))
-    result["config"] = {**config, **result.get("config", {})}  # the flags, and what measure adds or resolves
+    flags = {k: v for k, v in vars(args).items() if not k.startswith("_")}  # as measure left them (--quick)
+    result["config"] = {**flags, **result.get("config", {})}  # the flags, and what measure adds or resolves
     report.write(Path(args.out), result)
     # a run whose ids differ from the reference's, or that measure marks failed (errors), exits 1
     return 0 if result.get("exact", True) and result.get("ok", True) else 1
