@@ -67,7 +67,7 @@ class Table:
 
     With `facet`, one table per value of that row key, its title formatted with {facet: value} too."""
 
-    rows: str
+    rows: str | Callable[[Row], list[Row]]  # result[rows], or rows made from the result
     cols: Sequence[Col] | Callable[[Row], Sequence[Col]]  # or made from the result (columns per RTT, ...)
     title: str = ""  # "## ..." above the table (can be empty)
     note: str = ""  # a paragraph below it (can be empty)
@@ -75,7 +75,7 @@ class Table:
     facet: str = ""  # a row key: a table for each of its values ("" = one table)
 
     def render(self, result: Row) -> list[str]:
-        rows = [r for r in result.get(self.rows) or [] if self.where is None or self.where(r)]
+        rows = select(result, self.rows, self.where)
         cols = self.cols(result) if callable(self.cols) else self.cols
         lines: list[str] = []
         for value, sub in facets(rows, self.facet):
@@ -86,6 +86,12 @@ class Table:
             lines += ["| " + " | ".join(c.cell(r) for c in cols) + " |" for r in sub]
             lines += [""]
         return lines + ([self.note.format(**result), ""] if self.note else [])
+
+
+def select(result: Row, rows: str | Callable[[Row], list[Row]], where: Callable[[Row], bool] | None) -> list[Row]:
+    """The rows a table or plot shows: result[rows] (or rows(result)), those `where` accepts."""
+    got = rows(result) if callable(rows) else result.get(rows) or []
+    return [r for r in got if where is None or where(r)]
 
 
 def facets(rows: list[Row], key: str) -> list[tuple[Any, list[Row]]]:
@@ -102,7 +108,7 @@ class Plot:
     ys maps a series label to the row key it plots (dotted: nested), or is made from the result;
     with `group`, a series per (label, group value). With `facet`, a panel per value of that key."""
 
-    rows: str
+    rows: str | Callable[[Row], list[Row]]  # result[rows], or rows made from the result
     x: str
     ys: dict[str, str] | Callable[[Row], dict[str, str]]
     xlabel: str
@@ -130,7 +136,7 @@ class Plot:
 
     def panels(self, result: Row) -> list[tuple[str, list[Row]]]:
         """(title, rows) of each panel this plot draws."""
-        rows = [r for r in result.get(self.rows) or [] if self.where is None or self.where(r)]
+        rows = select(result, self.rows, self.where)
         return [
             (self.title.format(**({**result, self.facet: v} if self.facet else result)), sub)
             for v, sub in facets(rows, self.facet)
@@ -210,7 +216,7 @@ class Report:
         (out / f"{self.name}.json").write_text(json.dumps(result, indent=1, default=str))
         (out / f"{self.name}.md").write_text(self.markdown(result))
         written = [f"{self.name}.json", f"{self.name}.md"]
-        plots = [p for p in self.plots() if result.get(p.rows)]
+        plots = [p for p in self.plots() if select(result, p.rows, p.where)]
         if plots:
             write_png(out / f"{self.name}.png", plots, result)
             written.append(f"{self.name}.png")
