@@ -507,9 +507,12 @@ def test_reports_render_with_missing_classes_and_failed_points(tmp_path):
     }
     result = {"config": cfg, "points": points, "capacities": lg.capacities(points, (8, 2))}
     assert result["capacities"]["fake-draft"]["ratio_slo_over_fcfs"]["overall"] == 2.0
-    md = lg.render_markdown(result)
+    result["capacity"], result["target"] = lg.capacity_rows(result), "fake-target"
+    for p in points:
+        p["exactness"] = lg._exactness(p)
+    md = lg.REPORT.markdown(result)
     assert "| fake-draft | fcfs | 2 | - | 2 |" in md and "| fake-draft | slo | >= 4 | - | >= 4 |" in md
-    lg.plot(result, tmp_path / "loadgen.png")
+    lg.REPORT.write(tmp_path, result)
     assert (tmp_path / "loadgen.png").stat().st_size > 0
 
 

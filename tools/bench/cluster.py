@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import shlex
 import subprocess
@@ -44,6 +45,7 @@ from pathlib import Path
 
 import numpy as np
 
+from tools.bench import harness
 from tools.bench.loadgen import (
     MAX_VIOLATION,
     TARGET,
@@ -52,10 +54,6 @@ from tools.bench.loadgen import (
     Trace,
     _cap,
     _exactness,
-    _ints,
-    _nan,
-    _num,
-    _pct,
     capacity,
     near_ties,
     run_robots,
@@ -358,6 +356,18 @@ def bench(args, cfg: LoadConfig, argv: list[str]) -> dict:
 # --------------------------------------------------------------------------- reports
 
 
+def _pct(r: float | None) -> str:
+    return "-" if r is None else f"{100 * r:.1f} %"
+
+
+def _num(v: float | None, f: str) -> str:
+    return "-" if v is None else format(v, f)
+
+
+def _nan(v: float | None) -> float:
+    return math.nan if v is None else v
+
+
 def _spread(d: dict) -> str:
     return " / ".join(f"{k} {'-' if v is None else v}" for k, v in d.items()) or "-"
 
@@ -521,7 +531,7 @@ def _number(s: str) -> int | float:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--n", type=_ints, default=[2, 3, 4, 6, 8, 10], help="robot counts")
+    ap.add_argument("--n", type=harness.ints, default=[2, 3, 4, 6, 8, 10], help="robot counts")
     ap.add_argument("--window-s", type=float, default=20.0)
     ap.add_argument("--warmup-s", type=float, default=5.0)
     ap.add_argument("--class", dest="slo_class", type=_number, default=8, help="every robot's SLO, tokens/s")

@@ -64,11 +64,11 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
 
-from tools.bench import loadgen
+from tools.bench import harness, loadgen
 from tools.bench.loadgen import LoadConfig, Trace, TracePrompt
 from tools.models import random_target
 
@@ -190,59 +190,6 @@ def planned_tau(trace: Trace, gamma: int, tokens: int) -> float:
 
 
 # --------------------------------------------------------------------------- the search
-
-
-def capacity_search(
-    run: Callable[[int], dict],
-    classes: list[str],
-    ns: tuple = (),
-    start: int = 1,
-    max_n: int = 256,
-    refine: float = 0.1,
-) -> dict:
-    """The largest N each class holds, running as few points as it can.
-
-    run(n) -> {class: passed (bool, or None without data)} for a fleet of n. With `ns`: those
-    sizes in order, stopping once every class has failed. Otherwise N doubles from `start` until
-    every class has failed above its capacity or max_n is reached; then, per class, bisection
-    between its capacity and the next failing N until the gap is <= max(1, refine x capacity).
-    Capacity is loadgen's: the largest N that passed with every smaller N tried (0: the smallest
-    failed); lower_bound when every N tried passed.
-    """
-    seen: dict[int, dict] = {}
-
-    def at(n: int) -> None:
-        if n not in seen:
-            seen[n] = run(n)
-
-    def cap(c: str) -> tuple[int, bool]:
-        got, held = loadgen.capacity({n: r.get(c) for n, r in seen.items()})
-        return got or 0, held
-
-    def failed_above(c: str) -> int | None:
-        lo = cap(c)[0]
-        return min((n for n, r in seen.items() if r.get(c) is False and n > lo), default=None)
-
-    if ns:
-        for n in ns:
-            at(n)
-            if all(failed_above(c) is not None for c in classes):
-                break
-    else:
-        n = max(1, min(start, max_n))
-        while True:
-            at(n)
-            if n >= max_n or all(failed_above(c) is not None for c in classes):
-                break
-            n = min(2 * n, max_n)
-        for c in classes:
-            while (hi := failed_above(c)) is not None:
-                lo = cap(c)[0]
-                mid = (lo + hi) // 2
-                if hi - lo <= max(1, int(refine * lo)) or mid <= lo or mid in seen:
-                    break
-                at(mid)
-    return {c: {"capacity": cap(c)[0], "lower_bound": cap(c)[1], "tried": sorted(seen)} for c in classes}
 
 
 def sizes_within(ns: tuple, max_n: int) -> tuple:
@@ -583,7 +530,9 @@ def run_sd(cfg: FleetConfig, engine: str, target, trace: Trace, max_n: int, out:
                     say("  " + describe(p))
                     return {k: j["passes"] for k, j in p["judged"].items()}
 
-                found = capacity_search(run, [str(c)], sizes_within(cfg.ns, max_n), start, max_n, cfg.refine)[str(c)]
+                found = loadgen.capacity_search(run, [str(c)], sizes_within(cfg.ns, max_n), start, max_n, cfg.refine)[
+                    str(c)
+                ]
                 result["capacity"][str(c)] = {**found, "max_n": max_n}
                 start = max(cfg.start_n, found["capacity"])
         finally:
@@ -663,7 +612,7 @@ def run_peer(cfg: FleetConfig, target, trace: Trace, max_n: int, binary: Path, c
         say("  " + describe(p))
         return {c: j["passes"] for c, j in by_class.items()}
 
-    found = capacity_search(
+    found = loadgen.capacity_search(
         run, [str(c) for c in cfg.classes], sizes_within(cfg.ns, max_n), cfg.start_n, max_n, cfg.refine
     )
     result["capacity"] = {c: {**v, "max_n": max_n} for c, v in found.items()}
@@ -681,114 +630,124 @@ def cap_text(c: dict | None) -> str:
     return f">= {c['capacity']}" if c["lower_bound"] else str(c["capacity"])
 
 
-def render_markdown(result: dict) -> str:
+def _intro(result: dict) -> str:
     cfg, m, model, tr = result["config"], result["machine"], result["model"], result["trace"]
-    gpu = m["gpu"]["name"] if m.get("gpu") else f"no GPU ({cfg['device']})"
     shape = model["shape"]
-    classes = cfg["classes"]
-    out = [
-        f"# Robots per GPU: {gpu}, random {shape['name']} ({model['dtype']})\n",
-        f"`{result['command']}`\n",
-        f"Target: random weights with a planted greedy path (tools/models/random_target.py), {shape['layers']} layers, "
-        f"hidden {shape['hidden']}, {shape['heads']} heads, FFN {shape['intermediate']}, vocab {shape['vocab']}, "
-        f"{model['params'] / 1e9:.2f} B parameters ({model['weight_bytes'] / 2**30:.2f} GiB). Robots replay "
-        f"{tr['pair']} (planned {tr['planned_tau']:.2f} tokens a round at gamma {cfg['gamma']}), "
+    kv = result.get("kv_bound_sessions")
+    return (
+        f"`{result.get('command', 'python -m tools.bench.gpu_fleet')}`\n\n"
+        f"Target: random weights with a planted greedy path (tools/models/random_target.py), {shape['layers']} "
+        f"layers, hidden {shape['hidden']}, {shape['heads']} heads, FFN {shape['intermediate']}, vocab "
+        f"{shape['vocab']}, {model['params'] / 1e9:.2f} B parameters ({model['weight_bytes'] / 2**30:.2f} GiB). "
+        f"Robots replay {tr['pair']} (planned {tr['planned_tau']:.2f} tokens a round at gamma {cfg['gamma']}), "
         f"{cfg['draft_ms']} ms drafting a token, {cfg['tokens']} tokens a generation, on loopback. Window "
         f"{cfg['window_s']} s after {cfg['warmup_s']} s; a fleet holds a rate when <= 5 % of its generations "
         f"miss it. Machine: {m['cpu_count']} CPU cores, torch {m.get('torch')}, llama-cpp-python "
         f"{m.get('llama-cpp-python')}"
-        + (
-            f"; KV room for {result['kv_bound_sessions']} sessions of {result['context_tokens']} tokens"
-            if result.get("kv_bound_sessions") is not None
-            else ""
-        )
-        + f". Started {result['started']}.\n",
-        "## Robots held\n",
-        "| system | " + " | ".join(f"{c} tok/s" for c in classes) + " | settings |",
-        "|---|" + "---|" * len(classes) + "---|",
-    ]
-    for name, sysres in result["systems"].items():
-        if sysres.get("skipped"):
-            dashes = " | ".join("-" for _ in classes)
-            out.append(f"| {SYSTEMS[name]} | {dashes} | skipped: {sysres['skipped']} |")
-            continue
-        caps = sysres.get("capacity", {})
-        if name == "llama-server":
-            settings = f"`--parallel N -t {sysres['threads']} {' '.join(sysres['extra_args'])}`, {sysres['version']}"
-        else:
-            sc = sysres.get("server_config") or {}
-            settings = (
-                f"{sysres['health'].get('device')} {sysres['health'].get('dtype')}, scheduler "
-                f"{sc.get('scheduler')}, max_batch {sc.get('max_batch')}, estimator "
-                f"{'fitted' if sc.get('estimator') else 'defaults'}"
-            )
-        out.append(
-            f"| {SYSTEMS[name]} | " + " | ".join(cap_text(caps.get(str(c))) for c in classes) + f" | {settings} |"
-        )
-    out += [
-        "",
-        "'>= N': every fleet tried held (N is the largest tried; llama.cpp stops at "
-        f"{LLAMA_MAX_ROBOTS} robots); '< N': the smallest fleet tried did not.\n",
-        "## Points\n",
-        "| system | N | judged at | violations | speed mean / min tok/s | goodput tok/s | tokens/round | "
-        "round ms mean / p95 | shed | server means | client CPU | exact |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    num = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
-    for name, sysres in result["systems"].items():
-        for p in sysres.get("points", []):
-            viol = ", ".join(
-                f"{c}: {num(None if j['violation_rate'] is None else 100 * j['violation_rate'], '.0f')} %"
-                for c, j in p["judged"].items()
-            )
-            means = ", ".join(f"{k} {v:.2f}" for k, v in (p.get("server_means") or {}).items()) or "-"
-            out.append(
-                f"| {SYSTEMS[name]} | {p['n']} | {', '.join(p['classes'])} tok/s | {viol} | "
-                f"{num(p['speed_mean'], '.1f')} / {num(p['speed_min'], '.1f')} | "
-                f"{p['goodput_tokens_per_s']:.1f} | {num(p['tokens_per_round'], '.2f')} | "
-                f"{num(p['round_ms_mean'], '.0f')} / {num(p['round_ms_p95'], '.0f')} | {p['sheds']} | {means} | "
-                f"{num(p.get('client_cpu'), '.2f')} | {'yes' if p['exact'] else '**no**'} |"
-            )
-    return "\n".join(out) + "\n"
+        + (f"; KV room for {kv} sessions of {result['context_tokens']} tokens" if kv is not None else "")
+        + f". Started {result['started']}."
+    )
 
 
-def write_reports(result: dict, out: Path) -> None:
-    from tools.plots import bar_plot
+def _settings(name: str, s: dict) -> str:
+    if s.get("skipped"):
+        return f"skipped: {s['skipped']}"
+    if name == "llama-server":
+        return f"`--parallel N -t {s['threads']} {' '.join(s['extra_args'])}`, {s['version']}"
+    sc, health = s.get("server_config") or {}, s["health"]
+    return (
+        f"{health.get('device')} {health.get('dtype')}, scheduler {sc.get('scheduler')}, max_batch "
+        f"{sc.get('max_batch')}, estimator {'fitted' if sc.get('estimator') else 'defaults'}"
+    )
 
-    (out / "gpu_fleet.json").write_text(json.dumps(result, indent=1))
-    (out / "gpu_fleet.md").write_text(render_markdown(result))
+
+def held_rows(result: dict) -> list[dict]:
+    """A row per system: its capacity at each class (as written) and its settings."""
     classes = result["config"]["classes"]
-    series = {
-        SYSTEMS[name]: [(s.get("capacity", {}).get(str(c)) or {}).get("capacity", 0) for c in classes]
+    return [
+        {"system": SYSTEMS[name], **{str(c): cap_text(s.get("capacity", {}).get(str(c))) for c in classes}}
+        | {"settings": _settings(name, s)}
         for name, s in result["systems"].items()
-        if not s.get("skipped")
-    }
-    gpu = result["machine"]["gpu"]["name"] if result["machine"].get("gpu") else result["config"]["device"]
-    if series:
-        bar_plot(
-            out / "gpu_fleet.png",
-            [f"{c} tok/s per robot" for c in classes],
-            series,
-            "robots held (<= 5 % of generations miss the rate)",
-            f"Robots per GPU: {gpu}, random {result['model']['shape']['name']}",
-        )
+    ]
+
+
+def held_by_class(result: dict) -> list[dict]:
+    """A row per class: the robots each system held there (the plot's bars)."""
+    systems = {n: s for n, s in result["systems"].items() if not s.get("skipped")}
+    return [
+        {"class": f"{c} tok/s per robot"}
+        | {SYSTEMS[n]: (s.get("capacity", {}).get(str(c)) or {}).get("capacity", 0) for n, s in systems.items()}
+        for c in result["config"]["classes"]
+    ]
+
+
+def _judged(j: dict) -> str:
+    rate = lambda v: "-" if v is None else f"{100 * v:.0f}"  # noqa: E731
+    return ", ".join(f"{c}: {rate(v['violation_rate'])} %" for c, v in j.items())
+
+
+REPORT = harness.Report(
+    "gpu_fleet",
+    "# Robots per GPU: {gpu}, random {model[shape][name]} ({model[dtype]})",
+    [
+        harness.Table(
+            held_rows,
+            lambda r: [
+                harness.Col("system"),
+                *[harness.Col(str(c), f"{c} tok/s") for c in r["config"]["classes"]],
+                harness.Col("settings"),
+            ],
+            "## Robots held",
+            "'>= N': every fleet tried held (N is the largest tried; llama.cpp stops at "
+            f"{LLAMA_MAX_ROBOTS} robots); '< N': the smallest fleet tried did not.",
+        ),
+        harness.Table(
+            lambda r: [p for s in r["systems"].values() for p in s.get("points", [])],
+            [
+                harness.Col("system", fmt=SYSTEMS.get),
+                harness.Col("n", "N"),
+                harness.Col("classes", "judged at", lambda c: f"{', '.join(c)} tok/s"),
+                harness.Col("judged", "violations", _judged),
+                harness.Col("speed_mean", "speed mean tok/s", "{:.1f}"),
+                harness.Col("speed_min", "speed min tok/s", "{:.1f}"),
+                harness.Col("goodput_tokens_per_s", "goodput tok/s", "{:.1f}"),
+                harness.Col("tokens_per_round", "tokens/round", "{:.2f}"),
+                harness.Col("round_ms_mean", "round ms mean", "{:.0f}"),
+                harness.Col("round_ms_p95", "p95", "{:.0f}"),
+                harness.Col("sheds", "shed"),
+                harness.Col("server_means", "server means", lambda m: ", ".join(f"{k} {v:.2f}" for k, v in m.items())),
+                harness.Col("client_cpu", "client CPU", "{:.2f}"),
+                harness.Col("exact", fmt=lambda e: "yes" if e else "**no**"),
+            ],
+            "## Points",
+        ),
+    ],
+    harness.Plot(
+        held_by_class,
+        x="class",
+        ys=lambda r: {SYSTEMS[n]: SYSTEMS[n] for n, s in r["systems"].items() if not s.get("skipped")},
+        kind="bar",
+        xlabel="",
+        ylabel="robots held (<= 5 % of generations miss the rate)",
+        title="Robots per GPU: {gpu}, random {model[shape][name]}",
+    ),
+    intro=_intro,
+)
 
 
 # --------------------------------------------------------------------------- main
 
 
-def _numbers(kind):
+def _numbers(kind: type) -> Callable[[str], tuple]:
     return lambda s: tuple(kind(x) for x in s.split(",") if x)
 
 
-def parse_args(argv: list[str] | None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default="bench_results/gpu_fleet")
+def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--tiny", action="store_true", help="2 layers, hidden 64, vocab 49152 (checks the code)")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--dtype", choices=("f16", "f32"), default="f16", help="the random target's weights")
     ap.add_argument("--torch-dtype", default="auto", help="torch engine compute dtype (auto: float16 for f16 on CUDA)")
-    ap.add_argument("--engines", type=lambda s: tuple(x for x in s.split(",") if x), default=("llamacpp", "torch"))
+    ap.add_argument("--engines", type=_numbers(str), default=("llamacpp", "torch"))
     ap.add_argument("--no-peer", action="store_true", help="skip llama-server")
     ap.add_argument("--peer-binary", default=None, help="llama-server to use (default: the cached build of this kind)")
     ap.add_argument("--build-peer", action="store_true", help="build llama-server if none is cached (CUDA on cuda)")
@@ -808,11 +767,11 @@ def parse_args(argv: list[str] | None):
     ap.add_argument("--server-threads", type=int, default=0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model-dir", default=None, help="where the random target is cached (default models/build)")
-    return ap.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def measure(args: argparse.Namespace) -> dict:
+    if args.quick:  # the toy target on the CPU, one fleet of 1 per engine, no peer
+        args.tiny, args.device, args.no_peer, args.n, args.window_s, args.warmup_s = True, "cpu", True, (1,), 2.0, 1.0
     classes = tuple(int(c) if float(c).is_integer() else c for c in args.classes)
     try:
         cfg = FleetConfig(
@@ -848,7 +807,6 @@ def main(argv: list[str] | None = None) -> int:
         el = int(time.monotonic() - t_start)
         print(f"[{el // 60:02d}:{el % 60:02d}] {msg}", flush=True)
 
-    command = "python -m tools.bench.gpu_fleet " + shlex.join(argv if argv is not None else sys.argv[1:])
     machine = machine_info()
     say(
         f"bench_gpu_fleet: {machine['gpu']['name'] if machine['gpu'] else 'no GPU'}, {machine['cpu_count']} cores; "
@@ -893,8 +851,8 @@ def main(argv: list[str] | None = None) -> int:
         ordered = sorted(every_cpu)
         cpus = {"server": {ordered[1]}, "client": {ordered[0]}}
     result = {
-        "command": command,
         "config": asdict(cfg),
+        "gpu": machine["gpu"]["name"] if machine["gpu"] else f"no GPU ({cfg.device})",
         "machine": machine,
         "model": target.describe(),
         "trace": {
@@ -917,7 +875,7 @@ def main(argv: list[str] | None = None) -> int:
         for engine in cfg.engines:
             say(f"SD on the {engine} engine")
             result["systems"][engine] = run_sd(cfg, engine, target, trace, max_n, out, cpus, say)
-            write_reports(result, out)
+            REPORT.write(out, result)  # a long run leaves what it has
         if cfg.peer:
             say("llama-server, plain AR, --parallel N")
             binary = peer_binary(cfg, args.peer_binary, args.build_peer, say)
@@ -933,12 +891,12 @@ def main(argv: list[str] | None = None) -> int:
         os.sched_setaffinity(0, every_cpu)
         result["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
         result["wall_s"] = round(time.monotonic() - t_start, 1)
-        write_reports(result, out)
-    md = render_markdown(result)
-    print("\n" + md)
-    say(f"wrote {out / 'gpu_fleet.json'}, {out / 'gpu_fleet.md'}, {out / 'gpu_fleet.png'}")
-    bad = [p for s in result["systems"].values() for p in s.get("points", []) if not p["exact"]]
-    return 1 if bad else 0
+    result["exact"] = all(p["exact"] for s in result["systems"].values() for p in s.get("points", []))
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    return harness.main(__doc__, REPORT, measure, add_args, argv, out="bench_results/gpu_fleet", pin_cores=False)
 
 
 if __name__ == "__main__":

@@ -33,118 +33,192 @@ from typing import Any
 Row = dict[str, Any]
 
 
+def get(row: Row, key: str) -> Any:
+    """row[key]; a dotted key reads into nested dicts ("violation_rate_by_class.8"); None where absent."""
+    value: Any = row
+    for part in key.split("."):
+        value = value.get(part) if isinstance(value, dict) else None
+    return value
+
+
 @dataclass(frozen=True)
 class Col:
-    """One column: the row's key, its header (default: the key) and how a value is written."""
+    """One column: the row's key (dotted: nested), its header (default: the key) and how a value is written."""
 
     key: str
     header: str = ""
     fmt: str | Callable[[Any], str] = "{}"  # str.format spec of the value ("{:.1f}"), or a function
 
     def cell(self, row: Row) -> str:
-        value = row.get(self.key, "")
+        value = get(row, self.key)
         if value is None or value == "":
             return "–"
         return self.fmt(value) if callable(self.fmt) else self.fmt.format(value)
 
 
+def pct(value: float) -> str:
+    """A rate as a percentage cell: 0.05 -> '5.0 %'."""
+    return f"{100 * value:.1f} %"
+
+
 @dataclass(frozen=True)
 class Table:
-    """A markdown table over result[rows] (a list of dicts); title and note are formatted with the result."""
+    """A markdown table over result[rows] (a list of dicts); title and note are formatted with the result.
 
-    rows: str
+    With `facet`, one table per value of that row key, its title formatted with {facet: value} too."""
+
+    rows: str | Callable[[Row], list[Row]]  # result[rows], or rows made from the result
     cols: Sequence[Col] | Callable[[Row], Sequence[Col]]  # or made from the result (columns per RTT, ...)
     title: str = ""  # "## ..." above the table (can be empty)
     note: str = ""  # a paragraph below it (can be empty)
     where: Callable[[Row], bool] | None = None  # only the rows it accepts (None: all)
+    facet: str = ""  # a row key: a table for each of its values ("" = one table)
 
     def render(self, result: Row) -> list[str]:
-        rows = [r for r in result.get(self.rows, []) if self.where is None or self.where(r)]
+        rows = select(result, self.rows, self.where)
         cols = self.cols(result) if callable(self.cols) else self.cols
-        lines = [self.title.format(**result), ""] if self.title else []
-        lines += ["| " + " | ".join(c.header or c.key for c in cols) + " |"]
-        lines += ["|" + "---|" * len(cols)]
-        lines += ["| " + " | ".join(c.cell(r) for c in cols) + " |" for r in rows]
-        return lines + (["", self.note.format(**result)] if self.note else []) + [""]
+        lines: list[str] = []
+        for value, sub in facets(rows, self.facet):
+            fields = {**result, self.facet: value} if self.facet else result
+            lines += [self.title.format(**fields), ""] if self.title else []
+            lines += ["| " + " | ".join(c.header or c.key for c in cols) + " |"]
+            lines += ["|" + "---|" * len(cols)]
+            lines += ["| " + " | ".join(c.cell(r) for c in cols) + " |" for r in sub]
+            lines += [""]
+        return lines + ([self.note.format(**result), ""] if self.note else [])
+
+
+def select(result: Row, rows: str | Callable[[Row], list[Row]], where: Callable[[Row], bool] | None) -> list[Row]:
+    """The rows a table or plot shows: result[rows] (or rows(result)), those `where` accepts."""
+    got = rows(result) if callable(rows) else result.get(rows) or []
+    return [r for r in got if where is None or where(r)]
+
+
+def facets(rows: list[Row], key: str) -> list[tuple[Any, list[Row]]]:
+    """(value, its rows) for each value of row[key] in order of appearance; [(None, rows)] without a key."""
+    if not key:
+        return [(None, rows)]
+    return [(v, [r for r in rows if r.get(key) == v]) for v in dict.fromkeys(r.get(key) for r in rows)]
 
 
 @dataclass(frozen=True)
 class Plot:
-    """A PNG over result[rows]: one line (or bar series) per label in ys, split by `group`'s values.
+    """A panel over result[rows]: one line (or bar series) per label in ys, split by `group`'s values.
 
-    ys maps a series label to the row key it plots; with `group`, a series per (label, group value)."""
+    ys maps a series label to the row key it plots (dotted: nested), or is made from the result;
+    with `group`, a series per (label, group value). With `facet`, a panel per value of that key."""
 
-    rows: str
+    rows: str | Callable[[Row], list[Row]]  # result[rows], or rows made from the result
     x: str
-    ys: dict[str, str]
+    ys: dict[str, str] | Callable[[Row], dict[str, str]]
     xlabel: str
     ylabel: str
-    title: str = ""  # formatted with the result
+    title: str = ""  # formatted with the result (and {facet: value})
     group: str = ""  # a row key: a series for each of its values ("" = none)
     kind: str = "line"  # line | bar (bars: one group per row, labelled by x)
     ylim: tuple[float, float] | None = None
     where: Callable[[Row], bool] | None = None  # only the rows it accepts (None: all)
+    facet: str = ""  # a row key: a panel (a row of the figure) for each of its values
+    hline: float | None = None  # a dotted horizontal line (a bound) at this y
 
-    def series(self, rows: list[Row]) -> list[tuple[str, list[Any], list[Any]]]:
-        groups = list(dict.fromkeys(r[self.group] for r in rows)) if self.group else [None]
+    def labels(self, result: Row) -> dict[str, str]:
+        return self.ys(result) if callable(self.ys) else self.ys
+
+    def series(self, rows: list[Row], ys: dict[str, str] | None = None) -> list[tuple[str, list[Any], list[Any]]]:
+        ys = self.labels({}) if ys is None else ys
         out = []
-        for g in groups:
-            sub = [r for r in rows if not self.group or r[self.group] == g]
-            for label, key in self.ys.items():
+        for g, sub in facets(rows, self.group):
+            for label, key in ys.items():
                 name = label if g is None else f"{label}, {self.group} {g}" if label else str(g)
-                out.append(
-                    (
-                        name,
-                        [r[self.x] for r in sub if r.get(key) is not None],
-                        [r[key] for r in sub if r.get(key) is not None],
-                    )
-                )
+                kept = [r for r in sub if get(r, key) is not None]
+                out.append((name, [r[self.x] for r in kept], [get(r, key) for r in kept]))
         return out
 
-    def write(self, path: Path, result: Row) -> None:
-        from tools.plots import bar_plot, line_plot
+    def panels(self, result: Row) -> list[tuple[str, list[Row]]]:
+        """(title, rows) of each panel this plot draws."""
+        rows = select(result, self.rows, self.where)
+        return [
+            (self.title.format(**({**result, self.facet: v} if self.facet else result)), sub)
+            for v, sub in facets(rows, self.facet)
+        ]
 
-        rows = [r for r in result.get(self.rows, []) if self.where is None or self.where(r)]
-        title = self.title.format(**result)
+    def draw(self, ax: Any, title: str, rows: list[Row], result: Row) -> None:
+        ys = self.labels(result)
         if self.kind == "bar":
-            groups = [str(r[self.x]) for r in rows]
-            bar_plot(
-                path,
-                groups,
-                {label: [r.get(k) or 0.0 for r in rows] for label, k in self.ys.items()},
-                self.ylabel,
-                title,
-            )
+            width = 0.8 / max(1, len(ys))
+            for i, (label, key) in enumerate(ys.items()):
+                xs = [j + (i - (len(ys) - 1) / 2) * width for j in range(len(rows))]
+                ax.bar(xs, [get(r, key) or 0.0 for r in rows], width, label=label)
+            ax.set_xticks(range(len(rows)), [str(r[self.x]) for r in rows], fontsize=8)
         else:
-            line_plot(path, self.series(rows), self.xlabel, self.ylabel, title, self.ylim)
+            for label, xs, vals in self.series(rows, ys):
+                ax.plot(xs, vals, marker="o", label=label)
+            ax.set_xlabel(self.xlabel)
+        if self.hline is not None:
+            ax.axhline(self.hline, color="grey", linestyle=":", linewidth=0.8)
+        if self.ylim:
+            ax.set_ylim(*self.ylim)
+        ax.set_ylabel(self.ylabel)
+        ax.set_title(title, fontsize=10)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+
+    def write(self, path: Path, result: Row) -> None:
+        write_png(path, [self], result)
+
+
+def write_png(path: Path, plots: Sequence[Plot], result: Row) -> None:
+    """One PNG: the plots side by side, a row of panels per facet value."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    columns = [p.panels(result) for p in plots]
+    nrows = max(len(c) for c in columns)
+    fig, axes = plt.subplots(nrows, len(plots), figsize=(7 * len(plots), 4.2 * nrows), squeeze=False)
+    for j, (plot, panels) in enumerate(zip(plots, columns, strict=True)):
+        for i in range(nrows):
+            if i < len(panels):
+                plot.draw(axes[i][j], *panels[i], result)
+            else:
+                axes[i][j].set_visible(False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 @dataclass(frozen=True)
 class Report:
-    """What a benchmark writes: <name>.json, <name>.md (title, then each table) and <name>.png."""
+    """What a benchmark writes: <name>.json, <name>.md (title, then each table) and <name>.png (its plots)."""
 
     name: str
     title: str  # "# ..." formatted with the result
     tables: Sequence[Table]
-    plot: Plot | None = None
-    intro: str = "`{command}` ({machine})"  # the line under the title, formatted with the result
+    plot: Plot | Sequence[Plot] | None = None  # several: panels side by side in the one PNG
+    intro: str | Callable[[Row], str] = "`{command}` ({machine})"  # the line under the title
     extra: Callable[[Row], list[str]] | None = field(default=None)  # more markdown lines after the tables
 
     def markdown(self, result: Row) -> str:
-        lines = [self.title.format(**result), "", self.intro.format(**result), ""]
+        intro = self.intro(result) if callable(self.intro) else self.intro.format(**result)
+        lines = [self.title.format(**result), "", intro, ""]
         for table in self.tables:
             lines += table.render(result)
         if self.extra is not None:
             lines += self.extra(result)
         return "\n".join(lines).rstrip("\n") + "\n"
 
+    def plots(self) -> list[Plot]:
+        return [] if self.plot is None else [self.plot] if isinstance(self.plot, Plot) else list(self.plot)
+
     def write(self, out: Path, result: Row) -> None:
         out.mkdir(parents=True, exist_ok=True)
         (out / f"{self.name}.json").write_text(json.dumps(result, indent=1, default=str))
         (out / f"{self.name}.md").write_text(self.markdown(result))
         written = [f"{self.name}.json", f"{self.name}.md"]
-        if self.plot is not None and result.get(self.plot.rows):
-            self.plot.write(out / f"{self.name}.png", result)
+        plots = [p for p in self.plots() if select(result, p.rows, p.where)]
+        if plots:
+            write_png(out / f"{self.name}.png", plots, result)
             written.append(f"{self.name}.png")
         print(f"wrote {out}/: {', '.join(written)}", flush=True)
 
@@ -252,6 +326,8 @@ def main(
         "machine", f"{platform.machine()} {os.cpu_count()} cores, pinned to {sorted(os.sched_getaffinity(0))}"
     )
     result.setdefault("started", time.strftime("%Y-%m-%d %H:%M:%S"))
-    result["config"] = config
+    flags = {k: v for k, v in vars(args).items() if not k.startswith("_")}  # as measure left them (--quick)
+    result["config"] = {**flags, **result.get("config", {})}  # the flags, and what measure adds or resolves
     report.write(Path(args.out), result)
-    return 0 if result.get("exact", True) else 1  # a run whose ids differ from the reference's fails
+    # a run whose ids differ from the reference's, or that measure marks failed (errors), exits 1
+    return 0 if result.get("exact", True) and result.get("ok", True) else 1

@@ -51,7 +51,6 @@ import argparse
 import asyncio
 import json
 import logging
-import math
 import os
 import random
 import re
@@ -60,14 +59,17 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake
 
 from protocol import wire
+from tools.bench import harness
 
 log = logging.getLogger(__name__)
 
@@ -213,6 +215,59 @@ def capacity(passes: dict[int, bool | None]) -> tuple[int | None, bool]:
 def point_passes(rate: float | None, by_class: dict[str, float | None], limit: float = MAX_VIOLATION) -> bool:
     """Overall and every class with data at or below `limit`; a point without decided generations fails."""
     return rate is not None and rate <= limit and all(r <= limit for r in by_class.values() if r is not None)
+
+
+def capacity_search(
+    run: Callable[[int], dict],
+    classes: list[str],
+    ns: tuple = (),
+    start: int = 1,
+    max_n: int = 256,
+    refine: float = 0.1,
+) -> dict:
+    """The largest N each class holds, running as few points as it can.
+
+    run(n) -> {class: passed (bool, or None without data)} for a fleet of n. With `ns`: those
+    sizes in order, stopping once every class has failed. Otherwise N doubles from `start` until
+    every class has failed above its capacity or max_n is reached; then, per class, bisection
+    between its capacity and the next failing N until the gap is <= max(1, refine x capacity).
+    Capacity is loadgen's: the largest N that passed with every smaller N tried (0: the smallest
+    failed); lower_bound when every N tried passed.
+    """
+    seen: dict[int, dict] = {}
+
+    def at(n: int) -> None:
+        if n not in seen:
+            seen[n] = run(n)
+
+    def cap(c: str) -> tuple[int, bool]:
+        got, held = capacity({n: r.get(c) for n, r in seen.items()})
+        return got or 0, held
+
+    def failed_above(c: str) -> int | None:
+        lo = cap(c)[0]
+        return min((n for n, r in seen.items() if r.get(c) is False and n > lo), default=None)
+
+    if ns:
+        for n in ns:
+            at(n)
+            if all(failed_above(c) is not None for c in classes):
+                break
+    else:
+        n = max(1, min(start, max_n))
+        while True:
+            at(n)
+            if n >= max_n or all(failed_above(c) is not None for c in classes):
+                break
+            n = min(2 * n, max_n)
+        for c in classes:
+            while (hi := failed_above(c)) is not None:
+                lo = cap(c)[0]
+                mid = (lo + hi) // 2
+                if hi - lo <= max(1, int(refine * lo)) or mid <= lo or mid in seen:
+                    break
+                at(mid)
+    return {c: {"capacity": cap(c)[0], "lower_bound": cap(c)[1], "tried": sorted(seen)} for c in classes}
 
 
 # --------------------------------------------------------------------------- /metrics
@@ -520,15 +575,27 @@ def decided(g: Generation, now: float) -> bool:
     return outcome(g, now)[0] is not None
 
 
-async def run_robots(url: str, trace: Trace, n: int, cfg: LoadConfig, metrics_port: int | None = None) -> PointLog:
+async def run_robots(
+    url: str,
+    trace: Trace,
+    n: int,
+    cfg: LoadConfig,
+    metrics_port: int | None = None,
+    robot: Callable[..., Any] = Robot,
+    grace_s: float | None = None,
+) -> PointLog:
     """N robots against `url`: warm-up, window, then a tail until every generation opened in the window
-    is decided (the load unchanged meanwhile; at most the longest deadline). Bounded in time."""
+    is decided (the load unchanged meanwhile; at most the longest deadline). Bounded in time.
+
+    robot(idx, url, trace, cfg, out, halt) makes one (Robot, or tools/bench/peer.py's PeerRobot); after
+    the tail each gets grace_s to finish its request in flight (None: the reply timeout + 5 s, and one
+    still running then is an error), then is cancelled."""
     out = PointLog()
     halt = asyncio.Event()
     t0 = time.monotonic()
     start, stop = t0 + cfg.warmup_s, t0 + cfg.warmup_s + cfg.window_s
     out.window = (start, stop)
-    robots = [asyncio.create_task(Robot(i, url, trace, cfg, out, halt).run(), name=f"robot-{i}") for i in range(n)]
+    robots = [asyncio.create_task(robot(i, url, trace, cfg, out, halt).run(), name=f"robot-{i}") for i in range(n)]
     await asyncio.sleep(max(0.0, start - time.monotonic()))
     if metrics_port is not None:
         out.metrics["start"] = await asyncio.to_thread(fetch_metrics, metrics_port)
@@ -546,10 +613,11 @@ async def run_robots(url: str, trace: Trace, n: int, cfg: LoadConfig, metrics_po
     out.ended = time.monotonic()
     halt.set()
     # robots end once their round in flight is answered; a slower one is cancelled
-    done, pending = await asyncio.wait(robots, timeout=cfg.recv_timeout_s + 5)
+    done, pending = await asyncio.wait(robots, timeout=cfg.recv_timeout_s + 5 if grace_s is None else grace_s)
     for task in pending:
         task.cancel()
-        out.errors.append(f"{task.get_name()}: still running {cfg.recv_timeout_s + 5:.0f}s after the run")
+        if grace_s is None:
+            out.errors.append(f"{task.get_name()}: still running {cfg.recv_timeout_s + 5:.0f}s after the run")
     await asyncio.gather(*pending, return_exceptions=True)
     for task in done:
         if task.exception() is not None:
@@ -893,21 +961,7 @@ def sweep(args, cfg: LoadConfig) -> dict:
     return {"config": config, "points": points, "capacities": capacities(points, cfg.classes)}
 
 
-# --------------------------------------------------------------------------- reports
-
-
-def _pct(r: float | None) -> str:
-    return "-" if r is None else f"{100 * r:.1f} %"
-
-
-def _exactness(p: dict) -> str:
-    if p["exact"]:
-        return "yes"
-    return f"near-ties only ({p['near_ties']})" if p.get("exact_up_to_near_ties") else "**no**"
-
-
-def _num(v: float | None, f: str) -> str:
-    return "-" if v is None else format(v, f)
+# --------------------------------------------------------------------------- report and CLI
 
 
 def _cap(c: int | None, lower_bound: bool, ns: list[int]) -> str:
@@ -918,12 +972,27 @@ def _cap(c: int | None, lower_bound: bool, ns: list[int]) -> str:
     return f">= {c}" if lower_bound else str(c)
 
 
-def render_markdown(result: dict) -> str:
-    cfg, points = result["config"], result["points"]
-    classes = sorted(cfg["classes"])
-    tight = max(classes)
-    out = [
-        "# Multi-robot load: SLO violations, goodput and capacity\n",
+def capacity_rows(result: dict) -> list[dict]:
+    """The capacity table: per pair and policy, the capacity overall and per class as written."""
+    cfg = result["config"]
+    return [
+        {
+            "pair": pair,
+            "policy": policy,
+            "all": _cap(c["capacity"], c["lower_bound"], cfg["ns"]),
+            **{
+                str(k): _cap(c["by_class"][str(k)], c["by_class_lower_bound"][str(k)], cfg["ns"])
+                for k in cfg["classes"]
+            },
+        }
+        for pair, caps in result["capacities"].items()
+        for policy, c in caps["policies"].items()
+    ]
+
+
+def _intro(result: dict) -> str:
+    cfg = result["config"]
+    return (
         f"{len(cfg['pairs'])} pair(s) x N in {cfg['ns']} x policies {cfg['policies']}; target {cfg['target']}. "
         f"Each robot replays a recorded trace at T = 0 (gamma {cfg['gamma']}, {cfg['draft_ms']} ms drafting per "
         f"token emulated, {cfg['tokens']} tokens a generation) with SLO class "
@@ -935,147 +1004,136 @@ def render_markdown(result: dict) -> str:
             if cfg["scheduler_flag"]
             else "**The server had no --scheduler flag: every policy ran the same scheduler.** "
         )
-        + f"Started {cfg['started']}.\n",
+        + f"Started {cfg['started']}.\n\n"
         "A generation violates its SLO when tokens / (last result - open) < its class, or it was shed; the "
         "sample is the generations opened in the window, each followed to its outcome. Goodput: tokens "
         "committed in the window / window (all robots); SLO-met: the tokens of the sample's generations that "
         "met their class / window. "
         f"Capacity: the largest N with every N up to it at <= {100 * cfg['max_violation']:.0f} % violations, "
         "overall and per class; '-' where no robot of a class ran, or no generation opened in the window "
-        "(a point without any fails).\n",
-    ]
-    for pair in cfg["pairs"]:
-        sel = [p for p in points if p["pair"] == pair]
-        out += [
-            f"## {pair} -> {cfg['target']}\n",
-            "| N | policy | violations | "
-            + " | ".join(f"{c} tok/s" for c in classes)
-            + " | decided | goodput tok/s | SLO-met tok/s | tokens/round | round ms mean | p95 | shed | "
-            "server means | exact |",
-            "|---|---|---|" + "---|" * len(classes) + "---|---|---|---|---|---|---|---|---|",
-        ]
-        for p in sorted(sel, key=lambda p: (p["n"], cfg["policies"].index(p["policy"]))):
-            means = p["server_metrics"]["means"]
-            shown = ", ".join(f"{k.removeprefix('bridge_')} {v:.2f}" for k, v in means.items()) or "-"
-            policy = p["policy"] + (f" (gamma {p['gamma']})" if cfg["gamma"] == "plan" else "")
-            out.append(
-                f"| {p['n']} | {policy} | {_pct(p['violation_rate'])} | "
-                + " | ".join(_pct(p["violation_rate_by_class"][str(c)]) for c in classes)
-                + f" | {p['decided']} | {p['goodput_tokens_per_s']:.1f} | {p['slo_met_tokens_per_s']:.1f} | "
-                f"{_num(p['tokens_per_round'], '.2f')} | {_num(p['round_ms_mean'], '.0f')} | "
-                f"{_num(p['round_ms_p95'], '.0f')} | {p['sheds']} | {shown} | "
-                f"{_exactness(p)} |"
-            )
-        out.append("")
-    out += [
-        "## Capacity\n",
-        "| pair | policy | capacity (all classes) | " + " | ".join(f"{c} tok/s" for c in classes) + " |",
-        "|---|---|---|" + "---|" * len(classes),
-    ]
-    for pair, caps in result["capacities"].items():
-        for policy, c in caps["policies"].items():
-            out.append(
-                f"| {pair} | {policy} | {_cap(c['capacity'], c['lower_bound'], cfg['ns'])} | "
-                + " | ".join(_cap(c["by_class"][str(k)], c["by_class_lower_bound"][str(k)], cfg["ns"]) for k in classes)
-                + " |"
-            )
-    out.append("")
+        "(a point without any fails)."
+    )
+
+
+def _ratios(result: dict) -> list[str]:
+    """A line per pair: slo's capacity against fcfs's, overall and for the tightest class."""
+    cfg, out = result["config"], []
+    tight = str(max(cfg["classes"]))
     for pair, caps in result["capacities"].items():
         r, pol = caps["ratio_slo_over_fcfs"], caps["policies"]
         if r:
-            cap = lambda p, c=None, pol=pol: _cap(
-                pol[p]["capacity"] if c is None else pol[p]["by_class"][c],
-                pol[p]["lower_bound"] if c is None else pol[p]["by_class_lower_bound"][c],
-                cfg["ns"],
-            )
+
+            def cap(p: str, c: str | None = None, pol: dict = pol) -> str:
+                key = "" if c is None else "by_class_"
+                got = pol[p]["capacity"] if c is None else pol[p]["by_class"][c]
+                return _cap(
+                    got, pol[p][key + "lower_bound"] if c is None else pol[p][key + "lower_bound"][c], cfg["ns"]
+                )
+
+            ratio = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
             out.append(
-                f"- {pair}: capacity slo {cap('slo')} vs fcfs {cap('fcfs')} robots, ratio "
-                f"{_num(r['overall'], '.2f')}; tightest class ({tight} tok/s): slo {cap('slo', str(tight))} "
-                f"vs fcfs {cap('fcfs', str(tight))}, ratio {_num(r[f'class_{tight}'], '.2f')}"
+                f"- {pair}: capacity slo {cap('slo')} vs fcfs {cap('fcfs')} robots, ratio {ratio(r['overall'])}; "
+                f"tightest class ({tight} tok/s): slo {cap('slo', tight)} vs fcfs {cap('fcfs', tight)}, ratio "
+                f"{ratio(r[f'class_{tight}'])}"
             )
-    return "\n".join(out) + "\n"
+    return out
 
 
-def plot(result: dict, path: Path) -> None:
-    """Per pair: violation rate vs N (solid overall, dashed tightest class) and goodput vs N, a line per policy."""
-    import matplotlib
+def _exactness(p: dict) -> str:
+    if p["exact"]:
+        return "yes"
+    return f"near-ties only ({p['near_ties']})" if p.get("exact_up_to_near_ties") else "**no**"
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
+def _point_cols(result: dict) -> list[harness.Col]:
     cfg = result["config"]
-    tight = str(max(cfg["classes"]))
-    pairs = cfg["pairs"]
-    fig, axes = plt.subplots(len(pairs), 2, figsize=(11, 3.8 * len(pairs)), squeeze=False)
-    for row, pair in zip(axes, pairs, strict=True):
-        for policy in cfg["policies"]:
-            sel = sorted(
-                (p for p in result["points"] if p["pair"] == pair and p["policy"] == policy), key=lambda p: p["n"]
-            )
-            ns = [p["n"] for p in sel]
-            (line,) = row[0].plot(ns, [_nan(p["violation_rate"]) for p in sel], marker="o", label=f"{policy} all")
-            row[0].plot(
-                ns,
-                [_nan(p["violation_rate_by_class"][tight]) for p in sel],
-                marker="x",
-                linestyle="--",
-                color=line.get_color(),
-                label=f"{policy} {tight} tok/s",
-            )
-            row[1].plot(
-                ns, [p["goodput_tokens_per_s"] for p in sel], marker="o", color=line.get_color(), label=f"{policy}"
-            )
-        row[0].axhline(cfg["max_violation"], color="grey", linestyle=":", linewidth=0.8)
-        row[0].set_ylim(-0.02, 1.02)
-        row[0].set_ylabel("SLO violation rate")
-        row[0].set_title(f"{pair}: violations")
-        row[1].set_ylabel("committed tokens / s (all robots)")
-        row[1].set_title(f"{pair}: goodput")
-        for ax in row:
-            ax.set_xticks(cfg["ns"])
-            ax.set_xlabel("robots (N)")
-            ax.grid(alpha=0.3)
-            ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    classes = sorted(cfg["classes"])
+    means = lambda m: ", ".join(f"{k.removeprefix('bridge_')} {v:.2f}" for k, v in m.items()) or "-"  # noqa: E731
+    return [
+        harness.Col("n", "N"),
+        harness.Col("policy"),
+        *([harness.Col("gamma")] if cfg["gamma"] == "plan" else []),
+        harness.Col("violation_rate", "violations", harness.pct),
+        *[harness.Col(f"violation_rate_by_class.{c}", f"{c} tok/s", harness.pct) for c in classes],
+        harness.Col("decided"),
+        harness.Col("goodput_tokens_per_s", "goodput tok/s", "{:.1f}"),
+        harness.Col("slo_met_tokens_per_s", "SLO-met tok/s", "{:.1f}"),
+        harness.Col("tokens_per_round", "tokens/round", "{:.2f}"),
+        harness.Col("round_ms_mean", "round ms mean", "{:.0f}"),
+        harness.Col("round_ms_p95", "p95", "{:.0f}"),
+        harness.Col("sheds", "shed"),
+        harness.Col("server_metrics.means", "server means", means),
+        harness.Col("exactness", "exact"),
+    ]
 
 
-def _nan(v: float | None) -> float:
-    return math.nan if v is None else v
-
-
-# --------------------------------------------------------------------------- CLI
+REPORT = harness.Report(
+    "loadgen",
+    "# Multi-robot load: SLO violations, goodput and capacity",
+    [
+        harness.Table("points", _point_cols, "## {pair} -> {target}", facet="pair"),
+        harness.Table(
+            "capacity",
+            lambda result: [
+                harness.Col("pair"),
+                harness.Col("policy"),
+                harness.Col("all", "capacity (all classes)"),
+                *[harness.Col(str(c), f"{c} tok/s") for c in sorted(result["config"]["classes"])],
+            ],
+            "## Capacity",
+        ),
+    ],
+    [
+        harness.Plot(
+            "points",
+            x="n",
+            ys=lambda r: {
+                "all": "violation_rate",
+                f"{max(r['config']['classes'])} tok/s": f"violation_rate_by_class.{max(r['config']['classes'])}",
+            },
+            group="policy",
+            facet="pair",
+            xlabel="robots (N)",
+            ylabel="SLO violation rate",
+            title="{pair}: violations",
+            ylim=(-0.02, 1.02),
+            hline=MAX_VIOLATION,
+        ),
+        harness.Plot(
+            "points",
+            x="n",
+            ys={"": "goodput_tokens_per_s"},
+            group="policy",
+            facet="pair",
+            xlabel="robots (N)",
+            ylabel="committed tokens / s (all robots)",
+            title="{pair}: goodput",
+        ),
+    ],
+    intro=_intro,
+    extra=_ratios,
+)
 
 
 def _gamma(s: str) -> int | str:
     return s if s == "plan" else int(s)
 
 
-def _ints(s: str) -> list[int]:
-    return [int(x) for x in s.split(",") if x]
-
-
 def _classes(s: str) -> tuple:
     return tuple(int(x) if float(x).is_integer() else float(x) for x in s.split(",") if x)
 
 
-def _names(allowed: tuple | None = None):
-    def parse(s: str) -> list[str]:
-        names = [x for x in s.split(",") if x]
-        bad = [x for x in names if allowed and x not in allowed]
-        if bad or not names:
-            raise argparse.ArgumentTypeError(f"expected a comma-separated list of {', '.join(allowed or ())}")
-        return names
-
-    return parse
+def _policies(s: str) -> list[str]:
+    names = harness.names(s)
+    if not names or any(x not in POLICIES for x in names):
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of {', '.join(POLICIES)}")
+    return names
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--n", type=_ints, default=[2, 4, 8, 12, 16, 24, 32], help="robot counts")
-    ap.add_argument("--policies", type=_names(POLICIES), default=["fcfs", "slo"])
-    ap.add_argument("--pairs", type=_names(), default=["smollm2-q4_1", "smollm2-q2_k"], help="drafts (trace files)")
+def add_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--n", type=harness.ints, default=[2, 4, 8, 12, 16, 24, 32], help="robot counts")
+    ap.add_argument("--policies", type=_policies, default=["fcfs", "slo"])
+    ap.add_argument("--pairs", type=harness.names, default=["smollm2-q4_1", "smollm2-q2_k"], help="drafts (traces)")
     ap.add_argument("--target", default=TARGET)
     ap.add_argument("--traces", default=str(TRACES), help="folder of <draft>__<target>.json")
     ap.add_argument("--window-s", type=float, default=20.0, help="measurement window")
@@ -1111,9 +1169,13 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="store every generation (not only the window's sample) with its token ids in the JSON",
     )
-    ap.add_argument("--out", default="docs/loadgen")
-    args = ap.parse_args(argv)
+
+
+def measure(args: argparse.Namespace) -> dict:
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    if args.quick:  # one short point
+        args.n, args.policies, args.pairs = args.n[:1], args.policies[:1], args.pairs[:1]
+        args.window_s, args.warmup_s, args.tokens = min(args.window_s, 3.0), min(args.warmup_s, 1.0), 16
     try:
         cfg = LoadConfig(
             gamma=4 if args.gamma == "plan" else args.gamma,
@@ -1126,18 +1188,17 @@ def main(argv: list[str] | None = None) -> int:
             seed=args.seed,
         )
     except ValueError as e:
-        ap.error(str(e))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+        raise SystemExit(f"loadgen: {e}") from None
     result = sweep(args, cfg)
-    (out / "loadgen.json").write_text(json.dumps(result, indent=1))
-    md = render_markdown(result)
-    (out / "loadgen.md").write_text(md)
-    plot(result, out / "loadgen.png")
-    print("\n" + md)
-    print(f"wrote {out / 'loadgen.json'}, {out / 'loadgen.md'}, {out / 'loadgen.png'}")
-    bad = [p for p in result["points"] if not (p["exact"] or p.get("exact_up_to_near_ties")) or p["errors"]]
-    return 1 if bad else 0
+    for p in result["points"]:
+        p["exactness"] = _exactness(p)
+    result["target"], result["capacity"] = args.target, capacity_rows(result)
+    result["ok"] = all((p["exact"] or p.get("exact_up_to_near_ties")) and not p["errors"] for p in result["points"])
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    return harness.main(__doc__, REPORT, measure, add_args, argv, out="docs/loadgen", pin_cores=False)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ our robots send, so the peer's greedy text can be checked against our target's.
 benchmark repeats identical prompts, which a robot fleet would not, and our verifier does
 not reuse one session's KV for another. `cache_prompt` (prefix reuse within a slot) stays on.
 
-Writes peer.json, peer.md, peer_rtt.png and peer_fleet.png into --out.
+Writes peer.json, peer.md and peer.png (tokens/s against RTT; violations against N) into --out.
 """
 
 from __future__ import annotations
@@ -57,6 +57,7 @@ from pathlib import Path
 from typing import Callable, Iterable
 from urllib.parse import urlsplit
 
+from tools.bench import harness
 from tools.cluster.local_verifier import free_port, stop_process
 
 VERSION = "0.3.36"  # llama-cpp-python's sdist; its vendor/llama.cpp is our engine's llama.cpp
@@ -612,6 +613,7 @@ def one_robot_row(rtt: float, runs: list[StreamResult], trace, n_predict: int) -
         "server_prompt_ms_mean": sum(r.timings.get("prompt_ms", 0.0) for r in runs) / len(runs),
         "withheld_tokens": sum(max(0, (r.n_predicted or 0) - len(r.ids)) for r in runs),
         "matches_trace": sum(match),
+        "matches": f"{sum(match)}/{len(runs)}",
         "token_ids": [r.ids for r in runs],
     }
 
@@ -674,36 +676,6 @@ class PeerRobot:
         gen.done = res.sent_at + res.wall_s
 
 
-async def run_peer_robots(url: str, trace, n: int, cfg):
-    """N robots against url: warm-up, window, then a tail until every generation opened in the window is
-    decided (tools.bench.loadgen.run_robots' schedule); a loadgen.PointLog."""
-    from tools.bench.loadgen import PointLog, decided, sample
-
-    out = PointLog()
-    halt = asyncio.Event()
-    t0 = time.monotonic()
-    start, stop = t0 + cfg.warmup_s, t0 + cfg.warmup_s + cfg.window_s
-    out.window = (start, stop)
-    robots = [asyncio.create_task(PeerRobot(i, url, trace, cfg, out, halt).run(), name=f"robot-{i}") for i in range(n)]
-    await asyncio.sleep(max(0.0, stop - time.monotonic()))
-    tail_end = stop + cfg.tokens / min(cfg.classes) + 1.0
-    while time.monotonic() < tail_end and any(
-        c and not decided(g, time.monotonic())
-        for g, c in zip(out.generations, sample(out.generations, out.window), strict=True)
-    ):
-        await asyncio.sleep(0.05)
-    out.ended = time.monotonic()
-    halt.set()
-    done, pending = await asyncio.wait(robots, timeout=2.0)  # streams in flight after the tail don't count
-    for task in pending:
-        task.cancel()
-    await asyncio.gather(*pending, return_exceptions=True)
-    for task in done:
-        if task.exception() is not None:
-            out.errors.append(f"{task.get_name()}: {type(task.exception()).__name__}: {task.exception()}")
-    return out
-
-
 def fleet_point(
     model: str | Path,
     trace,
@@ -721,7 +693,7 @@ def fleet_point(
 
     `exact` there means: every generation's ids equal our target's greedy continuation in the trace.
     """
-    from tools.bench.loadgen import summarize
+    from tools.bench.loadgen import run_robots, summarize
 
     t0 = time.perf_counter()
     with LlamaServer(
@@ -735,7 +707,8 @@ def fleet_point(
         extra_args=extra_args,
     ) as srv:
         started = time.perf_counter() - t0
-        out = asyncio.run(run_peer_robots(srv.url, trace, n, cfg))
+        # streams in flight after the tail don't count: 2 s to finish, then cancelled
+        out = asyncio.run(run_robots(srv.url, trace, n, cfg, robot=PeerRobot, grace_s=2.0))
         tail = srv.log_tail(8) if out.errors else None
     point = {
         "pair": "llama-server",
@@ -790,161 +763,111 @@ def fleet_capacity(
     """The largest fleet llama-server holds per SLO class (loadgen's capacity rule over the N tried).
 
     N runs over `ns`, or doubles from 1 until every class has failed or max_n; then, per class,
-    bisects between its capacity and the next N that failed until the gap is <= max(1, refine x N).
+    bisects between its capacity and the next N that failed (loadgen.capacity_search).
     Returns {"points": [...], "capacity": {class: N}, "lower_bound": {class: bool}}.
     """
-    from tools.bench.loadgen import capacity
+    from tools.bench.loadgen import capacity_search
 
     points: dict[int, dict] = {}
 
-    def run(n: int) -> None:
-        if n not in points:
-            points[n] = fleet_point(
-                model, trace, n, cfg, core=core, threads=threads, binary=binary, cache_ram_mib=cache_ram_mib
-            )
-            log(f"  {describe_point(points[n], cfg.classes)}")
+    def run(n: int) -> dict[str, bool | None]:
+        points[n] = fleet_point(
+            model, trace, n, cfg, core=core, threads=threads, binary=binary, cache_ram_mib=cache_ram_mib
+        )
+        log(f"  {describe_point(points[n], cfg.classes)}")
+        return {str(c): class_passes({n: points[n]}, c)[n] for c in cfg.classes}
 
-    def failed(c) -> int | None:
-        cap, _ = capacity(class_passes(points, c))
-        above = [n for n, ok in sorted(class_passes(points, c).items()) if ok is False and n > (cap or 0)]
-        return above[0] if above else None
-
-    for n in ns or _doubling(max_n):
-        run(n)
-        if not ns and all(failed(c) is not None for c in cfg.classes):
-            break
-    if not ns:
-        for c in cfg.classes:
-            while True:
-                lo, hi = capacity(class_passes(points, c))[0] or 0, failed(c)
-                if hi is None or hi - lo <= max(1, int(refine * lo)) or (lo + hi) // 2 in points:
-                    break  # (the last: a point without a robot of this class)
-                run((lo + hi) // 2)
-    caps = {str(c): capacity(class_passes(points, c)) for c in cfg.classes}
+    caps = capacity_search(run, [str(c) for c in cfg.classes], tuple(ns or ()), 1, max_n, refine)
     return {
         "points": [points[n] for n in sorted(points)],
-        "capacity": {c: v[0] for c, v in caps.items()},
-        "lower_bound": {c: v[1] for c, v in caps.items()},
+        "capacity": {c: v["capacity"] for c, v in caps.items()},
+        "lower_bound": {c: v["lower_bound"] for c, v in caps.items()},
     }
 
 
-def _doubling(max_n: int) -> list[int]:
-    out, n = [], 1
-    while n < max_n:
-        out.append(n)
-        n *= 2
-    return out + [max_n]
+# --------------------------------------------------------------------------- report and CLI
 
 
-# --------------------------------------------------------------------------- reports
+def _classes(result: dict) -> list:
+    return result["config"]["classes"]
 
 
-def render_markdown(result: dict) -> str:
-    cfg = result["config"]
-    fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
-    out = [
-        "# The peer: llama.cpp's llama-server streaming plain AR\n",
-        f"`{cfg['binary_version']}`, model `{Path(cfg['model']).name}`; server pinned to core "
-        f"{cfg['server_core']} with `-t {cfg['threads']}`, robots on core {cfg['client_core']}; "
-        f"`--cache-ram {cfg['cache_ram_mib']}`; started {cfg['started']}.\n",
-    ]
-    if result.get("one_robot"):
-        out += [
-            f"## One robot ({cfg['prompts']} prompts x {cfg['tokens']} tokens, greedy, one slot)\n",
-            "| RTT ms | tokens/s | first token ms | inter-token ms | server ms/token | server prompt ms | "
-            "matches our target's greedy |",
-            "|---|---|---|---|---|---|---|",
-        ]
-        for r in result["one_robot"]:
-            out.append(
-                f"| {r['rtt_ms']:.0f} | {r['tokens_per_s']:.2f} | {r['first_token_ms_mean']:.0f} | "
-                f"{fmt(r['inter_token_ms_mean'], '.1f')} | "
-                f"{fmt(r['server_ms_per_token'], '.1f')} | {r['server_prompt_ms_mean']:.0f} | "
-                f"{r['matches_trace']}/{r['runs']} |"
-            )
-    fleet = result.get("fleet")
-    if fleet:
-        classes = cfg["classes"]
-        out += [
-            f"\n## Fleet (classes {classes} tok/s round-robin, {cfg['tokens']} tokens a generation, "
-            f"window {cfg['window_s']} s after {cfg['warmup_s']} s)\n",
-            "| N | violations | "
-            + " | ".join(f"{c} tok/s: violations / mean tok/s" for c in classes)
-            + " | goodput tok/s | errors |",
-            "|---|---|" + "---|" * len(classes) + "---|---|",
-        ]
-        for p in fleet["points"]:
-            cells = [
-                f"{_pct(p['violation_rate_by_class'][str(c)])} / {fmt(p['speed_by_class'][str(c)], '.1f')}"
-                for c in classes
-            ]
-            out.append(
-                f"| {p['n']} | {_pct(p['violation_rate'])} | "
-                + " | ".join(cells)
-                + f" | {p['goodput_tokens_per_s']:.1f} | {len(p['errors'])} |"
-            )
-        out += ["\n| SLO class | largest fleet held (<= 5 % violations) |", "|---|---|"]
-        for c in classes:
-            cap, lb = fleet["capacity"][str(c)], fleet["lower_bound"][str(c)]
-            out.append(f"| {c} tok/s | {'-' if cap is None else cap}{' (lower bound)' if lb else ''} |")
-    return "\n".join(out) + "\n"
+REPORT = harness.Report(
+    "peer",
+    "# The peer: llama.cpp's llama-server streaming plain AR",
+    [
+        harness.Table(
+            "one_robot",
+            [
+                harness.Col("rtt_ms", "RTT ms", "{:.0f}"),
+                harness.Col("tokens_per_s", "tokens/s", "{:.2f}"),
+                harness.Col("first_token_ms_mean", "first token ms", "{:.0f}"),
+                harness.Col("inter_token_ms_mean", "inter-token ms", "{:.1f}"),
+                harness.Col("server_ms_per_token", "server ms/token", "{:.1f}"),
+                harness.Col("server_prompt_ms_mean", "server prompt ms", "{:.0f}"),
+                harness.Col("matches", "matches our target's greedy"),
+            ],
+            "## One robot ({config[prompts]} prompts x {config[tokens]} tokens, greedy, one slot)",
+        ),
+        harness.Table(
+            "fleet_points",
+            lambda r: [
+                harness.Col("n", "N"),
+                harness.Col("violation_rate", "violations", harness.pct),
+                *[
+                    col
+                    for c in _classes(r)
+                    for col in (
+                        harness.Col(f"violation_rate_by_class.{c}", f"{c} tok/s: violations", harness.pct),
+                        harness.Col(f"speed_by_class.{c}", f"{c} tok/s: mean tok/s", "{:.1f}"),
+                    )
+                ],
+                harness.Col("goodput_tokens_per_s", "goodput tok/s", "{:.1f}"),
+                harness.Col("errors", fmt=len),
+            ],
+            "## Fleet (classes {config[classes]} tok/s round-robin, {config[tokens]} tokens a generation, "
+            "window {config[window_s]} s after {config[warmup_s]} s)",
+        ),
+        harness.Table(
+            "fleet_capacity",
+            [harness.Col("class", "SLO class"), harness.Col("held", "largest fleet held (<= 5 % violations)")],
+        ),
+    ],
+    [
+        harness.Plot(
+            "one_robot",
+            x="rtt_ms",
+            ys={"llama-server, plain AR": "tokens_per_s"},
+            xlabel="round-trip time (ms)",
+            ylabel="tokens / s (one robot)",
+            title="The peer: one robot through the emulated link",
+        ),
+        harness.Plot(
+            "fleet_points",
+            x="n",
+            ys=lambda r: {f"class {c} tok/s": f"violation_rate_by_class.{c}" for c in _classes(r)},
+            xlabel="robots (N)",
+            ylabel="share of generations violating their SLO",
+            title="SLO violations against fleet size (llama-server --parallel N)",
+            hline=0.05,
+        ),
+    ],
+    intro="`{config[binary_version]}`, model `{config[model_name]}`; server pinned to core {config[server_core]} "
+    "with `-t {config[threads]}`, robots on core {config[client_core]}; `--cache-ram {config[cache_ram]}`; "
+    "started {started}.",
+)
 
 
-def _pct(r: float | None) -> str:
-    return "-" if r is None else f"{100 * r:.1f} %"
-
-
-def plot(result: dict, out: Path) -> list[Path]:
-    from tools.plots import line_plot
-
-    paths = []
-    if result.get("one_robot"):
-        rows = result["one_robot"]
-        line_plot(
-            out / "peer_rtt.png",
-            [("llama-server, plain AR", [r["rtt_ms"] for r in rows], [r["tokens_per_s"] for r in rows])],
-            "round-trip time (ms)",
-            "tokens / s (one robot)",
-            "The peer: one robot through the emulated link",
-        )
-        paths.append(out / "peer_rtt.png")
-    if result.get("fleet"):
-        pts = result["fleet"]["points"]
-        series = []
-        for c in result["config"]["classes"]:
-            sel = [p for p in pts if p["violation_rate_by_class"][str(c)] is not None]
-            series.append(
-                (f"class {c} tok/s", [p["n"] for p in sel], [100 * p["violation_rate_by_class"][str(c)] for p in sel])
-            )
-        ns = [p["n"] for p in pts]
-        series.append(("5 % bound", [min(ns), max(ns)], [5.0, 5.0]))
-        line_plot(
-            out / "peer_fleet.png",
-            series,
-            "robots (N)",
-            "generations violating their SLO (%)",
-            "The peer: SLO violations against fleet size (llama-server --parallel N)",
-        )
-        paths.append(out / "peer_fleet.png")
-    return paths
-
-
-# --------------------------------------------------------------------------- CLI
-
-
-def main(argv: list[str] | None = None) -> int:
-    from tools.bench.loadgen import LoadConfig
-
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--model", default=None, help=f"the target GGUF (default: models/build/{F32_GGUF})")
     ap.add_argument("--binary", default=None, help="llama-server (default: the cached build; see --build)")
     ap.add_argument("--build", action="store_true", help="build llama-server first if it is not cached")
     ap.add_argument("--trace", default=str(DEFAULT_TRACE), help="loadgen trace whose prompts the robots send")
     ap.add_argument("--prompts", type=int, default=10)
-    ap.add_argument("--rtts", default="0,20,50", help="round-trip times in ms for the one-robot sweep")
+    ap.add_argument("--rtts", type=harness.floats, default=[0.0, 20.0, 50.0], help="RTTs (ms) for one robot")
     ap.add_argument("--tokens", type=int, default=48, help="tokens per generation")
-    ap.add_argument("--classes", default=",".join(map(str, CLASSES)), help="SLO classes, tokens/s")
-    ap.add_argument("--n", default="", help="fleet sizes to run (default: doubling from 1, then bisection)")
+    ap.add_argument("--classes", type=harness.floats, default=list(CLASSES), help="SLO classes, tokens/s")
+    ap.add_argument("--n", type=harness.ints, default=[], help="fleet sizes (default: doubling from 1, bisection)")
     ap.add_argument("--max-n", type=int, default=256)
     ap.add_argument("--window-s", type=float, default=20.0)
     ap.add_argument("--warmup-s", type=float, default=5.0)
@@ -954,9 +877,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cache-ram", type=int, default=0, help="llama-server --cache-ram MiB (0 = off; -1 = no limit)")
     ap.add_argument("--skip-one", action="store_true", help="skip the one-robot RTT sweep")
     ap.add_argument("--skip-fleet", action="store_true", help="skip the fleet capacity search")
-    ap.add_argument("--out", default="bench_results/peer")
-    args = ap.parse_args(argv)
 
+
+def measure(args: argparse.Namespace) -> dict:
+    from tools.bench.loadgen import LoadConfig
+
+    if args.quick:  # two prompts of 8 tokens at one RTT; one fleet of 1 for 2 s
+        args.rtts, args.prompts, args.tokens, args.n, args.window_s, args.warmup_s = [0.0], 2, 8, [1], 2.0, 1.0
     model = Path(args.model) if args.model else default_model()
     if model is None or not model.exists():
         raise SystemExit(f"no target GGUF: pass --model PATH (default models/build/{F32_GGUF} does not exist)")
@@ -966,74 +893,45 @@ def main(argv: list[str] | None = None) -> int:
     cpus = sorted(os.sched_getaffinity(0))
     server_core = args.server_core if args.server_core is not None else cpus[-1]
     client_core = args.client_core if args.client_core is not None else cpus[0]
-    classes = tuple(float(c) if "." in c else int(c) for c in args.classes.split(","))
+    classes = tuple(int(c) if float(c).is_integer() else c for c in args.classes)
     trace = load_prompts(args.trace, args.prompts)
     cfg = LoadConfig(tokens=args.tokens, classes=classes, warmup_s=args.warmup_s, window_s=args.window_s)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     config = {
         "model": str(model),
+        "model_name": model.name,
         "binary": str(binary),
         "binary_version": server_version(binary),
-        "rtts_ms": [float(x) for x in args.rtts.split(",")],
-        "tokens": args.tokens,
         "prompts": len(trace.prompts),
-        "trace": args.trace,
         "classes": list(classes),
-        "window_s": cfg.window_s,
-        "warmup_s": cfg.warmup_s,
-        "threads": args.threads,
         "server_core": server_core,
         "client_core": client_core,
-        "cache_ram_mib": args.cache_ram,
-        "cpu_count": os.cpu_count(),
-        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
         "load_config": asdict(cfg),
     }
-    print(
-        f"peer: {config['binary_version']} on {model.name}; server core {server_core} (-t {args.threads}), "
-        f"robots on core {client_core}",
-        flush=True,
-    )
+    print(f"peer: {config['binary_version']} on {model.name}; server core {server_core}, robots {client_core}")
     result: dict = {"config": config}
     every_cpu = os.sched_getaffinity(0)
     if client_core != server_core:
         os.sched_setaffinity(0, {client_core})
+    server = {"core": server_core, "threads": args.threads, "binary": binary, "cache_ram_mib": args.cache_ram}
     try:
         if not args.skip_one:
-            result["one_robot"] = one_robot(
-                model,
-                trace,
-                config["rtts_ms"],
-                args.tokens,
-                core=server_core,
-                threads=args.threads,
-                binary=binary,
-                cache_ram_mib=args.cache_ram,
-            )
+            result["one_robot"] = one_robot(model, trace, args.rtts, args.tokens, **server)
         if not args.skip_fleet:
-            ns = [int(x) for x in args.n.split(",")] if args.n else None
-            result["fleet"] = fleet_capacity(
-                model,
-                trace,
-                cfg,
-                ns=ns,
-                max_n=args.max_n,
-                core=server_core,
-                threads=args.threads,
-                binary=binary,
-                cache_ram_mib=args.cache_ram,
-            )
+            fleet = fleet_capacity(model, trace, cfg, ns=args.n or None, max_n=args.max_n, **server)
+            result["fleet_points"] = fleet.pop("points")
+            result["fleet"] = fleet
+            result["fleet_capacity"] = [
+                {"class": f"{c} tok/s", "held": f"{fleet['capacity'][c]}{' (lower bound)' if lb else ''}"}
+                for c, lb in fleet["lower_bound"].items()
+            ]
     finally:
         os.sched_setaffinity(0, every_cpu)
     config["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
-    (out / "peer.json").write_text(json.dumps(result, indent=1))
-    md = render_markdown(result)
-    (out / "peer.md").write_text(md)
-    pngs = plot(result, out)
-    print("\n" + md)
-    print(f"wrote {out / 'peer.json'}, {out / 'peer.md'}" + "".join(f", {p}" for p in pngs))
-    return 0
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    return harness.main(__doc__, REPORT, measure, add_args, argv, out="bench_results/peer", pin_cores=False)
 
 
 if __name__ == "__main__":
