@@ -24,7 +24,8 @@ from agent.spec.link import ROBOT_ID
 from agent.spec.policy import POLICIES
 from protocol.payload import DEFAULT_KIND, DEFAULT_TOPK, PayloadSpec
 
-from .nav import OFFLINE_POLICIES, check_envelope, check_memory
+from .memory import check_memory
+from .navigator import OFFLINE_POLICIES, check_envelope
 
 
 class ConfigError(ValueError):
@@ -121,7 +122,7 @@ class NavSection:
     grammar: bool = True  # answers under the NaVILA answer grammar on both sides (exact; never a miss)
     blocked_m: float = 0.0  # the camera line says "the way ahead is blocked" when the range source reads
     # less than this straight ahead (0: never; off by default: an example of
-    # it in the prompt cost the memory cases, see agent/app/nav.py blocked_text)
+    # it in the prompt cost the memory cases, see agent/app/prompt.py blocked_text)
 
     def __post_init__(self):
         if not (isinstance(self.blocked_m, (int, float)) and 0 <= self.blocked_m <= 5):

@@ -3,7 +3,7 @@
 Threads, each with one job:
     control   the control loop (agent/robot/control.py): motors, deadman, WATCHDOG=1
     grabber   the camera, newest frame only (agent/robot/camera.py)
-    nav       runs submitted instructions step by step (agent/app/nav.py), one task at a time
+    nav       runs submitted instructions step by step (agent/app/navigator.py), one task at a time
     main      asyncio: the local API (agent/app/api.py) and the signal handlers
 
 Start-up order: controller (a Go2 is checked for sport mode and stood up), camera,
@@ -41,7 +41,7 @@ from protocol.images import MAX_IMAGE_BYTES, check_bytes
 from protocol.payload import PayloadSpec
 
 from .config import Config
-from .nav import NavConfig, Navigator
+from .navigator import NavConfig, Navigator
 from .sdnotify import Notifier
 from .telemetry import TelemetryWriter
 

@@ -205,7 +205,7 @@ def test_watchdog_pings_from_the_loop_at_its_interval():
     clock, robot, pings = Clock(), Recorder(), []
     loop = _loop(clock, robot, watchdog=lambda: pings.append(clock()), interval=0.5)
     _run(loop, clock, 2.0)
-    assert 4 <= len(pings) <= 5 and all(b - a >= 0.5 - 1e-9 for a, b in zip(pings, pings[1:]))
+    assert 4 <= len(pings) <= 5 and all(b - a >= 0.5 - 1e-9 for a, b in zip(pings, pings[1:], strict=False))
 
 
 def test_control_loop_thread_keeps_running_after_a_driver_fault():
@@ -300,14 +300,14 @@ def test_the_simulated_robot_keeps_off_the_walls_with_no_config():
     import pathlib
 
     from agent.robot.scene import load_scene
-    from agent.robot.scripted import FakeClock, run_episode
+    from agent.robot.scripted import FakeClock, run_scripted
     from agent.robot.sim import make_world
 
     scene = load_scene(pathlib.Path(__file__).parents[2] / "tools" / "scenes" / "green_box_behind_block.json")
     contacts = {}
     for clearance in (0.0, None):
         world = make_world(scene, start=1, clock=FakeClock())
-        run_episode(
+        run_scripted(
             world,
             None,
             scene.target,
