@@ -23,6 +23,10 @@ import importlib
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..safety import RangeSource
 
 
 @dataclass(frozen=True)
@@ -50,7 +54,7 @@ class ControllerError(RuntimeError):
 
 class Controller(ABC):
     name = "controller"
-    ranges = None  # a safety.RangeSource when the robot can measure its clearance
+    ranges: RangeSource | None = None  # a safety.RangeSource when the robot can measure its clearance
 
     def __enter__(self):
         self.connect()
@@ -85,6 +89,7 @@ class Controller(ABC):
     def reset(self) -> None:
         """Make the robot ready to move after an e-stop, once a person has checked it: clear the driver's
         own latch, stand a legged robot up (default: nothing to do)."""
+        return None
 
 
 # name -> "module:Class"; imported only when chosen, so a missing SDK (unitree_sdk2py, rclpy) only
