@@ -21,14 +21,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Protocol, Sequence
 
 import numpy as np
 
 from .camera import Frame
-
-if TYPE_CHECKING:
-    from .sim import SimWorld
 
 
 @dataclass(frozen=True)
@@ -52,6 +49,14 @@ def focal_px(width: int, hfov_deg: float) -> float:
     return (width / 2.0) / math.tan(math.radians(hfov_deg) / 2.0)
 
 
+class SightingSource(Protocol):
+    """What SimPerception reads: the simulator (agent/robot/sim.py SimWorld), the objects seen from a pose."""
+
+    def sightings(
+        self, pose: tuple[float, float, float] | None = None, hfov_deg: float = 90.0, max_range_m: float = 6.0
+    ) -> list[Sighting]: ...
+
+
 class SimPerception:
     """The simulator's ground truth of what the camera could see at the frame's moment.
 
@@ -64,7 +69,7 @@ class SimPerception:
 
     kind = "sim"
 
-    def __init__(self, world: SimWorld, hfov_deg: float = 90.0, max_range_m: float = 6.0) -> None:
+    def __init__(self, world: SightingSource, hfov_deg: float = 90.0, max_range_m: float = 6.0) -> None:
         self.world = world
         self.hfov_deg = hfov_deg
         self.max_range_m = max_range_m

@@ -37,18 +37,12 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
-from typing import Callable, Protocol
+from typing import Callable
 
-from .controllers.base import Command, Controller, ControllerError
+from .controllers.base import Command, Controller, ControllerError, RangeSource
 from .lanes import CallLane
 
 log = logging.getLogger(__name__)
-
-
-class RangeSource(Protocol):
-    def clearance_m(self, heading_rad: float) -> float | None:
-        """Free distance (m) from the robot's body along a body-frame heading (0 ahead, +pi/2 left);
-        None when no fresh reading covers that heading."""
 
 
 @dataclass(frozen=True)
