@@ -156,7 +156,7 @@ def test_path_records_poses_with_tags():
     assert tags[0] == "" and "verified" in tags and tags[-1] == "offline"
     verified_x = [p[1] for p in path if p[4] == "verified"]
     assert max(verified_x) == pytest.approx(1.5) and path[-1][1] == pytest.approx(2.0)
-    steps = [math.hypot(b[1] - a[1], b[2] - a[2]) for a, b in zip(path, path[1:])]
+    steps = [math.hypot(b[1] - a[1], b[2] - a[2]) for a, b in zip(path, path[1:], strict=False)]
     assert max(steps) <= 0.05
 
 
