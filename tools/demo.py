@@ -32,7 +32,8 @@ from agent.robot.scene import SceneError, load_scene
 from runtime import llamalog
 from tools.cluster.local_verifier import LocalVerifier, pin_cores
 from tools.cluster.netem import LinkProfile, NetemProxy
-from tools.robot.episode import print_step, restart, run_episode
+from tools.robot.episode import navigate_with_cut as run_episode
+from tools.robot.episode import print_step, restart
 
 OUT = Path("build/demo")
 

@@ -55,14 +55,19 @@ import socket
 import stat
 import struct
 from http import HTTPStatus
+from typing import TYPE_CHECKING, Any, Callable, NoReturn
 
-from websockets.asyncio.server import serve, unix_serve
+from websockets.asyncio.server import Server, ServerConnection, serve, unix_serve
 from websockets.exceptions import ConnectionClosed
+from websockets.http11 import Request, Response
 
 from agent.robot.controllers.base import ControllerError
 
 from .config import ConfigError, parse_listen
 from .daemon import MAX_IMAGE_B64, Busy, Daemon
+
+if TYPE_CHECKING:
+    from websockets.sync.client import ClientConnection
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +91,7 @@ def default_socket() -> str:
     return os.path.join(os.path.join(base, "edge-agent") if base else f"/tmp/edge-agent-{os.getuid()}", "api.sock")
 
 
-def parse_request(raw: str | bytes) -> dict:
+def parse_request(raw: str | bytes) -> dict[str, Any]:
     """One message -> its request object; ValueError says what is wrong. Bounded before json.loads: a request
     is one flat object, so more than MAX_CONTAINERS brackets (100k-deep nesting) is refused unparsed."""
     if isinstance(raw, bytes):
@@ -104,11 +109,11 @@ def parse_request(raw: str | bytes) -> dict:
     return req
 
 
-def _no_constant(name: str):
+def _no_constant(name: str) -> NoReturn:
     raise ValueError(f"{name} is not a JSON number")
 
 
-def connect(address: str, token: str = "", **kw):
+def connect(address: str, token: str = "", **kw: Any) -> ClientConnection:
     """A websockets.sync client of the local API at `address` (LocalApi.address: unix:PATH or ws://HOST:PORT),
     presenting `token` (api.token) as `Authorization: Bearer TOKEN`. Use it as a context manager."""
     from websockets.sync.client import connect as ws_connect
@@ -132,11 +137,12 @@ class LocalApi:
         self.origins = frozenset(self.cfg.allowed_origins)
         where = parse_listen(self.cfg.listen)
         self.path = (where[1] or default_socket()) if where[0] == "unix" else None
-        self.server = None
-        self._sock_ino = None  # the inode of the socket file this API made: removed on close only if still ours
+        self.server: Server | None = None
+        # the inode of the socket file this API made: removed on close only if still ours
+        self._sock_ino: int | None = None
 
-    async def start(self) -> "LocalApi":
-        kw = dict(
+    async def start(self) -> LocalApi:
+        kw: dict[str, Any] = dict(
             max_size=MAX_MESSAGE,
             ping_interval=5,
             ping_timeout=5,
@@ -144,7 +150,7 @@ class LocalApi:
             process_request=self._process_request,
         )
         if self.path is not None:
-            sock = self._bind_unix()
+            sock = self._bind_unix(self.path)
             self.server = await unix_serve(self._handle, sock=sock, **kw)
         else:
             _, host, port = parse_listen(self.cfg.listen)
@@ -162,6 +168,8 @@ class LocalApi:
     def address(self) -> str:
         if self.path is not None:
             return f"unix:{self.path}"
+        if self.server is None:
+            raise RuntimeError("the local API has no address before start()")
         host, port = self.server.sockets[0].getsockname()[:2]
         return f"ws://[{host}]:{port}" if ":" in host else f"ws://{host}:{port}"
 
@@ -169,7 +177,7 @@ class LocalApi:
         if self.server is not None:
             self.server.close()
             await self.server.wait_closed()
-        if self._sock_ino is not None:
+        if self._sock_ino is not None and self.path is not None:
             with contextlib.suppress(OSError):
                 if os.lstat(self.path).st_ino == self._sock_ino:
                     os.unlink(self.path)
@@ -177,10 +185,10 @@ class LocalApi:
 
     # -------------------------------------------------------------- who may connect
 
-    def _bind_unix(self) -> socket.socket:
-        """A listening Unix socket at self.path, mode 0600 (0660 with api.socket_group) before anyone can reach
-        it: bound under a temporary name, chmod-ed, then renamed into place (atomic)."""
-        path, group = self.path, self.cfg.socket_group
+    def _bind_unix(self, path: str) -> socket.socket:
+        """A listening Unix socket at `path` (self.path), mode 0600 (0660 with api.socket_group) before anyone can
+        reach it: bound under a temporary name, chmod-ed, then renamed into place (atomic)."""
+        group = self.cfg.socket_group
         parent = os.path.dirname(path)
         if path == default_socket() and not os.environ.get("RUNTIME_DIRECTORY"):
             _private_dir(parent)
@@ -220,7 +228,7 @@ class LocalApi:
             raise
         return sock
 
-    def _process_request(self, connection, request):
+    def _process_request(self, connection: ServerConnection, request: Request) -> Response | None:
         """Before the websocket opens: a browser's Origin gets 403, a missing or wrong token 401."""
         origins = request.headers.get_all("Origin")
         if origins and not (len(origins) == 1 and origins[0] in self.origins):
@@ -241,13 +249,14 @@ class LocalApi:
 
     # -------------------------------------------------------------- requests
 
-    async def _handle(self, ws) -> None:
+    async def _handle(self, ws: ServerConnection) -> None:
         peer = _peer(ws, self.path)
         unlisten = None
         sender = None
         try:
             async for raw in ws:
                 req = None
+                reply: dict[str, Any]
                 try:
                     req = parse_request(raw)
                     op = req["op"]
@@ -255,7 +264,7 @@ class LocalApi:
                         reply = {"ok": True, "latched": True, "delivered": await self._estop(peer)}
                     elif op == "subscribe":
                         if unlisten is None:
-                            events: asyncio.Queue = asyncio.Queue(SUBSCRIBER_QUEUE)
+                            events: asyncio.Queue[dict] = asyncio.Queue(SUBSCRIBER_QUEUE)
                             unlisten = self.daemon.listen(self._forwarder(events))
                             sender = asyncio.create_task(self._send_events(ws, events))
                         reply = {"ok": True}
@@ -289,10 +298,10 @@ class LocalApi:
         except Exception:  # the driver's e-stop failed: logged by its lane; the latch holds anyway
             return False
 
-    async def _call(self, op: str, req: dict, peer: str) -> dict:
+    async def _call(self, op: str, req: dict[str, Any], peer: str) -> dict[str, Any]:
         d = self.daemon
         if op == "submit":
-            task = await asyncio.to_thread(d.submit, req.get("instruction"), req.get("image"), req.get("max_steps"))
+            task = await asyncio.to_thread(d.submit, req.get("instruction", ""), req.get("image"), req.get("max_steps"))
             return {"ok": True, "task": task}
         if op == "cancel":
             return {"ok": True, "dropped": d.cancel()}
@@ -304,7 +313,7 @@ class LocalApi:
             return {"ok": True}
         raise ValueError(f"unknown op {op[:32]!r}; use submit, cancel, status, estop, reset or subscribe")
 
-    def _check_reset(self, req: dict, peer: str) -> None:
+    def _check_reset(self, req: dict[str, Any], peer: str) -> None:
         if not self.reset_token:
             log.warning("reset from %s refused: no reset credential configured (the e-stop stays latched)", peer)
             raise Refused(
@@ -317,11 +326,13 @@ class LocalApi:
             log.warning("reset from %s refused: missing or wrong reset_token (the e-stop stays latched)", peer)
             raise Refused("reset refused: missing or wrong reset_token (api.reset_token); the e-stop stays latched")
 
-    def _forwarder(self, events: asyncio.Queue):
+    def _forwarder(self, events: asyncio.Queue[dict]) -> Callable[[dict], None]:
+        """The daemon's listener for one subscriber: onto its bounded queue from any thread; when the queue is
+        full the oldest event goes, and the next event says how many went (`dropped`)."""
         loop = asyncio.get_running_loop()
         dropped = [0]
 
-        def put(event):
+        def put(event: dict) -> None:
             if events.full():
                 try:
                     events.get_nowait()
@@ -332,10 +343,13 @@ class LocalApi:
                 event = {**event, "dropped": dropped[0]}
             events.put_nowait(event)
 
-        return lambda event: loop.call_soon_threadsafe(put, event)
+        def forward(event: dict) -> None:
+            loop.call_soon_threadsafe(put, event)
+
+        return forward
 
     @staticmethod
-    async def _send_events(ws, events: asyncio.Queue) -> None:
+    async def _send_events(ws: ServerConnection, events: asyncio.Queue[dict]) -> None:
         try:
             while True:
                 await ws.send(json.dumps(await events.get(), default=str))
@@ -343,7 +357,7 @@ class LocalApi:
             pass
 
 
-def _peer(connection, path: str | None) -> str:
+def _peer(connection: ServerConnection, path: str | None) -> str:
     """Who is on the other end, for the log: HOST:PORT over TCP; over the Unix socket at `path` the peer's pid
     and uid (SO_PEERCRED)."""
     addr = connection.remote_address

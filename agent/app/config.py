@@ -27,7 +27,8 @@ from protocol.payload import KINDS as PAYLOAD_KINDS
 from runtime import settings
 from runtime.settings import ConfigError, setting, tomllib
 
-from .nav import OFFLINE_POLICIES, check_envelope, check_memory
+from .memory import check_memory
+from .navigator import OFFLINE_POLICIES, check_envelope
 
 __all__ = ["Config", "ConfigError", "GenerateOptions", "load", "tomllib"]  # tomllib: tomli on Python 3.10
 
@@ -173,7 +174,7 @@ class NavSection:
         0.0,
         help='The camera line says "the way ahead is blocked" when the range source reads less than this '
         "straight ahead, 0..5 m (0: never; off by default: an example of it in the prompt cost the memory "
-        "cases, see agent/app/nav.py blocked_text).",
+        "cases, see agent/app/prompt.py blocked_text).",
     )
 
     def __post_init__(self) -> None:

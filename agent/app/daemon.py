@@ -3,7 +3,7 @@
 Threads, each with one job:
     control   the control loop (agent/robot/control.py): motors, deadman, WATCHDOG=1
     grabber   the camera, newest frame only (agent/robot/camera.py)
-    nav       runs submitted instructions step by step (agent/app/nav.py), one task at a time
+    nav       runs submitted instructions step by step (agent/app/navigator.py), one task at a time
     main      asyncio: the local API (agent/app/api.py) and the signal handlers
 
 Start-up order: controller (a Go2 is checked for sport mode and stood up), camera,
@@ -42,7 +42,7 @@ from protocol.payload import PayloadSpec
 from runtime import settings
 
 from .config import Config
-from .nav import NavConfig, Navigator
+from .navigator import NavConfig, Navigator
 from .sdnotify import Notifier
 from .telemetry import TelemetryWriter
 

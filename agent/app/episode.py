@@ -1,11 +1,12 @@
 """One instruction run to its end in the simulator, and the numbers that say how it went.
 
     target_object(world, instruction)   the object the instruction names (the most shared words, as
-                                        agent.app.nav.relevant scores a sighting; the nearest on a tie)
-    run_episode(nav, world, instruction, max_steps)
-                                        step the Navigator until the model says stop (exact or tolerant
-                                        parse), three unparseable answers in a row, or max_steps steps;
-                                        hooks before and after each step (a link cut, a printer)
+                                        agent.app.prompt.relevant scores a sighting; the nearest on a tie)
+    navigate(nav, world, instruction, max_steps)
+                                        step the Navigator through the one episode loop
+                                        (agent/robot/episode.py run_episode: until the model says stop,
+                                        three unparseable answers in a row, or max_steps steps), hooks
+                                        before and after each step (a link cut, a printer), and summarize
     summarize(world, records, ...)      the summary: the names `edge-agent run --json`, tools/demo.py
                                         and tools/robot/nav_eval.py all report
 
@@ -20,23 +21,24 @@ records go through the same `summarize`.
 from __future__ import annotations
 
 import math
+import threading
 import time
 from typing import Callable
 
-from agent.robot.actions import STOP
+from agent.robot.episode import run_episode
 from agent.robot.perception import Sighting
 from agent.robot.shortest import shortest_to_object
+from agent.robot.sim import SimWorld
 
-from .nav import Step, relevant
+from .navigator import Navigator, Step
+from .prompt import relevant
 
-MAX_MISSES = 3  # unparseable answers in a row that end an episode (as the daemon's tasks)
 
-
-def target_object(world, instruction: str) -> str | None:
+def target_object(world: SimWorld, instruction: str) -> str | None:
     """The name of the object `instruction` names best, None when it names none.
 
     The scene's own target when the instruction is the scene's; else every object scored by the
-    words its name shares with the instruction (agent.app.nav.relevant), the nearest of the best.
+    words its name shares with the instruction (agent.app.prompt.relevant), the nearest of the best.
     """
     spec = getattr(world, "spec", None)
     if spec is not None and spec.target and instruction.strip().lower() == spec.task().lower():
@@ -49,14 +51,14 @@ def target_object(world, instruction: str) -> str | None:
     return best[0].name if best else None
 
 
-def path_length(path: list, since_t: float = -math.inf) -> float:
+def path_length(path: list[tuple], since_t: float = -math.inf) -> float:
     """Metres along a SimWorld.path ((t, x, y, theta, tag) points) from time since_t on."""
     pts = [p for p in path if p[0] >= since_t]
-    return sum(math.hypot(b[1] - a[1], b[2] - a[2]) for a, b in zip(pts, pts[1:]))
+    return sum(math.hypot(b[1] - a[1], b[2] - a[2]) for a, b in zip(pts, pts[1:], strict=False))
 
 
 def summarize(
-    world,
+    world: SimWorld,
     records: list[Step],
     instruction: str,
     *,
@@ -79,7 +81,7 @@ def summarize(
     verified = [r for r in records if r.mode == "verified" and r.parse != "refused"]  # acted on, verified
     taus = [r.decode["tau"] for r in verified if r.decode.get("tau")]
     step_s = [r.latency_ms["step"] / 1e3 for r in records if "step" in r.latency_ms]
-    reached = bool(target) and world.reached(target, reach_m)
+    reached = world.reached(target, reach_m) if target else False
     path_m = path_length(world.path, since_t)
     shortest_m = shortest_to_object(world, target, start[:2], reach_m) if target else math.inf
     spl = shortest_m / max(path_m, shortest_m, 1e-9) if reached and math.isfinite(shortest_m) else 0.0
@@ -113,42 +115,30 @@ def summarize(
     }
 
 
-def run_episode(
-    nav,
-    world,
+def navigate(
+    nav: Navigator,
+    world: SimWorld,
     instruction: str,
     max_steps: int = 30,
     *,
     task: str = "episode",
     before_step: Callable[[int], None] | None = None,
     on_step: Callable[[int, Step], None] | None = None,
-    cancel=None,
+    cancel: threading.Event | None = None,
 ) -> tuple[dict, list[Step]]:
-    """Step `nav` (an agent.app.nav.Navigator driving `world`) on `instruction`; returns (summary, records).
+    """Step `nav` (an agent.app.navigator.Navigator driving `world`) on `instruction`; returns (summary, records).
 
     before_step(n) runs before step n (1-based; the link cut goes here), on_step(n, record) after it.
-    The summary's `end`: done (the model said stop), unparseable, or max_steps.
+    The summary's `end`: done (the model said stop), unparseable, or max_steps (agent/robot/episode.py).
     """
     target = target_object(world, instruction)
     t0, collisions0, start, wall0 = world.clock(), world.collisions, tuple(world.pose), time.perf_counter()
-    records: list[Step] = []
-    end, misses = "max_steps", 0
-    for n in range(1, max_steps + 1):
-        if before_step is not None:
-            before_step(n)
-        rec = nav.step(instruction, task=task, cancel=cancel)
-        records.append(rec)
-        if on_step is not None:
-            on_step(n, rec)
-        if rec.parse == "refused":
-            continue
-        misses = misses + 1 if rec.parse == "miss" else 0
-        if rec.action == str(STOP) and rec.parse in ("exact", "tolerant") and not rec.envelope:
-            end = "done"  # the model's stop; an offline turn-away stop is the robot's halt
-            break
-        if misses >= MAX_MISSES:
-            end = "unparseable"
-            break
+    end, records = run_episode(
+        lambda n: nav.step(instruction, task=task, cancel=cancel),
+        max_steps,
+        before_step=before_step,
+        on_step=on_step,
+    )
     summary = summarize(
         world,
         records,

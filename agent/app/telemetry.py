@@ -12,18 +12,19 @@ import logging
 import os
 import threading
 from pathlib import Path
+from typing import TextIO
 
 log = logging.getLogger(__name__)
 
 
 class TelemetryWriter:
-    def __init__(self, path: str | os.PathLike | None, max_bytes: int = 50_000_000):
+    def __init__(self, path: str | os.PathLike[str] | None, max_bytes: int = 50_000_000) -> None:
         if max_bytes < 1024:
             raise ValueError(f"telemetry max_bytes must be at least 1024, got {max_bytes}")
         self.path = Path(path) if path else None
         self.max_bytes = max_bytes
         self._lock = threading.Lock()
-        self._fh = None
+        self._fh: TextIO | None = None
         self.records = 0
         self.rotations = 0
         self._failed = False

@@ -43,11 +43,15 @@ import re
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import numpy as np
 
 from protocol.images import MAX_IMAGE_PIXELS, MAX_IMAGE_SIDE, ImageError, check_header
+
+if TYPE_CHECKING:
+    import cv2
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +98,7 @@ class OpenCVSource:
 
     def __init__(self, source: str, width: int = 640, height: int = 480, fps: int = 15, loop: bool = True):
         self.source, self.width, self.height, self.fps, self.loop = source, width, height, fps, loop
-        self.cap = None
+        self.cap: cv2.VideoCapture | None = None
         self.kind = (
             "gstreamer"
             if "!" in source
@@ -118,7 +122,7 @@ class OpenCVSource:
         elif self.kind == "v4l2":
             dev = int(self.source) if self.source.isdigit() else self.source
             cap = cv2.VideoCapture(dev, cv2.CAP_V4L2)
-            cap.set(cv2.CAP_PROP_FOURCC, cv2.VideoWriter_fourcc(*"MJPG"))
+            cap.set(cv2.CAP_PROP_FOURCC, cv2.VideoWriter.fourcc(*"MJPG"))
             cap.set(cv2.CAP_PROP_FRAME_WIDTH, self.width)
             cap.set(cv2.CAP_PROP_FRAME_HEIGHT, self.height)
             cap.set(cv2.CAP_PROP_FPS, self.fps)
@@ -132,7 +136,9 @@ class OpenCVSource:
             raise CameraError(f"cannot open camera source {self.source!r} ({self.kind})")
         self.cap = cap
 
-    def read(self):
+    def read(self) -> tuple[np.ndarray, dict] | None:
+        if self.cap is None:
+            raise CameraError(f"camera source {self.source!r} is not open")
         ok, img = self.cap.read()
         if not ok and self.kind == "file" and self.loop:
             import cv2
@@ -149,7 +155,7 @@ class OpenCVSource:
             self.cap = None
 
 
-def has_gstreamer(cv2) -> bool:
+def has_gstreamer(cv2: ModuleType) -> bool:
     """Whether this OpenCV was built with GStreamer (JetPack's is; pip's wheels never are)."""
     return re.search(r"GStreamer:\s*YES", cv2.getBuildInformation()) is not None
 
@@ -164,7 +170,7 @@ class Go2CameraSource:
 
     def __init__(self, network_interface: str | None = None, fps: int = 15, timeout_s: float = 1.0):
         self.network_interface, self.fps, self.timeout_s = network_interface, fps, timeout_s
-        self.client = None
+        self.client: Any = None  # unitree_sdk2py's VideoClient once open (the SDK is untyped)
 
     def open(self) -> None:
         from .controllers.base import ControllerError
@@ -180,7 +186,7 @@ class Go2CameraSource:
         client.Init()
         self.client = client
 
-    def read(self):
+    def read(self) -> tuple[np.ndarray, dict] | None:
         import cv2
 
         t0 = time.monotonic()
@@ -326,7 +332,12 @@ register_source("go2", _go2_source)
 
 
 def open_source(
-    source: str, width: int = 640, height: int = 480, fps: int = 15, world=None, network_interface: str | None = None
+    source: str,
+    width: int = 640,
+    height: int = 480,
+    fps: int = 15,
+    world: object = None,
+    network_interface: str | None = None,
 ) -> FrameSource:
     """The frame source a config string names: a registered name ("go2"; "sim" once agent.robot.sim is
     imported, and it needs the simulator's world) or else an OpenCV source (device, pipeline, stream, file)."""

@@ -42,9 +42,9 @@ class CallLane:
     def submit(self, name: str, fn: Callable[[], object]) -> Future:
         """Queue fn (or join the pending call of the same name); returns its future at once."""
         with self._cond:
-            for pending_name, _, fut in self._pending:
+            for pending_name, _, queued in self._pending:
                 if pending_name == name:
-                    return fut
+                    return queued
             fut: Future = Future()
             if self._closed:
                 fut.set_exception(RuntimeError(f"lane {self.name} is closed"))

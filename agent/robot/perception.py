@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from types import ModuleType
+from typing import Any, Protocol, Sequence
 
 import numpy as np
 
@@ -47,6 +49,14 @@ def focal_px(width: int, hfov_deg: float) -> float:
     return (width / 2.0) / math.tan(math.radians(hfov_deg) / 2.0)
 
 
+class SightingSource(Protocol):
+    """What SimPerception reads: the simulator (agent/robot/sim.py SimWorld), the objects seen from a pose."""
+
+    def sightings(
+        self, pose: tuple[float, float, float] | None = None, hfov_deg: float = 90.0, max_range_m: float = 6.0
+    ) -> list[Sighting]: ...
+
+
 class SimPerception:
     """The simulator's ground truth of what the camera could see at the frame's moment.
 
@@ -59,7 +69,7 @@ class SimPerception:
 
     kind = "sim"
 
-    def __init__(self, world, hfov_deg: float = 90.0, max_range_m: float = 6.0):
+    def __init__(self, world: SightingSource, hfov_deg: float = 90.0, max_range_m: float = 6.0) -> None:
         self.world = world
         self.hfov_deg = hfov_deg
         self.max_range_m = max_range_m
@@ -80,7 +90,7 @@ DEFAULT_COLORS: dict[str, list[tuple[tuple[int, int, int], tuple[int, int, int]]
 }
 
 
-def _ranges(spec) -> list:
+def _ranges(spec: Sequence[Any]) -> list[Any]:
     """Accept (lower, upper) or [(lower, upper), ...]."""
     if len(spec) == 2 and len(spec[0]) == 3 and np.isscalar(spec[0][0]):
         return [spec]
@@ -149,14 +159,14 @@ class ColorDetector:
         for color, ranges in self.colors.items():
             mask = np.zeros((h, w), np.uint8)
             for lo, hi in ranges:
-                mask |= cv2.inRange(hsv, np.array(lo, np.uint8), np.array(hi, np.uint8))
+                mask |= np.asarray(cv2.inRange(hsv, np.array(lo, np.uint8), np.array(hi, np.uint8)), np.uint8)
             s = self._largest_blob(cv2, mask, w, h, f)
             if s is not None:
                 bearing, dist = s
                 found.append(Sighting(self.names.get(color, f"{color} object"), bearing, dist, self.kind))
         return sorted(found, key=lambda s: s.distance_m)
 
-    def _largest_blob(self, cv2, mask, w: int, h: int, f: float) -> tuple[float, float] | None:
+    def _largest_blob(self, cv2: ModuleType, mask: np.ndarray, w: int, h: int, f: float) -> tuple[float, float] | None:
         """(bearing_deg, distance_m) of the largest contour in `mask` [h, w], None if too small."""
         contours, _ = cv2.findContours(mask, cv2.RETR_EXTERNAL, cv2.CHAIN_APPROX_SIMPLE)
         if not contours:

@@ -37,18 +37,12 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
-from typing import Callable, Protocol
+from typing import Callable
 
-from .controllers.base import Command, Controller, ControllerError
+from .controllers.base import Command, Controller, ControllerError, RangeSource
 from .lanes import CallLane
 
 log = logging.getLogger(__name__)
-
-
-class RangeSource(Protocol):
-    def clearance_m(self, heading_rad: float) -> float | None:
-        """Free distance (m) from the robot's body along a body-frame heading (0 ahead, +pi/2 left);
-        None when no fresh reading covers that heading."""
 
 
 @dataclass(frozen=True)
@@ -60,7 +54,7 @@ class SafetyLimits:
     max_dvy: float = 1.0  # m/s^2
     max_dwz: float = 3.0  # rad/s^2
     deadman_s: float = 0.3  # stop when no fresh command came for this long
-    max_frame_age_s: float = 1.0  # stop when the newest camera frame is older (None: no camera check)
+    max_frame_age_s: float | None = 1.0  # stop when the newest camera frame is older (None: no camera check)
     # no translation toward an obstacle nearer than this (m); 0: no obstacle rule; None (the default): on at
     # AUTO_CLEARANCE_M wherever the controller has a range source, off (and said so at start) where it has none
     min_clearance_m: float | None = None
@@ -86,7 +80,7 @@ def clamp(cmd: Command, limits: SafetyLimits) -> Command:
 def rate_limit(cmd: Command, last: Command, dt: float, limits: SafetyLimits) -> Command:
     """Move each axis from `last` toward `cmd` by at most its limit times dt."""
 
-    def step(v, v0, a):
+    def step(v: float, v0: float, a: float) -> float:
         d = a * max(dt, 0.0)
         return max(v0 - d, min(v0 + d, v))
 
@@ -131,7 +125,7 @@ class SafetyLayer:
         ranges: RangeSource | None = None,
     ):
         limits = resolve_clearance(limits, ranges, controller.name)
-        if limits.min_clearance_m > 0 and ranges is None:
+        if (limits.min_clearance_m or 0.0) > 0 and ranges is None:  # resolved: None is gone
             raise ValueError(
                 f"safety.min_clearance_m = {limits.min_clearance_m} needs a range source, and the "
                 f"{controller.name} controller has none: set it to 0 or use a robot with one"
@@ -176,7 +170,7 @@ class SafetyLayer:
             # the time since the last set-point (at most 0.1 s); from a stop, one nominal 20 Hz tick
             dt = 0.05 if self._last_t is None else min(0.1, now - self._last_t)
             safe = rate_limit(safe, self._last, dt, limits)
-            if limits.min_clearance_m > 0 and self._path_blocked(safe):
+            if (limits.min_clearance_m or 0.0) > 0 and self._path_blocked(safe):
                 safe = Command(0.0, 0.0, safe.wz)  # at once, not through the rate limit: the obstacle is near now
                 if safe == Command():
                     return self._halt(None, now)  # counted by _path_blocked, once per blocked spell
@@ -189,10 +183,11 @@ class SafetyLayer:
         if cmd.vx == 0 and cmd.vy == 0:
             self._blocked = False
             return False
+        assert self.ranges is not None  # the constructor refuses an obstacle rule without a range source
         clearance = self.ranges.clearance_m(math.atan2(cmd.vy, cmd.vx))
         self.clearance_m = clearance
         # no reading: forward motion is refused (blind), backing away from a wall is not
-        blocked = (cmd.vx > 0) if clearance is None else clearance < self.limits.min_clearance_m
+        blocked = (cmd.vx > 0) if clearance is None else clearance < (self.limits.min_clearance_m or 0.0)
         if blocked and not self._blocked:
             log.warning(
                 "obstacle stop: %s in the direction of travel (min %.2f m)",

@@ -27,6 +27,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, NoReturn, Sequence
 
 SCENE_DIR = Path(__file__).with_name("scenes")  # the built-in scenes, shipped as package data
 DEFAULT_SCENE = "red_box"
@@ -152,13 +153,16 @@ _OBSTACLE = {"x0", "y0", "x1", "y1", "height_m", "name"}
 
 
 class _Checker:
-    def __init__(self, source: str):
-        self.source = source
+    """Checks one scene file's values; every failure is a SceneError that names the file and the field."""
 
-    def fail(self, field: str, why: str):
+    def __init__(self, source: str) -> None:
+        self.source = source
+        self.room = (math.inf, math.inf)  # width, depth (m), once size_m is read
+
+    def fail(self, field: str, why: str) -> NoReturn:
         raise SceneError(f"scene {self.source}: {field}: {why}")
 
-    def table(self, value, field: str, known: set, required: set) -> dict:
+    def table(self, value: object, field: str, known: set[str], required: set[str]) -> dict[str, Any]:
         if not isinstance(value, dict):
             self.fail(field, f"must be an object, got {type(value).__name__}")
         unknown = sorted(set(value) - known)
@@ -169,94 +173,101 @@ class _Checker:
             self.fail(field, f"missing key(s) {missing}")
         return value
 
-    def number(self, value, field: str, positive: bool = False) -> float:
+    def number(self, value: object, field: str, positive: bool = False) -> float:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             self.fail(field, f"must be a finite number, got {value!r}")
         if positive and value <= 0:
             self.fail(field, f"must be positive, got {value!r}")
         return float(value)
 
-    def text(self, value, field: str) -> str:
+    def text(self, value: object, field: str) -> str:
         if not isinstance(value, str) or not value.strip():
             self.fail(field, f"must be a non-empty string, got {value!r}")
         return value
 
-    def numbers(self, value, field: str, n: int) -> tuple[float, ...]:
+    def numbers(self, value: object, field: str, n: int) -> tuple[float, ...]:
         if not isinstance(value, list) or len(value) != n:
             self.fail(field, f"must be a list of {n} numbers, got {value!r}")
         return tuple(self.number(v, f"{field}[{i}]") for i, v in enumerate(value))
 
-    def items(self, value, field: str) -> list:
+    def items(self, value: object, field: str) -> list[Any]:
         if not isinstance(value, list):
             self.fail(field, f"must be a list, got {type(value).__name__}")
         return value
 
+    def inside(self, x0: float, y0: float, x1: float, y1: float, field: str) -> None:
+        w, d = self.room
+        if x0 < 0 or y0 < 0 or x1 > w or y1 > d:
+            self.fail(field, f"extends outside the {w:g} x {d:g} m room: x {x0:g}..{x1:g}, y {y0:g}..{y1:g}")
 
-def parse_scene(data, name: str = "custom", source: str = "<scene>", robot_radius_m: float = 0.2) -> Scene:
+
+def _object(c: _Checker, o: object, f: str) -> SimObject:
+    """objects[i]: a box or a ball inside the room."""
+    o = c.table(o, f, _OBJECT, {"name", "kind", "x", "y"})
+    kind = o["kind"]
+    if kind not in ("box", "ball"):
+        c.fail(f"{f}.kind", f"must be 'box' or 'ball', got {kind!r}")
+    color = c.numbers(o.get("color_bgr", [0, 0, 220]), f"{f}.color_bgr", 3)
+    if any(v != int(v) or not 0 <= v <= 255 for v in color):
+        c.fail(f"{f}.color_bgr", f"must be three integers 0..255, got {o['color_bgr']!r}")
+    b, g, r = (int(v) for v in color)
+    ob = SimObject(
+        c.text(o["name"], f"{f}.name"),
+        kind,
+        c.number(o["x"], f"{f}.x"),
+        c.number(o["y"], f"{f}.y"),
+        c.number(o.get("size_m", 0.4), f"{f}.size_m", positive=True),
+        c.number(o.get("height_m", 0.4), f"{f}.height_m", positive=True),
+        (b, g, r),
+    )
+    h = ob.size_m / 2
+    c.inside(ob.x - h, ob.y - h, ob.x + h, ob.y + h, f)
+    return ob
+
+
+def _obstacle(c: _Checker, o: object, f: str) -> Obstacle:
+    """obstacles[i]: an axis-aligned block inside the room."""
+    o = c.table(o, f, _OBSTACLE, {"x0", "y0", "x1", "y1"})
+    x0, y0, x1, y1 = (c.number(o[k], f"{f}.{k}") for k in ("x0", "y0", "x1", "y1"))
+    if x1 <= x0 or y1 <= y0:
+        c.fail(f, f"needs x0 < x1 and y0 < y1, got ({x0:g}, {y0:g}) .. ({x1:g}, {y1:g})")
+    c.inside(x0, y0, x1, y1, f)
+    height = c.number(o.get("height_m", 0.8), f"{f}.height_m", positive=True)
+    return Obstacle(x0, y0, x1, y1, height, c.text(o.get("name", "obstacle"), f"{f}.name"))
+
+
+def _wall(c: _Checker, s: object, f: str) -> tuple[float, float, float, float]:
+    """walls[i]: a segment [x0, y0, x1, y1] inside the room."""
+    x0, y0, x1, y1 = c.numbers(s, f, 4)
+    c.inside(min(x0, x1), min(y0, y1), max(x0, x1), max(y0, y1), f)
+    return x0, y0, x1, y1
+
+
+def _start(c: _Checker, s: object, f: str) -> tuple[float, float, float]:
+    """starts[i]: a pose [x, y, theta]."""
+    x, y, theta = c.numbers(s, f, 3)
+    return x, y, theta
+
+
+def parse_scene(data: object, name: str = "custom", source: str = "<scene>", robot_radius_m: float = 0.2) -> Scene:
     """A Scene from a parsed scene file (see the module docstring); SceneError on anything wrong."""
     c = _Checker(source)
-    c.table(data, "scene", _TOP, {"size_m", "objects", "starts"})
-    w, d = c.numbers(data["size_m"], "size_m", 2)
+    top = c.table(data, "scene", _TOP, {"size_m", "objects", "starts"})
+    w, d = c.numbers(top["size_m"], "size_m", 2)
     if w <= 0 or d <= 0:
         c.fail("size_m", f"must be positive, got {[w, d]}")
-
-    def inside(x0, y0, x1, y1, field):
-        if x0 < 0 or y0 < 0 or x1 > w or y1 > d:
-            c.fail(field, f"extends outside the {w:g} x {d:g} m room: x {x0:g}..{x1:g}, y {y0:g}..{y1:g}")
-
-    objects = []
-    for i, o in enumerate(c.items(data["objects"], "objects")):
-        f = f"objects[{i}]"
-        c.table(o, f, _OBJECT, {"name", "kind", "x", "y"})
-        kind = o["kind"]
-        if kind not in ("box", "ball"):
-            c.fail(f"{f}.kind", f"must be 'box' or 'ball', got {kind!r}")
-        color = c.numbers(o.get("color_bgr", [0, 0, 220]), f"{f}.color_bgr", 3)
-        if any(v != int(v) or not 0 <= v <= 255 for v in color):
-            c.fail(f"{f}.color_bgr", f"must be three integers 0..255, got {o['color_bgr']!r}")
-        ob = SimObject(
-            c.text(o["name"], f"{f}.name"),
-            kind,
-            c.number(o["x"], f"{f}.x"),
-            c.number(o["y"], f"{f}.y"),
-            c.number(o.get("size_m", 0.4), f"{f}.size_m", positive=True),
-            c.number(o.get("height_m", 0.4), f"{f}.height_m", positive=True),
-            tuple(int(v) for v in color),
-        )
-        h = ob.size_m / 2
-        inside(ob.x - h, ob.y - h, ob.x + h, ob.y + h, f)
-        objects.append(ob)
+    c.room = (w, d)
+    objects = [_object(c, o, f"objects[{i}]") for i, o in enumerate(c.items(top["objects"], "objects"))]
     names = [o.name for o in objects]
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:
         c.fail("objects", f"names must be unique (episodes find their target by name), repeated: {dup}")
+    obstacles = [
+        _obstacle(c, o, f"obstacles[{i}]") for i, o in enumerate(c.items(top.get("obstacles", []), "obstacles"))
+    ]
+    walls = [_wall(c, s, f"walls[{i}]") for i, s in enumerate(c.items(top.get("walls", []), "walls"))]
 
-    obstacles = []
-    for i, o in enumerate(c.items(data.get("obstacles", []), "obstacles")):
-        f = f"obstacles[{i}]"
-        c.table(o, f, _OBSTACLE, {"x0", "y0", "x1", "y1"})
-        x0, y0, x1, y1 = (c.number(o[k], f"{f}.{k}") for k in ("x0", "y0", "x1", "y1"))
-        if x1 <= x0 or y1 <= y0:
-            c.fail(f, f"needs x0 < x1 and y0 < y1, got ({x0:g}, {y0:g}) .. ({x1:g}, {y1:g})")
-        inside(x0, y0, x1, y1, f)
-        obstacles.append(
-            Obstacle(
-                x0,
-                y0,
-                x1,
-                y1,
-                c.number(o.get("height_m", 0.8), f"{f}.height_m", positive=True),
-                c.text(o.get("name", "obstacle"), f"{f}.name"),
-            )
-        )
-
-    walls = []
-    for i, s in enumerate(c.items(data.get("walls", []), "walls")):
-        x0, y0, x1, y1 = c.numbers(s, f"walls[{i}]", 4)
-        inside(min(x0, x1), min(y0, y1), max(x0, x1), max(y0, y1), f"walls[{i}]")
-        walls.append((x0, y0, x1, y1))
-
-    starts = [c.numbers(s, f"starts[{i}]", 3) for i, s in enumerate(c.items(data["starts"], "starts"))]
+    starts = [_start(c, s, f"starts[{i}]") for i, s in enumerate(c.items(top["starts"], "starts"))]
     if not starts:
         c.fail("starts", "needs at least one [x, y, theta]")
     for i, (x, y, _) in enumerate(starts):
@@ -264,11 +275,11 @@ def parse_scene(data, name: str = "custom", source: str = "<scene>", robot_radiu
         if blocker:
             c.fail(f"starts[{i}]", f"the robot (radius {robot_radius_m:g} m) at ({x:g}, {y:g}) overlaps {blocker}")
 
-    target = data.get("target", "")
+    target = top.get("target", "")
     if target and target not in names:
         c.fail("target", f"{target!r} is not one of the objects {names}")
-    instruction = c.text(data["instruction"], "instruction") if "instruction" in data else ""
-    description = data.get("description", "")
+    instruction = c.text(top["instruction"], "instruction") if "instruction" in top else ""
+    description = top.get("description", "")
     if not isinstance(description, str):
         c.fail("description", "must be a string")
     return Scene(
@@ -285,13 +296,22 @@ def parse_scene(data, name: str = "custom", source: str = "<scene>", robot_radiu
     )
 
 
-def _blocker(x: float, y: float, r: float, w: float, d: float, objects, obstacles, walls) -> str:
+def _blocker(
+    x: float,
+    y: float,
+    r: float,
+    w: float,
+    d: float,
+    objects: Sequence[SimObject],
+    obstacles: Sequence[Obstacle],
+    walls: Sequence[tuple[float, float, float, float]],
+) -> str:
     """What a circle of radius r at (x, y) overlaps, "" if nothing."""
     if x - r < 0 or y - r < 0 or x + r > w or y + r > d:
         return "the room's walls"
-    for o in obstacles:
-        if math.hypot(max(o.x0 - x, 0.0, x - o.x1), max(o.y0 - y, 0.0, y - o.y1)) < r:
-            return f"obstacle {o.name!r}"
+    for block in obstacles:
+        if math.hypot(max(block.x0 - x, 0.0, x - block.x1), max(block.y0 - y, 0.0, y - block.y1)) < r:
+            return f"obstacle {block.name!r}"
     for o in objects:
         h = o.size_m / 2
         gap = (

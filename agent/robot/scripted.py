@@ -2,9 +2,10 @@
 
 `scripted_action` is the baseline a language model must beat (and the oracle the
 tests use): search by turning left, turn toward the target, walk, stop within reach.
-`run_episode` drives the simulator the way the robot is driven (frame -> sightings ->
+`run_scripted` drives the simulator the way the robot is driven (frame -> sightings ->
 policy text -> parse_action -> motion_for -> SafetyLayer -> SimController), on a
-`FakeClock`, so an episode takes no real time.
+`FakeClock`, so an episode takes no real time; its steps go through the one episode
+loop (agent/robot/episode.py run_episode), so it ends as the model's episodes do.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from .actions import FORWARD_CM, TURN_DEG, Action, motion_for, parse_action, sna
 from .camera import Frame
 from .controllers.base import Command
 from .controllers.sim import SimController
+from .episode import run_episode
 from .perception import Sighting, SimPerception
 from .safety import SafetyLayer, SafetyLimits
 from .sim import SimWorld
@@ -41,7 +43,7 @@ def scripted_action(
 class FakeClock:
     """A callable clock that moves only when told to."""
 
-    def __init__(self, t: float = 0.0):
+    def __init__(self, t: float = 0.0) -> None:
         self.t = float(t)
 
     def __call__(self) -> float:
@@ -61,6 +63,16 @@ class EpisodeResult:
     collisions: int = 0  # collisions during the episode
     path_len_m: float = 0.0  # distance the robot travelled
     final_distance_m: float = math.inf  # to the target's surface at the end
+    end: str = "max_steps"  # done | unparseable | max_steps (agent/robot/episode.py)
+
+
+@dataclass(frozen=True)
+class ScriptedStep:
+    """One step of a scripted episode, as the episode loop reads it."""
+
+    action: str  # str(Action) of the parsed answer
+    parse: str  # how parse_action read the policy's text: exact | tolerant | miss
+    envelope: str = ""  # the scripted runner never changes an action itself
 
 
 def execute(
@@ -84,7 +96,7 @@ def execute(
         safety.tick()
 
 
-def run_episode(
+def run_scripted(
     world: SimWorld,
     policy: Callable[[list[Sighting]], str] | None,
     target: str = "red box",
@@ -98,30 +110,37 @@ def run_episode(
     """
     clock = world.clock
     if not isinstance(clock, FakeClock):
-        raise TypeError("run_episode needs a world made with clock=FakeClock() (it advances the clock itself)")
-    policy = policy or (lambda s: scripted_action(s, target=target))
+        raise TypeError("run_scripted needs a world made with clock=FakeClock() (it advances the clock itself)")
+    say = policy or (lambda s: scripted_action(s, target=target))
     perception = SimPerception(world)
     controller = SimController(world)
     safety = SafetyLayer(controller, limits, clock=clock, ranges=controller.ranges)  # the obstacle stop as deployed
     safety.controller.connect()
     t0, collisions0 = clock(), world.collisions
-    result = EpisodeResult(reached=False, steps=0)
+    actions: list[Action] = []
     period = 1.0 / control_hz
-    try:
-        for step in range(1, max_steps + 1):
-            pose = world.pose
-            frame = Frame(world.render_camera(pose=pose), clock(), step, {"pose": tuple(pose), "source": "sim"})
-            action = parse_action(policy(perception.describe(frame))).action
-            result.steps, result.actions = step, result.actions + [action]
-            if action.kind == "stop":
-                break
-            motion = motion_for(action)
+
+    def step(n: int) -> ScriptedStep:
+        pose = world.pose
+        frame = Frame(world.render_camera(pose=pose), clock(), n, {"pose": tuple(pose), "source": "sim"})
+        parsed = parse_action(say(perception.describe(frame)))
+        actions.append(parsed.action)
+        if parsed.action.kind != "stop":
+            motion = motion_for(parsed.action)
             execute(safety, clock, motion.cmd, motion.duration_s, period, frame.t)
+        return ScriptedStep(str(parsed.action), parsed.how)
+
+    try:
+        end, records = run_episode(step, max_steps)
     finally:
         safety.stop("episode_end")
     path = [p for p in world.path if p[0] >= t0]
-    result.path_len_m = sum(math.hypot(b[1] - a[1], b[2] - a[2]) for a, b in zip(path, path[1:]))
-    result.collisions = world.collisions - collisions0
-    result.final_distance_m = world.distance_to(target)
-    result.reached = world.reached(target)
-    return result
+    return EpisodeResult(
+        reached=world.reached(target),
+        steps=len(records),
+        actions=actions,
+        collisions=world.collisions - collisions0,
+        path_len_m=sum(math.hypot(b[1] - a[1], b[2] - a[2]) for a, b in zip(path, path[1:], strict=False)),
+        final_distance_m=world.distance_to(target),
+        end=end,
+    )

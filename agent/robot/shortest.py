@@ -17,8 +17,12 @@ from __future__ import annotations
 
 import heapq
 import math
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from .sim import SimWorld
 
 DIAG = math.sqrt(2.0)
 NEIGHBOURS = [
@@ -126,7 +130,7 @@ def shortest_length(free: np.ndarray, start: tuple[int, int], goal: np.ndarray, 
 
 
 def shortest_to_object(
-    world, name: str, start: tuple[float, float] | None = None, reach_m: float = 0.6, cell_m: float = 0.05
+    world: SimWorld, name: str, start: tuple[float, float] | None = None, reach_m: float = 0.6, cell_m: float = 0.05
 ) -> float:
     """Metres the robot's centre must travel from `start` (default: the world's start pose) until the object
     `name` is within reach (SimWorld.reached: centre to the object's near side <= reach_m); inf if it cannot."""

@@ -31,7 +31,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, NamedTuple
+from typing import Callable, NamedTuple, Sequence, cast
 
 import numpy as np
 
@@ -144,20 +144,35 @@ WALL_GREY, OBSTACLE_GREY = 190.0, 140.0
 
 
 def build_geometry(walls: list, obstacles: list[Obstacle], objects: list[SimObject]) -> Geometry:
-    segs, owner, height, color = [], [], [], []
+    segs: list[tuple[float, ...]] = []  # one entry per segment in the four lists: x0, y0, x1, y1
+    owner: list[int] = []  # -1 wall, -2 obstacle, else the object's index
+    height: list[float] = []
+    color: list[tuple[float, ...]] = []
+
+    def add(seg: tuple[float, ...], who: int, h_m: float, bgr: tuple[float, ...]) -> None:
+        segs.append(seg)
+        owner.append(who)
+        height.append(h_m)
+        color.append(bgr)
+
     for w in walls:
-        segs.append(tuple(w)), owner.append(-1), height.append(WALL_HEIGHT_M), color.append((WALL_GREY,) * 3)
+        add(tuple(w), -1, WALL_HEIGHT_M, (WALL_GREY,) * 3)
     for o in obstacles:
         for s in rect_segments(o.x0, o.y0, o.x1, o.y1):
-            segs.append(s), owner.append(-2), height.append(o.height_m), color.append((OBSTACLE_GREY,) * 3)
-    circles, c_owner, c_height, c_color = [], [], [], []
+            add(s, -2, o.height_m, (OBSTACLE_GREY,) * 3)
+    circles: list[tuple[float, float, float]] = []
+    c_owner: list[int] = []
+    c_height: list[float] = []
+    c_color: list[tuple[int, int, int]] = []
     for i, ob in enumerate(objects):
         if ob.kind == "box":
             h = ob.size_m / 2
             for s in rect_segments(ob.x - h, ob.y - h, ob.x + h, ob.y + h):
-                segs.append(s), owner.append(i), height.append(ob.height_m), color.append(ob.color_bgr)
+                add(s, i, ob.height_m, ob.color_bgr)
         else:
-            circles.append((ob.x, ob.y, ob.size_m / 2)), c_owner.append(i), c_height.append(ob.height_m)
+            circles.append((ob.x, ob.y, ob.size_m / 2))
+            c_owner.append(i)
+            c_height.append(ob.height_m)
             c_color.append(ob.color_bgr)
     segs_a = np.array(segs, float).reshape(-1, 4)
     along_x = np.abs(segs_a[:, 2] - segs_a[:, 0]) >= np.abs(segs_a[:, 3] - segs_a[:, 1])
@@ -511,7 +526,7 @@ def draw_map(
     margin = 20
     x0, y0, x1, y1 = world.geometry.bounds
     wpx, hpx = int(round((x1 - x0) * scale)) + 2 * margin, int(round((y1 - y0) * scale)) + 2 * margin
-    img = np.full((hpx, wpx, 3), 245, np.uint8)
+    img: np.ndarray = np.full((hpx, wpx, 3), 245, np.uint8)  # [h, w, 3] uint8, BGR
 
     def px(x: float, y: float) -> tuple[int, int]:  # world (y up) -> image (row down)
         return int(round((x - x0) * scale)) + margin, int(round((y1 - y) * scale)) + margin
@@ -524,7 +539,8 @@ def draw_map(
         t = np.minimum(t, ray_segments(pose.x, pose.y, ang, g.segs).min(axis=1))
     if len(g.circles):
         t = np.minimum(t, ray_circles(pose.x, pose.y, ang, g.circles)[0].min(axis=1))
-    poly = [px(pose.x, pose.y)] + [px(pose.x + d * math.cos(a), pose.y + d * math.sin(a)) for a, d in zip(ang, t)]
+    rim = [px(pose.x + d * math.cos(a), pose.y + d * math.sin(a)) for a, d in zip(ang, t, strict=True)]
+    poly = [px(pose.x, pose.y), *rim]
     overlay = img.copy()
     cv2.fillPoly(overlay, [np.array(poly, np.int32)], (150, 230, 255))
     img = cv2.addWeighted(overlay, 0.35, img, 0.65, 0)
@@ -534,15 +550,15 @@ def draw_map(
         cv2.rectangle(img, px(o.x0, o.y1), px(o.x1, o.y0), (80, 80, 80), 1)
     for s in world.walls:
         cv2.line(img, px(s[0], s[1]), px(s[2], s[3]), (60, 60, 60), 3)
-    for o in world.objects:
-        h = o.size_m / 2
-        if o.kind == "box":
-            cv2.rectangle(img, px(o.x - h, o.y + h), px(o.x + h, o.y - h), o.color_bgr, -1)
+    for ob in world.objects:
+        h = ob.size_m / 2
+        if ob.kind == "box":
+            cv2.rectangle(img, px(ob.x - h, ob.y + h), px(ob.x + h, ob.y - h), ob.color_bgr, -1)
         else:
-            cv2.circle(img, px(o.x, o.y), max(2, int(round(h * scale))), o.color_bgr, -1, cv2.LINE_AA)
-        lx, ly = px(o.x - h, o.y - h)
+            cv2.circle(img, px(ob.x, ob.y), max(2, int(round(h * scale))), ob.color_bgr, -1, cv2.LINE_AA)
+        lx, ly = px(ob.x - h, ob.y - h)
         cv2.putText(
-            img, o.name, (lx, min(ly + 12, hpx - 3)), cv2.FONT_HERSHEY_SIMPLEX, 0.35, (30, 30, 30), 1, cv2.LINE_AA
+            img, ob.name, (lx, min(ly + 12, hpx - 3)), cv2.FONT_HERSHEY_SIMPLEX, 0.35, (30, 30, 30), 1, cv2.LINE_AA
         )
 
     colors = {**DEFAULT_TAG_COLORS, **(tag_colors or {})}
@@ -604,7 +620,7 @@ def make_world(
     sc = scene if isinstance(scene, Scene) else load_scene(scene, ROBOT_RADIUS_M)
     index = 0 if start is None else start if isinstance(start, int) and not isinstance(start, bool) else None
     if index is None:  # a pose given directly
-        pose = tuple(float(v) for v in start)
+        pose = tuple(float(v) for v in cast(Sequence[float], start))
         if len(pose) != 3:
             raise SceneError(f"a start pose is (x, y, theta), got {start!r}")
     elif -len(sc.starts) <= index < len(sc.starts):
@@ -657,7 +673,7 @@ class SimCamera:
         self._closed.set()
 
 
-def _sim_source(source: str, *, world=None, fps: int = 15, **_) -> SimCamera:
+def _sim_source(source: str, *, world: SimWorld | None = None, fps: int = 15, **_: object) -> SimCamera:
     if world is None:
         raise CameraError("camera source 'sim' needs the sim controller's world (robot.controller = 'sim')")
     return SimCamera(world, fps=fps)

@@ -109,7 +109,7 @@ def test_motion_follows_navila_bench():
 
 
 def test_observation_keeps_the_objects_the_task_names():
-    from agent.app.nav import observation_text, relevant
+    from agent.app.prompt import observation_text, relevant
     from agent.robot.perception import Sighting
 
     seen = [

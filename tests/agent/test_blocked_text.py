@@ -3,7 +3,7 @@
 import pytest
 
 from agent.app import config
-from agent.app.nav import blocked_text
+from agent.app.prompt import blocked_text
 from agent.robot.perception import Sighting
 
 

@@ -2,8 +2,8 @@
 
 from types import SimpleNamespace
 
-from agent.app.episode import run_episode
-from agent.app.nav import Step
+from agent.app.episode import navigate
+from agent.app.navigator import Step
 from agent.robot.sim import make_world
 
 
@@ -41,5 +41,5 @@ def test_an_offline_turn_away_stop_does_not_end_the_episode_the_models_stop_does
             _rec(4, "turn left 15 deg"),
         ]
     )
-    summary, records = run_episode(nav, world, "go to the red box", max_steps=4)
+    summary, records = navigate(nav, world, "go to the red box", max_steps=4)
     assert len(records) == 3 and summary["end"] == "done" and summary["offline_steps"] == 1

@@ -13,9 +13,11 @@ import time
 import numpy as np
 import pytest
 
-from agent.app import config, nav
+from agent.app import config, prompt
 from agent.app.config import ConfigError
-from agent.app.nav import NavConfig, Navigator, Recall, StepMemory, common_prefix, messages, offline_envelope
+from agent.app.memory import Recall, StepMemory
+from agent.app.navigator import NavConfig, Navigator, offline_envelope
+from agent.app.prompt import common_prefix, messages
 from agent.robot.actions import STOP, Action, parse_action
 from agent.robot.camera import Frame
 from agent.robot.controllers.base import Command
@@ -437,7 +439,7 @@ def test_nav_config_validates_too(field, value):
 
 def test_the_answers_still_parse_exactly_after_the_memory_examples():
     """Every example answer is a free reason sentence and one exact NaVILA sentence."""
-    for _, _, _, text in nav.SHOTS:
+    for _, _, _, text in prompt.SHOTS:
         parsed = parse_action(text)
         assert parsed.how == "exact" and text.count(".") == 2
 

@@ -20,9 +20,11 @@ import cv2
 import numpy as np
 import pytest
 
-from agent.app import cli, config, nav
+from agent.app import cli, config
 from agent.app.config import ConfigError
-from agent.app.nav import IMAGE_RECALL, SHOTS, NavConfig, Navigator, messages
+from agent.app.memory import Recall
+from agent.app.navigator import NavConfig, Navigator
+from agent.app.prompt import IMAGE_RECALL, SHOTS, messages
 from agent.robot.actions import FORWARD_CM, STOP, TURN_DEG, Action, parse_action
 from agent.robot.camera import Frame
 from agent.robot.controllers.base import Command
@@ -76,7 +78,7 @@ def render(msgs) -> str:
 
 
 def test_the_camera_line_holds_the_image_and_the_examples_stay_text():
-    memory = [nav.Recall(IMAGE_RECALL, Action("left", 15), True).line()]
+    memory = [Recall(IMAGE_RECALL, Action("left", 15), True).line()]
     msgs = messages(INSTRUCTION, "", memory, parts=True, image=True)
     assert all(isinstance(m["content"], list) for m in msgs)
     assert all(m["content"] == [{"type": "text", "text": m["content"][0]["text"]}] for m in msgs[:-1])
@@ -235,12 +237,13 @@ def fake_nav(answer, offline="local", **cfg):
     return n, dec
 
 
-def only_image(call, perception: VlmPerception | None = None, seed=None) -> PromptImage:
+def only_image(call, perception=None, seed=None) -> PromptImage:
+    perception = perception or VlmPerception(96)
     ids, images = call["ids"], call["images"]
     assert ids.count(MarkerDrafter.image_marker) == 1 and len(images) == 1
     assert images[0].at == ids.index(MarkerDrafter.image_marker) and image_format(images[0].data) == "jpeg"
     if seed is not None:
-        assert images[0].data == (perception or VlmPerception(96)).encode(frame(seed)).data
+        assert images[0].data == perception.encode(frame(seed)).data
     return images[0]
 
 

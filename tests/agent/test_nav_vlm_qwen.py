@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import pytest
 
-from agent.app.nav import CAMERA, NavConfig, Navigator, messages
+from agent.app.navigator import NavConfig, Navigator
+from agent.app.prompt import CAMERA, messages
 from agent.robot.actions import STOP, parse_action
 from agent.robot.perception import VlmPerception
 from tests.agent.test_nav_vlm import (

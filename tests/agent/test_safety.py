@@ -300,14 +300,14 @@ def test_the_simulated_robot_keeps_off_the_walls_with_no_config():
     import pathlib
 
     from agent.robot.scene import load_scene
-    from agent.robot.scripted import FakeClock, run_episode
+    from agent.robot.scripted import FakeClock, run_scripted
     from agent.robot.sim import make_world
 
     scene = load_scene(pathlib.Path(__file__).parents[2] / "tools" / "scenes" / "green_box_behind_block.json")
     contacts = {}
     for clearance in (0.0, None):
         world = make_world(scene, start=1, clock=FakeClock())
-        run_episode(
+        run_scripted(
             world,
             None,
             scene.target,

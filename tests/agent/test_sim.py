@@ -13,7 +13,7 @@ from agent.robot.camera import open_source
 from agent.robot.controllers.base import Command, make_controller
 from agent.robot.controllers.sim import SimController
 from agent.robot.perception import Sighting
-from agent.robot.scripted import FakeClock, run_episode, scripted_action
+from agent.robot.scripted import FakeClock, run_scripted, scripted_action
 from agent.robot.sim import START_POSES, Obstacle, SimObject, SimWorld, make_world
 
 RED = (0, 0, 220)
@@ -35,7 +35,7 @@ def red_columns_bearing(img: np.ndarray, hfov_deg: float = 90.0) -> float:
 @pytest.mark.parametrize("start", range(len(START_POSES["red_box"])))
 def test_scripted_policy_reaches_red_box_from_every_start(start):
     world = make_world("red_box", start=start, clock=FakeClock())
-    result = run_episode(world, lambda s: scripted_action(s, target="red box"), "red box")
+    result = run_scripted(world, lambda s: scripted_action(s, target="red box"), "red box")
     assert result.reached, (result, world.pose)
     assert result.actions[-1].kind == "stop"
     assert result.collisions == 0
@@ -48,7 +48,7 @@ def test_scripted_policy_reaches_red_box_from_every_start(start):
 def test_a_start_needs_search_by_turning():
     world = make_world("red_box", start=2, clock=FakeClock())
     assert "red box" not in [s.name for s in world.sightings()]
-    result = run_episode(world, None, "red box")
+    result = run_scripted(world, None, "red box")
     assert result.reached
     assert [str(a) for a in result.actions[:2]] == ["turn left 45 deg", "turn left 45 deg"]
 

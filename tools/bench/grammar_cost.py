@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from agent.app.nav import messages, observation_text
+from agent.app.prompt import messages, observation_text
 from agent.robot.actions import answer_grammar, answer_max_tokens, complete, parse_action
 from agent.spec.decoder import DecoderConfig, EdgeDecoder
 from agent.spec.drafter import Drafter

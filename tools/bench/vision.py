@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     if any(given) and not all(given):
         ap.error("a pair needs all four: --draft, --draft-mmproj, --target, --mmproj")
 
-    from agent.app.nav import messages
+    from agent.app.prompt import messages
     from agent.robot.camera import Frame
     from agent.robot.perception import VlmPerception
     from agent.spec.decoder import DecoderConfig, EdgeDecoder

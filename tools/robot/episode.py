@@ -1,7 +1,7 @@
-"""The episode runner the demo and nav_eval share: agent/app/episode.py's step loop, plus a link cut and a printer.
+"""The episode runner the demo and nav_eval share: agent/app/episode.py's `navigate`, plus a link cut and a printer.
 
-    run_episode(daemon_or_nav, world, instruction, max_steps=30, cut_at=3, cut_steps=3, link_proxy=proxy,
-                printer=print_step) -> (summary, records)
+    navigate_with_cut(daemon_or_nav, world, instruction, max_steps=30, cut_at=3, cut_steps=3, link_proxy=proxy,
+                      printer=print_step) -> (summary, records)
 
 A cut makes the verifier unreachable before step `cut_at` for `cut_steps` steps: the proxy
 (tools/cluster/netem's NetemProxy) resets every open connection and refuses new ones, then lets them
@@ -14,8 +14,8 @@ import sys
 import time
 from typing import Callable
 
-from agent.app.episode import run_episode as _run_steps
-from agent.app.nav import Step
+from agent.app.episode import navigate
+from agent.app.navigator import Step
 from agent.robot.camera import StaleFrame
 
 
@@ -91,7 +91,7 @@ def print_step(n: int, rec: Step) -> None:
     )
 
 
-def run_episode(
+def navigate_with_cut(
     daemon_or_nav,
     world,
     instruction: str,
@@ -129,9 +129,7 @@ def run_episode(
     if nav.link == "down":  # a cut that outlived the last episode: probe now, not after a backoff
         nav.check_link()
     try:
-        summary, records = _run_steps(
-            nav, world, instruction, max_steps, task=task, before_step=before, on_step=on_step
-        )
+        summary, records = navigate(nav, world, instruction, max_steps, task=task, before_step=before, on_step=on_step)
     finally:
         cut.restore()
     summary["cut"] = {"at": cut_at, "steps": cut_steps} if link_proxy is not None and cut_at else None

@@ -261,7 +261,8 @@ def run_scripted(episodes: list[tuple[Scene, int, bool]], args, maps: Path) -> l
 
     from agent.app.episode import summarize
     from agent.robot.safety import SafetyLimits
-    from agent.robot.scripted import FakeClock, run_episode
+    from agent.robot.scripted import FakeClock
+    from agent.robot.scripted import run_scripted as run_episode
     from agent.robot.sim import make_world
 
     out, t0 = [], time.perf_counter()
@@ -293,7 +294,8 @@ def run_models(episodes: list[tuple[Scene, int, bool]], args, maps: Path, meta: 
     from agent.spec.drafter import Drafter
     from tools.cluster.local_verifier import LocalVerifier, pin_cores
     from tools.cluster.netem import LinkProfile, NetemProxy
-    from tools.robot.episode import restart, run_episode
+    from tools.robot.episode import navigate_with_cut as run_episode
+    from tools.robot.episode import restart
 
     agent_cpus, server_cpus = pin_cores()
     args.telemetry.parent.mkdir(parents=True, exist_ok=True)

@@ -30,7 +30,8 @@ import sys
 import time
 from pathlib import Path
 
-from agent.app.nav import Recall, common_prefix, messages
+from agent.app.memory import Recall
+from agent.app.prompt import common_prefix, messages
 from agent.robot.actions import Action
 from agent.spec.drafter import Drafter
 

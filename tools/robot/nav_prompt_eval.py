@@ -39,7 +39,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from agent.app.nav import AHEAD_DEG, Recall, messages, observation_text
+from agent.app.memory import Recall
+from agent.app.prompt import AHEAD_DEG, messages, observation_text
 from agent.robot.actions import (
     FORWARD_CM,
     TURN_DEG,

@@ -11,7 +11,7 @@ Waiting: `send_action` must never wait for a reply (it runs on the control loop,
 under the safety layer's lock); `stop`, `estop` and `reset` may (the Go2's
 StopMove and Damp wait up to the SDK's timeout), and the safety layer runs them
 on threads of their own. A controller with a range sensor sets `ranges` (a
-`safety.RangeSource`) for the safety layer's obstacle stop.
+`RangeSource`) for the safety layer's obstacle stop.
 
 Fakes (`sim`, a serial controller on `loop://`) are registered beside the
 real drivers, never instead of them.
@@ -23,6 +23,7 @@ import importlib
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Protocol
 
 
 @dataclass(frozen=True)
@@ -48,9 +49,17 @@ class ControllerError(RuntimeError):
     """The driver cannot be used (missing SDK, no device, not connected)."""
 
 
+class RangeSource(Protocol):
+    """A robot's range sensor, as the safety layer's obstacle stop reads it (agent/robot/safety.py)."""
+
+    def clearance_m(self, heading_rad: float) -> float | None:
+        """Free distance (m) from the robot's body along a body-frame heading (0 ahead, +pi/2 left);
+        None when no fresh reading covers that heading."""
+
+
 class Controller(ABC):
     name = "controller"
-    ranges = None  # a safety.RangeSource when the robot can measure its clearance
+    ranges: RangeSource | None = None  # a RangeSource when the robot can measure its clearance
 
     def __enter__(self):
         self.connect()
@@ -85,6 +94,7 @@ class Controller(ABC):
     def reset(self) -> None:
         """Make the robot ready to move after an e-stop, once a person has checked it: clear the driver's
         own latch, stand a legged robot up (default: nothing to do)."""
+        return None
 
 
 # name -> "module:Class"; imported only when chosen, so a missing SDK (unitree_sdk2py, rclpy) only

@@ -135,12 +135,26 @@ class PipePort:
         self._rx.clear()
 
 
+def _knob(name: str) -> property:
+    """A lock-guarded int property over one of FakeMcu's fault knobs."""
+
+    def get(self: FakeMcu) -> int:
+        with self._lock:
+            return self._faults[name]
+
+    def set(self: FakeMcu, n: int) -> None:
+        with self._lock:
+            self._faults[name] = int(n)
+
+    return property(get, set)
+
+
 class FakeMcu:
     """The MCU side of the protocol on `port`, in a named daemon thread ("fake-mcu"). See the module docstring."""
 
     HOST_TYPES = (FrameType.VEL, FrameType.STOP, FrameType.ESTOP, FrameType.RESET, FrameType.HEARTBEAT)
 
-    def __init__(self, port, auto_stop_s: float = 0.5, status_s: float | None = 0.1):
+    def __init__(self, port: PipePort, auto_stop_s: float = 0.5, status_s: float | None = 0.1):
         if not auto_stop_s > 0:
             raise ValueError(f"auto_stop_s must be positive, got {auto_stop_s!r}")
         self.port = port
@@ -204,21 +218,9 @@ class FakeMcu:
         """True from the deadman firing until the next set-point."""
         return self._auto_stopped
 
-    def _knob(name: str):  # a lock-guarded int property for each fault knob (class-body helper)
-        def get(self) -> int:
-            with self._lock:
-                return self._faults[name]
-
-        def set(self, n: int) -> None:
-            with self._lock:
-                self._faults[name] = int(n)
-
-        return property(get, set)
-
     drop_acks = _knob("drop_acks")
     corrupt_next = _knob("corrupt_next")
     nack_next = _knob("nack_next")
-    del _knob
 
     def _take(self, name: str) -> bool:
         """Use up one of a fault knob's count; True if it was set."""
@@ -276,7 +278,7 @@ class FakeMcu:
     def _deadman(self, now: float) -> None:
         """Zero the motors once no host frame came for auto_stop_s; fires once per silence."""
         with self._lock:
-            if self._armed and now - self.last_alive_t > self.auto_stop_s:
+            if self._armed and self.last_alive_t is not None and now - self.last_alive_t > self.auto_stop_s:
                 self._motors, self._armed, self._auto_stopped = (0, 0, 0), False, True
                 self.auto_stops += 1
                 self.auto_stop_t = now

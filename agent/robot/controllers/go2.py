@@ -34,6 +34,7 @@ import logging
 import math
 import threading
 import time
+from typing import Any, Callable
 
 from .base import Command, Controller, ControllerError
 
@@ -84,16 +85,16 @@ def init_channel(network_interface: str | None) -> None:
 class Latest:
     """The newest sample of a DDS topic with its arrival time (written by the SDK's reader thread)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._value = None
+        self._value: Any = None  # an SDK message (unitree_sdk2py is untyped)
         self._t = -math.inf
 
-    def put(self, value) -> None:
+    def put(self, value: Any) -> None:
         with self._lock:
             self._value, self._t = value, time.monotonic()
 
-    def get(self, max_age_s: float):
+    def get(self, max_age_s: float) -> Any:
         """The newest sample if it is at most max_age_s old, else None."""
         with self._lock:
             value, t = self._value, self._t
@@ -202,7 +203,7 @@ class Go2Controller(Controller):
         else:
             log.info("go2: standing (mode %s)", _mode_name(state.mode))
 
-    def _wait_state(self, pred, timeout_s: float):
+    def _wait_state(self, pred: Callable[[Any], bool], timeout_s: float) -> Any:
         """The first fresh state for which pred holds, waiting at most timeout_s; None when none came."""
         deadline = time.monotonic() + timeout_s
         while True:

@@ -8,6 +8,7 @@ so a zero Twist does not actively stop a Go2 there: use the go2 driver for that.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from .base import Command, Controller, ControllerError
 
@@ -28,7 +29,9 @@ class Ros2Controller(Controller):
     ):
         self.topic, self.node_name, self.qos_depth = topic, node_name, qos_depth
         self.max_vx, self.max_vy, self.max_wz = max_vx, max_vy, max_wz
-        self.node = self.pub = self._twist = None
+        self.node: Any = None  # rclpy's node, publisher and Twist once connected (rclpy is untyped, and optional)
+        self.pub: Any = None
+        self._twist: Any = None
         self._owns_context = False
 
     def connect(self) -> None:

@@ -50,7 +50,7 @@ import time
 from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Callable
+from typing import Callable, Protocol
 
 from .base import Command, Controller, ControllerError
 
@@ -82,7 +82,7 @@ STATUS_ESTOP, STATUS_AUTO_STOPPED = 0x01, 0x02
 # The payload length each type must have. The parser rejects any other type or length: with only
 # these eight headers valid, a false sync word in line noise rarely survives the header check, and
 # one that does holds real frames back for at most the longest frame (14 bytes), not MAX_FRAME.
-PAYLOAD_LEN = {
+PAYLOAD_LEN: dict[int, int] = {  # payload bytes by frame type (FrameType keys)
     FrameType.VEL: VEL_STRUCT.size,
     FrameType.STATUS: STATUS_STRUCT.size,
     **{
@@ -199,7 +199,7 @@ class FrameParser:
     CHUNK = 256
 
     def __init__(self, lengths: dict[int, int] | None = None):
-        self.lengths = dict(PAYLOAD_LEN if lengths is None else lengths)
+        self.lengths: dict[int, int] = dict(PAYLOAD_LEN if lengths is None else lengths)
         if any(not 0 <= n <= MAX_PAYLOAD for n in self.lengths.values()):
             raise ValueError(f"payload lengths must be 0..{MAX_PAYLOAD}, got {self.lengths}")
         self._buf = bytearray()  # < MAX_FRAME + CHUNK bytes
@@ -275,6 +275,19 @@ class McuStatus:
     t: float  # time.monotonic() when it arrived
 
 
+class SerialPort(Protocol):
+    """What the controller needs of a port: pyserial's Serial, or fake_mcu.PipePort in the tests."""
+
+    @property
+    def in_waiting(self) -> int: ...  # bytes ready to read
+
+    def read(self, size: int = 1, /) -> bytes: ...
+
+    def write(self, data: bytes, /) -> int | None: ...
+
+    def close(self) -> None: ...
+
+
 class SerialController(Controller):
     """A velocity controller behind a serial MCU speaking the frame protocol above.
 
@@ -306,7 +319,7 @@ class SerialController(Controller):
         max_vx: float = 1.0,
         max_vy: float = 0.5,
         max_wz: float = 1.5,
-        serial_factory: Callable[..., object] | None = None,
+        serial_factory: Callable[..., SerialPort] | None = None,
     ):
         for name, v in (
             ("resend_s", resend_s),
@@ -326,7 +339,7 @@ class SerialController(Controller):
         self.max_vx, self.max_vy, self.max_wz = max_vx, max_vy, max_wz
         self.serial_factory = serial_factory
 
-        self._port = None
+        self._port: SerialPort | None = None
         self._thread: threading.Thread | None = None
         self._stop_event = threading.Event()
         self._life_lock = threading.Lock()  # connect / disconnect
@@ -392,7 +405,7 @@ class SerialController(Controller):
                 log.warning("serial %s: close failed: %s", self.port, e)
             self._port, self._thread = None, None
 
-    def _open(self):
+    def _open(self) -> SerialPort:
         read_timeout = min(0.01, self.resend_s / 4)  # the io loop's tick: bounds re-send jitter
         kw = dict(baudrate=self.baudrate, timeout=read_timeout, write_timeout=0.5)
         if self.serial_factory is not None:
@@ -483,9 +496,12 @@ class SerialController(Controller):
 
     def _write(self, frame: bytes) -> None:
         """Callers hold _write_lock."""
+        port = self._port
         try:
-            self._port.write(frame)
-        except (OSError, AttributeError) as e:  # SerialException is an OSError; AttributeError: port gone
+            if port is None:
+                raise OSError("the port is closed")
+            port.write(frame)
+        except (OSError, AttributeError) as e:  # SerialException is an OSError; AttributeError: a port gone
             raise ControllerError(f"write to {self.port!r} failed: {e}") from e
         with self._cond:
             self.sent += 1
@@ -535,6 +551,8 @@ class SerialController(Controller):
 
     def _io_loop(self) -> None:
         port, parser = self._port, self._parser
+        if port is None:  # connect() opens the port before it starts this thread
+            return
         try:
             while not self._stop_event.is_set():
                 data = port.read(max(1, min(port.in_waiting, 4096)))  # blocks <= the read timeout

@@ -1,27 +1,11 @@
 """The navigation loop: camera frame + instruction -> prompt -> speculative generation -> one
 NaVILA action -> the control loop, with a declared offline mode when the verifier is gone.
 
-Perception. The bundled models (SmolLM2-135M) read text only, so a perception step
-turns the frame into text first: in the simulator the objects the camera could see,
-with bearing and distance (`perception.kind = "sim"`, ground truth); on a robot a
-pluggable detector (`"color"`: HSV blobs). With a vision-language draft and target
-(`"vlm"`: the draft loaded with its mmproj) the frame itself goes into the prompt: the
-last user turn's camera line is "Camera: <the image>." (a JPEG on the image marker, sent
-with every generation of the step), and the step record says "camera image (W x H, N
-bytes)". The few-shot turns stay text: they teach the answer's shape. A prompt holds one
-image, the current frame; remembered steps say only that an image was seen. A VLM's chat
-template reads list-of-parts content, so with a VLM draft every turn is rendered as parts
-(SmolVLM and the Qwen-VL families alike: tests/agent/test_nav_vlm.py, test_nav_vlm_qwen.py).
-Every telemetry record says which perception (`perception`).
-
-Memory. The prompt carries the task's last steps (`nav.memory_steps`, at most
-`nav.memory_max_tokens` draft tokens; the oldest go first): what the camera showed, what
-the robot did, whether the target verified it; observations and actions only, never
-advice. It is per task (a new task or instruction empties it). The system text and the
-examples come first and never change, the task, the memory (oldest first) and the camera
-last: the next step's prompt shares this one's tokens up to its camera line, so the draft's
-KV (Drafter keeps the common prefix) and the server session's (re-opened with the same
-name, `rewind` keeps the common prefix) are reused. tools/robot/nav_memory_cost.py measures it.
+A step (`Navigator.step`) looks (`_look`: the frame, perception, the observation in words or
+the image), composes the prompt (`_compose`: agent/app/prompt.py, with the task's memory from
+agent/app/memory.py), decides (`_decide`: the answer, verified or offline) and acts (`_act`:
+parse_action, the offline envelope, then a halt or a motion). Every telemetry record (`Step`)
+says which perception made it (`perception`) and what the prompt held.
 
 Offline. The verifier is unreachable (connect fails, the link drops) or answers
 later than `verify_timeout_s`: the robot stops at once and the step goes on in
@@ -47,332 +31,56 @@ import logging
 import threading
 import time
 import uuid
-from collections import deque
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Protocol, Sequence, cast
 
-from agent.robot.actions import (
-    FORWARD_CM,
-    STOP,
-    TURN_DEG,
-    Action,
-    answer_grammar,
-    answer_max_tokens,
-    complete,
-    motion_for,
-    parse_action,
-)
-from agent.robot.camera import FrameGrabber, StaleFrame
+from agent.robot.actions import FORWARD_CM, STOP, TURN_DEG, Action, Parsed, complete, motion_for, parse_action
+from agent.robot.camera import Frame, FrameGrabber, StaleFrame
 from agent.robot.control import ControlLoop
-from agent.spec.decoder import EdgeDecoder
+from agent.robot.perception import CameraImage, Sighting
+from agent.spec.decoder import EdgeDecoder, Generation
 from agent.spec.link import LinkLost, ServerError
 from protocol.images import PromptImage
 from protocol.sampling import SamplingParams
+
+from .memory import Recall, StepMemory, check_memory
+from .prompt import (
+    AHEAD_DEG,
+    IMAGE_RECALL,
+    answer_limits,
+    blocked_text,
+    common_prefix,
+    messages,
+    observation_text,
+    relevant,
+)
 
 log = logging.getLogger(__name__)
 
 OFFLINE_POLICIES = ("hold", "local")
 
-SYSTEM = (
-    "You are a robot programmed for navigation tasks. Decide your next action, which could be turning left "
-    "or right by 15, 30 or 45 degree, moving forward 25, 50 or 75 cm, or stop if the task is completed."
-)
 
-# Few-shot turns (task, what the robot remembers, what the camera shows, answer). A 135M model copies
-# the shape of its examples; with one short reason that names the side ("so I turn right") it picks the
-# side right far more often than with bare numbers (tools/robot/nav_prompt_eval.py measures it). The turns
-# with a memory show how to use one: a target seen before and turned away from since is turned back to
-# (on either side); a target still ahead is walked on to; what the camera shows now wins over memory.
-# The wording is brittle at this size: reasons that start "The X is not in view, but it was to the
-# left before" answered more memory cases right but stopped at none of the targets within reach, so
-# the answers keep the shape of the examples without memory. A small turn for a target just off
-# ahead (12 degrees) keeps the robot from swinging past it with 30-degree turns (the demo's start 3).
-# The forward step stays mostly 25 cm: after "move forward " the model copies a digit of the
-# distance it read, and 2 outranks 7 there. Measure any change with the eval.
-SHOTS = [
-    (
-        "go to the blue ball",
-        (),
-        "blue ball 40 degrees to the left, 3.1 m away",
-        "The blue ball is to the left, so I turn left. The next action is turn left 45 degree.",
-    ),
-    (
-        "go to the green box",
-        (),
-        "green box ahead, 2.4 m away",
-        "The green box is ahead, so I move forward. The next action is move forward 75 cm.",
-    ),
-    (
-        "go to the yellow cone",
-        (),
-        "nothing",
-        "I do not see the yellow cone, so I look around. The next action is turn left 45 degree.",
-    ),
-    (
-        "go to the blue ball",
-        (("blue ball 40 degrees to the left, 3.1 m away", Action("right", 15)), ("nothing", Action("right", 30))),
-        "nothing",
-        "I saw the blue ball to the left and I turned right since, so I turn left. "
-        "The next action is turn left 45 degree.",
-    ),
-    (
-        "go to the yellow cone",
-        (),
-        "yellow cone 20 degrees to the right, 1.5 m away",
-        "The yellow cone is to the right, so I turn right. The next action is turn right 15 degree.",
-    ),
-    (
-        "go to the green box",
-        (("green box ahead, 2.9 m away", Action("forward", 75)),),
-        "green box ahead, 2.2 m away",
-        "The green box is still ahead, so I keep going. The next action is move forward 75 cm.",
-    ),
-    (
-        "go to the blue ball",
-        (),
-        "blue ball ahead, within reach",
-        "The blue ball is within reach, so I stop. I think I should stop because I have finished the instruction.",
-    ),
-    (
-        "go to the yellow cone",
-        (("yellow cone 35 degrees to the right, 2.5 m away", Action("left", 45)),),
-        "nothing",
-        "I saw the yellow cone to the right and I turned left since, so I turn right. "
-        "The next action is turn right 45 degree.",
-    ),
-    (
-        "go to the green box",
-        (),
-        "green box ahead, 0.9 m away",
-        "The green box is ahead, so I move forward. The next action is move forward 25 cm.",
-    ),
-    (
-        "go to the blue ball",
-        (("nothing", Action("left", 45)),),
-        "blue ball 25 degrees to the right, 2.0 m away",
-        "The blue ball is to the right, so I turn right. The next action is turn right 30 degree.",
-    ),
-    (
-        "go to the yellow cone",
-        (),
-        "yellow cone 31 degrees to the right, 2.0 m away",
-        "The yellow cone is to the right, so I turn right. The next action is turn right 30 degree.",
-    ),
-    (
-        "go to the green box",
-        (("nothing", Action("left", 45)),),
-        "nothing",
-        "I still do not see the green box, so I look around. The next action is turn left 45 degree.",
-    ),
-    (
-        "go to the blue ball",
-        (),
-        "blue ball 12 degrees to the right, 3.8 m away",
-        "The blue ball is to the right, so I turn right. The next action is turn right 15 degree.",
-    ),
-    (
-        "go to the green box",
-        (),
-        "green box 16 degrees to the left, 1.2 m away",
-        "The green box is to the left, so I turn left. The next action is turn left 15 degree.",
-    ),
-    (
-        "go to the blue ball",
-        (),
-        "blue ball ahead, 1.3 m away",
-        "The blue ball is ahead, so I move forward. The next action is move forward 50 cm.",
-    ),
-]
-AHEAD_DEG = 10.0  # a bearing within this of 0 is "ahead"
+class Perception(Protocol):
+    """A frame in, the sightings in it out (agent/robot/perception.py); `kind` names it where it has one."""
+
+    def describe(self, frame: Frame) -> list[Sighting]: ...
 
 
-def observation_text(sightings, reach_m: float = 0.6, ahead_deg: float = AHEAD_DEG) -> str:
-    """What the camera shows, in words: "red box 35 degrees to the left, 2.1 m away; ..." or "nothing"."""
-    parts = []
-    for s in sightings:
-        where = (
-            "ahead"
-            if abs(s.bearing_deg) < ahead_deg
-            else f"{abs(s.bearing_deg):.0f} degrees to the {'left' if s.bearing_deg > 0 else 'right'}"
-        )
-        dist = "within reach" if s.distance_m < reach_m else f"{s.distance_m:.1f} m away"
-        parts.append(f"{s.name} {where}, {dist}")
-    return "; ".join(parts) if parts else "nothing"
+class SeeingPerception(Perception, Protocol):
+    """Perception "vlm": the frame itself, encoded for the prompt."""
 
-
-def blocked_text(
-    clearance_m: float | None, seen, blocked_m: float, ahead_deg: float = AHEAD_DEG, reach_m: float = 0.6
-) -> str:
-    """ "; the way ahead is blocked, 0.3 m away" when the range ahead is under blocked_m, else "".
-
-    The robot's range source (the simulator's ray cast, the Go2's range finder) sees what the object list
-    does not: walls and furniture. Said only when what blocks is not the target itself (a target seen
-    ahead, no farther than the reading plus its reach): walking up to it is the task.
-
-    Off by default (nav.blocked_m = 0). Measured with tools/robot/nav_prompt_eval.py (smollm2-q4_1, seed 0, one
-    run each): one few-shot turn that uses it ("nothing; the way ahead is blocked, 0.3 m away" -> turn
-    left 45) took the single-frame cases from 60 % to 65 % exact (100 % same kind both), but the memory
-    cases from 25 % to 15 % exact, 62 % to 38 % same kind, and turning back to a seen target from 65 % to
-    35 %. The same turn just before the last example made every case fail. Without an example a 135M
-    model has nothing to copy, so the line waits for a prompt that gains from it.
-    """
-    if clearance_m is None or not blocked_m or clearance_m >= blocked_m:
-        return ""
-    if any(abs(s.bearing_deg) < ahead_deg and s.distance_m <= clearance_m + reach_m for s in seen):
-        return ""
-    return f"; the way ahead is blocked, {clearance_m:.1f} m away"
-
-
-GENERIC = {"the", "a", "an", "to", "go", "object", "thing"}
-
-
-def relevant(sightings, instruction: str) -> list:
-    """The sightings the instruction names best ("red box" in "go to the red box"), nearest first.
-
-    This is the text-prompted detection a robot would run (an open-vocabulary detector
-    queried with the task's object): a 135M model copies whatever object comes first,
-    so distractors are left out. A sighting qualifies only if the instruction holds every
-    word of its name ("yellow box" is not "the yellow ball", even with the ball out of
-    view; a colour detector's "red object" still matches "red box"); of those, the most
-    shared words win. Nothing the instruction names in view: nothing.
-    """
-    words = set(instruction.lower().replace(".", " ").replace(",", " ").split()) - GENERIC
-    names = {id(s): set(s.name.lower().split()) - GENERIC for s in sightings}
-    score = {i: len(words & name) if name <= words else 0 for i, name in names.items()}
-    best = max(score.values(), default=0)
-    return sorted((s for s in sightings if best and score[id(s)] == best), key=lambda s: s.distance_m)
-
-
-def did_text(action: Action) -> str:
-    """An action done, in the prompt's words: "turned left 30 degrees", "moved forward 50 cm", "stopped".
-
-    In the past tense, not NaVILA's own words: a small model copies the last action sentence it
-    read, and "turn left" right above the camera line would be one to copy.
-    """
-    if action.kind == "stop":
-        return "stopped"
-    return (
-        f"moved forward {action.amount} cm"
-        if action.kind == "forward"
-        else f"turned {action.kind} {action.amount} degrees"
-    )
-
-
-def memory_line(observation: str, did: str) -> str:
-    """One remembered step as the prompt shows it (oldest first, so a new step only appends a line)."""
-    return f"Earlier camera: {observation}. Then I {did}."
-
-
-CAMERA = "Camera: "
-IMAGE_RECALL = "an image, not shown again"  # a remembered image step's observation in later prompts
-
-
-def user_turn(task: str, observation: str, memory: Sequence[str] = ()) -> str:
-    """The last user turn: the task, the remembered steps (oldest first), what the camera shows now."""
-    return "\n".join([f"Task: {task.strip().rstrip('.')}.", *memory, f"{CAMERA}{observation}."])
-
-
-def text_part(text: str) -> dict:
-    return {"type": "text", "text": text}
-
-
-def messages(
-    instruction: str, observation: str, memory: Sequence[str] = (), parts: bool = False, image: bool = False
-) -> list[dict]:
-    """The chat: system, the few-shot turns (never changing, so cached on both sides), then this step.
-
-    Everything that changes from step to step (memory, camera) sits in the last user turn, after
-    the task: the prompt of the next step shares all of this one up to the end of its memory.
-
-    parts: every turn's content is a list of parts, as a vision-language model's chat template reads it
-    (SmolVLM's renders a plain string as nothing); the system and few-shot turns are one text part each.
-    image (parts only): the camera line holds the image itself, "Camera: <image>." with the image part
-    where the text would be; `observation` is then what follows the image on that line ("" or the
-    blocked-way note). The template writes the part as its family does: SmolVLM's `<image>`, Qwen-VL's
-    `<|vision_start|><|image_pad|><|vision_end|>` (the marker `<|image_pad|>` inside the text libmtmd wraps an
-    image in, as runtime/vision.py expects).
-    """
-    if image and not parts:
-        raise ValueError("an image in the prompt needs list-of-parts content (parts=True)")
-    msgs = [{"role": "system", "content": SYSTEM}]
-    for task, remembered, seen, answer in SHOTS:
-        recalled = [Recall(o, a, verified=True).line() for o, a in remembered]
-        msgs += [{"role": "user", "content": user_turn(task, seen, recalled)}, {"role": "assistant", "content": answer}]
-    msgs.append({"role": "user", "content": user_turn(instruction, observation, memory)})
-    if not parts:
-        return msgs
-    msgs = [{"role": m["role"], "content": [text_part(m["content"])]} for m in msgs]
-    if image:
-        head, camera, tail = msgs[-1]["content"][0]["text"].rpartition(CAMERA)
-        msgs[-1]["content"] = [text_part(head + camera), {"type": "image"}, text_part(tail)]
-    return msgs
+    def encode(self, frame: Frame) -> CameraImage: ...
 
 
 @dataclass(frozen=True)
-class Recall:
-    """One remembered step: what the camera showed, what the robot did, whether the target verified it."""
+class View:
+    """What one step saw, for its prompt, its action and its memory."""
 
-    observation: str
-    action: Action
-    verified: bool
-    completed: bool = True  # the motion ran to its end (False: cut short by a halt)
-
-    def line(self) -> str:
-        marks = [m for m, on in (("unverified", not self.verified), ("cut short", not self.completed)) if on]
-        return memory_line(self.observation, did_text(self.action) + (f" ({', '.join(marks)})" if marks else ""))
-
-
-class StepMemory:
-    """The last steps of one task, as prompt lines; bounded in steps and in tokens, oldest dropped first
-    (down to half a bound at once, see `add`).
-
-    It holds observations and actions only (never advice): the decision stays the model's.
-    Per task: `start(key)` with another task's key empties it. `count_tokens(text)` is the
-    draft's tokenizer, so the token bound holds for what the model reads.
-    """
-
-    def __init__(self, max_steps: int, max_tokens: int, count_tokens: Callable[[str], int]):
-        self.max_steps, self.max_tokens, self.count_tokens = max_steps, max_tokens, count_tokens
-        self._steps: deque[Recall] = deque()
-        self.key: object = None
-        self.tokens = 0  # the tokens of the memory's lines now
-        self.dropped = 0  # steps dropped (over a bound) since the task started
-
-    def start(self, key) -> bool:
-        """Make `key` the current task; a different one clears the memory. True when it was cleared."""
-        if key == self.key:
-            return False
-        self.key, self.dropped, self.tokens = key, 0, 0
-        self._steps.clear()
-        return True
-
-    def add(self, recall: Recall) -> None:
-        """Append a step. Over a bound, the oldest go down to half of it in one cut: the prompts of the
-        steps that follow only append a line (their prefix stays cached on both sides), where dropping
-        one line a step would change everything after the task line, every step."""
-        if self.max_steps == 0:
-            return
-        self._steps.append(recall)
-        if len(self._steps) > self.max_steps:
-            self._trim(lambda: len(self._steps) > max(1, self.max_steps // 2))
-        self.tokens = self._count()
-        if self.tokens > self.max_tokens:
-            self._trim(lambda: self.tokens > self.max_tokens // 2)
-
-    def _trim(self, over: Callable[[], bool]) -> None:
-        while self._steps and over():
-            self._steps.popleft()
-            self.dropped += 1
-            self.tokens = self._count()
-
-    def lines(self) -> list[str]:
-        return [r.line() for r in self._steps]
-
-    def __len__(self) -> int:
-        return len(self._steps)
-
-    def _count(self) -> int:
-        return self.count_tokens("\n".join(self.lines())) if self._steps else 0
+    frame_t: float  # the frame's capture time (time.monotonic()): the plan's age counts from it
+    seen: list[Sighting]  # the sightings the instruction names, nearest first (can be empty)
+    shown: CameraImage | None  # perception "vlm": the image on the camera line; else None (the line is words)
+    blocked: str  # the blocked-way note ("" when the way ahead is clear or not measured)
+    recalled: str  # what later prompts remember it saw
 
 
 # ------------------------------------------------------------------ the offline envelope
@@ -383,7 +91,7 @@ def largest_within(allowed: tuple[int, ...], limit: float) -> int:
     return max(a for a in allowed if a <= limit)
 
 
-def turns_away(action: Action, target, ahead_deg: float = AHEAD_DEG) -> bool:
+def turns_away(action: Action, target: Sighting | None, ahead_deg: float = AHEAD_DEG) -> bool:
     """Whether a turn leaves a target the robot sees: it is off to one side and the turn goes to the
     other, or it is ahead and the turn takes it out of the ahead cone (bearing b, positive left; a
     turn left by a moves it to b - a, a turn right to b + a)."""
@@ -397,7 +105,7 @@ def turns_away(action: Action, target, ahead_deg: float = AHEAD_DEG) -> bool:
 
 
 def offline_envelope(
-    action: Action, target, max_forward_cm: float, max_turn_deg: float, ahead_deg: float = AHEAD_DEG
+    action: Action, target: Sighting | None, max_forward_cm: float, max_turn_deg: float, ahead_deg: float = AHEAD_DEG
 ) -> tuple[Action, str, str]:
     """The action an unverified answer may run: (action, envelope, note).
 
@@ -412,7 +120,7 @@ def offline_envelope(
         run = Action(action.kind, largest_within(TURN_DEG, max_turn_deg))
     if run != action:
         envelope, note = "clamped", f"offline envelope: {action} reduced to {run}"
-    if turns_away(run, target, ahead_deg):
+    if target is not None and turns_away(run, target, ahead_deg):
         side = (
             "ahead"
             if abs(target.bearing_deg) < ahead_deg
@@ -420,15 +128,6 @@ def offline_envelope(
         )
         return STOP, "turned_away_stop", f"offline envelope: {action} turns away from the {target.name} {side}: stopped"
     return run, envelope, note
-
-
-def check_memory(steps: int, max_tokens: int) -> None:
-    if not isinstance(steps, int) or not 0 <= steps <= 32:
-        raise ValueError(f"nav.memory_steps must be 0..32 (0: no memory), got {steps!r}")
-    if not isinstance(max_tokens, int) or not 32 <= max_tokens <= 2048:
-        raise ValueError(
-            f"nav.memory_max_tokens must be 32..2048 (one remembered step is ~25 tokens), got {max_tokens!r}"
-        )
 
 
 def check_envelope(max_forward_cm: float, max_turn_deg: float, speed_scale: float) -> None:
@@ -444,11 +143,6 @@ def check_envelope(max_forward_cm: float, max_turn_deg: float, speed_scale: floa
         )
     if not 0 < speed_scale <= 1:
         raise ValueError(f"offline.speed_scale must be in (0, 1] (it slows unverified motion), got {speed_scale!r}")
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    return next((i for i in range(n) if a[i] != b[i]), n)
 
 
 @dataclass(frozen=True)
@@ -543,7 +237,7 @@ class Navigator:
         self,
         decoder: EdgeDecoder,
         grabber: FrameGrabber,
-        perception,
+        perception: Perception,
         control: ControlLoop,
         config: NavConfig = NavConfig(),
         emit: Callable[[dict], None] = lambda event: None,
@@ -585,10 +279,7 @@ class Navigator:
         self._last_ids: list[int] = []  # the previous prompt: what both KV caches start from
         self._last_images: list[PromptImage] = []  # its image (perception "vlm"), else none
         self.session = f"nav-{uuid.uuid4().hex[:12]}"  # one server session: the few-shot prefix stays cached
-        # The answer grammar (agent/robot/actions.py): the draft drafts and the target is verified under it, so
-        # an answer is always one reason and one NaVILA sentence; within answer_max_tokens it always ends.
-        self.grammar = answer_grammar() if config.grammar else None
-        self.max_tokens = answer_max_tokens() if config.grammar else config.max_tokens
+        self.grammar, self.max_tokens = answer_limits(config.grammar, config.max_tokens)  # the answer grammar or not
 
     # -------------------------------------------------------------- the link
 
@@ -709,7 +400,9 @@ class Navigator:
             log.exception("reading the range ahead failed")
             return None
 
-    def step(self, instruction: str, task: str = "", cancel: threading.Event | None = None, frame=None) -> Step:
+    def step(
+        self, instruction: str, task: str = "", cancel: threading.Event | None = None, frame: Frame | None = None
+    ) -> Step:
         """Look, decide, act once. `frame` replaces the camera (an image sent through the local API)."""
         self.steps += 1
         t0 = self.clock()
@@ -723,6 +416,20 @@ class Navigator:
             offline_policy=self.cfg.offline,
             perception=getattr(self.perception, "kind", type(self.perception).__name__),
         )
+        view = self._look(rec, instruction, frame)
+        if isinstance(view, str):  # no fresh frame, or perception failed: the robot halted
+            return self._finish(rec, t0, parse="refused", reason=view)
+        ids, images = self._compose(rec, instruction, view)
+        t2 = self.clock()
+        decided = self._decide(ids, images, rec, view.frame_t, cancel)
+        rec.latency_ms["generate"] = round((self.clock() - t2) * 1e3, 1)
+        if not decided:
+            self.control.halt("holding")
+            return self._finish(rec, t0)
+        return self._act(rec, view, t0, cancel)
+
+    def _look(self, rec: Step, instruction: str, frame: Frame | None) -> View | str:
+        """The frame (the camera's, or the API's) perceived and put in words on rec; why not (the robot halted)."""
         source = "camera" if frame is None else "API"
         try:
             if frame is None:
@@ -731,16 +438,16 @@ class Navigator:
                 rec.perception = "image"
         except StaleFrame as e:
             self.control.halt("stale_frame")
-            return self._finish(rec, t0, parse="refused", reason=f"no fresh camera frame: {e}")
+            return f"no fresh camera frame: {e}"
         rec.latency_ms["frame_age"] = round((self.clock() - frame.t) * 1e3, 1)
         t1 = self.clock()
         try:
             sightings = self.perception.describe(frame)
-            shown = self.perception.encode(frame) if self.sees else None
+            shown = cast(SeeingPerception, self.perception).encode(frame) if self.sees else None
         except Exception as e:  # a detector fault must not kill the loop: stop and say why
             log.exception("perception failed")
             self.control.halt("perception_error")
-            return self._finish(rec, t0, parse="refused", reason=f"perception failed: {type(e).__name__}: {e}")
+            return f"perception failed: {type(e).__name__}: {e}"
         seen = relevant(sightings, instruction)
         blocked = blocked_text(self._clearance_ahead(), seen, self.cfg.blocked_m, self.cfg.ahead_deg, self.cfg.reach_m)
         if shown is None:
@@ -751,24 +458,26 @@ class Navigator:
             recalled = IMAGE_RECALL + blocked
         rec.latency_ms["perceive"] = round((self.clock() - t1) * 1e3, 1)
         self.emit({"event": "observation", "step": rec.step, "observation": rec.observation})
-        ids, images = self.prompt(
-            instruction, blocked if shown else rec.observation, self.memory.lines(), image=shown.data if shown else None
-        )
+        return View(frame.t, seen, shown, blocked, recalled)
+
+    def _compose(self, rec: Step, instruction: str, view: View) -> tuple[list[int], list[PromptImage]]:
+        """This step's prompt (with the task's memory); rec says its size and what it shares with the last one."""
+        shown = view.shown
+        observation = view.blocked if shown else rec.observation  # with an image, what follows it on the line
+        ids, images = self.prompt(instruction, observation, self.memory.lines(), image=shown.data if shown else None)
         rec.memory_steps, rec.memory_tokens, rec.prompt_tokens = len(self.memory), self.memory.tokens, len(ids)
         rec.prefix_shared_tokens = common_prefix(ids, self._last_ids)
         self._last_ids, self._last_images = ids, images
+        return ids, images
 
-        t2 = self.clock()
-        decided = self._decide(ids, images, rec, frame.t, cancel)
-        rec.latency_ms["generate"] = round((self.clock() - t2) * 1e3, 1)
-        if not decided:
-            self.control.halt("holding")
-            return self._finish(rec, t0)
+    def _act(self, rec: Step, view: View, t0: float, cancel: threading.Event | None) -> Step:
+        """Act on rec.text: not at all when the plan is stale or the task cancelled; unverified, within the
+        offline envelope; a stop halts the robot, any other action runs through the control loop."""
         parsed = parse_action(rec.text)
         action = parsed.action
         rec.action, rec.action_text, rec.parse, rec.parse_note = str(action), action.text, parsed.how, parsed.note
         self.emit({"event": "reasoning", "step": rec.step, "text": rec.text, "mode": rec.mode})
-        plan_age = self.clock() - frame.t
+        plan_age = self.clock() - view.frame_t
         if plan_age > self.cfg.max_plan_age_s:
             self.control.halt("stale_plan")
             rec.parse_note = f"{rec.action} ({rec.parse}) not acted on"
@@ -782,26 +491,25 @@ class Navigator:
             self.control.halt("cancelled")
             return self._finish(rec, t0, reason="cancelled")
         if rec.mode == "offline":  # unverified: the stricter envelope
-            action = self._envelope(action, seen[0] if seen else None, rec)
+            action = self._envelope(action, view.seen[0] if view.seen else None, rec)
             rec.action, rec.action_text = str(action), action.text
         if action == STOP:
-            self.control.halt(
-                "offline_turn_away"
-                if rec.envelope == "turned_away_stop"
-                else "model_stop"
-                if parsed.how != "miss"
-                else "unparseable"
-            )
-            rec.completed = True
-            self._remember(rec, action, recalled)
-            return self._finish(
-                rec,
-                t0,
-                reason=rec.reason
-                or (
-                    "the model says the task is done" if parsed.how != "miss" else f"unparseable output: {parsed.note}"
-                ),
-            )
+            return self._stop(rec, parsed, view.recalled, t0)
+        return self._move(rec, action, view.recalled, t0, cancel)
+
+    def _stop(self, rec: Step, parsed: Parsed, recalled: str, t0: float) -> Step:
+        """Halt: the model's stop (the task done), an unparseable answer's, or the offline envelope's."""
+        if rec.envelope == "turned_away_stop":
+            self.control.halt("offline_turn_away")
+        else:
+            self.control.halt("model_stop" if parsed.how != "miss" else "unparseable")
+        rec.completed = True
+        self._remember(rec, STOP, recalled)
+        done = "the model says the task is done" if parsed.how != "miss" else f"unparseable output: {parsed.note}"
+        return self._finish(rec, t0, reason=rec.reason or done)
+
+    def _move(self, rec: Step, action: Action, recalled: str, t0: float, cancel: threading.Event | None) -> Step:
+        """Run the action's motion (slower when unverified); rec says the set-points sent and whether it ran out."""
         t3 = self.clock()
         self.emit({"event": "moving", "step": rec.step, "action": rec.action, "mode": rec.mode})
         scale = self.cfg.offline_speed_scale if rec.mode == "offline" else 1.0
@@ -820,7 +528,7 @@ class Navigator:
             or ("" if rec.completed else f"motion cut short ({self.control.safety.last_stop_reason})"),
         )
 
-    def _envelope(self, action: Action, target, rec: Step) -> Action:
+    def _envelope(self, action: Action, target: Sighting | None, rec: Step) -> Action:
         """An unverified action within the offline limits, or stop when it turns away from the target in view."""
         run, rec.envelope, note = offline_envelope(
             action, target, self.cfg.offline_max_forward_cm, self.cfg.offline_max_turn_deg, self.cfg.ahead_deg
@@ -871,7 +579,9 @@ class Navigator:
         stops = self.decoder.stop_ids()
         return lambda out: complete(self.drafter.detokenize(prefix + out, skip=stops))
 
-    def _decide(self, ids: list[int], images: list[PromptImage], rec: Step, frame_t: float, cancel) -> bool:
+    def _decide(
+        self, ids: list[int], images: list[PromptImage], rec: Step, frame_t: float, cancel: threading.Event | None
+    ) -> bool:
         """Fill rec.text (and mode, tokens, decode metrics); False when the robot must hold. `images`: the
         prompt's (its camera image, perception "vlm"), sent with every generation of the step."""
         committed: list[int] = []
@@ -907,7 +617,8 @@ class Navigator:
             return self._finish_locally(ids, images, committed, rec)
         return self._hold(ids, images, committed, rec, frame_t, cancel)
 
-    def _finish_locally(self, ids, images, committed, rec) -> bool:
+    def _finish_locally(self, ids: list[int], images: list[PromptImage], committed: list[int], rec: Step) -> bool:
+        """Offline local: the draft alone finishes the answer from the committed tokens (unverified)."""
         gen = self.decoder.generate(
             ids + committed,
             mode="local",
@@ -924,7 +635,15 @@ class Navigator:
         rec.reason = (rec.reason + "; " if rec.reason else "") + "offline local: the draft model alone, unverified"
         return True
 
-    def _hold(self, ids, images, committed, rec, frame_t, cancel) -> bool:
+    def _hold(
+        self,
+        ids: list[int],
+        images: list[PromptImage],
+        committed: list[int],
+        rec: Step,
+        frame_t: float,
+        cancel: threading.Event | None,
+    ) -> bool:
         """Stay stopped; resume the same answer if the link returns while the frame is still fresh."""
         while self.clock() - frame_t < self.cfg.max_plan_age_s - self.cfg.verify_timeout_s:
             if cancel is not None and cancel.is_set():
@@ -957,7 +676,8 @@ class Navigator:
         rec.text = self.drafter.detokenize(committed, skip=self.decoder.stop_ids())
         return False
 
-    def _take(self, rec: Step, gen, prefix: list[int] = ()) -> None:
+    def _take(self, rec: Step, gen: Generation, prefix: Sequence[int] = ()) -> None:
+        """rec from a verified generation (after `prefix`, tokens the target committed before a resume)."""
         rec.mode = "verified"  # every token of the answer was committed by the target
         rec.text = self.drafter.detokenize(list(prefix) + gen.token_ids, skip=self.decoder.stop_ids())
         rec.verified_tokens = len(prefix) + len(gen.token_ids)
