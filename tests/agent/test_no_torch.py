@@ -47,7 +47,9 @@ def test_protocol_and_runtime_import_only_numpy_msgpack_llama_cpp_and_the_standa
     """protocol/ (the wire and the maths) takes numpy, msgpack and, for grammar.py alone, llama.cpp's
     grammar sampler, which both sides run already; runtime/ is llama.cpp underneath both sides (the
     native libraries' order, libmtmd's images, llama.cpp's log), so llama_cpp is its own."""
-    allowed = {"numpy", "msgpack", "protocol", "runtime"} | set(sys.stdlib_module_names)
+    allowed = {"numpy", "msgpack", "protocol", "runtime", "tomli"} | set(
+        sys.stdlib_module_names
+    )  # tomli: tomllib on 3.10
     for pkg, may_use_llama in (("protocol", {"grammar.py"}), ("runtime", None)):
         for p in (ROOT / pkg).rglob("*.py"):
             llama = may_use_llama is None or p.name in may_use_llama
