@@ -21,19 +21,17 @@ import argparse
 import json
 import logging
 import math
-import os
 import sys
 import time
 from pathlib import Path
 
-from agent.app import config
 from agent.app.daemon import Daemon
 from agent.robot.scene import SceneError, load_scene
 from runtime import llamalog
-from tools.cluster.local_verifier import LocalVerifier, pin_cores
-from tools.cluster.netem import LinkProfile, NetemProxy
-from tools.robot.episode import navigate_with_cut as run_episode
-from tools.robot.episode import print_step, restart
+from tools.bench.link import served
+from tools.cluster.netem import LinkProfile
+from tools.robot.episode import navigate_with_cut, print_step, restart
+from tools.robot.nav_eval import add_robot_args, robot_config
 
 OUT = Path("build/demo")
 
@@ -61,18 +59,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--start", type=int, default=0, help="one start pose (index into the scene's starts)")
     ap.add_argument("--instruction", default=None, help='default: the scene\'s ("go to the red box")')
     ap.add_argument("--max-steps", type=int, default=30)
-    ap.add_argument("--rtt-ms", type=float, default=20.0)
     ap.add_argument("--cut-at", type=int, default=3, help="cut the link before this step (0: never)")
     ap.add_argument("--cut-steps", type=int, default=3, help="steps the link stays down")
-    ap.add_argument("--offline", choices=("local", "hold"), default="local")
-    ap.add_argument("--mode", choices=("sd", "fsd", "ar"), default="sd")
-    ap.add_argument(
-        "--min-clearance-m",
-        type=float,
-        default=None,
-        help="the safety layer's obstacle stop (safety.min_clearance_m; default: the config's, on at "
-        "0.2 m with the simulator's ray cast; the Go2 example has 0.4; 0: off)",
-    )
+    add_robot_args(ap)
     ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument(
         "--verbose",
@@ -94,38 +83,17 @@ def main(argv: list[str] | None = None) -> int:
     telemetry = args.out / "telemetry.jsonl"
     telemetry.unlink(missing_ok=True)
 
-    agent_cpus, server_cpus = pin_cores()
-    print(
-        f"starting the verifier (target smollm2-f32) on cores {sorted(server_cpus)}; the robot runs on cores "
-        f"{sorted(agent_cpus)} behind a {args.rtt_ms:.0f} ms RTT link ...",
-        flush=True,
-    )
+    print(f"starting the verifier (target smollm2-f32) behind a {args.rtt_ms:.0f} ms RTT link ...", flush=True)
     t0 = time.perf_counter()
     summaries = []
-    with (
-        LocalVerifier(cpus=server_cpus, threads=len(server_cpus)) as server,
-        NetemProxy("127.0.0.1", server.port, LinkProfile.from_rtt(args.rtt_ms, jitter_ms=2)) as link,
-    ):
-        os.sched_setaffinity(0, agent_cpus)
-        cfg = config.load(
-            None,
-            [
-                f'link.verifier="{link.url()}"',
-                f'offline.policy="{args.offline}"',
-                f'agent.mode="{args.mode}"',
-                f"robot.options.scene={json.dumps(scene.path)}",
-                f"robot.options.start={starts[0]}",
-                f'telemetry.path="{telemetry}"',
-                f"agent.threads={len(agent_cpus)}",
-                "link.verify_timeout_s=2.0",
-                "camera.fps=20",
-                *([f"safety.min_clearance_m={args.min_clearance_m}"] if args.min_clearance_m is not None else []),
-            ],
-        )
+    with served(None, LinkProfile.from_rtt(args.rtt_ms, jitter_ms=2)) as s:
+        link = s.link
+        threads = len(s.agent_cpus)
+        cfg = robot_config(link.url(), args, scene, telemetry, threads, f"robot.options.start={starts[0]}")
         daemon = Daemon(cfg)
         print(
-            f"verifier ready in {time.perf_counter() - t0:.1f}s; loading the draft and prefilling the prompt on "
-            "both sides ...",
+            f"verifier ready on cores {sorted(s.server_cpus)} in {time.perf_counter() - t0:.1f}s; the robot runs on "
+            f"cores {sorted(s.agent_cpus)}; loading the draft and prefilling the prompt on both sides ...",
             flush=True,
         )
         daemon.start(notify_ready=False)
@@ -146,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
                     x, y, th = scene.starts[start]
                     print(f"--- start {start}: ({x:.1f}, {y:.1f}) facing {math.degrees(th):.0f} deg ---")
                 print(f'instruction: "{instruction}"\n')
-                summary, _ = run_episode(
+                summary, _ = navigate_with_cut(
                     daemon,
                     world,
                     instruction,

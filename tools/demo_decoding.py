@@ -11,15 +11,13 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 import time
 
 from agent.spec.decoder import DecoderConfig, EdgeDecoder
-from agent.spec.drafter import Drafter
 from agent.spec.policy import DraftPolicy
-from tools.cluster.local_verifier import LocalVerifier, pin_cores
-from tools.cluster.netem import LinkProfile, NetemProxy
+from tools.bench.link import served
+from tools.cluster.netem import LinkProfile
 
 PROMPT = (
     "You are a quadruped robot in a hallway. The kitchen door is 2 metres ahead on your left. "
@@ -55,20 +53,16 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
 
-    agent_cpus, server_cpus = pin_cores()
-    print(
-        f"starting the verifier (target smollm2-f32) on cores {sorted(server_cpus)}; the robot drafts on "
-        f"cores {sorted(agent_cpus)} through a {args.rtt_ms:.0f} ms RTT link ...",
-        flush=True,
-    )
+    print(f"starting the verifier (target smollm2-f32) behind a {args.rtt_ms:.0f} ms RTT link ...", flush=True)
     t0 = time.perf_counter()
-    with (
-        LocalVerifier(cpus=server_cpus, threads=len(server_cpus)) as server,
-        NetemProxy("127.0.0.1", server.port, LinkProfile.from_rtt(args.rtt_ms, jitter_ms=2)) as link,
-    ):
-        print(f"verifier ready in {time.perf_counter() - t0:.1f}s at {server.url}, link at {link.url()}", flush=True)
-        os.sched_setaffinity(0, agent_cpus)
-        drafter = Drafter(args.draft, threads=len(agent_cpus))
+    with served(None, LinkProfile.from_rtt(args.rtt_ms, jitter_ms=2)) as s:
+        link = s.link
+        print(
+            f"verifier ready on cores {sorted(s.server_cpus)} in {time.perf_counter() - t0:.1f}s at {s.server.url}, "
+            f"link at {link.url()}; the robot drafts on cores {sorted(s.agent_cpus)}",
+            flush=True,
+        )
+        drafter = s.drafter(args.draft)
         decoder = EdgeDecoder(drafter, DecoderConfig(url=link.url()))
         smart = EdgeDecoder(drafter, DecoderConfig(url=link.url(), policy=DraftPolicy("predictor+optimal")))
         ids = drafter.tokenize(args.prompt, chat=True)

@@ -195,13 +195,12 @@ def test_merge_keeps_the_other_part_and_recomputes_the_checks():
 
 def test_reports_render_for_either_part_alone_and_both(tmp_path):
     both = bp.merge(None, {"links": links_part(120, 99), "topk": topk_part(0.01)})
-    md = bp.render_markdown(both)
+    md = bp.REPORT.markdown(both | {"command": "x"})
     assert "| split | split | 20 | 10 | 60 |" in md and f"| {payload.DEFAULT_TOPK} | 0.891" in md
-    assert "## Acceptance" not in bp.render_markdown(bp.merge(None, {"links": links_part(120, 99)}))
-    assert "## Bytes" not in bp.render_markdown(bp.merge(None, {"topk": topk_part(0.01)}))
-    bp.plot_links(both["links"], tmp_path / "links.png")
-    bp.plot_topk(both["topk"], tmp_path / "topk.png")
-    assert (tmp_path / "links.png").stat().st_size > 0 and (tmp_path / "topk.png").stat().st_size > 0
+    assert "## Acceptance" not in bp.REPORT.markdown(bp.merge(None, {"links": links_part(120, 99)}) | {"command": ""})
+    assert "## Bytes" not in bp.REPORT.markdown(bp.merge(None, {"topk": topk_part(0.01)}) | {"command": ""})
+    bp.write_plots(tmp_path, both)
+    assert (tmp_path / "payload_links.png").stat().st_size > 0 and (tmp_path / "payload_topk.png").stat().st_size > 0
 
 
 def test_none_is_greedy_and_the_payload_modes_sample():

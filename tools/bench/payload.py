@@ -26,7 +26,8 @@ distribution and q_K the draft's, truncated to its top K and fp16-rounded exactl
 with a bootstrap 95 % CI, and the relative gap to full (paired bootstrap).
 
 Writes payload.json (each part's config and results, and the checks), payload.md
-(the tables), payload_links.png and payload_topk.png into --out. Running one part
+(the tables, declared below on tools/bench/harness.py), payload_links.png and payload_topk.png
+into --out (--quick: one prompt, one link, a few tokens). Running one part
 keeps the other's results from an existing payload.json. Ends by printing whether
 split's uplink is <= 64 B a round and whether topk at DEFAULT_TOPK is within 2 % of
 full's acceptance.
@@ -40,6 +41,7 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -405,140 +407,122 @@ def merge(old: dict | None, new: dict) -> dict:
     return result
 
 
-def _fmt(v: float | None, f: str) -> str:
-    return "-" if v is None else format(v, f)
+# --------------------------------------------------------------------------- report
 
 
-def render_markdown(result: dict) -> str:
-    out = ["# Uplink payload modes\n"]
-    links = result.get("links")
-    if links:
-        c = links["config"]
-        out += [
-            f"## Bytes and speed per link ({c['draft']} -> {c['target']})\n",
-            "| mode | payload | RTT ms | Mbit/s | bytes up/round | bytes down/round | tokens/s | tau | "
-            "acceptance | residuals/round | runs |",
-            "|---|---|---|---|---|---|---|---|---|---|---|",
-        ]
-        for r in links["summary"]:
-            failed = f" ({r['failed']} failed)" if r["failed"] else ""
-            out.append(
-                f"| {r['mode']} | {r['payload']} | {r['rtt_ms']:.0f} | {r['bandwidth_mbps']:g} | "
-                f"{_fmt(r['bytes_up_per_round'], ',.0f')} | {_fmt(r['bytes_down_per_round'], ',.0f')} | "
-                f"{_fmt(r['tokens_per_s'], '.2f')} | {_fmt(r['tau'], '.2f')} | "
-                f"{_fmt(r['acceptance_rate'], '.3f')} | {_fmt(r['residuals_per_round'], '.2f')} | "
-                f"{r['runs']}{failed} |"
-            )
-        out.append(
-            f"\n{c['prompts']} prompts x {c['max_tokens']} tokens per run, gamma {c['gamma']} (fixed policy); "
-            f"`none` greedy, the others at T {c['temperature']} with the same seed per prompt; bandwidth "
-            f"capped both ways by the netem proxy; verifier on cores {c['server_cpus']}, draft on "
-            f"{c['agent_cpus']}; started {c['started']}. Bytes are the verify and result frames of a "
-            "round (split's residual logits included), averaged over all rounds.\n"
-        )
-    topk = result.get("topk")
-    if topk:
-        c = topk["config"]
-        cols = [(d, t) for d in c["drafts"] for t in c["temperatures"]]
-        out += [
-            f"## Acceptance against K (target {c['target']})\n",
-            "| K | " + " | ".join(f"{d}, T {t}" for d, t in cols) + " |",
-            "|---|" + "---|" * len(cols),
-        ]
-        ks = [*c["ks"], None]
-        cell = {(r["draft"], r["temperature"], r["k"]): r for r in topk["rows"]}
-        for k in ks:
-            cells = []
-            for d, t in cols:
-                r = cell[(d, t, k)]
-                gap = "" if k is None else f", gap {100 * r['gap_to_full']:.1f} %"
-                cells.append(f"{r['acceptance']:.3f} ({r['ci95'][0]:.3f}-{r['ci95'][1]:.3f}){gap}")
-            out.append(f"| {'full' if k is None else k} | " + " | ".join(cells) + " |")
-        n = topk["rows"][0]["positions"]
-        out.append(
-            f"\nbeta = sum_x min(p(x), q_K(x)) per position of {c['prompts']} target-sampled continuations "
-            f"(<= {c['tokens']} tokens each; {n} positions for the first column), q_K as `payload.draw` "
-            f"sends it (top K renormalized, fp16). Mean (bootstrap 95 % CI over positions, "
-            f"{c['bootstrap']} resamples); gap = 1 - beta_K / beta_full. Started {c['started']}.\n"
-        )
-    out += ["## Checks\n"] + [f"- {line}" for line in check_lines(result["checks"])]
-    return "\n".join(out) + "\n"
+def links_view(links: dict) -> dict:
+    """Part A as the report reads it: its config, and a row per (mode, RTT, bandwidth) with its plot series."""
+    label = {"none": "none (greedy)"}
+    rows = [
+        r
+        | {"link": f"{r['bandwidth_mbps']:g}", "series": f"{label.get(r['mode'], r['payload'])}, RTT {r['rtt_ms']:.0f}"}
+        for r in links["summary"]
+    ]
+    return links["config"] | {"rows": rows}
 
 
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def plot_links(links: dict, path: Path) -> None:
-    """tok/s against bandwidth, a line per mode, a panel per RTT."""
-    plt = _pyplot()
-    rtts = links["config"]["rtts_ms"]
-    bws = links["config"]["bandwidths_mbps"]
-    fig, axes = plt.subplots(1, len(rtts), figsize=(max(7.0, 5 * len(rtts)), 4.4), sharey=True, squeeze=False)
-    for ax, rtt in zip(axes[0], rtts, strict=True):
-        for mode in MODES:
-            rows = [r for r in links["summary"] if r["mode"] == mode and r["rtt_ms"] == rtt and r["tokens_per_s"]]
-            if rows:
-                label = {"none": "none (greedy)", "topk": rows[0]["payload"]}.get(mode, mode)
-                ax.plot([r["bandwidth_mbps"] for r in rows], [r["tokens_per_s"] for r in rows], marker="o", label=label)
-        ax.set_xscale("log")
-        ax.set_xticks(bws, [f"{b:g}" for b in bws])
-        ax.set_xlabel("bandwidth (Mbit/s, each way)")
-        ax.set_title(f"RTT {rtt:.0f} ms")
-        ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel("committed tokens / s")
-    axes[0][0].legend()
-    c = links["config"]
-    fig.suptitle(f"Payload modes, {c['draft']} -> {c['target']}, gamma {c['gamma']}, T {c['temperature']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def plot_topk(topk: dict, path: Path) -> None:
-    """Acceptance against K (log x), a line per draft and temperature, full q as a dashed reference."""
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+def topk_view(topk: dict) -> dict:
+    """Part B as the report reads it: a row per K with a cell per (draft, T), and the plot's long rows."""
     c = topk["config"]
-    for d in c["drafts"]:
-        for t in c["temperatures"]:
-            rows = [r for r in topk["rows"] if r["draft"] == d and r["temperature"] == t]
-            part = [r for r in rows if r["k"] is not None]
-            full = next(r for r in rows if r["k"] is None)
-            (line,) = ax.plot([r["k"] for r in part], [r["acceptance"] for r in part], marker="o", label=f"{d}, T {t}")
-            ax.fill_between(
-                [r["k"] for r in part],
-                [r["ci95"][0] for r in part],
-                [r["ci95"][1] for r in part],
-                color=line.get_color(),
-                alpha=0.15,
-            )
-            ax.axhline(full["acceptance"], color=line.get_color(), linestyle="--", linewidth=0.8)
-    ax.axvline(payload.DEFAULT_TOPK, color="grey", linestyle=":", linewidth=0.8)
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(c["ks"], [str(k) for k in c["ks"]])
-    ax.set_xlabel("K (top-K ids sent per position)")
-    ax.set_ylabel("acceptance (sum min(p, q_K))")
-    ax.set_title(f"Acceptance against K (dashed: full q; dotted: DEFAULT_TOPK = {payload.DEFAULT_TOPK})")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    cell = {(r["draft"], r["temperature"], r["k"]): r for r in topk["rows"]}
+    cols = [f"{d}, T {t}" for d in c["drafts"] for t in c["temperatures"]]
+    wide = [
+        {"k": "full" if k is None else k}
+        | {f"{d}, T {t}": cell[(d, t, k)] for d in c["drafts"] for t in c["temperatures"]}
+        for k in [*c["ks"], None]
+    ]
+    long = [
+        r | {"K": "full" if r["k"] is None else str(r["k"]), "series": f"{r['draft']}, T {r['temperature']}"}
+        for r in topk["rows"]
+    ]
+    return c | {"rows": wide, "cols": cols, "long": long, "positions": topk["rows"][0]["positions"]}
+
+
+def _beta(r: dict) -> str:
+    gap = "" if r["k"] is None else f", gap {100 * r['gap_to_full']:.1f} %"
+    return f"{r['acceptance']:.3f} ({r['ci95'][0]:.3f}-{r['ci95'][1]:.3f}){gap}"
+
+
+def _f(spec: str) -> Callable[[float | None], str]:
+    return lambda v: "-" if v is None else format(v, spec)
+
+
+C = harness.Col
+LINKS = harness.Table(
+    "rows",
+    [
+        C("mode"),
+        C("payload"),
+        C("rtt_ms", "RTT ms", "{:.0f}"),
+        C("bandwidth_mbps", "Mbit/s", "{:g}"),
+        C("bytes_up_per_round", "bytes up/round", _f(",.0f")),
+        C("bytes_down_per_round", "bytes down/round", _f(",.0f")),
+        C("tokens_per_s", "tokens/s", _f(".2f")),
+        C("tau", "tau", _f(".2f")),
+        C("acceptance_rate", "acceptance", _f(".3f")),
+        C("residuals_per_round", "residuals/round", _f(".2f")),
+        C("runs"),
+        C("failed"),
+    ],
+    "## Bytes and speed per link ({draft} -> {target})",
+    "{prompts} prompts x {max_tokens} tokens per run, gamma {gamma} (fixed policy); `none` greedy, the others at "
+    "T {temperature} with the same seed per prompt; bandwidth capped both ways by the netem proxy; verifier on "
+    "cores {server_cpus}, draft on {agent_cpus}; started {started}. Bytes are the verify and result frames of a "
+    "round (split's residual logits included), averaged over all rounds.",
+)
+TOPK = harness.Table(
+    "rows",
+    lambda view: [C("k", "K")] + [C(col, fmt=_beta) for col in view["cols"]],
+    "## Acceptance against K (target {target})",
+    "beta = sum_x min(p(x), q_K(x)) per position of {prompts} target-sampled continuations (<= {tokens} tokens "
+    "each; {positions} positions for the first column), q_K as `payload.draw` sends it (top K renormalized, fp16). "
+    "Mean (bootstrap 95 % CI over positions, {bootstrap} resamples); gap = 1 - beta_K / beta_full. "
+    "Started {started}.",
+)
+LINKS_PLOT = harness.Plot(
+    "rows",
+    x="link",
+    ys={"": "tokens_per_s"},
+    group="series",
+    xlabel="bandwidth (Mbit/s, each way)",
+    ylabel="committed tokens / s",
+    title="Payload modes, {draft} -> {target}, gamma {gamma}, T {temperature}",
+)
+TOPK_PLOT = harness.Plot(
+    "long",
+    x="K",
+    ys={"": "acceptance"},
+    group="series",
+    xlabel="K (top-K ids sent per position; full: the whole q)",
+    ylabel="acceptance (sum min(p, q_K))",
+    title=f"Acceptance against K (DEFAULT_TOPK = {payload.DEFAULT_TOPK})",
+)
+
+
+def sections(result: dict) -> list[str]:
+    """Each part's table where the result holds it, then the checks."""
+    lines = LINKS.render(links_view(result["links"])) if result.get("links") else []
+    lines += TOPK.render(topk_view(result["topk"])) if result.get("topk") else []
+    return lines + ["## Checks", ""] + [f"- {line}" for line in check_lines(result["checks"])]
+
+
+REPORT = harness.Report("payload", "# Uplink payload modes", [], intro="`{command}`", extra=sections)
+
+
+def write_plots(out: Path, result: dict) -> None:
+    """payload_links.png (tok/s against bandwidth, a line per mode and RTT) and payload_topk.png."""
+    out.mkdir(parents=True, exist_ok=True)
+    if result.get("links"):
+        LINKS_PLOT.write(out / "payload_links.png", links_view(result["links"]))
+    if result.get("topk"):
+        TOPK_PLOT.write(out / "payload_topk.png", topk_view(result["topk"]))
 
 
 # --------------------------------------------------------------------------- CLI
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--part", choices=("links", "topk", "all"), default="all")
-    ap.add_argument("--out", default="docs")
     ap.add_argument("--prompts", type=int, help="prompts per part (default 3 for links, 6 for topk)")
     ap.add_argument("--seed", type=int, default=0, help="prompt i samples with seed + i")
     ap.add_argument("--target", default=TARGET, help="target name or GGUF path (both parts)")
@@ -563,33 +547,29 @@ def main(argv: list[str] | None = None) -> int:
     topk.add_argument("--tokens", type=int, default=48, help="target-sampled tokens per prompt")
     topk.add_argument("--ks", type=harness.ints, default=list(KS))
     topk.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples for the CIs")
-    args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "payload.json"
 
+
+def measure(args: argparse.Namespace) -> dict:
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    if args.quick:  # one prompt, one link, one draft and temperature, a few tokens: the script end to end
+        args.prompts, args.rtts, args.bandwidths, args.max_tokens = 1, args.rtts[:1], args.bandwidths[-1:], 8
+        args.drafts, args.temperatures, args.tokens, args.ks, args.bootstrap = args.drafts[:1], [0.7], 8, [1, 16], 100
     new: dict = {}
     if args.part in ("links", "all"):
         new["links"] = run_links(args, load_prompts(args.prompts or 3))
     if args.part in ("topk", "all"):
         new["topk"] = run_topk(args, load_prompts(args.prompts or 6))
+    path = Path(args.out) / "payload.json"
     old = json.loads(path.read_text()) if args.part != "all" and path.exists() else None
     result = merge(old, new)
-    path.write_text(json.dumps(result, indent=1))
-    md = render_markdown(result)
-    (out / "payload.md").write_text(md)
-    written = [path, out / "payload.md"]
-    if "links" in result:
-        plot_links(result["links"], out / "payload_links.png")
-        written.append(out / "payload_links.png")
-    if "topk" in result:
-        plot_topk(result["topk"], out / "payload_topk.png")
-        written.append(out / "payload_topk.png")
-    print("\n" + md)  # ends with the checks
-    print("wrote " + ", ".join(str(p) for p in written))
-    failed = any("error" in r for r in new.get("links", {}).get("runs", []))
-    return 1 if failed else 0
+    write_plots(Path(args.out), result)
+    print("\n".join(check_lines(result["checks"])), flush=True)
+    result["exact"] = not any("error" in r for r in new.get("links", {}).get("runs", []))  # a lost run exits 1
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    return harness.main(__doc__, REPORT, measure, add_args, argv, out="docs", pin_cores=False)
 
 
 if __name__ == "__main__":

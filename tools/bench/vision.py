@@ -23,19 +23,21 @@ real pair with --draft/--draft-mmproj/--target/--mmproj (GGUFs: the server on ll
         --draft-mmproj mmproj-SmolVLM-256M-Instruct-Q8_0.gguf --target SmolVLM-500M-Instruct-f16.gguf \\
         --mmproj mmproj-SmolVLM-500M-Instruct-f16.gguf --out bench_results/vision_smolvlm
 
-Server and robot are pinned to different cores when there are two. Writes vision.json, vision.md, vision.png.
+Server and robot are pinned to different cores when there are two. Writes vision.json, vision.md, vision.png
+(tools/bench/harness.py; --quick: one step of each kind).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
 import sys
 import time
 from pathlib import Path
+
+from tools.bench import harness
 
 INSTRUCTION = "go to the red box"
 
@@ -50,9 +52,7 @@ def frames(n: int, width: int, height: int):
         yield world.render_camera(width, height, pose=(x, y, theta + 0.35 * i))
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default="bench_results/vision")
+def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--steps", type=int, default=6, help="steps of each kind, alternating")
     ap.add_argument("--tokens", type=int, default=16, help="answer tokens a step")
     ap.add_argument("--max-side", type=int, default=384, help="perception.image_max_side")
@@ -60,10 +60,14 @@ def main(argv: list[str] | None = None) -> int:
     for flag in ("--draft", "--draft-mmproj", "--target", "--mmproj"):
         ap.add_argument(flag, help="a GGUF of your pair (all four, or none for the test VLM)")
     ap.add_argument("--threads", type=int, default=1)
-    args = ap.parse_args(argv)
+
+
+def measure(args: argparse.Namespace) -> dict:
     given = [args.draft, args.draft_mmproj, args.target, args.mmproj]
     if any(given) and not all(given):
-        ap.error("a pair needs all four: --draft, --draft-mmproj, --target, --mmproj")
+        raise SystemExit("a pair needs all four: --draft, --draft-mmproj, --target, --mmproj")
+    if args.quick:
+        args.steps, args.tokens = 1, 4
 
     from agent.app.prompt import messages
     from agent.robot.camera import Frame
@@ -149,11 +153,8 @@ def main(argv: list[str] | None = None) -> int:
                     flush=True,
                 )
         decoder.close()
-    summary = {
-        k: {f: round(statistics.median(r[f] for r in v), 2) for f in v[0] if f != "tau"} for k, v in rows.items()
-    }
-    result = {
-        "command": "python -m tools.bench.vision " + " ".join(sys.argv[1:] if argv is None else argv),
+    median = {k: {f: round(statistics.median(r[f] for r in v), 2) for f in v[0] if f != "tau"} for k, v in rows.items()}
+    return {
         "pair": label,
         "files": pair,
         "camera": args.camera,
@@ -163,10 +164,12 @@ def main(argv: list[str] | None = None) -> int:
         "machine": f"{platform.machine()} {os.cpu_count()} cores, server "
         f"{sorted(server_cores) if server_cores else 'shared'}, robot core {robot_core}, {args.threads} thread",
         "steps": rows,
-        "median": summary,
+        "median": median,
+        "table": [
+            {"what": name, "short": SHORT.get(f, ""), "text": median["text"][f], "image": median["image"][f]}
+            for f, name in FIELDS
+        ],
     }
-    write(Path(args.out), result)
-    return 0
 
 
 FIELDS = [
@@ -179,43 +182,44 @@ FIELDS = [
     ("bytes_up", "uplink bytes"),
     ("tokens", "answer tokens"),
 ]
+SHORT = {  # the plotted fields' bar labels
+    "encode_ms": "prompt (+ JPEG)",
+    "draft_prefill_ms": "draft prefill",
+    "server_ms": "server passes",
+    "step_ms": "whole step",
+}
+REPORT = harness.Report(
+    "vision",
+    "# A navigation step with the camera image against the same step in words ({pair})",
+    [
+        harness.Table(
+            "table",
+            [
+                harness.Col("what", " "),
+                harness.Col("text", "in words", "{:g}"),
+                harness.Col("image", "with the image", "{:g}"),
+            ],
+            title="Medians over the steps. A re-open after a lost link sends each image's sha256 (64 characters) in "
+            "place of its bytes.",
+        )
+    ],
+    harness.Plot(
+        "table",
+        x="short",
+        ys={"in words": "text", "with the image": "image"},
+        xlabel="",
+        ylabel="ms (median)",
+        title="A navigation step: the image against words",
+        kind="bar",
+        where=lambda r: bool(r["short"]),
+    ),
+    intro="`{command}` ({machine}); camera {camera} resized to a longest side of {max_side}; the image takes "
+    "{image_positions} positions on the draft.",
+)
 
 
-def write(out: Path, result: dict) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "vision.json").write_text(json.dumps(result, indent=1))
-    med = result["median"]
-    md = [
-        f"# A navigation step with the camera image against the same step in words ({result['pair']})",
-        "",
-        f"`{result['command']}` ({result['machine']}); camera {result['camera']} resized to a longest side of "
-        f"{result['max_side']}; the image takes {result['image_positions']} positions on the draft.",
-        "",
-        "Medians over the steps. A re-open after a lost link sends each image's sha256 (64 characters) in "
-        "place of its bytes.",
-        "",
-        "| | in words | with the image |",
-        "|---|---|---|",
-    ]
-    md += [f"| {name} | {med['text'][f]:g} | {med['image'][f]:g} |" for f, name in FIELDS]
-    (out / "vision.md").write_text("\n".join(md) + "\n")
-    from tools.plots import bar_plot
-
-    parts = [FIELDS[0], FIELDS[1], FIELDS[3], FIELDS[5]]
-    short = {
-        "encode_ms": "prompt (+ JPEG)",
-        "draft_prefill_ms": "draft prefill",
-        "server_ms": "server passes",
-        "step_ms": "whole step",
-    }
-    bar_plot(
-        out / "vision.png",
-        [short[f] for f, _ in parts],
-        {"in words": [med["text"][f] for f, _ in parts], "with the image": [med["image"][f] for f, _ in parts]},
-        "ms (median)",
-        "A navigation step: the image against words",
-    )
-    print(f"wrote {out}/vision.json, .md, .png")
+def main(argv: list[str] | None = None) -> int:
+    return harness.main(__doc__, REPORT, measure, add_args, argv, out="bench_results/vision", pin_cores=False)
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from tools.cluster.local_verifier import free_port, stop_process
+from tools.cluster.local_verifier import free_port, serve_command, stop_process
 
 HAPROXY_CFG = Path(__file__).resolve().parents[2] / "deploy" / "haproxy" / "haproxy.cfg"
 BACKEND = "verifiers"
@@ -130,19 +130,7 @@ class Replica:
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> None:
-        cmd = [
-            sys.executable,
-            "-m",
-            "server_bridge.cli",
-            "serve",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            "--replica-id",
-            self.name,
-            *self.args,
-        ]
+        cmd = serve_command(self.port, "--replica-id", self.name, *self.args)
         env = dict(os.environ, OMP_NUM_THREADS="1", VERIFIER_TOKEN=os.environ.get("VERIFIER_TOKEN", ""))
         self.proc = subprocess.Popen(
             cmd, stdout=self.log_path.open("a"), stderr=subprocess.STDOUT, env=env, preexec_fn=child_setup(self.cpus)

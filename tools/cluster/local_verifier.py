@@ -23,6 +23,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def serve_command(port: int, *args: str) -> list[str]:
+    """`server-bridge serve` on 127.0.0.1:port, run by this interpreter, with more flags."""
+    return [sys.executable, "-m", "server_bridge.cli", "serve", "--host", "127.0.0.1", "--port", str(port), *args]
+
+
 def stop_process(proc: subprocess.Popen | None) -> None:
     """SIGTERM, then SIGKILL after 10 s: a server we started never outlives its benchmark."""
     if proc and proc.poll() is None:
@@ -59,18 +64,7 @@ class LocalVerifier:
         return f"ws://127.0.0.1:{self.port}"
 
     def __enter__(self) -> "LocalVerifier":
-        cmd = [
-            sys.executable,
-            "-m",
-            "server_bridge.cli",
-            "serve",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            "--threads",
-            str(self.threads),
-        ]
+        cmd = serve_command(self.port, "--threads", str(self.threads))
         if self.target:
             cmd += ["--target", self.target]
         cmd += self.extra_args

@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 import textwrap
 import time
@@ -43,6 +42,42 @@ SCENES = Path(__file__).resolve().parents[1] / "scenes"
 OUT = Path("docs/nav_eval")
 BUILTIN = ("red_box",)  # shipped scenes evaluated beside the folder's
 CUT_AT, CUT_STEPS = 3, 3  # the link is cut before step 3 for 3 steps (as in the demo)
+
+
+def add_robot_args(ap: argparse.ArgumentParser) -> None:
+    """The sim robot's flags the demo and this evaluation share: offline policy, mode, link, safety stop."""
+    ap.add_argument("--offline", choices=("local", "hold"), default="local")
+    ap.add_argument("--mode", choices=("sd", "fsd", "ar"), default="sd")
+    ap.add_argument("--rtt-ms", type=float, default=20.0)
+    ap.add_argument(
+        "--min-clearance-m",
+        type=float,
+        default=None,
+        help="the safety layer's obstacle stop (safety.min_clearance_m; default: the config's, on at "
+        "0.2 m with the simulator's ray cast; the Go2 example has 0.4; 0: off)",
+    )
+
+
+def robot_config(url: str, args: argparse.Namespace, scene: Scene, telemetry: Path, threads: int, *more: str):
+    """edge-agent's config for the sim robot in `scene` behind the link at `url`; `more`: further overrides."""
+    from agent.app import config
+
+    clearance = [f"safety.min_clearance_m={args.min_clearance_m}"] if args.min_clearance_m is not None else []
+    return config.load(
+        None,
+        [
+            f'link.verifier="{url}"',
+            f'offline.policy="{args.offline}"',
+            f'agent.mode="{args.mode}"',
+            f"robot.options.scene={json.dumps(scene.path)}",
+            f'telemetry.path="{telemetry}"',
+            f"agent.threads={threads}",
+            "link.verify_timeout_s=2.0",
+            "camera.fps=20",
+            *clearance,
+            *more,
+        ],
+    )
 
 
 def load_scenes(folder: Path, builtin: tuple[str, ...] = BUILTIN) -> list[Scene]:
@@ -262,14 +297,14 @@ def run_scripted(episodes: list[tuple[Scene, int, bool]], args, maps: Path) -> l
     from agent.app.episode import summarize
     from agent.robot.safety import SafetyLimits
     from agent.robot.scripted import FakeClock
-    from agent.robot.scripted import run_scripted as run_episode
+    from agent.robot.scripted import run_scripted as scripted_episode
     from agent.robot.sim import make_world
 
     out, t0 = [], time.perf_counter()
     for i, (scene, start, cut) in enumerate(episodes, 1):
         world = make_world(scene, start=start, clock=FakeClock())
         limits = SafetyLimits(max_frame_age_s=None, min_clearance_m=args.min_clearance_m)  # None: the default
-        result = run_episode(world, None, scene.target, max_steps=args.max_steps, limits=limits)
+        result = scripted_episode(world, None, scene.target, max_steps=args.max_steps, limits=limits)
         e = summarize(
             world,
             [],
@@ -289,44 +324,22 @@ def run_models(episodes: list[tuple[Scene, int, bool]], args, maps: Path, meta: 
     """The robot daemon with the draft model against one local verifier behind the link emulator."""
     import cv2
 
-    from agent.app import config
     from agent.app.daemon import Daemon
     from agent.spec.drafter import Drafter
-    from tools.cluster.local_verifier import LocalVerifier, pin_cores
-    from tools.cluster.netem import LinkProfile, NetemProxy
-    from tools.robot.episode import navigate_with_cut as run_episode
-    from tools.robot.episode import restart
+    from tools.bench.link import served
+    from tools.cluster.netem import LinkProfile
+    from tools.robot.episode import navigate_with_cut, restart
 
-    agent_cpus, server_cpus = pin_cores()
     args.telemetry.parent.mkdir(parents=True, exist_ok=True)
     args.telemetry.unlink(missing_ok=True)
-    print(
-        f"starting the verifier on cores {sorted(server_cpus)} (the robot on {sorted(agent_cpus)}, "
-        f"{args.rtt_ms:.0f} ms RTT) ...",
-        flush=True,
-    )
+    print(f"starting the verifier ({args.rtt_ms:.0f} ms RTT) ...", flush=True)
     out, t0 = [], time.perf_counter()
-    with (
-        LocalVerifier(cpus=server_cpus, threads=len(server_cpus)) as server,
-        NetemProxy("127.0.0.1", server.port, LinkProfile.from_rtt(args.rtt_ms, jitter_ms=2)) as link,
-    ):
-        os.sched_setaffinity(0, agent_cpus)
+    with served(None, LinkProfile.from_rtt(args.rtt_ms, jitter_ms=2)) as s:
+        link = s.link
+        print(f"verifier on cores {sorted(s.server_cpus)}, the robot on {sorted(s.agent_cpus)}", flush=True)
         drafter = None
-        for scene in dict.fromkeys(s for s, _, _ in episodes):
-            cfg = config.load(
-                None,
-                [
-                    f'link.verifier="{link.url()}"',
-                    f'offline.policy="{args.offline}"',
-                    f'agent.mode="{args.mode}"',
-                    f"robot.options.scene={json.dumps(scene.path)}",
-                    f'telemetry.path="{args.telemetry}"',
-                    f"agent.threads={len(agent_cpus)}",
-                    "link.verify_timeout_s=2.0",
-                    "camera.fps=20",
-                    *([f"safety.min_clearance_m={args.min_clearance_m}"] if args.min_clearance_m is not None else []),
-                ],
-            )
+        for scene in dict.fromkeys(sc for sc, _, _ in episodes):
+            cfg = robot_config(link.url(), args, scene, args.telemetry, len(s.agent_cpus))
             meta.setdefault("config", cfg.to_dict())
             if drafter is None:
                 drafter = Drafter(cfg.agent.draft, threads=cfg.agent.threads, n_gpu_layers=cfg.agent.n_gpu_layers)
@@ -335,7 +348,7 @@ def run_models(episodes: list[tuple[Scene, int, bool]], args, maps: Path, meta: 
             try:
                 for _, start, cut in [ep for ep in episodes if ep[0] is scene]:
                     restart(daemon, scene.starts[start], start)
-                    e, _ = run_episode(
+                    e, _ = navigate_with_cut(
                         daemon,
                         daemon.world,
                         scene.task(),
@@ -380,16 +393,7 @@ def main(argv: list[str] | None = None) -> int:
         help="model: the robot daemon with the draft and a local verifier; scripted: the scripted policy "
         "on a fake clock (no models, no link cut)",
     )
-    ap.add_argument("--offline", choices=("local", "hold"), default="local")
-    ap.add_argument("--mode", choices=("sd", "fsd", "ar"), default="sd")
-    ap.add_argument("--rtt-ms", type=float, default=20.0)
-    ap.add_argument(
-        "--min-clearance-m",
-        type=float,
-        default=None,
-        help="the safety layer's obstacle stop (safety.min_clearance_m; default: the config's, on at "
-        "0.2 m with the simulator's ray cast; the Go2 example has 0.4; 0: off)",
-    )
+    add_robot_args(ap)
     ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument(
         "--telemetry",

@@ -23,9 +23,8 @@ import time
 
 import numpy as np
 
-from server_bridge import estimator
 from server_bridge.target import load_target
-from tools.train.profile_verifier import Pool, fit_split, time_passes
+from tools.train.profile_verifier import Pool, fit_split, fitted_model, time_passes
 
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 
@@ -91,17 +90,12 @@ def main(argv: list[str] | None = None) -> int:
     shapes = grid(args.batches, rng, min(args.max_batch, per_length), args.gamma, args.cached, args.prompts)
     rows = time_passes(target, pool, shapes, warm=4, to_host=True)
     report = fit(rows, rng)
-    c = report["coefficients"]
     info = target.engine.info.as_dict()
-    model = estimator.VerifyTimeModel(
-        c["a"],
-        c["b_c"],
-        c["b_r"],
-        c["c"],
-        target=target.name,
-        device=f"{info['engine']} on {info['device']} ({info['dtype']})",
-        fitted=True,
-        report={
+    model = fitted_model(
+        report["coefficients"],
+        target.name,
+        f"{info['engine']} on {info['device']} ({info['dtype']})",
+        {
             "train": report["train"],
             "test": report["test"],
             "tool": "tools/train/fleet_estimator.py",

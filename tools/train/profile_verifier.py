@@ -181,6 +181,14 @@ def evaluate(rows: list[dict], rng: np.random.Generator, boot: int) -> dict:
     return report
 
 
+def fitted_model(coefficients: dict, target: str, device: str, report: dict) -> estimator.VerifyTimeModel:
+    """The estimator the server loads, from a fit's coefficients (a, b_c, b_r, c) and what to record of the fit."""
+    c = coefficients
+    return estimator.VerifyTimeModel(
+        c["a"], c["b_c"], c["b_r"], c["c"], target=target, device=device, fitted=True, report=report
+    )
+
+
 def write_markdown(path: Path, report: dict, config: dict) -> None:
     c, ci = report["coefficients"], report["ci95"]
     units = {
@@ -310,17 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     (out / "estimator.json").write_text(json.dumps({"config": config, "report": report, "batches": rows}, indent=1))
     write_markdown(out / "estimator.md", report, config)
     plot(out / "estimator.png", rows, report)
-    c = report["coefficients"]
-    model = estimator.VerifyTimeModel(
-        c["a"],
-        c["b_c"],
-        c["b_r"],
-        c["c"],
-        target=target.name,
-        device=device,
-        fitted=True,
-        report={k: report[k] for k in ("ci95", "train", "test")},
-    )
+    model = fitted_model(report["coefficients"], target.name, device, {k: report[k] for k in ("ci95", "train", "test")})
     model_out = (
         Path(args.model_out) if args.model_out else modelfiles.models_dir() / "estimator" / f"{target.name}.json"
     )
