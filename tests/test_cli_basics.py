@@ -56,3 +56,8 @@ def test_server_errors_are_one_line(capsys):
         assert server_cli.main(["serve", "--port", str(port)]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith(f"server-bridge: cannot listen on 127.0.0.1:{port}") and "Traceback" not in "".join(err)
+
+
+def test_a_changelog_starts_now():
+    text = (ROOT / "CHANGELOG.md").read_text()
+    assert text.startswith("# Changelog") and re.search(r"^## .*\(\d{4}-\d{2}-\d{2}\)$", text, re.M)
