@@ -59,12 +59,15 @@ from protocol import images, modelfiles, wire
 from .batcher import Batcher
 from .config import ServerConfig
 from .estimator import VerifyTimeModel, batch_memory_bytes
+from .exit_setup import exit_taps
 from .metrics import ServerMetrics
+from .opens import slo_class
 from .outbox import Outbox
 from .peers import FORWARDED_HEADERS, Client, Gate, LogBudget, address_key, client_address, parse_networks, peer_ip
+from .requests import ArOutcome, ArRequest, OpenNeedsRoom, OpenOutcome, OpenRequest, RoundOutcome, VerifyRequest
 from .scheduler import Scheduler, deadline
 from .sessions import Session, SessionTable, in_request
-from .verifier import Job, OpenNeedsRoom, Verifier, exit_taps, slo_class
+from .verifier import Verifier
 
 log = logging.getLogger(__name__)
 
@@ -642,9 +645,10 @@ class BridgeServer:
             client = client_key(ws, self.config.loopback_trusted)
             self.sessions.make_room(msg.sid, conn_id, client)  # idle sessions go before a robot is refused
             secret = self.sessions.secret_for(msg.sid, conn_id, msg.resume)
-            job, (session, ms) = await self._open(msg, conn_id, slo)
-            if job.ended is not None:
-                self.metrics.count_generation(job.ended.slo, *job.ended.generation_ended())
+            opened = await self._open(msg, conn_id, slo)
+            session = opened.session
+            if opened.ended is not None:
+                self.metrics.count_generation(opened.ended.slo, *opened.ended.generation_ended())
             session.client, session.resume = client, secret
             try:
                 self.sessions.check_owner(msg.sid, conn_id, msg.resume)  # another connection took it meanwhile
@@ -659,7 +663,7 @@ class BridgeServer:
                 wire.Opened(
                     msg.sid,
                     len(session.state.ids),
-                    {"prefill_ms": ms, "passes": session.state.passes},
+                    {"prefill_ms": opened.ms, "passes": session.state.passes},
                     self.replica_id,
                     session.resume,
                 ),
@@ -670,8 +674,9 @@ class BridgeServer:
             emit = self._exit_sink(outbox) if session.exits else None
             try:
                 outcome = await self._submit(
-                    Job("verify", msg, session, emit=emit), session, len(msg.draft_ids) + (msg.fix is not None)
+                    VerifyRequest(session, msg, emit), len(msg.draft_ids), len(msg.draft_ids) + (msg.fix is not None)
                 )
+                assert isinstance(outcome, RoundOutcome)
             finally:
                 # Every exit of this round is in the outbox by now (queued before the pass returned);
                 # what is still pending there is useless once the result is out. No await from here
@@ -712,28 +717,29 @@ class BridgeServer:
         await self._in_model_thread(self.verifier.fix, session, msg.fix)  # a split correction owed, if any
         for seq in range(msg.max_tokens):
             session = self.sessions.get(msg.sid, conn_id)  # evicted mid-stream -> unknown_session
-            token, ms, p = await self._submit(Job("ar", None, session), session, 0)
+            out = await self._submit(ArRequest(session), 0, 0)
+            assert isinstance(out, ArOutcome)
+            token, ms, p = out
             self.metrics.count_ar_token(ms)
             done = seq + 1 == msg.max_tokens or token in stop
             sent = await self._send(ws, wire.Token(msg.sid, seq, token, done, {"verify_ms": ms, "passes": 1}, p))
             if done or not sent:  # a dead link stops the stream: the robot re-opens and asks again
                 return
 
-    async def _open(self, msg: wire.Open, conn_id: int, slo: float) -> tuple[Job, tuple[Session, float]]:
-        """An open through the batcher: its Job and (session, ms). While the engine's shared room is all held
+    async def _open(self, msg: wire.Open, conn_id: int, slo: float) -> OpenOutcome:
+        """An open through the batcher. While the engine's shared room is all held
         (every sequence; a unified KV pool's cells), the least recently used session not in a request
         (detached first) is evicted and the open tried again: `overloaded` only when every session is in
         a request (or MAX_EVICTIONS_PER_OPEN went and still no room)."""
         now = time.monotonic()
         for evictions in itertools.count():
             previous = self.sessions.peek(msg.sid)  # a re-open keeps the KV of what it shares
-            job = Job("open", msg, previous, conn_id, arrival=now)
             try:
                 with in_request(previous):
                     # worth one token, due when the first token is at the class's speed: an open is always
                     # urgent, since the first round's budget counts from it
-                    return job, await self.batcher.submit(
-                        job,
+                    return await self.batcher.submit(
+                        OpenRequest(msg, conn_id, previous, now),
                         (0, len(msg.prompt_ids) - 1 if previous is None else 1),
                         1.0,
                         deadline(slo, now, 1.0),
@@ -756,14 +762,15 @@ class BridgeServer:
         except RuntimeError:  # the model thread has stopped: they go when collected
             pass
 
-    async def _submit(self, job: Job, session: Session, extra: int):
-        """A verify or ar job of `session` through the batcher; `extra` new tokens beyond the uncached ids."""
+    async def _submit(self, req: VerifyRequest | ArRequest, k: int, extra: int) -> RoundOutcome | ArOutcome:
+        """A verify round (k drafted tokens) or an ar token (k 0) through the batcher; `extra` new tokens beyond
+        the session's uncached ids."""
+        session = req.session
         state = session.state
-        k = len(job.msg.draft_ids) if job.kind == "verify" else 0
         value = session.alpha * k + 1  # expected committed tokens
         with in_request(session):  # not evicted while it waits or runs
             return await self.batcher.submit(
-                job,
+                req,
                 (state.cached, len(state.ids) - state.cached + extra),
                 value,
                 deadline(session.slo, max(session.t0, session.t_last), value),

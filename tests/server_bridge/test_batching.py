@@ -5,8 +5,9 @@ import pytest
 
 from protocol import wire
 from server_bridge.config import ServerConfig
+from server_bridge.requests import OpenRequest, VerifyRequest
 from server_bridge.target import Extension
-from server_bridge.verifier import Job, Verifier
+from server_bridge.verifier import Verifier
 
 pytestmark = pytest.mark.real
 
@@ -90,15 +91,15 @@ def test_batched_rounds_commit_what_each_session_commits_alone(target, prompts, 
     verifier = Verifier(target, ServerConfig())
     sessions = {}
     jobs = [
-        Job(
-            "open",
+        OpenRequest(
             wire.Open(f"s{i}", ids, {"temperature": 0.0, "top_k": 0, "seed": 0}, payload={"kind": "none", "k": 0}),
         )
         for i, ids in enumerate(prompts)
     ]
     results, _, members = verifier.run_batch(jobs)
     assert len(members) == len(prompts) and all(m[0] == 0 for m in members)  # six cold prefills in one pass
-    for (session, _), ids in zip(results, prompts):
+    for opened, ids in zip(results, prompts):
+        session = opened.session
         sessions[session.sid] = session
         assert session.state.cached == len(ids) - 1
     rng = np.random.default_rng(0)
@@ -112,7 +113,7 @@ def test_batched_rounds_commit_what_each_session_commits_alone(target, prompts, 
             draft = list(ref[n : n + int(rng.integers(0, 5))])
             if draft and rng.random() < 0.4:
                 draft[int(rng.integers(0, len(draft)))] = 42  # a wrong guess somewhere
-            jobs.append(Job("verify", wire.Verify(s.sid, r, len(s.state.ids), draft, {"kind": "none"}), s))
+            jobs.append(VerifyRequest(s, wire.Verify(s.sid, r, len(s.state.ids), draft, {"kind": "none"})))
         results, _, members = verifier.run_batch(jobs)
         assert len(members) == len(jobs)
         for job, outcome in zip(jobs, results):
@@ -127,8 +128,8 @@ def test_a_bad_request_gets_its_error_and_leaves_the_others_pass_alone(target, p
     good, _ = verifier.open(wire.Open("good", prompts[0], {"temperature": 0.0}), 1, None)
     bad, _ = verifier.open(wire.Open("bad", prompts[1], {"temperature": 0.0}), 1, None)
     jobs = [
-        Job("verify", wire.Verify("bad", 0, len(prompts[1]) + 5, [1, 2], {"kind": "none"}), bad),  # desync
-        Job("verify", wire.Verify("good", 0, len(prompts[0]), references[0][:3], {"kind": "none"}), good),
+        VerifyRequest(bad, wire.Verify("bad", 0, len(prompts[1]) + 5, [1, 2], {"kind": "none"})),  # desync
+        VerifyRequest(good, wire.Verify("good", 0, len(prompts[0]), references[0][:3], {"kind": "none"})),
     ]
     (err, outcome), _, members = verifier.run_batch(jobs)
     assert isinstance(err, wire.WireError) and err.code == "desync"

@@ -28,8 +28,9 @@ import numpy as np
 
 from protocol import wire
 from server_bridge.config import ServerConfig
+from server_bridge.requests import VerifyRequest
 from server_bridge.target import Extension, load_target
-from server_bridge.verifier import Job, Verifier
+from server_bridge.verifier import Verifier
 
 TOKENS = (1, 2, 4, 8)
 SESSIONS = (1, 2, 4, 8, 16)
@@ -125,7 +126,7 @@ def round_overhead(target, cache: int, iters: int, rng) -> list[dict]:
 
         def one_round():
             frames = [wire.encode(wire.Verify(s.sid, 0, len(s.state.ids), draft, {"kind": "none"})) for s in sessions]
-            jobs = [Job("verify", wire.decode(f), s) for f, s in zip(frames, sessions)]
+            jobs = [VerifyRequest(s, wire.decode(f)) for f, s in zip(frames, sessions)]
             results, _, _ = verifier.run_batch(jobs)
             for s, out in zip(sessions, results):
                 wire.encode(
