@@ -48,6 +48,7 @@ import shutil
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -201,6 +202,17 @@ def resolve_device_dtype(device: str, dtype: str) -> tuple[torch.device, torch.d
     return dev, {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
 
 
+def _vocab_identity(tokenizer: Any, vocab_size: int) -> tuple[str, int]:
+    """(vocab_hash, vocab_real) of the tokenizer's vocabulary ("" and vocab_size without a tokenizer)."""
+    if tokenizer is None:
+        return "", vocab_size
+    pieces = tokenizer.convert_ids_to_tokens(list(range(vocab_size)))
+    # ids past the tokenizer's (Qwen pads its embeddings): named as llama.cpp's converter names them
+    pieces = [(p if p is not None else f"[PAD{i}]").encode("utf-8") for i, p in enumerate(pieces)]
+    # the hash is over the real part (a [PAD] tail is not hashed); vocab_real: the ids verification may produce
+    return modelfiles.vocab_hash(pieces), modelfiles.real_vocab_size(pieces)
+
+
 class TorchEngine:
     def __init__(
         self,
@@ -236,14 +248,7 @@ class TorchEngine:
         self._cache_arg = "cache" if "cache" in inspect.signature(self.text.forward).parameters else "past_key_values"
         self.name = name
         self.vocab_size = int(cfg.vocab_size)
-        self.vocab_hash = ""
-        self.vocab_real = self.vocab_size  # the ids verification may produce: [0, vocab_real)
-        if self.tokenizer is not None:
-            pieces = self.tokenizer.convert_ids_to_tokens(list(range(self.vocab_size)))
-            # ids past the tokenizer's (Qwen pads its embeddings): named as llama.cpp's converter names them
-            pieces = [(p if p is not None else f"[PAD{i}]").encode("utf-8") for i, p in enumerate(pieces)]
-            self.vocab_hash = modelfiles.vocab_hash(pieces)  # over the real part: a [PAD] tail is not hashed
-            self.vocab_real = modelfiles.real_vocab_size(pieces)
+        self.vocab_hash, self.vocab_real = _vocab_identity(self.tokenizer, self.vocab_size)
         self.image_token_id = self.vision.image_token_id if self.vision else _marker_id(self.tokenizer)
         self.mrope = bool(self.vision and self.vision.mrope)  # 3-D positions (Qwen-VL) for every pass
         self._images: dict[int, list[tuple[int, int, int]]] = {}  # slot -> [(text index, extra cells, extra positions)]
@@ -277,16 +282,19 @@ class TorchEngine:
                 "vision": self.vision is not None,
             },
         )
+        self._log_loaded(time.perf_counter() - t0)
+
+    def _log_loaded(self, seconds: float) -> None:
         log.info(
             "torch engine: %s on %s in %s (%.1fs; %d layers, vocab %d, %d KV slots of %d tokens, %.0f MiB, images %s)",
-            name,
+            self.name,
             self.device,
             self.info.dtype,
-            time.perf_counter() - t0,
+            seconds,
             self.n_layers,
             self.vocab_size,
             self.max_sequences,
-            max_len,
+            self.max_len,
             self.kv_bytes_per_token * self.kv_capacity / 2**20,
             f"through {type(self.model).__name__}" if self.vision else "no",
         )

@@ -14,10 +14,11 @@ empty label as no label): the label is always there, so a consumer can rely on i
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
@@ -160,8 +161,18 @@ class _Scrape(Collector):
             family.add_metric([key, self.replica], n)
         return family
 
-    def collect(self):
-        m, engine = self.m, self.engine
+    def collect(self) -> Iterator[Metric]:
+        """Every metric, in the order /metrics lists them."""
+        yield from self._engine_info()
+        yield from self._peer_metrics()
+        yield from self._round_metrics()
+        yield from self._pass_metrics()
+        yield from self._slo_metrics()
+        yield from self._ratio_metrics()
+
+    def _engine_info(self) -> Iterator[Metric]:
+        """The engine that serves, as an info metric (value 1)."""
+        engine = self.engine
         if engine is not None:  # an info metric, as Prometheus exporters name their build
             info = {k: str(v) for k, v in engine.info.as_dict().items() if k != "replica"}
             family = GaugeMetricFamily(
@@ -169,6 +180,10 @@ class _Scrape(Collector):
             )
             family.add_metric([*info.values(), self.replica], 1)
             yield family
+
+    def _peer_metrics(self) -> Iterator[Metric]:
+        """Sessions, connections and what was refused."""
+        m = self.m
         yield self._gauge("bridge_sessions_active", "open sessions", len(self.sessions))
         yield self._counter(
             "bridge_sessions_evicted_total", "sessions evicted (idle or table full)", self.sessions.evicted_total
@@ -194,6 +209,10 @@ class _Scrape(Collector):
             "log lines held back by the per-connection (and unauthenticated peers') rate limit",
             m.log_lines_suppressed,
         )
+
+    def _round_metrics(self) -> Iterator[Metric]:
+        """Rounds, tokens, verification time, early exits, split residuals."""
+        m = self.m
         yield self._counter("bridge_rounds_total", "verification rounds", m.rounds)
         yield self._counter("bridge_draft_tokens_total", "draft tokens received for verification", m.drafted)
         yield self._counter("bridge_accepted_tokens_total", "draft tokens accepted", m.accepted)
@@ -222,6 +241,10 @@ class _Scrape(Collector):
             "split rounds rejected: p_j sent for the robot to resample",
             m.residuals_sent,
         )
+
+    def _pass_metrics(self) -> Iterator[Metric]:
+        """The queue, the batched passes, the bytes, the KV memory and the errors."""
+        m, engine = self.m, self.engine
         yield self._gauge("bridge_queue_length", "requests waiting for the target", self.queue_length)
         yield self._counter("bridge_batches_total", "batched forward passes", m.batches)
         yield self._counter("bridge_batch_sessions_total", "sessions verified in batched passes", m.batch_sessions)
@@ -241,6 +264,10 @@ class _Scrape(Collector):
         histogram = HistogramMetricFamily("bridge_batch_size", "sessions per batched forward pass", labels=["replica"])
         histogram.add_metric([self.replica], buckets + [("+Inf", m.batches)], sum_value=m.batch_sessions)
         yield histogram  # _bucket{le=...}, _count (the +Inf bucket) and _sum
+
+    def _slo_metrics(self) -> Iterator[Metric]:
+        """Requests and generations by SLO class."""
+        m = self.m
         for name, help_text, counts in (
             ("bridge_slo_requests_total", "requests served, by SLO class (tokens/s; 0 = none)", m.slo_requests),
             (
@@ -263,6 +290,10 @@ class _Scrape(Collector):
             ),
         ):
             yield self._by(name, help_text, "class", sorted(counts.items(), key=lambda kv: float(kv[0])))
+
+    def _ratio_metrics(self) -> Iterator[Metric]:
+        """Acceptance, tau and the mean exit layer, once there is something to divide by."""
+        m = self.m
         if m.drafted:
             yield self._gauge("bridge_acceptance_rate", "accepted / drafted since start", m.accepted / m.drafted)
         if m.rounds:
