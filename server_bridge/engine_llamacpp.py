@@ -460,9 +460,11 @@ class LlamaCppEngine:
         """One sequence's pass with images: its text runs between them through _decode, each image
         through libmtmd at its KV position; logits [keep, vocab], an image's row the one after it."""
         L, n, first_kept = self.L, len(p.new_ids), len(p.new_ids) - p.keep
+        images, vision = p.images, self.vision
+        assert images and vision is not None  # forward sends only passes with images here, after _check_images
         rows: list[np.ndarray] = []
         a = 0
-        for i in sorted(p.images) + [n]:
+        for i in sorted(images) + [n]:
             if i > a:  # the text ids a..i-1
                 keep = max(0, i - max(a, first_kept))
                 part = Pass(p.seq, p.start + a, p.new_ids[a:i], keep, p.taps if i == n else None)
@@ -472,8 +474,8 @@ class LlamaCppEngine:
             if i == n:
                 break
             at = self.kv_pos(p.seq, p.start + i)
-            used = self.vision.eval(self.ctx, p.seq.id, at, p.images[i], self.n_batch, logits_last=i >= first_kept)
-            cells = self.vision.cells(p.images[i])
+            used = vision.eval(self.ctx, p.seq.id, at, images[i], self.n_batch, logits_last=i >= first_kept)
+            cells = vision.cells(images[i])
             self._images.setdefault(p.seq.id, []).append((p.start + i, used - 1, cells - 1))
             p.seq.length = p.start + i + 1
             self._used += cells

@@ -88,7 +88,11 @@ class _Layout:
         if self.single:
             return
         n_max = max(n for _, _, n, _ in rows)
-        tok_slot, tok_pos, q_index, back, qpos = [], [], [], [], []
+        tok_slot: list[int] = []
+        tok_pos: list[int] = []
+        q_index: list[int] = []
+        back: list[int] = []
+        qpos: list[list[int]] = []
         for b, (slot, start, n, off) in enumerate(rows):
             tok_slot += [slot] * n
             tok_pos += range(start, start + n)
@@ -377,7 +381,10 @@ class TorchEngine:
 
     def _forward_text(self, batch: list[Pass]) -> list[torch.Tensor]:
         """The text passes in one ragged decoder pass, each at its sequence's KV positions."""
-        rows, ids, pos, keep_at = [], [], [], []
+        rows: list[tuple[int, int, int, int]] = []  # (slot, first cell, new ids, offset in the pass)
+        ids: list[int] = []
+        pos: list[int] = []
+        keep_at: list[int] = []
         for p in batch:
             off, at = len(ids), self.kv_pos(p.seq, p.start)
             rows.append((p.seq.id, self._cell(p.seq, p.start), len(p.new_ids), off))
@@ -398,9 +405,13 @@ class TorchEngine:
         embed = self.text.get_input_embeddings()
         n, a, t = len(p.new_ids), 0, 0  # t: the pass's cells so far
         pos = self.kv_pos(p.seq, p.start)  # the position of the next cell
-        parts, last, images = [], [], []  # last[j]: the pass's row of text index j (a marker: its image's last)
+        marked, vision = p.images, self.vision
+        assert marked and vision is not None  # forward sends only passes with images here, after its checks
+        parts: list[torch.Tensor] = []
+        last: list[int] = []  # last[j]: the pass's row of text index j (a marker: its image's last)
+        images: list[tuple[int, int, int]] = []
         rope, visual, deep = [], [], []  # [3, cells] positions, [cells] image tokens, per image its deepstack
-        for i in sorted(p.images) + [n]:
+        for i in sorted(marked) + [n]:
             if i > a:  # the text ids a..i-1
                 parts.append(embed(torch.tensor(p.new_ids[a:i], dtype=torch.long, device=self.device)))
                 last.extend(range(t, t + i - a))
@@ -409,7 +420,7 @@ class TorchEngine:
                 t, pos = t + i - a, pos + i - a
             if i == n:
                 break
-            image = self.vision.embed(p.images[i])
+            image = vision.embed(marked[i])
             cells = len(image.embeds)
             parts.append(image.embeds)
             offsets = image.rope if image.rope is not None else torch.arange(cells).expand(3, -1)
@@ -556,7 +567,7 @@ def _cached_conversion(gguf: Path) -> Path:
     hf_logging.enable_progress_bar()  # the one slow step: show its progress
     try:
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        model: Any = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     finally:
         hf_logging.disable_progress_bar()
     # The weights are plain float32 now; transformers still marks the model as
