@@ -8,6 +8,7 @@ module, never engine.py, so engine.py's `load_engine` may import them without a 
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -69,6 +70,7 @@ class EngineInfo:
 
 class Engine(Protocol):
     name: str  # the target's name (smollm2-f32 or a file name)
+    path: Path  # where it was loaded from (a GGUF's vocabulary serves grammars, the exits read its head)
     info: EngineInfo
     vocab_size: int  # logits rows' width
     vocab_hash: str  # modelfiles.vocab_hash: over the real part only

@@ -91,7 +91,8 @@ def slo_batch(
 ) -> list[Request]:
     """WISP Algorithm 1 at dispatch epoch `now`; returns the batch (a sub-list of pending)."""
     solo = {id(r): model.predict_ms([r.member]) / 1e3 for r in pending}  # v_i, seconds
-    critical, other = [], []
+    critical: list[Request] = []
+    other: list[Request] = []
     for r in pending:
         r.late = now + solo[id(r)] > r.deadline
         (critical if now >= r.deadline - solo[id(r)] - guard_s else other).append(r)

@@ -50,9 +50,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from http import HTTPStatus
 from pathlib import Path
+from typing import cast
 
-from websockets.asyncio.server import ServerConnection, serve
+from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
+from websockets.http11 import Request, Response
 
 from protocol import images, modelfiles, wire
 
@@ -162,12 +164,12 @@ class BridgeServer:
         self._connections = 0
         self._live: dict[int, ServerConnection] = {}  # conn_id -> connection, for the drain
         self._busy: set[int] = set()  # connections serving a request now
-        self._server = None
+        self._server: Server | None = None
         self.port: int | None = None
         self.gate = Gate(config.max_unauthenticated, config.max_unauthenticated_per_address)  # before hello
         self._proxies = parse_networks(config.trusted_proxies)
         self._strangers_log = LogBudget(config.log_lines_per_10s, name="unauthenticated peers")
-        self._metrics_server = None
+        self._metrics_server: Server | None = None
         self.metrics_port: int | None = None  # metrics_listen's port, once started
         self.replica_id = config.replica_id  # "" until start() knows the port
         self.draining = False
@@ -176,7 +178,7 @@ class BridgeServer:
 
     async def start(self) -> None:
         tls = tls_context(self.config)
-        self._server = await serve(
+        self._server = server = await serve(
             self.handle,
             self.config.host,
             self.config.port,
@@ -191,12 +193,12 @@ class BridgeServer:
             # the TLS handshake (ssl_handshake_timeout defaults to it) and the HTTP upgrade: a peer that
             # sends nothing is gone after this; hello's own deadline then counts from the accept
             open_timeout=self.config.hello_timeout_s,
-            create_connection=self._new_connection,
+            create_connection=cast("type[ServerConnection]", self._new_connection),  # a factory serve calls
         )
-        self.port = self._server.sockets[0].getsockname()[1]
+        self.port = server.sockets[0].getsockname()[1]
         if self.config.metrics_address is not None:
             host, port = self.config.metrics_address
-            self._metrics_server = await serve(
+            self._metrics_server = metrics_server = await serve(
                 _no_websocket,
                 host,
                 port,
@@ -204,7 +206,7 @@ class BridgeServer:
                 compression=None,
                 open_timeout=self.config.hello_timeout_s,
             )
-            self.metrics_port = self._metrics_server.sockets[0].getsockname()[1]
+            self.metrics_port = metrics_server.sockets[0].getsockname()[1]
             log.info("/metrics and /healthz also on http://%s:%d, without a token", host, self.metrics_port)
         self.replica_id = self.config.replica_id or f"{socket.gethostname()}:{self.port}"
         self._janitor = asyncio.create_task(self._evict_idle_forever(), name="session-janitor")
@@ -240,6 +242,7 @@ class BridgeServer:
         if self._metrics_server is not None:
             self._metrics_server.close()
             await self._metrics_server.wait_closed()
+        assert self._server is not None, "stop() before start()"
         self._server.close()
         await self._server.wait_closed()
         if self.sessions.clear():  # their sequences go back to the engine (a target outlives its server)
@@ -254,9 +257,14 @@ class BridgeServer:
         """Serve until SIGTERM (drain, then stop) or SIGINT (stop at once)."""
         await self.start()
         loop = asyncio.get_running_loop()
-        stop = loop.create_future()
-        loop.add_signal_handler(signal.SIGTERM, lambda: stop.done() or stop.set_result("drain"))
-        loop.add_signal_handler(signal.SIGINT, lambda: stop.done() or stop.set_result("stop"))
+        stop: asyncio.Future[str] = loop.create_future()
+
+        def stopping(how: str) -> None:
+            if not stop.done():
+                stop.set_result(how)
+
+        loop.add_signal_handler(signal.SIGTERM, stopping, "drain")
+        loop.add_signal_handler(signal.SIGINT, stopping, "stop")
         if await stop == "drain":
             await self.drain()
         log.info("shutting down")
@@ -382,8 +390,9 @@ class BridgeServer:
 
     # ------------------------------------------------------------------ plain HTTP
 
-    def process_request(self, connection: ServerConnection, request):
+    def process_request(self, ws: ServerConnection, request: Request) -> Response | None:
         # Refused before the websocket upgrade, so the robot sees why without a half-open session.
+        connection = cast(_Connection, ws)  # serve makes every connection with _new_connection
         client = self._client(connection, request)
         connection.client = client
         trusted = self.config.loopback_trusted and client.loopback
@@ -704,9 +713,9 @@ class BridgeServer:
             await self._stream_ar(ws, conn_id, msg)
         elif isinstance(msg, wire.Close):
             self.metrics.exits_purged += outbox.purge(msg.sid)
-            session = self.sessions.peek(msg.sid)
-            if self.sessions.discard(msg.sid, conn_id):  # idempotent: closing a gone session is fine
-                self.metrics.count_generation(session.slo, *session.generation_ended())
+            closing = self.sessions.peek(msg.sid)
+            if self.sessions.discard(msg.sid, conn_id) and closing is not None:  # closing a gone session is fine
+                self.metrics.count_generation(closing.slo, *closing.generation_ended())
         else:
             raise wire.WireError("bad_type", f"{msg.TYPE} is not a request a robot may send")
 
@@ -732,7 +741,8 @@ class BridgeServer:
         (detached first) is evicted and the open tried again: `overloaded` only when every session is in
         a request (or MAX_EVICTIONS_PER_OPEN went and still no room)."""
         now = time.monotonic()
-        for evictions in itertools.count():
+        evictions = 0
+        while True:
             previous = self.sessions.peek(msg.sid)  # a re-open keeps the KV of what it shares
             try:
                 with in_request(previous):
@@ -752,6 +762,7 @@ class BridgeServer:
                     raise wire.WireError(
                         "overloaded", f"{e.reason}, each by a session in a request now: retry later", msg.sid
                     ) from None
+                evictions += 1
 
     def _release_sessions(self, sessions: list[Session]) -> None:
         """SessionTable.on_release: free the engine sequences of sessions let go, in the model thread after
