@@ -54,7 +54,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Generic, Protocol, TypeVar
+from types import ModuleType
+from typing import Any, Generic, Protocol, TypeVar
 
 from protocol.images import ImageError, PromptImage, check_header, check_png_data
 
@@ -168,14 +169,14 @@ class ImageCache(Generic[R]):
             self._drop(old)
 
 
-def marker_id(vocab) -> int | None:
+def marker_id(vocab: Any) -> int | None:
     """The id of the model's image marker (SmolVLM's `<image>`, Qwen-VL's `<|image_pad|>`) in a llama.cpp
     vocabulary; None if it has none."""
     found = marker_token(vocab)
     return None if found is None else found[0]
 
 
-def marker_token(vocab) -> tuple[int, str] | None:
+def marker_token(vocab: Any) -> tuple[int, str] | None:
     """(id, text) of the model's image marker in a llama.cpp vocabulary; None if it has none."""
     import llama_cpp as L
 
@@ -207,12 +208,13 @@ class _Tokenized:
 
 
 class MtmdVision:
-    """libmtmd's projector for one llama_model: image -> positions, image -> prefilled KV."""
+    """libmtmd's projector for one llama_model: image -> positions, image -> prefilled KV. (llama.cpp's and
+    libmtmd's handles, opaque ctypes pointers, are typed Any.)"""
 
     wrappers: tuple[str, str] | None = None  # text libmtmd wraps an image in that the prompt holds (WRAPPED)
     mrope: bool = False  # the model places an image's embeddings at 2-D positions (Qwen-VL)
 
-    def __init__(self, mmproj_path: str | Path, llama_model, threads: int = 1, use_gpu: bool = False):
+    def __init__(self, mmproj_path: str | Path, llama_model: Any, threads: int = 1, use_gpu: bool = False):
         import llama_cpp as L
         import llama_cpp.mtmd_cpp as mtmd
 
@@ -264,7 +266,9 @@ class MtmdVision:
         before anything is decoded). An image that came as its hash alone is left to the model thread."""
         self.images.prepare(image)
 
-    def eval(self, ctx, seq_id: int, n_past: int, image: PromptImage, n_batch: int, logits_last: bool = False) -> int:
+    def eval(
+        self, ctx: Any, seq_id: int, n_past: int, image: PromptImage, n_batch: int, logits_last: bool = False
+    ) -> int:
         """Encode the image and decode it into seq_id from position n_past; the positions it advanced by.
 
         libmtmd's helper places each chunk (an M-RoPE image's 4 x n_tokens positions included) and returns the
@@ -295,7 +299,7 @@ class MtmdVision:
             )
         return entry.positions
 
-    def _decode_image(self, ctx, seq_id: int, chunk, n_past: int, n_batch: int) -> int:
+    def _decode_image(self, ctx: Any, seq_id: int, chunk: Any, n_past: int, n_batch: int) -> int:
         """An image chunk decoded as libmtmd's helper decodes it (its embeddings, at the positions libmtmd gives
         them: for M-RoPE the planes t, row, column, z of mtmd_image_tokens_get_decoder_pos), with the logits of
         its last embedding, which the helper never asks for: the row after an image that ends a pass (a
@@ -357,7 +361,7 @@ class MtmdVision:
         cells = sum(int(mtmd.mtmd_input_chunk_get_n_tokens(c)) for c in parts)
         return _Tokenized(chunks, parts, positions, cells, image_data(image))
 
-    def _parts(self, chunks) -> list:
+    def _parts(self, chunks: Any) -> list:
         """The chunks that stand for the marker: all of libmtmd's layout, or (WRAPPED) the image chunks inside
         the text libmtmd wraps them in, which the prompt holds around the marker itself."""
         mtmd = self.mtmd
@@ -433,7 +437,7 @@ class MtmdVision:
         self.close()
 
 
-def _quiet(mtmd) -> None:
+def _quiet(mtmd: ModuleType) -> None:
     """libmtmd logs every tile it encodes; send its log where llama.cpp's goes (errors only unless verbose)."""
     import llama_cpp._logger
 

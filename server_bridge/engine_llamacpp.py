@@ -32,6 +32,7 @@ import logging
 import os
 import time
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -111,7 +112,7 @@ def _ggml():
 class _Tokenizer:
     """encode(text) -> ids with the target's own vocabulary (tools and tests; the wire carries ids)."""
 
-    def __init__(self, vocab):
+    def __init__(self, vocab: Any):  # llama_vocab_p
         self.vocab = vocab
 
     def encode(self, text: str) -> list[int]:
@@ -125,7 +126,7 @@ class _Tokenizer:
         return list(buf[:n])
 
 
-def weight_type(L, model) -> tuple[str, str]:
+def weight_type(L: ModuleType, model: Any) -> tuple[str, str]:
     """The weights' type from the GGUF's general.file_type: ("float16", "F16"), ("q4_k_m", "Q4_K_M"), ...
 
     The first is what welcome, /healthz and /metrics call the dtype (float32/float16/bfloat16 for
@@ -398,8 +399,8 @@ class LlamaCppEngine:
         self.ids.reclaim(self._clear)
         for p in batch:
             self.truncate(p.seq, p.start)  # trust the caller's committed length, never our own
-        cells = [len(p.new_ids) + e for p, e in zip(batch, extra)]  # KV cells each pass writes
-        for p, n in zip(batch, cells):
+        cells = [len(p.new_ids) + e for p, e in zip(batch, extra, strict=True)]  # KV cells each pass writes
+        for p, n in zip(batch, cells, strict=True):
             if self.kv_cells(p.seq, p.start) + n > self.seq_capacity:
                 raise EngineFull(
                     f"a session's KV stream holds {self.seq_capacity} tokens, the pass needs "
@@ -537,7 +538,7 @@ class LlamaCppEngine:
 
     # ------------------------------------------------------------------ early exits
 
-    def _on_tensor(self, tensor: int, ask: bool, _user) -> bool:
+    def _on_tensor(self, tensor: int, ask: bool, _user: Any) -> bool:
         """llama.cpp's eval callback: asked for every node, then handed the ones we asked for."""
         taps = self._taps
         if taps is None:

@@ -47,12 +47,14 @@ import logging
 import shutil
 import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from protocol import modelfiles
 from protocol.images import PromptImage
@@ -79,7 +81,7 @@ class _Layout:
     [B, n_max, 1]: the positions the causal mask is built from (per sliding window, cached).
     """
 
-    def __init__(self, rows: list[tuple[int, int, int, int]], pool: "_SlotPool", device):
+    def __init__(self, rows: list[tuple[int, int, int, int]], pool: "_SlotPool", device: torch.device):
         self.rows = rows
         self.pool = pool
         self.single = len(rows) == 1
@@ -121,7 +123,16 @@ class _Layout:
 class _SlotPool:
     """The KV slots: per layer keys and values [slots, kv_heads, max_len, head_dim], allocated once."""
 
-    def __init__(self, n_layers: int, slots: int, kv_heads: int, max_len: int, head_dim: int, dtype, device):
+    def __init__(
+        self,
+        n_layers: int,
+        slots: int,
+        kv_heads: int,
+        max_len: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
         shape = (slots, kv_heads, max_len, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
@@ -133,7 +144,9 @@ class _SlotCache:
 
     is_compileable = False
 
-    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         layout: _Layout = _current.layout
         k, v = layout.pool.k[layer_idx], layout.pool.v[layer_idx]
         if layout.single:  # key_states [1, kv_heads, T, head_dim]
@@ -149,7 +162,17 @@ class _SlotCache:
         return 0
 
 
-def slot_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None, **kwargs):
+def slot_attention(
+    module: Any,  # the attention layer calling (its layer_idx)
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
     """Every session's queries against its own slot's keys, in one SDPA call per layer.
 
     query [1, H, T, D] holds the pass's ragged tokens. One session attends over a view of its slot;
@@ -179,7 +202,7 @@ def slot_attention(module, query, key, value, attention_mask, scaling=None, drop
     return out.transpose(0, 1)[None], None  # [1, T, H, D]
 
 
-def _single_mask(start: int, n: int, lo: int, sliding_window: int | None, device) -> torch.Tensor:
+def _single_mask(start: int, n: int, lo: int, sliding_window: int | None, device: torch.device) -> torch.Tensor:
     qpos = torch.arange(start, start + n, device=device)[:, None]
     kpos = torch.arange(lo, start + n, device=device)[None, :]
     mask = kpos <= qpos  # causal from the session's own start
@@ -228,7 +251,7 @@ class TorchEngine:
         max_sequences: int = 64,
         kv_tokens: int = 0,
         max_len: int = 2048,
-        model=None,
+        model: Any = None,  # a transformers model built by the caller (None: loaded from path)
     ):
         from transformers.utils import logging as hf_logging
 
@@ -304,7 +327,7 @@ class TorchEngine:
         )
 
     @contextlib.contextmanager
-    def plain_attention(self):
+    def plain_attention(self) -> Iterator[nn.Module]:
         """transformers' own SDPA attention, for code that runs the model itself (generate, training)."""
         self.text.config._attn_implementation = "sdpa"
         try:
@@ -360,7 +383,7 @@ class TorchEngine:
         pass's start and the error raised."""
         check_batch(batch)
         extra = self._check_images(batch)  # before anything is written: bad bytes raise here
-        for p, e in zip(batch, extra):
+        for p, e in zip(batch, extra, strict=True):
             self.truncate(p.seq, p.start)  # images at or past start go: the pass overwrites them
             end = self._cell(p.seq, p.start) + len(p.new_ids) + e
             if end > self.max_len:
@@ -437,7 +460,9 @@ class TorchEngine:
         extra = {}
         if any(d is not None for d in deep):  # Qwen3-VL: the tower's features added after the first layers
             visual_at = torch.cat(visual)[None]  # [1, t]
-            extra = dict(visual_pos_masks=visual_at, deepstack_visual_embeds=[torch.cat(f) for f in zip(*deep)])
+            extra = dict(
+                visual_pos_masks=visual_at, deepstack_visual_embeds=[torch.cat(f) for f in zip(*deep, strict=True)]
+            )
         at = self._cell(p.seq, p.start)
         hidden = self._decode(
             [p], [(p.seq.id, at, t, 0)], positions, inputs_embeds=torch.cat(parts)[None], **extra
@@ -483,11 +508,16 @@ class TorchEngine:
                 raise ValueError(f"no decoder block {layer} to tap (the target has {self.n_layers})")
             targets = [
                 (p.taps[layer], off + n - p.keep, off + n)
-                for p, (_, _, n, off) in zip(batch, rows)
+                for p, (_, _, n, off) in zip(batch, rows, strict=True)
                 if p.taps and layer in p.taps
             ]
 
-            def hook(module, args, output, targets=targets):
+            def hook(
+                module: nn.Module,
+                args: Any,
+                output: Any,
+                targets: list[tuple[Callable[[Any], None], int, int]] = targets,
+            ) -> None:
                 h = output[0] if isinstance(output, tuple) else output  # [1, T, hidden]
                 for fn, lo, hi in targets:
                     fn(h[0, lo:hi])
@@ -547,7 +577,7 @@ def _load(path: Path, dtype: torch.dtype):
     return model, processor.tokenizer, vision(model, processor)  # it reads the model's device when it runs
 
 
-def _marker_id(tokenizer) -> int | None:
+def _marker_id(tokenizer: Any) -> int | None:
     """The id of an image marker (SmolVLM's `<image>`) in a text model's vocabulary; None if it has none."""
     if tokenizer is None:
         return None

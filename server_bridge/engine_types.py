@@ -8,9 +8,9 @@ module, never engine.py, so engine.py's `load_engine` may import them without a 
 from __future__ import annotations
 
 import threading
-from pathlib import Path
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
@@ -84,6 +84,9 @@ class Engine(Protocol):
     tokenizer: Any  # encode(text) -> ids with the target's vocabulary (tools, tests)
     image_token_id: int | None  # the image marker's id (SmolVLM's <image>); None: the vocabulary has none
     vision: Any  # truthy when passes may carry images (a projector, a VLM's vision tower)
+
+    @property
+    def kv_used(self) -> int: ...  # KV cells held by live sequences (/metrics)
 
     def new_sequence(self) -> Sequence: ...
     def forward(self, batch: list[Pass]) -> list[Any]: ...

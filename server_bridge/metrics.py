@@ -14,12 +14,15 @@ empty label as no label): the label is always there, so a consumer can rely on i
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Protocol, TypeVar
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from .engine_types import EngineInfo
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
@@ -107,10 +110,10 @@ class ServerMetrics:
 
     def render(
         self,
-        sessions,
+        sessions: SessionCounts,
         connections: int,
         queue_length: int = 0,
-        engine=None,
+        engine: EngineGauges | None = None,
         *,
         replica: str = "",
         draining: bool = False,
@@ -126,16 +129,37 @@ class ServerMetrics:
         return generate_latest(registry).decode()
 
 
+class SessionCounts(Protocol):
+    """What a scrape reads of the session table."""
+
+    evicted_total: int
+
+    def __len__(self) -> int: ...
+
+
+class EngineGauges(Protocol):
+    """What a scrape reads of the engine."""
+
+    info: EngineInfo
+    kv_capacity: int
+
+    @property
+    def kv_used(self) -> int: ...
+
+
+F = TypeVar("F", GaugeMetricFamily, CounterMetricFamily)
+
+
 class _Scrape(Collector):
     """One scrape's families, in the page's order, every sample labelled with the replica."""
 
     def __init__(
         self,
         metrics: ServerMetrics,
-        sessions,
+        sessions: SessionCounts,
         connections: int,
         queue_length: int,
-        engine,
+        engine: EngineGauges | None,
         replica: str,
         draining: bool,
         unauthenticated: int = 0,
@@ -144,18 +168,18 @@ class _Scrape(Collector):
         self.engine, self.replica, self.draining = engine, replica, draining
         self.unauthenticated = unauthenticated
 
-    def _one(self, family, value):
+    def _one(self, family: F, value: float) -> F:
         family.add_metric([self.replica], value)
         return family
 
-    def _gauge(self, name: str, help_text: str, value) -> GaugeMetricFamily:
+    def _gauge(self, name: str, help_text: str, value: float) -> GaugeMetricFamily:
         return self._one(GaugeMetricFamily(name, help_text, labels=["replica"]), value)
 
-    def _counter(self, name: str, help_text: str, value) -> CounterMetricFamily:
+    def _counter(self, name: str, help_text: str, value: float) -> CounterMetricFamily:
         # CounterMetricFamily strips `_total` from the family's name and writes it back on the sample
         return self._one(CounterMetricFamily(name.removesuffix("_total"), help_text, labels=["replica"]), value)
 
-    def _by(self, name: str, help_text: str, label: str, counts) -> CounterMetricFamily:
+    def _by(self, name: str, help_text: str, label: str, counts: Iterable[tuple[str, float]]) -> CounterMetricFamily:
         family = CounterMetricFamily(name.removesuffix("_total"), help_text, labels=[label, "replica"])
         for key, n in counts:
             family.add_metric([key, self.replica], n)

@@ -47,10 +47,11 @@ import signal
 import socket
 import ssl
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from http import HTTPStatus
 from pathlib import Path
-from typing import cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
@@ -71,13 +72,18 @@ from .scheduler import Scheduler, deadline
 from .sessions import Session, SessionTable, in_request
 from .verifier import Verifier
 
+if TYPE_CHECKING:
+    from .target import Target
+
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 # Errors after which an authenticated connection is closed too (before hello, every error closes it).
 FATAL = {"bad_token", "vocab_mismatch", "bad_version", "not_authenticated"}
 
 
-def is_loopback(remote) -> bool:
+def is_loopback(remote: Any) -> bool:
     try:
         return ipaddress.ip_address(remote[0]).is_loopback
     except (TypeError, ValueError, IndexError):
@@ -111,12 +117,12 @@ class _Connection(ServerConnection):
     exempt: bool = False  # a trusted loopback peer: not in the strangers' table
     client: Client | None = None  # who it is, from its request (process_request)
 
-    def connection_made(self, transport) -> None:
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
         self.accepted_at = time.monotonic()
         self.bridge._accepted(self)
 
-    def connection_lost(self, exc) -> None:
+    def connection_lost(self, exc: Exception | None) -> None:
         super().connection_lost(exc)
         self.bridge.gate.release(self)
 
@@ -317,7 +323,7 @@ class BridgeServer:
         conn.bridge = self
         return conn
 
-    def _from_proxy(self, remote) -> bool:
+    def _from_proxy(self, remote: Any) -> bool:
         return client_address(peer_ip(remote), [], False, self._proxies).via_proxy
 
     def _accepted(self, conn: _Connection) -> None:
@@ -357,14 +363,14 @@ class BridgeServer:
                 conn.transport.abort()
         return admitted
 
-    def _client(self, connection, request) -> Client:
+    def _client(self, connection: ServerConnection, request: Request) -> Client:
         """Who sent `request`: the TCP peer, or the client a trusted proxy names in X-Forwarded-For."""
         headers = getattr(request, "headers", None)
         forwarded = headers.get_all("X-Forwarded-For") if headers is not None else []
         proxied = headers is not None and any(h in headers for h in FORWARDED_HEADERS)
         return client_address(peer_ip(connection.remote_address), forwarded, proxied, self._proxies)
 
-    def _bearer_ok(self, request) -> bool:
+    def _bearer_ok(self, request: Request) -> bool:
         """The request carries `Authorization: Bearer <token>` with this server's token."""
         headers = getattr(request, "headers", None)
         values = headers.get_all("Authorization") if headers is not None and self.config.token else []
@@ -375,10 +381,10 @@ class BridgeServer:
             credential.strip().encode(), self.config.token.encode()
         )
 
-    def _log_stranger(self, level: int, fmt: str, *args, exc_info=None) -> None:
+    def _log_stranger(self, level: int, fmt: str, *args: object, exc_info: bool | None = None) -> None:
         self._log(self._strangers_log, level, fmt, *args, exc_info=exc_info)
 
-    def _log(self, budget: LogBudget, level: int, fmt: str, *args, exc_info=None) -> None:
+    def _log(self, budget: LogBudget, level: int, fmt: str, *args: object, exc_info: bool | None = None) -> None:
         """One log line within `budget`; beyond it the line is counted, and the count logged once the window turns."""
         ok, dropped = budget.take()
         if dropped:
@@ -438,7 +444,7 @@ class BridgeServer:
             )
         return None  # everything else is a websocket upgrade
 
-    def _process_metrics_request(self, connection: ServerConnection, request):
+    def _process_metrics_request(self, connection: ServerConnection, request: Request) -> Response:
         """metrics_listen: /healthz (in full) and /metrics without a token; never a websocket."""
         if request.path == "/healthz":
             return self._healthz(connection, full=True)
@@ -576,7 +582,7 @@ class BridgeServer:
         await ws.close(1008, error.code)
         return False
 
-    def _decode(self, frame) -> wire.Message:
+    def _decode(self, frame: str | bytes) -> wire.Message:
         """wire.decode, with anything it raises besides WireError turned into bad_frame: a decoder bug must not
         end the connection with 1011 and a traceback."""
         try:
@@ -811,7 +817,7 @@ class BridgeServer:
                 return
             self.metrics.exits_sent += 1
 
-    async def _in_model_thread(self, fn, *args):
+    async def _in_model_thread(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.model_thread, fn, *args)
 
     async def _send(self, ws: ServerConnection, msg: wire.Message) -> bool:
@@ -852,7 +858,7 @@ def load_estimator(spec: str, target_name: str) -> VerifyTimeModel:
     return model
 
 
-def target_from_config(config: ServerConfig):
+def target_from_config(config: ServerConfig) -> Target:
     """The target on the engine the config names, sized by its session and context limits."""
     from .target import load_target
 

@@ -203,11 +203,11 @@ class Target:
             rows = [r[..., : self.vocab_size] for r in rows]  # a view: no copy on either engine
         return rows
 
-    def argmax(self, rows) -> np.ndarray:
+    def argmax(self, rows: Any) -> np.ndarray:
         """The greedy ids of a pass's rows [keep] (int64): only they leave the device."""
         return np.asarray(self.engine.to_numpy(rows.argmax(-1)), dtype=np.int64)
 
-    def to_numpy(self, rows) -> np.ndarray:
+    def to_numpy(self, rows: Any) -> np.ndarray:
         """A pass's rows on the host, float32 [keep, vocab]."""
         return self.engine.to_numpy(rows)
 

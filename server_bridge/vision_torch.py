@@ -31,10 +31,11 @@ the image's cells after each of its first decoder layers (`Embedded.deepstack`),
 the text model's own forward.
 
 Decoding and preprocessing (resize, tiles or patches, normalisation) are kept for the last CACHED images by
-sha256, with their bytes, in runtime/vision.py's `ImageCache` (the llamacpp engine's libmtmd uses the same), so an image sent once is known by its hash after (a re-open sends only the
-hash); the vision tower runs on every `embed` (an open: rare). `positions`, `cells`, `resolve` and `prepare`
-may be called from any thread: the server decodes and preprocesses an open's images with `prepare` in a
-thread of its own, before the open reaches the model thread, which then finds them READY and only embeds them.
+sha256, with their bytes, in runtime/vision.py's `ImageCache` (the llamacpp engine's libmtmd uses the same),
+so an image sent once is known by its hash after (a re-open sends only the hash); the vision tower runs on
+every `embed` (an open: rare). `positions`, `cells`, `resolve` and `prepare` may be called from any thread:
+the server decodes and preprocesses an open's images with `prepare` in a thread of its own, before the open
+reaches the model thread, which then finds them READY and only embeds them.
 
 Untrusted bytes: the header's width and height are checked against protocol/images.py's limits before PIL
 opens the bytes, PIL's own reading of the size is checked again before it decodes a pixel, and PIL's
@@ -46,7 +47,8 @@ from __future__ import annotations
 import io
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -54,8 +56,11 @@ import torch
 from protocol.images import MAX_IMAGE_PIXELS, PromptImage, check_header, check_size
 from runtime.vision import ImageCache, image_data
 
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
-def pil_image():
+
+def pil_image() -> ModuleType:
     """PIL's Image module, its MAX_IMAGE_PIXELS lowered to protocol/images.py's limit (PIL warns above it and
     refuses twice it by itself: a second line behind check_size). Imported on first use: a text-only torch
     server needs no Pillow."""
@@ -113,7 +118,7 @@ class Vision:
 
     mrope = False  # 3-D positions (time, row, column); False: 1-D, one position a cell
 
-    def __init__(self, model, processor):
+    def __init__(self, model: Any, processor: Any):  # a transformers ...ForConditionalGeneration and its processor
         pil_image()  # PIL's own limit, from the start
         self.model = model  # the ...ForConditionalGeneration, on its device
         self.processor = processor
@@ -223,18 +228,18 @@ VISIONS = {  # model_type -> how its images are read
 MROPE_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen2_5_omni", "qwen3_omni", "glm4v")
 
 
-def is_vlm(config) -> bool:
+def is_vlm(config: PretrainedConfig) -> bool:
     """A vision-language model's config: it carries its vision tower's."""
     return getattr(config, "vision_config", None) is not None
 
 
-def uses_mrope(config) -> bool:
+def uses_mrope(config: PretrainedConfig) -> bool:
     text = getattr(config, "text_config", None) or config
     ropes = [getattr(c, a, None) for c in (config, text) for a in ("rope_scaling", "rope_parameters")]
     return config.model_type.startswith(MROPE_TYPES) or any(isinstance(r, dict) and "mrope_section" in r for r in ropes)
 
 
-def vision_for(config):
+def vision_for(config: PretrainedConfig) -> type[Vision] | None:
     """The vision class for a VLM's config; None for a VLM whose images this engine does not read (it is
     then served as text); ValueError for an M-RoPE model other than the Qwen-VLs read here."""
     kind = config.model_type
@@ -250,7 +255,7 @@ def vision_for(config):
     return None
 
 
-def load_processor(model_dir: Path, config):
+def load_processor(model_dir: Path, config: PretrainedConfig) -> Any:
     """The model's own processor (local files only). A Qwen-VL's processor holds a video processor too, which
     transformers builds only with torchvision: without it the same processor class is loaded with its image
     processor and tokenizer alone (images never reach the video part)."""
