@@ -53,7 +53,7 @@ def test_a_padded_pass_gives_every_row_the_logits_it_gets_alone(target, prompts,
 
     def members():
         out = []
-        for i, (ids, ref) in enumerate(zip(prompts, references)):
+        for i, (ids, ref) in enumerate(zip(prompts, references, strict=True)):
             committed = ids + ref[:i]  # committed prefixes of different lengths
             draft = ref[i : i + 1 + i % 4]
             if i % 3 == 2:  # cold: the whole prefix goes with the draft
@@ -66,7 +66,7 @@ def test_a_padded_pass_gives_every_row_the_logits_it_gets_alone(target, prompts,
 
     alone = [target.extend([e])[0] for e in members()]
     batched = target.extend(members())
-    for a, b in zip(alone, batched):
+    for a, b in zip(alone, batched, strict=True):
         assert a.shape == b.shape
         np.testing.assert_array_equal(a.argmax(-1), b.argmax(-1))
         # llama.cpp tiles a matmul by the batch's size, so a batched row rounds differently (seen: up to
@@ -77,9 +77,10 @@ def test_a_padded_pass_gives_every_row_the_logits_it_gets_alone(target, prompts,
 def test_after_a_padded_pass_each_cache_is_its_own_again(target, prompts, references):
     """The caches cut out of a batch carry on alone: the next solo pass gives the reference token."""
     states = [target.new_state(ids) for ids in prompts[:3]]
-    batch = [Extension(s, s.ids[s.cached :] + ref[:2], 3) for s, ref in zip(states, references)]
+    refs = references[:3]
+    batch = [Extension(s, s.ids[s.cached :] + ref[:2], 3) for s, ref in zip(states, refs, strict=True)]
     target.extend(batch)
-    for s, ref in zip(states, references):
+    for s, ref in zip(states, refs, strict=True):
         target.commit(s, ref[:3], len(s.ids) + 2)  # the pass verified ref[:2]; ref[2] is its bonus
         assert s.seq.length >= s.cached == len(s.ids) - 1
         assert int(np.argmax(target.score(s, [])[0])) == ref[3]
@@ -98,14 +99,14 @@ def test_batched_rounds_commit_what_each_session_commits_alone(target, prompts, 
     ]
     results, _, members = verifier.run_batch(jobs)
     assert len(members) == len(prompts) and all(m[0] == 0 for m in members)  # six cold prefills in one pass
-    for opened, ids in zip(results, prompts):
+    for opened, ids in zip(results, prompts, strict=True):
         session = opened.session
         sessions[session.sid] = session
         assert session.state.cached == len(ids) - 1
     rng = np.random.default_rng(0)
     for r in range(6):
         jobs = []
-        for i, (ids, ref) in enumerate(zip(prompts, references)):
+        for i, (ids, ref) in enumerate(zip(prompts, references, strict=True)):
             s = sessions[f"s{i}"]
             n = len(s.state.ids) - len(ids)
             if n >= 12:
@@ -116,9 +117,9 @@ def test_batched_rounds_commit_what_each_session_commits_alone(target, prompts, 
             jobs.append(VerifyRequest(s, wire.Verify(s.sid, r, len(s.state.ids), draft, {"kind": "none"})))
         results, _, members = verifier.run_batch(jobs)
         assert len(members) == len(jobs)
-        for job, outcome in zip(jobs, results):
+        for _job, outcome in zip(jobs, results, strict=True):
             assert not isinstance(outcome, Exception), outcome
-    for i, (ids, ref) in enumerate(zip(prompts, references)):
+    for i, (ids, ref) in enumerate(zip(prompts, references, strict=True)):
         got = sessions[f"s{i}"].state.ids[len(ids) :]
         assert got == ref[: len(got)] and len(got) >= 6
 
@@ -158,7 +159,10 @@ def test_taps_in_a_batch_see_their_own_rows(tapped, prompts, references):
             state, state.ids[state.cached :] + references[0][:3], 4, taps={12: lambda h: seen.append(np.array(h))}
         )
         others = (
-            [Extension(target.new_state(ids), ids[-1:] + ref[:6], 7) for ids, ref in zip(prompts[1:3], references[1:3])]
+            [
+                Extension(target.new_state(ids), ids[-1:] + ref[:6], 7)
+                for ids, ref in zip(prompts[1:3], references[1:3], strict=True)
+            ]
             if batch_with_others
             else []
         )

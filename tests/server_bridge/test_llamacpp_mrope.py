@@ -201,7 +201,9 @@ def test_robots_with_images_verify_in_one_batched_pass(engine):
     plain = engine.new_sequence()
     [ref_text] = engine.forward([Pass(plain, 0, text, 2)])
     engine.truncate(plain, len(text) - 2)
-    passes = [Pass(s, n, t, 3) for (s, n), t in zip(seqs, tails)] + [Pass(plain, len(text) - 2, text[-2:], 2)]
+    passes = [Pass(s, n, t, 3) for (s, n), t in zip(seqs, tails, strict=True)] + [
+        Pass(plain, len(text) - 2, text[-2:], 2)
+    ]
     batched = engine.forward(passes)
     assert np.abs(batched[0] - alone[0]).max() < 1e-3 and np.abs(batched[1] - alone[1]).max() < 1e-3
     assert np.abs(batched[2] - ref_text).max() < 1e-3

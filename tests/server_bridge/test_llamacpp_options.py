@@ -19,11 +19,11 @@ def ragged_rounds(engine, rounds: int = 3) -> list[list[np.ndarray]]:
     with a rollback each round (start behind the sequence's length), every row's logits kept."""
     seqs = [engine.new_sequence() for _ in PROMPTS]
     ids = [engine.tokenizer.encode(p) for p in PROMPTS]
-    out = [engine.forward([Pass(s, 0, i, len(i)) for s, i in zip(seqs, ids)])]
+    out = [engine.forward([Pass(s, 0, i, len(i)) for s, i in zip(seqs, ids, strict=True)])]
     for r in range(rounds):
         batch = [
             Pass(s, len(i) + r, [(7 * k + r + j) % 1000 + 10 for j in range(1 + (k + r) % 5)], 1 + (k + r) % 5)
-            for k, (s, i) in enumerate(zip(seqs, ids))
+            for k, (s, i) in enumerate(zip(seqs, ids, strict=True))
         ]
         out.append(engine.forward(batch))
     for s in seqs:
@@ -37,8 +37,8 @@ def test_per_sequence_streams_and_micro_batches_give_the_unified_engines_logits(
         engine = load_engine("smollm2-f32", threads=1, max_sequences=4, kv_tokens=1024, **options)
         assert engine.info.extra["kv_unified"] == options.get("kv_unified", True)
         got = ragged_rounds(engine)
-        for rows_ref, rows in zip(ref, got):
-            for a, b in zip(rows_ref, rows):
+        for rows_ref, rows in zip(ref, got, strict=True):
+            for a, b in zip(rows_ref, rows, strict=True):
                 assert a.shape == b.shape
                 assert np.array_equal(a.argmax(-1), b.argmax(-1)), options
                 assert np.abs(a - b).max() < 0.05, options  # f16 KV and another summation order, no more

@@ -84,12 +84,12 @@ def test_a_ragged_batch_gives_each_session_the_logits_it_gets_alone(kind):
     keeps = [1, 5, 2, 2, 3]
 
     def passes(seqs):
-        return [Pass(s, n, ids, k) for s, n, ids, k in zip(seqs, lengths, news, keeps)]
+        return [Pass(s, n, ids, k) for s, n, ids, k in zip(seqs, lengths, news, keeps, strict=True)]
 
     seqs = prefilled(eng, lengths)
     alone = [eng.forward([p])[0] for p in passes(seqs)]
     batched = eng.forward(passes(seqs))  # the same tokens again, at the same positions
-    for a, b, k in zip(alone, batched, keeps):
+    for a, b, k in zip(alone, batched, keeps, strict=True):
         assert a.shape == b.shape == (k, TINY["vocab_size"])
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
@@ -99,17 +99,19 @@ def test_the_batch_writes_each_sessions_kv_where_a_solo_pass_does():
     lengths, news = [4, 9, 1], [[5, 6], [9], [1, 2, 3]]
     for eng, together in ((solo, False), (batch, True)):
         seqs = prefilled(eng, lengths)
-        passes = [Pass(s, n, ids, 1) for s, n, ids in zip(seqs, lengths, news)]
+        passes = [Pass(s, n, ids, 1) for s, n, ids in zip(seqs, lengths, news, strict=True)]
         if together:
             eng.forward(passes)
         else:
             for p in passes:
                 eng.forward([p])
-        eng.after = [eng.forward([Pass(s, n + len(ids), [77], 1)])[0] for s, n, ids in zip(seqs, lengths, news)]
-    for a, b in zip(solo.after, batch.after):
+        eng.after = [
+            eng.forward([Pass(s, n + len(ids), [77], 1)])[0] for s, n, ids in zip(seqs, lengths, news, strict=True)
+        ]
+    for a, b in zip(solo.after, batch.after, strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     for layer in range(TINY["num_hidden_layers"]):
-        for slot, (n, ids) in enumerate(zip(lengths, news)):
+        for slot, (n, ids) in enumerate(zip(lengths, news, strict=True)):
             end = n + len(ids) + 1
             torch.testing.assert_close(solo.pool.k[layer][slot, :, :end], batch.pool.k[layer][slot, :, :end])
             torch.testing.assert_close(solo.pool.v[layer][slot, :, :end], batch.pool.v[layer][slot, :, :end])
@@ -118,7 +120,7 @@ def test_the_batch_writes_each_sessions_kv_where_a_solo_pass_does():
 def text_sessions(eng: TorchEngine, sessions: int) -> list[tuple]:
     """(sequence, text length) per session: 10, 13, 16, ... ids of text."""
     lengths = [10 + 3 * i for i in range(sessions)]
-    return list(zip(prefilled(eng, lengths), lengths))
+    return list(zip(prefilled(eng, lengths), lengths, strict=True))
 
 
 def kernel_ops(eng: TorchEngine, sessions: int, tokens: int, opened=text_sessions) -> list[str]:
