@@ -51,14 +51,17 @@ import ctypes
 import struct
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
+from types import ModuleType
+from typing import Any, Generic, Protocol, TypeVar
 
 from protocol.images import ImageError, PromptImage, check_header, check_png_data
 
-CACHED = 8  # tokenized images kept by sha256 (their preprocessed tiles, their bytes)
-READY = 8  # images tokenized ahead by `prepare`, not yet taken by the model thread (beyond: the oldest is dropped,
-# and tokenized again when its open runs)
+CACHED = 8  # images kept ready by sha256 (ImageCache: tokenized or preprocessed, with their bytes), per engine
+READY = 8  # images made ready ahead by `prepare`, not yet taken by the model thread (beyond: the oldest is dropped,
+# and made again when its open runs)
 NO_FFMPEG = b"/dev/null"  # where libmtmd looks for ffmpeg for bytes stb_image cannot decode: nothing is found there
 MARKERS = ("<image>", "<|image_pad|>")  # the image marker tokens this reads (SmolVLM's, Qwen-VL's); one id per image
 # Markers that stand for the image's embeddings alone: the prompt holds the text libmtmd wraps them in (before, after).
@@ -72,14 +75,108 @@ class UnknownImage(LookupError):
     """Only the image's sha256 came, and its bytes are no longer cached (the wire's `unknown_image`)."""
 
 
-def marker_id(vocab) -> int | None:
+def image_data(image: PromptImage) -> bytes:
+    """The image's bytes; UnknownImage when only its sha256 came (ImageCache.make is never handed one)."""
+    if image.data is None:
+        raise UnknownImage(f"image {image.sha256[:12]} came as its sha256 alone: send its bytes")
+    return bytes(image.data)
+
+
+class Ready(Protocol):
+    """An image made ready for a vision engine (tokenized, or preprocessed), holding the image's bytes."""
+
+    @property
+    def data(self) -> bytes: ...
+
+
+R = TypeVar("R", bound=Ready)
+
+
+class ImageCache(Generic[R]):
+    """Images made ready by sha256, shared by both engines' visions (MtmdVision here, the torch engine's
+    server_bridge/vision_torch.py): the last `CACHED` the model thread used, with their bytes, so an image
+    sent once is known by its hash after; and up to `READY` made ahead by `prepare` in another thread (beyond:
+    the oldest is dropped, and made again when its open runs). Thread-safe; `make` runs outside the lock.
+
+    make(image) -> the ready image (raises ValueError for bytes that are no image); drop(entry) frees what an
+    entry holds outside Python (libmtmd's chunks) when it leaves the cache."""
+
+    def __init__(
+        self,
+        make: Callable[[PromptImage], R],
+        drop: Callable[[R], None] | None = None,
+        cached: int = CACHED,
+        ready: int = READY,
+    ):
+        self._make = make
+        self._drop = drop or (lambda entry: None)
+        self._cached, self._ready_max = cached, ready
+        self._cache: OrderedDict[str, R] = OrderedDict()  # sha256 -> entry, least recently used first
+        self._ready: OrderedDict[str, R] = OrderedDict()  # made by `prepare`, not yet taken by `get`
+        self._lock = threading.Lock()
+
+    def get(self, image: PromptImage) -> R:
+        """The image made ready: from the cache, from what `prepare` made, or made now; UnknownImage when only
+        its sha256 came and it is held nowhere."""
+        with self._lock:
+            hit = self._cache.get(image.sha256)
+            if hit is not None:
+                self._cache.move_to_end(image.sha256)
+                return hit
+            entry = self._ready.pop(image.sha256, None)
+        if entry is None:
+            if image.data is None:
+                raise UnknownImage(
+                    f"image {image.sha256[:12]} came as its sha256 alone and is not cached: send its bytes again"
+                )
+            entry = self._make(image)  # not prepared ahead (a direct caller), or dropped from READY
+        with self._lock:
+            self._cache[image.sha256] = entry
+            gone = [self._cache.popitem(last=False)[1] for _ in range(len(self._cache) - self._cached)]
+        for old in gone:
+            self._drop(old)
+        return entry
+
+    def resolve(self, image: PromptImage) -> PromptImage:
+        """The image with its bytes: as it came, or filled in from the cache; UnknownImage if not cached."""
+        if image.data is not None:
+            return image
+        return replace(image, data=self.get(image).data)
+
+    def prepare(self, image: PromptImage) -> None:
+        """Make the image ready now, in the calling thread, so that the model thread finds it ready. Raises as
+        `make`; an image that came as its hash alone is left to the model thread."""
+        with self._lock:
+            if image.data is None or image.sha256 in self._cache or image.sha256 in self._ready:
+                return
+        entry = self._make(image)
+        with self._lock:
+            if image.sha256 in self._ready:  # made meanwhile by another thread
+                gone = [entry]
+            else:
+                self._ready[image.sha256] = entry
+                gone = [self._ready.popitem(last=False)[1] for _ in range(len(self._ready) - self._ready_max)]
+        for old in gone:
+            self._drop(old)
+
+    def clear(self) -> None:
+        """Drop every entry."""
+        with self._lock:
+            gone = list(self._cache.values()) + list(self._ready.values())
+            self._cache.clear()
+            self._ready.clear()
+        for old in gone:
+            self._drop(old)
+
+
+def marker_id(vocab: Any) -> int | None:
     """The id of the model's image marker (SmolVLM's `<image>`, Qwen-VL's `<|image_pad|>`) in a llama.cpp
     vocabulary; None if it has none."""
     found = marker_token(vocab)
     return None if found is None else found[0]
 
 
-def marker_token(vocab) -> tuple[int, str] | None:
+def marker_token(vocab: Any) -> tuple[int, str] | None:
     """(id, text) of the model's image marker in a llama.cpp vocabulary; None if it has none."""
     import llama_cpp as L
 
@@ -111,24 +208,23 @@ class _Tokenized:
 
 
 class MtmdVision:
-    """libmtmd's projector for one llama_model: image -> positions, image -> prefilled KV."""
+    """libmtmd's projector for one llama_model: image -> positions, image -> prefilled KV. (llama.cpp's and
+    libmtmd's handles, opaque ctypes pointers, are typed Any.)"""
 
     wrappers: tuple[str, str] | None = None  # text libmtmd wraps an image in that the prompt holds (WRAPPED)
     mrope: bool = False  # the model places an image's embeddings at 2-D positions (Qwen-VL)
 
-    def __init__(self, mmproj_path: str | Path, llama_model, threads: int = 1, use_gpu: bool = False):
+    def __init__(self, mmproj_path: str | Path, llama_model: Any, threads: int = 1, use_gpu: bool = False):
         import llama_cpp as L
         import llama_cpp.mtmd_cpp as mtmd
 
         self.L, self.mtmd = L, mtmd
         self.path = Path(mmproj_path)
         self.mctx = None
-        self._cache: OrderedDict[str, _Tokenized] = OrderedDict()  # sha256 -> the image tokenized
-        self._ready: OrderedDict[str, _Tokenized] = OrderedDict()  # the same, made by `prepare`
+        self.images: ImageCache[_Tokenized] = ImageCache(self._entry, self._free)  # sha256 -> the image tokenized
         self.vocab = L.llama_model_get_vocab(llama_model)
         found = marker_token(self.vocab)
         self.wrappers = WRAPPED.get(found[1]) if found else None
-        self._ready_lock = threading.Lock()
         check_mmproj(self.path, int(L.llama_model_n_embd(llama_model)))
         _quiet(mtmd)
         params = mtmd.mtmd_context_params_default()
@@ -161,30 +257,18 @@ class MtmdVision:
 
     def resolve(self, image: PromptImage) -> PromptImage:
         """The image with its bytes: as it came, or filled in from the cache; UnknownImage if not cached."""
-        if image.data is not None:
-            return image
-        return replace(image, data=self._tokenized(image).data)
+        return self.images.resolve(image)
 
     def prepare(self, image: PromptImage) -> None:
         """Decode and tile the image now, in the calling thread, so that the model thread finds it ready.
 
         Thread-safe; raises ValueError for bytes that are no image (ImageError for an image over the limits,
         before anything is decoded). An image that came as its hash alone is left to the model thread."""
-        if image.data is None or image.sha256 in self._cache:
-            return
-        with self._ready_lock:
-            if image.sha256 in self._ready:
-                return
-        entry = self._entry(image)
-        with self._ready_lock:
-            if image.sha256 in self._ready:  # made meanwhile by another thread
-                self.mtmd.mtmd_input_chunks_free(entry.chunks)
-                return
-            self._ready[image.sha256] = entry
-            while len(self._ready) > READY:
-                self.mtmd.mtmd_input_chunks_free(self._ready.popitem(last=False)[1].chunks)
+        self.images.prepare(image)
 
-    def eval(self, ctx, seq_id: int, n_past: int, image: PromptImage, n_batch: int, logits_last: bool = False) -> int:
+    def eval(
+        self, ctx: Any, seq_id: int, n_past: int, image: PromptImage, n_batch: int, logits_last: bool = False
+    ) -> int:
         """Encode the image and decode it into seq_id from position n_past; the positions it advanced by.
 
         libmtmd's helper places each chunk (an M-RoPE image's 4 x n_tokens positions included) and returns the
@@ -215,7 +299,7 @@ class MtmdVision:
             )
         return entry.positions
 
-    def _decode_image(self, ctx, seq_id: int, chunk, n_past: int, n_batch: int) -> int:
+    def _decode_image(self, ctx: Any, seq_id: int, chunk: Any, n_past: int, n_batch: int) -> int:
         """An image chunk decoded as libmtmd's helper decodes it (its embeddings, at the positions libmtmd gives
         them: for M-RoPE the planes t, row, column, z of mtmd_image_tokens_get_decoder_pos), with the logits of
         its last embedding, which the helper never asks for: the row after an image that ends a pass (a
@@ -225,6 +309,8 @@ class MtmdVision:
         if rc != 0:
             return rc
         embd = ctypes.cast(mtmd.mtmd_get_output_embd(self.mctx), ctypes.c_void_p).value
+        if embd is None:  # no embeddings came out of the encoder
+            return -1
         n = int(mtmd.mtmd_input_chunk_get_n_tokens(chunk))
         width = int(L.llama_model_n_embd_inp(L.llama_get_model(ctx))) * ctypes.sizeof(ctypes.c_float)
         planes = 4 if self.mrope else 1
@@ -258,22 +344,10 @@ class MtmdVision:
 
     def _tokenized(self, image: PromptImage) -> _Tokenized:
         """The image alone tokenized, from the cache or made now."""
-        hit = self._cache.get(image.sha256)
-        if hit is not None:
-            self._cache.move_to_end(image.sha256)
-            return hit
-        with self._ready_lock:
-            entry = self._ready.pop(image.sha256, None)
-        if entry is None:
-            if image.data is None:
-                raise UnknownImage(
-                    f"image {image.sha256[:12]} came as its sha256 alone and is not cached: send its bytes again"
-                )
-            entry = self._entry(image)  # not prepared ahead (a direct caller), or dropped from READY
-        self._cache[image.sha256] = entry
-        while len(self._cache) > CACHED:
-            self.mtmd.mtmd_input_chunks_free(self._cache.popitem(last=False)[1].chunks)
-        return entry
+        return self.images.get(image)
+
+    def _free(self, entry: _Tokenized) -> None:
+        self.mtmd.mtmd_input_chunks_free(entry.chunks)
 
     def _entry(self, image: PromptImage) -> _Tokenized:
         mtmd = self.mtmd
@@ -285,9 +359,9 @@ class MtmdVision:
             raise
         positions = sum(int(mtmd.mtmd_input_chunk_get_n_pos(c)) for c in parts)
         cells = sum(int(mtmd.mtmd_input_chunk_get_n_tokens(c)) for c in parts)
-        return _Tokenized(chunks, parts, positions, cells, bytes(image.data))
+        return _Tokenized(chunks, parts, positions, cells, image_data(image))
 
-    def _parts(self, chunks) -> list:
+    def _parts(self, chunks: Any) -> list:
         """The chunks that stand for the marker: all of libmtmd's layout, or (WRAPPED) the image chunks inside
         the text libmtmd wraps them in, which the prompt holds around the marker itself."""
         mtmd = self.mtmd
@@ -316,7 +390,7 @@ class MtmdVision:
 
     def _tokenize(self, image: PromptImage):
         mtmd = self.mtmd
-        data = bytes(image.data)
+        data = image_data(image)
         width, height = check_header(data)  # ImageError (a ValueError) over the limits: nothing is decoded
         if image.format == "png":
             check_png_data(data)  # stb inflates all the image data there is, whatever the header says
@@ -351,11 +425,7 @@ class MtmdVision:
     # ------------------------------------------------------------------ lifecycle
 
     def close(self) -> None:
-        while self._cache:
-            self.mtmd.mtmd_input_chunks_free(self._cache.popitem()[1].chunks)
-        with self._ready_lock:
-            while self._ready:
-                self.mtmd.mtmd_input_chunks_free(self._ready.popitem()[1].chunks)
+        self.images.clear()
         if self.mctx:
             self.mtmd.mtmd_free(self.mctx)
             self.mctx = None
@@ -367,7 +437,7 @@ class MtmdVision:
         self.close()
 
 
-def _quiet(mtmd) -> None:
+def _quiet(mtmd: ModuleType) -> None:
     """libmtmd logs every tile it encodes; send its log where llama.cpp's goes (errors only unless verbose)."""
     import llama_cpp._logger
 

@@ -34,8 +34,9 @@ from protocol.wire import WireError
 
 from .estimator import split_passes
 from .metrics import ServerMetrics
+from .requests import Request as ModelRequest
 from .scheduler import Request, Scheduler
-from .verifier import Job, Verifier
+from .verifier import Verifier
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +60,11 @@ class Batcher:
         for r in self.scheduler.expired(math.inf):
             _fail(r, WireError("shutting_down", "the verifier is shutting down; retry elsewhere", r.sid))
 
-    async def submit(self, job: Job, member: tuple[int, int], value: float, deadline: float, slo: float = 0.0) -> Any:
-        """Queue one job and wait for its outcome; raises its WireError (or `overloaded`)."""
+    async def submit(
+        self, job: ModelRequest, member: tuple[int, int], value: float, deadline: float, slo: float = 0.0
+    ) -> Any:
+        """Queue one request for the model thread and wait for its outcome; raises its WireError (or
+        `overloaded`)."""
         future = asyncio.get_running_loop().create_future()
         request = Request(job.sid, member, value, deadline, time.monotonic(), slo, job, future)
         try:
@@ -136,7 +140,7 @@ class Batcher:
         if members:
             self.scheduler.model.observe(members, pass_ms)
             self.metrics.count_batch(len(members), pass_ms)
-        for r, result in zip(batch, results):
+        for r, result in zip(batch, results, strict=True):
             self.scheduler.answered(r.sid, done)
             self.metrics.count_request(r.slo, late=done > r.deadline)
             if isinstance(result, WireError):

@@ -32,6 +32,8 @@ import logging
 import os
 import time
 from pathlib import Path
+from types import ModuleType
+from typing import Any
 
 import numpy as np
 
@@ -110,7 +112,7 @@ def _ggml():
 class _Tokenizer:
     """encode(text) -> ids with the target's own vocabulary (tools and tests; the wire carries ids)."""
 
-    def __init__(self, vocab):
+    def __init__(self, vocab: Any):  # llama_vocab_p
         self.vocab = vocab
 
     def encode(self, text: str) -> list[int]:
@@ -124,7 +126,7 @@ class _Tokenizer:
         return list(buf[:n])
 
 
-def weight_type(L, model) -> tuple[str, str]:
+def weight_type(L: ModuleType, model: Any) -> tuple[str, str]:
     """The weights' type from the GGUF's general.file_type: ("float16", "F16"), ("q4_k_m", "Q4_K_M"), ...
 
     The first is what welcome, /healthz and /metrics call the dtype (float32/float16/bfloat16 for
@@ -171,37 +173,14 @@ class LlamaCppEngine:
         (libmtmd's GGUF): passes may then carry images; vision_threads: libmtmd's (1: see runtime/vision.py)."""
         import llama_cpp as L
 
-        from runtime.native import warn_if_numpy_first
-
         if flash_attn not in FLASH_ATTN:
             raise ValueError(f"flash_attn must be one of {', '.join(FLASH_ATTN)}, got {flash_attn!r}")
         self.L = L
-        _quiet_llama()
         t0 = time.perf_counter()
-        L.llama_backend_init()
-        gpu = bool(L.llama_supports_gpu_offload())
-        mparams = L.llama_model_default_params()
-        mparams.n_gpu_layers = (0x7FFFFFFF if n_gpu_layers < 0 else n_gpu_layers) if gpu else 0
-        offload = gpu and mparams.n_gpu_layers > 0
-        warn_if_numpy_first(offload)
-        self.model = L.llama_model_load_from_file(str(path).encode(), mparams)
-        if not self.model:
-            raise RuntimeError(f"llama.cpp could not load {path}")
+        n_gpu, offload = self._load_model(path, n_gpu_layers)
         self.name = name
         self.path = Path(path)  # the exits read its norm and LM head
-        vocab = L.llama_model_get_vocab(self.model)
-        self.vocab_size = int(L.llama_vocab_n_tokens(vocab))
-        self.tokenizer = _Tokenizer(vocab)
-        pieces = [L.llama_vocab_get_text(vocab, i) for i in range(self.vocab_size)]
-        self.vocab_hash = modelfiles.vocab_hash(pieces)  # over the real part: a [PAD] tail is not hashed
-        self.vocab_real = modelfiles.real_vocab_size(pieces)  # the ids verification may produce: [0, vocab_real)
-        self.image_token_id = marker_id(vocab)  # SmolVLM's <image>; None in a text vocabulary
-        self.eos_ids = sorted({int(t) for t in (L.llama_vocab_eos(vocab), L.llama_vocab_eot(vocab)) if t >= 0})
-        self.n_layers = int(L.llama_model_n_layer(self.model))
-        self.hidden_size = int(L.llama_model_n_embd(self.model))
-        n_head, n_head_kv = int(L.llama_model_n_head(self.model)), int(L.llama_model_n_head_kv(self.model))
-        kv_bytes = {"f32": 4, "f16": 2}[kv_type]
-        self.kv_bytes_per_token = 2 * self.n_layers * n_head_kv * (self.hidden_size // n_head) * kv_bytes
+        self._read_model(kv_type)
         self.max_sequences = min(max_sequences, 256)  # LLAMA_MAX_SEQ
         self.kv_capacity = kv_tokens or 64 * 1024
         self.n_batch = 2048  # tokens per llama_decode call
@@ -216,14 +195,83 @@ class LlamaCppEngine:
         self.kv_unified = kv_unified
         # per-sequence streams divide the cells evenly: a session holds at most this many tokens
         self.seq_capacity = self.kv_capacity if kv_unified else self.kv_capacity // self.max_sequences
-
         self.tap_names: dict[bytes, int] = {f"l_out-{l - 1}".encode(): l for l in (tap_layers or [])}
         self._taps: list[tuple[int, int, Pass]] | None = None  # the running chunk's (first row, rows, pass)
+        cparams = self._context_params(threads, kv_type, kv_unified, n_ubatch, flash_attn)
+        self.vision: MtmdVision | None = None
+        if mmproj is not None:
+            self.vision = MtmdVision(mmproj, self.model, threads=vision_threads, use_gpu=offload)
+            if self.image_token_id is None:
+                raise ValueError(
+                    f"{path} has a projector ({mmproj}) but no image marker token "
+                    f"({', '.join(MARKERS)}) in its vocabulary"
+                )
+        # seq id -> [(text index, extra positions, extra cells)] of its images, in order
+        self._images: dict[int, list[tuple[int, int, int]]] = {}
+        self._make_context(cparams, path)
+        self.threads = cparams.n_threads
+        dtype, self.ftype = weight_type(L, self.model)
+        self.info = EngineInfo(
+            "llamacpp",
+            "gpu" if offload else "cpu",
+            dtype,
+            {
+                "n_gpu_layers": n_gpu,
+                "kv_type": kv_type,
+                "threads": self.threads,
+                "weights": self.ftype,
+                "kv_unified": kv_unified,
+                "n_ubatch": int(cparams.n_ubatch),
+                "flash_attn": flash_attn,
+                "vision": self.vision is not None,
+            },
+        )
+        self._log_loaded(time.perf_counter() - t0, mmproj)
+
+    def _load_model(self, path: Path, n_gpu_layers: int) -> tuple[int, bool]:
+        """Load the weights (n_gpu_layers < 0: all on the GPU where llama.cpp has one): (layers offloaded,
+        whether any are)."""
+        from runtime.native import warn_if_numpy_first
+
+        L = self.L
+        _quiet_llama()
+        L.llama_backend_init()
+        gpu = bool(L.llama_supports_gpu_offload())
+        mparams = L.llama_model_default_params()
+        mparams.n_gpu_layers = (0x7FFFFFFF if n_gpu_layers < 0 else n_gpu_layers) if gpu else 0
+        offload = gpu and mparams.n_gpu_layers > 0
+        warn_if_numpy_first(offload)
+        self.model = L.llama_model_load_from_file(str(path).encode(), mparams)
+        if not self.model:
+            raise RuntimeError(f"llama.cpp could not load {path}")
+        self._gpu = gpu
+        return int(mparams.n_gpu_layers) if gpu else 0, offload
+
+    def _read_model(self, kv_type: str) -> None:
+        """The vocabulary and the shapes the verifier and the memory budget need."""
+        L = self.L
+        vocab = L.llama_model_get_vocab(self.model)
+        self.vocab_size = int(L.llama_vocab_n_tokens(vocab))
+        self.tokenizer = _Tokenizer(vocab)
+        pieces = [L.llama_vocab_get_text(vocab, i) for i in range(self.vocab_size)]
+        self.vocab_hash = modelfiles.vocab_hash(pieces)  # over the real part: a [PAD] tail is not hashed
+        self.vocab_real = modelfiles.real_vocab_size(pieces)  # the ids verification may produce: [0, vocab_real)
+        self.image_token_id = marker_id(vocab)  # SmolVLM's <image>; None in a text vocabulary
+        self.eos_ids = sorted({int(t) for t in (L.llama_vocab_eos(vocab), L.llama_vocab_eot(vocab)) if t >= 0})
+        self.n_layers = int(L.llama_model_n_layer(self.model))
+        self.hidden_size = int(L.llama_model_n_embd(self.model))
+        n_head, n_head_kv = int(L.llama_model_n_head(self.model)), int(L.llama_model_n_head_kv(self.model))
+        kv_bytes = {"f32": 4, "f16": 2}[kv_type]
+        self.kv_bytes_per_token = 2 * self.n_layers * n_head_kv * (self.hidden_size // n_head) * kv_bytes
+
+    def _context_params(self, threads: int, kv_type: str, kv_unified: bool, n_ubatch: int, flash_attn: str) -> Any:
+        """llama_context_params for the sizes set so far; installs the eval callback where exits are tapped."""
+        L = self.L
         cparams = L.llama_context_default_params()
         cparams.n_ctx = self.kv_capacity
         cparams.n_batch = self.n_batch
         cparams.n_ubatch = n_ubatch or self.n_batch  # one ubatch per call: tap rows stay in order
-        if tap_layers and cparams.n_ubatch != self.n_batch:
+        if self.tap_names and cparams.n_ubatch != self.n_batch:
             raise ValueError("early exits need the whole call in one micro-batch (n_ubatch 0)")
         cparams.n_seq_max = self.max_sequences
         cparams.kv_unified = kv_unified
@@ -241,16 +289,11 @@ class LlamaCppEngine:
             self._cb = L.ggml_backend_sched_eval_callback(self._on_tensor)  # kept alive with the engine
             cparams.cb_eval = self._cb
             cparams.cb_eval_user_data = None
-        self.vision = None
-        if mmproj is not None:
-            self.vision = MtmdVision(mmproj, self.model, threads=vision_threads, use_gpu=offload)
-            if self.image_token_id is None:
-                raise ValueError(
-                    f"{path} has a projector ({mmproj}) but no image marker token "
-                    f"({', '.join(MARKERS)}) in its vocabulary"
-                )
-        # seq id -> [(text index, extra positions, extra cells)] of its images, in order
-        self._images: dict[int, list[tuple[int, int, int]]] = {}
+        return cparams
+
+    def _make_context(self, cparams: Any, path: Path) -> None:
+        """The context, its KV memory, one reusable batch and the sequence ids."""
+        L = self.L
         self.ctx = L.llama_init_from_model(self.model, cparams)
         if not self.ctx:
             raise RuntimeError(f"llama.cpp could not make a context of {self.kv_capacity} tokens for {path}")
@@ -264,39 +307,24 @@ class LlamaCppEngine:
         self.ids = SequenceIds(self.max_sequences)
         self._used = 0  # KV cells held by live sequences
         self._seqs: dict[int, Sequence] = {}
-        self.threads = cparams.n_threads
-        dtype, self.ftype = weight_type(L, self.model)
-        self.info = EngineInfo(
-            "llamacpp",
-            "gpu" if offload else "cpu",
-            dtype,
-            {
-                "n_gpu_layers": int(mparams.n_gpu_layers) if gpu else 0,
-                "kv_type": kv_type,
-                "threads": self.threads,
-                "weights": self.ftype,
-                "kv_unified": kv_unified,
-                "n_ubatch": int(cparams.n_ubatch),
-                "flash_attn": flash_attn,
-                "vision": self.vision is not None,
-            },
-        )
+
+    def _log_loaded(self, seconds: float, mmproj: str | Path | None) -> None:
         log.info(
             "llamacpp engine: %s (%s weights) in %.1fs (%d layers, vocab %d, %d sequences, KV %d tokens %s %s, "
             "%d threads, GPU offload %s, exits tapped at %s, images %s)",
-            name,
+            self.name,
             self.ftype,
-            time.perf_counter() - t0,
+            seconds,
             self.n_layers,
             self.vocab_size,
             self.max_sequences,
             self.kv_capacity,
-            kv_type,
-            "unified" if kv_unified else f"in streams of {self.seq_capacity}",
+            self.info.extra["kv_type"],
+            "unified" if self.kv_unified else f"in streams of {self.seq_capacity}",
             self.threads,
-            self.info.extra["n_gpu_layers"] if gpu else "not built in",
-            sorted(self.tap_names.values()) or "none",
-            f"through {Path(mmproj).name}" if self.vision else "no",
+            self.info.extra["n_gpu_layers"] if self._gpu else "not built in",
+            self.tapped or "none",
+            f"through {Path(mmproj).name}" if mmproj is not None and self.vision else "no",
         )
 
     @property
@@ -371,8 +399,8 @@ class LlamaCppEngine:
         self.ids.reclaim(self._clear)
         for p in batch:
             self.truncate(p.seq, p.start)  # trust the caller's committed length, never our own
-        cells = [len(p.new_ids) + e for p, e in zip(batch, extra)]  # KV cells each pass writes
-        for p, n in zip(batch, cells):
+        cells = [len(p.new_ids) + e for p, e in zip(batch, extra, strict=True)]  # KV cells each pass writes
+        for p, n in zip(batch, cells, strict=True):
             if self.kv_cells(p.seq, p.start) + n > self.seq_capacity:
                 raise EngineFull(
                     f"a session's KV stream holds {self.seq_capacity} tokens, the pass needs "
@@ -433,9 +461,11 @@ class LlamaCppEngine:
         """One sequence's pass with images: its text runs between them through _decode, each image
         through libmtmd at its KV position; logits [keep, vocab], an image's row the one after it."""
         L, n, first_kept = self.L, len(p.new_ids), len(p.new_ids) - p.keep
+        images, vision = p.images, self.vision
+        assert images and vision is not None  # forward sends only passes with images here, after _check_images
         rows: list[np.ndarray] = []
         a = 0
-        for i in sorted(p.images) + [n]:
+        for i in sorted(images) + [n]:
             if i > a:  # the text ids a..i-1
                 keep = max(0, i - max(a, first_kept))
                 part = Pass(p.seq, p.start + a, p.new_ids[a:i], keep, p.taps if i == n else None)
@@ -445,8 +475,8 @@ class LlamaCppEngine:
             if i == n:
                 break
             at = self.kv_pos(p.seq, p.start + i)
-            used = self.vision.eval(self.ctx, p.seq.id, at, p.images[i], self.n_batch, logits_last=i >= first_kept)
-            cells = self.vision.cells(p.images[i])
+            used = vision.eval(self.ctx, p.seq.id, at, images[i], self.n_batch, logits_last=i >= first_kept)
+            cells = vision.cells(images[i])
             self._images.setdefault(p.seq.id, []).append((p.start + i, used - 1, cells - 1))
             p.seq.length = p.start + i + 1
             self._used += cells
@@ -508,7 +538,7 @@ class LlamaCppEngine:
 
     # ------------------------------------------------------------------ early exits
 
-    def _on_tensor(self, tensor: int, ask: bool, _user) -> bool:
+    def _on_tensor(self, tensor: int, ask: bool, _user: Any) -> bool:
         """llama.cpp's eval callback: asked for every node, then handed the ones we asked for."""
         taps = self._taps
         if taps is None:

@@ -47,11 +47,14 @@ import logging
 import shutil
 import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from protocol import modelfiles
 from protocol.images import PromptImage
@@ -78,7 +81,7 @@ class _Layout:
     [B, n_max, 1]: the positions the causal mask is built from (per sliding window, cached).
     """
 
-    def __init__(self, rows: list[tuple[int, int, int, int]], pool: "_SlotPool", device):
+    def __init__(self, rows: list[tuple[int, int, int, int]], pool: "_SlotPool", device: torch.device):
         self.rows = rows
         self.pool = pool
         self.single = len(rows) == 1
@@ -87,7 +90,11 @@ class _Layout:
         if self.single:
             return
         n_max = max(n for _, _, n, _ in rows)
-        tok_slot, tok_pos, q_index, back, qpos = [], [], [], [], []
+        tok_slot: list[int] = []
+        tok_pos: list[int] = []
+        q_index: list[int] = []
+        back: list[int] = []
+        qpos: list[list[int]] = []
         for b, (slot, start, n, off) in enumerate(rows):
             tok_slot += [slot] * n
             tok_pos += range(start, start + n)
@@ -116,7 +123,16 @@ class _Layout:
 class _SlotPool:
     """The KV slots: per layer keys and values [slots, kv_heads, max_len, head_dim], allocated once."""
 
-    def __init__(self, n_layers: int, slots: int, kv_heads: int, max_len: int, head_dim: int, dtype, device):
+    def __init__(
+        self,
+        n_layers: int,
+        slots: int,
+        kv_heads: int,
+        max_len: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
         shape = (slots, kv_heads, max_len, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
@@ -128,7 +144,9 @@ class _SlotCache:
 
     is_compileable = False
 
-    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         layout: _Layout = _current.layout
         k, v = layout.pool.k[layer_idx], layout.pool.v[layer_idx]
         if layout.single:  # key_states [1, kv_heads, T, head_dim]
@@ -144,7 +162,17 @@ class _SlotCache:
         return 0
 
 
-def slot_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None, **kwargs):
+def slot_attention(
+    module: Any,  # the attention layer calling (its layer_idx)
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
     """Every session's queries against its own slot's keys, in one SDPA call per layer.
 
     query [1, H, T, D] holds the pass's ragged tokens. One session attends over a view of its slot;
@@ -174,7 +202,7 @@ def slot_attention(module, query, key, value, attention_mask, scaling=None, drop
     return out.transpose(0, 1)[None], None  # [1, T, H, D]
 
 
-def _single_mask(start: int, n: int, lo: int, sliding_window: int | None, device) -> torch.Tensor:
+def _single_mask(start: int, n: int, lo: int, sliding_window: int | None, device: torch.device) -> torch.Tensor:
     qpos = torch.arange(start, start + n, device=device)[:, None]
     kpos = torch.arange(lo, start + n, device=device)[None, :]
     mask = kpos <= qpos  # causal from the session's own start
@@ -201,6 +229,17 @@ def resolve_device_dtype(device: str, dtype: str) -> tuple[torch.device, torch.d
     return dev, {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
 
 
+def _vocab_identity(tokenizer: Any, vocab_size: int) -> tuple[str, int]:
+    """(vocab_hash, vocab_real) of the tokenizer's vocabulary ("" and vocab_size without a tokenizer)."""
+    if tokenizer is None:
+        return "", vocab_size
+    pieces = tokenizer.convert_ids_to_tokens(list(range(vocab_size)))
+    # ids past the tokenizer's (Qwen pads its embeddings): named as llama.cpp's converter names them
+    pieces = [(p if p is not None else f"[PAD{i}]").encode("utf-8") for i, p in enumerate(pieces)]
+    # the hash is over the real part (a [PAD] tail is not hashed); vocab_real: the ids verification may produce
+    return modelfiles.vocab_hash(pieces), modelfiles.real_vocab_size(pieces)
+
+
 class TorchEngine:
     def __init__(
         self,
@@ -212,7 +251,7 @@ class TorchEngine:
         max_sequences: int = 64,
         kv_tokens: int = 0,
         max_len: int = 2048,
-        model=None,
+        model: Any = None,  # a transformers model built by the caller (None: loaded from path)
     ):
         from transformers.utils import logging as hf_logging
 
@@ -236,14 +275,7 @@ class TorchEngine:
         self._cache_arg = "cache" if "cache" in inspect.signature(self.text.forward).parameters else "past_key_values"
         self.name = name
         self.vocab_size = int(cfg.vocab_size)
-        self.vocab_hash = ""
-        self.vocab_real = self.vocab_size  # the ids verification may produce: [0, vocab_real)
-        if self.tokenizer is not None:
-            pieces = self.tokenizer.convert_ids_to_tokens(list(range(self.vocab_size)))
-            # ids past the tokenizer's (Qwen pads its embeddings): named as llama.cpp's converter names them
-            pieces = [(p if p is not None else f"[PAD{i}]").encode("utf-8") for i, p in enumerate(pieces)]
-            self.vocab_hash = modelfiles.vocab_hash(pieces)  # over the real part: a [PAD] tail is not hashed
-            self.vocab_real = modelfiles.real_vocab_size(pieces)
+        self.vocab_hash, self.vocab_real = _vocab_identity(self.tokenizer, self.vocab_size)
         self.image_token_id = self.vision.image_token_id if self.vision else _marker_id(self.tokenizer)
         self.mrope = bool(self.vision and self.vision.mrope)  # 3-D positions (Qwen-VL) for every pass
         self._images: dict[int, list[tuple[int, int, int]]] = {}  # slot -> [(text index, extra cells, extra positions)]
@@ -277,22 +309,25 @@ class TorchEngine:
                 "vision": self.vision is not None,
             },
         )
+        self._log_loaded(time.perf_counter() - t0)
+
+    def _log_loaded(self, seconds: float) -> None:
         log.info(
             "torch engine: %s on %s in %s (%.1fs; %d layers, vocab %d, %d KV slots of %d tokens, %.0f MiB, images %s)",
-            name,
+            self.name,
             self.device,
             self.info.dtype,
-            time.perf_counter() - t0,
+            seconds,
             self.n_layers,
             self.vocab_size,
             self.max_sequences,
-            max_len,
+            self.max_len,
             self.kv_bytes_per_token * self.kv_capacity / 2**20,
             f"through {type(self.model).__name__}" if self.vision else "no",
         )
 
     @contextlib.contextmanager
-    def plain_attention(self):
+    def plain_attention(self) -> Iterator[nn.Module]:
         """transformers' own SDPA attention, for code that runs the model itself (generate, training)."""
         self.text.config._attn_implementation = "sdpa"
         try:
@@ -348,7 +383,7 @@ class TorchEngine:
         pass's start and the error raised."""
         check_batch(batch)
         extra = self._check_images(batch)  # before anything is written: bad bytes raise here
-        for p, e in zip(batch, extra):
+        for p, e in zip(batch, extra, strict=True):
             self.truncate(p.seq, p.start)  # images at or past start go: the pass overwrites them
             end = self._cell(p.seq, p.start) + len(p.new_ids) + e
             if end > self.max_len:
@@ -369,7 +404,10 @@ class TorchEngine:
 
     def _forward_text(self, batch: list[Pass]) -> list[torch.Tensor]:
         """The text passes in one ragged decoder pass, each at its sequence's KV positions."""
-        rows, ids, pos, keep_at = [], [], [], []
+        rows: list[tuple[int, int, int, int]] = []  # (slot, first cell, new ids, offset in the pass)
+        ids: list[int] = []
+        pos: list[int] = []
+        keep_at: list[int] = []
         for p in batch:
             off, at = len(ids), self.kv_pos(p.seq, p.start)
             rows.append((p.seq.id, self._cell(p.seq, p.start), len(p.new_ids), off))
@@ -390,9 +428,13 @@ class TorchEngine:
         embed = self.text.get_input_embeddings()
         n, a, t = len(p.new_ids), 0, 0  # t: the pass's cells so far
         pos = self.kv_pos(p.seq, p.start)  # the position of the next cell
-        parts, last, images = [], [], []  # last[j]: the pass's row of text index j (a marker: its image's last)
+        marked, vision = p.images, self.vision
+        assert marked and vision is not None  # forward sends only passes with images here, after its checks
+        parts: list[torch.Tensor] = []
+        last: list[int] = []  # last[j]: the pass's row of text index j (a marker: its image's last)
+        images: list[tuple[int, int, int]] = []
         rope, visual, deep = [], [], []  # [3, cells] positions, [cells] image tokens, per image its deepstack
-        for i in sorted(p.images) + [n]:
+        for i in sorted(marked) + [n]:
             if i > a:  # the text ids a..i-1
                 parts.append(embed(torch.tensor(p.new_ids[a:i], dtype=torch.long, device=self.device)))
                 last.extend(range(t, t + i - a))
@@ -401,7 +443,7 @@ class TorchEngine:
                 t, pos = t + i - a, pos + i - a
             if i == n:
                 break
-            image = self.vision.embed(p.images[i])
+            image = vision.embed(marked[i])
             cells = len(image.embeds)
             parts.append(image.embeds)
             offsets = image.rope if image.rope is not None else torch.arange(cells).expand(3, -1)
@@ -418,7 +460,9 @@ class TorchEngine:
         extra = {}
         if any(d is not None for d in deep):  # Qwen3-VL: the tower's features added after the first layers
             visual_at = torch.cat(visual)[None]  # [1, t]
-            extra = dict(visual_pos_masks=visual_at, deepstack_visual_embeds=[torch.cat(f) for f in zip(*deep)])
+            extra = dict(
+                visual_pos_masks=visual_at, deepstack_visual_embeds=[torch.cat(f) for f in zip(*deep, strict=True)]
+            )
         at = self._cell(p.seq, p.start)
         hidden = self._decode(
             [p], [(p.seq.id, at, t, 0)], positions, inputs_embeds=torch.cat(parts)[None], **extra
@@ -464,11 +508,16 @@ class TorchEngine:
                 raise ValueError(f"no decoder block {layer} to tap (the target has {self.n_layers})")
             targets = [
                 (p.taps[layer], off + n - p.keep, off + n)
-                for p, (_, _, n, off) in zip(batch, rows)
+                for p, (_, _, n, off) in zip(batch, rows, strict=True)
                 if p.taps and layer in p.taps
             ]
 
-            def hook(module, args, output, targets=targets):
+            def hook(
+                module: nn.Module,
+                args: Any,
+                output: Any,
+                targets: list[tuple[Callable[[Any], None], int, int]] = targets,
+            ) -> None:
                 h = output[0] if isinstance(output, tuple) else output  # [1, T, hidden]
                 for fn, lo, hi in targets:
                     fn(h[0, lo:hi])
@@ -528,7 +577,7 @@ def _load(path: Path, dtype: torch.dtype):
     return model, processor.tokenizer, vision(model, processor)  # it reads the model's device when it runs
 
 
-def _marker_id(tokenizer) -> int | None:
+def _marker_id(tokenizer: Any) -> int | None:
     """The id of an image marker (SmolVLM's `<image>`) in a text model's vocabulary; None if it has none."""
     if tokenizer is None:
         return None
@@ -548,7 +597,7 @@ def _cached_conversion(gguf: Path) -> Path:
     hf_logging.enable_progress_bar()  # the one slow step: show its progress
     try:
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        model: Any = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     finally:
         hf_logging.disable_progress_bar()
     # The weights are plain float32 now; transformers still marks the model as

@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
@@ -69,6 +70,7 @@ class EngineInfo:
 
 class Engine(Protocol):
     name: str  # the target's name (smollm2-f32 or a file name)
+    path: Path  # where it was loaded from (a GGUF's vocabulary serves grammars, the exits read its head)
     info: EngineInfo
     vocab_size: int  # logits rows' width
     vocab_hash: str  # modelfiles.vocab_hash: over the real part only
@@ -82,6 +84,9 @@ class Engine(Protocol):
     tokenizer: Any  # encode(text) -> ids with the target's vocabulary (tools, tests)
     image_token_id: int | None  # the image marker's id (SmolVLM's <image>); None: the vocabulary has none
     vision: Any  # truthy when passes may carry images (a projector, a VLM's vision tower)
+
+    @property
+    def kv_used(self) -> int: ...  # KV cells held by live sequences (/metrics)
 
     def new_sequence(self) -> Sequence: ...
     def forward(self, batch: list[Pass]) -> list[Any]: ...

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -57,13 +58,15 @@ class ExitHeads(nn.Module):
     def layers(self) -> list[int]:
         return self.config.layers
 
-    def features(self, model, layer: int, hidden: torch.Tensor) -> torch.Tensor:
+    def features(self, model: Any, layer: int, hidden: torch.Tensor) -> torch.Tensor:
         """What the LM head sees at this exit: final_norm(adapter(hidden)), [n, hidden] -> [n, hidden].
 
         model: a causal LM or a vision-language model (its text decoder's final norm: `get_decoder()`)."""
         return model.get_decoder().norm(self.adapters[str(layer)](hidden))
 
-    def logits(self, model, layer: int, hidden: torch.Tensor, candidates: torch.Tensor | None = None) -> torch.Tensor:
+    def logits(
+        self, model: Any, layer: int, hidden: torch.Tensor, candidates: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Exit logits at `layer` for hidden [n, hidden].
 
         candidates None -> [n, vocab]; candidates [n, K] token ids -> [n, K] (only those rows of the head).
@@ -105,7 +108,7 @@ class TorchExitScorer:
     [vocab] bonus row per pass) come back to the host as float32.
     """
 
-    def __init__(self, heads: ExitHeads, model):
+    def __init__(self, heads: ExitHeads, model: Any):
         self.heads = heads
         self.model = model
         self.layers = list(heads.layers)

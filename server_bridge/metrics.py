@@ -14,11 +14,15 @@ empty label as no label): the label is always there, so a consumer can rely on i
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Protocol, TypeVar
 
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from .engine_types import EngineInfo
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
@@ -106,10 +110,10 @@ class ServerMetrics:
 
     def render(
         self,
-        sessions,
+        sessions: SessionCounts,
         connections: int,
         queue_length: int = 0,
-        engine=None,
+        engine: EngineGauges | None = None,
         *,
         replica: str = "",
         draining: bool = False,
@@ -125,16 +129,37 @@ class ServerMetrics:
         return generate_latest(registry).decode()
 
 
+class SessionCounts(Protocol):
+    """What a scrape reads of the session table."""
+
+    evicted_total: int
+
+    def __len__(self) -> int: ...
+
+
+class EngineGauges(Protocol):
+    """What a scrape reads of the engine."""
+
+    info: EngineInfo
+    kv_capacity: int
+
+    @property
+    def kv_used(self) -> int: ...
+
+
+F = TypeVar("F", GaugeMetricFamily, CounterMetricFamily)
+
+
 class _Scrape(Collector):
     """One scrape's families, in the page's order, every sample labelled with the replica."""
 
     def __init__(
         self,
         metrics: ServerMetrics,
-        sessions,
+        sessions: SessionCounts,
         connections: int,
         queue_length: int,
-        engine,
+        engine: EngineGauges | None,
         replica: str,
         draining: bool,
         unauthenticated: int = 0,
@@ -143,25 +168,35 @@ class _Scrape(Collector):
         self.engine, self.replica, self.draining = engine, replica, draining
         self.unauthenticated = unauthenticated
 
-    def _one(self, family, value):
+    def _one(self, family: F, value: float) -> F:
         family.add_metric([self.replica], value)
         return family
 
-    def _gauge(self, name: str, help_text: str, value) -> GaugeMetricFamily:
+    def _gauge(self, name: str, help_text: str, value: float) -> GaugeMetricFamily:
         return self._one(GaugeMetricFamily(name, help_text, labels=["replica"]), value)
 
-    def _counter(self, name: str, help_text: str, value) -> CounterMetricFamily:
+    def _counter(self, name: str, help_text: str, value: float) -> CounterMetricFamily:
         # CounterMetricFamily strips `_total` from the family's name and writes it back on the sample
         return self._one(CounterMetricFamily(name.removesuffix("_total"), help_text, labels=["replica"]), value)
 
-    def _by(self, name: str, help_text: str, label: str, counts) -> CounterMetricFamily:
+    def _by(self, name: str, help_text: str, label: str, counts: Iterable[tuple[str, float]]) -> CounterMetricFamily:
         family = CounterMetricFamily(name.removesuffix("_total"), help_text, labels=[label, "replica"])
         for key, n in counts:
             family.add_metric([key, self.replica], n)
         return family
 
-    def collect(self):
-        m, engine = self.m, self.engine
+    def collect(self) -> Iterator[Metric]:
+        """Every metric, in the order /metrics lists them."""
+        yield from self._engine_info()
+        yield from self._peer_metrics()
+        yield from self._round_metrics()
+        yield from self._pass_metrics()
+        yield from self._slo_metrics()
+        yield from self._ratio_metrics()
+
+    def _engine_info(self) -> Iterator[Metric]:
+        """The engine that serves, as an info metric (value 1)."""
+        engine = self.engine
         if engine is not None:  # an info metric, as Prometheus exporters name their build
             info = {k: str(v) for k, v in engine.info.as_dict().items() if k != "replica"}
             family = GaugeMetricFamily(
@@ -169,6 +204,10 @@ class _Scrape(Collector):
             )
             family.add_metric([*info.values(), self.replica], 1)
             yield family
+
+    def _peer_metrics(self) -> Iterator[Metric]:
+        """Sessions, connections and what was refused."""
+        m = self.m
         yield self._gauge("bridge_sessions_active", "open sessions", len(self.sessions))
         yield self._counter(
             "bridge_sessions_evicted_total", "sessions evicted (idle or table full)", self.sessions.evicted_total
@@ -194,6 +233,10 @@ class _Scrape(Collector):
             "log lines held back by the per-connection (and unauthenticated peers') rate limit",
             m.log_lines_suppressed,
         )
+
+    def _round_metrics(self) -> Iterator[Metric]:
+        """Rounds, tokens, verification time, early exits, split residuals."""
+        m = self.m
         yield self._counter("bridge_rounds_total", "verification rounds", m.rounds)
         yield self._counter("bridge_draft_tokens_total", "draft tokens received for verification", m.drafted)
         yield self._counter("bridge_accepted_tokens_total", "draft tokens accepted", m.accepted)
@@ -222,6 +265,10 @@ class _Scrape(Collector):
             "split rounds rejected: p_j sent for the robot to resample",
             m.residuals_sent,
         )
+
+    def _pass_metrics(self) -> Iterator[Metric]:
+        """The queue, the batched passes, the bytes, the KV memory and the errors."""
+        m, engine = self.m, self.engine
         yield self._gauge("bridge_queue_length", "requests waiting for the target", self.queue_length)
         yield self._counter("bridge_batches_total", "batched forward passes", m.batches)
         yield self._counter("bridge_batch_sessions_total", "sessions verified in batched passes", m.batch_sessions)
@@ -241,6 +288,10 @@ class _Scrape(Collector):
         histogram = HistogramMetricFamily("bridge_batch_size", "sessions per batched forward pass", labels=["replica"])
         histogram.add_metric([self.replica], buckets + [("+Inf", m.batches)], sum_value=m.batch_sessions)
         yield histogram  # _bucket{le=...}, _count (the +Inf bucket) and _sum
+
+    def _slo_metrics(self) -> Iterator[Metric]:
+        """Requests and generations by SLO class."""
+        m = self.m
         for name, help_text, counts in (
             ("bridge_slo_requests_total", "requests served, by SLO class (tokens/s; 0 = none)", m.slo_requests),
             (
@@ -263,6 +314,10 @@ class _Scrape(Collector):
             ),
         ):
             yield self._by(name, help_text, "class", sorted(counts.items(), key=lambda kv: float(kv[0])))
+
+    def _ratio_metrics(self) -> Iterator[Metric]:
+        """Acceptance, tau and the mean exit layer, once there is something to divide by."""
+        m = self.m
         if m.drafted:
             yield self._gauge("bridge_acceptance_rate", "accepted / drafted since start", m.accepted / m.drafted)
         if m.rounds:

@@ -18,16 +18,20 @@ from __future__ import annotations
 import ipaddress
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 FORWARDED_HEADERS = ("X-Forwarded-For", "Forwarded", "X-Real-IP")  # any of them: the peer is a proxy
 MAX_FORWARDED = 32  # X-Forwarded-For entries read, from the right: no proxy chain is longer
 
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 
-def parse_networks(cidrs: Iterable[str]) -> tuple:
+
+def parse_networks(cidrs: Iterable[str]) -> tuple[Network, ...]:
     """["10.0.0.0/8", "127.0.0.1"] -> networks; raises ValueError naming the bad entry."""
-    nets = []
+    nets: list[Network] = []
     for cidr in cidrs:
         try:
             nets.append(ipaddress.ip_network(str(cidr).strip(), strict=False))
@@ -36,7 +40,7 @@ def parse_networks(cidrs: Iterable[str]) -> tuple:
     return tuple(nets)
 
 
-def _ip(text: str):
+def _ip(text: str) -> IPAddress | None:
     """An address from a peer name or a header entry ("1.2.3.4", "[::1]", "::ffff:1.2.3.4"); None if it is none."""
     text = text.strip().strip('"')
     if text.startswith("[") and "]" in text:
@@ -48,7 +52,7 @@ def _ip(text: str):
     return ip.ipv4_mapped or ip if ip.version == 6 else ip
 
 
-def peer_ip(remote) -> str:
+def peer_ip(remote: Any) -> str:
     """The TCP peer's address from websockets' remote_address ((host, port, ...) or None)."""
     try:
         return str(remote[0])
@@ -56,7 +60,7 @@ def peer_ip(remote) -> str:
         return ""
 
 
-def _in(ip, networks) -> bool:
+def _in(ip: IPAddress | None, networks: Iterable[Network]) -> bool:
     return ip is not None and any(ip.version == n.version and ip in n for n in networks)
 
 
@@ -67,11 +71,11 @@ class Client:
     via_proxy: bool  # the TCP peer is a trusted proxy
 
 
-def client_address(peer: str, forwarded_for: list[str], proxied: bool, trusted_proxies) -> Client:
+def client_address(peer: str, forwarded_for: list[str], proxied: bool, trusted_proxies: Iterable[Network]) -> Client:
     """Who the client is: `peer` is the TCP peer's address, `forwarded_for` the X-Forwarded-For header
     values in order, `proxied` whether the request carries any forwarding header at all."""
     ip = _ip(peer)
-    if _in(ip, trusted_proxies):
+    if ip is not None and _in(ip, trusted_proxies):
         hops = [h.strip() for value in forwarded_for for h in value.split(",")][-MAX_FORWARDED:]
         if not hops:  # the proxy's own request (a health check)
             return Client(str(ip), ip.is_loopback, True)
@@ -104,7 +108,7 @@ class _Pending:
 class Gate:
     """Connections before hello. Every method takes an opaque, hashable connection key."""
 
-    def __init__(self, max_total: int, max_per_address: int, clock=time.monotonic):
+    def __init__(self, max_total: int, max_per_address: int, clock: Callable[[], float] = time.monotonic):
         self.max_total = max_total
         self.max_per_address = max_per_address
         self.clock = clock
@@ -159,7 +163,7 @@ class Gate:
 class LogBudget:
     """At most `limit` lines per `window_s`; lines over it are counted, and reported once the window turns."""
 
-    def __init__(self, limit: int, window_s: float = 10.0, clock=time.monotonic, name: str = ""):
+    def __init__(self, limit: int, window_s: float = 10.0, clock: Callable[[], float] = time.monotonic, name: str = ""):
         self.limit, self.window_s, self.clock, self.name = limit, window_s, clock, name  # name: whose lines
         self._start = clock()
         self._used = 0

@@ -76,7 +76,7 @@ class Request:
     deadline: float  # monotonic seconds; inf for a session without an SLO class
     arrival: float  # monotonic seconds
     slo: float = 0.0  # the session's class in tokens/s; 0 = none (metrics label)
-    job: Any = None  # what the engine runs (verifier.Job)
+    job: Any = None  # what the model thread runs (a requests.Request: open, verify or ar)
     future: Any = None  # the batcher's asyncio future for the outcome
     late: bool = field(default=False, init=False)  # set when it could not meet its deadline even alone
 
@@ -91,7 +91,8 @@ def slo_batch(
 ) -> list[Request]:
     """WISP Algorithm 1 at dispatch epoch `now`; returns the batch (a sub-list of pending)."""
     solo = {id(r): model.predict_ms([r.member]) / 1e3 for r in pending}  # v_i, seconds
-    critical, other = [], []
+    critical: list[Request] = []
+    other: list[Request] = []
     for r in pending:
         r.late = now + solo[id(r)] > r.deadline
         (critical if now >= r.deadline - solo[id(r)] - guard_s else other).append(r)

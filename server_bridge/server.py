@@ -47,32 +47,43 @@ import signal
 import socket
 import ssl
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from http import HTTPStatus
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
-from websockets.asyncio.server import ServerConnection, serve
+from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
+from websockets.http11 import Request, Response
 
 from protocol import images, modelfiles, wire
 
 from .batcher import Batcher
 from .config import ServerConfig
 from .estimator import VerifyTimeModel, batch_memory_bytes
+from .exit_setup import exit_taps
 from .metrics import ServerMetrics
+from .opens import slo_class
 from .outbox import Outbox
 from .peers import FORWARDED_HEADERS, Client, Gate, LogBudget, address_key, client_address, parse_networks, peer_ip
+from .requests import ArOutcome, ArRequest, OpenNeedsRoom, OpenOutcome, OpenRequest, RoundOutcome, VerifyRequest
 from .scheduler import Scheduler, deadline
 from .sessions import Session, SessionTable, in_request
-from .verifier import Job, OpenNeedsRoom, Verifier, exit_taps, slo_class
+from .verifier import Verifier
+
+if TYPE_CHECKING:
+    from .target import Target
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 # Errors after which an authenticated connection is closed too (before hello, every error closes it).
 FATAL = {"bad_token", "vocab_mismatch", "bad_version", "not_authenticated"}
 
 
-def is_loopback(remote) -> bool:
+def is_loopback(remote: Any) -> bool:
     try:
         return ipaddress.ip_address(remote[0]).is_loopback
     except (TypeError, ValueError, IndexError):
@@ -106,12 +117,12 @@ class _Connection(ServerConnection):
     exempt: bool = False  # a trusted loopback peer: not in the strangers' table
     client: Client | None = None  # who it is, from its request (process_request)
 
-    def connection_made(self, transport) -> None:
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
         self.accepted_at = time.monotonic()
         self.bridge._accepted(self)
 
-    def connection_lost(self, exc) -> None:
+    def connection_lost(self, exc: Exception | None) -> None:
         super().connection_lost(exc)
         self.bridge.gate.release(self)
 
@@ -159,12 +170,12 @@ class BridgeServer:
         self._connections = 0
         self._live: dict[int, ServerConnection] = {}  # conn_id -> connection, for the drain
         self._busy: set[int] = set()  # connections serving a request now
-        self._server = None
+        self._server: Server | None = None
         self.port: int | None = None
         self.gate = Gate(config.max_unauthenticated, config.max_unauthenticated_per_address)  # before hello
         self._proxies = parse_networks(config.trusted_proxies)
         self._strangers_log = LogBudget(config.log_lines_per_10s, name="unauthenticated peers")
-        self._metrics_server = None
+        self._metrics_server: Server | None = None
         self.metrics_port: int | None = None  # metrics_listen's port, once started
         self.replica_id = config.replica_id  # "" until start() knows the port
         self.draining = False
@@ -173,7 +184,7 @@ class BridgeServer:
 
     async def start(self) -> None:
         tls = tls_context(self.config)
-        self._server = await serve(
+        self._server = server = await serve(
             self.handle,
             self.config.host,
             self.config.port,
@@ -188,12 +199,12 @@ class BridgeServer:
             # the TLS handshake (ssl_handshake_timeout defaults to it) and the HTTP upgrade: a peer that
             # sends nothing is gone after this; hello's own deadline then counts from the accept
             open_timeout=self.config.hello_timeout_s,
-            create_connection=self._new_connection,
+            create_connection=cast("type[ServerConnection]", self._new_connection),  # a factory serve calls
         )
-        self.port = self._server.sockets[0].getsockname()[1]
+        self.port = server.sockets[0].getsockname()[1]
         if self.config.metrics_address is not None:
             host, port = self.config.metrics_address
-            self._metrics_server = await serve(
+            self._metrics_server = metrics_server = await serve(
                 _no_websocket,
                 host,
                 port,
@@ -201,7 +212,7 @@ class BridgeServer:
                 compression=None,
                 open_timeout=self.config.hello_timeout_s,
             )
-            self.metrics_port = self._metrics_server.sockets[0].getsockname()[1]
+            self.metrics_port = metrics_server.sockets[0].getsockname()[1]
             log.info("/metrics and /healthz also on http://%s:%d, without a token", host, self.metrics_port)
         self.replica_id = self.config.replica_id or f"{socket.gethostname()}:{self.port}"
         self._janitor = asyncio.create_task(self._evict_idle_forever(), name="session-janitor")
@@ -237,6 +248,7 @@ class BridgeServer:
         if self._metrics_server is not None:
             self._metrics_server.close()
             await self._metrics_server.wait_closed()
+        assert self._server is not None, "stop() before start()"
         self._server.close()
         await self._server.wait_closed()
         if self.sessions.clear():  # their sequences go back to the engine (a target outlives its server)
@@ -251,9 +263,14 @@ class BridgeServer:
         """Serve until SIGTERM (drain, then stop) or SIGINT (stop at once)."""
         await self.start()
         loop = asyncio.get_running_loop()
-        stop = loop.create_future()
-        loop.add_signal_handler(signal.SIGTERM, lambda: stop.done() or stop.set_result("drain"))
-        loop.add_signal_handler(signal.SIGINT, lambda: stop.done() or stop.set_result("stop"))
+        stop: asyncio.Future[str] = loop.create_future()
+
+        def stopping(how: str) -> None:
+            if not stop.done():
+                stop.set_result(how)
+
+        loop.add_signal_handler(signal.SIGTERM, stopping, "drain")
+        loop.add_signal_handler(signal.SIGINT, stopping, "stop")
         if await stop == "drain":
             await self.drain()
         log.info("shutting down")
@@ -306,7 +323,7 @@ class BridgeServer:
         conn.bridge = self
         return conn
 
-    def _from_proxy(self, remote) -> bool:
+    def _from_proxy(self, remote: Any) -> bool:
         return client_address(peer_ip(remote), [], False, self._proxies).via_proxy
 
     def _accepted(self, conn: _Connection) -> None:
@@ -346,14 +363,14 @@ class BridgeServer:
                 conn.transport.abort()
         return admitted
 
-    def _client(self, connection, request) -> Client:
+    def _client(self, connection: ServerConnection, request: Request) -> Client:
         """Who sent `request`: the TCP peer, or the client a trusted proxy names in X-Forwarded-For."""
         headers = getattr(request, "headers", None)
         forwarded = headers.get_all("X-Forwarded-For") if headers is not None else []
         proxied = headers is not None and any(h in headers for h in FORWARDED_HEADERS)
         return client_address(peer_ip(connection.remote_address), forwarded, proxied, self._proxies)
 
-    def _bearer_ok(self, request) -> bool:
+    def _bearer_ok(self, request: Request) -> bool:
         """The request carries `Authorization: Bearer <token>` with this server's token."""
         headers = getattr(request, "headers", None)
         values = headers.get_all("Authorization") if headers is not None and self.config.token else []
@@ -364,10 +381,10 @@ class BridgeServer:
             credential.strip().encode(), self.config.token.encode()
         )
 
-    def _log_stranger(self, level: int, fmt: str, *args, exc_info=None) -> None:
+    def _log_stranger(self, level: int, fmt: str, *args: object, exc_info: bool | None = None) -> None:
         self._log(self._strangers_log, level, fmt, *args, exc_info=exc_info)
 
-    def _log(self, budget: LogBudget, level: int, fmt: str, *args, exc_info=None) -> None:
+    def _log(self, budget: LogBudget, level: int, fmt: str, *args: object, exc_info: bool | None = None) -> None:
         """One log line within `budget`; beyond it the line is counted, and the count logged once the window turns."""
         ok, dropped = budget.take()
         if dropped:
@@ -379,8 +396,9 @@ class BridgeServer:
 
     # ------------------------------------------------------------------ plain HTTP
 
-    def process_request(self, connection: ServerConnection, request):
+    def process_request(self, ws: ServerConnection, request: Request) -> Response | None:
         # Refused before the websocket upgrade, so the robot sees why without a half-open session.
+        connection = cast(_Connection, ws)  # serve makes every connection with _new_connection
         client = self._client(connection, request)
         connection.client = client
         trusted = self.config.loopback_trusted and client.loopback
@@ -426,7 +444,7 @@ class BridgeServer:
             )
         return None  # everything else is a websocket upgrade
 
-    def _process_metrics_request(self, connection: ServerConnection, request):
+    def _process_metrics_request(self, connection: ServerConnection, request: Request) -> Response:
         """metrics_listen: /healthz (in full) and /metrics without a token; never a websocket."""
         if request.path == "/healthz":
             return self._healthz(connection, full=True)
@@ -564,7 +582,7 @@ class BridgeServer:
         await ws.close(1008, error.code)
         return False
 
-    def _decode(self, frame) -> wire.Message:
+    def _decode(self, frame: str | bytes) -> wire.Message:
         """wire.decode, with anything it raises besides WireError turned into bad_frame: a decoder bug must not
         end the connection with 1011 and a traceback."""
         try:
@@ -642,9 +660,10 @@ class BridgeServer:
             client = client_key(ws, self.config.loopback_trusted)
             self.sessions.make_room(msg.sid, conn_id, client)  # idle sessions go before a robot is refused
             secret = self.sessions.secret_for(msg.sid, conn_id, msg.resume)
-            job, (session, ms) = await self._open(msg, conn_id, slo)
-            if job.ended is not None:
-                self.metrics.count_generation(job.ended.slo, *job.ended.generation_ended())
+            opened = await self._open(msg, conn_id, slo)
+            session = opened.session
+            if opened.ended is not None:
+                self.metrics.count_generation(opened.ended.slo, *opened.ended.generation_ended())
             session.client, session.resume = client, secret
             try:
                 self.sessions.check_owner(msg.sid, conn_id, msg.resume)  # another connection took it meanwhile
@@ -659,7 +678,7 @@ class BridgeServer:
                 wire.Opened(
                     msg.sid,
                     len(session.state.ids),
-                    {"prefill_ms": ms, "passes": session.state.passes},
+                    {"prefill_ms": opened.ms, "passes": session.state.passes},
                     self.replica_id,
                     session.resume,
                 ),
@@ -670,8 +689,9 @@ class BridgeServer:
             emit = self._exit_sink(outbox) if session.exits else None
             try:
                 outcome = await self._submit(
-                    Job("verify", msg, session, emit=emit), session, len(msg.draft_ids) + (msg.fix is not None)
+                    VerifyRequest(session, msg, emit), len(msg.draft_ids), len(msg.draft_ids) + (msg.fix is not None)
                 )
+                assert isinstance(outcome, RoundOutcome)
             finally:
                 # Every exit of this round is in the outbox by now (queued before the pass returned);
                 # what is still pending there is useless once the result is out. No await from here
@@ -699,9 +719,9 @@ class BridgeServer:
             await self._stream_ar(ws, conn_id, msg)
         elif isinstance(msg, wire.Close):
             self.metrics.exits_purged += outbox.purge(msg.sid)
-            session = self.sessions.peek(msg.sid)
-            if self.sessions.discard(msg.sid, conn_id):  # idempotent: closing a gone session is fine
-                self.metrics.count_generation(session.slo, *session.generation_ended())
+            closing = self.sessions.peek(msg.sid)
+            if self.sessions.discard(msg.sid, conn_id) and closing is not None:  # closing a gone session is fine
+                self.metrics.count_generation(closing.slo, *closing.generation_ended())
         else:
             raise wire.WireError("bad_type", f"{msg.TYPE} is not a request a robot may send")
 
@@ -712,28 +732,30 @@ class BridgeServer:
         await self._in_model_thread(self.verifier.fix, session, msg.fix)  # a split correction owed, if any
         for seq in range(msg.max_tokens):
             session = self.sessions.get(msg.sid, conn_id)  # evicted mid-stream -> unknown_session
-            token, ms, p = await self._submit(Job("ar", None, session), session, 0)
+            out = await self._submit(ArRequest(session), 0, 0)
+            assert isinstance(out, ArOutcome)
+            token, ms, p = out
             self.metrics.count_ar_token(ms)
             done = seq + 1 == msg.max_tokens or token in stop
             sent = await self._send(ws, wire.Token(msg.sid, seq, token, done, {"verify_ms": ms, "passes": 1}, p))
             if done or not sent:  # a dead link stops the stream: the robot re-opens and asks again
                 return
 
-    async def _open(self, msg: wire.Open, conn_id: int, slo: float) -> tuple[Job, tuple[Session, float]]:
-        """An open through the batcher: its Job and (session, ms). While the engine's shared room is all held
+    async def _open(self, msg: wire.Open, conn_id: int, slo: float) -> OpenOutcome:
+        """An open through the batcher. While the engine's shared room is all held
         (every sequence; a unified KV pool's cells), the least recently used session not in a request
         (detached first) is evicted and the open tried again: `overloaded` only when every session is in
         a request (or MAX_EVICTIONS_PER_OPEN went and still no room)."""
         now = time.monotonic()
-        for evictions in itertools.count():
+        evictions = 0
+        while True:
             previous = self.sessions.peek(msg.sid)  # a re-open keeps the KV of what it shares
-            job = Job("open", msg, previous, conn_id, arrival=now)
             try:
                 with in_request(previous):
                     # worth one token, due when the first token is at the class's speed: an open is always
                     # urgent, since the first round's budget counts from it
-                    return job, await self.batcher.submit(
-                        job,
+                    return await self.batcher.submit(
+                        OpenRequest(msg, conn_id, previous, now),
                         (0, len(msg.prompt_ids) - 1 if previous is None else 1),
                         1.0,
                         deadline(slo, now, 1.0),
@@ -746,6 +768,7 @@ class BridgeServer:
                     raise wire.WireError(
                         "overloaded", f"{e.reason}, each by a session in a request now: retry later", msg.sid
                     ) from None
+                evictions += 1
 
     def _release_sessions(self, sessions: list[Session]) -> None:
         """SessionTable.on_release: free the engine sequences of sessions let go, in the model thread after
@@ -756,14 +779,15 @@ class BridgeServer:
         except RuntimeError:  # the model thread has stopped: they go when collected
             pass
 
-    async def _submit(self, job: Job, session: Session, extra: int):
-        """A verify or ar job of `session` through the batcher; `extra` new tokens beyond the uncached ids."""
+    async def _submit(self, req: VerifyRequest | ArRequest, k: int, extra: int) -> RoundOutcome | ArOutcome:
+        """A verify round (k drafted tokens) or an ar token (k 0) through the batcher; `extra` new tokens beyond
+        the session's uncached ids."""
+        session = req.session
         state = session.state
-        k = len(job.msg.draft_ids) if job.kind == "verify" else 0
         value = session.alpha * k + 1  # expected committed tokens
         with in_request(session):  # not evicted while it waits or runs
             return await self.batcher.submit(
-                job,
+                req,
                 (state.cached, len(state.ids) - state.cached + extra),
                 value,
                 deadline(session.slo, max(session.t0, session.t_last), value),
@@ -793,7 +817,7 @@ class BridgeServer:
                 return
             self.metrics.exits_sent += 1
 
-    async def _in_model_thread(self, fn, *args):
+    async def _in_model_thread(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.model_thread, fn, *args)
 
     async def _send(self, ws: ServerConnection, msg: wire.Message) -> bool:
@@ -834,7 +858,7 @@ def load_estimator(spec: str, target_name: str) -> VerifyTimeModel:
     return model
 
 
-def target_from_config(config: ServerConfig):
+def target_from_config(config: ServerConfig) -> Target:
     """The target on the engine the config names, sized by its session and context limits."""
     from .target import load_target
 

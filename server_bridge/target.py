@@ -24,13 +24,16 @@ import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
 from protocol.grammar import Grammar, GrammarCache, GrammarError, vocab_only
 
 from .engine import Engine, Pass, Sequence, load_engine
+
+if TYPE_CHECKING:
+    from .engine_llamacpp import LlamaCppEngine
 
 log = logging.getLogger(__name__)
 
@@ -100,9 +103,9 @@ class Target:
             import llama_cpp as L
 
             if self.engine.info.engine == "llamacpp":
-                vocab, owner = L.llama_model_get_vocab(self.engine.model), self.engine
+                vocab, owner = L.llama_model_get_vocab(cast("LlamaCppEngine", self.engine).model), self.engine
             elif self.grammars_supported:
-                owner, vocab, n = vocab_only(self.engine.path)  # the vocabulary alone, no weights
+                owner, vocab, n = vocab_only(str(self.engine.path))  # the vocabulary alone, no weights
                 if n != self.engine.vocab_size:
                     raise GrammarError(f"{self.engine.path} has {n} tokens, the target {self.engine.vocab_size}")
             else:
@@ -200,11 +203,11 @@ class Target:
             rows = [r[..., : self.vocab_size] for r in rows]  # a view: no copy on either engine
         return rows
 
-    def argmax(self, rows) -> np.ndarray:
+    def argmax(self, rows: Any) -> np.ndarray:
         """The greedy ids of a pass's rows [keep] (int64): only they leave the device."""
         return np.asarray(self.engine.to_numpy(rows.argmax(-1)), dtype=np.int64)
 
-    def to_numpy(self, rows) -> np.ndarray:
+    def to_numpy(self, rows: Any) -> np.ndarray:
         """A pass's rows on the host, float32 [keep, vocab]."""
         return self.engine.to_numpy(rows)
 

@@ -31,10 +31,11 @@ the image's cells after each of its first decoder layers (`Embedded.deepstack`),
 the text model's own forward.
 
 Decoding and preprocessing (resize, tiles or patches, normalisation) are kept for the last CACHED images by
-sha256, with their bytes, so an image sent once is known by its hash after (a re-open sends only the
-hash); the vision tower runs on every `embed` (an open: rare). `positions`, `cells`, `resolve` and `prepare`
-may be called from any thread: the server decodes and preprocesses an open's images with `prepare` in a
-thread of its own, before the open reaches the model thread, which then finds them READY and only embeds them.
+sha256, with their bytes, in runtime/vision.py's `ImageCache` (the llamacpp engine's libmtmd uses the same),
+so an image sent once is known by its hash after (a re-open sends only the hash); the vision tower runs on
+every `embed` (an open: rare). `positions`, `cells`, `resolve` and `prepare` may be called from any thread:
+the server decodes and preprocesses an open's images with `prepare` in a thread of its own, before the open
+reaches the model thread, which then finds them READY and only embeds them.
 
 Untrusted bytes: the header's width and height are checked against protocol/images.py's limits before PIL
 opens the bytes, PIL's own reading of the size is checked again before it decodes a pixel, and PIL's
@@ -44,23 +45,22 @@ MAX_IMAGE_PIXELS is lowered to the same limit (it refuses twice that by itself).
 from __future__ import annotations
 
 import io
-import threading
-from collections import OrderedDict
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from protocol.images import MAX_IMAGE_PIXELS, PromptImage, check_header, check_size
-from runtime.vision import UnknownImage
+from runtime.vision import ImageCache, image_data
 
-CACHED = 8  # preprocessed images kept by sha256 (tiles in the model's dtype + bytes)
-READY = 8  # images preprocessed ahead by `prepare`, not yet taken by the model thread (beyond: the oldest is
-# dropped, and preprocessed again when its open runs)
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
-def pil_image():
+def pil_image() -> ModuleType:
     """PIL's Image module, its MAX_IMAGE_PIXELS lowered to protocol/images.py's limit (PIL warns above it and
     refuses twice it by itself: a second line behind check_size). Imported on first use: a text-only torch
     server needs no Pillow."""
@@ -98,33 +98,35 @@ def decode(image: PromptImage) -> np.ndarray:
     """[h, w, 3] uint8 pixels of the image's bytes; ValueError naming the image if they are none
     (ImageError, before anything is decoded, for an image over protocol/images.py's limits)."""
     Image = pil_image()
-    check_header(image.data)
+    data = image_data(image)
+    check_header(data)
     try:
-        with Image.open(io.BytesIO(image.data), formats=("JPEG", "PNG")) as im:
+        with Image.open(io.BytesIO(data), formats=("JPEG", "PNG")) as im:
             check_size(*im.size)  # PIL's own reading of the header, before it decodes a pixel
             return np.asarray(im.convert("RGB"))
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:  # PIL raises each for some bytes
         raise ValueError(
-            f"image {image.sha256[:12]} ({len(image.data)} bytes, "
+            f"image {image.sha256[:12]} ({len(data)} bytes, "
             f"{image.format or 'neither JPEG nor PNG'}) could not be decoded: {e}"
         ) from e
 
 
 class Vision:
-    """A VLM's images through its processor and tower: the cache, READY and the embedding merge.
+    """A VLM's images through its processor and tower: the image cache (runtime.vision.ImageCache) and the
+    embedding merge.
     A family says how its processor is called (`_process`) and, for M-RoPE, where its layout sits (`_rope`)."""
 
     mrope = False  # 3-D positions (time, row, column); False: 1-D, one position a cell
 
-    def __init__(self, model, processor):
+    def __init__(self, model: Any, processor: Any):  # a transformers ...ForConditionalGeneration and its processor
         pil_image()  # PIL's own limit, from the start
         self.model = model  # the ...ForConditionalGeneration, on its device
         self.processor = processor
         self.image_token_id = int(model.config.image_token_id)
         self.marker = getattr(processor, "image_token", "<image>")
-        self._cache: OrderedDict[str, Prepared] = OrderedDict()
-        self._ready: OrderedDict[str, Prepared] = OrderedDict()  # made by `prepare`, not yet in the cache
-        self._lock = threading.Lock()  # the cache and READY: positions() and prepare() come from other threads
+        # sha256 -> the image preprocessed (runtime/vision.py's cache, the llamacpp engine's too): positions()
+        # and prepare() come from other threads
+        self.images: ImageCache[Prepared] = ImageCache(self._prepare)
 
     def positions(self, image: PromptImage) -> int:
         """Positions the image's marker advances a sequence by (its cells for 1-D positions; fewer for M-RoPE).
@@ -138,23 +140,14 @@ class Vision:
 
     def resolve(self, image: PromptImage) -> PromptImage:
         """The image with its bytes: as it came, or filled in from the cache; UnknownImage if not cached."""
-        if image.data is not None:
-            return image
-        return replace(image, data=self._prepared(image).data)
+        return self.images.resolve(image)
 
     def prepare(self, image: PromptImage) -> None:
         """Decode and preprocess the image now, in the calling thread, so that the model thread finds it ready.
 
         Raises ValueError for bytes that are no image (ImageError for an image over the limits, before
         anything is decoded). An image that came as its hash alone is left to the model thread."""
-        with self._lock:
-            if image.data is None or image.sha256 in self._cache or image.sha256 in self._ready:
-                return
-        prep = self._prepare(image)
-        with self._lock:
-            self._ready[image.sha256] = prep
-            while len(self._ready) > READY:
-                self._ready.popitem(last=False)
+        self.images.prepare(image)
 
     def embed(self, image: PromptImage) -> Embedded:
         """The layout's input embeddings [cells, hidden], image features at its image tokens (model's dtype)."""
@@ -175,23 +168,7 @@ class Vision:
         return Embedded(text.masked_scatter(at[:, None], features), at, prep.rope, prep.positions, deepstack)
 
     def _prepared(self, image: PromptImage) -> Prepared:
-        with self._lock:
-            hit = self._cache.get(image.sha256)
-            if hit is not None:
-                self._cache.move_to_end(image.sha256)
-                return hit
-            prep = self._ready.pop(image.sha256, None)
-        if prep is None:
-            if image.data is None:
-                raise UnknownImage(
-                    f"image {image.sha256[:12]} came as its sha256 alone and is not cached: send its bytes again"
-                )
-            prep = self._prepare(image)  # not prepared ahead (a direct caller), or dropped from READY
-        with self._lock:
-            self._cache[image.sha256] = prep
-            while len(self._cache) > CACHED:
-                self._cache.popitem(last=False)
-        return prep
+        return self.images.get(image)
 
     def _prepare(self, image: PromptImage) -> Prepared:
         pixels = decode(image)
@@ -203,7 +180,7 @@ class Vision:
             ) from e
         rope = self._rope(ids, inputs) if self.mrope else None
         positions = int(rope.max()) + 1 if rope is not None else len(ids)
-        return Prepared(bytes(image.data), ids, inputs, rope, positions)
+        return Prepared(image_data(image), ids, inputs, rope, positions)
 
     def _process(self, pixels: np.ndarray) -> tuple[torch.Tensor, dict]:
         """([cells] the marker's layout, the get_image_features inputs) for [h, w, 3] pixels."""
@@ -251,18 +228,18 @@ VISIONS = {  # model_type -> how its images are read
 MROPE_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen2_5_omni", "qwen3_omni", "glm4v")
 
 
-def is_vlm(config) -> bool:
+def is_vlm(config: PretrainedConfig) -> bool:
     """A vision-language model's config: it carries its vision tower's."""
     return getattr(config, "vision_config", None) is not None
 
 
-def uses_mrope(config) -> bool:
+def uses_mrope(config: PretrainedConfig) -> bool:
     text = getattr(config, "text_config", None) or config
     ropes = [getattr(c, a, None) for c in (config, text) for a in ("rope_scaling", "rope_parameters")]
     return config.model_type.startswith(MROPE_TYPES) or any(isinstance(r, dict) and "mrope_section" in r for r in ropes)
 
 
-def vision_for(config):
+def vision_for(config: PretrainedConfig) -> type[Vision] | None:
     """The vision class for a VLM's config; None for a VLM whose images this engine does not read (it is
     then served as text); ValueError for an M-RoPE model other than the Qwen-VLs read here."""
     kind = config.model_type
@@ -278,7 +255,7 @@ def vision_for(config):
     return None
 
 
-def load_processor(model_dir: Path, config):
+def load_processor(model_dir: Path, config: PretrainedConfig) -> Any:
     """The model's own processor (local files only). A Qwen-VL's processor holds a video processor too, which
     transformers builds only with torchvision: without it the same processor class is loaded with its image
     processor and tokenizer alone (images never reach the video part)."""
@@ -296,5 +273,5 @@ def load_processor(model_dir: Path, config):
 
     cls = getattr(transformers, PROCESSOR_MAPPING_NAMES[config.model_type])
     parts = classmethod(lambda c: ["image_processor", "tokenizer"])  # what ProcessorMixin loads and checks
-    images_only = type(cls.__name__, (cls,), {"get_attributes": parts})
+    images_only: Any = type(cls.__name__, (cls,), {"get_attributes": parts})  # a processor class
     return images_only.from_pretrained(model_dir, local_files_only=True)

@@ -5,8 +5,9 @@ import pytest
 
 from protocol import wire
 from server_bridge.config import ServerConfig
+from server_bridge.requests import OpenRequest, VerifyRequest
 from server_bridge.target import Extension
-from server_bridge.verifier import Job, Verifier
+from server_bridge.verifier import Verifier
 
 pytestmark = pytest.mark.real
 
@@ -76,9 +77,10 @@ def test_a_padded_pass_gives_every_row_the_logits_it_gets_alone(target, prompts,
 def test_after_a_padded_pass_each_cache_is_its_own_again(target, prompts, references):
     """The caches cut out of a batch carry on alone: the next solo pass gives the reference token."""
     states = [target.new_state(ids) for ids in prompts[:3]]
-    batch = [Extension(s, s.ids[s.cached :] + ref[:2], 3) for s, ref in zip(states, references[:3], strict=True)]
+    refs = references[:3]
+    batch = [Extension(s, s.ids[s.cached :] + ref[:2], 3) for s, ref in zip(states, refs, strict=True)]
     target.extend(batch)
-    for s, ref in zip(states, references[:3], strict=True):
+    for s, ref in zip(states, refs, strict=True):
         target.commit(s, ref[:3], len(s.ids) + 2)  # the pass verified ref[:2]; ref[2] is its bonus
         assert s.seq.length >= s.cached == len(s.ids) - 1
         assert int(np.argmax(target.score(s, [])[0])) == ref[3]
@@ -90,15 +92,15 @@ def test_batched_rounds_commit_what_each_session_commits_alone(target, prompts, 
     verifier = Verifier(target, ServerConfig())
     sessions = {}
     jobs = [
-        Job(
-            "open",
+        OpenRequest(
             wire.Open(f"s{i}", ids, {"temperature": 0.0, "top_k": 0, "seed": 0}, payload={"kind": "none", "k": 0}),
         )
         for i, ids in enumerate(prompts)
     ]
     results, _, members = verifier.run_batch(jobs)
     assert len(members) == len(prompts) and all(m[0] == 0 for m in members)  # six cold prefills in one pass
-    for (session, _), ids in zip(results, prompts, strict=True):
+    for opened, ids in zip(results, prompts, strict=True):
+        session = opened.session
         sessions[session.sid] = session
         assert session.state.cached == len(ids) - 1
     rng = np.random.default_rng(0)
@@ -112,10 +114,10 @@ def test_batched_rounds_commit_what_each_session_commits_alone(target, prompts, 
             draft = list(ref[n : n + int(rng.integers(0, 5))])
             if draft and rng.random() < 0.4:
                 draft[int(rng.integers(0, len(draft)))] = 42  # a wrong guess somewhere
-            jobs.append(Job("verify", wire.Verify(s.sid, r, len(s.state.ids), draft, {"kind": "none"}), s))
+            jobs.append(VerifyRequest(s, wire.Verify(s.sid, r, len(s.state.ids), draft, {"kind": "none"})))
         results, _, members = verifier.run_batch(jobs)
         assert len(members) == len(jobs)
-        for outcome in results:
+        for _job, outcome in zip(jobs, results, strict=True):
             assert not isinstance(outcome, Exception), outcome
     for i, (ids, ref) in enumerate(zip(prompts, references, strict=True)):
         got = sessions[f"s{i}"].state.ids[len(ids) :]
@@ -127,8 +129,8 @@ def test_a_bad_request_gets_its_error_and_leaves_the_others_pass_alone(target, p
     good, _ = verifier.open(wire.Open("good", prompts[0], {"temperature": 0.0}), 1, None)
     bad, _ = verifier.open(wire.Open("bad", prompts[1], {"temperature": 0.0}), 1, None)
     jobs = [
-        Job("verify", wire.Verify("bad", 0, len(prompts[1]) + 5, [1, 2], {"kind": "none"}), bad),  # desync
-        Job("verify", wire.Verify("good", 0, len(prompts[0]), references[0][:3], {"kind": "none"}), good),
+        VerifyRequest(bad, wire.Verify("bad", 0, len(prompts[1]) + 5, [1, 2], {"kind": "none"})),  # desync
+        VerifyRequest(good, wire.Verify("good", 0, len(prompts[0]), references[0][:3], {"kind": "none"})),
     ]
     (err, outcome), _, members = verifier.run_batch(jobs)
     assert isinstance(err, wire.WireError) and err.code == "desync"

@@ -7,8 +7,9 @@ from protocol import payload, wire
 from protocol.payload import PayloadSpec
 from protocol.sampling import SamplingParams
 from server_bridge.config import ServerConfig
+from server_bridge.requests import RoundOutcome, VerifyRequest
 from server_bridge.target import Extension
-from server_bridge.verifier import Job, RoundOutcome, Verifier
+from server_bridge.verifier import Verifier, VerifyWork
 
 pytestmark = pytest.mark.real
 
@@ -21,7 +22,7 @@ def engine_target(request):
 
 
 def _round(sid, session, draft=()):
-    return Job("verify", wire.Verify(sid, 0, len(session.state.ids), list(draft), {"kind": "none"}), session)
+    return VerifyRequest(session, wire.Verify(sid, 0, len(session.state.ids), list(draft), {"kind": "none"}))
 
 
 @pytest.mark.parametrize("failure", ["raises", "nan_logits"])
@@ -37,14 +38,14 @@ def test_one_sessions_failure_in_a_batch_fails_that_session_alone(engine_target,
     b, _ = verifier.open(wire.Open("b", ids_b, GREEDY), 1, None)
     truth_b = int(engine_target.score(engine_target.new_state(ids_b), []).argmax(-1)[0])
     if failure == "raises":
-        finish = Verifier._finish_verify
+        finish = VerifyWork.finish
 
-        def broken(self, job, rows):
-            if job.sid == "a":
+        def broken(self, rows):
+            if self.msg.sid == "a":
                 raise RuntimeError("a bug in one verdict")
-            return finish(self, job, rows)
+            return finish(self, rows)
 
-        monkeypatch.setattr(Verifier, "_finish_verify", broken)
+        monkeypatch.setattr(VerifyWork, "finish", broken)
     else:
         forward = engine_target.engine.forward
 
@@ -108,7 +109,7 @@ def test_a_split_correction_is_committed_only_after_its_pass_and_a_retried_round
         raise RuntimeError("the pass died")
 
     monkeypatch.setattr(target, "extend", dead_pass)
-    (err,), _, _ = verifier.run_batch([Job("verify", msg, session)])
+    (err,), _, _ = verifier.run_batch([VerifyRequest(session, msg)])
     assert isinstance(err, wire.WireError) and err.code == "internal"
     assert session.state.ids == before and session.owed is not None  # the fix is still owed
     monkeypatch.undo()

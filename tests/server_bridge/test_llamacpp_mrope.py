@@ -1,6 +1,6 @@
 """The llamacpp engine on the Qwen-VL family (M-RoPE): an image advances a sequence by its positions, not its tokens.
 
-On each family's tiny random model (tests/models/qwen_vlm.py: its f32 GGUF + mmproj by llama.cpp's own converter)
+On each family's tiny random model (tools/models/qwen_vlm.py: its f32 GGUF + mmproj by llama.cpp's own converter)
 a 96 x 128 image is 48 tokens (KV cells) and 8 positions (libmtmd's n_pos, max(rows, cols) of its 6 x 8
 embeddings). The engine must compute what libmtmd computes on its own for the whole prompt, place the text
 after an image at the position after the image's last, verify a tail as one forward of prompt + tail would,
@@ -11,14 +11,14 @@ behind that the next pass may not overlap).
 """
 
 import ctypes
-import io
 
 import numpy as np
 import pytest
 
 from protocol.images import PromptImage
 from server_bridge.engine import Pass, load_engine
-from tests.models import qwen_vlm as qv
+from tests.server_bridge.vision_setup import image_bytes, open_images, prompt_images
+from tools.models import qwen_vlm as qv
 
 pytestmark = pytest.mark.real
 
@@ -43,19 +43,12 @@ def pixels(seed: int) -> np.ndarray:
 
 
 def encoded(seed: int) -> bytes:
-    from PIL import Image
-
-    out = io.BytesIO()
-    Image.fromarray(pixels(seed)).save(out, format="PNG")  # lossless: libmtmd sees these pixels
-    return out.getvalue()
+    return image_bytes(pixels(seed))  # PNG, lossless: libmtmd sees these pixels
 
 
 def prompt(engine, seeds=(0,), text: str = qv.PROMPT) -> tuple[list[int], dict[int, PromptImage]]:
     """The prompt's ids and its images on their <|image_pad|> markers, in order."""
-    ids = engine.tokenizer.encode(text)
-    at = [i for i, t in enumerate(ids) if t == engine.image_token_id]
-    assert len(at) == len(seeds)
-    return ids, {i: PromptImage.of(encoded(s), i) for i, s in zip(at, seeds, strict=True)}
+    return prompt_images(engine, [encoded(s) for s in seeds], text)
 
 
 def libmtmd(vlm, text: str, seeds=(0,)) -> tuple[np.ndarray, int]:
@@ -102,10 +95,7 @@ def libmtmd(vlm, text: str, seeds=(0,)) -> tuple[np.ndarray, int]:
 
 def open_with(engine, seeds=(0,), text: str = qv.PROMPT):
     """A new sequence holding the prompt: (sequence, ids, images, [vocab] logits after the prompt)."""
-    ids, images = prompt(engine, seeds, text)
-    seq = engine.new_sequence()
-    [rows] = engine.forward([Pass(seq, 0, ids, 1, images=images)])
-    return seq, ids, images, rows[0]
+    return open_images(engine, [encoded(s) for s in seeds], text)
 
 
 def test_an_image_takes_its_positions_and_the_logits_are_libmtmds(vlm, engine):

@@ -1,12 +1,10 @@
 """The llamacpp engine with a vision projector: a prompt's image marker expands to the image's positions.
 
-On the test VLM (tests/models/make_test_vlm.py: a random SmolVLM, its f32 GGUF and mmproj by llama.cpp's own
+On the test VLM (tools/models/make_test_vlm.py: a random SmolVLM, its f32 GGUF and mmproj by llama.cpp's own
 converter) the engine must compute what libmtmd computes on its own for the whole prompt, place the
 text after an image at the right positions, roll back across and before an image, and refuse what it
 cannot read (corrupt bytes, another model's projector, images on a text-only engine) with the reason.
 """
-
-import io
 
 import numpy as np
 import pytest
@@ -16,16 +14,11 @@ from protocol.images import PromptImage
 from runtime.vision import CACHED, UnknownImage
 from server_bridge.engine import Pass, load_engine
 from server_bridge.engine_llamacpp import LlamaCppEngine
-from tests.models import make_test_vlm as tv
+from tests.server_bridge.vision_setup import CORRUPT_JPEG, TAIL, decoded, encoded, open_with, prompt, vlm
+from tools.models import make_test_vlm as tv
 
 pytestmark = pytest.mark.real
-
-TAIL = " A red box"  # three ids after the prompt: the verify-shaped passes
-
-
-@pytest.fixture(scope="module")
-def vlm():
-    return tv.make(log=lambda m: None)
+__all__ = ["vlm"]  # the shared fixture, used by name
 
 
 @pytest.fixture(scope="module")
@@ -33,35 +26,6 @@ def engine(vlm):
     return load_engine(
         str(vlm.target), engine="llamacpp", threads=1, max_sequences=8, kv_tokens=1024, mmproj=vlm.target_mmproj
     )
-
-
-def encoded(seed: int, fmt: str = "PNG") -> bytes:
-    from PIL import Image
-
-    out = io.BytesIO()
-    Image.fromarray(tv.random_image(seed)).save(out, format=fmt, quality=95)
-    return out.getvalue()
-
-
-def decoded(data: bytes) -> np.ndarray:
-    """[h, w, 3] uint8: the pixels of encoded bytes as PIL reads them (the reference's input)."""
-    from PIL import Image
-
-    return np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))
-
-
-def prompt(engine, data: bytes, text: str = tv.PROMPT) -> tuple[list[int], dict[int, PromptImage]]:
-    ids = engine.tokenizer.encode(text)
-    at = ids.index(engine.image_token_id)
-    return ids, {at: PromptImage.of(data, at)}
-
-
-def open_with(engine, data: bytes, text: str = tv.PROMPT):
-    """A new sequence holding the prompt: (sequence, ids, images, [vocab] logits after the prompt)."""
-    ids, images = prompt(engine, data, text)
-    seq = engine.new_sequence()
-    [rows] = engine.forward([Pass(seq, 0, ids, 1, images=images)])
-    return seq, ids, images, rows[0]
 
 
 def test_an_image_expands_to_libmtmds_positions_and_the_logits_are_libmtmds(vlm, engine):
@@ -150,7 +114,7 @@ def test_an_image_pass_in_a_batch_leaves_the_other_sessions_as_they_were(engine)
 def test_corrupt_bytes_are_refused_before_anything_is_written_and_the_engine_serves_on(engine):
     ids, _ = prompt(engine, encoded(0))
     at = ids.index(engine.image_token_id)
-    bad = PromptImage.of(b"\xff\xd8\xff\xc0\x00\x08\x08\x00\x40\x00\x40\x00\xff\xda\x00\x02" + b"not a jpeg" * 40, at)
+    bad = PromptImage.of(CORRUPT_JPEG, at)
     text = engine.tokenizer.encode("Go to the door")
     seq, other = engine.new_sequence(), engine.new_sequence()
     used = engine.kv_used
@@ -194,9 +158,7 @@ def test_image_positions_and_resolve_answer_from_the_cache(engine):
     assert engine.resolve(image) is image and engine.resolve(by_hash) == image  # the bytes from the cache
     assert engine.image_positions(by_hash) == 33
     with pytest.raises(ValueError, match="could not be decoded"):
-        engine.image_positions(
-            PromptImage.of(b"\xff\xd8\xff\xc0\x00\x08\x08\x00\x40\x00\x40\x00\xff\xda\x00\x02" + b"not a jpeg" * 40, 2)
-        )
+        engine.image_positions(PromptImage.of(CORRUPT_JPEG, 2))
 
 
 def test_a_text_only_engine_refuses_images(vlm):

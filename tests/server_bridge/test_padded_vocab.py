@@ -207,10 +207,10 @@ def test_the_exits_of_a_padded_target_score_its_real_vocabulary_alone(padded, tm
     import torch
 
     from server_bridge.config import ServerConfig
+    from server_bridge.exit_setup import load_exits
     from server_bridge.exits import ExitConfig
     from server_bridge.exits_torch import ExitHeads
     from server_bridge.target import load_target
-    from server_bridge.verifier import load_exits
 
     vlm, hf_dir, n = padded
     target = load_target(str(hf_dir), "torch", device="cpu", dtype="float32", threads=1, max_sequences=2)

@@ -1,6 +1,6 @@
 """The torch engine on M-RoPE vision-language models (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): positions, not token counts.
 
-On each family's tiny random test model (tests/models/qwen_vlm.py, conftest's qwen_vlm) an image takes
+On each family's tiny random test model (tools/models/qwen_vlm.py, conftest's qwen_vlm) an image takes
 rows x cols KV cells but advances the position by max(rows, cols) only, and the text after it sits at the
 previous maximum + 1 on all three rotary axes (Qwen3-VL also adds deepstack features at the image's cells).
 The engine must compute what transformers computes for the whole prompt with the model's own processor and
@@ -9,8 +9,6 @@ counted by tokens), roll back after and before an image, keep a batch's sessions
 up two images' positions.
 """
 
-import io
-
 import numpy as np
 import pytest
 import torch
@@ -18,11 +16,11 @@ import torch
 from protocol.images import PromptImage
 from server_bridge import vision_torch
 from server_bridge.engine import Pass, load_engine
-from tests.models import qwen_vlm as qv
+from tests.server_bridge.vision_setup import TAIL, image_bytes, open_images, prompt_images, run
+from tools.models import qwen_vlm as qv
 
 pytestmark = pytest.mark.real
 
-TAIL = " A red box"  # three ids after the prompt: the verify-shaped passes
 CLOSE = 1e-4  # float32 on both sides (logits ~4 wide: the same operations, in another order)
 WIDE, SQUARE = (96, 128), (64, 64)  # (height, width): 6 x 8 embeddings at 8 positions; 4 x 4 at 4
 
@@ -65,30 +63,16 @@ def pixels(seed: int, size: tuple[int, int] = WIDE) -> np.ndarray:
 
 
 def encoded(seed: int, size: tuple[int, int] = WIDE) -> bytes:
-    from PIL import Image
-
-    out = io.BytesIO()
-    Image.fromarray(pixels(seed, size)).save(out, format="PNG")
-    return out.getvalue()
+    return image_bytes(pixels(seed, size))
 
 
 def prompt(engine, datas: list[bytes], text: str = qv.PROMPT) -> tuple[list[int], dict[int, PromptImage]]:
-    ids = engine.tokenizer.encode(text)
-    at = [i for i, t in enumerate(ids) if t == engine.image_token_id]
-    assert len(at) == len(datas)
-    return ids, {i: PromptImage.of(d, i) for i, d in zip(at, datas, strict=True)}
-
-
-def run(engine, passes: list[Pass]) -> list[np.ndarray]:
-    return [engine.to_numpy(rows) for rows in engine.forward(passes)]
+    return prompt_images(engine, datas, text)
 
 
 def open_with(engine, data: bytes, text: str = qv.PROMPT):
     """A new sequence holding the prompt: (sequence, ids, images, [vocab] logits after the prompt)."""
-    ids, images = prompt(engine, [data], text)
-    seq = engine.new_sequence()
-    [rows] = run(engine, [Pass(seq, 0, ids, 1, images=images)])
-    return seq, ids, images, rows[0]
+    return open_images(engine, [data], text)
 
 
 def test_an_image_prompt_gives_transformers_logits_at_its_positions(vlm, engine, reference):

@@ -1,6 +1,6 @@
 """The torch engine on a vision-language model: a prompt's image marker expands to the image's positions.
 
-On the test VLM (tests/models/make_test_vlm.py: a random SmolVLM as a Hugging Face directory) the engine must
+On the test VLM (tools/models/make_test_vlm.py: a random SmolVLM as a Hugging Face directory) the engine must
 compute what transformers computes for the whole prompt with its own processor and forward, place the
 text after an image at the right positions, roll back across and before an image, keep a batch's text
 sessions as they are alone, and refuse what it cannot read (corrupt bytes, a hash it does not hold,
@@ -8,28 +8,21 @@ images on a text-only target, an M-RoPE model whose positions it does not comput
 Qwen-VLs (M-RoPE) have tests of their own: test_torch_mrope.py.
 """
 
-import io
-
 import numpy as np
 import pytest
 import torch
 
 from protocol.images import PromptImage
-from runtime.vision import UnknownImage
+from runtime.vision import CACHED, UnknownImage
 from server_bridge.engine import Pass, load_engine
 from server_bridge.engine_torch import TorchEngine
-from server_bridge.vision_torch import CACHED
-from tests.models import make_test_vlm as tv
+from tests.server_bridge.vision_setup import CORRUPT_JPEG, TAIL, decoded, encoded, open_with, prompt, run, vlm
+from tools.models import make_test_vlm as tv
 
 pytestmark = pytest.mark.real
+__all__ = ["vlm"]  # the shared fixture, used by name
 
-TAIL = " A red box"  # three ids after the prompt: the verify-shaped passes
 CLOSE = 1e-5  # float32 on both sides, the same operations in one pass
-
-
-@pytest.fixture(scope="module")
-def vlm():
-    return tv.make(log=lambda m: None)
 
 
 @pytest.fixture(scope="module")
@@ -54,39 +47,6 @@ def reference(vlm):
             return model(**inputs).logits[0, -n:].numpy()
 
     return rows
-
-
-def encoded(seed: int, fmt: str = "PNG") -> bytes:
-    from PIL import Image
-
-    out = io.BytesIO()
-    Image.fromarray(tv.random_image(seed)).save(out, format=fmt, quality=95)
-    return out.getvalue()
-
-
-def decoded(data: bytes) -> np.ndarray:
-    """[h, w, 3] uint8: the pixels of encoded bytes as PIL reads them (the reference's input)."""
-    from PIL import Image
-
-    return np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))
-
-
-def prompt(engine, data: bytes, text: str = tv.PROMPT) -> tuple[list[int], dict[int, PromptImage]]:
-    ids = engine.tokenizer.encode(text)
-    at = ids.index(engine.image_token_id)
-    return ids, {at: PromptImage.of(data, at)}
-
-
-def run(engine, passes: list[Pass]) -> list[np.ndarray]:
-    return [engine.to_numpy(rows) for rows in engine.forward(passes)]
-
-
-def open_with(engine, data: bytes, text: str = tv.PROMPT):
-    """A new sequence holding the prompt: (sequence, ids, images, [vocab] logits after the prompt)."""
-    ids, images = prompt(engine, data, text)
-    seq = engine.new_sequence()
-    [rows] = run(engine, [Pass(seq, 0, ids, 1, images=images)])
-    return seq, ids, images, rows[0]
 
 
 def test_an_image_expands_to_the_processors_layout_and_the_logits_are_transformers(vlm, engine):
@@ -176,7 +136,7 @@ def test_an_image_pass_in_a_batch_leaves_the_other_sessions_as_they_were(engine)
 def test_corrupt_bytes_are_refused_before_anything_is_written_and_the_engine_serves_on(engine):
     ids, _ = prompt(engine, encoded(0))
     at = ids.index(engine.image_token_id)
-    bad = PromptImage.of(b"\xff\xd8\xff\xc0\x00\x08\x08\x00\x40\x00\x40\x00\xff\xda\x00\x02" + b"not a jpeg" * 40, at)
+    bad = PromptImage.of(CORRUPT_JPEG, at)
     text = engine.tokenizer.encode("Go to the door")
     seq, other = engine.new_sequence(), engine.new_sequence()
     with pytest.raises(ValueError, match="could not be decoded"):

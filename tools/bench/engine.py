@@ -24,8 +24,9 @@ import numpy as np
 
 from protocol import wire
 from server_bridge.config import ServerConfig
+from server_bridge.requests import VerifyRequest
 from server_bridge.target import Extension, load_target
-from server_bridge.verifier import Job, Verifier
+from server_bridge.verifier import Verifier
 from tools.bench import harness
 
 TOKENS = (1, 2, 4, 8)
@@ -113,7 +114,7 @@ def round_overhead(target, cache: int, iters: int, rng) -> list[dict]:
 
         def one_round(sessions: list = sessions, draft: list[int] = draft) -> None:
             frames = [wire.encode(wire.Verify(s.sid, 0, len(s.state.ids), draft, {"kind": "none"})) for s in sessions]
-            jobs = [Job("verify", wire.decode(f), s) for f, s in zip(frames, sessions, strict=True)]
+            jobs = [VerifyRequest(s, wire.decode(f)) for f, s in zip(frames, sessions, strict=True)]
             results, _, _ = verifier.run_batch(jobs)
             for s, out in zip(sessions, results, strict=True):
                 wire.encode(
