@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 RECOVERABLE = {"unknown_session", "desync", "unknown_image"}
 # The session id is held by another connection and our prompt does not carry its committed prefix
 # (a named session re-opened with a new prompt after the link dropped between two generations):
-# re-opening the same id cannot help, a fresh id does (agent/spec/decoder.py switches once per open).
+# re-opening the same id cannot help, a fresh id does (agent/spec/session.py switches once per open).
 TAKEN = "session_taken"
 # Close codes after which the server is gone on purpose (1012 a replica draining, 1001 a server going
 # away): reconnect at once, the balancer sends the robot to a replica that serves.
