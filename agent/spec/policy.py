@@ -61,7 +61,11 @@ class DraftPolicy:
 
 
 class DraftController:
-    """One generation's drafting decisions; fed what every round and streamed token shows.
+    """One generation's drafting decisions, and the one place the draft length is decided: the decoder asks
+    `plan()` before each round (how many tokens to draft), hands the drafter `watch()` (the predictor's
+    stop), and tells `observe()` what the round showed (drafted, accepted, timings); streamed tokens and
+    pings feed the estimates too. True from `observe()` (AS2) turns speculation off; `decide_streaming()`
+    turns it back on.
 
     The cost estimates and AS2's state describe the link and the model pair, not
     one prompt, so a decoder passes the same `estimator` and `as2` to each of its
