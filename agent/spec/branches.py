@@ -146,8 +146,11 @@ class BranchDrafter:
         self.held = self.held[:keep]
         for kind, run, at in self.drafter.image_runs(seq, keep, len(seq)):
             if kind == "image":  # a prompt's image, through the draft's projector
-                last = at + self.drafter.vision.positions(run) == len(seq)  # the sequence ends on it: its row
-                n = self.drafter.vision.eval(self._ctx.ctx, 0, at, run, 512, logits_last=last)
+                vision = self.drafter.vision
+                if vision is None:
+                    raise BranchError("an image in a sequence of a draft without a projector (mmproj)")
+                last = at + vision.positions(run) == len(seq)  # the sequence ends on it: its row
+                n = vision.eval(self._ctx.ctx, 0, at, run, 512, logits_last=last)
                 self.held.extend(seq[at : at + n])
                 continue
             for start in range(at, at + len(run), 512):
@@ -194,8 +197,8 @@ class BranchDrafter:
                 entries.append((tok, len(b.tokens) + i, b.seq, i == len(b.feed) - 1))
             last.append(len(entries) - 1)
         self._decode(entries)
-        for b, row in zip(branches, last):
-            logits = self._logits(row)
+        for b, at in zip(branches, last, strict=True):
+            logits = self._logits(at)
             b.tokens.extend(b.feed)
             token, q, row = draw(logits, params, payload.for_params(params), b.rng)
             if row is not None:

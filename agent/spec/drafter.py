@@ -25,7 +25,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -106,7 +106,9 @@ def _model_params(use_extra_bufts: bool):
             llama_module.llama_cpp.llama_model_default_params = original
 
 
-def stack_candidates(rows: list[tuple[np.ndarray, np.ndarray]], n_cands: int):
+def stack_candidates(
+    rows: list[tuple[np.ndarray, np.ndarray]], n_cands: int
+) -> tuple[np.ndarray, np.ndarray] | tuple[None, None]:
     """Per-position (ids, probs) -> ([k, K] int32, [k, K] float32); (None, None) when not asked for."""
     if not n_cands:
         return None, None
@@ -209,14 +211,14 @@ class Drafter:
         from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
         fmt = Jinja2ChatFormatter(self.chat_template, eos_token="", bos_token="")
-        return fmt(messages=messages).prompt
+        return fmt(messages=messages).prompt  # type: ignore[arg-type]  # plain dicts of llama_cpp's TypedDicts
 
     def detokenize(self, ids: list[int], skip: set[int] | frozenset = frozenset()) -> str:
         ids = [t for t in ids if t not in skip]
         self.check_ids(ids, "detokenize")
         return self.llm.detokenize(ids, special=True).decode("utf-8", "replace")
 
-    def check_ids(self, ids, what: str = "token ids") -> None:
+    def check_ids(self, ids: Sequence[int] | np.ndarray, what: str = "token ids") -> None:
         """ValueError unless every id is in [0, vocab_size). Every id that reaches llama.cpp passes here
         first: its C++ throws std::out_of_range on an id outside the vocabulary (token_to_piece), which
         aborts the whole process (the robot's e-stop with it), whatever sent the id."""
@@ -263,7 +265,7 @@ class Drafter:
         at = [i for i, t in enumerate(ids) if t == self.image_marker]
         if len(at) != len(images):
             raise ValueError(f"the prompt holds {len(at)} image markers ({marker}) for {len(images)} images")
-        return ids, [PromptImage.of(data, i) for data, i in zip(images, at)]
+        return ids, [PromptImage.of(data, i) for data, i in zip(images, at, strict=True)]
 
     @property
     def images(self) -> list[PromptImage]:
@@ -297,7 +299,7 @@ class Drafter:
         """KV cells the first n ids take (an M-RoPE image's tokens outnumber its positions)."""
         return n + sum(cells - 1 for at, (_, _, _, cells) in self._images.items() if at < n)
 
-    def image_runs(self, kv: list[int], start: int, end: int):
+    def image_runs(self, kv: list[int], start: int, end: int) -> Iterator[tuple[str, Any, int]]:
         """kv[start:end] as ("text", ids, pos) and ("image", PromptImage, pos) runs; start must not cut an image."""
         stand_ins = {stand_in: image for image, _, stand_in, _ in self._images.values()}
         p = start
@@ -335,6 +337,8 @@ class Drafter:
             if kind == "text":
                 self.llm.eval(what)
                 continue
+            if self.vision is None:
+                raise ValueError(f"an image at position {pos} in the context of a draft without a projector (mmproj)")
             llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(self.llm.ctx), 0, pos, -1)
             n = self.vision.eval(self.llm.ctx, 0, pos, what, self.llm.n_batch, logits_last=logits_last)
             self.llm.input_ids[pos : pos + n] = kv[pos]
@@ -412,7 +416,7 @@ class Drafter:
         rows: list = []
         cands: list[tuple[np.ndarray, np.ndarray]] = []
         payload = payload.for_params(params)
-        logits = self._logits_after(committed) if k else None
+        logits = self._logits_after(committed) if k else np.empty(0, np.float32)  # [vocab_real]; k = 0: unused
         walk = grammar.clone() if grammar is not None and k else None
         for i in range(k):
             if watch is not None and not watch(i, logits):
@@ -452,7 +456,7 @@ def constrained_draw(
     spec: PayloadSpec,
     rng: np.random.Generator,
     grammar: GrammarState | None,
-):
+) -> tuple[int, np.ndarray | None, object]:
     """payload.draw under a grammar's state: greedy takes the masked argmax (one check when the best token is
     allowed), sampling draws from q restricted to the whole allowed set."""
     if grammar is None:

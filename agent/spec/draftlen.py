@@ -196,9 +196,9 @@ class CostEstimator:
         self.link_weight = link_weight
         self.accepts = prior_alpha * prior_weight
         self.rejects = (1.0 - prior_alpha) * prior_weight
-        self.verify = deque(maxlen=window)  # (positions, ms)
-        self.network = deque(maxlen=window)  # (drafted tokens, ms) of rounds
-        self.drafting = deque(maxlen=window)  # (drafted tokens, ms) of rounds
+        self.verify: deque[tuple[float, float]] = deque(maxlen=window)  # (positions, ms)
+        self.network: deque[tuple[float, float]] = deque(maxlen=window)  # (drafted tokens, ms) of rounds
+        self.drafting: deque[tuple[float, float]] = deque(maxlen=window)  # (drafted tokens, ms) of rounds
         self.round_trip: float | None = None  # ms, moving average
         self._off_link: tuple | None = None  # the last round, when off the round trip: (side, round, trip, rt)
         self.draft_ms: float | None = None

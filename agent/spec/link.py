@@ -30,7 +30,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
-from websockets.sync.client import connect
+from websockets.sync.client import ClientConnection, connect
 
 from protocol import wire
 
@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 RECOVERABLE = {"unknown_session", "desync", "unknown_image"}
 # The session id is held by another connection and our prompt does not carry its committed prefix
 # (a named session re-opened with a new prompt after the link dropped between two generations):
-# re-opening the same id cannot help, a fresh id does (agent/spec/decoder.py switches once per open).
+# re-opening the same id cannot help, a fresh id does (agent/spec/session.py switches once per open).
 TAKEN = "session_taken"
 # Close codes after which the server is gone on purpose (1012 a replica draining, 1001 a server going
 # away): reconnect at once, the balancer sends the robot to a replica that serves.
@@ -86,8 +86,9 @@ def default_robot_id() -> str:
 
 def _closed(e: ConnectionClosed) -> tuple[str, bool]:
     """Why the server closed, and whether it closed to be replaced (reconnect at once)."""
-    code = e.rcvd.code if e.rcvd is not None else None
-    return (f"closed by the verifier ({code} {e.rcvd.reason})" if code is not None else str(e)), code in RESTART_CODES
+    if e.rcvd is None:
+        return str(e), False
+    return f"closed by the verifier ({e.rcvd.code} {e.rcvd.reason})", e.rcvd.code in RESTART_CODES
 
 
 class ServerError(RuntimeError):
@@ -165,7 +166,7 @@ class VerifierLink:
         self.open_timeout_s = open_timeout_s
         self.recv_timeout_s = recv_timeout_s
         self.keepalive_s = keepalive_s  # a dead link shows within ~2 keepalives, not websockets' 20 s
-        self.ws = None
+        self.ws: ClientConnection | None = None
         self._stack = contextlib.ExitStack()  # owns the connection (websockets wants a context manager)
         self.welcome: wire.Welcome | None = None
         self.bytes_up = 0
@@ -186,7 +187,7 @@ class VerifierLink:
                     close_timeout=1.0,
                     compression=None,
                     additional_headers={"X-Robot-Id": self.robot_id} if self.robot_id else None,
-                    **({"ssl": self.ssl} if self.ssl is not None else {}),
+                    ssl=self.ssl,  # None for ws://
                 )
             )
         except InvalidStatus as e:

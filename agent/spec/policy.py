@@ -13,15 +13,21 @@ run reports what the optimal policy would have chosen.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 
 from .draftlen import As2, As2Config, CostEstimator, Costs, optimal_gamma
+from .metrics import Metrics
 from .predictor import RejectionPredictor, TraceWriter, feature_row
 
+log = logging.getLogger(__name__)
+
 POLICIES = ("fixed", "predictor", "optimal", "predictor+optimal")
+MAX_SWITCHES = 64  # Metrics.as2_switches kept per generation
 
 
 @dataclass(frozen=True)
@@ -55,7 +61,11 @@ class DraftPolicy:
 
 
 class DraftController:
-    """One generation's drafting decisions; fed what every round and streamed token shows.
+    """One generation's drafting decisions, and the one place the draft length is decided: the decoder asks
+    `plan()` before each round (how many tokens to draft), hands the drafter `watch()` (the predictor's
+    stop), and tells `observe()` what the round showed (drafted, accepted, timings); streamed tokens and
+    pings feed the estimates too. True from `observe()` (AS2) turns speculation off; `decide_streaming()`
+    turns it back on.
 
     The cost estimates and AS2's state describe the link and the model pair, not
     one prompt, so a decoder passes the same `estimator` and `as2` to each of its
@@ -94,6 +104,8 @@ class DraftController:
         self.expected_speedup: float | None = None  # S(gamma*) * rho: over target-only streaming
         self.feature_ms = 0.0
         self.stops = 0  # rounds the predictor cut short
+        self.lengths: dict[str, int] = {}  # str(k) -> rounds that drafted k tokens
+        self.switches: list[dict] = []  # AS2's switches, at most MAX_SWITCHES
         self._rows: list[np.ndarray] = []  # this round's feature rows
         self._stopped = False
         self._estimate()  # from earlier generations' rounds, if any
@@ -104,13 +116,20 @@ class DraftController:
 
     # ------------------------------------------------------------------ per round
 
-    def length(self) -> int:
-        """The draft length to ask for this round (the predictor may stop before it)."""
-        if self.policy.uses_optimal and self.gamma_star is not None:
-            return max(self.gamma_star, min(self.policy.min_len, self.max_len))
-        return self.gamma
+    def plan(self, remaining: int | None = None) -> int:
+        """How many tokens to draft this round (the predictor may stop before it, `watch`).
 
-    def watch(self):
+        `remaining`: the tokens the generation may still commit; a round commits at most k + 1, so
+        k <= remaining - 1. Without it, the length a round would draft now (FSD pre-drafts the next
+        round at that length before this one's result is known).
+        """
+        if self.policy.uses_optimal and self.gamma_star is not None:
+            k = max(self.gamma_star, min(self.policy.min_len, self.max_len))
+        else:
+            k = self.gamma
+        return k if remaining is None else min(k, remaining - 1)
+
+    def watch(self) -> Callable[[int, np.ndarray], bool] | None:
         """A callback for Drafter.propose: (position, logits [vocab]) -> draft this token? None if not needed."""
         self._rows = []
         self._stopped = False
@@ -129,10 +148,11 @@ class DraftController:
 
         return keep
 
-    def after_round(
-        self, number: int, k: int, accepted: int, draft_ms: float, verify_ms: float, network_ms: float
-    ) -> bool:
-        """Record a verified round; True when AS2 says to stop speculating now."""
+    def observe(self, number: int, k: int, accepted: int, draft_ms: float, verify_ms: float, network_ms: float) -> bool:
+        """Record verified round `number`: k tokens drafted (in draft_ms as the loop waited), `accepted` of them
+        accepted, the server's verify_ms and the rest of the round trip; True when AS2 says to stop
+        speculating now."""
+        self.lengths[str(k)] = self.lengths.get(str(k), 0) + 1
         self.stops += self._stopped
         if self.trace is not None and self._rows:
             self.trace.round(self.pair, self.session, number, self._rows[:k], accepted)
@@ -164,7 +184,38 @@ class DraftController:
     def _update(self) -> bool:
         if not self._estimate() or not (self.policy.uses_optimal and self.policy.as2):
             return False
+        assert self.expected_speedup is not None  # set by _estimate
         return self.as2.decide(self.expected_speedup, self.estimator.samples)
+
+    def switched(self, to: str, rounds: int, committed: int) -> None:
+        """Record (and log) an AS2 switch to `to` ("ar": target-only streaming, "sd": speculating again)
+        after `rounds` rounds with `committed` tokens."""
+        record = {"to": to, "round": rounds, "committed": committed, **self.summary()}
+        bound = self.policy.as2_config.leave_below if to == "ar" else self.policy.as2_config.return_above
+        record["reason"] = (
+            f"speculation's expected speedup over the target alone {self.expected_speedup:.2f} "
+            f"{'<=' if to == 'ar' else '>'} {bound} (acceptance {record['alpha']:.2f}, round trip "
+            f"{record.get('network_ms_0', 0):.0f} ms, target {record.get('verify_ms_0', 0):.0f} ms "
+            f"+ {record.get('verify_ms_per_token', 0):.1f} ms/position, draft "
+            f"{record.get('t_draft_ms', 0):.1f} ms/token)"
+        )
+        log.info("AS2: %s: %s", "target-only streaming" if to == "ar" else "speculating again", record["reason"])
+        if len(self.switches) < MAX_SWITCHES:
+            self.switches.append(record)
+
+    def fold(self, m: Metrics) -> None:
+        """This generation's drafting figures into its metrics."""
+        m.draft_policy = self.policy.kind
+        m.draft_lengths = dict(self.lengths)
+        m.as2_switches = list(self.switches)
+        m.gamma_star = self.gamma_star
+        m.expected_speedup = self.expected_speedup
+        m.estimates = self.summary()
+        m.predictor_stops = self.stops
+        m.feature_ms = self.feature_ms
+        if self.predictor is not None:
+            m.predictor_calls = self.predictor.calls
+            m.predictor_ms = self.predictor.ms
 
     def costs(self) -> Costs | None:
         return self.estimator.costs()

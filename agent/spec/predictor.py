@@ -117,7 +117,7 @@ class TraceWriter:
         judged = features[: accepted + 1]  # the accepted ones and the first rejected, if any
         for pos, row in enumerate(judged):
             rec = {"pair": pair, "session": session, "round": number, "label": int(pos < accepted)}
-            rec.update({name: round(float(v), 6) for name, v in zip(FEATURES, row)})
+            rec.update({name: round(float(v), 6) for name, v in zip(FEATURES, row, strict=True)})
             self.file.write(json.dumps(rec) + "\n")
             self.rows += 1
         self.file.flush()

@@ -39,6 +39,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Iterator
 
 import numpy as np
 
@@ -51,6 +52,7 @@ from .drafter import Draft, Drafter
 log = logging.getLogger(__name__)
 
 POLICIES = ("priority", "fifo", "random")
+_Item = tuple[float, int, tuple[int, ...], int]  # a queued verdict: (confidence, arrival, key, layer)
 
 
 class VerdictQueue:
@@ -64,21 +66,21 @@ class VerdictQueue:
         self.maxlen = maxlen
         self.policy = policy
         self.rng = rng or np.random.default_rng()
-        self._items: list[tuple[float, int, tuple[int, ...], int]] = []  # (confidence, arrival, key, layer)
+        self._items: list[_Item] = []
         self._arrival = itertools.count()
         self.dropped = 0
 
     def __len__(self) -> int:
         return len(self._items)
 
-    def _value(self, item) -> float:
+    def _value(self, item: _Item) -> float:
         score, arrival = item[:2]
         return score if self.policy == "priority" else -arrival if self.policy == "fifo" else 0.0
 
     def push(self, key: tuple[int, ...], score: float, layer: int = 0) -> None:
         self.push_back((score, next(self._arrival), key, layer))
 
-    def push_back(self, item: tuple[float, int, tuple[int, ...], int]) -> None:
+    def push_back(self, item: _Item) -> None:
         """Re-queue an item from `pop` in its old place in line."""
         self._items.append(item)
         if len(self._items) > self.maxlen:
@@ -89,7 +91,7 @@ class VerdictQueue:
             self._items.pop(victim)
             self.dropped += 1
 
-    def pop(self) -> tuple[float, int, tuple[int, ...], int] | None:
+    def pop(self) -> _Item | None:
         """The next item by policy: (confidence, arrival, key, layer), or None when empty."""
         if not self._items:
             return None
@@ -290,10 +292,10 @@ class PreDrafter:
                     log.warning("pre-draft worker did not deliver in %.1fs; drafting afresh", timeout_s)
                     break
                 self._cv.wait(left)
-            draft = r.cache.get(key)
-            self._reuse = key if draft is not None else None
+            found = r.cache.get(key)
+            self._reuse = key if found is not None else None
             self._end_locked()
-            return draft, hit and draft is not None
+            return found, hit and found is not None
 
     def cancel(self) -> None:
         """The generation ended: drop the round."""
@@ -320,7 +322,7 @@ class PreDrafter:
             with self._cv:
                 while not self._closed and (self._round is None or self._round.ended):
                     self._cv.wait()
-                if self._closed:
+                if self._closed or self._round is None:
                     return
                 r = self._round
             try:
@@ -376,7 +378,7 @@ class PreDrafter:
         r.drafting.pop(b.key, None)
         self.branches.drop(b)
 
-    def _admit(self, r: _Round, active: list[Branch], n: int, starts) -> None:
+    def _admit(self, r: _Round, active: list[Branch], n: int, starts: Iterator[int]) -> None:
         """Fill the branch slots (caller holds the lock).
 
         Once the result is in, only the wanted key is drafted. Before that, the
@@ -412,15 +414,14 @@ class PreDrafter:
             r.seen.add(key)
             active.append(self._start(r, key, estimate, n, starts))
 
-    def _best_pending(self, r: _Round) -> tuple[float, tuple[int, ...], tuple | None] | None:
+    def _best_pending(self, r: _Round) -> tuple[float, tuple[int, ...], _Item | None] | None:
         """The better of the next early verdict (by queue policy) and the best guess, off their queues:
         (estimate, key, the verdict-queue item or None for a guess).
 
         Candidates less likely than `min_odds` are dropped.
         """
-        exit_ = None
-        while len(r.exits) and exit_ is None:
-            item = r.exits.pop()
+        exit_: tuple[float, _Item] | None = None
+        while exit_ is None and (item := r.exits.pop()) is not None:
             odds = self.exit_odds(item[3])
             if item[2] not in r.seen and odds >= self.min_odds:
                 exit_ = (odds, item)
@@ -438,7 +439,7 @@ class PreDrafter:
         heapq.heappop(r.guesses)
         return guess[0], guess[1], None
 
-    def _start(self, r: _Round, key: tuple[int, ...], estimate: float, n: int, starts) -> Branch:
+    def _start(self, r: _Round, key: tuple[int, ...], estimate: float, n: int, starts: Iterator[int]) -> Branch:
         self.stats.branches_started += 1
         rng = np.random.default_rng([r.seed, r.number, next(starts), 7])
         b = self.branches.start(key, n, r.gamma, rng)
@@ -457,12 +458,13 @@ class PreDrafter:
         ids, cands, cand_p = r.draft.ids, r.draft.cands, r.draft.cand_p
         a = self.alpha
         scored: list[tuple[float, tuple[int, ...]]] = [(a ** (len(ids) + 1), tuple(ids) + (int(np.argmax(bonus)),))]
-        for j, tok in enumerate(ids if cands is not None else ()):
-            p_tok = float(cand_p[j][cands[j] == tok].sum())
-            others = [(float(p), int(c)) for c, p in zip(cands[j], cand_p[j]) if c != tok]
-            if others:
-                p_alt, alt = max(others)
-                scored.append((a**j * (1 - a) * p_alt / max(1e-6, 1 - p_tok), tuple(ids[:j]) + (alt,)))
+        if cands is not None and cand_p is not None:  # the draft's top-K per position: [k, K] ids, [k, K] probs
+            for j, tok in enumerate(ids):
+                p_tok = float(cand_p[j][cands[j] == tok].sum())
+                others = [(float(p), int(c)) for c, p in zip(cands[j], cand_p[j], strict=True) if c != tok]
+                if others:
+                    p_alt, alt = max(others)
+                    scored.append((a**j * (1 - a) * p_alt / max(1e-6, 1 - p_tok), tuple(ids[:j]) + (alt,)))
         with self._cv:
             for score, key in scored:
                 if not any(tok in r.stop_ids for tok in key):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from typing import Iterable
 
 import numpy as np
 
@@ -28,7 +29,7 @@ MAX_PASSES = 1 << 20
 TIMING = {"verify_ms": MAX_MS, "prefill_ms": MAX_MS, "exit_ms": MAX_MS, "passes": MAX_PASSES, "exit_layer": 1 << 12}
 
 
-def check_ids(ids, vocab: int, what: str) -> None:
+def check_ids(ids: Iterable[int], vocab: int, what: str) -> None:
     """Every id in [0, vocab); ProtocolViolation names the first that is not."""
     bad = next((t for t in ids if not 0 <= t < vocab), None)
     if bad is not None:
@@ -125,7 +126,7 @@ class StreamCheck:
     """What `ar` streams may send: for each request in order, tokens seq 0, 1, ... in the vocabulary, the
     one at max_tokens - 1 marked done, an earlier one done only on a stop id."""
 
-    def __init__(self, vocab: int, stop_ids):
+    def __init__(self, vocab: int, stop_ids: Iterable[int]) -> None:
         self.vocab = vocab
         self.stop_ids = frozenset(stop_ids)
         self.sizes: deque[int] = deque()  # max_tokens of each request not finished yet, oldest first

@@ -230,9 +230,9 @@ def test_estimates_carry_over_to_the_next_generation():
 
     est, as2 = CostEstimator(), As2()
     first = DraftController(DraftPolicy("optimal"), 4, 16, estimator=est, as2=as2)
-    assert first.gamma_star is None and first.length() == 4  # nothing known yet: gamma
+    assert first.gamma_star is None and first.plan() == 4  # nothing known yet: gamma
     for k in range(1, 11):
-        first.after_round(k, k % 8 + 1, k % 8 + 1, 20.0 * (k % 8 + 1), 60 + 5 * (k % 8 + 2), 5.0)
+        first.observe(k, k % 8 + 1, k % 8 + 1, 20.0 * (k % 8 + 1), 60 + 5 * (k % 8 + 2), 5.0)
     second = DraftController(DraftPolicy("optimal"), 4, 16, estimator=est, as2=as2)
-    assert second.gamma_star == first.gamma_star and second.length() == first.gamma_star
+    assert second.gamma_star == first.gamma_star and second.plan() == first.gamma_star
     assert second.accepted == 0  # the running acceptance is per session

@@ -338,7 +338,7 @@ def test_as2_streams_target_only_on_a_slow_link_and_speculates_again_when_it_rec
         worker = threading.Thread(target=lambda: result.update(gen=dec.generate(ids, mode="sd", max_tokens=n)))
         worker.start()
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and (dec.controller is None or dec.controller.speculating):
+        while time.monotonic() < deadline and dec.as2.speculating:  # AS2 spans generations
             time.sleep(0.02)
         proxy.set_profile(LinkProfile.from_rtt(10, jitter_ms=2))
         worker.join(120)
@@ -537,7 +537,7 @@ def test_a_named_session_whose_link_dropped_between_steps_reopens_its_detached_s
         robot.close()
     assert first.token_ids == expected[0] and second.token_ids == expected[1]
     assert second.metrics.session_switches == 0 and second.metrics.rounds >= 1  # the same sid, verified
-    assert second.metrics.reconnects == 1 and robot._sid_for("nav-robot") == "nav-robot"
+    assert second.metrics.reconnects == 1 and robot.sessions.sid_for("nav-robot") == "nav-robot"
     shared_ids = next(i for i, (a, b) in enumerate(zip(*steps, strict=False)) if a != b)
     assert shared_ids > 40 and sum(fed) < len(steps[1]) - shared_ids + 12 * 4  # the shared part not again
 
@@ -547,9 +547,9 @@ def test_a_named_session_held_by_another_live_connection_switches_sid_and_stays_
     robot): an open with another prompt cannot prove its committed prefix (session_taken). The robot
     switches the name to a fresh sid at once, keeps it for the later steps, and every answer is the
     target's own, verified by the server."""
-    from agent.spec import decoder as decoder_mod
+    from agent.spec import session as session_mod
 
-    caplog.set_level("INFO", logger="agent.spec.decoder")
+    caplog.set_level("INFO", logger="agent.spec.session")
     server = make_server()
     shared = "You are a careful robot. " * 10
     steps = [
@@ -572,15 +572,16 @@ def test_a_named_session_held_by_another_live_connection_switches_sid_and_stays_
         holder.close()
     assert first.token_ids == expected[0] and second.token_ids == expected[1] and third.token_ids == expected[2]
     assert second.metrics.session_switches == 1 and second.metrics.rounds >= 1  # verified, not offline
-    switched = robot._sids["nav-robot"]
+    switched = robot.sessions._sids["nav-robot"]
     assert switched.startswith("nav-robot.") and switched != "nav-robot"
     assert third.metrics.session_switches == 0 and third.metrics.reconnects == 0  # the fresh sid, kept
-    assert robot._sid_for("nav-robot") == switched
+    assert robot.sessions.sid_for("nav-robot") == switched
     assert [r.levelname for r in caplog.records if "is held by another connection" in r.getMessage()] == ["INFO"]
     # the names remembered are bounded: the least recent is forgotten (and falls back to its name)
-    for i in range(decoder_mod.MAX_SWITCHED_NAMES):
-        robot._switch_sid(f"other-{i}", f"other-{i}")
-    assert len(robot._sids) == decoder_mod.MAX_SWITCHED_NAMES and robot._sid_for("nav-robot") == "nav-robot"
+    for i in range(session_mod.MAX_SWITCHED_NAMES):
+        robot.sessions.switch_sid(f"other-{i}", f"other-{i}")
+    assert len(robot.sessions._sids) == session_mod.MAX_SWITCHED_NAMES
+    assert robot.sessions.sid_for("nav-robot") == "nav-robot"
 
 
 def test_a_refused_open_switches_sid_at_most_once(drafter, make_server, monkeypatch):

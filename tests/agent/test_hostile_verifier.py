@@ -243,7 +243,7 @@ def test_a_malformed_reply_is_a_protocol_violation_and_commits_nothing(drafter, 
     with FakeVerifier(drafter, tamper) as fake:
         decoder = decoder_for(drafter, fake.url, mode)
         try:
-            with caplog.at_level(logging.ERROR, "agent.spec.decoder"):
+            with caplog.at_level(logging.ERROR, "agent.spec.session"):
                 with pytest.raises(ProtocolViolation, match=says) as lost:
                     decoder.generate(prompt, mode=mode, max_tokens=6, params=params, gamma=3)
         finally:

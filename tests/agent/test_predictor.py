@@ -114,11 +114,11 @@ def test_stop_rule_respects_min_and_max(drafter, tmp_path, stop_from, min_len, g
     pred = RejectionPredictor(position_model(tmp_path / "p.onnx", stop_from))
     ctl = DraftController(DraftPolicy("predictor", min_len=min_len), gamma, server_limit=16, predictor=pred)
     ids = drafter.tokenize("Go to the kitchen and stop.", chat=True)
-    draft = drafter.propose(ids, ctl.length(), SamplingParams(), np.random.default_rng(0), watch=ctl.watch())
+    draft = drafter.propose(ids, ctl.plan(), SamplingParams(), np.random.default_rng(0), watch=ctl.watch())
     assert len(draft.ids) == want
     full = drafter.propose(ids, gamma, SamplingParams(), np.random.default_rng(0))
     assert draft.ids == full.ids[:want]  # stopping early never changes what was drafted
-    ctl.after_round(0, len(draft.ids), len(draft.ids), draft.ms, 50.0, 5.0)
+    ctl.observe(0, len(draft.ids), len(draft.ids), draft.ms, 50.0, 5.0)
     assert ctl.stops == int(want < gamma)
 
 
@@ -130,6 +130,6 @@ def test_policy_validation():
     with pytest.raises(ValueError, match="predictor"):
         DraftController(DraftPolicy("predictor"), 4, 16, predictor=None)
     ctl = DraftController(DraftPolicy("optimal"), 4, server_limit=16)
-    assert ctl.max_len == 16 and ctl.length() == 4  # gamma until estimates exist
+    assert ctl.max_len == 16 and ctl.plan() == 4  # gamma until estimates exist
     ctl = DraftController(DraftPolicy("fixed"), 20, server_limit=16)
-    assert ctl.length() == 16  # the server's limit wins
+    assert ctl.plan() == 16  # the server's limit wins

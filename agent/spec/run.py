@@ -1,0 +1,161 @@
+"""One generation's state (`Run`): made by EdgeDecoder.generate, handed to every round, dropped when it returns.
+
+The EdgeDecoder itself keeps only what spans generations (the drafter, the link and its sessions, the
+cost estimates); everything here is one prompt's: the committed ids, the grammar's walk over them,
+the images, the payload, the draft policy's per-generation controller and the metrics.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+from protocol import wire
+from protocol.grammar import GrammarCache, GrammarState
+from protocol.images import ImageError, PromptImage, check_offered
+from protocol.payload import PayloadSpec
+from protocol.sampling import SamplingParams
+
+from .link import ProtocolViolation, ServerError
+from .metrics import Metrics
+from .policy import DraftController
+
+
+class GrammarWalk:
+    """The draft's walk of a generation's grammar (GBNF) over the committed ids, which only grow."""
+
+    def __init__(self, gbnf: str, start: int, prompt_ids: list[int], grammars: GrammarCache) -> None:
+        if not 0 <= start <= len(prompt_ids):
+            raise ValueError(f"grammar_from {start} lies outside the prompt of {len(prompt_ids)} tokens")
+        self.wire = {"gbnf": gbnf, "from": start}  # Open.grammar
+        # GrammarError when the prompt's constrained part leaves the grammar
+        self.state: GrammarState = grammars.get(gbnf).walk(prompt_ids[start:])
+        self.pos = len(prompt_ids)  # the state is the walk over committed[:pos]
+
+    def at(self, committed: list[int]) -> GrammarState:
+        """The state after `committed`, walked on from where it was. A token the grammar forbids means the
+        verifier did not apply it: GrammarError."""
+        for t in committed[self.pos :]:
+            self.state.accept(t)
+        self.pos = len(committed)
+        return self.state
+
+    def check(self, committed: list[int], new: list[int], stops: set[int], what: str) -> None:
+        """`new` (to follow committed) must be what the grammar allows: the verifier masks the target with it.
+        Walks the state on past them (up to a stop id, where the generation ends), or raises
+        ProtocolViolation and leaves it as it was."""
+        state = self.at(committed)
+        end = next((i + 1 for i, t in enumerate(new) if t in stops), len(new))
+        walk = state.clone() if end > 1 else state  # accept() leaves the state as it was when it refuses
+        if walk.advance(new[:end]) < end:
+            raise ProtocolViolation(f"{what} leave the grammar the session is constrained by: {new[:end]}")
+        self.state, self.pos = walk, len(committed) + end
+
+
+class Run:
+    """One generation: its request, what it has committed so far, and its per-generation helpers."""
+
+    def __init__(
+        self,
+        prompt_ids: list[int],
+        mode: str,
+        max_tokens: int,
+        params: SamplingParams,
+        gamma: int,
+        session: str | None,
+        until: Callable[[list[int]], bool] | None,
+        spec: PayloadSpec,
+    ) -> None:
+        self.mode = mode
+        self.max_tokens = max_tokens
+        self.params = params
+        self.gamma = gamma  # the draft policy's starting (fixed: only) length
+        self.session = session  # a named server session kept open after the generation; None: a fresh one
+        self.until = until
+        self.spec = spec  # this generation's uplink payload (none when greedy)
+        self.n_prompt = len(prompt_ids)
+        self.committed = list(prompt_ids)  # the prompt and every token the target committed after it
+        self.rng = np.random.default_rng(params.seed)
+        self.m = Metrics(payload=str(spec) if mode in ("sd", "fsd") else "none")  # ar and local send no q
+        self.grammar: GrammarWalk | None = None
+        self.images: list[PromptImage] = []  # the prompt's images
+        self.image_bytes = True  # the next open sends their bytes (else their sha256)
+        self.owed: int | None = None  # split: the correction drawn here and not yet sent
+        self.exit_layers: list[int] = []  # the exits the open session asked for (hints from others break it)
+        self.controller: DraftController | None = None  # the draft policy's, made at the first open (SD, FSD)
+        self.last_round: tuple[int, tuple[int, ...]] | None = None  # FSD: whose next draft is pre-drafted
+        self._checked = 0  # output lengths `until` was asked about
+
+    def generated(self) -> list[int]:
+        return self.committed[self.n_prompt :]
+
+    def remaining(self) -> int:
+        """Tokens this generation may still commit."""
+        return self.max_tokens - len(self.committed) + self.n_prompt
+
+    def finished(self, stops: set[int]) -> list[int] | None:
+        """The output when the generation is over (a stop id, `until`, max_tokens), else None."""
+        out = self.generated()
+        stop = next((i for i, t in enumerate(out) if t in stops), None)
+        if stop is not None:  # SD can commit tokens past a stop id in one round
+            out = out[: stop + 1]
+        cut = self.cut(out)
+        if cut is not None:
+            return out[:cut]
+        if stop is not None:
+            return out
+        if len(out) >= self.max_tokens:
+            return out[: self.max_tokens]
+        return None
+
+    def cut(self, out: list[int]) -> int | None:
+        """The shortest length at which `until` holds, checking only lengths not checked before."""
+        if self.until is None:
+            return None
+        for n in range(self._checked + 1, len(out) + 1):
+            if self.until(out[:n]):
+                return n
+        self._checked = len(out)
+        return None
+
+    def grammar_at(self) -> GrammarState | None:
+        """The grammar's state after the committed ids; None without a grammar."""
+        return None if self.grammar is None else self.grammar.at(self.committed)
+
+    def check(self, new: list[int], stops: set[int], what: str) -> None:
+        """Under a grammar, tokens the target committed must be what it allows: else ProtocolViolation."""
+        if self.grammar is not None:
+            self.grammar.check(self.committed, new, stops, what)
+
+    def commit(self, new: list[int], stops: set[int], what: str) -> None:
+        """Append tokens the target committed, checked against the grammar first (ProtocolViolation)."""
+        self.check(new, stops, what)
+        self.committed.extend(new)
+
+    def open_images(self, welcome: wire.Welcome, marker: int | None, sid: str) -> list[PromptImage]:
+        """The images as an open sends them; ServerError before sending when the verifier cannot read them."""
+        if not self.images:
+            return []
+        offered = welcome.limits.get("images")
+        if not isinstance(offered, dict):
+            raise ServerError(
+                "no_vision",
+                f"the verifier ({welcome.target}) reads text only: serve a "
+                "vision-language target (--mmproj) or send no images",
+                sid,
+            )
+        if offered.get("marker") != marker:
+            raise ServerError(
+                "vocab_mismatch",
+                f"the verifier's image marker is {offered.get('marker')}, the "
+                f"draft's {marker}: not the same vision-language pair",
+                sid,
+            )
+        try:  # the verifier's own bounds, before anything is sent
+            check_offered(self.images, offered)
+        except ImageError as e:
+            raise ServerError("bad_image", str(e), sid) from None
+        if self.image_bytes:
+            return list(self.images)
+        return [PromptImage(im.at, im.sha256) for im in self.images]
