@@ -102,6 +102,7 @@ class Target:
         if self._grammars is None:
             import llama_cpp as L
 
+            owner: object  # what keeps the vocabulary alive: the engine, or a vocabulary-only model
             if self.engine.info.engine == "llamacpp":
                 vocab, owner = L.llama_model_get_vocab(cast("LlamaCppEngine", self.engine).model), self.engine
             elif self.grammars_supported:

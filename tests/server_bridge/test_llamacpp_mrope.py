@@ -1,6 +1,6 @@
 """The llamacpp engine on the Qwen-VL family (M-RoPE): an image advances a sequence by its positions, not its tokens.
 
-On each family's tiny random model (tools/models/qwen_vlm.py: its f32 GGUF + mmproj by llama.cpp's own converter)
+On each family's tiny random model (tests/models/qwen_vlm.py: its f32 GGUF + mmproj by llama.cpp's own converter)
 a 96 x 128 image is 48 tokens (KV cells) and 8 positions (libmtmd's n_pos, max(rows, cols) of its 6 x 8
 embeddings). The engine must compute what libmtmd computes on its own for the whole prompt, place the text
 after an image at the position after the image's last, verify a tail as one forward of prompt + tail would,
@@ -17,8 +17,8 @@ import pytest
 
 from protocol.images import PromptImage
 from server_bridge.engine import Pass, load_engine
+from tests.models import qwen_vlm as qv
 from tests.server_bridge.vision_setup import image_bytes, open_images, prompt_images
-from tools.models import qwen_vlm as qv
 
 pytestmark = pytest.mark.real
 

@@ -1,6 +1,6 @@
 """The llamacpp engine with a vision projector: a prompt's image marker expands to the image's positions.
 
-On the test VLM (tools/models/make_test_vlm.py: a random SmolVLM, its f32 GGUF and mmproj by llama.cpp's own
+On the test VLM (tests/models/make_test_vlm.py: a random SmolVLM, its f32 GGUF and mmproj by llama.cpp's own
 converter) the engine must compute what libmtmd computes on its own for the whole prompt, place the
 text after an image at the right positions, roll back across and before an image, and refuse what it
 cannot read (corrupt bytes, another model's projector, images on a text-only engine) with the reason.
@@ -14,8 +14,8 @@ from protocol.images import PromptImage
 from runtime.vision import CACHED, UnknownImage
 from server_bridge.engine import Pass, load_engine
 from server_bridge.engine_llamacpp import LlamaCppEngine
+from tests.models import make_test_vlm as tv
 from tests.server_bridge.vision_setup import CORRUPT_JPEG, TAIL, decoded, encoded, open_with, prompt, vlm
-from tools.models import make_test_vlm as tv
 
 pytestmark = pytest.mark.real
 __all__ = ["vlm"]  # the shared fixture, used by name

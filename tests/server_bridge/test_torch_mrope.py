@@ -1,6 +1,6 @@
 """The torch engine on M-RoPE vision-language models (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): positions, not token counts.
 
-On each family's tiny random test model (tools/models/qwen_vlm.py, conftest's qwen_vlm) an image takes
+On each family's tiny random test model (tests/models/qwen_vlm.py, conftest's qwen_vlm) an image takes
 rows x cols KV cells but advances the position by max(rows, cols) only, and the text after it sits at the
 previous maximum + 1 on all three rotary axes (Qwen3-VL also adds deepstack features at the image's cells).
 The engine must compute what transformers computes for the whole prompt with the model's own processor and
@@ -16,8 +16,8 @@ import torch
 from protocol.images import PromptImage
 from server_bridge import vision_torch
 from server_bridge.engine import Pass, load_engine
+from tests.models import qwen_vlm as qv
 from tests.server_bridge.vision_setup import TAIL, image_bytes, open_images, prompt_images, run
-from tools.models import qwen_vlm as qv
 
 pytestmark = pytest.mark.real
 

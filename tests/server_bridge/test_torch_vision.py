@@ -1,6 +1,6 @@
 """The torch engine on a vision-language model: a prompt's image marker expands to the image's positions.
 
-On the test VLM (tools/models/make_test_vlm.py: a random SmolVLM as a Hugging Face directory) the engine must
+On the test VLM (tests/models/make_test_vlm.py: a random SmolVLM as a Hugging Face directory) the engine must
 compute what transformers computes for the whole prompt with its own processor and forward, place the
 text after an image at the right positions, roll back across and before an image, keep a batch's text
 sessions as they are alone, and refuse what it cannot read (corrupt bytes, a hash it does not hold,
@@ -16,8 +16,8 @@ from protocol.images import PromptImage
 from runtime.vision import CACHED, UnknownImage
 from server_bridge.engine import Pass, load_engine
 from server_bridge.engine_torch import TorchEngine
+from tests.models import make_test_vlm as tv
 from tests.server_bridge.vision_setup import CORRUPT_JPEG, TAIL, decoded, encoded, open_with, prompt, run, vlm
-from tools.models import make_test_vlm as tv
 
 pytestmark = pytest.mark.real
 __all__ = ["vlm"]  # the shared fixture, used by name

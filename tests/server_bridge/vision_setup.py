@@ -9,7 +9,7 @@ import pytest
 
 from protocol.images import PromptImage
 from server_bridge.engine import Pass
-from tools.models import make_test_vlm as tv
+from tests.models import make_test_vlm as tv
 
 TAIL = " A red box"  # three ids after the SmolVLM prompt: the verify-shaped passes
 CORRUPT_JPEG = b"\xff\xd8\xff\xc0\x00\x08\x08\x00\x40\x00\x40\x00\xff\xda\x00\x02" + b"not a jpeg" * 40  # a
@@ -18,7 +18,7 @@ CORRUPT_JPEG = b"\xff\xd8\xff\xc0\x00\x08\x08\x00\x40\x00\x40\x00\xff\xda\x00\x0
 
 @pytest.fixture(scope="module")
 def vlm() -> tv.TinyVLM:
-    """The test SmolVLM (tools/models/make_test_vlm.py): its GGUF + mmproj and its Hugging Face directory."""
+    """The test SmolVLM (tests/models/make_test_vlm.py): its GGUF + mmproj and its Hugging Face directory."""
     return tv.make(log=lambda m: None)
 
 
