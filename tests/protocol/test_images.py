@@ -8,7 +8,6 @@ import threading
 import time
 import tracemalloc
 import zlib
-from collections import OrderedDict
 from types import SimpleNamespace
 
 import cv2
@@ -315,11 +314,11 @@ class FakeMtmd:
 
 
 def fake_vision(size=(64, 64)):
-    from runtime.vision import MtmdVision
+    from runtime.vision import ImageCache, MtmdVision
 
     vision = object.__new__(MtmdVision)  # no projector: the decode path alone
     vision.mtmd, vision.mctx, vision.marker = FakeMtmd(size), 1, b"<__media__>"
-    vision._cache, vision._ready, vision._ready_lock = OrderedDict(), OrderedDict(), threading.Lock()
+    vision.images = ImageCache(vision._entry, vision._free)
     return vision
 
 
@@ -346,7 +345,7 @@ def test_an_image_prepared_in_another_thread_is_only_taken_by_the_model_thread()
     worker.join()
     assert vision.positions(image) == 33 and vision.positions(image) == 33
     vision.prepare(image)  # cached now: nothing to do
-    assert vision.mtmd.threads == ["images_0"] and not vision._ready  # decoded once, off this thread
+    assert vision.mtmd.threads == ["images_0"] and not vision.images._ready  # decoded once, off this thread
     for seed in range(READY + 2):  # ready ones nobody took are dropped beyond READY, and freed
         vision.prepare(images.PromptImage.of(png_header(64, 64, ((b"tEXt", b"seed\0%d" % seed),)), 1))
-    assert len(vision._ready) == READY and vision.mtmd.freed == 2
+    assert len(vision.images._ready) == READY and vision.mtmd.freed == 2

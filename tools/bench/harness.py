@@ -34,7 +34,10 @@ Row = dict[str, Any]
 
 
 def get(row: Row, key: str) -> Any:
-    """row[key]; a dotted key reads into nested dicts ("violation_rate_by_class.8"); None where absent."""
+    """row[key]; a dotted key the row does not hold reads into nested dicts ("violation_rate_by_class.8");
+    None where absent. A key that holds a dot itself ("d, T 0.7") is found as it is first."""
+    if key in row:
+        return row[key]
     value: Any = row
     for part in key.split("."):
         value = value.get(part) if isinstance(value, dict) else None
