@@ -140,7 +140,7 @@ def test_layering():
 
 def test_layering_catches_a_crossing():
     assert allowed("agent.app.cli", "agent.spec.decoder") and allowed("agent.spec.decoder", "agent")
-    assert not allowed("agent.spec.decoder", "agent.app.nav")
+    assert not allowed("agent.spec.decoder", "agent.app.navigator")
     assert not allowed("agent.spec.decoder", "agent.robot.camera")
     assert not allowed("agent.app.daemon", "server_bridge.verifier")
     assert not allowed("protocol.wire", "agent.spec.link")

@@ -27,7 +27,7 @@ TASKS = [
     ("go to the blue ball", "nothing"),
     ("go to the green box", "green box ahead, 0.4 m away"),
 ]
-# answers as a model writes them (the shapes of agent/app/nav.py's examples), one per kind of action
+# answers as a model writes them (the shapes of agent/app/prompt.py's examples), one per kind of action
 RECORDED = [
     "The red box is to the left, so I turn left. The next action is turn left 30 degree.",
     "I do not see the blue ball, so I look around. The next action is turn right 45 degree.",

@@ -1,6 +1,6 @@
 """What a navigation step costs when the robot sees: the camera image in the prompt against the same step in words.
 
-Each step is the navigation loop's own (agent/app/nav.py): the system prompt and few-shot turns, the task, and the
+Each step is the navigation loop's own (agent/app/navigator.py): the system prompt and few-shot turns, the task, and the
 camera line, through a real `server-bridge serve` and the robot's EdgeDecoder in SD. Side by side, alternately,
 each in its own server session:
 

@@ -12,7 +12,7 @@ memory  1-3 earlier steps (what the camera showed, what the robot did), then the
         in view now, never seen. Run with the memory in the prompt and, for comparison, without it (the
         prompt as the robot had it before: the current frame only).
 
-For each, the navigation prompt (agent/app/nav.py) goes through the model alone (local
+For each, the navigation prompt (agent/app/prompt.py) goes through the model alone (local
 decoding: no verifier, so this measures the draft; the target is the same model in
 float32 and agrees with the Q4_1 draft on ~96 % of greedy tokens) and the parsed action
 is compared with the scripted policy's (`scripted_action`; with a memory, `recalled_action`:
