@@ -128,7 +128,12 @@ def test_sigkill_mid_answer_fails_over_exactly_and_fast(healed, drafter):
     try:
         thread, box = _generate_in_thread(dec, ids, 96)
         victim = _serving_replica(dec)
-        time.sleep(0.4)  # a few rounds in
+        # the session open on the victim (its resume secret kept), then a few rounds in: on a loaded machine
+        # the open's prefill alone can outlast a fixed sleep, and a kill before it tests no failover
+        deadline = time.monotonic() + 60
+        while not dec.sessions._resume and time.monotonic() < deadline:
+            time.sleep(0.005)
+        time.sleep(0.4)
         assert thread.is_alive(), "the answer finished before the kill: make it longer"
         cluster.kill(victim)
         thread.join(120)
