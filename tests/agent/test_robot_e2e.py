@@ -46,8 +46,9 @@ def make_daemon(tmp_path, drafter, url, offline="local", start=0, **overrides):
         f'telemetry.path="{tmp_path / "telemetry.jsonl"}"',
         "link.verify_timeout_s=6",
         # pongs are down-link bytes too: a ping every 2 s during a slow prefill on a loaded machine moved the
-        # MID_ANSWER cut before the first result; a lost link shows as the proxy's close, not a ping timeout
-        "link.keepalive_s=30",
+        # MID_ANSWER cut before the first result (5 s: the most the config takes); a lost link shows as the
+        # proxy's close, not a ping timeout
+        "link.keepalive_s=5",
         "agent.max_plan_age_s=30",
         "camera.fps=20",
     ] + [f"{k}={v}" for k, v in overrides.items()]
