@@ -125,8 +125,9 @@ class Vision:
         self.image_token_id = int(model.config.image_token_id)
         self.marker = getattr(processor, "image_token", "<image>")
         # sha256 -> the image preprocessed (runtime/vision.py's cache, the llamacpp engine's too): positions()
-        # and prepare() come from other threads
-        self.images: ImageCache[Prepared] = ImageCache(self._prepare)
+        # and prepare() come from other threads. `_prepare` looked up per call (as MtmdVision's `_tokenize` is),
+        # so what decodes an image is this object's method as it stands, not one bound at construction
+        self.images: ImageCache[Prepared] = ImageCache(lambda image: self._prepare(image))
 
     def positions(self, image: PromptImage) -> int:
         """Positions the image's marker advances a sequence by (its cells for 1-D positions; fewer for M-RoPE).
