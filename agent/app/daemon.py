@@ -29,10 +29,10 @@ from concurrent.futures import Future  # 3.10: not the builtin TimeoutError
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TYPE_CHECKING, Callable
 
-from agent.robot.actions import STOP
 from agent.robot.camera import Frame, FrameGrabber, open_source
 from agent.robot.control import ControlLoop
 from agent.robot.controllers.base import Controller, ControllerError, make_controller
+from agent.robot.episode import verdict
 from agent.robot.safety import SafetyLayer
 from agent.spec.decoder import DecoderConfig, EdgeDecoder, ReconnectPolicy
 from agent.spec.link import default_robot_id, tls_context
@@ -375,12 +375,9 @@ class Daemon:
                 self._stop.wait(REFUSED_PAUSE_S)  # a camera with no frame yet must not make this a busy loop
                 continue
             moving_steps += 1
-            misses = misses + 1 if rec.parse == "miss" else 0
-            if misses >= 3:
-                state = "unparseable"
-                break
-            if rec.action == str(STOP) and rec.parse in ("exact", "tolerant") and not rec.envelope:
-                state = "done"
+            end, misses = verdict(rec, misses)  # the episode loop's own end rule: done, or too many misses
+            if end:
+                state = end
                 break
         if self.safety.estopped:
             state = "estopped"
