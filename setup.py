@@ -8,6 +8,10 @@ WIRE = ["numpy>=1.26", "msgpack>=1.0", "websockets>=14", 'tomli>=1.1; python_ver
 # pyserial: the serial controller. No OpenCV here: `make setup-robot` keeps the system's (JetPack's, with
 # GStreamer) and adds opencv-python-headless only where there is none.
 ROBOT = ["llama-cpp-python==0.3.36", "jinja2", "onnxruntime>=1.17", "scipy>=1.10", "pyserial>=3.5"]
+# `edge-agent run --record`: runs as MCAP with ROS 2 messages, no ROS install (agent/app/recording.py; its CDR
+# encoder is mcap-ros2-support's, hence the upper bound). `--foxglove HOST:PORT`: Foxglove's SDK serves them live.
+RECORD = ["mcap>=1.2", "mcap-ros2-support>=0.5,<0.7"]
+FOXGLOVE = ["foxglove-sdk>=0.30,<1"]
 
 setup(
     name="edgespec",
@@ -39,7 +43,9 @@ setup(
         # dependency, the `llm` CLI, is not needed).
         "robot": ROBOT,
         # A development machine's agent: opencv-python for cameras, the simulator's renderer and the colour detector.
-        "agent": ROBOT + ["opencv-python>=4.8"],
+        "agent": ROBOT + ["opencv-python>=4.8"] + RECORD,
+        "record": RECORD,
+        "foxglove": RECORD + FOXGLOVE,
         # The verifier. torch is pinned to the CPU build on this machine's disk; on a GPU server install
         # the CUDA build of the same version first.
         "server": [
@@ -94,6 +100,10 @@ setup(
             "ruff==0.17.6",
             # `make lint`: the product packages type-checked (mypy.ini)
             "mypy==1.19.0",
+            # tests/agent/test_recording.py: a recording read back by a second, independent reader (rosbags'
+            # own CDR decoder) and served live through Foxglove's SDK
+            "rosbags>=0.10",
+            *FOXGLOVE,
         ],
     },
     entry_points={

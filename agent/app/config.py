@@ -412,6 +412,47 @@ class TelemetrySection:
 
 
 @dataclass(frozen=True)
+class RecordSection:
+    path: str = setting(
+        "",
+        flag="--record",
+        help="Record the run as MCAP (ROS 2 messages: camera, perception, answer, action, cmd_vel, pose, path, "
+        'safety, link; docs/guide/recording.md) to this file; "" for none. Needs the record extra.',
+    )
+    max_bytes: int = setting(2 * 1024**3, help="The size cap of the recording, in bytes: past it recording stops.")
+    jpeg_quality: int = setting(80, help="The JPEG quality of the recorded camera frames (1..100).")
+    foxglove: str = setting(
+        "",
+        flag="--foxglove",
+        help='HOST:PORT: serve the same channels live to Foxglove (its WebSocket source); "" for none. Needs '
+        "the foxglove extra; an address other than loopback also allow_remote.",
+    )
+    allow_remote: bool = setting(
+        False, help="Serve Foxglove on an address other than loopback (anyone there sees the camera)."
+    )
+
+    def __post_init__(self) -> None:
+        if self.max_bytes < 1024 * 1024:
+            raise ConfigError(f"record.max_bytes must be at least 1 MiB, got {self.max_bytes!r}")
+        if not 1 <= self.jpeg_quality <= 100:
+            raise ConfigError(f"record.jpeg_quality must be 1..100, got {self.jpeg_quality!r}")
+        if self.foxglove:
+            host, port = self.foxglove_address()
+            if not is_loopback(host) and not self.allow_remote:
+                raise ConfigError(
+                    f"record.foxglove {self.foxglove!r} is not loopback: anyone on the network would see the "
+                    "robot's camera. Use 127.0.0.1:PORT (and an SSH tunnel), or set record.allow_remote = true"
+                )
+
+    def foxglove_address(self) -> tuple[str, int]:
+        """record.foxglove as (host, port); ConfigError when it is not HOST:PORT."""
+        host, _, port = self.foxglove.rpartition(":")
+        if not host or not port.isdigit() or int(port) > 65535:
+            raise ConfigError(f"record.foxglove must be HOST:PORT, got {self.foxglove!r}")
+        return (host[1:-1] if host.startswith("[") else host), int(port)
+
+
+@dataclass(frozen=True)
 class Config:
     """`edge-agent run`'s config: one section dataclass per TOML table."""
 
@@ -425,6 +466,7 @@ class Config:
     perception: PerceptionSection = PerceptionSection()
     api: ApiSection = ApiSection()
     telemetry: TelemetrySection = TelemetrySection()
+    record: RecordSection = RecordSection()
 
     def __post_init__(self) -> None:
         if self.camera.source == "sim" and self.robot.controller != "sim":

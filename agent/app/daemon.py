@@ -42,7 +42,8 @@ from protocol.payload import PayloadSpec
 from runtime import settings
 
 from .config import Config
-from .navigator import NavConfig, Navigator
+from .navigator import NavConfig, Navigator, Step
+from .recording import Recorder, sample_of
 from .sdnotify import Notifier
 from .telemetry import TelemetryWriter
 
@@ -87,6 +88,7 @@ class Daemon:
         self.decoder: EdgeDecoder | None = None
         self.nav: Navigator | None = None
         self.telemetry = TelemetryWriter(cfg.telemetry.path or None, cfg.telemetry.max_bytes)
+        self.recorder: Recorder | None = None  # record.path / record.foxglove: made by start()
         self._tasks: queue.Queue = queue.Queue(MAX_PENDING)
         self._ids = itertools.count(1)
         self._cancel = threading.Event()
@@ -109,6 +111,7 @@ class Daemon:
     def start(self, notify_ready: bool = True) -> "Daemon":
         cfg = self.cfg
         log.info("config in use: %s", cfg.to_dict())
+        self.recorder = self._start_recorder()  # a missing package or a refused address: before anything moves
         token = os.environ.get(cfg.link.token_env, "") if cfg.link.token_env else ""
         if cfg.link.verifier:  # a token in clear or a bad CA file: refused before anything moves
             tls_context(cfg.link.verifier, token, cfg.link.ca_file, cfg.link.allow_insecure)
@@ -162,6 +165,27 @@ class Daemon:
         )
         return self
 
+    def _start_recorder(self) -> Recorder | None:
+        rc = self.cfg.record
+        if not (rc.path or rc.foxglove):
+            return None
+        foxglove = rc.foxglove_address() if rc.foxglove else None
+        recorder = Recorder(rc.path, max_bytes=rc.max_bytes, foxglove=foxglove)
+        log.info("recording to %s%s", rc.path or "no file", f", Foxglove on ws://{rc.foxglove}" if foxglove else "")
+        return recorder
+
+    def record_step(self, rec: Step) -> None:
+        """One step to the recording (record.path, record.foxglove), when there is one; never raises."""
+        if self.recorder is None:
+            return
+        frame, sightings = (self.nav.last_look if self.nav else None) or (None, [])
+        try:
+            sample = sample_of(rec, frame, sightings, self.world, self.safety, self.cfg.record.jpeg_quality)
+        except Exception:  # a frame cv2 cannot encode: the step goes unrecorded, the robot goes on
+            log.exception("recording step %s failed", getattr(rec, "step", "?"))
+            return
+        self.recorder.record(sample)
+
     def _start_camera(self) -> FrameGrabber:
         camera = self.cfg.camera
         source = open_source(
@@ -208,6 +232,8 @@ class Daemon:
             self.controller.disconnect()
         finally:
             self.telemetry.close()
+            if self.recorder is not None:
+                self.recorder.close()
         log.info("stopped")
 
     # -------------------------------------------------------------- the API's verbs
@@ -366,6 +392,7 @@ class Daemon:
             self.check_camera()
             record = {**rec.to_json(), "safety_stops": dict(self.safety.stops), "clearance_m": self.safety.clearance_m}
             self.telemetry.write(record)
+            self.record_step(rec)
             self.last_step = {
                 k: record[k] for k in ("step", "mode", "action", "parse", "reason", "command", "latency_ms")
             }

@@ -280,6 +280,7 @@ class Navigator:
         self._last_images: list[PromptImage] = []  # its image (perception "vlm"), else none
         self.session = f"nav-{uuid.uuid4().hex[:12]}"  # one server session: the few-shot prefix stays cached
         self.grammar, self.max_tokens = answer_limits(config.grammar, config.max_tokens)  # the answer grammar or not
+        self.last_look: tuple[Frame, list[Sighting]] | None = None  # the latest step's frame and sightings (a recording's)
 
     # -------------------------------------------------------------- the link
 
@@ -416,6 +417,7 @@ class Navigator:
             offline_policy=self.cfg.offline,
             perception=getattr(self.perception, "kind", type(self.perception).__name__),
         )
+        self.last_look = None
         view = self._look(rec, instruction, frame)
         if isinstance(view, str):  # no fresh frame, or perception failed: the robot halted
             return self._finish(rec, t0, parse="refused", reason=view)
@@ -448,6 +450,7 @@ class Navigator:
             log.exception("perception failed")
             self.control.halt("perception_error")
             return f"perception failed: {type(e).__name__}: {e}"
+        self.last_look = (frame, sightings)
         seen = relevant(sightings, instruction)
         blocked = blocked_text(self._clearance_ahead(), seen, self.cfg.blocked_m, self.cfg.ahead_deg, self.cfg.reach_m)
         if shown is None:

@@ -1,0 +1,331 @@
+"""Runs recorded as MCAP and served live to Foxglove: each step's frame, perception, answer, action, command,
+pose, path, safety stops and link mode as ROS 2 messages (CDR), which Foxglove, rosbags and `ros2 bag` read.
+
+    step_messages(sample, prev_stops)   one step -> [(topic, message dict)]           (pure)
+    Recorder(path, foxglove=...)        .record(sample) per step, .close(); an MCAP file (`--record`),
+                                        a Foxglove WebSocket server (`--foxglove HOST:PORT`), or both
+
+The channels (docs/guide/recording.md; deploy/foxglove/edgespec-layout.json lays them out):
+
+    /camera/image/compressed  sensor_msgs/msg/CompressedImage  the JPEG the step looked at (none on a step
+                                                               that had no fresh frame)
+    /perception               std_msgs/msg/String  JSON: the perception kind, the sightings, the observation text
+    /instruction              std_msgs/msg/String  the instruction
+    /answer                   std_msgs/msg/String  JSON: the model's text and whether the target verified it
+    /action                   std_msgs/msg/String  JSON: the parsed action, how it parsed, the offline envelope
+    /cmd_vel                  geometry_msgs/msg/Twist  the first set-point sent (after the safety layer's clamps)
+    /pose, /path              geometry_msgs/msg/PoseStamped, nav_msgs/msg/Path  in frame "map" (the simulator's;
+                                                               none on a robot without a pose source)
+    /safety                   std_msgs/msg/String  JSON: the stops so far, those of this step, the clearance
+    /link                     std_msgs/msg/String  verified | offline
+    /step                     std_msgs/msg/String  JSON: the whole telemetry record
+
+Every message of a step carries the step's start time (wall clock) as its log time, made strictly
+increasing from step to step so a clock stepped back by NTP cannot reorder the file. The file is
+bounded: past `max_bytes` recording stops with a warning and the file is closed readable. A write
+error is logged once and never stops the robot. The packages are an extra (`pip install
+'edgespec[record]'`; Foxglove's server `'edgespec[foxglove]'`): RecordingError says so when missing.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+log = logging.getLogger(__name__)
+
+MAX_PATH_POSES = 2000  # /path holds the last this many poses (the simulator keeps up to 20000)
+FRAME = "map"  # the frame of /pose and /path
+CAMERA_FRAME = "camera"
+
+_TIME = "int32 sec\nuint32 nanosec\n"
+_HEADER = "builtin_interfaces/Time stamp\nstring frame_id\n"
+_VECTOR3 = "float64 x\nfloat64 y\nfloat64 z\n"
+_QUATERNION = "float64 x\nfloat64 y\nfloat64 z\nfloat64 w\n"
+_POSE = "geometry_msgs/Point position\ngeometry_msgs/Quaternion orientation\n"
+_POSE_STAMPED = "std_msgs/Header header\ngeometry_msgs/Pose pose\n"
+
+
+def _msgdef(text: str, *deps: tuple[str, str]) -> str:
+    """A ROS 2 concatenated message definition, as rosbag2 writes it in an MCAP schema: the type's own
+    text, then each type it uses after a line of 80 '=' and `MSG: pkg/Type`."""
+    return text + "".join(f"{'=' * 80}\nMSG: {name}\n{body}" for name, body in deps)
+
+
+_STAMPED = (("std_msgs/Header", _HEADER), ("builtin_interfaces/Time", _TIME))
+_POSE_DEPS = (
+    ("geometry_msgs/Pose", _POSE),
+    ("geometry_msgs/Point", _VECTOR3),
+    ("geometry_msgs/Quaternion", _QUATERNION),
+)
+MSGDEFS = {
+    "sensor_msgs/msg/CompressedImage": _msgdef("std_msgs/Header header\nstring format\nuint8[] data\n", *_STAMPED),
+    "std_msgs/msg/String": "string data\n",
+    "geometry_msgs/msg/Twist": _msgdef(
+        "geometry_msgs/Vector3 linear\ngeometry_msgs/Vector3 angular\n", ("geometry_msgs/Vector3", _VECTOR3)
+    ),
+    "geometry_msgs/msg/PoseStamped": _msgdef(_POSE_STAMPED, *_STAMPED, *_POSE_DEPS),
+    "nav_msgs/msg/Path": _msgdef(
+        "std_msgs/Header header\ngeometry_msgs/PoseStamped[] poses\n",
+        *_STAMPED,
+        ("geometry_msgs/PoseStamped", _POSE_STAMPED),
+        *_POSE_DEPS,
+    ),
+}
+CHANNELS = {  # topic -> its ROS 2 type, in the order a step writes them
+    "/camera/image/compressed": "sensor_msgs/msg/CompressedImage",
+    "/perception": "std_msgs/msg/String",
+    "/instruction": "std_msgs/msg/String",
+    "/answer": "std_msgs/msg/String",
+    "/action": "std_msgs/msg/String",
+    "/cmd_vel": "geometry_msgs/msg/Twist",
+    "/pose": "geometry_msgs/msg/PoseStamped",
+    "/path": "nav_msgs/msg/Path",
+    "/safety": "std_msgs/msg/String",
+    "/link": "std_msgs/msg/String",
+    "/step": "std_msgs/msg/String",
+}
+# a message every step, whatever the robot: the camera's is missing on a step without a frame, the pose's and
+# the path's without a pose source
+EVERY_STEP = tuple(t for t in CHANNELS if t not in ("/camera/image/compressed", "/pose", "/path"))
+
+
+class RecordingError(ValueError):
+    """Recording cannot start: its packages are not installed, the file cannot be written, or the Foxglove
+    server cannot listen there."""
+
+
+@dataclass(frozen=True)
+class StepSample:
+    """One step as recorded: what the daemon knows once the step is done."""
+
+    step: dict  # agent.app.navigator.Step.to_json(): instruction, text, mode, action, command, ...
+    jpeg: bytes | None = None  # the frame the step looked at, JPEG; None when it had none (a refused step)
+    frame_t: float | None = None  # that frame's capture time, wall clock (s)
+    sightings: list[dict] = field(default_factory=list)  # what perception found in it
+    pose: tuple[float, float, float] | None = None  # (x, y, theta) in FRAME after the step; None: no pose source
+    path: list[tuple[float, float, float, float]] = field(default_factory=list)  # (t, x, y, theta) so far
+    stops: dict = field(default_factory=dict)  # the safety layer's stops so far, reason -> count
+    clearance_m: float | None = None  # the safety layer's last range reading in the direction of travel
+
+
+def _stamp(t: float) -> dict:
+    ns = int(round(t * 1e9))
+    return {"sec": ns // 1_000_000_000, "nanosec": ns % 1_000_000_000}
+
+
+def _pose(x: float, y: float, theta: float) -> dict:
+    """A planar pose: the yaw theta as the quaternion (0, 0, sin(theta/2), cos(theta/2))."""
+    return {
+        "position": {"x": float(x), "y": float(y), "z": 0.0},
+        "orientation": {"x": 0.0, "y": 0.0, "z": math.sin(theta / 2), "w": math.cos(theta / 2)},
+    }
+
+
+def _text(obj: Any) -> dict:
+    return {"data": obj if isinstance(obj, str) else json.dumps(obj, separators=(",", ":"), default=str)}
+
+
+def step_messages(sample: StepSample, prev_stops: dict | None = None) -> list[tuple[str, dict]]:
+    """The step's messages, (topic, message as a dict of the topic's ROS 2 type), in CHANNELS' order.
+    prev_stops: the safety layer's stops after the step before (this step's interventions are the difference)."""
+    s, t = sample.step, float(sample.step["t"])
+    out: list[tuple[str, dict]] = []
+    if sample.jpeg is not None:
+        header = {"stamp": _stamp(sample.frame_t or t), "frame_id": CAMERA_FRAME}
+        out.append(("/camera/image/compressed", {"header": header, "format": "jpeg", "data": sample.jpeg}))
+    perception = {"kind": s["perception"], "sightings": sample.sightings, "observation": s["observation"]}
+    verified = s["mode"] == "verified" and s["unverified_tokens"] == 0 and bool(s["text"])
+    answer = {"text": s["text"], "verified": verified, "mode": s["mode"], "verified_tokens": s["verified_tokens"]}
+    answer["unverified_tokens"] = s["unverified_tokens"]
+    action = {k: s[k] for k in ("action", "action_text", "parse", "parse_note", "envelope", "completed", "reason")}
+    cmd = s["command"]
+    twist = {"linear": {"x": cmd["vx"], "y": cmd["vy"], "z": 0.0}, "angular": {"x": 0.0, "y": 0.0, "z": cmd["wz"]}}
+    out += [
+        ("/perception", _text(perception)),
+        ("/instruction", _text(s["instruction"])),
+        ("/answer", _text(answer)),
+        ("/action", _text(action)),
+        ("/cmd_vel", twist),
+    ]
+    if sample.pose is not None:
+        head = {"stamp": _stamp(t), "frame_id": FRAME}
+        out.append(("/pose", {"header": head, "pose": _pose(*sample.pose)}))
+        poses = [
+            {"header": {"stamp": _stamp(pt), "frame_id": FRAME}, "pose": _pose(x, y, th)}
+            for pt, x, y, th in sample.path[-MAX_PATH_POSES:]
+        ]
+        out.append(("/path", {"header": head, "poses": poses}))
+    prev = prev_stops or {}
+    new = {k: n - prev.get(k, 0) for k, n in sample.stops.items() if n > prev.get(k, 0)}
+    out += [
+        ("/safety", _text({"stops": sample.stops, "this_step": new, "clearance_m": sample.clearance_m})),
+        ("/link", _text(s["mode"])),
+        ("/step", _text(s)),
+    ]
+    return out
+
+
+def _encoders() -> dict[str, Callable[[dict], bytes]]:
+    """ROS 2 type -> its CDR encoder (mcap-ros2-support's, from the definitions above)."""
+    try:
+        from mcap_ros2._dynamic import serialize_dynamic
+    except ImportError:
+        raise RecordingError(
+            "recording needs the packages mcap and mcap-ros2-support: pip install 'edgespec[record]'"
+        ) from None
+    return {name: serialize_dynamic(name, text)[name] for name, text in MSGDEFS.items()}
+
+
+class McapSink:
+    """An MCAP file of the channels (profile ros2, zstd chunks), closed readable at `max_bytes`."""
+
+    def __init__(self, path: str, max_bytes: int) -> None:
+        from mcap.writer import CompressionType, Writer
+
+        self.path, self.max_bytes = path, max_bytes
+        self._fh = open(path, "wb")
+        self._writer = Writer(self._fh, compression=CompressionType.ZSTD)
+        self._writer.start(profile="ros2", library="edgespec")
+        self._channels: dict[str, int] = {}
+        for topic, name in CHANNELS.items():
+            schema = self._writer.register_schema(name, "ros2msg", MSGDEFS[name].encode())
+            self._channels[topic] = self._writer.register_channel(topic, "cdr", schema)
+        self.full = False
+
+    def write(self, topic: str, data: bytes, t_ns: int, seq: int) -> None:
+        if self.full:
+            return
+        if self._fh.tell() + len(data) > self.max_bytes:
+            self.full = True
+            log.warning("recording %s reached its cap of %d bytes: no more steps recorded", self.path, self.max_bytes)
+            return
+        self._writer.add_message(self._channels[topic], log_time=t_ns, data=data, publish_time=t_ns, sequence=seq)
+
+    def close(self) -> None:
+        try:
+            self._writer.finish()
+        finally:
+            self._fh.close()
+
+
+class FoxgloveSink:
+    """The channels served live by the Foxglove SDK's WebSocket server (Foxglove's `ws://HOST:PORT` source)."""
+
+    def __init__(self, host: str, port: int) -> None:
+        try:
+            import foxglove
+        except ImportError:
+            raise RecordingError("--foxglove needs the Foxglove SDK: pip install 'edgespec[foxglove]'") from None
+        self._context = foxglove.Context()  # its own: two recorders in one process do not share channels
+        try:
+            self.server = foxglove.start_server(name="edge-agent", host=host, port=port, context=self._context)
+        except Exception as e:  # the SDK raises its own error for an address in use
+            raise RecordingError(f"cannot serve Foxglove on {host}:{port}: {e}") from None
+        self._channels = {
+            topic: foxglove.Channel(
+                topic,
+                schema=foxglove.Schema(name=name, encoding="ros2msg", data=MSGDEFS[name].encode()),
+                message_encoding="cdr",
+                context=self._context,
+            )
+            for topic, name in CHANNELS.items()
+        }
+
+    @property
+    def port(self) -> int:
+        return int(self.server.port)
+
+    def write(self, topic: str, data: bytes, t_ns: int, seq: int) -> None:
+        self._channels[topic].log(data, log_time=t_ns)
+
+    def close(self) -> None:
+        self.server.stop()
+
+
+class Recorder:
+    """Steps to an MCAP file (`path`), a live Foxglove server (`foxglove` = (host, port)), or both.
+    RecordingError when a package is missing, the file cannot be written or the server cannot start."""
+
+    def __init__(
+        self, path: str = "", *, max_bytes: int = 2 * 1024**3, foxglove: tuple[str, int] | None = None
+    ) -> None:
+        self._encode = _encoders()
+        self._lock = threading.Lock()
+        self.sinks: list[Any] = []
+        if path:
+            try:
+                self.sinks.append(McapSink(path, max_bytes))
+            except OSError as e:
+                raise RecordingError(f"cannot write the recording {path}: {e.strerror or e}") from None
+        if foxglove is not None:
+            try:
+                self.sinks.append(FoxgloveSink(*foxglove))
+            except RecordingError:
+                self.close()
+                raise
+        self.steps = 0
+        self.counts: dict[str, int] = dict.fromkeys(CHANNELS, 0)  # messages written per topic
+        self._last_ns = 0
+        self._stops: dict = {}
+        self._failed = False
+
+    def record(self, sample: StepSample) -> None:
+        """Write one step to every sink; a failing sink is logged once and dropped, never raised."""
+        with self._lock:
+            t_ns = max(int(round(float(sample.step["t"]) * 1e9)), self._last_ns + 1)  # strictly increasing
+            self._last_ns = t_ns
+            messages = step_messages(sample, self._stops)
+            self._stops = dict(sample.stops)
+            for sink in list(self.sinks):
+                try:
+                    for topic, msg in messages:
+                        sink.write(topic, self._encode[CHANNELS[topic]](msg), t_ns, self.steps)
+                except Exception:
+                    log.exception("recording to %s failed; going on without it", type(sink).__name__)
+                    self.sinks.remove(sink)
+                    _close(sink)
+            for topic, _ in messages:
+                self.counts[topic] += 1
+            self.steps += 1
+
+    def close(self) -> None:
+        with self._lock:
+            sinks, self.sinks = self.sinks, []
+        for sink in sinks:
+            _close(sink)
+
+
+def _close(sink: Any) -> None:
+    try:
+        sink.close()
+    except Exception:
+        log.exception("closing %s failed", type(sink).__name__)
+
+
+def sample_of(rec: Any, frame: Any, sightings: list, world: Any, safety: Any, jpeg_quality: int = 80) -> StepSample:
+    """A StepSample of a navigator Step, the frame it looked at (agent.robot.camera.Frame or None), its
+    sightings (agent.robot.perception.Sighting), the simulator (or None) and the safety layer."""
+    jpeg, frame_t = None, None
+    if frame is not None:
+        import cv2
+
+        ok, buf = cv2.imencode(".jpg", frame.image, [cv2.IMWRITE_JPEG_QUALITY, jpeg_quality])
+        jpeg = buf.tobytes() if ok else None
+        frame_t = time.time() - (time.monotonic() - frame.t)  # its monotonic capture time on the wall clock
+    pose = path = None
+    if world is not None:
+        pose = tuple(float(v) for v in world.pose)
+        t0 = time.time() - world.clock()  # the simulator's clock on the wall clock
+        path = [(t0 + p[0], p[1], p[2], p[3]) for p in world.path[-MAX_PATH_POSES:]]
+    seen = [
+        {"name": s.name, "bearing_deg": round(s.bearing_deg, 1), "distance_m": round(s.distance_m, 2)}
+        for s in sightings
+    ]
+    stops, clearance = dict(safety.stops), getattr(safety, "clearance_m", None)
+    return StepSample(rec.to_json(), jpeg, frame_t, seen, pose, path or [], stops, clearance)  # type: ignore[arg-type]
