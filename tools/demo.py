@@ -89,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     with served(None, LinkProfile.from_rtt(args.rtt_ms, jitter_ms=2)) as s:
         link = s.link
         threads = len(s.agent_cpus)
-        cfg = robot_config(link.url(), args, scene, telemetry, threads, f"robot.options.start={starts[0]}")
+        more = [f"robot.options.start={starts[0]}", f"record.path={json.dumps(str(args.out / 'demo.mcap'))}"]
+        cfg = robot_config(link.url(), args, scene, telemetry, threads, *more)
         daemon = Daemon(cfg)
         print(
             f"verifier ready on cores {sorted(s.server_cpus)} in {time.perf_counter() - t0:.1f}s; the robot runs on "
@@ -153,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     print(
         f"map of the path: {', '.join(s['map'] for s in summaries)}; telemetry (one JSON line per step): "
-        f"{telemetry}; summary: {args.out / 'summary.json'}"
+        f"{telemetry}; summary: {args.out / 'summary.json'}; recording (open in Foxglove with "
+        f"deploy/foxglove/edgespec-layout.json): {args.out / 'demo.mcap'}"
     )
     return 0
 

@@ -280,7 +280,7 @@ class Navigator:
         self._last_images: list[PromptImage] = []  # its image (perception "vlm"), else none
         self.session = f"nav-{uuid.uuid4().hex[:12]}"  # one server session: the few-shot prefix stays cached
         self.grammar, self.max_tokens = answer_limits(config.grammar, config.max_tokens)  # the answer grammar or not
-        self.last_look: tuple[Frame, list[Sighting]] | None = None  # the latest step's frame and sightings (a recording's)
+        self.last_look: tuple[Frame, list[Sighting]] | None = None  # the latest step's frame and sightings
 
     # -------------------------------------------------------------- the link
 

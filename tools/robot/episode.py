@@ -114,10 +114,13 @@ def navigate_with_cut(
     nav = getattr(daemon_or_nav, "nav", None) or daemon_or_nav
     telemetry = telemetry if telemetry is not None else getattr(daemon_or_nav, "telemetry", None)
     cut = LinkCut(link_proxy, cut_at, cut_steps, say)
+    record = getattr(daemon_or_nav, "record_step", None)  # the daemon's MCAP recording (record.path), if any
 
     def on_step(n: int, rec: Step) -> None:
         if telemetry is not None:
             telemetry.write(rec.to_json())
+        if record is not None:
+            record(rec)
         if printer is not None:
             printer(n, rec)
 
