@@ -16,7 +16,8 @@ The channels (docs/guide/recording.md; deploy/foxglove/edgespec-layout.json lays
     /cmd_vel                  geometry_msgs/msg/Twist  the first set-point sent (after the safety layer's clamps)
     /pose, /path              geometry_msgs/msg/PoseStamped, nav_msgs/msg/Path  in frame "map" (the simulator's;
                                                                none on a robot without a pose source)
-    /safety                   std_msgs/msg/String  JSON: the stops so far, those of this step, the clearance
+    /safety                   std_msgs/msg/String  JSON: the stops so far, this step's, its interventions
+                                                   (INTERVENTIONS: the safety layer's own), the clearance
     /link                     std_msgs/msg/String  verified | offline
     /step                     std_msgs/msg/String  JSON: the whole telemetry record
 
@@ -90,6 +91,10 @@ CHANNELS = {  # topic -> its ROS 2 type, in the order a step writes them
     "/link": "std_msgs/msg/String",
     "/step": "std_msgs/msg/String",
 }
+# the safety layer's own stops (agent/robot/safety.py, control.py), as against a plan's ends (motion_done, ...)
+INTERVENTIONS = frozenset(
+    ("obstacle", "deadman", "stale_frame", "estop", "estop_latched", "non_finite_command", "controller_fault")
+)
 # a message every step, whatever the robot: the camera's is missing on a step without a frame, the pose's and
 # the path's without a pose source
 EVERY_STEP = tuple(t for t in CHANNELS if t not in ("/camera/image/compressed", "/pose", "/path"))
@@ -163,8 +168,11 @@ def step_messages(sample: StepSample, prev_stops: dict | None = None) -> list[tu
         out.append(("/path", {"header": head, "poses": poses}))
     prev = prev_stops or {}
     new = {k: n - prev.get(k, 0) for k, n in sample.stops.items() if n > prev.get(k, 0)}
+    interventions = {k: n for k, n in new.items() if k in INTERVENTIONS}
+    safety: dict[str, Any] = {"stops": sample.stops, "this_step": new, "interventions": interventions}
+    safety["clearance_m"] = sample.clearance_m
     out += [
-        ("/safety", _text({"stops": sample.stops, "this_step": new, "clearance_m": sample.clearance_m})),
+        ("/safety", _text(safety)),
         ("/link", _text(s["mode"])),
         ("/step", _text(s)),
     ]
@@ -198,14 +206,17 @@ class McapSink:
             self._channels[topic] = self._writer.register_channel(topic, "cdr", schema)
         self.full = False
 
-    def write(self, topic: str, data: bytes, t_ns: int, seq: int) -> None:
+    def write(self, messages: list[tuple[str, bytes]], t_ns: int, seq: int) -> None:
+        """One step's messages, all or none: a step that would pass max_bytes ends the recording (the file on
+        disk lags the writer by at most a chunk, 1 MiB before compression)."""
         if self.full:
             return
-        if self._fh.tell() + len(data) > self.max_bytes:
+        if self._fh.tell() + sum(len(data) for _, data in messages) > self.max_bytes:
             self.full = True
             log.warning("recording %s reached its cap of %d bytes: no more steps recorded", self.path, self.max_bytes)
             return
-        self._writer.add_message(self._channels[topic], log_time=t_ns, data=data, publish_time=t_ns, sequence=seq)
+        for topic, data in messages:
+            self._writer.add_message(self._channels[topic], log_time=t_ns, data=data, publish_time=t_ns, sequence=seq)
 
     def close(self) -> None:
         try:
@@ -241,8 +252,9 @@ class FoxgloveSink:
     def port(self) -> int:
         return int(self.server.port)
 
-    def write(self, topic: str, data: bytes, t_ns: int, seq: int) -> None:
-        self._channels[topic].log(data, log_time=t_ns)
+    def write(self, messages: list[tuple[str, bytes]], t_ns: int, seq: int) -> None:
+        for topic, data in messages:
+            self._channels[topic].log(data, log_time=t_ns)
 
     def close(self) -> None:
         self.server.stop()
@@ -270,7 +282,7 @@ class Recorder:
                 self.close()
                 raise
         self.steps = 0
-        self.counts: dict[str, int] = dict.fromkeys(CHANNELS, 0)  # messages written per topic
+        self.counts: dict[str, int] = dict.fromkeys(CHANNELS, 0)  # messages per topic (a full file drops the later)
         self._last_ns = 0
         self._stops: dict = {}
         self._failed = False
@@ -280,13 +292,16 @@ class Recorder:
         with self._lock:
             t_ns = max(int(round(float(sample.step["t"]) * 1e9)), self._last_ns + 1)  # strictly increasing
             self._last_ns = t_ns
-            messages = step_messages(sample, self._stops)
+            try:
+                messages = [(t, self._encode[CHANNELS[t]](msg)) for t, msg in step_messages(sample, self._stops)]
+            except Exception:  # a value its type cannot hold: this step goes unrecorded
+                log.exception("recording step %s failed", sample.step.get("step"))
+                return
             self._stops = dict(sample.stops)
             for sink in list(self.sinks):
                 try:
-                    for topic, msg in messages:
-                        sink.write(topic, self._encode[CHANNELS[topic]](msg), t_ns, self.steps)
-                except Exception:
+                    sink.write(messages, t_ns, self.steps)
+                except Exception:  # a full disk, a closed server: that sink stops, the robot goes on
                     log.exception("recording to %s failed; going on without it", type(sink).__name__)
                     self.sinks.remove(sink)
                     _close(sink)

@@ -98,9 +98,10 @@ def test_recorded_steps_read_back_with_two_readers(tmp_path):
     recorder.record(synthetic(1, t))
     # the wall clock stepped back between steps: the log times still increase; an offline step with a stop
     back = synthetic(2, t - 5.0, mode="offline", unverified_tokens=4, command={"vx": 0.0, "vy": 0.0, "wz": 0.4})
-    recorder.record(StepSample(back.step, None, None, [], back.pose, back.path, {"obstacle": 2, "deadman": 1}))
+    stops = {"obstacle": 2, "deadman": 1, "motion_done": 1}
+    recorder.record(StepSample(back.step, None, None, [], back.pose, back.path, stops))
     third = synthetic(3, t + 1)
-    recorder.record(StepSample(third.step, third.jpeg, pose=None, stops={"obstacle": 3, "deadman": 1}))
+    recorder.record(StepSample(third.step, third.jpeg, pose=None, stops={**stops, "obstacle": 3}))
     recorder.close()
     recorder.close()  # twice is harmless
     assert recorder.steps == 3
@@ -109,7 +110,8 @@ def test_recorded_steps_read_back_with_two_readers(tmp_path):
     assert len(on(ours, "/pose")) == 2 and len(on(ours, "/camera/image/compressed")) == 2
     assert [json.loads(m.data)["verified"] for m in on(ours, "/answer")] == [True, False, True]
     safety = [json.loads(m.data) for m in on(ours, "/safety")]
-    assert safety[1]["this_step"] == {"obstacle": 2, "deadman": 1} and safety[2]["this_step"] == {"obstacle": 1}
+    assert safety[1]["this_step"] == {"obstacle": 2, "deadman": 1, "motion_done": 1}
+    assert safety[1]["interventions"] == {"obstacle": 2, "deadman": 1} and safety[2]["this_step"] == {"obstacle": 1}
     links = [m.data for m in on(ours, "/link")]
     assert links == ["verified", "offline", "verified"]
     paths = on(ours, "/path")
