@@ -171,7 +171,8 @@ class Daemon:
             return None
         foxglove = rc.foxglove_address() if rc.foxglove else None
         recorder = Recorder(rc.path, max_bytes=rc.max_bytes, foxglove=foxglove)
-        log.info("recording to %s%s", rc.path or "no file", f", Foxglove on ws://{rc.foxglove}" if foxglove else "")
+        live = f", Foxglove on ws://{foxglove[0]}:{recorder.foxglove_port}" if foxglove else ""
+        log.info("recording to %s%s", rc.path or "no file", live)
         return recorder
 
     def record_step(self, rec: Step) -> None:

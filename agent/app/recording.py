@@ -309,6 +309,11 @@ class Recorder:
                 self.counts[topic] += 1
             self.steps += 1
 
+    @property
+    def foxglove_port(self) -> int | None:
+        """The port the Foxglove server listens on (the one chosen for port 0); None without one."""
+        return next((sink.port for sink in self.sinks if isinstance(sink, FoxgloveSink)), None)
+
     def close(self) -> None:
         with self._lock:
             sinks, self.sinks = self.sinks, []

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -144,12 +146,13 @@ def test_recording_stops_at_its_cap_and_stays_readable(tmp_path, caplog):
     assert 0 < len(images) < 29
 
 
-def test_run_record_writes_what_two_readers_read_back(tmp_path, capsys, monkeypatch):
-    """`edge-agent run --record`: the simulated robot walks three steps (a fake draft, no model: offline local),
-    and the file holds a message per step on every per-step channel."""
+def test_run_record_writes_what_two_readers_read_back(tmp_path, capsys, monkeypatch, caplog):
+    """`edge-agent run --record --foxglove`: the simulated robot walks three steps (a fake draft, no model: offline
+    local), and the file holds a message per step on every per-step channel."""
     import agent.spec.drafter
 
     monkeypatch.setattr(agent.spec.drafter, "Drafter", WalkingDrafter)
+    caplog.set_level(logging.INFO, logger="agent.app.daemon")
     scene = tmp_path / "ahead.json"
     scene.write_text(json.dumps(SCENE))
     record = tmp_path / "run.mcap"
@@ -173,10 +176,13 @@ def test_run_record_writes_what_two_readers_read_back(tmp_path, capsys, monkeypa
         "--json",
         "--record",
         str(record),
+        "--foxglove",
+        "127.0.0.1:0",  # served live at the same time (a free port)
         "--set",
         "nav.grammar=false",
     )
     assert rc == 0, err
+    assert re.search(r"Foxglove on ws://127\.0\.0\.1:[1-9]\d+", caplog.text), caplog.text
     steps = out["steps"]
     assert steps >= 3
     messages = read_mcap(record)
@@ -235,7 +241,7 @@ def test_foxglove_serves_the_channels_live():
     import websockets
 
     recorder = Recorder(foxglove=("127.0.0.1", 0))
-    port = recorder.sinks[0].port
+    port = recorder.foxglove_port
 
     async def watch() -> tuple[dict, bytes]:
         url = f"ws://127.0.0.1:{port}"
