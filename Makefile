@@ -103,7 +103,7 @@ demo-decoding: setup
 nav-eval: setup
 	$(BIN)/python -m tools.robot.nav_prompt_eval
 
-# Navigation to a goal: every scene in tools/scenes/ and start pose, link up and cut, one local verifier
+# Navigation to a goal: every shipped scene (agent/robot/scenes/) and start pose, link up and cut, one local verifier
 # (docs/nav_eval/: success rate, SPL, steps, collisions, tau; a map per episode). About a minute an episode.
 nav-eval-scenes: setup
 	$(BIN)/python -m tools.robot.nav_eval
