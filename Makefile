@@ -123,7 +123,10 @@ lint: $(VENV)/.installed
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
+# The generated references (configuration, CLI) are checked against the code first, so they cannot drift.
 docs: $(VENV)/.installed
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests/test_docs_cli.py \
+	  tests/test_docs_config_keys.py::test_the_reference_page_is_the_generated_one
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 bench: setup

@@ -70,7 +70,7 @@ def robot_config(url: str, args: argparse.Namespace, scene: Scene, telemetry: Pa
             f'offline.policy="{args.offline}"',
             f'agent.mode="{args.mode}"',
             f"robot.options.scene={json.dumps(scene.path)}",
-            f'telemetry.path="{telemetry}"',
+            f"telemetry.path={json.dumps(str(telemetry.resolve()))}",  # (a relative one is under the state dir)
             f"agent.threads={threads}",
             "link.verify_timeout_s=2.0",
             "camera.fps=20",
