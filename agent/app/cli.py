@@ -330,7 +330,8 @@ async def _serve(daemon: Daemon, api: LocalApi, args: argparse.Namespace) -> int
         print(f"edge-agent: cannot start the local API: {e}", file=sys.stderr)
         return 2
     daemon.notifier.ready()
-    print(f"edge-agent: ready; local API at {api.address}", file=sys.stderr, flush=True)
+    telemetry = daemon.telemetry.path or "off"
+    print(f"edge-agent: ready; local API at {api.address}; telemetry {telemetry}", file=sys.stderr, flush=True)
     if args.instruction:
         daemon.submit(args.instruction, max_steps=args.max_steps or INSTRUCTION_STEPS)
     while not done.is_set():
