@@ -435,10 +435,17 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     _setup_logging(args.log_level or ("INFO" if args.cmd == "run" else "WARNING"))
-    if args.cmd == "generate":
-        return _generate(args)
-    if args.cmd == "run":
-        return _run(args)
+    try:  # every error a user can cause is one line on stderr and a non-zero exit, not a traceback
+        if args.cmd == "generate":
+            return _generate(args)
+        if args.cmd == "run":
+            return _run(args)
+    except OSError as e:  # a model file unreadable, a device gone, ...
+        print(f"edge-agent: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:  # Ctrl-C while the model loads, before run's own handlers are up
+        print("edge-agent: interrupted", file=sys.stderr)
+        return 130
     return 2
 
 
