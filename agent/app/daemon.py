@@ -233,7 +233,8 @@ class Daemon:
     def submit(self, instruction: str, image: str | None = None, max_steps: int | None = None) -> int:
         """Queue an instruction (with an optional base64 JPEG/PNG); returns its task id. Busy when full, checked
         before the image is decoded (untrusted bytes: bounded first, then decoded one at a time)."""
-        self.check_instruction(instruction)
+        if not isinstance(instruction, str) or not instruction.strip() or len(instruction) > 500:
+            raise ValueError("instruction must be a non-empty string of at most 500 characters")
         steps = self.max_steps if max_steps is None else max_steps
         if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= 1000:
             raise ValueError(f"max_steps must be an integer 1..1000, got {str(steps)[:20]}")
@@ -243,6 +244,7 @@ class Daemon:
             raise ValueError(
                 "an image needs perception 'color' or 'vlm' (perception 'sim' reads the simulator, not pixels)"
             )
+        self.check_instruction(instruction)  # in the simulator: it names one of the scene's objects
         if self._tasks.full():
             raise Busy(f"{MAX_PENDING} tasks already wait; cancel first")
         frame = None
