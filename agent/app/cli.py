@@ -174,8 +174,8 @@ def _decoder_config(opts: GenerateOptions) -> DecoderConfig:
 
 
 def _report(gen: Any) -> None:
-    """The metrics of one generation, on stderr (the text is on stdout already); what a mode lacks (tau and
-    acceptance without drafts) is left out, never printed as None."""
+    """The metrics of one generation, on stderr (the text is on stdout already); what a run lacks (tau and
+    acceptance without drafts, gamma* without its policy) is left out, never printed as None."""
     m = gen.metrics
     drafts = "" if m.tau is None else f", tau {m.tau:.2f}"
     drafts += "" if m.acceptance_rate is None else f", acceptance {m.acceptance_rate:.3f}"
@@ -189,16 +189,17 @@ def _report(gen: Any) -> None:
     if gen.mode == "fsd":
         print(
             f"[fsd] pre-draft hits {m.predraft_hits}, misses {m.predraft_misses}, failures "
-            f"{m.predraft_failures}, exits received {m.exits_received}, avg exit layer "
-            f"{m.avg_exit_layer if m.avg_exit_layer is None else round(m.avg_exit_layer, 1)}",
+            f"{m.predraft_failures}, exits received {m.exits_received}"
+            + ("" if m.avg_exit_layer is None else f", avg exit layer {m.avg_exit_layer:.1f}"),
             file=sys.stderr,
         )
     if gen.mode in ("sd", "fsd"):
         print(
             f"[{m.draft_policy}] draft lengths {dict(sorted(m.draft_lengths.items(), key=lambda kv: int(kv[0])))}"
-            f", predictor stops {m.predictor_stops}, gamma* {m.gamma_star}, expected speedup "
-            f"{m.expected_speedup if m.expected_speedup is None else round(m.expected_speedup, 2)}, "
-            f"streamed alone {m.streamed_tokens}, AS2 switches {[s['to'] for s in m.as2_switches]}",
+            f", predictor stops {m.predictor_stops}"
+            + ("" if m.gamma_star is None else f", gamma* {m.gamma_star}")
+            + ("" if m.expected_speedup is None else f", expected speedup {m.expected_speedup:.2f}")
+            + f", streamed alone {m.streamed_tokens}, AS2 switches {[s['to'] for s in m.as2_switches]}",
             file=sys.stderr,
         )
 
