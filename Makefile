@@ -103,7 +103,7 @@ demo-decoding: setup
 nav-eval: setup
 	$(BIN)/python -m tools.robot.nav_prompt_eval
 
-# Navigation to a goal: every scene in tools/scenes/ and start pose, link up and cut, one local verifier
+# Navigation to a goal: every shipped scene (agent/robot/scenes/) and start pose, link up and cut, one local verifier
 # (docs/nav_eval/: success rate, SPL, steps, collisions, tau; a map per episode). About a minute an episode.
 nav-eval-scenes: setup
 	$(BIN)/python -m tools.robot.nav_eval
@@ -123,7 +123,10 @@ lint: $(VENV)/.installed
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
+# The generated references (configuration, CLI) are checked against the code first, so they cannot drift.
 docs: $(VENV)/.installed
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests/test_docs_cli.py \
+	  tests/test_docs_config_keys.py::test_the_reference_page_is_the_generated_one
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 bench: setup

@@ -93,6 +93,23 @@ def resolve_target(name_or_path: str) -> Path:
     return path
 
 
+def target_name(name_or_path: str) -> str:
+    """The name a target goes by (its exits and estimator are looked up by it): a name of TARGETS itself;
+    the path of a named target's built file that name too (so it keeps its exits and estimator); any
+    other path its file or folder name."""
+    if name_or_path in TARGETS:
+        return name_or_path
+    path = Path(name_or_path).expanduser()
+    for name, file in TARGETS.items():
+        built = build_dir() / file
+        try:
+            if path.exists() and built.exists() and path.samefile(built):
+                return name
+        except OSError:  # a file that cannot be stat'ed is no named target
+            pass
+    return path.name
+
+
 def resolve_exits(spec: str, target_name: str) -> Path | None:
     """The path prefix of a target's early-exit adapters (<prefix>.safetensors + <prefix>.json), or None.
 

@@ -109,7 +109,7 @@ def load_engine(
     src = modelfiles.resolve_target(target)
     if engine == "auto":
         engine = "llamacpp" if Path(src).suffix == ".gguf" else "torch"
-    name = target if target in modelfiles.TARGETS else Path(src).name
+    name = modelfiles.target_name(target)  # the built file's path: the name it was built for (exits, estimator)
     if engine == "llamacpp":
         if Path(src).suffix != ".gguf":
             raise ValueError(f"the llamacpp engine needs a GGUF target, got {src}")

@@ -50,7 +50,6 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from http import HTTPStatus
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from websockets.asyncio.server import Server, ServerConnection, serve
@@ -875,7 +874,7 @@ def target_from_config(config: ServerConfig) -> Target:
         n_gpu_layers=config.n_gpu_layers,
         max_len=config.max_context,
         kv_type=config.kv_type,
-        tap_layers=exit_taps(config, Path(config.target).name),
+        tap_layers=exit_taps(config, modelfiles.target_name(config.target)),
         **config.llama_options,
     )  # the torch engine ignores them
 

@@ -61,3 +61,56 @@ def test_server_errors_are_one_line(capsys):
 def test_a_changelog_starts_now():
     text = (ROOT / "CHANGELOG.md").read_text()
     assert text.startswith("# Changelog") and re.search(r"^## .*\(\d{4}-\d{2}-\d{2}\)$", text, re.M)
+
+
+def test_generate_streams_and_a_first_ctrl_c_ends_it_at_the_next_commit(capsys):
+    import signal
+
+    stream = agent_cli._Stream(lambda ids: "".join(chr(97 + i) for i in ids))
+    with stream.catching_sigint():
+        assert stream([0]) is False and stream([0, 1]) is False
+        assert capsys.readouterr().out == "ab"  # each committed token on stdout as it comes
+        signal.raise_signal(signal.SIGINT)  # no KeyboardInterrupt inside the model: a flag
+        assert stream([0, 1, 2]) is True and stream.interrupted
+    stream.end([0, 1, 2, 3])
+    assert capsys.readouterr().out == "cd\n" and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+@pytest.mark.real
+def test_ctrl_c_ends_generate_with_what_was_committed(tmp_path):
+    """A real Ctrl-C to `edge-agent generate --local`: exit 130, the text so far on stdout, one line on stderr."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    cmd = [
+        sys.executable,
+        "-m",
+        "agent.app.cli",
+        "generate",
+        "--local",
+        "--chat",
+        "--max-tokens",
+        "2000",
+        "--threads",
+        "1",
+    ]
+    p = subprocess.Popen(
+        [*cmd, "--prompt", "Write a very long story about a robot dog."],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert p.stdout is not None
+    first = p.stdout.read(8)  # streamed: text before the generation ends
+    time.sleep(0.3)
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 130 and first
+    assert "Traceback" not in err.decode() and err.decode().strip().splitlines()[-1].startswith(
+        "edge-agent: interrupted"
+    )
+    assert len((first + out).split()) > 1

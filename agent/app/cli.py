@@ -4,13 +4,14 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
 import sys
 from dataclasses import fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from protocol.payload import PayloadSpec
 from protocol.sampling import SamplingError, SamplingParams
@@ -43,27 +44,84 @@ def _generate(args: argparse.Namespace) -> int:
     except (OSError, ValueError, SamplingError) as e:  # a missing file, an image that is no JPEG/PNG, a policy
         print(f"edge-agent: {e}", file=sys.stderr)
         return 2
+    stream = _Stream(lambda ids: drafter.detokenize(ids, skip=decoder.stop_ids()))
     try:
-        gen = decoder.generate(
-            prompt_ids,
-            mode="local" if opts.local else opts.mode,
-            max_tokens=opts.max_tokens,
-            params=params,
-            gamma=opts.gamma,
-            images=prompt_images,
-        )
+        with stream.catching_sigint():
+            gen = decoder.generate(
+                prompt_ids,
+                mode="local" if opts.local else opts.mode,
+                max_tokens=opts.max_tokens,
+                params=params,
+                gamma=opts.gamma,
+                images=prompt_images,
+                until=stream,
+            )
     except (LinkLost, ServerError) as e:
+        stream.end()
         print(f"edge-agent: {e}", file=sys.stderr)
         return 3
     except (FileNotFoundError, ValueError) as e:  # no predictor for this pair, a policy the mode lacks
+        stream.end()
         print(f"edge-agent: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # a second Ctrl-C, or one before the first token
+        stream.end()
+        print(f"edge-agent: interrupted; {stream.shown} tokens committed (above)", file=sys.stderr)
+        return 130
     finally:
         decoder.close()
+    stream.end(gen.token_ids)
+    if stream.interrupted:
+        print(f"edge-agent: interrupted; {len(gen.token_ids)} tokens committed (above)", file=sys.stderr)
+        return 130
     _report(gen)
     if opts.json:
         print(json.dumps(gen.to_json()))
     return 0
+
+
+class _Stream:
+    """generate's text on stdout as the target commits it: the decoder's `until` hook, which sees every
+    committed output prefix and never ends the generation, unless Ctrl-C came (then it ends it there)."""
+
+    def __init__(self, detokenize: Callable[[list[int]], str]) -> None:
+        self.detokenize = detokenize
+        self.text = ""  # what is on stdout
+        self.shown = 0  # tokens it is made of
+        self.interrupted = False
+
+    def __call__(self, ids: list[int]) -> bool:
+        if len(ids) > self.shown:
+            self._show(ids)
+        return self.interrupted
+
+    def _show(self, ids: list[int]) -> None:
+        text = self.detokenize(ids)
+        if text.startswith(self.text):  # (a token that completes a character changes no earlier text)
+            sys.stdout.write(text[len(self.text) :])
+            sys.stdout.flush()
+            self.text, self.shown = text, len(ids)
+
+    def end(self, ids: list[int] | None = None) -> None:
+        """The rest of the output (the last tokens, which no hook saw past a stop), then a newline."""
+        if ids is not None and len(ids) > self.shown:
+            self._show(ids)
+        print(flush=True)
+
+    @contextlib.contextmanager
+    def catching_sigint(self) -> Iterator[None]:
+        """The first Ctrl-C ends the generation at the next commit; a second one interrupts at once."""
+        import signal
+
+        def first(signum: int, frame: Any) -> None:
+            self.interrupted = True
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+
+        previous = signal.signal(signal.SIGINT, first)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGINT, previous)
 
 
 def _prompt(opts: GenerateOptions) -> tuple[Any, list[int], list]:
@@ -116,13 +174,14 @@ def _decoder_config(opts: GenerateOptions) -> DecoderConfig:
 
 
 def _report(gen: Any) -> None:
-    """The metrics of one generation, on stderr."""
+    """The metrics of one generation, on stderr (the text is on stdout already); what a run lacks (tau and
+    acceptance without drafts, gamma* without its policy) is left out, never printed as None."""
     m = gen.metrics
-    print(gen.text)
+    drafts = "" if m.tau is None else f", tau {m.tau:.2f}"
+    drafts += "" if m.acceptance_rate is None else f", acceptance {m.acceptance_rate:.3f}"
     print(
         f"[{gen.mode}] {len(gen.token_ids)} tokens in {m.wall_s:.2f}s ({m.tokens_per_s:.1f} tok/s); "
-        f"rounds {m.rounds}, tau {m.tau if m.tau is None else round(m.tau, 2)}, acceptance "
-        f"{m.acceptance_rate if m.acceptance_rate is None else round(m.acceptance_rate, 3)}, "
+        f"rounds {m.rounds}{drafts}, "
         f"draft {m.draft_ms:.0f} ms, verify {m.verify_ms:.0f} ms, network {m.network_ms:.0f} ms, "
         f"up {m.bytes_up} B, down {m.bytes_down} B",
         file=sys.stderr,
@@ -130,16 +189,17 @@ def _report(gen: Any) -> None:
     if gen.mode == "fsd":
         print(
             f"[fsd] pre-draft hits {m.predraft_hits}, misses {m.predraft_misses}, failures "
-            f"{m.predraft_failures}, exits received {m.exits_received}, avg exit layer "
-            f"{m.avg_exit_layer if m.avg_exit_layer is None else round(m.avg_exit_layer, 1)}",
+            f"{m.predraft_failures}, exits received {m.exits_received}"
+            + ("" if m.avg_exit_layer is None else f", avg exit layer {m.avg_exit_layer:.1f}"),
             file=sys.stderr,
         )
     if gen.mode in ("sd", "fsd"):
         print(
             f"[{m.draft_policy}] draft lengths {dict(sorted(m.draft_lengths.items(), key=lambda kv: int(kv[0])))}"
-            f", predictor stops {m.predictor_stops}, gamma* {m.gamma_star}, expected speedup "
-            f"{m.expected_speedup if m.expected_speedup is None else round(m.expected_speedup, 2)}, "
-            f"streamed alone {m.streamed_tokens}, AS2 switches {[s['to'] for s in m.as2_switches]}",
+            f", predictor stops {m.predictor_stops}"
+            + ("" if m.gamma_star is None else f", gamma* {m.gamma_star}")
+            + ("" if m.expected_speedup is None else f", expected speedup {m.expected_speedup:.2f}")
+            + f", streamed alone {m.streamed_tokens}, AS2 switches {[s['to'] for s in m.as2_switches]}",
             file=sys.stderr,
         )
 
@@ -177,8 +237,10 @@ def _run(args: argparse.Namespace) -> int:
                 f"--scene and --start are the simulator's: robot.controller is {cfg.robot.controller!r}, not 'sim'"
             )
         cfg.api.secrets()  # the local API's token files are read before anything moves
-        daemon = Daemon(cfg, **({"max_steps": args.max_steps} if args.max_steps else {}))
-    except (config.ConfigError, ControllerError, SceneError) as e:
+        daemon = Daemon(cfg, on_step=_step_printer(args), **({"max_steps": args.max_steps} if args.max_steps else {}))
+        if args.instruction:  # one the scene cannot answer is refused before the models load
+            daemon.check_instruction(args.instruction)
+    except (config.ConfigError, ControllerError, SceneError, ValueError) as e:
         print(f"edge-agent: {e}", file=sys.stderr)
         return 2
     if args.instruction and args.exit_when_done and not cfg.link.verifier and cfg.offline.policy == "hold":
@@ -186,12 +248,23 @@ def _run(args: argparse.Namespace) -> int:
             "no verifier and offline.policy 'hold': the robot will hold still until the task times out "
             "(--offline local lets the draft model alone drive)"
         )
+    if not args.quiet:
+        print(
+            "edge-agent: loading the draft model and prefilling the prompt on both sides (10-30 s on a small CPU) ...",
+            file=sys.stderr,
+            flush=True,
+        )
     try:
         daemon.start(notify_ready=False)
     except (ControllerError, CameraError, FileNotFoundError, ValueError) as e:
         print(f"edge-agent: cannot start: {e}", file=sys.stderr)
         daemon.close()
         return 2
+    never = _never_answered(daemon, args)
+    if never:
+        print(f"edge-agent: {never}", file=sys.stderr)
+        daemon.close()
+        return 3
     try:
         rc = asyncio.run(_serve(daemon, LocalApi(daemon), args))
     finally:
@@ -199,6 +272,29 @@ def _run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(_episode_summary(daemon, args.instruction)), flush=True)
     return rc
+
+
+def _step_printer(args: argparse.Namespace) -> Any:
+    """`run`'s transcript on stdout, the demo's lines per step (agent/app/transcript.py); None with --quiet."""
+    if args.quiet:
+        return None
+    from .transcript import step_lines
+
+    return lambda n, rec: print(step_lines(n, rec), flush=True)
+
+
+def _never_answered(daemon: Daemon, args: argparse.Namespace) -> str:
+    """Why --exit-when-done gives up at once ("" when it does not): the verifier did not answer at start and
+    offline.policy "hold" would only hold the robot until agent.task_timeout_s."""
+    cfg = daemon.cfg
+    if not (args.exit_when_done and args.instruction and cfg.link.verifier and cfg.offline.policy == "hold"):
+        return ""
+    if daemon.nav is None or daemon.nav.link == "up":
+        return ""
+    return (
+        f"the verifier at {cfg.link.verifier} did not answer; with offline.policy 'hold' the robot would only "
+        "hold still (start server-bridge there, or --offline local to let the draft model alone drive)"
+    )
 
 
 def _episode_summary(daemon: Daemon, instruction: str) -> dict:
@@ -235,7 +331,8 @@ async def _serve(daemon: Daemon, api: LocalApi, args: argparse.Namespace) -> int
         print(f"edge-agent: cannot start the local API: {e}", file=sys.stderr)
         return 2
     daemon.notifier.ready()
-    print(f"edge-agent: ready; local API at {api.address}", file=sys.stderr, flush=True)
+    telemetry = daemon.telemetry.path or "off"
+    print(f"edge-agent: ready; local API at {api.address}; telemetry {telemetry}", file=sys.stderr, flush=True)
     if args.instruction:
         daemon.submit(args.instruction, max_steps=args.max_steps or INSTRUCTION_STEPS)
     while not done.is_set():
@@ -283,16 +380,20 @@ def _add_run(sub: Any) -> None:
         help="override any config field, e.g. --set safety.max_vx=0.3 (repeatable; the value is TOML)",
     )
     for section, name, field in config.shortcut_flags():  # --verifier = --set link.verifier=..., ...
+        default = settings.default_of(field)
         r.add_argument(
             field.metadata["flag"],
             dest=f"{section}_{name}",
+            type=type(default) if type(default) in (int, float) else None,  # (a number goes to TOML as one)
             choices=field.metadata.get("choices"),
             help=f"= --set {section}.{name}=...: {settings.help_of(field)}".replace("%", "%%"),
         )
+    from agent.robot.scene import builtin_scenes
+
     r.add_argument(
         "--scene",
-        help="sim: a scene file (JSON, agent/robot/scene.py) or a shipped scene's name "
-        "(= --set robot.options.scene=...)",
+        help="sim: a scene file (JSON, agent/robot/scene.py) or a shipped scene's name: "
+        f"{', '.join(builtin_scenes())} (= --set robot.options.scene=...)",
     )
     r.add_argument(
         "--start", type=int, help="sim: which of the scene's start poses, from 0 (= --set robot.options.start=...)"
@@ -307,6 +408,9 @@ def _add_run(sub: Any) -> None:
     )
     r.add_argument("--exit-when-done", action="store_true", help="with --instruction: exit once it has finished")
     r.add_argument(
+        "--quiet", action="store_true", help="no line per step on stdout (by default: what each step saw, said and did)"
+    )
+    r.add_argument(
         "--json",
         action="store_true",
         help="with --instruction and --exit-when-done: the last stdout line is one JSON object saying how "
@@ -315,7 +419,8 @@ def _add_run(sub: Any) -> None:
     )
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
+    """edge-agent's flags (docs/reference/cli.md is generated from this parser: tests/test_docs_cli.py)."""
     ap = argparse.ArgumentParser(prog="edge-agent", description="The robot side of speculative edge-cloud decoding.")
     ap.add_argument("--version", action="version", version=f"%(prog)s {settings.version()}")
     log_help = "default: INFO for run (the config in use is logged), WARNING otherwise"
@@ -325,12 +430,23 @@ def main(argv: list[str] | None = None) -> int:
     _add_run(sub)
     for command in sub.choices.values():  # --log-level before or after the subcommand, as a user puts it
         command.add_argument("--log-level", default=argparse.SUPPRESS, help=log_help)
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     _setup_logging(args.log_level or ("INFO" if args.cmd == "run" else "WARNING"))
-    if args.cmd == "generate":
-        return _generate(args)
-    if args.cmd == "run":
-        return _run(args)
+    try:  # every error a user can cause is one line on stderr and a non-zero exit, not a traceback
+        if args.cmd == "generate":
+            return _generate(args)
+        if args.cmd == "run":
+            return _run(args)
+    except OSError as e:  # a model file unreadable, a device gone, ...
+        print(f"edge-agent: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:  # Ctrl-C while the model loads, before run's own handlers are up
+        print("edge-agent: interrupted", file=sys.stderr)
+        return 130
     return 2
 
 

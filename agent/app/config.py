@@ -70,6 +70,13 @@ class AgentSection:
     topk: int = setting(DEFAULT_TOPK, help="K of payload topk.")
     max_plan_age_s: float = setting(5.0, help="Never act on a plan whose frame is older than this (s).")
     reach_m: float = setting(0.6, help='"Within reach" in the observation text, and a reached target (m).')
+    task_timeout_s: float = setting(
+        60.0,
+        flag="--max-wait-s",
+        help="The most seconds a task may spend held (no plan made: the link down under offline.policy "
+        '"hold", no fresh camera frame); held steps count toward this, not toward max_steps, and the task '
+        'then ends "timeout".',
+    )
     slo_tokens_per_s: float = setting(
         0.0,
         help="The verifier's SLO class: tokens/s this robot needs; it is scheduled by the deadlines this sets "
@@ -82,6 +89,8 @@ class AgentSection:
             raise ConfigError(f"agent.n_gpu_layers must be -1 (all), 0 (CPU) or a layer count, got {self.n_gpu_layers}")
         if self.threads < 1 or self.gamma < 1 or self.max_tokens < 1:
             raise ConfigError("agent.threads, agent.gamma and agent.max_tokens must be >= 1")
+        if not 0 < self.task_timeout_s <= 86400:
+            raise ConfigError(f"agent.task_timeout_s must be 0..86400 s (and not 0), got {self.task_timeout_s}")
         if not 0 <= self.slo_tokens_per_s <= 1000:
             raise ConfigError(f"agent.slo_tokens_per_s must be 0..1000 tokens/s, got {self.slo_tokens_per_s}")
         try:
@@ -406,7 +415,8 @@ class TelemetrySection:
     path: str = setting(
         "telemetry.jsonl",
         flag="--telemetry",
-        help='One JSON line per step (under systemd: in the unit\'s StateDirectory); "" for none.',
+        help="One JSON line per step; a relative path is under the state directory ($STATE_DIRECTORY under "
+        'systemd, else $XDG_STATE_HOME/edge-agent or ~/.local/state/edge-agent); "" for none.',
     )
     max_bytes: int = setting(50_000_000, help="The size cap of the telemetry file, in bytes.")
 

@@ -27,6 +27,7 @@ import threading
 import time
 from concurrent.futures import Future  # 3.10: not the builtin TimeoutError
 from concurrent.futures import TimeoutError as FutureTimeout
+from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from agent.robot.camera import Frame, FrameGrabber, open_source
@@ -73,12 +74,13 @@ class Daemon:
         controller: Controller | None = None,
         notifier: Notifier | None = None,
         max_steps: int = 40,
-        task_timeout_s: float = 300.0,
+        on_step: Callable[[int, Step], None] | None = None,
     ):
         self.cfg = cfg
         self.notifier = notifier or Notifier()
         self.max_steps = max_steps
-        self.task_timeout_s = task_timeout_s
+        self.task_timeout_s = cfg.agent.task_timeout_s  # the most a task spends held (no plan made)
+        self.on_step = on_step  # (n, record) after each step: `edge-agent run`'s transcript
         self._drafter = drafter
         self.controller = controller or make_controller(cfg.robot.controller, **cfg.robot.options)
         self.world = getattr(self.controller, "world", None)  # the simulator, when the robot is one
@@ -87,7 +89,7 @@ class Daemon:
         self.control: ControlLoop | None = None
         self.decoder: EdgeDecoder | None = None
         self.nav: Navigator | None = None
-        self.telemetry = TelemetryWriter(cfg.telemetry.path or None, cfg.telemetry.max_bytes)
+        self.telemetry = TelemetryWriter(telemetry_path(cfg.telemetry.path), cfg.telemetry.max_bytes)
         self.recorder: Recorder | None = None  # record.path / record.foxglove: made by start()
         self._tasks: queue.Queue = queue.Queue(MAX_PENDING)
         self._ids = itertools.count(1)
@@ -239,6 +241,22 @@ class Daemon:
 
     # -------------------------------------------------------------- the API's verbs
 
+    def check_instruction(self, instruction: str) -> None:
+        """ValueError unless the instruction is a non-empty string of at most 500 characters and, in the
+        simulator with perception "sim", names one of the scene's objects (the error lists them)."""
+        if not isinstance(instruction, str) or not instruction.strip() or len(instruction) > 500:
+            raise ValueError("instruction must be a non-empty string of at most 500 characters")
+        if self.world is None or self.cfg.perception.kind != "sim":
+            return
+        from .episode import target_object
+
+        if target_object(self.world, instruction) is None:
+            names = ", ".join(o.name for o in self.world.objects)
+            raise ValueError(
+                f"the instruction {instruction.strip()!r} names no object in the scene "
+                f"{self.world.scene!r}; its objects: {names}"
+            )
+
     def submit(self, instruction: str, image: str | None = None, max_steps: int | None = None) -> int:
         """Queue an instruction (with an optional base64 JPEG/PNG); returns its task id. Busy when full, checked
         before the image is decoded (untrusted bytes: bounded first, then decoded one at a time)."""
@@ -253,6 +271,7 @@ class Daemon:
             raise ValueError(
                 "an image needs perception 'color' or 'vlm' (perception 'sim' reads the simulator, not pixels)"
             )
+        self.check_instruction(instruction)  # in the simulator: it names one of the scene's objects
         if self._tasks.full():
             raise Busy(f"{MAX_PENDING} tasks already wait; cancel first")
         frame = None
@@ -368,7 +387,7 @@ class Daemon:
         assert self.nav is not None and self.control is not None, "start() first"
         self.task = {"id": task["id"], "instruction": task["instruction"], "step": 0, "state": "running"}
         self._emit({"event": "task", "task": task["id"], "instruction": task["instruction"], "state": "running"})
-        t0, frame, moving_steps = time.monotonic(), task["frame"], 0
+        frame, moving_steps, held_s = task["frame"], 0, 0.0
         self.task_records = []
         state, misses = "max_steps", 0
         while moving_steps < task["max_steps"]:
@@ -378,9 +397,10 @@ class Daemon:
             if self._cancel.is_set() or self._stop.is_set():
                 state = "cancelled"
                 break
-            if time.monotonic() - t0 > self.task_timeout_s:
+            if held_s > self.task_timeout_s:  # held steps make no plan: this, not max_steps, bounds them
                 state = "timeout"
                 break
+            t_step = time.monotonic()
             try:
                 rec = self.nav.step(task["instruction"], task=str(task["id"]), cancel=self._cancel, frame=frame)
             except Exception:  # never let one bad step kill the nav thread: stop, end the task
@@ -388,8 +408,13 @@ class Daemon:
                 state = "error"
                 break
             frame = None  # an image from the API is used for the first step only
-            if len(self.task_records) < MAX_RECORDS:  # refused steps do not count toward max_steps
+            if len(self.task_records) < MAX_RECORDS:  # refused steps count toward task_timeout_s, not max_steps
                 self.task_records.append(rec)
+            if self.on_step is not None:
+                try:
+                    self.on_step(len(self.task_records), rec)
+                except Exception:  # a printer that fails (a closed pipe) must not end the task
+                    log.exception("the step hook failed")
             self.check_camera()
             record = {**rec.to_json(), "safety_stops": dict(self.safety.stops), "clearance_m": self.safety.clearance_m}
             self.telemetry.write(record)
@@ -401,6 +426,7 @@ class Daemon:
             self.notifier.status(self._status_line())
             if rec.parse == "refused":  # holding or no frame: not a step of the plan
                 self._stop.wait(REFUSED_PAUSE_S)  # a camera with no frame yet must not make this a busy loop
+                held_s += time.monotonic() - t_step
                 continue
             moving_steps += 1
             end, misses = verdict(rec, misses)  # the episode loop's own end rule: done, or too many misses
@@ -413,7 +439,17 @@ class Daemon:
         self.task["state"] = state
         self._emit({"event": "task", "task": task["id"], "state": state})
         self.history = (self.history + [dict(self.task)])[-16:]
-        log.info("task %s (%s): %s after %d steps", task["id"], task["instruction"], state, moving_steps)
+        held = len(self.task_records) - moving_steps
+        log.info(
+            "task %s (%s): %s after %d steps (%d moving, %d held for %.0f s)",
+            task["id"],
+            task["instruction"],
+            state,
+            len(self.task_records),
+            moving_steps,
+            held,
+            held_s,
+        )
 
     # -------------------------------------------------------------- events
 
@@ -487,6 +523,23 @@ NAV_RENAME = {
 NAV_UNSET = ("speed", "turn_rate", "hold_wait_s", "ahead_deg")
 DECODER_RENAME = {"recv_timeout_s": "link.verify_timeout_s", "slo": "agent.slo_tokens_per_s"}
 DECODER_UNSET = ("fsd", "trace")
+
+
+def state_directory() -> Path:
+    """Where the daemon keeps its state: $STATE_DIRECTORY (systemd's StateDirectory=; the first of a list),
+    else $XDG_STATE_HOME/edge-agent, else ~/.local/state/edge-agent."""
+    systemd = os.environ.get("STATE_DIRECTORY", "").split(":")[0]
+    if systemd:
+        return Path(systemd)
+    xdg = os.environ.get("XDG_STATE_HOME", "")
+    return Path(xdg if os.path.isabs(xdg) else Path.home() / ".local" / "state") / "edge-agent"
+
+
+def telemetry_path(path: str) -> Path | None:
+    """telemetry.path: "" none, an absolute path itself, a relative one under the state directory."""
+    if not path:
+        return None
+    return Path(path) if os.path.isabs(path) else state_directory() / path
 
 
 def nav_config(cfg: Config) -> NavConfig:

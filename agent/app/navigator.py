@@ -58,6 +58,7 @@ from .prompt import (
 log = logging.getLogger(__name__)
 
 OFFLINE_POLICIES = ("hold", "local")
+UNSEEN_TURNS = 1  # a detector that sees nothing the instruction names: turns the robot may make to look, per task
 
 
 class Perception(Protocol):
@@ -215,7 +216,7 @@ class Step:
     action_text: str = STOP.text  # its canonical NaVILA sentence
     parse: str = ""  # exact | tolerant | miss | refused (no plan made)
     parse_note: str = ""
-    envelope: str = ""  # offline: "" | clamped | turned_away_stop (the unverified action was changed)
+    envelope: str = ""  # "" | clamped | turned_away_stop (offline) | not_seen: the robot changed the action itself
     command: dict = field(default_factory=lambda: {"vx": 0.0, "vy": 0.0, "wz": 0.0})  # first set-point sent (clamped)
     command_peak: dict = field(default_factory=lambda: {"vx": 0.0, "vy": 0.0, "wz": 0.0})  # largest set-point sent
     completed: bool = False  # the motion ran to its end
@@ -261,6 +262,10 @@ class Navigator:
         self.offline_steps = 0
         self.offline_clamped = 0  # unverified actions reduced to the offline envelope
         self.offline_turn_away_stops = 0  # unverified turns away from a target in view, replaced by stop
+        # A camera's detector ("color") that sees nothing the instruction names: the robot never walks, turns at
+        # most UNSEEN_TURNS times to look, then stops and the task ends "not_seen" (Step.envelope).
+        self.guards_unseen = getattr(perception, "kind", None) == "color"
+        self.unseen_turns = 0  # this task's
         self.memory = StepMemory(
             config.memory_steps, config.memory_max_tokens, lambda text: len(self.drafter.tokenize(text))
         )
@@ -409,6 +414,7 @@ class Navigator:
         t0 = self.clock()
         if self.memory.start((task, instruction.strip())):
             log.info("new task %r (%s): memory cleared", task, instruction.strip())
+            self.unseen_turns = 0
         rec = Step(
             self.steps,
             task,
@@ -496,14 +502,16 @@ class Navigator:
         if rec.mode == "offline":  # unverified: the stricter envelope
             action = self._envelope(action, view.seen[0] if view.seen else None, rec)
             rec.action, rec.action_text = str(action), action.text
+        if self.guards_unseen and not view.seen:
+            action = self._unseen(action, rec)
         if action == STOP:
             return self._stop(rec, parsed, view.recalled, t0)
         return self._move(rec, action, view.recalled, t0, cancel)
 
     def _stop(self, rec: Step, parsed: Parsed, recalled: str, t0: float) -> Step:
         """Halt: the model's stop (the task done), an unparseable answer's, or the offline envelope's."""
-        if rec.envelope == "turned_away_stop":
-            self.control.halt("offline_turn_away")
+        if rec.envelope in ("turned_away_stop", "not_seen"):
+            self.control.halt("offline_turn_away" if rec.envelope == "turned_away_stop" else "not_seen")
         else:
             self.control.halt("model_stop" if parsed.how != "miss" else "unparseable")
         rec.completed = True
@@ -546,6 +554,21 @@ class Navigator:
                 rec.reason += " (a halt, not the task done)"
             log.warning("%s", note)
         return run
+
+    def _unseen(self, action: Action, rec: Step) -> Action:
+        """Nothing the instruction names in the detector's view: one turn to look (UNSEEN_TURNS a task), else a
+        stop with Step.envelope "not_seen", which ends the task (agent/robot/episode.py); never a step forward."""
+        if action.kind in ("left", "right") and self.unseen_turns < UNSEEN_TURNS:
+            self.unseen_turns += 1
+            return action
+        instead = "" if action == STOP else f" instead of {action}"
+        note = f"I do not see what the instruction names ({rec.observation}), so I stop{instead}"
+        rec.envelope = "not_seen"
+        rec.parse_note = "; ".join(n for n in (rec.parse_note, "not_seen") if n)
+        rec.reason = "; ".join(n for n in (rec.reason, note) if n)
+        rec.action, rec.action_text = str(STOP), STOP.text
+        log.warning("%s", note)
+        return STOP
 
     def _remember(self, rec: Step, action: Action, observation: str) -> None:
         """What this step saw (in words: an image step's is IMAGE_RECALL) and did, for the next steps' prompts

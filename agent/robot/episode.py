@@ -11,8 +11,9 @@ anything that returns a record with the three fields of `Outcome`.
 Every step counts toward max_steps, a refused one too (offline hold, a stale frame): an episode is
 bounded in steps whatever the link does. The end: "done" (the policy's own stop, parsed exactly or
 tolerantly; a stop the robot made itself, such as the offline envelope's turn-away halt, is not the
-task done), "unparseable" (MAX_MISSES misses in a row; a refused step neither counts nor breaks the
-run) or "max_steps".
+task done), "not_seen" (a camera's detector saw nothing the instruction names and the robot stopped
+itself: agent/app/navigator.py), "unparseable" (MAX_MISSES misses in a row; a refused step neither counts
+nor breaks the run) or "max_steps".
 """
 
 from __future__ import annotations
@@ -41,9 +42,12 @@ R = TypeVar("R", bound=Outcome)
 
 
 def verdict(rec: Outcome, misses: int) -> tuple[str, int]:
-    """(end, misses) after one step: end "done", "unparseable" or "" (go on); misses: unparseable answers in a row."""
+    """(end, misses) after one step: end "done", "not_seen", "unparseable" or "" (go on); misses: unparseable
+    answers in a row."""
     if rec.parse == "refused":
         return "", misses
+    if rec.envelope == "not_seen":  # a camera that sees nothing the instruction names: stopped, not done
+        return "not_seen", misses
     misses = misses + 1 if rec.parse == "miss" else 0
     if rec.action == str(STOP) and rec.parse in ("exact", "tolerant") and not rec.envelope:
         return "done", misses

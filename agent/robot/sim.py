@@ -19,7 +19,7 @@ Walls and obstacles are grey (shaded by distance and face), objects flat saturat
 colours so a colour detector (agent.robot.perception.ColorDetector) can find them.
 
 Scenes are JSON files (agent/robot/scene.py; the shipped ones in agent/robot/scenes/):
-`make_world("red_box", start=2)` or `make_world("tools/scenes/hidden_ball.json", start=0)`.
+`make_world("red_box", start=2)` or `make_world("path/to/my_room.json", start=0)`.
 This module registers the camera source "sim" (SimCamera) with agent.robot.camera.
 """
 

@@ -207,6 +207,8 @@ def test_local_api_estop_status_and_bad_requests(tmp_path, drafter, proxy):
             assert not json.loads(ctl.recv(10))["ok"]
             assert "instruction" in call(op="submit", instruction="")["error"]
             assert "image" in call(op="submit", instruction="go", image="!!notbase64")["error"]
+            refused = call(op="submit", instruction="go to the purple elephant")["error"]  # not in the scene
+            assert "names no object in the scene 'red_box'; its objects: red box" in refused
 
             # 1. e-stop while the robot moves: stopped (and damped) before the reply comes back
             assert call(op="submit", instruction="go to the red box")["ok"]

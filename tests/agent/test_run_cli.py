@@ -219,3 +219,142 @@ def test_one_key_of_a_table_field_can_be_set():
     assert cfg.robot.options == {"max_vx": 0.5, "scene": "red_box", "start": 2}
     with pytest.raises(config.ConfigError, match="not a table"):
         config.load(None, ["robot.options=1", 'robot.options.scene="red_box"'])
+
+
+# ------------------------------------------------------------------ the first hour (issue 35)
+
+
+def _walking(monkeypatch):
+    import agent.spec.drafter
+
+    monkeypatch.setattr(agent.spec.drafter, "Drafter", WalkingDrafter)
+
+
+def test_run_prints_a_line_per_step_and_quiet_prints_none(tmp_path, capsys, monkeypatch):
+    _walking(monkeypatch)
+    scene = tmp_path / "ahead.json"
+    scene.write_text(json.dumps(SCENE))
+    args = ["--controller", "sim", "--scene", str(scene), "--start", "0", "--offline", "local"]
+    args += ["--instruction", "go to the red box", "--exit-when-done", "--json", "--max-steps", "12"]
+    args += ["--set", "nav.grammar=false"]
+    rc, out, err = _run(capsys, *args)
+    assert rc == 0 and out["reached"], err
+    assert "prefilling the prompt" in err  # the progress line before the model loads
+    with tempfile.TemporaryDirectory(prefix="api-") as folder:
+        assert cli.main(["run", "--listen", f"unix:{folder}/api.sock", "--telemetry", "", *args]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    steps = [line for line in lines if re.match(r"\[ ?\d+\] (OFFLINE/local|VERIFIED) ", line)]
+    moved = out["steps"] - out["parses"]["refused"]
+    assert len(steps) == out["steps"] and moved >= 3  # every step, the held ones too
+    assert any("sees: red box" in line for line in steps) and any("action: forward" in line for line in lines)
+    assert json.loads(lines[-1])["steps"] == out["steps"]  # still the last line
+    rc, quiet, _ = _run(capsys, *args, "--quiet")
+    assert rc == 0 and quiet["reached"]
+    assert capsys.readouterr().out == ""  # (_run read it: only the JSON line was there)
+
+
+def test_an_instruction_naming_nothing_in_the_scene_is_refused_before_anything_loads(capsys, monkeypatch):
+    import agent.spec.drafter
+
+    def no_model(*a, **k):
+        raise AssertionError("the draft model must not load")
+
+    monkeypatch.setattr(agent.spec.drafter, "Drafter", no_model)
+    rc, _, err = _run(
+        capsys, "--controller", "sim", "--scene", "two_rooms", "--instruction", "go to the blue ball", "--json",
+        "--exit-when-done",
+    )  # fmt: skip
+    lines = err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1 and "Traceback" not in err
+    assert "names no object in the scene 'two_rooms'" in lines[0] and "blue box, green ball" in lines[0]
+
+
+def test_every_shipped_scene_is_taken_by_name(capsys, monkeypatch):
+    from agent.robot.scene import builtin_scenes, load_scene
+
+    names = builtin_scenes()
+    assert {"red_box", "two_rooms", "cluttered", "blue_ball_corridor"} <= set(names) and len(names) >= 8
+    monkeypatch.setattr("agent.spec.drafter.Drafter", lambda *a, **k: pytest.fail("no model"))
+    for name in names:
+        objects = ", ".join(o.name for o in load_scene(name).objects)
+        rc, _, err = _run(capsys, "--controller", "sim", "--scene", name, "--instruction", "go to the purple elephant")
+        assert rc == 2 and f"scene {name!r}; its objects: {objects}" in err, err
+
+
+def test_a_verifier_that_never_answers_ends_exit_when_done_at_once(capsys, monkeypatch):
+    import socket
+    import time
+
+    _walking(monkeypatch)
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    t0 = time.monotonic()
+    rc, _, err = _run(
+        capsys, "--controller", "sim", "--scene", "red_box", "--verifier", f"ws://127.0.0.1:{port}",
+        "--instruction", "go to the red box", "--exit-when-done", "--max-steps", "3", "--quiet",
+    )  # fmt: skip
+    assert rc == 3 and time.monotonic() - t0 < 30
+    last = err.strip().splitlines()[-1]
+    assert (
+        last.startswith(f"edge-agent: the verifier at ws://127.0.0.1:{port} did not answer")
+        and "--offline local" in last
+    )
+
+
+def test_held_steps_are_bounded_by_max_wait_s_and_the_log_agrees(capsys, monkeypatch, caplog):
+    """Held steps (the link down, offline 'hold') make no plan and do not count toward --max-steps: --max-wait-s
+    (agent.task_timeout_s) ends the task, and the log's count is the JSON's."""
+    import logging
+
+    _walking(monkeypatch)
+    monkeypatch.setattr(cli, "_never_answered", lambda daemon, args: "")  # (as if it had answered once)
+    caplog.set_level(logging.INFO, logger="agent.app.daemon")
+    rc, out, _ = _run(
+        capsys, "--controller", "sim", "--scene", "red_box", "--verifier", "ws://127.0.0.1:9",
+        "--instruction", "go to the red box", "--exit-when-done", "--json", "--max-steps", "2", "--max-wait-s", "1.5",
+        "--quiet",
+    )  # fmt: skip
+    assert rc == 0 and out["end"] == "timeout" and out["reached"] is False
+    assert out["steps"] == out["parses"]["refused"] >= 1  # every step held (each waits for the link a while)
+    ended = [r.getMessage() for r in caplog.records if "after" in r.getMessage() and "held" in r.getMessage()]
+    assert ended and f"timeout after {out['steps']} steps (0 moving, {out['steps']} held" in ended[-1]
+
+
+def test_telemetry_goes_under_the_state_directory(tmp_path, monkeypatch):
+    from agent.app.daemon import state_directory, telemetry_path
+
+    monkeypatch.delenv("STATE_DIRECTORY", raising=False)
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "xdg"))
+    assert telemetry_path("telemetry.jsonl") == tmp_path / "xdg" / "edge-agent" / "telemetry.jsonl"
+    monkeypatch.setenv("STATE_DIRECTORY", f"{tmp_path / 'unit'}:/var/lib/other")  # systemd's StateDirectory=
+    assert state_directory() == tmp_path / "unit"
+    assert telemetry_path(str(tmp_path / "t.jsonl")) == tmp_path / "t.jsonl" and telemetry_path("") is None
+    monkeypatch.delenv("STATE_DIRECTORY")
+    monkeypatch.delenv("XDG_STATE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert state_directory() == tmp_path / "home" / ".local" / "state" / "edge-agent"
+
+
+class ForwardDrafter(WalkingDrafter):
+    """Always "move forward 75 cm", whatever the camera shows (the model that invents an elephant to the left)."""
+
+    def answer(self, camera: str) -> str:
+        return "The next action is move forward 75 cm."
+
+
+@pytest.mark.parametrize("drafter,steps", [(ForwardDrafter, 1), (WalkingDrafter, 2)])
+def test_a_camera_that_sees_nothing_named_never_walks_and_ends_not_seen(capsys, monkeypatch, drafter, steps):
+    """Perception "color" (a real detector, here on the simulator's renders) finds no purple elephant: a step
+    forward becomes a stop at once; a turn to look is allowed once, the next is a stop; the task ends not_seen."""
+    import agent.spec.drafter
+
+    monkeypatch.setattr(agent.spec.drafter, "Drafter", drafter)
+    rc, out, err = _run(
+        capsys, "--controller", "sim", "--scene", "red_box", "--camera", "sim", "--perception", "color",
+        "--offline", "local", "--instruction", "go to the purple elephant", "--exit-when-done", "--json",
+        "--max-steps", "6", "--set", "nav.grammar=false", "--quiet",
+    )  # fmt: skip
+    assert rc == 0, err
+    assert out["end"] == "not_seen" and out["steps"] - out["parses"]["refused"] == steps
+    assert out["path_m"] < 0.01  # turned in place at most, never walked

@@ -297,13 +297,11 @@ def test_the_obstacle_stop_is_on_by_default_where_the_robot_has_ranges(caplog):
 
 def test_the_simulated_robot_keeps_off_the_walls_with_no_config():
     """The scripted policy from the start where it walks into the block (15 contact ticks with the stop off)."""
-    import pathlib
-
     from agent.robot.scene import load_scene
     from agent.robot.scripted import FakeClock, run_scripted
     from agent.robot.sim import make_world
 
-    scene = load_scene(pathlib.Path(__file__).parents[2] / "tools" / "scenes" / "green_box_behind_block.json")
+    scene = load_scene("green_box_behind_block")
     contacts = {}
     for clearance in (0.0, None):
         world = make_world(scene, start=1, clock=FakeClock())

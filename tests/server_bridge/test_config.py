@@ -154,3 +154,25 @@ def test_every_field_is_a_flag_and_a_flag_overrides_the_file(monkeypatch, tmp_pa
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "--max-batch", "many"])
     assert cli.main(["serve", "--engine", "auto", "--kv-unified", "on", "--max-batch", "0"]) == 2
+
+
+def test_a_target_given_by_the_path_of_its_built_file_keeps_its_name(tmp_path, monkeypatch):
+    """`--target models/build/SmolLM2-135M-Instruct.F32.gguf` is smollm2-f32: its exits and its estimator
+    (looked up by name) are the ones `--target smollm2-f32` gets; any other file goes by its file name."""
+    from protocol import modelfiles
+
+    monkeypatch.setenv("EDGESPEC_MODELS", str(tmp_path))
+    built = tmp_path / "build" / modelfiles.TARGETS["smollm2-f32"]
+    built.parent.mkdir()
+    built.write_bytes(b"GGUF")
+    (tmp_path / "estimator").mkdir()
+    fitted = tmp_path / "estimator" / "smollm2-f32.json"
+    fitted.write_text("{}")
+    link = tmp_path / "target.gguf"
+    link.symlink_to(built)
+    other = tmp_path / "other.gguf"
+    other.write_bytes(b"GGUF")
+    for given in ("smollm2-f32", str(built), str(link)):
+        assert modelfiles.target_name(given) == "smollm2-f32", given
+    assert modelfiles.resolve_estimator("auto", modelfiles.target_name(str(built))) == fitted
+    assert modelfiles.target_name(str(other)) == "other.gguf" and modelfiles.target_name("no/such.gguf") == "such.gguf"

@@ -16,6 +16,7 @@ from typing import Callable
 
 from agent.app.episode import navigate
 from agent.app.navigator import Step
+from agent.app.transcript import step_lines
 from agent.robot.camera import StaleFrame
 
 
@@ -63,32 +64,9 @@ def restart(daemon, pose: tuple[float, float, float], start_index: int | None = 
     raise TimeoutError(f"no camera frame within {timeout_s} s of the restart")
 
 
-def _cmd(c: dict) -> str:
-    parts = [f"{k} {v:+.2f}" for k, v in c.items() if abs(v) > 1e-9]
-    return ", ".join(parts) if parts else "zero"
-
-
 def print_step(n: int, rec: Step) -> None:
-    """The demo's lines for one step: the mode and time, what it saw, what it said, the action and why."""
-    d = rec.decode
-    dec = (
-        (
-            f"{d.get('mode')}, {d.get('tokens')} tokens, tau {d['tau']:.1f}"
-            if d.get("tau")
-            else f"{d.get('mode', '-')}, {d.get('tokens', 0)} tokens"
-        )
-        if d
-        else "no answer"
-    )
-    mode = "VERIFIED" if rec.mode == "verified" else f"OFFLINE/{rec.offline_policy}"
-    print(f"[{n:2d}] {mode:<14} {rec.latency_ms.get('step', 0) / 1e3:5.1f}s  sees: {rec.observation}")
-    print(f"     says: {rec.text.strip()!r}" + ("  (unverified)" if rec.unverified_tokens else ""))
-    print(
-        f"     action: {rec.action} ({rec.parse}{'; ' + rec.parse_note if rec.parse_note else ''}) -> "
-        f"sent {_cmd(rec.command_peak)}; think {rec.latency_ms.get('generate', 0) / 1e3:.1f}s ({dec})"
-        + (f"\n     why: {rec.reason}" if rec.reason else ""),
-        flush=True,
-    )
+    """The demo's lines for one step (agent/app/transcript.py, which `edge-agent run` prints too)."""
+    print(step_lines(n, rec), flush=True)
 
 
 def navigate_with_cut(

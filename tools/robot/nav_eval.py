@@ -1,6 +1,6 @@
 """Does the robot reach what it is told to? Every scene file and start pose in a folder, with and without a link cut.
 
-For each scene (tools/scenes/*.json, plus the shipped red_box room) and each of its start
+For each scene (the shipped ones, agent/robot/scenes/*.json) and each of its start
 poses the robot is given the scene's instruction ("go to the blue ball") and runs until the
 model says stop or --max-steps pass, twice: with the link up throughout, and with the link
 cut before step 3 for 3 steps (as the demo does, through tools/cluster/netem's NetemProxy; the robot
@@ -35,12 +35,12 @@ import textwrap
 import time
 from pathlib import Path
 
-from agent.robot.scene import Scene, SceneError, load_scene
+from agent.robot.scene import SCENE_DIR, Scene, SceneError, load_scene
 from tools.plots import bar_plot
 
-SCENES = Path(__file__).resolve().parents[1] / "scenes"
+SCENES = SCENE_DIR  # the shipped scenes (package data), so `edge-agent run --scene NAME` takes each
 OUT = Path("docs/nav_eval")
-BUILTIN = ("red_box",)  # shipped scenes evaluated beside the folder's
+BUILTIN: tuple[str, ...] = ()  # shipped scenes evaluated beside a --scenes folder's
 CUT_AT, CUT_STEPS = 3, 3  # the link is cut before step 3 for 3 steps (as in the demo)
 
 
@@ -70,7 +70,7 @@ def robot_config(url: str, args: argparse.Namespace, scene: Scene, telemetry: Pa
             f'offline.policy="{args.offline}"',
             f'agent.mode="{args.mode}"',
             f"robot.options.scene={json.dumps(scene.path)}",
-            f'telemetry.path="{telemetry}"',
+            f"telemetry.path={json.dumps(str(telemetry.resolve()))}",  # (a relative one is under the state dir)
             f"agent.threads={threads}",
             "link.verify_timeout_s=2.0",
             "camera.fps=20",
