@@ -564,3 +564,56 @@ class GenerateOptions:
     threads: int = setting(2, help="llama.cpp threads for the draft.")
     n_gpu_layers: int = setting(-1, help="Draft layers on the GPU (-1: all when llama.cpp can offload; 0: CPU).")
     json: bool = setting(False, help="The last stdout line: one JSON object with the text and the metrics.")
+
+
+# ------------------------------------------------------------------ edge-agent serve (the OpenAI endpoint)
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """`edge-agent serve`'s flags: the OpenAI-compatible endpoint alone, without the robot
+    (agent/app/openai_api.py; the field name with dashes is the flag)."""
+
+    verifier: str | None = setting(None, help="wss://HOST:PORT of server-bridge (ws:// on loopback); none: offline.")
+    token: str | None = setting(None, help="The verifier's shared secret (default: $VERIFIER_TOKEN).")
+    ca_file: str = setting("", help="wss://: the CA (PEM) of the server's certificate (\"\": the system's CAs).")
+    allow_insecure: bool = setting(False, help="Send the token over plain ws:// to another host (refused otherwise).")
+    listen: str = setting("127.0.0.1:8080", help="HOST:PORT the endpoint listens on (port 0: any free port).")
+    api_key: str = setting("", help="The key clients send as 'Authorization: Bearer KEY'; prefer --api-key-file.")
+    api_key_file: str = setting("", help="A file holding that key (its first line; not world-readable).")
+    offline: str = setting(
+        "refuse",
+        choices=("refuse", "local"),
+        help="Without the verifier: refuse (503 verifier_unavailable) or answer with the draft alone, marked "
+        '"verified": false; a request\'s own "offline" field overrides it.',
+    )
+    mode: str = setting("sd", choices=("ar", "sd", "fsd"), help="How answers are verified (as generate's --mode).")
+    gamma: int = setting(4, help="Draft tokens per round.")
+    max_pending: int = setting(4, help="Requests running or waiting for the model at once; more get 503.")
+    model_name: str = setting("", help='The model id /v1/models lists ("": the draft\'s name).')
+    draft: str = setting(
+        modelfiles.DEFAULT_DRAFT, help=f"The draft: a name ({', '.join(modelfiles.DRAFTS)}) or a GGUF path."
+    )
+    draft_mmproj: str = setting("", help="The draft's vision projector GGUF (image_url parts need it).")
+    threads: int = setting(2, help="llama.cpp threads for the draft.")
+    n_gpu_layers: int = setting(-1, help="Draft layers on the GPU (-1: all when llama.cpp can offload; 0: CPU).")
+
+    def __post_init__(self) -> None:
+        try:
+            where = parse_listen(self.listen)
+        except ValueError as e:
+            raise ConfigError(f"--listen: {e}") from None
+        if where[0] != "tcp":
+            raise ConfigError(f"--listen is HOST:PORT, got {self.listen!r}")
+        if self.api_key and self.api_key_file:
+            raise ConfigError("--api-key and --api-key-file: give one (the file keeps it off the command line)")
+        if self.api_key:
+            _check_secret("--api-key", self.api_key)
+        if not is_loopback(where[1]) and not (self.api_key or self.api_key_file):
+            raise ConfigError(f"--listen {self.listen!r} is not loopback: set --api-key-file so not anyone may ask")
+        if not 1 <= self.max_pending <= 256:
+            raise ConfigError("--max-pending is from 1 to 256")
+
+    def key(self) -> str:
+        """The API key: --api-key, or the first line of --api-key-file; "" for none."""
+        return self.api_key or _read_secret("--api-key-file", self.api_key_file)

@@ -45,7 +45,7 @@ def test_the_pages_examples_run(server, drafter, monkeypatch, capsys):
     assert len(blocks) >= 4
     namespace: dict = {}
     for i, block in enumerate(blocks):
-        exec(compile(block, f"{PAGE.name} block {i}", "exec"), namespace)  # noqa: S102: the page's own examples
+        exec(compile(block, f"{PAGE.name} block {i}", "exec"), namespace)  # noqa: S102 (the page's own examples)
     out = capsys.readouterr().out
     assert "refused:" in out and "False" in out
     assert namespace["answer"].verified and namespace["stream"].completion.verified
@@ -96,7 +96,9 @@ def test_bad_arguments_are_request_errors(client):
             client.generate("hi", **kw)
         assert e.value.param == param, kw
     with pytest.raises(RequestError, match="data: URI"):
-        client.generate(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x"}}]}])
+        client.generate(
+            messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x"}}]}]
+        )
     with pytest.raises(TypeError):
         client.generate("hi", max_new_tokens=3)
 
