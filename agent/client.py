@@ -225,10 +225,12 @@ class Client:
         n_gpu_layers: int = -1,
         config: DecoderConfig | None = None,
         drafter: Any = None,
+        lock: threading.Lock | None = None,
     ) -> None:
         """`verifier`: ws:// or wss:// URL of server-bridge (None: the draft alone, every answer unverified).
         `drafter`: an already loaded agent.spec.drafter.Drafter to share (then draft* and threads are unused).
-        `config`: a whole DecoderConfig (its url and token win over `verifier` and `token`)."""
+        `config`: a whole DecoderConfig (its url and token win over `verifier` and `token`).
+        `lock`: held around every generation; pass the one other users of a shared `drafter` hold."""
         if mode not in MODES or mode == "local":
             raise RequestError(f"mode must be one of ar, sd, fsd, got {mode!r}", "mode")
         if offline not in OFFLINE:
@@ -241,7 +243,7 @@ class Client:
         self.mode, self.offline, self.gamma = mode, offline, gamma
         self.config = config or DecoderConfig(url=verifier, token=token)
         self.decoder = EdgeDecoder(drafter, self.config)
-        self.lock = threading.Lock()  # the draft model runs one generation at a time
+        self.lock = lock or threading.Lock()  # the draft model runs one generation at a time
 
     @property
     def model(self) -> str:

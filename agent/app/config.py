@@ -308,8 +308,16 @@ class ApiSection:
         help='Browser Origins let in (e.g. "https://ui.robot.lan"); an upgrade with any other Origin header '
         "is refused with 403.",
     )
+    openai_listen: str = setting(
+        "",
+        help="HOST:PORT of an OpenAI-compatible endpoint (POST /v1/chat/completions, GET /v1/models) on the "
+        'daemon\'s draft model, behind the same token (Authorization: Bearer); "" = none. Needs token or '
+        "token_file; an address other than loopback also allow_remote. Chat answers and navigation steps take "
+        "turns on the model.",
+    )
 
     def __post_init__(self) -> None:
+        self._check_openai()
         try:
             where = parse_listen(self.listen)
         except ValueError as e:
@@ -344,6 +352,20 @@ class ApiSection:
                 f'api.allowed_origins must be a list of origins like "https://ui.robot.lan:8443", '
                 f"got {self.allowed_origins!r}"
             )
+
+    def _check_openai(self) -> None:
+        if not self.openai_listen:
+            return
+        try:
+            where = parse_listen(self.openai_listen)
+        except ValueError as e:
+            raise ConfigError(f"api.openai_listen: {e}") from None
+        if where[0] != "tcp":
+            raise ConfigError(f"api.openai_listen is HOST:PORT, got {self.openai_listen!r}")
+        if not is_loopback(where[1]) and not self.allow_remote:
+            raise ConfigError(f"api.openai_listen {self.openai_listen!r} is not loopback: set api.allow_remote = true")
+        if not (self.token or self.token_file):
+            raise ConfigError("api.openai_listen: set api.token_file (or api.token), the key its clients present")
 
     def secrets(self) -> tuple[str, str]:
         """(token, reset_token): inline or read from their files ("" when not configured); ConfigError when a

@@ -322,3 +322,30 @@ def test_edge_agent_serve(verifier, tmp_path):
         env=env,
     )
     assert bad.returncode == 2 and "api-key-file" in bad.stderr
+
+
+def test_the_daemons_endpoint_behind_its_token(verifier, drafter):
+    """api.openai_listen: the same endpoint on the daemon's draft model, its key the local API's token."""
+    from agent.app import config
+    from agent.app.daemon import Daemon
+    from tests.agent.test_go2_daemon import Api, RecordingNotifier
+
+    sets = ['telemetry.path=""', 'perception.kind="color"', f'link.verifier="{verifier.url}"']
+    sets += [f'api.token="{KEY}"', 'api.openai_listen="127.0.0.1:0"']
+    with pytest.raises(config.ConfigError, match="token"):
+        config.load(None, ['api.openai_listen="127.0.0.1:0"'])
+    d = Daemon(config.load(None, sets), drafter=drafter, notifier=RecordingNotifier()).start()
+    api = None
+    try:
+        api = Api(d, token=KEY)
+        base = api.api.openai.address + "/v1"
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=base, api_key="not-the-token-0123", max_retries=0).models.list()
+        oc = openai.OpenAI(base_url=base, api_key=KEY, max_retries=0, timeout=120)
+        r = oc.chat.completions.create(model="edge", messages=ASK, max_tokens=6)
+        assert r.model_extra["verified"] is True and r.usage.completion_tokens == 6
+        assert api.call(op="status")["ok"]  # the local API answers beside it
+    finally:
+        if api is not None:
+            api.close()
+        d.close()
