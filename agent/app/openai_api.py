@@ -19,6 +19,7 @@ import hmac
 import json
 import logging
 import re
+import time
 from typing import Any, NoReturn
 
 from agent.client import Client, RequestError, VerifierUnavailable
@@ -32,6 +33,7 @@ log = logging.getLogger(__name__)
 MAX_LINE = 8192  # the request line and each header line
 MAX_HEADERS = 64
 MAX_BODY = 8 << 20  # four images' data URIs and the rest
+MAX_DISCARD = 64 << 20  # what is read and dropped of a refused body, so that the client sees the refusal
 MAX_BRACKETS = 20_000  # '[' and '{' outside strings in one body
 MAX_DEPTH = 64  # nesting of the body's JSON
 READ_TIMEOUT_S = 30.0  # the whole request (line, headers, body)
@@ -123,14 +125,26 @@ class OpenAiApi:
     # -------------------------------------------------------------- one connection
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        unread = 0  # the body's bytes still on the wire: after an early error they are drained, else the close resets
         try:
             try:
-                method, path, headers, body = await asyncio.wait_for(self._read(reader), READ_TIMEOUT_S)
-                await self._route(method, path, headers, body, writer)
+                deadline = time.monotonic() + READ_TIMEOUT_S
+                method, path, headers = await asyncio.wait_for(_head(reader), READ_TIMEOUT_S)
+                declared = headers.get("content-length", "0")
+                unread = int(declared) if declared.isdigit() and len(declared) <= 12 else 0
+                path = self._check(method, path, headers)  # 404, 401, 405, 411, 413 before the body is read
+                if headers.get("expect", "").lower() == "100-continue":
+                    writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+                length = int(headers.get("content-length", "0"))
+                body = await asyncio.wait_for(reader.readexactly(length), max(0.1, deadline - time.monotonic()))
+                unread = 0
+                await self._answer(path, body, writer)
             except asyncio.TimeoutError:
                 await _send_json(writer, 408, HttpError(408, "the request was not sent in time").body())
             except HttpError as e:
                 await _send_json(writer, e.status, e.body())
+                if unread:
+                    await _discard(reader, unread)
         except (ConnectionError, asyncio.IncompleteReadError):
             pass  # the client went away
         except Exception:  # a bug answers 500 and leaves the server up
@@ -142,31 +156,8 @@ class OpenAiApi:
             with contextlib.suppress(Exception):
                 await writer.wait_closed()
 
-    async def _read(self, reader: asyncio.StreamReader) -> tuple[str, str, dict[str, str], bytes]:
-        """The request line, headers and body, each bounded before it is read."""
-        line = await _line(reader)
-        parts = line.split(" ")
-        if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
-            fail(400, "a request line is METHOD PATH HTTP/1.1")
-        headers: dict[str, str] = {}
-        while (h := await _line(reader)) != "":
-            name, colon, value = h.partition(":")
-            if not colon or len(headers) >= MAX_HEADERS:
-                fail(400, f"a header is NAME: VALUE, at most {MAX_HEADERS} of them")
-            headers[name.strip().lower()] = value.strip()
-        if "transfer-encoding" in headers:
-            fail(411, "send the body with a Content-Length, not chunked")
-        length = headers.get("content-length", "0")
-        if not length.isdigit():
-            fail(400, "Content-Length is a number")
-        if int(length) > MAX_BODY:
-            fail(413, f"the body is over {MAX_BODY} bytes", code="request_too_large")
-        body = await reader.readexactly(int(length)) if int(length) else b""
-        return parts[0], parts[1], headers, body
-
-    async def _route(
-        self, method: str, path: str, headers: dict[str, str], body: bytes, writer: asyncio.StreamWriter
-    ) -> None:
+    def _check(self, method: str, path: str, headers: dict[str, str]) -> str:
+        """The route of a request, checked from its head alone: path, key, method and the body's size."""
         path = path.split("?", 1)[0].rstrip("/")
         routes = {"/v1/models": "GET", "/v1/chat/completions": "POST", f"/v1/models/{self.model}": "GET"}
         if path not in routes:
@@ -174,6 +165,16 @@ class OpenAiApi:
         self._check_key(headers)
         if method != routes[path]:
             fail(405, f"{path} takes {routes[path]}", code="method_not_allowed")
+        if "transfer-encoding" in headers:
+            fail(411, "send the body with a Content-Length, not chunked")
+        length = headers.get("content-length", "0")
+        if not length.isdigit() or len(length) > 12:
+            fail(400, "Content-Length is a number")
+        if int(length) > MAX_BODY:
+            fail(413, f"the body is over {MAX_BODY} bytes", code="request_too_large")
+        return path
+
+    async def _answer(self, path: str, body: bytes, writer: asyncio.StreamWriter) -> None:
         if path != "/v1/chat/completions":
             card = {"id": self.model, "object": "model", "created": 0, "owned_by": "edgespec"}
             await _send_json(writer, 200, card if path != "/v1/models" else {"object": "list", "data": [card]})
@@ -238,7 +239,7 @@ class OpenAiApi:
             await _event(writer, err.body())  # the status line is out: the error rides in the stream
             return
         finally:
-            stream.close()
+            await asyncio.to_thread(stream.close)  # ends the generation at its next token when the client left
         c = stream.completion
         assert c is not None
         if not started:
@@ -261,6 +262,34 @@ def _answer_error(e: Exception) -> HttpError:
         return HttpError(status, f"the verifier: {e}", "server_error" if status == 502 else "invalid_request_error")
     log.exception("OpenAI endpoint: generation failed", exc_info=e)
     return HttpError(500, f"internal error ({type(e).__name__})", "server_error")
+
+
+async def _head(reader: asyncio.StreamReader) -> tuple[str, str, dict[str, str]]:
+    """The request line and headers, each line bounded before it is read (MAX_LINE), MAX_HEADERS of them."""
+    parts = (await _line(reader)).split(" ")
+    if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
+        fail(400, "a request line is METHOD PATH HTTP/1.1")
+    headers: dict[str, str] = {}
+    while (h := await _line(reader)) != "":
+        name, colon, value = h.partition(":")
+        if not colon or len(headers) >= MAX_HEADERS:
+            fail(400, f"a header is NAME: VALUE, at most {MAX_HEADERS} of them")
+        headers[name.strip().lower()] = value.strip()
+    return parts[0], parts[1], headers
+
+
+async def _discard(reader: asyncio.StreamReader, declared: int) -> None:
+    """Read and drop the body a client still sends after an early error (its Content-Length, at most MAX_DISCARD
+    bytes, 3 s): a socket closed with unread data resets the connection, and the client would see the reset,
+    not the error."""
+
+    async def drain() -> None:
+        left = min(declared, MAX_DISCARD)
+        while left > 0 and (chunk := await reader.read(min(left, 65536))):
+            left -= len(chunk)
+
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(drain(), 3.0)
 
 
 async def _line(reader: asyncio.StreamReader) -> str:

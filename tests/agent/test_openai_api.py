@@ -280,6 +280,10 @@ def test_bad_requests_get_openai_errors(endpoint):
 def test_an_oversized_body_is_refused_before_it_is_read(endpoint):
     from agent.app.openai_api import MAX_BODY
 
+    with pytest.raises(openai.APIStatusError) as e:  # the client sees the answer, not a reset connection
+        endpoint.openai().chat.completions.create(model="edge", messages=[{"role": "user", "content": "a" * MAX_BODY}])
+    assert e.value.status_code == 413 and e.value.body["code"] == "request_too_large"
+
     head = (
         f"POST /v1/chat/completions HTTP/1.1\r\nAuthorization: Bearer {KEY}\r\nContent-Length: {MAX_BODY + 1}\r\n\r\n"
     )
