@@ -479,12 +479,12 @@ def _chat_messages(messages: list) -> tuple[list[dict], list[bytes]]:
             if kind == "text" and isinstance(part.get("text"), str):
                 parts.append({"type": "text", "text": part["text"]})
             elif kind == "image_url" and isinstance(part.get("image_url"), dict):
+                if len(images) == MAX_IMAGES:  # before decoding one more
+                    raise RequestError(f"at most {MAX_IMAGES} images in one request", "messages")
                 images.append(image_bytes(part["image_url"].get("url"), f"messages[{i}].content[{j}].image_url"))
                 parts.append({"type": "image"})
             else:
                 raise RequestError(f"messages[{i}].content[{j}] is a text or image_url part", "messages")
         has_image = any(p["type"] == "image" for p in parts)
         out.append({"role": role, "content": parts if has_image else "".join(p["text"] for p in parts)})
-    if len(images) > MAX_IMAGES:
-        raise RequestError(f"at most {MAX_IMAGES} images in one request", "messages")
     return out, images
