@@ -92,7 +92,7 @@ class OpenAiApi:
         listen: str,
         *,
         api_key: str = "",
-        offline: str = "refuse",
+        offline: str | None = None,
         max_pending: int = 4,
         model: str | None = None,
     ) -> None:
@@ -100,7 +100,8 @@ class OpenAiApi:
         if kind != "tcp":
             raise ValueError(f"the OpenAI endpoint listens on HOST:PORT, not {listen!r}")
         self.client, self.host, self.port = client, host, port
-        self.api_key, self.offline, self.max_pending = api_key, offline, max_pending
+        self.api_key, self.max_pending = api_key, max_pending
+        self.offline = offline or client.offline  # a request's own "offline" wins
         self.model = model or client.model
         self.pending = 0  # requests running or waiting for the model
         self.server: asyncio.Server | None = None

@@ -328,11 +328,14 @@ def test_edge_agent_serve(verifier, tmp_path):
     assert bad.returncode == 2 and "api-key-file" in bad.stderr
 
 
-def test_the_daemons_endpoint_behind_its_token(verifier, drafter):
+def test_the_daemons_endpoint_behind_its_token(verifier, drafter, monkeypatch):
     """api.openai_listen: the same endpoint on the daemon's draft model, its key the local API's token."""
     from agent.app import config
     from agent.app.daemon import Daemon
+    from agent.app.navigator import Navigator
     from tests.agent.test_go2_daemon import Api, RecordingNotifier
+
+    monkeypatch.setattr(Navigator, "warm_up", lambda self: None)  # the navigation prompt's prefill: ~10 s here
 
     sets = ['telemetry.path=""', 'perception.kind="color"', f'link.verifier="{verifier.url}"']
     sets += [f'api.token="{KEY}"', 'api.openai_listen="127.0.0.1:0"']
@@ -349,7 +352,40 @@ def test_the_daemons_endpoint_behind_its_token(verifier, drafter):
         r = oc.chat.completions.create(model="edge", messages=ASK, max_tokens=6)
         assert r.model_extra["verified"] is True and r.usage.completion_tokens == 6
         assert api.call(op="status")["ok"]  # the local API answers beside it
+        assert api.api.openai.client.lock is d.model_lock  # chat answers and navigation steps take turns
     finally:
         if api is not None:
             api.close()
         d.close()
+
+
+def test_a_link_lost_midway(verifier, drafter, client):
+    """The link drops after a few rounds and cannot come back: offline "local" keeps what the verifier
+    committed and the draft goes on (chunks say which); "refuse" ends the stream with an error event."""
+    from agent import Client
+    from agent.spec.decoder import DecoderConfig, ReconnectPolicy
+    from tools.cluster.netem import LinkProfile, NetemProxy
+
+    full = client.generate(messages=ASK, max_tokens=40).token_ids
+    for offline in ("local", "refuse"):
+        with NetemProxy("127.0.0.1", verifier.port, LinkProfile.from_rtt(5)) as proxy:
+            config = DecoderConfig(url=proxy.url(), reconnect=ReconnectPolicy(max_attempts=1, backoff_s=0.01))
+            with Client(config=config, drafter=drafter, offline=offline) as cut:
+                assert cut.connect()
+                proxy.refuse_new(True)
+                proxy.schedule_disconnect(after_bytes_down=400)  # the open's reply and a few rounds
+                e = Endpoint(cut)
+                try:
+                    body = json.dumps({"model": "edge", "messages": ASK, "max_tokens": 40, "stream": True})
+                    events = post(e.port, body.encode()).partition(b"\r\n\r\n")[2].decode().split("\n\n")
+                finally:
+                    e.close()
+        objs = [json.loads(x[6:]) for x in events if x.startswith("data: {")]
+        if offline == "refuse":
+            assert objs[-1]["error"]["code"] == "verifier_unavailable" and events[-1] != "data: [DONE]"
+            continue
+        edge = objs[-1]["edge"]
+        flags = [o["verified"] for o in objs if o.get("choices") and o["choices"][0]["delta"].get("content")]
+        assert True in flags and flags[-1] is False and flags == sorted(flags, reverse=True)
+        assert 0 < edge["verified_tokens"] < len(edge["token_ids"]) and edge["verified"] is False
+        assert edge["token_ids"][: edge["verified_tokens"]] == full[: edge["verified_tokens"]]
