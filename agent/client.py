@@ -287,9 +287,23 @@ class Client:
         req = _Request.of(prompt, kw, self.mode, self.offline)
         with self.lock:
             ids, images = self._prompt(req)
+            self._check_context(len(ids), req.max_tokens)
             grammar = schema_grammar(req.schema) if req.schema is not None else req.grammar
             pieces = _Pieces(lambda out: self.drafter.detokenize(out, skip=self.decoder.stop_ids()), req.stop, emit)
             return self._decode(req, ids, images, grammar, pieces)
+
+    def _check_context(self, n_prompt: int, max_tokens: int) -> None:
+        """The prompt and max_tokens must fit the draft's context (the verifier's is at least as large)."""
+        llm = getattr(self.drafter, "llm", None)
+        if llm is None:
+            return
+        cells = self.drafter.kv_cells(n_prompt) if hasattr(self.drafter, "kv_cells") else n_prompt
+        if cells + max_tokens >= llm.n_ctx():
+            raise RequestError(
+                f"the prompt ({cells} positions) and max_tokens ({max_tokens}) exceed the draft's context of "
+                f"{llm.n_ctx()}: ask for fewer tokens or send a shorter prompt",
+                "max_tokens",
+            )
 
     def _prompt(self, req: _Request) -> tuple[list[int], list[PromptImage]]:
         """The prompt's ids and its images on their markers."""

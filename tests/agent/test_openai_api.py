@@ -259,6 +259,7 @@ def test_bad_requests_get_openai_errors(endpoint):
         ({"n": 2}, "n"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"messages": []}, "messages"),
+        ({"max_tokens": 50_000}, "max_tokens"),
         ({"response_format": {"type": "xml"}}, "response_format"),
         ({"tools": [{"type": "function"}]}, "tools"),
     ):
