@@ -156,6 +156,10 @@ class Stream:
         if self._error is not None:
             raise self._error
 
+    def cancel(self) -> None:
+        """End the generation at its next token, without waiting for it (close() waits)."""
+        self._cancel.set()
+
     def close(self) -> None:
         self._cancel.set()
         self._thread.join()

@@ -238,7 +238,8 @@ class OpenAiApi:
             await _event(writer, err.body())  # the status line is out: the error rides in the stream
             return
         finally:
-            await asyncio.to_thread(stream.close)  # ends the generation at its next token when the client left
+            stream.cancel()  # a client that left (or a loop shutting down) ends the generation at its next token
+        await asyncio.to_thread(stream.close)  # over already: the worker thread's end
         c = stream.completion
         assert c is not None
         if not started:

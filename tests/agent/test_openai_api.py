@@ -390,3 +390,17 @@ def test_a_link_lost_midway(verifier, drafter, client):
         assert True in flags and flags[-1] is False and flags == sorted(flags, reverse=True)
         assert 0 < edge["verified_tokens"] < len(edge["token_ids"]) and edge["verified"] is False
         assert edge["token_ids"][: edge["verified_tokens"]] == full[: edge["verified_tokens"]]
+
+
+def test_a_client_that_leaves_mid_stream_ends_the_generation(endpoint):
+    body = json.dumps({"model": "edge", "messages": ASK, "max_tokens": 1000, "stream": True}).encode()
+    head = f"POST /v1/chat/completions HTTP/1.1\r\nAuthorization: Bearer {KEY}\r\nContent-Length: {len(body)}\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", endpoint.port), timeout=60) as s:
+        s.sendall(head.encode() + body)
+        assert s.recv(65536).startswith(b"HTTP/1.1 200")  # the stream has begun
+    deadline = time.monotonic() + 20  # 1000 tokens would take a minute here
+    while endpoint.api.pending and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert endpoint.api.pending == 0
+    r = endpoint.openai().chat.completions.create(model="edge", messages=ASK, max_tokens=4)
+    assert r.usage.completion_tokens == 4
