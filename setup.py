@@ -92,6 +92,8 @@ setup(
             # (and KEDA's CRD)
             "kubernetes-validate>=1.30",
             "jsonschema>=4.18",
+            # tests/agent/test_openai_api.py: the robot's OpenAI-compatible endpoint, driven by the official client
+            "openai>=1.40",
             "PyYAML>=6",
             # `make docs`: the documentation site (mkdocs.yml), built with --strict so a broken link fails it
             "mkdocs>=1.6",

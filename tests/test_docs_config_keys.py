@@ -59,7 +59,7 @@ REGENERATE = "PYTHONPATH=$PWD .venv/bin/python -m tests.test_docs_config_keys"
 
 def reference_page() -> str:
     """docs/guide/configuration.md, generated from the declarations (agent/app/config.py, server_bridge/config.py)."""
-    from agent.app.config import NOTES, GenerateOptions
+    from agent.app.config import NOTES, GenerateOptions, ServeOptions
     from runtime import settings
     from server_bridge.config import ServerConfig
 
@@ -94,6 +94,15 @@ def reference_page() -> str:
     out += settings.reference(GenerateOptions, flags="all", keys=False)
     out += [
         "",
+        "## edge-agent serve",
+        "",
+        "An OpenAI-compatible endpoint on the robot (docs/guide/openai.md): `edge-agent serve --verifier URL",
+        "--listen HOST:PORT --api-key-file FILE`.",
+        "",
+    ]
+    out += settings.reference(ServeOptions, flags="all", keys=False)
+    out += [
+        "",
         "## server-bridge serve",
         "",
         "`server-bridge serve --config /etc/edgespec/server-bridge.toml` reads the `[server]` table (or the",
@@ -111,13 +120,13 @@ def test_the_reference_page_is_the_generated_one():
 
 
 def test_every_setting_has_help():
-    from agent.app.config import NOTES, GenerateOptions
+    from agent.app.config import NOTES, GenerateOptions, ServeOptions
     from runtime import settings
     from server_bridge.config import ServerConfig
 
     for f in fields(Config):
         assert all(settings.help_of(g, NOTES.get(f.name)) for g in fields(type(f.default))), f.name
-    for cls in (GenerateOptions, ServerConfig):
+    for cls in (GenerateOptions, ServeOptions, ServerConfig):
         assert all(settings.help_of(g) for g in fields(cls)), cls.__name__
 
 

@@ -114,8 +114,9 @@ ALLOWED = {
     "protocol": ("protocol", "runtime.native"),
     "agent": ("agent", "runtime.native"),
     "agent.spec": ("agent.spec", "protocol", "runtime"),
+    "agent.client": ("agent.client", "agent.spec", "protocol", "runtime"),
     "agent.robot": ("agent.robot", "protocol"),
-    "agent.app": ("agent.app", "agent.spec", "agent.robot", "protocol", "runtime"),
+    "agent.app": ("agent.app", "agent.client", "agent.spec", "agent.robot", "protocol", "runtime"),
     "server_bridge": ("server_bridge", "protocol", "runtime"),
 }
 

@@ -29,6 +29,9 @@ Requests (one JSON object per message) and their answers:
     {"op": "subscribe"}             -> {"ok": true}, then events: {"event": "observation" | "reasoning" |
                                        "action" | "mode" | "task" | "estop" | "reset", ...}
 
+With api.openai_listen the daemon also serves an OpenAI-compatible endpoint (agent/app/openai_api.py) on
+its draft model, behind the same token; its answers and the navigation steps take turns on the model.
+
 Errors are {"ok": false, "error": "..."}; a bad request never closes the connection. A request is bounded
 before it is parsed: at most MAX_MESSAGE bytes (websockets refuses a larger frame), one flat JSON object (at
 most MAX_CONTAINERS brackets), no NaN or Infinity; an image is bounded by its base64 length, its byte size
@@ -68,6 +71,8 @@ from .daemon import MAX_IMAGE_B64, Busy, Daemon
 
 if TYPE_CHECKING:
     from websockets.sync.client import ClientConnection
+
+    from .openai_api import OpenAiApi
 
 log = logging.getLogger(__name__)
 
@@ -138,6 +143,7 @@ class LocalApi:
         where = parse_listen(self.cfg.listen)
         self.path = (where[1] or default_socket()) if where[0] == "unix" else None
         self.server: Server | None = None
+        self.openai: OpenAiApi | None = None  # api.openai_listen's endpoint, behind the same token
         # the inode of the socket file this API made: removed on close only if still ours
         self._sock_ino: int | None = None
 
@@ -155,6 +161,8 @@ class LocalApi:
         else:
             _, host, port = parse_listen(self.cfg.listen)
             self.server = await serve(self._handle, host, port, **kw)
+        if self.cfg.openai_listen:
+            self.openai = await self._start_openai()
         log.info(
             "local API on %s (%s; reset %s; browser origins %s)",
             self.address,
@@ -173,7 +181,25 @@ class LocalApi:
         host, port = self.server.sockets[0].getsockname()[:2]
         return f"ws://[{host}]:{port}" if ":" in host else f"ws://{host}:{port}"
 
+    async def _start_openai(self) -> OpenAiApi:
+        """The OpenAI-compatible endpoint (agent/app/openai_api.py) on the daemon's draft model, its key the
+        local API's token."""
+        from .daemon import chat_client
+        from .openai_api import OpenAiApi
+
+        client = chat_client(self.daemon)
+        endpoint = OpenAiApi(client, self.cfg.openai_listen, api_key=self.token, offline=client.offline)
+        try:
+            return await endpoint.start()
+        except BaseException:
+            client.close()
+            raise
+
     async def close(self) -> None:
+        if self.openai is not None:
+            await self.openai.close()
+            await asyncio.to_thread(self.openai.client.close)  # waits for a navigation step to end
+            self.openai = None
         if self.server is not None:
             self.server.close()
             await self.server.wait_closed()

@@ -1,5 +1,6 @@
-"""The `edge-agent` command: `generate` (one prompt through AR, SD or the draft alone, with metrics) and
-`run` (the robot daemon); their flags are derived from agent/app/config.py's declarations."""
+"""The `edge-agent` command: `generate` (one prompt through AR, SD or the draft alone, with metrics), `run`
+(the robot daemon) and `serve` (the OpenAI-compatible endpoint); their flags are derived from
+agent/app/config.py's declarations."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from protocol.sampling import SamplingError, SamplingParams
 from runtime import settings
 
 from . import config
-from .config import GenerateOptions
+from .config import GenerateOptions, ServeOptions
 
 if TYPE_CHECKING:
     from agent.spec.decoder import DecoderConfig
@@ -419,6 +420,72 @@ def _add_run(sub: Any) -> None:
     )
 
 
+# ------------------------------------------------------------------ edge-agent serve (the OpenAI endpoint)
+
+
+def _serve_openai(args: argparse.Namespace) -> int:
+    """`edge-agent serve`: the OpenAI-compatible endpoint (agent/app/openai_api.py) over one Client, until
+    SIGINT or SIGTERM."""
+    import asyncio
+
+    from agent.client import Client
+    from agent.spec.decoder import DecoderConfig, ReconnectPolicy
+    from agent.spec.link import default_robot_id
+
+    from .config import ConfigError, ServeOptions
+    from .openai_api import OpenAiApi
+
+    try:
+        opts = ServeOptions(**{f.name: getattr(args, f.name) for f in fields(ServeOptions)})
+        key = opts.key()
+        decoder = DecoderConfig(
+            url=opts.verifier,
+            token=opts.token if opts.token is not None else os.environ.get("VERIFIER_TOKEN", ""),
+            ca_file=opts.ca_file,
+            allow_insecure=opts.allow_insecure,
+            robot_id=default_robot_id(),
+            reconnect=ReconnectPolicy(max_attempts=2),  # a request waits little before the offline answer
+        )
+        client = Client(
+            config=decoder,
+            draft=opts.draft,
+            draft_mmproj=opts.draft_mmproj or None,
+            mode=opts.mode,
+            offline=opts.offline,
+            gamma=opts.gamma,
+            threads=opts.threads,
+            n_gpu_layers=opts.n_gpu_layers,
+        )
+        api = OpenAiApi(
+            client, opts.listen, api_key=key, offline=opts.offline, max_pending=opts.max_pending, model=opts.model_name
+        )
+    except (ConfigError, OSError, ValueError) as e:
+        print(f"edge-agent: {e}", file=sys.stderr)
+        return 2
+    with client:
+        return asyncio.run(_serve_endpoint(api, opts.verifier))
+
+
+async def _serve_endpoint(api: Any, verifier: str | None) -> int:
+    import asyncio
+    import signal
+
+    loop = asyncio.get_running_loop()
+    done = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, done.set)
+    try:
+        await api.start()
+    except OSError as e:  # an address in use
+        print(f"edge-agent: cannot listen: {e}", file=sys.stderr)
+        return 2
+    where = verifier or "none: every answer is the draft's alone"
+    print(f"edge-agent: OpenAI endpoint at {api.address}/v1 (verifier: {where})", file=sys.stderr, flush=True)
+    await done.wait()
+    await api.close()
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     """edge-agent's flags (docs/reference/cli.md is generated from this parser: tests/test_docs_cli.py)."""
     ap = argparse.ArgumentParser(prog="edge-agent", description="The robot side of speculative edge-cloud decoding.")
@@ -428,6 +495,9 @@ def _parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="cmd", required=True)
     settings.add_flags(sub.add_parser("generate", help="answer one prompt"), GenerateOptions)
     _add_run(sub)
+    settings.add_flags(
+        sub.add_parser("serve", help="an OpenAI-compatible endpoint (/v1/chat/completions)"), ServeOptions
+    )
     for command in sub.choices.values():  # --log-level before or after the subcommand, as a user puts it
         command.add_argument("--log-level", default=argparse.SUPPRESS, help=log_help)
     return ap
@@ -441,6 +511,8 @@ def main(argv: list[str] | None = None) -> int:
             return _generate(args)
         if args.cmd == "run":
             return _run(args)
+        if args.cmd == "serve":
+            return _serve_openai(args)
     except OSError as e:  # a model file unreadable, a device gone, ...
         print(f"edge-agent: {e}", file=sys.stderr)
         return 1

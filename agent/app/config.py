@@ -317,8 +317,16 @@ class ApiSection:
         help='Browser Origins let in (e.g. "https://ui.robot.lan"); an upgrade with any other Origin header '
         "is refused with 403.",
     )
+    openai_listen: str = setting(
+        "",
+        help="HOST:PORT of an OpenAI-compatible endpoint (POST /v1/chat/completions, GET /v1/models) on the "
+        'daemon\'s draft model, behind the same token (Authorization: Bearer); "" = none. Needs token or '
+        "token_file; an address other than loopback also allow_remote. Chat answers and navigation steps take "
+        "turns on the model.",
+    )
 
     def __post_init__(self) -> None:
+        self._check_openai()
         try:
             where = parse_listen(self.listen)
         except ValueError as e:
@@ -353,6 +361,20 @@ class ApiSection:
                 f'api.allowed_origins must be a list of origins like "https://ui.robot.lan:8443", '
                 f"got {self.allowed_origins!r}"
             )
+
+    def _check_openai(self) -> None:
+        if not self.openai_listen:
+            return
+        try:
+            where = parse_listen(self.openai_listen)
+        except ValueError as e:
+            raise ConfigError(f"api.openai_listen: {e}") from None
+        if where[0] != "tcp":
+            raise ConfigError(f"api.openai_listen is HOST:PORT, got {self.openai_listen!r}")
+        if not is_loopback(where[1]) and not self.allow_remote:
+            raise ConfigError(f"api.openai_listen {self.openai_listen!r} is not loopback: set api.allow_remote = true")
+        if not (self.token or self.token_file):
+            raise ConfigError("api.openai_listen: set api.token_file (or api.token), the key its clients present")
 
     def secrets(self) -> tuple[str, str]:
         """(token, reset_token): inline or read from their files ("" when not configured); ConfigError when a
@@ -616,3 +638,56 @@ class GenerateOptions:
     threads: int = setting(2, help="llama.cpp threads for the draft.")
     n_gpu_layers: int = setting(-1, help="Draft layers on the GPU (-1: all when llama.cpp can offload; 0: CPU).")
     json: bool = setting(False, help="The last stdout line: one JSON object with the text and the metrics.")
+
+
+# ------------------------------------------------------------------ edge-agent serve (the OpenAI endpoint)
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """`edge-agent serve`'s flags: the OpenAI-compatible endpoint alone, without the robot
+    (agent/app/openai_api.py; the field name with dashes is the flag)."""
+
+    verifier: str | None = setting(None, help="wss://HOST:PORT of server-bridge (ws:// on loopback); none: offline.")
+    token: str | None = setting(None, help="The verifier's shared secret (default: $VERIFIER_TOKEN).")
+    ca_file: str = setting("", help="wss://: the CA (PEM) of the server's certificate (\"\": the system's CAs).")
+    allow_insecure: bool = setting(False, help="Send the token over plain ws:// to another host (refused otherwise).")
+    listen: str = setting("127.0.0.1:8080", help="HOST:PORT the endpoint listens on (port 0: any free port).")
+    api_key: str = setting("", help="The key clients send as 'Authorization: Bearer KEY'; prefer --api-key-file.")
+    api_key_file: str = setting("", help="A file holding that key (its first line; not world-readable).")
+    offline: str = setting(
+        "refuse",
+        choices=("refuse", "local"),
+        help="Without the verifier: refuse (503 verifier_unavailable) or answer with the draft alone, marked "
+        '"verified": false; a request\'s own "offline" field overrides it.',
+    )
+    mode: str = setting("sd", choices=("ar", "sd", "fsd"), help="How answers are verified (as generate's --mode).")
+    gamma: int = setting(4, help="Draft tokens per round.")
+    max_pending: int = setting(4, help="Requests running or waiting for the model at once; more get 503.")
+    model_name: str = setting("", help='The model id /v1/models lists ("": the draft\'s name).')
+    draft: str = setting(
+        modelfiles.DEFAULT_DRAFT, help=f"The draft: a name ({', '.join(modelfiles.DRAFTS)}) or a GGUF path."
+    )
+    draft_mmproj: str = setting("", help="The draft's vision projector GGUF (image_url parts need it).")
+    threads: int = setting(2, help="llama.cpp threads for the draft.")
+    n_gpu_layers: int = setting(-1, help="Draft layers on the GPU (-1: all when llama.cpp can offload; 0: CPU).")
+
+    def __post_init__(self) -> None:
+        try:
+            where = parse_listen(self.listen)
+        except ValueError as e:
+            raise ConfigError(f"--listen: {e}") from None
+        if where[0] != "tcp":
+            raise ConfigError(f"--listen is HOST:PORT, got {self.listen!r}")
+        if self.api_key and self.api_key_file:
+            raise ConfigError("--api-key and --api-key-file: give one (the file keeps it off the command line)")
+        if self.api_key:
+            _check_secret("--api-key", self.api_key)
+        if not is_loopback(where[1]) and not (self.api_key or self.api_key_file):
+            raise ConfigError(f"--listen {self.listen!r} is not loopback: set --api-key-file so not anyone may ask")
+        if not 1 <= self.max_pending <= 256:
+            raise ConfigError("--max-pending is from 1 to 256")
+
+    def key(self) -> str:
+        """The API key: --api-key, or the first line of --api-key-file; "" for none."""
+        return self.api_key or _read_secret("--api-key-file", self.api_key_file)

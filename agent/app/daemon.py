@@ -49,6 +49,7 @@ from .sdnotify import Notifier
 from .telemetry import TelemetryWriter
 
 if TYPE_CHECKING:
+    from agent.client import Client
     from agent.spec.drafter import Drafter  # llama-cpp: imported when the daemon loads one
 
 log = logging.getLogger(__name__)
@@ -99,6 +100,7 @@ class Daemon:
         self._listeners: list[Callable[[dict], None]] = []
         self._lock = threading.Lock()
         self._decoding = threading.Lock()  # one submitted image decoded at a time; another is refused (Busy)
+        self.model_lock = threading.Lock()  # the draft model: one navigation step or one chat answer at a time
         self.task: dict | None = None  # the running task's status
         self.last_step: dict | None = None
         self.task_records: list = []  # the running (or last) task's nav.Step records, the first MAX_RECORDS
@@ -402,7 +404,8 @@ class Daemon:
                 break
             t_step = time.monotonic()
             try:
-                rec = self.nav.step(task["instruction"], task=str(task["id"]), cancel=self._cancel, frame=frame)
+                with self.model_lock:  # a chat answer (api.openai_listen) may hold the draft model
+                    rec = self.nav.step(task["instruction"], task=str(task["id"]), cancel=self._cancel, frame=frame)
             except Exception:  # never let one bad step kill the nav thread: stop, end the task
                 log.exception("step failed; stopping the robot and ending the task")
                 state = "error"
@@ -545,6 +548,24 @@ def telemetry_path(path: str) -> Path | None:
 def nav_config(cfg: Config) -> NavConfig:
     """The navigator's settings from the config: by name, NAV_RENAME where the names differ."""
     return settings.pick(NavConfig, cfg, rename=NAV_RENAME, unset=NAV_UNSET)
+
+
+def chat_client(daemon: Daemon) -> Client:
+    """The OpenAI endpoint's Client (api.openai_listen): the daemon's draft model, its own link to the same
+    verifier, and the daemon's model lock, so chat answers and navigation steps take turns."""
+    from agent.client import Client
+
+    cfg = daemon.cfg
+    if daemon.decoder is None:
+        raise RuntimeError("start() the daemon before its chat endpoint")
+    return Client(
+        drafter=daemon.decoder.drafter,
+        config=daemon.decoder.config,
+        mode=cfg.agent.mode,
+        gamma=cfg.agent.gamma,
+        offline="local" if cfg.offline.policy == "local" else "refuse",
+        lock=daemon.model_lock,
+    )
 
 
 def decoder_config(cfg: Config, token: str) -> DecoderConfig:

@@ -1,0 +1,109 @@
+"""agent.Client, the Python API: docs/guide/python.md's examples run against a real verifier, and its answers
+are `edge-agent generate`'s."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ThreadedServer
+
+pytestmark = pytest.mark.real
+
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "guide" / "python.md"
+
+
+@pytest.fixture(scope="module")
+def server(target):
+    from server_bridge.verifier import Verifier
+
+    with ThreadedServer(lambda cfg: Verifier(target, cfg)) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server, drafter):
+    from agent import Client
+
+    with Client(server.url, drafter=drafter) as c:
+        yield c
+
+
+def code_blocks(text: str) -> list[str]:
+    return re.findall(r"^```python\n(.*?)^```", text, re.M | re.S)
+
+
+def test_the_pages_examples_run(server, drafter, monkeypatch, capsys):
+    import agent.spec.drafter
+
+    monkeypatch.setenv("EDGESPEC_VERIFIER", server.url)
+    monkeypatch.setattr(agent.spec.drafter, "Drafter", lambda *a, **kw: drafter)  # the session's loaded draft
+    blocks = code_blocks(PAGE.read_text())
+    assert len(blocks) >= 4
+    namespace: dict = {}
+    for i, block in enumerate(blocks):
+        exec(compile(block, f"{PAGE.name} block {i}", "exec"), namespace)  # noqa: S102 (the page's own examples)
+    out = capsys.readouterr().out
+    assert "refused:" in out and "False" in out
+    assert namespace["answer"].verified and namespace["stream"].completion.verified
+
+
+def test_ids_equal_edge_agent_generate(server, client, capsys):
+    from agent.app import cli
+
+    prompt = "Name three colours."
+    rc = cli.main(
+        ["generate", "--verifier", server.url, "--prompt", prompt, "--chat", "--max-tokens", "12"]
+        + ["--threads", "1", "--json"]
+    )
+    assert rc == 0
+    cli_ids = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["token_ids"]
+    assert client.generate(prompt, chat=True, max_tokens=12).token_ids == cli_ids
+    messages = [{"role": "user", "content": prompt}]
+    assert client.generate(messages=messages, max_tokens=12).token_ids == cli_ids
+    streamed = client.stream(messages=messages, max_tokens=12)
+    assert "".join(streamed) == streamed.completion.text
+    assert streamed.completion.token_ids == cli_ids
+
+
+def test_stop_strings_and_sampling(client):
+    full = client.generate("Count: one, two,", max_tokens=16)
+    cut = client.generate("Count: one, two,", max_tokens=16, stop=["four"])
+    assert "four" in full.text and cut.text == full.text[: full.text.index("four")]
+    assert cut.finish_reason == "stop" and cut.token_ids == full.token_ids[: len(cut.token_ids)]
+    a = client.generate("Once upon a time", max_tokens=10, temperature=0.8, top_k=40, seed=7)
+    b = client.generate("Once upon a time", max_tokens=10, temperature=0.8, top_k=40, seed=7)
+    assert a.token_ids == b.token_ids and a.verified
+
+
+def test_bad_arguments_are_request_errors(client):
+    from agent.client import RequestError
+
+    cases = [
+        ({"top_p": 0.9}, "top_p"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"temperature": -1}, "temperature"),
+        ({"stop": ["a"] * 5}, "stop"),
+        ({"schema": {"type": "object"}, "grammar": "root ::= [a]"}, "schema"),
+        ({"images": [b"not an image"]}, "images"),
+        ({"offline": "maybe"}, "offline"),
+    ]
+    for kw, param in cases:
+        with pytest.raises(RequestError) as e:
+            client.generate("hi", **kw)
+        assert e.value.param == param, kw
+    with pytest.raises(RequestError, match="data: URI"):
+        client.generate(
+            messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x"}}]}]
+        )
+    with pytest.raises(TypeError):
+        client.generate("hi", max_new_tokens=3)
+
+
+def test_a_consumer_that_leaves_ends_the_generation(client):
+    with client.stream("Once upon a time", max_tokens=200) as stream:
+        first = next(iter(stream))
+    assert first and stream.completion is not None and len(stream.completion.token_ids) < 200
