@@ -5,7 +5,7 @@ module, so it must stay importable on a Jetson without PyTorch.
 
 Exactness rests on four pieces:
   - `probs_from_logits`: both sides turn logits into the distribution they
-    sample from with the same code (temperature, top-k).
+    sample from with the same code (temperature, top-k, top-p).
   - `quantize_q` / `fixed_point`: the draft samples from the very table whose
     values it sends (fp16 rows for `full` and `topk`, 2^-23 fixed point for
     `split`), so the server judges each token by the probability it was really
@@ -32,16 +32,26 @@ class SamplingParams:
     temperature: float = 0.0  # 0 means greedy: argmax, no randomness
     top_k: int = 0  # 0 means the whole vocabulary
     seed: int = 0
+    top_p: float = 1.0  # nucleus mass kept (0 < top_p <= 1); 1 means the whole vocabulary
 
     def __post_init__(self) -> None:
         if not (np.isfinite(self.temperature) and 0.0 <= self.temperature <= 100.0):
             raise SamplingError(f"temperature must be in [0, 100], got {self.temperature!r}")
         if self.top_k < 0:
             raise SamplingError(f"top_k must be >= 0, got {self.top_k!r}")
+        if isinstance(self.top_p, bool) or not (np.isfinite(self.top_p) and 0.0 < self.top_p <= 1.0):
+            raise SamplingError(f"top_p must be a finite number in (0, 1], got {self.top_p!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def to_wire(self) -> dict:
+        """An open's `sampling`: top_p only when below 1, so other opens read as they did before it."""
+        d: dict = {"temperature": self.temperature, "top_k": self.top_k, "seed": self.seed}
+        if self.top_p < 1.0:
+            d["top_p"] = self.top_p
+        return d
 
 
 @dataclass(frozen=True)
@@ -62,7 +72,8 @@ def probs_from_logits(logits: np.ndarray, params: SamplingParams, mask: np.ndarr
     is restricted to it and renormalised, p'(x) = p(x) 1[mask x] / sum_y p(y) 1[mask y];
     top-k then keeps the k largest allowed logits.
     Top-k keeps the k largest logits (ties at the k-th value are kept too, so
-    both sides agree regardless of sort stability).
+    both sides agree regardless of sort stability). Top-p then keeps the nucleus
+    of what is left (`nucleus`), only when top_p < 1.
     """
     if params.greedy:
         raise SamplingError("probs_from_logits needs temperature > 0; use argmax when greedy")
@@ -83,7 +94,28 @@ def probs_from_logits(logits: np.ndarray, params: SamplingParams, mask: np.ndarr
     x -= x.max(axis=-1, keepdims=True)
     np.exp(x, out=x)
     x /= x.sum(axis=-1, keepdims=True)
-    return x
+    return x if params.top_p >= 1.0 else nucleus(x, params.top_p)
+
+
+def nucleus(probs: np.ndarray, top_p: float) -> np.ndarray:
+    """probs [..., V] -> the top-p nucleus of each row [..., V], renormalised (Holtzman et al. 2020).
+
+    Sort a row descending, p_(1) >= p_(2) >= ...; n is the smallest count with
+    p_(1) + ... + p_(n) >= top_p * sum(p) (n = V if rounding keeps it under); every
+    token with p(x) >= p_(n) is kept (ties at the edge are kept, as top-k keeps ties
+    at the k-th value, so the set does not depend on sort stability), the rest get 0:
+    p'(x) = p(x) 1[p(x) >= p_(n)] / sum_y p(y) 1[p(y) >= p_(n)].
+    """
+    if not 0.0 < top_p <= 1.0:
+        raise SamplingError(f"top_p must be in (0, 1], got {top_p!r}")
+    p = np.asarray(probs, dtype=np.float64)
+    desc = -np.sort(-p, axis=-1)  # [..., V]
+    reach = top_p * desc.sum(axis=-1, keepdims=True)  # [..., 1]
+    n = np.minimum((np.cumsum(desc, axis=-1) < reach).sum(axis=-1, keepdims=True), p.shape[-1] - 1)  # [..., 1]
+    edge = np.take_along_axis(desc, n, axis=-1)  # [..., 1]: p_(n), zero-based
+    out = np.where(p >= edge, p, 0.0)
+    out /= out.sum(axis=-1, keepdims=True)
+    return out
 
 
 def quantize_q(q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -298,7 +298,7 @@ class EdgeDecoder:
         msg = wire.Open(
             sid,
             list(run.committed),
-            {"temperature": p.temperature, "top_k": p.top_k, "seed": p.seed},
+            p.to_wire(),
             exits=layers,
             payload=run.spec.to_wire(),
             slo={"tokens_per_s": slo} if slo else {},
