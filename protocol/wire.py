@@ -324,9 +324,10 @@ class Open(Message):
             "seed": _int(s.get("seed", 0), "sampling.seed", 0, 2**63 - 1),
         }
         if "top_p" in s:  # absent from older opens, which mean 1
-            sampling["top_p"] = _float(s["top_p"], "sampling.top_p", 0.0, 1.0)
-            if sampling["top_p"] <= 0.0:
-                raise WireError("bad_field", "sampling.top_p must be a finite number in (0, 1], got 0")
+            top_p = s["top_p"]
+            if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0.0 < top_p <= 1.0:
+                raise WireError("bad_field", f"sampling.top_p must be a finite number in (0, 1], got {_show(top_p)}")
+            sampling["top_p"] = float(top_p)
         ids = _ids(d.get("prompt_ids"), "prompt_ids")
         if not ids:
             raise WireError("bad_field", "prompt_ids must hold at least one token")
