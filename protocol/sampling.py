@@ -62,6 +62,7 @@ class Verdict:
 
 
 RESIDUAL = -1
+NUCLEUS_SORT = 256  # nucleus: how many of a row's largest probabilities are sorted first
 SPLIT_ONE = 1 << 23  # split payloads: q(x) = n / 2^23 with n < 2^24, three bytes on the wire
 
 
@@ -109,9 +110,23 @@ def nucleus(probs: np.ndarray, top_p: float) -> np.ndarray:
     if not 0.0 < top_p <= 1.0:
         raise SamplingError(f"top_p must be in (0, 1], got {top_p!r}")
     p = np.asarray(probs, dtype=np.float64)
-    desc = -np.sort(-p, axis=-1)  # [..., V]
-    reach = top_p * desc.sum(axis=-1, keepdims=True)  # [..., 1]
-    n = np.minimum((np.cumsum(desc, axis=-1) < reach).sum(axis=-1, keepdims=True), p.shape[-1] - 1)  # [..., 1]
+    reach = top_p * p.sum(axis=-1, keepdims=True)  # [..., 1]
+    # Sort as little as the row allows (the same prefix sums as a whole sort, so the same edge). A row that
+    # top-k or a mask left mostly zeros sorts whole, which is fast over zeros (a partition there is slow), and
+    # sums only its nonzero head. A dense row partitions out its NUCLEUS_SORT largest (O(V)) and sorts them: a
+    # nucleus is usually that small; a wider one sorts the whole row. For a 49152 row at T 0.8, top_p 0.9:
+    # 0.13 ms, 0.8 with a whole sort (2-core development machine).
+    nonzero, v = int(np.count_nonzero(p, axis=-1).max()), p.shape[-1]
+    if 4 * nonzero <= v:
+        desc = np.sort(p, axis=-1)[..., v - nonzero :][..., ::-1]  # [..., nonzero]: every row's whole mass
+    else:
+        m = min(NUCLEUS_SORT, v)
+        desc = np.sort(np.partition(p, v - m, axis=-1)[..., v - m :], axis=-1)[..., ::-1]  # [..., m]
+    mass = np.cumsum(desc, axis=-1)
+    if not np.all(mass[..., -1:] >= reach):
+        desc = np.sort(p, axis=-1)[..., ::-1]  # [..., V]
+        mass = np.cumsum(desc, axis=-1)
+    n = np.minimum((mass < reach).sum(axis=-1, keepdims=True), desc.shape[-1] - 1)  # [..., 1]
     edge = np.take_along_axis(desc, n, axis=-1)  # [..., 1]: p_(n), zero-based
     out = np.where(p >= edge, p, 0.0)
     out /= out.sum(axis=-1, keepdims=True)

@@ -174,6 +174,19 @@ def test_nucleus_keeps_the_smallest_top_set_reaching_top_p_and_ties_at_its_edge(
     np.testing.assert_allclose(rows[1], rows[0][::-1])
 
 
+@pytest.mark.parametrize("temperature, top_k", [(0.3, 0), (3.0, 0), (10.0, 0), (1.0, 10), (3.0, 600)])
+def test_nucleus_is_the_whole_sort_rule_written_out(temperature, top_k):
+    """nucleus sorts only what it must (a small nucleus, a sparse row, a wide nucleus each take another way):
+    bit for bit the rule on a whole sorted row, over a 5000-token vocabulary."""
+    rng = np.random.default_rng(5)
+    probs = sampling.probs_from_logits(rng.normal(0, 3, (3, 5000)), SamplingParams(temperature, top_k))
+    desc = np.sort(probs, axis=-1)[:, ::-1]
+    for top_p in (0.05, 0.5, 0.9, 0.999, 1.0):
+        n = np.minimum((np.cumsum(desc, -1) < top_p * probs.sum(-1, keepdims=True)).sum(-1, keepdims=True), 4999)
+        want = np.where(probs >= np.take_along_axis(desc, n, -1), probs, 0.0)
+        np.testing.assert_array_equal(sampling.nucleus(probs, top_p), want / want.sum(-1, keepdims=True))
+
+
 def test_top_p_filters_after_top_k_and_one_changes_nothing():
     rng = np.random.default_rng(3)
     logits = rng.normal(0, 2, size=(3, 40))
