@@ -219,7 +219,7 @@ class Welcome(Message):
     vocab_hash: str
     eos_ids: list[int]
     exits: list[int]  # layers with early exits (empty: none)
-    limits: dict  # max_frame_bytes, max_draft_len, max_context, max_sessions
+    limits: dict  # max_frame_bytes, max_draft_len, max_context, max_sessions; grammar, top_p: what it supports
     engine: dict = field(default_factory=dict)  # what serves: engine, device, dtype (informational; {} from
     # servers before it was sent)
     replica: str = ""  # which replica of a fleet answered (server.replica_id); "" from older servers

@@ -80,3 +80,24 @@ def test_edge_agent_generate_takes_top_p(make_server, capsys):
     for bad in ("0", "1.5", "nan"):
         assert cli.main([*args[:-2], bad]) == 2
         assert "top_p must be a finite number in (0, 1]" in capsys.readouterr().err
+
+
+def test_a_verifier_that_predates_top_p_is_refused_before_any_sampling(drafter):
+    """A welcome without limits.top_p is from a server that would ignore sampling.top_p and sample the whole
+    distribution: the robot refuses it with no_top_p rather than call that output the nucleus's."""
+    from agent.spec.link import ServerError
+    from tests.agent.test_hostile_verifier import FakeVerifier  # its welcome is an older server's: no top_p
+
+    ids = drafter.tokenize("Name a colour.", chat=True)
+    with FakeVerifier(drafter) as fake:
+        dec = EdgeDecoder(drafter, DecoderConfig(url=fake.url))
+        try:
+            with pytest.raises(ServerError) as e:
+                dec.generate(ids, mode="sd", max_tokens=4, params=PARAMS)
+            assert e.value.code == "no_top_p" and "top_p" in e.value.message
+            assert fake.opens == []  # refused before the open
+            # the same verifier serves top_p = 1 (the whole distribution) as before
+            gen = dec.generate(ids, mode="sd", max_tokens=4, params=SamplingParams(temperature=1.0, seed=4))
+            assert gen.token_ids and len(fake.opens) == 1
+        finally:
+            dec.close()
