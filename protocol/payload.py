@@ -152,8 +152,8 @@ def correction(
 
     p_j is rebuilt from the target's float32 logits with the server's own code
     (`probs_from_logits`), so it is the distribution the server judged by. Sparse
-    logits (`residual_ids`, sent when the session samples with top_k) stand for a
-    p_j that is zero elsewhere.
+    logits (`residual_ids`, sent when the session samples with top_k or top_p) stand
+    for a p_j that is zero elsewhere.
     """
     p = target_probs(residual_logits, residual_ids, len(q_row), params)
     return sampling.sample(sampling.residual(p, q_row), rng)
@@ -168,7 +168,9 @@ def target_probs(logits: np.ndarray, ids: np.ndarray | None, vocab: int, params:
     if len(ids) != len(logits) or not len(ids) or ids.min() < 0 or ids.max() >= vocab:
         raise SamplingError("sparse residual ids and logits differ in length or leave the vocabulary")
     p = np.zeros(vocab)
-    p[ids] = sampling.probs_from_logits(logits[None], SamplingParams(params.temperature, 0, params.seed))[0]
+    # the ids are p_j's whole support (top-k, top-p and a mask already applied on the server): a plain softmax
+    # over their logits is p_j renormalised there, which is p_j itself
+    p[ids] = sampling.probs_from_logits(logits[None], SamplingParams(params.temperature, 0, params.seed, 1.0))[0]
     return p
 
 
@@ -176,10 +178,11 @@ def sparse_residual(
     logits: np.ndarray, p: np.ndarray, params: SamplingParams, masked: bool = False
 ) -> tuple[np.ndarray | None, np.ndarray]:
     """What the server sends down for p_j (logits [V] float32, p [V] = p_j): (ids, logits) of p_j's
-    support when the session samples with top_k or under a grammar's mask (p_j is zero elsewhere, so
-    nothing is lost), else (None, all V logits)."""
+    support when the session samples with top_k or top_p or under a grammar's mask (p_j is zero elsewhere,
+    so nothing is lost), else (None, all V logits). Under top_p the support must travel: the robot
+    recomputing the nucleus from dense logits could round its edge differently from the server's p_j."""
     logits = np.asarray(logits, dtype=np.float32)
-    if masked or 0 < params.top_k < len(logits):
+    if masked or 0 < params.top_k < len(logits) or params.top_p < 1.0:
         ids = np.flatnonzero(p).astype(np.int32)
         return ids, logits[ids]
     return None, logits

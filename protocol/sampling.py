@@ -5,7 +5,7 @@ module, so it must stay importable on a Jetson without PyTorch.
 
 Exactness rests on four pieces:
   - `probs_from_logits`: both sides turn logits into the distribution they
-    sample from with the same code (temperature, top-k).
+    sample from with the same code (temperature, top-k, top-p).
   - `quantize_q` / `fixed_point`: the draft samples from the very table whose
     values it sends (fp16 rows for `full` and `topk`, 2^-23 fixed point for
     `split`), so the server judges each token by the probability it was really
@@ -32,16 +32,26 @@ class SamplingParams:
     temperature: float = 0.0  # 0 means greedy: argmax, no randomness
     top_k: int = 0  # 0 means the whole vocabulary
     seed: int = 0
+    top_p: float = 1.0  # nucleus mass kept (0 < top_p <= 1); 1 means the whole vocabulary
 
     def __post_init__(self) -> None:
         if not (np.isfinite(self.temperature) and 0.0 <= self.temperature <= 100.0):
             raise SamplingError(f"temperature must be in [0, 100], got {self.temperature!r}")
         if self.top_k < 0:
             raise SamplingError(f"top_k must be >= 0, got {self.top_k!r}")
+        if isinstance(self.top_p, bool) or not (np.isfinite(self.top_p) and 0.0 < self.top_p <= 1.0):
+            raise SamplingError(f"top_p must be a finite number in (0, 1], got {self.top_p!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def to_wire(self) -> dict:
+        """An open's `sampling`: top_p only when below 1, so other opens read as they did before it."""
+        d: dict = {"temperature": self.temperature, "top_k": self.top_k, "seed": self.seed}
+        if self.top_p < 1.0:
+            d["top_p"] = self.top_p
+        return d
 
 
 @dataclass(frozen=True)
@@ -52,6 +62,7 @@ class Verdict:
 
 
 RESIDUAL = -1
+NUCLEUS_SORT = 256  # nucleus: how many of a row's largest probabilities are sorted first
 SPLIT_ONE = 1 << 23  # split payloads: q(x) = n / 2^23 with n < 2^24, three bytes on the wire
 
 
@@ -62,7 +73,8 @@ def probs_from_logits(logits: np.ndarray, params: SamplingParams, mask: np.ndarr
     is restricted to it and renormalised, p'(x) = p(x) 1[mask x] / sum_y p(y) 1[mask y];
     top-k then keeps the k largest allowed logits.
     Top-k keeps the k largest logits (ties at the k-th value are kept too, so
-    both sides agree regardless of sort stability).
+    both sides agree regardless of sort stability). Top-p then keeps the nucleus
+    of what is left (`nucleus`), only when top_p < 1.
     """
     if params.greedy:
         raise SamplingError("probs_from_logits needs temperature > 0; use argmax when greedy")
@@ -83,7 +95,42 @@ def probs_from_logits(logits: np.ndarray, params: SamplingParams, mask: np.ndarr
     x -= x.max(axis=-1, keepdims=True)
     np.exp(x, out=x)
     x /= x.sum(axis=-1, keepdims=True)
-    return x
+    return x if params.top_p >= 1.0 else nucleus(x, params.top_p)
+
+
+def nucleus(probs: np.ndarray, top_p: float) -> np.ndarray:
+    """probs [..., V] -> the top-p nucleus of each row [..., V], renormalised (Holtzman et al. 2020).
+
+    Sort a row descending, p_(1) >= p_(2) >= ...; n is the smallest count with
+    p_(1) + ... + p_(n) >= top_p * sum(p) (n = V if rounding keeps it under); every
+    token with p(x) >= p_(n) is kept (ties at the edge are kept, as top-k keeps ties
+    at the k-th value, so the set does not depend on sort stability), the rest get 0:
+    p'(x) = p(x) 1[p(x) >= p_(n)] / sum_y p(y) 1[p(y) >= p_(n)].
+    """
+    if not 0.0 < top_p <= 1.0:
+        raise SamplingError(f"top_p must be in (0, 1], got {top_p!r}")
+    p = np.asarray(probs, dtype=np.float64)
+    reach = top_p * p.sum(axis=-1, keepdims=True)  # [..., 1]
+    # Sort as little as the row allows (the same prefix sums as a whole sort, so the same edge). A row that
+    # top-k or a mask left mostly zeros sorts whole, which is fast over zeros (a partition there is slow), and
+    # sums only its nonzero head. A dense row partitions out its NUCLEUS_SORT largest (O(V)) and sorts them: a
+    # nucleus is usually that small; a wider one sorts the whole row. For a 49152 row at T 0.8, top_p 0.9:
+    # 0.13 ms, 0.8 with a whole sort (2-core development machine).
+    nonzero, v = int(np.count_nonzero(p, axis=-1).max()), p.shape[-1]
+    if 4 * nonzero <= v:
+        desc = np.sort(p, axis=-1)[..., v - nonzero :][..., ::-1]  # [..., nonzero]: every row's whole mass
+    else:
+        m = min(NUCLEUS_SORT, v)
+        desc = np.sort(np.partition(p, v - m, axis=-1)[..., v - m :], axis=-1)[..., ::-1]  # [..., m]
+    mass = np.cumsum(desc, axis=-1)
+    if not np.all(mass[..., -1:] >= reach):
+        desc = np.sort(p, axis=-1)[..., ::-1]  # [..., V]
+        mass = np.cumsum(desc, axis=-1)
+    n = np.minimum((mass < reach).sum(axis=-1, keepdims=True), desc.shape[-1] - 1)  # [..., 1]
+    edge = np.take_along_axis(desc, n, axis=-1)  # [..., 1]: p_(n), zero-based
+    out = np.where(p >= edge, p, 0.0)
+    out /= out.sum(axis=-1, keepdims=True)
+    return out
 
 
 def quantize_q(q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -219,7 +219,7 @@ class Welcome(Message):
     vocab_hash: str
     eos_ids: list[int]
     exits: list[int]  # layers with early exits (empty: none)
-    limits: dict  # max_frame_bytes, max_draft_len, max_context, max_sessions
+    limits: dict  # max_frame_bytes, max_draft_len, max_context, max_sessions; grammar, top_p: what it supports
     engine: dict = field(default_factory=dict)  # what serves: engine, device, dtype (informational; {} from
     # servers before it was sent)
     replica: str = ""  # which replica of a fleet answered (server.replica_id); "" from older servers
@@ -292,7 +292,7 @@ class Open(Message):
     TYPE: ClassVar[str] = "open"
     sid: str
     prompt_ids: list[int]  # the whole committed prefix: prompt plus every committed token
-    sampling: dict  # temperature, top_k, seed
+    sampling: dict  # temperature, top_k, seed; top_p only when below 1 (older servers do not know it)
     slo: dict = field(default_factory=dict)  # optional latency targets in ms (used by the scheduler)
     exits: list[int] = field(default_factory=list)  # early-exit layers to stream verdicts from; [] = off
     payload: dict = field(default_factory=lambda: {"kind": "full", "k": 0})  # protocol.payload.PayloadSpec
@@ -323,6 +323,11 @@ class Open(Message):
             "top_k": _int(s.get("top_k", 0), "sampling.top_k", 0, 1 << 24),
             "seed": _int(s.get("seed", 0), "sampling.seed", 0, 2**63 - 1),
         }
+        if "top_p" in s:  # absent from older opens, which mean 1
+            top_p = s["top_p"]
+            if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0.0 < top_p <= 1.0:
+                raise WireError("bad_field", f"sampling.top_p must be a finite number in (0, 1], got {_show(top_p)}")
+            sampling["top_p"] = float(top_p)
         ids = _ids(d.get("prompt_ids"), "prompt_ids")
         if not ids:
             raise WireError("bad_field", "prompt_ids must hold at least one token")
@@ -549,8 +554,8 @@ class Result(Message):
 
     Split payloads: on a rejection `token` is -1 and `residual` carries the
     target's p_j as float32 logits {"logits": [n], "ids": [n] int32 or None}
-    (sparse only when the session samples with top_k, where p_j is zero
-    elsewhere); the robot draws the correction and sends it as the next
+    (sparse only when the session samples with top_k or top_p, where p_j is
+    zero elsewhere); the robot draws the correction and sends it as the next
     round's `fix`. `n_committed` then does not count the correction yet.
     """
 

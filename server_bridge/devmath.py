@@ -9,7 +9,8 @@ protocol.sampling draws them, so a seed replays the same way on either path;
 protocol.sampling stays the reference these functions are tested against
 (tests/server_bridge/test_devmath.py).
 
-    probs  = temperature, top-k (ties at the k-th value kept), softmax      [n, V]
+    probs  = temperature, top-k (ties at the k-th value kept), softmax,
+             top-p nucleus (ties at the edge kept) when top_p < 1           [n, V]
     accept x_i with probability min(1, p_i(x_i) / q_i(x_i))
     at the first rejection draw from norm(max(0, p_i - q_i)); if none, draw from p_k
 """
@@ -32,7 +33,22 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
     if 0 < params.top_k < x.shape[-1]:
         kth = torch.topk(x, params.top_k, dim=-1).values[..., -1:]
         x = x.masked_fill(x < kth, -torch.inf)
-    return torch.softmax(x, dim=-1)
+    p = torch.softmax(x, dim=-1)
+    return p if params.top_p >= 1.0 else nucleus(p, params.top_p)
+
+
+def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """probs [..., V] -> the top-p nucleus of each row [..., V], renormalised: protocol.sampling.nucleus's rule.
+
+    n is the smallest count of the largest probabilities whose sum reaches top_p * sum(p); every token at
+    least as likely as the n-th is kept (ties at the edge kept), the rest get 0.
+    """
+    desc = torch.sort(probs, dim=-1, descending=True).values  # [..., V]
+    reach = top_p * desc.sum(dim=-1, keepdim=True)  # [..., 1]
+    n = (torch.cumsum(desc, dim=-1) < reach).sum(dim=-1, keepdim=True).clamp(max=probs.shape[-1] - 1)  # [..., 1]
+    edge = torch.gather(desc, -1, n)  # [..., 1]: the n-th largest probability, zero-based
+    out = probs.masked_fill(probs < edge, 0.0)
+    return out / out.sum(dim=-1, keepdim=True)
 
 
 def sample(probs: torch.Tensor, rng: np.random.Generator) -> int:

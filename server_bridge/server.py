@@ -631,6 +631,7 @@ class BridgeServer:
                 "max_context": self.config.max_context,
                 "max_sessions": self.config.max_sessions,
                 "grammar": target.grammars_supported,
+                "top_p": True,  # open.sampling.top_p is understood (older servers would ignore it)
                 **self._image_limits(),
             },
             engine=target.engine.info.as_dict(),

@@ -39,7 +39,7 @@ def _generate(args: argparse.Namespace) -> int:
         print("edge-agent: give --verifier ws://HOST:PORT, or --local for the draft alone", file=sys.stderr)
         return 2
     try:
-        params = SamplingParams(temperature=opts.temperature, top_k=opts.top_k, seed=opts.seed)
+        params = SamplingParams(temperature=opts.temperature, top_k=opts.top_k, seed=opts.seed, top_p=opts.top_p)
         drafter, prompt_ids, prompt_images = _prompt(opts)
         decoder = EdgeDecoder(drafter, _decoder_config(opts))
     except (OSError, ValueError, SamplingError) as e:  # a missing file, an image that is no JPEG/PNG, a policy

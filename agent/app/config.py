@@ -580,6 +580,9 @@ class GenerateOptions:
     max_tokens: int = setting(64, help="Tokens to generate at most.")
     temperature: float = setting(0.0, help="Sampling temperature; 0 = greedy.")
     top_k: int = setting(0, help="Sample among the K most likely tokens; 0 = all.")
+    top_p: float = setting(
+        1.0, help="Sample within the nucleus: the most likely tokens whose mass reaches P, in (0, 1]; 1 = all."
+    )
     seed: int = setting(0, help="The sampling seed.")
     mode: str = setting(
         "sd",

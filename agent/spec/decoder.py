@@ -293,12 +293,18 @@ class EdgeDecoder:
                 "grammar: its output would not be the constrained target's",
                 sid,
             )
-        images = run.open_images(welcome, getattr(self.drafter, "image_marker", None), sid)
         p, slo = run.params, self.config.slo
+        if p.top_p < 1.0 and not p.greedy and not welcome.limits.get("top_p"):
+            raise ServerError(
+                "no_top_p",
+                f"the verifier ({welcome.target}) predates top_p: it would sample the whole distribution",
+                sid,
+            )
+        images = run.open_images(welcome, getattr(self.drafter, "image_marker", None), sid)
         msg = wire.Open(
             sid,
             list(run.committed),
-            {"temperature": p.temperature, "top_k": p.top_k, "seed": p.seed},
+            p.to_wire(),
             exits=layers,
             payload=run.spec.to_wire(),
             slo={"tokens_per_s": slo} if slo else {},

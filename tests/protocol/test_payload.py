@@ -181,3 +181,20 @@ def test_vocab_hash_reads_the_sentencepiece_space_marker_as_a_space():
 
     assert vocab_hash([b"a", "\u2581\u2581".encode()]) == vocab_hash([b"a", b"  "])
     assert vocab_hash([b"a", b"  "]) != vocab_hash([b"a", b" "]) != vocab_hash([b" ", b"a"])
+
+
+@pytest.mark.parametrize("spec", [PayloadSpec("full"), PayloadSpec("topk", 3), PayloadSpec("split")], ids=str)
+def test_every_payload_commits_the_targets_nucleus_under_top_p(spec):
+    """Draft and target both sample under top_p = 0.9: each payload still commits the target's nucleus
+    distribution; split's residual after a rejection travels sparse (the nucleus the server judged by)."""
+    params = SamplingParams(temperature=1.0, top_p=0.9)
+    target, draft = _models(3)
+    p = sampling.probs_from_logits(target, params)
+    assert (1 < np.count_nonzero(p[:2], axis=-1)).all() and (np.count_nonzero(p, axis=-1) < V).all()  # it cuts
+    ids, _ = payload.sparse_residual(target[0].astype(np.float32), p[0], params)
+    assert ids is not None and sorted(ids) == sorted(np.flatnonzero(p[0]))
+    rng = np.random.default_rng(23)
+    committed = [_round(spec, target, draft, rng, params) for _ in range(10_000)]
+    pvalue, pvalue2, n2 = _check(committed, target, params)  # _check asserts nothing left the nucleus
+    assert pvalue > 1e-4 and pvalue2 > 1e-4
+    assert n2 > 1_000 and sum(len(c) < K_DRAFT + 1 for c in committed) > 1_000

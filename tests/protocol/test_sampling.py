@@ -160,3 +160,75 @@ def test_quantized_q_is_the_distribution_sampled_from():
     np.testing.assert_array_equal(q, sampling.dequantize_q(q16))  # the server rebuilds the same q
     for _ in range(500):
         assert q[0, sampling.sample(q[0], rng)] > 0
+
+
+def test_nucleus_keeps_the_smallest_top_set_reaching_top_p_and_ties_at_its_edge():
+    p = np.array([0.1, 0.5, 0.2, 0.2])
+    np.testing.assert_allclose(sampling.nucleus(p, 0.5), [0.0, 1.0, 0.0, 0.0])  # 0.5 alone reaches 0.5
+    # 0.5 + 0.2 reaches 0.6; the other 0.2 ties with the edge and is kept too
+    np.testing.assert_allclose(sampling.nucleus(p, 0.6), [0.0, 0.5, 0.2, 0.2] / np.float64(0.9))
+    np.testing.assert_allclose(sampling.nucleus(p, 0.95), p)
+    np.testing.assert_allclose(sampling.nucleus(p, 1.0), p)
+    np.testing.assert_allclose(sampling.nucleus(p, 1e-9), [0.0, 1.0, 0.0, 0.0])  # the top token always stays
+    rows = sampling.nucleus(np.stack([p, p[::-1]]), 0.6)  # [2, V]: row by row
+    np.testing.assert_allclose(rows[1], rows[0][::-1])
+
+
+@pytest.mark.parametrize("temperature, top_k", [(0.3, 0), (3.0, 0), (10.0, 0), (1.0, 10), (3.0, 600)])
+def test_nucleus_is_the_whole_sort_rule_written_out(temperature, top_k):
+    """nucleus sorts only what it must (a small nucleus, a sparse row, a wide nucleus each take another way):
+    bit for bit the rule on a whole sorted row, over a 5000-token vocabulary."""
+    rng = np.random.default_rng(5)
+    probs = sampling.probs_from_logits(rng.normal(0, 3, (3, 5000)), SamplingParams(temperature, top_k))
+    desc = np.sort(probs, axis=-1)[:, ::-1]
+    for top_p in (0.05, 0.5, 0.9, 0.999, 1.0):
+        n = np.minimum((np.cumsum(desc, -1) < top_p * probs.sum(-1, keepdims=True)).sum(-1, keepdims=True), 4999)
+        want = np.where(probs >= np.take_along_axis(desc, n, -1), probs, 0.0)
+        np.testing.assert_array_equal(sampling.nucleus(probs, top_p), want / want.sum(-1, keepdims=True))
+
+
+def test_top_p_filters_after_top_k_and_one_changes_nothing():
+    rng = np.random.default_rng(3)
+    logits = rng.normal(0, 2, size=(3, 40))
+    base = sampling.probs_from_logits(logits, SamplingParams(temperature=0.8, top_k=10))
+    np.testing.assert_array_equal(
+        sampling.probs_from_logits(logits, SamplingParams(temperature=0.8, top_k=10, top_p=1.0)), base
+    )
+    p = sampling.probs_from_logits(logits, SamplingParams(temperature=0.8, top_k=10, top_p=0.7))
+    np.testing.assert_allclose(p, sampling.nucleus(base, 0.7))
+    np.testing.assert_allclose(p.sum(-1), 1.0)
+    for row, b in zip(p, base, strict=True):
+        kept = np.sort(b[row > 0])[::-1]
+        assert kept.sum() >= 0.7 - 1e-12 and kept[:-1].sum() < 0.7  # the smallest set (no ties here)
+        assert b[row == 0].max() < kept.min()  # and the most likely ones
+
+
+@pytest.mark.parametrize("bad", [float("nan"), 0.0, 1.5, -0.1, float("inf")])
+def test_a_bad_top_p_is_refused_with_a_clear_error(bad):
+    with pytest.raises(SamplingError, match=r"top_p must be a finite number in \(0, 1\]"):
+        SamplingParams(temperature=1.0, top_p=bad)
+
+
+def test_top_p_travels_in_an_open_only_below_one():
+    assert "top_p" not in SamplingParams(temperature=1.0).to_wire()
+    assert SamplingParams(temperature=1.0, top_p=0.9).to_wire()["top_p"] == 0.9
+    d = SamplingParams(temperature=0.5, top_k=7, seed=3, top_p=0.9).to_wire()
+    assert SamplingParams(**d) == SamplingParams(temperature=0.5, top_k=7, seed=3, top_p=0.9)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_rejection_sampling_reproduces_the_nucleus_filtered_target(seed):
+    """Draft and target both sample under top_p: q and p have different supports, and the committed
+    tokens follow the target's nucleus, never a token outside it."""
+    rng = np.random.default_rng(200 + seed)
+    v, k = 12, 3
+    params = SamplingParams(temperature=1.0, top_p=0.8)
+    target = rng.normal(0, 1.5, (k + 1, v))
+    p = sampling.probs_from_logits(target, params)
+    q = sampling.probs_from_logits(target[:k] + rng.normal(0, 1.5, (k, v)), params)
+    assert (np.count_nonzero(p, axis=-1) < v).all() and (np.count_nonzero(p[:2], axis=-1) > 1).all()
+    first, second = _committed_tokens(p, q, 20_000, seed)
+    for samples, row in ((first, p[0]), (second, p[1])):
+        counts = np.bincount(samples, minlength=v)
+        assert counts[row == 0].sum() == 0, "a token outside the target's nucleus was committed"
+        assert stats.chisquare(counts[row > 0], row[row > 0] * counts.sum()).pvalue > 1e-4

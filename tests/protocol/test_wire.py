@@ -157,6 +157,20 @@ def test_resume_secrets_are_optional_on_the_wire():
         assert e.value.code == "bad_field" and e.value.sid == "s1"
 
 
+def test_top_p_is_optional_on_the_wire_and_checked():
+    """An open without top_p is the frame it was before it (and means 1); one with it round-trips; a bad one
+    is a bad_field naming sampling.top_p."""
+    plain = wire.Open("s1", [1, 2, 3], {"temperature": 0.7, "top_k": 0, "seed": 0})
+    assert "top_p" not in wire.decode(wire.encode(plain)).sampling
+    nucleus = wire.Open("s1", [1, 2, 3], {"temperature": 0.7, "top_k": 0, "seed": 0, "top_p": 0.5})
+    assert wire.decode(wire.encode(nucleus)) == nucleus
+    for bad in (float("nan"), 0, 0.0, 1.5, -0.1, float("inf"), "0.5", True):
+        frame = msgpack.packb({**plain.to_wire(), "sampling": {**plain.sampling, "top_p": bad}})
+        with pytest.raises(WireError, match=r"sampling\.top_p must be a finite number in \(0, 1\]") as e:
+            wire.decode(frame)
+        assert e.value.code == "bad_field"
+
+
 def _verify_with_cands(cands) -> bytes:
     return _frame(type="verify", sid="s1", round=0, n_committed=3, draft_ids=[1, 2], q=["none"], cands=cands)
 

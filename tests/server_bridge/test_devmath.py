@@ -70,3 +70,20 @@ def test_half_precision_logits_stay_finite_and_bad_ones_are_refused():
     for bad in (float("nan"), float("inf")):
         with pytest.raises(SamplingError, match="NaN or infinity"):
             devmath.probs_from_logits(torch.tensor([[0.0, bad]], dtype=torch.float16), SamplingParams(temperature=1.0))
+
+
+@pytest.mark.parametrize("top_k, top_p", [(0, 0.5), (0, 0.9), (8, 0.7)])
+def test_the_device_nucleus_matches_the_reference(top_k, top_p):
+    """The same nucleus on the device as in numpy: the same support row by row, the same probabilities,
+    and a tie at the nucleus's edge kept on both."""
+    rng = np.random.default_rng(4)
+    logits = rng.normal(0, 2, size=(6, 50)).astype(np.float32)
+    logits[0, :2] = 9.0  # two tied tokens, each under top_p 0.5 of the mass, together over it: both kept
+    params = SamplingParams(temperature=0.9, top_k=top_k, top_p=top_p)
+    ref = sampling.probs_from_logits(logits, params)
+    dev = devmath.probs_from_logits(torch.from_numpy(logits), params).double().numpy()
+    np.testing.assert_array_equal(dev > 0, ref > 0)
+    np.testing.assert_allclose(dev, ref, atol=1e-6)
+    assert (ref[0, :2] > 0).all()
+    one = devmath.probs_from_logits(torch.from_numpy(logits[0]), params).double().numpy()  # [V], as ar.py
+    np.testing.assert_allclose(one, ref[0], atol=1e-6)
