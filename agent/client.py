@@ -274,7 +274,7 @@ class Client:
     def generate(self, prompt: str | None = None, **kw: Any) -> Completion:
         """One answer. `prompt` (text, raw unless chat=True) or `messages` (OpenAI chat messages through the
         model's chat template; content parts may hold image_url data URIs), and optionally: max_tokens (64),
-        temperature (0: greedy), top_p (only 1: nucleus sampling is not exact on both sides yet), top_k,
+        temperature (0: greedy), top_p (nucleus, exact on both sides; 1: off), top_k,
         seed, stop (strings), images (bytes, with `prompt`), schema (a JSON schema) or grammar (GBNF),
         offline ("refuse" | "local": overrides the client's), mode."""
         return self._run(prompt, kw, lambda piece: False)
@@ -446,21 +446,21 @@ def _int(value: Any, name: str, lo: int, hi: int) -> int:
 
 
 def _params(kw: dict[str, Any]) -> SamplingParams:
-    """temperature, top_k, seed -> SamplingParams; top_p only as 1 (the verifier samples no nucleus yet)."""
+    """temperature, top_p, top_k, seed -> SamplingParams (each checked: a RequestError naming it)."""
     t = kw.get("temperature", 0.0)
     if t is None:
         t = 0.0
     if not isinstance(t, (int, float)) or isinstance(t, bool) or not 0.0 <= t <= 2.0:
         raise RequestError(f"temperature must be a number from 0 to 2, got {t!r}", "temperature")
     top_p = kw.get("top_p")
-    if top_p is not None and (not isinstance(top_p, (int, float)) or isinstance(top_p, bool) or top_p != 1):
-        raise RequestError(
-            "top_p must be 1 (or absent): nucleus sampling is not yet exact on both sides; use top_k", "top_p"
-        )
+    if top_p is None:
+        top_p = 1.0
+    if not isinstance(top_p, (int, float)) or isinstance(top_p, bool) or not 0.0 < top_p <= 1.0:
+        raise RequestError(f"top_p must be a number in (0, 1], got {top_p!r}", "top_p")
     top_k = _int(kw.get("top_k") or 0, "top_k", 0, 1 << 20)
     seed = kw.get("seed")
     seed = 0 if seed is None else _int(seed, "seed", -(1 << 63), (1 << 64) - 1) % (1 << 32)
-    return SamplingParams(temperature=float(t), top_k=top_k, seed=seed)
+    return SamplingParams(temperature=float(t), top_k=top_k, seed=seed, top_p=float(top_p))
 
 
 def _stops(stop: Any) -> list[str]:

@@ -140,6 +140,19 @@ def test_the_answer_is_edge_agent_generates(endpoint, verifier, client, capsys):
     assert extra["edge"]["bytes_up"] > 0 and extra["edge"]["tau"] > 0
 
 
+def test_top_p_samples_the_targets_nucleus(endpoint, client, target):
+    """top_p reaches the verifier: at T 1, top_p 0.5 every committed token lies in the target's own nucleus,
+    and the endpoint's seeded answer is the Client's (the same request through the same sampler)."""
+    from tests.agent.test_top_p import _mass_above
+
+    ask = dict(messages=ASK, max_tokens=16, temperature=1.0, top_p=0.5, seed=4)
+    r = endpoint.openai().chat.completions.create(model="edge", **ask)
+    ids = r.model_extra["edge"]["token_ids"]
+    assert ids == client.generate(**ask).token_ids and len(ids) > 4
+    prompt = client.drafter.tokenize(client.drafter.apply_chat_template(ASK))
+    assert (_mass_above(target, prompt, ids) < 0.5 + 1e-3).all()
+
+
 def test_streaming_order(endpoint):
     oc = endpoint.openai()
     whole = oc.chat.completions.create(model="edge", messages=ASK, max_tokens=16)
@@ -255,7 +268,7 @@ def test_offline_refused_or_answered_by_the_draft(offline_endpoint):
 def test_bad_requests_get_openai_errors(endpoint):
     oc = endpoint.openai()
     for kw, param in (
-        ({"top_p": 0.5}, "top_p"),
+        ({"top_p": 0.0}, "top_p"),
         ({"n": 2}, "n"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"messages": []}, "messages"),

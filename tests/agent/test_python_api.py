@@ -83,7 +83,7 @@ def test_bad_arguments_are_request_errors(client):
     from agent.client import RequestError
 
     cases = [
-        ({"top_p": 0.9}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"temperature": -1}, "temperature"),
         ({"stop": ["a"] * 5}, "stop"),
