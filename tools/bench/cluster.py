@@ -3,7 +3,7 @@
     python -m tools.bench.cluster [--n 2,3,4,6,8,10] [--window-s 20] [--warmup-s 5] [--class 8]
                                   [--overhead-s 20] [--block-s 5] [--pair smollm2-q4_1] [--out docs/cluster]
 
-1. Capacity. For 1 and then 2 replicas, one run: a fleet (tools/cluster/fleet.py: N
+1. Capacity. For 1 and then 2 replicas, one run: a fleet (server_bridge/fleet.py: N
    server-bridge replicas, one engine thread each, each pinned to a core of its own,
    behind HAProxy with deploy/haproxy/haproxy.cfg) and, at each N of the grid, N
    replayed robots (tools/bench/loadgen.py's, each with its own X-Robot-Id, which HAProxy
@@ -45,6 +45,7 @@ from pathlib import Path
 
 import numpy as np
 
+from server_bridge.fleet import Cluster, health
 from tools.bench import harness
 from tools.bench.loadgen import (
     MAX_VIOLATION,
@@ -59,7 +60,6 @@ from tools.bench.loadgen import (
     run_robots,
     summarize,
 )
-from tools.cluster.fleet import Cluster, health
 
 PAIR = "smollm2-q4_1"
 REPLICA_COUNTS = (1, 2)
@@ -544,7 +544,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--draft-ms", type=float, default=8.0)
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--haproxy", help="the haproxy binary (default: tools.cluster.fleet's choice)")
+    ap.add_argument("--haproxy", help="the haproxy binary (default: server-bridge fleet's choice)")
     ap.add_argument("--out", default="docs/cluster")
     args = ap.parse_args(argv)
     try:

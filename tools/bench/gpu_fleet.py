@@ -20,7 +20,7 @@ What is real, what is replayed, what is modelled:
   server      real: `server-bridge serve` in its own process per engine (a CUDA llama.cpp and a CUDA
               torch must never share one), the SLO scheduler (`scheduler = "slo"`), batching, sessions,
               the wire; its verification-time estimator is fitted first, on this machine and engine,
-              over the batch shapes this fleet makes (tools/train/fleet_estimator.py in a subprocess; --estimator).
+              over the batch shapes this fleet makes (`server-bridge profile --shapes fleet`; --estimator).
   robots      N websocket clients in this process (tools/bench/loadgen.py's Robot, run_robots and summarize),
               through the real wire on loopback (no network delay). A robot does not run a draft model:
               it REPLAYS a recorded trace (tools/traces/<pair>__smollm2-f32.json, the shipped Q4_1 draft
@@ -99,7 +99,9 @@ class FleetConfig:
     max_n: int = 512
     refine: float = 0.1  # bisect until the gap is <= refine x N
     max_batch: int = 32
-    estimator: str = "profile"  # profile (fit here first: tools/train/fleet_estimator.py) | "" (defaults) | a file
+    estimator: str = (
+        "profile"  # profile (fit here first: `server-bridge profile --shapes fleet`) | "" (defaults) | a file
+    )
     server_threads: int = 0  # 0: 1 on the CPU (pinned), 4 on CUDA
     seed: int = 0
 
@@ -407,7 +409,7 @@ def fit_estimator(
     cfg: FleetConfig, target: random_target.RandomTarget, engine: str, trace: Trace, out: Path, cpus: dict, say
 ) -> tuple[str, dict | None]:
     """The verification-time estimator the server loads: fitted here over the fleet's own batch shapes
-    (tools/train/fleet_estimator.py, in the server's place), none (""), or a given file."""
+    (`server-bridge profile --shapes fleet`, in the server's place), none (""), or a given file."""
     if cfg.estimator != "profile":
         return cfg.estimator, None
     prompts = sorted({len(p.prompt_ids) for p in trace.prompts})
@@ -416,7 +418,12 @@ def fit_estimator(
     cmd = [
         sys.executable,
         "-m",
-        "tools.train.fleet_estimator",
+        "server_bridge.cli",
+        "profile",
+        "--shapes",
+        "fleet",
+        "--bootstrap",
+        "0",
         "--target",
         str(engine_target(target, engine)),
         "--engine",
@@ -489,7 +496,7 @@ def context_tokens(trace: Trace, cfg: FleetConfig) -> int:
 
 def run_sd(cfg: FleetConfig, engine: str, target, trace: Trace, max_n: int, out: Path, cpus: dict, say) -> dict:
     """One engine: its check, its estimator, one server, a capacity search per class (tightest first)."""
-    from tools.cluster.local_verifier import LocalVerifier
+    from server_bridge.fleet import LocalVerifier
 
     check = check_engine(cfg, target, engine, say)
     say(

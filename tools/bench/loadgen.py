@@ -5,7 +5,7 @@
                             [--classes 8,2,6,4] [--out docs/loadgen]
 
 N simulated robots are real websocket clients (asyncio, one connection each) of a
-real server-bridge this tool starts (tools/cluster/local_verifier.py), one fresh server per
+real server-bridge this tool starts (server_bridge/fleet.py:LocalVerifier), one fresh server per
 (pair, N, policy), started with `--scheduler POLICY` when `server-bridge serve` has
 that flag. The server is pinned to one core with one torch thread, this process to
 another, so robots and verifier do not compete.
@@ -801,7 +801,7 @@ def run_point(
     keep_tokens: bool = False,
 ) -> dict:
     """A fresh server-bridge with `policy`, N robots against it; the point's summary."""
-    from tools.cluster.local_verifier import LocalVerifier
+    from server_bridge.fleet import LocalVerifier
 
     extra = (["--scheduler", policy] if use_flag else []) + server_args
     t0 = time.perf_counter()
@@ -1147,7 +1147,7 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument(
         "--estimator",
         default="models/estimator/smollm2-f32.json",
-        help="with --gamma plan: the verifier's fitted estimator (tools/train/profile_verifier.py)",
+        help="with --gamma plan: the verifier's fitted estimator (`server-bridge profile`)",
     )
     ap.add_argument("--draft-ms", type=float, default=8.0, help="emulated drafting cost per token")
     ap.add_argument("--tokens", type=int, default=48, help="tokens per generation")

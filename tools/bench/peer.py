@@ -57,8 +57,8 @@ from pathlib import Path
 from typing import Callable, Iterable
 from urllib.parse import urlsplit
 
+from server_bridge.fleet import free_port, stop_process
 from tools.bench import harness
-from tools.cluster.local_verifier import free_port, stop_process
 
 VERSION = "0.3.36"  # llama-cpp-python's sdist; its vendor/llama.cpp is our engine's llama.cpp
 CACHE_ROOT = Path.home() / ".cache" / "edgespec"

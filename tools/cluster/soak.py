@@ -5,7 +5,7 @@
 
 Robots (asyncio, one connection each, light: they replay tools/traces like
 tools/bench/loadgen.py) -> tools.cluster.netem proxy (the link, cut every --cut-every-s) ->
-HAProxy -> replicas (tools.cluster.fleet). Every --kill-every-s the replica other than
+HAProxy -> replicas (server_bridge/fleet.py). Every --kill-every-s the replica other than
 r0 that holds the most robots is SIGKILLed, or every third time drained
 (SIGTERM), and started again --down-s later. A robot that loses its link reconnects at once (a 1012 close from
 a draining replica) or after 50 ms, re-opens its session with its committed
@@ -38,8 +38,8 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake
 
 from protocol import wire
+from server_bridge.fleet import Cluster, health
 from tools.bench.loadgen import NEAR_TIE, TRACES, Trace, next_draft
-from tools.cluster.fleet import Cluster, health
 from tools.cluster.netem import LinkProfile, NetemProxy
 
 log = logging.getLogger(__name__)
@@ -321,7 +321,7 @@ async def soak(cluster: Cluster, proxy: NetemProxy, trace: Trace, args) -> dict:
                 f"{sum(g.done for g in out.generations)} generations done",
                 flush=True,
             )
-            # children are started from this (the main) thread only: they die with it (tools.cluster.fleet.child_setup)
+            # children are started from this (the main) thread only: they die with it (server_bridge.fleet.child_setup)
             if how == "kill":
                 cluster.kill(victim)
             else:
