@@ -1,6 +1,6 @@
 """`server-bridge`: `serve` runs the verifier (its flags derived from ServerConfig's fields), `prepare` makes
 the target's files, `plan` plans a fleet's batches, `profile` fits the estimator, `train-exits` trains the
-early exits and `fleet` runs replicas behind HAProxy."""
+early exits, `fleet` runs replicas behind HAProxy and `loadtest` measures a running verifier's capacity."""
 
 from __future__ import annotations
 
@@ -16,7 +16,16 @@ import sys
 from protocol.modelfiles import ModelNotFound
 from runtime import settings
 
-from .config import ENGINES, FleetConfig, PlanConfig, ProfileConfig, ServerConfig, TrainExitsConfig
+from .config import (
+    ENGINES,
+    FleetConfig,
+    LoadConfig,
+    LoadtestConfig,
+    PlanConfig,
+    ProfileConfig,
+    ServerConfig,
+    TrainExitsConfig,
+)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -56,6 +65,10 @@ def _tool_parsers(sub: argparse._SubParsersAction) -> None:
     settings.add_flags(p, TrainExitsConfig)
     p = sub.add_parser("fleet", help="run N `serve` replicas behind HAProxy on loopback")
     settings.add_flags(p, FleetConfig)
+    p = sub.add_parser("loadtest", help="N replayed robots against a running verifier: SLO violations, capacity")
+    settings.add_flags(p, LoadtestConfig)
+    settings.add_flags(p, LoadConfig)
+    p.add_argument("--json", action="store_true", help="the points and capacities as one JSON object")
     for p in sub.choices.values():
         if "--log-level" not in p._option_string_actions:
             p.add_argument("--log-level", default=argparse.SUPPRESS, help="default INFO")
@@ -97,7 +110,18 @@ def _tool(args: argparse.Namespace) -> int:
     return fleet.run(config)
 
 
-COMMANDS = {"plan": _plan, "profile": _tool, "train-exits": _tool, "fleet": _tool}
+def _loadtest(args: argparse.Namespace) -> int:
+    from . import loadtest
+
+    try:
+        target = LoadtestConfig(**settings.given(LoadtestConfig, args))
+        return loadtest.run(target, LoadConfig(**settings.given(LoadConfig, args)), as_json=args.json)
+    except ValueError as e:
+        print(f"server-bridge loadtest: {e}", file=sys.stderr)
+        return 2
+
+
+COMMANDS = {"plan": _plan, "profile": _tool, "train-exits": _tool, "fleet": _tool, "loadtest": _loadtest}
 
 
 def _prepare(args: argparse.Namespace) -> int:

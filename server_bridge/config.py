@@ -499,3 +499,54 @@ class FleetConfig:
     def __post_init__(self) -> None:
         if not 1 <= self.replicas <= 64 or not 0 <= self.port <= 65535 or self.threads < 0:
             raise ValueError("replicas must be 1-64, port 0-65535 and threads >= 0")
+
+
+def _speeds(text: str) -> tuple[float, ...]:
+    """--classes: '8,2,6,4' -> (8, 2, 6, 4) tokens/s (an int where it is one: they name the classes)."""
+    try:
+        return tuple(int(float(t)) if float(t).is_integer() else float(t) for t in text.split(",") if t.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated tokens/s, got {text!r}") from None
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    """How `server-bridge loadtest`'s replayed robots behave and how a point is measured."""
+
+    gamma: int = setting(4, help="Draft tokens per round (<= the trace's gamma_max; 1-256).")
+    draft_ms: float = setting(8.0, help="Emulated drafting cost per draft token on the robot (ms).")
+    tokens: int = setting(48, help="Tokens per generation (fewer where the target ends first).")
+    classes: tuple = setting((8, 2, 6, 4), parse=_speeds, help="SLO classes in tokens/s, round-robin over robots.")
+    warmup_s: float = setting(5.0, help="Robots run this long before the window opens (s).")
+    window_s: float = setting(20.0, help="The measured window (s).")
+    backoff_s: float = setting(0.2, help="After a shed (overloaded), before re-opening (s).")
+    recv_timeout_s: float = setting(60.0, help="A reply slower than this ends the generation with an error (s).")
+    stagger_s: float = setting(0.5, help="Robots start at random offsets in [0, stagger_s) (s).")
+    seed: int = setting(0, help="The robots' start offsets' seed.")
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.gamma <= 256:
+            raise ValueError(f"gamma must be 1-256, got {self.gamma}")
+        if self.tokens < 1 or self.window_s <= 0 or self.warmup_s < 0 or self.draft_ms < 0 or self.backoff_s < 0:
+            raise ValueError("tokens >= 1, window_s > 0, warmup_s >= 0, draft_ms >= 0 and backoff_s >= 0")
+        if not self.classes or any(c <= 0 for c in self.classes):
+            raise ValueError(f"classes must be positive tokens/s, got {self.classes}")
+
+
+@dataclass
+class LoadtestConfig:
+    """`server-bridge loadtest`'s target: which verifier, which robots' trace, which fleet sizes."""
+
+    trace: str = setting(help="The robots' trace (edgespec-trace/1 JSON: tools/train/record_traces.py records one).")
+    url: str = setting("ws://127.0.0.1:8765", help="The verifier (or HAProxy) robots connect to.")
+    n: list[int] = setting(
+        default_factory=list, help="Fleet sizes to run, in order; [] = doubling from 1, then bisection, per class."
+    )
+    max_n: int = setting(256, help="The largest fleet the doubling search tries (1-4096).")
+    metrics_port: int = setting(0, help="The verifier's HTTP port for /metrics (loopback); 0 = none read.")
+
+    def __post_init__(self) -> None:
+        if not self.url.startswith(("ws://", "wss://")):
+            raise ValueError(f"url must be ws:// or wss://, got {self.url!r}")
+        if any(n < 1 for n in self.n) or not 1 <= self.max_n <= 4096 or not 0 <= self.metrics_port <= 65535:
+            raise ValueError("n must be fleet sizes >= 1, max_n 1-4096 and metrics_port 0-65535")

@@ -238,7 +238,8 @@ def test_chaos_soak_loses_and_duplicates_nothing(healed):
     disconnects, every generation the target's own ids, r0's memory flat."""
     import asyncio
 
-    from tools.bench.loadgen import TRACES, Trace
+    from server_bridge.loadtest import Trace
+    from tools.bench.loadgen import TRACES
     from tools.cluster.netem import LinkProfile, NetemProxy
     from tools.cluster.soak import render_markdown, soak
 

@@ -46,20 +46,9 @@ from pathlib import Path
 import numpy as np
 
 from server_bridge.fleet import Cluster, health
+from server_bridge.loadtest import MAX_VIOLATION, LoadConfig, Trace, capacity, run_robots, summarize
 from tools.bench import harness
-from tools.bench.loadgen import (
-    MAX_VIOLATION,
-    TARGET,
-    TRACES,
-    LoadConfig,
-    Trace,
-    _cap,
-    _exactness,
-    capacity,
-    near_ties,
-    run_robots,
-    summarize,
-)
+from tools.bench.loadgen import TARGET, TRACES, _cap, _exactness, near_ties
 
 PAIR = "smollm2-q4_1"
 REPLICA_COUNTS = (1, 2)

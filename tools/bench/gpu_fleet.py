@@ -38,7 +38,7 @@ What is real, what is replayed, what is modelled:
               holds c tok/s when tokens / (last token - request) >= c (tools/bench/loadgen.py's rule).
 
 A fleet holds a rate when <= 5 % of the generations opened in the window miss it (or are shed),
-at that N and every smaller N tried (tools/loadgen.capacity). SD fleets are homogeneous, one sweep
+at that N and every smaller N tried (server_bridge/loadtest.py:capacity). SD fleets are homogeneous, one sweep
 per class (the SLO scheduler is told each robot's rate); N doubles from --start-n (the tighter
 class's capacity for the looser ones) until a point fails or --max-n, then bisects to within
 --refine. llama.cpp holds at most 256 sequences per context (LLAMA_MAX_SEQ): its fleets stop at
@@ -68,8 +68,9 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from server_bridge import loadtest
+from server_bridge.loadtest import LoadConfig, Trace, TracePrompt
 from tools.bench import harness, loadgen
-from tools.bench.loadgen import LoadConfig, Trace, TracePrompt
 from tools.models import random_target
 
 TRACES = Path(__file__).resolve().parents[1] / "traces"
@@ -218,7 +219,7 @@ def judged(records: list[dict], classes: tuple) -> dict:
         out[str(c)] = {
             "violation_rate": rate,
             "decided": len(bad),
-            "passes": loadgen.point_passes(rate, {}) if bad else None,
+            "passes": loadtest.point_passes(rate, {}) if bad else None,
         }
     return out
 
@@ -289,9 +290,9 @@ def sd_point(engine: str, url: str, port: int, trace: Trace, n: int, lcfg: LoadC
     """N replayed robots against a running server-bridge: one point."""
     wait_idle(port)
     c0, t0 = time.process_time(), time.monotonic()
-    out = asyncio.run(loadgen.run_robots(url, trace, n, lcfg, metrics_port=port))
+    out = asyncio.run(loadtest.run_robots(url, trace, n, lcfg, metrics_port=port))
     cpu = (time.process_time() - c0) / max(1e-9, time.monotonic() - t0)
-    s = loadgen.summarize(out, trace, lcfg.classes)
+    s = loadtest.summarize(out, trace, lcfg.classes)
     cls = [str(c) for c in lcfg.classes]
     by_class = {
         c: {
@@ -301,7 +302,7 @@ def sd_point(engine: str, url: str, port: int, trace: Trace, n: int, lcfg: LoadC
         }
         for c in cls
     }
-    means = loadgen.server_figures(out.metrics)["means"]
+    means = loadtest.server_figures(out.metrics)["means"]
     return point_record(
         engine,
         n,
@@ -537,7 +538,7 @@ def run_sd(cfg: FleetConfig, engine: str, target, trace: Trace, max_n: int, out:
                     say("  " + describe(p))
                     return {k: j["passes"] for k, j in p["judged"].items()}
 
-                found = loadgen.capacity_search(run, [str(c)], sizes_within(cfg.ns, max_n), start, max_n, cfg.refine)[
+                found = loadtest.capacity_search(run, [str(c)], sizes_within(cfg.ns, max_n), start, max_n, cfg.refine)[
                     str(c)
                 ]
                 result["capacity"][str(c)] = {**found, "max_n": max_n}
@@ -619,7 +620,7 @@ def run_peer(cfg: FleetConfig, target, trace: Trace, max_n: int, binary: Path, c
         say("  " + describe(p))
         return {c: j["passes"] for c, j in by_class.items()}
 
-    found = loadgen.capacity_search(
+    found = loadtest.capacity_search(
         run, [str(c) for c in cfg.classes], sizes_within(cfg.ns, max_n), cfg.start_n, max_n, cfg.refine
     )
     result["capacity"] = {c: {**v, "max_n": max_n} for c, v in found.items()}

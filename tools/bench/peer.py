@@ -532,8 +532,8 @@ async def stream_completion(
 
 
 def load_prompts(trace_path: str | Path = DEFAULT_TRACE, n: int | None = None):
-    """The loadgen trace (tools.bench.loadgen.Trace): chat-templated prompt ids and our target's greedy continuation."""
-    from tools.bench.loadgen import Trace
+    """The loadgen trace (loadtest.Trace): chat-templated prompt ids and our target's greedy continuation."""
+    from server_bridge.loadtest import Trace
 
     trace = Trace.load(trace_path)
     return replace(trace, prompts=trace.prompts[:n]) if n else trace
@@ -634,7 +634,7 @@ class PeerRobot:
         self.slo = cfg.classes[idx % len(cfg.classes)]
 
     async def run(self) -> None:
-        from tools.bench.loadgen import MAX_CONNECTS
+        from server_bridge.loadtest import MAX_CONNECTS
 
         await asyncio.sleep(random.Random(self.cfg.seed * 7919 + self.idx).uniform(0, self.cfg.stagger_s))
         g = 0
@@ -652,7 +652,7 @@ class PeerRobot:
                 conn.close()
 
     async def generate(self, conn: PeerConnection, g: int) -> None:
-        from tools.bench.loadgen import Generation
+        from server_bridge.loadtest import Generation
 
         prompt_no = (self.idx + g) % len(self.trace.prompts)
         prompt = self.trace.prompts[prompt_no]
@@ -693,7 +693,7 @@ def fleet_point(
 
     `exact` there means: every generation's ids equal our target's greedy continuation in the trace.
     """
-    from tools.bench.loadgen import run_robots, summarize
+    from server_bridge.loadtest import run_robots, summarize
 
     t0 = time.perf_counter()
     with LlamaServer(
@@ -739,13 +739,6 @@ def describe_point(p: dict, classes: tuple) -> str:
     )
 
 
-def class_passes(points: dict[int, dict], c) -> dict[int, bool | None]:
-    from tools.bench.loadgen import MAX_VIOLATION
-
-    rates = {n: p["violation_rate_by_class"][str(c)] for n, p in points.items()}
-    return {n: None if r is None else r <= MAX_VIOLATION for n, r in rates.items()}
-
-
 def fleet_capacity(
     model: str | Path,
     trace,
@@ -763,10 +756,10 @@ def fleet_capacity(
     """The largest fleet llama-server holds per SLO class (loadgen's capacity rule over the N tried).
 
     N runs over `ns`, or doubles from 1 until every class has failed or max_n; then, per class,
-    bisects between its capacity and the next N that failed (loadgen.capacity_search).
+    bisects between its capacity and the next N that failed (server_bridge.loadtest.capacity_search).
     Returns {"points": [...], "capacity": {class: N}, "lower_bound": {class: bool}}.
     """
-    from tools.bench.loadgen import capacity_search
+    from server_bridge.loadtest import capacity_search, class_passes
 
     points: dict[int, dict] = {}
 
@@ -775,7 +768,7 @@ def fleet_capacity(
             model, trace, n, cfg, core=core, threads=threads, binary=binary, cache_ram_mib=cache_ram_mib
         )
         log(f"  {describe_point(points[n], cfg.classes)}")
-        return {str(c): class_passes({n: points[n]}, c)[n] for c in cfg.classes}
+        return class_passes(points[n], cfg.classes)
 
     caps = capacity_search(run, [str(c) for c in cfg.classes], tuple(ns or ()), 1, max_n, refine)
     return {
@@ -880,7 +873,7 @@ def add_args(ap: argparse.ArgumentParser) -> None:
 
 
 def measure(args: argparse.Namespace) -> dict:
-    from tools.bench.loadgen import LoadConfig
+    from server_bridge.loadtest import LoadConfig
 
     if args.quick:  # two prompts of 8 tokens at one RTT; one fleet of 1 for 2 s
         args.rtts, args.prompts, args.tokens, args.n, args.window_s, args.warmup_s = [0.0], 2, 8, [1], 2.0, 1.0

@@ -39,7 +39,8 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake
 
 from protocol import wire
 from server_bridge.fleet import Cluster, health
-from tools.bench.loadgen import NEAR_TIE, TRACES, Trace, next_draft
+from server_bridge.loadtest import Trace, next_draft
+from tools.bench.loadgen import NEAR_TIE, TRACES
 from tools.cluster.netem import LinkProfile, NetemProxy
 
 log = logging.getLogger(__name__)
