@@ -63,12 +63,12 @@ import shutil
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from server_bridge import loadtest
+from server_bridge.fleet import health
 from server_bridge.loadtest import LoadConfig, Trace, TracePrompt
 from tools.bench import harness, loadgen
 from tools.models import random_target
@@ -271,16 +271,11 @@ def describe(p: dict) -> str:
     )
 
 
-def _get_json(url: str, timeout: float = 5.0) -> dict:
-    with urllib.request.urlopen(url, timeout=timeout) as r:
-        return json.loads(r.read().decode())
-
-
 def wait_idle(port: int, timeout_s: float = 30.0) -> None:
     """Until the server holds no session and no queued request (the previous point's are closing)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        h = _get_json(f"http://127.0.0.1:{port}/healthz")
+        h = health(port, timeout=5.0)[1]
         if h.get("sessions", 0) == 0 and h.get("queue", 0) == 0:
             return
         time.sleep(0.2)
@@ -525,7 +520,7 @@ def run_sd(cfg: FleetConfig, engine: str, target, trace: Trace, max_n: int, out:
         cpus=cpus.get("server"), threads=cfg.threads, extra_args=["--config", str(toml)], start_timeout_s=1800
     ) as srv:
         result["server_start_s"] = round(time.perf_counter() - t0, 1)
-        result["health"] = _get_json(f"http://127.0.0.1:{srv.port}/healthz")
+        result["health"] = health(srv.port, timeout=5.0)[1]
         say(f"  server-bridge up in {result['server_start_s']}s: {result['health']}")
         start = cfg.start_n
         try:
