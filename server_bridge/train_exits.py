@@ -58,11 +58,19 @@ from .target import Target, load_target
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".webp")
 
 
+MAX_PROMPT_FILE_BYTES = 64 << 20
+
+
 def load_prompts(path: Path, limit: int = 0) -> list[dict]:
     """A jsonl file of {"chat": bool, "prompt": str}, the first `limit` (0: all); ValueError names a bad line."""
+    if path.stat().st_size > MAX_PROMPT_FILE_BYTES:
+        raise ValueError(f"{path}: over {MAX_PROMPT_FILE_BYTES >> 20} MiB, too big for a prompt file")
     rows = []
     for n, line in enumerate(path.read_text().splitlines(), 1):
-        row = json.loads(line) if line.strip() else None
+        try:
+            row = json.loads(line) if line.strip() else None
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{n}: not JSON: {e}") from None
         if row is None:
             continue
         if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not isinstance(row.get("chat"), bool):
@@ -218,24 +226,28 @@ def agreement(heads: ExitHeads, model: torch.nn.Module, layer: int, h: torch.Ten
     return hits / h.shape[0]
 
 
-def _data(target: Target, config: TrainExitsConfig) -> tuple[list[Example], list[Example]]:
+def prompt_sets(config: TrainExitsConfig) -> list[list[dict]]:
+    """The training and the held-out prompts (the shipped ones where none are named), read before any model."""
+    shipped = modelfiles.models_dir() / "exits"
+    named = ((config.prompts, "train_prompts.jsonl"), (config.heldout, "heldout_prompts.jsonl"))
+    return [load_prompts(Path(path) if path else shipped / default, config.max_prompts) for path, default in named]
+
+
+def _data(target: Target, config: TrainExitsConfig, sets: list[list[dict]]) -> tuple[list[Example], list[Example]]:
     """The target's greedy generations of the training and the held-out prompts (a VLM's with frames)."""
     frames: list[bytes] = []
     if target.sees and config.image_every > 0:
         frames = image_files(config.images) or random_frames(4)
         if not config.images:
             print("a vision-language target and no --images: training on random frames", file=sys.stderr)
-    shipped = modelfiles.models_dir() / "exits"
-    sets = []
-    for path, default in ((config.prompts, "train_prompts.jsonl"), (config.heldout, "heldout_prompts.jsonl")):
-        prompts = load_prompts(Path(path) if path else shipped / default, config.max_prompts)
-        sets.append(examples(target, prompts, frames, config.image_every))
-    train = generate(target, sets[0], config.gen_tokens, "target generations (train)")
-    return train, generate(target, sets[1], config.gen_tokens, "target generations (held out)")
+    train_set, held_set = (examples(target, prompts, frames, config.image_every) for prompts in sets)
+    train = generate(target, train_set, config.gen_tokens, "target generations (train)")
+    return train, generate(target, held_set, config.gen_tokens, "target generations (held out)")
 
 
 def run(config: TrainExitsConfig) -> int:
     """Train the adapters, measure their agreement, write them and the report."""
+    sets = prompt_sets(config)  # a bad prompt file fails here, before the model loads
     torch.manual_seed(config.seed)
     t0 = time.perf_counter()
     # the torch engine's own passes: what the server's verify passes compute, images included (on the CPU in
@@ -250,7 +262,7 @@ def run(config: TrainExitsConfig) -> int:
             f"server-bridge train-exits: exit layers must be below the last layer ({engine.n_layers})", file=sys.stderr
         )
         return 2
-    train, held = _data(target, config)
+    train, held = _data(target, config, sets)
     h_tr, ids_tr, p_tr, _ = collect(target, train, layers, config.candidates)
     h_te, _, _, argmax_te = collect(target, held, layers, 1)
     print(f"{ids_tr.shape[0]} training positions, {argmax_te.shape[0]} held-out positions")
