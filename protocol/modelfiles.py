@@ -126,9 +126,7 @@ def resolve_estimator(spec: str, target_name: str) -> Path | None:
         return path if path.is_file() else None
     path = Path(spec).expanduser()
     if not path.is_file():
-        raise ModelNotFound(
-            f"no verification-time estimator at {path}; fit one with server-bridge profile"
-        )
+        raise ModelNotFound(f"no verification-time estimator at {path}; fit one with server-bridge profile")
     return path
 
 
