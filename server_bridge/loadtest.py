@@ -314,6 +314,7 @@ class Robot:
         self.slo = cfg.classes[idx % len(cfg.classes)]
         self.eos = set(trace.eos_ids)
         self.ws: ClientConnection | None = None
+        self.robot_id, self.client = f"loadgen-{idx}", f"loadgen/robot{idx}"  # X-Robot-Id, hello's client
 
     async def run(self) -> None:
         await asyncio.sleep(random.Random(self.cfg.seed * 7919 + self.idx).uniform(0, self.cfg.stagger_s))
@@ -322,15 +323,7 @@ class Robot:
             if self.halt.is_set():
                 return
             try:
-                async with connect(
-                    self.url,
-                    open_timeout=10,
-                    close_timeout=1,
-                    ping_interval=None,
-                    max_size=2 * wire.DEFAULT_MAX_FRAME_BYTES,
-                    compression=None,
-                    additional_headers={"X-Robot-Id": f"loadgen-{self.idx}"},
-                ) as ws:
+                async with self.dial() as ws:
                     self.ws = ws
                     await self.handshake()
                     while not self.halt.is_set():
@@ -343,18 +336,26 @@ class Robot:
             finally:
                 self.ws = None
 
-    async def handshake(self) -> None:
-        await self.send(
-            wire.Hello(
-                token="",
-                client=f"loadgen/robot{self.idx}",
-                draft_vocab_hash=self.trace.vocab_hash,
-                vocab_size=self.trace.vocab_size,
-            )
+    def dial(self, open_timeout: float = 10.0) -> Any:
+        """The websocket connection to the verifier (await it, or use it as a context manager)."""
+        return connect(
+            self.url,
+            open_timeout=open_timeout,
+            close_timeout=1,
+            ping_interval=None,
+            max_size=2 * wire.DEFAULT_MAX_FRAME_BYTES,
+            compression=None,
+            additional_headers={"X-Robot-Id": self.robot_id},
         )
+
+    async def handshake(self) -> wire.Welcome:
+        """hello -> welcome (which names the replica); RobotError when refused."""
+        trace = self.trace
+        await self.send(wire.Hello("", self.client, draft_vocab_hash=trace.vocab_hash, vocab_size=trace.vocab_size))
         reply = await self.recv(wire.Welcome, None)
         if isinstance(reply, wire.Error):
             raise RobotError(f"handshake refused: {reply.code}: {reply.message}")
+        return reply
 
     async def generate(self, g: int) -> None:
         prompt_no = (self.idx + g) % len(self.trace.prompts)
