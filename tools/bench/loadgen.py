@@ -61,9 +61,9 @@ from pathlib import Path
 
 import numpy as np
 
+from runtime import settings
 from server_bridge.config import LoadConfig
 from server_bridge.loadtest import (
-    CLASSES,
     MAX_VIOLATION,
     Generation,
     Trace,
@@ -80,6 +80,7 @@ log = logging.getLogger(__name__)
 TRACES = Path(__file__).resolve().parents[1] / "traces"
 TARGET = "smollm2-f32"
 POLICIES = ("fcfs", "slo", "fixed")
+ROBOT_FLAGS = ("draft_ms", "tokens", "classes", "warmup_s", "window_s", "backoff_s", "seed")  # LoadConfig's
 
 
 def trace_alpha(trace: Trace) -> float:
@@ -521,10 +522,6 @@ def _gamma(s: str) -> int | str:
     return s if s == "plan" else int(s)
 
 
-def _classes(s: str) -> tuple:
-    return tuple(int(x) if float(x).is_integer() else float(x) for x in s.split(",") if x)
-
-
 def _policies(s: str) -> list[str]:
     names = harness.names(s)
     if not names or any(x not in POLICIES for x in names):
@@ -538,8 +535,7 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--pairs", type=harness.names, default=["smollm2-q4_1", "smollm2-q2_k"], help="drafts (traces)")
     ap.add_argument("--target", default=TARGET)
     ap.add_argument("--traces", default=str(TRACES), help="folder of <draft>__<target>.json")
-    ap.add_argument("--window-s", type=float, default=20.0, help="measurement window")
-    ap.add_argument("--warmup-s", type=float, default=5.0)
+    settings.add_flags(ap, LoadConfig, only=ROBOT_FLAGS)  # --window-s, --draft-ms, ... as `server-bridge loadtest`
     ap.add_argument(
         "--gamma",
         type=_gamma,
@@ -551,11 +547,6 @@ def add_args(ap: argparse.ArgumentParser) -> None:
         default="models/estimator/smollm2-f32.json",
         help="with --gamma plan: the verifier's fitted estimator (`server-bridge profile`)",
     )
-    ap.add_argument("--draft-ms", type=float, default=8.0, help="emulated drafting cost per token")
-    ap.add_argument("--tokens", type=int, default=48, help="tokens per generation")
-    ap.add_argument("--classes", type=_classes, default=CLASSES, help="SLO classes in tokens/s, round-robin")
-    ap.add_argument("--backoff-s", type=float, default=0.2, help="wait after a shed before re-opening")
-    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--server-cpu", type=int, default=1)
     ap.add_argument("--client-cpu", type=int, default=0)
     ap.add_argument("--server-threads", type=int, default=1)
@@ -579,16 +570,7 @@ def measure(args: argparse.Namespace) -> dict:
         args.n, args.policies, args.pairs = args.n[:1], args.policies[:1], args.pairs[:1]
         args.window_s, args.warmup_s, args.tokens = min(args.window_s, 3.0), min(args.warmup_s, 1.0), 16
     try:
-        cfg = LoadConfig(
-            gamma=4 if args.gamma == "plan" else args.gamma,
-            draft_ms=args.draft_ms,
-            tokens=args.tokens,
-            classes=args.classes,
-            warmup_s=args.warmup_s,
-            window_s=args.window_s,
-            backoff_s=args.backoff_s,
-            seed=args.seed,
-        )
+        cfg = LoadConfig(**settings.given(LoadConfig, args) | {"gamma": 4 if args.gamma == "plan" else args.gamma})
     except ValueError as e:
         raise SystemExit(f"loadgen: {e}") from None
     result = sweep(args, cfg)

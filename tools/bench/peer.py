@@ -57,6 +57,8 @@ from pathlib import Path
 from typing import Callable, Iterable
 from urllib.parse import urlsplit
 
+from runtime import settings
+from server_bridge.config import LoadConfig
 from server_bridge.fleet import free_port, stop_process
 from tools.bench import harness
 
@@ -858,12 +860,10 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--trace", default=str(DEFAULT_TRACE), help="loadgen trace whose prompts the robots send")
     ap.add_argument("--prompts", type=int, default=10)
     ap.add_argument("--rtts", type=harness.floats, default=[0.0, 20.0, 50.0], help="RTTs (ms) for one robot")
-    ap.add_argument("--tokens", type=int, default=48, help="tokens per generation")
+    settings.add_flags(ap, LoadConfig, only=("tokens", "warmup_s", "window_s"))  # as `server-bridge loadtest`
     ap.add_argument("--classes", type=harness.floats, default=list(CLASSES), help="SLO classes, tokens/s")
     ap.add_argument("--n", type=harness.ints, default=[], help="fleet sizes (default: doubling from 1, bisection)")
     ap.add_argument("--max-n", type=int, default=256)
-    ap.add_argument("--window-s", type=float, default=20.0)
-    ap.add_argument("--warmup-s", type=float, default=5.0)
     ap.add_argument("--threads", type=int, default=1, help="llama-server -t")
     ap.add_argument("--server-core", type=int, default=None, help="default: the last core")
     ap.add_argument("--client-core", type=int, default=None, help="default: the first core")
@@ -873,8 +873,6 @@ def add_args(ap: argparse.ArgumentParser) -> None:
 
 
 def measure(args: argparse.Namespace) -> dict:
-    from server_bridge.loadtest import LoadConfig
-
     if args.quick:  # two prompts of 8 tokens at one RTT; one fleet of 1 for 2 s
         args.rtts, args.prompts, args.tokens, args.n, args.window_s, args.warmup_s = [0.0], 2, 8, [1], 2.0, 1.0
     model = Path(args.model) if args.model else default_model()
@@ -886,9 +884,9 @@ def measure(args: argparse.Namespace) -> dict:
     cpus = sorted(os.sched_getaffinity(0))
     server_core = args.server_core if args.server_core is not None else cpus[-1]
     client_core = args.client_core if args.client_core is not None else cpus[0]
-    classes = tuple(int(c) if float(c).is_integer() else c for c in args.classes)
     trace = load_prompts(args.trace, args.prompts)
-    cfg = LoadConfig(tokens=args.tokens, classes=classes, warmup_s=args.warmup_s, window_s=args.window_s)
+    classes = tuple(int(c) if float(c).is_integer() else c for c in args.classes)
+    cfg = LoadConfig(**settings.given(LoadConfig, args) | {"classes": classes})
     config = {
         "model": str(model),
         "model_name": model.name,
