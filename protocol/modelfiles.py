@@ -125,13 +125,13 @@ def resolve_exits(spec: str, target_name: str) -> Path | None:
     if not _has_exits(path):
         raise ModelNotFound(
             f"no early-exit adapters at {path} (want {path.with_suffix('.safetensors').name} "
-            f"and {path.with_suffix('.json').name}; train them with python -m tools.train.exits)"
+            f"and {path.with_suffix('.json').name}; train them with server-bridge train-exits)"
         )
     return path
 
 
 def resolve_estimator(spec: str, target_name: str) -> Path | None:
-    """A target's fitted verification-time coefficients (tools/train/profile_verifier.py), or None.
+    """A target's fitted verification-time coefficients (`server-bridge profile`), or None.
 
     spec "" = none (the defaults); "auto" = models/estimator/<target name>.json if it was
     profiled; anything else is a JSON file that must exist.
@@ -143,9 +143,7 @@ def resolve_estimator(spec: str, target_name: str) -> Path | None:
         return path if path.is_file() else None
     path = Path(spec).expanduser()
     if not path.is_file():
-        raise ModelNotFound(
-            f"no verification-time estimator at {path}; fit one with python -m tools.train.profile_verifier"
-        )
+        raise ModelNotFound(f"no verification-time estimator at {path}; fit one with server-bridge profile")
     return path
 
 

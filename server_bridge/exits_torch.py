@@ -1,4 +1,4 @@
-"""The early-exit adapters as torch modules: what tools/train/exits.py trains and the torch engine runs.
+"""The early-exit adapters as torch modules: what `server-bridge train-exits` trains and the torch engine runs.
 
 What the exits are and how a verify pass uses them: server_bridge/exits.py. The
 llamacpp engine runs the same saved adapters in numpy (`exits.NumpyExitHeads`).

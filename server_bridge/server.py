@@ -229,7 +229,7 @@ class BridgeServer:
             "required" if self.config.token else "none: loopback clients only",
             self.config.scheduler,
             self.scheduler.max_batch,
-            "fitted" if model.fitted else "defaults (run tools/train/profile_verifier.py)",
+            "fitted" if model.fitted else "defaults (run server-bridge profile)",
         )
         log.info(
             "peers: loopback clients %s; client addresses from X-Forwarded-For of %s; hello within %gs; at most "
@@ -841,7 +841,7 @@ def load_estimator(spec: str, target_name: str) -> VerifyTimeModel:
     if path is None:
         log.warning(
             "no profiled verification-time estimator for %s: using rough defaults; run "
-            "`python -m tools.train.profile_verifier` on this machine",
+            "`server-bridge profile` on this machine",
             target_name,
         )
         return VerifyTimeModel()

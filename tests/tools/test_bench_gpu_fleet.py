@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from protocol import modelfiles
+from server_bridge import loadtest
+from server_bridge.loadtest import Trace
 from tools.bench import gpu_fleet as fleet
-from tools.bench import loadgen
-from tools.bench.loadgen import Trace
 from tools.models import random_target
 
 RECORDED = fleet.TRACES / "smollm2-q4_1__smollm2-f32.json"
@@ -29,26 +29,26 @@ def test_the_search_doubles_then_bisects_to_the_edge():
         runs.append(n)
         return {"8": n <= 37}
 
-    found = loadgen.capacity_search(run, ["8"], start=1, max_n=512, refine=0.1)["8"]
+    found = loadtest.capacity_search(run, ["8"], start=1, max_n=512, refine=0.1)["8"]
     assert 34 <= found["capacity"] <= 37 and not found["lower_bound"]
     assert runs[:7] == [1, 2, 4, 8, 16, 32, 64] and len(runs) <= 11
 
 
 def test_the_search_reports_lower_bounds_and_failures_at_the_smallest_fleet():
-    assert loadgen.capacity_search(lambda n: {"2": True}, ["2"], start=4, max_n=16)["2"] == {
+    assert loadtest.capacity_search(lambda n: {"2": True}, ["2"], start=4, max_n=16)["2"] == {
         "capacity": 16,
         "lower_bound": True,
         "tried": [4, 8, 16],
     }
-    assert loadgen.capacity_search(lambda n: {"8": False}, ["8"], ns=(1, 2))["8"]["capacity"] == 0
+    assert loadtest.capacity_search(lambda n: {"8": False}, ["8"], ns=(1, 2))["8"]["capacity"] == 0
     # fixed sizes stop once every class has failed
     seen = []
-    loadgen.capacity_search(lambda n: seen.append(n) or {"8": n < 2, "2": n < 4}, ["8", "2"], ns=(1, 2, 4, 8))
+    loadtest.capacity_search(lambda n: seen.append(n) or {"8": n < 2, "2": n < 4}, ["8", "2"], ns=(1, 2, 4, 8))
     assert seen == [1, 2, 4]
 
 
 def test_one_sweep_serves_every_class_for_the_peer():
-    caps = loadgen.capacity_search(
+    caps = loadtest.capacity_search(
         lambda n: {"8": n <= 5, "4": n <= 10, "2": n <= 20}, ["8", "4", "2"], start=1, max_n=64, refine=0.01
     )
     assert {c: v["capacity"] for c, v in caps.items()} == {"8": 5, "4": 10, "2": 20}

@@ -19,7 +19,7 @@ import pytest
 
 from agent.spec.decoder import DecoderConfig, EdgeDecoder
 from agent.spec.link import VerifierLink
-from tools.cluster.fleet import HAPROXY_CFG, Cluster, health, loopback_config
+from server_bridge.fleet import HAPROXY_CFG, Cluster, health, loopback_config
 
 pytestmark = pytest.mark.real
 
@@ -96,7 +96,7 @@ def test_the_config_is_deploy_haproxy_cfg_with_loopback_servers():
 
 def test_cluster_cli_prints_each_replica_then_the_balancer_and_stops_everything():
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tools.cluster.fleet", "--replicas", "2", "--port", "0"],
+        [sys.executable, "-m", "server_bridge.cli", "fleet", "--replicas", "2", "--port", "0"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -238,7 +238,8 @@ def test_chaos_soak_loses_and_duplicates_nothing(healed):
     disconnects, every generation the target's own ids, r0's memory flat."""
     import asyncio
 
-    from tools.bench.loadgen import TRACES, Trace
+    from server_bridge.loadtest import Trace
+    from tools.bench.loadgen import TRACES
     from tools.cluster.netem import LinkProfile, NetemProxy
     from tools.cluster.soak import render_markdown, soak
 

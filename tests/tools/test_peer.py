@@ -11,7 +11,8 @@ import json
 
 import pytest
 
-from tools.bench import loadgen, peer
+from server_bridge import loadtest
+from tools.bench import peer
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -162,7 +163,7 @@ def test_client_raises_on_error_and_on_a_cut_stream():
 def test_doubling_grid_and_server_command(tmp_path):
     tried = []
     run = lambda n: tried.append(n) or {"8": True}  # noqa: E731  every N holds: N doubles up to max_n
-    caps = loadgen.capacity_search(run, ["8"], max_n=20)
+    caps = loadtest.capacity_search(run, ["8"], max_n=20)
     assert tried == [1, 2, 4, 8, 16, 20] and caps["8"]["capacity"] == 20 and caps["8"]["lower_bound"]
     fake = tmp_path / "llama-server"
     fake.write_text("#!/bin/sh\necho '--no-webui --cache-ram'\n")

@@ -3,7 +3,7 @@
     python -m tools.bench.cluster [--n 2,3,4,6,8,10] [--window-s 20] [--warmup-s 5] [--class 8]
                                   [--overhead-s 20] [--block-s 5] [--pair smollm2-q4_1] [--out docs/cluster]
 
-1. Capacity. For 1 and then 2 replicas, one run: a fleet (tools/cluster/fleet.py: N
+1. Capacity. For 1 and then 2 replicas, one run: a fleet (server_bridge/fleet.py: N
    server-bridge replicas, one engine thread each, each pinned to a core of its own,
    behind HAProxy with deploy/haproxy/haproxy.cfg) and, at each N of the grid, N
    replayed robots (tools/bench/loadgen.py's, each with its own X-Robot-Id, which HAProxy
@@ -45,21 +45,11 @@ from pathlib import Path
 
 import numpy as np
 
+from runtime import settings
+from server_bridge.fleet import Cluster, health
+from server_bridge.loadtest import MAX_VIOLATION, LoadConfig, Trace, capacity, run_robots, summarize
 from tools.bench import harness
-from tools.bench.loadgen import (
-    MAX_VIOLATION,
-    TARGET,
-    TRACES,
-    LoadConfig,
-    Trace,
-    _cap,
-    _exactness,
-    capacity,
-    near_ties,
-    run_robots,
-    summarize,
-)
-from tools.cluster.fleet import Cluster, health
+from tools.bench.loadgen import TARGET, TRACES, _cap, _exactness, near_ties
 
 PAIR = "smollm2-q4_1"
 REPLICA_COUNTS = (1, 2)
@@ -532,31 +522,18 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n", type=harness.ints, default=[2, 3, 4, 6, 8, 10], help="robot counts")
-    ap.add_argument("--window-s", type=float, default=20.0)
-    ap.add_argument("--warmup-s", type=float, default=5.0)
+    settings.add_flags(ap, LoadConfig, only=("gamma", "draft_ms", "tokens", "warmup_s", "window_s", "seed"))
     ap.add_argument("--class", dest="slo_class", type=_number, default=8, help="every robot's SLO, tokens/s")
     ap.add_argument("--overhead-s", type=float, default=20.0, help="round latencies per path (0: skip)")
     ap.add_argument("--block-s", type=float, default=5.0, help="overhead: one path's block before switching")
     ap.add_argument("--pair", default=PAIR, help="the draft whose trace the robots replay")
     ap.add_argument("--target", default=TARGET)
     ap.add_argument("--traces", default=str(TRACES), help="folder of <draft>__<target>.json")
-    ap.add_argument("--gamma", type=int, default=4)
-    ap.add_argument("--draft-ms", type=float, default=8.0)
-    ap.add_argument("--tokens", type=int, default=48)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--haproxy", help="the haproxy binary (default: tools.cluster.fleet's choice)")
+    ap.add_argument("--haproxy", help="the haproxy binary (default: server-bridge fleet's choice)")
     ap.add_argument("--out", default="docs/cluster")
     args = ap.parse_args(argv)
     try:
-        cfg = LoadConfig(
-            gamma=args.gamma,
-            draft_ms=args.draft_ms,
-            tokens=args.tokens,
-            classes=(args.slo_class,),
-            warmup_s=args.warmup_s,
-            window_s=args.window_s,
-            seed=args.seed,
-        )
+        cfg = LoadConfig(classes=(args.slo_class,), **settings.given(LoadConfig, args))
     except ValueError as e:
         ap.error(str(e))
     out = Path(args.out)

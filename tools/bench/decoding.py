@@ -291,10 +291,6 @@ def build_table(runs: list[dict], rtts: list[float], drafts: list[str]) -> list[
     return table
 
 
-def _f(spec: str):
-    return lambda v: "-" if v is None else format(v, spec)
-
-
 def _yes(v: bool) -> str:
     return "yes" if v else "NO"
 
@@ -312,19 +308,19 @@ REPORT = harness.Report(
                 C("pair"),
                 C("tokens_per_s", "tokens/s", "{:.2f}"),
                 C("speedup", "vs AR", "{:.2f}x"),
-                C("speedup_vs_sd", "SD->FSD", _f(".2f")),
-                C("tau", "tau", _f(".2f")),
-                C("acceptance_rate", "acceptance", _f(".3f")),
-                C("predraft_miss_rate", "miss rate", _f(".3f")),
-                C("avg_exit_layer", "avg exit layer", _f(".1f")),
-                C("draft_ms_per_round", "draft ms/round", _f(".0f")),
-                C("verify_ms_per_round", "verify ms/round", _f(".0f")),
+                C("speedup_vs_sd", "SD->FSD", "{:.2f}"),
+                C("tau", "tau", "{:.2f}"),
+                C("acceptance_rate", "acceptance", "{:.3f}"),
+                C("predraft_miss_rate", "miss rate", "{:.3f}"),
+                C("avg_exit_layer", "avg exit layer", "{:.1f}"),
+                C("draft_ms_per_round", "draft ms/round", "{:.0f}"),
+                C("verify_ms_per_round", "verify ms/round", "{:.0f}"),
                 C("wall_s", "wall s", "{:.1f}"),
                 C("predicted_s", "model s", "{:.1f}"),
                 C("bytes_up", "bytes up"),
                 C("bytes_down", "bytes down"),
                 C("exact", fmt=_yes),
-                C("separate_machines_speedup_vs_sd", "SD->FSD, separate machines (projected)", _f(".2f")),
+                C("separate_machines_speedup_vs_sd", "SD->FSD, separate machines (projected)", "{:.2f}"),
             ],
             note="{prompts} prompts x {max_tokens} tokens, gamma {gamma}, temperature 0, FSD with "
             "{workers} pre-draft branch(es) at once; verifier on cores {server_cpus}, drafts on "
@@ -355,10 +351,10 @@ ABLATIONS = harness.Table(
         C("mode", fmt=str.upper),
         C("gamma"),
         C("tokens_per_s", "tokens/s", "{:.2f}"),
-        C("tau", "tau", _f(".2f")),
-        C("predraft_miss_rate", "miss rate", _f(".3f")),
-        C("avg_exit_layer", "avg exit layer", _f(".1f")),
-        C("verify_ms_per_round", "verify ms/round", _f(".0f")),
+        C("tau", "tau", "{:.2f}"),
+        C("predraft_miss_rate", "miss rate", "{:.3f}"),
+        C("avg_exit_layer", "avg exit layer", "{:.1f}"),
+        C("verify_ms_per_round", "verify ms/round", "{:.0f}"),
         C("exact", fmt=_yes),
     ],
     "## FSD ablations (near-identical pair, RTT {ablation_rtt:.0f} ms, {ablation_prompts} prompts)",

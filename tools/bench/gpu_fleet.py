@@ -20,7 +20,7 @@ What is real, what is replayed, what is modelled:
   server      real: `server-bridge serve` in its own process per engine (a CUDA llama.cpp and a CUDA
               torch must never share one), the SLO scheduler (`scheduler = "slo"`), batching, sessions,
               the wire; its verification-time estimator is fitted first, on this machine and engine,
-              over the batch shapes this fleet makes (tools/train/fleet_estimator.py in a subprocess; --estimator).
+              over the batch shapes this fleet makes (`server-bridge profile --shapes fleet`; --estimator).
   robots      N websocket clients in this process (tools/bench/loadgen.py's Robot, run_robots and summarize),
               through the real wire on loopback (no network delay). A robot does not run a draft model:
               it REPLAYS a recorded trace (tools/traces/<pair>__smollm2-f32.json, the shipped Q4_1 draft
@@ -38,7 +38,7 @@ What is real, what is replayed, what is modelled:
               holds c tok/s when tokens / (last token - request) >= c (tools/bench/loadgen.py's rule).
 
 A fleet holds a rate when <= 5 % of the generations opened in the window miss it (or are shed),
-at that N and every smaller N tried (tools/loadgen.capacity). SD fleets are homogeneous, one sweep
+at that N and every smaller N tried (server_bridge/loadtest.py:capacity). SD fleets are homogeneous, one sweep
 per class (the SLO scheduler is told each robot's rate); N doubles from --start-n (the tighter
 class's capacity for the looser ones) until a point fails or --max-n, then bisects to within
 --refine. llama.cpp holds at most 256 sequences per context (LLAMA_MAX_SEQ): its fleets stop at
@@ -63,13 +63,16 @@ import shutil
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from runtime import settings
+from runtime.settings import setting
+from server_bridge import loadtest
+from server_bridge.fleet import health
+from server_bridge.loadtest import LoadConfig, Trace, TracePrompt
 from tools.bench import harness, loadgen
-from tools.bench.loadgen import LoadConfig, Trace, TracePrompt
 from tools.models import random_target
 
 TRACES = Path(__file__).resolve().parents[1] / "traces"
@@ -79,29 +82,41 @@ LLAMA_MAX_ROBOTS = LLAMA_MAX_SEQ - 8  # room for sessions that are closing while
 SYSTEMS = {"llamacpp": "SD, llamacpp engine", "torch": "SD, torch engine", "llama-server": "llama-server AR"}
 
 
+def _numbers(kind: type) -> Callable[[str], tuple]:
+    return lambda s: tuple(kind(x) for x in s.split(",") if x)
+
+
+def _speeds(s: str) -> tuple:
+    return tuple(int(c) if float(c).is_integer() else float(c) for c in s.split(",") if c)
+
+
 @dataclass(frozen=True)
 class FleetConfig:
-    tiny: bool = False  # a 2-layer, hidden-64 target (checks the code, not the GPU)
-    device: str = "cuda"  # cuda | cpu
-    dtype: str = "f16"  # the random target's weights: f16 | f32
-    torch_dtype: str = "auto"  # the torch engine's compute dtype; auto: float16 for f16 weights on CUDA
-    engines: tuple = ("llamacpp", "torch")
-    peer: bool = True
-    classes: tuple = CLASSES
-    pair: str = "smollm2-q4_1"  # the recorded trace the robots replay
-    gamma: int = 4  # draft tokens a round
-    draft_ms: float = 25.0  # modelled drafting cost per token on the robot
-    tokens: int = 48  # tokens a generation
-    warmup_s: float = 5.0
-    window_s: float = 15.0
-    ns: tuple = ()  # fixed fleet sizes (no search); () = search
-    start_n: int = 1
-    max_n: int = 512
-    refine: float = 0.1  # bisect until the gap is <= refine x N
-    max_batch: int = 32
-    estimator: str = "profile"  # profile (fit here first: tools/train/fleet_estimator.py) | "" (defaults) | a file
-    server_threads: int = 0  # 0: 1 on the CPU (pinned), 4 on CUDA
-    seed: int = 0
+    """The benchmark's settings; each field is a flag (`--max-batch`), declared here only."""
+
+    tiny: bool = setting(False, help="A 2-layer, hidden-64 target, vocabulary 49152 (checks the code, not the GPU).")
+    device: str = setting("cuda", choices=("cuda", "cpu"), help="Where the server runs.")
+    dtype: str = setting("f16", choices=("f16", "f32"), help="The random target's weights.")
+    torch_dtype: str = setting("auto", help="The torch engine's compute dtype (auto: float16 for f16 on CUDA).")
+    engines: tuple = setting(("llamacpp", "torch"), parse=_numbers(str), help="The engines to run, one at a time.")
+    peer: bool = setting(True, help="Also llama-server (AR) on the same target.")
+    classes: tuple = setting(CLASSES, parse=_speeds, help="The robots' SLO classes, tokens/s.")
+    pair: str = setting("smollm2-q4_1", help="The recorded trace: tools/traces/<pair>__smollm2-f32.json.")
+    gamma: int = setting(4, help="Draft tokens a round.")
+    draft_ms: float = setting(25.0, flag="--draft-ms-per-token", help="Modelled drafting cost per token (ms).")
+    tokens: int = setting(48, help="Tokens a generation.")
+    warmup_s: float = setting(5.0, help="Before each point's window (s).")
+    window_s: float = setting(15.0, help="Each point's window (s).")
+    ns: tuple = setting((), flag="--n", parse=_numbers(int), help="Fixed fleet sizes instead of the search.")
+    start_n: int = setting(1, help="The search's first fleet size.")
+    max_n: int = setting(512, help="The search's largest fleet size.")
+    refine: float = setting(0.1, help="Bisect until the gap is <= refine x N.")
+    max_batch: int = setting(32, help="The server's max_batch.")
+    estimator: str = setting(
+        "profile", help="profile (fit here first: `server-bridge profile --shapes fleet`), '' (defaults) or a file."
+    )
+    server_threads: int = setting(0, help="0: 1 on the CPU (pinned), 4 on CUDA.")
+    seed: int = setting(0, help="The random target's and the robots' seed.")
 
     def __post_init__(self) -> None:
         if self.device not in ("cuda", "cpu") or self.dtype not in ("f16", "f32"):
@@ -216,7 +231,7 @@ def judged(records: list[dict], classes: tuple) -> dict:
         out[str(c)] = {
             "violation_rate": rate,
             "decided": len(bad),
-            "passes": loadgen.point_passes(rate, {}) if bad else None,
+            "passes": loadtest.point_passes(rate, {}) if bad else None,
         }
     return out
 
@@ -268,16 +283,11 @@ def describe(p: dict) -> str:
     )
 
 
-def _get_json(url: str, timeout: float = 5.0) -> dict:
-    with urllib.request.urlopen(url, timeout=timeout) as r:
-        return json.loads(r.read().decode())
-
-
 def wait_idle(port: int, timeout_s: float = 30.0) -> None:
     """Until the server holds no session and no queued request (the previous point's are closing)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        h = _get_json(f"http://127.0.0.1:{port}/healthz")
+        h = health(port, timeout=5.0)[1]
         if h.get("sessions", 0) == 0 and h.get("queue", 0) == 0:
             return
         time.sleep(0.2)
@@ -287,9 +297,9 @@ def sd_point(engine: str, url: str, port: int, trace: Trace, n: int, lcfg: LoadC
     """N replayed robots against a running server-bridge: one point."""
     wait_idle(port)
     c0, t0 = time.process_time(), time.monotonic()
-    out = asyncio.run(loadgen.run_robots(url, trace, n, lcfg, metrics_port=port))
+    out = asyncio.run(loadtest.run_robots(url, trace, n, lcfg, metrics_port=port))
     cpu = (time.process_time() - c0) / max(1e-9, time.monotonic() - t0)
-    s = loadgen.summarize(out, trace, lcfg.classes)
+    s = loadtest.summarize(out, trace, lcfg.classes)
     cls = [str(c) for c in lcfg.classes]
     by_class = {
         c: {
@@ -299,7 +309,7 @@ def sd_point(engine: str, url: str, port: int, trace: Trace, n: int, lcfg: LoadC
         }
         for c in cls
     }
-    means = loadgen.server_figures(out.metrics)["means"]
+    means = loadtest.server_figures(out.metrics)["means"]
     return point_record(
         engine,
         n,
@@ -407,7 +417,7 @@ def fit_estimator(
     cfg: FleetConfig, target: random_target.RandomTarget, engine: str, trace: Trace, out: Path, cpus: dict, say
 ) -> tuple[str, dict | None]:
     """The verification-time estimator the server loads: fitted here over the fleet's own batch shapes
-    (tools/train/fleet_estimator.py, in the server's place), none (""), or a given file."""
+    (`server-bridge profile --shapes fleet`, in the server's place), none (""), or a given file."""
     if cfg.estimator != "profile":
         return cfg.estimator, None
     prompts = sorted({len(p.prompt_ids) for p in trace.prompts})
@@ -416,7 +426,12 @@ def fit_estimator(
     cmd = [
         sys.executable,
         "-m",
-        "tools.train.fleet_estimator",
+        "server_bridge.cli",
+        "profile",
+        "--shapes",
+        "fleet",
+        "--bootstrap",
+        "0",
         "--target",
         str(engine_target(target, engine)),
         "--engine",
@@ -489,7 +504,7 @@ def context_tokens(trace: Trace, cfg: FleetConfig) -> int:
 
 def run_sd(cfg: FleetConfig, engine: str, target, trace: Trace, max_n: int, out: Path, cpus: dict, say) -> dict:
     """One engine: its check, its estimator, one server, a capacity search per class (tightest first)."""
-    from tools.cluster.local_verifier import LocalVerifier
+    from server_bridge.fleet import LocalVerifier
 
     check = check_engine(cfg, target, engine, say)
     say(
@@ -517,7 +532,7 @@ def run_sd(cfg: FleetConfig, engine: str, target, trace: Trace, max_n: int, out:
         cpus=cpus.get("server"), threads=cfg.threads, extra_args=["--config", str(toml)], start_timeout_s=1800
     ) as srv:
         result["server_start_s"] = round(time.perf_counter() - t0, 1)
-        result["health"] = _get_json(f"http://127.0.0.1:{srv.port}/healthz")
+        result["health"] = health(srv.port, timeout=5.0)[1]
         say(f"  server-bridge up in {result['server_start_s']}s: {result['health']}")
         start = cfg.start_n
         try:
@@ -530,7 +545,7 @@ def run_sd(cfg: FleetConfig, engine: str, target, trace: Trace, max_n: int, out:
                     say("  " + describe(p))
                     return {k: j["passes"] for k, j in p["judged"].items()}
 
-                found = loadgen.capacity_search(run, [str(c)], sizes_within(cfg.ns, max_n), start, max_n, cfg.refine)[
+                found = loadtest.capacity_search(run, [str(c)], sizes_within(cfg.ns, max_n), start, max_n, cfg.refine)[
                     str(c)
                 ]
                 result["capacity"][str(c)] = {**found, "max_n": max_n}
@@ -612,7 +627,7 @@ def run_peer(cfg: FleetConfig, target, trace: Trace, max_n: int, binary: Path, c
         say("  " + describe(p))
         return {c: j["passes"] for c, j in by_class.items()}
 
-    found = loadgen.capacity_search(
+    found = loadtest.capacity_search(
         run, [str(c) for c in cfg.classes], sizes_within(cfg.ns, max_n), cfg.start_n, max_n, cfg.refine
     )
     result["capacity"] = {c: {**v, "max_n": max_n} for c, v in found.items()}
@@ -738,65 +753,18 @@ REPORT = harness.Report(
 # --------------------------------------------------------------------------- main
 
 
-def _numbers(kind: type) -> Callable[[str], tuple]:
-    return lambda s: tuple(kind(x) for x in s.split(",") if x)
-
-
 def add_args(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--tiny", action="store_true", help="2 layers, hidden 64, vocab 49152 (checks the code)")
-    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    ap.add_argument("--dtype", choices=("f16", "f32"), default="f16", help="the random target's weights")
-    ap.add_argument("--torch-dtype", default="auto", help="torch engine compute dtype (auto: float16 for f16 on CUDA)")
-    ap.add_argument("--engines", type=_numbers(str), default=("llamacpp", "torch"))
-    ap.add_argument("--no-peer", action="store_true", help="skip llama-server")
+    settings.add_flags(ap, FleetConfig)
     ap.add_argument("--peer-binary", default=None, help="llama-server to use (default: the cached build of this kind)")
     ap.add_argument("--build-peer", action="store_true", help="build llama-server if none is cached (CUDA on cuda)")
-    ap.add_argument("--classes", type=_numbers(float), default=CLASSES, help="tokens/s per robot")
-    ap.add_argument("--pair", default="smollm2-q4_1", help="recorded trace: tools/traces/<pair>__smollm2-f32.json")
-    ap.add_argument("--gamma", type=int, default=4)
-    ap.add_argument("--draft-ms-per-token", type=float, default=25.0)
-    ap.add_argument("--tokens", type=int, default=48)
-    ap.add_argument("--warmup-s", type=float, default=5.0)
-    ap.add_argument("--window-s", type=float, default=15.0)
-    ap.add_argument("--n", type=_numbers(int), default=(), help="fixed fleet sizes instead of the search")
-    ap.add_argument("--start-n", type=int, default=1)
-    ap.add_argument("--max-n", type=int, default=512)
-    ap.add_argument("--refine", type=float, default=0.1)
-    ap.add_argument("--max-batch", type=int, default=32)
-    ap.add_argument("--estimator", default="profile", help="profile (fit here first), '' (defaults) or a JSON file")
-    ap.add_argument("--server-threads", type=int, default=0)
-    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model-dir", default=None, help="where the random target is cached (default models/build)")
 
 
 def measure(args: argparse.Namespace) -> dict:
     if args.quick:  # the toy target on the CPU, one fleet of 1 per engine, no peer
-        args.tiny, args.device, args.no_peer, args.n, args.window_s, args.warmup_s = True, "cpu", True, (1,), 2.0, 1.0
-    classes = tuple(int(c) if float(c).is_integer() else c for c in args.classes)
+        args.tiny, args.device, args.peer, args.ns, args.window_s, args.warmup_s = True, "cpu", False, (1,), 2.0, 1.0
     try:
-        cfg = FleetConfig(
-            tiny=args.tiny,
-            device=args.device,
-            dtype=args.dtype,
-            torch_dtype=args.torch_dtype,
-            engines=args.engines,
-            peer=not args.no_peer,
-            classes=classes,
-            pair=args.pair,
-            gamma=args.gamma,
-            draft_ms=args.draft_ms_per_token,
-            tokens=args.tokens,
-            warmup_s=args.warmup_s,
-            window_s=args.window_s,
-            ns=args.n,
-            start_n=args.start_n,
-            max_n=args.max_n,
-            refine=args.refine,
-            max_batch=args.max_batch,
-            estimator=args.estimator,
-            server_threads=args.server_threads,
-            seed=args.seed,
-        )
+        cfg = FleetConfig(**settings.given(FleetConfig, args))
     except ValueError as e:
         raise SystemExit(f"bench_gpu_fleet: {e}") from e
     out = Path(args.out)

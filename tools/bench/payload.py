@@ -41,7 +41,6 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -443,10 +442,6 @@ def _beta(r: dict) -> str:
     return f"{r['acceptance']:.3f} ({r['ci95'][0]:.3f}-{r['ci95'][1]:.3f}){gap}"
 
 
-def _f(spec: str) -> Callable[[float | None], str]:
-    return lambda v: "-" if v is None else format(v, spec)
-
-
 C = harness.Col
 LINKS = harness.Table(
     "rows",
@@ -455,12 +450,12 @@ LINKS = harness.Table(
         C("payload"),
         C("rtt_ms", "RTT ms", "{:.0f}"),
         C("bandwidth_mbps", "Mbit/s", "{:g}"),
-        C("bytes_up_per_round", "bytes up/round", _f(",.0f")),
-        C("bytes_down_per_round", "bytes down/round", _f(",.0f")),
-        C("tokens_per_s", "tokens/s", _f(".2f")),
-        C("tau", "tau", _f(".2f")),
-        C("acceptance_rate", "acceptance", _f(".3f")),
-        C("residuals_per_round", "residuals/round", _f(".2f")),
+        C("bytes_up_per_round", "bytes up/round", "{:,.0f}"),
+        C("bytes_down_per_round", "bytes down/round", "{:,.0f}"),
+        C("tokens_per_s", "tokens/s", "{:.2f}"),
+        C("tau", "tau", "{:.2f}"),
+        C("acceptance_rate", "acceptance", "{:.3f}"),
+        C("residuals_per_round", "residuals/round", "{:.2f}"),
         C("runs"),
         C("failed"),
     ],

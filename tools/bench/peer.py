@@ -57,8 +57,10 @@ from pathlib import Path
 from typing import Callable, Iterable
 from urllib.parse import urlsplit
 
+from runtime import settings
+from server_bridge.config import LoadConfig
+from server_bridge.fleet import free_port, stop_process
 from tools.bench import harness
-from tools.cluster.local_verifier import free_port, stop_process
 
 VERSION = "0.3.36"  # llama-cpp-python's sdist; its vendor/llama.cpp is our engine's llama.cpp
 CACHE_ROOT = Path.home() / ".cache" / "edgespec"
@@ -532,8 +534,8 @@ async def stream_completion(
 
 
 def load_prompts(trace_path: str | Path = DEFAULT_TRACE, n: int | None = None):
-    """The loadgen trace (tools.bench.loadgen.Trace): chat-templated prompt ids and our target's greedy continuation."""
-    from tools.bench.loadgen import Trace
+    """The loadgen trace (loadtest.Trace): chat-templated prompt ids and our target's greedy continuation."""
+    from server_bridge.loadtest import Trace
 
     trace = Trace.load(trace_path)
     return replace(trace, prompts=trace.prompts[:n]) if n else trace
@@ -634,7 +636,7 @@ class PeerRobot:
         self.slo = cfg.classes[idx % len(cfg.classes)]
 
     async def run(self) -> None:
-        from tools.bench.loadgen import MAX_CONNECTS
+        from server_bridge.loadtest import MAX_CONNECTS
 
         await asyncio.sleep(random.Random(self.cfg.seed * 7919 + self.idx).uniform(0, self.cfg.stagger_s))
         g = 0
@@ -652,7 +654,7 @@ class PeerRobot:
                 conn.close()
 
     async def generate(self, conn: PeerConnection, g: int) -> None:
-        from tools.bench.loadgen import Generation
+        from server_bridge.loadtest import Generation
 
         prompt_no = (self.idx + g) % len(self.trace.prompts)
         prompt = self.trace.prompts[prompt_no]
@@ -693,7 +695,7 @@ def fleet_point(
 
     `exact` there means: every generation's ids equal our target's greedy continuation in the trace.
     """
-    from tools.bench.loadgen import run_robots, summarize
+    from server_bridge.loadtest import run_robots, summarize
 
     t0 = time.perf_counter()
     with LlamaServer(
@@ -739,13 +741,6 @@ def describe_point(p: dict, classes: tuple) -> str:
     )
 
 
-def class_passes(points: dict[int, dict], c) -> dict[int, bool | None]:
-    from tools.bench.loadgen import MAX_VIOLATION
-
-    rates = {n: p["violation_rate_by_class"][str(c)] for n, p in points.items()}
-    return {n: None if r is None else r <= MAX_VIOLATION for n, r in rates.items()}
-
-
 def fleet_capacity(
     model: str | Path,
     trace,
@@ -763,10 +758,10 @@ def fleet_capacity(
     """The largest fleet llama-server holds per SLO class (loadgen's capacity rule over the N tried).
 
     N runs over `ns`, or doubles from 1 until every class has failed or max_n; then, per class,
-    bisects between its capacity and the next N that failed (loadgen.capacity_search).
+    bisects between its capacity and the next N that failed (server_bridge.loadtest.capacity_search).
     Returns {"points": [...], "capacity": {class: N}, "lower_bound": {class: bool}}.
     """
-    from tools.bench.loadgen import capacity_search
+    from server_bridge.loadtest import capacity_search, class_passes
 
     points: dict[int, dict] = {}
 
@@ -775,7 +770,7 @@ def fleet_capacity(
             model, trace, n, cfg, core=core, threads=threads, binary=binary, cache_ram_mib=cache_ram_mib
         )
         log(f"  {describe_point(points[n], cfg.classes)}")
-        return {str(c): class_passes({n: points[n]}, c)[n] for c in cfg.classes}
+        return class_passes(points[n], cfg.classes)
 
     caps = capacity_search(run, [str(c) for c in cfg.classes], tuple(ns or ()), 1, max_n, refine)
     return {
@@ -865,12 +860,10 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--trace", default=str(DEFAULT_TRACE), help="loadgen trace whose prompts the robots send")
     ap.add_argument("--prompts", type=int, default=10)
     ap.add_argument("--rtts", type=harness.floats, default=[0.0, 20.0, 50.0], help="RTTs (ms) for one robot")
-    ap.add_argument("--tokens", type=int, default=48, help="tokens per generation")
+    settings.add_flags(ap, LoadConfig, only=("tokens", "warmup_s", "window_s"))  # as `server-bridge loadtest`
     ap.add_argument("--classes", type=harness.floats, default=list(CLASSES), help="SLO classes, tokens/s")
     ap.add_argument("--n", type=harness.ints, default=[], help="fleet sizes (default: doubling from 1, bisection)")
     ap.add_argument("--max-n", type=int, default=256)
-    ap.add_argument("--window-s", type=float, default=20.0)
-    ap.add_argument("--warmup-s", type=float, default=5.0)
     ap.add_argument("--threads", type=int, default=1, help="llama-server -t")
     ap.add_argument("--server-core", type=int, default=None, help="default: the last core")
     ap.add_argument("--client-core", type=int, default=None, help="default: the first core")
@@ -880,8 +873,6 @@ def add_args(ap: argparse.ArgumentParser) -> None:
 
 
 def measure(args: argparse.Namespace) -> dict:
-    from tools.bench.loadgen import LoadConfig
-
     if args.quick:  # two prompts of 8 tokens at one RTT; one fleet of 1 for 2 s
         args.rtts, args.prompts, args.tokens, args.n, args.window_s, args.warmup_s = [0.0], 2, 8, [1], 2.0, 1.0
     model = Path(args.model) if args.model else default_model()
@@ -893,9 +884,9 @@ def measure(args: argparse.Namespace) -> dict:
     cpus = sorted(os.sched_getaffinity(0))
     server_core = args.server_core if args.server_core is not None else cpus[-1]
     client_core = args.client_core if args.client_core is not None else cpus[0]
-    classes = tuple(int(c) if float(c).is_integer() else c for c in args.classes)
     trace = load_prompts(args.trace, args.prompts)
-    cfg = LoadConfig(tokens=args.tokens, classes=classes, warmup_s=args.warmup_s, window_s=args.window_s)
+    classes = tuple(int(c) if float(c).is_integer() else c for c in args.classes)
+    cfg = LoadConfig(**settings.given(LoadConfig, args) | {"classes": classes})
     config = {
         "model": str(model),
         "model_name": model.name,

@@ -31,9 +31,9 @@ from agent.spec.decoder import DecoderConfig, EdgeDecoder
 from agent.spec.drafter import Drafter
 from agent.spec.policy import POLICIES, DraftPolicy
 from agent.spec.predictor import RejectionPredictor, feature_row, predictor_path
+from server_bridge.fleet import pin_cores
 from tools.bench import harness
 from tools.bench.link import TARGET, Served, load_prompts, served, summarize
-from tools.cluster.local_verifier import pin_cores
 from tools.cluster.netem import LinkProfile
 
 
@@ -165,10 +165,6 @@ def run_grid(args: argparse.Namespace, s: Served, drafters: dict[str, Drafter], 
         dec.close()
 
 
-def _f(digits: int):
-    return lambda v: "–" if v is None else f"{v:.{digits}f}"
-
-
 C = harness.Col
 REPORT = harness.Report(
     "bench_policy",
@@ -183,10 +179,10 @@ REPORT = harness.Report(
                 C("tokens_per_s", "tok/s", "{:.1f}"),
                 C("vs_ar", "vs AR", "{:.2f}×"),
                 C("vs_fixed", "vs fixed", lambda v: "–×" if v is None else f"{v:.2f}×"),
-                C("acceptance_rate", "acceptance", _f(3)),
-                C("wasted_per_round", "wasted/round", _f(2)),
-                C("mean_draft_len", "draft len", _f(2)),
-                C("gamma_star", "gamma*", _f(1)),
+                C("acceptance_rate", "acceptance", "{:.3f}"),
+                C("wasted_per_round", "wasted/round", "{:.2f}"),
+                C("mean_draft_len", "draft len", "{:.2f}"),
+                C("gamma_star", "gamma*", "{:.1f}"),
                 C("as2_switches", "AS2 switches"),
                 C("streamed_share", "streamed", lambda v: f"{100 * v:.0f} %"),
                 C("exact", fmt=lambda v: "yes" if v else "NO"),

@@ -23,8 +23,8 @@ import sys
 from agent.spec.decoder import DecoderConfig, EdgeDecoder, FsdOptions
 from agent.spec.drafter import Drafter
 from agent.spec.policy import DraftPolicy
+from server_bridge.fleet import LocalVerifier
 from tools.bench import harness, peer
-from tools.cluster.local_verifier import LocalVerifier
 from tools.cluster.netem import LinkProfile, NetemProxy
 
 MODES = ("ar", "sd", "fsd", "fsd without exits", "sd predictor+optimal")

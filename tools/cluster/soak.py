@@ -5,7 +5,7 @@
 
 Robots (asyncio, one connection each, light: they replay tools/traces like
 tools/bench/loadgen.py) -> tools.cluster.netem proxy (the link, cut every --cut-every-s) ->
-HAProxy -> replicas (tools.cluster.fleet). Every --kill-every-s the replica other than
+HAProxy -> replicas (server_bridge/fleet.py). Every --kill-every-s the replica other than
 r0 that holds the most robots is SIGKILLed, or every third time drained
 (SIGTERM), and started again --down-s later. A robot that loses its link reconnects at once (a 1012 close from
 a draining replica) or after 50 ms, re-opens its session with its committed
@@ -34,12 +34,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake
 
 from protocol import wire
-from tools.bench.loadgen import NEAR_TIE, TRACES, Trace, next_draft
-from tools.cluster.fleet import Cluster, health
+from server_bridge.fleet import Cluster, health
+from server_bridge.loadtest import LoadConfig, Robot, Trace, next_draft
+from tools.bench.loadgen import NEAR_TIE, TRACES
 from tools.cluster.netem import LinkProfile, NetemProxy
 
 log = logging.getLogger(__name__)
@@ -66,10 +66,12 @@ class SoakLog:
     reconnect_ms: list[float] = field(default_factory=list)  # link lost -> the session re-opened
     errors: list[str] = field(default_factory=list)  # errors a robot saw (none expected)
     overloaded: int = 0  # opens and rounds the verifier refused as overloaded (retried: nothing lost)
+    stale: int = 0  # replies for a round or session no longer waited for
 
 
-class SoakRobot:
-    """Generations back to back; a lost link is reconnected and the session re-opened, never given up."""
+class SoakRobot(Robot):
+    """loadtest's robot, generations back to back; a lost link is reconnected and the session re-opened, never
+    given up."""
 
     def __init__(
         self,
@@ -83,10 +85,12 @@ class SoakRobot:
         draft_ms: float = 4.0,
         seed: int = 0,
     ):
-        self.name, self.url, self.trace, self.out, self.halt = name, url, trace, out, halt
+        cfg = LoadConfig(gamma=gamma, draft_ms=draft_ms, tokens=tokens, recv_timeout_s=15.0, seed=seed)
+        super().__init__(0, url, trace, cfg, out, halt)  # out: a SoakLog, with the stale count Robot keeps
+        self.name = self.robot_id = name
+        self.client = f"soak/{name}"
         self.gamma, self.tokens, self.draft_ms = gamma, tokens, draft_ms
         self.rng = random.Random(seed)
-        self.ws = None
         self.replica = ""
         self.lost_at: float | None = None
         self.resume = ("", "")  # (sid, its resume secret from its last opened): a re-open on a new link takes it over
@@ -118,7 +122,7 @@ class SoakRobot:
                 await self.send(
                     wire.Verify(sid, rnd, len(prompt.prompt_ids) + len(gen.tokens), draft, {"kind": "none"})
                 )
-                reply = await self.recv(sid, wire.Result, rnd)
+                reply = await self.recv(wire.Result, sid, rnd)
                 rnd += 1
                 if isinstance(reply, wire.Error):
                     is_open = await self.recover(reply, gen)
@@ -152,27 +156,8 @@ class SoakRobot:
         self.ws = None
 
     async def connect(self) -> None:
-        self.ws = await connect(
-            self.url,
-            open_timeout=5,
-            close_timeout=1,
-            ping_interval=None,
-            compression=None,
-            max_size=2 * wire.DEFAULT_MAX_FRAME_BYTES,
-            additional_headers={"X-Robot-Id": self.name},
-        )
-        await self.send(
-            wire.Hello(
-                token="",
-                client=f"soak/{self.name}",
-                draft_vocab_hash=self.trace.vocab_hash,
-                vocab_size=self.trace.vocab_size,
-            )
-        )
-        welcome = await self.recv(None, wire.Welcome)
-        if isinstance(welcome, wire.Error):
-            raise RuntimeError(f"handshake refused: {welcome.code}")
-        self.replica = welcome.replica
+        self.ws = await self.dial(open_timeout=5)
+        self.replica = (await self.handshake()).replica
 
     async def open(self, sid: str, prompt, gen: SoakGeneration) -> None:
         await self.send(
@@ -184,7 +169,7 @@ class SoakRobot:
                 resume=self.resume[1] if self.resume[0] == sid else "",
             )
         )
-        reply = await self.recv(sid, wire.Opened)
+        reply = await self.recv(wire.Opened, sid)
         if isinstance(reply, wire.Error):
             if reply.code == "overloaded":  # the verifier's admission control under load: retried, nothing lost
                 self.out.overloaded += 1
@@ -206,17 +191,6 @@ class SoakRobot:
         gen.reopens += 1
         await asyncio.sleep(0.1 if err.code == "overloaded" else 0)
         return False  # re-open with the committed prefix
-
-    async def send(self, msg: wire.Message) -> None:
-        await self.ws.send(wire.encode(msg))
-
-    async def recv(self, sid, want, rnd=None):
-        while True:
-            msg = wire.decode(await asyncio.wait_for(self.ws.recv(), 15.0), 2 * wire.DEFAULT_MAX_FRAME_BYTES)
-            if isinstance(msg, wire.Error) and getattr(msg, "sid", None) in (sid, None):
-                return msg
-            if isinstance(msg, want) and (sid is None or msg.sid == sid) and (rnd is None or msg.round == rnd):
-                return msg
 
 
 def judge(gens: list[SoakGeneration], trace: Trace) -> tuple[list[str], list[dict]]:
@@ -321,7 +295,7 @@ async def soak(cluster: Cluster, proxy: NetemProxy, trace: Trace, args) -> dict:
                 f"{sum(g.done for g in out.generations)} generations done",
                 flush=True,
             )
-            # children are started from this (the main) thread only: they die with it (tools.cluster.fleet.child_setup)
+            # children are started from this (the main) thread only: they die with it (server_bridge.fleet.child_setup)
             if how == "kill":
                 cluster.kill(victim)
             else:

@@ -1,5 +1,5 @@
 """FSD on a vision-language target, as the paper ran it (Qwen2-VL): early-exit adapters trained by
-tools/train/exits.py on a tiny Qwen-VL test model (tests/models/qwen_vlm.py), with an image in some of its
+`server-bridge train-exits` on a tiny Qwen-VL test model (tests/models/qwen_vlm.py), with an image in some of its
 prompts, load for the same model on both engines (the Hugging Face directory on torch, its f32 GGUF + mmproj on
 llamacpp, tapped through the eval callback), early verdicts stream during FSD rounds with an image in the
 prompt, pre-drafting from them hits, and FSD gives AR's ids at T = 0.
@@ -23,6 +23,7 @@ import torch
 
 from agent.spec.decoder import DecoderConfig, EdgeDecoder, FsdOptions
 from protocol.images import PromptImage
+from server_bridge import cli
 from server_bridge.exits import ExitConfig, NumpyExitHeads
 from server_bridge.exits_torch import ExitHeads
 from server_bridge.verifier import Verifier
@@ -30,7 +31,6 @@ from tests.agent import vlm_pairs as pairs
 from tests.conftest import ThreadedServer
 from tests.models import make_test_vlm as tv
 from tests.models import qwen_vlm as qv
-from tools.train import exits as train_exits
 
 pytestmark = pytest.mark.real
 
@@ -79,7 +79,7 @@ def adapters(family, vlm, tmp_path_factory):
     (out / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
     data = ["--prompts", str(out / "prompts.jsonl"), "--heldout", str(out / "prompts.jsonl")]
     argv = ["--target", str(vlm.hf_dir), "--name", family, "--out", str(out), "--images", str(out / "frames")]
-    assert train_exits.main(argv + data + TRAIN) == 0
+    assert cli.main(["train-exits", *argv, *data, *TRAIN]) == 0
     return out / family
 
 

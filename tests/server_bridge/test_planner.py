@@ -1,4 +1,5 @@
-"""tools.bench.planner: the pipelined-SD latency model, the closed-form bandwidth split and the batching DP.
+"""server_bridge.planner (`server-bridge plan`, its report in tools/bench/planner.py): the pipelined-SD latency
+model, the closed-form bandwidth split and the batching DP.
 
 No models: synthetic devices and linear stage-time models. Exhaustive searches
 evaluate every schedule through the latency model (Eqs. 20-22) directly and are
@@ -13,7 +14,9 @@ import numpy as np
 import pytest
 from scipy.optimize import minimize
 
-from tools.bench import planner as P
+from server_bridge import cli
+from server_bridge import planner as P
+from tools.bench import planner as planner_report
 
 LINEAR = P.LinearVerifyModel(a=0.05, b_c=1e-4, b_r=0.01, c=10.0)
 SHARED = P.Drafting(shared=True, runtime=P.LLAMA_68M_DRAFT)
@@ -437,7 +440,7 @@ def test_cli_writes_json_markdown_and_png(tmp_path, capsys):
     est.write_text(json.dumps({"a": 0.05, "b_c": 3e-5, "b_r": 0.005, "c": 15.0}))
     out = tmp_path / "report" / "planner"
     assert (
-        P.main(
+        planner_report.main(
             [
                 "--devices",
                 "3",
@@ -479,8 +482,8 @@ def test_cli_writes_json_markdown_and_png(tmp_path, capsys):
 
 
 def test_cli_refuses_a_wrong_number_of_alphas(tmp_path):
-    with pytest.raises(SystemExit, match="--alpha"):
-        P.main(["--devices", "3", "--alpha", "0.8,0.7", "--out", str(tmp_path / "p")])
+    with pytest.raises(SystemExit, match="alpha needs 1 or 3 values"):
+        planner_report.main(["--devices", "3", "--alpha", "0.8,0.7", "--out", str(tmp_path / "p")])
 
 
 def test_stage_times_refuse_an_empty_or_unknown_batch():
@@ -490,3 +493,66 @@ def test_stage_times_refuse_an_empty_or_unknown_batch():
         P.batch_stage_ms([device()], [3], 2, 4, LINEAR)
     with pytest.raises(ValueError, match="horizon"):
         P.batch_stage_ms([device(out=40)], [0], 1, 2, LINEAR)
+
+
+# ---------------------------------------------------------------- `server-bridge plan`
+
+
+def test_plan_prints_the_dp_plan_for_example_robots(capsys):
+    assert cli.main(["plan", "--devices", "3", "--gamma-max", "3", "--output-tokens", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "3 robots" in out and "dp (all partitions)" in out and "batch 0: robots" in out
+    assert out.count("MHz of uplink") == 3
+
+
+def test_plan_for_the_operators_fleet_as_json_is_the_planners_optimum(tmp_path, capsys):
+    fleet = tmp_path / "robots.json"
+    robots = [
+        {"draft_ms_per_token": 4.0, "alpha": 0.9, "prefix_tokens": 120, "output_tokens": 12},
+        {"draft_ms_per_token": 30.0, "alpha": 0.6, "prefix_tokens": 40, "spectral_efficiency": 2.0},
+    ]
+    fleet.write_text(json.dumps({"robots": robots}))
+    est = tmp_path / "est.json"
+    est.write_text(json.dumps({"a": 0.05, "b_c": 3e-5, "b_r": 0.005, "c": 15.0}))
+    argv = ["plan", "--fleet", str(fleet), "--estimator", str(est), "--gamma-max", "4", "--output-tokens", "20"]
+    assert cli.main([*argv, "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert [r["draft_ms_per_token"] for r in got["robots"]] == [4.0, 30.0]
+    assert [r["output_tokens"] for r in got["robots"]] == [12, 20]  # the file's, else --output-tokens
+    assert got["robots"][0]["spectral_efficiency"] == 5.0 and got["robots"][1]["spectral_efficiency"] == 2.0
+    problem = P.Problem(
+        tuple(P.Device(**r) for r in got["robots"]), 20e6, P.LinearVerifyModel.load(est), gammas=(1, 2, 3, 4)
+    )
+    best = P.plan(problem)
+    assert got["plan"]["total_ms"] == pytest.approx(best.total_ms)
+    assert [tuple(b) for b in got["plan"]["batches"]] == list(best.batches)
+    assert str(est) in got["verify_model"]
+
+
+@pytest.mark.parametrize(
+    "content, match",
+    [
+        ("{not json", "not JSON"),
+        ("[]", "a list of 1-64 robots"),
+        (json.dumps([{"alpha": 0.5}]), "robot 0 must be an object with draft_ms_per_token"),
+        (json.dumps([{"draft_ms_per_token": 1, "alpha": 0.5, "prefix_tokens": 9, "colour": "red"}]), "only Device"),
+        (json.dumps([{"draft_ms_per_token": 1, "alpha": 1.5, "prefix_tokens": 9}]), r"robot 0: Device.alpha"),
+        (json.dumps([{"draft_ms_per_token": 1, "alpha": 0.5, "prefix_tokens": 9}] * 65), "1-64 robots"),
+        (" " * (P.MAX_FLEET_BYTES + 1), "too big for a fleet file"),
+    ],
+)
+def test_a_bad_fleet_file_is_one_line_and_exit_2(tmp_path, capsys, content, match):
+    fleet = tmp_path / "robots.json"
+    fleet.write_text(content)
+    assert cli.main(["plan", "--fleet", str(fleet)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("server-bridge plan: ") and len(err.splitlines()) == 1
+    assert __import__("re").search(match, err)
+
+
+def test_plan_refuses_bad_flags_in_one_line(capsys):
+    assert cli.main(["plan", "--devices", "3", "--alpha", "0.8,0.7"]) == 2
+    assert "alpha needs 1 or 3 values" in capsys.readouterr().err
+    assert cli.main(["plan", "--gamma-max", "0"]) == 2
+    assert cli.main(["plan", "--fleet", "/nonexistent/robots.json"]) == 1
+    assert "No such file" in capsys.readouterr().err
