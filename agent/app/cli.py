@@ -316,7 +316,9 @@ def _episode_summary(daemon: Daemon, instruction: str) -> dict:
     return summarize(daemon.world, records, instruction, end=end, reach_m=daemon.cfg.agent.reach_m)
 
 
-async def _serve(daemon: Daemon, api: LocalApi, args: argparse.Namespace) -> int:
+async def _started(api: Any, what: str) -> Any:
+    """Start a listener (the local API, the OpenAI endpoint) with SIGINT and SIGTERM setting the returned
+    asyncio.Event; None, after one line on stderr, when it cannot start."""
     import asyncio
     import signal
 
@@ -329,7 +331,16 @@ async def _serve(daemon: Daemon, api: LocalApi, args: argparse.Namespace) -> int
     try:
         await api.start()
     except (ConfigError, OSError) as e:  # the socket's folder, its group, an address in use
-        print(f"edge-agent: cannot start the local API: {e}", file=sys.stderr)
+        print(f"edge-agent: cannot start {what}: {e}", file=sys.stderr)
+        return None
+    return done
+
+
+async def _serve(daemon: Daemon, api: LocalApi, args: argparse.Namespace) -> int:
+    import asyncio
+
+    done = await _started(api, "the local API")
+    if done is None:
         return 2
     daemon.notifier.ready()
     telemetry = daemon.telemetry.path or "off"
@@ -467,17 +478,8 @@ def _serve_openai(args: argparse.Namespace) -> int:
 
 
 async def _serve_endpoint(api: Any, verifier: str | None) -> int:
-    import asyncio
-    import signal
-
-    loop = asyncio.get_running_loop()
-    done = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, done.set)
-    try:
-        await api.start()
-    except OSError as e:  # an address in use
-        print(f"edge-agent: cannot listen: {e}", file=sys.stderr)
+    done = await _started(api, "the OpenAI endpoint")
+    if done is None:
         return 2
     where = verifier or "none: every answer is the draft's alone"
     print(f"edge-agent: OpenAI endpoint at {api.address}/v1 (verifier: {where})", file=sys.stderr, flush=True)

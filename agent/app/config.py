@@ -365,13 +365,7 @@ class ApiSection:
     def _check_openai(self) -> None:
         if not self.openai_listen:
             return
-        try:
-            where = parse_listen(self.openai_listen)
-        except ValueError as e:
-            raise ConfigError(f"api.openai_listen: {e}") from None
-        if where[0] != "tcp":
-            raise ConfigError(f"api.openai_listen is HOST:PORT, got {self.openai_listen!r}")
-        if not is_loopback(where[1]) and not self.allow_remote:
+        if not is_loopback(_tcp_host("api.openai_listen", self.openai_listen)) and not self.allow_remote:
             raise ConfigError(f"api.openai_listen {self.openai_listen!r} is not loopback: set api.allow_remote = true")
         if not (self.token or self.token_file):
             raise ConfigError("api.openai_listen: set api.token_file (or api.token), the key its clients present")
@@ -411,6 +405,17 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:  # another host name: it may resolve to anything
         return False
+
+
+def _tcp_host(name: str, value: str) -> str:
+    """The host of a HOST:PORT listen address (the OpenAI endpoint's); ConfigError naming `name` otherwise."""
+    try:
+        where = parse_listen(value)
+    except ValueError as e:
+        raise ConfigError(f"{name}: {e}") from None
+    if where[0] != "tcp":
+        raise ConfigError(f"{name} is HOST:PORT, got {value!r}")
+    return where[1]
 
 
 def _check_secret(name: str, value: str) -> None:
@@ -676,17 +681,12 @@ class ServeOptions:
     n_gpu_layers: int = setting(-1, help="Draft layers on the GPU (-1: all when llama.cpp can offload; 0: CPU).")
 
     def __post_init__(self) -> None:
-        try:
-            where = parse_listen(self.listen)
-        except ValueError as e:
-            raise ConfigError(f"--listen: {e}") from None
-        if where[0] != "tcp":
-            raise ConfigError(f"--listen is HOST:PORT, got {self.listen!r}")
+        host = _tcp_host("--listen", self.listen)
         if self.api_key and self.api_key_file:
             raise ConfigError("--api-key and --api-key-file: give one (the file keeps it off the command line)")
         if self.api_key:
             _check_secret("--api-key", self.api_key)
-        if not is_loopback(where[1]) and not (self.api_key or self.api_key_file):
+        if not is_loopback(host) and not (self.api_key or self.api_key_file):
             raise ConfigError(f"--listen {self.listen!r} is not loopback: set --api-key-file so not anyone may ask")
         if not 1 <= self.max_pending <= 256:
             raise ConfigError("--max-pending is from 1 to 256")

@@ -98,3 +98,21 @@ def test_a_value_of_the_wrong_type_names_the_key_and_the_type(tmp_path):
     toml.write_text("link = 1\n")
     with pytest.raises(ConfigError, match=r"\[link\] must be a table"):
         config.load(toml)
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        ({"listen": "unix:/tmp/x.sock"}, "--listen is HOST:PORT"),
+        ({"listen": "8080"}, "--listen"),
+        ({"listen": "0.0.0.0:8080"}, "not loopback"),
+        ({"api_key": "k" * 24, "api_key_file": "/etc/key"}, "give one"),
+    ],
+)
+def test_edge_agent_serve_refuses_a_listen_address_it_cannot_guard(kw, match):
+    """`edge-agent serve`: HOST:PORT only, and a key before anything beyond loopback may ask."""
+    from agent.app.config import ServeOptions
+
+    with pytest.raises(config.ConfigError, match=match):
+        ServeOptions(**kw)
+    assert ServeOptions(listen="0.0.0.0:8080", api_key_file="/etc/key").listen == "0.0.0.0:8080"
