@@ -5,7 +5,8 @@ A small asyncio server, one request per connection (`Connection: close`), every 
 parsed: the request line and each header line (MAX_LINE), the header count, Content-Length against MAX_BODY
 (413 before a byte of the body is read), the JSON's brackets and depth, images by protocol.images; a client
 that sends too slowly is dropped after READ_TIMEOUT_S. `Authorization: Bearer KEY` is compared in constant
-time. At most `max_pending` requests run or wait for the model at once (503 beyond). Errors are OpenAI's
+time. At most MAX_CONNECTIONS connections are open and `max_pending` requests run or wait for the model at
+once (503 beyond either). Errors are OpenAI's
 shape, {"error": {"message", "type", "param", "code"}}. The answer's tokens are the verifier's; without it a
 request is refused (503 verifier_unavailable) or answered by the draft alone with "verified": false, as the
 request's `offline` or the config says. docs/guide/openai.md is the page.
@@ -36,6 +37,7 @@ MAX_DISCARD = 64 << 20  # what is read and dropped of a refused body, so that th
 MAX_BRACKETS = 100_000  # '[' and '{' characters in one body (~6 MB of Python objects at most)
 MAX_DEPTH = 64  # nesting of the body's JSON
 READ_TIMEOUT_S = 30.0  # the whole request (line, headers, body)
+MAX_CONNECTIONS = 32  # open at once: each may buffer a body of MAX_BODY; beyond, 503 at once and closed
 REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found", 405: "Method Not Allowed"}
 REASONS.update({411: "Length Required", 413: "Payload Too Large", 500: "Internal Server Error"})
 REASONS.update({502: "Bad Gateway", 503: "Service Unavailable", 408: "Request Timeout"})
@@ -102,6 +104,7 @@ class OpenAiApi:
         self.offline = offline or client.offline  # a request's own "offline" wins
         self.model = model or client.model
         self.pending = 0  # requests running or waiting for the model
+        self.connections = 0  # open connections, the silent ones included
         self.server: asyncio.Server | None = None
 
     async def start(self) -> OpenAiApi:
@@ -124,6 +127,21 @@ class OpenAiApi:
     # -------------------------------------------------------------- one connection
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self.connections >= MAX_CONNECTIONS:  # silent or slow clients cannot hold more memory than this
+            busy = HttpError(503, "too many connections; try again", "server_error", code="overloaded")
+            with contextlib.suppress(Exception):
+                await _send_json(writer, 503, busy.body())
+                writer.write_eof()  # the answer, then the end: the client closes, and its request is dropped
+                await _discard(reader, MAX_LINE)  # (read, not left unread: that would reset the connection)
+            writer.close()
+            return
+        self.connections += 1
+        try:
+            await self._serve(reader, writer)
+        finally:
+            self.connections -= 1
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         unread = 0  # the body's bytes still on the wire: after an early error they are drained, else the close resets
         try:
             try:

@@ -311,6 +311,27 @@ def test_an_oversized_body_is_refused_before_it_is_read(endpoint):
     assert status == 405
 
 
+def test_silent_connections_cannot_lock_the_endpoint_out(endpoint):
+    """MAX_CONNECTIONS silent clients fill the endpoint: one more is answered 503 at once (not left hanging);
+    once they go, a request is served again."""
+    from agent.app.openai_api import MAX_CONNECTIONS
+
+    silent = [socket.create_connection(("127.0.0.1", endpoint.port), timeout=10) for _ in range(MAX_CONNECTIONS)]
+    try:
+        deadline = time.monotonic() + 10
+        while endpoint.api.connections < MAX_CONNECTIONS and time.monotonic() < deadline:
+            time.sleep(0.02)
+        status, err = status_and_json(raw(endpoint.port, b"GET /v1/models HTTP/1.1\r\n\r\n"))
+        assert status == 503 and err["error"]["code"] == "overloaded"
+    finally:
+        for s in silent:
+            s.close()
+    deadline = time.monotonic() + 10
+    while endpoint.api.connections and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert [m.id for m in endpoint.openai().models.list()] == [endpoint.api.model]
+
+
 def test_edge_agent_serve(verifier, tmp_path):
     """The CLI: a key from a file, an endpoint on a free port, SIGTERM ends it."""
     key_file = tmp_path / "key"
