@@ -222,12 +222,12 @@ def served(ph: Phase, label: str, args: list[str], generations: list[tuple[str, 
 
 def same_ids(ph: Phase, label: str, url: str, generate_args: list[str]) -> None:
     """`edge-agent generate` in each mode against one server: the same ids in all three."""
-    ids = {}
+    ids, metrics = {}, {}
     for mode in MODES:
         cmd = [PY, "-m", "agent.app.cli", "generate", "--verifier", url, "--mode", mode, "--json", *generate_args]
         rc, out = ph.run(cmd + ([] if ph.cuda else ["--threads", "1"]), echo=False)
-        ids[mode] = last_json(out)["token_ids"] if rc == 0 else None
-    ph.rec.setdefault("generations", []).append({"label": label, "ids": ids})
+        ids[mode], metrics[mode] = (last_json(out)["token_ids"], last_json(out)["metrics"]) if rc == 0 else (None, None)
+    ph.rec.setdefault("generations", []).append({"label": label, "ids": ids, "metrics": metrics})
     agree = bool(ids["ar"]) and ids["ar"] == ids["sd"] == ids["fsd"]
     ph.ok(f"{label}: ar, sd and fsd give the same ids", agree, {m: (v or [])[:12] for m, v in ids.items()})
 

@@ -50,6 +50,7 @@ def test_the_shipped_pair_gives_the_same_ids_in_every_mode_on_each_engine(rehear
     for g in serve["generations"]:
         ids = g["ids"]
         assert len(ids["ar"]) > 1 and ids["ar"] == ids["sd"] == ids["fsd"]
+        assert g["metrics"]["ar"]["tau"] == 1.0 and g["metrics"]["sd"]["tau"] >= 1.0  # generate's own figures
     modes = [s["cmd"].split("--mode ")[1].split()[0] for s in serve["steps"]]
     assert modes == ["ar", "sd", "fsd"] * 2  # one edge-agent process per mode, engine and prompt
 
