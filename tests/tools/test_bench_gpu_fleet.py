@@ -1,11 +1,10 @@
 """Robots per GPU (tools/bench/gpu_fleet.py) and its random target (tools/models/random_target.py), on the CPU.
 
 The figures of the tiny form mean nothing; these check the replay keeps the recorded pair's acceptance,
-the search finds the edge, the random target speaks the draft's vocabulary in both engines, and the
-whole benchmark runs end to end.
+the search finds the edge, and the random target speaks the draft's vocabulary in both engines. The whole
+benchmark's end-to-end run on the toy target is the fleet phase of the GPU run's CPU rehearsal
+(tests/tools/test_gpu_run.py).
 """
-
-import json
 
 import numpy as np
 import pytest
@@ -142,46 +141,3 @@ def test_the_random_target_is_one_model_in_both_engines_with_the_drafts_vocabula
     assert np.abs(logits["llamacpp"] - logits["torch"]).max() < 2e-4
     succ = random_target.planted_successor(random_target.token_types(), 0)
     assert (logits["torch"].argmax(-1) == succ[prompt]).all()  # the planted path wins at every position
-
-
-@pytest.mark.real
-def test_the_tiny_fleet_runs_end_to_end_on_both_engines(tmp_path):
-    assert (
-        fleet.main(
-            [
-                "--tiny",
-                "--device",
-                "cpu",
-                "--no-peer",
-                "--n",
-                "1,2",
-                "--classes",
-                "8,2",
-                "--window-s",
-                "2",
-                "--warmup-s",
-                "1",
-                "--out",
-                str(tmp_path),
-            ]
-        )
-        == 0
-    )
-    result = json.loads((tmp_path / "gpu_fleet.json").read_text())
-    shipped = random_target.gguf_vocab_hash(modelfiles.shipped_gguf())
-    assert result["trace"]["gguf_vocab_hash"] == shipped == result["trace"]["vocab_hash"]
-    assert set(result["systems"]) == {"llamacpp", "torch"}
-    for engine, s in result["systems"].items():
-        assert s["check"]["vocab_hash"] == shipped and s["check"]["follows_path"]
-        assert s["health"]["engine"] == engine and s["server_config"]["scheduler"] == "slo"
-        # the estimator the server ran with was fitted here, on this engine, over the fleet's batch shapes
-        assert s["server_config"]["estimator"] == str(tmp_path / f"estimator-{engine}.json")
-        assert set(s["estimator"]["coefficients"]) == {"a", "b_c", "b_r", "c"} and s["estimator"]["test"]["n"] > 0
-        assert set(s["capacity"]) == {"8", "2"}
-        assert all(c["capacity"] >= 1 for c in s["capacity"].values())  # a robot at 2-8 tok/s on a toy target
-        assert {p["n"] for p in s["points"]} == {1, 2} and all(p["exact"] for p in s["points"])
-        # the replay keeps the recorded pair's tokens per round (a generation cut by the window aside)
-        assert all(abs(p["tokens_per_round"] - result["trace"]["planned_tau"]) < 0.5 for p in s["points"])
-    for name in ("gpu_fleet.md", "gpu_fleet.png", "server-llamacpp.toml", "server-torch.toml"):
-        assert (tmp_path / name).stat().st_size > 0
-    assert "| SD, torch engine |" in (tmp_path / "gpu_fleet.md").read_text()

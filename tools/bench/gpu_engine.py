@@ -2,7 +2,8 @@
 
 Cost does not depend on the weights' values, so no weights are downloaded: the torch engine gets a
 LlamaForCausalLM built from its config on the device (bf16 by default), the llamacpp engine the same
-shape as an F16 GGUF with random weights (tools/models/random_target.py, every layer offloaded). For each
+shape as an F16 GGUF with random weights (tools/models/random_target.py, every layer offloaded; `--gguf-dtype
+q4_k_m`: that GGUF quantized to Q4_K_M by llama.cpp's quantizer, its file size the roofline's bytes). For each
 (sessions per pass, new tokens per session) on caches of --cache tokens the pass time is set against
 the roofline, weight bytes / measured bandwidth (a pass must read every weight once; the bandwidth is
 timed with a large device-to-device copy). Beside them, llama.cpp's own `llama-batched-bench` on the
@@ -131,13 +132,9 @@ def measure(args, engine_name: str, bandwidth: float) -> dict:
         sync = lambda: _sync(engine.device)  # noqa: E731
         dtype = args.dtype
     else:
-        target = random_target.make(
-            shape, args.gguf_dtype, directory=args.model_dir, log=lambda m: print(m, flush=True)
-        )
-        engine = build_llamacpp(
-            target.gguf, args.device, max(sessions), per_session, args.threads, _llama_options(args)
-        )
-        weight_bytes = shape.weight_bytes(args.gguf_dtype)
+        gguf = random_gguf(args, log=lambda m: print(m, flush=True))
+        engine = build_llamacpp(gguf, args.device, max(sessions), per_session, args.threads, _llama_options(args))
+        weight_bytes = gguf.stat().st_size if args.gguf_dtype == "q4_k_m" else shape.weight_bytes(args.gguf_dtype)
         sync = lambda: None  # noqa: E731  (forward returns host rows: it waited)
         dtype = engine.info.dtype
     roofline_ms = weight_bytes / (bandwidth * 1e9) * 1e3
@@ -241,6 +238,21 @@ def batched_bench(binary: Path, gguf: Path, args, bandwidth: float) -> dict:
     }
 
 
+def random_gguf(args, log) -> Path:
+    """The random GGUF of --gguf-dtype, made once: Q4_K_M by llama.cpp's own quantizer from the F16 one."""
+    base = "f16" if args.gguf_dtype == "q4_k_m" else args.gguf_dtype
+    gguf = random_target.make(_shape(args.tiny), base, directory=args.model_dir, log=log).gguf
+    if args.gguf_dtype != "q4_k_m":
+        return gguf
+    quantized = gguf.with_name(gguf.stem + "-q4_k_m.gguf")
+    if not quantized.exists():
+        from server_bridge.engine_llamacpp import requantize
+
+        log(f"quantizing {gguf.name} to Q4_K_M (llama.cpp's quantizer)")
+        requantize(str(gguf), str(quantized), "LLAMA_FTYPE_MOSTLY_Q4_K_M")
+    return quantized
+
+
 def find_batched_bench() -> Path | None:
     from tools.bench import peer
 
@@ -274,7 +286,9 @@ def parse(argv: list[str] | None):
     ap.add_argument("--engines", default="torch,llamacpp", help="comma-separated: torch, llamacpp")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16", help="the torch engine's dtype")
-    ap.add_argument("--gguf-dtype", default="f16", choices=("f16", "f32"), help="the llamacpp engine's weights")
+    ap.add_argument(
+        "--gguf-dtype", default="f16", choices=("f16", "f32", "q4_k_m"), help="the llamacpp engine's weights"
+    )
     ap.add_argument("--model-dir", default=None, help="where the random GGUF is made (default models/build)")
     ap.add_argument("--tiny", action="store_true", help="a toy Llama (checks the script, not the GPU)")
     ap.add_argument("--cache", type=int, default=128, help="cached tokens per session before each pass")
@@ -320,10 +334,7 @@ def main(argv: list[str] | None = None) -> int:
         else Path(args.batched_bench)
     )
     if binary and "llamacpp" in engines:
-        gguf = random_target.paths(
-            _shape(args.tiny), args.gguf_dtype, 0, Path(args.model_dir) if args.model_dir else _build_dir()
-        )[0]
-        runs.append(batched_bench(binary, gguf, args, bw))
+        runs.append(batched_bench(binary, random_gguf(args, log=lambda m: None), args, bw))
     gpu = "none"
     if args.device.startswith("cuda"):
         gpu = (
@@ -348,12 +359,6 @@ def main(argv: list[str] | None = None) -> int:
     }
     write(Path(args.out), result)
     return 0
-
-
-def _build_dir() -> Path:
-    from protocol import modelfiles
-
-    return modelfiles.build_dir()
 
 
 def _has(tool: str) -> bool:
