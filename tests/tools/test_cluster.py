@@ -78,6 +78,15 @@ def _serving_replica(dec, timeout_s=30.0) -> str:
     raise TimeoutError("the robot never connected")
 
 
+def _wait_no_connections(cluster, timeout_s=15.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not any(s["scur"] for s in cluster.lb_stats().values()):
+            return
+        time.sleep(0.05)
+    raise TimeoutError(f"HAProxy still counts connections: {cluster.lb_stats()}")
+
+
 def test_the_config_is_deploy_haproxy_cfg_with_loopback_servers():
     cfg = loopback_config(HAPROXY_CFG.read_text(), 9000, [("r0", 1001), ("r1", 1002)], "/tmp/x.sock")
     assert "bind 127.0.0.1:9000" in cfg and "server r0 127.0.0.1:1001 check" in cfg
@@ -171,7 +180,10 @@ def test_a_drained_replicas_robots_finish_without_an_error_and_exactly(healed, d
         time.sleep(0.3)
         t0 = time.monotonic()
         cluster.drain(victim, wait=False)
-        status = health(cluster.replica(victim).port)[0]
+        try:
+            status = health(cluster.replica(victim).port)[0]
+        except OSError:  # it had no robot left to hand over and is gone already (test_drain pins the 503)
+            status = None
         for thread, _ in runs:
             thread.join(120)
         cluster.replica(victim).proc.wait(30)
@@ -179,7 +191,7 @@ def test_a_drained_replicas_robots_finish_without_an_error_and_exactly(healed, d
     finally:
         for d in decs:
             d.close()
-    assert status == 503  # /healthz said draining at once
+    assert status in (503, None)  # /healthz said draining at once, or nothing answered: it had exited
     assert cluster.replica(victim).proc.returncode == 0
     assert "drained" in cluster.replica(victim).log_path.read_text()
     for (_thread, box), ids in zip(runs, want, strict=True):
@@ -203,6 +215,9 @@ def test_a_robot_returns_to_its_replica_and_six_robots_spread_within_the_load_ca
     assert len(set(homes)) == 1
     home = homes[0]
 
+    # HAProxy's bounded load counts the connections it still sees: the ones just closed (here and by the
+    # tests before) must be counted out first, or they raise the cap the six are placed under
+    _wait_no_connections(cluster)
     links = [_link(cluster, drafter, f"robot-spread-{i}") for i in range(6)]  # held open together
     try:
         counts = {r.name: 0 for r in cluster.replicas}
