@@ -58,7 +58,7 @@ def requantize(src: str, dst: str, ftype_name: str = "LLAMA_FTYPE_MOSTLY_Q2_K", 
     params.ftype = getattr(llama_cpp, ftype_name)
     params.allow_requantize = True
     params.nthread = os.cpu_count() or 1
-    tmp = dst + ".tmp"
+    tmp = f"{dst}.{os.getpid()}.tmp"  # this process's own: two may make the same target at once
     log_path = dst + ".log"
     if llamalog.verbose() if verbose is None else verbose:
         llamalog.set_verbose(True)

@@ -44,6 +44,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import os
 import shutil
 import threading
 import time
@@ -606,9 +607,14 @@ def _cached_conversion(gguf: Path) -> Path:
     model.is_quantized = False
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    tmp = out.with_name(out.name + ".tmp")
+    tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")  # this process's own: two servers may convert at once
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
-    tmp.rename(out)  # atomic: a crash mid-save never leaves a half cache
+    try:
+        tmp.rename(out)  # atomic: a crash mid-save never leaves a half cache
+    except OSError:  # another process renamed its complete copy first: keep that one
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (out / "model.safetensors").exists():
+            raise
     return out

@@ -204,7 +204,7 @@ class Step:
     task: str
     instruction: str
     t: float  # wall clock (time.time()) at the start of the step
-    mode: str = "verified"  # verified | offline
+    mode: str = "verified"  # verified | offline | halted (no answer: no fresh frame, perception failed)
     offline_policy: str = "hold"
     perception: str = ""  # sim (ground truth) | color (detector) | image (from the API, as text) |
     # vlm (the image itself in the prompt, the camera's or the API's)
@@ -425,7 +425,8 @@ class Navigator:
         )
         self.last_look = None
         view = self._look(rec, instruction, frame)
-        if isinstance(view, str):  # no fresh frame, or perception failed: the robot halted
+        if isinstance(view, str):  # no fresh frame, or perception failed: the robot halted, nothing decided
+            rec.mode = "halted"  # neither verified nor offline: no model answered, whatever the link
             return self._finish(rec, t0, parse="refused", reason=view)
         ids, images = self._compose(rec, instruction, view)
         t2 = self.clock()

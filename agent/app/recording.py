@@ -18,7 +18,7 @@ The channels (docs/guide/recording.md; deploy/foxglove/edgespec-layout.json lays
                                                                none on a robot without a pose source)
     /safety                   std_msgs/msg/String  JSON: the stops so far, this step's, its interventions
                                                    (INTERVENTIONS: the safety layer's own), the clearance
-    /link                     std_msgs/msg/String  verified | offline
+    /link                     std_msgs/msg/String  verified | offline | halted (no answer: no fresh frame)
     /step                     std_msgs/msg/String  JSON: the whole telemetry record
 
 Every message of a step carries the step's start time (wall clock) as its log time, made strictly

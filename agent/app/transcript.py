@@ -27,7 +27,7 @@ def step_lines(n: int, rec: Step) -> str:
         dec = f"{d.get('mode')}, {d.get('tokens')} tokens, tau {d['tau']:.1f}"
     else:
         dec = f"{d.get('mode', '-')}, {d.get('tokens', 0)} tokens"
-    mode = "VERIFIED" if rec.mode == "verified" else f"OFFLINE/{rec.offline_policy}"
+    mode = {"verified": "VERIFIED", "halted": "HALTED"}.get(rec.mode, f"OFFLINE/{rec.offline_policy}")
     if rec.parse == "refused" and not rec.text:  # held, or no frame: no plan made
         return f"[{n:2d}] {mode:<14} {rec.latency_ms.get('step', 0) / 1e3:5.1f}s  held: {rec.reason or 'no plan'}"
     lines = [

@@ -19,7 +19,7 @@ from agent.app.memory import Recall, StepMemory
 from agent.app.navigator import NavConfig, Navigator, offline_envelope
 from agent.app.prompt import common_prefix, messages
 from agent.robot.actions import STOP, Action, parse_action
-from agent.robot.camera import Frame
+from agent.robot.camera import Frame, StaleFrame
 from agent.robot.controllers.base import Command
 from agent.robot.perception import Sighting
 from agent.spec.decoder import Generation, Metrics
@@ -357,6 +357,25 @@ def test_no_target_in_view_means_no_turn_away_rule():
     assert offline_envelope(Action("right", 45), None, 75, 45) == (Action("right", 45), "", "")
     assert offline_envelope(Action("right", 45), None, 25, 15)[:2] == (Action("right", 15), "clamped")
     assert offline_envelope(Action("forward", 75), None, 60, 45)[0] == Action("forward", 50)
+
+
+class StaleGrabber:
+    def read_latest(self, max_age_ms):
+        raise StaleFrame(f"camera test: newest frame is 900 ms old (limit {max_age_ms:.0f} ms)")
+
+
+@pytest.mark.parametrize("url", ["ws://verifier", None])
+def test_a_step_without_a_fresh_frame_is_halted_neither_verified_nor_offline(url):
+    """No frame, no answer: the record says halted whatever the link, and no summary counts it as decided."""
+    from agent.app.transcript import step_lines
+
+    navigator, dec, control = make_nav([answer(Action("forward", 25))], [box(0)], url=url)
+    navigator.grabber = StaleGrabber()
+    rec = navigator.step(INSTRUCTION)
+    assert rec.mode == "halted" and rec.parse == "refused" and rec.reason.startswith("no fresh camera frame")
+    assert rec.link == ("up" if url else "down") and dec.calls == [] and control.motions == []
+    assert control.halts == ["stale_frame"] and navigator.offline_steps == 0
+    assert "HALTED" in step_lines(1, rec) and "VERIFIED" not in step_lines(1, rec)
 
 
 def test_a_turn_away_stop_does_not_end_the_daemons_task_as_done(tmp_path):

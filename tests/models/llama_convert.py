@@ -116,8 +116,9 @@ for argv in json.loads(sys.argv[1]):
 
 def convert(conv: Path, hf_dir: Path, jobs: list[tuple[Path, str, bool]], log=print) -> None:
     """llama.cpp's convert_hf_to_gguf.py on hf_dir for each (output, outtype, mmproj)."""
+    tmp = f".{os.getpid()}.tmp"  # this process's own: two test runs may convert into one models/build
     argvs = [
-        [str(hf_dir), "--outtype", outtype, "--outfile", str(out) + ".tmp"] + (["--mmproj"] if mmproj else [])
+        [str(hf_dir), "--outtype", outtype, "--outfile", str(out) + tmp] + (["--mmproj"] if mmproj else [])
         for out, outtype, mmproj in jobs
     ]
     done = subprocess.run(
@@ -130,7 +131,7 @@ def convert(conv: Path, hf_dir: Path, jobs: list[tuple[Path, str, bool]], log=pr
     if done.returncode != 0:
         raise RuntimeError(f"convert_hf_to_gguf.py failed (rc {done.returncode}):\n{done.stdout[-3000:]}")
     for out, outtype, mmproj in jobs:
-        os.replace(str(out) + ".tmp", out)
+        os.replace(str(out) + tmp, out)
         log(f"make_test_vlm: {out.name} ({'mmproj, ' if mmproj else ''}{outtype}) written by llama.cpp's converter")
 
 

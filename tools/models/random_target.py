@@ -309,8 +309,8 @@ def make(
     if len(types) != shape.vocab:
         raise ValueError(f"the shipped tokenizer has {len(types)} tokens, the shape {shape.vocab}")
     successor = planted_successor(types, seed)
-    tmp_gguf = gguf_path.with_name(gguf_path.name + ".tmp")
-    tmp_dir = hf_dir.with_name(hf_dir.name + ".tmp")
+    tmp_gguf = gguf_path.with_name(f"{gguf_path.name}.{os.getpid()}.tmp")  # this process's own
+    tmp_dir = hf_dir.with_name(f"{hf_dir.name}.{os.getpid()}.tmp")
     shutil.rmtree(tmp_dir, ignore_errors=True)
     tmp_dir.mkdir(parents=True)
     _write(shape, dtype, seed, successor, fields, tmp_gguf, tmp_dir, log)
