@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
+import llama_cpp
 import numpy as np
 import pytest
 
@@ -77,3 +81,20 @@ def test_the_server_config_carries_the_options_and_checks_them():
     for bad in ({"kv_unified": "yes"}, {"flash_attn": "maybe"}, {"n_ubatch": -1}):
         with pytest.raises(ValueError):
             ServerConfig(**bad)
+
+
+def test_two_processes_making_the_same_target_at_once_both_succeed_and_leave_one_whole_file(tmp_path):
+    """Two servers starting on one models/build: each quantizes into a temporary name of its own process,
+    so neither reads or renames the other's half-written file."""
+    dst = tmp_path / "smollm2-q8_0.gguf"
+    script = (
+        "import sys; from server_bridge.engine_llamacpp import requantize; "
+        "requantize(sys.argv[1], sys.argv[2], 'LLAMA_FTYPE_MOSTLY_Q8_0')"
+    )
+    procs = [
+        subprocess.Popen([sys.executable, "-c", script, str(modelfiles.shipped_gguf()), str(dst)]) for _ in range(2)
+    ]
+    assert [p.wait(120) for p in procs] == [0, 0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [dst.name, dst.name + ".log"]  # no temporary left
+    model = llama_cpp.Llama(str(dst), vocab_only=True, verbose=False)  # whole: its header and vocabulary load
+    assert model.n_vocab() == 49152
