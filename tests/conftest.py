@@ -64,6 +64,16 @@ def weak_drafter():
     return Drafter("smollm2-q2_k", threads=1)
 
 
+@pytest.fixture(scope="module")
+def verifier(target):
+    """A verifier with the default config on the session's target, one per test module (its sessions go with it);
+    a module that needs a config of its own uses make_server."""
+    from server_bridge.verifier import Verifier
+
+    with ThreadedServer(lambda cfg: Verifier(target, cfg)) as server:
+        yield server
+
+
 @pytest.fixture
 def make_server(target):
     """make_server(**config) -> a started ThreadedServer sharing the session's target model."""

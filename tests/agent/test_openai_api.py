@@ -17,8 +17,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ThreadedServer
-
 pytestmark = pytest.mark.real
 
 openai = pytest.importorskip("openai")
@@ -49,14 +47,6 @@ class Endpoint:
         asyncio.run_coroutine_threadsafe(self.api.close(), self.loop).result(10)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
-
-
-@pytest.fixture(scope="module")
-def verifier(target):
-    from server_bridge.verifier import Verifier
-
-    with ThreadedServer(lambda cfg: Verifier(target, cfg)) as s:
-        yield s
 
 
 @pytest.fixture(scope="module")

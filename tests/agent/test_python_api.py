@@ -9,26 +9,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ThreadedServer
-
 pytestmark = pytest.mark.real
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "guide" / "python.md"
 
 
 @pytest.fixture(scope="module")
-def server(target):
-    from server_bridge.verifier import Verifier
-
-    with ThreadedServer(lambda cfg: Verifier(target, cfg)) as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def client(server, drafter):
+def client(verifier, drafter):
     from agent import Client
 
-    with Client(server.url, drafter=drafter) as c:
+    with Client(verifier.url, drafter=drafter) as c:
         yield c
 
 
@@ -36,10 +26,10 @@ def code_blocks(text: str) -> list[str]:
     return re.findall(r"^```python\n(.*?)^```", text, re.M | re.S)
 
 
-def test_the_pages_examples_run(server, drafter, monkeypatch, capsys):
+def test_the_pages_examples_run(verifier, drafter, monkeypatch, capsys):
     import agent.spec.drafter
 
-    monkeypatch.setenv("EDGESPEC_VERIFIER", server.url)
+    monkeypatch.setenv("EDGESPEC_VERIFIER", verifier.url)
     monkeypatch.setattr(agent.spec.drafter, "Drafter", lambda *a, **kw: drafter)  # the session's loaded draft
     blocks = code_blocks(PAGE.read_text())
     assert len(blocks) >= 4
@@ -51,12 +41,12 @@ def test_the_pages_examples_run(server, drafter, monkeypatch, capsys):
     assert namespace["answer"].verified and namespace["stream"].completion.verified
 
 
-def test_ids_equal_edge_agent_generate(server, client, capsys):
+def test_ids_equal_edge_agent_generate(verifier, client, capsys):
     from agent.app import cli
 
     prompt = "Name three colours."
     rc = cli.main(
-        ["generate", "--verifier", server.url, "--prompt", prompt, "--chat", "--max-tokens", "12"]
+        ["generate", "--verifier", verifier.url, "--prompt", prompt, "--chat", "--max-tokens", "12"]
         + ["--threads", "1", "--json"]
     )
     assert rc == 0

@@ -23,15 +23,6 @@ from tools.cluster.netem import LinkProfile, NetemProxy
 pytestmark = pytest.mark.real
 
 
-@pytest.fixture(scope="module")
-def verifier(target):
-    from server_bridge.verifier import Verifier
-    from tests.conftest import ThreadedServer
-
-    with ThreadedServer(lambda cfg: Verifier(target, cfg)) as server:
-        yield server
-
-
 @pytest.fixture
 def proxy(verifier):
     with NetemProxy("127.0.0.1", verifier.port, LinkProfile.from_rtt(10)) as p:
