@@ -23,7 +23,7 @@ DOC_PORT = "8765"  # the port the pages serve on and point the robot at
 SKIP = {
     "edge-agent run --config /etc/edgespec/edge-agent.toml": "the robot's own config under systemd (a Go2, its camera)",
 }
-STEP = re.compile(r"^\[ ?\d+\] (VERIFIED|OFFLINE/\w+) +\d+\.\ds  (sees|held): ")
+STEP = re.compile(r"^\[ ?\d+\] (VERIFIED|OFFLINE/\w+|HALTED) +\d+\.\ds  (sees|held): ")
 
 
 def doc_commands(text: str) -> list[str]:

@@ -243,7 +243,7 @@ def test_run_prints_a_line_per_step_and_quiet_prints_none(tmp_path, capsys, monk
     with tempfile.TemporaryDirectory(prefix="api-") as folder:
         assert cli.main(["run", "--listen", f"unix:{folder}/api.sock", "--telemetry", "", *args]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
-    steps = [line for line in lines if re.match(r"\[ ?\d+\] (OFFLINE/local|VERIFIED) ", line)]
+    steps = [line for line in lines if re.match(r"\[ ?\d+\] (OFFLINE/local|VERIFIED|HALTED) ", line)]
     listened = json.loads(lines[-1])  # the JSON is still the last line; this run's own count (a loaded
     moved = listened["steps"] - listened["parses"]["refused"]  # machine may hold a step the first run did not)
     assert len(steps) == listened["steps"] and moved >= 3  # every step, the held ones too
