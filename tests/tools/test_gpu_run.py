@@ -1,10 +1,18 @@
-"""The GPU run (tools/gpu_run.py) rehearsed on the CPU: every phase but setup's build and llama.cpp's, on toy models
-(`--device cpu --tiny`), through the code the GPU run executes. The figures mean nothing; the checks do.
+"""The one-call GPU run (tools/gpu_run.py) rehearsed on the CPU, on toy models (`--device cpu --tiny`), through the
+code the GPU run executes: the payload's vocabulary (no shipped draft on the device), the random pair written
+there, and the prebuilt CUDA tree of llama.cpp on its CPU fallback where this machine has built one
+(tools/build_llama_cuda.sh: an hour, so a fresh machine rehearses on the installed llama-cpp-python). The figures
+mean nothing; the checks do.
 
 The rehearsal's engine and fleet phases are the end-to-end runs of tools/bench/gpu_engine.py and gpu_fleet.py on a
 toy model (their former tests here, moved), checked as those tests checked them."""
 
 import json
+import os
+import subprocess
+import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -13,13 +21,28 @@ from protocol import modelfiles
 from tools import gpu_run
 from tools.models import random_target
 
-REHEARSED = ("serve", "engine", "fleet", "divergence", "vision")
+REHEARSED = gpu_run.PHASES
+
+
+def prebuilt_tree() -> Path | None:
+    """The newest CUDA tree tools/build_llama_cuda.sh left on this machine, if any."""
+    trees = sorted(Path.home().glob(".cache/edgespec/llama-cuda-*/BUILD_INFO"), key=lambda p: p.stat().st_mtime)
+    return trees[-1].parent if trees else None
 
 
 @pytest.fixture(scope="module")
 def rehearsal(tmp_path_factory):
-    out = tmp_path_factory.mktemp("gpu_run")
-    rc = gpu_run.main(["--out", str(out), "--device", "cpu", "--tiny", "--phase", ",".join(REHEARSED)])
+    out, payload = tmp_path_factory.mktemp("gpu_run"), tmp_path_factory.mktemp("payload")
+    random_target.vocab_gguf(payload / "vocab.gguf")  # what tools/gpu_pack.py carries: the vocabulary alone
+    tree = prebuilt_tree()
+    argv = ["--out", str(out), "--device", "cpu", "--tiny", "--payload", str(payload), "--pair", "random"]
+    env, path = dict(os.environ), list(sys.path)  # setup points this process at the payload: undone after
+    try:
+        rc = gpu_run.main([*argv, "--budget-s", "1500", *(["--prebuilt", str(tree)] if tree else [])])
+    finally:
+        os.environ.clear()
+        os.environ.update(env)
+        sys.path[:] = path
     return rc, out, {p: json.loads((out / f"{p}.json").read_text()) for p in REHEARSED}
 
 
@@ -38,44 +61,58 @@ def test_every_phase_passes_and_records_what_it_ran(rehearsal):
 
 
 @pytest.mark.real
-def test_the_shipped_pair_gives_the_same_ids_in_every_mode_on_each_engine(rehearsal):
+def test_setup_takes_the_payloads_vocabulary_and_the_prebuilt_tree_where_there_is_one(rehearsal):
+    setup = rehearsal[2]["setup"]
+    assert setup["pass"] and setup["gpu_offload"] is False  # no GPU here: llama.cpp runs on its CPU backend
+    tree = prebuilt_tree()
+    if tree:  # the CUDA build's CPU fallback served every phase below
+        assert setup["prebuilt"]["tree"] == str(tree) and "GGML_CUDA=ON" in setup["prebuilt"]["cmake_args"]
+
+
+@pytest.mark.real
+def test_the_random_pair_in_the_shipped_vocabulary_gives_the_same_ids_in_every_mode_on_each_engine(rehearsal):
     serve = rehearsal[2]["serve"]
+    assert serve["pair"] == "random"
+    made = serve["random_pair"]
+    assert Path(made["target"]).name.endswith("-q8_0-s0-planted1.gguf") and Path(made["recipe"]).is_dir()
     assert [(s["health"]["engine"], s["health"]["device"]) for s in serve["servers"]] == [
         ("llamacpp", "cpu"),
         ("torch", "cpu"),
     ]
     assert "--n-gpu-layers 0" in serve["servers"][0]["cmd"] and "--dtype float32" in serve["servers"][1]["cmd"]
+    assert made["target"] in serve["servers"][0]["cmd"] and made["recipe"] in serve["servers"][1]["cmd"]
     assert all(s["start_s"] > 0 for s in serve["servers"])
     assert [g["label"] for g in serve["generations"]] == ["llamacpp, prompt 0", "torch, prompt 0"]
     for g in serve["generations"]:
         ids = g["ids"]
         assert len(ids["ar"]) > 1 and ids["ar"] == ids["sd"] == ids["fsd"]
         assert g["metrics"]["ar"]["tau"] == 1.0 and g["metrics"]["sd"]["tau"] >= 1.0  # generate's own figures
-    modes = [s["cmd"].split("--mode ")[1].split()[0] for s in serve["steps"]]
+    assert "random_target pair" in serve["steps"][0]["cmd"]  # the pair is written first, inside the phase's time
+    modes = [s["cmd"].split("--mode ")[1].split()[0] for s in serve["steps"][1:]]
     assert modes == ["ar", "sd", "fsd"] * 2  # one edge-agent process per mode, engine and prompt
+    assert all(made["draft"] in s["cmd"] for s in serve["steps"][1:])  # the toy draft on the same planted path
 
 
 @pytest.mark.real
-def test_the_engine_phase_runs_both_engines_and_q4_k_m(rehearsal):
-    """Each engine in its own process: a toy torch Llama, and the toy random GGUF on llama.cpp (F16 and Q4_K_M)."""
+def test_the_engine_phase_runs_both_engines_on_the_q4_0_target(rehearsal):
+    """Each engine in its own process: a toy torch Llama built from its config, and the toy random GGUF written
+    as Q4_0 blocks on llama.cpp; the roofline's bytes are the file's."""
     _, out, phases = rehearsal
-    results = phases["engine"]["results"]
-    f16, q4 = results["engine/f16/gpu_engine.json"], results["engine/q4_k_m/gpu_engine.json"]
-    assert f16 == json.loads((out / "engine" / "f16" / "gpu_engine.json").read_text())
-    for result, engines in ((f16, ("torch", "llamacpp")), (q4, ("llamacpp",))):
-        for engine in engines:
-            rows = [r for r in result["rows"] if r["engine"] == engine]
-            assert [(r["sessions"], r["tokens"]) for r in rows] == [(1, 1), (1, 2), (3, 1), (3, 2)]
-            assert all(r["pass_ms"] > 0 and r["x_roofline"] > 0 for r in rows)
-        assert result["bandwidth_gbs"] > 0
-    runs = {run["engine"]: run for run in f16["runs"]}
-    assert runs["llamacpp"]["dtype"] == "float16" and runs["torch"]["dtype"] == "float32"
-    (q4_run,) = q4["runs"]
-    assert q4_run["dtype"] == "q4_k_m" and q4_run["weight_bytes"] < runs["llamacpp"]["weight_bytes"]
-    for gguf in ("f16", "q4_k_m"):
-        md = (out / "engine" / gguf / "gpu_engine.md").read_text()
-        assert (out / "engine" / gguf / "gpu_engine.png").stat().st_size > 0 and "x roofline" in md
-        assert "| llamacpp | 3 | 2 |" in md
+    result = phases["engine"]["results"]["engine/gpu_engine.json"]
+    assert result == json.loads((out / "engine" / "gpu_engine.json").read_text())
+    for engine in ("torch", "llamacpp"):
+        rows = [r for r in result["rows"] if r["engine"] == engine]
+        assert [(r["sessions"], r["tokens"]) for r in rows] == [(1, 1), (1, 2), (3, 1), (3, 2)]
+        assert all(r["pass_ms"] > 0 and r["x_roofline"] > 0 for r in rows)
+    assert result["bandwidth_gbs"] > 0
+    runs = {run["engine"]: run for run in result["runs"]}
+    assert runs["torch"]["dtype"] == "float32"
+    gguf = random_target.paths(random_target.TINY, "q4_0", 0, modelfiles.build_dir())[0]
+    assert runs["llamacpp"]["weight_bytes"] == gguf.stat().st_size
+    assert phases["engine"]["faster"] in ("torch", "llamacpp")
+    md = (out / "engine" / "gpu_engine.md").read_text()
+    assert (out / "engine" / "gpu_engine.png").stat().st_size > 0 and "x roofline" in md
+    assert "| llamacpp | 3 | 2 |" in md
 
 
 @pytest.mark.real
@@ -85,6 +122,7 @@ def test_the_fleet_phase_runs_the_tiny_fleet_end_to_end_on_both_engines(rehearsa
     shipped = random_target.gguf_vocab_hash(modelfiles.shipped_gguf())
     assert result["trace"]["gguf_vocab_hash"] == shipped == result["trace"]["vocab_hash"]
     assert set(result["systems"]) == {"llamacpp", "torch"}  # no llama-server on the CPU rehearsal (--no-peer)
+    assert result["model"]["dtype"] == "q4_0"  # the GGUF written as blocks; torch built from the recipe
     for engine, s in result["systems"].items():
         assert s["check"]["vocab_hash"] == shipped and s["check"]["follows_path"]
         assert s["health"]["engine"] == engine and s["server_config"]["scheduler"] == "slo"
@@ -104,7 +142,9 @@ def test_the_fleet_phase_runs_the_tiny_fleet_end_to_end_on_both_engines(rehearsa
 @pytest.mark.real
 def test_the_divergence_phase_measures_bf16_on_the_device(rehearsal):
     phase = rehearsal[2]["divergence"]
-    (config,) = phase["results"]["divergence/divergence.json"]["configs"]
+    report = phase["results"]["divergence/divergence.json"]
+    (config,) = report["configs"]
+    assert report["target"] == rehearsal[2]["serve"]["random_pair"]["target"]  # the pair's: no shipped target there
     assert config["spec"] == "torch:bfloat16" and config["engine"]["device"] == "cpu"
     assert config["dtype"] == "bfloat16" and config["ar_ms_per_token"] > 0
     for mode in ("solo", "batched"):
@@ -122,22 +162,13 @@ def test_the_vision_phase_serves_a_test_vlm_through_libmtmd(rehearsal):
     assert all("--image" in s["cmd"] for s in vision["steps"][1:])
 
 
-def test_setup_on_the_cpu_checks_what_is_installed_and_builds_nothing(tmp_path):
+def test_setup_without_a_payload_checks_what_is_installed_and_builds_nothing(tmp_path):
     assert gpu_run.main(["--out", str(tmp_path), "--device", "cpu", "--phase", "setup"]) == 0
     setup = json.loads((tmp_path / "setup.json").read_text())
-    assert setup["pass"] and setup["build"].startswith("skipped: --device cpu")
-    assert all(setup["installed"].values()) and setup["gpu_offload"] is False
+    assert setup["pass"] and all(setup["installed"].values()) and setup["gpu_offload"] is False
     (step,) = setup["steps"]  # the offload check alone: nothing installed, nothing built
     assert "llama_supports_gpu_offload()" in step["cmd"] and step["rc"] == 0
-    assert not (tmp_path / "build.json").exists()
-
-
-def test_files_carried_in_pieces_are_joined(tmp_path):
-    whole = bytes(range(256)) * 1000
-    for i, suffix in enumerate(("aa", "ab", "ac")):
-        (tmp_path / f"big.whl.part-{suffix}").write_bytes(whole[i * 100_000 : (i + 1) * 100_000])
-    gpu_run.join_parts(tmp_path)
-    assert (tmp_path / "big.whl").read_bytes() == whole
+    assert "prebuilt" not in setup
 
 
 def test_phases_are_named_and_ordered(capsys):
@@ -146,3 +177,120 @@ def test_phases_are_named_and_ordered(capsys):
     with pytest.raises(SystemExit):
         gpu_run.parse(["--out", "x", "--phase", "serve,gpu"])
     assert "unknown phases ['gpu']" in capsys.readouterr().err
+
+
+def _gone(pid: int, wait_s: float = 10.0) -> bool:
+    """The process is dead: no /proc entry, or a zombie waiting for its parent (init) to reap it."""
+    stat = Path(f"/proc/{pid}/stat")
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        try:
+            if stat.read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                return True
+        except (FileNotFoundError, ProcessLookupError):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def _gpu_run_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("gpu_run-")]
+
+
+def test_a_child_past_its_limit_is_killed_with_its_descendants_and_leaves_no_thread(tmp_path):
+    """A child that outlives its time (and started a grandchild in another process group) is killed with every
+    descendant; what it printed is kept; no thread or timer is left to hold the interpreter at exit (an armed
+    3,000 s threading.Timer did: pytest printed its summary and never exited)."""
+    pidfile = tmp_path / "grandchild.pid"
+    script = (
+        "import os, subprocess, sys, time\n"
+        "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'], start_new_session=True)\n"
+        f"open({str(pidfile)!r}, 'w').write(str(p.pid))\n"
+        "print('started', flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    t0 = time.monotonic()
+    rc, out = gpu_run.run_bounded([sys.executable, "-c", script], 3.0, tmp_path / "child.log", echo=False)
+    assert rc is None and "started" in out and time.monotonic() - t0 < 30
+    assert _gone(int(pidfile.read_text()))
+    assert not _gpu_run_threads() and all(t.daemon for t in threading.enumerate() if t is not threading.main_thread())
+    assert "started" in (tmp_path / "child.log").read_text()
+
+
+def test_an_interrupted_phase_kills_its_child_at_once(tmp_path, monkeypatch):
+    """An exception in the waiting thread (a test's timeout, ^C) still kills the child and ends the reader."""
+    real_wait = subprocess.Popen.wait
+    calls = []
+
+    def interrupted(self, timeout=None):
+        if not calls:
+            calls.append(self.pid)
+            raise KeyboardInterrupt
+        return real_wait(self, timeout)
+
+    monkeypatch.setattr(subprocess.Popen, "wait", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        gpu_run.run_bounded([sys.executable, "-c", "import time; time.sleep(600)"], 600, tmp_path / "c.log")
+    monkeypatch.undo()
+    (pid,) = calls
+    assert _gone(pid)
+    assert not _gpu_run_threads()
+
+
+def test_the_budget_is_shared_and_every_phase_writes_its_record(tmp_path):
+    """A budget too small for the phases: each still writes its JSON at once, saying what ran out."""
+    t0 = time.monotonic()
+    assert gpu_run.main(["--out", str(tmp_path), "--device", "cpu", "--tiny", "--budget-s", "4"]) == 1
+    assert time.monotonic() - t0 < 60
+    for name in gpu_run.PHASES:
+        rec = json.loads((tmp_path / f"{name}.json").read_text())
+        assert not rec["pass"] and rec["limit_s"] <= 4 and not rec["steps"]
+        assert rec["checks"][0]["what"] == "time left in the budget"
+
+
+@pytest.mark.real
+@pytest.mark.skipif(prebuilt_tree() is None, reason="no CUDA tree built here (tools/build_llama_cuda.sh, ~1 h)")
+def test_the_prebuilt_cuda_tree_resolves_and_runs_the_shipped_draft_on_the_cpu(tmp_path):
+    """The tree built off the GPU: every library and tool resolves against the pip CUDA libraries (libcuda, the
+    driver's, is loaded at run time and linked by none), and llama-cpp-python pointed at it loads the shipped draft
+    with every layer asked on the GPU, finds no device, and generates on the CPU the installed wheel's tokens."""
+    tree = prebuilt_tree()
+    env = dict(os.environ)
+    libs = [str(p) for g in gpu_run.CUDA_LIB_GLOBS for p in Path("/").glob(g.lstrip("/"))]
+    assert libs, "the CUDA toolkit wheels of tools/build_llama_cuda.sh are not in the cache"
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(libs)
+    files = sorted((tree / "python" / "llama_cpp" / "lib").glob("lib*.so")) + sorted((tree / "bin").iterdir())
+    assert {f.name for f in files} >= {"libggml-cuda.so", "libllama.so", "libmtmd.so", "llama-server"}
+    for f in files:
+        ldd = subprocess.run(["ldd", str(f)], capture_output=True, text=True, env=env).stdout
+        assert "not found" not in ldd and "libcuda.so" not in ldd, (f, ldd)
+    assert (
+        "libcublas.so.13"
+        in subprocess.run(
+            ["ldd", str(files[0].parent / "libggml-cuda.so")], capture_output=True, text=True, env=env
+        ).stdout
+    )
+    code = (
+        "import json, sys, llama_cpp\n"
+        "from protocol import modelfiles\n"
+        "llm = llama_cpp.Llama(str(modelfiles.shipped_gguf()), n_gpu_layers=-1, n_ctx=256, n_threads=1, seed=0,"
+        " verbose=True)\n"
+        "out = llm.create_completion('The robot turned left and', max_tokens=8, temperature=0.0)\n"
+        "print(json.dumps({'file': llama_cpp.__file__, 'offload': llama_cpp.llama_supports_gpu_offload(),"
+        " 'text': out['choices'][0]['text']}))\n"
+    )
+    runs = {}
+    for name, extra in (("prebuilt", {"PYTHONPATH": str(tree / "python")}), ("wheel", {})):
+        r = subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            env={**env, **extra},
+            timeout=300,
+            cwd=gpu_run.ROOT,
+        )
+        assert r.returncode == 0, r.stderr[-3000:]
+        runs[name] = (json.loads(r.stdout.strip().splitlines()[-1]), r.stderr)
+    (pre, log), (wheel, _) = runs["prebuilt"], runs["wheel"]
+    assert pre["file"].startswith(str(tree)) and pre["offload"] is True and wheel["offload"] is False
+    assert "CUDA" in log and pre["text"] == wheel["text"] and pre["text"].strip()

@@ -134,24 +134,31 @@ def sd_against(target, prompts: list[list[int]], ref, n: int, gamma: int, batche
     }
 
 
-def configure(spec: str, device: str, sessions: int):
-    """'llamacpp' or 'torch:<dtype>' -> (label, target, the logits' working dtype)."""
+def configure(spec: str, device: str, sessions: int, target: str | None = None, torch_target: str | None = None):
+    """'llamacpp' or 'torch:<dtype>' -> (label, target, the logits' working dtype). `target`: the llamacpp
+    engine's GGUF (default the shipped target); `torch_target`: the torch engine's (default `target`)."""
     if spec == "llamacpp":
         return (
             "llamacpp float32 (f16 KV)",
-            load_target(threads=1, max_sequences=2 * sessions, kv_tokens=8192),
+            load_target(target, threads=1, max_sequences=2 * sessions, kv_tokens=8192),
             "float32",
         )
-    engine, dtype = spec.split(":")
-    target = load_target(
-        engine="torch", device=device, dtype=dtype, threads=1, max_sequences=2 * sessions, max_len=1024
+    _, dtype = spec.split(":")
+    loaded = load_target(
+        torch_target or target,
+        engine="torch",
+        device=device,
+        dtype=dtype,
+        threads=1,
+        max_sequences=2 * sessions,
+        max_len=1024,
     )
-    return f"torch {dtype} ({target.engine.info.device})", target, dtype
+    return f"torch {dtype} ({loaded.engine.info.device})", loaded, dtype
 
 
 def one_config(spec: str, args, prompts: list[list[int]]) -> dict:
     """AR reference, then SD solo and batched against it, for one engine and dtype."""
-    label, target, dtype = configure(spec, args.device, len(prompts))
+    label, target, dtype = configure(spec, args.device, len(prompts), args.target, args.torch_target)
     print(f"{label}: AR reference", flush=True)
     t0 = time.perf_counter()
     ref = ar_reference(target, prompts, args.tokens)
@@ -196,6 +203,8 @@ def _in_child(spec: str, args) -> dict:
             str(args.gamma),
             "--device",
             args.device,
+            *(["--target", args.target] if args.target else []),
+            *(["--torch-target", args.torch_target] if args.torch_target else []),
             "--core",
             str(args.core),
         ]
@@ -245,6 +254,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gamma", type=int, default=4)
     ap.add_argument("--device", default="cpu", help="the torch engine's device")
     ap.add_argument("--core", type=int, default=1, help="pin to this core (-1: no pinning)")
+    ap.add_argument("--target", default=None, help="the target (default the shipped smollm2-f32)")
+    ap.add_argument("--torch-target", default=None, help="the torch engine's target (default --target)")
     ap.add_argument("--out", default="bench_results/divergence")
     ap.add_argument("--only", help=argparse.SUPPRESS)  # a child: one config, its JSON to --result
     ap.add_argument("--result", help=argparse.SUPPRESS)
@@ -259,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     report = {
         "command": "python -m tools.bench.divergence " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "target": "smollm2-f32",
+        "target": args.target or "smollm2-f32",
         "prompts": len(prompts),
         "tokens": args.tokens,
         "gamma": args.gamma,

@@ -134,7 +134,8 @@ def measure(args, engine_name: str, bandwidth: float) -> dict:
     else:
         gguf = random_gguf(args, log=lambda m: print(m, flush=True))
         engine = build_llamacpp(gguf, args.device, max(sessions), per_session, args.threads, _llama_options(args))
-        weight_bytes = gguf.stat().st_size if args.gguf_dtype == "q4_k_m" else shape.weight_bytes(args.gguf_dtype)
+        quantized = args.gguf_dtype in ("q4_k_m", *random_target.QUANTIZED)  # the file's bytes are the weights'
+        weight_bytes = gguf.stat().st_size if quantized else shape.weight_bytes(args.gguf_dtype)
         sync = lambda: None  # noqa: E731  (forward returns host rows: it waited)
         dtype = engine.info.dtype
     roofline_ms = weight_bytes / (bandwidth * 1e9) * 1e3
@@ -239,7 +240,8 @@ def batched_bench(binary: Path, gguf: Path, args, bandwidth: float) -> dict:
 
 
 def random_gguf(args, log) -> Path:
-    """The random GGUF of --gguf-dtype, made once: Q4_K_M by llama.cpp's own quantizer from the F16 one."""
+    """The random GGUF of --gguf-dtype, made once: Q4_0 and Q8_0 written as blocks directly (the GPU run's),
+    Q4_K_M by llama.cpp's own quantizer from the F16 one."""
     base = "f16" if args.gguf_dtype == "q4_k_m" else args.gguf_dtype
     gguf = random_target.make(_shape(args.tiny), base, directory=args.model_dir, log=log).gguf
     if args.gguf_dtype != "q4_k_m":
@@ -287,7 +289,10 @@ def parse(argv: list[str] | None):
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16", help="the torch engine's dtype")
     ap.add_argument(
-        "--gguf-dtype", default="f16", choices=("f16", "f32", "q4_k_m"), help="the llamacpp engine's weights"
+        "--gguf-dtype",
+        default="f16",
+        choices=("f16", "f32", "q4_k_m", *random_target.QUANTIZED),
+        help="the llamacpp engine's weights",
     )
     ap.add_argument("--model-dir", default=None, help="where the random GGUF is made (default models/build)")
     ap.add_argument("--tiny", action="store_true", help="a toy Llama (checks the script, not the GPU)")

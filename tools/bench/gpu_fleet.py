@@ -96,8 +96,12 @@ class FleetConfig:
 
     tiny: bool = setting(False, help="A 2-layer, hidden-64 target, vocabulary 49152 (checks the code, not the GPU).")
     device: str = setting("cuda", choices=("cuda", "cpu"), help="Where the server runs.")
-    dtype: str = setting("f16", choices=("f16", "f32"), help="The random target's weights.")
-    torch_dtype: str = setting("auto", help="The torch engine's compute dtype (auto: float16 for f16 on CUDA).")
+    dtype: str = setting(
+        "f16", choices=random_target.DTYPES, help="The random target's GGUF (q8_0, q4_0: blocks written directly)."
+    )
+    torch_dtype: str = setting(
+        "auto", help="The torch engine's compute dtype (auto: float16 for f16 on CUDA, bfloat16 for q8_0 or q4_0)."
+    )
     engines: tuple = setting(("llamacpp", "torch"), parse=_numbers(str), help="The engines to run, one at a time.")
     peer: bool = setting(True, help="Also llama-server (AR) on the same target.")
     classes: tuple = setting(CLASSES, parse=_speeds, help="The robots' SLO classes, tokens/s.")
@@ -119,8 +123,10 @@ class FleetConfig:
     seed: int = setting(0, help="The random target's and the robots' seed.")
 
     def __post_init__(self) -> None:
-        if self.device not in ("cuda", "cpu") or self.dtype not in ("f16", "f32"):
-            raise ValueError(f"device must be cuda or cpu and dtype f16 or f32, got {self.device}, {self.dtype}")
+        if self.device not in ("cuda", "cpu") or self.dtype not in random_target.DTYPES:
+            raise ValueError(
+                f"device must be cuda or cpu and dtype one of {random_target.DTYPES}, got {self.device}, {self.dtype}"
+            )
         if not set(self.engines) <= {"llamacpp", "torch"}:
             raise ValueError(f"engines are llamacpp and torch, got {self.engines}")
         if not self.classes or any(c <= 0 for c in self.classes):
@@ -390,7 +396,9 @@ def engine_target(target: random_target.RandomTarget, engine: str) -> Path:
 def torch_dtype(cfg: FleetConfig) -> str:
     if cfg.torch_dtype != "auto":
         return cfg.torch_dtype
-    return "float16" if cfg.device == "cuda" and cfg.dtype == "f16" else "float32"
+    if cfg.device != "cuda":
+        return "float32"
+    return "float16" if cfg.dtype == "f16" else "bfloat16" if cfg.dtype in random_target.QUANTIZED else "float32"
 
 
 def check_engine(cfg: FleetConfig, target: random_target.RandomTarget, engine: str, say) -> dict:

@@ -1,6 +1,6 @@
 """A Llama-shaped target with random weights and a planted greedy path: a GPU's cost without a 7B download.
 
-    python -m tools.models.random_target make [--tiny] [--dtype f16|f32] [--seed 0] [--dir models/build]
+    python -m tools.models.random_target make [--tiny] [--dtype f16|f32|q8_0|q4_0] [--seed 0] [--dir models/build]
     python -m tools.models.random_target check FILE_OR_DIR [--engine llamacpp|torch] [--device cpu|cuda] [--dtype ...]
 
 `make` writes one model twice, from the same tensors: a GGUF for the llamacpp engine and llama.cpp's
@@ -11,6 +11,16 @@ field of the shipped GGUF, the directory holds that tokenizer as transformers re
 so a robot's `hello` passes the server's vocabulary check. Q and K are stored permuted in the GGUF as
 llama.cpp's converter does (llama.cpp's RoPE pairs adjacent dimensions, transformers' the two halves),
 so both files compute the same function. Cached by shape, dtype and seed (`paths`).
+
+`--dtype q8_0` or `q4_0` is the GPU run's (tools/gpu_run.py): small and fast to write on the device. The GGUF's
+block tensors are written directly as llama.cpp's blocks of random values (Q8_0: a float16 scale and 32 int8;
+Q4_0: a scale and 32 nibbles, from -7 to 7 so that no bias enters), the scale set so each tensor has the
+standard deviation below; no F16 file is made and no quantizer runs over one. The embeddings and the LM head
+carry the planted path, so they are made in float32 and written as Q8_0 blocks by gguf-py's numpy quantizer.
+A 7B shape is 3.9 GB in Q4_0, 7.3 GB in Q8_0. Its Hugging Face directory holds no weights: config.json, the
+tokenizer, `successor.npy` and the recipe `random_init.json`, from which the torch engine builds the model
+from its config on its device (server_bridge/random_init.py). The two files are then two models that follow
+the same planted path, not one function.
 
 The weights are random Gaussians in every dense matrix, full size, so a forward pass costs exactly
 what a trained model of that shape costs. With plain random weights the greedy text would be random,
@@ -51,6 +61,10 @@ import numpy as np
 VERSION = 1  # bump when the construction changes: cached files are keyed by it
 NORMAL_TOKEN = 1  # tokenizer.ggml.token_type of an ordinary token
 INIT_STD = 0.02
+QUANTIZED = ("q8_0", "q4_0")  # written as llama.cpp's blocks directly (no quantizer pass)
+DTYPES = ("f16", "f32", *QUANTIZED)
+BLOCK_BYTES = {"q8_0": 34, "q4_0": 18}  # per 32 weights: a float16 scale, then 32 int8 or 32 nibbles
+RECIPE = "random_init.json"  # server_bridge/random_init.py reads it
 
 
 @dataclass(frozen=True)
@@ -94,6 +108,10 @@ class Shape:
         )
 
     def weight_bytes(self, dtype: str) -> int:
+        """The weights' bytes in a GGUF of `dtype` (quantized: blocks in the layers, Q8_0 embeddings and head)."""
+        if dtype in QUANTIZED:
+            table = 2 * self.vocab * self.hidden
+            return (self.params - table) * BLOCK_BYTES[dtype] // 32 + table * BLOCK_BYTES["q8_0"] // 32
         return self.params * (2 if dtype == "f16" else 4)
 
     def kv_bytes_per_token(self, elem_bytes: int = 2) -> int:
@@ -103,6 +121,11 @@ class Shape:
 SMOLLM2_VOCAB = 49152
 LLAMA_7B = Shape("llama-7b", SMOLLM2_VOCAB, hidden=4096, layers=32, heads=32, kv_heads=32, intermediate=11008)
 TINY = Shape("tiny", SMOLLM2_VOCAB, hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, context=2048)
+# The shipped target's shape (SmolLM2-135M): the GPU run's serve phase where the shipped draft cannot travel.
+SMOLLM2_135M = Shape(
+    "smollm2-135m", SMOLLM2_VOCAB, hidden=576, layers=30, heads=9, kv_heads=3, intermediate=1536, rope_theta=100000.0
+)
+SHAPES = {s.name: s for s in (TINY, SMOLLM2_135M, LLAMA_7B)}
 
 
 @dataclass(frozen=True)
@@ -129,14 +152,46 @@ class RandomTarget:
 # --------------------------------------------------------------------------- the planted path
 
 
+VOCAB_ENV = "EDGESPEC_VOCAB_GGUF"  # a GGUF holding the shipped vocabulary alone (vocab_gguf), where no draft is
+
+
+def vocabulary_gguf() -> Path:
+    """The GGUF the vocabulary is read from: $EDGESPEC_VOCAB_GGUF, else the shipped draft."""
+    from protocol import modelfiles
+
+    return Path(os.environ[VOCAB_ENV]) if os.environ.get(VOCAB_ENV) else modelfiles.shipped_gguf()
+
+
 def shipped_tokenizer_fields():
     """(reader, the shipped draft GGUF's tokenizer.* fields): the vocabulary every robot drafts in."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(vocabulary_gguf()))
+    return reader, {k: f for k, f in reader.fields.items() if k.startswith("tokenizer.")}
+
+
+def vocab_gguf(out: str | Path) -> Path:
+    """A GGUF of the shipped draft's metadata and no tensors (~2 MB, where the draft is 98): the vocabulary that
+    travels to a GPU machine in one call (tools/gpu_pack.py), read there through $EDGESPEC_VOCAB_GGUF."""
     import gguf
 
     from protocol import modelfiles
 
     reader = gguf.GGUFReader(str(modelfiles.shipped_gguf()))
-    return reader, {k: f for k, f in reader.fields.items() if k.startswith("tokenizer.")}
+    out = Path(out)
+    tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
+    w = gguf.GGUFWriter(str(tmp), str(reader.fields["general.architecture"].contents()))
+    for name, field in reader.fields.items():
+        if name.startswith("tokenizer.") or name == "general.name":
+            kind = field.types[0]
+            sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
+            w.add_key_value(name, field.contents(), kind, sub_type=sub)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    w.close()
+    os.replace(tmp, out)
+    return out
 
 
 def token_types() -> np.ndarray:
@@ -281,6 +336,9 @@ def _tensor_infos(shape: Shape) -> list[tuple[str, tuple]]:
 
 def paths(shape: Shape, dtype: str, seed: int, directory: Path) -> tuple[Path, Path]:
     base = f"random-{shape.name}-v{shape.vocab}-h{shape.hidden}-l{shape.layers}-{dtype}-s{seed}-planted{VERSION}"
+    if dtype in QUANTIZED:  # one weightless recipe directory for every quantized GGUF of the shape
+        recipe = f"random-{shape.name}-v{shape.vocab}-h{shape.hidden}-l{shape.layers}-s{seed}-planted{VERSION}-recipe"
+        return directory / f"{base}.gguf", directory / recipe
     return directory / f"{base}.gguf", directory / f"{base}-hf"
 
 
@@ -290,14 +348,16 @@ def make(
     """The GGUF and the HF directory (made once; found in the cache after)."""
     from protocol import modelfiles
 
-    if dtype not in ("f16", "f32"):
-        raise ValueError(f"dtype must be f16 or f32, got {dtype!r}")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     directory = Path(directory) if directory else modelfiles.build_dir()
     gguf_path, hf_dir = paths(shape, dtype, seed, directory)
     target = RandomTarget(gguf_path, hf_dir, shape, dtype, seed)
     if gguf_path.is_file() and (hf_dir / "config.json").is_file():
         log(f"random target: cached {gguf_path.name} and {hf_dir.name}/")
         return target
+    if dtype in QUANTIZED:
+        return _make_quantized(target, log)
     directory.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     log(
@@ -322,15 +382,10 @@ def make(
     return target
 
 
-def _write(
-    shape: Shape, dtype: str, seed: int, successor: np.ndarray, fields: dict, gguf_path: Path, hf_dir: Path, log
-) -> None:
-    """One pass over the tensors: each is made once, streamed into the GGUF and into its layer's shard."""
+def _write_metadata(w, shape: Shape, seed: int, fields: dict) -> None:
+    """The Llama hyperparameters and every `tokenizer.*` field of the shipped draft (vocabulary, merges, ids)."""
     import gguf
-    import torch
-    from safetensors.torch import save_file
 
-    w = gguf.GGUFWriter(str(gguf_path), "llama")
     w.add_name(f"random {shape.name} (planted greedy path, seed {seed})")
     w.add_context_length(shape.context)
     w.add_embedding_length(shape.hidden)
@@ -342,11 +397,23 @@ def _write(
     w.add_rope_freq_base(shape.rope_theta)
     w.add_layer_norm_rms_eps(shape.rms_eps)
     w.add_vocab_size(shape.vocab)
-    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if dtype == "f16" else gguf.LlamaFileType.ALL_F32)
     for name, field in fields.items():  # the shipped draft's vocabulary, merges, special ids, chat template
         kind = field.types[0]
         sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
         w.add_key_value(name, field.contents(), kind, sub_type=sub)
+
+
+def _write(
+    shape: Shape, dtype: str, seed: int, successor: np.ndarray, fields: dict, gguf_path: Path, hf_dir: Path, log
+) -> None:
+    """One pass over the tensors: each is made once, streamed into the GGUF and into its layer's shard."""
+    import gguf
+    import torch
+    from safetensors.torch import save_file
+
+    w = gguf.GGUFWriter(str(gguf_path), "llama")
+    _write_metadata(w, shape, seed, fields)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if dtype == "f16" else gguf.LlamaFileType.ALL_F32)
     infos = _tensor_infos(shape)
     for hf, dims in infos:
         elem = 4 if len(dims) == 1 or dtype == "f32" else 2
@@ -384,8 +451,6 @@ def _write_hf_config(shape: Shape, dtype: str, fields: dict, hf_dir: Path) -> No
     """config.json, generation_config.json and the tokenizer (transformers reads it from the shipped GGUF)."""
     from transformers import AutoTokenizer, GenerationConfig
 
-    from protocol import modelfiles
-
     bos = int(fields["tokenizer.ggml.bos_token_id"].contents())
     eos = int(fields["tokenizer.ggml.eos_token_id"].contents())
     cfg = shape.llama_config(
@@ -397,8 +462,103 @@ def _write_hf_config(shape: Shape, dtype: str, fields: dict, hf_dir: Path) -> No
     cfg.architectures = ["LlamaForCausalLM"]
     cfg.save_pretrained(hf_dir)
     GenerationConfig(bos_token_id=bos, eos_token_id=eos).save_pretrained(hf_dir)
-    shipped = modelfiles.shipped_gguf()
-    AutoTokenizer.from_pretrained(shipped.parent, gguf_file=shipped.name).save_pretrained(hf_dir)
+    vocab = vocabulary_gguf()
+    AutoTokenizer.from_pretrained(vocab.parent, gguf_file=vocab.name).save_pretrained(hf_dir)
+
+
+# --------------------------------------------------------------------------- quantized, for the GPU run
+
+
+def _make_quantized(target: RandomTarget, log) -> RandomTarget:
+    """The quantized GGUF (blocks written directly) and the weightless recipe directory for the torch engine."""
+    shape, dtype, seed = target.shape, target.dtype, target.seed
+    target.gguf.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    log(
+        f"random target: writing {shape.name} ({shape.params / 1e9:.2f} B parameters) as {target.gguf.name} "
+        f"({shape.weight_bytes(dtype) / 2**30:.2f} GiB of {dtype} blocks) and the recipe {target.hf_dir.name}/"
+    )
+    _, fields = shipped_tokenizer_fields()
+    types = np.asarray(fields["tokenizer.ggml.token_type"].contents(), dtype=np.int64)
+    if len(types) != shape.vocab:
+        raise ValueError(f"the shipped tokenizer has {len(types)} tokens, the shape {shape.vocab}")
+    successor = planted_successor(types, seed)
+    if not (target.hf_dir / "config.json").is_file():
+        tmp_dir = target.hf_dir.with_name(f"{target.hf_dir.name}.{os.getpid()}.tmp")
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        tmp_dir.mkdir(parents=True)
+        _write_hf_config(shape, "f32", fields, tmp_dir)
+        np.save(tmp_dir / "successor.npy", successor)
+        recipe = {"seed": seed, "init_std": INIT_STD, "successor": "successor.npy", "version": VERSION}
+        (tmp_dir / RECIPE).write_text(json.dumps(recipe, indent=1))
+        shutil.rmtree(target.hf_dir, ignore_errors=True)
+        tmp_dir.rename(target.hf_dir)
+    tmp_gguf = target.gguf.with_name(f"{target.gguf.name}.{os.getpid()}.tmp")
+    _write_quantized(shape, dtype, seed, successor, fields, tmp_gguf, log)
+    os.replace(tmp_gguf, target.gguf)
+    log(f"random target: made in {time.perf_counter() - t0:.1f}s")
+    return target
+
+
+def random_blocks(rows: int, cols: int, dtype: str, std: float, rng: np.random.Generator) -> np.ndarray:
+    """[rows, cols / 32 x block bytes] uint8: llama.cpp's Q8_0 or Q4_0 blocks of uniform random values whose
+    dequantized standard deviation is `std` (Q4_0's nibbles 1..15 stand for -7..7: zero mean)."""
+    blocks = rows * cols // 32
+    if dtype == "q8_0":
+        q = rng.integers(-127, 128, (blocks, 32), dtype=np.int8).view(np.uint8)
+        spread = math.sqrt((255**2 - 1) / 12)  # the standard deviation of a uniform -127..127
+    else:
+        pairs = rng.integers(0, 225, (blocks, 16), dtype=np.uint8)  # two nibbles, 15 x 15 values
+        q = (pairs % 15 + 1) | ((pairs // 15 + 1) << 4)
+        spread = math.sqrt((15**2 - 1) / 12)
+    scale = np.full((blocks, 1), std / spread, dtype=np.float16).view(np.uint8)
+    return np.concatenate([scale, q], axis=1).reshape(rows, -1)
+
+
+def _write_quantized(shape: Shape, dtype: str, seed: int, successor: np.ndarray, fields: dict, path: Path, log) -> None:
+    import gguf
+    import torch
+    from gguf.quants import quantize
+
+    qtype = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0}[dtype]
+    w = gguf.GGUFWriter(str(path), "llama")
+    _write_metadata(w, shape, seed, fields)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0 if dtype == "q8_0" else gguf.LlamaFileType.MOSTLY_Q4_0)
+    out_std = INIT_STD / math.sqrt(2 * shape.layers)
+    plan = []  # (gguf name, dims, kind, std): kind f32 (ones), table (Q8_0 of float32), blocks (random blocks)
+    for hf, dims in _tensor_infos(shape):
+        if len(dims) == 1:
+            plan.append((gguf_name(hf), dims, "f32", 1.0))
+        elif hf in ("model.embed_tokens.weight", "lm_head.weight"):
+            plan.append((gguf_name(hf), dims, "table", 1.0))
+        else:
+            std = out_std if hf.endswith(("o_proj.weight", "down_proj.weight")) else INIT_STD
+            plan.append((gguf_name(hf), dims, "blocks", std))
+    for name, dims, kind, _ in plan:
+        if kind == "f32":
+            w.add_tensor_info(name, dims, np.dtype(np.float32), math.prod(dims) * 4)
+        else:
+            per_row = dims[1] // 32 * BLOCK_BYTES["q8_0" if kind == "table" else dtype]
+            raw = gguf.GGMLQuantizationType.Q8_0 if kind == "table" else qtype
+            w.add_tensor_info(name, (dims[0], per_row), np.dtype(np.uint8), dims[0] * per_row, raw_dtype=raw)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    # the planted path: embeddings N(0, 1); head row v = the sum of the embeddings of v's predecessors / sqrt(h)
+    embed = _normal((shape.vocab, shape.hidden), 1.0, seed, "embed")
+    head = torch.zeros(shape.vocab, shape.hidden).index_add_(0, torch.from_numpy(successor), embed)
+    tables = {"token_embd.weight": embed, "output.weight": head.mul_(1.0 / math.sqrt(shape.hidden))}
+    for i, (name, dims, kind, std) in enumerate(plan):
+        if kind == "f32":
+            w.write_tensor_data(np.ones(dims, dtype=np.float32))
+        elif kind == "table":
+            w.write_tensor_data(quantize(tables.pop(name).numpy(), gguf.GGMLQuantizationType.Q8_0))
+        else:
+            rng = np.random.default_rng(seed * 1_000_003 + zlib.crc32(name.encode()))
+            w.write_tensor_data(random_blocks(dims[0], dims[1], dtype, std, rng))
+        if shape.layers > 4 and name.endswith("ffn_down.weight"):
+            log(f"  {name.split('.')[1]} of {shape.layers} layers written ({i + 1} of {len(plan)} tensors)")
+    w.close()
 
 
 def gguf_vocab_hash(path: str | Path) -> str:
@@ -455,9 +615,15 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     m = sub.add_parser("make")
     m.add_argument("--tiny", action="store_true", help="2 layers, hidden 64 (vocab still 49152)")
-    m.add_argument("--dtype", choices=("f16", "f32"), default="f16")
+    m.add_argument("--dtype", choices=DTYPES, default="f16")
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("--dir", default=None, help="default models/build")
+    p = sub.add_parser("pair", help="a random pair in the shipped vocabulary: a target, its recipe and a toy draft")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="smollm2-135m")
+    p.add_argument("--dtype", choices=QUANTIZED, default="q8_0")
+    p.add_argument("--dir", default=None, help="default models/build")
+    v = sub.add_parser("vocab", help="the shipped vocabulary alone, as a GGUF without tensors")
+    v.add_argument("out")
     c = sub.add_parser("check")
     c.add_argument("path")
     c.add_argument("--engine", choices=("llamacpp", "torch"), default="llamacpp")
@@ -468,6 +634,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "make":
         t = make(TINY if args.tiny else LLAMA_7B, args.dtype, args.seed, args.dir)
         print(json.dumps(t.describe()))
+        return 0
+    if args.cmd == "vocab":
+        print(json.dumps({"vocab": str(vocab_gguf(args.out))}))
+        return 0
+    if args.cmd == "pair":  # the target and the draft share the planted path (seed 0): the draft is mostly right
+        target = make(SHAPES[args.shape], args.dtype, 0, args.dir)
+        draft = make(TINY, args.dtype, 0, args.dir)
+        print(json.dumps({"target": str(target.gguf), "recipe": str(target.hf_dir), "draft": str(draft.gguf)}))
         return 0
     result = check(args.path, args.engine, args.device, args.dtype, args.seed)
     print(json.dumps(result))
