@@ -3,9 +3,13 @@
 * `client_address`: who the client is. The TCP peer, unless that peer is a proxy the operator listed in
   `trusted_proxies`: then the right-most address of its `X-Forwarded-For` that is not itself a trusted
   proxy (HAProxy's `option forwardfor` appends the address it saw, so whatever a client wrote there
-  itself is to the left of it and never read). A forwarding header from a peer that is not a trusted
-  proxy is ignored for the address, and marks the request as proxied: a same-host proxy nobody declared
-  never makes its clients look like loopback.
+  itself is to the left of it and never read); likewise the `for=` of RFC 7239 `Forwarded` (HAProxy's
+  `option forwarded`), or `X-Real-IP` (nginx). A trusted proxy's request that names no client in any of
+  them is a remote client of unknown address, never loopback: the proxy's own host is not its clients'.
+  Headers of two kinds that name different clients are one client of unknown address too (a proxy that
+  writes one kind passes a client's forged other kind on). A forwarding header from a peer that is not a
+  trusted proxy is ignored for the address, and marks the request as proxied: a same-host proxy nobody
+  declared never makes its clients look like loopback.
 * `Gate`: connections that have not passed hello, at most `max_total` over all peers and
   `max_per_address` from one client address. A newcomer over its address's share is refused; when the
   whole table is full the oldest pending connection makes room (silent connections age out of the
@@ -16,6 +20,7 @@
 from __future__ import annotations
 
 import ipaddress
+import re
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Hashable, Iterable
@@ -70,24 +75,79 @@ class Client:
     loopback: bool  # it is this host, and no undeclared proxy stands in between
     via_proxy: bool  # the TCP peer is a trusted proxy
 
+    @property
+    def unnamed(self) -> bool:
+        """A trusted proxy's request that names no client address (its health check, or a proxy that forwards
+        none): the proxy's own host is not its clients', so this is a remote client of unknown address."""
+        return self.via_proxy and _ip(self.address) is None
 
-def client_address(peer: str, forwarded_for: list[str], proxied: bool, trusted_proxies: Iterable[Network]) -> Client:
-    """Who the client is: `peer` is the TCP peer's address, `forwarded_for` the X-Forwarded-For header
-    values in order, `proxied` whether the request carries any forwarding header at all."""
+
+UNKNOWN = "unknown"  # the address of a client a trusted proxy does not name
+
+
+def rfc7239_for(values: Iterable[str]) -> list[str]:
+    """The `for=` of each element of RFC 7239 `Forwarded` header values, in order ("" for an element without
+    one): `for=192.0.2.60;proto=http, for="[2001:db8::17]:4711"` -> ["192.0.2.60", "[2001:db8::17]:4711"]."""
+    hops = []
+    for value in values:
+        for element in value.split(",")[-MAX_FORWARDED:]:
+            pairs = (pair.partition("=") for pair in element.split(";"))
+            hops.append(next((v.strip().strip('"') for k, _, v in pairs if k.strip().lower() == "for"), ""))
+    return hops[-MAX_FORWARDED:]
+
+
+def _strip_port(hop: str) -> str:
+    """An RFC 7239 node without its port: "192.0.2.60:4711" -> "192.0.2.60", "[::1]:80" -> "[::1]"."""
+    if hop.startswith("["):
+        return hop[: hop.index("]") + 1] if "]" in hop else hop
+    return hop.rpartition(":")[0] if hop.count(":") == 1 else hop
+
+
+def _named(hops: list[str], trusted_proxies: Iterable[Network]) -> str | None:
+    """The client a chain of hops names (nearest last): the right-most hop no trusted proxy vouches for, else
+    the left-most (every hop trusted, as nginx does); None for no hops."""
+    hops = [h.strip() for h in hops if h.strip()][-MAX_FORWARDED:]
+    if not hops:
+        return None
+    for hop in reversed(hops):  # nearest first; stop at the first address no trusted proxy vouches for
+        client = _ip(hop)
+        if client is None or not _in(client, trusted_proxies):
+            return hop
+    return hops[0]
+
+
+def client_address(
+    peer: str,
+    forwarded_for: list[str],
+    proxied: bool,
+    trusted_proxies: Iterable[Network],
+    forwarded: Iterable[str] = (),
+    real_ip: Iterable[str] = (),
+) -> Client:
+    """Who the client is: `peer` is the TCP peer's address, `forwarded_for` the X-Forwarded-For header values
+    in order, `proxied` whether the request carries any forwarding header at all, `forwarded` its RFC 7239
+    Forwarded values and `real_ip` its X-Real-IP values (read from a trusted proxy only)."""
     ip = _ip(peer)
     if ip is not None and _in(ip, trusted_proxies):
-        hops = [h.strip() for value in forwarded_for for h in value.split(",")][-MAX_FORWARDED:]
-        if not hops:  # the proxy's own request (a health check)
-            return Client(str(ip), ip.is_loopback, True)
-        for hop in reversed(hops):  # nearest first; stop at the first address no trusted proxy vouches for
-            client = _ip(hop)
-            if client is None or not _in(client, trusted_proxies):
-                break
-        if client is None:  # something that is not an address ("unknown"): no loopback, its own bucket
-            return Client(hop[:64] or "unknown", False, True)
-        return Client(str(client), client.is_loopback, True)  # (every hop trusted: the left-most, as nginx does)
+        named = {
+            hop
+            for hop in (
+                _named([h for value in forwarded_for for h in value.split(",")], trusted_proxies),
+                _named([_strip_port(h) for h in rfc7239_for(forwarded)], trusted_proxies),
+                _named(list(real_ip)[-1:], trusted_proxies),  # one value, set by the proxy: its last
+            )
+            if hop is not None
+        }
+        clients = {str(_ip(hop) or hop[:64]) for hop in named}
+        if len(clients) != 1:  # none named (the proxy's own request), or two kinds that disagree
+            return Client(UNKNOWN, False, True)
+        hop = clients.pop()
+        client = _ip(hop)
+        if client is None:  # something that is not an address ("unknown", "_hidden"): no loopback, its own bucket
+            return Client(hop or UNKNOWN, False, True)
+        return Client(str(client), client.is_loopback, True)
     if ip is None:
-        return Client(peer[:64] or "unknown", False, False)
+        return Client(peer[:64] or UNKNOWN, False, False)
     return Client(str(ip), ip.is_loopback and not proxied, False)
 
 
@@ -97,6 +157,21 @@ def address_key(address: str) -> str:
     if ip is not None and ip.version == 6:
         return str(ipaddress.ip_network(f"{ip}/64", strict=False))
     return address
+
+
+MAX_ROBOT_NAME = 64  # characters of a robot's name kept in its share's key (the key goes into log lines)
+_NOT_NAME = re.compile(r"[^A-Za-z0-9_.:/@+-]")
+
+
+def share_key(address: str, robot_id: str, hello_client: str) -> str:
+    """Whose share of the session table (max_sessions_per_client) an authenticated connection's sessions count
+    against: its address (an IPv6 /64) and the robot it says it is, its X-Robot-Id and hello's client. Robots
+    behind one NAT address each hold a share of their own. A name is believed only once hello passed the
+    token, and only for this: a token holder is the operator's own robot, and what it may claim costs the
+    others nothing the whole table's bound (least recently used idle first) does not already allow. Before
+    hello nothing a peer says about itself is read: the caps on strangers count its address alone."""
+    names = (_NOT_NAME.sub("?", name[:MAX_ROBOT_NAME]) or "-" for name in (robot_id, hello_client))
+    return " ".join((address_key(address), *names))
 
 
 @dataclass

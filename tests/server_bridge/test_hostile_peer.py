@@ -28,7 +28,7 @@ from websockets.sync.client import connect
 from agent.spec.link import ServerError, VerifierLink
 from protocol import wire
 from server_bridge.config import ServerConfig
-from server_bridge.peers import Gate, LogBudget, client_address, parse_networks
+from server_bridge.peers import Gate, LogBudget, client_address, parse_networks, share_key
 
 TOKEN = "s3cret"
 GREEDY = {"temperature": 0.0, "top_k": 0, "seed": 0}
@@ -50,7 +50,8 @@ LOOPBACK_PROXY = parse_networks(["127.0.0.1/32"])
         ("127.0.0.1", ["127.0.0.1, 203.0.113.7"], True, LOOPBACK_PROXY, ("203.0.113.7", False, True)),
         ("127.0.0.1", ["127.0.0.1", "203.0.113.7"], True, LOOPBACK_PROXY, ("203.0.113.7", False, True)),
         ("127.0.0.1", ["127.0.0.1"], True, LOOPBACK_PROXY, ("127.0.0.1", True, True)),  # a client on the proxy's host
-        ("127.0.0.1", [], False, LOOPBACK_PROXY, ("127.0.0.1", True, True)),  # the proxy's own health check
+        # the proxy's own health check, or a proxy that forwards no address: a remote client of unknown address
+        ("127.0.0.1", [], False, LOOPBACK_PROXY, ("unknown", False, True)),
         ("127.0.0.1", ["unknown"], True, LOOPBACK_PROXY, ("unknown", False, True)),
         ("::ffff:127.0.0.1", ["2001:db8::5"], True, LOOPBACK_PROXY, ("2001:db8::5", False, True)),
     ],
@@ -58,6 +59,51 @@ LOOPBACK_PROXY = parse_networks(["127.0.0.1/32"])
 def test_the_client_is_the_peer_unless_a_trusted_proxy_names_it(peer, xff, proxied, trusted, expect):
     c = client_address(peer, xff, proxied, trusted)
     assert (c.address, c.loopback, c.via_proxy) == expect
+
+
+@pytest.mark.parametrize(
+    "headers, expect",
+    [
+        # RFC 7239 Forwarded (HAProxy's `option forwarded`): for= of the right-most element it does not vouch for
+        ({"Forwarded": ["for=203.0.113.7;proto=http;by=127.0.0.1"]}, ("203.0.113.7", False)),
+        ({"Forwarded": ['for=127.0.0.1, for="203.0.113.7:4711"']}, ("203.0.113.7", False)),
+        ({"Forwarded": ["for=198.51.100.1", 'For="[2001:db8:cafe::17]:4711"']}, ("2001:db8:cafe::17", False)),
+        ({"Forwarded": ["for=127.0.0.1"]}, ("127.0.0.1", True)),  # a client on the proxy's host
+        ({"Forwarded": ["for=_hidden"]}, ("_hidden", False)),  # obfuscated: its own bucket, never loopback
+        ({"Forwarded": ["proto=https"]}, ("unknown", False)),  # no for=: named nobody
+        ({"X-Real-IP": ["198.51.100.9"]}, ("198.51.100.9", False)),  # nginx's proxy_set_header X-Real-IP
+        ({"X-Real-IP": ["127.0.0.1"]}, ("127.0.0.1", True)),
+        # kinds that agree are one client; kinds that disagree (the proxy passed a client's forged other kind on)
+        # are a client of unknown address, whichever the forger chose
+        ({"X-Forwarded-For": ["203.0.113.7"], "X-Real-IP": ["203.0.113.7"]}, ("203.0.113.7", False)),
+        ({"X-Forwarded-For": ["203.0.113.7"], "Forwarded": ["for=127.0.0.1"]}, ("unknown", False)),
+        ({"Forwarded": ["for=203.0.113.7"], "X-Forwarded-For": ["127.0.0.1"]}, ("unknown", False)),
+    ],
+)
+def test_a_trusted_proxy_names_its_client_in_any_forwarding_header(headers, expect):
+    """The bypass: a same-host proxy that forwards no X-Forwarded-For made every client it forwarded loopback."""
+    c = client_address(
+        "127.0.0.1",
+        headers.get("X-Forwarded-For", []),
+        True,
+        LOOPBACK_PROXY,
+        forwarded=headers.get("Forwarded", []),
+        real_ip=headers.get("X-Real-IP", []),
+    )
+    assert (c.address, c.loopback, c.via_proxy) == (*expect, True)
+    assert c.unnamed == (expect[0] in ("unknown", "_hidden"))
+    untrusted = client_address("127.0.0.1", [], True, (), forwarded=headers.get("Forwarded", []))
+    assert (untrusted.address, untrusted.loopback) == ("127.0.0.1", False)  # read from a trusted proxy only
+
+
+def test_robots_behind_one_address_each_hold_their_own_share():
+    """Once its token is checked, the robot's name splits its address's share; it never merges two addresses."""
+    keys = {share_key("203.0.113.7", f"robot-{i:02d}", "edge-agent") for i in range(64)}
+    assert len(keys) == 64
+    assert share_key("203.0.113.7", "r", "a") != share_key("203.0.113.8", "r", "a")
+    assert share_key("2001:db8::1", "r", "a") == share_key("2001:db8::2", "r", "a")  # one host's /64
+    hostile = share_key("203.0.113.7", "x" * 10_000, "evil\nINFO forged log line")
+    assert len(hostile) < 3 * 64 and "\n" not in hostile
 
 
 def test_the_gate_caps_per_address_and_evicts_the_oldest_when_full():
@@ -355,10 +401,44 @@ def test_a_same_host_proxy_does_not_make_its_clients_loopback(make_server, targe
             connect(s.url, additional_headers=remote)
         assert e.value.response.status_code == 403
         assert _get(f"http://127.0.0.1:{s.port}/healthz", **remote)[0] == 403
+        if not config:
+            _robot_opens(s, token="")  # this host's own tools, as before, where no proxy is declared
     with connect(s.url, additional_headers={"X-Forwarded-For": "127.0.0.1"}) as ws:  # a client on the proxy's host
         ws.send(_hello(target))
         assert wire.decode(ws.recv(timeout=10)).TYPE == "welcome"
-    _robot_opens(s, token="")  # and this host's own tools, as before
+
+
+@pytest.mark.real
+def test_a_trusted_proxy_that_forwards_no_x_forwarded_for_does_not_make_its_clients_loopback(make_server, target):
+    """The bypass: a same-host proxy speaking RFC 7239 Forwarded, or X-Real-IP, or forwarding no address at all,
+    made its remote clients the proxy itself: loopback, on a server that serves loopback clients only (or
+    trusts them without the token). Now Forwarded's for= and X-Real-IP name the client, and a request of the
+    proxy's that names none is a remote client of unknown address: never loopback, its /healthz the status."""
+    s = make_server(exits="", trusted_proxies=["127.0.0.1/32"])  # tokenless: loopback clients only
+    for remote in ({"Forwarded": "for=203.0.113.7;proto=http"}, {"X-Real-IP": "203.0.113.7"}, {}):
+        with pytest.raises(InvalidStatus) as e:
+            connect(s.url, additional_headers=remote, open_timeout=5)
+        assert e.value.response.status_code == 403, remote
+    status, _, body = _get(f"http://127.0.0.1:{s.port}/healthz")  # the proxy's own check: up, and nothing else
+    assert status == 200 and json.loads(body) == {"status": "ok"}
+    for local in ({"Forwarded": 'for="127.0.0.1:50000"'}, {"X-Real-IP": "127.0.0.1"}):  # on the proxy's host
+        with connect(s.url, additional_headers=local) as ws:
+            ws.send(_hello(target))
+            assert wire.decode(ws.recv(timeout=10)).TYPE == "welcome"
+    lenient = make_server(exits="", token=TOKEN, trust_loopback=True, trusted_proxies=["127.0.0.1/32"])
+    for remote in ({"Forwarded": "for=203.0.113.7"}, {"X-Real-IP": "203.0.113.7"}, {}):
+        with connect(lenient.url, additional_headers=remote) as ws:  # no token: only loopback may do that
+            assert len(lenient.server.gate) == 1  # a stranger, capped as one
+            ws.send(_hello(target))
+            assert wire.decode(ws.recv(timeout=10)).code == "bad_token", remote
+    capped = make_server(exits="", token=TOKEN, trusted_proxies=["127.0.0.1/32"], max_unauthenticated_per_address=2)
+    held = [_upgrade(capped.port, Forwarded=f"for=198.51.100.{n}") for n in (1, 1, 2)]
+    held += [_upgrade(capped.port, X_Real_IP="198.51.100.3")]
+    assert [status for _, status in held] == [101] * 4  # each its own client's share, not the proxy's
+    held.append(_upgrade(capped.port, Forwarded="for=198.51.100.1"))
+    assert held[-1][1] == 429
+    for sock, _ in held:
+        sock.close()
 
 
 @pytest.mark.real
@@ -368,7 +448,9 @@ def test_with_a_token_loopback_presents_it_unless_the_operator_trusts_loopback(m
         _robot(strict, token="").connect()
     assert e.value.code == "bad_token"
     lenient = make_server(exits="", token=TOKEN, trust_loopback=True, trusted_proxies=["127.0.0.1/32"])
-    _robot_opens(lenient, token="")  # said so deliberately
+    with connect(lenient.url, additional_headers={"X-Forwarded-For": "127.0.0.1"}) as ws:  # said so deliberately
+        ws.send(_hello(target))
+        assert wire.decode(ws.recv(timeout=10)).TYPE == "welcome"
     undeclared = make_server(exits="", token=TOKEN, trust_loopback=True)  # a same-host proxy nobody listed
     for s in (lenient, undeclared):
         with connect(s.url, additional_headers={"X-Forwarded-For": "203.0.113.7"}) as ws:  # a remote client
@@ -386,8 +468,8 @@ def test_x_forwarded_for_counts_only_from_a_trusted_proxy(make_server):
     proxied = make_server(exits="", token=TOKEN, trusted_proxies=["127.0.0.1/32"], max_unauthenticated_per_address=2)
     held = [_upgrade(proxied.port, X_Forwarded_For=f"198.51.100.{n}") for n in (1, 1, 2)]
     assert [status for _, status in held] == [101, 101, 101]
-    sock, status = _upgrade(proxied.port, X_Forwarded_For="198.51.100.1")
-    assert status == 429
+    sock, status = _upgrade(proxied.port, X_Forwarded_For="198.51.100.1", X_Robot_Id="robot-new")
+    assert status == 429  # a name claimed before hello is believed for nothing: the address's share is spent
     held.append((sock, status))
     direct = make_server(exits="", token=TOKEN, max_unauthenticated_per_address=2)
     held += [_upgrade(direct.port, X_Forwarded_For=f"198.51.100.{n}") for n in (1, 2)]
