@@ -135,9 +135,9 @@ class ServerConfig:
     )
     max_unauthenticated_per_address: int = setting(
         8,
-        help="Of those, from one client address (an IPv6 /64), whatever the peer claims to be; beyond it a "
-        "newcomer is closed at once (HTTP 429 behind a trusted proxy) and a robot reconnects after its backoff. "
-        "Raise it for many robots behind one NAT that reconnect all at once.",
+        help="Of those, one client address's share (an IPv6 /64), whatever the peer claims to be; beyond it a "
+        "newcomer only borrows free room (robots behind one NAT reconnecting at once), the first to go when "
+        "another address needs it, and is closed at once when none is left (HTTP 429 behind a trusted proxy).",
     )
     trust_loopback: bool | None = setting(
         None,

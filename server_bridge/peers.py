@@ -10,10 +10,13 @@
   writes one kind passes a client's forged other kind on). A forwarding header from a peer that is not a
   trusted proxy is ignored for the address, and marks the request as proxied: a same-host proxy nobody
   declared never makes its clients look like loopback.
-* `Gate`: connections that have not passed hello, at most `max_total` over all peers and
-  `max_per_address` from one client address. A newcomer over its address's share is refused; when the
-  whole table is full the oldest pending connection makes room (silent connections age out of the
-  table instead of locking newcomers out: a robot's handshake takes milliseconds).
+* `Gate`: connections that have not passed hello, at most `max_total` over all peers, and a share of
+  `max_per_address` for each client address. A newcomer over its address's share only borrows room the
+  table has free (robots behind one NAT address reconnecting all at once) and is the first to go when a
+  newcomer within its own share needs room; with the table full it is refused. A newcomer within its
+  share evicts the oldest borrowed connection, else the oldest pending one (silent connections age out
+  of the table instead of locking newcomers out: a robot's handshake takes milliseconds). So one address
+  never pushes out another's connections within their share, whatever names it claims.
 * `LogBudget`: at most `limit` log lines per window; the rest are counted and reported in one line.
 """
 
@@ -178,6 +181,7 @@ def share_key(address: str, robot_id: str, hello_client: str) -> str:
 class _Pending:
     since: float
     key: str | None  # counted under this address; None: behind a trusted proxy, known at its request
+    borrowed: bool = False  # admitted past its address's share into free room: the first to make room
 
 
 class Gate:
@@ -196,32 +200,39 @@ class Gate:
     def __contains__(self, conn: Hashable) -> bool:
         return conn in self._pending
 
+    def held_by(self, address: str) -> int:
+        """Pending connections counted under `address`'s share (borrowed ones included)."""
+        return self._per_address.get(address_key(address), 0)
+
     def admit(self, conn: Hashable, address: str | None) -> tuple[bool, list]:
         """A new connection (TCP accepted). `address` None: its client is known only from its request (a
         trusted proxy's connection). Returns (admitted, connections evicted to make room, oldest first):
-        refused when its address already holds max_per_address pending connections."""
+        refused when its address already holds max_per_address pending connections and the table is full."""
         key = None if address is None else address_key(address)
-        if key is not None and self._per_address[key] >= self.max_per_address:
+        over = key is not None and self._per_address[key] >= self.max_per_address
+        if over and len(self._pending) >= self.max_total:
             return False, []
         evicted = []
-        while len(self._pending) >= self.max_total:
-            oldest = next(iter(self._pending))
-            self.release(oldest)
-            evicted.append(oldest)
-        self._pending[conn] = _Pending(self.clock(), key)
+        while len(self._pending) >= self.max_total:  # (never when over: it only borrows free room)
+            victim = next((c for c, p in self._pending.items() if p.borrowed), next(iter(self._pending)))
+            self.release(victim)
+            evicted.append(victim)
+        self._pending[conn] = _Pending(self.clock(), key, over)
         if key is not None:
             self._per_address[key] += 1
         return True, evicted
 
     def identify(self, conn: Hashable, address: str) -> bool:
-        """The client of a connection admitted without an address; False when that address is over its cap
-        (the connection stays pending until it closes)."""
+        """The client of a connection admitted without an address; False when that address is over its share
+        and the table is full (the connection stays pending until it closes)."""
         pending = self._pending.get(conn)
         if pending is None or pending.key is not None:
             return True
         key = address_key(address)
         if self._per_address[key] >= self.max_per_address:
-            return False
+            if len(self._pending) >= self.max_total:
+                return False
+            pending.borrowed = True
         pending.key = key
         self._per_address[key] += 1
         return True
