@@ -251,7 +251,7 @@ class BridgeServer:
             "fitted" if model.fitted else "defaults (run server-bridge profile)",
         )
         log.info(
-            "peers: loopback clients %s; client addresses from X-Forwarded-For of %s; hello within %gs; at most "
+            "peers: loopback clients %s; client addresses from the forwarding headers of %s; hello within %gs; at most "
             "%d unauthenticated connections, %d per address",
             "need no token" if self.config.loopback_trusted else "present the token like everyone",
             ", ".join(self.config.trusted_proxies) or "no proxy",
