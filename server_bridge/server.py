@@ -373,7 +373,7 @@ class BridgeServer:
             self.metrics.refused["address_cap"] += 1
             self._log_stranger(
                 logging.INFO,
-                "%s: refused: %d unauthenticated connections from this address already",
+                "%s: refused: past its share of %d unauthenticated connections, and the table is full",
                 address,
                 self.config.max_unauthenticated_per_address,
             )
