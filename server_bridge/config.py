@@ -98,9 +98,10 @@ class ServerConfig:
     max_sessions_per_connection: int = setting(8, help="Sessions one connection may hold.")
     max_sessions_per_client: int = setting(
         16,
-        help="Sessions of one client (its address: server.client_key) over all its connections; beyond it its "
-        "own least recently used idle one is evicted, or the open is refused (too_many_sessions). Raise it for "
-        "many robots behind one NAT (behind HAProxy: set trusted_proxies).",
+        help="Sessions of one client over all its connections (server.client_key: with a token, the robot its "
+        "hello names, its address and X-Robot-Id, so robots behind one NAT each have their own; without, its "
+        "address); beyond it its own least recently used idle one is evicted, or the open is refused "
+        "(too_many_sessions).",
     )
     idle_timeout_s: float = setting(300.0, help="Sessions untouched this long are evicted (s).")
     replica_id: str = setting(
@@ -134,8 +135,9 @@ class ServerConfig:
     )
     max_unauthenticated_per_address: int = setting(
         8,
-        help="Of those, from one client address (an IPv6 /64); beyond it a newcomer is closed at once (HTTP "
-        "429 behind a trusted proxy). Raise it for many robots behind one NAT.",
+        help="Of those, one client address's share (an IPv6 /64), whatever the peer claims to be; beyond it a "
+        "newcomer only borrows free room (robots behind one NAT reconnecting at once), the first to go when "
+        "another address needs it, and is closed at once when none is left (HTTP 429 behind a trusted proxy).",
     )
     trust_loopback: bool | None = setting(
         None,
@@ -146,9 +148,10 @@ class ServerConfig:
     )
     trusted_proxies: list[str] = setting(
         default_factory=list,
-        help="CIDRs of proxies (HAProxy) whose X-Forwarded-For names the client, e.g. 127.0.0.1/32 for one on "
-        "this host: its address then decides the loopback rule, the per-address cap and the logs. "
-        "[] = every peer is its own client (X-Forwarded-For ignored).",
+        help="CIDRs of proxies (HAProxy, nginx) whose X-Forwarded-For, Forwarded (for=) or X-Real-IP names the "
+        "client, e.g. 127.0.0.1/32 for one on this host: its address then decides the loopback rule, the "
+        "per-address cap and the logs; a request of theirs that names none is a remote client of unknown "
+        "address, never loopback. [] = every peer is its own client (those headers ignored).",
     )
     metrics_listen: str = setting(
         "",

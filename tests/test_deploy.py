@@ -413,7 +413,8 @@ def test_haproxy_config_keeps_the_static_one():
     # the replicas learn the robot's address (server.trusted_proxies) and no client can name its own
     for sections in (static, k8s):
         assert "option forwardfor" in sections["backend verifiers"]
-        assert "http-request del-header X-Forwarded-For" in sections["frontend robots"]
+        for header in ("X-Forwarded-For", "Forwarded", "X-Real-IP"):  # every kind a replica reads
+            assert f"http-request del-header {header}" in sections["frontend robots"]
 
 
 def test_haproxy_finds_the_headless_service():

@@ -28,7 +28,7 @@ from websockets.sync.client import connect
 from agent.spec.link import ServerError, VerifierLink
 from protocol import wire
 from server_bridge.config import ServerConfig
-from server_bridge.peers import Gate, LogBudget, client_address, parse_networks
+from server_bridge.peers import Gate, LogBudget, client_address, parse_networks, share_key
 
 TOKEN = "s3cret"
 GREEDY = {"temperature": 0.0, "top_k": 0, "seed": 0}
@@ -50,7 +50,8 @@ LOOPBACK_PROXY = parse_networks(["127.0.0.1/32"])
         ("127.0.0.1", ["127.0.0.1, 203.0.113.7"], True, LOOPBACK_PROXY, ("203.0.113.7", False, True)),
         ("127.0.0.1", ["127.0.0.1", "203.0.113.7"], True, LOOPBACK_PROXY, ("203.0.113.7", False, True)),
         ("127.0.0.1", ["127.0.0.1"], True, LOOPBACK_PROXY, ("127.0.0.1", True, True)),  # a client on the proxy's host
-        ("127.0.0.1", [], False, LOOPBACK_PROXY, ("127.0.0.1", True, True)),  # the proxy's own health check
+        # the proxy's own health check, or a proxy that forwards no address: a remote client of unknown address
+        ("127.0.0.1", [], False, LOOPBACK_PROXY, ("unknown", False, True)),
         ("127.0.0.1", ["unknown"], True, LOOPBACK_PROXY, ("unknown", False, True)),
         ("::ffff:127.0.0.1", ["2001:db8::5"], True, LOOPBACK_PROXY, ("2001:db8::5", False, True)),
     ],
@@ -60,22 +61,85 @@ def test_the_client_is_the_peer_unless_a_trusted_proxy_names_it(peer, xff, proxi
     assert (c.address, c.loopback, c.via_proxy) == expect
 
 
+@pytest.mark.parametrize(
+    "headers, expect",
+    [
+        # RFC 7239 Forwarded (HAProxy's `option forwarded`): for= of the right-most element it does not vouch for
+        ({"Forwarded": ["for=203.0.113.7;proto=http;by=127.0.0.1"]}, ("203.0.113.7", False)),
+        ({"Forwarded": ['for=127.0.0.1, for="203.0.113.7:4711"']}, ("203.0.113.7", False)),
+        ({"Forwarded": ["for=198.51.100.1", 'For="[2001:db8:cafe::17]:4711"']}, ("2001:db8:cafe::17", False)),
+        ({"Forwarded": ["for=127.0.0.1"]}, ("127.0.0.1", True)),  # a client on the proxy's host
+        ({"Forwarded": ["for=_hidden"]}, ("_hidden", False)),  # obfuscated: its own bucket, never loopback
+        ({"Forwarded": ["proto=https"]}, ("unknown", False)),  # no for=: named nobody
+        ({"X-Real-IP": ["198.51.100.9"]}, ("198.51.100.9", False)),  # nginx's proxy_set_header X-Real-IP
+        ({"X-Real-IP": ["127.0.0.1"]}, ("127.0.0.1", True)),
+        # kinds that agree are one client; kinds that disagree (the proxy passed a client's forged other kind on)
+        # are a client of unknown address, whichever the forger chose
+        ({"X-Forwarded-For": ["203.0.113.7"], "X-Real-IP": ["203.0.113.7"]}, ("203.0.113.7", False)),
+        ({"X-Forwarded-For": ["203.0.113.7"], "Forwarded": ["for=127.0.0.1"]}, ("unknown", False)),
+        ({"Forwarded": ["for=203.0.113.7"], "X-Forwarded-For": ["127.0.0.1"]}, ("unknown", False)),
+    ],
+)
+def test_a_trusted_proxy_names_its_client_in_any_forwarding_header(headers, expect):
+    """The bypass: a same-host proxy that forwards no X-Forwarded-For made every client it forwarded loopback."""
+    c = client_address(
+        "127.0.0.1",
+        headers.get("X-Forwarded-For", []),
+        True,
+        LOOPBACK_PROXY,
+        forwarded=headers.get("Forwarded", []),
+        real_ip=headers.get("X-Real-IP", []),
+    )
+    assert (c.address, c.loopback, c.via_proxy) == (*expect, True)
+    assert c.unnamed == (expect[0] in ("unknown", "_hidden"))
+    untrusted = client_address("127.0.0.1", [], True, (), forwarded=headers.get("Forwarded", []))
+    assert (untrusted.address, untrusted.loopback) == ("127.0.0.1", False)  # read from a trusted proxy only
+
+
+def test_robots_behind_one_address_each_hold_their_own_share():
+    """Once its token is checked, the robot's name splits its address's share; it never merges two addresses."""
+    keys = {share_key("203.0.113.7", f"robot-{i:02d}", "edge-agent") for i in range(64)}
+    assert len(keys) == 64
+    assert share_key("203.0.113.7", "r", "a") != share_key("203.0.113.8", "r", "a")
+    assert share_key("2001:db8::1", "r", "a") == share_key("2001:db8::2", "r", "a")  # one host's /64
+    hostile = share_key("203.0.113.7", "x" * 10_000, "evil\nINFO forged log line")
+    assert len(hostile) < 3 * 64 and "\n" not in hostile
+
+
 def test_the_gate_caps_per_address_and_evicts_the_oldest_when_full():
-    gate = Gate(max_total=3, max_per_address=2)
+    gate = Gate(max_total=4, max_per_address=2)
     assert gate.admit("a1", "10.0.0.1") == (True, [])
     assert gate.admit("a2", "10.0.0.1") == (True, [])
-    assert gate.admit("a3", "10.0.0.1") == (False, [])  # its address holds its share
+    assert gate.admit("a3", "10.0.0.1") == (True, [])  # past its address's share: it borrows free room
     assert gate.admit("p1", None) == (True, [])  # behind a proxy: counted once its request names the client
-    assert gate.admit("b1", "10.0.0.2") == (True, ["a1"])  # full: the oldest stranger makes room
-    assert gate.admit("a4", "10.0.0.1") == (True, ["a2"])  # a1's slot of 10.0.0.1 went with it
-    assert gate.identify("p1", "2001:db8::1")  # its client, named by the proxy: a new address
-    assert gate.admit("v6", "2001:db8::2") == (True, ["p1"])
-    assert gate.admit("v6b", "2001:db8::3") == (True, ["b1"])
+    assert gate.admit("a4", "10.0.0.1") == (False, [])  # past its share, and no room left: refused
+    assert gate.admit("b1", "10.0.0.2") == (True, ["a3"])  # within its share: the borrowed one goes first
+    assert gate.admit("b2", "10.0.0.2") == (True, ["a1"])  # then the oldest stranger
+    assert not gate.identify("p1", "10.0.0.2")  # its client's share is spent and the table is full
+    gate.release("p1")
+    gate.release("p1")  # idempotent
+    gate.release("a2")
+    assert gate.admit("p2", None) == (True, [])
+    assert gate.identify("p2", "10.0.0.2")  # with room left it borrows too ...
+    assert gate.admit("v6", "2001:db8::2") == (True, [])
+    assert gate.admit("v6b", "2001:db8::3") == (True, ["p2"])  # ... and goes first
     assert gate.admit("v6c", "2001:db8::4") == (False, [])  # an IPv6 host's share is its /64's
-    gate.release("v6")
-    gate.release("v6")  # idempotent
-    assert len(gate) == 2 and "a4" in gate and "v6b" in gate
-    assert gate.admit("v6c", "2001:db8::4") == (True, [])
+    gate.release("b1")
+    assert gate.admit("v6c", "2001:db8::4") == (True, [])  # borrowed
+    assert len(gate) == 4 and all(c in gate for c in ("b2", "v6", "v6b", "v6c"))
+
+
+def test_a_flood_from_one_address_never_pushes_out_another_addresss_share():
+    """The share's point, with borrowing: one address (a NAT, or an attacker claiming to be many robots) may fill
+    free room, but whatever it holds past its share goes before anyone else's connection within theirs."""
+    gate = Gate(max_total=64, max_per_address=8)
+    for n in range(8):
+        assert gate.admit(f"robot{n}", "203.0.113.1") == (True, [])
+    flood = [gate.admit(f"flood{n}", "198.51.100.9") for n in range(200)]
+    assert sum(ok for ok, _ in flood) == 56 and all(not evicted for _, evicted in flood)  # the free room, no more
+    for n in range(8):  # another address's newcomers take the flood's borrowed room, never the robots'
+        assert gate.admit(f"late{n}", "192.0.2.1") == (True, [f"flood{8 + n}"])
+    assert all(f"robot{n}" in gate for n in range(8))
 
 
 def test_the_log_budget_counts_what_it_holds_back_and_reports_it_once_the_window_turns():
@@ -267,16 +331,24 @@ def test_silent_connections_do_not_lock_a_robot_out_and_go_at_the_deadline(make_
 
 
 @pytest.mark.real
-def test_an_address_over_its_share_is_closed_at_once_and_others_still_get_in(make_server):
-    s = make_server(exits="", token=TOKEN, max_unauthenticated_per_address=2, hello_timeout_s=5.0)
+def test_an_address_over_its_share_only_borrows_free_room_and_goes_first(make_server):
+    """Past its share an address (robots behind one NAT reconnecting at once) borrows the room the table has
+    free; with none left its newcomer is closed at once, and another address's newcomer takes the borrowed
+    room, never a connection within its share."""
+    cfg = {"max_unauthenticated": 3, "max_unauthenticated_per_address": 2, "hello_timeout_s": 5.0}
+    s = make_server(exits="", token=TOKEN, **cfg)
     first, second = _tcp(s.port, "127.0.0.7"), _tcp(s.port, "127.0.0.7")
     time.sleep(0.2)  # accepted
-    third = _tcp(s.port, "127.0.0.7")
-    assert _closed_how(third, 2.0) in ("eof", "reset")
-    assert _closed_how(first, 0.3) == "open" and _closed_how(second, 0.3) == "open"
+    third = _tcp(s.port, "127.0.0.7")  # past its share: borrowed
+    time.sleep(0.2)
+    fourth = _tcp(s.port, "127.0.0.7")  # past its share, the table full
+    assert _closed_how(fourth, 2.0) in ("eof", "reset")
+    assert all(_closed_how(sock, 0.3) == "open" for sock in (first, second, third))
     assert s.server.metrics.refused["address_cap"] == 1
-    _robot_opens(s)  # another address (127.0.0.1)
-    for sock in (first, second, third):
+    _robot_opens(s)  # another address (127.0.0.1): the borrowed room is its
+    assert _closed_how(third, 2.0) in ("eof", "reset") and s.server.metrics.refused["evicted"] == 1
+    assert _closed_how(first, 0.3) == "open" and _closed_how(second, 0.3) == "open"
+    for sock in (first, second, third, fourth):
         sock.close()
 
 
@@ -355,10 +427,45 @@ def test_a_same_host_proxy_does_not_make_its_clients_loopback(make_server, targe
             connect(s.url, additional_headers=remote)
         assert e.value.response.status_code == 403
         assert _get(f"http://127.0.0.1:{s.port}/healthz", **remote)[0] == 403
+        if not config:
+            _robot_opens(s, token="")  # this host's own tools, as before, where no proxy is declared
     with connect(s.url, additional_headers={"X-Forwarded-For": "127.0.0.1"}) as ws:  # a client on the proxy's host
         ws.send(_hello(target))
         assert wire.decode(ws.recv(timeout=10)).TYPE == "welcome"
-    _robot_opens(s, token="")  # and this host's own tools, as before
+
+
+@pytest.mark.real
+def test_a_trusted_proxy_that_forwards_no_x_forwarded_for_does_not_make_its_clients_loopback(make_server, target):
+    """The bypass: a same-host proxy speaking RFC 7239 Forwarded, or X-Real-IP, or forwarding no address at all,
+    made its remote clients the proxy itself: loopback, on a server that serves loopback clients only (or
+    trusts them without the token). Now Forwarded's for= and X-Real-IP name the client, and a request of the
+    proxy's that names none is a remote client of unknown address: never loopback, its /healthz the status."""
+    s = make_server(exits="", trusted_proxies=["127.0.0.1/32"])  # tokenless: loopback clients only
+    for remote in ({"Forwarded": "for=203.0.113.7;proto=http"}, {"X-Real-IP": "203.0.113.7"}, {}):
+        with pytest.raises(InvalidStatus) as e:
+            connect(s.url, additional_headers=remote, open_timeout=5)
+        assert e.value.response.status_code == 403, remote
+    status, _, body = _get(f"http://127.0.0.1:{s.port}/healthz")  # the proxy's own check: up, and nothing else
+    assert status == 200 and json.loads(body) == {"status": "ok"}
+    for local in ({"Forwarded": 'for="127.0.0.1:50000"'}, {"X-Real-IP": "127.0.0.1"}):  # on the proxy's host
+        with connect(s.url, additional_headers=local) as ws:
+            ws.send(_hello(target))
+            assert wire.decode(ws.recv(timeout=10)).TYPE == "welcome"
+    lenient = make_server(exits="", token=TOKEN, trust_loopback=True, trusted_proxies=["127.0.0.1/32"])
+    for remote in ({"Forwarded": "for=203.0.113.7"}, {"X-Real-IP": "203.0.113.7"}, {}):
+        with connect(lenient.url, additional_headers=remote) as ws:  # no token: only loopback may do that
+            assert len(lenient.server.gate) == 1  # a stranger, capped as one
+            ws.send(_hello(target))
+            assert wire.decode(ws.recv(timeout=10)).code == "bad_token", remote
+    caps = {"max_unauthenticated": 5, "max_unauthenticated_per_address": 2}  # full at the fifth: no borrowing
+    capped = make_server(exits="", token=TOKEN, trusted_proxies=["127.0.0.1/32"], **caps)
+    held = [_upgrade(capped.port, Forwarded=f"for=198.51.100.{n}") for n in (1, 1, 2)]
+    held += [_upgrade(capped.port, X_Real_IP="198.51.100.3")]
+    assert [status for _, status in held] == [101] * 4  # each its own client's share, not the proxy's
+    held.append(_upgrade(capped.port, Forwarded="for=198.51.100.1"))
+    assert held[-1][1] == 429
+    for sock, _ in held:
+        sock.close()
 
 
 @pytest.mark.real
@@ -368,7 +475,9 @@ def test_with_a_token_loopback_presents_it_unless_the_operator_trusts_loopback(m
         _robot(strict, token="").connect()
     assert e.value.code == "bad_token"
     lenient = make_server(exits="", token=TOKEN, trust_loopback=True, trusted_proxies=["127.0.0.1/32"])
-    _robot_opens(lenient, token="")  # said so deliberately
+    with connect(lenient.url, additional_headers={"X-Forwarded-For": "127.0.0.1"}) as ws:  # said so deliberately
+        ws.send(_hello(target))
+        assert wire.decode(ws.recv(timeout=10)).TYPE == "welcome"
     undeclared = make_server(exits="", token=TOKEN, trust_loopback=True)  # a same-host proxy nobody listed
     for s in (lenient, undeclared):
         with connect(s.url, additional_headers={"X-Forwarded-For": "203.0.113.7"}) as ws:  # a remote client
@@ -383,13 +492,14 @@ def test_with_a_token_loopback_presents_it_unless_the_operator_trusts_loopback(m
 def test_x_forwarded_for_counts_only_from_a_trusted_proxy(make_server):
     """Per-address shares by the forwarded client behind a trusted proxy (429 over it); from anyone else
     X-Forwarded-For changes nothing: three connections from 127.0.0.1 are three from 127.0.0.1."""
-    proxied = make_server(exits="", token=TOKEN, trusted_proxies=["127.0.0.1/32"], max_unauthenticated_per_address=2)
+    caps = {"max_unauthenticated": 4, "max_unauthenticated_per_address": 2}  # full at the fourth: no borrowing
+    proxied = make_server(exits="", token=TOKEN, trusted_proxies=["127.0.0.1/32"], **caps)
     held = [_upgrade(proxied.port, X_Forwarded_For=f"198.51.100.{n}") for n in (1, 1, 2)]
     assert [status for _, status in held] == [101, 101, 101]
-    sock, status = _upgrade(proxied.port, X_Forwarded_For="198.51.100.1")
-    assert status == 429
+    sock, status = _upgrade(proxied.port, X_Forwarded_For="198.51.100.1", X_Robot_Id="robot-new")
+    assert status == 429  # a name claimed before hello is believed for nothing: the address's share is spent
     held.append((sock, status))
-    direct = make_server(exits="", token=TOKEN, max_unauthenticated_per_address=2)
+    direct = make_server(exits="", token=TOKEN, max_unauthenticated=2, max_unauthenticated_per_address=2)
     held += [_upgrade(direct.port, X_Forwarded_For=f"198.51.100.{n}") for n in (1, 2)]
     assert [status for _, status in held[-2:]] == [101, 101]
     time.sleep(0.2)
@@ -442,8 +552,8 @@ def test_a_peer_sending_bad_frames_gets_a_bounded_number_of_log_lines(make_serve
 @pytest.mark.real
 def test_the_shipped_haproxy_config_passes_the_client_on(make_server, target):
     """deploy/haproxy/haproxy.cfg for real in front of a token-protected server that trusts it: its health
-    check gets the short /healthz, the server counts strangers by the address HAProxy saw (127.0.0.2 over
-    its share: 429), a client's forged X-Forwarded-For changes nothing, a robot with the token gets in."""
+    check gets the short /healthz, the server counts strangers by the address HAProxy saw, a client's forged
+    X-Forwarded-For, Forwarded or X-Real-IP changes nothing, a robot with the token gets in."""
     from server_bridge.fleet import HAPROXY_CFG, free_port, haproxy_binary, loopback_config, stop_process
 
     try:
@@ -472,9 +582,10 @@ def test_the_shipped_haproxy_config_passes_the_client_on(make_server, target):
         assert _get(f"http://127.0.0.1:{lb_port}/metrics")[0] == 401
         held += [_upgrade(lb_port, "127.0.0.2"), _upgrade(lb_port, "127.0.0.2")]
         held.append(_upgrade(lb_port, "127.0.0.3", X_Forwarded_For="127.0.0.2"))  # forged: it is 127.0.0.3
-        assert [status for _, status in held] == [101, 101, 101]
-        held.append(_upgrade(lb_port, "127.0.0.2"))
-        assert held[-1][1] == 429
+        held.append(_upgrade(lb_port, "127.0.0.3", Forwarded="for=127.0.0.2", X_Real_IP="127.0.0.2"))  # deleted
+        assert [status for _, status in held] == [101, 101, 101, 101]
+        gate = s.server.gate
+        assert (gate.held_by("127.0.0.2"), gate.held_by("127.0.0.3"), gate.held_by("unknown")) == (2, 2, 0)
         lb = VerifierLink(
             f"ws://127.0.0.1:{lb_port}", token=TOKEN, vocab_hash=target.vocab_hash, vocab_size=target.vocab_size
         )
