@@ -174,8 +174,20 @@ class Daemon:
         if not (rc.path or rc.foxglove):
             return None
         foxglove = rc.foxglove_address() if rc.foxglove else None
-        recorder = Recorder(rc.path, max_bytes=rc.max_bytes, foxglove=foxglove)
-        live = f", Foxglove on ws://{foxglove[0]}:{recorder.foxglove_port}" if foxglove else ""
+        recorder = Recorder(
+            rc.path,
+            max_bytes=rc.max_bytes,
+            foxglove=foxglove,
+            foxglove_credential=rc.foxglove_credential() if foxglove else "",
+            foxglove_origins=frozenset(rc.foxglove_origins),
+        )
+        live = ""
+        if foxglove:
+            origins = ", ".join(rc.foxglove_origins) or "none"
+            live = (
+                f", Foxglove on ws://{foxglove[0]}:{recorder.foxglove_port}/?token=... (the credential of "
+                f"record.foxglove_token_file; browser origins: {origins})"
+            )
         log.info("recording to %s%s", rc.path or "no file", live)
         return recorder
 
@@ -236,7 +248,7 @@ class Daemon:
         try:
             self.controller.disconnect()
         finally:
-            self.telemetry.close()
+            self.telemetry.close()  # neither raises: a full disk must not cost the run its summary
             if self.recorder is not None:
                 self.recorder.close()
         log.info("stopped")

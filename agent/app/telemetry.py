@@ -2,11 +2,13 @@
 
 When the file passes `max_bytes` it is renamed to `<path>.1` (replacing the
 previous one) and a new file starts, so the disk holds at most about twice
-`max_bytes`. Thread-safe; a write error is logged once and never stops the robot.
+`max_bytes`. Thread-safe. A write error (a full or read-only disk) stops the telemetry with one warning
+and never stops the robot: neither write() nor close() raises.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -32,7 +34,7 @@ class TelemetryWriter:
             self.path.parent.mkdir(parents=True, exist_ok=True)
 
     def write(self, record: dict) -> None:
-        if self.path is None:
+        if self.path is None or self._failed:
             return
         line = json.dumps(record, separators=(",", ":"), default=str) + "\n"
         with self._lock:
@@ -48,12 +50,24 @@ class TelemetryWriter:
                 self._fh.flush()
                 self.records += 1
             except OSError as e:
-                if not self._failed:
-                    log.error("telemetry write to %s failed (%s); going on without it", self.path, e)
+                log.warning("telemetry to %s stopped: %s; the robot goes on without it", self.path, e.strerror or e)
                 self._failed = True
+                self._drop()
+
+    def _drop(self) -> None:
+        if self._fh is not None:
+            with contextlib.suppress(OSError):
+                self._fh.close()  # a failed flush raises again, and the descriptor is closed all the same
+            self._fh = None
 
     def close(self) -> None:
         with self._lock:
-            if self._fh is not None:
+            if self._fh is None:
+                return
+            try:
                 self._fh.close()
-                self._fh = None
+            except OSError as e:
+                if not self._failed:
+                    log.warning("telemetry to %s: closing failed: %s", self.path, e.strerror or e)
+                self._failed = True
+            self._fh = None
