@@ -46,7 +46,7 @@ from .config import Config
 from .navigator import NavConfig, Navigator, Step
 from .recording import Recorder, sample_of
 from .sdnotify import Notifier
-from .telemetry import TelemetryWriter
+from .telemetry import DiskTrouble, TelemetryWriter
 
 if TYPE_CHECKING:
     from agent.client import Client
@@ -90,7 +90,8 @@ class Daemon:
         self.control: ControlLoop | None = None
         self.decoder: EdgeDecoder | None = None
         self.nav: Navigator | None = None
-        self.telemetry = TelemetryWriter(telemetry_path(cfg.telemetry.path), cfg.telemetry.max_bytes)
+        self._disk = DiskTrouble()  # the telemetry's and the recording's: a full disk is one warning
+        self.telemetry = TelemetryWriter(telemetry_path(cfg.telemetry.path), cfg.telemetry.max_bytes, self._disk)
         self.recorder: Recorder | None = None  # record.path / record.foxglove: made by start()
         self._tasks: queue.Queue = queue.Queue(MAX_PENDING)
         self._ids = itertools.count(1)
@@ -180,6 +181,7 @@ class Daemon:
             foxglove=foxglove,
             foxglove_credential=rc.foxglove_credential() if foxglove else "",
             foxglove_origins=frozenset(rc.foxglove_origins),
+            disk=self._disk,
         )
         live = ""
         if foxglove:

@@ -43,6 +43,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from .telemetry import DiskTrouble
+
 log = logging.getLogger(__name__)
 
 MAX_PATH_POSES = 2000  # /path holds the last this many poses (the simulator keeps up to 20000)
@@ -305,8 +307,10 @@ class Recorder:
         foxglove: tuple[str, int] | None = None,
         foxglove_credential: str = "",
         foxglove_origins: frozenset[str] = frozenset(),
+        disk: DiskTrouble | None = None,
     ) -> None:
         self._encode = _encoders()
+        self._disk = disk or DiskTrouble()  # shared with the telemetry: one warning for a full disk
         self._lock = threading.Lock()
         self.sinks: list[Any] = []
         if path:
@@ -341,17 +345,13 @@ class Recorder:
                 try:
                     sink.write(messages, t_ns, self.steps)
                 except OSError as e:  # a full or read-only disk: recording stops, the robot goes on
-                    log.warning(
-                        "recording to %s stopped: %s; the robot goes on without it",
-                        getattr(sink, "path", type(sink).__name__),
-                        e.strerror or e,
-                    )
+                    self._disk.stopped("recording", getattr(sink, "path", type(sink).__name__), e)
                     self.sinks.remove(sink)
                     sink.abandon()
                 except Exception:  # a bug: that sink stops (closed readable), the robot goes on
                     log.exception("recording to %s failed; going on without it", type(sink).__name__)
                     self.sinks.remove(sink)
-                    _close(sink)
+                    _close(sink, self._disk)
             for topic, _ in messages:
                 self.counts[topic] += 1
             self.steps += 1
@@ -365,14 +365,14 @@ class Recorder:
         with self._lock:
             sinks, self.sinks = self.sinks, []
         for sink in sinks:
-            _close(sink)
+            _close(sink, self._disk)
 
 
-def _close(sink: Any) -> None:
+def _close(sink: Any, disk: DiskTrouble | None = None) -> None:
     try:
         sink.close()
     except OSError as e:  # the disk filled at the very end: what was flushed before stays readable
-        log.warning("closing the recording %s failed: %s", getattr(sink, "path", "?"), e.strerror or e)
+        (disk or DiskTrouble()).stopped("recording", getattr(sink, "path", "?"), e)
         sink.abandon()
     except Exception:
         log.exception("closing %s failed", type(sink).__name__)

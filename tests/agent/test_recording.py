@@ -230,8 +230,9 @@ def test_a_run_killed_by_sigkill_reads_back_every_step_but_the_last(tmp_path):
 
 def test_a_full_disk_stops_recording_and_telemetry_and_the_run_ends_well(tmp_path, capsys, monkeypatch, caplog):
     """The recording and the telemetry on a full device (/dev/full: every write fails with ENOSPC): one warning
-    each, no traceback, and the robot walks its steps and ends with its --json summary and exit 0. Failed
-    before: TelemetryWriter.close raised, the recorder was never closed, exit 1 with no summary."""
+    for both (the second stop an INFO line), no traceback, and the robot walks its steps and ends with its
+    --json summary and exit 0. Failed before: TelemetryWriter.close raised, the recorder was never closed,
+    exit 1 with no summary."""
     import agent.spec.drafter
 
     if not os.path.exists("/dev/full"):
@@ -249,9 +250,12 @@ def test_a_full_disk_stops_recording_and_telemetry_and_the_run_ends_well(tmp_pat
     )
     assert rc == 0, err
     assert out["steps"] >= 3
-    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and "/dev/full" in r.getMessage()]
-    assert len([w for w in warned if w.startswith("telemetry")]) == 1, warned
-    assert len([w for w in warned if w.startswith("recording")]) == 1, warned
+    said = [(r.levelno, r.getMessage()) for r in caplog.records if "/dev/full stopped" in r.getMessage()]
+    assert [level for level, _ in said] == [logging.WARNING, logging.INFO], said
+    assert {m.split()[0] for _, m in said} == {"telemetry", "recording"}
+    assert all("No space left on device" in m for _, m in said)
+    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and r.name.startswith("agent")]
+    assert len([w for w in warned if "/dev/full" in w or "No space" in w]) == 1, warned
     assert not [r for r in caplog.records if r.exc_info], "a traceback in the log"
 
 
