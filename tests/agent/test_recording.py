@@ -467,6 +467,65 @@ def test_the_live_view_refuses_a_foreign_origin_a_missing_credential_and_a_rebou
     assert "live view: refused" in caplog.text and TOKEN not in caplog.text
 
 
+ANOTHER_USER = """
+import http.client
+import sys
+
+conn = http.client.HTTPConnection("127.0.0.1", int(sys.argv[1]), timeout=5)
+conn.putrequest("GET", "/")
+for name, value in (
+    ("Connection", "Upgrade"),
+    ("Upgrade", "websocket"),
+    ("Sec-WebSocket-Key", "dGhlIHNhbXBsZSBub25jZQ=="),
+    ("Sec-WebSocket-Version", "13"),
+    ("Sec-WebSocket-Protocol", "foxglove.sdk.v1"),
+):
+    conn.putheader(name, value)
+conn.endheaders()
+print(conn.getresponse().status)
+try:
+    open(sys.argv[2]).read()
+    print("read the credential")
+except OSError:
+    print("cannot read the credential")
+"""
+
+
+def _runs_as_nobody(python: str) -> bool:
+    try:
+        return subprocess.run([python, "-c", ""], user=65534, cwd="/", capture_output=True).returncode == 0
+    except OSError:  # not executable by that user
+        return False
+
+
+def test_another_local_user_cannot_watch(tmp_path):
+    """Another user of the robot's machine (uid 65534, nobody) reaches the loopback port but cannot read the
+    credential's file, and its upgrade is refused (401). Failed before: 101, and the camera's frames."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to run a client as another user")
+    runnable = [exe for exe in (sys.executable, "/usr/bin/python3") if os.access(exe, os.F_OK)]
+    python = next((exe for exe in runnable if _runs_as_nobody(exe)), None)
+    if python is None:
+        pytest.skip("no Python that uid 65534 may run")
+    token = tmp_path / "foxglove.token"
+    token.write_text(TOKEN + "\n")
+    token.chmod(0o600)
+    cfg = config.load(None, ['record.foxglove="127.0.0.1:0"', f'record.foxglove_token_file="{token}"']).record
+    recorder = Recorder(foxglove=cfg.foxglove_address(), foxglove_credential=cfg.foxglove_credential())
+    try:
+        got = subprocess.run(
+            [python, "-c", ANOTHER_USER, str(recorder.foxglove_port), str(token)],
+            user=65534,
+            cwd="/",
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    finally:
+        recorder.close()
+    assert got.stdout.split("\n")[:2] == ["401", "cannot read the credential"], got
+
+
 def test_the_live_view_needs_a_credential_from_the_config(tmp_path):
     with pytest.raises(config.ConfigError, match="foxglove_token_file"):
         config.load(None, ['record.foxglove="127.0.0.1:8765"'])
