@@ -9,9 +9,9 @@ WIRE = ["numpy>=1.26", "msgpack>=1.0", "websockets>=14", 'tomli>=1.1; python_ver
 # GStreamer) and adds opencv-python-headless only where there is none.
 ROBOT = ["llama-cpp-python==0.3.36", "jinja2", "onnxruntime>=1.17", "scipy>=1.10", "pyserial>=3.5"]
 # `edge-agent run --record`: runs as MCAP with ROS 2 messages, no ROS install (agent/app/recording.py; its CDR
-# encoder is mcap-ros2-support's, hence the upper bound). `--foxglove HOST:PORT`: Foxglove's SDK serves them live.
+# encoder is mcap-ros2-support's, hence the upper bound). `--foxglove HOST:PORT` serves them live on websockets
+# (agent/app/live.py: Foxglove's SDK server takes no credential and reads no Origin).
 RECORD = ["mcap>=1.2", "mcap-ros2-support>=0.5,<0.7"]
-FOXGLOVE = ["foxglove-sdk>=0.30,<1"]
 
 setup(
     name="edgespec",
@@ -46,7 +46,7 @@ setup(
         # A development machine's agent: opencv-python for cameras, the simulator's renderer and the colour detector.
         "agent": ROBOT + RECORD + ["opencv-python>=4.8"],
         "record": RECORD,
-        "foxglove": RECORD + FOXGLOVE,
+        "foxglove": RECORD,  # the live view needs nothing more (kept: `pip install 'edgespec[foxglove]'` works)
         # The verifier. torch is pinned to the CPU build on this machine's disk; on a GPU server install
         # the CUDA build of the same version first.
         "server": [
@@ -104,9 +104,8 @@ setup(
             # `make lint`: the product packages type-checked (mypy.ini)
             "mypy==1.19.0",
             # tests/agent/test_recording.py: a recording read back by a second, independent reader (rosbags'
-            # own CDR decoder) and served live through Foxglove's SDK
+            # own CDR decoder)
             "rosbags>=0.10",
-            *FOXGLOVE,
         ],
     },
     entry_points={

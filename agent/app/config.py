@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import re
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -353,14 +354,7 @@ class ApiSection:
                     f"api.listen {self.listen!r} is TCP: set api.token_file (or api.token), which every client "
                     "presents as 'Authorization: Bearer TOKEN', or keep the default Unix socket"
                 )
-        if not isinstance(self.allowed_origins, list) or not all(
-            isinstance(o, str) and o.startswith(("http://", "https://")) and o.count("/") == 2
-            for o in self.allowed_origins
-        ):
-            raise ConfigError(
-                f'api.allowed_origins must be a list of origins like "https://ui.robot.lan:8443", '
-                f"got {self.allowed_origins!r}"
-            )
+        _check_origins("api.allowed_origins", self.allowed_origins)
 
     def _check_openai(self) -> None:
         if not self.openai_listen:
@@ -423,6 +417,15 @@ def _check_secret(name: str, value: str) -> None:
         raise ConfigError(f"{name} must be at least {MIN_SECRET} characters without surrounding spaces")
 
 
+def _check_origins(name: str, origins: object, any_scheme: bool = False) -> None:
+    """A list of Origins, SCHEME://HOST[:PORT] (http or https unless any_scheme: an app's own, app://...)."""
+    schemes = re.compile(r"[a-z][a-z0-9+.-]*://" if any_scheme else r"https?://")
+    if not isinstance(origins, list) or not all(
+        isinstance(o, str) and schemes.match(o) and o.count("/") == 2 for o in origins
+    ):
+        raise ConfigError(f'{name} must be a list of origins like "https://ui.robot.lan:8443", got {origins!r}')
+
+
 def _read_secret(name: str, path: str) -> str:
     if not path:
         return ""
@@ -456,16 +459,30 @@ class RecordSection:
         help="Record the run as MCAP (ROS 2 messages: camera, perception, answer, action, cmd_vel, pose, path, "
         'safety, link; docs/guide/recording.md) to this file; "" for none. Needs the record extra.',
     )
-    max_bytes: int = setting(2 * 1024**3, help="The size cap of the recording, in bytes: past it recording stops.")
+    max_bytes: int = setting(
+        2 * 1024**3,
+        help="The size cap of the recording in bytes, its summary included: a step that would pass it stops the "
+        "recording (said once in the log) and the file is closed readable.",
+    )
     jpeg_quality: int = setting(80, help="The JPEG quality of the recorded camera frames (1..100).")
     foxglove: str = setting(
         "",
         flag="--foxglove",
         help='HOST:PORT: serve the same channels live to Foxglove (its WebSocket source); "" for none. Needs '
-        "the foxglove extra; an address other than loopback also allow_remote.",
+        "the record extra and a credential (foxglove_token_file); an address other than loopback also "
+        "allow_remote. Foxglove opens ws://HOST:PORT/?token=TOKEN (docs/guide/recording.md).",
     )
     allow_remote: bool = setting(
-        False, help="Serve Foxglove on an address other than loopback (anyone there sees the camera)."
+        False, help="Serve Foxglove on an address other than loopback (whoever holds the credential sees the camera)."
+    )
+    foxglove_token: str = setting(
+        "", help="The credential of the live view (?token=... in Foxglove's URL); prefer foxglove_token_file."
+    )
+    foxglove_token_file: str = setting("", help="A file holding that credential (its first line; not world-readable).")
+    foxglove_origins: list = setting(
+        default_factory=list,
+        help='Browser Origins let in to the live view; none by default. "https://app.foxglove.dev" lets in '
+        "Foxglove's web app; an upgrade with any other Origin header is refused with 403 (the log names it).",
     )
 
     def __post_init__(self) -> None:
@@ -480,6 +497,21 @@ class RecordSection:
                     f"record.foxglove {self.foxglove!r} is not loopback: anyone on the network would see the "
                     "robot's camera. Use 127.0.0.1:PORT (and an SSH tunnel), or set record.allow_remote = true"
                 )
+            if not (self.foxglove_token or self.foxglove_token_file):
+                raise ConfigError(
+                    "record.foxglove: set record.foxglove_token_file (or record.foxglove_token), the credential "
+                    "Foxglove presents as ws://HOST:PORT/?token=TOKEN; without one any local user sees the camera"
+                )
+        if self.foxglove_token and self.foxglove_token_file:
+            raise ConfigError("record.foxglove_token and record.foxglove_token_file: give one")
+        if self.foxglove_token:
+            _check_secret("record.foxglove_token", self.foxglove_token)
+        _check_origins("record.foxglove_origins", self.foxglove_origins, any_scheme=True)
+
+    def foxglove_credential(self) -> str:
+        """The live view's credential, inline or read from its file; ConfigError when the file is missing,
+        too short or readable by every user."""
+        return self.foxglove_token or _read_secret("record.foxglove_token_file", self.foxglove_token_file)
 
     def foxglove_address(self) -> tuple[str, int]:
         """record.foxglove as (host, port); ConfigError when it is not HOST:PORT."""

@@ -46,7 +46,7 @@ from .config import Config
 from .navigator import NavConfig, Navigator, Step
 from .recording import Recorder, sample_of
 from .sdnotify import Notifier
-from .telemetry import TelemetryWriter
+from .telemetry import DiskTrouble, TelemetryWriter
 
 if TYPE_CHECKING:
     from agent.client import Client
@@ -90,7 +90,8 @@ class Daemon:
         self.control: ControlLoop | None = None
         self.decoder: EdgeDecoder | None = None
         self.nav: Navigator | None = None
-        self.telemetry = TelemetryWriter(telemetry_path(cfg.telemetry.path), cfg.telemetry.max_bytes)
+        self._disk = DiskTrouble()  # the telemetry's and the recording's: a full disk is one warning
+        self.telemetry = TelemetryWriter(telemetry_path(cfg.telemetry.path), cfg.telemetry.max_bytes, self._disk)
         self.recorder: Recorder | None = None  # record.path / record.foxglove: made by start()
         self._tasks: queue.Queue = queue.Queue(MAX_PENDING)
         self._ids = itertools.count(1)
@@ -174,8 +175,21 @@ class Daemon:
         if not (rc.path or rc.foxglove):
             return None
         foxglove = rc.foxglove_address() if rc.foxglove else None
-        recorder = Recorder(rc.path, max_bytes=rc.max_bytes, foxglove=foxglove)
-        live = f", Foxglove on ws://{foxglove[0]}:{recorder.foxglove_port}" if foxglove else ""
+        recorder = Recorder(
+            rc.path,
+            max_bytes=rc.max_bytes,
+            foxglove=foxglove,
+            foxglove_credential=rc.foxglove_credential() if foxglove else "",
+            foxglove_origins=frozenset(rc.foxglove_origins),
+            disk=self._disk,
+        )
+        live = ""
+        if foxglove:
+            origins = ", ".join(rc.foxglove_origins) or "none"
+            live = (
+                f", Foxglove on ws://{foxglove[0]}:{recorder.foxglove_port}/?token=... (the credential of "
+                f"record.foxglove_token_file; browser origins: {origins})"
+            )
         log.info("recording to %s%s", rc.path or "no file", live)
         return recorder
 
@@ -236,7 +250,7 @@ class Daemon:
         try:
             self.controller.disconnect()
         finally:
-            self.telemetry.close()
+            self.telemetry.close()  # neither raises: a full disk must not cost the run its summary
             if self.recorder is not None:
                 self.recorder.close()
         log.info("stopped")

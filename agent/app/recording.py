@@ -3,7 +3,7 @@ pose, path, safety stops and link mode as ROS 2 messages (CDR), which Foxglove, 
 
     step_messages(sample, prev_stops)   one step -> [(topic, message dict)]           (pure)
     Recorder(path, foxglove=...)        .record(sample) per step, .close(); an MCAP file (`--record`),
-                                        a Foxglove WebSocket server (`--foxglove HOST:PORT`), or both
+                                        a live Foxglove source (`--foxglove HOST:PORT`, live.py), or both
 
 The channels (docs/guide/recording.md; deploy/foxglove/edgespec-layout.json lays them out):
 
@@ -22,21 +22,28 @@ The channels (docs/guide/recording.md; deploy/foxglove/edgespec-layout.json lays
     /step                     std_msgs/msg/String  JSON: the whole telemetry record
 
 Every message of a step carries the step's start time (wall clock) as its log time, made strictly
-increasing from step to step so a clock stepped back by NTP cannot reorder the file. The file is
-bounded: past `max_bytes` recording stops with a warning and the file is closed readable. A write
-error is logged once and never stops the robot. The packages are an extra (`pip install
-'edgespec[record]'`; Foxglove's server `'edgespec[foxglove]'`): RecordingError says so when missing.
+increasing from step to step so a clock stepped back by NTP cannot reorder the file. The file is a flight
+recorder: each step reaches the OS before the next (fsynced at least every second), so a run killed by
+SIGKILL reads back every step but the one it was writing. It is bounded: a step that would take it past
+`max_bytes` stops the recording with a warning and the file is closed readable. A write error (a full or
+read-only disk) stops that sink with one warning and never stops the robot. The live view needs a credential
+and lists the browser Origins it lets in (agent/app/live.py). The packages are an extra (`pip install
+'edgespec[record]'`): RecordingError says so when missing.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
+import os
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
+
+from .telemetry import DiskTrouble
 
 log = logging.getLogger(__name__)
 
@@ -191,73 +198,101 @@ def _encoders() -> dict[str, Callable[[dict], bytes]]:
 
 
 class McapSink:
-    """An MCAP file of the channels (profile ros2, zstd chunks), closed readable at `max_bytes`."""
+    """An MCAP file of the channels (profile ros2, zstd), on the disk every step and closed readable at
+    `max_bytes`.
+
+    Crash-safe: every message is its own chunk (chunk_size=1: mcap's Writer writes a chunk as soon as it is
+    over that size), so nothing waits in the writer's memory; each step is flushed to the OS (a SIGKILL loses
+    nothing written) and fsynced at most every FSYNC_S (a power loss loses at most that). A file cut before
+    its summary reads back with the mcap readers' own recovery (its chunks, in order, up to the cut)."""
+
+    FSYNC_S = 1.0
+    INDEX_BYTES = 160  # what one chunk adds to the summary at close (its chunk index), with room to spare
 
     def __init__(self, path: str, max_bytes: int) -> None:
         from mcap.writer import CompressionType, Writer
 
         self.path, self.max_bytes = path, max_bytes
         self._fh = open(path, "wb")
-        self._writer = Writer(self._fh, compression=CompressionType.ZSTD)
+        self._writer = Writer(self._fh, chunk_size=1, compression=CompressionType.ZSTD)
         self._writer.start(profile="ros2", library="edgespec")
         self._channels: dict[str, int] = {}
         for topic, name in CHANNELS.items():
             schema = self._writer.register_schema(name, "ros2msg", MSGDEFS[name].encode())
             self._channels[topic] = self._writer.register_channel(topic, "cdr", schema)
+        self._summary = 8192 + sum(len(d) for d in MSGDEFS.values())  # schemas, channels, statistics, footer
+        self._synced = time.monotonic()
         self.full = False
+        self.steps = 0
 
     def write(self, messages: list[tuple[str, bytes]], t_ns: int, seq: int) -> None:
-        """One step's messages, all or none: a step that would pass max_bytes ends the recording (the file on
-        disk lags the writer by at most a chunk, 1 MiB before compression)."""
+        """One step's messages, all or none, then to the OS. A step that would take the file (with the summary
+        its close writes) past max_bytes ends the recording: the file is closed readable at once."""
         if self.full:
             return
-        if self._fh.tell() + sum(len(data) for _, data in messages) > self.max_bytes:
+        step = sum(len(data) + self.INDEX_BYTES for _, data in messages)
+        if self._fh.tell() + step + self._summary > self.max_bytes:
             self.full = True
-            log.warning("recording %s reached its cap of %d bytes: no more steps recorded", self.path, self.max_bytes)
+            self.close()
+            log.warning(
+                "recording %s reached record.max_bytes (%d bytes) after %d steps: recording stopped, the file is "
+                "closed readable",
+                self.path,
+                self.max_bytes,
+                self.steps,
+            )
             return
         for topic, data in messages:
             self._writer.add_message(self._channels[topic], log_time=t_ns, data=data, publish_time=t_ns, sequence=seq)
+        self._summary += self.INDEX_BYTES * len(messages)
+        self._fh.flush()
+        now = time.monotonic()
+        if now - self._synced >= self.FSYNC_S:
+            os.fsync(self._fh.fileno())
+            self._synced = now
+        self.steps += 1
 
     def close(self) -> None:
+        if self._fh.closed:
+            return
         try:
             self._writer.finish()
+            self._fh.flush()
+            os.fsync(self._fh.fileno())
         finally:
             self._fh.close()
 
+    def abandon(self) -> None:
+        """After a write error (a full or read-only disk): let go of the file without writing more."""
+        with contextlib.suppress(OSError):
+            self._fh.close()  # its flush fails again, and it closes the descriptor all the same
+
 
 class FoxgloveSink:
-    """The channels served live by the Foxglove SDK's WebSocket server (Foxglove's `ws://HOST:PORT` source)."""
+    """The channels served live to Foxglove (agent/app/live.py), to whom presents the credential."""
 
-    def __init__(self, host: str, port: int) -> None:
+    def __init__(self, host: str, port: int, credential: str, origins: frozenset[str]) -> None:
+        from .live import LiveServer
+
+        channels = {topic: (name, MSGDEFS[name]) for topic, name in CHANNELS.items()}
         try:
-            import foxglove
-        except ImportError:
-            raise RecordingError("--foxglove needs the Foxglove SDK: pip install 'edgespec[foxglove]'") from None
-        self._context = foxglove.Context()  # its own: two recorders in one process do not share channels
-        try:
-            self.server = foxglove.start_server(name="edge-agent", host=host, port=port, context=self._context)
-        except Exception as e:  # the SDK raises its own error for an address in use
-            raise RecordingError(f"cannot serve Foxglove on {host}:{port}: {e}") from None
-        self._channels = {
-            topic: foxglove.Channel(
-                topic,
-                schema=foxglove.Schema(name=name, encoding="ros2msg", data=MSGDEFS[name].encode()),
-                message_encoding="cdr",
-                context=self._context,
-            )
-            for topic, name in CHANNELS.items()
-        }
+            self.server = LiveServer(host, port, channels, credential=credential, origins=origins)
+        except (OSError, ValueError) as e:  # an address in use, no credential
+            raise RecordingError(
+                f"cannot serve Foxglove on {host}:{port}: {getattr(e, 'strerror', None) or e}"
+            ) from None
 
     @property
     def port(self) -> int:
-        return int(self.server.port)
+        return self.server.port
 
     def write(self, messages: list[tuple[str, bytes]], t_ns: int, seq: int) -> None:
-        for topic, data in messages:
-            self._channels[topic].log(data, log_time=t_ns)
+        self.server.publish(messages, t_ns)
 
     def close(self) -> None:
-        self.server.stop()
+        self.server.close()
+
+    abandon = close
 
 
 class Recorder:
@@ -265,9 +300,17 @@ class Recorder:
     RecordingError when a package is missing, the file cannot be written or the server cannot start."""
 
     def __init__(
-        self, path: str = "", *, max_bytes: int = 2 * 1024**3, foxglove: tuple[str, int] | None = None
+        self,
+        path: str = "",
+        *,
+        max_bytes: int = 2 * 1024**3,
+        foxglove: tuple[str, int] | None = None,
+        foxglove_credential: str = "",
+        foxglove_origins: frozenset[str] = frozenset(),
+        disk: DiskTrouble | None = None,
     ) -> None:
         self._encode = _encoders()
+        self._disk = disk or DiskTrouble()  # shared with the telemetry: one warning for a full disk
         self._lock = threading.Lock()
         self.sinks: list[Any] = []
         if path:
@@ -277,7 +320,7 @@ class Recorder:
                 raise RecordingError(f"cannot write the recording {path}: {e.strerror or e}") from None
         if foxglove is not None:
             try:
-                self.sinks.append(FoxgloveSink(*foxglove))
+                self.sinks.append(FoxgloveSink(*foxglove, foxglove_credential, foxglove_origins))
             except RecordingError:
                 self.close()
                 raise
@@ -301,10 +344,14 @@ class Recorder:
             for sink in list(self.sinks):
                 try:
                     sink.write(messages, t_ns, self.steps)
-                except Exception:  # a full disk, a closed server: that sink stops, the robot goes on
+                except OSError as e:  # a full or read-only disk: recording stops, the robot goes on
+                    self._disk.stopped("recording", getattr(sink, "path", type(sink).__name__), e)
+                    self.sinks.remove(sink)
+                    sink.abandon()
+                except Exception:  # a bug: that sink stops (closed readable), the robot goes on
                     log.exception("recording to %s failed; going on without it", type(sink).__name__)
                     self.sinks.remove(sink)
-                    _close(sink)
+                    _close(sink, self._disk)
             for topic, _ in messages:
                 self.counts[topic] += 1
             self.steps += 1
@@ -318,12 +365,15 @@ class Recorder:
         with self._lock:
             sinks, self.sinks = self.sinks, []
         for sink in sinks:
-            _close(sink)
+            _close(sink, self._disk)
 
 
-def _close(sink: Any) -> None:
+def _close(sink: Any, disk: DiskTrouble | None = None) -> None:
     try:
         sink.close()
+    except OSError as e:  # the disk filled at the very end: what was flushed before stays readable
+        (disk or DiskTrouble()).stopped("recording", getattr(sink, "path", "?"), e)
+        sink.abandon()
     except Exception:
         log.exception("closing %s failed", type(sink).__name__)
 

@@ -8,6 +8,9 @@ import json
 import logging
 import os
 import re
+import signal
+import struct
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -131,19 +134,154 @@ def test_recorded_steps_read_back_with_two_readers(tmp_path):
     assert [m.data for m in on(theirs, "/link")] == links
 
 
+def read_cut_mcap(path: Path) -> list[tuple[str, int, object]]:
+    """(topic, log time ns, decoded message) of a file cut short (no summary, a record cut in two): the mcap
+    reader's own recovery, its reader for a stream read front to back, up to where the file ends."""
+    from mcap.exceptions import McapError
+    from mcap.reader import NonSeekingReader
+    from mcap_ros2.decoder import DecoderFactory
+
+    out: list[tuple[str, int, object]] = []
+    with open(path, "rb") as f:
+        try:
+            for _, c, m, msg in NonSeekingReader(f, decoder_factories=[DecoderFactory()]).iter_decoded_messages(
+                log_time_order=False
+            ):
+                out.append((c.topic, m.log_time, msg))
+        except (McapError, EOFError, struct.error):  # the cut: what came before it is whole
+            pass
+    return out
+
+
 def test_recording_stops_at_its_cap_and_stays_readable(tmp_path, caplog):
+    """The file never passes record.max_bytes (the summary its close writes included): a step that would take
+    it past stops the recording, said once in the log, and the file is closed readable at once. Failed before:
+    mcap's writer held a 1 MiB chunk in memory, so the file ended up to a chunk over its cap."""
     path = tmp_path / "capped.mcap"
     recorder = Recorder(str(path), max_bytes=64 * 1024)
     t = time.time()
     big = synthetic(1, t)
-    noisy = os.urandom(50_000)  # a frame zstd cannot shrink
+    noisy = os.urandom(30_000)  # a frame zstd cannot shrink
     for n in range(1, 30):
         recorder.record(StepSample({**big.step, "step": n, "t": t + n}, noisy, pose=None))
+    assert read_mcap(path)  # closed readable before the recorder is
     recorder.close()
-    assert "reached its cap" in caplog.text
-    assert path.stat().st_size < 64 * 1024 + 2 * 1024 * 1024  # at most a chunk over the cap
+    said = [r for r in caplog.records if "record.max_bytes" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelno == logging.WARNING and "stopped" in said[0].getMessage()
+    assert path.stat().st_size <= 64 * 1024
     images = [m for topic, _, m in read_mcap(path) if topic == "/camera/image/compressed"]
     assert 0 < len(images) < 29
+
+
+def test_every_step_is_on_the_disk_before_the_next(tmp_path):
+    """Nothing waits in memory: after each step the file as it is on disk (no summary yet) reads back every
+    step so far. Failed before: a 1 MiB chunk in the writer's memory, 0 bytes of messages on disk."""
+    path = tmp_path / "live.mcap"
+    recorder = Recorder(str(path))
+    t = time.time()
+    try:
+        for n in range(1, 4):
+            recorder.record(synthetic(n, t + n))
+            steps = on(read_cut_mcap(path), "/step")
+            assert [json.loads(m.data)["step"] for m in steps] == list(range(1, n + 1))
+    finally:
+        recorder.close()
+    check_recording(path, 3, 3)
+
+
+KILLED_RUN = """
+import sys
+
+import agent.spec.drafter
+from tests.agent.test_run_cli import WalkingDrafter
+
+agent.spec.drafter.Drafter = WalkingDrafter
+from agent.app import cli
+
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+def test_a_run_killed_by_sigkill_reads_back_every_step_but_the_last(tmp_path):
+    """`edge-agent run --record` SIGKILLed while it runs: the MCAP, with no summary, reads back (the mcap
+    reader's recovery) every step the telemetry saw but at most the last. Failed before: 0 bytes."""
+    scene = tmp_path / "ahead.json"
+    scene.write_text(json.dumps(SCENE))
+    record, telemetry = tmp_path / "run.mcap", tmp_path / "telemetry.jsonl"
+    args = ["run", "--listen", f"unix:{tmp_path}/api.sock", "--telemetry", str(telemetry), "--record", str(record)]
+    args += ["--controller", "sim", "--scene", str(scene), "--camera", "sim", "--perception", "sim"]
+    args += ["--offline", "local", "--instruction", "go to the red box", "--max-steps", "40"]
+    args += ["--set", "nav.grammar=false"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_RUN, *args], cwd=ROOT, env=env, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 120
+        while not (telemetry.exists() and len(telemetry.read_text().splitlines()) >= 3):
+            assert proc.poll() is None, proc.stderr.read().decode()[-2000:] if proc.stderr else ""
+            assert time.monotonic() < deadline, "no three steps in 120 s"
+            time.sleep(0.05)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+    seen = [json.loads(line)["step"] for line in telemetry.read_text().splitlines()]
+    recorded = [json.loads(m.data)["step"] for m in on(read_cut_mcap(record), "/step")]
+    assert recorded == seen[: len(recorded)] and len(recorded) >= len(seen) - 1 >= 2, (seen, recorded)
+
+
+def test_a_full_disk_stops_recording_and_telemetry_and_the_run_ends_well(tmp_path, capsys, monkeypatch, caplog):
+    """The recording and the telemetry on a full device (/dev/full: every write fails with ENOSPC): one warning
+    for both (the second stop an INFO line), no traceback, and the robot walks its steps and ends with its
+    --json summary and exit 0. Failed before: TelemetryWriter.close raised, the recorder was never closed,
+    exit 1 with no summary."""
+    import agent.spec.drafter
+
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full on this system")
+    monkeypatch.setattr(agent.spec.drafter, "Drafter", WalkingDrafter)
+    caplog.set_level(logging.INFO)
+    scene = tmp_path / "ahead.json"
+    scene.write_text(json.dumps(SCENE))
+    rc, out, err = _run(
+        capsys,
+        *("--controller", "sim", "--scene", str(scene), "--camera", "sim", "--perception", "sim"),
+        *("--offline", "local", "--instruction", "go to the red box", "--max-steps", "3"),
+        *("--exit-when-done", "--json", "--set", "nav.grammar=false"),
+        *("--telemetry", "/dev/full", "--record", "/dev/full"),
+    )
+    assert rc == 0, err
+    assert out["steps"] >= 3
+    said = [(r.levelno, r.getMessage()) for r in caplog.records if "/dev/full stopped" in r.getMessage()]
+    assert [level for level, _ in said] == [logging.WARNING, logging.INFO], said
+    assert {m.split()[0] for _, m in said} == {"telemetry", "recording"}
+    assert all("No space left on device" in m for _, m in said)
+    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and r.name.startswith("agent")]
+    assert len([w for w in warned if "/dev/full" in w or "No space" in w]) == 1, warned
+    assert not [r for r in caplog.records if r.exc_info], "a traceback in the log"
+
+
+def test_a_disk_that_fills_mid_run_stops_the_recording_once(tmp_path, caplog):
+    """The disk fills after the first step (the file's descriptor turned into /dev/full's: ENOSPC from then
+    on): recording stops with one warning and no traceback, later steps and close() raise nothing, and the
+    step recorded before reads back."""
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full on this system")
+    path = tmp_path / "full.mcap"
+    recorder = Recorder(str(path))
+    t = time.time()
+    recorder.record(synthetic(1, t))
+    full = os.open("/dev/full", os.O_WRONLY)
+    try:
+        os.dup2(full, recorder.sinks[0]._fh.fileno())
+    finally:
+        os.close(full)
+    for n in range(2, 5):
+        recorder.record(synthetic(n, t + n))
+    recorder.close()
+    assert recorder.sinks == [] and recorder.steps == 4
+    warned = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warned) == 1 and "No space left on device" in warned[0].getMessage(), warned
+    assert not warned[0].exc_info
+    assert [json.loads(m.data)["step"] for m in on(read_cut_mcap(path), "/step")] == [1]
 
 
 def test_run_record_writes_what_two_readers_read_back(tmp_path, capsys, monkeypatch, caplog):
@@ -178,6 +316,8 @@ def test_run_record_writes_what_two_readers_read_back(tmp_path, capsys, monkeypa
         str(record),
         "--foxglove",
         "127.0.0.1:0",  # served live at the same time (a free port)
+        "--set",
+        f'record.foxglove_token="{TOKEN}"',
         "--set",
         "nav.grammar=false",
     )
@@ -236,36 +376,172 @@ def test_run_record_with_the_real_models_marks_verified_answers(tmp_path, capsys
     assert links == [r["mode"] for r in records] and "verified" in links and set(links) <= {"verified", "halted"}
 
 
-def test_foxglove_serves_the_channels_live():
-    """A client connects as Foxglove does (subprotocol foxglove.sdk.v1), sees every channel advertised with its
-    ROS 2 schema, subscribes to one and gets the step's message (CDR)."""
+TOKEN = "live-view-credential-0123456789"
+SUBPROTOCOLS = ["foxglove.sdk.v1", "foxglove.websocket.v1"]
+
+
+def watch_live(port: int, recorder: Recorder, topic: str = "/instruction", **connect) -> tuple[dict, bytes]:
+    """Connect as Foxglove does, wait for every channel's advertisement, subscribe to `topic`, record a step
+    and return (the channels by topic, the first message-data frame)."""
     import websockets
 
-    recorder = Recorder(foxglove=("127.0.0.1", 0))
-    port = recorder.foxglove_port
-
     async def watch() -> tuple[dict, bytes]:
-        url = f"ws://127.0.0.1:{port}"
-        async with websockets.connect(url, subprotocols=["foxglove.sdk.v1", "foxglove.websocket.v1"]) as ws:
+        url = f"ws://127.0.0.1:{port}/?token={TOKEN}"
+        async with websockets.connect(connect.pop("url", url), subprotocols=SUBPROTOCOLS, **connect) as ws:
             channels: dict = {}
             while len(channels) < len(CHANNELS):
                 msg = json.loads(await asyncio.wait_for(ws.recv(), 5))
                 channels.update({c["topic"]: c for c in msg.get("channels", [])} if msg["op"] == "advertise" else {})
-            sub = {"op": "subscribe", "subscriptions": [{"id": 7, "channelId": channels["/instruction"]["id"]}]}
+            sub = {"op": "subscribe", "subscriptions": [{"id": 7, "channelId": channels[topic]["id"]}]}
             await ws.send(json.dumps(sub))
             await asyncio.sleep(0.3)
             recorder.record(synthetic(1, time.time()))
             data = await asyncio.wait_for(ws.recv(), 5)
             return channels, data
 
+    return asyncio.run(watch())
+
+
+def refused(port: int, path: str = "/", **headers) -> int:
+    """The HTTP status a websocket upgrade to the live view gets (101: let in), with these headers."""
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    hello = {
+        "Connection": "Upgrade",
+        "Upgrade": "websocket",
+        "Sec-WebSocket-Key": "dGhlIHNhbXBsZSBub25jZQ==",
+        "Sec-WebSocket-Version": "13",
+        "Sec-WebSocket-Protocol": "foxglove.sdk.v1",
+    }
+    conn.putrequest("GET", path, skip_host="Host" in headers)
+    for name, value in {**hello, **headers}.items():
+        conn.putheader(name, value)
+    conn.endheaders()
     try:
-        channels, data = asyncio.run(watch())
+        return conn.getresponse().status
+    finally:
+        conn.close()
+
+
+def test_foxglove_serves_the_channels_live():
+    """A client connects as Foxglove does (subprotocol foxglove.sdk.v1, the credential in the URL), sees every
+    channel advertised with its ROS 2 schema, subscribes to one and gets the step's message (CDR)."""
+    recorder = Recorder(foxglove=("127.0.0.1", 0), foxglove_credential=TOKEN)
+    try:
+        channels, data = watch_live(recorder.foxglove_port, recorder)
     finally:
         recorder.close()
     assert {t: c["schemaName"] for t, c in channels.items()} == CHANNELS
     assert {c["encoding"] for c in channels.values()} == {"cdr"}
     assert isinstance(data, bytes) and data[0] == 1  # a message-data frame ...
+    assert struct.unpack("<I", data[1:5]) == (7,)  # ... of subscription 7 ...
     assert data.endswith(b"go to the red box\x00")  # ... with the instruction's CDR string last
+
+
+def test_the_live_view_refuses_a_foreign_origin_a_missing_credential_and_a_rebound_host(caplog):
+    """Another local user (no credential, a wrong one) and a web page in a browser on the robot's machine (its
+    Origin; a DNS-rebound Host) are refused before the websocket opens; with the credential, a listed Origin
+    (Foxglove's web app) gets the camera. Failed before: Foxglove's SDK server let every one of them in, and
+    an upgrade with Origin https://evil.example received camera frames."""
+    recorder = Recorder(
+        foxglove=("127.0.0.1", 0), foxglove_credential=TOKEN, foxglove_origins=frozenset({"https://app.foxglove.dev"})
+    )
+    port = recorder.foxglove_port
+    good = f"/?token={TOKEN}"
+    try:
+        assert refused(port, good) == 101
+        assert refused(port, good, Origin="https://evil.example") == 403
+        assert refused(port, good, Origin="https://app.foxglove.dev") == 101
+        assert refused(port, "/") == 401  # another local user: no credential
+        assert refused(port, "/?token=guessed-guessed-guessed-0000") == 401
+        assert refused(port, "/", Authorization=f"Bearer {TOKEN}") == 101
+        assert refused(port, good, Host=f"evil.example:{port}") == 403  # DNS rebinding
+        assert refused(port, good, Origin="https://evil.example", Authorization=f"Bearer {TOKEN}") == 403
+        _, data = watch_live(
+            port, recorder, "/camera/image/compressed", additional_headers={"Origin": "https://app.foxglove.dev"}
+        )
+        assert data[0] == 1 and b"\xff\xd8 a jpeg" in data
+    finally:
+        recorder.close()
+    assert "live view: refused" in caplog.text and TOKEN not in caplog.text
+
+
+ANOTHER_USER = """
+import http.client
+import sys
+
+conn = http.client.HTTPConnection("127.0.0.1", int(sys.argv[1]), timeout=5)
+conn.putrequest("GET", "/")
+for name, value in (
+    ("Connection", "Upgrade"),
+    ("Upgrade", "websocket"),
+    ("Sec-WebSocket-Key", "dGhlIHNhbXBsZSBub25jZQ=="),
+    ("Sec-WebSocket-Version", "13"),
+    ("Sec-WebSocket-Protocol", "foxglove.sdk.v1"),
+):
+    conn.putheader(name, value)
+conn.endheaders()
+print(conn.getresponse().status)
+try:
+    open(sys.argv[2]).read()
+    print("read the credential")
+except OSError:
+    print("cannot read the credential")
+"""
+
+
+def _runs_as_nobody(python: str) -> bool:
+    try:
+        return subprocess.run([python, "-c", ""], user=65534, cwd="/", capture_output=True).returncode == 0
+    except OSError:  # not executable by that user
+        return False
+
+
+def test_another_local_user_cannot_watch(tmp_path):
+    """Another user of the robot's machine (uid 65534, nobody) reaches the loopback port but cannot read the
+    credential's file, and its upgrade is refused (401). Failed before: 101, and the camera's frames."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to run a client as another user")
+    runnable = [exe for exe in (sys.executable, "/usr/bin/python3") if os.access(exe, os.F_OK)]
+    python = next((exe for exe in runnable if _runs_as_nobody(exe)), None)
+    if python is None:
+        pytest.skip("no Python that uid 65534 may run")
+    token = tmp_path / "foxglove.token"
+    token.write_text(TOKEN + "\n")
+    token.chmod(0o600)
+    cfg = config.load(None, ['record.foxglove="127.0.0.1:0"', f'record.foxglove_token_file="{token}"']).record
+    recorder = Recorder(foxglove=cfg.foxglove_address(), foxglove_credential=cfg.foxglove_credential())
+    try:
+        got = subprocess.run(
+            [python, "-c", ANOTHER_USER, str(recorder.foxglove_port), str(token)],
+            user=65534,
+            cwd="/",
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    finally:
+        recorder.close()
+    assert got.stdout.split("\n")[:2] == ["401", "cannot read the credential"], got
+
+
+def test_the_live_view_needs_a_credential_from_the_config(tmp_path):
+    with pytest.raises(config.ConfigError, match="foxglove_token_file"):
+        config.load(None, ['record.foxglove="127.0.0.1:8765"'])
+    with pytest.raises(config.ConfigError, match="at least 16"):
+        config.load(None, ['record.foxglove="127.0.0.1:8765"', 'record.foxglove_token="short"'])
+    with pytest.raises(config.ConfigError, match="foxglove_origins"):
+        config.load(None, ['record.foxglove_origins=["app.foxglove.dev"]'])
+    token = tmp_path / "foxglove.token"
+    token.write_text(TOKEN + "\n")
+    token.chmod(0o644)
+    cfg = config.load(None, ['record.foxglove="127.0.0.1:8765"', f'record.foxglove_token_file="{token}"'])
+    with pytest.raises(config.ConfigError, match="readable by every user"):
+        cfg.record.foxglove_credential()
+    token.chmod(0o600)
+    assert cfg.record.foxglove_credential() == TOKEN
+    assert cfg.record.foxglove_origins == []  # no browser page by default
 
 
 def test_missing_packages_and_bad_addresses_are_clear(tmp_path, capsys, monkeypatch):
@@ -278,10 +554,11 @@ def test_missing_packages_and_bad_addresses_are_clear(tmp_path, capsys, monkeypa
     with pytest.raises(RecordingError, match="cannot write the recording"):
         Recorder(str(tmp_path / "no" / "such" / "folder" / "x.mcap"))
     with pytest.raises(config.ConfigError, match="not loopback"):
-        config.load(None, ['record.foxglove="0.0.0.0:8765"'])
+        config.load(None, ['record.foxglove="0.0.0.0:8765"', f'record.foxglove_token="{TOKEN}"'])
     with pytest.raises(config.ConfigError, match="HOST:PORT"):
         config.load(None, ['record.foxglove="8765"'])
-    assert config.load(None, ['record.foxglove="0.0.0.0:8765"', "record.allow_remote=true"]).record.allow_remote
+    remote = ['record.foxglove="0.0.0.0:8765"', "record.allow_remote=true", f'record.foxglove_token="{TOKEN}"']
+    assert config.load(None, remote).record.allow_remote
 
 
 def test_the_shipped_foxglove_layout_shows_recorded_channels():

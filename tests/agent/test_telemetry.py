@@ -1,4 +1,5 @@
 import json
+import logging
 
 from agent.app.telemetry import TelemetryWriter
 
@@ -21,3 +22,22 @@ def test_a_write_error_does_not_raise(tmp_path):
     w.write({"step": 1})
     w.write({"step": 2})
     assert w.records == 0
+
+
+def test_a_full_disk_stops_it_with_one_warning_and_close_does_not_raise(caplog):
+    """/dev/full (ENOSPC on every write): one warning, later records skipped, close() raises nothing. Failed
+    before: close() flushed the line that had failed again and raised, so the daemon never closed its
+    recording and exited 1 without its summary."""
+    import os
+
+    import pytest
+
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full on this system")
+    w = TelemetryWriter("/dev/full")
+    for i in range(3):
+        w.write({"step": i})
+    w.close()
+    w.close()
+    warned = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warned) == 1 and "No space left on device" in warned[0].getMessage() and w.records == 0
