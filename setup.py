@@ -5,9 +5,11 @@ from setuptools import find_packages, setup
 # tomli: tomllib's parser as a package, for Python 3.10 (JetPack 6 and ROS 2 Humble ship 3.10).
 WIRE = ["numpy>=1.26", "msgpack>=1.0", "websockets>=14", 'tomli>=1.1; python_version < "3.11"']
 # The robot: no torch. onnxruntime: the rejection predictor; scipy: Lambert W for the optimal draft length;
-# pyserial: the serial controller. No OpenCV here: `make setup-robot` keeps the system's (JetPack's, with
-# GStreamer) and adds opencv-python-headless only where there is none.
-ROBOT = ["llama-cpp-python==0.3.36", "jinja2", "onnxruntime>=1.17", "scipy>=1.10", "pyserial>=3.5"]
+# pyserial: the serial controller; aiohttp: the HTTP server under the OpenAI endpoint (agent/app/openai_api.py:
+# it parses the requests; pure asyncio, wheels for aarch64 and Python 3.10, no ASGI stack). No OpenCV here:
+# `make setup-robot` keeps the system's (JetPack's, with GStreamer) and adds opencv-python-headless only where
+# there is none.
+ROBOT = ["llama-cpp-python==0.3.36", "jinja2", "onnxruntime>=1.17", "scipy>=1.10", "pyserial>=3.5", "aiohttp>=3.10,<4"]
 # `edge-agent run --record`: runs as MCAP with ROS 2 messages, no ROS install (agent/app/recording.py; its CDR
 # encoder is mcap-ros2-support's, hence the upper bound). `--foxglove HOST:PORT` serves them live on websockets
 # (agent/app/live.py: Foxglove's SDK server takes no credential and reads no Origin).

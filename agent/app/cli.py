@@ -468,7 +468,14 @@ def _serve_openai(args: argparse.Namespace) -> int:
             n_gpu_layers=opts.n_gpu_layers,
         )
         api = OpenAiApi(
-            client, opts.listen, api_key=key, offline=opts.offline, max_pending=opts.max_pending, model=opts.model_name
+            client,
+            opts.listen,
+            api_key=key,
+            offline=opts.offline,
+            max_pending=opts.max_pending,
+            model=opts.model_name,
+            allowed_hosts=opts.allowed_hosts,
+            allowed_origins=opts.allowed_origins,
         )
     except (ConfigError, OSError, ValueError) as e:
         print(f"edge-agent: {e}", file=sys.stderr)

@@ -28,6 +28,7 @@ from protocol.payload import KINDS as PAYLOAD_KINDS
 from runtime import settings
 from runtime.settings import ConfigError, setting, tomllib
 
+from .http_guard import valid_name
 from .memory import check_memory
 from .navigator import OFFLINE_POLICIES, check_envelope
 
@@ -315,8 +316,13 @@ class ApiSection:
     )
     allowed_origins: list = setting(
         default_factory=list,
-        help='Browser Origins let in (e.g. "https://ui.robot.lan"); an upgrade with any other Origin header '
-        "is refused with 403.",
+        help='Browser Origins let in (e.g. "https://ui.robot.lan"), on the local API and openai_listen; a '
+        "request with any other Origin header is refused with 403.",
+    )
+    allowed_hosts: list = setting(
+        default_factory=list,
+        help='Host names (e.g. "go2.lan") a request over TCP may name in its Host header, on the local API '
+        "and openai_listen, besides the address it reached; any other Host is refused with 421 (DNS rebinding).",
     )
     openai_listen: str = setting(
         "",
@@ -355,6 +361,7 @@ class ApiSection:
                     "presents as 'Authorization: Bearer TOKEN', or keep the default Unix socket"
                 )
         _check_origins("api.allowed_origins", self.allowed_origins)
+        _check_hosts("api.allowed_hosts", self.allowed_hosts)
 
     def _check_openai(self) -> None:
         if not self.openai_listen:
@@ -375,6 +382,12 @@ class ApiSection:
 
 
 MIN_SECRET = 16  # characters of an API credential
+
+
+def _check_hosts(name: str, hosts: Any) -> None:
+    """A list of Host names: host names or IP addresses, without scheme or port."""
+    if not isinstance(hosts, list) or not all(isinstance(h, str) and valid_name(h) for h in hosts):
+        raise ConfigError(f'{name} must be a list of host names like "go2.lan" (no scheme, no port), got {hosts!r}')
 
 
 def parse_listen(listen: str) -> tuple:
@@ -704,6 +717,16 @@ class ServeOptions:
     mode: str = setting("sd", choices=("ar", "sd", "fsd"), help="How answers are verified (as generate's --mode).")
     gamma: int = setting(4, help="Draft tokens per round.")
     max_pending: int = setting(4, help="Requests running or waiting for the model at once; more get 503.")
+    allowed_hosts: list = setting(
+        default_factory=list,
+        help='Host names (e.g. "go2.lan") a request may name in its Host header besides the address it '
+        "reached; any other Host is refused with 421 (DNS rebinding).",
+    )
+    allowed_origins: list = setting(
+        default_factory=list,
+        help='Browser Origins let in (e.g. "https://ui.robot.lan"); a request with any other Origin header is '
+        "refused with 403.",
+    )
     model_name: str = setting("", help='The model id /v1/models lists ("": the draft\'s name).')
     draft: str = setting(
         modelfiles.DEFAULT_DRAFT, help=f"The draft: a name ({', '.join(modelfiles.DRAFTS)}) or a GGUF path."
@@ -722,6 +745,8 @@ class ServeOptions:
             raise ConfigError(f"--listen {self.listen!r} is not loopback: set --api-key-file so not anyone may ask")
         if not 1 <= self.max_pending <= 256:
             raise ConfigError("--max-pending is from 1 to 256")
+        _check_hosts("--allowed-hosts", self.allowed_hosts)
+        _check_origins("--allowed-origins", self.allowed_origins)
 
     def key(self) -> str:
         """The API key: --api-key, or the first line of --api-key-file; "" for none."""
