@@ -7,7 +7,10 @@ Closed by default (agent/app/config.py ApiSection; docs/guide/telemetry.md):
 - with api.token (or api.token_file) configured, every connection presents it on the websocket upgrade as
   `Authorization: Bearer TOKEN` (401 otherwise); `connect()` below is the client that does;
 - an upgrade with an `Origin` header (a web page in a browser) is refused with 403 unless
-  api.allowed_origins lists it: robot processes send none;
+  api.allowed_origins lists it: robot processes send none; over TCP, one whose `Host` is neither the address
+  it reached nor a name api.allowed_hosts lists is refused with 421 (a page that rebinds its own name to
+  this address; agent/app/http_guard.py). websockets parses the HTTP, and closes a connection whose upgrade
+  is not done within OPEN_TIMEOUT_S;
 - `reset` releases the e-stop, so it carries a credential of its own, `"reset_token"` (api.reset_token or
   api.reset_token_file); without one configured, reset over the API is refused. Every estop and reset is
   logged at WARNING with its peer (address, or the Unix socket's pid and uid).
@@ -68,6 +71,7 @@ from agent.robot.controllers.base import ControllerError
 
 from .config import ConfigError, parse_listen
 from .daemon import MAX_IMAGE_B64, Busy, Daemon
+from .http_guard import HostCheck, origin_allowed
 
 if TYPE_CHECKING:
     from websockets.sync.client import ClientConnection
@@ -80,6 +84,7 @@ SUBSCRIBER_QUEUE = 256
 MAX_MESSAGE = MAX_IMAGE_B64 + 16_384  # one request: an image's base64 (protocol.images.MAX_IMAGE_BYTES) and the rest
 MAX_CONTAINERS = 32  # '[' and '{' in one request: it is one flat object, so deep nesting never reaches json
 ESTOP_CONFIRM_S = 0.02  # how long an e-stop reply waits to say the driver's e-stop returned
+OPEN_TIMEOUT_S = 5.0  # a connection's upgrade request and its answer, from its opening (websockets closes it)
 
 
 class Refused(Exception):
@@ -142,6 +147,8 @@ class LocalApi:
         self.origins = frozenset(self.cfg.allowed_origins)
         where = parse_listen(self.cfg.listen)
         self.path = (where[1] or default_socket()) if where[0] == "unix" else None
+        # over TCP a request names this listener in its Host (a page that rebinds its own name cannot)
+        self.hosts = HostCheck(where[1], self.cfg.allowed_hosts) if where[0] == "tcp" else None
         self.server: Server | None = None
         self.openai: OpenAiApi | None = None  # api.openai_listen's endpoint, behind the same token
         # the inode of the socket file this API made: removed on close only if still ours
@@ -152,6 +159,7 @@ class LocalApi:
             max_size=MAX_MESSAGE,
             ping_interval=5,
             ping_timeout=5,
+            open_timeout=OPEN_TIMEOUT_S,
             compression=None,
             process_request=self._process_request,
         )
@@ -188,7 +196,14 @@ class LocalApi:
         from .openai_api import OpenAiApi
 
         client = chat_client(self.daemon)
-        endpoint = OpenAiApi(client, self.cfg.openai_listen, api_key=self.token, offline=client.offline)
+        endpoint = OpenAiApi(
+            client,
+            self.cfg.openai_listen,
+            api_key=self.token,
+            offline=client.offline,
+            allowed_hosts=self.cfg.allowed_hosts,
+            allowed_origins=self.cfg.allowed_origins,
+        )
         try:
             return await endpoint.start()
         except BaseException:
@@ -255,9 +270,18 @@ class LocalApi:
         return sock
 
     def _process_request(self, connection: ServerConnection, request: Request) -> Response | None:
-        """Before the websocket opens: a browser's Origin gets 403, a missing or wrong token 401."""
+        """Before the websocket opens: over TCP a Host that is not this listener's gets 421, a browser's Origin
+        403, a missing or wrong token 401."""
+        if self.hosts is not None:
+            hosts = request.headers.get_all("Host")
+            local = connection.local_address
+            if len(hosts) > 1 or not self.hosts.allows(hosts[0] if hosts else None, str(local[0]) if local else None):
+                log.warning("local API: refused %s: Host %s (not in api.allowed_hosts)", _peer(connection, None), hosts)
+                return connection.respond(
+                    HTTPStatus.MISDIRECTED_REQUEST, "the Host header names another site (api.allowed_hosts)\n"
+                )
         origins = request.headers.get_all("Origin")
-        if origins and not (len(origins) == 1 and origins[0] in self.origins):
+        if not origin_allowed(origins, self.origins):
             log.warning(
                 "local API: refused %s: Origin %s (not in api.allowed_origins)", _peer(connection, self.path), origins
             )

@@ -11,6 +11,7 @@ import grp
 import json
 import logging
 import os
+import socket
 import stat
 import struct
 import zlib
@@ -150,6 +151,56 @@ def test_with_a_token_every_connection_presents_it(make):
     assert refused_status(api, token="not-the-token-of-the-tests") == 401
     assert refused_status(api, token=TOKEN, additional_headers={"Origin": "http://evil.example"}) == 403
     assert api.call(op="status")["ok"]  # the client the Api helper opened with the token
+
+
+def upgrade_status(address: str, host: str, token: str = TOKEN) -> int:
+    """A websocket upgrade sent by hand (a client library would write its own Host) -> the answer's status."""
+    port = int(address.rsplit(":", 1)[1])
+    key = base64.b64encode(os.urandom(16)).decode()
+    head = (
+        f"GET / HTTP/1.1\r\nHost: {host}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+        f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\nAuthorization: Bearer {token}\r\n\r\n"
+    )
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(head.encode())
+        return int(s.recv(4096).split(b" ")[1])
+
+
+def test_over_tcp_a_host_that_is_not_the_apis_is_refused(make, caplog):
+    """DNS rebinding: a page that rebinds its own name to 127.0.0.1 reaches the API's port with that name as
+    its Host (and, without an Origin check, with whatever it learnt of the token): 421 before the token."""
+    d, api = make(f'api.token="{TOKEN}"', listen="127.0.0.1:0", token=TOKEN)
+    port = api.api.address.rsplit(":", 1)[1]
+    with caplog.at_level(logging.WARNING, "agent.app.api"):
+        for host in ("evil.example", f"evil.example:{port}", "127.0.0.2", "robot.lan"):
+            assert upgrade_status(api.api.address, host) == 421, host
+    assert "Host" in caplog.text
+    for host in (f"127.0.0.1:{port}", "127.0.0.1", f"localhost:{port}"):
+        assert upgrade_status(api.api.address, host) == 101, host
+    assert upgrade_status(api.api.address, "127.0.0.1", token="not-the-token-of-the-tests") == 401
+    assert api.call(op="status")["ok"]
+
+
+def test_over_tcp_a_host_name_the_config_lists_is_let_in(make):
+    d, api = make(f'api.token="{TOKEN}"', 'api.allowed_hosts=["robot.lan"]', listen="127.0.0.1:0", token=TOKEN)
+    assert upgrade_status(api.api.address, "robot.lan") == 101
+    assert upgrade_status(api.api.address, "robot.lan.evil.example") == 421
+    with pytest.raises(ConfigError, match="allowed_hosts"):
+        config.load(None, ['api.allowed_hosts=["http://robot.lan"]'])
+
+
+def test_over_tcp_a_token_holder_is_answered_while_256_silent_sockets_are_open(make):
+    d, api = make(f'api.token="{TOKEN}"', listen="127.0.0.1:0", token=TOKEN)
+    port = int(api.api.address.rsplit(":", 1)[1])
+    silent = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(256)]
+    try:
+        ws = api.connect(TOKEN)
+        ws.send(json.dumps({"op": "status"}))
+        assert json.loads(ws.recv(5))["ok"]
+        ws.close()
+    finally:
+        for s in silent:
+            s.close()
 
 
 def test_reset_without_a_reset_credential_is_refused_and_the_estop_stays(make, caplog):
