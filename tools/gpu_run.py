@@ -61,6 +61,7 @@ LLAMA_CPP = "0.3.36"
 # What a bare CUDA image with torch and transformers lacks (tools/gpu_pack.py downloads them).
 WHEELS = ("websockets", "gguf", "pyserial", "diskcache", "msgpack")
 MODES = ("ar", "sd", "fsd")
+SERVE_PROMPTS = 4  # of the 10 benchmark prompts: 3 modes x 2 engines x 4 = 24 edge-agent processes in serve's minute
 PY = sys.executable
 T0 = time.monotonic()
 # The device's torch ships CUDA's runtime and cuBLAS; the prebuilt tree's RUNPATH names this folder (python3.12),
@@ -360,7 +361,7 @@ def random_pair(ph: Phase) -> dict:
 
 def serve(ph: Phase) -> None:
     lines = (ROOT / "tools" / "prompts" / "bench.jsonl").read_text().splitlines()
-    prompts = [json.loads(line) for line in lines if line.strip()][: 1 if ph.args.tiny else None]
+    prompts = [json.loads(line) for line in lines if line.strip()][: 1 if ph.args.tiny else SERVE_PROMPTS]
     pair = ph.args.pair if ph.args.pair != "auto" else "shipped" if shipped_draft() else "random"
     ph.rec["pair"] = pair
     targets: dict[str, list[str]] = {"llamacpp": [], "torch": []}
@@ -373,7 +374,7 @@ def serve(ph: Phase) -> None:
         "llamacpp": ["--engine", "llamacpp", "--n-gpu-layers", "-1" if ph.cuda else "0"],
         "torch": ["--engine", "torch", "--device", ph.args.device, "--dtype", "float32"],
     }
-    tokens = ["--max-tokens", "12" if ph.args.tiny else "64"]
+    tokens = ["--max-tokens", "12" if ph.args.tiny else "48"]
     flags = [[*draft, "--prompt", p["prompt"], *tokens] + ["--chat"] * p["chat"] for p in prompts]
     for engine, args in on_device.items():
         gens = [(f"{engine}, prompt {i}", f) for i, f in enumerate(flags)]
@@ -388,7 +389,7 @@ def engine(ph: Phase) -> None:
     if ph.args.tiny:
         cmd += ["--tiny", "--sessions", "1,3", "--tokens", "1,2", "--iters", "2", "--cache", "8", "--threads", "1"]
     else:
-        cmd += ["--sessions", "1,8,32", "--tokens", "1,5", "--iters", "10"]
+        cmd += ["--sessions", "1,8,32", "--tokens", "1,5", "--iters", "5"]
     bench = getattr(ph.args, "llama_bin", None)
     if bench and (Path(bench) / "llama-batched-bench").exists():
         cmd += ["--batched-bench", Path(bench) / "llama-batched-bench"]
@@ -417,7 +418,7 @@ def fleet(ph: Phase) -> None:
         cmd += ["--tiny", "--n", "1,2", "--classes", "8,2", "--window-s", "2", "--warmup-s", "1"]
     else:
         faster = (ph.args.faster or "llamacpp") if ph.cuda else "llamacpp"
-        cmd += ["--engines", faster, "--n", "8,32,128", "--classes", "8", "--window-s", "6", "--warmup-s", "2"]
+        cmd += ["--engines", faster, "--n", "8,32,128", "--classes", "8", "--window-s", "5", "--warmup-s", "2"]
         cmd += ["--estimator", ""]  # the default coefficients: no profile pass inside the phase's minutes
     peer = getattr(ph.args, "llama_bin", None)
     if ph.cuda and peer and (Path(peer) / "llama-server").exists():
@@ -433,11 +434,11 @@ def fleet(ph: Phase) -> None:
 
 def divergence(ph: Phase) -> None:
     out = Path(ph.args.out) / "divergence"
-    configs = "torch:bfloat16" if ph.args.tiny else "torch:bfloat16,torch:float32,llamacpp"
+    configs = "torch:bfloat16" if ph.args.tiny else "torch:bfloat16,llamacpp"
     cmd = [PY, "-m", "tools.bench.divergence", "--configs", configs, "--device", ph.args.device, "--core", "-1"]
     if made := ph.args.random_pair:  # the serve phase's random target: no shipped one here
         cmd += ["--target", made["target"], "--torch-target", made["recipe"]]
-    tiny = ["--prompts", "2", "--tokens", "8"] if ph.args.tiny else ["--prompts", "4", "--tokens", "32"]
+    tiny = ["--prompts", "2", "--tokens", "8"] if ph.args.tiny else ["--prompts", "3", "--tokens", "24"]
     rc, _ = ph.run([*cmd, "--out", out, *tiny], allow=(0, 1))
     ph.rec["near_ties_only"] = rc == 0  # divergence exits 1 where a divergence was not a near-tie: a finding
     if result := ph.json_of(out / "divergence.json"):

@@ -13,14 +13,13 @@ llama.cpp's converter does (llama.cpp's RoPE pairs adjacent dimensions, transfor
 so both files compute the same function. Cached by shape, dtype and seed (`paths`).
 
 `--dtype q8_0` or `q4_0` is the GPU run's (tools/gpu_run.py): small and fast to write on the device. The GGUF's
-block tensors are written directly as llama.cpp's blocks of random values (Q8_0: a float16 scale and 32 int8;
-Q4_0: a scale and 32 nibbles, from -7 to 7 so that no bias enters), the scale set so each tensor has the
-standard deviation below; no F16 file is made and no quantizer runs over one. The embeddings and the LM head
-carry the planted path, so they are made in float32 and written as Q8_0 blocks by gguf-py's numpy quantizer.
-A 7B shape is 3.9 GB in Q4_0, 7.3 GB in Q8_0. Its Hugging Face directory holds no weights: config.json, the
-tokenizer, `successor.npy` and the recipe `random_init.json`, from which the torch engine builds the model
-from its config on its device (server_bridge/random_init.py). The two files are then two models that follow
-the same planted path, not one function.
+block tensors are written directly as llama.cpp's blocks of random bytes (Q8_0: a float16 scale and 32 int8;
+Q4_0: a scale and 32 nibbles; `random_blocks`), the scale set so each tensor has the standard deviation below;
+no F16 file is made and no quantizer runs. The embeddings and the LM head carry the planted path, so they are
+made in float32 and written in float16. A 7B shape is 4.4 GB in Q4_0, 7.7 GB in Q8_0. Its Hugging Face
+directory holds no weights: config.json, the tokenizer, `successor.npy` and the recipe `random_init.json`, from
+which the torch engine builds the model from its config on its device (server_bridge/random_init.py). The two
+files are then two models that follow the same planted path, not one function.
 
 The weights are random Gaussians in every dense matrix, full size, so a forward pass costs exactly
 what a trained model of that shape costs. With plain random weights the greedy text would be random,
@@ -108,10 +107,10 @@ class Shape:
         )
 
     def weight_bytes(self, dtype: str) -> int:
-        """The weights' bytes in a GGUF of `dtype` (quantized: blocks in the layers, Q8_0 embeddings and head)."""
+        """The weights' bytes in a GGUF of `dtype` (quantized: blocks in the layers, float16 embeddings and head)."""
         if dtype in QUANTIZED:
             table = 2 * self.vocab * self.hidden
-            return (self.params - table) * BLOCK_BYTES[dtype] // 32 + table * BLOCK_BYTES["q8_0"] // 32
+            return (self.params - table) * BLOCK_BYTES[dtype] // 32 + table * 2
         return self.params * (2 if dtype == "f16" else 4)
 
     def kv_bytes_per_token(self, elem_bytes: int = 2) -> int:
@@ -502,30 +501,31 @@ def _make_quantized(target: RandomTarget, log) -> RandomTarget:
 
 def random_blocks(rows: int, cols: int, dtype: str, std: float, rng: np.random.Generator) -> np.ndarray:
     """[rows, cols / 32 x block bytes] uint8: llama.cpp's Q8_0 or Q4_0 blocks of uniform random values whose
-    dequantized standard deviation is `std` (Q4_0's nibbles 1..15 stand for -7..7: zero mean)."""
+    dequantized standard deviation is `std`. Raw random bytes (GB/s: a 7B shape's in seconds): a nibble stands for
+    -8..7 and a byte for -128..127, so each block leans by half a step; the scales alternate in sign along a row,
+    so a row's blocks cancel that lean and no bias enters."""
     blocks = rows * cols // 32
-    if dtype == "q8_0":
-        q = rng.integers(-127, 128, (blocks, 32), dtype=np.int8).view(np.uint8)
-        spread = math.sqrt((255**2 - 1) / 12)  # the standard deviation of a uniform -127..127
-    else:
-        pairs = rng.integers(0, 225, (blocks, 16), dtype=np.uint8)  # two nibbles, 15 x 15 values
-        q = (pairs % 15 + 1) | ((pairs // 15 + 1) << 4)
-        spread = math.sqrt((15**2 - 1) / 12)
-    scale = np.full((blocks, 1), std / spread, dtype=np.float16).view(np.uint8)
-    return np.concatenate([scale, q], axis=1).reshape(rows, -1)
+    quant = 16 if dtype == "q4_0" else 32  # the bytes after each block's float16 scale
+    out = np.empty((blocks, 2 + quant), dtype=np.uint8)
+    out[:, 2:] = np.frombuffer(rng.bytes(blocks * quant), dtype=np.uint8).reshape(blocks, quant)
+    levels = 16 if dtype == "q4_0" else 256
+    step = std / math.sqrt((levels**2 - 1) / 12)  # the standard deviation of a uniform over `levels` steps
+    scale = np.full(blocks, step, dtype=np.float16)
+    scale[1::2] *= -1
+    out[:, :2] = scale.view(np.uint8).reshape(blocks, 2)
+    return out.reshape(rows, -1)
 
 
 def _write_quantized(shape: Shape, dtype: str, seed: int, successor: np.ndarray, fields: dict, path: Path, log) -> None:
     import gguf
     import torch
-    from gguf.quants import quantize
 
     qtype = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0}[dtype]
     w = gguf.GGUFWriter(str(path), "llama")
     _write_metadata(w, shape, seed, fields)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0 if dtype == "q8_0" else gguf.LlamaFileType.MOSTLY_Q4_0)
     out_std = INIT_STD / math.sqrt(2 * shape.layers)
-    plan = []  # (gguf name, dims, kind, std): kind f32 (ones), table (Q8_0 of float32), blocks (random blocks)
+    plan = []  # (gguf name, dims, kind, std): kind f32 (ones), table (float16), blocks (random blocks)
     for hf, dims in _tensor_infos(shape):
         if len(dims) == 1:
             plan.append((gguf_name(hf), dims, "f32", 1.0))
@@ -535,12 +535,12 @@ def _write_quantized(shape: Shape, dtype: str, seed: int, successor: np.ndarray,
             std = out_std if hf.endswith(("o_proj.weight", "down_proj.weight")) else INIT_STD
             plan.append((gguf_name(hf), dims, "blocks", std))
     for name, dims, kind, _ in plan:
-        if kind == "f32":
-            w.add_tensor_info(name, dims, np.dtype(np.float32), math.prod(dims) * 4)
+        if kind == "blocks":
+            per_row = dims[1] // 32 * BLOCK_BYTES[dtype]
+            w.add_tensor_info(name, (dims[0], per_row), np.dtype(np.uint8), dims[0] * per_row, raw_dtype=qtype)
         else:
-            per_row = dims[1] // 32 * BLOCK_BYTES["q8_0" if kind == "table" else dtype]
-            raw = gguf.GGMLQuantizationType.Q8_0 if kind == "table" else qtype
-            w.add_tensor_info(name, (dims[0], per_row), np.dtype(np.uint8), dims[0] * per_row, raw_dtype=raw)
+            elem = np.dtype(np.float32 if kind == "f32" else np.float16)
+            w.add_tensor_info(name, dims, elem, math.prod(dims) * elem.itemsize)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
@@ -552,7 +552,7 @@ def _write_quantized(shape: Shape, dtype: str, seed: int, successor: np.ndarray,
         if kind == "f32":
             w.write_tensor_data(np.ones(dims, dtype=np.float32))
         elif kind == "table":
-            w.write_tensor_data(quantize(tables.pop(name).numpy(), gguf.GGMLQuantizationType.Q8_0))
+            w.write_tensor_data(tables.pop(name).numpy().astype(np.float16))
         else:
             rng = np.random.default_rng(seed * 1_000_003 + zlib.crc32(name.encode()))
             w.write_tensor_data(random_blocks(dims[0], dims[1], dtype, std, rng))
