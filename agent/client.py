@@ -336,6 +336,10 @@ class Client:
                     return d.image_prompt(req.prompt, req.images, chat=req.chat)
                 return d.tokenize(req.prompt, chat=req.chat), []
             messages, images = _chat_messages(req.messages)
+            if images and getattr(d, "image_marker", None) is None:  # (its chat template would fail on them)
+                raise RequestError(
+                    f"draft {d.name} reads text only: load it with its mmproj to send images", "messages"
+                )
             ids = d.tokenize(d.apply_chat_template(messages))
         except RequestError:
             raise

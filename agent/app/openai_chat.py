@@ -159,7 +159,8 @@ def _choice(choice: Any, tools: dict[str, dict]) -> str | None:
     """tool_choice -> the one tool it names, or None for auto / required."""
     if choice in ("auto", "required"):
         return None
-    name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+    fn = choice.get("function") if isinstance(choice, dict) else None
+    name = fn.get("name") if isinstance(fn, dict) else None
     if name not in tools:
         raise RequestError("tool_choice is none, auto, required or a function of tools by name", "tool_choice")
     return str(name)

@@ -1,5 +1,5 @@
-"""OpenAI request bodies -> Client arguments (agent/app/openai_chat.py): schemas over the bounds or that the
-converter cannot take are RequestErrors naming the parameter and the keyword (400), never a 500."""
+"""OpenAI request bodies -> Client arguments (agent/app/openai_chat.py): malformed tool_choice shapes and schemas
+are RequestErrors naming the parameter (400), never an AttributeError (500)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,17 @@ ASK = [{"role": "user", "content": "hi"}]
 
 def body(**kw):
     return {"model": "m", "messages": ASK, **kw}
+
+
+@pytest.mark.parametrize(
+    "choice",
+    [{"function": "go"}, {"function": None}, {"type": "function"}, {"function": {"name": "nope"}}, 5, ["go"], "x"],
+    ids=str,
+)
+def test_a_malformed_tool_choice_is_a_request_error(choice):
+    with pytest.raises(RequestError) as e:
+        parse_chat(body(tools=TOOLS, tool_choice=choice), "refuse")
+    assert e.value.param == "tool_choice"
 
 
 def test_a_tool_named_by_tool_choice_is_the_answers_schema():
