@@ -252,6 +252,9 @@ MAX_CACHED_SCHEMAS = 32  # converted schemas kept, least recently used out (tool
 
 JSON_TYPES = ("string", "number", "integer", "boolean", "object", "array", "null")
 STRING_FORMATS = ("date", "time", "date-time")  # and uuid, uuid1..uuid5: formats the converter writes
+# keywords that constrain nothing (and $defs, read through $refs from the root)
+ANNOTATIONS = {"title", "description", "default", "examples", "$comment", "deprecated", "readOnly", "writeOnly"}
+ANNOTATIONS |= {"$schema", "$id", "$defs", "definitions"}
 
 
 class SchemaError(GrammarError):
@@ -330,6 +333,9 @@ def _node(node: Any, walk: _Walk, where: str, name: str, depth: int) -> dict:
     if walk.nodes > MAX_SCHEMA_NODES:
         raise SchemaError(f"the schema has over {MAX_SCHEMA_NODES} sub-schemas", keyword, where)
     walk.spend(2 * len(name) + 8, keyword or "schema", where)  # its rule, defined and used
+    parts = node.get("allOf")
+    if isinstance(parts, list) and len(parts) == 1 and set(node) - {"allOf"} <= ANNOTATIONS:
+        return _node(parts[0], walk, f"{where}/allOf/0", name, depth + 1)  # pydantic's {"allOf": [{"$ref": ...}]}
     kind = node.get("type")
     if isinstance(kind, list):
         return _type_list(node, walk, where, name, depth)

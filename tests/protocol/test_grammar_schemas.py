@@ -129,6 +129,10 @@ CONVERTIBLE = [
         "allOf": [{"$ref": "#/definitions/base"}, {"properties": {"name": {"type": "string", "maxLength": 8}}}],
     },
     {"type": "object", "properties": {"when": {"type": "string", "format": "date-time"}, "u": {"format": "uuid"}}},
+    {  # pydantic v1's field of a model or enum type
+        "properties": {"c": {"allOf": [{"$ref": "#/definitions/Colour"}], "description": "which", "default": "red"}},
+        "definitions": {"Colour": {"enum": ["red", "blue"]}},
+    },
 ]
 
 
