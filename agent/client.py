@@ -30,7 +30,7 @@ from agent.spec.decoder import MODES, DecoderConfig, EdgeDecoder
 from agent.spec.link import LinkLost
 from agent.spec.metrics import Generation, Metrics
 from protocol import modelfiles
-from protocol.grammar import MAX_GBNF_BYTES
+from protocol.grammar import GrammarError, SchemaError, schema_gbnf
 from protocol.images import MAX_IMAGE_BYTES, MAX_IMAGES, PromptImage, check_bytes
 from protocol.sampling import SamplingParams
 
@@ -80,19 +80,20 @@ class Completion:
 
 def schema_grammar(schema: dict | str) -> str:
     """A JSON schema (a dict or its JSON text) -> GBNF that only its instances satisfy (llama.cpp's converter,
-    the one llama-server's `json_schema` uses); RequestError when it is too big or not one it can convert."""
-    text = schema if isinstance(schema, str) else json.dumps(schema)
+    the one llama-server's `json_schema` uses, behind protocol.grammar.schema_gbnf's bounds); RequestError,
+    naming the keyword, when it is too big, expands too far or is not one the converter takes."""
+    try:
+        text = schema if isinstance(schema, str) else json.dumps(schema)
+    except (TypeError, ValueError, RecursionError) as e:
+        raise RequestError(f"the schema is not JSON: {e}", "schema") from None
     if len(text) > MAX_SCHEMA_CHARS:
         raise RequestError(f"a schema is at most {MAX_SCHEMA_CHARS} characters of JSON", "schema")
-    from llama_cpp.llama_grammar import json_schema_to_gbnf
-
     try:
-        gbnf = json_schema_to_gbnf(text)
-    except (ValueError, KeyError, TypeError, RecursionError) as e:  # the converter's own errors
-        raise RequestError(f"cannot turn the schema into a grammar: {e}", "schema") from None
-    if len(gbnf.encode()) > MAX_GBNF_BYTES:
-        raise RequestError(f"the schema's grammar is over {MAX_GBNF_BYTES} bytes; simplify the schema", "schema")
-    return gbnf
+        return schema_gbnf(json.loads(text) if isinstance(schema, str) else schema)
+    except SchemaError as e:
+        raise RequestError(f"cannot turn the schema into a grammar ({e.keyword or 'schema'}): {e}", "schema") from None
+    except (ValueError, RecursionError) as e:  # json's own: text that is not JSON
+        raise RequestError(f"the schema is not JSON: {e}", "schema") from None
 
 
 def image_bytes(url: str, param: str = "image_url") -> bytes:
@@ -289,12 +290,28 @@ class Client:
 
     def _run(self, prompt: str | None, kw: dict[str, Any], emit: Callable[[str], bool]) -> Completion:
         req = _Request.of(prompt, kw, self.mode, self.offline)
+        grammar = self._grammar(req)  # before the model's lock: a schema's conversion never holds it
         with self.lock:
             ids, images = self._prompt(req)
             self._check_context(len(ids), req.max_tokens)
-            grammar = schema_grammar(req.schema) if req.schema is not None else req.grammar
             pieces = _Pieces(lambda out: self.drafter.detokenize(out, skip=self.decoder.stop_ids()), req.stop, emit)
             return self._decode(req, ids, images, grammar, pieces)
+
+    def _grammar(self, req: _Request) -> str | None:
+        """The request's GBNF (its schema's, converted in protocol.grammar's bounded worker), compiled over the
+        draft's vocabulary once here so that a grammar llama.cpp cannot read is a RequestError, not a failure
+        midway (the compiled grammar is cached: the generation finds it)."""
+        if req.schema is None and req.grammar is None:
+            return None
+        gbnf = schema_grammar(req.schema) if req.schema is not None else req.grammar
+        grammars = getattr(self.drafter, "grammars", None)
+        if gbnf is not None and grammars is not None:
+            param = "schema" if req.schema is not None else "grammar"
+            try:
+                grammars.get(gbnf)
+            except GrammarError as e:
+                raise RequestError(f"the {param}'s grammar cannot be used: {e}", param) from None
+        return gbnf
 
     def _check_context(self, n_prompt: int, max_tokens: int) -> None:
         """The prompt and max_tokens must fit the draft's context (the verifier's is at least as large)."""
@@ -319,6 +336,10 @@ class Client:
                     return d.image_prompt(req.prompt, req.images, chat=req.chat)
                 return d.tokenize(req.prompt, chat=req.chat), []
             messages, images = _chat_messages(req.messages)
+            if images and getattr(d, "image_marker", None) is None:  # (its chat template would fail on them)
+                raise RequestError(
+                    f"draft {d.name} reads text only: load it with its mmproj to send images", "messages"
+                )
             ids = d.tokenize(d.apply_chat_template(messages))
         except RequestError:
             raise

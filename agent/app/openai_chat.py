@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agent.client import OFFLINE, Completion, RequestError
+from protocol.grammar import SchemaError, prepare_schema
 
 JSON_OBJECT_GBNF = r"""
 root   ::= object
@@ -102,7 +103,7 @@ def _structure(body: dict, req: ChatRequest) -> None:
             schema = spec.get("schema") if isinstance(spec, dict) else None
             if not isinstance(schema, dict):
                 raise RequestError("response_format.json_schema.schema is a JSON schema object", "response_format")
-            req.kwargs["schema"] = schema
+            req.kwargs["schema"] = _checked(schema, "response_format")
         elif kind == "json_object":
             req.kwargs["grammar"] = JSON_OBJECT_GBNF
         elif kind != "text":
@@ -137,15 +138,29 @@ def _tools(tools: Any) -> dict[str, dict]:
         params = fn.get("parameters", {"type": "object", "properties": {}})
         if not isinstance(params, dict):
             raise RequestError(f"tools[{i}].function.parameters is a JSON schema object", "tools")
-        out[name] = {**fn, "parameters": params}
+        out[name] = {**fn, "parameters": _checked(params, "tools", f"tools[{i}].function.parameters: ")}
     return out
+
+
+def _checked(schema: dict, param: str, what: str = "") -> dict:
+    """A schema refused here, naming its keyword and the request's parameter, when it is over the bounds or not
+    one the converter takes (protocol.grammar.prepare_schema: one linear walk, no conversion); the Client
+    converts it, off the model's lock."""
+    try:
+        prepare_schema(schema)
+    except SchemaError as e:
+        raise RequestError(
+            f"{what}cannot turn the schema into a grammar ({e.keyword or 'schema'}): {e}", param
+        ) from None
+    return schema
 
 
 def _choice(choice: Any, tools: dict[str, dict]) -> str | None:
     """tool_choice -> the one tool it names, or None for auto / required."""
     if choice in ("auto", "required"):
         return None
-    name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+    fn = choice.get("function") if isinstance(choice, dict) else None
+    name = fn.get("name") if isinstance(fn, dict) else None
     if name not in tools:
         raise RequestError("tool_choice is none, auto, required or a function of tools by name", "tool_choice")
     return str(name)

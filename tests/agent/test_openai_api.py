@@ -284,6 +284,47 @@ def test_bad_requests_get_openai_errors(endpoint):
         assert status == 400 and set(err["error"]) == {"message", "type", "param", "code"}, body
 
 
+def _format(schema: dict) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+
+
+def test_what_ended_in_a_500_or_seconds_under_the_lock_is_a_400_at_once(endpoint):
+    """A schema the converter expanded for seconds (minItems 30000000: 10 s, 1.75 GB) or could not take (an
+    AssertionError or AttributeError), tool_choice {"function": "x"} (an AttributeError) and an image sent to a
+    text-only pair (a TypeError in the chat template): each is a 400 in OpenAI's shape, within a second."""
+    from tests.protocol.test_images import png
+
+    image = "data:image/png;base64," + __import__("base64").b64encode(png()).decode()
+    cases = [
+        (
+            {"response_format": _format({"type": "array", "items": {"type": "integer"}, "minItems": 30_000_000})},
+            "minItems",
+        ),
+        ({"response_format": _format({"type": "string", "minLength": 10**8})}, "minLength"),
+        ({"response_format": _format({"type": "object", "oneOf": [{"required": ["a"]}]})}, "oneOf"),
+        ({"response_format": _format({"type": "object", "properties": {"a": True}})}, "properties"),
+        ({"response_format": _format({"type": "array", "items": False})}, "items"),
+        ({"response_format": _format({"type": "string", "pattern": "[a-z]+"})}, "pattern"),
+        ({"response_format": _format({"type": "string", "pattern": "^a]$"})}, "pattern"),  # the converter looped
+        ({"tools": [{**TOOLS[0], "function": {**TOOLS[0]["function"], "parameters": {"anyOf": [True]}}}]}, "anyOf"),
+        ({"tools": TOOLS, "tool_choice": {"function": "move"}}, "tool_choice"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": None}}, "tool_choice"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": image}}]}]},
+            "text only",
+        ),
+    ]
+    oc = endpoint.openai()
+    for kw, word in cases:
+        t0 = time.monotonic()
+        with pytest.raises(openai.BadRequestError) as e:
+            oc.chat.completions.create(**{"model": "edge", "messages": ASK, "max_tokens": 8, **kw})
+        assert e.value.status_code == 400 and e.value.body["type"] == "invalid_request_error", kw
+        assert word in e.value.body["message"] and time.monotonic() - t0 < 1.0, (kw, e.value.body)
+    r = oc.chat.completions.create(model="edge", messages=ASK, max_tokens=4)  # and the endpoint still answers
+    assert r.usage.completion_tokens == 4
+
+
 def test_an_oversized_body_is_refused_before_it_is_read(endpoint):
     from agent.app.openai_api import MAX_BODY
 
