@@ -251,14 +251,16 @@ class OpenAiApi:
                 fail(408, f"the body was not sent within {BODY_TIMEOUT_S:.0f} s", code="timeout")
             except web.RequestPayloadError as e:  # a chunk aiohttp could not parse
                 fail(400, f"malformed body: {str(e)[:200]}", code="malformed_request")
-            req = self._parse(body)
+            req = await self._parse(body)
             return await (self._stream(req, request) if req.stream else self._complete(req))
         finally:
             self.pending -= 1
 
-    def _parse(self, body: bytes) -> chat.ChatRequest:
+    async def _parse(self, body: bytes) -> chat.ChatRequest:
+        """The request, parsed off the event loop: a tool's schema is converted there (bounded: up to its 2 s
+        limit), and the loop keeps answering other clients meanwhile."""
         try:
-            return chat.parse_chat(parse_body(body), self.offline)
+            return await asyncio.to_thread(lambda: chat.parse_chat(parse_body(body), self.offline))
         except RequestError as e:
             fail(400, str(e), param=e.param)
 
