@@ -212,8 +212,16 @@ class Go2CameraSource:
         self.client = None
 
 
+MAX_BACKOFF_S = 2.0  # a camera that fails max_failures times in a row is retried at most this far apart
+
+
 class FrameGrabber:
-    """Reads a source in a background thread and keeps only the newest frame."""
+    """Reads a source in a background thread and keeps only the newest frame.
+
+    It never gives up: after `max_failures` failed reads in a row it says so (log, `error`, `retrying`)
+    and keeps trying with a backoff (0.1 s doubling to MAX_BACKOFF_S); a robot whose camera returns sees
+    again without a restart, and while it is blind the safety layer's stale-frame rule holds it still.
+    """
 
     def __init__(
         self,
@@ -233,6 +241,7 @@ class FrameGrabber:
         self.frames = 0
         self.failures = 0
         self.error: str | None = None
+        self.retrying = False  # max_failures in a row: still trying, with backoff, and said so
 
     def start(self) -> "FrameGrabber":
         self.source.open()
@@ -249,6 +258,7 @@ class FrameGrabber:
 
     def _run(self) -> None:
         consecutive = 0
+        backoff = 0.0  # past max_failures in a row: the pause between tries, doubling up to MAX_BACKOFF_S
         while not self._stop.is_set():
             try:
                 got = self.source.read()
@@ -257,15 +267,23 @@ class FrameGrabber:
             if got is None:
                 self.failures += 1
                 consecutive += 1
-                if consecutive >= self.max_failures:
+                if consecutive == self.max_failures:
                     self.error = self.error or f"{consecutive} failed reads in a row"
                     log.error(
-                        "camera %s: %s; the grabber stops (the robot stops on stale frames)", self.name, self.error
+                        "camera %s: %s; retrying with backoff up to %.0f s (the robot stops on stale frames "
+                        "until a frame comes)",
+                        self.name,
+                        self.error,
+                        MAX_BACKOFF_S,
                     )
-                    return
-                self._stop.wait(0.02)
+                if consecutive >= self.max_failures:
+                    backoff = min(MAX_BACKOFF_S, max(0.1, 2 * backoff))
+                    self.retrying = True
+                self._stop.wait(backoff or 0.02)
                 continue
-            consecutive = 0
+            if self.retrying:
+                log.warning("camera %s: frames again after %d failed reads", self.name, consecutive)
+            consecutive, backoff, self.retrying, self.error = 0, 0.0, False, None
             image, meta = got
             with self._lock:
                 self.frames += 1

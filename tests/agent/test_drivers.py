@@ -2,6 +2,7 @@
 they make (checked against stand-in SDK modules that record calls; the robots are absent here)."""
 
 import sys
+import time
 import types
 
 import pytest
@@ -41,7 +42,10 @@ def unitree(monkeypatch):
 def test_go2_move_stop_damp(unitree):
     c = make_controller("go2", network_interface="eth0")
     with c:
-        sent = c.send_action(Command(5.0, 0.1, -3.0))
+        sent = c.send_action(Command(5.0, 0.1, -3.0))  # to the move thread: Move goes out from there
+        deadline = time.monotonic() + 2.0
+        while ("Move", 1.0, 0.1, -1.5) not in unitree.calls and time.monotonic() < deadline:
+            time.sleep(0.01)
         c.stop()
         c.estop()
     calls = unitree.calls
