@@ -1,0 +1,190 @@
+"""The go2 controller and camera through the real unitree_sdk2py over real CycloneDDS, against the simulated
+Go2 (tools/robot/go2_sim.py: the SDK's own RPC server classes) on loopback, on a DDS domain of this test
+process's own (tests/agent/go2_dds.py).
+
+The robot's faults are the simulated robot's own: `hang` (its services stop answering: RPCs time out),
+and the robot leaving the network (its process ends: the SDK's Move then waits in its DDS write, the case
+that froze the e-stop and the watchdog for 10 s when Move ran under the safety lock). One simulated Go2
+serves the whole module; a test that ends it starts it again.
+"""
+
+from __future__ import annotations
+
+import statistics
+import subprocess
+import sys
+import time
+
+import pytest
+
+from agent.robot.actions import Motion
+from agent.robot.controllers import Command, make_controller
+from tests.agent.go2_dds import DOMAIN, INTERFACE, ROOT, Go2Sim, skip_reason
+from tests.agent.test_go2_daemon import RESET_TOKEN, Api, RecordingNotifier, StubDrafter, wait_for
+
+pytestmark = pytest.mark.skipif(skip_reason() is not None, reason=skip_reason() or "")
+
+
+@pytest.fixture(scope="module")
+def robot():
+    sim = Go2Sim().start()
+    yield sim
+    sim.stop()
+
+
+@pytest.fixture
+def go2(robot):
+    """The module's simulated Go2, standing and answering at the start of each test."""
+    if not robot.alive:
+        robot.start()
+    robot.send("answer")
+    robot.send("delay 0")
+    robot.send("mode 1")
+    robot.send("sport normal")
+    yield robot
+
+
+def make_daemon(*sets):
+    from agent.app import config
+    from agent.app.daemon import Daemon
+
+    cfg = config.load(
+        None,
+        [
+            'robot.controller="go2"',
+            f'robot.options={{network_interface="{INTERFACE}", domain_id={DOMAIN}}}',
+            'camera.source="go2"',
+            'perception.kind="color"',
+            'telemetry.path=""',
+            "robot.control_hz=50",
+            "camera.max_age_ms=1000",
+            f'api.reset_token="{RESET_TOKEN}"',
+            *sets,
+        ],
+    )
+    d = Daemon(cfg, drafter=StubDrafter(), notifier=RecordingNotifier()).start()
+    assert wait_for(lambda: d.grabber.latest_age_s() is not None, 10.0)  # the first frame: motion is allowed
+    return d
+
+
+def state(d):
+    return d.controller.state.get(1.0)
+
+
+def test_the_driver_stands_a_lying_go2_up_and_moves_it(go2):
+    go2.send("mode 5")  # lying down
+    c = make_controller("go2", network_interface=INTERFACE, domain_id=DOMAIN)
+    with c:
+        assert c.state.get(1.0).mode == 1  # RecoveryStand, BalanceStand: balancing
+        x0 = c.state.get(1.0).position[0]
+        for _ in range(20):  # 1 s of Move at 20 Hz, 0.3 m/s ahead
+            c.send_action(Command(vx=0.3))
+            time.sleep(0.05)
+        assert wait_for(lambda: c.state.get(1.0).position[0] - x0 > 0.15, 2.0)
+        ahead = c.ranges.clearance_m(0.0)
+        assert ahead is not None and 0 < ahead < 5  # the scene's wall, through rt/utlidar/range_info
+        c.send_action(Command())
+        c.estop()
+        assert c.state.get(1.0).mode == 7 or wait_for(lambda: c.state.get(1.0).mode == 7, 1.0)  # Damp: limp
+
+
+def estop_latency(api) -> tuple[float, dict]:
+    t0 = time.perf_counter()
+    reply = api.call(op="estop")
+    return time.perf_counter() - t0, reply
+
+
+def watchdog_gaps(d, since: float) -> float:
+    times = [t for t in d.notifier.times("WATCHDOG") if t >= since]
+    return max(b - a for a, b in zip(times[:-1], times[1:], strict=True))
+
+
+def test_estop_with_the_sport_service_hung_is_answered_in_tens_of_ms(go2):
+    d = make_daemon()
+    api = Api(d)
+    latencies = []
+    try:
+        for _ in range(5):
+            go2.send("answer")
+            assert wait_for(lambda: d.grabber.latest_age_s() < 0.5, 5.0)  # the camera too was hung
+            if d.safety.estopped:
+                assert api.call(op="reset", reset_token=RESET_TOKEN)["ok"]
+            d.control.start_motion(Motion(Command(vx=0.2), 30.0))
+            assert wait_for(lambda: state(d).velocity[0] != 0 or state(d).mode == 3, 3.0)
+            go2.send("hang")  # from now on the robot answers nothing (its RPCs wait 10 s)
+            d.control.halt("test")  # a StopMove that hangs ...
+            d.control.start_motion(Motion(Command(vx=0.2), 30.0))  # ... and the robot moves again
+            time.sleep(0.05)
+            since = time.monotonic()
+            latency, reply = estop_latency(api)
+            latencies.append(latency)
+            assert reply == {"ok": True, "latched": True, "delivered": False, "op": "estop"}
+            assert d.safety.estopped and d.status()["driver_calls"]["estop"]["call"] == "estop"
+            time.sleep(1.0)
+            assert watchdog_gaps(d, since) < 1.0
+        print(
+            f"\nAPI e-stop with the Go2's services hung, real SDK over DDS: median "
+            f"{statistics.median(latencies) * 1e3:.1f} ms, max {max(latencies) * 1e3:.1f} ms"
+        )
+        assert max(latencies) < 0.1
+        go2.send("answer")  # the Damp that waited reaches the robot: limp
+        assert wait_for(lambda: state(d).mode == 7, 12.0)
+        d.safety.drain(12.0)
+        assert api.call(op="reset", reset_token=RESET_TOKEN)["ok"] and state(d).mode == 1  # stood up again
+    finally:
+        api.close()
+        go2.send("answer")
+        t0 = time.monotonic()
+        d.close()
+        assert time.monotonic() - t0 < 10.0
+
+
+def test_a_go2_gone_from_the_network_never_stalls_estop_watchdog_or_shutdown(go2):
+    d = make_daemon()
+    api = Api(d)
+    closed = False
+    try:
+        d.control.start_motion(Motion(Command(vx=0.2), 60.0))
+        assert wait_for(lambda: state(d).mode == 3, 3.0)
+        go2.stop()  # the robot is switched off: the SDK's Move now waits in its DDS write
+        since = time.monotonic()
+        time.sleep(1.5)  # the camera goes stale, the robot is halted: the zero Move waits (10 s)
+        latency, reply = estop_latency(api)
+        assert reply["ok"] and reply["latched"] and latency < 0.1, (latency, reply)
+        other = api.connect()  # another API client is not frozen either
+        t0 = time.perf_counter()
+        other.send('{"op": "status"}')
+        other.recv(timeout=2.0)
+        assert time.perf_counter() - t0 < 0.5
+        other.__exit__(None, None, None)
+        time.sleep(2.0)
+        gap = watchdog_gaps(d, since)
+        print(f"\nGo2 gone: API e-stop {latency * 1e3:.1f} ms, the longest watchdog gap {gap * 1e3:.0f} ms")
+        assert gap < 1.0
+        api.close()
+        t0 = time.monotonic()
+        d.close()
+        closed = True
+        took = time.monotonic() - t0
+        print(f"shutdown with the robot gone: {took:.1f} s")
+        assert took < 10.0  # systemd's TimeoutStopSec
+    finally:
+        if not closed:
+            api.close()
+            d.close()
+
+
+def test_a_wrong_network_interface_is_one_line():
+    """In a process of its own: the DDS participant is a per-process singleton."""
+    code = (
+        "from agent.robot.controllers import make_controller\n"
+        "from agent.robot.controllers.base import ControllerError\n"
+        "try:\n"
+        "    make_controller('go2', network_interface='nosuch9', domain_id=%d).connect()\n"
+        "except ControllerError as e:\n"
+        "    print('ERROR', e)\n" % DOMAIN
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    lines = [line for line in out.stdout.splitlines() if line.startswith("ERROR")]
+    assert len(lines) == 1 and "nosuch9" in lines[0] and "network_interface" in lines[0], out
+    assert "Traceback" not in out.stderr
