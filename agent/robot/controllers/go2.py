@@ -52,9 +52,9 @@ from .base import Command, Controller, ControllerError
 log = logging.getLogger(__name__)
 
 INSTALL_HINT = (
-    "unitree_sdk2py is not installed: install it from a pinned commit of "
-    "https://github.com/unitreerobotics/unitree_sdk2_python (pip install -e .), with CycloneDDS 0.10.x "
-    "built first on a Jetson (CYCLONEDDS_HOME); the PyPI 'unitree-sdk2py' is stale"
+    "unitree_sdk2py is not installed: `make setup-robot` installs it with CycloneDDS (pip: the project's "
+    "`go2` extra, unitree-sdk2py-dimos and cyclonedds; `make setup-robot CYCLONEDDS_HOME=...` for Unitree's "
+    "pinned cyclonedds 0.10.2 built against the C library)"
 )
 STATE_TOPIC = "rt/sportmodestate"
 RANGE_TOPIC = "rt/utlidar/range_info"
