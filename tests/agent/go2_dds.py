@@ -87,6 +87,23 @@ class Go2Sim:
         self.proc.stdin.flush()
         self._expect(f"ok {command}", timeout_s)
 
+    def report(self, timeout_s: float = 5.0) -> dict:
+        """The robot's own account (pose, mode, collisions, distance to each object)."""
+        import json
+
+        assert self.proc is not None and self.proc.stdin is not None
+        self.proc.stdin.write("report\n")
+        self.proc.stdin.flush()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                line = self._lines.get(timeout=max(0.01, deadline - time.monotonic()))
+            except queue.Empty:
+                break
+            if line.startswith("report "):
+                return json.loads(line[len("report ") :])
+        raise TimeoutError("the simulated Go2 did not report")
+
     @property
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None

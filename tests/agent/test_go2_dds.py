@@ -174,6 +174,107 @@ def test_a_go2_gone_from_the_network_never_stalls_estop_watchdog_or_shutdown(go2
             d.close()
 
 
+class SteeringDrafter:
+    """The draft model for an episode without a model (nav.grammar=false: fixed answers, one byte a token):
+    the scripted policy on what the camera's colour detector says of the red object: turn toward it,
+    walk by the distance rule, stop within reach, search left when it is out of view."""
+
+    name, vocab_size, vocab_hash, eos_ids, chat_template = "steering", 256, "steering", {0}, None
+    offload = {"device": "cpu", "n_gpu_layers": 0}
+    END = "\n<answer>\n"
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def apply_chat_template(self, messages):
+        return "\n".join(m["content"] for m in messages) + self.END
+
+    def tokenize(self, text, chat=False):
+        return list(text.encode())
+
+    def detokenize(self, ids, skip=frozenset()):
+        return bytes(i for i in ids if i not in skip).decode("utf-8", "replace")
+
+    def next_logits(self, committed):
+        import numpy as np
+
+        return np.zeros(self.vocab_size, np.float32)
+
+    @staticmethod
+    def answer(camera: str) -> str:
+        import re
+
+        red = next((part for part in camera.split(";") if "red" in part), "")
+        if not red:
+            return "The next action is turn left 45 degree."
+        if "within reach" in red:
+            return "The next action is stop."
+        turn = re.search(r"(\d+) degrees to the (left|right)", red)
+        if turn and int(turn.group(1)) >= 10:
+            deg = min(45, max(15, 15 * round(int(turn.group(1)) / 15)))
+            return f"The next action is turn {turn.group(2)} {deg} degree."
+        m = re.search(r"(\d+(?:\.\d+)?) m away", red)
+        d = float(m.group(1)) if m else 2.0
+        return f"The next action is move forward {75 if d > 1.6 else 50 if d > 1.1 else 25} cm."
+
+    def next_token(self, committed, params, rng, grammar=None):
+        prompt, _, said = self.detokenize(committed).rpartition(self.END)
+        camera = prompt.rsplit("Camera: ", 1)[-1].split("\n", 1)[0]
+        want = self.answer(camera)
+        return ord(want[len(said)]) if len(said) < len(want) else 0
+
+
+def test_edge_agent_run_on_the_go2_reaches_the_red_box_through_the_sdk(go2, capsys, monkeypatch):
+    """`edge-agent run --controller go2 --camera go2` against the simulated Go2 in the shipped red_box scene:
+    every Move, frame and range reading through unitree_sdk2py over DDS; the robot's own account says where
+    it ended."""
+    import json
+    import tempfile
+
+    import agent.spec.drafter
+    from agent.app import cli
+
+    monkeypatch.setattr(agent.spec.drafter, "Drafter", SteeringDrafter)
+    go2.send("start 0")  # the red box 37 degrees to the left, in view
+    with tempfile.TemporaryDirectory(prefix="api-") as folder:
+        rc = cli.main(
+            [
+                "run",
+                "--listen",
+                f"unix:{folder}/api.sock",
+                "--telemetry",
+                "",
+                "--controller",
+                "go2",
+                "--set",
+                f'robot.options={{network_interface="{INTERFACE}", domain_id={DOMAIN}}}',
+                "--set",
+                'camera.source="go2"',
+                "--set",
+                'perception.kind="color"',
+                "--set",
+                "nav.grammar=false",
+                "--offline",
+                "local",
+                "--instruction",
+                "go to the red box",
+                "--max-steps",
+                "25",
+                "--exit-when-done",
+                "--json",
+                "--quiet",
+            ]
+        )
+    out = capsys.readouterr()
+    assert rc == 0, out.err[-2000:]
+    summary = json.loads(out.out.strip().splitlines()[-1])
+    robot = go2.report()
+    print(f"\nGo2 over DDS, red_box start 0: {summary}, the robot's account: {robot}")
+    assert summary["end"] == "done"
+    assert robot["collisions"] == 0 and robot["distance_m"]["red box"] <= 0.6
+    assert robot["calls"].get("Move", 0) > 20  # it walked on Move, streamed through the SDK
+
+
 def test_a_wrong_network_interface_is_one_line():
     """In a process of its own: the DDS participant is a per-process singleton."""
     code = (

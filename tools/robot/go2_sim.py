@@ -28,6 +28,8 @@ Faults on demand, one command per line on stdin (the tests' way to make the robo
     delay S     each answer comes S seconds late
     mode N      the robot's mode becomes N (5: lying down; 7: damped)
     sport NAME  the motion switcher's mode name ("" : released, as after low-level control)
+    start N     the robot back at the scene's start N, standing, collisions counted from 0
+    report      one line "report {json}": pose, mode, collisions, the distance to each object
     quit        leave (as does SIGTERM or the end of stdin): the robot is gone from the network
 
 Each command is answered "ok <command>" on stdout, after "ready" once everything serves.
@@ -257,6 +259,19 @@ class Publisher:
             self._stop.wait(max(0.0, next_t - time.monotonic()))
 
 
+def report(robot: SimGo2) -> dict:
+    """What a test asks of the episode: where the robot is, in what mode, how often it hit something."""
+    world = robot.world
+    x, y, th = world.pose
+    return {
+        "pose": [round(x, 3), round(y, 3), round(th, 3)],
+        "mode": robot.mode,
+        "collisions": world.collisions,
+        "distance_m": {o.name: round(world.distance_to(o.name), 3) for o in world.objects},
+        "calls": dict(robot.calls),
+    }
+
+
 def command(line: str, robot: SimGo2, faults: Faults) -> bool:
     """One stdin command; False for quit."""
     word, _, arg = line.strip().partition(" ")
@@ -274,6 +289,14 @@ def command(line: str, robot: SimGo2, faults: Faults) -> bool:
             robot.world.damped = robot.mode in (LIE_DOWN, DAMPING)
     elif word == "sport":
         robot.sport = arg.strip().strip('"')
+    elif word == "start":
+        with robot.lock:
+            world, n = robot.world, int(arg)
+            assert world.spec is not None  # made from a scene
+            world.restart(world.spec.starts[n], n)
+            world.collisions, world.damped, robot.mode = 0, False, BALANCE
+    elif word == "report":
+        print("report " + json.dumps(report(robot)), flush=True)
     elif word:
         print(f"error unknown command {word!r}", flush=True)
         return True
