@@ -10,6 +10,7 @@ serves the whole module; a test that ends it starts it again.
 
 from __future__ import annotations
 
+import json
 import statistics
 import subprocess
 import sys
@@ -18,7 +19,9 @@ import time
 import pytest
 
 from agent.robot.actions import Motion
-from agent.robot.controllers import Command, make_controller
+from agent.robot.controllers import Command, ControllerError, make_controller
+from agent.robot.perception import ColorDetector
+from agent.robot.safety import SafetyLayer, SafetyLimits
 from tests.agent.go2_dds import DOMAIN, INTERFACE, ROOT, Go2Sim, skip_reason
 from tests.agent.test_go2_daemon import RESET_TOKEN, Api, RecordingNotifier, StubDrafter, wait_for
 
@@ -34,9 +37,10 @@ def robot():
 
 @pytest.fixture
 def go2(robot):
-    """The module's simulated Go2, standing and answering at the start of each test."""
+    """The module's simulated Go2, standing at the scene's start 0 and answering at the start of each test."""
     if not robot.alive:
         robot.start()
+    robot.send("start 0")
     robot.send("answer")
     robot.send("delay 0")
     robot.send("mode 1")
@@ -86,6 +90,116 @@ def test_the_driver_stands_a_lying_go2_up_and_moves_it(go2):
         c.send_action(Command())
         c.estop()
         assert c.state.get(1.0).mode == 7 or wait_for(lambda: c.state.get(1.0).mode == 7, 1.0)  # Damp: limp
+
+
+@pytest.mark.parametrize("mode", [5, 7])  # lying down, damped
+def test_connect_stands_a_lying_go2_up_and_leaves_a_balancing_one_alone(go2, mode):
+    go2.send(f"mode {mode}")
+    before = go2.report()["calls"]
+    with make_controller("go2", network_interface=INTERFACE, domain_id=DOMAIN) as c:
+        calls = go2.report()["calls"]
+        assert calls.get("RecoveryStand", 0) == before.get("RecoveryStand", 0) + 1
+        assert calls.get("BalanceStand", 0) == before.get("BalanceStand", 0) + 1 and c.state.get(1.0).mode == 1
+    before = go2.report()["calls"]
+    with make_controller("go2", network_interface=INTERFACE, domain_id=DOMAIN):
+        calls = go2.report()["calls"]
+        for name in ("RecoveryStand", "BalanceStand"):
+            assert calls.get(name, 0) == before.get(name, 0)  # balancing already: left alone
+
+
+def test_connect_refuses_when_sport_mode_is_off(go2):
+    go2.send('sport ""')  # released, as after low-level control: Move would be ignored
+    before = go2.report()["calls"].get("Move", 0)
+    with pytest.raises(ControllerError, match="sport mode is off"):
+        make_controller("go2", network_interface=INTERFACE, domain_id=DOMAIN).connect()
+    assert go2.report()["calls"].get("Move", 0) == before
+
+
+def test_reset_after_an_estop_stands_up_before_motion_and_a_failed_one_keeps_the_latch(go2):
+    with make_controller("go2", network_interface=INTERFACE, domain_id=DOMAIN) as c:
+        s = SafetyLayer(c, SafetyLimits(max_frame_age_s=None, max_dvx=100.0, min_clearance_m=0.0))
+        assert s.send_action(Command(0.3, 0, 0)).vx == 0.3
+        s.estop().result(5)
+        assert wait_for(lambda: c.state.get(1.0).mode == 7, 2.0) and s.send_action(Command(0.3, 0, 0)) == Command()
+        s.reset().result(10)  # RecoveryStand, BalanceStand: balancing before motion
+        assert c.state.get(1.0).mode == 1 and not s.estopped
+        assert s.send_action(Command(0.3, 0, 0)).vx == 0.3
+        s.estop().result(5)
+        c.client.SetTimeout(0.3)
+        go2.send("hang")  # the robot stops answering: RecoveryStand times out
+        with pytest.raises(ControllerError, match="RecoveryStand returned 3104"):
+            s.reset().result(10)
+        assert s.estopped and s.send_action(Command(0.3, 0, 0)) == Command()
+        go2.send("answer")
+        s.close()
+
+
+def test_the_range_finder_is_the_simulators_geometry(go2):
+    import math
+
+    go2.send("pose 5.4 2.5 0")  # 0.6 m from the east wall, facing it; the red box north, the blue ball south
+    with make_controller("go2", network_interface=INTERFACE, domain_id=DOMAIN) as c:
+        assert wait_for(lambda: c.ranges.clearance_m(0.0) is not None and c.ranges.clearance_m(0.0) < 0.5, 2.0)
+        assert c.ranges.clearance_m(0.0) == pytest.approx(0.4, abs=0.02)  # from the body's edge (r 0.2 m)
+        assert c.ranges.clearance_m(math.pi / 2) == pytest.approx(1.4, abs=0.05)
+        assert c.ranges.clearance_m(-math.pi / 2) == pytest.approx(1.45, abs=0.05)  # the blue ball
+        assert c.ranges.clearance_m(math.pi) is None  # behind: the range finder does not look there
+
+
+def test_obstacle_stop_on_the_go2_range_finder_is_in_the_telemetry(go2, tmp_path):
+    go2.send("pose 5.4 2.5 0")  # the wall 0.4 m ahead
+    d = make_daemon("safety.min_clearance_m=0.5", f'telemetry.path="{tmp_path / "t.jsonl"}"')
+    try:
+        x0 = state(d).position[0]
+        assert not d.control.execute(Motion(Command(vx=0.3), 1.0))  # refused at once
+        assert abs(state(d).position[0] - x0) < 0.01
+        d.submit("go to the red box", max_steps=1)  # offline (hold): refused steps, each recorded
+        assert wait_for(lambda: (tmp_path / "t.jsonl").exists() and (tmp_path / "t.jsonl").read_text(), 10.0)
+        d.cancel()
+        record = json.loads((tmp_path / "t.jsonl").read_text().splitlines()[0])
+        assert record["safety_stops"]["obstacle"] == 1 and record["clearance_m"] == pytest.approx(0.4, abs=0.02)
+    finally:
+        d.close()
+
+
+def test_go2_camera_frames_and_a_stale_camera_is_reported(go2):
+    d = make_daemon()  # at start 0: the red box in view
+    api = Api(d)
+    try:
+        frame = d.grabber.read_latest(1000)
+        assert frame.meta["source"] == "go2" and frame.image.shape == (240, 320, 3)  # the robot's JPEG, decoded
+        assert any("red" in s.name for s in ColorDetector().describe(frame))  # the box the simulator rendered
+        assert wait_for(lambda: api.call(op="status")["status"]["camera"]["state"] == "ok")
+        go2.send("hang")  # the video service stops answering
+        assert wait_for(lambda: api.call(op="status")["status"]["camera"]["state"] == "stale", 5.0)
+        assert any("camera go2 stale" in s for s in d.notifier.statuses())
+        go2.send("answer")
+        assert wait_for(lambda: d.status()["camera"]["state"] == "ok", 8.0)
+        assert "stale" not in d.notifier.statuses()[-1]
+    finally:
+        api.close()
+        go2.send("answer")
+        d.close()
+
+
+def test_control_loop_keeps_its_rate_and_the_watchdog_while_damp_hangs(go2):
+    d = make_daemon()
+    try:
+        d.control.start_motion(Motion(Command(vx=0.2), 30.0))
+        time.sleep(0.1)
+        go2.send("hang")
+        d.estop()  # Damp hangs, and so does every StopMove
+        d.control.halt("again")
+        ticks0, t0 = d.control.ticks, time.monotonic()
+        time.sleep(1.0)
+        rate = (d.control.ticks - ticks0) / (time.monotonic() - t0)
+        pings = [t for t in d.notifier.times("WATCHDOG") if t >= t0]
+        assert rate >= 0.6 * 50, rate  # 50 Hz asked; loose on a shared 2-core machine
+        assert len(pings) >= 8 and max(b - a for a, b in zip([t0, *pings[:-1]], pings, strict=True)) < 0.5
+        assert d.status()["driver_calls"]["estop"]["for_s"] >= 0.9  # and the hang shows in status
+    finally:
+        go2.send("answer")
+        d.close()
 
 
 def estop_latency(api) -> tuple[float, dict]:
@@ -235,7 +349,7 @@ def test_edge_agent_run_on_the_go2_reaches_the_red_box_through_the_sdk(go2, caps
     from agent.app import cli
 
     monkeypatch.setattr(agent.spec.drafter, "Drafter", SteeringDrafter)
-    go2.send("start 0")  # the red box 37 degrees to the left, in view
+    # start 0 (the fixture's): the red box 37 degrees to the left, in view
     with tempfile.TemporaryDirectory(prefix="api-") as folder:
         rc = cli.main(
             [

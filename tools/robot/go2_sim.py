@@ -29,6 +29,7 @@ Faults on demand, one command per line on stdin (the tests' way to make the robo
     mode N      the robot's mode becomes N (5: lying down; 7: damped)
     sport NAME  the motion switcher's mode name ("" : released, as after low-level control)
     start N     the robot back at the scene's start N, standing, collisions counted from 0
+    pose X Y TH the robot put at (X, Y) m facing TH rad, standing (as start does)
     report      one line "report {json}": pose, mode, collisions, the distance to each object
     quit        leave (as does SIGTERM or the end of stdin): the robot is gone from the network
 
@@ -289,12 +290,16 @@ def command(line: str, robot: SimGo2, faults: Faults) -> bool:
             robot.world.damped = robot.mode in (LIE_DOWN, DAMPING)
     elif word == "sport":
         robot.sport = arg.strip().strip('"')
-    elif word == "start":
+    elif word in ("start", "pose"):
         with robot.lock:
-            world, n = robot.world, int(arg)
-            assert world.spec is not None  # made from a scene
-            world.restart(world.spec.starts[n], n)
-            world.collisions, world.damped, robot.mode = 0, False, BALANCE
+            world = robot.world
+            if word == "start":
+                assert world.spec is not None  # made from a scene
+                world.restart(world.spec.starts[int(arg)], int(arg))
+            else:
+                x, y, th = (float(v) for v in arg.split())
+                world.restart((x, y, th))
+            world.damped, robot.mode = False, BALANCE
     elif word == "report":
         print("report " + json.dumps(report(robot)), flush=True)
     elif word:
