@@ -199,7 +199,9 @@ class Daemon:
             return
         frame, sightings = (self.nav.last_look if self.nav else None) or (None, [])
         try:
-            sample = sample_of(rec, frame, sightings, self.world, self.safety, self.cfg.record.jpeg_quality)
+            sample = sample_of(
+                rec, frame, sightings, self.world, self.safety, self.cfg.record.jpeg_quality, self.controller.odometry()
+            )
         except Exception:  # a frame cv2 cannot encode: the step goes unrecorded, the robot goes on
             log.exception("recording step %s failed", getattr(rec, "step", "?"))
             return

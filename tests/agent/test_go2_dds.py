@@ -24,6 +24,7 @@ from agent.robot.perception import ColorDetector
 from agent.robot.safety import SafetyLayer, SafetyLimits
 from tests.agent.go2_dds import DOMAIN, INTERFACE, ROOT, Go2Sim, skip_reason
 from tests.agent.test_go2_daemon import RESET_TOKEN, Api, RecordingNotifier, StubDrafter, wait_for
+from tests.agent.test_recording import on, read_rosbags
 
 pytestmark = pytest.mark.skipif(skip_reason() is not None, reason=skip_reason() or "")
 
@@ -338,10 +339,10 @@ class SteeringDrafter:
         return ord(want[len(said)]) if len(said) < len(want) else 0
 
 
-def test_edge_agent_run_on_the_go2_reaches_the_red_box_through_the_sdk(go2, capsys, monkeypatch):
+def test_edge_agent_run_on_the_go2_reaches_the_red_box_through_the_sdk(go2, capsys, monkeypatch, tmp_path):
     """`edge-agent run --controller go2 --camera go2` against the simulated Go2 in the shipped red_box scene:
     every Move, frame and range reading through unitree_sdk2py over DDS; the robot's own account says where
-    it ended."""
+    it ended; the recording's /tf and /odom (the robot's rt/sportmodestate) read back with rosbags."""
     import json
     import tempfile
 
@@ -377,6 +378,8 @@ def test_edge_agent_run_on_the_go2_reaches_the_red_box_through_the_sdk(go2, caps
                 "--exit-when-done",
                 "--json",
                 "--quiet",
+                "--record",
+                str(tmp_path / "run.mcap"),
             ]
         )
     out = capsys.readouterr()
@@ -387,6 +390,17 @@ def test_edge_agent_run_on_the_go2_reaches_the_red_box_through_the_sdk(go2, caps
     assert summary["end"] == "done"
     assert robot["collisions"] == 0 and robot["distance_m"]["red box"] <= 0.6
     assert robot["calls"].get("Move", 0) > 20  # it walked on Move, streamed through the SDK
+    types, messages = read_rosbags(tmp_path / "run.mcap")
+    assert types["/tf"] == "tf2_msgs/msg/TFMessage" and types["/odom"] == "nav_msgs/msg/Odometry"
+    odom = on(messages, "/odom")
+    tf = on(messages, "/tf")
+    assert len(odom) == len(tf) >= summary["steps"] - 1 and "/pose" not in {t for t, _, _ in messages}
+    last = odom[-1].pose.pose.position  # the robot's own odometry at the end: where it says it is
+    assert (last.x, last.y) == pytest.approx(tuple(robot["pose"][:2]), abs=0.1)
+    assert [(t.header.frame_id, t.child_frame_id) for t in tf[-1].transforms][:2] == [
+        ("map", "odom"),
+        ("odom", "base_link"),
+    ]
 
 
 def test_a_wrong_network_interface_is_one_line():

@@ -373,6 +373,18 @@ class Go2Controller(Controller):
         self._mover.put(sent)
         return sent
 
+    def odometry(self) -> tuple[float, float, float, float, float, float] | None:
+        """The robot's rt/sportmodestate: position and yaw (imu_state.rpy[2]) in its odometry frame, which starts
+        where it was switched on, and its velocity turned into the body frame; None without a fresh state."""
+        state = self.state.get(0.5)
+        if state is None:
+            return None
+        x, y = float(state.position[0]), float(state.position[1])
+        th = float(state.imu_state.rpy[2])
+        vx, vy = float(state.velocity[0]), float(state.velocity[1])  # in the odometry frame
+        c, s = math.cos(th), math.sin(th)
+        return (x, y, th, c * vx + s * vy, -s * vx + c * vy, float(state.yaw_speed))
+
     def move_stalled_s(self) -> float:
         """How long the Move in progress has waited for the robot (0: none waits)."""
         mover = self._mover
