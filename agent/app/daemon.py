@@ -216,6 +216,7 @@ class Daemon:
             camera.fps,
             world=self.world,
             network_interface=self.cfg.robot.options.get("network_interface"),
+            domain_id=self.cfg.robot.options.get("domain_id", 0),
         )
         grabber = FrameGrabber(source, name=camera.source if len(camera.source) < 40 else "camera")
         grabber.start()

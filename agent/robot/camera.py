@@ -168,8 +168,9 @@ class Go2CameraSource:
     the image is at least that fresh give or take one camera period.
     """
 
-    def __init__(self, network_interface: str | None = None, fps: int = 15, timeout_s: float = 1.0):
+    def __init__(self, network_interface: str | None = None, fps: int = 15, timeout_s: float = 1.0, domain_id: int = 0):
         self.network_interface, self.fps, self.timeout_s = network_interface, fps, timeout_s
+        self.domain_id = domain_id  # the DDS domain (the Go2's is 0); the driver's, when both run
         self.client: Any = None  # unitree_sdk2py's VideoClient once open (the SDK is untyped)
 
     def open(self) -> None:
@@ -177,7 +178,7 @@ class Go2CameraSource:
         from .controllers.go2 import INSTALL_HINT, init_channel
 
         try:
-            init_channel(self.network_interface)
+            init_channel(self.network_interface, self.domain_id)
             from unitree_sdk2py.go2.video.video_client import VideoClient
         except (ImportError, ControllerError) as e:
             raise CameraError(f"camera 'go2': {INSTALL_HINT if isinstance(e, ImportError) else e}") from None
@@ -342,8 +343,10 @@ def registered_sources() -> list[str]:
     return sorted(_SOURCES)
 
 
-def _go2_source(source: str, *, fps: int = 15, network_interface: str | None = None, **_) -> FrameSource:
-    return Go2CameraSource(network_interface, fps=fps)
+def _go2_source(
+    source: str, *, fps: int = 15, network_interface: str | None = None, domain_id: int = 0, **_
+) -> FrameSource:
+    return Go2CameraSource(network_interface, fps=fps, domain_id=domain_id)
 
 
 register_source("go2", _go2_source)
@@ -356,12 +359,21 @@ def open_source(
     fps: int = 15,
     world: object = None,
     network_interface: str | None = None,
+    domain_id: int = 0,
 ) -> FrameSource:
     """The frame source a config string names: a registered name ("go2"; "sim" once agent.robot.sim is
     imported, and it needs the simulator's world) or else an OpenCV source (device, pipeline, stream, file)."""
     factory = _SOURCES.get(source)
     if factory is not None:
-        return factory(source, width=width, height=height, fps=fps, world=world, network_interface=network_interface)
+        return factory(
+            source,
+            width=width,
+            height=height,
+            fps=fps,
+            world=world,
+            network_interface=network_interface,
+            domain_id=domain_id,
+        )
     if source in _OWNERS:
         raise CameraError(
             f"camera source {source!r} is registered by {_OWNERS[source]}, which is not loaded: "
