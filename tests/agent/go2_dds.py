@@ -76,10 +76,13 @@ class Go2Sim:
             if left <= 0:
                 raise TimeoutError(f"the simulated Go2 did not say {want!r} in {timeout_s:.0f} s")
             try:
-                if self._lines.get(timeout=left) == want:
+                if self._lines.get(timeout=min(left, 0.2)) == want:
                     return
             except queue.Empty:
-                continue
+                if self.proc is not None and self.proc.poll() is not None:  # it died: say so now, not at the timeout
+                    raise RuntimeError(
+                        f"the simulated Go2 exited ({self.proc.returncode}) before saying {want!r}: its log is above"
+                    ) from None
 
     def send(self, command: str, timeout_s: float = 5.0) -> None:
         assert self.proc is not None and self.proc.stdin is not None

@@ -254,6 +254,21 @@ def test_estop_with_the_sport_service_hung_is_answered_in_tens_of_ms(go2):
         assert time.monotonic() - t0 < 10.0
 
 
+def test_a_late_damp_is_latched_at_once_and_reaches_the_robot_late(go2):
+    d = make_daemon()
+    api = Api(d)
+    try:
+        go2.send("delay 0.5")  # every answer 0.5 s late
+        latency, reply = estop_latency(api)
+        assert reply["latched"] and not reply["delivered"] and latency < 0.1, (latency, reply)
+        assert wait_for(lambda: state(d).mode == 7, 3.0)  # Damp got there, late
+        assert d.safety.drain(3.0)
+    finally:
+        api.close()
+        go2.send("delay 0")
+        d.close()
+
+
 def test_a_go2_gone_from_the_network_never_stalls_estop_watchdog_or_shutdown(go2):
     d = make_daemon()
     api = Api(d)
