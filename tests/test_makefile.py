@@ -44,3 +44,18 @@ def test_jetson_with_nvcc_builds_llama_cpp_with_cuda_into_its_own_wheelhouse(tmp
     assert wheelhouse(cuda) != wheelhouse(cpu)  # a CPU wheel is never reused for CUDA
     other_flags = dry_run("setup", tmp_path, LLAMA_CMAKE_ARGS="-DGGML_NATIVE=ON")
     assert wheelhouse(other_flags) != wheelhouse(dry_run("setup", tmp_path))
+
+
+def test_the_go2_sdk_and_dds_are_installed_by_setup_and_setup_robot(tmp_path):
+    """`make setup` (this machine, CI): the go2 extra; `make setup-robot`: the SDK without its opencv-python
+    requirement (JetPack's OpenCV stays) and PyPI's cyclonedds wheel, or Unitree's 0.10.2 built against
+    CYCLONEDDS_HOME."""
+    assert "go2]'" in dry_run("setup", tmp_path)
+    text = (ROOT / "setup.py").read_text()
+    go2 = re.search(r"^GO2 = \[(.*?)\]", text, re.M | re.S).group(1)
+    assert "unitree-sdk2py-dimos==" in go2 and "cyclonedds==" in go2
+    robot = dry_run("setup-robot", tmp_path)
+    assert re.search(r"pip install .*--no-deps 'unitree-sdk2py-dimos==1\.0\.3'", robot)
+    assert "'cyclonedds==11.0.1'" in robot
+    jetson = dry_run("setup-robot", tmp_path, CYCLONEDDS_HOME="/opt/cyclonedds")
+    assert "CYCLONEDDS_HOME=/opt/cyclonedds " in jetson and "'cyclonedds==0.10.2'" in jetson

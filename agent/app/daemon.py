@@ -199,7 +199,9 @@ class Daemon:
             return
         frame, sightings = (self.nav.last_look if self.nav else None) or (None, [])
         try:
-            sample = sample_of(rec, frame, sightings, self.world, self.safety, self.cfg.record.jpeg_quality)
+            sample = sample_of(
+                rec, frame, sightings, self.world, self.safety, self.cfg.record.jpeg_quality, self.controller.odometry()
+            )
         except Exception:  # a frame cv2 cannot encode: the step goes unrecorded, the robot goes on
             log.exception("recording step %s failed", getattr(rec, "step", "?"))
             return
@@ -214,6 +216,7 @@ class Daemon:
             camera.fps,
             world=self.world,
             network_interface=self.cfg.robot.options.get("network_interface"),
+            domain_id=self.cfg.robot.options.get("domain_id", 0),
         )
         grabber = FrameGrabber(source, name=camera.source if len(camera.source) < 40 else "camera")
         grabber.start()

@@ -16,6 +16,9 @@ The channels (docs/guide/recording.md; deploy/foxglove/edgespec-layout.json lays
     /cmd_vel                  geometry_msgs/msg/Twist  the first set-point sent (after the safety layer's clamps)
     /pose, /path              geometry_msgs/msg/PoseStamped, nav_msgs/msg/Path  in frame "map" (the simulator's;
                                                                none on a robot without a pose source)
+    /tf                       tf2_msgs/msg/TFMessage  REP-105's map -> odom -> base_link, and base_link -> camera
+    /odom                     nav_msgs/msg/Odometry  the robot's odometry (frame odom, child base_link): the
+                                                     Go2's rt/sportmodestate, the simulator's pose and velocity
     /safety                   std_msgs/msg/String  JSON: the stops so far, this step's, its interventions
                                                    (INTERVENTIONS: the safety layer's own), the clearance
     /link                     std_msgs/msg/String  verified | offline | halted (no answer: no fresh frame)
@@ -49,7 +52,9 @@ log = logging.getLogger(__name__)
 
 MAX_PATH_POSES = 2000  # /path holds the last this many poses (the simulator keeps up to 20000)
 FRAME = "map"  # the frame of /pose and /path
+ODOM_FRAME, BASE_FRAME = "odom", "base_link"  # REP-105
 CAMERA_FRAME = "camera"
+CAMERA_HEIGHT_M = 0.3  # base_link -> camera: the simulator's camera height (a Go2's front camera is near it)
 
 _TIME = "int32 sec\nuint32 nanosec\n"
 _HEADER = "builtin_interfaces/Time stamp\nstring frame_id\n"
@@ -71,6 +76,12 @@ _POSE_DEPS = (
     ("geometry_msgs/Point", _VECTOR3),
     ("geometry_msgs/Quaternion", _QUATERNION),
 )
+_TRANSFORM_STAMPED = "std_msgs/Header header\nstring child_frame_id\ngeometry_msgs/Transform transform\n"
+_TRANSFORM_DEPS = (
+    ("geometry_msgs/Transform", "geometry_msgs/Vector3 translation\ngeometry_msgs/Quaternion rotation\n"),
+    ("geometry_msgs/Vector3", _VECTOR3),
+    ("geometry_msgs/Quaternion", _QUATERNION),
+)
 MSGDEFS = {
     "sensor_msgs/msg/CompressedImage": _msgdef("std_msgs/Header header\nstring format\nuint8[] data\n", *_STAMPED),
     "std_msgs/msg/String": "string data\n",
@@ -84,6 +95,22 @@ MSGDEFS = {
         ("geometry_msgs/PoseStamped", _POSE_STAMPED),
         *_POSE_DEPS,
     ),
+    "tf2_msgs/msg/TFMessage": _msgdef(
+        "geometry_msgs/TransformStamped[] transforms\n",
+        ("geometry_msgs/TransformStamped", _TRANSFORM_STAMPED),
+        *_STAMPED,
+        *_TRANSFORM_DEPS,
+    ),
+    "nav_msgs/msg/Odometry": _msgdef(
+        "std_msgs/Header header\nstring child_frame_id\ngeometry_msgs/PoseWithCovariance pose\n"
+        "geometry_msgs/TwistWithCovariance twist\n",
+        *_STAMPED,
+        ("geometry_msgs/PoseWithCovariance", "geometry_msgs/Pose pose\nfloat64[36] covariance\n"),
+        *_POSE_DEPS,
+        ("geometry_msgs/TwistWithCovariance", "geometry_msgs/Twist twist\nfloat64[36] covariance\n"),
+        ("geometry_msgs/Twist", "geometry_msgs/Vector3 linear\ngeometry_msgs/Vector3 angular\n"),
+        ("geometry_msgs/Vector3", _VECTOR3),
+    ),
 }
 CHANNELS = {  # topic -> its ROS 2 type, in the order a step writes them
     "/camera/image/compressed": "sensor_msgs/msg/CompressedImage",
@@ -94,6 +121,8 @@ CHANNELS = {  # topic -> its ROS 2 type, in the order a step writes them
     "/cmd_vel": "geometry_msgs/msg/Twist",
     "/pose": "geometry_msgs/msg/PoseStamped",
     "/path": "nav_msgs/msg/Path",
+    "/tf": "tf2_msgs/msg/TFMessage",
+    "/odom": "nav_msgs/msg/Odometry",
     "/safety": "std_msgs/msg/String",
     "/link": "std_msgs/msg/String",
     "/step": "std_msgs/msg/String",
@@ -103,8 +132,8 @@ INTERVENTIONS = frozenset(
     ("obstacle", "deadman", "stale_frame", "estop", "estop_latched", "non_finite_command", "controller_fault")
 )
 # a message every step, whatever the robot: the camera's is missing on a step without a frame, the pose's and
-# the path's without a pose source
-EVERY_STEP = tuple(t for t in CHANNELS if t not in ("/camera/image/compressed", "/pose", "/path"))
+# the path's without a pose source, the frames' and the odometry's without a pose or odometry source
+EVERY_STEP = tuple(t for t in CHANNELS if t not in ("/camera/image/compressed", "/pose", "/path", "/tf", "/odom"))
 
 
 class RecordingError(ValueError):
@@ -124,6 +153,9 @@ class StepSample:
     path: list[tuple[float, float, float, float]] = field(default_factory=list)  # (t, x, y, theta) so far
     stops: dict = field(default_factory=dict)  # the safety layer's stops so far, reason -> count
     clearance_m: float | None = None  # the safety layer's last range reading in the direction of travel
+    # the robot's odometry after the step: (x, y, theta) in ODOM_FRAME and (vx, vy, wz) in the body frame;
+    # None: the controller has none (then /tf uses `pose` as odometry too, map -> odom the identity)
+    odom: tuple[float, float, float, float, float, float] | None = None
 
 
 def _stamp(t: float) -> dict:
@@ -173,6 +205,7 @@ def step_messages(sample: StepSample, prev_stops: dict | None = None) -> list[tu
             for pt, x, y, th in sample.path[-MAX_PATH_POSES:]
         ]
         out.append(("/path", {"header": head, "poses": poses}))
+    out += frame_messages(sample.pose, sample.odom, t)
     prev = prev_stops or {}
     new = {k: n - prev.get(k, 0) for k, n in sample.stops.items() if n > prev.get(k, 0)}
     interventions = {k: n for k, n in new.items() if k in INTERVENTIONS}
@@ -184,6 +217,49 @@ def step_messages(sample: StepSample, prev_stops: dict | None = None) -> list[tu
         ("/step", _text(s)),
     ]
     return out
+
+
+def _transform(t: float, parent: str, child: str, x: float, y: float, z: float, theta: float) -> dict:
+    q = _pose(x, y, theta)["orientation"]
+    return {
+        "header": {"stamp": _stamp(t), "frame_id": parent},
+        "child_frame_id": child,
+        "transform": {"translation": {"x": float(x), "y": float(y), "z": float(z)}, "rotation": q},
+    }
+
+
+def frame_messages(
+    pose: tuple[float, float, float] | None, odom: tuple[float, ...] | None, t: float
+) -> list[tuple[str, dict]]:
+    """/tf and /odom (REP-105) from the pose in the map and the odometry; none when there is neither.
+
+    odom -> base_link is the odometry (the pose where there is none). map -> odom is what the map pose corrects
+    of it: T(map, odom) = T(map, base) * T(odom, base)^-1, planar (rotate by dth = th_map - th_odom, then
+    translate so the odometry's position lands on the map's); the identity without a map pose.
+    """
+    if odom is None and pose is None:
+        return []
+    ox, oy, oth, vx, vy, wz = odom if odom is not None else (*pose, 0.0, 0.0, 0.0)  # type: ignore[misc]
+    mx, my, mth = pose if pose is not None else (ox, oy, oth)
+    dth = mth - oth
+    c, s = math.cos(dth), math.sin(dth)
+    tx, ty = mx - (c * ox - s * oy), my - (s * ox + c * oy)
+    tf = {
+        "transforms": [
+            _transform(t, FRAME, ODOM_FRAME, tx, ty, 0.0, dth),
+            _transform(t, ODOM_FRAME, BASE_FRAME, ox, oy, 0.0, oth),
+            _transform(t, BASE_FRAME, CAMERA_FRAME, 0.0, 0.0, CAMERA_HEIGHT_M, 0.0),
+        ]
+    }
+    zero36 = [0.0] * 36  # no covariance estimate
+    twist = {"linear": {"x": float(vx), "y": float(vy), "z": 0.0}, "angular": {"x": 0.0, "y": 0.0, "z": float(wz)}}
+    odometry = {
+        "header": {"stamp": _stamp(t), "frame_id": ODOM_FRAME},
+        "child_frame_id": BASE_FRAME,
+        "pose": {"pose": _pose(ox, oy, oth), "covariance": zero36},
+        "twist": {"twist": twist, "covariance": zero36},
+    }
+    return [("/tf", tf), ("/odom", odometry)]
 
 
 def _encoders() -> dict[str, Callable[[dict], bytes]]:
@@ -378,9 +454,12 @@ def _close(sink: Any, disk: DiskTrouble | None = None) -> None:
         log.exception("closing %s failed", type(sink).__name__)
 
 
-def sample_of(rec: Any, frame: Any, sightings: list, world: Any, safety: Any, jpeg_quality: int = 80) -> StepSample:
+def sample_of(
+    rec: Any, frame: Any, sightings: list, world: Any, safety: Any, jpeg_quality: int = 80, odom: Any = None
+) -> StepSample:
     """A StepSample of a navigator Step, the frame it looked at (agent.robot.camera.Frame or None), its
-    sightings (agent.robot.perception.Sighting), the simulator (or None) and the safety layer."""
+    sightings (agent.robot.perception.Sighting), the simulator (or None), the safety layer and the
+    controller's odometry (Controller.odometry(), or None)."""
     jpeg, frame_t = None, None
     if frame is not None:
         import cv2
@@ -398,4 +477,5 @@ def sample_of(rec: Any, frame: Any, sightings: list, world: Any, safety: Any, jp
         for s in sightings
     ]
     stops, clearance = dict(safety.stops), getattr(safety, "clearance_m", None)
-    return StepSample(rec.to_json(), jpeg, frame_t, seen, pose, path or [], stops, clearance)  # type: ignore[arg-type]
+    odometry = None if odom is None else tuple(float(v) for v in odom)
+    return StepSample(rec.to_json(), jpeg, frame_t, seen, pose, path or [], stops, clearance, odometry)  # type: ignore[arg-type]

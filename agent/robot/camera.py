@@ -168,8 +168,9 @@ class Go2CameraSource:
     the image is at least that fresh give or take one camera period.
     """
 
-    def __init__(self, network_interface: str | None = None, fps: int = 15, timeout_s: float = 1.0):
+    def __init__(self, network_interface: str | None = None, fps: int = 15, timeout_s: float = 1.0, domain_id: int = 0):
         self.network_interface, self.fps, self.timeout_s = network_interface, fps, timeout_s
+        self.domain_id = domain_id  # the DDS domain (the Go2's is 0); the driver's, when both run
         self.client: Any = None  # unitree_sdk2py's VideoClient once open (the SDK is untyped)
 
     def open(self) -> None:
@@ -177,7 +178,7 @@ class Go2CameraSource:
         from .controllers.go2 import INSTALL_HINT, init_channel
 
         try:
-            init_channel(self.network_interface)
+            init_channel(self.network_interface, self.domain_id)
             from unitree_sdk2py.go2.video.video_client import VideoClient
         except (ImportError, ControllerError) as e:
             raise CameraError(f"camera 'go2': {INSTALL_HINT if isinstance(e, ImportError) else e}") from None
@@ -212,8 +213,16 @@ class Go2CameraSource:
         self.client = None
 
 
+MAX_BACKOFF_S = 2.0  # a camera that fails max_failures times in a row is retried at most this far apart
+
+
 class FrameGrabber:
-    """Reads a source in a background thread and keeps only the newest frame."""
+    """Reads a source in a background thread and keeps only the newest frame.
+
+    It never gives up: after `max_failures` failed reads in a row it says so (log, `error`, `retrying`)
+    and keeps trying with a backoff (0.1 s doubling to MAX_BACKOFF_S); a robot whose camera returns sees
+    again without a restart, and while it is blind the safety layer's stale-frame rule holds it still.
+    """
 
     def __init__(
         self,
@@ -233,6 +242,7 @@ class FrameGrabber:
         self.frames = 0
         self.failures = 0
         self.error: str | None = None
+        self.retrying = False  # max_failures in a row: still trying, with backoff, and said so
 
     def start(self) -> "FrameGrabber":
         self.source.open()
@@ -249,6 +259,7 @@ class FrameGrabber:
 
     def _run(self) -> None:
         consecutive = 0
+        backoff = 0.0  # past max_failures in a row: the pause between tries, doubling up to MAX_BACKOFF_S
         while not self._stop.is_set():
             try:
                 got = self.source.read()
@@ -257,15 +268,23 @@ class FrameGrabber:
             if got is None:
                 self.failures += 1
                 consecutive += 1
-                if consecutive >= self.max_failures:
+                if consecutive == self.max_failures:
                     self.error = self.error or f"{consecutive} failed reads in a row"
                     log.error(
-                        "camera %s: %s; the grabber stops (the robot stops on stale frames)", self.name, self.error
+                        "camera %s: %s; retrying with backoff up to %.0f s (the robot stops on stale frames "
+                        "until a frame comes)",
+                        self.name,
+                        self.error,
+                        MAX_BACKOFF_S,
                     )
-                    return
-                self._stop.wait(0.02)
+                if consecutive >= self.max_failures:
+                    backoff = min(MAX_BACKOFF_S, max(0.1, 2 * backoff))
+                    self.retrying = True
+                self._stop.wait(backoff or 0.02)
                 continue
-            consecutive = 0
+            if self.retrying:
+                log.warning("camera %s: frames again after %d failed reads", self.name, consecutive)
+            consecutive, backoff, self.retrying, self.error = 0, 0.0, False, None
             image, meta = got
             with self._lock:
                 self.frames += 1
@@ -324,8 +343,10 @@ def registered_sources() -> list[str]:
     return sorted(_SOURCES)
 
 
-def _go2_source(source: str, *, fps: int = 15, network_interface: str | None = None, **_) -> FrameSource:
-    return Go2CameraSource(network_interface, fps=fps)
+def _go2_source(
+    source: str, *, fps: int = 15, network_interface: str | None = None, domain_id: int = 0, **_
+) -> FrameSource:
+    return Go2CameraSource(network_interface, fps=fps, domain_id=domain_id)
 
 
 register_source("go2", _go2_source)
@@ -338,12 +359,21 @@ def open_source(
     fps: int = 15,
     world: object = None,
     network_interface: str | None = None,
+    domain_id: int = 0,
 ) -> FrameSource:
     """The frame source a config string names: a registered name ("go2"; "sim" once agent.robot.sim is
     imported, and it needs the simulator's world) or else an OpenCV source (device, pipeline, stream, file)."""
     factory = _SOURCES.get(source)
     if factory is not None:
-        return factory(source, width=width, height=height, fps=fps, world=world, network_interface=network_interface)
+        return factory(
+            source,
+            width=width,
+            height=height,
+            fps=fps,
+            world=world,
+            network_interface=network_interface,
+            domain_id=domain_id,
+        )
     if source in _OWNERS:
         raise CameraError(
             f"camera source {source!r} is registered by {_OWNERS[source]}, which is not loaded: "

@@ -61,7 +61,7 @@ def test_no_frame_yet_is_stale():
     time.sleep(0.2)
     with pytest.raises(StaleFrame, match="no frame yet"):
         g.read_latest(1000)
-    assert not g.alive and "failed reads" in g.error  # the grabber gave up and says why
+    assert g.alive and g.retrying and "failed reads" in g.error  # still trying, and says why
     g.stop()
 
 
@@ -127,3 +127,34 @@ def test_opencv_decodes_nothing_over_the_image_limits_in_a_robot_process():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.split("\n")[:2] == ["refused", "(4096, 2, 3)"]
+
+
+def test_a_camera_that_returns_after_an_outage_is_seen_again():
+    """Past max_failures the grabber keeps trying (with backoff) and recovers without a restart."""
+
+    class Outage:
+        def __init__(self):
+            self.reads = 0
+
+        def open(self):
+            pass
+
+        def read(self):
+            self.reads += 1
+            time.sleep(0.005)
+            if self.reads <= 8:  # an outage: past max_failures in a row
+                return None
+            return np.zeros((4, 4, 3), np.uint8), {}
+
+        def close(self):
+            pass
+
+    g = FrameGrabber(Outage(), name="outage", max_failures=5).start()
+    try:
+        deadline = time.monotonic() + 5.0
+        while g.frames == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert g.frames > 0 and g.alive and not g.retrying and g.error is None
+        assert g.read_latest(1000) is not None
+    finally:
+        g.stop()

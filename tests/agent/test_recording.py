@@ -569,3 +569,42 @@ def test_the_shipped_foxglove_layout_shows_recorded_channels():
     assert set(EVERY_STEP) <= set(CHANNELS)
     panels = layout["configById"]
     assert {p.split("!")[0] for p in panels} >= {"Image", "3D", "RawMessages", "Plot", "StateTransitions"}
+
+
+def test_tf_and_odom_follow_rep_105_and_rosbags_reads_them(tmp_path):
+    """/tf: map -> odom -> base_link (and base_link -> camera); /odom: nav_msgs/Odometry in odom. The map pose
+    and the odometry differ (drift): map -> odom is the correction, so map -> odom -> base_link lands on the pose."""
+    import math
+
+    path = tmp_path / "run.mcap"
+    recorder = Recorder(str(path))
+    t = time.time()
+    first = synthetic(1, t)
+    # the map pose (2.0, 1.5, 0.3); the odometry drifted: (1.8, 1.2) at yaw 0.1, walking 0.4 m/s, turning 0.2 rad/s
+    recorder.record(StepSample(first.step, pose=first.pose, odom=(1.8, 1.2, 0.1, 0.4, 0.0, 0.2)))
+    go2 = synthetic(2, t + 1)  # a robot with odometry alone (the Go2): map -> odom is the identity
+    recorder.record(StepSample(go2.step, pose=None, odom=(0.5, -0.2, -1.0, 0.3, 0.0, 0.0)))
+    recorder.record(StepSample(synthetic(3, t + 2).step))  # neither: no /tf, no /odom
+    recorder.close()
+    types, theirs = read_rosbags(path)
+    assert types["/tf"] == "tf2_msgs/msg/TFMessage" and types["/odom"] == "nav_msgs/msg/Odometry"
+    tfs, odoms = on(theirs, "/tf"), on(theirs, "/odom")
+    assert len(tfs) == len(odoms) == 2
+    frames = [(tr.header.frame_id, tr.child_frame_id) for tr in tfs[0].transforms]
+    assert frames == [("map", "odom"), ("odom", "base_link"), ("base_link", "camera")]
+
+    def planar(tr):
+        q = tr.transform.rotation
+        return tr.transform.translation.x, tr.transform.translation.y, 2 * math.atan2(q.z, q.w)
+
+    (ax, ay, ath), (bx, by, bth) = planar(tfs[0].transforms[0]), planar(tfs[0].transforms[1])
+    x = ax + math.cos(ath) * bx - math.sin(ath) * by  # map -> odom -> base_link
+    y = ay + math.sin(ath) * bx + math.cos(ath) * by
+    assert (x, y, ath + bth) == pytest.approx((2.0, 1.5, 0.3), abs=1e-9)
+    assert planar(tfs[1].transforms[0]) == pytest.approx((0.0, 0.0, 0.0), abs=1e-12)  # no map: the identity
+    odom = odoms[0]
+    assert (odom.header.frame_id, odom.child_frame_id) == ("odom", "base_link")
+    assert (odom.pose.pose.position.x, odom.pose.pose.position.y) == (1.8, 1.2)
+    assert (odom.twist.twist.linear.x, odom.twist.twist.angular.z) == (0.4, 0.2)
+    assert odoms[1].pose.pose.position.x == 0.5 and len(odoms[1].pose.covariance) == 36
+    assert len(on(read_mcap(path), "/odom")) == 2  # the other reader too

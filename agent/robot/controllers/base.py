@@ -91,6 +91,11 @@ class Controller(ABC):
         """The soft emergency stop; drivers with a stronger one (Go2 Damp) override this."""
         self.stop()
 
+    def odometry(self) -> tuple[float, float, float, float, float, float] | None:
+        """The robot's own odometry, REP-105's odom -> base_link: (x, y, theta) in m and rad in the odom frame,
+        (vx, vy, wz) in the body frame; None when the robot reports none (default)."""
+        return None
+
     def reset(self) -> None:
         """Make the robot ready to move after an e-stop, once a person has checked it: clear the driver's
         own latch, stand a legged robot up (default: nothing to do)."""

@@ -9,7 +9,13 @@
 
 Every call but Move waits for the robot's reply, up to `timeout_s` (the SDK's
 SetTimeout, 10 s here as in Unitree's examples): the safety layer never makes
-them on the control loop (agent/robot/safety.py).
+them on the control loop (agent/robot/safety.py). Move waits too, in the real SDK:
+its DDS write waits (up to the same timeout) while no reader of the robot's request
+topic is matched, that is while the robot is off the network. So `send_action` never
+calls Move: it leaves the set-point in a latest-only slot that a thread of its own
+(`go2-move`) streams; the control loop and the safety lock never wait for the robot.
+A set-point waiting behind a stuck Move is replaced by the newer one (never queued),
+and while the robot is unreachable `move_stalled_s` says for how long.
 
 `connect()` checks that the sport service is on (the motion switcher names a
 mode; after low-level control it names none and Move does nothing), waits for
@@ -20,6 +26,11 @@ BalanceStand; each step is logged.
 The robot's range finder (`rt/utlidar/range_info`: the nearest obstacle ahead,
 left and right, in point.x, .y and .z as Unitree's own obstacle avoidance and
 community drivers read it) is the safety layer's range source.
+
+Shutdown is bounded: `disconnect()` gives its last StopMove and the move thread
+`close_timeout_s` (1 s) and goes on, so a robot that is gone cannot hold the unit
+past systemd's TimeoutStopSec. A wrong `network_interface` (or DDS that cannot start)
+is a one-line ControllerError, not the SDK's bare Exception.
 
 The SDK is imported only when this driver is chosen, so robots without it (and CI)
 never need it; a missing SDK is a clear ControllerError with the install hint.
@@ -41,9 +52,9 @@ from .base import Command, Controller, ControllerError
 log = logging.getLogger(__name__)
 
 INSTALL_HINT = (
-    "unitree_sdk2py is not installed: install it from a pinned commit of "
-    "https://github.com/unitreerobotics/unitree_sdk2_python (pip install -e .), with CycloneDDS 0.10.x "
-    "built first on a Jetson (CYCLONEDDS_HOME); the PyPI 'unitree-sdk2py' is stale"
+    "unitree_sdk2py is not installed: `make setup-robot` installs it with CycloneDDS (pip: the project's "
+    "`go2` extra, unitree-sdk2py-dimos and cyclonedds; `make setup-robot CYCLONEDDS_HOME=...` for Unitree's "
+    "pinned cyclonedds 0.10.2 built against the C library)"
 )
 STATE_TOPIC = "rt/sportmodestate"
 RANGE_TOPIC = "rt/utlidar/range_info"
@@ -65,8 +76,12 @@ _channel_lock = threading.Lock()
 _channel_ready = False
 
 
-def init_channel(network_interface: str | None) -> None:
-    """ChannelFactoryInitialize once per process (the DDS participant is a singleton)."""
+def init_channel(network_interface: str | None, domain_id: int = 0) -> None:
+    """ChannelFactoryInitialize once per process (the DDS participant is a singleton).
+
+    The Go2 speaks on DDS domain 0; another domain only keeps tests that share a machine apart.
+    A failure is one ControllerError line: the SDK raises a bare Exception ("channel factory init
+    error.") for a wrong interface, and cyclonedds its own errors when DDS cannot start."""
     global _channel_ready
     try:
         from unitree_sdk2py.core.channel import ChannelFactoryInitialize
@@ -75,10 +90,18 @@ def init_channel(network_interface: str | None) -> None:
     with _channel_lock:
         if _channel_ready:
             return
-        if network_interface:
-            ChannelFactoryInitialize(0, network_interface)
-        else:
-            ChannelFactoryInitialize(0)
+        where = f"network interface {network_interface!r}" if network_interface else "the default interface"
+        try:
+            if network_interface:
+                ChannelFactoryInitialize(domain_id, network_interface)
+            else:
+                ChannelFactoryInitialize(domain_id)
+        except Exception as e:  # the SDK's bare Exception, cyclonedds' DDSException
+            raise ControllerError(
+                f"go2: DDS did not start on {where} (domain {domain_id}): {e} - check "
+                f"robot.options.network_interface (`ip link` lists the interfaces; the Go2's is the one "
+                f"on 192.168.123.x)"
+            ) from None
         _channel_ready = True
 
 
@@ -122,6 +145,65 @@ class Go2Ranges:
         return None  # behind: the range finder does not look there
 
 
+class MoveStream:
+    """The thread that sends Move: the newest set-point only, never from the caller's thread.
+
+    `put` never waits. The thread sends each new set-point once (the control loop re-puts it every
+    tick, so the robot gets Move at the loop's rate); a set-point that comes while a Move is stuck
+    (no robot on the network) replaces the waiting one, so the first Move after the robot returns is
+    the newest (a zero after a stop or an e-stop).
+    """
+
+    def __init__(self, move: Callable[[float, float, float], Any]):
+        self._move = move
+        self._cond = threading.Condition()
+        self._next: Command | None = None  # the set-point not sent yet (None: nothing new)
+        self._since: float | None = None  # when the Move in progress began
+        self._closed = False
+        self.errors = 0  # non-zero codes (RPC_ERR_CLIENT_SEND: no robot matched within the timeout)
+        self._thread = threading.Thread(target=self._run, name="go2-move", daemon=True)
+        self._thread.start()
+
+    def put(self, cmd: Command) -> None:
+        with self._cond:
+            self._next = cmd
+            self._cond.notify()
+
+    def stalled_s(self) -> float:
+        """How long the Move in progress has waited (0 when none waits): the robot's unreachability."""
+        with self._cond:
+            since = self._since
+        return 0.0 if since is None else time.monotonic() - since
+
+    def close(self, timeout_s: float) -> bool:
+        """Send what is waiting (at most timeout_s), then stop; False when a Move was still stuck."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while self._next is None and not self._closed:
+                    self._cond.wait()
+                cmd, self._next = self._next, None
+                if cmd is None:  # closed with nothing left to send
+                    return
+                self._since = time.monotonic()
+            try:
+                code = self._move(cmd.vx, cmd.vy, cmd.wz)
+            except Exception as e:  # the SDK's own failure: counted and said, the thread goes on
+                code = f"{type(e).__name__}: {e}"
+            with self._cond:
+                self._since = None
+            if code not in (0, None):
+                self.errors += 1
+                if self.errors == 1 or self.errors % 100 == 0:
+                    log.warning("go2: Move failed (%s; %d so far): is the robot on the network?", code, self.errors)
+
+
 class Go2Controller(Controller):
     name = "go2"
 
@@ -134,8 +216,14 @@ class Go2Controller(Controller):
         max_wz: float = 1.5,
         state_timeout_s: float = 2.0,
         stand_timeout_s: float = 8.0,
+        close_timeout_s: float = 1.0,
+        domain_id: int = 0,
     ):
+        if isinstance(domain_id, bool) or not isinstance(domain_id, int) or not 0 <= domain_id <= 232:
+            raise ValueError(f"go2: domain_id must be a DDS domain 0..232 (the robot's is 0), got {domain_id!r}")
         self.network_interface = network_interface
+        self.domain_id = domain_id
+        self.close_timeout_s = close_timeout_s  # disconnect's last StopMove and Move wait at most this
         self.timeout_s = timeout_s
         self.state_timeout_s = state_timeout_s  # the first rt/sportmodestate sample must come within this
         self.stand_timeout_s = stand_timeout_s  # standing up must show in the state within this
@@ -146,10 +234,11 @@ class Go2Controller(Controller):
         self._range = Latest()  # PointStamped_
         self.ranges = Go2Ranges(self._range)
         self._subscribers: list = []
+        self._mover: MoveStream | None = None
         self.errors = 0  # non-zero return codes from the SDK
 
     def connect(self) -> None:
-        init_channel(self.network_interface)
+        init_channel(self.network_interface, self.domain_id)
         try:
             from unitree_sdk2py.comm.motion_switcher.motion_switcher_client import MotionSwitcherClient
             from unitree_sdk2py.core.channel import ChannelSubscriber
@@ -192,6 +281,7 @@ class Go2Controller(Controller):
         client.SetTimeout(self.timeout_s)
         client.Init()
         self.client = client
+        self._mover = MoveStream(client.Move)
         state = self.state.get(self.state_timeout_s)
         if state.mode in LYING:
             log.info("go2: lying (mode %s): standing up", _mode_name(state.mode))
@@ -239,12 +329,27 @@ class Go2Controller(Controller):
         log.info("go2: balancing (mode %s): motion allowed", _mode_name(state.mode))
 
     def disconnect(self) -> None:
+        """A last zero Move and StopMove, each given close_timeout_s at most (a robot that is gone
+        would hold them 10 s each), then the subscribers close."""
+        client, mover = self.client, self._mover
+        self.client, self._mover = None, None
+        if mover is not None:
+            mover.put(Command())
+            if not mover.close(self.close_timeout_s):
+                log.warning("go2: the last Move did not go out in %.1fs (robot unreachable)", self.close_timeout_s)
+        if client is not None:
+            done = threading.Event()
+
+            def last_stop() -> None:
+                try:
+                    client.StopMove()
+                finally:
+                    done.set()
+
+            threading.Thread(target=last_stop, name="go2-last-stop", daemon=True).start()
+            if not done.wait(self.close_timeout_s):
+                log.warning("go2: StopMove unanswered after %.1fs at disconnect; going on", self.close_timeout_s)
         self._close_subscribers()
-        if self.client is not None:
-            try:
-                self.client.StopMove()
-            finally:
-                self.client = None
 
     def _close_subscribers(self) -> None:
         for sub in self._subscribers:
@@ -261,13 +366,29 @@ class Go2Controller(Controller):
         return self.client
 
     def send_action(self, cmd: Command) -> Command:
-        client = self._need()
+        """Hand the set-point to the move thread; never waits (the real Move does, for a robot that is gone)."""
+        self._need()
+        assert self._mover is not None  # made with the client
         sent = cmd.clamped(self.max_vx, self.max_vy, self.max_wz)
-        code = client.Move(sent.vx, sent.vy, sent.wz)
-        if code not in (0, None):  # Move is send-and-forget; a code here is a local failure
-            self.errors += 1
-            log.warning("go2: Move returned %s", code)
+        self._mover.put(sent)
         return sent
+
+    def odometry(self) -> tuple[float, float, float, float, float, float] | None:
+        """The robot's rt/sportmodestate: position and yaw (imu_state.rpy[2]) in its odometry frame, which starts
+        where it was switched on, and its velocity turned into the body frame; None without a fresh state."""
+        state = self.state.get(0.5)
+        if state is None:
+            return None
+        x, y = float(state.position[0]), float(state.position[1])
+        th = float(state.imu_state.rpy[2])
+        vx, vy = float(state.velocity[0]), float(state.velocity[1])  # in the odometry frame
+        c, s = math.cos(th), math.sin(th)
+        return (x, y, th, c * vx + s * vy, -s * vx + c * vy, float(state.yaw_speed))
+
+    def move_stalled_s(self) -> float:
+        """How long the Move in progress has waited for the robot (0: none waits)."""
+        mover = self._mover
+        return 0.0 if mover is None else mover.stalled_s()
 
     def stop(self) -> None:
         code = self._need().StopMove()

@@ -63,3 +63,9 @@ class SimController(Controller):
 
     def reset(self) -> None:
         self.world.damped = False
+
+    def odometry(self) -> tuple[float, float, float, float, float, float]:
+        """The simulator's pose and body velocity: odometry without drift (odom is the scene's frame)."""
+        x, y, th = self.world.pose
+        v = self.world.velocity
+        return (x, y, th, v.vx, v.vy, v.wz)
