@@ -19,8 +19,10 @@
 # library's `ldd` resolves here against the pip libraries, and on a machine without a GPU the CUDA backend reports
 # no device and llama.cpp runs on its CPU backend.
 #
-# Cached like tools/build_llama_server.sh: a second run finds the tarball and prints its path at once.
-# About an hour on 2 cores (ggml-cuda's ~190 kernels files for one architecture).
+# Cached like tools/build_llama_server.sh: a second run finds the tarball and prints its path at once. The build
+# folder ($OUT_DIR/<name>.build) is kept until the tree is packed, so a build that stopped (a failure, a session's
+# end) goes on where it stopped when run again. About an hour on 2 cores (ggml-cuda's 144 CUDA files for one
+# architecture, then llama-server's C++).
 #
 # Environment:
 #   LLAMA_CPP_VERSION  default 0.3.36
@@ -66,8 +68,8 @@ if [[ -z "${PIP:-}" ]]; then
 fi
 JOBS="${JOBS:-$(nproc)}"
 mkdir -p "$OUT_DIR"
-WORK="$(mktemp -d "${TMPDIR:-/tmp}/llama-cuda-build.XXXXXX")"
-trap 'rm -rf "$WORK"' EXIT
+WORK="$OUT_DIR/$NAME.build"  # kept until the end: a second run resumes the build
+mkdir -p "$WORK"
 t0=$(date +%s)
 say() { echo "llama-cuda: [$(( $(date +%s) - t0 )) s] $*" >&2; }
 
@@ -105,25 +107,31 @@ else
     SDIST="$LLAMA_SDIST"
   else
     say "downloading the llama-cpp-python $VERSION sdist"
-    $PIP download --quiet --no-deps --no-binary :all: -d "$WORK/dl" "llama-cpp-python==$VERSION" >&2
-    SDIST="$(ls "$WORK"/dl/llama_cpp_python-"$VERSION".tar.gz)"
+    [[ -f "$WORK/dl/llama_cpp_python-$VERSION.tar.gz" ]] ||
+      $PIP download --quiet --no-deps --no-binary :all: -d "$WORK/dl" "llama-cpp-python==$VERSION" >&2
+    SDIST="$WORK/dl/llama_cpp_python-$VERSION.tar.gz"
   fi
-  mkdir -p "$WORK/src"
-  tar -xzf "$SDIST" -C "$WORK/src"
   SRC="$WORK/src/llama_cpp_python-$VERSION"
+  if [[ ! -f "$SRC/vendor/llama.cpp/CMakeLists.txt" ]]; then
+    rm -rf "$WORK/src" && mkdir -p "$WORK/src"
+    tar -xzf "$SDIST" -C "$WORK/src"
+  fi
 fi
 LLAMA_SRC="$SRC/vendor/llama.cpp"
 [[ -f "$LLAMA_SRC/CMakeLists.txt" ]] || { echo "llama-cuda: no $LLAMA_SRC/CMakeLists.txt" >&2; exit 1; }
 
-# 3. Configure and build the libraries and the two tools. RUNPATH: the tree itself, then the device's CUDA libraries.
+# 3. Configure and build the libraries and the two tools. RUNPATH: the tree itself, then the device's CUDA libraries;
+# the linker meanwhile finds cuBLAS (a library's own dependency when a tool links it) in the toolkit (-rpath-link).
 GEN=()
 command -v ninja >/dev/null && GEN=(-G Ninja)
 RPATH="\$ORIGIN;\$ORIGIN/../python/llama_cpp/lib;$DEVICE_CUDA_LIB"
-say "configuring ($CUDA_ARGS)"
+LINK="-Wl,-rpath-link,$CUDA_ROOT/lib"
+say "configuring ($CUDA_ARGS) in $WORK/build"
 # shellcheck disable=SC2086
 PATH="$CUDA_ROOT/bin:$PATH" cmake -S "$LLAMA_SRC" -B "$WORK/build" "${GEN[@]}" $CPU_ARGS $LLAMA_ARGS $CUDA_ARGS \
   -DCUDAToolkit_ROOT="$CUDA_ROOT" -DCMAKE_CUDA_COMPILER="$NVCC" \
   -DCMAKE_BUILD_WITH_INSTALL_RPATH=ON -DCMAKE_INSTALL_RPATH="$RPATH" \
+  -DCMAKE_EXE_LINKER_FLAGS="$LINK" -DCMAKE_SHARED_LINKER_FLAGS="$LINK" \
   >"$WORK/configure.log" 2>&1 || { tail -40 "$WORK/configure.log" >&2; exit 1; }
 grep -E "CUDA Toolkit found|Using CUDA architectures|CUDA host compiler" "$WORK/configure.log" >&2 || true
 say "building ${TARGETS[*]} with $JOBS jobs (about an hour on 2 cores)"
@@ -134,7 +142,11 @@ while kill -0 "$BUILD_PID" 2>/dev/null; do
   sleep 60
   say "$(grep -o '^\[[0-9]*/[0-9]*\]' "$WORK/build.log" | tail -1)"
 done
-wait "$BUILD_PID" || { tail -60 "$WORK/build.log" >&2; exit 1; }
+wait "$BUILD_PID" || {
+  tail -60 "$WORK/build.log" >&2
+  echo "llama-cuda: the build stopped; $WORK is kept: run again to go on from there" >&2
+  exit 1
+}
 
 # 4. The tree: the sdist's Python package with these libraries in its lib/, the tools in bin/; stripped.
 rm -rf "$TREE.tmp.$$" && mkdir -p "$TREE.tmp.$$/bin" "$TREE.tmp.$$/python"
@@ -159,7 +171,7 @@ strip --strip-unneeded "$TREE.tmp.$$"/python/llama_cpp/lib/*.so "$TREE.tmp.$$"/b
     if [[ -n "$s" && "$s" != "$f" ]]; then ln -sf "$f" "$s"; fi
   done
 )
-built_s=$(( $(date +%s) - t0 ))
+built_s=$(( $(date +%s) - t0 ))  # this run's: a resumed build's earlier runs are not in it
 printf '%s\n' "version=$VERSION" "cuda_archs=$ARCHS" "toolkit_wheels=$TOOLKIT_WHEELS" \
   "cmake_args=$CPU_ARGS $LLAMA_ARGS $CUDA_ARGS" "runpath=$RPATH" "build_s=$built_s" "jobs=$JOBS" \
   "built_on=$(uname -m) $(nproc) cores, $(date -u +%Y-%m-%dT%H:%MZ)" > "$TREE.tmp.$$/BUILD_INFO"
@@ -169,6 +181,7 @@ rm -rf "$TREE" && mv "$TREE.tmp.$$" "$TREE"
 say "packing $TREE"
 tar -C "$OUT_DIR" -cf - "$NAME" | xz -9 -T"$JOBS" > "$TARBALL.tmp.$$"
 mv "$TARBALL.tmp.$$" "$TARBALL"
+rm -rf "$WORK"
 size=$(stat -c %s "$TARBALL")
 say "built in $built_s s; $(du -sh "$TREE" | cut -f1) unpacked, $(( size / 1048576 )) MiB packed"
 if (( size > 48 * 1048576 )); then
