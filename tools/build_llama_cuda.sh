@@ -148,29 +148,41 @@ wait "$BUILD_PID" || {
   exit 1
 }
 
-# 4. The tree: the sdist's Python package with these libraries in its lib/, the tools in bin/; stripped.
+# 4. The tree: the sdist's Python package with these libraries in its lib/, the tools in bin/; stripped. The tools
+# link llama.cpp's own shared helpers (libllama-common, libllama-server-impl, ...): every shared library the build
+# made goes to lib/, and every file is checked to resolve against the tree and the toolkit before it is packed.
 rm -rf "$TREE.tmp.$$" && mkdir -p "$TREE.tmp.$$/bin" "$TREE.tmp.$$/python"
 cp -r "$SRC/llama_cpp" "$TREE.tmp.$$/python/"
-rm -rf "$TREE.tmp.$$/python/llama_cpp/lib" && mkdir -p "$TREE.tmp.$$/python/llama_cpp/lib"
+LIB="$TREE.tmp.$$/python/llama_cpp/lib"
+rm -rf "$LIB" && mkdir -p "$LIB"
 for t in llama ggml ggml-base ggml-cpu ggml-cuda mtmd; do
-  f="$(find "$WORK/build" -name "lib$t.so" | head -1)"
-  [[ -n "$f" ]] || { echo "llama-cuda: the build made no lib$t.so" >&2; exit 1; }
-  cp -L "$f" "$TREE.tmp.$$/python/llama_cpp/lib/lib$t.so"
+  [[ -n "$(find "$WORK/build" -name "lib$t.so" | head -1)" ]] || { echo "llama-cuda: the build made no lib$t.so" >&2; exit 1; }
+done
+find "$WORK/build" -name 'lib*.so' \( -type f -o -type l \) -print0 | while IFS= read -r -d '' f; do
+  cp -L "$f" "$LIB/$(basename "$f")"
 done
 for t in llama-server llama-batched-bench; do
   f="$(find "$WORK/build" -type f -name "$t" -perm -u+x | head -1)"
   [[ -n "$f" ]] || { echo "llama-cuda: the build made no $t" >&2; exit 1; }
   cp "$f" "$TREE.tmp.$$/bin/$t"
 done
-strip --strip-unneeded "$TREE.tmp.$$"/python/llama_cpp/lib/*.so "$TREE.tmp.$$"/bin/*
+strip --strip-unneeded "$LIB"/*.so "$TREE.tmp.$$"/bin/*
 # The libraries find each other by their sonames (libllama.so.0 and the like): each soname names the plain file.
 (
-  cd "$TREE.tmp.$$/python/llama_cpp/lib"
+  cd "$LIB"
   for f in *.so; do
     s="$(objdump -p "$f" | awk '/SONAME/ {print $2}')"
     if [[ -n "$s" && "$s" != "$f" ]]; then ln -sf "$f" "$s"; fi
   done
 )
+missing="$(for f in "$LIB"/*.so "$TREE.tmp.$$"/bin/*; do
+  LD_LIBRARY_PATH="$CUDA_ROOT/lib" ldd "$f" | sed -n "s|^\s*\(.*\) => not found|$(basename "$f"): \1|p"
+done)"
+if [[ -n "$missing" ]]; then
+  echo "llama-cuda: unresolved in the tree (the build is kept in $WORK):" >&2
+  echo "$missing" >&2
+  exit 1
+fi
 built_s=$(( $(date +%s) - t0 ))  # this run's: a resumed build's earlier runs are not in it
 printf '%s\n' "version=$VERSION" "cuda_archs=$ARCHS" "toolkit_wheels=$TOOLKIT_WHEELS" \
   "cmake_args=$CPU_ARGS $LLAMA_ARGS $CUDA_ARGS" "runpath=$RPATH" "build_s=$built_s" "jobs=$JOBS" \
