@@ -272,13 +272,13 @@ def test_the_prebuilt_cuda_tree_resolves_and_runs_the_shipped_draft_on_the_cpu(t
         ).stdout
     )
     code = (
-        "import json, sys, llama_cpp\n"
+        "import json, llama_cpp\n"
         "from protocol import modelfiles\n"
         "llm = llama_cpp.Llama(str(modelfiles.shipped_gguf()), n_gpu_layers=-1, n_ctx=256, n_threads=1, seed=0,"
         " verbose=True)\n"
         "out = llm.create_completion('The robot turned left and', max_tokens=8, temperature=0.0)\n"
-        "print(json.dumps({'file': llama_cpp.__file__, 'offload': llama_cpp.llama_supports_gpu_offload(),"
-        " 'text': out['choices'][0]['text']}))\n"
+        "cuda = any('libggml-cuda' in line for line in open('/proc/self/maps'))\n"
+        "print(json.dumps({'file': llama_cpp.__file__, 'cuda_loaded': cuda, 'text': out['choices'][0]['text']}))\n"
     )
     runs = {}
     for name, extra in (("prebuilt", {"PYTHONPATH": str(tree / "python")}), ("wheel", {})):
@@ -293,8 +293,11 @@ def test_the_prebuilt_cuda_tree_resolves_and_runs_the_shipped_draft_on_the_cpu(t
         assert r.returncode == 0, r.stderr[-3000:]
         runs[name] = (json.loads(r.stdout.strip().splitlines()[-1]), r.stderr)
     (pre, log), (wheel, _) = runs["prebuilt"], runs["wheel"]
-    assert pre["file"].startswith(str(tree)) and pre["offload"] is True and wheel["offload"] is False
-    assert "CUDA" in log and pre["text"] == wheel["text"] and pre["text"].strip()
+    assert pre["file"].startswith(str(tree)) and not wheel["file"].startswith(str(tree))
+    # the CUDA backend is loaded, built for the H100/H200, and finds no device here: no crash, the CPU runs it
+    assert pre["cuda_loaded"] and not wheel["cuda_loaded"]
+    assert "ggml_cuda_init: failed to initialize CUDA" in log and "ARCHS = 900" in log
+    assert pre["text"].strip() and pre["text"] == wheel["text"]  # the same greedy tokens as the installed wheel
 
 
 @pytest.mark.real
