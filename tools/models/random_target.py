@@ -333,6 +333,15 @@ def _tensor_infos(shape: Shape) -> list[tuple[str, tuple]]:
 # --------------------------------------------------------------------------- the files
 
 
+def _vocabulary(shape: Shape, seed: int) -> tuple[dict, np.ndarray]:
+    """(the shipped vocabulary's tokenizer.* fields, the planted successor of each token), checked against `shape`."""
+    _, fields = shipped_tokenizer_fields()
+    types = np.asarray(fields["tokenizer.ggml.token_type"].contents(), dtype=np.int64)
+    if len(types) != shape.vocab:
+        raise ValueError(f"the shipped tokenizer has {len(types)} tokens, the shape {shape.vocab}")
+    return fields, planted_successor(types, seed)
+
+
 def paths(shape: Shape, dtype: str, seed: int, directory: Path) -> tuple[Path, Path]:
     base = f"random-{shape.name}-v{shape.vocab}-h{shape.hidden}-l{shape.layers}-{dtype}-s{seed}-planted{VERSION}"
     if dtype in QUANTIZED:  # one weightless recipe directory for every quantized GGUF of the shape
@@ -363,11 +372,7 @@ def make(
         f"random target: writing {shape.name} ({shape.params / 1e9:.2f} B parameters, "
         f"{shape.weight_bytes(dtype) / 2**30:.2f} GiB in {dtype}) twice: {gguf_path.name} and {hf_dir.name}/"
     )
-    reader, fields = shipped_tokenizer_fields()
-    types = np.asarray(fields["tokenizer.ggml.token_type"].contents(), dtype=np.int64)
-    if len(types) != shape.vocab:
-        raise ValueError(f"the shipped tokenizer has {len(types)} tokens, the shape {shape.vocab}")
-    successor = planted_successor(types, seed)
+    fields, successor = _vocabulary(shape, seed)
     tmp_gguf = gguf_path.with_name(f"{gguf_path.name}.{os.getpid()}.tmp")  # this process's own
     tmp_dir = hf_dir.with_name(f"{hf_dir.name}.{os.getpid()}.tmp")
     shutil.rmtree(tmp_dir, ignore_errors=True)
@@ -477,11 +482,7 @@ def _make_quantized(target: RandomTarget, log) -> RandomTarget:
         f"random target: writing {shape.name} ({shape.params / 1e9:.2f} B parameters) as {target.gguf.name} "
         f"({shape.weight_bytes(dtype) / 2**30:.2f} GiB of {dtype} blocks) and the recipe {target.hf_dir.name}/"
     )
-    _, fields = shipped_tokenizer_fields()
-    types = np.asarray(fields["tokenizer.ggml.token_type"].contents(), dtype=np.int64)
-    if len(types) != shape.vocab:
-        raise ValueError(f"the shipped tokenizer has {len(types)} tokens, the shape {shape.vocab}")
-    successor = planted_successor(types, seed)
+    fields, successor = _vocabulary(shape, seed)
     if not (target.hf_dir / "config.json").is_file():
         tmp_dir = target.hf_dir.with_name(f"{target.hf_dir.name}.{os.getpid()}.tmp")
         shutil.rmtree(tmp_dir, ignore_errors=True)
