@@ -54,8 +54,15 @@ def build(model_dir: str | Path, device: Any, dtype: Any) -> Any:
                 p.normal_(0.0, out_std, generator=gen)
             elif "lm_head" not in name:
                 p.normal_(0.0, std, generator=gen)
-        embed = model.get_input_embeddings().weight
-        head = torch.zeros(embed.shape, dtype=torch.float32, device=embed.device)
-        head.index_add_(0, successor, embed.float())
-        model.get_output_embeddings().weight.copy_(head.mul_(1.0 / math.sqrt(config.hidden_size)))
+        model.get_output_embeddings().weight.copy_(planted_head(model.get_input_embeddings().weight, successor))
     return model
+
+
+def planted_head(embed: Any, successor: Any) -> Any:
+    """[vocab, hidden] float32 on embed's device: row v is the sum of the embeddings of the tokens whose successor
+    is v, / sqrt(hidden), so after the final norm the last token's own embedding makes its successor's logit win."""
+    import torch
+
+    head = torch.zeros(embed.shape, dtype=torch.float32, device=embed.device)
+    head.index_add_(0, successor.to(embed.device), embed.float())
+    return head.mul_(1.0 / math.sqrt(embed.shape[1]))

@@ -25,6 +25,7 @@ from agent.robot.safety import SafetyLayer, SafetyLimits
 from tests.agent.go2_dds import DOMAIN, INTERFACE, ROOT, Go2Sim, skip_reason
 from tests.agent.test_go2_daemon import RESET_TOKEN, Api, RecordingNotifier, StubDrafter, wait_for
 from tests.agent.test_recording import on, read_rosbags
+from tests.agent.test_run_cli import WalkingDrafter
 
 pytestmark = pytest.mark.skipif(skip_reason() is not None, reason=skip_reason() or "")
 
@@ -304,36 +305,17 @@ def test_a_go2_gone_from_the_network_never_stalls_estop_watchdog_or_shutdown(go2
             d.close()
 
 
-class SteeringDrafter:
+class SteeringDrafter(WalkingDrafter):
     """The draft model for an episode without a model (nav.grammar=false: fixed answers, one byte a token):
     the scripted policy on what the camera's colour detector says of the red object: turn toward it,
     walk by the distance rule, stop within reach, search left when it is out of view."""
 
-    name, vocab_size, vocab_hash, eos_ids, chat_template = "steering", 256, "steering", {0}, None
-    offload = {"device": "cpu", "n_gpu_layers": 0}
-    END = "\n<answer>\n"
+    name, vocab_hash = "steering", "steering"
 
-    def __init__(self, *args, **kwargs):
-        pass
-
-    def apply_chat_template(self, messages):
-        return "\n".join(m["content"] for m in messages) + self.END
-
-    def tokenize(self, text, chat=False):
-        return list(text.encode())
-
-    def detokenize(self, ids, skip=frozenset()):
-        return bytes(i for i in ids if i not in skip).decode("utf-8", "replace")
-
-    def next_logits(self, committed):
-        import numpy as np
-
-        return np.zeros(self.vocab_size, np.float32)
-
-    @staticmethod
-    def answer(camera: str) -> str:
+    def answer(self, camera: str) -> str:
         import re
 
+        camera = camera.split("\n", 1)[0]  # the camera's line of the prompt
         red = next((part for part in camera.split(";") if "red" in part), "")
         if not red:
             return "The next action is turn left 45 degree."
@@ -346,12 +328,6 @@ class SteeringDrafter:
         m = re.search(r"(\d+(?:\.\d+)?) m away", red)
         d = float(m.group(1)) if m else 2.0
         return f"The next action is move forward {75 if d > 1.6 else 50 if d > 1.1 else 25} cm."
-
-    def next_token(self, committed, params, rng, grammar=None):
-        prompt, _, said = self.detokenize(committed).rpartition(self.END)
-        camera = prompt.rsplit("Camera: ", 1)[-1].split("\n", 1)[0]
-        want = self.answer(camera)
-        return ord(want[len(said)]) if len(said) < len(want) else 0
 
 
 def test_edge_agent_run_on_the_go2_reaches_the_red_box_through_the_sdk(go2, capsys, monkeypatch, tmp_path):

@@ -57,13 +57,14 @@ from pathlib import Path
 
 import numpy as np
 
+from server_bridge import random_init
+
 VERSION = 1  # bump when the construction changes: cached files are keyed by it
 NORMAL_TOKEN = 1  # tokenizer.ggml.token_type of an ordinary token
 INIT_STD = 0.02
 QUANTIZED = ("q8_0", "q4_0")  # written as llama.cpp's blocks directly (no quantizer pass)
 DTYPES = ("f16", "f32", *QUANTIZED)
 BLOCK_BYTES = {"q8_0": 34, "q4_0": 18}  # per 32 weights: a float16 scale, then 32 int8 or 32 nibbles
-RECIPE = "random_init.json"  # server_bridge/random_init.py reads it
 
 
 @dataclass(frozen=True)
@@ -265,9 +266,7 @@ def hf_tensors(shape: Shape, seed: int, successor: np.ndarray):
         yield p + "mlp.down_proj.weight", _normal((h, shape.intermediate), out_std, seed, p + "down")
     yield "model.norm.weight", torch.ones(h)
     # head row v = sum of embed[u] over u with successor[u] == v (scaled): logit(v) ~ <embed[last], embed[last]>
-    head = torch.zeros(shape.vocab, h)
-    head.index_add_(0, torch.from_numpy(successor), embed)
-    yield "lm_head.weight", head.mul_(1.0 / math.sqrt(h))
+    yield "lm_head.weight", random_init.planted_head(embed, torch.from_numpy(successor))
 
 
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -490,7 +489,7 @@ def _make_quantized(target: RandomTarget, log) -> RandomTarget:
         _write_hf_config(shape, "f32", fields, tmp_dir)
         np.save(tmp_dir / "successor.npy", successor)
         recipe = {"seed": seed, "init_std": INIT_STD, "successor": "successor.npy", "version": VERSION}
-        (tmp_dir / RECIPE).write_text(json.dumps(recipe, indent=1))
+        (tmp_dir / random_init.RECIPE).write_text(json.dumps(recipe, indent=1))
         shutil.rmtree(target.hf_dir, ignore_errors=True)
         tmp_dir.rename(target.hf_dir)
     tmp_gguf = target.gguf.with_name(f"{target.gguf.name}.{os.getpid()}.tmp")
@@ -547,8 +546,8 @@ def _write_quantized(shape: Shape, dtype: str, seed: int, successor: np.ndarray,
     w.write_ti_data_to_file()
     # the planted path: embeddings N(0, 1); head row v = the sum of the embeddings of v's predecessors / sqrt(h)
     embed = _normal((shape.vocab, shape.hidden), 1.0, seed, "embed")
-    head = torch.zeros(shape.vocab, shape.hidden).index_add_(0, torch.from_numpy(successor), embed)
-    tables = {"token_embd.weight": embed, "output.weight": head.mul_(1.0 / math.sqrt(shape.hidden))}
+    head = random_init.planted_head(embed, torch.from_numpy(successor))
+    tables = {"token_embd.weight": embed, "output.weight": head}
     for i, (name, dims, kind, std) in enumerate(plan):
         if kind == "f32":
             w.write_tensor_data(np.ones(dims, dtype=np.float32))
