@@ -55,8 +55,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PHASES = ("setup", "serve", "engine", "fleet", "divergence", "vision")
 # Each phase's share of the time left when it starts (of the phases still to run): what one phase leaves unspent
-# goes to the next. Measured on a GPU these become the figures in docs/benchmarks/gpu.md.
-SHARE = {"setup": 0.06, "serve": 0.18, "engine": 0.24, "fleet": 0.26, "divergence": 0.10, "vision": 0.16}
+# goes to the next. From the first run on an H200 (2026-11-27, docs/benchmarks/gpu.md), each phase's seconds:
+# setup 5, serve 109, engine 72, fleet 83, divergence 29, vision 81 (379 of 520); with --budget-s 520 these
+# shares give each at least 1.3 times that (serve, whose 18 % was 99 s, ran out on the first call).
+SHARE = {"setup": 0.03, "serve": 0.27, "engine": 0.19, "fleet": 0.22, "divergence": 0.09, "vision": 0.20}
 LLAMA_CPP = "0.3.36"
 # What a bare CUDA image with torch and transformers lacks (tools/gpu_pack.py downloads them).
 WHEELS = ("websockets", "gguf", "pyserial", "diskcache", "msgpack")

@@ -29,6 +29,7 @@ libmtmd) and prints one JSON line.
 from __future__ import annotations
 
 import argparse
+import copy
 import importlib.metadata
 import importlib.util
 import json
@@ -135,13 +136,12 @@ def default_dir(seed: int = 0) -> Path:
 def write_hf(hf_dir: Path, shape: Shape, seed: int) -> tuple[int, int]:
     """The random Idefics3 model and its processor into hf_dir: (vocab size, <image> id)."""
     import torch
-    from transformers import AutoTokenizer, Idefics3Config, Idefics3ForConditionalGeneration, Idefics3Processor
+    from transformers import Idefics3Config, Idefics3ForConditionalGeneration, Idefics3Processor
     from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
 
-    from protocol import modelfiles
+    from tools.models import random_target
 
-    shipped = modelfiles.shipped_gguf()
-    tok = AutoTokenizer.from_pretrained(shipped.parent, gguf_file=shipped.name)  # SmolLM2's, from the GGUF
+    tok = copy.deepcopy(random_target.shipped_tokenizer())  # SmolLM2's (the draft's, or the carried vocabulary)
     n_shipped = len(tok)
     tok.add_special_tokens({"additional_special_tokens": IMAGE_TOKENS})
     if len(tok) != n_shipped + len(IMAGE_TOKENS):

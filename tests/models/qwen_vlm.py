@@ -34,6 +34,7 @@ VERSION, family, seed, shape and the library versions, written last; a lock file
 
 from __future__ import annotations
 
+import copy
 import fcntl
 import importlib.metadata
 import importlib.util
@@ -270,14 +271,12 @@ def load_processor(hf_dir: str | Path):
 def write_hf(family: str, hf_dir: Path, shape: QwenShape, seed: int) -> tuple[int, int]:
     """The random model and its processor into hf_dir: (vocab size, <|image_pad|> id)."""
     import torch
-    from transformers import AutoTokenizer
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    from protocol import modelfiles
+    from tools.models import random_target
 
     config_cls, model_cls, processor_cls = _classes(family)
-    shipped = modelfiles.shipped_gguf()
-    tok = AutoTokenizer.from_pretrained(shipped.parent, gguf_file=shipped.name)  # SmolLM2's, from the GGUF
+    tok = copy.deepcopy(random_target.shipped_tokenizer())  # SmolLM2's (the draft's, or the carried vocabulary)
     n_shipped = len(tok)
     tok.add_special_tokens({"additional_special_tokens": IMAGE_TOKENS})
     if len(tok) != n_shipped + len(IMAGE_TOKENS):

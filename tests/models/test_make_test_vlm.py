@@ -13,6 +13,7 @@ import pytest
 
 from protocol import modelfiles
 from tests.models import make_test_vlm as tv
+from tools.models import random_target
 
 pytestmark = pytest.mark.real
 
@@ -61,6 +62,38 @@ def test_llamacpp_loads_target_and_draft_with_the_hf_vocabulary_the_shipped_one_
     target, draft = tv.llama_vocab(vlm.target), tv.llama_vocab(vlm.draft)
     assert len(target) == vlm.vocab and draft == target
     assert target[: len(shipped)] == shipped and target[len(shipped) :] == [t.encode() for t in tv.IMAGE_TOKENS]
+
+
+def test_the_hf_tokenizer_is_built_from_the_gguf_and_splits_text_as_llama_cpp_does(vlm):
+    """The VLMs' tokenizer comes from the shipped GGUF's fields through `tokenizers` itself, not through
+    transformers' GGUF loader: on the GPU machine's transformers 5.17 that loader made a byte-fallback tokenizer
+    that llama.cpp's converter wrote as a SentencePiece vocabulary, and the draft aborted on its first prompt."""
+    from llama_cpp import Llama
+
+    tok = random_target.shipped_tokenizer()
+    llama = Llama(str(modelfiles.shipped_gguf()), vocab_only=True, verbose=False)
+    texts = [
+        "Walk down the hallway, turn left at the second door.",
+        "  two leading spaces\n\tand a tab",
+        "def f(x):\n    return {'a': [1, 2.5e-3]}",
+        "caf\u00e9 \u2192 \u6a5f\u68b0 \U0001f916\u200d!",
+        "<|im_start|>user\nstop<|im_end|>",
+    ]
+    for text in texts:
+        ids = tok.encode(text, add_special_tokens=False)
+        assert ids == llama.tokenize(text.encode(), add_bos=False, special=True), text
+        assert tok.decode(ids) == text
+    assert (tok.bos_token, tok.eos_token) == ("<|im_start|>", "<|im_end|>")
+    assert tok.chat_template == llama.metadata["tokenizer.chat_template"]
+
+
+def test_llama_cpp_converted_the_vocabulary_as_byte_level_bpe(vlm):
+    import gguf
+
+    fields = gguf.GGUFReader(str(vlm.target)).fields
+    assert fields["tokenizer.ggml.model"].contents() == "gpt2"  # not "llama" (SentencePiece)
+    assert fields["tokenizer.ggml.pre"].contents() == "smollm"
+    assert fields["tokenizer.ggml.eos_token_id"].contents() == 2
 
 
 def test_transformers_runs_the_model_and_two_images_give_different_logits(vlm, hf_runs):

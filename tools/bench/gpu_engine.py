@@ -232,6 +232,7 @@ def batched_bench(binary: Path, gguf: Path, args, bandwidth: float) -> dict:
             )
     return {
         "engine": "llama-batched-bench",
+        "dtype": f"{args.gguf_dtype} GGUF",  # the llamacpp engine's own file
         "binary": str(binary),
         "command": " ".join(cmd),
         "roofline_ms": round(roofline_ms, 4),
@@ -384,7 +385,7 @@ def write(out: Path, result: dict) -> None:
         "",
     ]
     for run in result["runs"]:
-        md += [f"**{run['engine']}** ({run.get('dtype', 'f16 GGUF')}): roofline {run['roofline_ms']:.3f} ms", ""]
+        md += [f"**{run['engine']}** ({run['dtype']}): roofline {run['roofline_ms']:.3f} ms", ""]
     md += ["| engine | sessions | tokens each | pass ms | x roofline |", "|---|---|---|---|---|"]
     md += [
         f"| {r['engine']} | {r['sessions']} | {r['tokens']} | {r['pass_ms']:.3f} | {r['x_roofline']:.2f} |"

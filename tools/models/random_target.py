@@ -45,6 +45,7 @@ fleet benchmark runs it in a subprocess per engine: a CUDA llama.cpp and a CUDA 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -162,8 +163,10 @@ def vocabulary_gguf() -> Path:
     return Path(os.environ[VOCAB_ENV]) if os.environ.get(VOCAB_ENV) else modelfiles.shipped_gguf()
 
 
+@functools.cache
 def shipped_tokenizer_fields():
-    """(reader, the shipped draft GGUF's tokenizer.* fields): the vocabulary every robot drafts in."""
+    """(reader, the shipped draft GGUF's tokenizer.* fields): the vocabulary every robot drafts in. Read once a
+    process (gguf's reader takes seconds over 49,152 tokens; `pair` writes two models)."""
     import gguf
 
     reader = gguf.GGUFReader(str(vocabulary_gguf()))
@@ -452,7 +455,7 @@ def _write(
 
 def _write_hf_config(shape: Shape, dtype: str, fields: dict, hf_dir: Path) -> None:
     """config.json, generation_config.json and the tokenizer (transformers reads it from the shipped GGUF)."""
-    from transformers import AutoTokenizer, GenerationConfig
+    from transformers import GenerationConfig
 
     bos = int(fields["tokenizer.ggml.bos_token_id"].contents())
     eos = int(fields["tokenizer.ggml.eos_token_id"].contents())
@@ -465,8 +468,42 @@ def _write_hf_config(shape: Shape, dtype: str, fields: dict, hf_dir: Path) -> No
     cfg.architectures = ["LlamaForCausalLM"]
     cfg.save_pretrained(hf_dir)
     GenerationConfig(bos_token_id=bos, eos_token_id=eos).save_pretrained(hf_dir)
-    vocab = vocabulary_gguf()
-    AutoTokenizer.from_pretrained(vocab.parent, gguf_file=vocab.name).save_pretrained(hf_dir)
+    shipped_tokenizer().save_pretrained(hf_dir)
+
+
+@functools.cache
+def shipped_tokenizer():
+    """transformers' fast tokenizer of the shipped vocabulary (vocabulary_gguf()'s byte-level BPE), built once a
+    process from the GGUF's fields with `tokenizers` itself. transformers' own GGUF loader is not used: its
+    version 5.17 (the GPU machine's) turns this vocabulary into a byte-fallback tokenizer with <|im_start|> as eos,
+    which llama.cpp's converter then writes as a SentencePiece vocabulary that aborts on the first unknown byte."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    _, fields = shipped_tokenizer_fields()
+    tokens = [str(t) for t in fields["tokenizer.ggml.tokens"].contents()]
+    types = fields["tokenizer.ggml.token_type"].contents()
+    merges = [tuple(str(m).split(" ", 1)) for m in fields["tokenizer.ggml.merges"].contents()]
+    bpe = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges, fuse_unk=False, byte_fallback=False))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)
+    bpe.decoder = decoders.ByteLevel(add_prefix_space=True, trim_offsets=True, use_regex=True)
+    bpe.add_special_tokens(
+        [AddedToken(t, normalized=False, special=True) for t, k in zip(tokens, types, strict=True) if k == 3]
+    )
+
+    def named(key: str) -> str | None:
+        return tokens[int(fields[key].contents())] if key in fields else None
+
+    return PreTrainedTokenizerFast(
+        tokenizer_object=bpe,
+        bos_token=named("tokenizer.ggml.bos_token_id"),
+        eos_token=named("tokenizer.ggml.eos_token_id"),
+        unk_token=named("tokenizer.ggml.unknown_token_id"),
+        pad_token=named("tokenizer.ggml.padding_token_id"),
+        chat_template=str(fields["tokenizer.chat_template"].contents())
+        if "tokenizer.chat_template" in fields
+        else None,
+    )
 
 
 # --------------------------------------------------------------------------- quantized, for the GPU run
