@@ -134,6 +134,7 @@ lint: $(VENV)/.installed
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
+	$(BIN)/mypy --strict protocol
 
 # The generated references (configuration, CLI) are checked against the code first, so they cannot drift.
 docs: $(VENV)/.installed

@@ -7,6 +7,9 @@ What runs llama.cpp underneath (the native libraries' order, libmtmd's images, l
 is `runtime/` now, no longer here.
 """
 
-from runtime.native import load_llama_first
+import contextlib
 
-load_llama_first()  # llama.cpp's native libraries before numpy's: see runtime/native.py
+# llama.cpp's native libraries before numpy's (runtime/native.py says why), without importing runtime/: protocol/
+# imports nothing of the project. Importing llama_cpp again is a no-op; a bare protocol install goes without it.
+with contextlib.suppress(ImportError):
+    import llama_cpp  # noqa: F401

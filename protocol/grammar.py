@@ -121,7 +121,8 @@ class GrammarState:
             data=table.ctypes.data_as(L.llama_token_data_p), size=len(table), selected=-1, sorted=False
         )
         L.llama_sampler_apply(self._smpl, ctypes.byref(cur))
-        return np.isfinite(table["logit"])
+        allowed: np.ndarray = np.isfinite(table["logit"])
+        return allowed
 
     def mask(self) -> np.ndarray:
         """[vocab] bool: the tokens that may come next."""
@@ -269,12 +270,12 @@ class SchemaError(GrammarError):
 class _Walk:
     """prepare_schema's state: the root, the budget spent, and the $ref targets prepared so far."""
 
-    def __init__(self, root: dict) -> None:
+    def __init__(self, root: dict[str, Any]) -> None:
         self.root = root
         self.nodes = 0
         self.expansion = 0
         self.names: dict[str, str] = {}  # a $ref -> its target's name under $defs (and its rule's)
-        self.defs: dict[str, dict] = {}  # that name -> the prepared target ({} while it is being prepared)
+        self.defs: dict[str, dict[str, Any]] = {}  # that name -> the prepared target ({} while it is being prepared)
 
     def spend(self, size: int, keyword: str, where: str) -> None:
         self.expansion += size
@@ -287,7 +288,7 @@ class _Walk:
             )
 
 
-def prepare_schema(schema: Any) -> dict:
+def prepare_schema(schema: Any) -> dict[str, Any]:
     """The schema as llama.cpp's converter may take it (a copy), or SchemaError naming the keyword.
 
     Bounded on the schema itself: nesting, sub-schemas, properties, enum values, repetition counts and the
@@ -318,7 +319,7 @@ def _def_name(ref: str, n: int) -> str:
     return f"def-{n}-" + re.sub(r"[^a-zA-Z0-9-]+", "-", ref.rsplit("/", 1)[-1])[:32]
 
 
-def _node(node: Any, walk: _Walk, where: str, name: str, depth: int) -> dict:
+def _node(node: Any, walk: _Walk, where: str, name: str, depth: int) -> dict[str, Any]:
     """One sub-schema, checked and copied in the converter's own order of cases (SchemaConverter.visit)."""
     keyword = _keyword(where)
     if isinstance(node, bool):
@@ -363,7 +364,7 @@ def _node(node: Any, walk: _Walk, where: str, name: str, depth: int) -> dict:
     return _scalar(node, walk, where, name, depth)
 
 
-def _type_list(node: dict, walk: _Walk, where: str, name: str, depth: int) -> dict:
+def _type_list(node: dict[str, Any], walk: _Walk, where: str, name: str, depth: int) -> dict[str, Any]:
     """{"type": [a, b], ...rest} -> {"anyOf": [{"type": a, ...rest}, {"type": b, ...rest}]}."""
     kinds = node["type"]
     if not kinds or any(k not in JSON_TYPES for k in kinds) or len(set(kinds)) < len(kinds):
@@ -407,13 +408,13 @@ def _value(value: Any, keyword: str, where: str) -> Any:
     return value
 
 
-def _enum(values: Any, where: str) -> dict:
+def _enum(values: Any, where: str) -> dict[str, Any]:
     if not isinstance(values, list) or not 0 < len(values) <= MAX_ENUM:
         raise SchemaError(f"enum is a list of 1 to {MAX_ENUM} values", "enum", where)
     return {"enum": [_value(v, "enum", where) for v in values]}
 
 
-def _object(node: dict, walk: _Walk, where: str, name: str, depth: int) -> dict:
+def _object(node: dict[str, Any], walk: _Walk, where: str, name: str, depth: int) -> dict[str, Any]:
     props = node.get("properties", {})
     required = node.get("required", [])
     extra = node.get("additionalProperties")
@@ -433,7 +434,7 @@ def _object(node: dict, walk: _Walk, where: str, name: str, depth: int) -> dict:
     return out
 
 
-def _properties(props: dict, walk: _Walk, where: str, name: str, depth: int) -> dict:
+def _properties(props: dict[str, Any], walk: _Walk, where: str, name: str, depth: int) -> dict[str, Any]:
     out = {}
     for key, sub in props.items():
         if key in ("*", "$ref"):
@@ -443,7 +444,7 @@ def _properties(props: dict, walk: _Walk, where: str, name: str, depth: int) -> 
     return out
 
 
-def _all_of(node: dict, walk: _Walk, where: str, name: str, depth: int) -> dict:
+def _all_of(node: dict[str, Any], walk: _Walk, where: str, name: str, depth: int) -> dict[str, Any]:
     """allOf as the converter reads it: the properties of its parts (an anyOf part's are optional), merged."""
     parts = node["allOf"]
     if not isinstance(parts, list) or not parts:
@@ -461,7 +462,7 @@ def _all_of(node: dict, walk: _Walk, where: str, name: str, depth: int) -> dict:
     return {"allOf": out}
 
 
-def _component(part: Any, walk: _Walk, where: str, name: str, depth: int) -> dict:
+def _component(part: Any, walk: _Walk, where: str, name: str, depth: int) -> dict[str, Any]:
     if not isinstance(part, dict):
         raise SchemaError("an allOf part is a schema object", "allOf", where)
     if part.get("$ref") is not None:
@@ -477,7 +478,7 @@ def _component(part: Any, walk: _Walk, where: str, name: str, depth: int) -> dic
     return {"properties": _properties(props, walk, where, name, depth)}
 
 
-def _count(node: dict, key: str, where: str) -> int | None:
+def _count(node: dict[str, Any], key: str, where: str) -> int | None:
     value = node.get(key)
     if value is None:
         return None
@@ -486,7 +487,7 @@ def _count(node: dict, key: str, where: str) -> int | None:
     return value
 
 
-def _counts(node: dict, low: str, high: str, where: str) -> tuple[int, int | None]:
+def _counts(node: dict[str, Any], low: str, high: str, where: str) -> tuple[int, int | None]:
     lo, hi = _count(node, low, where) or 0, _count(node, high, where)
     if hi is not None and hi < lo:
         raise SchemaError(f"{high} {hi} is below {low} {lo}", high, where)
@@ -496,7 +497,7 @@ def _counts(node: dict, low: str, high: str, where: str) -> tuple[int, int | Non
 ANY_VALUE = {"anyOf": [{"type": t} for t in JSON_TYPES]}  # any JSON value, as the converter writes it
 
 
-def _array(node: dict, walk: _Walk, where: str, name: str, depth: int) -> dict:
+def _array(node: dict[str, Any], walk: _Walk, where: str, name: str, depth: int) -> dict[str, Any]:
     """items (one schema, `minItems` to `maxItems` of it) or a tuple (prefixItems, or a list of items)."""
     items, prefix = node.get("items"), node.get("prefixItems")
     lo, hi = _counts(node, "minItems", "maxItems", where)
@@ -516,7 +517,7 @@ def _array(node: dict, walk: _Walk, where: str, name: str, depth: int) -> dict:
     return {"prefixItems": subs}
 
 
-def _scalar(node: dict, walk: _Walk, where: str, name: str, depth: int) -> dict:
+def _scalar(node: dict[str, Any], walk: _Walk, where: str, name: str, depth: int) -> dict[str, Any]:
     """The converter's last cases: a pattern, a format, a string's lengths, an object or a type alone."""
     kind, fmt = node.get("type"), node.get("format")
     typed = {} if kind is None else {"type": kind}
@@ -697,7 +698,8 @@ def _convert(text: str) -> str:
     from llama_cpp.llama_grammar import json_schema_to_gbnf
 
     try:
-        return json_schema_to_gbnf(text)
+        gbnf: str = json_schema_to_gbnf(text)
+        return gbnf
     except (AssertionError, AttributeError, IndexError, KeyError, TypeError, ValueError, RecursionError) as e:
         # prepare_schema refuses what is known to end here; this is the net under it
         raise SchemaError(f"llama.cpp's converter cannot take the schema: {type(e).__name__}: {str(e)[:200]}") from None

@@ -54,7 +54,7 @@ class PromptImage:
     def format(self) -> str | None:
         return image_format(self.data) if self.data is not None else None
 
-    def to_wire(self, with_data: bool = True) -> dict:
+    def to_wire(self, with_data: bool = True) -> dict[str, Any]:
         if with_data and self.data is not None:
             return {"at": self.at, "data": self.data}
         return {"at": self.at, "sha256": self.sha256}
@@ -77,8 +77,9 @@ def check_bytes(data: Any) -> bytes:
             f"an image of {len(data)} bytes is over the limit of {MAX_IMAGE_BYTES}: "
             "send it smaller (a 640x480 JPEG is ~100 KB)"
         )
-    check_header(data)
-    return bytes(data)
+    raw = bytes(data)  # the size is bounded: the copy is cheap
+    check_header(raw)
+    return raw
 
 
 def check_header(data: bytes) -> tuple[int, int]:
@@ -103,7 +104,7 @@ def check_size(width: int, height: int) -> None:
         )
 
 
-def limits() -> dict:
+def limits() -> dict[str, Any]:
     """The image bounds as welcome.limits.images states them (beside the target's marker id)."""
     return {
         "max_images": MAX_IMAGES,
@@ -113,7 +114,7 @@ def limits() -> dict:
     }
 
 
-def check_offered(images: list[PromptImage], offered: dict) -> None:
+def check_offered(images: list[PromptImage], offered: dict[str, Any]) -> None:
     """ImageError if a prompt's images break the bounds a verifier states in welcome.limits.images (a server
     may take less than this side's own limits; a bound an older server does not state is this side's)."""
     most = {**limits(), **{k: v for k, v in offered.items() if k in limits()}}

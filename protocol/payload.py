@@ -18,6 +18,7 @@ model work. Pure numpy, imported by the agent: no torch, no I/O.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -56,7 +57,7 @@ class PayloadSpec:
         """Greedy decoding has nothing to send but ids: every mode is `none` at temperature 0."""
         return PayloadSpec("none") if params.greedy else self
 
-    def to_wire(self) -> dict:
+    def to_wire(self) -> dict[str, Any]:
         return {"kind": self.kind, "k": self.k}
 
     def __str__(self) -> str:
@@ -112,7 +113,7 @@ class DraftQ:
     px: np.ndarray | None = None
 
     @classmethod
-    def stack(cls, kind: str, tokens: list[int], rows: list) -> "DraftQ | None":
+    def stack(cls, kind: str, tokens: list[int], rows: list[Any]) -> "DraftQ | None":
         if kind == "none" or not rows:
             return None
         if kind == "full":
@@ -123,10 +124,12 @@ class DraftQ:
         return cls(kind, counts=counts, px=counts[np.arange(len(tokens)), tokens])
 
     def head(self, n: int) -> "DraftQ":
-        cut = lambda a: None if a is None else a[:n]
+        def cut(a: np.ndarray | None) -> np.ndarray | None:
+            return None if a is None else a[:n]
+
         return DraftQ(self.kind, cut(self.probs), cut(self.ids), cut(self.counts), cut(self.px))
 
-    def to_wire(self) -> dict:
+    def to_wire(self) -> dict[str, Any]:
         """Verify.q for these rows."""
         if self.kind == "full":
             return {"kind": "full", "probs": self.probs}
@@ -138,7 +141,8 @@ class DraftQ:
         """Split: q_j [V] float64, the whole row the robot drew from (its residual needs it)."""
         if self.counts is None:
             raise ValueError(f"row() is for split drafts, not {self.kind}")
-        return self.counts[j] / sampling.SPLIT_ONE
+        q: np.ndarray = self.counts[j] / sampling.SPLIT_ONE
+        return q
 
 
 def correction(
@@ -164,7 +168,8 @@ def target_probs(logits: np.ndarray, ids: np.ndarray | None, vocab: int, params:
     if ids is None:
         if len(logits) != vocab:
             raise SamplingError(f"residual logits cover {len(logits)} tokens, the vocabulary has {vocab}")
-        return sampling.probs_from_logits(logits[None], params)[0]
+        p: np.ndarray = sampling.probs_from_logits(logits[None], params)[0]
+        return p
     if len(ids) != len(logits) or not len(ids) or ids.min() < 0 or ids.max() >= vocab:
         raise SamplingError("sparse residual ids and logits differ in length or leave the vocabulary")
     p = np.zeros(vocab)
@@ -191,7 +196,7 @@ def sparse_residual(
 # --------------------------------------------------------------------------- the server's side
 
 
-def dense_q(q: dict, draft_ids: list[int], vocab: int, spec: PayloadSpec) -> np.ndarray:
+def dense_q(q: dict[str, Any], draft_ids: list[int], vocab: int, spec: PayloadSpec) -> np.ndarray:
     """Verify.q of a full or topk payload -> float64 q [k, V]; SamplingError names what is wrong."""
     _check_kind(q, spec)
     k = len(draft_ids)
@@ -222,7 +227,7 @@ def dense_q(q: dict, draft_ids: list[int], vocab: int, spec: PayloadSpec) -> np.
     return out
 
 
-def split_qx(q: dict, draft_ids: list[int], spec: PayloadSpec) -> np.ndarray:
+def split_qx(q: dict[str, Any], draft_ids: list[int], spec: PayloadSpec) -> np.ndarray:
     """Verify.q of a split payload -> q(x_i) [k] float64, each in (0, 1]."""
     _check_kind(q, spec)
     px = np.asarray(q["px"], dtype=np.int64)
@@ -236,7 +241,7 @@ def split_qx(q: dict, draft_ids: list[int], spec: PayloadSpec) -> np.ndarray:
     return px / sampling.SPLIT_ONE
 
 
-def _check_kind(q: dict, spec: PayloadSpec) -> None:
+def _check_kind(q: dict[str, Any], spec: PayloadSpec) -> None:
     if q["kind"] != spec.kind:
         raise SamplingError(f"this session declared payload {spec.kind!r} at open, the round sent {q['kind']!r}")
 

@@ -19,6 +19,7 @@ Exactness rests on four pieces:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -46,9 +47,9 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
-    def to_wire(self) -> dict:
+    def to_wire(self) -> dict[str, Any]:
         """An open's `sampling`: top_p only when below 1, so other opens read as they did before it."""
-        d: dict = {"temperature": self.temperature, "top_k": self.top_k, "seed": self.seed}
+        d: dict[str, Any] = {"temperature": self.temperature, "top_k": self.top_k, "seed": self.seed}
         if self.top_p < 1.0:
             d["top_p"] = self.top_p
         return d
@@ -154,7 +155,8 @@ def dequantize_q(q16: np.ndarray) -> np.ndarray:
     mass = q.sum(axis=-1, keepdims=True)
     if np.any(mass <= 0):
         raise SamplingError("a row of q has zero probability mass")
-    return q / mass
+    normalised: np.ndarray = q / mass
+    return normalised
 
 
 def sample(probs: np.ndarray, rng: np.random.Generator) -> int:
@@ -225,7 +227,7 @@ def fixed_point(probs: np.ndarray, one: int = SPLIT_ONE) -> np.ndarray:
     if x.ndim != 1 or not np.all(np.isfinite(x)) or np.any(x < 0) or x.sum() <= 0:
         raise SamplingError("fixed_point needs a finite, non-negative distribution with mass")
     scaled = x / x.sum() * one
-    n = np.floor(scaled).astype(np.int64)
+    n: np.ndarray = np.floor(scaled).astype(np.int64)
     short = int(one - n.sum())
     if short > 0:
         n[np.argpartition(n - scaled, short - 1)[:short]] += 1  # the largest fractional parts

@@ -57,7 +57,7 @@ class WireError(ValueError):
 # --------------------------------------------------------------------------- arrays
 
 
-def encode_array(a: np.ndarray) -> dict:
+def encode_array(a: np.ndarray) -> dict[str, Any]:
     a = np.ascontiguousarray(a)
     dtype = a.dtype.newbyteorder("<").str
     if dtype not in _ARRAY_DTYPES:
@@ -138,13 +138,13 @@ def _ids(v: Any, name: str, max_len: int = MAX_ID_LIST) -> list[int]:
     return v
 
 
-def _map(v: Any, name: str) -> dict:
+def _map(v: Any, name: str) -> dict[str, Any]:
     if not isinstance(v, dict) or not all(isinstance(k, str) for k in v):
         raise WireError("bad_field", f"{name} must be a map with string keys")
     return v
 
 
-def _timing(v: Any, name: str) -> dict:
+def _timing(v: Any, name: str) -> dict[str, Any]:
     """A timing map (ms, counts): string keys, finite numbers only (the robot adds them up)."""
     timing = _map(v, name)
     for key, value in timing.items():
@@ -175,7 +175,7 @@ class Message:
     TYPE: ClassVar[str] = ""
     PACKED: ClassVar[bool] = False  # travels as [v, type, *fields] (the per-round messages)
 
-    def to_wire(self) -> dict:
+    def to_wire(self) -> dict[str, Any]:
         d = {"type": self.TYPE, "v": PROTOCOL_VERSION}
         d.update({f.name: getattr(self, f.name) for f in fields(self)})
         return d
@@ -219,8 +219,10 @@ class Welcome(Message):
     vocab_hash: str
     eos_ids: list[int]
     exits: list[int]  # layers with early exits (empty: none)
-    limits: dict  # max_frame_bytes, max_draft_len, max_context, max_sessions; grammar, top_p: what it supports
-    engine: dict = field(default_factory=dict)  # what serves: engine, device, dtype (informational; {} from
+    limits: dict[
+        str, Any
+    ]  # max_frame_bytes, max_draft_len, max_context, max_sessions; grammar, top_p: what it supports
+    engine: dict[str, Any] = field(default_factory=dict)  # what serves: engine, device, dtype (informational; {} from
     # servers before it was sent)
     replica: str = ""  # which replica of a fleet answered (server.replica_id); "" from older servers
 
@@ -267,7 +269,7 @@ class Error(Message):
     message: str  # for a human reading the robot's log
     sid: str | None = None  # the session it concerns, if any
 
-    def to_wire(self) -> dict:
+    def to_wire(self) -> dict[str, Any]:
         # never echo what this message's own decoder would refuse: a bad sid goes as none, a long text is cut
         d = super().to_wire()
         d.update(code=str(self.code)[:64], message=str(self.message)[:MAX_STR], sid=_valid_sid(self.sid))
@@ -292,20 +294,20 @@ class Open(Message):
     TYPE: ClassVar[str] = "open"
     sid: str
     prompt_ids: list[int]  # the whole committed prefix: prompt plus every committed token
-    sampling: dict  # temperature, top_k, seed; top_p only when below 1 (older servers do not know it)
-    slo: dict = field(default_factory=dict)  # optional latency targets in ms (used by the scheduler)
+    sampling: dict[str, Any]  # temperature, top_k, seed; top_p only when below 1 (older servers do not know it)
+    slo: dict[str, Any] = field(default_factory=dict)  # optional latency targets in ms (used by the scheduler)
     exits: list[int] = field(default_factory=list)  # early-exit layers to stream verdicts from; [] = off
-    payload: dict = field(default_factory=lambda: {"kind": "full", "k": 0})  # protocol.payload.PayloadSpec
+    payload: dict[str, Any] = field(default_factory=lambda: {"kind": "full", "k": 0})  # protocol.payload.PayloadSpec
     # constrained decoding (protocol/grammar.py): {"gbnf": GBNF text, "from": the index of prompt_ids where the
     # constrained part starts (the ids from there on are already under the grammar)}; None: unconstrained
-    grammar: dict | None = None
+    grammar: dict[str, Any] | None = None
     # the prompt's images (protocol/images.py): one per image marker in prompt_ids; [] for a text prompt
-    images: list = field(default_factory=list)
+    images: list[Any] = field(default_factory=list)
     # the session's resume secret from its last `opened`: lets another connection (the robot back on a new
     # link while the old one still looks open) take the session over; "" = none (left off the wire)
     resume: str = ""
 
-    def to_wire(self) -> dict:
+    def to_wire(self) -> dict[str, Any]:
         d = super().to_wire()
         if self.images:
             d["images"] = [im.to_wire() for im in self.images]
@@ -361,7 +363,7 @@ class Opened(Message):
     TYPE: ClassVar[str] = "opened"
     sid: str
     n_committed: int  # the server's committed length (== len(prompt_ids))
-    timing: dict  # prefill_ms, passes
+    timing: dict[str, Any]  # prefill_ms, passes
     replica: str = ""  # the replica that holds the session now ("" from older servers)
     resume: str = ""  # the session's resume secret: send it as Open.resume to take the session over from
     # another connection that is still open (minted at its first open, kept while its robot re-opens it;
@@ -404,11 +406,11 @@ class Verify(Message):
     round: int
     n_committed: int  # the robot's committed length (fix included); a mismatch means divergence
     draft_ids: list[int]  # [k]; k can be zero (the server then returns one target token)
-    q: dict
+    q: dict[str, Any]
     fix: int | None = None
     cands: np.ndarray | None = None
 
-    def to_wire(self) -> dict:
+    def to_wire(self) -> dict[str, Any]:
         d = super().to_wire()
         d["q"] = _q_to_wire(self.q)
         if self.cands is not None:
@@ -453,7 +455,7 @@ class Verify(Message):
 Q_KINDS = ("none", "full", "topk", "split")
 
 
-def _q_to_wire(q: dict) -> list:
+def _q_to_wire(q: dict[str, Any]) -> list[Any]:
     kind = q["kind"]
     if kind == "full":
         return [kind, np.ascontiguousarray(q["probs"], dtype="<f2").tobytes()]
@@ -471,7 +473,7 @@ def _q_to_wire(q: dict) -> list:
     return [kind]
 
 
-def _q_from_wire(v: Any, k: int) -> dict:
+def _q_from_wire(v: Any, k: int) -> dict[str, Any]:
     """[kind, bytes...] -> the q dict; shapes follow from k, any inconsistency is `bad_field`."""
     if not isinstance(v, list) or not v or not isinstance(v[0], str):
         raise WireError("bad_field", "q must be a list [kind, payload bytes...]")
@@ -566,10 +568,10 @@ class Result(Message):
     accepted: int  # draft tokens kept; can be zero
     token: int  # correction at the first rejection, or the bonus token; -1: see residual
     n_committed: int  # the server's committed length after this round
-    timing: dict  # verify_ms, passes; with exits: exit_layer (earliest exit that agreed), exit_ms
-    residual: dict | None = None
+    timing: dict[str, Any]  # verify_ms, passes; with exits: exit_layer (earliest exit that agreed), exit_ms
+    residual: dict[str, Any] | None = None
 
-    def to_wire(self) -> dict:
+    def to_wire(self) -> dict[str, Any]:
         d = super().to_wire()
         if self.residual is not None:
             r = self.residual
@@ -651,7 +653,7 @@ class Token(Message):
     seq: int  # 0-based index within this ar request
     token: int
     done: bool  # the last token of the request (max_tokens or a stop id)
-    timing: dict  # verify_ms (this step's forward pass), passes
+    timing: dict[str, Any]  # verify_ms (this step's forward pass), passes
     p: float | None = None  # the target's probability of `token` under the session's sampling
     # (1.0 when greedy): lets the robot estimate its acceptance while streaming
 
@@ -700,11 +702,13 @@ def encode(msg: Message) -> bytes:
         values = [d[f.name] for f in fields(msg)]
         while values and values[-1] is None:  # absent optional fields at the tail cost nothing
             values.pop()
-        return msgpack.packb([d["v"], d["type"], *values], use_bin_type=True)
-    return msgpack.packb(d, use_bin_type=True)
+        packed: bytes = msgpack.packb([d["v"], d["type"], *values], use_bin_type=True)
+        return packed
+    packed = msgpack.packb(d, use_bin_type=True)
+    return packed
 
 
-def _unpack(a: list) -> dict:
+def _unpack(a: list[Any]) -> dict[str, Any]:
     """A packed frame [v, type, *fields] -> the same map its unpacked form would be."""
     if len(a) < 2 or not isinstance(a[1], str) or a[1] not in MESSAGES or not MESSAGES[a[1]].PACKED:
         raise WireError(
