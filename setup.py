@@ -8,8 +8,17 @@ WIRE = ["numpy>=1.26", "msgpack>=1.0", "websockets>=14", 'tomli>=1.1; python_ver
 # pyserial: the serial controller; aiohttp: the HTTP server under the OpenAI endpoint (agent/app/openai_api.py:
 # it parses the requests; pure asyncio, wheels for aarch64 and Python 3.10, no ASGI stack). No OpenCV here:
 # `make setup-robot` keeps the system's (JetPack's, with GStreamer) and adds opencv-python-headless only where
-# there is none.
-ROBOT = ["llama-cpp-python==0.3.36", "jinja2", "onnxruntime>=1.17", "scipy>=1.10", "pyserial>=3.5", "aiohttp>=3.10,<4"]
+# there is none. llguidance: structured output (protocol/structured.py), pinned on both sides so that the robot's
+# and the server's masks are the same (manylinux_2_31 wheels for x86-64 and aarch64, JetPack 6 included).
+ROBOT = [
+    "llama-cpp-python==0.3.36",
+    "llguidance==1.9.1",
+    "jinja2",
+    "onnxruntime>=1.17",
+    "scipy>=1.10",
+    "pyserial>=3.5",
+    "aiohttp>=3.10,<4",
+]
 # `edge-agent run --record`: runs as MCAP with ROS 2 messages, no ROS install (agent/app/recording.py; its CDR
 # encoder is mcap-ros2-support's, hence the upper bound). `--foxglove HOST:PORT` serves them live on websockets
 # (agent/app/live.py: Foxglove's SDK server takes no credential and reads no Origin).
@@ -61,6 +70,7 @@ setup(
         # the CUDA build of the same version first.
         "server": [
             "llama-cpp-python==0.3.36",
+            "llguidance==1.9.1",
             "torch==2.13.0",
             "transformers>=5.0,<6",
             "gguf>=0.10",
