@@ -50,7 +50,7 @@ MAX_PATTERN_REPEAT = 1000  # a pattern's {m,n}: ^a{1000}$ costs 0.3 ms a mask he
 MAX_COMPILED = 32  # compiled grammars kept per vocabulary, least recently used out
 COMPILE_TIMEOUT_S = 1.0  # the wait for one compile (JSONSchemaBench's: 1 ms at the median, 0.3 s at most but one)
 MAX_DROPPED_FORMATS = 8  # unknown formats dropped from one schema (each costs a compile)
-KINDS = ("json_schema", "lark", "regex")
+KINDS = ("json_schema", "lark", "gbnf", "regex")
 _QUANTIFIER = re.compile(r"\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")
 
 
@@ -105,6 +105,15 @@ class Vocabulary:
                 self._compiled.popitem(last=False)
         return constraint
 
+    def for_wire(self, grammar: dict[str, Any]) -> Constraint:
+        """The constraint of an open's grammar (protocol.wire: {KIND: text, "from": ...}), as both sides build it."""
+        if "json_schema" in grammar:
+            return self.schema(grammar["json_schema"])
+        kind = next((k for k in ("lark", "gbnf") if k in grammar), None)
+        if kind is None:
+            raise GrammarError(f"a grammar holds json_schema, lark or gbnf, not {sorted(grammar)}")
+        return self.compile(kind, grammar[kind])
+
     def schema(self, schema: Any) -> Constraint:
         """A JSON schema (a dict, a bool, or its JSON text), checked (check_schema) and compiled.
 
@@ -136,9 +145,14 @@ class Constraint:
         if len(text.encode("utf-8")) > MAX_SCHEMA_BYTES:
             raise GrammarError(f"the grammar is {len(text.encode('utf-8'))} bytes; at most {MAX_SCHEMA_BYTES}")
         self.vocab, self.kind, self.text = vocab, kind, text
+        from llguidance.gbnf_to_lark import GbnfToLarkError, gbnf_to_lark
+
         try:
-            spec = llguidance.grammar_from(kind, text)  # type: ignore[arg-type]
-        except (ValueError, TypeError) as e:
+            if kind == "gbnf":  # llama.cpp's grammars, as older robots and callers send them
+                spec = llguidance.grammar_from("lark", gbnf_to_lark(text))
+            else:
+                spec = llguidance.grammar_from(kind, text)  # type: ignore[arg-type]
+        except (GbnfToLarkError, ValueError, TypeError, RecursionError) as e:
             raise _refusal(kind, str(e)) from None
         self._root = _compile(vocab.tokenizer, spec)
         if self._root.is_error():

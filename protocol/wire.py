@@ -37,7 +37,11 @@ DEFAULT_MAX_FRAME_BYTES = 4 * 2**20  # a full fp16 q for 16 positions is ~1.5 Mi
 _ARRAY_DTYPES = {"<f2": np.float16, "<f4": np.float32, "<i4": np.int32}
 MAX_ID_LIST = 1 << 16  # longest token-id list any message may carry
 MAX_STR = 4096
-MAX_GBNF_CHARS = 16 * 1024  # a grammar's GBNF text (protocol/grammar.py)
+MAX_GBNF_CHARS = 16 * 1024  # a grammar's GBNF or Lark text (protocol/structured.py)
+MAX_SCHEMA_CHARS = 256 * 1024  # a JSON schema's text (protocol/structured.py: MAX_SCHEMA_BYTES)
+# a grammar on the wire is one of these, by its key: GBNF (llama.cpp's, what older robots send), Lark or a JSON
+# schema (LLGuidance's own formats: a schema is compiled as it is, not through a converter)
+GRAMMAR_KINDS = {"gbnf": MAX_GBNF_CHARS, "lark": MAX_GBNF_CHARS, "json_schema": MAX_SCHEMA_CHARS}
 MAX_CANDIDATES = 64  # candidate ids per draft position for early exits
 MAX_SECRET = 64  # a session's resume secret (the server mints 22 characters)
 MAX_ARRAY_NDIM = 2  # the wire's arrays are at most [k, K] (Verify.cands)
@@ -127,6 +131,20 @@ def _str(v: Any, name: str, max_len: int = MAX_STR) -> str:
     if not isinstance(v, str) or len(v) > max_len:
         raise WireError("bad_field", f"{name} must be a string of at most {max_len} characters")
     return v
+
+
+def _grammar(g: dict[str, Any], n_ids: int) -> dict[str, Any]:
+    """An open's grammar: exactly one of GRAMMAR_KINDS with its text, and where it starts."""
+    kinds = [k for k in GRAMMAR_KINDS if k in g]
+    if len(kinds) != 1 or set(g) - {*kinds, "from"}:
+        raise WireError(
+            "bad_field", f"grammar holds one of {', '.join(GRAMMAR_KINDS)} and from, got {_show(sorted(g))}"
+        )
+    kind = kinds[0]
+    return {
+        kind: _str(g[kind], f"grammar.{kind}", GRAMMAR_KINDS[kind]),
+        "from": _int(g.get("from"), "grammar.from", 0, n_ids),
+    }
 
 
 def _ids(v: Any, name: str, max_len: int = MAX_ID_LIST) -> list[int]:
@@ -298,8 +316,9 @@ class Open(Message):
     slo: dict[str, Any] = field(default_factory=dict)  # optional latency targets in ms (used by the scheduler)
     exits: list[int] = field(default_factory=list)  # early-exit layers to stream verdicts from; [] = off
     payload: dict[str, Any] = field(default_factory=lambda: {"kind": "full", "k": 0})  # protocol.payload.PayloadSpec
-    # constrained decoding (protocol/grammar.py): {"gbnf": GBNF text, "from": the index of prompt_ids where the
-    # constrained part starts (the ids from there on are already under the grammar)}; None: unconstrained
+    # constrained decoding (protocol/structured.py): {KIND: its text, "from": the index of prompt_ids where the
+    # constrained part starts (the ids from there on are already under the grammar)}, KIND one of GRAMMAR_KINDS
+    # (servers say which they take in Welcome.limits["grammar_kinds"]; before it, "gbnf" alone); None: unconstrained
     grammar: dict[str, Any] | None = None
     # the prompt's images (protocol/images.py): one per image marker in prompt_ids; [] for a text prompt
     images: list[Any] = field(default_factory=list)
@@ -340,11 +359,7 @@ class Open(Message):
         payload = {"kind": _str(pl.get("kind"), "payload.kind", 16), "k": _int(pl.get("k", 0), "payload.k", 0, 1 << 20)}
         grammar = d.get("grammar")
         if grammar is not None:
-            g = _map(grammar, "grammar")
-            grammar = {
-                "gbnf": _str(g.get("gbnf"), "grammar.gbnf", MAX_GBNF_CHARS),
-                "from": _int(g.get("from"), "grammar.from", 0, len(ids)),
-            }
+            grammar = _grammar(_map(grammar, "grammar"), len(ids))
         sid = _sid(d.get("sid"))
         try:
             images = image_wire.from_wire(d.get("images"), len(ids))

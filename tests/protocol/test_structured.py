@@ -186,3 +186,45 @@ def test_a_compile_past_its_deadline_is_refused_and_the_worker_goes_on(vocab, mo
         vocab.schema(big)
     monkeypatch.setattr(structured, "COMPILE_TIMEOUT_S", 5.0)
     assert vocab.schema({"type": "boolean"}).start().mask().any()  # the worker still serves
+
+
+def test_an_opens_grammar_of_each_kind_travels_and_compiles_the_same_on_both_sides(vocab, llama):
+    """GBNF (what robots send today, the NaVILA answer grammar among them), Lark and a JSON schema: the wire carries
+    one kind with its text, and Vocabulary.for_wire builds the constraint from it on either side."""
+    from agent.robot.actions import answer_grammar
+    from protocol import wire
+
+    answer = "The red box is ahead, slightly left. The next action is turn left 15 degree."
+    cases = {
+        "gbnf": (answer_grammar(), answer),
+        "lark": ('start: "go " NUM\nNUM: /[0-9]+/', "go 42"),
+        "json_schema": (json.dumps({"type": "object", "properties": {"go": {"type": "integer"}}}), '{"go": 42}'),
+    }
+    for kind, (text, instance) in cases.items():
+        ids = [7, 8, 9]
+        sent = wire.Open("s1", ids, {"temperature": 0.0, "top_k": 0, "seed": 0}, grammar={kind: text, "from": 3})
+        got = wire.decode(wire.encode(sent))
+        assert got.grammar == {kind: text, "from": 3}
+        walk = list(llama.tokenize(instance.encode(), add_bos=False, special=False))
+        state = vocab.for_wire(got.grammar).start()
+        assert state.advance(walk) == len(walk) and state.is_accepting(), kind
+
+
+@pytest.mark.parametrize(
+    "grammar",
+    [{"gbnf": "x", "lark": "y", "from": 0}, {"from": 0}, {"regex": "a+", "from": 0}, {"gbnf": "x", "from": 0, "z": 1}],
+    ids=["two kinds", "no kind", "not a wire kind", "an unknown key"],
+)
+def test_a_malformed_grammar_on_the_wire_is_a_bad_field(grammar):
+    from protocol import wire
+
+    open_ = wire.Open("s1", [1, 2], {"temperature": 0.0, "top_k": 0, "seed": 0}).to_wire()
+    open_["grammar"] = grammar
+    with pytest.raises(wire.WireError) as e:
+        wire.Open.from_wire(open_)
+    assert e.value.code == "bad_field"
+
+
+def test_a_gbnf_grammar_that_does_not_parse_is_refused_with_a_reason(vocab):
+    with pytest.raises(grammar.GrammarError, match="gbnf"):
+        vocab.for_wire({"gbnf": "root ::= (", "from": 0})
