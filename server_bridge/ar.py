@@ -59,7 +59,7 @@ def sample_row(target: Target, session: Session, rows: Any) -> tuple[int, float]
     elif session.params.greedy:
         return int(target.argmax(rows)[0]), 1.0
     elif target.on_device:
-        from . import devmath
+        from .engines import devmath
 
         dprobs = devmath.probs_from_logits(rows[0], session.params)  # [vocab] on the device
         token = devmath.sample(dprobs, session.rng)

@@ -75,7 +75,7 @@ def _tool_parsers(sub: argparse._SubParsersAction) -> None:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from . import planner
+    from .ops import planner
 
     try:
         config = PlanConfig(**settings.given(PlanConfig, args))
@@ -94,24 +94,24 @@ def _tool(args: argparse.Namespace) -> int:
         print(f"server-bridge {args.cmd}: bad configuration: {e}", file=sys.stderr)
         return 2
     if args.cmd == "profile":
-        from . import profile
+        from .ops import profile
 
         return profile.run(config, args.argv)
     if args.cmd == "train-exits":
-        from . import train_exits
+        from .ops import train_exits
 
         try:
             return train_exits.run(config)
         except ValueError as e:  # a prompt file or a frame that is not what it should be
             print(f"server-bridge train-exits: {e}", file=sys.stderr)
             return 2
-    from . import fleet
+    from .ops import fleet
 
     return fleet.run(config)
 
 
 def _loadtest(args: argparse.Namespace) -> int:
-    from . import loadtest
+    from .ops import loadtest
 
     try:
         target = LoadtestConfig(**settings.given(LoadtestConfig, args))

@@ -15,7 +15,7 @@ from protocol.wire import DEFAULT_MAX_FRAME_BYTES
 from runtime import settings
 from runtime.settings import setting
 
-from .engine import DTYPES, ENGINES
+from .engines import DTYPES, ENGINES
 from .outbox import POLICIES as EXIT_POLICIES
 from .scheduler import POLICIES as SCHEDULERS
 
@@ -345,7 +345,7 @@ class ServerConfig:
 
 @dataclass
 class PlanConfig:
-    """`server-bridge plan`'s flags (paper 000's pipelined-serving planner, server_bridge/planner.py)."""
+    """`server-bridge plan`'s flags (paper 000's pipelined-serving planner, server_bridge/ops/planner.py)."""
 
     fleet: str = setting(
         "",

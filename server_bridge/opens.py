@@ -20,7 +20,7 @@ from protocol.wire import Open, WireError
 from runtime.vision import UnknownImage
 
 from .config import ServerConfig
-from .engine import EngineFull, NoRoom
+from .engines import EngineFull, NoRoom
 from .requests import OpenNeedsRoom, OpenOutcome, OpenRequest, check_ids
 from .sessions import Session
 from .target import Extension, Target, TargetState, shared_prefix

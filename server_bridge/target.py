@@ -1,4 +1,4 @@
-"""The target model as the verifier sees it: session states over an engine (server_bridge/engine.py).
+"""The target model as the verifier sees it: session states over an engine (server_bridge/engines/__init__.py).
 
 A `TargetState` holds the committed prefix of one session and its engine
 sequence, whose KV covers all but the last committed token (the last one is fed
@@ -30,10 +30,10 @@ import numpy as np
 
 from protocol.grammar import Grammar, GrammarCache, GrammarError, vocab_only
 
-from .engine import Engine, Pass, Sequence, load_engine
+from .engines import Engine, Pass, Sequence, load_engine
 
 if TYPE_CHECKING:
-    from .engine_llamacpp import LlamaCppEngine
+    from .engines.llamacpp import LlamaCppEngine
 
 log = logging.getLogger(__name__)
 
@@ -171,7 +171,7 @@ class Target:
         """One verification pass: logits [k + 1, vocab] for the positions after each draft prefix.
 
         Row i is the target's distribution for the token after ids + draft[:i]. Call
-        `commit` to keep what was accepted. taps: {layer: fn}, see engine.Pass.
+        `commit` to keep what was accepted. taps: {layer: fn}, see engines.Pass.
         """
         pending = state.ids[state.cached :]
         rows = self.extend([Extension(state, pending + list(draft_ids), len(draft_ids) + 1, taps)])[0]
@@ -238,7 +238,7 @@ class Target:
 
 
 def load_target(name_or_path: str | None = None, engine: str = "auto", **kw) -> Target:
-    """A Target on the engine named (auto: llamacpp for GGUF targets); kw go to engine.load_engine."""
+    """A Target on the engine named (auto: llamacpp for GGUF targets); kw go to engines.load_engine."""
     from protocol import modelfiles
 
     return Target(load_engine(name_or_path or modelfiles.DEFAULT_TARGET, engine, **kw))

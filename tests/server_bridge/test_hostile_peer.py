@@ -554,7 +554,7 @@ def test_the_shipped_haproxy_config_passes_the_client_on(make_server, target):
     """deploy/haproxy/haproxy.cfg for real in front of a token-protected server that trusts it: its health
     check gets the short /healthz, the server counts strangers by the address HAProxy saw, a client's forged
     X-Forwarded-For, Forwarded or X-Real-IP changes nothing, a robot with the token gets in."""
-    from server_bridge.fleet import HAPROXY_CFG, free_port, haproxy_binary, loopback_config, stop_process
+    from server_bridge.ops.fleet import HAPROXY_CFG, free_port, haproxy_binary, loopback_config, stop_process
 
     try:
         binary = haproxy_binary()

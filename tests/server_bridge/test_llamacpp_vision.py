@@ -12,8 +12,8 @@ import pytest
 from protocol import modelfiles
 from protocol.images import PromptImage
 from runtime.vision import CACHED, UnknownImage
-from server_bridge.engine import Pass, load_engine
-from server_bridge.engine_llamacpp import LlamaCppEngine
+from server_bridge.engines import Pass, load_engine
+from server_bridge.engines.llamacpp import LlamaCppEngine
 from tests.models import make_test_vlm as tv
 from tests.server_bridge.vision_setup import CORRUPT_JPEG, TAIL, decoded, encoded, open_with, prompt, vlm
 

@@ -1,4 +1,4 @@
-"""server_bridge.loadtest (`server-bridge loadtest`): the SLO rule, capacity, trace replay, /metrics parsing and
+"""server_bridge.ops.loadtest (`server-bridge loadtest`): the SLO rule, capacity, trace replay, /metrics parsing and
 robots against a fake verifier."""
 
 from __future__ import annotations

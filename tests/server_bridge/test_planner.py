@@ -1,4 +1,4 @@
-"""server_bridge.planner (`server-bridge plan`, its report in tools/bench/planner.py): the pipelined-SD latency
+"""server_bridge.ops.planner (`server-bridge plan`, its report in tools/bench/planner.py): the pipelined-SD latency
 model, the closed-form bandwidth split and the batching DP.
 
 No models: synthetic devices and linear stage-time models. Exhaustive searches

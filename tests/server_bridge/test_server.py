@@ -12,7 +12,7 @@ from websockets.sync.client import connect
 from agent.spec.decoder import DecoderConfig, EdgeDecoder
 from agent.spec.link import LinkLost, ServerError, VerifierLink
 from protocol import images, wire
-from server_bridge.loadtest import parse_metrics
+from server_bridge.ops.loadtest import parse_metrics
 
 pytestmark = pytest.mark.real
 

@@ -14,8 +14,8 @@ import torch
 
 from protocol.images import PromptImage
 from runtime.vision import CACHED, UnknownImage
-from server_bridge.engine import Pass, load_engine
-from server_bridge.engine_torch import TorchEngine
+from server_bridge.engines import Pass, load_engine
+from server_bridge.engines.torch import TorchEngine
 from tests.models import make_test_vlm as tv
 from tests.server_bridge.vision_setup import CORRUPT_JPEG, TAIL, decoded, encoded, open_with, prompt, run, vlm
 

@@ -42,7 +42,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from .config import FleetConfig
+from ..config import FleetConfig
 
 HAPROXY_CFG = Path(__file__).resolve().parents[1] / "deploy" / "haproxy" / "haproxy.cfg"
 BACKEND = "verifiers"
