@@ -44,7 +44,7 @@ from typing import Any
 
 from ..config import FleetConfig
 
-HAPROXY_CFG = Path(__file__).resolve().parents[1] / "deploy" / "haproxy" / "haproxy.cfg"
+HAPROXY_CFG = Path(__file__).resolve().parents[2] / "deploy" / "haproxy" / "haproxy.cfg"
 BACKEND = "verifiers"
 # HAProxy reaches the replicas from this loopback address, the only one they trust as a proxy: a trusted proxy's
 # request that names no client is never loopback (server_bridge/peers.py), so this host's own tools and robots,
