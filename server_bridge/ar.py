@@ -11,7 +11,8 @@ from typing import Any
 from protocol import sampling
 from protocol.wire import WireError
 
-from .requests import ArOutcome, ArRequest, advance, check_live
+from .checks import advance, check_live
+from .requests import ArOutcome, ArRequest
 from .sessions import Session
 from .target import Extension, Target
 

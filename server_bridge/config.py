@@ -98,7 +98,7 @@ class ServerConfig:
     max_sessions_per_connection: int = setting(8, help="Sessions one connection may hold.")
     max_sessions_per_client: int = setting(
         16,
-        help="Sessions of one client over all its connections (server.client_key: with a token, the robot its "
+        help="Sessions of one client over all its connections (admission.client_key: with a token, the robot its "
         "hello names, its address and X-Robot-Id, so robots behind one NAT each have their own; without, its "
         "address); beyond it its own least recently used idle one is evicted, or the open is refused "
         "(too_many_sessions).",

@@ -60,7 +60,7 @@ class Session:
     alpha: float = 0.7  # running acceptance rate of its drafts (expected value of a round)
     t_last: float = 0.0  # monotonic time its last round or ar token was decided
     # Ownership and shares (see SessionTable)
-    client: str = ""  # who opened it (server.client_key): max_sessions_per_client counts by it
+    client: str = ""  # who opened it (admission.client_key): max_sessions_per_client counts by it
     resume: str = ""  # the secret another connection must show to take it over while its own is open;
     # minted at its first open, kept while its robot re-opens it (Opened.resume)
     requests: int = 0  # requests of it queued or in a pass now (event loop); eviction passes it by

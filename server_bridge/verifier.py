@@ -32,6 +32,7 @@ from protocol import payload, sampling
 from protocol.wire import Exit, Open, Verify, WireError
 
 from .ar import prepare_ar
+from .checks import advance, check_ids, check_live
 from .config import ServerConfig
 from .engines import EngineFull, NoRoom
 from .exit_setup import load_exits
@@ -47,9 +48,6 @@ from .requests import (
     RoundOutcome,
     VerifyRequest,
     Work,
-    advance,
-    check_ids,
-    check_live,
 )
 from .sessions import Session
 from .target import Extension, Target
