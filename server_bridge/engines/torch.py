@@ -16,7 +16,7 @@ one indexed scatter, and attends with one SDPA call over the sessions' padded
 queries [B, H, n_max, D] against their slots gathered to [B, kv_heads, Lmax, D],
 under a causal mask (a sliding window where the layer has one) built once per
 pass. A pass thus launches the same operators for 2 sessions as for 32
-(tests/server_bridge/test_torch_pass.py counts them with torch.profiler). One
+(tests/server_bridge/engines/test_torch_pass.py counts them with torch.profiler). One
 session attends over a view of its own slot, with no mask for a single token.
 
 Images (a vision-language model: Idefics3 / SmolVLM, Qwen2-VL, Qwen2.5-VL, Qwen3-VL;

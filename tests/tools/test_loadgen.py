@@ -1,6 +1,6 @@
 """tools.bench.loadgen: capacities per policy, the committed traces, the server's logged config, reports, the
 CLI and (marked real) one small sweep against a real server-bridge with exactness checked token by token (the
-robots, the SLO rule and capacity search themselves: tests/server_bridge/test_loadtest.py)."""
+robots, the SLO rule and capacity search themselves: tests/server_bridge/ops/test_loadtest.py)."""
 
 from __future__ import annotations
 
