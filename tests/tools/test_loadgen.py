@@ -9,8 +9,8 @@ import json
 
 import pytest
 
-from server_bridge import loadtest as lt
-from tests.server_bridge.test_loadtest import synthetic_trace
+from server_bridge.ops import loadtest as lt
+from tests.server_bridge.ops.test_loadtest import synthetic_trace
 from tools.bench import loadgen as lg
 
 pytestmark = pytest.mark.timeout(120)

@@ -13,7 +13,7 @@ from websockets.asyncio.server import serve
 
 from protocol import wire
 from server_bridge import cli
-from server_bridge import loadtest as lt
+from server_bridge.ops import loadtest as lt
 
 pytestmark = pytest.mark.timeout(120)
 
