@@ -17,7 +17,7 @@ from protocol.modelfiles import ModelNotFound
 from runtime import settings
 
 from .config import (
-    ENGINES,
+    EngineSettings,
     FleetConfig,
     LoadConfig,
     LoadtestConfig,
@@ -41,8 +41,7 @@ def _parser() -> argparse.ArgumentParser:
         "prepare",
         help="make the target's GGUF (F32, from the shipped Q4_1) and, for --engine torch, its model directory",
     )
-    p.add_argument("--target", default=None)
-    p.add_argument("--engine", choices=ENGINES, default="auto")
+    settings.add_flags(p, EngineSettings, only=("target", "engine"))
     p.add_argument("--log-level", default=argparse.SUPPRESS, help="default INFO")
     p.add_argument(
         "--verbose",
