@@ -94,16 +94,14 @@ class Dispatcher:
         slo = slo_class(msg.slo, self.config.default_slo, msg.sid)  # bad_field before any queueing
         await self._decode_images(msg)  # bad_image before any queueing; the model thread only embeds them
         self.metrics.exits_purged += outbox.purge(msg.sid)  # hints for the old generation
-        self.sessions.make_room(msg.sid, conn_id, client)  # idle sessions go before a robot is refused
-        secret = self.sessions.secret_for(msg.sid, conn_id, msg.resume)
+        secret = self.sessions.admit(msg.sid, conn_id, client, msg.resume)  # idle sessions go before a refusal
         opened = await self._submit_open(msg, conn_id, slo)
         session = opened.session
         if opened.ended is not None:
             self.metrics.count_generation(opened.ended.slo, *opened.ended.generation_ended())
         session.client, session.resume = client, secret
         try:
-            self.sessions.check_owner(msg.sid, conn_id, msg.resume)  # another connection took it meanwhile
-            self.sessions.put(session)
+            self.sessions.install(session, msg.resume)
         except wire.WireError:
             session.retired = True
             release_sessions(self.model_thread, self.verifier, [session])

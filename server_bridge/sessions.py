@@ -194,6 +194,18 @@ class SessionTable:
             evicted += self._evict([victim], "table full")
         return evicted
 
+    def admit(self, sid: str, conn_id: int, client: str, resume: str = "") -> str:
+        """An open of sid that passed its checks, before its model work: room made for it (make_room); the
+        resume secret its session will carry (secret_for)."""
+        self.make_room(sid, conn_id, client)
+        return self.secret_for(sid, conn_id, resume)
+
+    def install(self, session: Session, resume: str = "") -> list[str]:
+        """An open's new session into the table (put), unless another connection took its sid while it ran
+        (check_owner, with the open's resume secret)."""
+        self.check_owner(session.sid, session.conn_id, resume)
+        return self.put(session)
+
     def evict_one(self, keep: str, why: str) -> str | None:
         """Evict the least recently used session not in a request (detached first), other than sid `keep`,
         to free its engine sequence; None when every one is in a request."""
