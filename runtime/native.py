@@ -16,7 +16,7 @@ imported numpy already (a user's script, a notebook) cannot be fixed from here: 
 warning naming the cause when it first loads a model with GPU offload (`warn_if_numpy_first`).
 
 A CUDA llama.cpp and a CUDA torch in one process end in `free(): invalid pointer` on the same
-machine; `server_bridge.engine.load_engine` refuses the second (tools that compare engines run
+machine; `server_bridge.engines.load_engine` refuses the second (tools that compare engines run
 each in its own process).
 """
 

@@ -5,6 +5,7 @@ Both processes declare their configuration as a tree of dataclasses whose fields
 names, never copied field by field (STYLE.md 5):
 
     add_flags(parser, cls)      one argparse flag per field (`--max-sessions`; `flag=` renames it)
+    defaults(**values)          a subclass's own defaults for settings a base class declares
     build(cls, data, name)      a TOML table -> the dataclass: unknown keys and wrong types named
     build_tree(cls, data)       TOML sections -> the root dataclass of section dataclasses
     check_choices(obj, prefix)  the declared choices, from a dataclass's `__post_init__`
@@ -35,6 +36,7 @@ __all__ = [
     "build",
     "build_tree",
     "check_choices",
+    "defaults",
     "flag_name",
     "help_of",
     "load_toml",
@@ -69,6 +71,27 @@ def setting(
     if default_factory is not None:
         return dataclasses.field(default_factory=default_factory, metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
+
+
+def defaults(**values: Any) -> Callable[[type], type]:
+    """A class decorator, under @dataclass: the class's own defaults for settings one of its bases declares.
+    The declaration (type, help, choices, flag) stays the base's, so a setting several commands share is
+    declared once (`class ProfileConfig(EngineSettings)` with `@defaults(threads=1)`)."""
+
+    def wrap(cls: type) -> type:
+        bases = [b for b in reversed(cls.__mro__[1:]) if dataclasses.is_dataclass(b)]  # the nearest last: it wins
+        declared = {f.name: f for base in bases for f in dataclasses.fields(base)}
+        own = cls.__dict__.get("__annotations__", {})
+        for name, value in values.items():
+            if name not in declared:
+                raise TypeError(f"{cls.__name__}: no base declares a setting {name!r}")
+            base = declared[name]
+            own[name] = base.type
+            setattr(cls, name, dataclasses.field(default=value, metadata=base.metadata))
+        cls.__annotations__ = own
+        return cls
+
+    return wrap
 
 
 # ------------------------------------------------------------------ types

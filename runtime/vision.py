@@ -94,7 +94,7 @@ R = TypeVar("R", bound=Ready)
 
 class ImageCache(Generic[R]):
     """Images made ready by sha256, shared by both engines' visions (MtmdVision here, the torch engine's
-    server_bridge/vision_torch.py): the last `CACHED` the model thread used, with their bytes, so an image
+    server_bridge/engines/vision_torch.py): the last `CACHED` the model thread used, with their bytes, so an image
     sent once is known by its hash after; and up to `READY` made ahead by `prepare` in another thread (beyond:
     the oldest is dropped, and made again when its open runs). Thread-safe; `make` runs outside the lock.
 

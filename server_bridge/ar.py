@@ -11,7 +11,8 @@ from typing import Any
 from protocol import sampling
 from protocol.wire import WireError
 
-from .requests import ArOutcome, ArRequest, advance, check_live
+from .checks import advance, check_live
+from .requests import ArOutcome, ArRequest
 from .sessions import Session
 from .target import Extension, Target
 
@@ -59,7 +60,7 @@ def sample_row(target: Target, session: Session, rows: Any) -> tuple[int, float]
     elif session.params.greedy:
         return int(target.argmax(rows)[0]), 1.0
     elif target.on_device:
-        from . import devmath
+        from .engines import devmath
 
         dprobs = devmath.probs_from_logits(rows[0], session.params)  # [vocab] on the device
         token = devmath.sample(dprobs, session.rng)

@@ -17,7 +17,7 @@ from protocol.modelfiles import ModelNotFound
 from runtime import settings
 
 from .config import (
-    ENGINES,
+    EngineSettings,
     FleetConfig,
     LoadConfig,
     LoadtestConfig,
@@ -41,8 +41,7 @@ def _parser() -> argparse.ArgumentParser:
         "prepare",
         help="make the target's GGUF (F32, from the shipped Q4_1) and, for --engine torch, its model directory",
     )
-    p.add_argument("--target", default=None)
-    p.add_argument("--engine", choices=ENGINES, default="auto")
+    settings.add_flags(p, EngineSettings, only=("target", "engine"))
     p.add_argument("--log-level", default=argparse.SUPPRESS, help="default INFO")
     p.add_argument(
         "--verbose",
@@ -75,7 +74,7 @@ def _tool_parsers(sub: argparse._SubParsersAction) -> None:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from . import planner
+    from .ops import planner
 
     try:
         config = PlanConfig(**settings.given(PlanConfig, args))
@@ -94,24 +93,24 @@ def _tool(args: argparse.Namespace) -> int:
         print(f"server-bridge {args.cmd}: bad configuration: {e}", file=sys.stderr)
         return 2
     if args.cmd == "profile":
-        from . import profile
+        from .ops import profile
 
         return profile.run(config, args.argv)
     if args.cmd == "train-exits":
-        from . import train_exits
+        from .ops import train_exits
 
         try:
             return train_exits.run(config)
         except ValueError as e:  # a prompt file or a frame that is not what it should be
             print(f"server-bridge train-exits: {e}", file=sys.stderr)
             return 2
-    from . import fleet
+    from .ops import fleet
 
     return fleet.run(config)
 
 
 def _loadtest(args: argparse.Namespace) -> int:
-    from . import loadtest
+    from .ops import loadtest
 
     try:
         target = LoadtestConfig(**settings.given(LoadtestConfig, args))

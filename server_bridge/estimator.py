@@ -24,7 +24,7 @@ prices a batch by that sum (`VerifyTimeModel.batch_ms`).
 
 Pure: the scheduler calls it in the event loop, several times for every token
 of a stream, so pricing a batch is plain float arithmetic (a few microseconds
-less each time than numpy); `server-bridge profile` (profile.py) fits it with numpy and
+less each time than numpy); `server-bridge profile` (ops/profile.py) fits it with numpy and
 writes the coefficients the server loads.
 """
 

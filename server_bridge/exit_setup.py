@@ -15,9 +15,9 @@ from .exits import ExitConfig, ExitScorer, NumpyExitHeads
 from .target import Target
 
 if TYPE_CHECKING:
-    from .engine_llamacpp import LlamaCppEngine
-    from .engine_torch import TorchEngine
-    from .exits_torch import TorchExitScorer
+    from .engines.exits_torch import TorchExitScorer
+    from .engines.llamacpp import LlamaCppEngine
+    from .engines.torch import TorchEngine
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ def load_exits(config: ServerConfig, target: Target) -> ExitScorer | None:
 
 def _torch_heads(path: Path, config: ServerConfig, target: Target) -> TorchExitScorer:
     """The trained modules on the torch engine's device and dtype."""
-    from .exits_torch import ExitHeads, TorchExitScorer
+    from .engines.exits_torch import ExitHeads, TorchExitScorer
 
     engine = cast("TorchEngine", target.engine)
     heads = ExitHeads.load(path, config.exit_layers or None)

@@ -19,9 +19,10 @@ from protocol.grammar import GrammarError, GrammarState
 from protocol.wire import Open, WireError
 from runtime.vision import UnknownImage
 
+from .checks import check_ids
 from .config import ServerConfig
-from .engine import EngineFull, NoRoom
-from .requests import OpenNeedsRoom, OpenOutcome, OpenRequest, check_ids
+from .engines import EngineFull, NoRoom
+from .requests import OpenNeedsRoom, OpenOutcome, OpenRequest
 from .sessions import Session
 from .target import Extension, Target, TargetState, shared_prefix
 
@@ -73,7 +74,7 @@ class Opens:
         state, ext = self._state(msg, previous, checked.params)
         if previous is not None:
             # Work still queued for the old session object (an ar stream of a dropped
-            # connection) must not touch the state from now on; see requests.check_live.
+            # connection) must not touch the state from now on; see checks.check_live.
             previous.retired = True
         # A re-opened session draws fresh randomness keyed by where it resumes,
         # so a replayed round is an independent draw, as the math requires.

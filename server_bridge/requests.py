@@ -122,28 +122,3 @@ class OpenNeedsRoom(WireError):
     def __init__(self, reason: str, sid: str):
         super().__init__("overloaded", f"{reason}: retry later", sid)
         self.reason = reason  # the engine's words: "all 64 sequences are in use"
-
-
-def check_ids(ids: list[int], vocab_size: int, name: str, sid: str | None = None) -> None:
-    """bad_field unless every id is inside the agreed vocabulary."""
-    if ids and max(ids) >= vocab_size:
-        raise WireError("bad_field", f"{name} holds token id {max(ids)} outside the vocabulary of {vocab_size}", sid)
-
-
-def check_live(session: Session) -> None:
-    """Runs in the model thread, like an open, so a re-open and a stale request cannot interleave."""
-    if session.retired:
-        raise WireError(
-            "unknown_session",
-            f"session {session.sid!r} was evicted or re-opened elsewhere: re-open it with the committed prefix",
-            session.sid,
-        )
-
-
-def advance(session: Session, committed: list[int]) -> None:
-    """Walk the session's grammar over newly committed ids. Each was chosen under the grammar's mask
-    (a masked argmax, or a token of p' > 0), so the walk cannot fail short of a bug, which then
-    surfaces as GrammarError rather than as llama.cpp's abort."""
-    if session.grammar is not None:
-        for t in committed:
-            session.grammar.accept(t)

@@ -60,7 +60,7 @@ class Session:
     alpha: float = 0.7  # running acceptance rate of its drafts (expected value of a round)
     t_last: float = 0.0  # monotonic time its last round or ar token was decided
     # Ownership and shares (see SessionTable)
-    client: str = ""  # who opened it (server.client_key): max_sessions_per_client counts by it
+    client: str = ""  # who opened it (admission.client_key): max_sessions_per_client counts by it
     resume: str = ""  # the secret another connection must show to take it over while its own is open;
     # minted at its first open, kept while its robot re-opens it (Opened.resume)
     requests: int = 0  # requests of it queued or in a pass now (event loop); eviction passes it by
@@ -193,6 +193,18 @@ class SessionTable:
                 )
             evicted += self._evict([victim], "table full")
         return evicted
+
+    def admit(self, sid: str, conn_id: int, client: str, resume: str = "") -> str:
+        """An open of sid that passed its checks, before its model work: room made for it (make_room); the
+        resume secret its session will carry (secret_for)."""
+        self.make_room(sid, conn_id, client)
+        return self.secret_for(sid, conn_id, resume)
+
+    def install(self, session: Session, resume: str = "") -> list[str]:
+        """An open's new session into the table (put), unless another connection took its sid while it ran
+        (check_owner, with the open's resume secret)."""
+        self.check_owner(session.sid, session.conn_id, resume)
+        return self.put(session)
 
     def evict_one(self, keep: str, why: str) -> str | None:
         """Evict the least recently used session not in a request (detached first), other than sid `keep`,

@@ -1,4 +1,4 @@
-"""The target model as the verifier sees it: session states over an engine (server_bridge/engine.py).
+"""The target model as the verifier sees it: session states over an engine (server_bridge/engines/__init__.py).
 
 A `TargetState` holds the committed prefix of one session and its engine
 sequence, whose KV covers all but the last committed token (the last one is fed
@@ -30,27 +30,33 @@ import numpy as np
 
 from protocol.grammar import Grammar, GrammarCache, GrammarError, vocab_only
 
-from .engine import Engine, Pass, Sequence, load_engine
+from .engines import Engine, Pass, Sequence, load_engine
 
 if TYPE_CHECKING:
-    from .engine_llamacpp import LlamaCppEngine
+    from .engines.llamacpp import LlamaCppEngine
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class Extension:
-    """One session's part of a forward pass."""
+class Extension(Pass):
+    """One session's part of a forward pass: the engine's `Pass`, placed by the session's state. Its new ids
+    (uncached committed ids, then the draft) go at state.cached, its images are the state's among them, and
+    `state` is kept for the pass's bookkeeping (`Target.extend`) and the estimator (`member`)."""
 
-    state: "TargetState"
-    new_ids: list[int]  # appended after state.cached: uncached committed ids, then the draft
-    keep: int  # logits rows wanted: the last `keep` of new_ids (0: KV only)
-    taps: Mapping[int, Callable[[Any], None]] | None = None  # see Target.score
+    def __init__(
+        self,
+        state: TargetState,
+        new_ids: list[int],
+        keep: int,  # logits rows wanted: the last `keep` of new_ids (0: KV only)
+        taps: Mapping[int, Callable[[Any], None]] | None = None,  # see Target.score
+    ):
+        super().__init__(state.seq, state.cached, list(new_ids), keep, taps, _images_in(state, len(new_ids)))
+        self.state = state
 
     @property
     def member(self) -> tuple[int, int]:
         """(L_cached, L_new) for the verification-time estimator."""
-        return self.state.cached, len(self.new_ids)
+        return self.start, len(self.new_ids)
 
 
 @dataclass(eq=False)
@@ -171,7 +177,7 @@ class Target:
         """One verification pass: logits [k + 1, vocab] for the positions after each draft prefix.
 
         Row i is the target's distribution for the token after ids + draft[:i]. Call
-        `commit` to keep what was accepted. taps: {layer: fn}, see engine.Pass.
+        `commit` to keep what was accepted. taps: {layer: fn}, see engines.Pass.
         """
         pending = state.ids[state.cached :]
         rows = self.extend([Extension(state, pending + list(draft_ids), len(draft_ids) + 1, taps)])[0]
@@ -188,16 +194,15 @@ class Target:
         in practice).
 
         The rows are the engine's own (numpy for llamacpp, device tensors for torch; `to_numpy`
-        brings them to the host). Each pass starts at state.cached, whatever the engine held
-        after an earlier pass (state.cached is the caller's to advance, by `commit`).
+        brings them to the host). Each pass starts at state.cached as it was when its Extension was made,
+        whatever the engine held after an earlier pass (state.cached is the caller's to advance, by `commit`).
         """
         if len({id(e.state) for e in batch}) != len(batch):
             raise ValueError("a session can be in a batch only once")
-        passes = [Pass(e.state.seq, e.state.cached, list(e.new_ids), e.keep, e.taps, _images_in(e)) for e in batch]
         if len(batch) > 1 and not self.batchable:
-            rows = [self.engine.forward([p])[0] for p in passes]
+            rows = [self.engine.forward([e])[0] for e in batch]
         else:
-            rows = self.engine.forward(passes)
+            rows = self.engine.forward(list(batch))
         for e in batch:
             e.state.passes += 1
         if self.vocab_size < self.engine.vocab_size:
@@ -238,18 +243,18 @@ class Target:
 
 
 def load_target(name_or_path: str | None = None, engine: str = "auto", **kw) -> Target:
-    """A Target on the engine named (auto: llamacpp for GGUF targets); kw go to engine.load_engine."""
+    """A Target on the engine named (auto: llamacpp for GGUF targets); kw go to engines.load_engine."""
     from protocol import modelfiles
 
     return Target(load_engine(name_or_path or modelfiles.DEFAULT_TARGET, engine, **kw))
 
 
-def _images_in(e: Extension) -> dict | None:
-    """The images among an extension's new ids, by their index there (None: text only)."""
-    images, start = e.state.images, e.state.cached
+def _images_in(state: TargetState, n_new: int) -> dict | None:
+    """The state's images among the n_new ids a pass puts at state.cached, by their index there (None: text)."""
+    images, start = state.images, state.cached
     if not images:
         return None
-    inside = {i - start: image for i, image in images.items() if start <= i < start + len(e.new_ids)}
+    inside = {i - start: image for i, image in images.items() if start <= i < start + n_new}
     return inside or None
 
 

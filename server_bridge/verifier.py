@@ -5,7 +5,7 @@ Read top to bottom, this module is the verify path:
 
   1. `Verifier.run_batch(requests)`: each request (server_bridge/requests.py: open, verify, ar) is checked
      by its own handler into a `Work` before any model work; one batched pass (`Target.extend`, over the
-     engine interface of server_bridge/engine.py) runs every work's rows; each work then decides from its
+     engine interface of server_bridge/engines/__init__.py) runs every work's rows; each work then decides from its
      own rows. A request that fails its checks gets its error and leaves the others' pass alone.
   2. A verify round's checks and rows: `Verifier._prepare_verify` (desync, lengths, ids, the draft's q,
      its early exits) -> `VerifyWork`.
@@ -32,8 +32,9 @@ from protocol import payload, sampling
 from protocol.wire import Exit, Open, Verify, WireError
 
 from .ar import prepare_ar
+from .checks import advance, check_ids, check_live
 from .config import ServerConfig
-from .engine import EngineFull, NoRoom
+from .engines import EngineFull, NoRoom
 from .exit_setup import load_exits
 from .exits import ExitPass, ExitVerdict
 from .opens import Opens
@@ -47,9 +48,6 @@ from .requests import (
     RoundOutcome,
     VerifyRequest,
     Work,
-    advance,
-    check_ids,
-    check_live,
 )
 from .sessions import Session
 from .target import Extension, Target
@@ -354,7 +352,7 @@ def verdict(
     """(verdict, p_row) for a round's rows [k + 1, vocab]; p_row(j) is the target's p_j on the host.
 
     Greedy: only the argmax ids leave the device. Sampled: on a device engine the maths runs
-    there (server_bridge/devmath.py), elsewhere in numpy (protocol/sampling.py, the reference).
+    there (server_bridge/engines/devmath.py), elsewhere in numpy (protocol/sampling.py, the reference).
     Under a grammar (`grammar_rows`) always on the host: the masks come from llama.cpp's
     sampler on the CPU.
     """
@@ -368,7 +366,7 @@ def verdict(
     elif params.greedy:
         return sampling.verify_greedy(np.asarray(draft_ids), target.argmax(rows)), None
     elif target.on_device:
-        from . import devmath
+        from .engines import devmath
 
         dp = devmath.probs_from_logits(rows, params)  # [k + 1, vocab] on the device
         if split and q is not None:  # q: q(x_i) [k]

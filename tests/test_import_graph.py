@@ -90,7 +90,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def test_the_graph_sees_imports():
     graph = import_graph()
-    assert "server_bridge.engine" in graph["server_bridge.verifier"] or graph["server_bridge.verifier"]
+    assert "server_bridge.engines" in graph["server_bridge.verifier"] or graph["server_bridge.verifier"]
     assert "protocol.images" in graph["protocol.wire"]  # `from . import images as image_wire`
     assert "protocol" in graph["agent.spec.drafter"]  # `from protocol import modelfiles`
 
@@ -118,6 +118,7 @@ ALLOWED = {
     "agent.robot": ("agent.robot", "protocol"),
     "agent.app": ("agent.app", "agent.client", "agent.spec", "agent.robot", "protocol", "runtime"),
     "server_bridge": ("server_bridge", "protocol", "runtime"),
+    "server_bridge.engines": ("server_bridge.engines", "server_bridge.exits", "protocol", "runtime"),
 }
 
 
@@ -145,3 +146,17 @@ def test_layering_catches_a_crossing():
     assert not allowed("agent.spec.decoder", "agent.robot.camera")
     assert not allowed("agent.app.daemon", "server_bridge.verifier")
     assert not allowed("protocol.wire", "agent.spec.link")
+    assert not allowed("server_bridge.engines.torch", "server_bridge.verifier")
+
+
+def test_the_verify_path_never_imports_the_operator_tools():
+    """server_bridge/ops/ (plan, profile, fleet, ...) sits beside the verifier: only the CLI reaches it."""
+    graph = import_graph()
+    bad = [
+        f"{m} -> {t}"
+        for m, edges in graph.items()
+        if m.startswith("server_bridge.") and not m.startswith("server_bridge.ops") and m != "server_bridge.cli"
+        for t in edges
+        if t.startswith("server_bridge.ops")
+    ]
+    assert not bad, "\n".join(sorted(bad))

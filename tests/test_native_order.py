@@ -82,11 +82,11 @@ def test_this_test_process_loaded_llama_first(caplog):
 
 
 def test_one_backend_holds_the_gpu_per_process(monkeypatch):
-    from server_bridge import engine
+    from server_bridge import engines
 
-    monkeypatch.setattr(engine, "_gpu_backend", {})
-    engine._claim_gpu("llamacpp", "big.gguf", uses_gpu=True)
-    engine._claim_gpu("llamacpp", "other.gguf", uses_gpu=True)  # the same backend twice is fine
-    engine._claim_gpu("torch", "hf-dir", uses_gpu=False)  # torch on the CPU beside it is fine
+    monkeypatch.setattr(engines, "_gpu_backend", {})
+    engines._claim_gpu("llamacpp", "big.gguf", uses_gpu=True)
+    engines._claim_gpu("llamacpp", "other.gguf", uses_gpu=True)  # the same backend twice is fine
+    engines._claim_gpu("torch", "hf-dir", uses_gpu=False)  # torch on the CPU beside it is fine
     with pytest.raises(RuntimeError, match="own process"):
-        engine._claim_gpu("torch", "hf-dir", uses_gpu=True)
+        engines._claim_gpu("torch", "hf-dir", uses_gpu=True)

@@ -312,7 +312,7 @@ def _wheel_name(path: Path) -> str:
 def served(ph: Phase, label: str, args: list[str], generations: list[tuple[str, list[str]]]) -> None:
     """`server-bridge serve ARGS` on a free port, checked to run on the device, then each (label, `edge-agent
     generate` flags) of `generations` in every mode against it; a server that does not start fails its check."""
-    from server_bridge.fleet import LocalVerifier, health, serve_command
+    from server_bridge.ops.fleet import LocalVerifier, health, serve_command
 
     t0 = time.perf_counter()
     try:

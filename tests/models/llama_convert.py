@@ -192,7 +192,7 @@ def write_ggufs(conv: Path, vlm, draft_ftype: str, t0: float, log=print) -> None
         [(vlm.target, "f32", False), (vlm.target_mmproj, "f32", True), (vlm.draft_mmproj, "f16", True)],
         log,
     )
-    from server_bridge.engine_llamacpp import requantize
+    from server_bridge.engines.llamacpp import requantize
 
     quiet()
     requantize(str(vlm.target), str(vlm.draft), draft_ftype)

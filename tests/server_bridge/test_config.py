@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
+from server_bridge.admission import is_loopback
 from server_bridge.config import ServerConfig
-from server_bridge.server import is_loopback
 
 ROOT = Path(__file__).resolve().parents[2]
 

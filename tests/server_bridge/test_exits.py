@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from protocol import modelfiles
+from server_bridge.engines.exits_torch import ExitHeads
 from server_bridge.exits import ExitConfig
-from server_bridge.exits_torch import ExitHeads
 
 pytestmark = pytest.mark.real
 

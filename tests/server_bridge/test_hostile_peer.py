@@ -309,7 +309,7 @@ def test_silent_connections_do_not_lock_a_robot_out_and_go_at_the_deadline(make_
     (the newest), the rest are evicted at once, the robot's hello and open go through, and the 64 are
     closed with 1008 at the deadline."""
     s = make_server(exits="", token=TOKEN, hello_timeout_s=3.0)
-    gate = s.server.gate
+    gate = s.server.admission.gate
     t0 = time.monotonic()
     socks = []
     for n in range(256):
@@ -454,7 +454,7 @@ def test_a_trusted_proxy_that_forwards_no_x_forwarded_for_does_not_make_its_clie
     lenient = make_server(exits="", token=TOKEN, trust_loopback=True, trusted_proxies=["127.0.0.1/32"])
     for remote in ({"Forwarded": "for=203.0.113.7"}, {"X-Real-IP": "203.0.113.7"}, {}):
         with connect(lenient.url, additional_headers=remote) as ws:  # no token: only loopback may do that
-            assert len(lenient.server.gate) == 1  # a stranger, capped as one
+            assert len(lenient.server.admission.gate) == 1  # a stranger, capped as one
             ws.send(_hello(target))
             assert wire.decode(ws.recv(timeout=10)).code == "bad_token", remote
     caps = {"max_unauthenticated": 5, "max_unauthenticated_per_address": 2}  # full at the fifth: no borrowing
@@ -481,11 +481,13 @@ def test_with_a_token_loopback_presents_it_unless_the_operator_trusts_loopback(m
     undeclared = make_server(exits="", token=TOKEN, trust_loopback=True)  # a same-host proxy nobody listed
     for s in (lenient, undeclared):
         with connect(s.url, additional_headers={"X-Forwarded-For": "203.0.113.7"}) as ws:  # a remote client
-            assert len(s.server.gate) == 1  # a stranger, capped as one (a trusted loopback peer is not counted)
+            assert (
+                len(s.server.admission.gate) == 1
+            )  # a stranger, capped as one (a trusted loopback peer is not counted)
             ws.send(_hello(target))
             assert wire.decode(ws.recv(timeout=10)).code == "bad_token"
     with connect(undeclared.url) as ws:
-        assert len(undeclared.server.gate) == 0
+        assert len(undeclared.server.admission.gate) == 0
 
 
 @pytest.mark.real
@@ -543,7 +545,9 @@ def test_a_peer_sending_bad_frames_gets_a_bounded_number_of_log_lines(make_serve
     deadline = time.monotonic() + 5
     while not any("suppressed" in r.getMessage() for r in caplog.records) and time.monotonic() < deadline:
         time.sleep(0.05)  # the summary comes as the connection ends
-    lines = [r.getMessage() for r in caplog.records if r.name == "server_bridge.server" and "conn " in r.getMessage()]
+    lines = [
+        r.getMessage() for r in caplog.records if r.name.startswith("server_bridge.") and "conn " in r.getMessage()
+    ]
     assert 20 <= len(lines) <= 22, len(lines)
     assert any("980 log lines suppressed" in line for line in lines), lines[-3:]
     assert s.server.metrics.log_lines_suppressed == 980
@@ -554,7 +558,7 @@ def test_the_shipped_haproxy_config_passes_the_client_on(make_server, target):
     """deploy/haproxy/haproxy.cfg for real in front of a token-protected server that trusts it: its health
     check gets the short /healthz, the server counts strangers by the address HAProxy saw, a client's forged
     X-Forwarded-For, Forwarded or X-Real-IP changes nothing, a robot with the token gets in."""
-    from server_bridge.fleet import HAPROXY_CFG, free_port, haproxy_binary, loopback_config, stop_process
+    from server_bridge.ops.fleet import HAPROXY_CFG, free_port, haproxy_binary, loopback_config, stop_process
 
     try:
         binary = haproxy_binary()
@@ -584,7 +588,7 @@ def test_the_shipped_haproxy_config_passes_the_client_on(make_server, target):
         held.append(_upgrade(lb_port, "127.0.0.3", X_Forwarded_For="127.0.0.2"))  # forged: it is 127.0.0.3
         held.append(_upgrade(lb_port, "127.0.0.3", Forwarded="for=127.0.0.2", X_Real_IP="127.0.0.2"))  # deleted
         assert [status for _, status in held] == [101, 101, 101, 101]
-        gate = s.server.gate
+        gate = s.server.admission.gate
         assert (gate.held_by("127.0.0.2"), gate.held_by("127.0.0.3"), gate.held_by("unknown")) == (2, 2, 0)
         lb = VerifierLink(
             f"ws://127.0.0.1:{lb_port}", token=TOKEN, vocab_hash=target.vocab_hash, vocab_size=target.vocab_size

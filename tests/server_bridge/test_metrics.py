@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from server_bridge.engine import EngineInfo
+from server_bridge.engines import EngineInfo
 from server_bridge.metrics import BATCH_BUCKETS, ServerMetrics
 
 # The contract: every family of the page as the hand-written renderer wrote it (its `# TYPE` lines, in order,

@@ -128,7 +128,7 @@ def test_a_padded_torch_target_serves_its_unpadded_draft(padded):
 
 def _pass(target, state):
     """The engine Pass that scores the state's pending ids (as Target.score, but the rows uncut)."""
-    from server_bridge.engine import Pass
+    from server_bridge.engines import Pass
 
     return Pass(state.seq, state.cached, state.ids[state.cached :], 1, None, None)
 
@@ -207,9 +207,9 @@ def test_the_exits_of_a_padded_target_score_its_real_vocabulary_alone(padded, tm
     import torch
 
     from server_bridge.config import ServerConfig
+    from server_bridge.engines.exits_torch import ExitHeads
     from server_bridge.exit_setup import load_exits
     from server_bridge.exits import ExitConfig
-    from server_bridge.exits_torch import ExitHeads
     from server_bridge.target import load_target
 
     vlm, hf_dir, n = padded

@@ -12,7 +12,7 @@ from websockets.sync.client import connect
 from agent.spec.decoder import DecoderConfig, EdgeDecoder
 from agent.spec.link import LinkLost, ServerError, VerifierLink
 from protocol import images, wire
-from server_bridge.loadtest import parse_metrics
+from server_bridge.ops.loadtest import parse_metrics
 
 pytestmark = pytest.mark.real
 
@@ -293,9 +293,9 @@ def test_without_a_token_only_loopback_peers_get_the_upgrade(server):
             return SimpleNamespace(status=status, text=text)
 
     request = SimpleNamespace(path="/")
-    far = server.server.process_request(Peer(("10.1.2.3", 5555)), request)
+    far = server.server.admission.process_request(Peer(("10.1.2.3", 5555)), request)
     assert far.status == HTTPStatus.FORBIDDEN and "loopback clients only" in far.text
-    assert server.server.process_request(Peer(("127.0.0.1", 5555)), request) is None  # upgrade goes on
+    assert server.server.admission.process_request(Peer(("127.0.0.1", 5555)), request) is None  # upgrade goes on
 
 
 GREEDY = {"temperature": 0.0, "top_k": 0, "seed": 0}

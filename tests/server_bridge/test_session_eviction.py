@@ -192,7 +192,7 @@ def test_one_client_over_its_share_evicts_its_own_least_recently_used_session(ma
 
 def test_an_open_that_finds_the_kv_pool_full_evicts_an_idle_session(make_server, target, monkeypatch):
     """The other room the sessions share: a unified KV pool whose cells idle sessions hold."""
-    from server_bridge.engine import NoRoom
+    from server_bridge.engines import NoRoom
 
     baseline = _in_use(target)
     s = make_server(exits="")

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from protocol import modelfiles
-from server_bridge import loadtest
-from server_bridge.loadtest import Trace
+from server_bridge.ops import loadtest
+from server_bridge.ops.loadtest import Trace
 from tools.bench import gpu_fleet as fleet
 from tools.models import random_target
 
@@ -124,7 +124,7 @@ def test_the_peer_sweep_judges_every_class_from_one_set_of_points(monkeypatch, t
 
 @pytest.mark.real
 def test_the_random_target_is_one_model_in_both_engines_with_the_drafts_vocabulary():
-    from server_bridge.engine import Pass, load_engine
+    from server_bridge.engines import Pass, load_engine
 
     target = random_target.make(random_target.TINY, "f32", seed=0, log=lambda m: None)
     shipped = random_target.gguf_vocab_hash(modelfiles.shipped_gguf())
@@ -151,7 +151,7 @@ def test_the_quantized_random_target_is_written_as_blocks_and_both_engines_follo
     weightless recipe directory. Both follow the planted path, in the shipped vocabulary."""
     import gguf
 
-    from server_bridge import random_init
+    from server_bridge.engines import random_init
 
     target = random_target.make(random_target.TINY, dtype, seed=0, directory=tmp_path, log=lambda m: None)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([target.gguf.name, target.hf_dir.name])

@@ -19,7 +19,7 @@ import pytest
 
 from agent.spec.decoder import DecoderConfig, EdgeDecoder
 from agent.spec.link import VerifierLink
-from server_bridge.fleet import HAPROXY_CFG, Cluster, health, loopback_config
+from server_bridge.ops.fleet import HAPROXY_CFG, Cluster, health, loopback_config
 
 pytestmark = pytest.mark.real
 
@@ -253,7 +253,7 @@ def test_chaos_soak_loses_and_duplicates_nothing(healed):
     disconnects, every generation the target's own ids, r0's memory flat."""
     import asyncio
 
-    from server_bridge.loadtest import Trace
+    from server_bridge.ops.loadtest import Trace
     from tools.bench.loadgen import TRACES
     from tools.cluster.netem import LinkProfile, NetemProxy
     from tools.cluster.soak import render_markdown, soak

@@ -1,6 +1,6 @@
 """tools.bench.loadgen: capacities per policy, the committed traces, the server's logged config, reports, the
 CLI and (marked real) one small sweep against a real server-bridge with exactness checked token by token (the
-robots, the SLO rule and capacity search themselves: tests/server_bridge/test_loadtest.py)."""
+robots, the SLO rule and capacity search themselves: tests/server_bridge/ops/test_loadtest.py)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import json
 
 import pytest
 
-from server_bridge import loadtest as lt
-from tests.server_bridge.test_loadtest import synthetic_trace
+from server_bridge.ops import loadtest as lt
+from tests.server_bridge.ops.test_loadtest import synthetic_trace
 from tools.bench import loadgen as lg
 
 pytestmark = pytest.mark.timeout(120)

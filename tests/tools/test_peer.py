@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from server_bridge import loadtest
+from server_bridge.ops import loadtest
 from tools.bench import peer
 
 pytestmark = pytest.mark.timeout(120)

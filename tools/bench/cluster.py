@@ -3,7 +3,7 @@
     python -m tools.bench.cluster [--n 2,3,4,6,8,10] [--window-s 20] [--warmup-s 5] [--class 8]
                                   [--overhead-s 20] [--block-s 5] [--pair smollm2-q4_1] [--out docs/cluster]
 
-1. Capacity. For 1 and then 2 replicas, one run: a fleet (server_bridge/fleet.py: N
+1. Capacity. For 1 and then 2 replicas, one run: a fleet (server_bridge/ops/fleet.py: N
    server-bridge replicas, one engine thread each, each pinned to a core of its own,
    behind HAProxy with deploy/haproxy/haproxy.cfg) and, at each N of the grid, N
    replayed robots (tools/bench/loadgen.py's, each with its own X-Robot-Id, which HAProxy
@@ -46,8 +46,8 @@ from pathlib import Path
 import numpy as np
 
 from runtime import settings
-from server_bridge.fleet import Cluster, health
-from server_bridge.loadtest import MAX_VIOLATION, LoadConfig, Trace, capacity, run_robots, summarize
+from server_bridge.ops.fleet import Cluster, health
+from server_bridge.ops.loadtest import MAX_VIOLATION, LoadConfig, Trace, capacity, run_robots, summarize
 from tools.bench import harness
 from tools.bench.loadgen import TARGET, TRACES, _cap, _exactness, near_ties
 

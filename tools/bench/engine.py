@@ -68,7 +68,7 @@ def grid(targets: dict, cache: int, iters: int, rng) -> list[dict]:
 
 def bare_decode_ms(target, batch: list[Extension], iters: int) -> float:
     """The same batch as one llama_decode, filled in advance; only the call is timed."""
-    from server_bridge.engine import Pass
+    from server_bridge.engines import Pass
 
     engine = target.engine
     passes = [Pass(e.state.seq, e.state.cached, list(e.new_ids), e.keep) for e in batch]

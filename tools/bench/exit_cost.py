@@ -46,7 +46,7 @@ def _engine(name: str, layers: list[int], threads: int):
         return plain, tapped, heads, lambda n, h: np.random.default_rng(0).standard_normal((n, h)).astype(np.float32)
     import torch
 
-    from server_bridge.exits_torch import ExitHeads, TorchExitScorer
+    from server_bridge.engines.exits_torch import ExitHeads, TorchExitScorer
 
     torch.set_num_threads(threads)
     target = load_target(engine="torch", threads=threads, max_sequences=4, max_len=1024)

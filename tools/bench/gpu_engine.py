@@ -71,7 +71,7 @@ def build_torch(shape: random_target.Shape, device: str, dtype: str, slots: int,
     import torch
     from transformers import LlamaForCausalLM
 
-    from server_bridge.engine_torch import TorchEngine
+    from server_bridge.engines.torch import TorchEngine
 
     cfg = shape.llama_config()
     torch_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[dtype]
@@ -90,7 +90,7 @@ def build_torch(shape: random_target.Shape, device: str, dtype: str, slots: int,
 
 def build_llamacpp(gguf: Path, device: str, slots: int, per_session: int, threads: int, llama_options: dict):
     """The llamacpp engine on the random GGUF, every layer offloaded on a GPU (none with --device cpu)."""
-    from server_bridge.engine import load_engine
+    from server_bridge.engines import load_engine
 
     return load_engine(
         str(gguf),
@@ -104,7 +104,7 @@ def build_llamacpp(gguf: Path, device: str, slots: int, per_session: int, thread
 
 
 def pass_ms(engine, sync, seqs, cache: int, k: int, iters: int) -> float:
-    from server_bridge.engine import Pass
+    from server_bridge.engines import Pass
 
     def run():
         for s in seqs:
@@ -144,7 +144,7 @@ def measure(args, engine_name: str, bandwidth: float) -> dict:
         f"weights, roofline {roofline_ms:.3f} ms per pass ({bandwidth:.0f} GB/s)",
         flush=True,
     )
-    from server_bridge.engine import Pass
+    from server_bridge.engines import Pass
 
     seqs = [engine.new_sequence() for _ in range(max(sessions))]
     engine.forward([Pass(s, 0, list(range(3, 3 + args.cache)), 0) for s in seqs])  # warm caches
@@ -249,7 +249,7 @@ def random_gguf(args, log) -> Path:
         return gguf
     quantized = gguf.with_name(gguf.stem + "-q4_k_m.gguf")
     if not quantized.exists():
-        from server_bridge.engine_llamacpp import requantize
+        from server_bridge.engines.llamacpp import requantize
 
         log(f"quantizing {gguf.name} to Q4_K_M (llama.cpp's quantizer)")
         requantize(str(gguf), str(quantized), "LLAMA_FTYPE_MOSTLY_Q4_K_M")

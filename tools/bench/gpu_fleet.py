@@ -38,7 +38,7 @@ What is real, what is replayed, what is modelled:
               holds c tok/s when tokens / (last token - request) >= c (tools/bench/loadgen.py's rule).
 
 A fleet holds a rate when <= 5 % of the generations opened in the window miss it (or are shed),
-at that N and every smaller N tried (server_bridge/loadtest.py:capacity). SD fleets are homogeneous, one sweep
+at that N and every smaller N tried (server_bridge/ops/loadtest.py:capacity). SD fleets are homogeneous, one sweep
 per class (the SLO scheduler is told each robot's rate); N doubles from --start-n (the tighter
 class's capacity for the looser ones) until a point fails or --max-n, then bisects to within
 --refine. llama.cpp holds at most 256 sequences per context (LLAMA_MAX_SEQ): its fleets stop at
@@ -69,9 +69,9 @@ from pathlib import Path
 
 from runtime import settings
 from runtime.settings import setting
-from server_bridge import loadtest
-from server_bridge.fleet import health
-from server_bridge.loadtest import LoadConfig, Trace, TracePrompt
+from server_bridge.ops import loadtest
+from server_bridge.ops.fleet import health
+from server_bridge.ops.loadtest import LoadConfig, Trace, TracePrompt
 from tools.bench import harness, loadgen
 from tools.models import random_target
 
@@ -512,7 +512,7 @@ def context_tokens(trace: Trace, cfg: FleetConfig) -> int:
 
 def run_sd(cfg: FleetConfig, engine: str, target, trace: Trace, max_n: int, out: Path, cpus: dict, say) -> dict:
     """One engine: its check, its estimator, one server, a capacity search per class (tightest first)."""
-    from server_bridge.fleet import LocalVerifier
+    from server_bridge.ops.fleet import LocalVerifier
 
     check = check_engine(cfg, target, engine, say)
     say(

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from agent.spec.drafter import Drafter
-from server_bridge.fleet import LocalVerifier, pin_cores
+from server_bridge.ops.fleet import LocalVerifier, pin_cores
 from tools.cluster.netem import LinkProfile, NetemProxy
 
 PROMPTS = Path(__file__).resolve().parents[1] / "prompts" / "bench.jsonl"

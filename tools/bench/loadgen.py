@@ -4,8 +4,8 @@
                             [--window-s 20] [--warmup-s 5] [--gamma 4] [--draft-ms 8] [--tokens 48]
                             [--classes 8,2,6,4] [--out docs/loadgen]
 
-N simulated robots (`server-bridge loadtest`'s, server_bridge/loadtest.py) are real websocket clients of a
-real server-bridge this tool starts (server_bridge/fleet.py:LocalVerifier), one fresh server per
+N simulated robots (`server-bridge loadtest`'s, server_bridge/ops/loadtest.py) are real websocket clients of a
+real server-bridge this tool starts (server_bridge/ops/fleet.py:LocalVerifier), one fresh server per
 (pair, N, policy), started with `--scheduler POLICY` when `server-bridge serve` has
 that flag. The server is pinned to one core with one torch thread, this process to
 another, so robots and verifier do not compete.
@@ -63,7 +63,7 @@ import numpy as np
 
 from runtime import settings
 from server_bridge.config import LoadConfig
-from server_bridge.loadtest import (
+from server_bridge.ops.loadtest import (
     MAX_VIOLATION,
     Generation,
     Trace,
@@ -95,7 +95,7 @@ def planned_gamma(trace: Trace, n: int, cfg: "LoadConfig", estimator: Path) -> t
     The robots: cfg.draft_ms per draft token, alpha from the trace, the trace's mean prompt,
     cfg.tokens a generation, on loopback (no uplink time); the verifier: the fitted estimator.
     """
-    from server_bridge import planner
+    from server_bridge.ops import planner
 
     prefix = round(sum(len(p.prompt_ids) for p in trace.prompts) / len(trace.prompts))
     alpha = min(trace_alpha(trace), 0.999)
@@ -204,7 +204,7 @@ def run_point(
     keep_tokens: bool = False,
 ) -> dict:
     """A fresh server-bridge with `policy`, N robots against it; the point's summary."""
-    from server_bridge.fleet import LocalVerifier
+    from server_bridge.ops.fleet import LocalVerifier
 
     extra = (["--scheduler", policy] if use_flag else []) + server_args
     t0 = time.perf_counter()

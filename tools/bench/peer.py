@@ -59,7 +59,7 @@ from urllib.parse import urlsplit
 
 from runtime import settings
 from server_bridge.config import LoadConfig
-from server_bridge.fleet import free_port, stop_process
+from server_bridge.ops.fleet import free_port, stop_process
 from tools.bench import harness
 
 VERSION = "0.3.36"  # llama-cpp-python's sdist; its vendor/llama.cpp is our engine's llama.cpp
@@ -535,7 +535,7 @@ async def stream_completion(
 
 def load_prompts(trace_path: str | Path = DEFAULT_TRACE, n: int | None = None):
     """The loadgen trace (loadtest.Trace): chat-templated prompt ids and our target's greedy continuation."""
-    from server_bridge.loadtest import Trace
+    from server_bridge.ops.loadtest import Trace
 
     trace = Trace.load(trace_path)
     return replace(trace, prompts=trace.prompts[:n]) if n else trace
@@ -636,7 +636,7 @@ class PeerRobot:
         self.slo = cfg.classes[idx % len(cfg.classes)]
 
     async def run(self) -> None:
-        from server_bridge.loadtest import MAX_CONNECTS
+        from server_bridge.ops.loadtest import MAX_CONNECTS
 
         await asyncio.sleep(random.Random(self.cfg.seed * 7919 + self.idx).uniform(0, self.cfg.stagger_s))
         g = 0
@@ -654,7 +654,7 @@ class PeerRobot:
                 conn.close()
 
     async def generate(self, conn: PeerConnection, g: int) -> None:
-        from server_bridge.loadtest import Generation
+        from server_bridge.ops.loadtest import Generation
 
         prompt_no = (self.idx + g) % len(self.trace.prompts)
         prompt = self.trace.prompts[prompt_no]
@@ -695,7 +695,7 @@ def fleet_point(
 
     `exact` there means: every generation's ids equal our target's greedy continuation in the trace.
     """
-    from server_bridge.loadtest import run_robots, summarize
+    from server_bridge.ops.loadtest import run_robots, summarize
 
     t0 = time.perf_counter()
     with LlamaServer(
@@ -758,10 +758,10 @@ def fleet_capacity(
     """The largest fleet llama-server holds per SLO class (loadgen's capacity rule over the N tried).
 
     N runs over `ns`, or doubles from 1 until every class has failed or max_n; then, per class,
-    bisects between its capacity and the next N that failed (server_bridge.loadtest.capacity_search).
+    bisects between its capacity and the next N that failed (server_bridge.ops.loadtest.capacity_search).
     Returns {"points": [...], "capacity": {class: N}, "lower_bound": {class: bool}}.
     """
-    from server_bridge.loadtest import capacity_search, class_passes
+    from server_bridge.ops.loadtest import capacity_search, class_passes
 
     points: dict[int, dict] = {}
 

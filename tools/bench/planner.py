@@ -2,7 +2,7 @@
 
     python -m tools.bench.planner [server-bridge plan's flags] [--fixed-gamma 4] [--out docs/planner]
 
-The plan itself is `server-bridge plan` (server_bridge/planner.py, which says how the paper maps onto
+The plan itself is `server-bridge plan` (server_bridge/ops/planner.py, which says how the paper maps onto
 this system); this benchmark sets it beside the paper's search space, its Algorithm 1, an equal
 bandwidth split, no pipelining, one batch and one robot per batch, and writes <out>.json, <out>.md
 and <out>.png.
@@ -21,7 +21,7 @@ import numpy as np
 
 from runtime import settings
 from server_bridge.config import PlanConfig
-from server_bridge.planner import (
+from server_bridge.ops.planner import (
     SUBSET_LIMIT,
     Plan,
     Problem,

@@ -31,7 +31,7 @@ from agent.spec.decoder import DecoderConfig, EdgeDecoder
 from agent.spec.drafter import Drafter
 from agent.spec.policy import POLICIES, DraftPolicy
 from agent.spec.predictor import RejectionPredictor, feature_row, predictor_path
-from server_bridge.fleet import pin_cores
+from server_bridge.ops.fleet import pin_cores
 from tools.bench import harness
 from tools.bench.link import TARGET, Served, load_prompts, served, summarize
 from tools.cluster.netem import LinkProfile

@@ -5,7 +5,7 @@ On one pinned core with one thread, one after the other and repeated alternately
   raw   llama.cpp alone, in a child process: the prompt but its last token decoded, then one
         `llama_decode` of one token per step and the argmax of its logits row (read in place), the
         loop any program on llama-cpp-python would run at the least;
-  ours  `server-bridge serve` on the same core and thread (server_bridge/fleet.py:LocalVerifier), the robot's
+  ours  `server-bridge serve` on the same core and thread (server_bridge/ops/fleet.py:LocalVerifier), the robot's
         client (agent.spec.decoder, mode ar) on the other core: after the session's open (which
         prefills the same prompt but its last token), the `ar` request and its streamed tokens.
 
@@ -44,7 +44,7 @@ def raw_child(model: str, prompt: list[int], tokens: int, core: int) -> dict:
     import llama_cpp as L
     import numpy as np
 
-    from server_bridge.engine_llamacpp import _quiet_llama
+    from server_bridge.engines.llamacpp import _quiet_llama
 
     _quiet_llama()
     L.llama_backend_init()
@@ -181,8 +181,8 @@ def measure(args: argparse.Namespace) -> dict:
     from agent.spec.decoder import DecoderConfig, EdgeDecoder
     from agent.spec.drafter import Drafter
     from protocol import modelfiles
-    from server_bridge.engine_llamacpp import prepare_target
-    from server_bridge.fleet import LocalVerifier
+    from server_bridge.engines.llamacpp import prepare_target
+    from server_bridge.ops.fleet import LocalVerifier
 
     target = args.target or modelfiles.DEFAULT_TARGET
     if target in modelfiles.TARGETS:

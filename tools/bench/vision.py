@@ -74,7 +74,7 @@ def measure(args: argparse.Namespace) -> dict:
     from agent.robot.perception import VlmPerception
     from agent.spec.decoder import DecoderConfig, EdgeDecoder
     from agent.spec.drafter import Drafter
-    from server_bridge.fleet import LocalVerifier
+    from server_bridge.ops.fleet import LocalVerifier
 
     if all(given):
         pair = {"draft": args.draft, "draft_mmproj": args.draft_mmproj, "target": args.target, "mmproj": args.mmproj}

@@ -23,7 +23,7 @@ import sys
 from agent.spec.decoder import DecoderConfig, EdgeDecoder, FsdOptions
 from agent.spec.drafter import Drafter
 from agent.spec.policy import DraftPolicy
-from server_bridge.fleet import LocalVerifier
+from server_bridge.ops.fleet import LocalVerifier
 from tools.bench import harness, peer
 from tools.cluster.netem import LinkProfile, NetemProxy
 

@@ -5,7 +5,7 @@
 
 Robots (asyncio, one connection each, light: they replay tools/traces like
 tools/bench/loadgen.py) -> tools.cluster.netem proxy (the link, cut every --cut-every-s) ->
-HAProxy -> replicas (server_bridge/fleet.py). Every --kill-every-s the replica other than
+HAProxy -> replicas (server_bridge/ops/fleet.py). Every --kill-every-s the replica other than
 r0 that holds the most robots is SIGKILLed, or every third time drained
 (SIGTERM), and started again --down-s later. A robot that loses its link reconnects at once (a 1012 close from
 a draining replica) or after 50 ms, re-opens its session with its committed
@@ -37,8 +37,8 @@ from pathlib import Path
 from websockets.exceptions import ConnectionClosed, InvalidHandshake
 
 from protocol import wire
-from server_bridge.fleet import Cluster, health
-from server_bridge.loadtest import LoadConfig, Robot, Trace, next_draft
+from server_bridge.ops.fleet import Cluster, health
+from server_bridge.ops.loadtest import LoadConfig, Robot, Trace, next_draft
 from tools.bench.loadgen import NEAR_TIE, TRACES
 from tools.cluster.netem import LinkProfile, NetemProxy
 
@@ -295,7 +295,7 @@ async def soak(cluster: Cluster, proxy: NetemProxy, trace: Trace, args) -> dict:
                 f"{sum(g.done for g in out.generations)} generations done",
                 flush=True,
             )
-            # children are started from this (the main) thread only: they die with it (server_bridge.fleet.child_setup)
+            # children are started from this (the main) thread only: they die with it (ops.fleet.child_setup)
             if how == "kill":
                 cluster.kill(victim)
             else:

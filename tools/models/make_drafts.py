@@ -16,7 +16,7 @@ import time
 
 from protocol import modelfiles
 from runtime import llamalog
-from server_bridge.engine_llamacpp import requantize
+from server_bridge.engines.llamacpp import requantize
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,7 +18,7 @@ Q4_0: a scale and 32 nibbles; `random_blocks`), the scale set so each tensor has
 no F16 file is made and no quantizer runs. The embeddings and the LM head carry the planted path, so they are
 made in float32 and written in float16. A 7B shape is 4.4 GB in Q4_0, 7.7 GB in Q8_0. Its Hugging Face
 directory holds no weights: config.json, the tokenizer, `successor.npy` and the recipe `random_init.json`, from
-which the torch engine builds the model from its config on its device (server_bridge/random_init.py). The two
+which the torch engine builds the model from its config on its device (server_bridge/engines/random_init.py). The two
 files are then two models that follow the same planted path, not one function.
 
 The weights are random Gaussians in every dense matrix, full size, so a forward pass costs exactly
@@ -37,7 +37,7 @@ verdict. So a greedy path is planted, three ways at once:
               0.02 / sqrt(2 x layers), GPT-2's scaled init, so 32 blocks add noise of ~1.6x the
               embedding's scale rather than drowning it. Norms are ones.
 
-`check` loads a made model through the project's engine (server_bridge.engine.load_engine), prints
+`check` loads a made model through the project's engine (server_bridge.engines.load_engine), prints
 its vocabulary hash and whether its greedy tokens follow the planted path, as one JSON line (the
 fleet benchmark runs it in a subprocess per engine: a CUDA llama.cpp and a CUDA torch never share one).
 """
@@ -58,7 +58,7 @@ from pathlib import Path
 
 import numpy as np
 
-from server_bridge import random_init
+from server_bridge.engines import random_init
 
 VERSION = 1  # bump when the construction changes: cached files are keyed by it
 NORMAL_TOKEN = 1  # tokenizer.ggml.token_type of an ordinary token
@@ -615,7 +615,7 @@ def check(
     path: str | Path, engine: str, device: str = "cpu", dtype: str = "auto", seed: int = 0, steps: int = 8
 ) -> dict:
     """Load through the project's engine; greedy-decode `steps` tokens after a prompt; compare with the path."""
-    from server_bridge.engine import Pass, load_engine
+    from server_bridge.engines import Pass, load_engine
 
     t0 = time.perf_counter()
     eng = load_engine(str(path), engine=engine, device=device, dtype=dtype, max_sequences=2, kv_tokens=512, max_len=256)

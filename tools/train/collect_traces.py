@@ -23,7 +23,7 @@ from pathlib import Path
 from agent.spec.decoder import DecoderConfig, EdgeDecoder
 from agent.spec.drafter import Drafter
 from protocol.sampling import SamplingParams
-from server_bridge.fleet import LocalVerifier, pin_cores
+from server_bridge.ops.fleet import LocalVerifier, pin_cores
 
 PROMPTS = Path(__file__).resolve().parents[1] / "prompts" / "predictor_train.jsonl"
 TARGET = "smollm2-f32"

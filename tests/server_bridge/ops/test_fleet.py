@@ -9,7 +9,7 @@ from websockets.sync.client import connect
 
 from agent.spec.decoder import DecoderConfig, EdgeDecoder
 from protocol import wire
-from server_bridge.loadtest import parse_metrics
+from server_bridge.ops.loadtest import parse_metrics
 
 pytestmark = pytest.mark.real
 

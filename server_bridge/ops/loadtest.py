@@ -47,7 +47,7 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake
 
 from protocol import wire
 
-from .config import LoadConfig, LoadtestConfig
+from ..config import LoadConfig, LoadtestConfig
 
 log = logging.getLogger(__name__)
 

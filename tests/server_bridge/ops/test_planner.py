@@ -1,4 +1,4 @@
-"""server_bridge.planner (`server-bridge plan`, its report in tools/bench/planner.py): the pipelined-SD latency
+"""server_bridge.ops.planner (`server-bridge plan`, its report in tools/bench/planner.py): the pipelined-SD latency
 model, the closed-form bandwidth split and the batching DP.
 
 No models: synthetic devices and linear stage-time models. Exhaustive searches
@@ -15,7 +15,7 @@ import pytest
 from scipy.optimize import minimize
 
 from server_bridge import cli
-from server_bridge import planner as P
+from server_bridge.ops import planner as P
 from tools.bench import planner as planner_report
 
 LINEAR = P.LinearVerifyModel(a=0.05, b_c=1e-4, b_r=0.01, c=10.0)

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .exits import ExitConfig
+from ..exits import ExitConfig
 
 
 class ExitAdapter(nn.Module):

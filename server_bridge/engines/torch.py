@@ -16,11 +16,11 @@ one indexed scatter, and attends with one SDPA call over the sessions' padded
 queries [B, H, n_max, D] against their slots gathered to [B, kv_heads, Lmax, D],
 under a causal mask (a sliding window where the layer has one) built once per
 pass. A pass thus launches the same operators for 2 sessions as for 32
-(tests/server_bridge/test_torch_pass.py counts them with torch.profiler). One
+(tests/server_bridge/engines/test_torch_pass.py counts them with torch.profiler). One
 session attends over a view of its own slot, with no mask for a single token.
 
 Images (a vision-language model: Idefics3 / SmolVLM, Qwen2-VL, Qwen2.5-VL, Qwen3-VL;
-server_bridge/vision_torch.py): the decoder the slots serve is the VLM's text model. A
+server_bridge/engines/vision_torch.py): the decoder the slots serve is the VLM's text model. A
 pass's image marker at text index t becomes the image's C cells (slot rows), its
 layout's embeddings written through the same slots in one pass of that sequence alone
 (opens are rare; text passes stay batched), and advances the sequence's position by
@@ -62,7 +62,7 @@ from protocol.images import PromptImage
 from runtime.vision import MARKERS
 
 from . import random_init, vision_torch
-from .engine_types import EngineFull, EngineInfo, Pass, Sequence, SequenceIds, check_batch, image_extra
+from .types import EngineFull, EngineInfo, Pass, Sequence, SequenceIds, check_batch, image_extra
 
 log = logging.getLogger(__name__)
 
@@ -547,7 +547,7 @@ class TorchEngine:
         return self.vision
 
     def _check_images(self, batch: list[Pass]) -> list[int]:
-        """Each pass's extra KV cells for its images, once engine_types.image_extra found them all readable."""
+        """Each pass's extra KV cells for its images, once types.image_extra found them all readable."""
         return image_extra(batch, self.image_token_id, self._seeing)
 
 

@@ -8,7 +8,7 @@ from scipy import stats
 
 from protocol import sampling
 from protocol.sampling import SamplingError, SamplingParams
-from server_bridge import devmath
+from server_bridge.engines import devmath
 
 
 def _dist(rng, v, sparsity=0.3):

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from protocol.images import PromptImage
-from server_bridge.engine import Pass
+from server_bridge.engines import Pass
 from tests.models import make_test_vlm as tv
 
 TAIL = " A red box"  # three ids after the SmolVLM prompt: the verify-shaped passes

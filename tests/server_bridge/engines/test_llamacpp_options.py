@@ -11,7 +11,7 @@ import pytest
 
 from protocol import modelfiles
 from server_bridge.config import ServerConfig
-from server_bridge.engine import EngineFull, Pass, load_engine
+from server_bridge.engines import EngineFull, Pass, load_engine
 
 pytestmark = pytest.mark.real
 
@@ -88,7 +88,7 @@ def test_two_processes_making_the_same_target_at_once_both_succeed_and_leave_one
     so neither reads or renames the other's half-written file."""
     dst = tmp_path / "smollm2-q8_0.gguf"
     script = (
-        "import sys; from server_bridge.engine_llamacpp import requantize; "
+        "import sys; from server_bridge.engines.llamacpp import requantize; "
         "requantize(sys.argv[1], sys.argv[2], 'LLAMA_FTYPE_MOSTLY_Q8_0')"
     )
     procs = [

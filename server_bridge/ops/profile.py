@@ -33,9 +33,9 @@ import numpy as np
 
 from protocol import modelfiles
 
-from . import estimator
-from .config import ProfileConfig
-from .target import Extension, Target, load_target
+from .. import estimator
+from ..config import ProfileConfig
+from ..target import Extension, Target, load_target
 
 WARM_CACHED = (16, 64, 128, 256, 512, 1024)
 COLD_NEW = (16, 32, 64, 128, 256)

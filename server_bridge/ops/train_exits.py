@@ -20,7 +20,7 @@ on held-out generations of the benchmark prompts (models/exits/heldout_prompts.j
 beside the untrained "logit lens" (the same exit with a zero adapter).
 Writes <out>/<target>.{safetensors,json}, report.md and (with matplotlib) agreement.png.
 
-The target runs on the torch engine (server_bridge/engine_torch.py), through its own
+The target runs on the torch engine (server_bridge/engines/torch.py), through its own
 passes: generation and the hidden states at the exits are what a verify pass sees.
 A vision-language target (a Hugging Face directory: SmolVLM, Qwen2-VL, Qwen2.5-VL,
 Qwen3-VL; the FSD paper's robot pair is Qwen2-VL) is trained on prompts with an
@@ -50,10 +50,10 @@ from tqdm import tqdm
 from protocol import modelfiles
 from protocol.images import PromptImage
 
-from .config import TrainExitsConfig
-from .exits import ExitConfig
-from .exits_torch import ExitHeads
-from .target import Target, load_target
+from ..config import TrainExitsConfig
+from ..engines.exits_torch import ExitHeads
+from ..exits import ExitConfig
+from ..target import Target, load_target
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".webp")
 

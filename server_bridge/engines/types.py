@@ -1,8 +1,8 @@
 """The engine interface's types: what the verifier and every backend share.
 
 `Pass`, `Sequence`, `EngineInfo`, the `Engine` protocol, `EngineFull` (`NoRoom`), `SequenceIds` and
-`check_batch` (server_bridge/engine.py describes the operations). The backends import this
-module, never engine.py, so engine.py's `load_engine` may import them without a cycle.
+`check_batch` (server_bridge/engines/__init__.py describes the operations). The backends import this
+module, never the package's __init__, so its `load_engine` may import them without a cycle.
 """
 
 from __future__ import annotations

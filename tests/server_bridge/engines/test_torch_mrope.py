@@ -14,10 +14,9 @@ import pytest
 import torch
 
 from protocol.images import PromptImage
-from server_bridge import vision_torch
-from server_bridge.engine import Pass, load_engine
+from server_bridge.engines import Pass, load_engine, vision_torch
 from tests.models import qwen_vlm as qv
-from tests.server_bridge.vision_setup import TAIL, image_bytes, open_images, prompt_images, run
+from tests.server_bridge.engines.vision_setup import TAIL, image_bytes, open_images, prompt_images, run
 
 pytestmark = pytest.mark.real
 

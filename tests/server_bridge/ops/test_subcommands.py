@@ -9,8 +9,9 @@ import json
 
 import pytest
 
-from server_bridge import cli, train_exits
+from server_bridge import cli
 from server_bridge.estimator import VerifyTimeModel
+from server_bridge.ops import train_exits
 
 
 def one_line_error(capsys) -> str:

@@ -15,12 +15,11 @@ A pass may also carry images {index in new_ids: PromptImage}: a vision engine
 expands each image marker there to the image's positions; `start`, `keep`
 and a sequence's `length` still count text ids (a marker is one).
 
-Two backends implement it (`load_engine`): `llamacpp` (server_bridge/
-engine_llamacpp.py; the default for GGUF targets, no torch) and `torch`
-(server_bridge/engine_torch.py; any transformers model on any device). The
-verifier, batcher, exits and tools see only this interface. Its types live in
-server_bridge/engine_types.py (what the backends import, so the backends never import this
-module back) and are importable from here.
+Two backends implement it (`load_engine`): `llamacpp` (llamacpp.py; the
+default for GGUF targets, no torch) and `torch` (torch.py; any transformers
+model on any device). The verifier, batcher, exits and tools see only this
+interface. Its types live in types.py (what the backends import, so the
+backends never import this package's __init__ back) and are importable from here.
 """
 
 from __future__ import annotations
@@ -28,7 +27,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from .engine_types import Engine, EngineFull, EngineInfo, NoRoom, Pass, Sequence, SequenceIds, check_batch
+from .types import Engine, EngineFull, EngineInfo, NoRoom, Pass, Sequence, SequenceIds, check_batch
 
 __all__ = [
     "DTYPES",
@@ -103,7 +102,7 @@ def load_engine(
     from protocol import modelfiles
 
     if target in modelfiles.TARGETS:
-        from .engine_llamacpp import prepare_target
+        from .llamacpp import prepare_target
 
         prepare_target(target)
     src = modelfiles.resolve_target(target)
@@ -113,7 +112,7 @@ def load_engine(
     if engine == "llamacpp":
         if Path(src).suffix != ".gguf":
             raise ValueError(f"the llamacpp engine needs a GGUF target, got {src}")
-        from .engine_llamacpp import LlamaCppEngine
+        from .llamacpp import LlamaCppEngine
 
         gpu = _llama_offloads(n_gpu_layers)
         _claim_gpu("llamacpp", name, gpu)
@@ -134,7 +133,7 @@ def load_engine(
                 "mmproj is the llamacpp engine's: a torch vision-language target is a Hugging Face "
                 "directory that holds its own vision tower and processor"
             )
-        from .engine_torch import TorchEngine
+        from .torch import TorchEngine
 
         _claim_gpu("torch", name, _torch_on_cuda(device))
         return TorchEngine(

@@ -42,9 +42,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from .config import FleetConfig
+from ..config import FleetConfig
 
-HAPROXY_CFG = Path(__file__).resolve().parents[1] / "deploy" / "haproxy" / "haproxy.cfg"
+HAPROXY_CFG = Path(__file__).resolve().parents[2] / "deploy" / "haproxy" / "haproxy.cfg"
 BACKEND = "verifiers"
 # HAProxy reaches the replicas from this loopback address, the only one they trust as a proxy: a trusted proxy's
 # request that names no client is never loopback (server_bridge/peers.py), so this host's own tools and robots,

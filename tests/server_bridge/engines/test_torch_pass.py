@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from protocol.images import PromptImage
-from server_bridge.engine import Pass, load_engine
-from server_bridge.engine_torch import TorchEngine
+from server_bridge.engines import Pass, load_engine
+from server_bridge.engines.torch import TorchEngine
 
 TINY = dict(
     vocab_size=512,

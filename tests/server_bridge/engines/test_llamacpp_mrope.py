@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 from protocol.images import PromptImage
-from server_bridge.engine import Pass, load_engine
+from server_bridge.engines import Pass, load_engine
 from tests.models import qwen_vlm as qv
-from tests.server_bridge.vision_setup import image_bytes, open_images, prompt_images
+from tests.server_bridge.engines.vision_setup import image_bytes, open_images, prompt_images
 
 pytestmark = pytest.mark.real
 

@@ -42,7 +42,7 @@ from protocol.images import PromptImage
 from runtime import llamalog
 from runtime.vision import MARKERS, MtmdVision, marker_id
 
-from .engine_types import EngineFull, EngineInfo, NoRoom, Pass, Sequence, SequenceIds, check_batch, image_extra
+from .types import EngineFull, EngineInfo, NoRoom, Pass, Sequence, SequenceIds, check_batch, image_extra
 
 log = logging.getLogger(__name__)
 
@@ -454,7 +454,7 @@ class LlamaCppEngine:
         return self.vision
 
     def _check_images(self, batch: list[Pass]) -> list[int]:
-        """Each pass's extra KV cells for its images, once engine_types.image_extra found them all readable."""
+        """Each pass's extra KV cells for its images, once types.image_extra found them all readable."""
         return image_extra(batch, self.image_token_id, self._seeing)
 
     def _forward_images(self, p: Pass) -> np.ndarray:

@@ -1,4 +1,4 @@
-"""server_bridge.loadtest (`server-bridge loadtest`): the SLO rule, capacity, trace replay, /metrics parsing and
+"""server_bridge.ops.loadtest (`server-bridge loadtest`): the SLO rule, capacity, trace replay, /metrics parsing and
 robots against a fake verifier."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from websockets.asyncio.server import serve
 
 from protocol import wire
 from server_bridge import cli
-from server_bridge import loadtest as lt
+from server_bridge.ops import loadtest as lt
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -52,7 +52,7 @@ from pathlib import Path
 import numpy as np
 from numpy.typing import ArrayLike
 
-from .config import PlanConfig
+from ..config import PlanConfig
 
 # A verify-time model: new_tokens [..., b], cached_tokens [..., b] -> ms [...].
 # Member j of the batch appends new[..., j] tokens to a KV cache of cached[..., j]
@@ -129,7 +129,7 @@ class LinearVerifyModel:
     @classmethod
     def load(cls, path: str | Path) -> "LinearVerifyModel":
         """The estimator JSON another tool writes: {"a", "b_c", "b_r", "c"} in ms per unit."""
-        from .estimator import VerifyTimeModel  # the server's loader and its checks
+        from ..estimator import VerifyTimeModel  # the server's loader and its checks
 
         m = VerifyTimeModel.load(path)
         return cls(

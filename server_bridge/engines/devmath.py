@@ -7,7 +7,7 @@ a split rejection, the one row p_j the robot resamples from. The random
 numbers come from the session's numpy generator in the same order as
 protocol.sampling draws them, so a seed replays the same way on either path;
 protocol.sampling stays the reference these functions are tested against
-(tests/server_bridge/test_devmath.py).
+(tests/server_bridge/engines/test_devmath.py).
 
     probs  = temperature, top-k (ties at the k-th value kept), softmax,
              top-p nucleus (ties at the edge kept) when top_p < 1           [n, V]

@@ -24,8 +24,8 @@ import torch
 from agent.spec.decoder import DecoderConfig, EdgeDecoder, FsdOptions
 from protocol.images import PromptImage
 from server_bridge import cli
+from server_bridge.engines.exits_torch import ExitHeads
 from server_bridge.exits import ExitConfig, NumpyExitHeads
-from server_bridge.exits_torch import ExitHeads
 from server_bridge.verifier import Verifier
 from tests.agent import vlm_pairs as pairs
 from tests.conftest import ThreadedServer

@@ -12,10 +12,10 @@ import pytest
 from protocol import modelfiles
 from protocol.images import PromptImage
 from runtime.vision import CACHED, UnknownImage
-from server_bridge.engine import Pass, load_engine
-from server_bridge.engine_llamacpp import LlamaCppEngine
+from server_bridge.engines import Pass, load_engine
+from server_bridge.engines.llamacpp import LlamaCppEngine
 from tests.models import make_test_vlm as tv
-from tests.server_bridge.vision_setup import CORRUPT_JPEG, TAIL, decoded, encoded, open_with, prompt, vlm
+from tests.server_bridge.engines.vision_setup import CORRUPT_JPEG, TAIL, decoded, encoded, open_with, prompt, vlm
 
 pytestmark = pytest.mark.real
 __all__ = ["vlm"]  # the shared fixture, used by name
