@@ -15,7 +15,7 @@ bytes, at most MAX_IMAGE_SIDE pixels a side and MAX_IMAGE_PIXELS in all; anythin
 Width and height are read from the header (PNG's IHDR chunk, JPEG's SOFn frame header) before any
 decoder runs, and `check_bytes` refuses an image over the limits: a 48 KB PNG can declare a 1 GiB
 bitmap, and a decoder allocates what the header says. Every decoder of untrusted bytes here (the wire's
-`open`, the robot's local API, libmtmd in runtime/vision.py, PIL in server_bridge/vision_torch.py, OpenCV
+`open`, the robot's local API, libmtmd in runtime/vision.py, PIL in server_bridge/engines/vision_torch.py, OpenCV
 on the robot) goes through it first. Where libmtmd decodes, a PNG's image data must also inflate to no
 more than its header implies (`check_png_data`: stb_image inflates all there is, whatever the header says).
 """
