@@ -8,7 +8,7 @@
         for piece in client.stream(messages=[{"role": "user", "content": "Say hi."}]):
             print(piece, end="")
 
-Every token of a verified answer is the verifier's (SD, FSD or AR underneath, agent/spec/decoder.py). When the
+Every token of a verified answer is the verifier's (SD, FSD or AR underneath, agent/decoding/decoder.py). When the
 verifier cannot be reached the client either refuses (`VerifierUnavailable`, offline="refuse") or answers with
 the draft alone and says so (`verified=False`, offline="local"), as the client or the call chooses.
 Structured output (`schema`: a JSON schema; `grammar`: GBNF) is decoded under a grammar on both sides, as the
@@ -26,9 +26,9 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
-from agent.spec.decoder import MODES, DecoderConfig, EdgeDecoder
-from agent.spec.link import LinkLost
-from agent.spec.metrics import Generation, Metrics
+from agent.decoding.decoder import MODES, DecoderConfig, EdgeDecoder
+from agent.decoding.link import LinkLost
+from agent.decoding.metrics import Generation, Metrics
 from protocol import modelfiles
 from protocol.grammar import GrammarError, SchemaError, schema_gbnf
 from protocol.images import MAX_IMAGE_BYTES, MAX_IMAGES, PromptImage, check_bytes
@@ -233,7 +233,7 @@ class Client:
         lock: threading.Lock | None = None,
     ) -> None:
         """`verifier`: ws:// or wss:// URL of server-bridge (None: the draft alone, every answer unverified).
-        `drafter`: an already loaded agent.spec.drafter.Drafter to share (then draft* and threads are unused).
+        `drafter`: an already loaded agent.decoding.drafter.Drafter to share (then draft* and threads are unused).
         `config`: a whole DecoderConfig (its url and token win over `verifier` and `token`).
         `lock`: held around every generation; pass the one other users of a shared `drafter` hold."""
         if mode not in MODES or mode == "local":
@@ -241,7 +241,7 @@ class Client:
         if offline not in OFFLINE:
             raise RequestError(f"offline must be one of {OFFLINE}, got {offline!r}", "offline")
         if drafter is None:
-            from agent.spec.drafter import Drafter
+            from agent.decoding.drafter import Drafter
 
             drafter = Drafter(draft, threads=threads, n_gpu_layers=n_gpu_layers, mmproj=draft_mmproj)
         self.drafter = drafter

@@ -14,8 +14,8 @@ import logging
 import sys
 import time
 
-from agent.spec.decoder import DecoderConfig, EdgeDecoder
-from agent.spec.policy import DraftPolicy
+from agent.decoding.decoder import DecoderConfig, EdgeDecoder
+from agent.decoding.policy import DraftPolicy
 from tools.bench.link import served
 from tools.cluster.netem import LinkProfile
 

@@ -22,7 +22,7 @@ from . import config
 from .config import GenerateOptions, ServeOptions
 
 if TYPE_CHECKING:
-    from agent.spec.decoder import DecoderConfig
+    from agent.decoding.decoder import DecoderConfig
 
     from .api import LocalApi
     from .daemon import Daemon
@@ -31,8 +31,8 @@ log = logging.getLogger("edge-agent")
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from agent.spec.decoder import EdgeDecoder
-    from agent.spec.link import LinkLost, ServerError
+    from agent.decoding.decoder import EdgeDecoder
+    from agent.decoding.link import LinkLost, ServerError
 
     opts = GenerateOptions(**{f.name: getattr(args, f.name) for f in fields(GenerateOptions)})
     if not opts.local and not opts.verifier:
@@ -127,7 +127,7 @@ class _Stream:
 
 def _prompt(opts: GenerateOptions) -> tuple[Any, list[int], list]:
     """The draft model and the prompt's token ids and images."""
-    from agent.spec.drafter import Drafter
+    from agent.decoding.drafter import Drafter
 
     images = [Path(f).read_bytes() for f in opts.image]
     drafter = Drafter(
@@ -145,9 +145,9 @@ DECODER_UNSET = ("reconnect", "recv_timeout_s", "keepalive_s")  # generate keeps
 def _decoder_config(opts: GenerateOptions) -> DecoderConfig:
     """generate's DecoderConfig: the fields of the same name (trace, slo, ca_file, ...) taken by name, the
     others made from the flags here."""
-    from agent.spec.decoder import DecoderConfig, FsdOptions
-    from agent.spec.link import default_robot_id
-    from agent.spec.policy import DraftPolicy
+    from agent.decoding.decoder import DecoderConfig, FsdOptions
+    from agent.decoding.link import default_robot_id
+    from agent.decoding.policy import DraftPolicy
 
     exits = None if opts.exits == "all" else tuple(int(x) for x in opts.exits.split(",") if x.strip())
     computed = {
@@ -440,8 +440,8 @@ def _serve_openai(args: argparse.Namespace) -> int:
     import asyncio
 
     from agent.client import Client
-    from agent.spec.decoder import DecoderConfig, ReconnectPolicy
-    from agent.spec.link import default_robot_id
+    from agent.decoding.decoder import DecoderConfig, ReconnectPolicy
+    from agent.decoding.link import default_robot_id
 
     from .config import ConfigError, ServeOptions
     from .openai_api import OpenAiApi

@@ -18,10 +18,10 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from agent.decoding.link import ROBOT_ID
+from agent.decoding.policy import POLICIES
 from agent.robot.controllers.base import CONTROLLERS
 from agent.robot.safety import SafetyLimits
-from agent.spec.link import ROBOT_ID
-from agent.spec.policy import POLICIES
 from protocol import modelfiles
 from protocol.payload import DEFAULT_KIND, DEFAULT_TOPK, PayloadSpec
 from protocol.payload import KINDS as PAYLOAD_KINDS

@@ -30,14 +30,14 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
+from agent.decoding.decoder import DecoderConfig, EdgeDecoder, ReconnectPolicy
+from agent.decoding.link import default_robot_id, tls_context
+from agent.decoding.policy import DraftPolicy
 from agent.robot.camera import Frame, FrameGrabber, open_source
 from agent.robot.control import ControlLoop
 from agent.robot.controllers.base import Controller, ControllerError, make_controller
 from agent.robot.episode import verdict
 from agent.robot.safety import SafetyLayer
-from agent.spec.decoder import DecoderConfig, EdgeDecoder, ReconnectPolicy
-from agent.spec.link import default_robot_id, tls_context
-from agent.spec.policy import DraftPolicy
 from protocol.images import MAX_IMAGE_BYTES, check_bytes
 from protocol.payload import PayloadSpec
 from runtime import settings
@@ -50,7 +50,7 @@ from .telemetry import DiskTrouble, TelemetryWriter
 
 if TYPE_CHECKING:
     from agent.client import Client
-    from agent.spec.drafter import Drafter  # llama-cpp: imported when the daemon loads one
+    from agent.decoding.drafter import Drafter  # llama-cpp: imported when the daemon loads one
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +131,7 @@ class Daemon:
         ).start()
         self.notifier.status("loading the draft model")
         if self._drafter is None:
-            from agent.spec.drafter import Drafter
+            from agent.decoding.drafter import Drafter
 
             self._drafter = Drafter(
                 cfg.agent.draft,

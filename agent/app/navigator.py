@@ -34,12 +34,12 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Protocol, Sequence, cast
 
+from agent.decoding.decoder import EdgeDecoder, Generation
+from agent.decoding.link import LinkLost, ServerError
 from agent.robot.actions import FORWARD_CM, STOP, TURN_DEG, Action, Parsed, complete, motion_for, parse_action
 from agent.robot.camera import Frame, FrameGrabber, StaleFrame
 from agent.robot.control import ControlLoop
 from agent.robot.perception import CameraImage, Sighting
-from agent.spec.decoder import EdgeDecoder, Generation
-from agent.spec.link import LinkLost, ServerError
 from protocol.images import PromptImage
 from protocol.sampling import SamplingParams
 

@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from agent.spec.draftlen import As2, As2Config, CostEstimator, Costs, gamma_zero, optimal_gamma, speedup
+from agent.decoding.draftlen import As2, As2Config, CostEstimator, Costs, gamma_zero, optimal_gamma, speedup
 
 
 def brute_force(alpha: float, L: float, hi: int = 4000) -> tuple[int, float]:
@@ -133,7 +133,7 @@ def test_speedup_formula_is_theorem_one():
 
 def test_streamed_agreement_estimates_the_acceptance_rate():
     """While the target streams alone, min(1, q(x)/p(x)) for x ~ p averages to sum_x min(p, q) = alpha."""
-    from agent.spec.decoder import _agreement
+    from agent.decoding.decoder import _agreement
     from protocol import sampling, wire
     from protocol.sampling import SamplingParams
 
@@ -151,7 +151,7 @@ def test_streamed_agreement_estimates_the_acceptance_rate():
 
 
 def test_slopes_wait_for_eight_rounds_of_different_lengths():
-    from agent.spec.draftlen import _fit
+    from agent.decoding.draftlen import _fit
 
     est = CostEstimator()
     for k in (1, 4, 2, 6, 3, 5, 2):  # 7 rounds: a slope would be guesswork
@@ -167,7 +167,7 @@ def test_fitted_lines_never_go_below_zero():
     line through them can have a negative intercept, which made a round look free."""
     from collections import deque
 
-    from agent.spec.draftlen import _fit
+    from agent.decoding.draftlen import _fit
 
     pts = deque([(1, 0.0), (2, 0.0), (3, 0.0), (6, 600.0), (7, 700.0), (8, 800.0), (1, 0.0), (8, 790.0)])
     b0, b1 = _fit(pts)
@@ -226,7 +226,7 @@ def test_jitter_of_a_few_ms_on_a_fast_link_is_not_a_new_link():
 
 
 def test_estimates_carry_over_to_the_next_generation():
-    from agent.spec.policy import DraftController, DraftPolicy
+    from agent.decoding.policy import DraftController, DraftPolicy
 
     est, as2 = CostEstimator(), As2()
     first = DraftController(DraftPolicy("optimal"), 4, 16, estimator=est, as2=as2)

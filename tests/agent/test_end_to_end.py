@@ -7,9 +7,9 @@ import time
 import pytest
 import torch
 
-from agent.spec.decoder import DecoderConfig, EdgeDecoder, FsdOptions, ReconnectPolicy
-from agent.spec.draftlen import As2Config
-from agent.spec.policy import POLICIES, DraftPolicy
+from agent.decoding.decoder import DecoderConfig, EdgeDecoder, FsdOptions, ReconnectPolicy
+from agent.decoding.draftlen import As2Config
+from agent.decoding.policy import POLICIES, DraftPolicy
 from protocol.payload import PayloadSpec
 from protocol.sampling import SamplingParams
 from tools.cluster.netem import LinkProfile, NetemProxy
@@ -179,7 +179,7 @@ def test_local_mode_needs_no_server(drafter):
 
 def test_two_robots_interleave_exactly(drafter, target, server_and_proxy, ar_reference):
     """Two sessions generating at once on one server each get their own exact answer."""
-    from agent.spec.drafter import Drafter
+    from agent.decoding.drafter import Drafter
 
     _, proxy = server_and_proxy
     other = Drafter(threads=1)  # llama contexts are per thread
@@ -247,7 +247,7 @@ def test_weak_draft_fsd_is_exact_with_misses(weak_drafter, server_and_proxy, ar_
 
 
 def test_a_failing_predraft_worker_never_stalls_generation(drafter, server_and_proxy, ar_reference, monkeypatch):
-    from agent.spec.branches import BranchDrafter
+    from agent.decoding.branches import BranchDrafter
 
     def broken(self, *a, **k):
         raise RuntimeError("injected pre-draft failure")
@@ -283,7 +283,7 @@ def test_fsd_samples_at_temperature_above_zero(drafter, server_and_proxy, kind):
     assert gen.metrics.payload == str(PayloadSpec.parse(kind))
 
 
-# ---------------------------------------------------------------------------- draft policies (agent/spec/policy.py)
+# ---------------------------------------------------------------------------- draft policies (agent/decoding/policy.py)
 
 
 @pytest.mark.parametrize("kind", POLICIES)
@@ -547,9 +547,9 @@ def test_a_named_session_held_by_another_live_connection_switches_sid_and_stays_
     robot): an open with another prompt cannot prove its committed prefix (session_taken). The robot
     switches the name to a fresh sid at once, keeps it for the later steps, and every answer is the
     target's own, verified by the server."""
-    from agent.spec import session as session_mod
+    from agent.decoding import session as session_mod
 
-    caplog.set_level("INFO", logger="agent.spec.session")
+    caplog.set_level("INFO", logger="agent.decoding.session")
     server = make_server()
     shared = "You are a careful robot. " * 10
     steps = [
@@ -586,7 +586,7 @@ def test_a_named_session_held_by_another_live_connection_switches_sid_and_stays_
 
 def test_a_refused_open_switches_sid_at_most_once(drafter, make_server, monkeypatch):
     """session_taken again under the fresh sid: the robot gives up (an error) instead of looping."""
-    from agent.spec.link import ServerError
+    from agent.decoding.link import ServerError
 
     server = make_server()
     robot = EdgeDecoder(drafter, DecoderConfig(url=server.url))

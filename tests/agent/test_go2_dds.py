@@ -337,10 +337,10 @@ def test_edge_agent_run_on_the_go2_reaches_the_red_box_through_the_sdk(go2, caps
     import json
     import tempfile
 
-    import agent.spec.drafter
+    import agent.decoding.drafter
     from agent.app import cli
 
-    monkeypatch.setattr(agent.spec.drafter, "Drafter", SteeringDrafter)
+    monkeypatch.setattr(agent.decoding.drafter, "Drafter", SteeringDrafter)
     # start 0 (the fixture's): the red box 37 degrees to the left, in view
     with tempfile.TemporaryDirectory(prefix="api-") as folder:
         rc = cli.main(

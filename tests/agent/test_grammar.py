@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from scipy import stats
 
+from agent.decoding.decoder import DecoderConfig, EdgeDecoder, FsdOptions
 from agent.robot.actions import VOCABULARY, answer_grammar, answer_max_tokens, parse_action
-from agent.spec.decoder import DecoderConfig, EdgeDecoder, FsdOptions
 from protocol import payload, sampling, wire
 from protocol.grammar import GrammarError
 from protocol.payload import PayloadSpec
@@ -239,7 +239,7 @@ def test_a_bad_grammar_or_a_prompt_outside_it_is_refused_on_that_session_only(dr
 
 
 def test_a_robot_that_needs_a_grammar_refuses_a_verifier_without_one(drafter, grammar_server, monkeypatch):
-    from agent.spec.link import ServerError
+    from agent.decoding.link import ServerError
     from server_bridge.target import Target
 
     monkeypatch.setattr(Target, "grammars_supported", property(lambda self: False))

@@ -1,4 +1,4 @@
-"""A hostile verifier: the robot trusts nothing it receives (DESIGN.md, Trust; agent/spec/replies.py).
+"""A hostile verifier: the robot trusts nothing it receives (DESIGN.md, Trust; agent/decoding/replies.py).
 
 A fake verifier, a real websocket server on 127.0.0.1:0 speaking the real wire, does a correct
 handshake with the shipped draft's vocabulary and then answers one request with a malformed reply.
@@ -22,8 +22,8 @@ import pytest
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.server import serve
 
-from agent.spec.decoder import DecoderConfig, EdgeDecoder, FsdOptions, ReconnectPolicy
-from agent.spec.link import LinkLost, ProtocolViolation
+from agent.decoding.decoder import DecoderConfig, EdgeDecoder, FsdOptions, ReconnectPolicy
+from agent.decoding.link import LinkLost, ProtocolViolation
 from protocol import wire
 from protocol.payload import PayloadSpec
 from protocol.sampling import SamplingParams
@@ -243,7 +243,7 @@ def test_a_malformed_reply_is_a_protocol_violation_and_commits_nothing(drafter, 
     with FakeVerifier(drafter, tamper) as fake:
         decoder = decoder_for(drafter, fake.url, mode)
         try:
-            with caplog.at_level(logging.ERROR, "agent.spec.session"):
+            with caplog.at_level(logging.ERROR, "agent.decoding.session"):
                 with pytest.raises(ProtocolViolation, match=says) as lost:
                     decoder.generate(prompt, mode=mode, max_tokens=6, params=params, gamma=3)
         finally:
@@ -329,7 +329,7 @@ def run_python(code: str, timeout: float = 120) -> subprocess.CompletedProcess:
 def test_detokenize_refuses_an_id_outside_the_vocabulary_instead_of_aborting():
     """Defence in depth: whatever hands it the id, the draft refuses it before llama.cpp can abort."""
     r = run_python(
-        "from agent.spec.drafter import Drafter\n"
+        "from agent.decoding.drafter import Drafter\n"
         "d = Drafter(threads=1)\n"
         "for ids in ([10**9], [-1], [d.vocab_size]):\n"
         "    try:\n"

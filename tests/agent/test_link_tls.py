@@ -5,7 +5,7 @@ import pytest
 
 from agent.app import config
 from agent.app.daemon import Daemon
-from agent.spec.link import InsecureLink, tls_context
+from agent.decoding.link import InsecureLink, tls_context
 from tests.tlscerts import make_cert, needs_openssl
 
 

@@ -10,7 +10,7 @@ different prefixes. This test checks exactly that, over the real websocket.
 import numpy as np
 import pytest
 
-from agent.spec.decoder import DecoderConfig, EdgeDecoder
+from agent.decoding.decoder import DecoderConfig, EdgeDecoder
 from tools.logit_margin import top2
 
 pytestmark = pytest.mark.real

@@ -18,12 +18,12 @@ from agent.app.config import ConfigError
 from agent.app.memory import Recall, StepMemory
 from agent.app.navigator import NavConfig, Navigator, offline_envelope
 from agent.app.prompt import common_prefix, messages
+from agent.decoding.decoder import Generation, Metrics
+from agent.decoding.link import LinkLost
 from agent.robot.actions import STOP, Action, parse_action
 from agent.robot.camera import Frame, StaleFrame
 from agent.robot.controllers.base import Command
 from agent.robot.perception import Sighting
-from agent.spec.decoder import Generation, Metrics
-from agent.spec.link import LinkLost
 
 INSTRUCTION = "go to the red box"
 

@@ -25,12 +25,12 @@ from agent.app.config import ConfigError
 from agent.app.memory import Recall
 from agent.app.navigator import NavConfig, Navigator
 from agent.app.prompt import IMAGE_RECALL, SHOTS, messages
+from agent.decoding.decoder import DecoderConfig, EdgeDecoder, Generation, Metrics
+from agent.decoding.link import LinkLost
 from agent.robot.actions import FORWARD_CM, STOP, TURN_DEG, Action, parse_action
 from agent.robot.camera import Frame
 from agent.robot.controllers.base import Command
 from agent.robot.perception import PERCEPTIONS, VlmPerception, fit_within
-from agent.spec.decoder import DecoderConfig, EdgeDecoder, Generation, Metrics
-from agent.spec.link import LinkLost
 from protocol.images import PromptImage, image_format
 
 real = pytest.mark.real
@@ -317,7 +317,7 @@ def vlm():
 
 @pytest.fixture(scope="module")
 def vdrafter(vlm):
-    from agent.spec.drafter import Drafter
+    from agent.decoding.drafter import Drafter
 
     return Drafter(str(vlm.draft), n_ctx=4096, threads=1, mmproj=vlm.draft_mmproj)
 

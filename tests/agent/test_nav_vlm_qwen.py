@@ -55,7 +55,7 @@ QWEN2_VL_TEMPLATE = (
 
 
 def render(template: str, chat: list[dict]) -> str:
-    """As agent/spec/drafter.py's Drafter.apply_chat_template renders a GGUF's template."""
+    """As agent/decoding/drafter.py's Drafter.apply_chat_template renders a GGUF's template."""
     from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
     return Jinja2ChatFormatter(template, eos_token="", bos_token="")(messages=chat).prompt
@@ -107,7 +107,7 @@ def test_a_template_that_writes_the_marker_unwrapped_is_refused_at_start():
 @pytest.fixture(scope="module", params=FAMILIES)
 def qpair(request, qwen_vlm):
     """(family's test VLM, its draft on the robot, a real verifier over its target): one family at a time."""
-    from agent.spec.drafter import Drafter
+    from agent.decoding.drafter import Drafter
     from server_bridge.target import load_target
     from server_bridge.verifier import Verifier
     from tests.conftest import ThreadedServer

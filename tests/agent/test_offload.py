@@ -6,7 +6,7 @@ import logging
 import pytest
 
 from agent.app import config
-from agent.spec.drafter import Drafter, gpu_layers
+from agent.decoding.drafter import Drafter, gpu_layers
 
 
 def test_gpu_layers_follow_llama_cpps_own_answer():
@@ -30,7 +30,7 @@ def test_drafter_asks_llama_cpp_and_passes_the_layers(monkeypatch, caplog, suppo
 
     monkeypatch.setattr(llama_cpp, "llama_supports_gpu_offload", lambda: supported)
     monkeypatch.setattr(llama_cpp, "Llama", fake_llama)
-    with caplog.at_level(logging.WARNING, "agent.spec.drafter"), pytest.raises(Loaded):
+    with caplog.at_level(logging.WARNING, "agent.decoding.drafter"), pytest.raises(Loaded):
         Drafter(threads=1)
     assert seen["n_gpu_layers"] == want
     assert ("no GPU offload" in caplog.text) == (not supported)

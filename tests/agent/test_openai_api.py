@@ -437,7 +437,7 @@ def test_a_link_lost_midway(verifier, drafter, client):
     """The link drops after a few rounds and cannot come back: offline "local" keeps what the verifier
     committed and the draft goes on (chunks say which); "refuse" ends the stream with an error event."""
     from agent import Client
-    from agent.spec.decoder import DecoderConfig, ReconnectPolicy
+    from agent.decoding.decoder import DecoderConfig, ReconnectPolicy
     from tools.cluster.netem import LinkProfile, NetemProxy
 
     full = client.generate(messages=ASK, max_tokens=40).token_ids

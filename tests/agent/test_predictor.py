@@ -5,8 +5,8 @@ import json
 import numpy as np
 import pytest
 
-from agent.spec.policy import DraftController, DraftPolicy
-from agent.spec.predictor import FEATURES, RejectionPredictor, TraceWriter, feature_row, logit_features
+from agent.decoding.policy import DraftController, DraftPolicy
+from agent.decoding.predictor import FEATURES, RejectionPredictor, TraceWriter, feature_row, logit_features
 from protocol.sampling import SamplingParams
 
 

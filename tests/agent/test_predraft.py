@@ -5,7 +5,7 @@ import time
 import numpy as np
 import pytest
 
-from agent.spec.predraft import PreDrafter, VerdictQueue
+from agent.decoding.predraft import PreDrafter, VerdictQueue
 from protocol.payload import PayloadSpec
 from protocol.sampling import SamplingParams
 
@@ -89,7 +89,7 @@ def _wait_cached(predrafter, key, timeout_s=20.0):
 def test_branches_draft_what_the_draft_model_would(drafter):
     """Batched branches give the draft model's own greedy drafts (llama.cpp's batched kernels may
     round differently from one-row decoding, so a near tie can flip: most, not all, must agree)."""
-    from agent.spec.branches import BranchDrafter
+    from agent.decoding.branches import BranchDrafter
 
     bd = BranchDrafter(drafter, slots=3, threads=1)
     committed = drafter.tokenize(PROMPT, chat=True)

@@ -192,10 +192,10 @@ def test_every_step_is_on_the_disk_before_the_next(tmp_path):
 KILLED_RUN = """
 import sys
 
-import agent.spec.drafter
+import agent.decoding.drafter
 from tests.agent.test_run_cli import WalkingDrafter
 
-agent.spec.drafter.Drafter = WalkingDrafter
+agent.decoding.drafter.Drafter = WalkingDrafter
 from agent.app import cli
 
 sys.exit(cli.main(sys.argv[1:]))
@@ -233,11 +233,11 @@ def test_a_full_disk_stops_recording_and_telemetry_and_the_run_ends_well(tmp_pat
     for both (the second stop an INFO line), no traceback, and the robot walks its steps and ends with its
     --json summary and exit 0. Failed before: TelemetryWriter.close raised, the recorder was never closed,
     exit 1 with no summary."""
-    import agent.spec.drafter
+    import agent.decoding.drafter
 
     if not os.path.exists("/dev/full"):
         pytest.skip("no /dev/full on this system")
-    monkeypatch.setattr(agent.spec.drafter, "Drafter", WalkingDrafter)
+    monkeypatch.setattr(agent.decoding.drafter, "Drafter", WalkingDrafter)
     caplog.set_level(logging.INFO)
     scene = tmp_path / "ahead.json"
     scene.write_text(json.dumps(SCENE))
@@ -287,9 +287,9 @@ def test_a_disk_that_fills_mid_run_stops_the_recording_once(tmp_path, caplog):
 def test_run_record_writes_what_two_readers_read_back(tmp_path, capsys, monkeypatch, caplog):
     """`edge-agent run --record --foxglove`: the simulated robot walks three steps (a fake draft, no model: offline
     local), and the file holds a message per step on every per-step channel."""
-    import agent.spec.drafter
+    import agent.decoding.drafter
 
-    monkeypatch.setattr(agent.spec.drafter, "Drafter", WalkingDrafter)
+    monkeypatch.setattr(agent.decoding.drafter, "Drafter", WalkingDrafter)
     caplog.set_level(logging.INFO, logger="agent.app.daemon")
     scene = tmp_path / "ahead.json"
     scene.write_text(json.dumps(SCENE))
@@ -343,9 +343,9 @@ def test_run_record_writes_what_two_readers_read_back(tmp_path, capsys, monkeypa
 @pytest.mark.real
 def test_run_record_with_the_real_models_marks_verified_answers(tmp_path, capsys, monkeypatch, drafter, make_server):
     """The same with the real draft and a real verifier: the answers on /answer are verified, the link verified."""
-    import agent.spec.drafter
+    import agent.decoding.drafter
 
-    monkeypatch.setattr(agent.spec.drafter, "Drafter", lambda *a, **k: drafter)
+    monkeypatch.setattr(agent.decoding.drafter, "Drafter", lambda *a, **k: drafter)
     server = make_server()
     record = tmp_path / "real.mcap"
     rc, out, err = _run(

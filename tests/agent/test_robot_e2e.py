@@ -16,8 +16,8 @@ from websockets.exceptions import ConnectionClosed
 from agent.app import config
 from agent.app.api import connect
 from agent.app.daemon import Daemon
+from agent.decoding.decoder import DecoderConfig, EdgeDecoder
 from agent.robot.controllers.sim import SimController
-from agent.spec.decoder import DecoderConfig, EdgeDecoder
 from tools.cluster.netem import LinkProfile, NetemProxy
 
 pytestmark = pytest.mark.real

@@ -92,9 +92,9 @@ def _run(capsys, *args) -> tuple[int, dict, str]:
 
 
 def test_run_exit_when_done_json_in_a_scene_file(tmp_path, capsys, monkeypatch):
-    import agent.spec.drafter
+    import agent.decoding.drafter
 
-    monkeypatch.setattr(agent.spec.drafter, "Drafter", WalkingDrafter)
+    monkeypatch.setattr(agent.decoding.drafter, "Drafter", WalkingDrafter)
     scene = tmp_path / "ahead.json"
     scene.write_text(json.dumps(SCENE))
     rc, out, err = _run(
@@ -128,9 +128,9 @@ def test_run_exit_when_done_json_in_a_scene_file(tmp_path, capsys, monkeypatch):
 
 
 def test_run_with_a_start_facing_away_reports_max_steps(tmp_path, capsys, monkeypatch):
-    import agent.spec.drafter
+    import agent.decoding.drafter
 
-    monkeypatch.setattr(agent.spec.drafter, "Drafter", WalkingDrafter)
+    monkeypatch.setattr(agent.decoding.drafter, "Drafter", WalkingDrafter)
     scene = tmp_path / "behind.json"
     scene.write_text(json.dumps(SCENE))
     rc, out, _ = _run(
@@ -225,9 +225,9 @@ def test_one_key_of_a_table_field_can_be_set():
 
 
 def _walking(monkeypatch):
-    import agent.spec.drafter
+    import agent.decoding.drafter
 
-    monkeypatch.setattr(agent.spec.drafter, "Drafter", WalkingDrafter)
+    monkeypatch.setattr(agent.decoding.drafter, "Drafter", WalkingDrafter)
 
 
 def test_run_prints_a_line_per_step_and_quiet_prints_none(tmp_path, capsys, monkeypatch):
@@ -254,12 +254,12 @@ def test_run_prints_a_line_per_step_and_quiet_prints_none(tmp_path, capsys, monk
 
 
 def test_an_instruction_naming_nothing_in_the_scene_is_refused_before_anything_loads(capsys, monkeypatch):
-    import agent.spec.drafter
+    import agent.decoding.drafter
 
     def no_model(*a, **k):
         raise AssertionError("the draft model must not load")
 
-    monkeypatch.setattr(agent.spec.drafter, "Drafter", no_model)
+    monkeypatch.setattr(agent.decoding.drafter, "Drafter", no_model)
     rc, _, err = _run(
         capsys, "--controller", "sim", "--scene", "two_rooms", "--instruction", "go to the blue ball", "--json",
         "--exit-when-done",
@@ -274,7 +274,7 @@ def test_every_shipped_scene_is_taken_by_name(capsys, monkeypatch):
 
     names = builtin_scenes()
     assert {"red_box", "two_rooms", "cluttered", "blue_ball_corridor"} <= set(names) and len(names) >= 8
-    monkeypatch.setattr("agent.spec.drafter.Drafter", lambda *a, **k: pytest.fail("no model"))
+    monkeypatch.setattr("agent.decoding.drafter.Drafter", lambda *a, **k: pytest.fail("no model"))
     for name in names:
         objects = ", ".join(o.name for o in load_scene(name).objects)
         rc, _, err = _run(capsys, "--controller", "sim", "--scene", name, "--instruction", "go to the purple elephant")
@@ -347,9 +347,9 @@ class ForwardDrafter(WalkingDrafter):
 def test_a_camera_that_sees_nothing_named_never_walks_and_ends_not_seen(capsys, monkeypatch, drafter, steps):
     """Perception "color" (a real detector, here on the simulator's renders) finds no purple elephant: a step
     forward becomes a stop at once; a turn to look is allowed once, the next is a stop; the task ends not_seen."""
-    import agent.spec.drafter
+    import agent.decoding.drafter
 
-    monkeypatch.setattr(agent.spec.drafter, "Drafter", drafter)
+    monkeypatch.setattr(agent.decoding.drafter, "Drafter", drafter)
     rc, out, err = _run(
         capsys, "--controller", "sim", "--scene", "red_box", "--camera", "sim", "--perception", "color",
         "--offline", "local", "--instruction", "go to the purple elephant", "--exit-when-done", "--json",

@@ -4,7 +4,7 @@ top_p = 0.5 lies in the target's own nucleus, on both engines (numpy and device 
 import numpy as np
 import pytest
 
-from agent.spec.decoder import DecoderConfig, EdgeDecoder, FsdOptions
+from agent.decoding.decoder import DecoderConfig, EdgeDecoder, FsdOptions
 from protocol import sampling
 from protocol.payload import PayloadSpec
 from protocol.sampling import SamplingParams
@@ -85,7 +85,7 @@ def test_edge_agent_generate_takes_top_p(make_server, capsys):
 def test_a_verifier_that_predates_top_p_is_refused_before_any_sampling(drafter):
     """A welcome without limits.top_p is from a server that would ignore sampling.top_p and sample the whole
     distribution: the robot refuses it with no_top_p rather than call that output the nucleus's."""
-    from agent.spec.link import ServerError
+    from agent.decoding.link import ServerError
     from tests.agent.test_hostile_verifier import FakeVerifier  # its welcome is an older server's: no top_p
 
     ids = drafter.tokenize("Name a colour.", chat=True)

@@ -15,8 +15,8 @@ import time
 import numpy as np
 import pytest
 
-from agent.spec.decoder import DecoderConfig, EdgeDecoder
-from agent.spec.link import ServerError
+from agent.decoding.decoder import DecoderConfig, EdgeDecoder
+from agent.decoding.link import ServerError
 from protocol import wire
 from protocol.images import MAX_IMAGE_PIXELS, MAX_IMAGE_SIDE, PromptImage
 from runtime.vision import CACHED

@@ -14,9 +14,9 @@ the target's distribution (χ²; tests/agent/vlm_pairs.py holds what the vision 
 import numpy as np
 import pytest
 
-from agent.spec.branches import BranchDrafter
-from agent.spec.decoder import DecoderConfig, EdgeDecoder
-from agent.spec.drafter import DraftContextFull, Drafter
+from agent.decoding.branches import BranchDrafter
+from agent.decoding.decoder import DecoderConfig, EdgeDecoder
+from agent.decoding.drafter import DraftContextFull, Drafter
 from protocol.sampling import SamplingParams
 from server_bridge.engine import Pass, load_engine
 from tests.agent import vlm_pairs as pairs

@@ -13,8 +13,8 @@ import io
 import numpy as np
 from scipy import stats
 
-from agent.spec.decoder import DecoderConfig, EdgeDecoder, FsdOptions, ReconnectPolicy
-from agent.spec.drafter import Draft, Drafter
+from agent.decoding.decoder import DecoderConfig, EdgeDecoder, FsdOptions, ReconnectPolicy
+from agent.decoding.drafter import Draft, Drafter
 from protocol import sampling, wire
 from protocol.images import PromptImage
 from protocol.payload import PayloadSpec

@@ -17,8 +17,8 @@ import urllib.request
 
 import pytest
 
-from agent.spec.decoder import DecoderConfig, EdgeDecoder
-from agent.spec.link import VerifierLink
+from agent.decoding.decoder import DecoderConfig, EdgeDecoder
+from agent.decoding.link import VerifierLink
 from server_bridge.fleet import HAPROXY_CFG, Cluster, health, loopback_config
 
 pytestmark = pytest.mark.real
@@ -167,7 +167,7 @@ def test_a_drained_replicas_robots_finish_without_an_error_and_exactly(healed, d
         for p in (PROMPT, "List five things a warehouse robot must check before it moves a pallet, and why.")
     ]
     want = [_reference(cluster, drafter, ids, 80) for ids in prompts]
-    from agent.spec.drafter import Drafter
+    from agent.decoding.drafter import Drafter
 
     second = Drafter(threads=1)  # a llama context serves one thread: one per robot
     decs = [

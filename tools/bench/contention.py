@@ -21,7 +21,7 @@ import time
 
 SPIN = """
 import numpy as np
-from agent.spec.drafter import Drafter
+from agent.decoding.drafter import Drafter
 from protocol.sampling import SamplingParams
 d = Drafter(threads=1)
 ids = d.tokenize("Hello there, how are you doing today?")

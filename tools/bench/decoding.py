@@ -4,7 +4,7 @@
                           [--ablations] [--ablation-rtt 20] [--ablation-prompts 3]
 
 FSD is SD with early-exit verdicts streamed by the verifier and pre-drafting
-on the robot while it waits (agent/spec/predraft.py). With --ablations it also runs
+on the robot while it waits (agent/decoding/predraft.py). With --ablations it also runs
 the FSD paper's ablations on the near-identical pair at one RTT: pre-draft
 workers 1..8, gamma 1..8 (SD and FSD) and the early-verdict queue policy on the
 robot x on the server (the server policy needs one verifier per policy).
@@ -30,8 +30,8 @@ import logging
 import sys
 from pathlib import Path
 
-from agent.spec.decoder import DecoderConfig, EdgeDecoder, FsdOptions
-from agent.spec.drafter import Drafter
+from agent.decoding.decoder import DecoderConfig, EdgeDecoder, FsdOptions
+from agent.decoding.drafter import Drafter
 from tools.bench import harness
 from tools.bench.link import TARGET, load_prompts, served, summarize
 from tools.cluster.netem import LinkProfile, NetemProxy

@@ -22,9 +22,9 @@ import sys
 import time
 
 from agent.app.prompt import messages, observation_text
+from agent.decoding.decoder import DecoderConfig, EdgeDecoder
+from agent.decoding.drafter import Drafter
 from agent.robot.actions import answer_grammar, answer_max_tokens, complete, parse_action
-from agent.spec.decoder import DecoderConfig, EdgeDecoder
-from agent.spec.drafter import Drafter
 from protocol.sampling import SamplingParams
 from tools.bench import harness
 from tools.bench.link import served

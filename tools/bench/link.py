@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from agent.spec.drafter import Drafter
+from agent.decoding.drafter import Drafter
 from server_bridge.fleet import LocalVerifier, pin_cores
 from tools.cluster.netem import LinkProfile, NetemProxy
 

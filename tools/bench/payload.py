@@ -45,9 +45,9 @@ from pathlib import Path
 
 import numpy as np
 
-from agent.spec.decoder import DecoderConfig, EdgeDecoder
-from agent.spec.drafter import Drafter
-from agent.spec.link import LinkLost, ServerError
+from agent.decoding.decoder import DecoderConfig, EdgeDecoder
+from agent.decoding.drafter import Drafter
+from agent.decoding.link import LinkLost, ServerError
 from protocol import payload, sampling
 from protocol.payload import PayloadSpec
 from protocol.sampling import SamplingParams

@@ -27,10 +27,10 @@ from pathlib import Path
 
 import numpy as np
 
-from agent.spec.decoder import DecoderConfig, EdgeDecoder
-from agent.spec.drafter import Drafter
-from agent.spec.policy import POLICIES, DraftPolicy
-from agent.spec.predictor import RejectionPredictor, feature_row, predictor_path
+from agent.decoding.decoder import DecoderConfig, EdgeDecoder
+from agent.decoding.drafter import Drafter
+from agent.decoding.policy import POLICIES, DraftPolicy
+from agent.decoding.predictor import RejectionPredictor, feature_row, predictor_path
 from server_bridge.fleet import pin_cores
 from tools.bench import harness
 from tools.bench.link import TARGET, Served, load_prompts, served, summarize

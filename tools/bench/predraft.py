@@ -6,7 +6,7 @@ in N worker threads (llama-cpp `Llama` objects are not thread-safe, so one each)
 Both draft the same N continuations of one prompt, gamma tokens each, the way
 a round's pre-drafting does; the figure is the wall time until every branch's
 draft is ready (median over --repeats). Writes predraft_backends.{json,md,png}
-into --out. agent/spec/branches.py implements the batched backend, the faster one.
+into --out. agent/decoding/branches.py implements the batched backend, the faster one.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import time
 
 import numpy as np
 
-from agent.spec.branches import BranchDrafter
-from agent.spec.drafter import Drafter
+from agent.decoding.branches import BranchDrafter
+from agent.decoding.drafter import Drafter
 from protocol.sampling import SamplingParams
 from tools.bench import harness
 

@@ -6,7 +6,7 @@ On one pinned core with one thread, one after the other and repeated alternately
         `llama_decode` of one token per step and the argmax of its logits row (read in place), the
         loop any program on llama-cpp-python would run at the least;
   ours  `server-bridge serve` on the same core and thread (server_bridge/fleet.py:LocalVerifier), the robot's
-        client (agent.spec.decoder, mode ar) on the other core: after the session's open (which
+        client (agent.decoding.decoder, mode ar) on the other core: after the session's open (which
         prefills the same prompt but its last token), the `ar` request and its streamed tokens.
 
 Both time the same steps: from the first decode of the prompt's last token to the last token out
@@ -178,8 +178,8 @@ def one_prompt(decoder, model: str, prompt: list[int], args: argparse.Namespace,
 
 
 def measure(args: argparse.Namespace) -> dict:
-    from agent.spec.decoder import DecoderConfig, EdgeDecoder
-    from agent.spec.drafter import Drafter
+    from agent.decoding.decoder import DecoderConfig, EdgeDecoder
+    from agent.decoding.drafter import Drafter
     from protocol import modelfiles
     from server_bridge.engine_llamacpp import prepare_target
     from server_bridge.fleet import LocalVerifier

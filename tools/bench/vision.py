@@ -70,10 +70,10 @@ def measure(args: argparse.Namespace) -> dict:
         args.steps, args.tokens = 1, 4
 
     from agent.app.prompt import messages
+    from agent.decoding.decoder import DecoderConfig, EdgeDecoder
+    from agent.decoding.drafter import Drafter
     from agent.robot.camera import Frame
     from agent.robot.perception import VlmPerception
-    from agent.spec.decoder import DecoderConfig, EdgeDecoder
-    from agent.spec.drafter import Drafter
     from server_bridge.fleet import LocalVerifier
 
     if all(given):

@@ -20,9 +20,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from agent.spec.decoder import DecoderConfig, EdgeDecoder, FsdOptions
-from agent.spec.drafter import Drafter
-from agent.spec.policy import DraftPolicy
+from agent.decoding.decoder import DecoderConfig, EdgeDecoder, FsdOptions
+from agent.decoding.drafter import Drafter
+from agent.decoding.policy import DraftPolicy
 from server_bridge.fleet import LocalVerifier
 from tools.bench import harness, peer
 from tools.cluster.netem import LinkProfile, NetemProxy

@@ -325,7 +325,7 @@ def run_models(episodes: list[tuple[Scene, int, bool]], args, maps: Path, meta: 
     import cv2
 
     from agent.app.daemon import Daemon
-    from agent.spec.drafter import Drafter
+    from agent.decoding.drafter import Drafter
     from tools.bench.link import served
     from tools.cluster.netem import LinkProfile
     from tools.robot.episode import navigate_with_cut, restart

@@ -32,8 +32,8 @@ from pathlib import Path
 
 from agent.app.memory import Recall
 from agent.app.prompt import common_prefix, messages
+from agent.decoding.drafter import Drafter
 from agent.robot.actions import Action
-from agent.spec.drafter import Drafter
 
 INSTRUCTION = "go to the red box"
 ANSWER = "The red box is to the left, so I turn left. The next action is turn left 30 degree."

@@ -41,6 +41,8 @@ from pathlib import Path
 
 from agent.app.memory import Recall
 from agent.app.prompt import AHEAD_DEG, messages, observation_text
+from agent.decoding.decoder import EdgeDecoder
+from agent.decoding.drafter import Drafter
 from agent.robot.actions import (
     FORWARD_CM,
     TURN_DEG,
@@ -53,8 +55,6 @@ from agent.robot.actions import (
 )
 from agent.robot.perception import Sighting
 from agent.robot.scripted import scripted_action
-from agent.spec.decoder import EdgeDecoder
-from agent.spec.drafter import Drafter
 
 KINDS = ("forward", "left", "right", "stop")
 TARGET = "red box"

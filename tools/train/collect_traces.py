@@ -6,7 +6,7 @@
 Runs the training prompts (tools/prompts/predictor_train.jsonl; the benchmark's
 prompts are kept out) through a local verifier with a fixed draft length, the
 verifier on its own core. Each draft token that reached a verdict becomes one
-line of <out>/<draft>__<target>.jsonl with agent/spec/predictor.py's FEATURES and
+line of <out>/<draft>__<target>.jsonl with agent/decoding/predictor.py's FEATURES and
 its label. tools/train/predictor.py reads them.
 """
 
@@ -20,8 +20,8 @@ import sys
 import time
 from pathlib import Path
 
-from agent.spec.decoder import DecoderConfig, EdgeDecoder
-from agent.spec.drafter import Drafter
+from agent.decoding.decoder import DecoderConfig, EdgeDecoder
+from agent.decoding.drafter import Drafter
 from protocol.sampling import SamplingParams
 from server_bridge.fleet import LocalVerifier, pin_cores
 

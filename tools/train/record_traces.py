@@ -21,7 +21,7 @@ One file per pair, tools/traces/<draft>__<target>.json, ints only:
                   "chains": [[...] * n]}]}       # [n, gamma_max] the draft's greedy chain at each position
 
 The target runs here directly (server_bridge.target.Target on the default engine, one token per
-forward pass on a warm KV cache), the draft through agent.spec.drafter.Drafter.
+forward pass on a warm KV cache), the draft through agent.decoding.drafter.Drafter.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
-from agent.spec.drafter import Drafter
+from agent.decoding.drafter import Drafter
 from protocol.sampling import SamplingParams
 from tools.bench.decoding import load_prompts
 

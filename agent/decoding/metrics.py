@@ -31,7 +31,7 @@ class Metrics:
     accepted: int = 0
     wasted_draft_tokens: int = 0  # drafted tokens the server rejected
     reconnects: int = 0  # new connections after a lost link
-    protocol_violations: int = 0  # of those lost links, replies that broke the protocol (agent/spec/replies.py),
+    protocol_violations: int = 0  # of those lost links, replies that broke the protocol (agent/decoding/replies.py),
     # dropped with their link and nothing of them committed
     restarts: int = 0  # of those, after the server closed on purpose (a replica draining:
     # 1012), made at once without backing off
@@ -49,7 +49,7 @@ class Metrics:
     avg_exit_layer: float | None = None  # mean over rounds of the earliest exit that matched the result
     exit_layer_sum: int = 0
     exit_ms: float = 0.0  # server time in early-exit heads (part of verify_ms)
-    # draft policy (agent/spec/policy.py)
+    # draft policy (agent/decoding/policy.py)
     draft_policy: str = "fixed"
     draft_lengths: dict = field(default_factory=dict)  # str(k) -> rounds that drafted k tokens
     predictor_stops: int = 0  # rounds the rejection predictor ended early

@@ -1,8 +1,8 @@
 """Draft policies: how many tokens each round drafts, and whether to speculate at all.
 
     fixed               gamma tokens every round (the baseline)
-    predictor           up to gamma, stopping at the first predicted rejection (agent/spec/predictor.py)
-    optimal             gamma* from the running cost estimates (agent/spec/draftlen.py), and AS2:
+    predictor           up to gamma, stopping at the first predicted rejection (agent/decoding/predictor.py)
+    optimal             gamma* from the running cost estimates (agent/decoding/draftlen.py), and AS2:
                         target-only streaming while speculation cannot win
     predictor+optimal   gamma* as the cap, the predictor inside it, and AS2
 

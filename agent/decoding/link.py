@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 RECOVERABLE = {"unknown_session", "desync", "unknown_image"}
 # The session id is held by another connection and our prompt does not carry its committed prefix
 # (a named session re-opened with a new prompt after the link dropped between two generations):
-# re-opening the same id cannot help, a fresh id does (agent/spec/session.py switches once per open).
+# re-opening the same id cannot help, a fresh id does (agent/decoding/session.py switches once per open).
 TAKEN = "session_taken"
 # Close codes after which the server is gone on purpose (1012 a replica draining, 1001 a server going
 # away): reconnect at once, the balancer sends the robot to a replica that serves.
@@ -63,7 +63,7 @@ class LinkLost(ConnectionError):
 class ProtocolViolation(LinkLost):
     """A verifier reply that breaks the protocol or what the handshake agreed: a token id outside the
     vocabulary, more accepted tokens than were drafted, a round that was not asked, an unusable residual
-    (agent/spec/replies.py checks them). The robot trusts nothing it receives: such a reply is dropped with its
+    (agent/decoding/replies.py checks them). The robot trusts nothing it receives: such a reply is dropped with its
     link, uncommitted, and the decoder goes on as for a lost link (reconnect, re-open with the committed
     prefix; in the end the robot's offline mode)."""
 

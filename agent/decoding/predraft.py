@@ -20,7 +20,7 @@ slot of the worst running branch; candidates below `min_odds` are not
 drafted at all.
 
 Up to `workers` branches are drafted at once, as sequences of one llama
-context advancing together in one batch (agent/spec/branches.py). When the
+context advancing together in one batch (agent/decoding/branches.py). When the
 `result` arrives, `take(key)` returns the cached draft (a hit), or waits for
 the branch still in progress for that key (a hit that finishes), or drafts the
 key on its own (a miss). Any failure in the worker makes `take` return None

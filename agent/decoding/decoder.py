@@ -1,12 +1,12 @@
 """The robot's decode loop: AR (server alone), SD (draft here, verify there), FSD (SD with
-early-exit verdicts and pre-drafting, agent/spec/predraft.py) and local (draft alone).
+early-exit verdicts and pre-drafting, agent/decoding/predraft.py) and local (draft alone).
 
-A generation reads top to bottom in `_generate_remote`: open the session (agent/spec/session.py),
+A generation reads top to bottom in `_generate_remote`: open the session (agent/decoding/session.py),
 rounds (SD / FSD / an AR stream) that each commit what the server committed, close. Its state lives
-in a `Run` (agent/spec/run.py) made for it; the EdgeDecoder keeps only what spans generations.
+in a `Run` (agent/decoding/run.py) made for it; the EdgeDecoder keeps only what spans generations.
 
 How long each SD round drafts, and whether to speculate at all, is the draft
-policy's (agent/spec/policy.py: `plan()` before a round, `observe()` after it): fixed,
+policy's (agent/decoding/policy.py: `plan()` before a round, `observe()` after it): fixed,
 the rejection predictor, gamma* by Lambert W, and AS2's switch to target-only streaming
 when speculation cannot win.
 
@@ -216,7 +216,7 @@ class EdgeDecoder:
     def _generate_remote(self, run: Run) -> list[int]:
         """Open the session, run rounds until the generation is over, close it (a named session stays open).
 
-        A lost link or a lost session is recovered by the session (agent/spec/session.py): reconnect with
+        A lost link or a lost session is recovered by the session (agent/decoding/session.py): reconnect with
         backoff, re-open with the committed prefix, and the round is done again.
         """
         attempt = self.sessions.begin(run.session, run.m)
