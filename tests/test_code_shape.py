@@ -1,4 +1,5 @@
-"""The code's shape: tools/ stays under a third of the code, and no product function outgrows a screen."""
+"""The code's shape: tools/ stays under a third of the code, no product function outgrows a screen, and one
+function makes the decoding client's draft model and decoder."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ ROOT = Path(__file__).resolve().parent.parent
 COUNTED = ("agent", "server_bridge", "protocol", "runtime", "tools")
 PRODUCT = ("agent", "server_bridge", "protocol", "runtime")
 MAX_FUNCTION_LINES = 80
+BUILT_IN_ONE_PLACE = ("Drafter", "EdgeDecoder")  # made by open_decoder only: one way from settings to a decoder
+OPENER = ("agent/decoding/__init__.py", "open_decoder")
 
 
 def lines(package: str, root: Path = ROOT) -> int:
@@ -25,6 +28,29 @@ def long_functions(package: str, root: Path = ROOT) -> list[str]:
                 n = (node.end_lineno or node.lineno) - node.lineno + 1
                 if n > MAX_FUNCTION_LINES:
                     out.append(f"{path.relative_to(root)}:{node.lineno} {node.name} ({n} lines)")
+    return out
+
+
+def stray_builds(package: str, root: Path = ROOT) -> list[str]:
+    """path:line name of every call of Drafter(...) or EdgeDecoder(...) (by name or attribute) outside
+    OPENER's function."""
+    out = []
+    for path in sorted((root / package).rglob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        where = path.relative_to(root).as_posix()
+        inside = {
+            id(n)
+            for fn in ast.walk(tree)
+            if isinstance(fn, ast.FunctionDef) and (where, fn.name) == OPENER
+            for n in ast.walk(fn)
+        }
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Call) or id(node) in inside:
+                continue
+            func = node.func
+            name = func.id if isinstance(func, ast.Name) else getattr(func, "attr", None)
+            if name in BUILT_IN_ONE_PLACE:
+                out.append(f"{where}:{node.lineno} {name}")
     return out
 
 
@@ -47,3 +73,16 @@ def test_the_measures_see_what_they_measure(tmp_path):
     assert lines("pkg", tmp_path) == 5 + MAX_FUNCTION_LINES
     found = long_functions("pkg", tmp_path)
     assert len(found) == 1 and f"long ({MAX_FUNCTION_LINES + 1} lines)" in found[0]
+
+
+def test_only_open_decoder_makes_a_drafter_or_a_decoder():
+    found = [f for p in ("agent", "tools") for f in stray_builds(p)]
+    assert not found, "build these through agent.decoding.open_decoder(settings, drafter):\n" + "\n".join(found)
+
+
+def test_stray_builds_are_found(tmp_path):
+    opener, name = OPENER
+    (tmp_path / opener).parent.mkdir(parents=True)
+    (tmp_path / opener).write_text(f"def {name}(s):\n    return EdgeDecoder(Drafter(s), s)\n")
+    (tmp_path / "agent" / "m.py").write_text("import x\nd = x.Drafter()\n\n\ndef f(d):\n    return EdgeDecoder(d)\n")
+    assert stray_builds("agent", tmp_path) == ["agent/m.py:2 Drafter", "agent/m.py:6 EdgeDecoder"]

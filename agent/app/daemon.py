@@ -30,7 +30,8 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from agent.decoding.decoder import DecoderConfig, EdgeDecoder, ReconnectPolicy
+from agent.decoding import DecoderSettings, open_decoder
+from agent.decoding.decoder import EdgeDecoder, ReconnectPolicy
 from agent.decoding.link import default_robot_id, tls_context
 from agent.decoding.policy import DraftPolicy
 from agent.robot.camera import Frame, FrameGrabber, open_source
@@ -130,17 +131,9 @@ class Daemon:
             watchdog_interval_s=self.notifier.watchdog_interval_s(),
         ).start()
         self.notifier.status("loading the draft model")
-        if self._drafter is None:
-            from agent.decoding.drafter import Drafter
-
-            self._drafter = Drafter(
-                cfg.agent.draft,
-                threads=cfg.agent.threads,
-                n_gpu_layers=cfg.agent.n_gpu_layers,
-                mmproj=cfg.agent.draft_mmproj or None,
-            )
+        self.decoder = open_decoder(decoder_settings(cfg, token), self._drafter)
+        self._drafter = self.decoder.drafter
         log.info("draft offload (llama.cpp's own query): %s", getattr(self._drafter, "offload", "unknown"))
-        self.decoder = EdgeDecoder(self._drafter, decoder_config(cfg, token))
         self.nav = Navigator(
             self.decoder,
             grabber,
@@ -529,7 +522,7 @@ class Daemon:
         return f"{mode}, {task}{camera}{estop}"
 
 
-# NavConfig's and DecoderConfig's fields that differ in name from the config's (the rest match by name, in
+# NavConfig's and DecoderSettings' fields that differ in name from the config's (the rest match by name, in
 # whichever section holds them); `unset` are the ones the config does not set (their defaults stand).
 NAV_RENAME = {
     "offline": "offline.policy",
@@ -576,16 +569,14 @@ def chat_client(daemon: Daemon) -> Client:
     if daemon.decoder is None:
         raise RuntimeError("start() the daemon before its chat endpoint")
     return Client(
+        daemon.decoder.settings,
         drafter=daemon.decoder.drafter,
-        config=daemon.decoder.config,
-        mode=cfg.agent.mode,
-        gamma=cfg.agent.gamma,
         offline="local" if cfg.offline.policy == "local" else "refuse",
         lock=daemon.model_lock,
     )
 
 
-def decoder_config(cfg: Config, token: str) -> DecoderConfig:
+def decoder_settings(cfg: Config, token: str) -> DecoderSettings:
     """The decoding client's settings from the config: by name, DECODER_RENAME where the names differ, and
     the values the config holds in another form (a policy's name, a payload's kind and K) made here."""
     link = cfg.link
@@ -599,7 +590,7 @@ def decoder_config(cfg: Config, token: str) -> DecoderConfig:
             max_attempts=1, backoff_s=link.reconnect_backoff_s, backoff_max_s=link.reconnect_backoff_max_s
         ),
     }
-    return settings.pick(DecoderConfig, cfg, rename=DECODER_RENAME, computed=computed, unset=DECODER_UNSET)
+    return settings.pick(DecoderSettings, cfg, rename=DECODER_RENAME, computed=computed, unset=DECODER_UNSET)
 
 
 def _decode_image(data: str) -> Frame:

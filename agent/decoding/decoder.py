@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
@@ -35,72 +34,41 @@ from .drafter import Draft, Drafter
 from .draftlen import As2, CostEstimator
 from .link import LinkLost, ProtocolViolation, ServerError, VerifierLink
 from .metrics import Generation, Metrics
-from .policy import DraftController, DraftPolicy
+from .policy import DraftController
 from .predictor import RejectionPredictor, TraceWriter, predictor_path
 from .predraft import PreDrafter
 from .run import GrammarWalk, Run
 from .session import ReconnectPolicy, Sessions
+from .settings import DecoderSettings, FsdOptions
 
-__all__ = ["DecoderConfig", "EdgeDecoder", "FsdOptions", "Generation", "Metrics", "MODES", "ReconnectPolicy"]
+__all__ = ["DecoderSettings", "EdgeDecoder", "FsdOptions", "Generation", "Metrics", "MODES", "ReconnectPolicy"]
 
 log = logging.getLogger(__name__)
 
 MODES = ("ar", "sd", "fsd", "local")
 
 
-@dataclass(frozen=True)
-class FsdOptions:
-    """The FSD knobs: which exits to ask for, how many branches to pre-draft at once, queue policy."""
-
-    exits: tuple[int, ...] | None = None  # None: every exit the server has; (): none (pre-draft guesses only)
-    workers: int = 1  # branches drafted at once (sequences of one batched context)
-    policy: str = "priority"  # order of early verdicts: priority | fifo | random
-    n_cands: int = 8  # draft top-K ids sent per position for the exits to score
-    guesses: bool = True  # also pre-draft the robot's own guesses
-    threads: int = 1  # llama threads of the pre-draft context
-
-
-@dataclass(frozen=True)
-class DecoderConfig:
-    """Everything an EdgeDecoder is built from but its draft model: the CLI, the daemon (from its TOML),
-    the tools and the tests all build one of these and hand it to `EdgeDecoder(drafter, config)`."""
-
-    url: str | None = None  # the verifier (ws:// or wss://); None: offline, local drafting only
-    token: str = ""  # the verifier's bearer token, sent in hello
-    reconnect: ReconnectPolicy = ReconnectPolicy()
-    recv_timeout_s: float = 30.0  # a verify reply later than this drops the link
-    fsd: FsdOptions = FsdOptions()
-    policy: DraftPolicy = DraftPolicy()
-    trace: str | None = None  # write the rejection predictor's training rows (JSONL) here
-    keepalive_s: float = 2.0  # websocket ping interval and timeout (not websockets' 20 s)
-    payload: PayloadSpec = PayloadSpec()  # what the uplink carries of q at T > 0 (--payload)
-    slo: float = 0.0  # tokens/s this robot needs (the verifier's SLO class); 0 = none
-    ca_file: str = ""  # wss://: the CA of the verifier's certificate ("" = the system's)
-    allow_insecure: bool = False  # a token over plain ws:// to another host
-    robot_id: str = ""  # X-Robot-Id in the handshake ("" = none): a balancer's hash key
-
-
 class EdgeDecoder:
     """The decoding client: `generate()` runs one generation; the drafter, the verifier's link and sessions,
     the cost estimates and the pre-drafter outlive it."""
 
-    def __init__(self, drafter: Drafter, config: DecoderConfig = DecoderConfig()) -> None:
-        self.config = config
+    def __init__(self, drafter: Drafter, settings: DecoderSettings = DecoderSettings()) -> None:
+        self.settings = settings
         self.drafter = drafter
-        self.sessions = Sessions(self._new_link, config.reconnect)  # the link, session names, resume secrets
-        self.trace = TraceWriter(config.trace) if config.trace else None
+        self.sessions = Sessions(self._new_link, settings.reconnect)  # the link, session names, resume secrets
+        self.trace = TraceWriter(settings.trace) if settings.trace else None
         self.estimator = CostEstimator()  # the link's and the pair's, across generations
-        self.as2 = As2(config.policy.as2_config)  # likewise: a slow link starts the next generation streaming
+        self.as2 = As2(settings.policy.as2_config)  # likewise: a slow link starts the next generation streaming
         self.predrafter: PreDrafter | None = None  # FSD's, made by the first FSD generation
         self._predictors: dict[str, RejectionPredictor] = {}
 
     @property
     def url(self) -> str | None:
-        return self.config.url
+        return self.settings.url
 
     @property
     def payload(self) -> PayloadSpec:
-        return self.config.payload
+        return self.settings.payload
 
     @property
     def link(self) -> VerifierLink | None:
@@ -132,10 +100,10 @@ class EdgeDecoder:
         self,
         prompt_ids: list[int],
         *,
-        mode: str = "sd",
+        mode: str | None = None,
         max_tokens: int = 64,
         params: SamplingParams = SamplingParams(),
-        gamma: int = 4,
+        gamma: int | None = None,
         until: Callable[[list[int]], bool] | None = None,
         session: str | None = None,
         grammar: str | None = None,
@@ -144,7 +112,8 @@ class EdgeDecoder:
     ) -> Generation:
         """Generate up to max_tokens after prompt_ids.
 
-        `gamma` is the draft policy's starting length (the fixed policy's only one).
+        `mode` and `gamma` (the draft policy's starting length, the fixed policy's only one) default to the
+        settings'.
 
         `until(ids)` ends the generation at the shortest output for which it is true (the
         navigation loop's "a whole action sentence is out"); every mode cuts at the same
@@ -166,9 +135,11 @@ class EdgeDecoder:
         sides prefill them with their own vision encoder; drafting and verification stay over text.
         The first open sends their bytes, a re-open their sha256 (the bytes again if the server lost them).
         """
+        mode = self.settings.mode if mode is None else mode
+        gamma = self.settings.gamma if gamma is None else gamma
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        if mode == "fsd" and self.config.policy.uses_predictor:
+        if mode == "fsd" and self.settings.policy.uses_predictor:
             raise ValueError("fsd pre-drafts whole drafts in the background; use --draft-policy fixed or optimal")
         if not prompt_ids:
             raise ValueError("the prompt is empty")
@@ -256,7 +227,7 @@ class EdgeDecoder:
             self._fsd_round(run, run.controller, sid)
 
     def _new_link(self) -> VerifierLink:
-        c = self.config
+        c = self.settings
         if c.url is None:
             raise ValueError("no verifier URL: pass --verifier ws://HOST:PORT or use --local")
         return VerifierLink(
@@ -293,7 +264,7 @@ class EdgeDecoder:
                 "grammar: its output would not be the constrained target's",
                 sid,
             )
-        p, slo = run.params, self.config.slo
+        p, slo = run.params, self.settings.slo
         if p.top_p < 1.0 and not p.greedy and not welcome.limits.get("top_p"):
             raise ServerError(
                 "no_top_p",
@@ -315,7 +286,7 @@ class EdgeDecoder:
         run.owed = None  # the prefix re-sent here includes any correction
         # the prefill grows with the prompt: allow it ~20 ms a token on top of the reply timeout (a dead
         # link still shows within two keepalives)
-        reply, _ = link.request(msg, timeout_s=self.config.recv_timeout_s + 0.02 * len(run.committed))
+        reply, _ = link.request(msg, timeout_s=self.settings.recv_timeout_s + 0.02 * len(run.committed))
         opened = replies.check_opened(reply, sid, len(run.committed))
         run.exit_layers = layers
         run.image_bytes = False  # the server holds them now: a re-open names them by sha256
@@ -325,7 +296,7 @@ class EdgeDecoder:
 
     def _exit_layers(self, welcome: wire.Welcome) -> list[int]:
         """The early exits an FSD session asks for: those configured that the verifier has (None: all)."""
-        offered, asked = welcome.exits, self.config.fsd.exits
+        offered, asked = welcome.exits, self.settings.fsd.exits
         layers = list(offered) if asked is None else [l for l in asked if l in offered]
         if asked and len(layers) < len(asked):
             log.warning("the verifier has exits at %s; asked for %s, using %s", offered, asked, layers)
@@ -401,7 +372,7 @@ class EdgeDecoder:
             # the q sent with them), and at T = 0 the allowed prefix is what the masked draft would have drafted
             draft = draft.head(grammar.clone().advance(draft.ids))
         if draft is None or len(draft.ids) < k:
-            n_cands = self.config.fsd.n_cands
+            n_cands = self.settings.fsd.n_cands
             draft = self.drafter.propose(
                 run.committed, k, run.params, run.rng, n_cands=n_cands, payload=run.spec, grammar=grammar
             )
@@ -412,7 +383,7 @@ class EdgeDecoder:
         self, run: Run, link: VerifierLink, predrafter: PreDrafter, sid: str, number: int, draft: Draft
     ) -> wire.Message:
         """Early-exit hints (checked, then offered to the pre-drafter) until the reply to round `number`."""
-        deadline = time.monotonic() + self.config.recv_timeout_s  # for the result, however many hints come first
+        deadline = time.monotonic() + self.settings.recv_timeout_s  # for the result, however many hints come first
         while True:
             reply = link.recv(sid=sid, timeout_s=max(0.0, deadline - time.monotonic()))
             if not isinstance(reply, wire.Exit):
@@ -473,7 +444,7 @@ class EdgeDecoder:
 
     def _make_controller(self, sid: str, run: Run) -> DraftController:
         _, welcome = self._connected()
-        policy = self.config.policy
+        policy = self.settings.policy
         predictor = self._predictor(welcome.target) if policy.uses_predictor else None
         return DraftController(
             policy,
@@ -489,7 +460,7 @@ class EdgeDecoder:
 
     def _predictor(self, target: str) -> RejectionPredictor:
         """The policy's predictor, or the one trained for this draft and target; loaded once."""
-        policy = self.config.policy
+        policy = self.settings.policy
         path = str(predictor_path(self.drafter.name, target) if policy.predictor == "auto" else policy.predictor)
         if path not in self._predictors:
             self._predictors[path] = RejectionPredictor(path, policy.threshold)
@@ -499,7 +470,7 @@ class EdgeDecoder:
     def _predrafter(self) -> PreDrafter:
         """FSD's pre-drafter: its own llama context, made once and kept across generations."""
         if self.predrafter is None:
-            fsd = self.config.fsd
+            fsd = self.settings.fsd
             self.predrafter = PreDrafter(
                 self.drafter,
                 workers=fsd.workers,
@@ -527,7 +498,7 @@ class EdgeDecoder:
         accepted) keeps acceptance estimated, and a ping per chunk keeps the round trip.
         """
         link, _ = self._connected()
-        m, chunk, remaining = run.m, self.config.policy.stream_chunk, run.remaining()
+        m, chunk, remaining = run.m, self.settings.policy.stream_chunk, run.remaining()
         stops = sorted(self.stop_ids())
         stream = replies.StreamCheck(self._vocab(), stops)
         asked = min(chunk, remaining)

@@ -65,7 +65,7 @@ def test_bad_toml_and_missing_file(tmp_path):
 
 
 def test_the_daemon_builds_nav_and_decoder_configs_by_name():
-    """NavConfig and DecoderConfig are filled from the config by field name (daemon.NAV_RENAME and
+    """NavConfig and DecoderSettings are filled from the config by field name (daemon.NAV_RENAME and
     DECODER_RENAME where names differ): every key they take arrives, a new field is never silently dropped."""
     from agent.app import daemon
 
@@ -85,9 +85,10 @@ def test_the_daemon_builds_nav_and_decoder_configs_by_name():
     nav = daemon.nav_config(cfg)
     assert (nav.seed, nav.reach_m, nav.max_frame_age_ms, nav.offline_max_turn_deg) == (7, 0.9, 321, 30)
     assert (nav.probe_backoff_s, nav.blocked_m, nav.offline, nav.mode) == (0.3, 0.5, "hold", "sd")
-    dec = daemon.decoder_config(cfg, "secret")
+    dec = daemon.decoder_settings(cfg, "secret")
     assert (dec.url, dec.token, dec.recv_timeout_s, dec.slo) == (cfg.link.verifier, "secret", 1.5, 9)
     assert dec.reconnect.backoff_s == 0.3 and dec.payload.kind == cfg.agent.payload and dec.keepalive_s == 1.0
+    assert (dec.draft, dec.threads, dec.mode, dec.gamma) == (cfg.agent.draft, cfg.agent.threads, "sd", cfg.agent.gamma)
 
 
 def test_a_value_of_the_wrong_type_names_the_key_and_the_type(tmp_path):

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from agent.decoding.decoder import DecoderConfig, EdgeDecoder, FsdOptions
+from agent.decoding import DecoderSettings, open_decoder
+from agent.decoding.decoder import FsdOptions
 from agent.robot.actions import VOCABULARY, answer_grammar, answer_max_tokens, parse_action
 from protocol import payload, sampling, wire
 from protocol.grammar import GrammarError
@@ -120,8 +121,8 @@ def test_the_grammar_admits_every_navila_sentence_and_nothing_after_it(drafter):
 def test_every_mode_and_payload_gives_the_targets_constrained_greedy_ids(
     drafter, grammar_server, references, mode, gamma, kind
 ):
-    dec = EdgeDecoder(
-        drafter, DecoderConfig(url=grammar_server.url, payload=PayloadSpec.parse(kind), fsd=FsdOptions(exits=()))
+    dec = open_decoder(
+        DecoderSettings(url=grammar_server.url, payload=PayloadSpec.parse(kind), fsd=FsdOptions(exits=())), drafter
     )
     try:
         for task, ref in zip(TASKS, references, strict=True):
@@ -141,9 +142,9 @@ def test_sampled_answers_under_the_grammar_always_parse_and_sd_replays_its_seed(
 ):
     """T = 1 with the weaker draft (rejections common, split's residuals drawn on the robot): every answer is
     one reason and one NaVILA sentence, and in sd the same seed gives the same ids."""
-    dec = EdgeDecoder(
+    dec = open_decoder(
+        DecoderSettings(url=grammar_server.url, payload=PayloadSpec.parse(kind, 16), fsd=FsdOptions(exits=())),
         weak_drafter,
-        DecoderConfig(url=grammar_server.url, payload=PayloadSpec.parse(kind, 16), fsd=FsdOptions(exits=())),
     )
     try:
         for seed in range(2):
@@ -162,7 +163,7 @@ def test_sampled_answers_under_the_grammar_always_parse_and_sd_replays_its_seed(
 
 
 def test_local_generation_under_the_grammar_always_parses(drafter):
-    dec = EdgeDecoder(drafter, DecoderConfig(url=None))
+    dec = open_decoder(DecoderSettings(url=None), drafter)
     for task in TASKS:
         for seed in range(3):
             gen = dec.generate(
@@ -243,7 +244,7 @@ def test_a_robot_that_needs_a_grammar_refuses_a_verifier_without_one(drafter, gr
     from server_bridge.target import Target
 
     monkeypatch.setattr(Target, "grammars_supported", property(lambda self: False))
-    dec = EdgeDecoder(drafter, DecoderConfig(url=grammar_server.url))
+    dec = open_decoder(DecoderSettings(url=grammar_server.url), drafter)
     try:
         with pytest.raises(ServerError, match="grammar"):
             dec.generate(prompt(drafter, *TASKS[0]), mode="sd", max_tokens=8, grammar=GBNF)
@@ -261,7 +262,7 @@ def test_the_torch_engine_masks_with_its_gguf_vocabulary_and_stays_exact(drafter
     from tests.conftest import ThreadedServer
 
     with ThreadedServer(lambda cfg: Verifier(torch_target, cfg)) as server:
-        dec = EdgeDecoder(drafter, DecoderConfig(url=server.url))
+        dec = open_decoder(DecoderSettings(url=server.url), drafter)
         try:
             gen = dec.generate(
                 prompt(drafter, *TASKS[0]), mode="sd", gamma=4, max_tokens=answer_max_tokens(), grammar=GBNF

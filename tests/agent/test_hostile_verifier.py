@@ -22,7 +22,8 @@ import pytest
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.server import serve
 
-from agent.decoding.decoder import DecoderConfig, EdgeDecoder, FsdOptions, ReconnectPolicy
+from agent.decoding import DecoderSettings, open_decoder
+from agent.decoding.decoder import FsdOptions, ReconnectPolicy
 from agent.decoding.link import LinkLost, ProtocolViolation
 from protocol import wire
 from protocol.payload import PayloadSpec
@@ -220,15 +221,15 @@ CASES = {
 
 
 def decoder_for(drafter, url, mode, attempts=0):
-    return EdgeDecoder(
-        drafter,
-        DecoderConfig(
+    return open_decoder(
+        DecoderSettings(
             url=url,
             reconnect=ReconnectPolicy(max_attempts=attempts, backoff_s=0.01),
             recv_timeout_s=10.0,
             fsd=FsdOptions(guesses=False),
             payload=PayloadSpec("split"),
         ),
+        drafter,
     )
 
 

@@ -10,7 +10,7 @@ different prefixes. This test checks exactly that, over the real websocket.
 import numpy as np
 import pytest
 
-from agent.decoding.decoder import DecoderConfig, EdgeDecoder
+from agent.decoding import DecoderSettings, open_decoder
 from tools.logit_margin import top2
 
 pytestmark = pytest.mark.real
@@ -36,7 +36,7 @@ def bf16_server():
 def test_bf16_sd_and_fsd_are_ar_up_to_near_ties(drafter, bf16_server):
     server, target = bf16_server
     assert target.engine.info.dtype == "bfloat16" and server.server.verifier.exit_layers
-    dec = EdgeDecoder(drafter, DecoderConfig(url=server.url))
+    dec = open_decoder(DecoderSettings(url=server.url), drafter)
     try:
         for prompt, chat in PROMPTS:
             ids = drafter.tokenize(prompt, chat=chat)

@@ -25,7 +25,8 @@ from agent.app.config import ConfigError
 from agent.app.memory import Recall
 from agent.app.navigator import NavConfig, Navigator
 from agent.app.prompt import IMAGE_RECALL, SHOTS, messages
-from agent.decoding.decoder import DecoderConfig, EdgeDecoder, Generation, Metrics
+from agent.decoding import DecoderSettings, open_decoder
+from agent.decoding.decoder import Generation, Metrics
 from agent.decoding.link import LinkLost
 from agent.robot.actions import FORWARD_CM, STOP, TURN_DEG, Action, parse_action
 from agent.robot.camera import Frame
@@ -362,7 +363,7 @@ def sim_daemon(tmp_path, vlm, vdrafter, url, offline="local", **overrides):
 def target_alone(drafter, url, n: Navigator, mode="ar") -> Generation:
     """The latest step's prompt and image through the target alone (or the draft alone: mode local), under the
     navigator's answer grammar and stop rule."""
-    dec = EdgeDecoder(drafter, DecoderConfig(url=None if mode == "local" else url))
+    dec = open_decoder(DecoderSettings(url=None if mode == "local" else url), drafter)
     try:
         return dec.generate(
             n.last_prompt_ids,

@@ -16,7 +16,7 @@ from websockets.exceptions import ConnectionClosed
 from agent.app import config
 from agent.app.api import connect
 from agent.app.daemon import Daemon
-from agent.decoding.decoder import DecoderConfig, EdgeDecoder
+from agent.decoding import DecoderSettings, open_decoder
 from agent.robot.controllers.sim import SimController
 from tools.cluster.netem import LinkProfile, NetemProxy
 
@@ -60,7 +60,7 @@ def ar_answer(drafter, url, nav, observation=None):
     """The target's own greedy answer to a step's prompt (server alone, no draft) under the navigator's answer
     grammar: a first step's prompt from its observation (no memory yet), else the latest step's prompt,
     memory included."""
-    dec = EdgeDecoder(drafter, DecoderConfig(url=url))
+    dec = open_decoder(DecoderSettings(url=url), drafter)
     try:
         ids = nav.last_prompt_ids if observation is None else nav.prompt_ids("go to the red box", observation)
         return dec.generate(ids, mode="ar", max_tokens=nav.max_tokens, until=nav._until([]), grammar=nav.grammar)

@@ -14,8 +14,8 @@ the target's distribution (χ²; tests/agent/vlm_pairs.py holds what the vision 
 import numpy as np
 import pytest
 
+from agent.decoding import DecoderSettings, open_decoder
 from agent.decoding.branches import BranchDrafter
-from agent.decoding.decoder import DecoderConfig, EdgeDecoder
 from agent.decoding.drafter import DraftContextFull, Drafter
 from protocol.sampling import SamplingParams
 from server_bridge.engine import Pass, load_engine
@@ -166,7 +166,7 @@ def test_two_images_give_two_outputs_on_both_sides(vdrafter, reference):
     for seed in (0, 1):  # the draft alone (offline)
         ids, images = prompt(vdrafter, seed)
         local.append(
-            EdgeDecoder(vdrafter, DecoderConfig(url=None)).generate(
+            open_decoder(DecoderSettings(url=None), vdrafter).generate(
                 ids, mode="local", max_tokens=MAX_TOKENS, images=images
             )
         )

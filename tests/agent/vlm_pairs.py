@@ -13,7 +13,8 @@ import io
 import numpy as np
 from scipy import stats
 
-from agent.decoding.decoder import DecoderConfig, EdgeDecoder, FsdOptions, ReconnectPolicy
+from agent.decoding import DecoderSettings, open_decoder
+from agent.decoding.decoder import FsdOptions, ReconnectPolicy
 from agent.decoding.drafter import Draft, Drafter
 from protocol import sampling, wire
 from protocol.images import PromptImage
@@ -82,7 +83,7 @@ def greedy(target, ids, images, n: int) -> list[int]:
 
 def generate(drafter, url, mode, ids, images, max_tokens: int, **kw):
     """One decoder run against the server at `url` (no early exits), gamma 4."""
-    dec = EdgeDecoder(drafter, DecoderConfig(url=url, fsd=FsdOptions(exits=()), **kw))
+    dec = open_decoder(DecoderSettings(url=url, fsd=FsdOptions(exits=()), **kw), drafter)
     try:
         return dec.generate(ids, mode=mode, max_tokens=max_tokens, gamma=4, images=images)
     finally:

@@ -30,7 +30,8 @@ import logging
 import sys
 from pathlib import Path
 
-from agent.decoding.decoder import DecoderConfig, EdgeDecoder, FsdOptions
+from agent.decoding import DecoderSettings, open_decoder
+from agent.decoding.decoder import EdgeDecoder, FsdOptions
 from agent.decoding.drafter import Drafter
 from tools.bench import harness
 from tools.bench.link import TARGET, load_prompts, served, summarize
@@ -116,9 +117,9 @@ class Runner:
         self.link = link
         self.drafters = drafters
         self.max_tokens = max_tokens
-        self.sd = {d: EdgeDecoder(dr, DecoderConfig(url=link.url())) for d, dr in drafters.items()}
+        self.sd = {d: open_decoder(DecoderSettings(url=link.url()), dr) for d, dr in drafters.items()}
         self.fsd = {
-            d: EdgeDecoder(dr, DecoderConfig(url=link.url(), fsd=FsdOptions(workers=workers)))
+            d: open_decoder(DecoderSettings(url=link.url(), fsd=FsdOptions(workers=workers)), dr)
             for d, dr in drafters.items()
         }
 
@@ -197,7 +198,7 @@ def run_ablations(
         )
 
     for w in (1, 2, 4, 8):
-        dec = EdgeDecoder(dr, DecoderConfig(url=link.url(), fsd=FsdOptions(workers=w)))
+        dec = open_decoder(DecoderSettings(url=link.url(), fsd=FsdOptions(workers=w)), dr)
         dec.generate(inputs[0], mode="fsd", max_tokens=16, gamma=gamma)  # warm up its context
         measure("workers", w, dec, "fsd", gamma)
         dec.close()
@@ -219,8 +220,8 @@ def run_server_policies(args: argparse.Namespace, prompts: list[dict]) -> list[d
             inputs = [dr.tokenize(p["prompt"], chat=p["chat"]) for p in prompts]
             refs = [bench.run(bench.sd[drafters_spec], ids, "ar", gamma, None)["token_ids"] for ids in inputs]
             for robot_policy in POLICIES:
-                dec = EdgeDecoder(
-                    dr, DecoderConfig(url=link.url(), fsd=FsdOptions(workers=workers, policy=robot_policy))
+                dec = open_decoder(
+                    DecoderSettings(url=link.url(), fsd=FsdOptions(workers=workers, policy=robot_policy)), dr
                 )
                 dec.generate(inputs[0], mode="fsd", max_tokens=16, gamma=gamma)  # warm up its context
                 runs = []

@@ -178,8 +178,7 @@ def one_prompt(decoder, model: str, prompt: list[int], args: argparse.Namespace,
 
 
 def measure(args: argparse.Namespace) -> dict:
-    from agent.decoding.decoder import DecoderConfig, EdgeDecoder
-    from agent.decoding.drafter import Drafter
+    from agent.decoding import DecoderSettings, open_decoder
     from protocol import modelfiles
     from server_bridge.engine_llamacpp import prepare_target
     from server_bridge.fleet import LocalVerifier
@@ -190,12 +189,12 @@ def measure(args: argparse.Namespace) -> dict:
     model = str(modelfiles.resolve_target(target))
     core = args.cores[0] if args.cores else 1
     robot_core = harness.other_core(core)
-    drafter = Drafter(threads=1)
+    drafter = open_decoder(DecoderSettings(threads=1)).drafter
     prompts = [drafter.tokenize(p, chat=True) for p in PROMPTS[: 1 if args.quick else None]]
     rows = []
     with LocalVerifier(target=args.target, cpus={core}, threads=1) as server:
         harness.pin({robot_core})
-        decoder = EdgeDecoder(drafter, DecoderConfig(url=server.url))
+        decoder = open_decoder(DecoderSettings(url=server.url), drafter)
         decoder.generate(prompts[0], mode="ar", max_tokens=4)  # warm-up
         for i, prompt in enumerate(prompts):
             row = {"prompt": PROMPTS[i], "label": f"prompt {i} ({len(prompt)} tok)"}

@@ -20,8 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from agent.decoding.decoder import DecoderConfig, EdgeDecoder
-from agent.decoding.drafter import Drafter
+from agent.decoding import DecoderSettings, open_decoder
 from protocol.sampling import SamplingParams
 from server_bridge.fleet import LocalVerifier, pin_cores
 
@@ -48,10 +47,10 @@ def main(argv: list[str] | None = None) -> int:
     with LocalVerifier(target=TARGET, cpus=server_cpus, threads=len(server_cpus)) as server:
         os.sched_setaffinity(0, agent_cpus)
         for name in args.drafts.split(","):
-            drafter = Drafter(name, threads=len(agent_cpus))
+            drafter = open_decoder(DecoderSettings(draft=name, threads=len(agent_cpus))).drafter
             path = out / f"{name}__{TARGET}.jsonl"
             path.unlink(missing_ok=True)
-            decoder = EdgeDecoder(drafter, DecoderConfig(url=server.url, trace=str(path)))
+            decoder = open_decoder(DecoderSettings(url=server.url, trace=str(path)), drafter)
             t0 = time.perf_counter()
             drafted = accepted = 0
             try:
