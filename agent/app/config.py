@@ -287,7 +287,24 @@ class PerceptionSection:
 
 
 @dataclass(frozen=True)
-class ApiSection:
+class BrowserGuard:
+    """Who an HTTP endpoint on the robot lets in besides robot processes: the local API and openai_listen
+    (the [api] keys) and `edge-agent serve` (its flags) declare these once, here."""
+
+    allowed_origins: list = setting(
+        default_factory=list,
+        help='Browser Origins let in (e.g. "https://ui.robot.lan"); a request with any other Origin header is '
+        "refused with 403.",
+    )
+    allowed_hosts: list = setting(
+        default_factory=list,
+        help='Host names (e.g. "go2.lan") a request over TCP may name in its Host header besides the address it '
+        "reached; any other Host is refused with 421 (DNS rebinding).",
+    )
+
+
+@dataclass(frozen=True)
+class ApiSection(BrowserGuard):
     listen: str = setting(
         "",
         flag="--listen",
@@ -313,16 +330,6 @@ class ApiSection:
     )
     reset_token_file: str = setting(
         "", help="A file holding it (its first line; not world-readable; install.sh makes one)."
-    )
-    allowed_origins: list = setting(
-        default_factory=list,
-        help='Browser Origins let in (e.g. "https://ui.robot.lan"), on the local API and openai_listen; a '
-        "request with any other Origin header is refused with 403.",
-    )
-    allowed_hosts: list = setting(
-        default_factory=list,
-        help='Host names (e.g. "go2.lan") a request over TCP may name in its Host header, on the local API '
-        "and openai_listen, besides the address it reached; any other Host is refused with 421 (DNS rebinding).",
     )
     openai_listen: str = setting(
         "",
@@ -697,7 +704,7 @@ class GenerateOptions:
 
 
 @dataclass(frozen=True)
-class ServeOptions:
+class ServeOptions(BrowserGuard):
     """`edge-agent serve`'s flags: the OpenAI-compatible endpoint alone, without the robot
     (agent/app/openai_api.py; the field name with dashes is the flag)."""
 
@@ -717,16 +724,6 @@ class ServeOptions:
     mode: str = setting("sd", choices=("ar", "sd", "fsd"), help="How answers are verified (as generate's --mode).")
     gamma: int = setting(4, help="Draft tokens per round.")
     max_pending: int = setting(4, help="Requests running or waiting for the model at once; more get 503.")
-    allowed_hosts: list = setting(
-        default_factory=list,
-        help='Host names (e.g. "go2.lan") a request may name in its Host header besides the address it '
-        "reached; any other Host is refused with 421 (DNS rebinding).",
-    )
-    allowed_origins: list = setting(
-        default_factory=list,
-        help='Browser Origins let in (e.g. "https://ui.robot.lan"); a request with any other Origin header is '
-        "refused with 403.",
-    )
     model_name: str = setting("", help='The model id /v1/models lists ("": the draft\'s name).')
     draft: str = setting(
         modelfiles.DEFAULT_DRAFT, help=f"The draft: a name ({', '.join(modelfiles.DRAFTS)}) or a GGUF path."
