@@ -1,4 +1,4 @@
-"""What the vision-language end-to-end tests share (tests/agent/test_vision_e2e.py, test_vision_mrope.py,
+"""What the vision-language end-to-end tests share (tests/agent/decoding/test_vision_e2e.py, test_vision_mrope.py,
 test_vision_mrope_torch.py, tests/server_bridge/test_train_exits_vlm.py): a frame as image bytes, a prompt with it, a
 test pair's draft and target, the target's own greedy ids, one decoder run, and the checks each engine's pair
 passes: every mode gives the target's ids, a draft rejected right after the image still does, a dropped link

@@ -31,7 +31,7 @@ def test_nav_blocked_m_is_read_and_checked():
 
 def test_the_daemon_reads_the_range_ahead_from_the_simulator_when_asked():
     from agent.app.daemon import Daemon
-    from tests.agent.test_go2_daemon import RecordingNotifier, StubDrafter
+    from tests.agent.app.test_go2_daemon import RecordingNotifier, StubDrafter
 
     for blocked_m, expect_reading in ((5.0, True), (0.0, False)):
         cfg = config.load(None, ['robot.controller="sim"', 'telemetry.path=""', f"nav.blocked_m={blocked_m}"])

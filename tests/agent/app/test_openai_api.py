@@ -25,7 +25,7 @@ jsonschema = pytest.importorskip("jsonschema")
 
 KEY = "test-key-0123456789abcdef"
 ASK = [{"role": "user", "content": "Name three colours."}]
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 class Endpoint:
@@ -136,7 +136,7 @@ def test_the_answer_is_edge_agent_generates(endpoint, verifier, client, capsys):
 def test_top_p_samples_the_targets_nucleus(endpoint, client, target):
     """top_p reaches the verifier: at T 1, top_p 0.5 every committed token lies in the target's own nucleus,
     and the endpoint's seeded answer is the Client's (the same request through the same sampler)."""
-    from tests.agent.test_top_p import _mass_above
+    from tests.agent.decoding.test_top_p import _mass_above
 
     ask = dict(messages=ASK, max_tokens=16, temperature=1.0, top_p=0.5, seed=4)
     r = endpoint.openai().chat.completions.create(model="edge", **ask)
@@ -352,7 +352,7 @@ def test_an_oversized_body_is_refused_before_it_is_read(endpoint):
 def test_silent_connections_cannot_lock_the_endpoint_out(endpoint):
     """As many silent clients as the endpoint holds from one address: a client with the key is still answered
     (a new connection pushes out the oldest silent one), and the silent ones are closed after HEAD_TIMEOUT_S.
-    (tests/agent/test_openai_http.py: 32 and 256 of them, per peer, a head sent a byte at a time.)"""
+    (tests/agent/app/test_openai_http.py: 32 and 256 of them, per peer, a head sent a byte at a time.)"""
     from agent.app.openai_api import HEAD_TIMEOUT_S, MAX_PER_PEER
 
     silent = [socket.create_connection(("127.0.0.1", endpoint.port), timeout=10) for _ in range(MAX_PER_PEER)]
@@ -407,7 +407,7 @@ def test_the_daemons_endpoint_behind_its_token(verifier, drafter, monkeypatch):
     from agent.app import config
     from agent.app.daemon import Daemon
     from agent.app.navigator import Navigator
-    from tests.agent.test_go2_daemon import Api, RecordingNotifier
+    from tests.agent.app.test_go2_daemon import Api, RecordingNotifier
 
     monkeypatch.setattr(Navigator, "warm_up", lambda self: None)  # the navigation prompt's prefill: ~10 s here
 

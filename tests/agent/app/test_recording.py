@@ -19,9 +19,9 @@ import pytest
 
 from agent.app import config
 from agent.app.recording import CHANNELS, EVERY_STEP, MAX_PATH_POSES, Recorder, RecordingError, StepSample
-from tests.agent.test_run_cli import SCENE, WalkingDrafter, _run
+from tests.agent.app.test_run_cli import SCENE, WalkingDrafter, _run
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 LAYOUT = ROOT / "deploy" / "foxglove" / "edgespec-layout.json"
 
 
@@ -193,7 +193,7 @@ KILLED_RUN = """
 import sys
 
 import agent.decoding.drafter
-from tests.agent.test_run_cli import WalkingDrafter
+from tests.agent.app.test_run_cli import WalkingDrafter
 
 agent.decoding.drafter.Drafter = WalkingDrafter
 from agent.app import cli

@@ -1,11 +1,11 @@
 """A Qwen-VL pair (M-RoPE) end to end on the torch engine: the robot's llama.cpp draft against a transformers target.
 
-The same pair as tests/agent/test_vision_mrope.py (each family's tiny random model, tests/models/qwen_vlm.py: the
-Q8_0 draft + f16 mmproj on the robot), with the server's target the Hugging Face directory on the torch engine:
-its greedy ids with an image are transformers' own `generate`, every mode gives them, a draft rejected at the
-first token after the image (a 96 x 128 image: 48 cells, 8 positions) still gives them, two images give two
-outputs, a dropped link re-opens by the image's hash, and at T > 0 the token committed right after the image
-follows the target's distribution (χ², the same check as the llamacpp engine's).
+The same pair as tests/agent/decoding/test_vision_mrope.py (each family's tiny random model,
+tests/models/qwen_vlm.py: the Q8_0 draft + f16 mmproj on the robot), with the server's target the Hugging Face
+directory on the torch engine: its greedy ids with an image are transformers' own `generate`, every mode gives them,
+a draft rejected at the first token after the image (a 96 x 128 image: 48 cells, 8 positions) still gives them, two
+images give two outputs, a dropped link re-opens by the image's hash, and at T > 0 the token committed right after
+the image follows the target's distribution (χ², the same check as the llamacpp engine's).
 """
 
 import pytest

@@ -22,10 +22,10 @@ from agent.robot.actions import Motion
 from agent.robot.controllers import Command, ControllerError, make_controller
 from agent.robot.perception import ColorDetector
 from agent.robot.safety import SafetyLayer, SafetyLimits
+from tests.agent.app.test_go2_daemon import RESET_TOKEN, Api, RecordingNotifier, StubDrafter, wait_for
+from tests.agent.app.test_recording import on, read_rosbags
+from tests.agent.app.test_run_cli import WalkingDrafter
 from tests.agent.go2_dds import DOMAIN, INTERFACE, ROOT, Go2Sim, skip_reason
-from tests.agent.test_go2_daemon import RESET_TOKEN, Api, RecordingNotifier, StubDrafter, wait_for
-from tests.agent.test_recording import on, read_rosbags
-from tests.agent.test_run_cli import WalkingDrafter
 
 pytestmark = pytest.mark.skipif(skip_reason() is not None, reason=skip_reason() or "")
 

@@ -87,7 +87,7 @@ def test_a_verifier_that_predates_top_p_is_refused_before_any_sampling(drafter):
     """A welcome without limits.top_p is from a server that would ignore sampling.top_p and sample the whole
     distribution: the robot refuses it with no_top_p rather than call that output the nucleus's."""
     from agent.decoding.link import ServerError
-    from tests.agent.test_hostile_verifier import FakeVerifier  # its welcome is an older server's: no top_p
+    from tests.agent.decoding.test_hostile_verifier import FakeVerifier  # its welcome is an older server's: no top_p
 
     ids = drafter.tokenize("Name a colour.", chat=True)
     with FakeVerifier(drafter) as fake:

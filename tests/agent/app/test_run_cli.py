@@ -16,7 +16,7 @@ import pytest
 
 from agent.app import cli
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 KEYS = {
     "reached",
     "steps",

@@ -1,7 +1,7 @@
 """The robot daemon's test helpers (a stub draft, a recording sd_notify, the local API on a thread), shared by
 the daemon's tests. The Go2 daemon tests themselves (the API's e-stop with the robot's services hung or the
 robot gone, the watchdog's pace, reset, the camera, the range finder) run against the simulated Go2 through
-the real SDK over DDS: tests/agent/test_go2_dds.py."""
+the real SDK over DDS: tests/agent/robot/test_go2_dds.py."""
 
 from __future__ import annotations
 

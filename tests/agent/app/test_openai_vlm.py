@@ -1,12 +1,13 @@
 """Images through the Python API and the OpenAI endpoint (the VLM path): the test vision-language pair
-(tests/models/make_test_vlm.py, as tests/agent/test_vision_e2e.py uses it) answers with the target's own ids."""
+(tests/models/make_test_vlm.py, as tests/agent/decoding/test_vision_e2e.py uses it) answers with the target's
+own ids."""
 
 import base64
 
 import pytest
 
 from tests.agent import vlm_pairs as pairs
-from tests.agent.test_openai_api import Endpoint
+from tests.agent.app.test_openai_api import Endpoint
 from tests.models import make_test_vlm as tv
 
 pytestmark = pytest.mark.real

@@ -300,7 +300,7 @@ def test_an_api_image_goes_as_the_image():
 
 
 def test_vlm_perception_needs_a_draft_that_sees():
-    from tests.agent.test_nav_memory import ScriptedDecoder, WordDrafter
+    from tests.agent.app.test_nav_memory import ScriptedDecoder, WordDrafter
 
     with pytest.raises(ValueError, match="agent.draft_mmproj"):
         Navigator(ScriptedDecoder(WordDrafter(), ["x"]), Grabber(), VlmPerception(), Control())

@@ -24,7 +24,7 @@ from agent.app import config, daemon
 from agent.app.api import LocalApi
 from agent.app.config import ConfigError
 from agent.app.daemon import Daemon
-from tests.agent.test_go2_daemon import Api, RecordingNotifier, StubDrafter
+from tests.agent.app.test_go2_daemon import Api, RecordingNotifier, StubDrafter
 
 TOKEN = "api-token-of-the-tests-0123"
 RESET = "reset-token-of-the-tests-4567"

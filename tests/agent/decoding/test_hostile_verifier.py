@@ -31,7 +31,7 @@ from protocol.sampling import SamplingParams
 
 pytestmark = pytest.mark.real
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 BIG = 10**9  # the attack: llama.cpp's detokenize threw std::out_of_range on it and aborted the process
 LAYER = 12  # the one early exit the fake offers
 PROMPT = "The robot sees a red box ahead and"

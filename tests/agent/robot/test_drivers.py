@@ -2,7 +2,7 @@
 they make, checked against stand-in SDK modules that record calls, for what the real SDK over DDS cannot
 show on demand: an SDK that is not installed, how often the DDS factory is initialised in one process.
 Everything else of the go2 driver runs through the real SDK over DDS against the simulated Go2
-(tests/agent/test_go2_dds.py)."""
+(tests/agent/robot/test_go2_dds.py)."""
 
 import sys
 import time

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from agent.client import VerifierUnavailable
-from tests.agent.test_openai_api import KEY, Endpoint
+from tests.agent.app.test_openai_api import KEY, Endpoint
 
 CHAT = json.dumps({"model": "stub", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}).encode()
 

@@ -1,7 +1,7 @@
 """The navigation loop that sees, with each Qwen-VL family's test pair (tests/models/qwen_vlm.py: Qwen2-VL, Qwen2.5-VL,
 Qwen3-VL; M-RoPE, the image advancing the position by fewer than its tokens) on the llamacpp engine.
 
-`perception.kind = "vlm"` over the simulator, as tests/agent/test_nav_vlm.py runs the SmolVLM pair: the chat
+`perception.kind = "vlm"` over the simulator, as tests/agent/app/test_nav_vlm.py runs the SmolVLM pair: the chat
 template lays the camera line's image part out as `<|vision_start|><|image_pad|><|vision_end|>` (the marker
 `<|image_pad|>` is where libmtmd's image chunk goes, the prompt holds the text around it); a verified step's answer,
 under the NaVILA grammar, is the target's own for that prompt and image; offline, the draft answers locally from
@@ -22,7 +22,7 @@ from agent.app.navigator import NavConfig, Navigator
 from agent.app.prompt import CAMERA, messages
 from agent.robot.actions import STOP, parse_action
 from agent.robot.perception import VlmPerception
-from tests.agent.test_nav_vlm import (
+from tests.agent.app.test_nav_vlm import (
     INSTRUCTION,
     MARKER,
     Control,
