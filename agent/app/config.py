@@ -20,6 +20,7 @@ from typing import Any
 
 from agent.decoding.link import ROBOT_ID
 from agent.decoding.policy import POLICIES
+from agent.robot.actions import FORWARD_CM, TURN_DEG
 from agent.robot.controllers.base import CONTROLLERS
 from agent.robot.safety import SafetyLimits
 from protocol import modelfiles
@@ -30,11 +31,11 @@ from runtime.settings import ConfigError, setting, tomllib
 
 from .http_guard import valid_name
 from .memory import check_memory
-from .navigator import OFFLINE_POLICIES, check_envelope
 
 __all__ = ["Config", "ConfigError", "GenerateOptions", "load", "tomllib"]  # tomllib: tomli on Python 3.10
 
 MODES = ("sd", "fsd", "ar")
+OFFLINE_POLICIES = ("hold", "local")
 PERCEPTION_KINDS = ("sim", "color", "vlm")
 
 
@@ -91,6 +92,8 @@ class AgentSection:
             raise ConfigError(f"agent.n_gpu_layers must be -1 (all), 0 (CPU) or a layer count, got {self.n_gpu_layers}")
         if self.threads < 1 or self.gamma < 1 or self.max_tokens < 1:
             raise ConfigError("agent.threads, agent.gamma and agent.max_tokens must be >= 1")
+        if not self.max_plan_age_s > 0:
+            raise ConfigError(f"agent.max_plan_age_s must be positive, got {self.max_plan_age_s}")
         if not 0 < self.task_timeout_s <= 86400:
             raise ConfigError(f"agent.task_timeout_s must be 0..86400 s (and not 0), got {self.task_timeout_s}")
         if not 0 <= self.slo_tokens_per_s <= 1000:
@@ -142,6 +145,21 @@ class LinkSection:
             or self.reconnect_backoff_max_s < self.reconnect_backoff_s
         ):
             raise ConfigError("link timeouts must be positive and backoff_max >= backoff")
+
+
+def check_envelope(max_forward_cm: float, max_turn_deg: float, speed_scale: float) -> None:
+    if not FORWARD_CM[0] <= max_forward_cm <= FORWARD_CM[-1]:
+        raise ValueError(
+            f"offline.max_forward_cm must be {FORWARD_CM[0]}..{FORWARD_CM[-1]} cm (NaVILA's steps "
+            f"are {FORWARD_CM}), got {max_forward_cm!r}"
+        )
+    if not TURN_DEG[0] <= max_turn_deg <= TURN_DEG[-1]:
+        raise ValueError(
+            f"offline.max_turn_deg must be {TURN_DEG[0]}..{TURN_DEG[-1]} degrees (NaVILA's steps "
+            f"are {TURN_DEG}), got {max_turn_deg!r}"
+        )
+    if not 0 < speed_scale <= 1:
+        raise ValueError(f"offline.speed_scale must be in (0, 1] (it slows unverified motion), got {speed_scale!r}")
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,7 @@ from protocol.payload import PayloadSpec
 from runtime import settings
 
 from .config import Config
-from .navigator import NavConfig, Navigator, Step
+from .navigator import Navigator, Step
 from .recording import Recorder, sample_of
 from .sdnotify import Notifier
 from .telemetry import DiskTrouble, TelemetryWriter
@@ -139,7 +139,7 @@ class Daemon:
             grabber,
             self._perception(),
             self.control,
-            nav_config(cfg),
+            cfg,
             emit=self._emit,
             on_mode=self._on_mode,
         )
@@ -522,18 +522,8 @@ class Daemon:
         return f"{mode}, {task}{camera}{estop}"
 
 
-# NavConfig's and DecoderSettings' fields that differ in name from the config's (the rest match by name, in
-# whichever section holds them); `unset` are the ones the config does not set (their defaults stand).
-NAV_RENAME = {
-    "offline": "offline.policy",
-    "max_frame_age_ms": "camera.max_age_ms",
-    "probe_backoff_s": "link.reconnect_backoff_s",
-    "probe_backoff_max_s": "link.reconnect_backoff_max_s",
-    "offline_max_forward_cm": "offline.max_forward_cm",
-    "offline_max_turn_deg": "offline.max_turn_deg",
-    "offline_speed_scale": "offline.speed_scale",
-}
-NAV_UNSET = ("speed", "turn_rate", "hold_wait_s", "ahead_deg")
+# DecoderSettings' fields that differ in name from the config's (the rest match by name, in whichever section
+# holds them); `unset` are the ones the config does not set (their defaults stand).
 DECODER_RENAME = {"recv_timeout_s": "link.verify_timeout_s", "slo": "agent.slo_tokens_per_s"}
 DECODER_UNSET = ("fsd", "trace")
 
@@ -553,11 +543,6 @@ def telemetry_path(path: str) -> Path | None:
     if not path:
         return None
     return Path(path) if os.path.isabs(path) else state_directory() / path
-
-
-def nav_config(cfg: Config) -> NavConfig:
-    """The navigator's settings from the config: by name, NAV_RENAME where the names differ."""
-    return settings.pick(NavConfig, cfg, rename=NAV_RENAME, unset=NAV_UNSET)
 
 
 def chat_client(daemon: Daemon) -> Client:

@@ -1,9 +1,12 @@
 """edge-agent run's config: TOML sections, --set overrides, validation that says what is wrong."""
 
+import types
+
 import pytest
 
 from agent.app import config
 from agent.app.config import ConfigError
+from agent.app.navigator import Navigator
 
 EXAMPLE = "systemd/edge-agent.toml"
 
@@ -64,8 +67,8 @@ def test_bad_toml_and_missing_file(tmp_path):
         config.load(tmp_path / "missing.toml")
 
 
-def test_the_daemon_builds_nav_and_decoder_configs_by_name():
-    """NavConfig and DecoderSettings are filled from the config by field name (daemon.NAV_RENAME and
+def test_the_daemon_builds_the_navigator_and_the_decoder_from_the_config():
+    """The navigator reads the config's sections; DecoderSettings is filled from them by field name (daemon.
     DECODER_RENAME where names differ): every key they take arrives, a new field is never silently dropped."""
     from agent.app import daemon
 
@@ -82,9 +85,8 @@ def test_the_daemon_builds_nav_and_decoder_configs_by_name():
             "agent.slo_tokens_per_s=9",
         ],
     )
-    nav = daemon.nav_config(cfg)
-    assert (nav.seed, nav.reach_m, nav.max_frame_age_ms, nav.offline_max_turn_deg) == (7, 0.9, 321, 30)
-    assert (nav.probe_backoff_s, nav.blocked_m, nav.offline, nav.mode) == (0.3, 0.5, "hold", "sd")
+    nav = Navigator(types.SimpleNamespace(drafter=None), None, None, None, cfg)
+    assert (nav.params.seed, nav._backoff, nav.memory.max_steps) == (7, 0.3, cfg.nav.memory_steps)
     dec = daemon.decoder_settings(cfg, "secret")
     assert (dec.url, dec.token, dec.recv_timeout_s, dec.slo) == (cfg.link.verifier, "secret", 1.5, 9)
     assert dec.reconnect.backoff_s == 0.3 and dec.payload.kind == cfg.agent.payload and dec.keepalive_s == 1.0

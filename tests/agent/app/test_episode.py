@@ -11,7 +11,7 @@ class ScriptedNav:
     """Navigator stand-in: returns the given records one step at a time."""
 
     def __init__(self, records):
-        self.records, self.cfg = list(records), SimpleNamespace(reach_m=0.6)
+        self.records, self.cfg = list(records), SimpleNamespace(agent=SimpleNamespace(reach_m=0.6))
 
     def step(self, instruction, task="", cancel=None):
         return self.records.pop(0)

@@ -136,7 +136,8 @@ def answer(action: Action) -> str:
     return f"I decide. {action.text}"
 
 
-def make_nav(answers, views, url="ws://verifier", offline="hold", **cfg):
+def make_nav(answers, views, url="ws://verifier", offline="hold", sets=(), **consts):
+    """A navigator over scripted answers and views; `sets`: config overrides ("nav.memory_steps=2")."""
     drafter = WordDrafter()
     dec = ScriptedDecoder(drafter, answers, url)
     control = RecordingControl()
@@ -145,7 +146,16 @@ def make_nav(answers, views, url="ws://verifier", offline="hold", **cfg):
         ListGrabber(),
         ListPerception(views),
         control,
-        NavConfig(offline=offline, probe_backoff_s=60.0, probe_backoff_max_s=60.0, **cfg),
+        config.load(
+            None,
+            [
+                f'offline.policy="{offline}"',
+                "link.reconnect_backoff_s=60.0",
+                "link.reconnect_backoff_max_s=60.0",
+                *sets,
+            ],
+        ),
+        NavConfig(**consts),
     )
     navigator.check_link()
     return navigator, dec, control
@@ -166,7 +176,9 @@ def fixed_prefix_ids(navigator: Navigator, instruction: str = INSTRUCTION) -> li
 def test_memory_keeps_the_last_steps_and_drops_the_oldest_first():
     turns = [Action("right", 45), Action("right", 30), Action("forward", 50), Action("left", 15)]
     navigator, dec, _ = make_nav(
-        [answer(a) for a in turns] + [answer(STOP)], [[], box(40), box(5), box(-20), box(0, 0.4)], memory_steps=2
+        [answer(a) for a in turns] + [answer(STOP)],
+        [[], box(40), box(5), box(-20), box(0, 0.4)],
+        sets=["nav.memory_steps=2"],
     )
     recs = [navigator.step(INSTRUCTION) for _ in range(5)]
     # over two steps the memory is cut to one (half the bound) in one go, then grows again
@@ -183,7 +195,9 @@ def test_memory_keeps_the_last_steps_and_drops_the_oldest_first():
 
 
 def test_memory_is_bounded_in_tokens_of_the_draft_tokenizer():
-    navigator, _, _ = make_nav([answer(Action("left", 15))], [box(30)], memory_steps=8, memory_max_tokens=40)
+    navigator, _, _ = make_nav(
+        [answer(Action("left", 15))], [box(30)], sets=["nav.memory_steps=8", "nav.memory_max_tokens=40"]
+    )
     recs = [navigator.step(INSTRUCTION) for _ in range(6)]
     line_tokens = len(
         navigator.drafter.tokenize(
@@ -206,7 +220,7 @@ def test_memory_is_per_task():
 
 
 def test_memory_off_gives_the_prompt_without_memory():
-    navigator, dec, _ = make_nav([answer(Action("left", 15))], [box(30)], memory_steps=0)
+    navigator, dec, _ = make_nav([answer(Action("left", 15))], [box(30)], sets=["nav.memory_steps=0"])
     for _ in range(3):
         rec = navigator.step(INSTRUCTION)
     assert rec.memory_steps == 0 and rec.memory_tokens == 0
@@ -242,7 +256,7 @@ def test_each_prompt_shares_the_whole_fixed_prefix_and_the_memory_so_far_with_th
     end, a step's prompt holds the previous one up to its camera line (and, once the memory is full and
     its oldest line goes, still the whole fixed part: system, examples, task)."""
     views = [[], box(40), box(20), box(5), box(-3)]
-    navigator, dec, _ = make_nav([answer(Action("right", 15))], views, memory_steps=3)
+    navigator, dec, _ = make_nav([answer(Action("right", 15))], views, sets=["nav.memory_steps=3"])
     navigator.warm_up()
     fixed = fixed_prefix_ids(navigator)
     recs = [navigator.step(INSTRUCTION) for _ in range(len(views))]
@@ -297,7 +311,7 @@ def test_an_unverified_forward_step_is_clamped_and_slowed():
 
 def test_an_unverified_turn_is_clamped_to_the_offline_limit():
     navigator, _, control = make_nav(
-        [answer(Action("left", 45))], [box(50)], url=None, offline="local", offline_max_turn_deg=30
+        [answer(Action("left", 45))], [box(50)], url=None, offline="local", sets=["offline.max_turn_deg=30"]
     )
     rec = navigator.step(INSTRUCTION)
     assert rec.envelope == "clamped" and rec.action == "turn left 30 deg"
@@ -441,19 +455,19 @@ def test_bad_memory_and_envelope_values_are_refused_with_the_key_named(override,
 
 
 @pytest.mark.parametrize(
-    "field,value",
+    "cls,field,value",
     [
-        ("memory_steps", 99),
-        ("memory_max_tokens", 4),
-        ("ahead_deg", 0),
-        ("offline_max_forward_cm", 0),
-        ("offline_max_turn_deg", 60),
-        ("offline_speed_scale", -1),
+        (config.NavSection, "memory_steps", 99),
+        (config.NavSection, "memory_max_tokens", 4),
+        (NavConfig, "ahead_deg", 0),
+        (config.OfflineSection, "max_forward_cm", 0),
+        (config.OfflineSection, "max_turn_deg", 60),
+        (config.OfflineSection, "speed_scale", -1),
     ],
 )
-def test_nav_config_validates_too(field, value):
+def test_nav_config_validates_too(cls, field, value):
     with pytest.raises(ValueError):
-        NavConfig(**{field: value})
+        cls(**{field: value})
 
 
 def test_the_answers_still_parse_exactly_after_the_memory_examples():

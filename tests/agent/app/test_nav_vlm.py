@@ -224,7 +224,8 @@ class Grabber:
         return frame(self.seed)
 
 
-def fake_nav(answer, offline="local", **cfg):
+def fake_nav(answer, offline="local", sets=(), **consts):
+    """A navigator over one scripted answer; `sets`: config overrides ("agent.max_plan_age_s=30")."""
     drafter = MarkerDrafter()
     dec = LinkDecoder(drafter, answer)
     n = Navigator(
@@ -232,7 +233,12 @@ def fake_nav(answer, offline="local", **cfg):
         Grabber(),
         VlmPerception(96),
         Control(),
-        NavConfig(offline=offline, grammar=False, probe_backoff_s=60, **cfg),
+        config.load(
+            None,
+            [f'offline.policy="{offline}"', "nav.grammar=false", "link.reconnect_backoff_s=60", *sets]
+            + ["link.reconnect_backoff_max_s=60"],
+        ),
+        NavConfig(**consts),
     )
     n.check_link()
     return n, dec
@@ -271,8 +277,7 @@ def test_hold_resumes_with_the_same_image():
     n, dec = fake_nav(
         "I look. The next action is move forward 25 cm.",
         offline="hold",
-        max_plan_age_s=30.0,
-        verify_timeout_s=1.0,
+        sets=["agent.max_plan_age_s=30.0", "link.verify_timeout_s=1.0"],
         hold_wait_s=0.01,
     )
     dec.down, dec.committed = True, 2

@@ -18,7 +18,8 @@ import time
 
 import pytest
 
-from agent.app.navigator import NavConfig, Navigator
+from agent.app import config
+from agent.app.navigator import Navigator
 from agent.app.prompt import CAMERA, messages
 from agent.robot.actions import STOP, parse_action
 from agent.robot.perception import VlmPerception
@@ -92,7 +93,9 @@ class WrappedDrafter(MarkerDrafter):
 
 def test_a_template_that_writes_the_marker_unwrapped_is_refused_at_start():
     def navigator(drafter):
-        return Navigator(LinkDecoder(drafter, "x"), Grabber(), VlmPerception(96), Control(), NavConfig(grammar=False))
+        return Navigator(
+            LinkDecoder(drafter, "x"), Grabber(), VlmPerception(96), Control(), config.load(None, ["nav.grammar=false"])
+        )
 
     with pytest.raises(ValueError, match="inside '<\\|vision_start\\|>'"):
         navigator(WrappedDrafter(wrap=False))
