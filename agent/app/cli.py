@@ -128,7 +128,7 @@ def _prompt(drafter: Any, prompt: str, images: list[bytes], chat: bool) -> tuple
     return drafter.tokenize(prompt, chat=chat), []
 
 
-DECODER_UNSET = ("reconnect", "recv_timeout_s", "keepalive_s")  # generate keeps the decoder's defaults
+DECODER_UNSET = ("reconnect", "verify_timeout_s", "keepalive_s")  # generate keeps the decoder's defaults
 
 
 def _decoder_settings(opts: GenerateOptions) -> DecoderSettings:

@@ -524,7 +524,7 @@ class Daemon:
 
 # DecoderSettings' fields that differ in name from the config's (the rest match by name, in whichever section
 # holds them); `unset` are the ones the config does not set (their defaults stand).
-DECODER_RENAME = {"recv_timeout_s": "link.verify_timeout_s", "slo": "agent.slo_tokens_per_s"}
+DECODER_RENAME = {"slo": "agent.slo_tokens_per_s"}
 DECODER_UNSET = ("fsd", "trace")
 
 

@@ -235,7 +235,7 @@ class EdgeDecoder:
             token=c.token,
             vocab_hash=self.drafter.vocab_hash,
             vocab_size=self.drafter.vocab_size,
-            recv_timeout_s=c.recv_timeout_s,
+            recv_timeout_s=c.verify_timeout_s,
             keepalive_s=c.keepalive_s,
             ca_file=c.ca_file,
             allow_insecure=c.allow_insecure,
@@ -286,7 +286,7 @@ class EdgeDecoder:
         run.owed = None  # the prefix re-sent here includes any correction
         # the prefill grows with the prompt: allow it ~20 ms a token on top of the reply timeout (a dead
         # link still shows within two keepalives)
-        reply, _ = link.request(msg, timeout_s=self.settings.recv_timeout_s + 0.02 * len(run.committed))
+        reply, _ = link.request(msg, timeout_s=self.settings.verify_timeout_s + 0.02 * len(run.committed))
         opened = replies.check_opened(reply, sid, len(run.committed))
         run.exit_layers = layers
         run.image_bytes = False  # the server holds them now: a re-open names them by sha256
@@ -383,7 +383,7 @@ class EdgeDecoder:
         self, run: Run, link: VerifierLink, predrafter: PreDrafter, sid: str, number: int, draft: Draft
     ) -> wire.Message:
         """Early-exit hints (checked, then offered to the pre-drafter) until the reply to round `number`."""
-        deadline = time.monotonic() + self.settings.recv_timeout_s  # for the result, however many hints come first
+        deadline = time.monotonic() + self.settings.verify_timeout_s  # for the result, however many hints come first
         while True:
             reply = link.recv(sid=sid, timeout_s=max(0.0, deadline - time.monotonic()))
             if not isinstance(reply, wire.Exit):

@@ -46,7 +46,7 @@ class DecoderSettings:
     allow_insecure: bool = setting(False, help="Send the token over plain ws:// to another host.")
     robot_id: str = setting("", help='X-Robot-Id in the handshake, a balancer\'s hash key ("" = none).')
     keepalive_s: float = setting(2.0, help="Websocket ping interval and timeout (not websockets' 20 s).")
-    recv_timeout_s: float = setting(30.0, help="A verify reply later than this drops the link (s).")
+    verify_timeout_s: float = setting(30.0, help="A verify reply later than this drops the link (s).")
     reconnect: ReconnectPolicy = setting(ReconnectPolicy(), help="Reconnect attempts and their backoff.")
     mode: str = setting("sd", help="How a generation decodes unless it says: ar, sd, fsd or local.")
     gamma: int = setting(4, help="Draft tokens per round: the fixed policy's length, the others' cap.")

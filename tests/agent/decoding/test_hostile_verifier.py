@@ -225,7 +225,7 @@ def decoder_for(drafter, url, mode, attempts=0):
         DecoderSettings(
             url=url,
             reconnect=ReconnectPolicy(max_attempts=attempts, backoff_s=0.01),
-            recv_timeout_s=10.0,
+            verify_timeout_s=10.0,
             fsd=FsdOptions(guesses=False),
             payload=PayloadSpec("split"),
         ),
