@@ -112,7 +112,7 @@ setup(
             # (and KEDA's CRD)
             "kubernetes-validate>=1.30",
             "jsonschema>=4.18",
-            # tests/agent/test_openai_api.py: the robot's OpenAI-compatible endpoint, driven by the official client
+            # tests/agent/app/test_openai_api.py: the robot's OpenAI-compatible endpoint, driven by the official client
             "openai>=1.40",
             "PyYAML>=6",
             # `make docs`: the documentation site (mkdocs.yml), built with --strict so a broken link fails it
@@ -123,7 +123,7 @@ setup(
             "ruff==0.17.6",
             # `make lint`: the product packages type-checked (mypy.ini)
             "mypy==1.19.0",
-            # tests/agent/test_recording.py: a recording read back by a second, independent reader (rosbags'
+            # tests/agent/app/test_recording.py: a recording read back by a second, independent reader (rosbags'
             # own CDR decoder)
             "rosbags>=0.10",
         ],

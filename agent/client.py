@@ -8,7 +8,7 @@
         for piece in client.stream(messages=[{"role": "user", "content": "Say hi."}]):
             print(piece, end="")
 
-Every token of a verified answer is the verifier's (SD, FSD or AR underneath, agent/spec/decoder.py). When the
+Every token of a verified answer is the verifier's (SD, FSD or AR underneath, agent/decoding/decoder.py). When the
 verifier cannot be reached the client either refuses (`VerifierUnavailable`, offline="refuse") or answers with
 the draft alone and says so (`verified=False`, offline="local"), as the client or the call chooses.
 Structured output (`schema`: a JSON schema; `grammar`: GBNF) is decoded under a grammar on both sides, as the
@@ -20,16 +20,17 @@ from __future__ import annotations
 
 import base64
 import binascii
+import dataclasses
 import json
 import queue
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
-from agent.spec.decoder import MODES, DecoderConfig, EdgeDecoder
-from agent.spec.link import LinkLost
-from agent.spec.metrics import Generation, Metrics
-from protocol import modelfiles
+from agent.decoding import DecoderSettings, open_decoder
+from agent.decoding.decoder import MODES
+from agent.decoding.link import LinkLost
+from agent.decoding.metrics import Generation, Metrics
 from protocol.grammar import GrammarError, SchemaError, schema_gbnf
 from protocol.images import MAX_IMAGE_BYTES, MAX_IMAGES, PromptImage, check_bytes
 from protocol.sampling import SamplingParams
@@ -218,36 +219,31 @@ class Client:
 
     def __init__(
         self,
-        verifier: str | None = None,
+        settings: DecoderSettings | str | None = None,
         *,
-        draft: str = modelfiles.DEFAULT_DRAFT,
-        draft_mmproj: str | None = None,
-        token: str = "",
-        mode: str = "sd",
         offline: str = "refuse",
-        gamma: int = 4,
-        threads: int = 2,
-        n_gpu_layers: int = -1,
-        config: DecoderConfig | None = None,
         drafter: Any = None,
         lock: threading.Lock | None = None,
+        **fields: Any,
     ) -> None:
-        """`verifier`: ws:// or wss:// URL of server-bridge (None: the draft alone, every answer unverified).
-        `drafter`: an already loaded agent.spec.drafter.Drafter to share (then draft* and threads are unused).
-        `config`: a whole DecoderConfig (its url and token win over `verifier` and `token`).
+        """`settings`: the decoder's DecoderSettings, or only the verifier's ws:// or wss:// URL (None: the
+        draft alone, every answer unverified). `fields` replace settings by name: draft="PATH.gguf",
+        token=..., mode="ar", gamma=8, threads=4, ... (agent/decoding/settings.py).
+        `drafter`: an already loaded agent.decoding.drafter.Drafter to share (then draft* and threads are unused).
         `lock`: held around every generation; pass the one other users of a shared `drafter` hold."""
-        if mode not in MODES or mode == "local":
-            raise RequestError(f"mode must be one of ar, sd, fsd, got {mode!r}", "mode")
+        if not isinstance(settings, DecoderSettings):
+            settings = DecoderSettings(url=settings)
+        try:
+            settings = dataclasses.replace(settings, **fields)
+        except TypeError as e:  # a keyword that is no setting
+            raise RequestError(f"Client: {e}") from None
+        if settings.mode not in MODES or settings.mode == "local":
+            raise RequestError(f"mode must be one of ar, sd, fsd, got {settings.mode!r}", "mode")
         if offline not in OFFLINE:
             raise RequestError(f"offline must be one of {OFFLINE}, got {offline!r}", "offline")
-        if drafter is None:
-            from agent.spec.drafter import Drafter
-
-            drafter = Drafter(draft, threads=threads, n_gpu_layers=n_gpu_layers, mmproj=draft_mmproj)
-        self.drafter = drafter
-        self.mode, self.offline, self.gamma = mode, offline, gamma
-        self.config = config or DecoderConfig(url=verifier, token=token)
-        self.decoder = EdgeDecoder(drafter, self.config)
+        self.settings, self.offline = settings, offline
+        self.decoder = open_decoder(settings, drafter)
+        self.drafter = self.decoder.drafter
         self.lock = lock or threading.Lock()  # the draft model runs one generation at a time
 
     @property
@@ -258,7 +254,7 @@ class Client:
     def connect(self) -> bool:
         """Bring the verifier link up now; False when it cannot be (or no verifier is configured)."""
         with self.lock:
-            return self.config.url is not None and self.decoder.connect()
+            return self.settings.url is not None and self.decoder.connect()
 
     def close(self) -> None:
         with self.lock:
@@ -289,7 +285,7 @@ class Client:
         return Stream(lambda emit: self._run(prompt, kw, emit), max_tokens)
 
     def _run(self, prompt: str | None, kw: dict[str, Any], emit: Callable[[str], bool]) -> Completion:
-        req = _Request.of(prompt, kw, self.mode, self.offline)
+        req = _Request.of(prompt, kw, self.settings.mode, self.offline)
         grammar = self._grammar(req)  # before the model's lock: a schema's conversion never holds it
         with self.lock:
             ids, images = self._prompt(req)
@@ -358,10 +354,10 @@ class Client:
         """Verified when the link is up; else, or when it drops midway, the draft alone (offline "local") from
         what the verifier committed, or VerifierUnavailable (offline "refuse")."""
         dec = self.decoder
-        args = dict(max_tokens=req.max_tokens, params=req.params, gamma=self.gamma, images=images)
+        args = dict(max_tokens=req.max_tokens, params=req.params, gamma=self.settings.gamma, images=images)
         gen: Generation | None = None
         done: list[int] = []
-        if self.config.url is not None and dec.connect():
+        if self.settings.url is not None and dec.connect():
             try:
                 gen = dec.generate(ids, mode=req.mode, grammar=grammar, until=pieces.until, **args)  # type: ignore[arg-type]
             except LinkLost as e:
@@ -369,7 +365,7 @@ class Client:
                 if req.offline == "refuse":
                     raise VerifierUnavailable(f"the verifier's link dropped: {e}") from None
         elif req.offline == "refuse":
-            where = self.config.url or "none configured"
+            where = self.settings.url or "none configured"
             raise VerifierUnavailable(f"the verifier cannot be reached ({where})")
         if gen is not None:
             return self._completion(gen.token_ids, gen, [gen.metrics], len(ids), req, pieces, len(gen.token_ids))

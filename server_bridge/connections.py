@@ -35,7 +35,7 @@ FATAL = {"bad_token", "vocab_mismatch", "bad_version", "not_authenticated"}
 
 
 async def close_for_drain(ws: ServerConnection) -> None:
-    # 1012 "service restart": the robot reconnects without backing off (agent/spec/link.py)
+    # 1012 "service restart": the robot reconnects without backing off (agent/decoding/link.py)
     await ws.close(1012, "replica draining: reconnect")
 
 
@@ -155,5 +155,5 @@ class Connections:
 
     @staticmethod
     async def _close_for_drain(ws: ServerConnection) -> None:
-        # 1012 "service restart": the robot reconnects without backing off (agent/spec/link.py)
+        # 1012 "service restart": the robot reconnects without backing off (agent/decoding/link.py)
         await ws.close(1012, "replica draining: reconnect")

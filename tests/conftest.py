@@ -52,14 +52,14 @@ def target():
 
 @pytest.fixture(scope="session")
 def drafter():
-    from agent.spec.drafter import Drafter
+    from agent.decoding.drafter import Drafter
 
     return Drafter(threads=1)
 
 
 @pytest.fixture(scope="session")
 def weak_drafter():
-    from agent.spec.drafter import Drafter
+    from agent.decoding.drafter import Drafter
 
     return Drafter("smollm2-q2_k", threads=1)
 

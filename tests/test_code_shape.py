@@ -1,4 +1,5 @@
-"""The code's shape: tools/ stays under a third of the code, and no product function outgrows a screen."""
+"""The code's shape: tools/ stays under a third of the code, no product function outgrows a screen, one
+function makes the decoding client's draft model and decoder, and the robot side declares each setting once."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ ROOT = Path(__file__).resolve().parent.parent
 COUNTED = ("agent", "server_bridge", "protocol", "runtime", "tools")
 PRODUCT = ("agent", "server_bridge", "protocol", "runtime")
 MAX_FUNCTION_LINES = 80
+BUILT_IN_ONE_PLACE = ("Drafter", "EdgeDecoder")  # made by open_decoder only: one way from settings to a decoder
+OPENER = ("agent/decoding/__init__.py", "open_decoder")
 
 
 def lines(package: str, root: Path = ROOT) -> int:
@@ -26,6 +29,85 @@ def long_functions(package: str, root: Path = ROOT) -> list[str]:
                 if n > MAX_FUNCTION_LINES:
                     out.append(f"{path.relative_to(root)}:{node.lineno} {node.name} ({n} lines)")
     return out
+
+
+def stray_builds(package: str, root: Path = ROOT) -> list[str]:
+    """path:line name of every call of Drafter(...) or EdgeDecoder(...) (by name or attribute) outside
+    OPENER's function."""
+    out = []
+    for path in sorted((root / package).rglob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        where = path.relative_to(root).as_posix()
+        inside = {
+            id(n)
+            for fn in ast.walk(tree)
+            if isinstance(fn, ast.FunctionDef) and (where, fn.name) == OPENER
+            for n in ast.walk(fn)
+        }
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Call) or id(node) in inside:
+                continue
+            func = node.func
+            name = func.id if isinstance(func, ast.Name) else getattr(func, "attr", None)
+            if name in BUILT_IN_ONE_PLACE:
+                out.append(f"{where}:{node.lineno} {name}")
+    return out
+
+
+def settings_declared(package: str, root: Path = ROOT) -> dict[str, list[str]]:
+    """field name -> the classes that declare it with `setting(...)` in their own body (a field inherited from
+    another settings class, or a settings class held as a field, declares nothing)."""
+    out: dict[str, list[str]] = {}
+    for path in sorted((root / package).rglob("*.py")):
+        for cls in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(cls, ast.ClassDef):
+                continue
+            for st in cls.body:
+                if (
+                    isinstance(st, ast.AnnAssign)
+                    and isinstance(st.target, ast.Name)
+                    and isinstance(st.value, ast.Call)
+                    and getattr(st.value.func, "id", None) == "setting"
+                ):
+                    out.setdefault(st.target.id, []).append(cls.name)
+    return out
+
+
+# One name, two settings: each its own thing in its own table or command (api.token is the local API's
+# credential, the others the verifier's), not one setting declared twice.
+NAMESAKES = {
+    "allow_remote": ["ApiSection", "RecordSection"],
+    "jpeg_quality": ["PerceptionSection", "RecordSection"],
+    "listen": ["ApiSection", "ServeOptions"],
+    "max_bytes": ["TelemetrySection", "RecordSection"],
+    "path": ["TelemetrySection", "RecordSection"],
+    "policy": ["OfflineSection", "DecoderSettings"],
+}
+# Issue 43's rest: generate's and serve's flags still copy DecoderSettings' fields, and the [agent] and [link]
+# sections declare theirs with the robot's own defaults (keepalive_s 1.0, verify_timeout_s 2.0 against the
+# library's 2.0 and 30.0). Each line that goes must leave this list (the test fails until it does).
+NOT_YET_ONCE = {
+    "allow_insecure": ["LinkSection", "GenerateOptions", "ServeOptions", "DecoderSettings"],
+    "ca_file": ["LinkSection", "GenerateOptions", "ServeOptions", "DecoderSettings"],
+    "draft": ["AgentSection", "GenerateOptions", "ServeOptions", "DecoderSettings"],
+    "draft_mmproj": ["AgentSection", "GenerateOptions", "ServeOptions", "DecoderSettings"],
+    "draft_policy": ["AgentSection", "GenerateOptions"],
+    "gamma": ["AgentSection", "GenerateOptions", "ServeOptions", "DecoderSettings"],
+    "keepalive_s": ["LinkSection", "DecoderSettings"],
+    "max_tokens": ["AgentSection", "GenerateOptions"],
+    "mode": ["AgentSection", "GenerateOptions", "ServeOptions", "DecoderSettings"],
+    "n_gpu_layers": ["AgentSection", "GenerateOptions", "ServeOptions", "DecoderSettings"],
+    "payload": ["AgentSection", "GenerateOptions", "DecoderSettings"],
+    "robot_id": ["LinkSection", "GenerateOptions", "DecoderSettings"],
+    "seed": ["AgentSection", "GenerateOptions"],
+    "slo": ["GenerateOptions", "DecoderSettings"],
+    "temperature": ["AgentSection", "GenerateOptions"],
+    "threads": ["AgentSection", "GenerateOptions", "ServeOptions", "DecoderSettings"],
+    "token": ["ApiSection", "GenerateOptions", "ServeOptions", "DecoderSettings"],
+    "topk": ["AgentSection", "GenerateOptions"],
+    "trace": ["GenerateOptions", "DecoderSettings"],
+    "verifier": ["LinkSection", "GenerateOptions", "ServeOptions"],
+}
 
 
 def test_tools_are_under_a_third_of_the_code():
@@ -80,3 +162,37 @@ def test_the_class_measure_counts_non_blank_lines(tmp_path):
     (tmp_path / "pkg" / "m.py").write_text(f"class Small:\n    pass\n\n\nclass Big:\n{body}\n")
     found = long_classes("pkg", tmp_path)
     assert len(found) == 1 and f"Big ({MAX_CLASS_LINES + 1} non-blank lines)" in found[0]
+
+
+def test_only_open_decoder_makes_a_drafter_or_a_decoder():
+    found = [f for p in ("agent", "tools") for f in stray_builds(p)]
+    assert not found, "build these through agent.decoding.open_decoder(settings, drafter):\n" + "\n".join(found)
+
+
+def test_stray_builds_are_found(tmp_path):
+    opener, name = OPENER
+    (tmp_path / opener).parent.mkdir(parents=True)
+    (tmp_path / opener).write_text(f"def {name}(s):\n    return EdgeDecoder(Drafter(s), s)\n")
+    (tmp_path / "agent" / "m.py").write_text("import x\nd = x.Drafter()\n\n\ndef f(d):\n    return EdgeDecoder(d)\n")
+    assert stray_builds("agent", tmp_path) == ["agent/m.py:2 Drafter", "agent/m.py:6 EdgeDecoder"]
+
+
+def test_each_setting_of_the_robot_side_is_declared_once():
+    twice = {name: sorted(classes) for name, classes in settings_declared("agent").items() if len(classes) > 1}
+    known = {name: sorted(classes) for name, classes in {**NAMESAKES, **NOT_YET_ONCE}.items()}
+    assert twice == known, (
+        "declare a setting once (embed or inherit its settings class); declared more than once: "
+        + str({n: c for n, c in twice.items() if known.get(n) != c})
+        + "; listed but no longer twice: "
+        + str(sorted(n for n in known if n not in twice))
+    )
+
+
+def test_settings_declared_twice_are_found(tmp_path):
+    (tmp_path / "agent").mkdir()
+    (tmp_path / "agent" / "m.py").write_text(
+        "class A:\n    x: int = setting(1, help='')\n    y: int = 2\n\n\n"
+        "class B(A):\n    x: int = setting(2, help='')\n    a: A = A()\n\n\n"
+        "class C(A):\n    z: int = setting(3, help='')\n"
+    )
+    assert settings_declared("agent", tmp_path) == {"x": ["A", "B"], "z": ["C"]}

@@ -92,7 +92,7 @@ def test_the_graph_sees_imports():
     graph = import_graph()
     assert "server_bridge.engines" in graph["server_bridge.verifier"] or graph["server_bridge.verifier"]
     assert "protocol.images" in graph["protocol.wire"]  # `from . import images as image_wire`
-    assert "protocol" in graph["agent.spec.drafter"]  # `from protocol import modelfiles`
+    assert "protocol" in graph["agent.decoding.drafter"]  # `from protocol import modelfiles`
 
 
 def test_find_cycle_reports_the_path():
@@ -106,17 +106,17 @@ def test_no_import_cycles():
 
 
 # Who may import whom: a module under a key imports only modules under one of the listed prefixes, or
-# the packages those sit in (importing `a.b.c` runs `a` and `a.b`). The decoding client (agent.spec)
+# the packages those sit in (importing `a.b.c` runs `a` and `a.b`). The decoding client (agent.decoding)
 # knows nothing of the robot application, the robot or the server; protocol/ and runtime/ know
 # nothing of either side; agent/ never imports server_bridge/.
 ALLOWED = {
     "runtime": ("runtime", "protocol.images"),
     "protocol": ("protocol",),
     "agent": ("agent", "runtime.native"),
-    "agent.spec": ("agent.spec", "protocol", "runtime"),
-    "agent.client": ("agent.client", "agent.spec", "protocol", "runtime"),
+    "agent.decoding": ("agent.decoding", "protocol", "runtime"),
+    "agent.client": ("agent.client", "agent.decoding", "protocol", "runtime"),
     "agent.robot": ("agent.robot", "protocol"),
-    "agent.app": ("agent.app", "agent.client", "agent.spec", "agent.robot", "protocol", "runtime"),
+    "agent.app": ("agent.app", "agent.client", "agent.decoding", "agent.robot", "protocol", "runtime"),
     "server_bridge": ("server_bridge", "protocol", "runtime"),
     "server_bridge.engines": ("server_bridge.engines", "server_bridge.exits", "protocol", "runtime"),
 }
@@ -141,11 +141,11 @@ def test_layering():
 
 
 def test_layering_catches_a_crossing():
-    assert allowed("agent.app.cli", "agent.spec.decoder") and allowed("agent.spec.decoder", "agent")
-    assert not allowed("agent.spec.decoder", "agent.app.navigator")
-    assert not allowed("agent.spec.decoder", "agent.robot.camera")
+    assert allowed("agent.app.cli", "agent.decoding.decoder") and allowed("agent.decoding.decoder", "agent")
+    assert not allowed("agent.decoding.decoder", "agent.app.navigator")
+    assert not allowed("agent.decoding.decoder", "agent.robot.camera")
     assert not allowed("agent.app.daemon", "server_bridge.verifier")
-    assert not allowed("protocol.wire", "agent.spec.link")
+    assert not allowed("protocol.wire", "agent.decoding.link")
     assert not allowed("server_bridge.engines.torch", "server_bridge.verifier")
 
 

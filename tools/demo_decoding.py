@@ -14,8 +14,8 @@ import logging
 import sys
 import time
 
-from agent.spec.decoder import DecoderConfig, EdgeDecoder
-from agent.spec.policy import DraftPolicy
+from agent.decoding import DecoderSettings, open_decoder
+from agent.decoding.policy import DraftPolicy
 from tools.bench.link import served
 from tools.cluster.netem import LinkProfile
 
@@ -63,8 +63,8 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
         drafter = s.drafter(args.draft)
-        decoder = EdgeDecoder(drafter, DecoderConfig(url=link.url()))
-        smart = EdgeDecoder(drafter, DecoderConfig(url=link.url(), policy=DraftPolicy("predictor+optimal")))
+        decoder = open_decoder(DecoderSettings(url=link.url()), drafter)
+        smart = open_decoder(DecoderSettings(url=link.url(), policy=DraftPolicy("predictor+optimal")), drafter)
         ids = drafter.tokenize(args.prompt, chat=True)
         print(f"\nprompt ({len(ids)} tokens): {args.prompt}\n", flush=True)
         runs = []

@@ -22,7 +22,7 @@ from . import config
 from .config import GenerateOptions, ServeOptions
 
 if TYPE_CHECKING:
-    from agent.spec.decoder import DecoderConfig
+    from agent.decoding import DecoderSettings
 
     from .api import LocalApi
     from .daemon import Daemon
@@ -31,8 +31,8 @@ log = logging.getLogger("edge-agent")
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from agent.spec.decoder import EdgeDecoder
-    from agent.spec.link import LinkLost, ServerError
+    from agent.decoding import open_decoder
+    from agent.decoding.link import LinkLost, ServerError
 
     opts = GenerateOptions(**{f.name: getattr(args, f.name) for f in fields(GenerateOptions)})
     if not opts.local and not opts.verifier:
@@ -40,8 +40,10 @@ def _generate(args: argparse.Namespace) -> int:
         return 2
     try:
         params = SamplingParams(temperature=opts.temperature, top_k=opts.top_k, seed=opts.seed, top_p=opts.top_p)
-        drafter, prompt_ids, prompt_images = _prompt(opts)
-        decoder = EdgeDecoder(drafter, _decoder_config(opts))
+        images = [Path(f).read_bytes() for f in opts.image]  # a missing file is said before the model loads
+        decoder = open_decoder(_decoder_settings(opts))
+        drafter = decoder.drafter
+        prompt_ids, prompt_images = _prompt(drafter, opts.prompt, images, opts.chat)
     except (OSError, ValueError, SamplingError) as e:  # a missing file, an image that is no JPEG/PNG, a policy
         print(f"edge-agent: {e}", file=sys.stderr)
         return 2
@@ -49,13 +51,7 @@ def _generate(args: argparse.Namespace) -> int:
     try:
         with stream.catching_sigint():
             gen = decoder.generate(
-                prompt_ids,
-                mode="local" if opts.local else opts.mode,
-                max_tokens=opts.max_tokens,
-                params=params,
-                gamma=opts.gamma,
-                images=prompt_images,
-                until=stream,
+                prompt_ids, max_tokens=opts.max_tokens, params=params, images=prompt_images, until=stream
             )
     except (LinkLost, ServerError) as e:
         stream.end()
@@ -125,33 +121,27 @@ class _Stream:
             signal.signal(signal.SIGINT, previous)
 
 
-def _prompt(opts: GenerateOptions) -> tuple[Any, list[int], list]:
-    """The draft model and the prompt's token ids and images."""
-    from agent.spec.drafter import Drafter
-
-    images = [Path(f).read_bytes() for f in opts.image]
-    drafter = Drafter(
-        opts.draft, threads=opts.threads, n_gpu_layers=opts.n_gpu_layers, mmproj=opts.draft_mmproj or None
-    )
+def _prompt(drafter: Any, prompt: str, images: list[bytes], chat: bool) -> tuple[list[int], list]:
+    """The prompt's token ids and its images on their markers."""
     if images:
-        prompt_ids, prompt_images = drafter.image_prompt(opts.prompt, images, chat=opts.chat)
-        return drafter, prompt_ids, prompt_images
-    return drafter, drafter.tokenize(opts.prompt, chat=opts.chat), []
+        return drafter.image_prompt(prompt, images, chat=chat)
+    return drafter.tokenize(prompt, chat=chat), []
 
 
-DECODER_UNSET = ("reconnect", "recv_timeout_s", "keepalive_s")  # generate keeps the decoder's defaults
+DECODER_UNSET = ("reconnect", "verify_timeout_s", "keepalive_s")  # generate keeps the decoder's defaults
 
 
-def _decoder_config(opts: GenerateOptions) -> DecoderConfig:
-    """generate's DecoderConfig: the fields of the same name (trace, slo, ca_file, ...) taken by name, the
-    others made from the flags here."""
-    from agent.spec.decoder import DecoderConfig, FsdOptions
-    from agent.spec.link import default_robot_id
-    from agent.spec.policy import DraftPolicy
+def _decoder_settings(opts: GenerateOptions) -> DecoderSettings:
+    """generate's DecoderSettings: the fields of the same name (draft, trace, slo, ca_file, ...) taken by name,
+    the others made from the flags here."""
+    from agent.decoding.link import default_robot_id
+    from agent.decoding.policy import DraftPolicy
+    from agent.decoding.settings import DecoderSettings, FsdOptions
 
     exits = None if opts.exits == "all" else tuple(int(x) for x in opts.exits.split(",") if x.strip())
     computed = {
         "url": None if opts.local else opts.verifier,
+        "mode": "local" if opts.local else opts.mode,
         "token": opts.token if opts.token is not None else os.environ.get("VERIFIER_TOKEN", ""),
         "fsd": FsdOptions(
             exits=exits,
@@ -171,7 +161,7 @@ def _decoder_config(opts: GenerateOptions) -> DecoderConfig:
         "payload": PayloadSpec.parse(opts.payload, opts.topk),
         "robot_id": default_robot_id() if opts.robot_id is None else opts.robot_id,
     }
-    return settings.pick(DecoderConfig, opts, computed=computed, unset=DECODER_UNSET)
+    return settings.pick(DecoderSettings, opts, computed=computed, unset=DECODER_UNSET)
 
 
 def _report(gen: Any) -> None:
@@ -440,8 +430,9 @@ def _serve_openai(args: argparse.Namespace) -> int:
     import asyncio
 
     from agent.client import Client
-    from agent.spec.decoder import DecoderConfig, ReconnectPolicy
-    from agent.spec.link import default_robot_id
+    from agent.decoding import DecoderSettings
+    from agent.decoding.link import default_robot_id
+    from agent.decoding.session import ReconnectPolicy
 
     from .config import ConfigError, ServeOptions
     from .openai_api import OpenAiApi
@@ -449,24 +440,21 @@ def _serve_openai(args: argparse.Namespace) -> int:
     try:
         opts = ServeOptions(**{f.name: getattr(args, f.name) for f in fields(ServeOptions)})
         key = opts.key()
-        decoder = DecoderConfig(
+        decoder = DecoderSettings(
+            draft=opts.draft,
+            draft_mmproj=opts.draft_mmproj,
+            threads=opts.threads,
+            n_gpu_layers=opts.n_gpu_layers,
             url=opts.verifier,
             token=opts.token if opts.token is not None else os.environ.get("VERIFIER_TOKEN", ""),
             ca_file=opts.ca_file,
             allow_insecure=opts.allow_insecure,
             robot_id=default_robot_id(),
             reconnect=ReconnectPolicy(max_attempts=2),  # a request waits little before the offline answer
-        )
-        client = Client(
-            config=decoder,
-            draft=opts.draft,
-            draft_mmproj=opts.draft_mmproj or None,
             mode=opts.mode,
-            offline=opts.offline,
             gamma=opts.gamma,
-            threads=opts.threads,
-            n_gpu_layers=opts.n_gpu_layers,
         )
+        client = Client(decoder, offline=opts.offline)
         api = OpenAiApi(
             client,
             opts.listen,

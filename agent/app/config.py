@@ -18,10 +18,11 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from agent.decoding.link import ROBOT_ID
+from agent.decoding.policy import POLICIES
+from agent.robot.actions import FORWARD_CM, TURN_DEG
 from agent.robot.controllers.base import CONTROLLERS
 from agent.robot.safety import SafetyLimits
-from agent.spec.link import ROBOT_ID
-from agent.spec.policy import POLICIES
 from protocol import modelfiles
 from protocol.payload import DEFAULT_KIND, DEFAULT_TOPK, PayloadSpec
 from protocol.payload import KINDS as PAYLOAD_KINDS
@@ -30,11 +31,11 @@ from runtime.settings import ConfigError, setting, tomllib
 
 from .http_guard import valid_name
 from .memory import check_memory
-from .navigator import OFFLINE_POLICIES, check_envelope
 
 __all__ = ["Config", "ConfigError", "GenerateOptions", "load", "tomllib"]  # tomllib: tomli on Python 3.10
 
 MODES = ("sd", "fsd", "ar")
+OFFLINE_POLICIES = ("hold", "local")
 PERCEPTION_KINDS = ("sim", "color", "vlm")
 
 
@@ -91,6 +92,8 @@ class AgentSection:
             raise ConfigError(f"agent.n_gpu_layers must be -1 (all), 0 (CPU) or a layer count, got {self.n_gpu_layers}")
         if self.threads < 1 or self.gamma < 1 or self.max_tokens < 1:
             raise ConfigError("agent.threads, agent.gamma and agent.max_tokens must be >= 1")
+        if not self.max_plan_age_s > 0:
+            raise ConfigError(f"agent.max_plan_age_s must be positive, got {self.max_plan_age_s}")
         if not 0 < self.task_timeout_s <= 86400:
             raise ConfigError(f"agent.task_timeout_s must be 0..86400 s (and not 0), got {self.task_timeout_s}")
         if not 0 <= self.slo_tokens_per_s <= 1000:
@@ -142,6 +145,21 @@ class LinkSection:
             or self.reconnect_backoff_max_s < self.reconnect_backoff_s
         ):
             raise ConfigError("link timeouts must be positive and backoff_max >= backoff")
+
+
+def check_envelope(max_forward_cm: float, max_turn_deg: float, speed_scale: float) -> None:
+    if not FORWARD_CM[0] <= max_forward_cm <= FORWARD_CM[-1]:
+        raise ValueError(
+            f"offline.max_forward_cm must be {FORWARD_CM[0]}..{FORWARD_CM[-1]} cm (NaVILA's steps "
+            f"are {FORWARD_CM}), got {max_forward_cm!r}"
+        )
+    if not TURN_DEG[0] <= max_turn_deg <= TURN_DEG[-1]:
+        raise ValueError(
+            f"offline.max_turn_deg must be {TURN_DEG[0]}..{TURN_DEG[-1]} degrees (NaVILA's steps "
+            f"are {TURN_DEG}), got {max_turn_deg!r}"
+        )
+    if not 0 < speed_scale <= 1:
+        raise ValueError(f"offline.speed_scale must be in (0, 1] (it slows unverified motion), got {speed_scale!r}")
 
 
 @dataclass(frozen=True)
@@ -287,7 +305,24 @@ class PerceptionSection:
 
 
 @dataclass(frozen=True)
-class ApiSection:
+class BrowserGuard:
+    """Who an HTTP endpoint on the robot lets in besides robot processes: the local API and openai_listen
+    (the [api] keys) and `edge-agent serve` (its flags) declare these once, here."""
+
+    allowed_origins: list = setting(
+        default_factory=list,
+        help='Browser Origins let in (e.g. "https://ui.robot.lan"); a request with any other Origin header is '
+        "refused with 403.",
+    )
+    allowed_hosts: list = setting(
+        default_factory=list,
+        help='Host names (e.g. "go2.lan") a request over TCP may name in its Host header besides the address it '
+        "reached; any other Host is refused with 421 (DNS rebinding).",
+    )
+
+
+@dataclass(frozen=True)
+class ApiSection(BrowserGuard):
     listen: str = setting(
         "",
         flag="--listen",
@@ -313,16 +348,6 @@ class ApiSection:
     )
     reset_token_file: str = setting(
         "", help="A file holding it (its first line; not world-readable; install.sh makes one)."
-    )
-    allowed_origins: list = setting(
-        default_factory=list,
-        help='Browser Origins let in (e.g. "https://ui.robot.lan"), on the local API and openai_listen; a '
-        "request with any other Origin header is refused with 403.",
-    )
-    allowed_hosts: list = setting(
-        default_factory=list,
-        help='Host names (e.g. "go2.lan") a request over TCP may name in its Host header, on the local API '
-        "and openai_listen, besides the address it reached; any other Host is refused with 421 (DNS rebinding).",
     )
     openai_listen: str = setting(
         "",
@@ -697,7 +722,7 @@ class GenerateOptions:
 
 
 @dataclass(frozen=True)
-class ServeOptions:
+class ServeOptions(BrowserGuard):
     """`edge-agent serve`'s flags: the OpenAI-compatible endpoint alone, without the robot
     (agent/app/openai_api.py; the field name with dashes is the flag)."""
 
@@ -717,16 +742,6 @@ class ServeOptions:
     mode: str = setting("sd", choices=("ar", "sd", "fsd"), help="How answers are verified (as generate's --mode).")
     gamma: int = setting(4, help="Draft tokens per round.")
     max_pending: int = setting(4, help="Requests running or waiting for the model at once; more get 503.")
-    allowed_hosts: list = setting(
-        default_factory=list,
-        help='Host names (e.g. "go2.lan") a request may name in its Host header besides the address it '
-        "reached; any other Host is refused with 421 (DNS rebinding).",
-    )
-    allowed_origins: list = setting(
-        default_factory=list,
-        help='Browser Origins let in (e.g. "https://ui.robot.lan"); a request with any other Origin header is '
-        "refused with 403.",
-    )
     model_name: str = setting("", help='The model id /v1/models lists ("": the draft\'s name).')
     draft: str = setting(
         modelfiles.DEFAULT_DRAFT, help=f"The draft: a name ({', '.join(modelfiles.DRAFTS)}) or a GGUF path."

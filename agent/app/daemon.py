@@ -30,27 +30,28 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
+from agent.decoding import DecoderSettings, open_decoder
+from agent.decoding.decoder import EdgeDecoder, ReconnectPolicy
+from agent.decoding.link import default_robot_id, tls_context
+from agent.decoding.policy import DraftPolicy
 from agent.robot.camera import Frame, FrameGrabber, open_source
 from agent.robot.control import ControlLoop
 from agent.robot.controllers.base import Controller, ControllerError, make_controller
 from agent.robot.episode import verdict
 from agent.robot.safety import SafetyLayer
-from agent.spec.decoder import DecoderConfig, EdgeDecoder, ReconnectPolicy
-from agent.spec.link import default_robot_id, tls_context
-from agent.spec.policy import DraftPolicy
 from protocol.images import MAX_IMAGE_BYTES, check_bytes
 from protocol.payload import PayloadSpec
 from runtime import settings
 
 from .config import Config
-from .navigator import NavConfig, Navigator, Step
+from .navigator import Navigator, Step
 from .recording import Recorder, sample_of
 from .sdnotify import Notifier
 from .telemetry import DiskTrouble, TelemetryWriter
 
 if TYPE_CHECKING:
     from agent.client import Client
-    from agent.spec.drafter import Drafter  # llama-cpp: imported when the daemon loads one
+    from agent.decoding.drafter import Drafter  # llama-cpp: imported when the daemon loads one
 
 log = logging.getLogger(__name__)
 
@@ -130,23 +131,15 @@ class Daemon:
             watchdog_interval_s=self.notifier.watchdog_interval_s(),
         ).start()
         self.notifier.status("loading the draft model")
-        if self._drafter is None:
-            from agent.spec.drafter import Drafter
-
-            self._drafter = Drafter(
-                cfg.agent.draft,
-                threads=cfg.agent.threads,
-                n_gpu_layers=cfg.agent.n_gpu_layers,
-                mmproj=cfg.agent.draft_mmproj or None,
-            )
+        self.decoder = open_decoder(decoder_settings(cfg, token), self._drafter)
+        self._drafter = self.decoder.drafter
         log.info("draft offload (llama.cpp's own query): %s", getattr(self._drafter, "offload", "unknown"))
-        self.decoder = EdgeDecoder(self._drafter, decoder_config(cfg, token))
         self.nav = Navigator(
             self.decoder,
             grabber,
             self._perception(),
             self.control,
-            nav_config(cfg),
+            cfg,
             emit=self._emit,
             on_mode=self._on_mode,
         )
@@ -529,19 +522,9 @@ class Daemon:
         return f"{mode}, {task}{camera}{estop}"
 
 
-# NavConfig's and DecoderConfig's fields that differ in name from the config's (the rest match by name, in
-# whichever section holds them); `unset` are the ones the config does not set (their defaults stand).
-NAV_RENAME = {
-    "offline": "offline.policy",
-    "max_frame_age_ms": "camera.max_age_ms",
-    "probe_backoff_s": "link.reconnect_backoff_s",
-    "probe_backoff_max_s": "link.reconnect_backoff_max_s",
-    "offline_max_forward_cm": "offline.max_forward_cm",
-    "offline_max_turn_deg": "offline.max_turn_deg",
-    "offline_speed_scale": "offline.speed_scale",
-}
-NAV_UNSET = ("speed", "turn_rate", "hold_wait_s", "ahead_deg")
-DECODER_RENAME = {"recv_timeout_s": "link.verify_timeout_s", "slo": "agent.slo_tokens_per_s"}
+# DecoderSettings' fields that differ in name from the config's (the rest match by name, in whichever section
+# holds them); `unset` are the ones the config does not set (their defaults stand).
+DECODER_RENAME = {"slo": "agent.slo_tokens_per_s"}
 DECODER_UNSET = ("fsd", "trace")
 
 
@@ -562,11 +545,6 @@ def telemetry_path(path: str) -> Path | None:
     return Path(path) if os.path.isabs(path) else state_directory() / path
 
 
-def nav_config(cfg: Config) -> NavConfig:
-    """The navigator's settings from the config: by name, NAV_RENAME where the names differ."""
-    return settings.pick(NavConfig, cfg, rename=NAV_RENAME, unset=NAV_UNSET)
-
-
 def chat_client(daemon: Daemon) -> Client:
     """The OpenAI endpoint's Client (api.openai_listen): the daemon's draft model, its own link to the same
     verifier, and the daemon's model lock, so chat answers and navigation steps take turns."""
@@ -576,16 +554,14 @@ def chat_client(daemon: Daemon) -> Client:
     if daemon.decoder is None:
         raise RuntimeError("start() the daemon before its chat endpoint")
     return Client(
+        daemon.decoder.settings,
         drafter=daemon.decoder.drafter,
-        config=daemon.decoder.config,
-        mode=cfg.agent.mode,
-        gamma=cfg.agent.gamma,
         offline="local" if cfg.offline.policy == "local" else "refuse",
         lock=daemon.model_lock,
     )
 
 
-def decoder_config(cfg: Config, token: str) -> DecoderConfig:
+def decoder_settings(cfg: Config, token: str) -> DecoderSettings:
     """The decoding client's settings from the config: by name, DECODER_RENAME where the names differ, and
     the values the config holds in another form (a policy's name, a payload's kind and K) made here."""
     link = cfg.link
@@ -599,7 +575,7 @@ def decoder_config(cfg: Config, token: str) -> DecoderConfig:
             max_attempts=1, backoff_s=link.reconnect_backoff_s, backoff_max_s=link.reconnect_backoff_max_s
         ),
     }
-    return settings.pick(DecoderConfig, cfg, rename=DECODER_RENAME, computed=computed, unset=DECODER_UNSET)
+    return settings.pick(DecoderSettings, cfg, rename=DECODER_RENAME, computed=computed, unset=DECODER_UNSET)
 
 
 def _decode_image(data: str) -> Frame:

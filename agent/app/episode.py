@@ -149,6 +149,6 @@ def navigate(
         collisions0=collisions0,
         start=start,
         wall_s=time.perf_counter() - wall0,
-        reach_m=nav.cfg.reach_m,
+        reach_m=nav.cfg.agent.reach_m,
     )
     return summary, records

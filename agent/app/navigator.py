@@ -34,16 +34,17 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Protocol, Sequence, cast
 
+from agent.decoding.decoder import EdgeDecoder, Generation
+from agent.decoding.link import LinkLost, ServerError
 from agent.robot.actions import FORWARD_CM, STOP, TURN_DEG, Action, Parsed, complete, motion_for, parse_action
 from agent.robot.camera import Frame, FrameGrabber, StaleFrame
 from agent.robot.control import ControlLoop
 from agent.robot.perception import CameraImage, Sighting
-from agent.spec.decoder import EdgeDecoder, Generation
-from agent.spec.link import LinkLost, ServerError
 from protocol.images import PromptImage
 from protocol.sampling import SamplingParams
 
-from .memory import Recall, StepMemory, check_memory
+from .config import Config
+from .memory import Recall, StepMemory
 from .prompt import (
     AHEAD_DEG,
     IMAGE_RECALL,
@@ -57,7 +58,6 @@ from .prompt import (
 
 log = logging.getLogger(__name__)
 
-OFFLINE_POLICIES = ("hold", "local")
 UNSEEN_TURNS = 1  # a detector that sees nothing the instruction names: turns the robot may make to look, per task
 
 
@@ -131,69 +131,22 @@ def offline_envelope(
     return run, envelope, note
 
 
-def check_envelope(max_forward_cm: float, max_turn_deg: float, speed_scale: float) -> None:
-    if not FORWARD_CM[0] <= max_forward_cm <= FORWARD_CM[-1]:
-        raise ValueError(
-            f"offline.max_forward_cm must be {FORWARD_CM[0]}..{FORWARD_CM[-1]} cm (NaVILA's steps "
-            f"are {FORWARD_CM}), got {max_forward_cm!r}"
-        )
-    if not TURN_DEG[0] <= max_turn_deg <= TURN_DEG[-1]:
-        raise ValueError(
-            f"offline.max_turn_deg must be {TURN_DEG[0]}..{TURN_DEG[-1]} degrees (NaVILA's steps "
-            f"are {TURN_DEG}), got {max_turn_deg!r}"
-        )
-    if not 0 < speed_scale <= 1:
-        raise ValueError(f"offline.speed_scale must be in (0, 1] (it slows unverified motion), got {speed_scale!r}")
-
-
 @dataclass(frozen=True)
 class NavConfig:
-    mode: str = "sd"  # how verified steps decode: sd | fsd | ar
-    gamma: int = 4
-    max_tokens: int = 40  # NaVILA decodes at most 32; the reason takes a few more
-    temperature: float = 0.0
-    seed: int = 0
-    offline: str = "hold"  # hold | local
-    verify_timeout_s: float = 2.0  # an answer later than this counts as a lost link
-    max_frame_age_ms: float = 500.0  # refuse to plan from an older frame
-    max_plan_age_s: float = 5.0  # never act on a plan whose frame is older than this
-    reach_m: float = 0.6  # "within reach" in the observation text
+    """The navigator's own constants, which no config sets; everything else it reads from the config's
+    sections (agent/app/config.py: agent, link, offline, nav, camera), where each setting is declared."""
+
     speed: float = 0.5  # m/s for "move forward" (NaVILA-Bench)
     turn_rate: float = 0.5236  # rad/s for turns (pi/6, NaVILA-Bench)
-    probe_backoff_s: float = 0.2  # offline: first wait before probing the link again
-    probe_backoff_max_s: float = 5.0
     hold_wait_s: float = 0.5  # hold: pause between probes while the robot waits
     ahead_deg: float = AHEAD_DEG  # a bearing within this is "ahead" (observation text, offline envelope)
-    memory_steps: int = 4  # nav.memory_steps: remembered steps in the prompt (0: none)
-    memory_max_tokens: int = 160  # nav.memory_max_tokens: their bound in draft tokens, oldest dropped first
-    offline_max_forward_cm: float = 25.0  # unverified actions: the largest forward step (cm) ...
-    offline_max_turn_deg: float = 15.0  # ... and turn (degrees); larger ones are reduced to fit
-    offline_speed_scale: float = 0.5  # ... run at this fraction of speed and turn_rate
-    grammar: bool = True  # nav.grammar: answers decoded under the NaVILA answer grammar, both sides
-    blocked_m: float = 0.0  # nav.blocked_m: "the way ahead is blocked" below this range ahead (0: never)
 
     def __post_init__(self):
-        if self.mode not in ("sd", "fsd", "ar"):
-            raise ValueError(f"agent.mode must be sd, fsd or ar, got {self.mode!r}")
-        if self.offline not in OFFLINE_POLICIES:
-            raise ValueError(f"offline.policy must be one of {OFFLINE_POLICIES}, got {self.offline!r}")
-        for name in (
-            "max_tokens",
-            "verify_timeout_s",
-            "max_frame_age_ms",
-            "max_plan_age_s",
-            "speed",
-            "turn_rate",
-            "probe_backoff_s",
-            "probe_backoff_max_s",
-            "hold_wait_s",
-        ):
+        for name in ("speed", "turn_rate", "hold_wait_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
         if not 0 < self.ahead_deg < 45:
             raise ValueError(f"ahead_deg must be in (0, 45) degrees, got {self.ahead_deg!r}")
-        check_memory(self.memory_steps, self.memory_max_tokens)
-        check_envelope(self.offline_max_forward_cm, self.offline_max_turn_deg, self.offline_speed_scale)
 
 
 @dataclass
@@ -240,7 +193,8 @@ class Navigator:
         grabber: FrameGrabber,
         perception: Perception,
         control: ControlLoop,
-        config: NavConfig = NavConfig(),
+        config: Config | None = None,
+        consts: NavConfig = NavConfig(),
         emit: Callable[[dict], None] = lambda event: None,
         on_mode: Callable[[str], None] = lambda mode: None,
         clock: Callable[[], float] = time.monotonic,
@@ -250,13 +204,14 @@ class Navigator:
         self.grabber = grabber
         self.perception = perception
         self.control = control
-        self.cfg = config
+        self.cfg = config = config or Config()  # the sections it reads: agent, link, offline, nav, camera
+        self.consts = consts
         self.emit = emit
         self.on_mode = on_mode
         self.clock = clock
-        self.params = SamplingParams(temperature=config.temperature, seed=config.seed)
+        self.params = SamplingParams(temperature=config.agent.temperature, seed=config.agent.seed)
         self.link = "unknown"  # up | down | unknown (no step yet)
-        self._backoff = config.probe_backoff_s
+        self._backoff = config.link.reconnect_backoff_s
         self._next_probe = 0.0
         self.steps = 0
         self.offline_steps = 0
@@ -267,7 +222,7 @@ class Navigator:
         self.guards_unseen = getattr(perception, "kind", None) == "color"
         self.unseen_turns = 0  # this task's
         self.memory = StepMemory(
-            config.memory_steps, config.memory_max_tokens, lambda text: len(self.drafter.tokenize(text))
+            config.nav.memory_steps, config.nav.memory_max_tokens, lambda text: len(self.drafter.tokenize(text))
         )
         # A vision-language draft (loaded with its mmproj) has an image marker and a chat template that reads
         # list-of-parts content; with perception "vlm" the frame itself goes in the prompt on that marker.
@@ -284,7 +239,9 @@ class Navigator:
         self._last_ids: list[int] = []  # the previous prompt: what both KV caches start from
         self._last_images: list[PromptImage] = []  # its image (perception "vlm"), else none
         self.session = f"nav-{uuid.uuid4().hex[:12]}"  # one server session: the few-shot prefix stays cached
-        self.grammar, self.max_tokens = answer_limits(config.grammar, config.max_tokens)  # the answer grammar or not
+        self.grammar, self.max_tokens = answer_limits(
+            config.nav.grammar, config.agent.max_tokens
+        )  # the answer grammar or not
         self.last_look: tuple[Frame, list[Sighting]] | None = None  # the latest step's frame and sightings
 
     # -------------------------------------------------------------- the link
@@ -308,7 +265,7 @@ class Navigator:
         ok = self.check_link()
         if not ok:
             self._next_probe = self.clock() + self._backoff
-            self._backoff = min(self.cfg.probe_backoff_max_s, self._backoff * 2)
+            self._backoff = min(self.cfg.link.reconnect_backoff_max_s, self._backoff * 2)
         return ok
 
     def _mark(self, state: str, why: str) -> None:
@@ -316,15 +273,15 @@ class Navigator:
             return
         previous, self.link = self.link, state
         if state == "up":
-            self._backoff = self.cfg.probe_backoff_s
+            self._backoff = self.cfg.link.reconnect_backoff_s
             if previous == "down":
                 log.warning("verifier is back: verified mode (%s)", why)
         else:
             self._next_probe = self.clock() + self._backoff
-            log.warning("verifier lost (%s): offline mode, policy %s", why, self.cfg.offline)
+            log.warning("verifier lost (%s): offline mode, policy %s", why, self.cfg.offline.policy)
         mode = "verified" if state == "up" else "offline"
         self.on_mode(mode)
-        self.emit({"event": "mode", "mode": mode, "offline_policy": self.cfg.offline, "why": why})
+        self.emit({"event": "mode", "mode": mode, "offline_policy": self.cfg.offline.policy, "why": why})
 
     # -------------------------------------------------------------- one step
 
@@ -398,7 +355,7 @@ class Navigator:
     def _clearance_ahead(self) -> float | None:
         """The free distance straight ahead from the controller's range source; None without one."""
         ranges = getattr(getattr(self.control, "safety", None), "ranges", None)
-        if ranges is None or not self.cfg.blocked_m:
+        if ranges is None or not self.cfg.nav.blocked_m:
             return None
         try:
             return ranges.clearance_m(0.0)
@@ -420,7 +377,7 @@ class Navigator:
             task,
             instruction,
             time.time(),
-            offline_policy=self.cfg.offline,
+            offline_policy=self.cfg.offline.policy,
             perception=getattr(self.perception, "kind", type(self.perception).__name__),
         )
         self.last_look = None
@@ -442,7 +399,7 @@ class Navigator:
         source = "camera" if frame is None else "API"
         try:
             if frame is None:
-                frame = self.grabber.read_latest(self.cfg.max_frame_age_ms)
+                frame = self.grabber.read_latest(self.cfg.camera.max_age_ms)
             elif not self.sees:  # with "vlm" an API image is shown to the models as the camera's is
                 rec.perception = "image"
         except StaleFrame as e:
@@ -459,9 +416,11 @@ class Navigator:
             return f"perception failed: {type(e).__name__}: {e}"
         self.last_look = (frame, sightings)
         seen = relevant(sightings, instruction)
-        blocked = blocked_text(self._clearance_ahead(), seen, self.cfg.blocked_m, self.cfg.ahead_deg, self.cfg.reach_m)
+        blocked = blocked_text(
+            self._clearance_ahead(), seen, self.cfg.nav.blocked_m, self.consts.ahead_deg, self.cfg.agent.reach_m
+        )
         if shown is None:
-            rec.observation = observation_text(seen, self.cfg.reach_m, self.cfg.ahead_deg) + blocked
+            rec.observation = observation_text(seen, self.cfg.agent.reach_m, self.consts.ahead_deg) + blocked
             recalled = rec.observation
         else:  # the camera line: "Camera: <image>" + blocked + "."
             rec.observation = shown.describe(source) + blocked
@@ -487,15 +446,15 @@ class Navigator:
         action = parsed.action
         rec.action, rec.action_text, rec.parse, rec.parse_note = str(action), action.text, parsed.how, parsed.note
         self.emit({"event": "reasoning", "step": rec.step, "text": rec.text, "mode": rec.mode})
-        plan_age = self.clock() - view.frame_t
-        if plan_age > self.cfg.max_plan_age_s:
+        plan_age, limit = self.clock() - view.frame_t, self.cfg.agent.max_plan_age_s
+        if plan_age > limit:
             self.control.halt("stale_plan")
             rec.parse_note = f"{rec.action} ({rec.parse}) not acted on"
             rec.action, rec.action_text, rec.parse = str(STOP), STOP.text, "refused"
             return self._finish(
                 rec,
                 t0,
-                reason=f"plan is {plan_age:.1f}s older than its frame (limit {self.cfg.max_plan_age_s}s): not acted on",
+                reason=f"plan is {plan_age:.1f}s older than its frame (limit {limit}s): not acted on",
             )
         if cancel is not None and cancel.is_set():
             self.control.halt("cancelled")
@@ -524,9 +483,9 @@ class Navigator:
         """Run the action's motion (slower when unverified); rec says the set-points sent and whether it ran out."""
         t3 = self.clock()
         self.emit({"event": "moving", "step": rec.step, "action": rec.action, "mode": rec.mode})
-        scale = self.cfg.offline_speed_scale if rec.mode == "offline" else 1.0
+        scale = self.cfg.offline.speed_scale if rec.mode == "offline" else 1.0
         rec.completed = self.control.execute(
-            motion_for(action, self.cfg.speed * scale, self.cfg.turn_rate * scale), cancel
+            motion_for(action, self.consts.speed * scale, self.consts.turn_rate * scale), cancel
         )
         self._remember(rec, action, recalled)
         rec.latency_ms["act"] = round((self.clock() - t3) * 1e3, 1)
@@ -543,7 +502,7 @@ class Navigator:
     def _envelope(self, action: Action, target: Sighting | None, rec: Step) -> Action:
         """An unverified action within the offline limits, or stop when it turns away from the target in view."""
         run, rec.envelope, note = offline_envelope(
-            action, target, self.cfg.offline_max_forward_cm, self.cfg.offline_max_turn_deg, self.cfg.ahead_deg
+            action, target, self.cfg.offline.max_forward_cm, self.cfg.offline.max_turn_deg, self.consts.ahead_deg
         )
         if rec.envelope:
             rec.parse_note = "; ".join(n for n in (rec.parse_note, note) if n)
@@ -616,10 +575,10 @@ class Navigator:
             try:
                 gen = self.decoder.generate(
                     ids,
-                    mode=self.cfg.mode,
+                    mode=self.cfg.agent.mode,
                     max_tokens=self.max_tokens,
                     params=self.params,
-                    gamma=self.cfg.gamma,
+                    gamma=self.cfg.agent.gamma,
                     until=self._until([]),
                     session=self.session,
                     grammar=self.grammar,
@@ -640,7 +599,7 @@ class Navigator:
         else:
             rec.reason = "verifier unreachable"
         rec.mode = "offline"
-        if self.cfg.offline == "local":
+        if self.cfg.offline.policy == "local":
             return self._finish_locally(ids, images, committed, rec)
         return self._hold(ids, images, committed, rec, frame_t, cancel)
 
@@ -672,17 +631,17 @@ class Navigator:
         cancel: threading.Event | None,
     ) -> bool:
         """Stay stopped; resume the same answer if the link returns while the frame is still fresh."""
-        while self.clock() - frame_t < self.cfg.max_plan_age_s - self.cfg.verify_timeout_s:
+        while self.clock() - frame_t < self.cfg.agent.max_plan_age_s - self.cfg.link.verify_timeout_s:
             if cancel is not None and cancel.is_set():
                 break
             if self._probe_if_due():
                 try:
                     gen = self.decoder.generate(
                         ids + committed,
-                        mode=self.cfg.mode,
+                        mode=self.cfg.agent.mode,
                         params=self.params,
                         max_tokens=max(1, self.max_tokens - len(committed)),
-                        gamma=self.cfg.gamma,
+                        gamma=self.cfg.agent.gamma,
                         until=self._until(committed),
                         session=self.session,
                         grammar=self.grammar,
@@ -696,7 +655,7 @@ class Navigator:
                 self._take(rec, gen, prefix=committed)
                 rec.reason += f"; resumed from {len(committed)} committed tokens when the verifier came back"
                 return True
-            time.sleep(min(self.cfg.hold_wait_s, max(0.0, self._next_probe - self.clock())))
+            time.sleep(min(self.consts.hold_wait_s, max(0.0, self._next_probe - self.clock())))
         rec.action, rec.action_text, rec.parse = str(STOP), STOP.text, "refused"
         rec.reason = (rec.reason + "; " if rec.reason else "") + "offline hold: stopped, waiting for the verifier"
         rec.verified_tokens = len(committed)

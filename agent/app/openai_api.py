@@ -34,7 +34,7 @@ from typing import Any, NoReturn
 from aiohttp import web
 
 from agent.client import Client, RequestError, VerifierUnavailable
-from agent.spec.link import ServerError
+from agent.decoding.link import ServerError
 
 from . import openai_chat as chat
 from .config import parse_listen

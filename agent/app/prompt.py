@@ -11,7 +11,7 @@ with every generation of the step). The few-shot turns stay text: they teach the
 shape. A prompt holds one image, the current frame; remembered steps say only that an
 image was seen (IMAGE_RECALL). A VLM's chat template reads list-of-parts content, so with
 a VLM draft every turn is rendered as parts (`messages(parts=True)`; SmolVLM and the
-Qwen-VL families alike: tests/agent/test_nav_vlm.py, test_nav_vlm_qwen.py).
+Qwen-VL families alike: tests/agent/app/test_nav_vlm.py, test_nav_vlm_qwen.py).
 
 Layout. The system text and the examples come first and never change, the task, the memory
 (oldest first, agent/app/memory.py) and the camera last: the next step's prompt shares this

@@ -11,8 +11,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 def test_agent_never_imports_torch_or_the_server():
     code = (
-        "import sys, agent.app.cli, agent.spec.decoder, agent.spec.drafter, agent.spec.link, agent.app.daemon, "
-        "agent.app.api, agent.app.navigator, "
+        "import sys, agent.app.cli, agent.decoding.decoder, agent.decoding.drafter, agent.decoding.link, "
+        "agent.app.daemon, agent.app.api, agent.app.navigator, "
         "agent.robot.sim, agent.robot.perception, agent.robot.controllers.serial, agent.robot.scripted; "
         "bad = [m for m in ('torch', 'transformers', 'server_bridge') if m in sys.modules]; "
         "print(bad); sys.exit(1 if bad else 0)"

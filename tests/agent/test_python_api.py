@@ -27,10 +27,10 @@ def code_blocks(text: str) -> list[str]:
 
 
 def test_the_pages_examples_run(verifier, drafter, monkeypatch, capsys):
-    import agent.spec.drafter
+    import agent.decoding.drafter
 
     monkeypatch.setenv("EDGESPEC_VERIFIER", verifier.url)
-    monkeypatch.setattr(agent.spec.drafter, "Drafter", lambda *a, **kw: drafter)  # the session's loaded draft
+    monkeypatch.setattr(agent.decoding.drafter, "Drafter", lambda *a, **kw: drafter)  # the session's loaded draft
     blocks = code_blocks(PAGE.read_text())
     assert len(blocks) >= 4
     namespace: dict = {}

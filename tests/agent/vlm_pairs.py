@@ -1,5 +1,6 @@
-"""What the vision-language end-to-end tests share (tests/agent/test_vision_e2e.py, test_vision_mrope.py,
-test_vision_mrope_torch.py, tests/server_bridge/test_train_exits_vlm.py): a frame as image bytes, a prompt with it, a
+"""What the vision-language end-to-end tests share (tests/agent/decoding/test_vision_e2e.py, test_vision_mrope.py,
+test_vision_mrope_torch.py, tests/server_bridge/ops/test_train_exits_vlm.py):
+a frame as image bytes, a prompt with it, a
 test pair's draft and target, the target's own greedy ids, one decoder run, and the checks each engine's pair
 passes: every mode gives the target's ids, a draft rejected right after the image still does, a dropped link
 re-opens by the image's hash, and what is committed after an image follows the target's distribution (χ²).
@@ -13,8 +14,9 @@ import io
 import numpy as np
 from scipy import stats
 
-from agent.spec.decoder import DecoderConfig, EdgeDecoder, FsdOptions, ReconnectPolicy
-from agent.spec.drafter import Draft, Drafter
+from agent.decoding import DecoderSettings, open_decoder
+from agent.decoding.decoder import FsdOptions, ReconnectPolicy
+from agent.decoding.drafter import Draft, Drafter
 from protocol import sampling, wire
 from protocol.images import PromptImage
 from protocol.payload import PayloadSpec
@@ -82,7 +84,7 @@ def greedy(target, ids, images, n: int) -> list[int]:
 
 def generate(drafter, url, mode, ids, images, max_tokens: int, **kw):
     """One decoder run against the server at `url` (no early exits), gamma 4."""
-    dec = EdgeDecoder(drafter, DecoderConfig(url=url, fsd=FsdOptions(exits=()), **kw))
+    dec = open_decoder(DecoderSettings(url=url, fsd=FsdOptions(exits=()), **kw), drafter)
     try:
         return dec.generate(ids, mode=mode, max_tokens=max_tokens, gamma=4, images=images)
     finally:

@@ -25,7 +25,7 @@ import pytest
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
 from websockets.sync.client import connect
 
-from agent.spec.link import ServerError, VerifierLink
+from agent.decoding.link import ServerError, VerifierLink
 from protocol import wire
 from server_bridge.config import ServerConfig
 from server_bridge.peers import Gate, LogBudget, client_address, parse_networks, share_key

@@ -21,9 +21,9 @@ import time
 
 import pytest
 
-from agent.spec.link import LinkLost, ServerError, VerifierLink
-from agent.spec.metrics import Metrics
-from agent.spec.session import ReconnectPolicy, Sessions
+from agent.decoding.link import LinkLost, ServerError, VerifierLink
+from agent.decoding.metrics import Metrics
+from agent.decoding.session import ReconnectPolicy, Sessions
 from protocol import wire
 
 pytestmark = pytest.mark.real

@@ -72,8 +72,9 @@ def padded(qwen_vlm, tmp_path_factory):
 
 
 def test_a_padded_torch_target_serves_its_unpadded_draft(padded):
-    from agent.spec.decoder import DecoderConfig, EdgeDecoder, FsdOptions
-    from agent.spec.drafter import Drafter
+    from agent.decoding import DecoderSettings, open_decoder
+    from agent.decoding.decoder import FsdOptions
+    from agent.decoding.drafter import Drafter
     from protocol.payload import PayloadSpec
     from protocol.sampling import SamplingParams
     from server_bridge.target import load_target
@@ -102,7 +103,7 @@ def test_a_padded_torch_target_serves_its_unpadded_draft(padded):
     seen = []
     with ThreadedServer(lambda cfg: Verifier(target, cfg), max_context=512) as server:
         for mode in ("ar", "sd"):
-            dec = EdgeDecoder(drafter, DecoderConfig(url=server.url, fsd=FsdOptions(exits=())))
+            dec = open_decoder(DecoderSettings(url=server.url, fsd=FsdOptions(exits=())), drafter)
             try:
                 gen = dec.generate(ids, mode=mode, max_tokens=MAX_TOKENS, gamma=4)
                 assert dec.link.welcome.vocab_size == n  # the agreed vocabulary: the real part
@@ -114,9 +115,8 @@ def test_a_padded_torch_target_serves_its_unpadded_draft(padded):
         assert seen[0] == seen[1]
         # sampled: verification, the residuals the robot resamples from (split) and ar draw over real ids only
         for mode, kind in (("sd", "full"), ("sd", "split"), ("ar", "none")):
-            dec = EdgeDecoder(
-                drafter, DecoderConfig(url=server.url, fsd=FsdOptions(exits=()), payload=PayloadSpec(kind))
-            )
+            settings = DecoderSettings(url=server.url, fsd=FsdOptions(exits=()), payload=PayloadSpec(kind))
+            dec = open_decoder(settings, drafter)
             try:
                 params = SamplingParams(temperature=1.5, seed=3)
                 gen = dec.generate(ids, mode=mode, max_tokens=MAX_TOKENS, gamma=4, params=params)
@@ -135,7 +135,7 @@ def _pass(target, state):
 
 def test_hello_from_a_draft_with_a_pad_tail_is_welcomed_with_the_real_size(padded):
     """Symmetrically: the draft's full size may exceed the target's real one (its own tail); never fall short."""
-    from agent.spec.link import ServerError, VerifierLink
+    from agent.decoding.link import ServerError, VerifierLink
     from server_bridge.target import load_target
     from server_bridge.verifier import Verifier
     from tests.conftest import ThreadedServer
@@ -168,8 +168,9 @@ def padded_draft(padded, tmp_path_factory):
 
 
 def test_a_padded_draft_draws_from_its_real_vocabulary_against_a_padded_target(padded, padded_draft):
-    from agent.spec.decoder import DecoderConfig, EdgeDecoder, FsdOptions
-    from agent.spec.drafter import Drafter
+    from agent.decoding import DecoderSettings, open_decoder
+    from agent.decoding.decoder import FsdOptions
+    from agent.decoding.drafter import Drafter
     from protocol.payload import PayloadSpec
     from protocol.sampling import SamplingParams
     from server_bridge.target import load_target
@@ -187,9 +188,8 @@ def test_a_padded_draft_draws_from_its_real_vocabulary_against_a_padded_target(p
         runs = {}
         for mode, kind, temperature in (("ar", "none", 0.0), ("sd", "full", 0.0), ("sd", "full", 1.5)):
             # full: the q of every drafted token is a row of the agreed width, which the verifier checks
-            dec = EdgeDecoder(
-                drafter, DecoderConfig(url=server.url, fsd=FsdOptions(exits=()), payload=PayloadSpec(kind))
-            )
+            settings = DecoderSettings(url=server.url, fsd=FsdOptions(exits=()), payload=PayloadSpec(kind))
+            dec = open_decoder(settings, drafter)
             try:
                 params = SamplingParams(temperature=temperature, seed=5)
                 gen = dec.generate(ids, mode=mode, max_tokens=MAX_TOKENS, gamma=4, params=params)

@@ -7,7 +7,7 @@ import urllib.request
 
 import pytest
 
-from agent.spec.link import LinkLost, ServerError, VerifierLink
+from agent.decoding.link import LinkLost, ServerError, VerifierLink
 from server_bridge import cli
 from tests.tlscerts import make_cert, needs_openssl
 

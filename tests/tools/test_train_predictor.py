@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from agent.spec.predictor import FEATURES, RejectionPredictor
+from agent.decoding.predictor import FEATURES, RejectionPredictor
 from tools.train import predictor as tp
 
 
@@ -78,7 +78,7 @@ def test_split_is_by_session():
 
 
 def test_shipped_predictors_match_this_agent():
-    from agent.spec.predictor import PREDICTORS
+    from agent.decoding.predictor import PREDICTORS
 
     shipped = sorted(PREDICTORS.glob("*.onnx"))
     assert shipped, "models/predictors should hold a trained predictor per bundled pair"

@@ -21,9 +21,9 @@ import time
 
 SPIN = """
 import numpy as np
-from agent.spec.drafter import Drafter
+from agent.decoding import DecoderSettings, open_decoder
 from protocol.sampling import SamplingParams
-d = Drafter(threads=1)
+d = open_decoder(DecoderSettings(threads=1)).drafter
 ids = d.tokenize("Hello there, how are you doing today?")
 while True:
     d.propose(ids, 8, SamplingParams(), np.random.default_rng(0))

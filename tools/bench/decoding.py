@@ -4,7 +4,7 @@
                           [--ablations] [--ablation-rtt 20] [--ablation-prompts 3]
 
 FSD is SD with early-exit verdicts streamed by the verifier and pre-drafting
-on the robot while it waits (agent/spec/predraft.py). With --ablations it also runs
+on the robot while it waits (agent/decoding/predraft.py). With --ablations it also runs
 the FSD paper's ablations on the near-identical pair at one RTT: pre-draft
 workers 1..8, gamma 1..8 (SD and FSD) and the early-verdict queue policy on the
 robot x on the server (the server policy needs one verifier per policy).
@@ -30,8 +30,9 @@ import logging
 import sys
 from pathlib import Path
 
-from agent.spec.decoder import DecoderConfig, EdgeDecoder, FsdOptions
-from agent.spec.drafter import Drafter
+from agent.decoding import DecoderSettings, open_decoder
+from agent.decoding.decoder import EdgeDecoder, FsdOptions
+from agent.decoding.drafter import Drafter
 from tools.bench import harness
 from tools.bench.link import TARGET, load_prompts, served, summarize
 from tools.cluster.netem import LinkProfile, NetemProxy
@@ -116,9 +117,9 @@ class Runner:
         self.link = link
         self.drafters = drafters
         self.max_tokens = max_tokens
-        self.sd = {d: EdgeDecoder(dr, DecoderConfig(url=link.url())) for d, dr in drafters.items()}
+        self.sd = {d: open_decoder(DecoderSettings(url=link.url()), dr) for d, dr in drafters.items()}
         self.fsd = {
-            d: EdgeDecoder(dr, DecoderConfig(url=link.url(), fsd=FsdOptions(workers=workers)))
+            d: open_decoder(DecoderSettings(url=link.url(), fsd=FsdOptions(workers=workers)), dr)
             for d, dr in drafters.items()
         }
 
@@ -197,7 +198,7 @@ def run_ablations(
         )
 
     for w in (1, 2, 4, 8):
-        dec = EdgeDecoder(dr, DecoderConfig(url=link.url(), fsd=FsdOptions(workers=w)))
+        dec = open_decoder(DecoderSettings(url=link.url(), fsd=FsdOptions(workers=w)), dr)
         dec.generate(inputs[0], mode="fsd", max_tokens=16, gamma=gamma)  # warm up its context
         measure("workers", w, dec, "fsd", gamma)
         dec.close()
@@ -219,8 +220,8 @@ def run_server_policies(args: argparse.Namespace, prompts: list[dict]) -> list[d
             inputs = [dr.tokenize(p["prompt"], chat=p["chat"]) for p in prompts]
             refs = [bench.run(bench.sd[drafters_spec], ids, "ar", gamma, None)["token_ids"] for ids in inputs]
             for robot_policy in POLICIES:
-                dec = EdgeDecoder(
-                    dr, DecoderConfig(url=link.url(), fsd=FsdOptions(workers=workers, policy=robot_policy))
+                dec = open_decoder(
+                    DecoderSettings(url=link.url(), fsd=FsdOptions(workers=workers, policy=robot_policy)), dr
                 )
                 dec.generate(inputs[0], mode="fsd", max_tokens=16, gamma=gamma)  # warm up its context
                 runs = []

@@ -22,9 +22,10 @@ import sys
 import time
 
 from agent.app.prompt import messages, observation_text
+from agent.decoding import DecoderSettings, open_decoder
+from agent.decoding.decoder import EdgeDecoder
+from agent.decoding.drafter import Drafter
 from agent.robot.actions import answer_grammar, answer_max_tokens, complete, parse_action
-from agent.spec.decoder import DecoderConfig, EdgeDecoder
-from agent.spec.drafter import Drafter
 from protocol.sampling import SamplingParams
 from tools.bench import harness
 from tools.bench.link import served
@@ -71,7 +72,7 @@ def measure(args: argparse.Namespace) -> dict:
     rows: dict[str, list[dict]] = {r: [] for r in RUNS}
     with served(None, LinkProfile.from_rtt(args.rtt_ms, jitter_ms=2)) as s:
         drafter = s.drafter(args.draft)
-        dec = EdgeDecoder(drafter, DecoderConfig(url=s.link.url()))
+        dec = open_decoder(DecoderSettings(url=s.link.url()), drafter)
         stops = dec.stop_ids()
         try:
             for i, (memory, now) in enumerate(cases):

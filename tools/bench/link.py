@@ -4,7 +4,7 @@ emulated link, and one summary of a set of decoder runs.
     with link.served(target) as s:          # verifier pinned to half the cores, this process to the rest
         drafter = s.drafter("smollm2-q4_1")
         s.link.set_profile(LinkProfile.from_rtt(20))
-        EdgeDecoder(drafter, DecoderConfig(url=s.link.url())).generate(...)
+        open_decoder(DecoderSettings(url=s.link.url()), drafter).generate(...)
 
 The latency model assumes the robot and the server are separate machines: here they are separate cores.
 """
@@ -20,7 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
-from agent.spec.drafter import Drafter
+from agent.decoding import DecoderSettings, open_decoder
+from agent.decoding.drafter import Drafter
 from server_bridge.ops.fleet import LocalVerifier, pin_cores
 from tools.cluster.netem import LinkProfile, NetemProxy
 
@@ -44,7 +45,7 @@ class Served:
     server_cpus: set[int]
 
     def drafter(self, name: str) -> Drafter:
-        return Drafter(name, threads=len(self.agent_cpus))
+        return open_decoder(DecoderSettings(draft=name, threads=len(self.agent_cpus))).drafter
 
     def cores(self) -> dict:
         return {"agent_cpus": sorted(self.agent_cpus), "server_cpus": sorted(self.server_cpus)}

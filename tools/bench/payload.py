@@ -45,9 +45,9 @@ from pathlib import Path
 
 import numpy as np
 
-from agent.spec.decoder import DecoderConfig, EdgeDecoder
-from agent.spec.drafter import Drafter
-from agent.spec.link import LinkLost, ServerError
+from agent.decoding import DecoderSettings, open_decoder
+from agent.decoding.decoder import EdgeDecoder
+from agent.decoding.link import LinkLost, ServerError
 from protocol import payload, sampling
 from protocol.payload import PayloadSpec
 from protocol.sampling import SamplingParams
@@ -114,9 +114,9 @@ def run_links(args, prompts: list[dict]) -> dict:
         link, drafter = s.link, s.drafter(args.draft)
         # a full q frame takes seconds at 1 Mbit/s and a keepalive ping queues behind it
         decoders = {
-            m: EdgeDecoder(
+            m: open_decoder(
+                DecoderSettings(url=link.url(), payload=PayloadSpec.parse(m, args.topk), keepalive_s=args.keepalive_s),
                 drafter,
-                DecoderConfig(url=link.url(), payload=PayloadSpec.parse(m, args.topk), keepalive_s=args.keepalive_s),
             )
             for m in MODES
         }
@@ -230,7 +230,7 @@ def run_topk(args, prompts: list[dict]) -> dict:
         flush=True,
     )
     target = load_target(args.target)
-    drafters = {d: Drafter(d, threads=os.cpu_count() or 1) for d in args.drafts}
+    drafters = {d: open_decoder(DecoderSettings(draft=d, threads=os.cpu_count() or 1)).drafter for d in args.drafts}
     first = drafters[args.drafts[0]]
     betas: dict[tuple[str, float], dict[int | None, list[float]]] = {
         (d, t): {k: [] for k in [*ks, None]} for d in args.drafts for t in args.temperatures

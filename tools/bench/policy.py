@@ -27,10 +27,10 @@ from pathlib import Path
 
 import numpy as np
 
-from agent.spec.decoder import DecoderConfig, EdgeDecoder
-from agent.spec.drafter import Drafter
-from agent.spec.policy import POLICIES, DraftPolicy
-from agent.spec.predictor import RejectionPredictor, feature_row, predictor_path
+from agent.decoding import DecoderSettings, open_decoder
+from agent.decoding.drafter import Drafter
+from agent.decoding.policy import POLICIES, DraftPolicy
+from agent.decoding.predictor import RejectionPredictor, feature_row, predictor_path
 from server_bridge.ops.fleet import pin_cores
 from tools.bench import harness
 from tools.bench.link import TARGET, Served, load_prompts, served, summarize
@@ -101,7 +101,7 @@ def measure(args: argparse.Namespace) -> dict:
     if args.latency_only:  # no verifier: the draft on the robot's cores alone
         agent_cpus, _ = pin_cores()
         os.sched_setaffinity(0, agent_cpus)
-        drafters = {d: Drafter(d, threads=len(agent_cpus)) for d in args.drafts}
+        drafters = {d: open_decoder(DecoderSettings(draft=d, threads=len(agent_cpus))).drafter for d in args.drafts}
         return result | {"predictor_latency": latencies(drafters, args.latency_samples)}
     with served() as s:
         result |= s.cores()
@@ -135,7 +135,7 @@ def run_grid(args: argparse.Namespace, s: Served, drafters: dict[str, Drafter], 
         return str(Path(args.trace) / f"{d}__{TARGET}.jsonl") if args.trace and pol == "fixed" else None
 
     decoders = {
-        (d, p): EdgeDecoder(dr, DecoderConfig(url=s.link.url(), policy=DraftPolicy(p), trace=trace(d, p)))
+        (d, p): open_decoder(DecoderSettings(url=s.link.url(), policy=DraftPolicy(p), trace=trace(d, p)), dr)
         for d, dr in drafters.items()
         for p in args.policies
     }

@@ -6,7 +6,7 @@ in N worker threads (llama-cpp `Llama` objects are not thread-safe, so one each)
 Both draft the same N continuations of one prompt, gamma tokens each, the way
 a round's pre-drafting does; the figure is the wall time until every branch's
 draft is ready (median over --repeats). Writes predraft_backends.{json,md,png}
-into --out. agent/spec/branches.py implements the batched backend, the faster one.
+into --out. agent/decoding/branches.py implements the batched backend, the faster one.
 """
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ import time
 
 import numpy as np
 
-from agent.spec.branches import BranchDrafter
-from agent.spec.drafter import Drafter
+from agent.decoding import DecoderSettings, open_decoder
+from agent.decoding.branches import BranchDrafter
+from agent.decoding.drafter import Drafter
 from protocol.sampling import SamplingParams
 from tools.bench import harness
 
@@ -95,7 +96,7 @@ def add_args(ap: argparse.ArgumentParser) -> None:
 def measure(args: argparse.Namespace) -> dict:
     logging.basicConfig(level=logging.WARNING)
     sizes = args.branches[:2] if args.quick else args.branches
-    main_drafter = Drafter(args.draft, threads=1)
+    main_drafter = open_decoder(DecoderSettings(draft=args.draft, threads=1)).drafter
     committed = main_drafter.tokenize(PROMPT, chat=True)
     keys = keys_for(main_drafter, committed, max(sizes))
     rows = []
@@ -103,7 +104,7 @@ def measure(args: argparse.Namespace) -> dict:
     print(f"pre-draft backends: {args.draft}, gamma {args.gamma}, pinned to cores {cores}", flush=True)
     for n in sizes:
         bd = BranchDrafter(main_drafter, slots=n, threads=1)
-        drafters = [Drafter(args.draft, threads=1) for _ in range(n)]
+        drafters = [open_decoder(DecoderSettings(draft=args.draft, threads=1)).drafter for _ in range(n)]
         for d in drafters:  # warm: the prompt's KV in every context
             d.propose(committed, 1, GREEDY, None)
         batched(bd, committed, keys[:n], args.gamma)

@@ -6,7 +6,7 @@ On one pinned core with one thread, one after the other and repeated alternately
         `llama_decode` of one token per step and the argmax of its logits row (read in place), the
         loop any program on llama-cpp-python would run at the least;
   ours  `server-bridge serve` on the same core and thread (server_bridge/ops/fleet.py:LocalVerifier), the robot's
-        client (agent.spec.decoder, mode ar) on the other core: after the session's open (which
+        client (agent.decoding.decoder, mode ar) on the other core: after the session's open (which
         prefills the same prompt but its last token), the `ar` request and its streamed tokens.
 
 Both time the same steps: from the first decode of the prompt's last token to the last token out
@@ -178,8 +178,7 @@ def one_prompt(decoder, model: str, prompt: list[int], args: argparse.Namespace,
 
 
 def measure(args: argparse.Namespace) -> dict:
-    from agent.spec.decoder import DecoderConfig, EdgeDecoder
-    from agent.spec.drafter import Drafter
+    from agent.decoding import DecoderSettings, open_decoder
     from protocol import modelfiles
     from server_bridge.engines.llamacpp import prepare_target
     from server_bridge.ops.fleet import LocalVerifier
@@ -190,12 +189,12 @@ def measure(args: argparse.Namespace) -> dict:
     model = str(modelfiles.resolve_target(target))
     core = args.cores[0] if args.cores else 1
     robot_core = harness.other_core(core)
-    drafter = Drafter(threads=1)
+    drafter = open_decoder(DecoderSettings(threads=1)).drafter
     prompts = [drafter.tokenize(p, chat=True) for p in PROMPTS[: 1 if args.quick else None]]
     rows = []
     with LocalVerifier(target=args.target, cpus={core}, threads=1) as server:
         harness.pin({robot_core})
-        decoder = EdgeDecoder(drafter, DecoderConfig(url=server.url))
+        decoder = open_decoder(DecoderSettings(url=server.url), drafter)
         decoder.generate(prompts[0], mode="ar", max_tokens=4)  # warm-up
         for i, prompt in enumerate(prompts):
             row = {"prompt": PROMPTS[i], "label": f"prompt {i} ({len(prompt)} tok)"}

@@ -70,10 +70,9 @@ def measure(args: argparse.Namespace) -> dict:
         args.steps, args.tokens = 1, 4
 
     from agent.app.prompt import messages
+    from agent.decoding import DecoderSettings, open_decoder
     from agent.robot.camera import Frame
     from agent.robot.perception import VlmPerception
-    from agent.spec.decoder import DecoderConfig, EdgeDecoder
-    from agent.spec.drafter import Drafter
     from server_bridge.ops.fleet import LocalVerifier
 
     if all(given):
@@ -94,7 +93,9 @@ def measure(args: argparse.Namespace) -> dict:
     cores = sorted(os.sched_getaffinity(0))
     server_cores, robot_core = ({cores[-1]}, cores[0]) if len(cores) > 1 else (None, cores[0])
 
-    drafter = Drafter(pair["draft"], n_ctx=4096, threads=args.threads, mmproj=pair["draft_mmproj"])
+    drafter = open_decoder(
+        DecoderSettings(draft=pair["draft"], threads=args.threads, draft_mmproj=pair["draft_mmproj"])
+    ).drafter
     perception = VlmPerception(args.max_side)
     chat = drafter.apply_chat_template
     text = chat(messages(INSTRUCTION, "a red box 1.2 m ahead, slightly left", parts=True))
@@ -108,7 +109,7 @@ def measure(args: argparse.Namespace) -> dict:
     ) as server:
         if len(cores) > 1:
             os.sched_setaffinity(0, {robot_core})
-        decoder = EdgeDecoder(drafter, DecoderConfig(url=server.url))
+        decoder = open_decoder(DecoderSettings(url=server.url), drafter)
         decoder.generate(
             drafter.tokenize(text), mode="sd", max_tokens=4, session="text"
         )  # the few-shot prefix, both sides

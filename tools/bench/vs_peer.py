@@ -20,9 +20,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from agent.spec.decoder import DecoderConfig, EdgeDecoder, FsdOptions
-from agent.spec.drafter import Drafter
-from agent.spec.policy import DraftPolicy
+from agent.decoding import DecoderSettings, open_decoder
+from agent.decoding.decoder import FsdOptions
+from agent.decoding.policy import DraftPolicy
 from server_bridge.ops.fleet import LocalVerifier
 from tools.bench import harness, peer
 from tools.cluster.netem import LinkProfile, NetemProxy
@@ -49,15 +49,15 @@ def ours(
     rows = []
     with LocalVerifier(cpus={1}, threads=1) as server, NetemProxy("127.0.0.1", server.port) as link:
         harness.pin({0})
-        drafters = {d: Drafter(d, threads=1) for d in drafts}
+        drafters = {d: open_decoder(DecoderSettings(draft=d, threads=1)).drafter for d in drafts}
         dec = {
-            (d, m): EdgeDecoder(
-                dr,
-                DecoderConfig(
+            (d, m): open_decoder(
+                DecoderSettings(
                     url=link.url(),
                     fsd=FsdOptions(workers=1, exits=() if "without" in m else None),
                     policy=DraftPolicy("predictor+optimal") if "predictor" in m else DraftPolicy(),
                 ),
+                dr,
             )
             for d, dr in drafters.items()
             for m in modes

@@ -325,7 +325,7 @@ def run_models(episodes: list[tuple[Scene, int, bool]], args, maps: Path, meta: 
     import cv2
 
     from agent.app.daemon import Daemon
-    from agent.spec.drafter import Drafter
+    from agent.decoding import DecoderSettings, open_decoder
     from tools.bench.link import served
     from tools.cluster.netem import LinkProfile
     from tools.robot.episode import navigate_with_cut, restart
@@ -342,7 +342,11 @@ def run_models(episodes: list[tuple[Scene, int, bool]], args, maps: Path, meta: 
             cfg = robot_config(link.url(), args, scene, args.telemetry, len(s.agent_cpus))
             meta.setdefault("config", cfg.to_dict())
             if drafter is None:
-                drafter = Drafter(cfg.agent.draft, threads=cfg.agent.threads, n_gpu_layers=cfg.agent.n_gpu_layers)
+                drafter = open_decoder(
+                    DecoderSettings(
+                        draft=cfg.agent.draft, threads=cfg.agent.threads, n_gpu_layers=cfg.agent.n_gpu_layers
+                    )
+                ).drafter
             daemon = Daemon(cfg, drafter=drafter)
             daemon.start(notify_ready=False)
             try:

@@ -32,8 +32,9 @@ from pathlib import Path
 
 from agent.app.memory import Recall
 from agent.app.prompt import common_prefix, messages
+from agent.decoding import DecoderSettings, open_decoder
+from agent.decoding.drafter import Drafter
 from agent.robot.actions import Action
-from agent.spec.drafter import Drafter
 
 INSTRUCTION = "go to the red box"
 ANSWER = "The red box is to the left, so I turn left. The next action is turn left 30 degree."
@@ -105,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=Path("docs"))
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    drafter = Drafter(args.draft, threads=args.threads)
+    drafter = open_decoder(DecoderSettings(draft=args.draft, threads=args.threads)).drafter
     prefill_ms(drafter, None, prompt(drafter, []))  # warm the weights and the allocator
     rows = [measure(drafter, int(n), args.repeat) for n in args.steps.split(",")]
     report = {

@@ -41,6 +41,8 @@ from pathlib import Path
 
 from agent.app.memory import Recall
 from agent.app.prompt import AHEAD_DEG, messages, observation_text
+from agent.decoding import DecoderSettings, open_decoder
+from agent.decoding.drafter import Drafter
 from agent.robot.actions import (
     FORWARD_CM,
     TURN_DEG,
@@ -53,8 +55,6 @@ from agent.robot.actions import (
 )
 from agent.robot.perception import Sighting
 from agent.robot.scripted import scripted_action
-from agent.spec.decoder import EdgeDecoder
-from agent.spec.drafter import Drafter
 
 KINDS = ("forward", "left", "right", "stop")
 TARGET = "red box"
@@ -147,7 +147,7 @@ def evaluate(
     drafter: Drafter, cases: list[Case], use_memory: bool = True, label: str = "", grammar: bool = True
 ) -> dict:
     """The draft alone on each case, under the answer grammar as the robot decodes (nav.grammar) unless told not."""
-    dec = EdgeDecoder(drafter)
+    dec = open_decoder(drafter=drafter)
     gbnf = answer_grammar() if grammar else None
     stops = dec.stop_ids()
     until = lambda ids: complete(drafter.detokenize(ids, skip=stops))  # noqa: E731
@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     remembered = memory_situations(args.n_memory, args.seed) if args.n_memory else []
     results = []
     for draft in args.drafts.split(","):
-        drafter = Drafter(draft, threads=args.threads)
+        drafter = open_decoder(DecoderSettings(draft=draft, threads=args.threads)).drafter
         grammar = not args.no_grammar
         results.append(evaluate(drafter, single, label="single", grammar=grammar))
         if remembered:

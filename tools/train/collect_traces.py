@@ -6,7 +6,7 @@
 Runs the training prompts (tools/prompts/predictor_train.jsonl; the benchmark's
 prompts are kept out) through a local verifier with a fixed draft length, the
 verifier on its own core. Each draft token that reached a verdict becomes one
-line of <out>/<draft>__<target>.jsonl with agent/spec/predictor.py's FEATURES and
+line of <out>/<draft>__<target>.jsonl with agent/decoding/predictor.py's FEATURES and
 its label. tools/train/predictor.py reads them.
 """
 
@@ -20,8 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from agent.spec.decoder import DecoderConfig, EdgeDecoder
-from agent.spec.drafter import Drafter
+from agent.decoding import DecoderSettings, open_decoder
 from protocol.sampling import SamplingParams
 from server_bridge.ops.fleet import LocalVerifier, pin_cores
 
@@ -48,10 +47,10 @@ def main(argv: list[str] | None = None) -> int:
     with LocalVerifier(target=TARGET, cpus=server_cpus, threads=len(server_cpus)) as server:
         os.sched_setaffinity(0, agent_cpus)
         for name in args.drafts.split(","):
-            drafter = Drafter(name, threads=len(agent_cpus))
+            drafter = open_decoder(DecoderSettings(draft=name, threads=len(agent_cpus))).drafter
             path = out / f"{name}__{TARGET}.jsonl"
             path.unlink(missing_ok=True)
-            decoder = EdgeDecoder(drafter, DecoderConfig(url=server.url, trace=str(path)))
+            decoder = open_decoder(DecoderSettings(url=server.url, trace=str(path)), drafter)
             t0 = time.perf_counter()
             drafted = accepted = 0
             try:

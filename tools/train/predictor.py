@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from agent.spec.predictor import FEATURES, RejectionPredictor
+from agent.decoding.predictor import FEATURES, RejectionPredictor
 
 
 def load(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:

@@ -21,7 +21,7 @@ One file per pair, tools/traces/<draft>__<target>.json, ints only:
                   "chains": [[...] * n]}]}       # [n, gamma_max] the draft's greedy chain at each position
 
 The target runs here directly (server_bridge.target.Target on the default engine, one token per
-forward pass on a warm KV cache), the draft through agent.spec.drafter.Drafter.
+forward pass on a warm KV cache), the draft through agent.decoding.drafter.Drafter.
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ from pathlib import Path
 
 import numpy as np
 
-from agent.spec.drafter import Drafter
+from agent.decoding import DecoderSettings, open_decoder
+from agent.decoding.drafter import Drafter
 from protocol.sampling import SamplingParams
 from tools.bench.decoding import load_prompts
 
@@ -99,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     target = load_target(args.target, threads=args.threads, max_sequences=4, kv_tokens=8192)
-    drafters = {d: Drafter(d, threads=args.threads) for d in drafts}
+    drafters = {d: open_decoder(DecoderSettings(draft=d, threads=args.threads)).drafter for d in drafts}
     first = drafters[drafts[0]]
     for d, dr in drafters.items():
         if dr.vocab_hash != target.vocab_hash or dr.vocab_size != target.vocab_size:

@@ -21,7 +21,8 @@ import numpy as np
 import pytest
 import torch
 
-from agent.spec.decoder import DecoderConfig, EdgeDecoder, FsdOptions
+from agent.decoding import DecoderSettings, open_decoder
+from agent.decoding.decoder import FsdOptions
 from protocol.images import PromptImage
 from server_bridge import cli
 from server_bridge.engines.exits_torch import ExitHeads
@@ -123,7 +124,7 @@ def test_fsd_with_trained_exits_and_an_image_streams_verdicts_hits_and_gives_ar_
             reference = pairs.greedy(vtarget, ids, images, MAX_TOKENS)
             out = {}
             for mode, fsd in (("ar", FsdOptions()), ("fsd", FsdOptions()), ("exits only", FsdOptions(guesses=False))):
-                dec = EdgeDecoder(vdrafter, DecoderConfig(url=server.url, fsd=fsd))
+                dec = open_decoder(DecoderSettings(url=server.url, fsd=fsd), vdrafter)
                 try:
                     run = "ar" if mode == "ar" else "fsd"
                     out[mode] = dec.generate(ids, mode=run, max_tokens=MAX_TOKENS, gamma=4, images=images)

@@ -1,0 +1,579 @@
+"""The robot's decode loop: AR (server alone), SD (draft here, verify there), FSD (SD with
+early-exit verdicts and pre-drafting, agent/decoding/predraft.py) and local (draft alone).
+
+A generation reads top to bottom in `_generate_remote`: open the session (agent/decoding/session.py),
+rounds (SD / FSD / an AR stream) that each commit what the server committed, close. Its state lives
+in a `Run` (agent/decoding/run.py) made for it; the EdgeDecoder keeps only what spans generations.
+
+How long each SD round drafts, and whether to speculate at all, is the draft
+policy's (agent/decoding/policy.py: `plan()` before a round, `observe()` after it): fixed,
+the rejection predictor, gamma* by Lambert W, and AS2's switch to target-only streaming
+when speculation cannot win.
+
+The committed prefix is the only state that matters. Every round appends to
+it only what the server committed; when the link drops, the loop reconnects
+with backoff, re-opens the session with the committed prefix and redoes the
+round, so no token is lost or duplicated.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable
+
+import numpy as np
+
+from protocol import payload, sampling, wire
+from protocol.images import PromptImage
+from protocol.payload import PayloadSpec
+from protocol.sampling import SamplingParams
+
+from . import replies
+from .drafter import Draft, Drafter
+from .draftlen import As2, CostEstimator
+from .link import LinkLost, ProtocolViolation, ServerError, VerifierLink
+from .metrics import Generation, Metrics
+from .policy import DraftController
+from .predictor import RejectionPredictor, TraceWriter, predictor_path
+from .predraft import PreDrafter
+from .run import GrammarWalk, Run
+from .session import ReconnectPolicy, Sessions
+from .settings import DecoderSettings, FsdOptions
+
+__all__ = ["DecoderSettings", "EdgeDecoder", "FsdOptions", "Generation", "Metrics", "MODES", "ReconnectPolicy"]
+
+log = logging.getLogger(__name__)
+
+MODES = ("ar", "sd", "fsd", "local")
+
+
+class EdgeDecoder:
+    """The decoding client: `generate()` runs one generation; the drafter, the verifier's link and sessions,
+    the cost estimates and the pre-drafter outlive it."""
+
+    def __init__(self, drafter: Drafter, settings: DecoderSettings = DecoderSettings()) -> None:
+        self.settings = settings
+        self.drafter = drafter
+        self.sessions = Sessions(self._new_link, settings.reconnect)  # the link, session names, resume secrets
+        self.trace = TraceWriter(settings.trace) if settings.trace else None
+        self.estimator = CostEstimator()  # the link's and the pair's, across generations
+        self.as2 = As2(settings.policy.as2_config)  # likewise: a slow link starts the next generation streaming
+        self.predrafter: PreDrafter | None = None  # FSD's, made by the first FSD generation
+        self._predictors: dict[str, RejectionPredictor] = {}
+
+    @property
+    def url(self) -> str | None:
+        return self.settings.url
+
+    @property
+    def payload(self) -> PayloadSpec:
+        return self.settings.payload
+
+    @property
+    def link(self) -> VerifierLink | None:
+        """The verifier link when one is up."""
+        return self.sessions.link
+
+    def connect(self) -> bool:
+        """Make sure the verifier link is up (the offline mode's probe); False when it cannot be."""
+        return self.sessions.connect()
+
+    def close(self) -> None:
+        self.sessions.drop_link()
+        if self.predrafter is not None:
+            self.predrafter.close()
+            self.predrafter = None
+        if self.trace is not None:
+            self.trace.close()
+            self.trace = None
+
+    def stop_ids(self) -> set[int]:
+        ids = set(self.drafter.eos_ids)
+        if self.link is not None and self.link.welcome is not None:
+            ids |= set(self.link.welcome.eos_ids)
+        return ids
+
+    # ------------------------------------------------------------------ entry point
+
+    def generate(
+        self,
+        prompt_ids: list[int],
+        *,
+        mode: str | None = None,
+        max_tokens: int = 64,
+        params: SamplingParams = SamplingParams(),
+        gamma: int | None = None,
+        until: Callable[[list[int]], bool] | None = None,
+        session: str | None = None,
+        grammar: str | None = None,
+        grammar_from: int | None = None,
+        images: list[PromptImage] | None = None,
+    ) -> Generation:
+        """Generate up to max_tokens after prompt_ids.
+
+        `mode` and `gamma` (the draft policy's starting length, the fixed policy's only one) default to the
+        settings'.
+
+        `until(ids)` ends the generation at the shortest output for which it is true (the
+        navigation loop's "a whole action sentence is out"); every mode cuts at the same
+        token, so the ids stay the target's own. A LinkLost or ServerError raised here
+        carries `token_ids`: what the target committed before the failure, to go on from.
+
+        `session` names a server session kept open after this generation: the next
+        generation with the same name re-opens it, and the server keeps the KV of the
+        prefix both prompts share (a navigation prompt's long few-shot part is prefilled
+        once, not every step). Without it every generation is a fresh, closed session.
+
+        `grammar` (GBNF text) constrains the output on both sides (protocol/grammar.py): the draft
+        drafts under it and the server masks the target with it, so every mode's ids are the
+        target's own under the grammar. It applies from prompt_ids[grammar_from:] on (default: the
+        generated part only); the ids already there must be allowed by it.
+
+        `images` (a vision-language pair: the draft loaded with its mmproj, a target that reads images):
+        the prompt's images, each on its image marker in prompt_ids (PromptImage.of(bytes, at)). Both
+        sides prefill them with their own vision encoder; drafting and verification stay over text.
+        The first open sends their bytes, a re-open their sha256 (the bytes again if the server lost them).
+        """
+        mode = self.settings.mode if mode is None else mode
+        gamma = self.settings.gamma if gamma is None else gamma
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if mode == "fsd" and self.settings.policy.uses_predictor:
+            raise ValueError("fsd pre-drafts whole drafts in the background; use --draft-policy fixed or optimal")
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        if max_tokens < 1 or gamma < 0:
+            raise ValueError("max_tokens must be >= 1 and gamma >= 0")
+        t0 = time.perf_counter()
+        run = Run(prompt_ids, mode, max_tokens, params, gamma, session, until, self.payload.for_params(params))
+        if grammar is not None:
+            start = len(prompt_ids) if grammar_from is None else grammar_from
+            run.grammar = GrammarWalk(grammar, start, prompt_ids, self.drafter.grammars)
+        run.images = self._use_images(images or [], prompt_ids)
+        out = self._generate_local(run) if mode == "local" else self._generate_remote(run)
+        run.m.finish(len(out), mode, time.perf_counter() - t0)
+        return Generation(self.drafter.detokenize(out, skip=self.stop_ids()), out, mode, run.m)
+
+    def _use_images(self, images: list[PromptImage], prompt_ids: list[int]) -> list[PromptImage]:
+        """This generation's images: checked on their markers and prefilled by the draft when it drafts."""
+        marker = getattr(self.drafter, "image_marker", None)
+        for i, image in enumerate(images):
+            if not 0 <= image.at < len(prompt_ids) or prompt_ids[image.at] != marker:
+                raise ValueError(f"images[{i}] must sit on an image marker of the prompt (index {image.at})")
+        if hasattr(self.drafter, "use_images"):  # a drafter without it (a text-only stand-in) reads no images
+            self.drafter.use_images(images)
+        return list(images)
+
+    # ------------------------------------------------------------------ local (offline)
+
+    def _generate_local(self, run: Run) -> list[int]:
+        stops = self.stop_ids()
+        while len(run.committed) - run.n_prompt < run.max_tokens:
+            t1 = time.perf_counter()
+            token = self.drafter.next_token(run.committed, run.params, run.rng, run.grammar_at())
+            run.m.draft_ms += (time.perf_counter() - t1) * 1e3
+            run.committed.append(token)
+            if token in stops:
+                break
+            out = run.generated()
+            cut = run.cut(out)
+            if cut is not None:
+                return out[:cut]
+        return run.generated()
+
+    # ------------------------------------------------------------------ remote (AR, SD, FSD)
+
+    def _generate_remote(self, run: Run) -> list[int]:
+        """Open the session, run rounds until the generation is over, close it (a named session stays open).
+
+        A lost link or a lost session is recovered by the session (agent/decoding/session.py): reconnect with
+        backoff, re-open with the committed prefix, and the round is done again.
+        """
+        attempt = self.sessions.begin(run.session, run.m)
+        if run.mode == "fsd":
+            self._predrafter()
+        try:
+            while (out := run.finished(self.stop_ids())) is None:
+                try:
+                    attempt.ensure_open(lambda sid, resume: self._open(sid, resume, run))
+                    self._round(run, attempt.sid)
+                    attempt.succeeded()
+                except (LinkLost, ServerError) as e:
+                    e.token_ids = run.generated()  # what the target committed: to go on from, when raised
+                    self._forget_predraft(run)
+                    attempt.recover(e, len(run.committed))  # raises e when going on cannot help
+                    if isinstance(e, ServerError) and e.code == "unknown_image":
+                        run.image_bytes = True  # the server no longer holds the images: bytes again
+            return out
+        finally:
+            self._forget_predraft(run)
+            if run.controller is not None:
+                run.controller.fold(run.m)
+            attempt.end(close=run.session is None)
+
+    def _round(self, run: Run, sid: str) -> None:
+        """One round of the generation's mode; SD and FSD ask the draft policy whether to speculate."""
+        if run.mode == "ar":
+            self._ar_stream(run, sid)
+            return
+        if run.controller is None:
+            run.controller = self._make_controller(sid, run)
+        if not run.controller.speculating:
+            self._stream_phase(run, run.controller, sid)
+        elif run.mode == "sd":
+            self._sd_round(run, run.controller, sid)
+        else:
+            self._fsd_round(run, run.controller, sid)
+
+    def _new_link(self) -> VerifierLink:
+        c = self.settings
+        if c.url is None:
+            raise ValueError("no verifier URL: pass --verifier ws://HOST:PORT or use --local")
+        return VerifierLink(
+            c.url,
+            token=c.token,
+            vocab_hash=self.drafter.vocab_hash,
+            vocab_size=self.drafter.vocab_size,
+            recv_timeout_s=c.verify_timeout_s,
+            keepalive_s=c.keepalive_s,
+            ca_file=c.ca_file,
+            allow_insecure=c.allow_insecure,
+            robot_id=c.robot_id,
+        )
+
+    def _connected(self) -> tuple[VerifierLink, wire.Welcome]:
+        """The link and its welcome (the round loop connects before any round)."""
+        link = self.sessions.link
+        if link is None or link.welcome is None:
+            raise LinkLost("not connected")
+        return link, link.welcome
+
+    def _vocab(self) -> int:
+        """The vocabulary the handshake agreed: every token id a reply carries lies below it."""
+        return min(self._connected()[1].vocab_size, self.drafter.vocab_real)
+
+    def _open(self, sid: str, resume: str, run: Run) -> wire.Opened:
+        """Open session `sid` (again) with everything committed so far; returns the checked reply."""
+        link, welcome = self._connected()
+        layers = self._exit_layers(welcome) if run.mode == "fsd" else []
+        if run.grammar is not None and not welcome.limits.get("grammar"):
+            raise ServerError(
+                "no_grammar",
+                f"the verifier ({welcome.target}) does not decode under a "
+                "grammar: its output would not be the constrained target's",
+                sid,
+            )
+        p, slo = run.params, self.settings.slo
+        if p.top_p < 1.0 and not p.greedy and not welcome.limits.get("top_p"):
+            raise ServerError(
+                "no_top_p",
+                f"the verifier ({welcome.target}) predates top_p: it would sample the whole distribution",
+                sid,
+            )
+        images = run.open_images(welcome, getattr(self.drafter, "image_marker", None), sid)
+        msg = wire.Open(
+            sid,
+            list(run.committed),
+            p.to_wire(),
+            exits=layers,
+            payload=run.spec.to_wire(),
+            slo={"tokens_per_s": slo} if slo else {},
+            grammar=None if run.grammar is None else run.grammar.wire,
+            images=images,
+            resume=resume,
+        )
+        run.owed = None  # the prefix re-sent here includes any correction
+        # the prefill grows with the prompt: allow it ~20 ms a token on top of the reply timeout (a dead
+        # link still shows within two keepalives)
+        reply, _ = link.request(msg, timeout_s=self.settings.verify_timeout_s + 0.02 * len(run.committed))
+        opened = replies.check_opened(reply, sid, len(run.committed))
+        run.exit_layers = layers
+        run.image_bytes = False  # the server holds them now: a re-open names them by sha256
+        run.m.prefill_ms += opened.timing.get("prefill_ms", 0.0)
+        run.m.target_forward_passes += opened.timing.get("passes", 0)
+        return opened
+
+    def _exit_layers(self, welcome: wire.Welcome) -> list[int]:
+        """The early exits an FSD session asks for: those configured that the verifier has (None: all)."""
+        offered, asked = welcome.exits, self.settings.fsd.exits
+        layers = list(offered) if asked is None else [l for l in asked if l in offered]
+        if asked and len(layers) < len(asked):
+            log.warning("the verifier has exits at %s; asked for %s, using %s", offered, asked, layers)
+        return layers
+
+    # ------------------------------------------------------------------ rounds
+
+    def _sd_round(self, run: Run, ctl: DraftController, sid: str) -> None:
+        """Draft the policy's length, send it, commit what the server accepted plus its next token."""
+        link, _ = self._connected()
+        m = run.m
+        draft = self.drafter.propose(
+            run.committed,
+            ctl.plan(run.remaining()),
+            run.params,
+            run.rng,
+            watch=ctl.watch(),
+            payload=run.spec,
+            grammar=run.grammar_at(),
+        )
+        m.draft_ms += draft.ms
+        msg = wire.Verify(sid, m.rounds, len(run.committed), draft.ids, draft.wire_q(), fix=run.owed)
+        up, down = link.bytes_up, link.bytes_down
+        reply, rtt = link.request(msg)
+        run.owed = None
+        m.round_bytes_up += link.bytes_up - up
+        m.round_bytes_down += link.bytes_down - down
+        result, _ = self._commit_round(run, draft, reply, rtt)
+        self._after_round(run, ctl, len(draft.ids), result, draft.ms, rtt)
+
+    def _fsd_round(self, run: Run, ctl: DraftController, sid: str) -> None:
+        """An SD round whose draft was (ideally) drafted during the previous round's verification."""
+        link, _ = self._connected()
+        predrafter = self._predrafter()
+        m = run.m
+        draft, waited = self._fsd_draft(run, predrafter, ctl.plan(run.remaining()))
+        number = m.rounds
+        t0 = time.perf_counter()
+        up, down = link.bytes_up, link.bytes_down
+        cands = draft.cands if run.exit_layers else None
+        link.send(wire.Verify(sid, number, len(run.committed), draft.ids, draft.wire_q(), fix=run.owed, cands=cands))
+        run.owed = None
+        # the next round's draft after each way this one may end, at the length the policy plans now
+        stops = self.stop_ids()
+        predrafter.begin(number, run.committed, draft, ctl.plan(), run.params, run.params.seed, stops, run.spec)
+        reply = self._await_result(run, link, predrafter, sid, number, draft)
+        rtt = (time.perf_counter() - t0) * 1e3
+        m.round_bytes_up += link.bytes_up - up
+        m.round_bytes_down += link.bytes_down - down
+        result, new = self._commit_round(run, draft, reply, rtt)
+        run.last_round = (number, tuple(new))
+        self._after_round(run, ctl, len(draft.ids), result, waited, rtt)
+        m.exit_layer_sum += int(result.timing.get("exit_layer") or 0)
+        m.exit_ms += float(result.timing.get("exit_ms", 0.0))
+
+    def _fsd_draft(self, run: Run, predrafter: PreDrafter, k: int) -> tuple[Draft, float]:
+        """This round's draft of k tokens: pre-drafted for how the last round ended, else drafted now; with
+        the ms the loop waited for it (a hit costs it ~nothing: T_p as the loop sees it)."""
+        m = run.m
+        waited = m.draft_ms
+        draft: Draft | None = None
+        if run.last_round is not None:
+            t1 = time.perf_counter()
+            draft, hit = predrafter.take(*run.last_round)
+            run.last_round = None
+            m.draft_ms += (time.perf_counter() - t1) * 1e3  # what the loop waited for its draft
+            m.predraft_failures += draft is None
+            m.predraft_hits += hit
+            m.predraft_misses += not hit
+        grammar = run.grammar_at()
+        if draft is not None and grammar is not None:
+            # pre-drafted without the grammar: a prefix of a draft is a valid draft (its tokens were drawn from
+            # the q sent with them), and at T = 0 the allowed prefix is what the masked draft would have drafted
+            draft = draft.head(grammar.clone().advance(draft.ids))
+        if draft is None or len(draft.ids) < k:
+            n_cands = self.settings.fsd.n_cands
+            draft = self.drafter.propose(
+                run.committed, k, run.params, run.rng, n_cands=n_cands, payload=run.spec, grammar=grammar
+            )
+            m.draft_ms += draft.ms
+        return draft.head(k), m.draft_ms - waited
+
+    def _await_result(
+        self, run: Run, link: VerifierLink, predrafter: PreDrafter, sid: str, number: int, draft: Draft
+    ) -> wire.Message:
+        """Early-exit hints (checked, then offered to the pre-drafter) until the reply to round `number`."""
+        deadline = time.monotonic() + self.settings.verify_timeout_s  # for the result, however many hints come first
+        while True:
+            reply = link.recv(sid=sid, timeout_s=max(0.0, deadline - time.monotonic()))
+            if not isinstance(reply, wire.Exit):
+                return reply
+            replies.check_exit(reply, number, draft.ids, self._vocab(), run.exit_layers)
+            run.m.exits_received += 1
+            predrafter.offer(number, reply.layer, reply.tokens, reply.confidence)
+
+    def _commit_round(self, run: Run, draft: Draft, reply: wire.Message, rtt: float) -> tuple[wire.Result, list[int]]:
+        """Check the reply to verify round m.rounds and commit it; returns it, checked, with the committed tokens.
+
+        A split rejection comes with the target's p_j instead of a token: the correction is
+        drawn here from norm(max(0, p_j - q_j)) and owed to the server with the next request.
+        """
+        m, k = run.m, len(draft.ids)
+        split = run.spec.kind == "split"
+        # ProtocolViolation (a lost link) before anything of a bad reply is committed or drawn from
+        result = replies.check_result(reply, m.rounds, draft.ids, len(run.committed), self._vocab(), split)
+        token = (
+            result.token if result.residual is None else self._correction(run, draft, result.accepted, result.residual)
+        )
+        new = draft.ids[: result.accepted] + [token]
+        run.commit(new, self.stop_ids(), f"the tokens committed by round {m.rounds}")
+        if result.residual is not None:
+            run.owed = token
+            m.residuals += 1
+        m.rounds += 1
+        m.drafted += k
+        m.accepted += result.accepted
+        m.wasted_draft_tokens += k - result.accepted
+        m.verify_ms += result.timing.get("verify_ms", 0.0)
+        m.network_ms += max(0.0, rtt - result.timing.get("verify_ms", 0.0))
+        m.target_forward_passes += result.timing.get("passes", 1)
+        return result, new
+
+    def _correction(self, run: Run, draft: Draft, accepted: int, residual: dict) -> int:
+        """A split rejection at `accepted`: the token drawn here from norm(max(0, p_j - q_j))."""
+        number = run.m.rounds
+        if draft.q is None:
+            raise ProtocolViolation(f"a residual for round {number}, whose draft sent no q")
+        try:
+            token = payload.correction(residual["logits"], residual["ids"], draft.q.row(accepted), run.params, run.rng)
+        except sampling.SamplingError as e:
+            raise ProtocolViolation(f"unusable residual for round {number}: {e}") from None
+        replies.check_ids([token], self._vocab(), f"the correction drawn in round {number}")
+        return token
+
+    def _after_round(
+        self, run: Run, ctl: DraftController, k: int, result: wire.Result, draft_ms: float, rtt: float
+    ) -> None:
+        """Tell the draft policy what the round showed; AS2 may turn speculation off here."""
+        verify_ms = result.timing.get("verify_ms", 0.0)
+        if ctl.observe(run.m.rounds - 1, k, result.accepted, draft_ms, verify_ms, rtt - verify_ms):
+            ctl.switched("ar", run.m.rounds, len(run.committed))
+            self._forget_predraft(run)
+
+    # ------------------------------------------------------------------ draft policy and pre-drafting
+
+    def _make_controller(self, sid: str, run: Run) -> DraftController:
+        _, welcome = self._connected()
+        policy = self.settings.policy
+        predictor = self._predictor(welcome.target) if policy.uses_predictor else None
+        return DraftController(
+            policy,
+            run.gamma,
+            welcome.limits["max_draft_len"],
+            predictor,
+            self.trace,
+            session=sid,
+            pair=f"{self.drafter.name}->{welcome.target}",
+            estimator=self.estimator,
+            as2=self.as2,
+        )
+
+    def _predictor(self, target: str) -> RejectionPredictor:
+        """The policy's predictor, or the one trained for this draft and target; loaded once."""
+        policy = self.settings.policy
+        path = str(predictor_path(self.drafter.name, target) if policy.predictor == "auto" else policy.predictor)
+        if path not in self._predictors:
+            self._predictors[path] = RejectionPredictor(path, policy.threshold)
+            log.info("rejection predictor %s (threshold %.3f)", path, self._predictors[path].threshold)
+        return self._predictors[path]
+
+    def _predrafter(self) -> PreDrafter:
+        """FSD's pre-drafter: its own llama context, made once and kept across generations."""
+        if self.predrafter is None:
+            fsd = self.settings.fsd
+            self.predrafter = PreDrafter(
+                self.drafter,
+                workers=fsd.workers,
+                policy=fsd.policy,
+                n_cands=fsd.n_cands,
+                threads=fsd.threads,
+                guesses=fsd.guesses,
+            )
+        return self.predrafter
+
+    def _forget_predraft(self, run: Run) -> None:
+        run.last_round = None
+        if self.predrafter is not None:
+            self.predrafter.cancel()
+
+    # ------------------------------------------------------------------ target-only streams
+
+    def _stream_phase(self, run: Run, ctl: DraftController, sid: str) -> None:
+        """AS2 has speculation off: the target streams alone until speculation would win again.
+
+        Tokens come in chunks of `stream_chunk`; the next chunk is asked for when
+        the current one starts arriving, so no round trip opens between chunks. The
+        robot is idle meanwhile, so its draft follows along: its agreement with each
+        streamed token (min(1, q/p) at T > 0, the chance the token would have been
+        accepted) keeps acceptance estimated, and a ping per chunk keeps the round trip.
+        """
+        link, _ = self._connected()
+        m, chunk, remaining = run.m, self.settings.policy.stream_chunk, run.remaining()
+        stops = sorted(self.stop_ids())
+        stream = replies.StreamCheck(self._vocab(), stops)
+        asked = min(chunk, remaining)
+        link.send(wire.Ar(sid, asked, stops, fix=run.owed))
+        stream.asked(asked)
+        run.owed = None
+        chunks = 1  # asked for and not finished
+        back = False
+        latency = link.latency_ms
+        link.ping()
+        t0 = time.perf_counter()
+        verify_sum = 0.0
+        while chunks:
+            reply = stream.check(link.recv(sid=sid))
+            run.check([reply.token], set(stops), f"streamed token seq {reply.seq}")
+            t1 = time.perf_counter()
+            logits = self.drafter.next_logits(run.committed)
+            draft_ms = (time.perf_counter() - t1) * 1e3
+            run.committed.append(reply.token)
+            verify_ms = reply.timing.get("verify_ms", 0.0)
+            m.streamed_tokens += 1
+            verify_sum += verify_ms
+            m.target_forward_passes += reply.timing.get("passes", 1)
+            ctl.after_streamed(_agreement(logits, reply, run.params), draft_ms, verify_ms)
+            if reply.seq == 0:  # a chunk starts: decide whether to ask for another
+                if link.latency_ms != latency:
+                    latency = link.latency_ms
+                    ctl.after_latency(latency)
+                    link.ping()
+                back = back or ctl.decide_streaming()
+                if not back and chunks == 1 and asked < remaining:
+                    n = min(chunk, remaining - asked)
+                    link.send(wire.Ar(sid, n, stops))
+                    stream.asked(n)
+                    asked += n
+                    chunks += 1
+            if reply.done:
+                chunks -= 1
+                if reply.token in stops:
+                    break
+        m.verify_ms += verify_sum
+        m.network_ms += max(0.0, (time.perf_counter() - t0) * 1e3 - verify_sum)
+        if back:
+            ctl.switched("sd", m.rounds, len(run.committed))
+
+    def _ar_stream(self, run: Run, sid: str) -> None:
+        """Target-only tokens streamed by the server; each is committed as it arrives."""
+        link, _ = self._connected()
+        m = run.m
+        t0 = time.perf_counter()
+        verify_ms = 0.0
+        stops = sorted(self.stop_ids())
+        stream = replies.StreamCheck(self._vocab(), stops)
+        remaining = run.remaining()
+        link.send(wire.Ar(sid, remaining, stops))
+        stream.asked(remaining)
+        while True:
+            reply = stream.check(link.recv(sid=sid))
+            run.commit([reply.token], set(stops), f"streamed token seq {reply.seq}")
+            m.rounds += 1
+            verify_ms += reply.timing.get("verify_ms", 0.0)
+            m.target_forward_passes += reply.timing.get("passes", 1)
+            if reply.done:
+                break
+        m.verify_ms += verify_ms
+        m.network_ms += max(0.0, (time.perf_counter() - t0) * 1e3 - verify_ms)
+
+
+def _agreement(logits: np.ndarray, reply: wire.Token, params: SamplingParams) -> float:
+    """P(accept) had the draft proposed here: 1[argmax q = x] when greedy, min(1, q(x)/p(x)) for x ~ p.
+
+    For x drawn from the target's p, E[min(1, q(x)/p(x))] = sum_x min(p, q), the acceptance rate.
+    """
+    if params.greedy:
+        return float(int(np.argmax(logits)) == reply.token)
+    q = float(sampling.probs_from_logits(logits, params)[reply.token])
+    p = reply.p if reply.p else 1.0
+    return min(1.0, q / p)
