@@ -107,6 +107,7 @@ NOT_YET_ONCE = {
     "topk": ["AgentSection", "GenerateOptions"],
     "trace": ["GenerateOptions", "DecoderSettings"],
     "verifier": ["LinkSection", "GenerateOptions", "ServeOptions"],
+    "verify_timeout_s": ["LinkSection", "DecoderSettings"],
 }
 
 
