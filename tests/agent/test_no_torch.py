@@ -44,16 +44,23 @@ def test_no_module_of_agent_or_protocol_names_the_server_package():
 
 
 def test_protocol_and_runtime_import_only_numpy_msgpack_llama_cpp_and_the_standard_library():
-    """protocol/ (the wire and the maths) takes numpy, msgpack and, for grammar.py alone, llama.cpp's
-    grammar sampler, which both sides run already; runtime/ is llama.cpp underneath both sides (the
+    """protocol/ (the wire and the maths) takes numpy, msgpack and, where a grammar is compiled, llama.cpp
+    (grammar.py's sampler; __init__.py loads its libraries first, for the native order) and LLGuidance
+    (structured.py), which both sides run already; runtime/ is llama.cpp underneath both sides (the
     native libraries' order, libmtmd's images, llama.cpp's log), so llama_cpp is its own."""
     allowed = {"numpy", "msgpack", "protocol", "runtime", "tomli"} | set(
         sys.stdlib_module_names
     )  # tomli: tomllib on 3.10
-    for pkg, may_use_llama in (("protocol", {"grammar.py"}), ("runtime", None)):
+    extra = {
+        "protocol": {
+            "grammar.py": {"llama_cpp"},
+            "__init__.py": {"llama_cpp"},
+            "structured.py": {"llguidance", "llama_cpp"},
+        },
+        "runtime": None,
+    }
+    for pkg, own in extra.items():
         for p in (ROOT / pkg).rglob("*.py"):
-            llama = may_use_llama is None or p.name in may_use_llama
-            bad = {
-                m for m in _imported_modules(p) if m.split(".")[0] not in allowed | ({"llama_cpp"} if llama else set())
-            }
+            may = {"llama_cpp"} if own is None else own.get(p.name, set())
+            bad = {m for m in _imported_modules(p) if m.split(".")[0] not in allowed | may}
             assert not bad, f"{pkg}/{p.name} imports {bad}"

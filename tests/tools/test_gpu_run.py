@@ -210,11 +210,12 @@ def test_a_child_past_its_limit_is_killed_with_its_descendants_and_leaves_no_thr
         "print('started', flush=True)\n"
         "time.sleep(600)\n"
     )
+    before = set(threading.enumerate())  # earlier tests' idle workers (a ThreadPoolExecutor's) are not this run's
     t0 = time.monotonic()
     rc, out = gpu_run.run_bounded([sys.executable, "-c", script], 3.0, tmp_path / "child.log", echo=False)
     assert rc is None and "started" in out and time.monotonic() - t0 < 30
     assert _gone(int(pidfile.read_text()))
-    assert not _gpu_run_threads() and all(t.daemon for t in threading.enumerate() if t is not threading.main_thread())
+    assert not _gpu_run_threads() and all(t.daemon for t in set(threading.enumerate()) - before)
     assert "started" in (tmp_path / "child.log").read_text()
 
 
