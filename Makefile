@@ -134,7 +134,7 @@ lint: $(VENV)/.installed
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
-	$(BIN)/mypy --strict protocol
+	$(BIN)/mypy --strict protocol agent/decoding
 
 # The generated references (configuration, CLI) are checked against the code first, so they cannot drift.
 docs: $(VENV)/.installed

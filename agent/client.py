@@ -79,7 +79,7 @@ class Completion:
         return json.loads(self.text)
 
 
-def schema_grammar(schema: dict | str) -> str:
+def schema_grammar(schema: dict[str, Any] | str) -> str:
     """A JSON schema (a dict or its JSON text) -> GBNF that only its instances satisfy (llama.cpp's converter,
     the one llama-server's `json_schema` uses, behind protocol.grammar.schema_gbnf's bounds); RequestError,
     naming the keyword, when it is too big, expands too far or is not one the converter takes."""
@@ -127,7 +127,7 @@ class Stream:
 
     def __init__(self, run: Callable[[Callable[[str], bool]], Completion], max_pieces: int) -> None:
         # at most one piece per committed token and the final flush: bounded by max_tokens, never blocks
-        self._q: queue.Queue = queue.Queue(max_pieces + 2)
+        self._q: queue.Queue[Any] = queue.Queue(max_pieces + 2)
         self._cancel = threading.Event()
         self.completion: Completion | None = None
         self._error: BaseException | None = None
@@ -404,13 +404,13 @@ class _Request:
     """One generate()/stream() call's arguments, checked."""
 
     prompt: str | None
-    messages: list | None
+    messages: list[Any] | None
     chat: bool
     images: list[bytes]
     max_tokens: int
     params: SamplingParams
     stop: list[str]
-    schema: dict | str | None
+    schema: dict[str, Any] | str | None
     grammar: str | None
     offline: str
     mode: str
@@ -491,10 +491,10 @@ def _stops(stop: Any) -> list[str]:
     return list(stops)
 
 
-def _chat_messages(messages: list) -> tuple[list[dict], list[bytes]]:
+def _chat_messages(messages: list[Any]) -> tuple[list[dict[str, Any]], list[bytes]]:
     """OpenAI chat messages -> the chat template's messages and the images in order. A content list's text
     parts join into one string, or, with images, stay parts beside {"type": "image"} (the templates' layout)."""
-    out: list[dict] = []
+    out: list[dict[str, Any]] = []
     images: list[bytes] = []
     for i, msg in enumerate(messages):
         if not isinstance(msg, dict) or msg.get("role") not in ("system", "user", "assistant", "tool", "developer"):
@@ -508,7 +508,7 @@ def _chat_messages(messages: list) -> tuple[list[dict], list[bytes]]:
             continue
         if not isinstance(content, list):
             raise RequestError(f"messages[{i}].content is a string or a list of parts", "messages")
-        parts: list[dict] = []
+        parts: list[dict[str, Any]] = []
         for j, part in enumerate(content):
             kind = part.get("type") if isinstance(part, dict) else None
             if kind == "text" and isinstance(part.get("text"), str):

@@ -142,17 +142,17 @@ def _is(value: Any, typ: Any) -> bool:
     return isinstance(value, base) if isinstance(base, type) else True
 
 
-def _has_default(f: dataclasses.Field) -> bool:
+def _has_default(f: dataclasses.Field[Any]) -> bool:
     return f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
 
 
-def default_of(f: dataclasses.Field) -> Any:
+def default_of(f: dataclasses.Field[Any]) -> Any:
     if f.default_factory is not dataclasses.MISSING:
         return f.default_factory()
     return f.default
 
 
-def help_of(f: dataclasses.Field, notes: Mapping[str, str] | None = None) -> str:
+def help_of(f: dataclasses.Field[Any], notes: Mapping[str, str] | None = None) -> str:
     """The field's declared help; `notes` for a dataclass declared elsewhere without `setting`."""
     return f.metadata.get("help") or (notes or {}).get(f.name, "")
 
@@ -162,7 +162,8 @@ def help_of(f: dataclasses.Field, notes: Mapping[str, str] | None = None) -> str
 
 def load_toml(path: str | Path) -> dict[str, Any]:
     try:
-        return tomllib.loads(Path(path).read_text())
+        table: dict[str, Any] = tomllib.loads(Path(path).read_text())
+        return table
     except FileNotFoundError:
         raise ConfigError(f"config file {path} not found") from None
     except tomllib.TOMLDecodeError as e:
@@ -220,7 +221,7 @@ def check_choices(obj: Any, prefix: str = "") -> None:
 # ------------------------------------------------------------------ flags
 
 
-def flag_name(f: dataclasses.Field) -> str:
+def flag_name(f: dataclasses.Field[Any]) -> str:
     return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
 
 
@@ -234,7 +235,7 @@ def _split(item: Callable[[str], Any]) -> Callable[[str], list[Any]]:
     return split
 
 
-def _flag_options(f: dataclasses.Field, typ: Any, overriding: bool) -> dict[str, Any]:
+def _flag_options(f: dataclasses.Field[Any], typ: Any, overriding: bool) -> dict[str, Any]:
     """argparse's keyword arguments for one field; `overriding`: absent flags leave the file's value."""
     base, meta = _base(typ), f.metadata
     options: dict[str, Any] = {"dest": f.name}

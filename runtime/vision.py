@@ -201,7 +201,7 @@ class _Tokenized:
     """One image as libmtmd tokenized it, cached by sha256."""
 
     chunks: object  # mtmd_input_chunks of the marker alone (owned: freed when dropped from the cache)
-    parts: list  # the chunks that stand for the marker, in order (Qwen-VL: the image chunk alone)
+    parts: list[Any]  # the chunks that stand for the marker, in order (Qwen-VL: the image chunk alone)
     positions: int  # positions they advance a sequence by (libmtmd's n_pos; M-RoPE: max(rows, cols) for an image)
     cells: int  # KV cells they take (their tokens)
     data: bytes
@@ -305,7 +305,7 @@ class MtmdVision:
         its last embedding, which the helper never asks for: the row after an image that ends a pass (a
         Qwen-VL prompt that stops at its marker). 0, or the failing call's code."""
         L, mtmd = self.L, self.mtmd
-        rc = mtmd.mtmd_encode_chunk(self.mctx, chunk)
+        rc: int = mtmd.mtmd_encode_chunk(self.mctx, chunk)
         if rc != 0:
             return rc
         embd = ctypes.cast(mtmd.mtmd_get_output_embd(self.mctx), ctypes.c_void_p).value
@@ -334,7 +334,7 @@ class MtmdVision:
                     seq_id=(ctypes.POINTER(L.llama_seq_id) * m)(*([seq] * m)),
                     logits=(ctypes.c_int8 * m)(*([0] * (m - 1) + [int(a + m == n)])),
                 )
-                rc = L.llama_decode(ctx, batch)
+                rc = int(L.llama_decode(ctx, batch))
                 if rc != 0:
                     return rc
         finally:
@@ -361,7 +361,7 @@ class MtmdVision:
         cells = sum(int(mtmd.mtmd_input_chunk_get_n_tokens(c)) for c in parts)
         return _Tokenized(chunks, parts, positions, cells, image_data(image))
 
-    def _parts(self, chunks: Any) -> list:
+    def _parts(self, chunks: Any) -> list[Any]:
         """The chunks that stand for the marker: all of libmtmd's layout, or (WRAPPED) the image chunks inside
         the text libmtmd wraps them in, which the prompt holds around the marker itself."""
         mtmd = self.mtmd
@@ -379,7 +379,7 @@ class MtmdVision:
             )
         return parts[media[0] : media[-1] + 1]
 
-    def _text(self, chunks: list) -> str:
+    def _text(self, chunks: list[Any]) -> str:
         """The text of libmtmd's text chunks, as the vocabulary spells their tokens."""
         out = []
         for chunk in chunks:
@@ -388,7 +388,7 @@ class MtmdVision:
             out += [self.L.llama_vocab_get_text(self.vocab, tokens[i]).decode(errors="replace") for i in range(n.value)]
         return "".join(out)
 
-    def _tokenize(self, image: PromptImage):
+    def _tokenize(self, image: PromptImage) -> Any:
         mtmd = self.mtmd
         data = image_data(image)
         width, height = check_header(data)  # ImageError (a ValueError) over the limits: nothing is decoded
@@ -433,7 +433,7 @@ class MtmdVision:
     def __enter__(self) -> "MtmdVision":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 
@@ -451,12 +451,12 @@ _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: 
 _STRING, _ARRAY = 8, 9
 
 
-def gguf_metadata(path: str | Path, keys: set[str]) -> dict:
+def gguf_metadata(path: str | Path, keys: set[str]) -> dict[str, Any]:
     """The scalar and string values of `keys` in a GGUF file's header (stops once all are read)."""
-    out: dict = {}
+    out: dict[str, Any] = {}
     with open(path, "rb") as f:
 
-        def read(fmt: str):
+        def read(fmt: str) -> Any:
             size = struct.calcsize("<" + fmt)
             raw = f.read(size)
             if len(raw) != size:
@@ -466,7 +466,7 @@ def gguf_metadata(path: str | Path, keys: set[str]) -> dict:
         def string() -> bytes:
             return f.read(read("Q"))
 
-        def value(kind: int):
+        def value(kind: int) -> Any:
             if kind in _SCALARS:
                 return read(_SCALARS[kind])
             if kind == _STRING:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -47,7 +48,7 @@ class Branch:
     tokens: list[int]  # what the sequence holds, by position 0 .. len - 1 (an image's as its stand-in id)
     feed: list[int]  # tokens to decode next, at positions len(tokens), ...
     ids: list[int] = field(default_factory=list)
-    rows: list = field(default_factory=list)  # the payload's q rows (T > 0), see payload.draw
+    rows: list[Any] = field(default_factory=list)  # the payload's q rows (T > 0), see payload.draw
     cands: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)  # top-K (ids, probs) per token
     t0: float = field(default_factory=time.perf_counter)
 
@@ -109,7 +110,8 @@ class BranchDrafter:
         import llama_cpp
 
         ptr = llama_cpp.llama_get_logits_ith(self._ctx.ctx, row)
-        return np.ctypeslib.as_array(ptr, shape=(self.vocab_size,))[: self.vocab_real].copy()  # [vocab_real]
+        logits: np.ndarray = np.ctypeslib.as_array(ptr, shape=(self.vocab_size,))[: self.vocab_real].copy()
+        return logits  # [vocab_real]
 
     def _rm(self, seq: int, p0: int = -1) -> None:
         import llama_cpp

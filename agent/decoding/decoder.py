@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 
@@ -419,7 +419,7 @@ class EdgeDecoder:
         m.target_forward_passes += result.timing.get("passes", 1)
         return result, new
 
-    def _correction(self, run: Run, draft: Draft, accepted: int, residual: dict) -> int:
+    def _correction(self, run: Run, draft: Draft, accepted: int, residual: dict[str, Any]) -> int:
         """A split rejection at `accepted`: the token drawn here from norm(max(0, p_j - q_j))."""
         number = run.m.rounds
         if draft.q is None:

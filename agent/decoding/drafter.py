@@ -53,12 +53,15 @@ class Draft:
 
     def head(self, k: int) -> "Draft":
         """The first k tokens of this draft (a prefix of a draft is a valid draft)."""
-        cut = lambda a: None if a is None else a[:k]
+
+        def cut(a: np.ndarray | None) -> np.ndarray | None:
+            return None if a is None else a[:k]
+
         return Draft(
             self.ids[:k], None if self.q is None else self.q.head(k), self.ms, cut(self.cands), cut(self.cand_p)
         )
 
-    def wire_q(self) -> dict:
+    def wire_q(self) -> dict[str, Any]:
         """Verify.q for this draft."""
         return {"kind": "none"} if self.q is None else self.q.to_wire()
 
@@ -83,27 +86,28 @@ _params_lock = threading.Lock()
 
 
 @contextlib.contextmanager
-def _model_params(use_extra_bufts: bool):
+def _model_params(use_extra_bufts: bool) -> Iterator[None]:
     """llama-cpp-python's `Llama` exposes no `use_extra_bufts`; set it on the default params while
     one model loads. Off by default: a llama.cpp 0.3.36 built with -march=native on a CPU with AMX
     crashes in llama_decode on multi-token batches when they are on, and on the portable AVX2 build
     the Makefile makes they measured no faster here (19.0 vs 21.8 ms/token, 2 threads)."""
     import llama_cpp
-    import llama_cpp.llama as llama_module
+    import llama_cpp.llama_cpp as bindings_module
 
+    bindings: Any = bindings_module  # the module llama_cpp.llama calls llama_model_default_params through
     with _params_lock:
         original = llama_cpp.llama_model_default_params
 
-        def patched():
+        def patched() -> Any:
             p = original()
             p.use_extra_bufts = use_extra_bufts
             return p
 
-        llama_module.llama_cpp.llama_model_default_params = patched
+        bindings.llama_model_default_params = patched
         try:
             yield
         finally:
-            llama_module.llama_cpp.llama_model_default_params = original
+            bindings.llama_model_default_params = original
 
 
 def stack_candidates(
@@ -205,7 +209,7 @@ class Drafter:
             text = self.apply_chat_template([{"role": "user", "content": text}])
         return self.llm.tokenize(text.encode("utf-8"), add_bos=False, special=True)
 
-    def apply_chat_template(self, messages: list[dict]) -> str:
+    def apply_chat_template(self, messages: list[dict[str, Any]]) -> str:
         if not self.chat_template:
             raise ValueError(f"draft {self.name} has no chat template; call without --chat")
         from llama_cpp.llama_chat_format import Jinja2ChatFormatter
@@ -213,7 +217,7 @@ class Drafter:
         fmt = Jinja2ChatFormatter(self.chat_template, eos_token="", bos_token="")
         return fmt(messages=messages).prompt  # type: ignore[arg-type]  # plain dicts of llama_cpp's TypedDicts
 
-    def detokenize(self, ids: list[int], skip: set[int] | frozenset = frozenset()) -> str:
+    def detokenize(self, ids: list[int], skip: set[int] | frozenset[int] = frozenset()) -> str:
         ids = [t for t in ids if t not in skip]
         self.check_ids(ids, "detokenize")
         return self.llm.detokenize(ids, special=True).decode("utf-8", "replace")
@@ -385,7 +389,8 @@ class Drafter:
         import llama_cpp
 
         ptr = llama_cpp.llama_get_logits_ith(self.llm.ctx, -1)
-        return np.ctypeslib.as_array(ptr, shape=(self.vocab_size,))[: self.vocab_real].copy()  # [vocab_real]
+        logits: np.ndarray = np.ctypeslib.as_array(ptr, shape=(self.vocab_size,))[: self.vocab_real].copy()
+        return logits  # [vocab_real]
 
     def propose(
         self,
@@ -413,7 +418,7 @@ class Drafter:
         if self.kv_cells(len(committed)) + k >= self.llm.n_ctx():
             raise DraftContextFull(f"drafting {k} after {len(committed)} tokens exceeds the draft context")
         ids: list[int] = []
-        rows: list = []
+        rows: list[Any] = []
         cands: list[tuple[np.ndarray, np.ndarray]] = []
         payload = payload.for_params(params)
         logits = self._logits_after(committed) if k else np.empty(0, np.float32)  # [vocab_real]; k = 0: unused

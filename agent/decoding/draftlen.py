@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -97,7 +98,7 @@ def optimal_gamma(alpha: float, L: float, lo: int = 1, hi: int = 64) -> tuple[in
 # ---------------------------------------------------------------------------- online estimates
 
 
-def _fit(points: deque, min_spread: float = 0.5, min_points: int = 8) -> tuple[float, float] | None:
+def _fit(points: deque[Any], min_spread: float = 0.5, min_points: int = 8) -> tuple[float, float] | None:
     """Least-squares (intercept >= 0, slope >= 0) of y on x, or None until there are enough points
     with enough spread to tell: a slope from a handful of noisy rounds extrapolates to a nonsense
     intercept (20 ms for a 90 ms pass, seen; -207 ms for drafting where pre-drafted rounds cost
@@ -117,7 +118,7 @@ def _fit(points: deque, min_spread: float = 0.5, min_points: int = 8) -> tuple[f
     return min(flat, origin, key=lambda f: float(np.sum((y - f[0] - f[1] * x) ** 2)))
 
 
-def _line(points: deque) -> tuple[float, float]:
+def _line(points: deque[Any]) -> tuple[float, float]:
     """The fit, or a flat line at the mean (which errs on the side of speculating)."""
     fit = _fit(points)
     if fit is None:
@@ -200,7 +201,8 @@ class CostEstimator:
         self.network: deque[tuple[float, float]] = deque(maxlen=window)  # (drafted tokens, ms) of rounds
         self.drafting: deque[tuple[float, float]] = deque(maxlen=window)  # (drafted tokens, ms) of rounds
         self.round_trip: float | None = None  # ms, moving average
-        self._off_link: tuple | None = None  # the last round, when off the round trip: (side, round, trip, rt)
+        # the last round, when off the round trip: (side, round, trip, rt)
+        self._off_link: tuple[Any, ...] | None = None
         self.draft_ms: float | None = None
         self.samples = 0  # rounds and streamed tokens seen
 
@@ -288,7 +290,7 @@ class As2Config:
     patience: int = 3  # consecutive decisions the other way before switching
     warmup: int = 8  # rounds before the first decision (the estimates start from priors)
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.return_above < self.leave_below:
             raise ValueError("as2 return_above must be >= leave_below")
         if self.patience < 1 or self.warmup < 0:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -35,7 +36,7 @@ class Metrics:
     # dropped with their link and nothing of them committed
     restarts: int = 0  # of those, after the server closed on purpose (a replica draining:
     # 1012), made at once without backing off
-    replicas: list = field(default_factory=list)  # the replicas that held the session, in order (<= 16)
+    replicas: list[Any] = field(default_factory=list)  # the replicas that held the session, in order (<= 16)
     reconnect_ms: float = 0.0  # from each lost link to the session re-opened on the next, summed
     reopens: int = 0  # sessions re-opened after the server lost them (evicted)
     session_switches: int = 0  # opens refused (session_taken) and redone at once under a fresh sid
@@ -51,16 +52,16 @@ class Metrics:
     exit_ms: float = 0.0  # server time in early-exit heads (part of verify_ms)
     # draft policy (agent/decoding/policy.py)
     draft_policy: str = "fixed"
-    draft_lengths: dict = field(default_factory=dict)  # str(k) -> rounds that drafted k tokens
+    draft_lengths: dict[str, Any] = field(default_factory=dict)  # str(k) -> rounds that drafted k tokens
     predictor_stops: int = 0  # rounds the rejection predictor ended early
     predictor_calls: int = 0
     predictor_ms: float = 0.0  # onnxruntime time, all calls
     feature_ms: float = 0.0  # computing the predictor's features from the logits
     gamma_star: int | None = None  # the optimal draft length by the last estimates
     expected_speedup: float | None = None  # S(gamma*) * rho over target-only streaming, last estimate
-    estimates: dict = field(default_factory=dict)  # the cost model's last inputs (alpha, L, rho, ...)
+    estimates: dict[str, Any] = field(default_factory=dict)  # the cost model's last inputs (alpha, L, rho, ...)
     streamed_tokens: int = 0  # tokens the target streamed alone while AS2 had speculation off
-    as2_switches: list = field(default_factory=list)  # {token, to, expected_speedup, ...}, at most 64
+    as2_switches: list[Any] = field(default_factory=list)  # {token, to, expected_speedup, ...}, at most 64
 
     def finish(self, n_out: int, mode: str, wall_s: float) -> None:
         """The ratios, once a generation of `n_out` tokens in `mode` has ended after `wall_s` seconds."""
@@ -88,5 +89,5 @@ class Generation:
     mode: str
     metrics: Metrics = field(default_factory=Metrics)
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {"text": self.text, "token_ids": self.token_ids, "mode": self.mode, "metrics": asdict(self.metrics)}

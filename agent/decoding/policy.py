@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 
@@ -41,7 +41,7 @@ class DraftPolicy:
     as2_config: As2Config = field(default_factory=As2Config)
     stream_chunk: int = 8  # target-only tokens per request while AS2 has speculation off
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.kind not in POLICIES:
             raise ValueError(f"draft policy must be one of {POLICIES}, got {self.kind!r}")
         if self.min_len < 0 or (self.max_len is not None and self.max_len < max(1, self.min_len)):
@@ -105,7 +105,7 @@ class DraftController:
         self.feature_ms = 0.0
         self.stops = 0  # rounds the predictor cut short
         self.lengths: dict[str, int] = {}  # str(k) -> rounds that drafted k tokens
-        self.switches: list[dict] = []  # AS2's switches, at most MAX_SWITCHES
+        self.switches: list[dict[str, Any]] = []  # AS2's switches, at most MAX_SWITCHES
         self._rows: list[np.ndarray] = []  # this round's feature rows
         self._stopped = False
         self._estimate()  # from earlier generations' rounds, if any
@@ -220,7 +220,7 @@ class DraftController:
     def costs(self) -> Costs | None:
         return self.estimator.costs()
 
-    def summary(self) -> dict:
+    def summary(self) -> dict[str, Any]:
         c = self.costs()
         return {
             "alpha": round(self.estimator.alpha, 4),

@@ -92,7 +92,8 @@ class RejectionPredictor:
     def p_accept(self, features: np.ndarray) -> np.ndarray:
         """features [n, 6] float32 -> [n] probabilities that the target accepts each token."""
         x = np.ascontiguousarray(features, dtype=np.float32).reshape(-1, len(FEATURES))
-        return self.session.run(None, {self.input: x})[0].reshape(-1)
+        p: np.ndarray = self.session.run(None, {self.input: x})[0].reshape(-1)
+        return p
 
     def should_stop(self, features: np.ndarray) -> bool:
         """True when this token is a predicted rejection (do not draft it)."""

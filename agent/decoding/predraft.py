@@ -39,7 +39,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -121,7 +121,7 @@ class _Round:
     cache: dict[tuple[int, ...], Draft] = field(default_factory=dict)
     wanted: tuple[int, ...] | None = None  # set by take(): the only key still worth drafting
     t0: float = field(default_factory=time.perf_counter)
-    log: list = field(default_factory=list)  # (ms since begin, event) for --log-level DEBUG
+    log: list[Any] = field(default_factory=list)  # (ms since begin, event) for --log-level DEBUG
     failed: bool = False
     ended: bool = False
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from typing import Iterable
+from typing import Any, Iterable
 
 import numpy as np
 
@@ -36,7 +36,7 @@ def check_ids(ids: Iterable[int], vocab: int, what: str) -> None:
         raise ProtocolViolation(f"{what} holds token id {bad}, outside the vocabulary of {vocab}")
 
 
-def check_timing(timing: dict, what: str) -> None:
+def check_timing(timing: dict[str, Any], what: str) -> None:
     """The figures the decoder adds up (verify_ms, passes, ...): finite, non-negative and bounded when present."""
     for key, hi in TIMING.items():
         v = timing.get(key)
@@ -92,7 +92,7 @@ def check_result(
     return reply
 
 
-def check_residual(residual: dict, vocab: int, what: str) -> None:
+def check_residual(residual: dict[str, Any], vocab: int, what: str) -> None:
     """A split rejection's p_j: float32 logits [vocab], or [n] at n distinct ids of the vocabulary; all finite."""
     logits, ids = residual["logits"], residual["ids"]  # [n] float32, [n] int32 or None
     if ids is None and len(logits) != vocab:

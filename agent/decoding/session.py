@@ -47,7 +47,7 @@ class ReconnectPolicy:
     backoff_max_s: float = 2.0
 
     def delay(self, attempt: int) -> float:
-        return min(self.backoff_max_s, self.backoff_s * 2**attempt)
+        return min(self.backoff_max_s, self.backoff_s * 2.0**attempt)
 
 
 class Sessions:
