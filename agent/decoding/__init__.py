@@ -12,6 +12,8 @@
     link        the websocket to the verifier: TLS, hello/welcome, send and receive messages
     replies     every verifier reply checked before anything commits it
     policy      how many tokens to draft next: plan() / observe() (draftlen: the optimal length; predictor: stop early)
+    streaming   target-only streams: the AR mode's, and AS2's streaming phase of SD and FSD
+    fsd         FSD's side of a round: the exits asked for, the draft (pre-drafted or not), early-exit hints
     predraft    drafting the next round while the verifier checks this one (FSD)
     branches    the pre-drafted branches
 

@@ -1,9 +1,10 @@
 """The robot's decode loop: AR (server alone), SD (draft here, verify there), FSD (SD with
-early-exit verdicts and pre-drafting, agent/decoding/predraft.py) and local (draft alone).
+early-exit verdicts and pre-drafting, agent/decoding/fsd.py) and local (draft alone).
 
 A generation reads top to bottom in `_generate_remote`: open the session (agent/decoding/session.py),
-rounds (SD / FSD / an AR stream) that each commit what the server committed, close. Its state lives
-in a `Run` (agent/decoding/run.py) made for it; the EdgeDecoder keeps only what spans generations.
+rounds (SD / FSD / a target-only stream, agent/decoding/streaming.py) that each commit what the server
+committed, close. Its state lives in a `Run` (agent/decoding/run.py) made for it; the EdgeDecoder
+keeps only what spans generations.
 
 How long each SD round drafts, and whether to speculate at all, is the draft
 policy's (agent/decoding/policy.py: `plan()` before a round, `observe()` after it): fixed,
@@ -22,21 +23,19 @@ import logging
 import time
 from typing import Any, Callable
 
-import numpy as np
-
 from protocol import payload, sampling, wire
 from protocol.images import PromptImage
 from protocol.payload import PayloadSpec
 from protocol.sampling import SamplingParams
 
-from . import replies
+from . import replies, streaming
 from .drafter import Draft, Drafter
 from .draftlen import As2, CostEstimator
+from .fsd import FsdDrafts
 from .link import LinkLost, ProtocolViolation, ServerError, VerifierLink
 from .metrics import Generation, Metrics
 from .policy import DraftController
 from .predictor import RejectionPredictor, TraceWriter, predictor_path
-from .predraft import PreDrafter
 from .run import GrammarWalk, Run
 from .session import ReconnectPolicy, Sessions
 from .settings import DecoderSettings, FsdOptions
@@ -59,7 +58,7 @@ class EdgeDecoder:
         self.trace = TraceWriter(settings.trace) if settings.trace else None
         self.estimator = CostEstimator()  # the link's and the pair's, across generations
         self.as2 = As2(settings.policy.as2_config)  # likewise: a slow link starts the next generation streaming
-        self.predrafter: PreDrafter | None = None  # FSD's, made by the first FSD generation
+        self.fsd = FsdDrafts(drafter, settings.fsd, settings.verify_timeout_s)  # its pre-drafter outlives runs
         self._predictors: dict[str, RejectionPredictor] = {}
 
     @property
@@ -81,9 +80,7 @@ class EdgeDecoder:
 
     def close(self) -> None:
         self.sessions.drop_link()
-        if self.predrafter is not None:
-            self.predrafter.close()
-            self.predrafter = None
+        self.fsd.close()
         if self.trace is not None:
             self.trace.close()
             self.trace = None
@@ -192,7 +189,7 @@ class EdgeDecoder:
         """
         attempt = self.sessions.begin(run.session, run.m)
         if run.mode == "fsd":
-            self._predrafter()
+            self.fsd.ready()
         try:
             while (out := run.finished(self.stop_ids())) is None:
                 try:
@@ -201,13 +198,13 @@ class EdgeDecoder:
                     attempt.succeeded()
                 except (LinkLost, ServerError) as e:
                     e.token_ids = run.generated()  # what the target committed: to go on from, when raised
-                    self._forget_predraft(run)
+                    self.fsd.forget(run)
                     attempt.recover(e, len(run.committed))  # raises e when going on cannot help
                     if isinstance(e, ServerError) and e.code == "unknown_image":
                         run.image_bytes = True  # the server no longer holds the images: bytes again
             return out
         finally:
-            self._forget_predraft(run)
+            self.fsd.forget(run)
             if run.controller is not None:
                 run.controller.fold(run.m)
             attempt.end(close=run.session is None)
@@ -215,12 +212,13 @@ class EdgeDecoder:
     def _round(self, run: Run, sid: str) -> None:
         """One round of the generation's mode; SD and FSD ask the draft policy whether to speculate."""
         if run.mode == "ar":
-            self._ar_stream(run, sid)
+            streaming.ar_stream(run, self._connected()[0], sid, sorted(self.stop_ids()), self._vocab())
             return
         if run.controller is None:
             run.controller = self._make_controller(sid, run)
         if not run.controller.speculating:
-            self._stream_phase(run, run.controller, sid)
+            link, stops, chunk = self._connected()[0], sorted(self.stop_ids()), self.settings.policy.stream_chunk
+            streaming.stream_phase(run, run.controller, link, sid, stops, self._vocab(), self.drafter, chunk)
         elif run.mode == "sd":
             self._sd_round(run, run.controller, sid)
         else:
@@ -256,7 +254,7 @@ class EdgeDecoder:
     def _open(self, sid: str, resume: str, run: Run) -> wire.Opened:
         """Open session `sid` (again) with everything committed so far; returns the checked reply."""
         link, welcome = self._connected()
-        layers = self._exit_layers(welcome) if run.mode == "fsd" else []
+        layers = self.fsd.exit_layers(welcome) if run.mode == "fsd" else []
         if run.grammar is not None and not welcome.limits.get("grammar"):
             raise ServerError(
                 "no_grammar",
@@ -294,14 +292,6 @@ class EdgeDecoder:
         run.m.target_forward_passes += opened.timing.get("passes", 0)
         return opened
 
-    def _exit_layers(self, welcome: wire.Welcome) -> list[int]:
-        """The early exits an FSD session asks for: those configured that the verifier has (None: all)."""
-        offered, asked = welcome.exits, self.settings.fsd.exits
-        layers = list(offered) if asked is None else [l for l in asked if l in offered]
-        if asked and len(layers) < len(asked):
-            log.warning("the verifier has exits at %s; asked for %s, using %s", offered, asked, layers)
-        return layers
-
     # ------------------------------------------------------------------ rounds
 
     def _sd_round(self, run: Run, ctl: DraftController, sid: str) -> None:
@@ -330,9 +320,9 @@ class EdgeDecoder:
     def _fsd_round(self, run: Run, ctl: DraftController, sid: str) -> None:
         """An SD round whose draft was (ideally) drafted during the previous round's verification."""
         link, _ = self._connected()
-        predrafter = self._predrafter()
+        predrafter = self.fsd.ready()
         m = run.m
-        draft, waited = self._fsd_draft(run, predrafter, ctl.plan(run.remaining()))
+        draft, waited = self.fsd.draft(run, predrafter, ctl.plan(run.remaining()))
         number = m.rounds
         t0 = time.perf_counter()
         up, down = link.bytes_up, link.bytes_down
@@ -342,7 +332,7 @@ class EdgeDecoder:
         # the next round's draft after each way this one may end, at the length the policy plans now
         stops = self.stop_ids()
         predrafter.begin(number, run.committed, draft, ctl.plan(), run.params, run.params.seed, stops, run.spec)
-        reply = self._await_result(run, link, predrafter, sid, number, draft)
+        reply = self.fsd.await_result(run, link, predrafter, sid, number, draft, self._vocab())
         rtt = (time.perf_counter() - t0) * 1e3
         m.round_bytes_up += link.bytes_up - up
         m.round_bytes_down += link.bytes_down - down
@@ -351,46 +341,6 @@ class EdgeDecoder:
         self._after_round(run, ctl, len(draft.ids), result, waited, rtt)
         m.exit_layer_sum += int(result.timing.get("exit_layer") or 0)
         m.exit_ms += float(result.timing.get("exit_ms", 0.0))
-
-    def _fsd_draft(self, run: Run, predrafter: PreDrafter, k: int) -> tuple[Draft, float]:
-        """This round's draft of k tokens: pre-drafted for how the last round ended, else drafted now; with
-        the ms the loop waited for it (a hit costs it ~nothing: T_p as the loop sees it)."""
-        m = run.m
-        waited = m.draft_ms
-        draft: Draft | None = None
-        if run.last_round is not None:
-            t1 = time.perf_counter()
-            draft, hit = predrafter.take(*run.last_round)
-            run.last_round = None
-            m.draft_ms += (time.perf_counter() - t1) * 1e3  # what the loop waited for its draft
-            m.predraft_failures += draft is None
-            m.predraft_hits += hit
-            m.predraft_misses += not hit
-        grammar = run.grammar_at()
-        if draft is not None and grammar is not None:
-            # pre-drafted without the grammar: a prefix of a draft is a valid draft (its tokens were drawn from
-            # the q sent with them), and at T = 0 the allowed prefix is what the masked draft would have drafted
-            draft = draft.head(grammar.clone().advance(draft.ids))
-        if draft is None or len(draft.ids) < k:
-            n_cands = self.settings.fsd.n_cands
-            draft = self.drafter.propose(
-                run.committed, k, run.params, run.rng, n_cands=n_cands, payload=run.spec, grammar=grammar
-            )
-            m.draft_ms += draft.ms
-        return draft.head(k), m.draft_ms - waited
-
-    def _await_result(
-        self, run: Run, link: VerifierLink, predrafter: PreDrafter, sid: str, number: int, draft: Draft
-    ) -> wire.Message:
-        """Early-exit hints (checked, then offered to the pre-drafter) until the reply to round `number`."""
-        deadline = time.monotonic() + self.settings.verify_timeout_s  # for the result, however many hints come first
-        while True:
-            reply = link.recv(sid=sid, timeout_s=max(0.0, deadline - time.monotonic()))
-            if not isinstance(reply, wire.Exit):
-                return reply
-            replies.check_exit(reply, number, draft.ids, self._vocab(), run.exit_layers)
-            run.m.exits_received += 1
-            predrafter.offer(number, reply.layer, reply.tokens, reply.confidence)
 
     def _commit_round(self, run: Run, draft: Draft, reply: wire.Message, rtt: float) -> tuple[wire.Result, list[int]]:
         """Check the reply to verify round m.rounds and commit it; returns it, checked, with the committed tokens.
@@ -438,9 +388,9 @@ class EdgeDecoder:
         verify_ms = result.timing.get("verify_ms", 0.0)
         if ctl.observe(run.m.rounds - 1, k, result.accepted, draft_ms, verify_ms, rtt - verify_ms):
             ctl.switched("ar", run.m.rounds, len(run.committed))
-            self._forget_predraft(run)
+            self.fsd.forget(run)
 
-    # ------------------------------------------------------------------ draft policy and pre-drafting
+    # ------------------------------------------------------------------ draft policy
 
     def _make_controller(self, sid: str, run: Run) -> DraftController:
         _, welcome = self._connected()
@@ -466,114 +416,3 @@ class EdgeDecoder:
             self._predictors[path] = RejectionPredictor(path, policy.threshold)
             log.info("rejection predictor %s (threshold %.3f)", path, self._predictors[path].threshold)
         return self._predictors[path]
-
-    def _predrafter(self) -> PreDrafter:
-        """FSD's pre-drafter: its own llama context, made once and kept across generations."""
-        if self.predrafter is None:
-            fsd = self.settings.fsd
-            self.predrafter = PreDrafter(
-                self.drafter,
-                workers=fsd.workers,
-                policy=fsd.policy,
-                n_cands=fsd.n_cands,
-                threads=fsd.threads,
-                guesses=fsd.guesses,
-            )
-        return self.predrafter
-
-    def _forget_predraft(self, run: Run) -> None:
-        run.last_round = None
-        if self.predrafter is not None:
-            self.predrafter.cancel()
-
-    # ------------------------------------------------------------------ target-only streams
-
-    def _stream_phase(self, run: Run, ctl: DraftController, sid: str) -> None:
-        """AS2 has speculation off: the target streams alone until speculation would win again.
-
-        Tokens come in chunks of `stream_chunk`; the next chunk is asked for when
-        the current one starts arriving, so no round trip opens between chunks. The
-        robot is idle meanwhile, so its draft follows along: its agreement with each
-        streamed token (min(1, q/p) at T > 0, the chance the token would have been
-        accepted) keeps acceptance estimated, and a ping per chunk keeps the round trip.
-        """
-        link, _ = self._connected()
-        m, chunk, remaining = run.m, self.settings.policy.stream_chunk, run.remaining()
-        stops = sorted(self.stop_ids())
-        stream = replies.StreamCheck(self._vocab(), stops)
-        asked = min(chunk, remaining)
-        link.send(wire.Ar(sid, asked, stops, fix=run.owed))
-        stream.asked(asked)
-        run.owed = None
-        chunks = 1  # asked for and not finished
-        back = False
-        latency = link.latency_ms
-        link.ping()
-        t0 = time.perf_counter()
-        verify_sum = 0.0
-        while chunks:
-            reply = stream.check(link.recv(sid=sid))
-            run.check([reply.token], set(stops), f"streamed token seq {reply.seq}")
-            t1 = time.perf_counter()
-            logits = self.drafter.next_logits(run.committed)
-            draft_ms = (time.perf_counter() - t1) * 1e3
-            run.committed.append(reply.token)
-            verify_ms = reply.timing.get("verify_ms", 0.0)
-            m.streamed_tokens += 1
-            verify_sum += verify_ms
-            m.target_forward_passes += reply.timing.get("passes", 1)
-            ctl.after_streamed(_agreement(logits, reply, run.params), draft_ms, verify_ms)
-            if reply.seq == 0:  # a chunk starts: decide whether to ask for another
-                if link.latency_ms != latency:
-                    latency = link.latency_ms
-                    ctl.after_latency(latency)
-                    link.ping()
-                back = back or ctl.decide_streaming()
-                if not back and chunks == 1 and asked < remaining:
-                    n = min(chunk, remaining - asked)
-                    link.send(wire.Ar(sid, n, stops))
-                    stream.asked(n)
-                    asked += n
-                    chunks += 1
-            if reply.done:
-                chunks -= 1
-                if reply.token in stops:
-                    break
-        m.verify_ms += verify_sum
-        m.network_ms += max(0.0, (time.perf_counter() - t0) * 1e3 - verify_sum)
-        if back:
-            ctl.switched("sd", m.rounds, len(run.committed))
-
-    def _ar_stream(self, run: Run, sid: str) -> None:
-        """Target-only tokens streamed by the server; each is committed as it arrives."""
-        link, _ = self._connected()
-        m = run.m
-        t0 = time.perf_counter()
-        verify_ms = 0.0
-        stops = sorted(self.stop_ids())
-        stream = replies.StreamCheck(self._vocab(), stops)
-        remaining = run.remaining()
-        link.send(wire.Ar(sid, remaining, stops))
-        stream.asked(remaining)
-        while True:
-            reply = stream.check(link.recv(sid=sid))
-            run.commit([reply.token], set(stops), f"streamed token seq {reply.seq}")
-            m.rounds += 1
-            verify_ms += reply.timing.get("verify_ms", 0.0)
-            m.target_forward_passes += reply.timing.get("passes", 1)
-            if reply.done:
-                break
-        m.verify_ms += verify_ms
-        m.network_ms += max(0.0, (time.perf_counter() - t0) * 1e3 - verify_ms)
-
-
-def _agreement(logits: np.ndarray, reply: wire.Token, params: SamplingParams) -> float:
-    """P(accept) had the draft proposed here: 1[argmax q = x] when greedy, min(1, q(x)/p(x)) for x ~ p.
-
-    For x drawn from the target's p, E[min(1, q(x)/p(x))] = sum_x min(p, q), the acceptance rate.
-    """
-    if params.greedy:
-        return float(int(np.argmax(logits)) == reply.token)
-    q = float(sampling.probs_from_logits(logits, params)[reply.token])
-    p = reply.p if reply.p else 1.0
-    return min(1.0, q / p)

@@ -133,7 +133,7 @@ def test_speedup_formula_is_theorem_one():
 
 def test_streamed_agreement_estimates_the_acceptance_rate():
     """While the target streams alone, min(1, q(x)/p(x)) for x ~ p averages to sum_x min(p, q) = alpha."""
-    from agent.decoding.decoder import _agreement
+    from agent.decoding.streaming import _agreement
     from protocol import sampling, wire
     from protocol.sampling import SamplingParams
 
