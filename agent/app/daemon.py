@@ -34,7 +34,7 @@ from agent.decoding import DecoderSettings, open_decoder
 from agent.decoding.decoder import EdgeDecoder, ReconnectPolicy
 from agent.decoding.link import default_robot_id, tls_context
 from agent.decoding.policy import DraftPolicy
-from agent.robot.camera import Frame, FrameGrabber, open_source
+from agent.robot.camera import Frame, FrameGrabber
 from agent.robot.control import ControlLoop
 from agent.robot.controllers.base import Controller, ControllerError, make_controller
 from agent.robot.episode import verdict
@@ -47,6 +47,7 @@ from .config import Config
 from .navigator import Navigator, Step
 from .recording import Recorder, sample_of
 from .sdnotify import Notifier
+from .senses import CameraWatch, make_perception, open_camera, open_recorder
 from .telemetry import DiskTrouble, TelemetryWriter
 
 if TYPE_CHECKING:
@@ -107,8 +108,8 @@ class Daemon:
         self.last_step: dict | None = None
         self.task_records: list = []  # the running (or last) task's nav.Step records, the first MAX_RECORDS
         self.history: list[dict] = []  # finished tasks, the last 16
-        self.camera_state = "starting"  # ok | stale (nothing new for camera.max_age_ms) | starting
-        self._camera_since = time.monotonic()  # when the grabber started
+        # the camera ok, stale or starting (camera_state, check_camera): agent/app/senses.py
+        self.camera_watch = CameraWatch(cfg, self._emit, lambda: self.notifier.status(self._status_line()))
         self.started = time.monotonic()
         self.ready = False
 
@@ -117,12 +118,14 @@ class Daemon:
     def start(self, notify_ready: bool = True) -> "Daemon":
         cfg = self.cfg
         log.info("config in use: %s", cfg.to_dict())
-        self.recorder = self._start_recorder()  # a missing package or a refused address: before anything moves
+        # a missing package or a refused address: before anything moves
+        self.recorder = open_recorder(cfg.record, self._disk)
         token = os.environ.get(cfg.link.token_env, "") if cfg.link.token_env else ""
         if cfg.link.verifier:  # a token in clear or a bad CA file: refused before anything moves
             tls_context(cfg.link.verifier, token, cfg.link.ca_file, cfg.link.allow_insecure)
         self.controller.connect()
-        self.grabber = grabber = self._start_camera()
+        self.grabber = grabber = open_camera(cfg, self.world)
+        self.camera_watch.started()
         self.control = ControlLoop(
             self.safety,
             cfg.robot.control_hz,
@@ -137,7 +140,7 @@ class Daemon:
         self.nav = Navigator(
             self.decoder,
             grabber,
-            self._perception(),
+            make_perception(cfg, self.world),
             self.control,
             cfg,
             emit=self._emit,
@@ -163,29 +166,6 @@ class Daemon:
         )
         return self
 
-    def _start_recorder(self) -> Recorder | None:
-        rc = self.cfg.record
-        if not (rc.path or rc.foxglove):
-            return None
-        foxglove = rc.foxglove_address() if rc.foxglove else None
-        recorder = Recorder(
-            rc.path,
-            max_bytes=rc.max_bytes,
-            foxglove=foxglove,
-            foxglove_credential=rc.foxglove_credential() if foxglove else "",
-            foxglove_origins=frozenset(rc.foxglove_origins),
-            disk=self._disk,
-        )
-        live = ""
-        if foxglove:
-            origins = ", ".join(rc.foxglove_origins) or "none"
-            live = (
-                f", Foxglove on ws://{foxglove[0]}:{recorder.foxglove_port}/?token=... (the credential of "
-                f"record.foxglove_token_file; browser origins: {origins})"
-            )
-        log.info("recording to %s%s", rc.path or "no file", live)
-        return recorder
-
     def record_step(self, rec: Step) -> None:
         """One step to the recording (record.path, record.foxglove), when there is one; never raises."""
         if self.recorder is None:
@@ -199,34 +179,6 @@ class Daemon:
             log.exception("recording step %s failed", getattr(rec, "step", "?"))
             return
         self.recorder.record(sample)
-
-    def _start_camera(self) -> FrameGrabber:
-        camera = self.cfg.camera
-        source = open_source(
-            camera.source,
-            camera.width,
-            camera.height,
-            camera.fps,
-            world=self.world,
-            network_interface=self.cfg.robot.options.get("network_interface"),
-            domain_id=self.cfg.robot.options.get("domain_id", 0),
-        )
-        grabber = FrameGrabber(source, name=camera.source if len(camera.source) < 40 else "camera")
-        grabber.start()
-        self._camera_since = time.monotonic()
-        return grabber
-
-    def _perception(self):
-        from agent.robot import perception
-
-        kind = self.cfg.perception.kind
-        if kind == "sim":
-            if self.world is None:
-                raise ValueError("perception 'sim' needs the sim controller")
-            return perception.SimPerception(self.world)
-        if kind == "vlm":
-            return perception.VlmPerception(self.cfg.perception.image_max_side, self.cfg.perception.jpeg_quality)
-        return perception.ColorDetector(object_height_m=self.cfg.perception.target_height_m)
 
     def close(self) -> None:
         self.notifier.stopping()
@@ -476,34 +428,14 @@ class Daemon:
             except Exception:
                 log.exception("event listener failed")
 
+    @property
+    def camera_state(self) -> str:
+        """ok | stale (nothing new for camera.max_age_ms) | starting."""
+        return self.camera_watch.state
+
     def check_camera(self) -> str:
         """Report a camera that went quiet (or came back) on STATUS=, the log and the events; returns its state."""
-        age = self.grabber.latest_age_s() if self.grabber else None
-        state = "stale" if age is None or age * 1e3 > self.cfg.camera.max_age_ms else "ok"
-        if (
-            state == "stale"
-            and self.camera_state == "starting"
-            and age is None
-            and time.monotonic() - self._camera_since < self.cfg.camera.max_age_ms / 1e3
-        ):
-            return self.camera_state  # a camera gets max_age_ms for its first frame
-        if state != self.camera_state:
-            self.camera_state = state
-            detail = "no frame yet" if age is None else f"newest frame {age * 1e3:.0f} ms old"
-            error = self.grabber.error if self.grabber else None
-            if state == "stale":
-                log.warning(
-                    "camera %s is stale: %s%s (limit %.0f ms); the robot does not move",
-                    self.cfg.camera.source,
-                    detail,
-                    f", {error}" if error else "",
-                    self.cfg.camera.max_age_ms,
-                )
-            else:
-                log.info("camera %s delivers again", self.cfg.camera.source)
-            self._emit({"event": "camera", "state": state, "detail": detail, "error": error})
-            self.notifier.status(self._status_line())
-        return state
+        return self.camera_watch.check(self.grabber)
 
     def _on_mode(self, mode: str) -> None:
         if self.world is not None:

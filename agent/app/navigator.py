@@ -3,9 +3,10 @@ NaVILA action -> the control loop, with a declared offline mode when the verifie
 
 A step (`Navigator.step`) looks (`_look`: the frame, perception, the observation in words or
 the image), composes the prompt (`_compose`: agent/app/prompt.py, with the task's memory from
-agent/app/memory.py), decides (`_decide`: the answer, verified or offline) and acts (`_act`:
-parse_action, the offline envelope, then a halt or a motion). Every telemetry record (`Step`)
-says which perception made it (`perception`) and what the prompt held.
+agent/app/memory.py), decides (agent/app/answering.py's `Answerer.decide`: the answer, verified
+or offline, on the link `LinkState` keeps) and acts (`_act`: parse_action, the offline envelope,
+then a halt or a motion). Every telemetry record (`Step`, agent/app/step.py) says which
+perception made it (`perception`) and what the prompt held.
 
 Offline. The verifier is unreachable (connect fails, the link drops) or answers
 later than `verify_timeout_s`: the robot stops at once and the step goes on in
@@ -31,18 +32,19 @@ import logging
 import threading
 import time
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence, cast
 
-from agent.decoding.decoder import EdgeDecoder, Generation
+from agent.decoding.decoder import EdgeDecoder
 from agent.decoding.link import LinkLost, ServerError
-from agent.robot.actions import FORWARD_CM, STOP, TURN_DEG, Action, Parsed, complete, motion_for, parse_action
+from agent.robot.actions import FORWARD_CM, STOP, TURN_DEG, Action, Parsed, motion_for, parse_action
 from agent.robot.camera import Frame, FrameGrabber, StaleFrame
 from agent.robot.control import ControlLoop
 from agent.robot.perception import CameraImage, Sighting
 from protocol.images import PromptImage
 from protocol.sampling import SamplingParams
 
+from .answering import Answerer, LinkState
 from .config import Config
 from .memory import Recall, StepMemory
 from .prompt import (
@@ -55,6 +57,7 @@ from .prompt import (
     observation_text,
     relevant,
 )
+from .step import Step
 
 log = logging.getLogger(__name__)
 
@@ -149,43 +152,6 @@ class NavConfig:
             raise ValueError(f"ahead_deg must be in (0, 45) degrees, got {self.ahead_deg!r}")
 
 
-@dataclass
-class Step:
-    """One telemetry record: what the robot saw, what the model said, what was sent, how long it took."""
-
-    step: int
-    task: str
-    instruction: str
-    t: float  # wall clock (time.time()) at the start of the step
-    mode: str = "verified"  # verified | offline | halted (no answer: no fresh frame, perception failed)
-    offline_policy: str = "hold"
-    perception: str = ""  # sim (ground truth) | color (detector) | image (from the API, as text) |
-    # vlm (the image itself in the prompt, the camera's or the API's)
-    observation: str = ""
-    text: str = ""  # the raw model text (verified and unverified parts together)
-    verified_tokens: int = 0  # committed by the target
-    unverified_tokens: int = 0  # written by the draft alone (offline local)
-    action: str = "stop"  # the parsed action, e.g. "turn left 30 deg"
-    action_text: str = STOP.text  # its canonical NaVILA sentence
-    parse: str = ""  # exact | tolerant | miss | refused (no plan made)
-    parse_note: str = ""
-    envelope: str = ""  # "" | clamped | turned_away_stop (offline) | not_seen: the robot changed the action itself
-    command: dict = field(default_factory=lambda: {"vx": 0.0, "vy": 0.0, "wz": 0.0})  # first set-point sent (clamped)
-    command_peak: dict = field(default_factory=lambda: {"vx": 0.0, "vy": 0.0, "wz": 0.0})  # largest set-point sent
-    completed: bool = False  # the motion ran to its end
-    reason: str = ""  # why this action (or why none)
-    link: str = "up"  # up | down
-    latency_ms: dict = field(default_factory=dict)  # frame_age, perceive, generate, act, step
-    decode: dict = field(default_factory=dict)  # tau, acceptance_rate, rounds, tokens_per_s, ...
-    memory_steps: int = 0  # remembered steps in this step's prompt
-    memory_tokens: int = 0  # their size in draft tokens (bounded by nav.memory_max_tokens)
-    prompt_tokens: int = 0  # the whole prompt
-    prefix_shared_tokens: int = 0  # of it, shared with the previous step's prompt (KV reused on both sides)
-
-    def to_json(self) -> dict:
-        return asdict(self)
-
-
 class Navigator:
     def __init__(
         self,
@@ -210,9 +176,7 @@ class Navigator:
         self.on_mode = on_mode
         self.clock = clock
         self.params = SamplingParams(temperature=config.agent.temperature, seed=config.agent.seed)
-        self.link = "unknown"  # up | down | unknown (no step yet)
-        self._backoff = config.link.reconnect_backoff_s
-        self._next_probe = 0.0
+        self.links = LinkState(decoder, config, emit, on_mode, clock)  # the verifier's link: Navigator.link
         self.steps = 0
         self.offline_steps = 0
         self.offline_clamped = 0  # unverified actions reduced to the offline envelope
@@ -242,46 +206,31 @@ class Navigator:
         self.grammar, self.max_tokens = answer_limits(
             config.nav.grammar, config.agent.max_tokens
         )  # the answer grammar or not
+        # The step's answer, verified or in the offline policy (agent/app/answering.py).
+        self.answers = Answerer(
+            decoder,
+            self.links,
+            control,
+            config,
+            self.params,
+            self.session,
+            self.grammar,
+            self.max_tokens,
+            consts.hold_wait_s,
+            clock,
+        )
         self.last_look: tuple[Frame, list[Sighting]] | None = None  # the latest step's frame and sightings
 
     # -------------------------------------------------------------- the link
 
+    @property
+    def link(self) -> str:
+        """The verifier's link: up | down | unknown (no step yet)."""
+        return self.links.state
+
     def check_link(self) -> bool:
         """Probe the verifier now (at start, and while offline when the backoff allows)."""
-        if self.decoder.url is None:
-            self._mark("down", "no verifier configured")
-            return False
-        if self.decoder.connect():
-            self._mark("up", "verifier answered")
-            return True
-        self._mark("down", "verifier unreachable")
-        return False
-
-    def _probe_if_due(self) -> bool:
-        if self.link != "down":
-            return True
-        if self.clock() < self._next_probe:
-            return False
-        ok = self.check_link()
-        if not ok:
-            self._next_probe = self.clock() + self._backoff
-            self._backoff = min(self.cfg.link.reconnect_backoff_max_s, self._backoff * 2)
-        return ok
-
-    def _mark(self, state: str, why: str) -> None:
-        if state == self.link:
-            return
-        previous, self.link = self.link, state
-        if state == "up":
-            self._backoff = self.cfg.link.reconnect_backoff_s
-            if previous == "down":
-                log.warning("verifier is back: verified mode (%s)", why)
-        else:
-            self._next_probe = self.clock() + self._backoff
-            log.warning("verifier lost (%s): offline mode, policy %s", why, self.cfg.offline.policy)
-        mode = "verified" if state == "up" else "offline"
-        self.on_mode(mode)
-        self.emit({"event": "mode", "mode": mode, "offline_policy": self.cfg.offline.policy, "why": why})
+        return self.links.check()
 
     # -------------------------------------------------------------- one step
 
@@ -301,7 +250,7 @@ class Navigator:
             try:
                 self.decoder.generate(ids, mode="ar", max_tokens=1, params=self.params, session=self.session)
             except (LinkLost, ServerError) as e:
-                self._mark("down", str(e))
+                self.links.mark("down", str(e))
         log.info("prompt prefix (%d tokens) prefilled in %.1fs", len(ids), self.clock() - t0)
 
     def prompt_ids(self, instruction: str, observation: str, memory: Sequence[str] = ()) -> list[int]:
@@ -387,7 +336,7 @@ class Navigator:
             return self._finish(rec, t0, parse="refused", reason=view)
         ids, images = self._compose(rec, instruction, view)
         t2 = self.clock()
-        decided = self._decide(ids, images, rec, view.frame_t, cancel)
+        decided = self.answers.decide(ids, images, rec, view.frame_t, cancel)
         rec.latency_ms["generate"] = round((self.clock() - t2) * 1e3, 1)
         if not decided:
             self.control.halt("holding")
@@ -558,128 +507,3 @@ class Navigator:
             }
         )
         return rec
-
-    # -------------------------------------------------------------- generation, verified or not
-
-    def _until(self, prefix: list[int]) -> Callable[[list[int]], bool]:
-        stops = self.decoder.stop_ids()
-        return lambda out: complete(self.drafter.detokenize(prefix + out, skip=stops))
-
-    def _decide(
-        self, ids: list[int], images: list[PromptImage], rec: Step, frame_t: float, cancel: threading.Event | None
-    ) -> bool:
-        """Fill rec.text (and mode, tokens, decode metrics); False when the robot must hold. `images`: the
-        prompt's (its camera image, perception "vlm"), sent with every generation of the step."""
-        committed: list[int] = []
-        if self._probe_if_due():
-            try:
-                gen = self.decoder.generate(
-                    ids,
-                    mode=self.cfg.agent.mode,
-                    max_tokens=self.max_tokens,
-                    params=self.params,
-                    gamma=self.cfg.agent.gamma,
-                    until=self._until([]),
-                    session=self.session,
-                    grammar=self.grammar,
-                    images=images,
-                )
-                self._mark("up", "generation verified")
-                self._take(rec, gen)
-                return True
-            except (LinkLost, ServerError) as e:
-                self.control.halt("link_lost")  # stop at once; decide what next below
-                committed = list(e.token_ids)
-                self._mark("down", str(e))
-                rec.reason = (
-                    f"verifier lost mid-answer after {len(committed)} committed tokens: {e}"
-                    if committed
-                    else f"verifier unreachable: {e}"
-                )
-        else:
-            rec.reason = "verifier unreachable"
-        rec.mode = "offline"
-        if self.cfg.offline.policy == "local":
-            return self._finish_locally(ids, images, committed, rec)
-        return self._hold(ids, images, committed, rec, frame_t, cancel)
-
-    def _finish_locally(self, ids: list[int], images: list[PromptImage], committed: list[int], rec: Step) -> bool:
-        """Offline local: the draft alone finishes the answer from the committed tokens (unverified)."""
-        gen = self.decoder.generate(
-            ids + committed,
-            mode="local",
-            params=self.params,
-            max_tokens=max(1, self.max_tokens - len(committed)),
-            until=self._until(committed),
-            grammar=self.grammar,
-            grammar_from=len(ids),
-            images=images,
-        )
-        rec.verified_tokens, rec.unverified_tokens = len(committed), len(gen.token_ids)
-        rec.text = self.drafter.detokenize(committed + gen.token_ids, skip=self.decoder.stop_ids())
-        rec.decode = {"mode": "local", "tokens": len(gen.token_ids), "tokens_per_s": round(gen.metrics.tokens_per_s, 2)}
-        rec.reason = (rec.reason + "; " if rec.reason else "") + "offline local: the draft model alone, unverified"
-        return True
-
-    def _hold(
-        self,
-        ids: list[int],
-        images: list[PromptImage],
-        committed: list[int],
-        rec: Step,
-        frame_t: float,
-        cancel: threading.Event | None,
-    ) -> bool:
-        """Stay stopped; resume the same answer if the link returns while the frame is still fresh."""
-        while self.clock() - frame_t < self.cfg.agent.max_plan_age_s - self.cfg.link.verify_timeout_s:
-            if cancel is not None and cancel.is_set():
-                break
-            if self._probe_if_due():
-                try:
-                    gen = self.decoder.generate(
-                        ids + committed,
-                        mode=self.cfg.agent.mode,
-                        params=self.params,
-                        max_tokens=max(1, self.max_tokens - len(committed)),
-                        gamma=self.cfg.agent.gamma,
-                        until=self._until(committed),
-                        session=self.session,
-                        grammar=self.grammar,
-                        grammar_from=len(ids),
-                        images=images,
-                    )
-                except (LinkLost, ServerError) as e:
-                    committed += list(e.token_ids)
-                    self._mark("down", str(e))
-                    continue
-                self._take(rec, gen, prefix=committed)
-                rec.reason += f"; resumed from {len(committed)} committed tokens when the verifier came back"
-                return True
-            time.sleep(min(self.consts.hold_wait_s, max(0.0, self._next_probe - self.clock())))
-        rec.action, rec.action_text, rec.parse = str(STOP), STOP.text, "refused"
-        rec.reason = (rec.reason + "; " if rec.reason else "") + "offline hold: stopped, waiting for the verifier"
-        rec.verified_tokens = len(committed)
-        rec.text = self.drafter.detokenize(committed, skip=self.decoder.stop_ids())
-        return False
-
-    def _take(self, rec: Step, gen: Generation, prefix: Sequence[int] = ()) -> None:
-        """rec from a verified generation (after `prefix`, tokens the target committed before a resume)."""
-        rec.mode = "verified"  # every token of the answer was committed by the target
-        rec.text = self.drafter.detokenize(list(prefix) + gen.token_ids, skip=self.decoder.stop_ids())
-        rec.verified_tokens = len(prefix) + len(gen.token_ids)
-        m = gen.metrics
-        rec.decode = {
-            "mode": gen.mode,
-            "tokens": len(gen.token_ids),
-            "rounds": m.rounds,
-            "tau": m.tau,
-            "acceptance_rate": m.acceptance_rate,
-            "tokens_per_s": round(m.tokens_per_s, 2),
-            "draft_ms": round(m.draft_ms, 1),
-            "verify_ms": round(m.verify_ms, 1),
-            "network_ms": round(m.network_ms, 1),
-            "bytes_up": m.bytes_up,
-            "bytes_down": m.bytes_down,
-            "reconnects": m.reconnects,
-            "replicas": list(m.replicas),
-        }

@@ -86,7 +86,7 @@ def test_the_daemon_builds_the_navigator_and_the_decoder_from_the_config():
         ],
     )
     nav = Navigator(types.SimpleNamespace(drafter=None), None, None, None, cfg)
-    assert (nav.params.seed, nav._backoff, nav.memory.max_steps) == (7, 0.3, cfg.nav.memory_steps)
+    assert (nav.params.seed, nav.links.backoff, nav.memory.max_steps) == (7, 0.3, cfg.nav.memory_steps)
     dec = daemon.decoder_settings(cfg, "secret")
     assert (dec.url, dec.token, dec.verify_timeout_s, dec.slo) == (cfg.link.verifier, "secret", 1.5, 9)
     assert dec.reconnect.backoff_s == 0.3 and dec.payload.kind == cfg.agent.payload and dec.keepalive_s == 1.0

@@ -281,12 +281,12 @@ def test_hold_resumes_with_the_same_image():
         hold_wait_s=0.01,
     )
     dec.down, dec.committed = True, 2
-    n._next_probe = 0.0
+    n.links.next_probe = 0.0
 
     def restore():
         time.sleep(0.2)
         dec.down = False
-        n._next_probe = 0.0
+        n.links.next_probe = 0.0
 
     threading.Thread(target=restore, daemon=True).start()
     rec = n.step(INSTRUCTION)
@@ -374,7 +374,7 @@ def target_alone(drafter, url, n: Navigator, mode="ar") -> Generation:
             n.last_prompt_ids,
             mode=mode,
             max_tokens=n.max_tokens,
-            until=n._until([]),
+            until=n.answers.until([]),
             grammar=n.grammar,
             images=n.last_prompt_images,
         )

@@ -290,7 +290,7 @@ def test_run_record_writes_what_two_readers_read_back(tmp_path, capsys, monkeypa
     import agent.decoding.drafter
 
     monkeypatch.setattr(agent.decoding.drafter, "Drafter", WalkingDrafter)
-    caplog.set_level(logging.INFO, logger="agent.app.daemon")
+    caplog.set_level(logging.INFO, logger="agent.app.senses")  # the recorder is opened (and logged) there
     scene = tmp_path / "ahead.json"
     scene.write_text(json.dumps(SCENE))
     record = tmp_path / "run.mcap"

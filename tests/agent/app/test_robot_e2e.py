@@ -63,7 +63,7 @@ def ar_answer(drafter, url, nav, observation=None):
     dec = open_decoder(DecoderSettings(url=url), drafter)
     try:
         ids = nav.last_prompt_ids if observation is None else nav.prompt_ids("go to the red box", observation)
-        return dec.generate(ids, mode="ar", max_tokens=nav.max_tokens, until=nav._until([]), grammar=nav.grammar)
+        return dec.generate(ids, mode="ar", max_tokens=nav.max_tokens, until=nav.answers.until([]), grammar=nav.grammar)
     finally:
         dec.close()
 
@@ -125,7 +125,7 @@ def test_offline_local_marks_unverified_and_recovers(tmp_path, drafter, proxy, v
         s3 = d.nav.step("go to the red box")  # still down: local again, no long stall
         assert s3.mode == "offline" and s3.latency_ms["generate"] < 15_000
         proxy.refuse_new(False)
-        time.sleep(d.nav._backoff + 0.1)
+        time.sleep(d.nav.links.backoff + 0.1)
         s4 = d.nav.step("go to the red box")
         assert s4.mode == "verified" and d.world.tag == "verified" and s4.unverified_tokens == 0
         assert s4.text == ar_text(drafter, verifier.url, d.nav) and 1 <= s4.memory_steps <= 3
