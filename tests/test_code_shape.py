@@ -133,9 +133,7 @@ def test_the_measures_see_what_they_measure(tmp_path):
 
 
 MAX_CLASS_LINES = 400
-# agent/ joins PRODUCT's check once its Navigator (462) and Daemon (434) are split (issue 43); agent/decoding/
-# already has (EdgeDecoder's FSD drafts and target-only streams went to agent/decoding/fsd.py and streaming.py)
-CLASSES_CHECKED = ("server_bridge", "protocol", "runtime", "agent/decoding")
+CLASSES_CHECKED = PRODUCT
 
 
 def long_classes(package: str, root: Path = ROOT) -> list[str]:
