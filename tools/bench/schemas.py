@@ -12,13 +12,13 @@ every position (timed), the token checked against it. A schema passes MaskBench 
 instance is allowed to its end and every invalid one is cut somewhere.
 
 The data is JSONSchemaBench (github.com/guidance-ai/jsonschemabench, Geng et al. 2025): its `data/<category>/`
-schemas and `maskbench/data/` schemas with instances. The full sets are not shipped: `--data DIR` reads a checkout
-of that repository at JSB_COMMIT (`git clone https://github.com/guidance-ai/jsonschemabench && git -C jsonschemabench
-checkout JSB_COMMIT`). Without it, the sample in tools/schemas/maskbench-sample.jsonl (112 MaskBench schemas,
-8 of each category of at most 12 KB, with their instances) stands in for both.
+schemas and `maskbench/data/` schemas with instances. The full sets are not shipped: `--data auto` fetches them once
+from GitHub's archive of JSB_COMMIT and checks them by content (tools/bench/jsb_data.py); `--data DIR` reads a
+checkout of that repository at JSB_COMMIT. Without it, the sample in tools/schemas/maskbench-sample.jsonl (112
+MaskBench schemas, 8 of each category of at most 12 KB, with their instances) stands in for both.
 
     python -m tools.bench.schemas --out docs/benchmarks/schemas                       # the sample, ~1 min
-    python -m tools.bench.schemas --data ../jsonschemabench --per-category 200 --out bench_results/schemas
+    python -m tools.bench.schemas --data auto --per-category 200 --out bench_results/schemas
 
 Writes schemas.json, schemas.md and schemas.png under --out (tools/bench/harness.py).
 """
@@ -37,9 +37,9 @@ from typing import Any
 import numpy as np
 
 from protocol import grammar, modelfiles, structured
-from tools.bench import harness
+from tools.bench import harness, jsb_data
 
-JSB_COMMIT = "ba103c73756198dd9b149ddc7db7867da7a077f6"
+JSB_COMMIT = jsb_data.JSB_COMMIT
 SAMPLE = Path(__file__).resolve().parents[1] / "schemas" / "maskbench-sample.jsonl"
 ENGINES = ("llguidance", "gbnf")
 
@@ -69,7 +69,7 @@ def categories(args: argparse.Namespace) -> Iterator[tuple[str, str, Any, list[d
             r = json.loads(line)
             yield r["category"], r["id"], r["schema"], r["tests"]
         return
-    root = Path(args.data)
+    root = jsb_data.ensure() if args.data == "auto" else Path(args.data)
     groups: dict[str, list[Path]] = {}
     for path in sorted((root / "maskbench" / "data").glob("*.json")):
         name = path.name.split("---")[0] if "---" in path.name else path.name.split("_")[0]  # JME_1.json
@@ -102,7 +102,7 @@ def one_schema(engine: Engine, schema: Any, tests: list[dict[str, Any]], tokeniz
     try:
         start = engine.compile(schema)
     except grammar.GrammarError as e:  # SchemaError included: the endpoint's 400
-        row.update(status="refused", reason=str(e)[:160])
+        row.update(status="refused", reason=str(e)[:160], refuse_ms=(time.perf_counter() - t0) * 1e3)
         return row
     except Exception as e:  # noqa: BLE001  what the engine does not turn into a reason: the endpoint's 500
         row.update(status="broken", reason=f"{type(e).__name__}: {str(e)[:160]}")
@@ -137,6 +137,7 @@ def summarise(category: str, engine: str, rows: list[dict], times: list[float]) 
         "broken": sum(r["status"] == "broken" for r in rows),
         "compile_ms_p50": float(np.median(ms)) if ms else None,
         "compile_ms_max": max(ms) if ms else None,
+        "refuse_ms_max": max((r["refuse_ms"] for r in rows if "refuse_ms" in r), default=None),
         "maskbench_schemas": sum(r["maskbench"] for r in rows),
         "maskbench_pass": sum(r["maskbench_pass"] for r in masked),
         "valid_refused": sum(r["valid_refused"] for r in masked),
@@ -193,7 +194,12 @@ def measure(args: argparse.Namespace) -> dict:
 
 
 def add_args(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--data", default="", help="a checkout of github.com/guidance-ai/jsonschemabench (else the sample)")
+    ap.add_argument(
+        "--data",
+        default="",
+        help="auto: JSONSchemaBench's full sets, fetched once from the pinned archive (tools/bench/jsb_data.py); "
+        "or a checkout of github.com/guidance-ai/jsonschemabench at JSB_COMMIT; unset: the shipped sample",
+    )
     ap.add_argument("--per-category", type=int, default=0, help="schemas drawn from each category (0: all)")
     ap.add_argument("--engines", default=",".join(ENGINES), help=f"comma-separated: {', '.join(ENGINES)}")
     ap.add_argument(
@@ -219,6 +225,7 @@ REPORT = harness.Report(
                 harness.Col("broken", "broken (500)"),
                 harness.Col("compile_ms_p50", "compile ms p50", "{:.2f}"),
                 harness.Col("compile_ms_max", "compile ms max", "{:.1f}"),
+                harness.Col("refuse_ms_max", "refuse ms max", "{:.1f}"),
                 harness.Col("maskbench_pass", "MaskBench pass"),
                 harness.Col("maskbench_schemas", "of"),
                 harness.Col("mask_us_p50", "mask us p50", "{:.0f}"),
