@@ -190,7 +190,30 @@ def measure(args: argparse.Namespace) -> dict:
     source = (
         f"JSONSchemaBench at {args.data} (commit {JSB_COMMIT} expected)" if args.data else f"the sample {SAMPLE.name}"
     )
-    return {"rows": rows, "source": source, "vocab": model_vocab[2], "draft": gguf.name}
+    endpoint = []
+    if args.endpoint:
+        from tools.bench import schemas_endpoint
+
+        picked = endpoint_sample(schemas, harness.names(args.endpoint_categories), args.endpoint, args.seed)
+        endpoint = schemas_endpoint.summarise(schemas_endpoint.run(picked, args.endpoint_max_tokens))
+    return {
+        "rows": rows,
+        "endpoint": endpoint,
+        "source": source,
+        "vocab": model_vocab[2],
+        "draft": gguf.name,
+        "endpoint_max_tokens": args.endpoint_max_tokens,
+    }
+
+
+def endpoint_sample(schemas: list[tuple[str, str, Any, list]], names: list[str], n: int, seed: int) -> list:
+    """`n` schemas of each named category, drawn with `seed` (JSONSchemaBench's data/ sets, or the sample's)."""
+    rng = random.Random(seed)
+    picked = []
+    for name in names:
+        pool = [(c, sid, schema) for c, sid, schema, _ in schemas if c == name]
+        picked += rng.sample(pool, min(n, len(pool)))
+    return picked
 
 
 def add_args(ap: argparse.ArgumentParser) -> None:
@@ -208,6 +231,16 @@ def add_args(ap: argparse.ArgumentParser) -> None:
         help="walk MaskBench's instances on the gbnf engine too (its masks cost milliseconds: slow)",
     )
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--endpoint",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also send N schemas of each --endpoint-categories as response_format through the OpenAI endpoint "
+        "(the shipped pair, a verifier started here) and judge the answers (tools/bench/schemas_endpoint.py)",
+    )
+    ap.add_argument("--endpoint-categories", default="Glaiveai2K,Github_easy,Github_medium,Kubernetes,Github_hard")
+    ap.add_argument("--endpoint-max-tokens", type=int, default=256)
 
 
 REPORT = harness.Report(
@@ -242,6 +275,21 @@ REPORT = harness.Report(
                 harness.Col("reasons", "most frequent refusals", "; ".join),
             ],
             title="## Why schemas are refused",
+        ),
+        harness.Table(
+            "endpoint",
+            [
+                harness.Col("category"),
+                harness.Col("schemas"),
+                harness.Col("valid"),
+                harness.Col("invalid"),
+                harness.Col("truncated"),
+                harness.Col("refused", "refused (400)"),
+                harness.Col("broken", "broken (500)"),
+            ],
+            title="## End to end through the OpenAI endpoint (--endpoint)",
+            note="response_format json_schema at temperature 0, max_tokens {endpoint_max_tokens}: valid = "
+            "finish_reason stop and the content validates (jsonschema); truncated = finish_reason length.",
         ),
     ],
     harness.Plot(
