@@ -1,5 +1,6 @@
-"""JSONSchemaBench's data fetched from the pinned archive: only the data folders, only plain files, checked by
-content (here over file:// archives built like GitHub's, one folder on top)."""
+"""tools/bench/schemas.py's parts: JSONSchemaBench's data fetched from the pinned archive (only the data folders,
+only plain files, checked by content; here over file:// archives built like GitHub's, one folder on top), and the
+endpoint sample's draw and judgement."""
 
 from __future__ import annotations
 
@@ -77,3 +78,37 @@ def test_ensure_fetches_once_and_refuses_other_content(tmp_path, monkeypatch):
     assert (got / "data" / "Glaiveai2K" / "a.json").read_bytes() == FILES["jsb-x/data/Glaiveai2K/a.json"]
     src.unlink()  # the second call reads the cache, never the archive
     assert jsb_data.ensure(src.as_uri(), expected=digest) == got
+
+
+def answer(finish: str, content: str) -> dict:
+    return {"choices": [{"finish_reason": finish, "message": {"content": content}}]}
+
+
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+
+
+@pytest.mark.parametrize(
+    ("status", "body", "outcome"),
+    [
+        (200, answer("stop", '{"n": 3}'), "valid"),
+        (200, answer("stop", '{"n": "three"}'), "invalid"),  # JSON, but not the schema's
+        (200, answer("stop", '{"n": 3'), "invalid"),  # called complete, not JSON
+        (200, answer("length", '{"n": 3'), "truncated"),
+        (400, {"error": {"message": "response_format: not is not supported"}}, "refused"),
+        (500, {"error": {"message": "boom"}}, "broken"),
+    ],
+)
+def test_each_endpoint_answer_is_judged(status, body, outcome):
+    pytest.importorskip("jsonschema")
+    from tools.bench import schemas_endpoint
+
+    assert schemas_endpoint._judge(status, body, SCHEMA)[0] == outcome
+
+
+def test_the_endpoint_sample_draws_n_of_each_named_category():
+    from tools.bench import schemas
+
+    rows = [(c, f"{c}{i}", {}, []) for c in ("A", "B", "C") for i in range(5)]
+    picked = schemas.endpoint_sample(rows, ["A", "C"], 2, seed=1)
+    assert [c for c, _, _ in picked] == ["A", "A", "C", "C"]
+    assert picked == schemas.endpoint_sample(rows, ["A", "C"], 2, seed=1)  # seeded: the same draw
