@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+import time
 import warnings
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
@@ -41,12 +42,14 @@ if TYPE_CHECKING:  # typing only: llguidance and llama_cpp are imported when a v
 
 TokenIds = Sequence[int] | np.ndarray  # [n] token ids, a list or an int array
 
-MAX_SCHEMA_BYTES = 256 * 1024  # a schema's JSON text (JSONSchemaBench's largest Kubernetes schemas fit)
-MAX_SCHEMA_DEPTH = 128  # JSON values nested in one another (a sub-schema is one or two levels down)
-MAX_SCHEMA_NODES = 20_000  # JSON values in a schema, every keyword's included
-MAX_ENUM = 1024  # values of one enum
-MAX_PATTERN = 4096  # characters of one pattern
-MAX_PATTERN_REPEAT = 1000  # a pattern's {m,n}: ^a{1000}$ costs 0.3 ms a mask here, ^a{1000000}$ 0.6 s
+# The caps on a schema, checked on its JSON before anything compiles (tools/bench/schema_caps.py measures each: what it
+# refuses of JSONSchemaBench, and what the engine costs past it). Each bounds what LLGuidance cannot serve in bounded
+# time or memory; what it serves cheaply (an enum's length, a pattern's) is bounded only by the schema's bytes.
+MAX_SCHEMA_BYTES = 1 << 20  # JSON text: 893 KiB (kb_1161) compiles in 0.12 s; 1.1 MB of properties takes 1.06 s
+MAX_SCHEMA_DEPTH = 128  # JSON values nested: LLGuidance's own recursion limit refuses deeper schemas anyway
+MAX_SCHEMA_NODES = 100_000  # JSON values, an enum's included: 51 ms of walk here at the cap; compiles meet the deadline
+MAX_OPTIONAL_PROPERTIES = 480  # of one object: each adds ~4 items to a parser row, and LLGuidance stops at 2,000
+MAX_PATTERN_REPEAT = 1000  # a pattern's {m,n}: ^a{1000}$ costs 0.27 ms a mask at p99 here, ^a{4000}$ 1.1 ms
 MAX_COMPILED = 32  # compiled grammars kept per vocabulary, least recently used out
 COMPILE_TIMEOUT_S = 0.9  # one compile's wait: a refusal costs under 1 s (JSONSchemaBench: 0.7 ms p50, 0.3 s max)
 MAX_DROPPED_FORMATS = 8  # unknown formats dropped from one schema (each costs a compile)
@@ -89,16 +92,17 @@ class Vocabulary:
         self._compiled: OrderedDict[str, Constraint] = OrderedDict()
         self._lock = threading.Lock()
 
-    def compile(self, kind: str, text: str) -> Constraint:
+    def compile(self, kind: str, text: str, timeout_s: float | None = None) -> Constraint:
         """The grammar `text` of `kind` (json_schema: a schema's JSON text; lark; regex) compiled over this
-        vocabulary, from the cache where it was compiled before; SchemaError or GrammarError saying why not."""
+        vocabulary, from the cache where it was compiled before; SchemaError or GrammarError saying why not.
+        `timeout_s`: the wait for the compile (default COMPILE_TIMEOUT_S)."""
         key = f"{kind}\0{text}"
         with self._lock:
             found = self._compiled.get(key)
             if found is not None:
                 self._compiled.move_to_end(key)
                 return found
-        constraint = Constraint(self, kind, text)
+        constraint = Constraint(self, kind, text, COMPILE_TIMEOUT_S if timeout_s is None else timeout_s)
         with self._lock:
             self._compiled[key] = constraint
             while len(self._compiled) > MAX_COMPILED:
@@ -123,9 +127,10 @@ class Vocabulary:
         text = schema if isinstance(schema, str) else json.dumps(schema, separators=(",", ":"))
         parsed = check_schema(text)
         dropped: set[str] = set()
+        deadline = time.monotonic() + COMPILE_TIMEOUT_S  # one wait for all the compiles of this schema
         while True:
             try:
-                return self.compile("json_schema", text)
+                return self.compile("json_schema", text, max(0.0, deadline - time.monotonic()))
             except SchemaError as e:
                 unknown = _UNKNOWN_FORMAT.search(str(e))
                 if not unknown or unknown.group(1) in dropped or len(dropped) >= MAX_DROPPED_FORMATS:
@@ -137,7 +142,7 @@ class Vocabulary:
 class Constraint:
     """One compiled grammar over one vocabulary. `start()` gives a state at its root."""
 
-    def __init__(self, vocab: Vocabulary, kind: str, text: str) -> None:
+    def __init__(self, vocab: Vocabulary, kind: str, text: str, timeout_s: float = COMPILE_TIMEOUT_S) -> None:
         import llguidance
 
         if kind not in KINDS:
@@ -154,7 +159,7 @@ class Constraint:
                 spec = llguidance.grammar_from(kind, text)  # type: ignore[arg-type]
         except (GbnfToLarkError, ValueError, TypeError, RecursionError) as e:
             raise _refusal(kind, str(e)) from None
-        self._root = _compile(vocab.tokenizer, spec)
+        self._root = _compile(vocab.tokenizer, spec, timeout_s)
         if self._root.is_error():
             raise _refusal(kind, self._root.get_error())
 
@@ -174,7 +179,7 @@ _worker: list[ThreadPoolExecutor] = []  # the compiler's one thread, started at 
 _starting = threading.Lock()
 
 
-def _compile(tokenizer: llguidance.LLTokenizer, spec: str) -> llguidance.LLMatcher:
+def _compile(tokenizer: llguidance.LLTokenizer, spec: str, timeout_s: float) -> llguidance.LLMatcher:
     """LLGuidance's matcher for `spec`, built in one worker thread (it releases the GIL) with the caller waiting at
     most COMPILE_TIMEOUT_S: a 99 KB JsonSchemaStore schema takes 1.4 s here, and no request waits that long."""
     import llguidance
@@ -184,7 +189,7 @@ def _compile(tokenizer: llguidance.LLTokenizer, spec: str) -> llguidance.LLMatch
             _worker.append(ThreadPoolExecutor(1, thread_name_prefix="grammar-compile"))
     future = _worker[0].submit(llguidance.LLMatcher, tokenizer, spec, log_level=0, limits=_limits())
     try:
-        return future.result(COMPILE_TIMEOUT_S)
+        return future.result(timeout_s)
     except FutureTimeout:
         future.cancel()  # still queued: never runs; running: finishes in the worker, its result dropped
         raise SchemaError(f"the grammar took over {COMPILE_TIMEOUT_S:g} s to compile; simplify the schema") from None
@@ -299,8 +304,16 @@ def check_schema(text: str) -> Any:
             raise SchemaError(f"the schema nests deeper than {MAX_SCHEMA_DEPTH}", None, where)
         if not isinstance(value, dict):
             continue
-        if isinstance(enum := value.get("enum"), list) and len(enum) > MAX_ENUM:
-            raise SchemaError(f"an enum of {len(enum)} values; at most {MAX_ENUM}", "enum", where)
+        if isinstance(props := value.get("properties"), dict) and len(props) > MAX_OPTIONAL_PROPERTIES:
+            required = value.get("required")
+            named = {r for r in required if isinstance(r, str)} if isinstance(required, list) else set()
+            optional = len(set(props) - named)
+            if optional > MAX_OPTIONAL_PROPERTIES:
+                raise SchemaError(
+                    f"an object of {optional} optional properties; at most {MAX_OPTIONAL_PROPERTIES}",
+                    "properties",
+                    where,
+                )
         if isinstance(pattern := value.get("pattern"), str):
             _check_pattern(pattern, "pattern", f"{where}/pattern")
         if isinstance(props := value.get("patternProperties"), dict):
@@ -322,8 +335,6 @@ def _values(schema: Any) -> Iterator[tuple[Any, str, int]]:
 
 
 def _check_pattern(pattern: str, keyword: str, where: str) -> None:
-    if len(pattern) > MAX_PATTERN:
-        raise SchemaError(f"a pattern of {len(pattern)} characters; at most {MAX_PATTERN}", keyword, where)
     for m in _QUANTIFIER.finditer(pattern):
         count = max(int(m.group(1)), int(m.group(2) or 0))
         if count > MAX_PATTERN_REPEAT:

@@ -112,3 +112,21 @@ def test_the_endpoint_sample_draws_n_of_each_named_category():
     picked = schemas.endpoint_sample(rows, ["A", "C"], 2, seed=1)
     assert [c for c, _, _ in picked] == ["A", "A", "C", "C"]
     assert picked == schemas.endpoint_sample(rows, ["A", "C"], 2, seed=1)  # seeded: the same draw
+
+
+def test_the_caps_benchmark_measures_each_family_and_counts_refusals(tmp_path):
+    """A quick run: each family within its cap compiles and walks its valid instance; the sample's schemas are
+    counted against every cap."""
+    import json
+
+    from tools.bench import schema_caps
+
+    assert schema_caps.main(["--quick", "--caps", "optional,repeat", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "schema_caps.json").read_text())
+    rows = result.get("result", result)
+    within = [r for r in rows["families"] if r["within_caps"]]
+    assert {r["cap"] for r in within} == {"optional", "repeat"}
+    assert all(r["compiled"] and "instance" not in r for r in within), within
+    assert {r["constant"] for r in rows["jsb"]} == set(schema_caps.CAPS)
+    assert all(r["of"] == 112 for r in rows["jsb"])
+    assert (tmp_path / "schema_caps.md").exists() and (tmp_path / "schema_caps.png").exists()
