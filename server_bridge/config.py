@@ -69,7 +69,21 @@ class SeedSettings:
 
 
 @dataclass
-class ServerConfig(EngineSettings):
+class BatchSettings:
+    """The largest batch of one forward pass: what serve runs with, and the largest of profile's fleet shapes."""
+
+    max_batch: int = setting(16, help="Sessions in one forward pass (1-1024).")
+
+
+@dataclass
+class DraftLengthSettings:
+    """The draft tokens per round of a command's robots (profile's fleet shapes, loadtest's replayed robots)."""
+
+    gamma: int = setting(4, help="Draft tokens per round (a round carries 1 to gamma + 1 new tokens).")
+
+
+@dataclass
+class ServerConfig(EngineSettings, BatchSettings):
     """`server-bridge serve`'s config: the [server] table of its TOML file (or its top level), each field
     also a flag (`--max-sessions`); flags override the file."""
 
@@ -213,7 +227,6 @@ class ServerConfig(EngineSettings):
         help="Which waiting rounds share a forward pass: slo (deadlines from each robot's tokens/s class, then "
         "expected tokens per ms: WISP Algorithm 1), fcfs (one at a time) or fixed (max_batch, arrival order).",
     )
-    max_batch: int = setting(16, help="Sessions in one forward pass (1-1024).")
     max_queue: int = setting(128, help="Requests waiting for the target; a newcomer beyond it is shed (overloaded).")
     max_wait_ms: float = setting(
         3000.0, help="A request that waited longer is shed (overloaded): the robot's offline policy takes over."
@@ -424,8 +437,8 @@ class PlanConfig(SeedSettings):
 
 
 @dataclass
-@settings.defaults(threads=1)  # one thread, as a fleet's replicas run
-class ProfileConfig(EngineSettings, SeedSettings):
+@settings.defaults(threads=1, max_batch=32)  # one thread, as a fleet's replicas run
+class ProfileConfig(EngineSettings, SeedSettings, BatchSettings, DraftLengthSettings):
     """`server-bridge profile`'s flags: time the target's batched pass and fit the estimator (WISP Eq. 19)."""
 
     cpu: int = setting(-1, help="Pin this process to this core (-1: no pinning).")
@@ -437,8 +450,6 @@ class ProfileConfig(EngineSettings, SeedSettings):
         "whose KV slots cannot hold the wide pool.",
     )
     batches: int = setting(240, help="Batch shapes timed (each once, after a warm-up; 12-100000).")
-    max_batch: int = setting(32, help="fleet: the largest batch (the server's max_batch).")
-    gamma: int = setting(4, help="fleet: the draft length (rounds carry 1 to gamma + 1 new tokens).")
     cached: list[int] = setting(default_factory=lambda: [64, 128, 192], help="fleet: the warm sessions' cache lengths.")
     prompts: list[int] = setting(default_factory=lambda: [27, 46, 69, 92], help="fleet: the opens' prompt lengths.")
     bootstrap: int = setting(1000, help="Bootstrap resamples for the coefficients' 95 % intervals (0: none).")
@@ -524,10 +535,10 @@ def _speeds(text: str) -> tuple[float, ...]:
 
 
 @dataclass
-class LoadConfig(SeedSettings):
-    """How `server-bridge loadtest`'s replayed robots behave and how a point is measured."""
+class LoadConfig(SeedSettings, DraftLengthSettings):
+    """How `server-bridge loadtest`'s replayed robots behave and how a point is measured (gamma: at most the
+    trace's gamma_max, 1-256)."""
 
-    gamma: int = setting(4, help="Draft tokens per round (<= the trace's gamma_max; 1-256).")
     draft_ms: float = setting(8.0, help="Emulated drafting cost per draft token on the robot (ms).")
     tokens: int = setting(48, help="Tokens per generation (fewer where the target ends first).")
     classes: tuple = setting((8, 2, 6, 4), parse=_speeds, help="SLO classes in tokens/s, round-robin over robots.")

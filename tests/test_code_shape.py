@@ -196,3 +196,20 @@ def test_settings_declared_twice_are_found(tmp_path):
         "class C(A):\n    z: int = setting(3, help='')\n"
     )
     assert settings_declared("agent", tmp_path) == {"x": ["A", "B"], "z": ["C"]}
+
+
+# The server's namesakes: one name, each command's own thing (serve's listening port and fleet's balancer port;
+# profile's prompt lengths and train-exits' prompt file; profile's coefficients file and train-exits' folder;
+# serve's estimator found by its target, plan's an example fit with no target to find one by).
+SERVER_NAMESAKES = {
+    "port": ["ServerConfig", "FleetConfig"],
+    "prompts": ["ProfileConfig", "TrainExitsConfig"],
+    "out": ["ProfileConfig", "TrainExitsConfig"],
+    "estimator": ["ServerConfig", "PlanConfig"],
+}
+
+
+def test_each_setting_of_the_server_side_is_declared_once():
+    twice = {name: sorted(classes) for name, classes in settings_declared("server_bridge").items() if len(classes) > 1}
+    known = {name: sorted(classes) for name, classes in SERVER_NAMESAKES.items()}
+    assert twice == known, f"declare a setting once (inherit its settings class): {twice}"
