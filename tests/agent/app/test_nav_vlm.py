@@ -368,7 +368,7 @@ def sim_daemon(tmp_path, vlm, vdrafter, url, offline="local", **overrides):
 def target_alone(drafter, url, n: Navigator, mode="ar") -> Generation:
     """The latest step's prompt and image through the target alone (or the draft alone: mode local), under the
     navigator's answer grammar and stop rule."""
-    dec = open_decoder(DecoderSettings(url=None if mode == "local" else url), drafter)
+    dec = open_decoder(DecoderSettings(verifier=None if mode == "local" else url), drafter)
     try:
         return dec.generate(
             n.last_prompt_ids,
