@@ -57,7 +57,7 @@ def qwen_prompt(drafter, seed: int, text: str = qv.PROMPT) -> tuple[list[int], l
 
 def drafter(vlm) -> Drafter:
     """The robot's side of the pair: the Q8_0 draft and its f16 mmproj."""
-    return Drafter(str(vlm.draft), n_ctx=1024, threads=1, mmproj=vlm.draft_mmproj)
+    return open_decoder(DecoderSettings(draft=str(vlm.draft), threads=1, draft_mmproj=str(vlm.draft_mmproj))).drafter
 
 
 def load(vlm, engine: str, **kw):

@@ -73,14 +73,13 @@ def padded(qwen_vlm, tmp_path_factory):
 
 def test_a_padded_torch_target_serves_its_unpadded_draft(padded):
     from agent.decoding import DecoderSettings, open_decoder
-    from agent.decoding.drafter import Drafter
     from protocol.sampling import SamplingParams
     from server_bridge.target import load_target
     from server_bridge.verifier import Verifier
     from tests.conftest import ThreadedServer
 
     vlm, hf_dir, n = padded
-    drafter = Drafter(str(vlm.draft), n_ctx=512, threads=1)
+    drafter = open_decoder(DecoderSettings(draft=str(vlm.draft), threads=1)).drafter
     target = load_target(str(hf_dir), "torch", device="cpu", dtype="float32", threads=1, max_sequences=4)
     assert target.engine.vocab_size == n + PAD == drafter.vocab_size + PAD
     assert target.vocab_size == drafter.vocab_size == n and target.vocab_hash == drafter.vocab_hash
@@ -167,14 +166,13 @@ def padded_draft(padded, tmp_path_factory):
 
 def test_a_padded_draft_draws_from_its_real_vocabulary_against_a_padded_target(padded, padded_draft):
     from agent.decoding import DecoderSettings, open_decoder
-    from agent.decoding.drafter import Drafter
     from protocol.sampling import SamplingParams
     from server_bridge.target import load_target
     from server_bridge.verifier import Verifier
     from tests.conftest import ThreadedServer
 
     vlm, hf_dir, n = padded
-    drafter = Drafter(str(padded_draft), n_ctx=512, threads=1)
+    drafter = open_decoder(DecoderSettings(draft=str(padded_draft), threads=1)).drafter
     assert drafter.vocab_size == n + PAD and drafter.vocab_real == n  # the tail the converter wrote
     ids = drafter.tokenize(TEXT)
     assert drafter.next_logits(ids).shape == (n,)  # the padding rows (4x the common ones) are never drawn

@@ -167,9 +167,7 @@ def test_a_drained_replicas_robots_finish_without_an_error_and_exactly(healed, d
         for p in (PROMPT, "List five things a warehouse robot must check before it moves a pallet, and why.")
     ]
     want = [_reference(cluster, drafter, ids, 80) for ids in prompts]
-    from agent.decoding.drafter import Drafter
-
-    second = Drafter(threads=1)  # a llama context serves one thread: one per robot
+    second = open_decoder(DecoderSettings(threads=1)).drafter  # a llama context serves one thread: one per robot
     decs = [
         open_decoder(DecoderSettings(verifier=cluster.url, robot_id=f"robot-drain-{i}"), d)
         for i, d in enumerate((drafter, second))

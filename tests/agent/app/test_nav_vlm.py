@@ -323,9 +323,9 @@ def vlm():
 
 @pytest.fixture(scope="module")
 def vdrafter(vlm):
-    from agent.decoding.drafter import Drafter
+    from agent.decoding import DecoderSettings, open_decoder
 
-    return Drafter(str(vlm.draft), n_ctx=4096, threads=1, mmproj=vlm.draft_mmproj)
+    return open_decoder(DecoderSettings(draft=str(vlm.draft), threads=1, draft_mmproj=str(vlm.draft_mmproj))).drafter
 
 
 @pytest.fixture(scope="module")

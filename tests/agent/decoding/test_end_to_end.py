@@ -178,10 +178,8 @@ def test_local_mode_needs_no_server(drafter):
 
 def test_two_robots_interleave_exactly(drafter, target, server_and_proxy, ar_reference):
     """Two sessions generating at once on one server each get their own exact answer."""
-    from agent.decoding.drafter import Drafter
-
     _, proxy = server_and_proxy
-    other = Drafter(threads=1)  # llama contexts are per thread
+    other = open_decoder(DecoderSettings(threads=1)).drafter  # llama contexts are per thread
     results = {}
 
     def run(name, d, prompt_idx):
