@@ -184,6 +184,7 @@ class DecoderSettings(TuningSettings, DraftingSettings, DraftModelSettings, Link
 
     @cached_property
     def policy(self) -> DraftPolicy:
+        """The draft policy these settings describe (agent/decoding/policy.py)."""
         return DraftPolicy(
             self.draft_policy,
             min_len=self.min_draft,
@@ -196,11 +197,16 @@ class DecoderSettings(TuningSettings, DraftingSettings, DraftModelSettings, Link
 
     @cached_property
     def payload_spec(self) -> PayloadSpec:
+        """The uplink's payload mode, as a session's `open` declares it."""
         return PayloadSpec.parse(self.payload, self.topk)
 
     @cached_property
     def fsd(self) -> FsdOptions:
-        exits = None if self.exits == "all" else tuple(int(x) for x in self.exits.split(",") if x.strip())
+        """FSD's knobs (agent/decoding/fsd.py); ValueError when exits is not all, "" or layer numbers."""
+        try:
+            exits = None if self.exits == "all" else tuple(int(x) for x in self.exits.split(",") if x.strip())
+        except ValueError:
+            raise ValueError(f'exits must be all, "" or layer numbers like 18,26, got {self.exits!r}') from None
         return FsdOptions(
             exits=exits,
             workers=self.predraft_workers,
@@ -212,4 +218,5 @@ class DecoderSettings(TuningSettings, DraftingSettings, DraftModelSettings, Link
 
     @property
     def reconnect(self) -> ReconnectPolicy:
+        """How the link reconnects (agent/decoding/session.py)."""
         return ReconnectPolicy(self.reconnect_attempts, self.reconnect_backoff_s, self.reconnect_backoff_max_s)
