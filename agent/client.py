@@ -232,7 +232,7 @@ class Client:
         `drafter`: an already loaded agent.decoding.drafter.Drafter to share (then draft* and threads are unused).
         `lock`: held around every generation; pass the one other users of a shared `drafter` hold."""
         if not isinstance(settings, DecoderSettings):
-            settings = DecoderSettings(url=settings)
+            settings = DecoderSettings(verifier=settings)
         try:
             settings = dataclasses.replace(settings, **fields)
         except TypeError as e:  # a keyword that is no setting

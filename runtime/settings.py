@@ -9,7 +9,6 @@ names, never copied field by field (STYLE.md 5):
     build(cls, data, name)      a TOML table -> the dataclass: unknown keys and wrong types named
     build_tree(cls, data)       TOML sections -> the root dataclass of section dataclasses
     check_choices(obj, prefix)  the declared choices, from a dataclass's `__post_init__`
-    pick(cls, root, ...)        another dataclass (an engine's own config) filled by matching names
     reference(cls, ...)         the markdown table of the configuration reference page
 
 Stdlib only: `agent/` and `server_bridge/` both import it and neither imports the other.
@@ -41,7 +40,6 @@ __all__ = [
     "help_of",
     "load_toml",
     "parse_value",
-    "pick",
     "reference",
     "setting",
     "tomllib",
@@ -284,53 +282,6 @@ def add_flags(
 def given(cls: type, namespace: argparse.Namespace) -> dict[str, Any]:
     """The fields of `cls` that the command line set (flags added with overriding=True)."""
     return {f.name: getattr(namespace, f.name) for f in dataclasses.fields(cls) if hasattr(namespace, f.name)}
-
-
-# ------------------------------------------------------------------ other configs, by name
-
-
-def pick(
-    cls: type,
-    root: Any,
-    *,
-    rename: Mapping[str, str] | None = None,
-    computed: Mapping[str, Any] | None = None,
-    unset: Iterable[str] = (),
-) -> Any:
-    """`cls` filled from the dataclass `root` by field name: a field of `cls` takes `computed[name]`, else the
-    value at `rename[name]` ("section.key" or "key"), else the one field of that name in root or in one of
-    its sections. `unset` names the fields left at their defaults; any other field found nowhere, or in
-    more than one section, is a TypeError (a renamed or new field is never silently dropped)."""
-    rename, computed, skip = rename or {}, computed or {}, set(unset)
-    values: dict[str, Any] = {}
-    for f in dataclasses.fields(cls):
-        if f.name in skip:
-            continue
-        if f.name in computed:
-            values[f.name] = computed[f.name]
-            continue
-        path = rename.get(f.name, f.name)
-        found = _lookup(root, path)
-        if len(found) != 1:
-            where = "nowhere" if not found else f"in {len(found)} sections"
-            raise TypeError(f"{cls.__name__}.{f.name}: {path!r} found {where} of {type(root).__name__}")
-        values[f.name] = found[0]
-    return cls(**values)
-
-
-def _lookup(root: Any, path: str) -> list[Any]:
-    head, dot, rest = path.partition(".")
-    if dot:
-        section = getattr(root, head, None)
-        return [getattr(section, rest)] if section is not None and hasattr(section, rest) else []
-    found = []
-    for f in dataclasses.fields(root):
-        value = getattr(root, f.name)
-        if f.name == path:
-            found.append(value)
-        elif dataclasses.is_dataclass(value) and any(g.name == path for g in dataclasses.fields(value)):
-            found.append(getattr(value, path))
-    return found
 
 
 # ------------------------------------------------------------------ the reference page

@@ -52,16 +52,16 @@ def target():
 
 @pytest.fixture(scope="session")
 def drafter():
-    from agent.decoding.drafter import Drafter
+    from agent.decoding import DecoderSettings, open_decoder
 
-    return Drafter(threads=1)
+    return open_decoder(DecoderSettings(threads=1)).drafter
 
 
 @pytest.fixture(scope="session")
 def weak_drafter():
-    from agent.decoding.drafter import Drafter
+    from agent.decoding import DecoderSettings, open_decoder
 
-    return Drafter("smollm2-q2_k", threads=1)
+    return open_decoder(DecoderSettings(draft="smollm2-q2_k", threads=1)).drafter
 
 
 @pytest.fixture(scope="module")

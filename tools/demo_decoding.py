@@ -15,7 +15,6 @@ import sys
 import time
 
 from agent.decoding import DecoderSettings, open_decoder
-from agent.decoding.policy import DraftPolicy
 from tools.bench.link import served
 from tools.cluster.netem import LinkProfile
 
@@ -63,8 +62,8 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
         drafter = s.drafter(args.draft)
-        decoder = open_decoder(DecoderSettings(url=link.url()), drafter)
-        smart = open_decoder(DecoderSettings(url=link.url(), policy=DraftPolicy("predictor+optimal")), drafter)
+        decoder = open_decoder(DecoderSettings(verifier=link.url()), drafter)
+        smart = open_decoder(DecoderSettings(verifier=link.url(), draft_policy="predictor+optimal"), drafter)
         ids = drafter.tokenize(args.prompt, chat=True)
         print(f"\nprompt ({len(ids)} tokens): {args.prompt}\n", flush=True)
         runs = []

@@ -14,7 +14,6 @@ from dataclasses import fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
-from protocol.payload import PayloadSpec
 from protocol.sampling import SamplingError, SamplingParams
 from runtime import settings
 
@@ -35,7 +34,7 @@ def _generate(args: argparse.Namespace) -> int:
     from agent.decoding.link import LinkLost, ServerError
 
     opts = GenerateOptions(**{f.name: getattr(args, f.name) for f in fields(GenerateOptions)})
-    if not opts.local and not opts.verifier:
+    if not (opts.local or opts.mode == "local") and not opts.verifier:
         print("edge-agent: give --verifier ws://HOST:PORT, or --local for the draft alone", file=sys.stderr)
         return 2
     try:
@@ -128,40 +127,20 @@ def _prompt(drafter: Any, prompt: str, images: list[bytes], chat: bool) -> tuple
     return drafter.tokenize(prompt, chat=chat), []
 
 
-DECODER_UNSET = ("reconnect", "verify_timeout_s", "keepalive_s")  # generate keeps the decoder's defaults
-
-
-def _decoder_settings(opts: GenerateOptions) -> DecoderSettings:
-    """generate's DecoderSettings: the fields of the same name (draft, trace, slo, ca_file, ...) taken by name,
-    the others made from the flags here."""
+def _decoder_settings(opts: GenerateOptions | ServeOptions) -> DecoderSettings:
+    """The command's DecoderSettings: its own (inherited) fields, the token from $VERIFIER_TOKEN when no flag
+    gave one, this machine's robot id when none was given, and --local's draft alone."""
+    from agent.decoding import DecoderSettings
     from agent.decoding.link import default_robot_id
-    from agent.decoding.policy import DraftPolicy
-    from agent.decoding.settings import DecoderSettings, FsdOptions
 
-    exits = None if opts.exits == "all" else tuple(int(x) for x in opts.exits.split(",") if x.strip())
-    computed = {
-        "url": None if opts.local else opts.verifier,
-        "mode": "local" if opts.local else opts.mode,
-        "token": opts.token if opts.token is not None else os.environ.get("VERIFIER_TOKEN", ""),
-        "fsd": FsdOptions(
-            exits=exits,
-            workers=opts.predraft_workers,
-            policy=opts.queue_policy,
-            guesses=not opts.no_guesses,
-            threads=opts.predraft_threads,
-        ),
-        "policy": DraftPolicy(
-            opts.draft_policy,
-            min_len=opts.min_draft,
-            max_len=opts.max_draft,
-            predictor=opts.predictor,
-            threshold=opts.predictor_threshold,
-            as2=not opts.no_as2,
-        ),
-        "payload": PayloadSpec.parse(opts.payload, opts.topk),
-        "robot_id": default_robot_id() if opts.robot_id is None else opts.robot_id,
-    }
-    return settings.pick(DecoderSettings, opts, computed=computed, unset=DECODER_UNSET)
+    local = isinstance(opts, GenerateOptions) and opts.local or opts.mode == "local"
+    return DecoderSettings.of(
+        opts,
+        verifier=None if local else opts.verifier,
+        mode="local" if local else opts.mode,
+        token=opts.token or os.environ.get("VERIFIER_TOKEN", ""),
+        robot_id=opts.robot_id or default_robot_id(),
+    )
 
 
 def _report(gen: Any) -> None:
@@ -430,9 +409,6 @@ def _serve_openai(args: argparse.Namespace) -> int:
     import asyncio
 
     from agent.client import Client
-    from agent.decoding import DecoderSettings
-    from agent.decoding.link import default_robot_id
-    from agent.decoding.session import ReconnectPolicy
 
     from .config import ConfigError, ServeOptions
     from .openai_api import OpenAiApi
@@ -440,20 +416,7 @@ def _serve_openai(args: argparse.Namespace) -> int:
     try:
         opts = ServeOptions(**{f.name: getattr(args, f.name) for f in fields(ServeOptions)})
         key = opts.key()
-        decoder = DecoderSettings(
-            draft=opts.draft,
-            draft_mmproj=opts.draft_mmproj,
-            threads=opts.threads,
-            n_gpu_layers=opts.n_gpu_layers,
-            url=opts.verifier,
-            token=opts.token if opts.token is not None else os.environ.get("VERIFIER_TOKEN", ""),
-            ca_file=opts.ca_file,
-            allow_insecure=opts.allow_insecure,
-            robot_id=default_robot_id(),
-            reconnect=ReconnectPolicy(max_attempts=2),  # a request waits little before the offline answer
-            mode=opts.mode,
-            gamma=opts.gamma,
-        )
+        decoder = _decoder_settings(opts)
         client = Client(decoder, offline=opts.offline)
         api = OpenAiApi(
             client,

@@ -19,15 +19,13 @@ from pathlib import Path
 from typing import Any
 
 from agent.decoding.link import ROBOT_ID
-from agent.decoding.policy import POLICIES
+from agent.decoding.settings import DecoderSettings, DraftingSettings, DraftModelSettings, LinkSettings
 from agent.robot.actions import FORWARD_CM, TURN_DEG
 from agent.robot.controllers.base import CONTROLLERS
 from agent.robot.safety import SafetyLimits
-from protocol import modelfiles
-from protocol.payload import DEFAULT_KIND, DEFAULT_TOPK, PayloadSpec
-from protocol.payload import KINDS as PAYLOAD_KINDS
+from protocol.payload import PayloadSpec
 from runtime import settings
-from runtime.settings import ConfigError, setting, tomllib
+from runtime.settings import ConfigError, defaults, setting, tomllib
 
 from .http_guard import valid_name
 from .memory import check_memory
@@ -40,37 +38,19 @@ PERCEPTION_KINDS = ("sim", "color", "vlm")
 
 
 @dataclass(frozen=True)
-class AgentSection:
-    draft: str = setting("smollm2-q4_1", help="The draft model: a name of models/ or a GGUF path.")
-    draft_mmproj: str = setting(
-        "",
-        help="The draft's vision projector (GGUF, libmtmd): a vision-language draft; perception.kind = "
-        '"vlm" needs it. "" = a text draft.',
-    )
-    threads: int = setting(2, help="llama.cpp threads for the draft; leave cores for the control loop.")
-    n_gpu_layers: int = setting(
-        -1,
-        help="Draft layers on the GPU: -1 all when llama.cpp can offload (a CUDA build on the Orin), else "
-        "none; 0 keeps the draft on the CPU. The choice is logged at start.",
-    )
-    mode: str = setting(
-        "sd",
-        choices=MODES,
-        help="How verified steps decode: speculative (sd), SD with early exits and "
-        "pre-drafting (fsd) or the target alone (ar).",
-    )
-    draft_policy: str = setting("fixed", choices=POLICIES, help="The draft length per round.")
-    gamma: int = setting(4, help="Draft tokens per round (draft_policy fixed), the cap of the others.")
-    max_tokens: int = setting(40, help="Tokens per step's answer: one action fits in far fewer.")
-    temperature: float = setting(0.0, help="0 = greedy: the same instruction and view give the same action.")
+class SamplingSettings:
+    """How a generation samples and how long it may be: the robot's steps ([agent]) and `generate`'s prompt."""
+
+    max_tokens: int = setting(64, help="Tokens to generate at most (a step's answer: one action fits in far fewer).")
+    temperature: float = setting(0.0, help="0 = greedy: the same prompt (instruction and view) gives the same answer.")
     seed: int = setting(0, help="The sampling seed at temperature > 0.")
-    payload: str = setting(
-        DEFAULT_KIND,
-        choices=PAYLOAD_KINDS,
-        help="The uplink's q at temperature > 0: topk (K ids and probabilities), split (q(x) only; p comes "
-        "down on a rejection), full (fp16 q) or none.",
-    )
-    topk: int = setting(DEFAULT_TOPK, help="K of payload topk.")
+
+
+@dataclass(frozen=True)
+@defaults(max_tokens=40)
+class AgentSection(SamplingSettings, DraftingSettings, DraftModelSettings):
+    """[agent]: the draft model and how the robot's steps decode (the decoder's parts), and the task's bounds."""
+
     max_plan_age_s: float = setting(5.0, help="Never act on a plan whose frame is older than this (s).")
     reach_m: float = setting(0.6, help='"Within reach" in the observation text, and a reached target (m).')
     task_timeout_s: float = setting(
@@ -80,14 +60,11 @@ class AgentSection:
         '"hold", no fresh camera frame); held steps count toward this, not toward max_steps, and the task '
         'then ends "timeout".',
     )
-    slo_tokens_per_s: float = setting(
-        0.0,
-        help="The verifier's SLO class: tokens/s this robot needs; it is scheduled by the deadlines this sets "
-        'and shed ("overloaded": the offline policy) when it cannot be met. 0 = best effort.',
-    )
 
     def __post_init__(self) -> None:
         settings.check_choices(self, "agent.")
+        if self.mode not in MODES:
+            raise ConfigError(f"agent.mode must be one of {', '.join(MODES)} (offline.policy says what runs offline)")
         if self.n_gpu_layers < -1:
             raise ConfigError(f"agent.n_gpu_layers must be -1 (all), 0 (CPU) or a layer count, got {self.n_gpu_layers}")
         if self.threads < 1 or self.gamma < 1 or self.max_tokens < 1:
@@ -104,38 +81,29 @@ class AgentSection:
             raise ConfigError(f"agent.payload / agent.topk: {e}") from None
 
 
+# The robot's link: a dead link noticed in a second or two, one reconnect try a step (the robot holds or
+# drafts alone meanwhile), where the library's defaults suit a command that waits.
 @dataclass(frozen=True)
-class LinkSection:
-    verifier: str = setting(
-        "",
-        flag="--verifier",
-        help='wss://HOST:PORT of server-bridge (ws:// on loopback); "" means always offline.',
-    )
+@defaults(
+    verifier="",
+    keepalive_s=1.0,
+    verify_timeout_s=2.0,
+    reconnect_attempts=1,
+    reconnect_backoff_s=0.2,
+    reconnect_backoff_max_s=5.0,
+)
+class LinkSection(LinkSettings):
+    """[link]: the verifier's link (the decoder's part); the token is read from the variable token_env names."""
+
     token_env: str = setting("VERIFIER_TOKEN", help="The environment variable holding the verifier's token.")
-    ca_file: str = setting(
-        "", help="wss://: the CA (PEM) that signed the server's certificate; \"\" = the system's CAs."
-    )
-    allow_insecure: bool = setting(
-        False, help="Send the token over plain ws:// to another host (a lab network only, never a shared Wi-Fi)."
-    )
-    keepalive_s: float = setting(
-        1.0, help="Websocket ping interval and timeout, 0.1..5 s (websockets' 20 s notices a dead link too late)."
-    )
-    verify_timeout_s: float = setting(2.0, help="A verify answer later than this counts as a lost link (s).")
-    reconnect_backoff_s: float = setting(0.2, help="The first reconnect delay; it grows after each failure ...")
-    reconnect_backoff_max_s: float = setting(5.0, help="... up to this (s).")
-    robot_id: str = setting(
-        "",
-        help="X-Robot-Id in the handshake, which a balancer hashes to keep this robot on one replica; "
-        '"" = robot-<hash of /etc/machine-id>, stable across reboots.',
-    )
 
     def __post_init__(self) -> None:
+        verifier = self.verifier or ""
         if self.robot_id and not ROBOT_ID.fullmatch(self.robot_id):
             raise ConfigError(f"link.robot_id must be 1-64 of [A-Za-z0-9_.:-], got {self.robot_id!r}")
-        if self.verifier and not self.verifier.startswith(("ws://", "wss://")):
+        if verifier and not verifier.startswith(("ws://", "wss://")):
             raise ConfigError(f"link.verifier must be a ws:// or wss:// URL, got {self.verifier!r}")
-        if self.ca_file and not self.verifier.startswith("wss://"):
+        if self.ca_file and not verifier.startswith("wss://"):
             raise ConfigError("link.ca_file is for a wss:// verifier")
         if not 0.1 <= self.keepalive_s <= 5.0:
             raise ConfigError(f"link.keepalive_s must be 0.1..5 s (1-2 s is right for a robot), got {self.keepalive_s}")
@@ -145,6 +113,8 @@ class LinkSection:
             or self.reconnect_backoff_max_s < self.reconnect_backoff_s
         ):
             raise ConfigError("link timeouts must be positive and backoff_max >= backoff")
+        if self.reconnect_attempts < 1:
+            raise ConfigError(f"link.reconnect_attempts must be >= 1, got {self.reconnect_attempts}")
 
 
 def check_envelope(max_forward_cm: float, max_turn_deg: float, speed_scale: float) -> None:
@@ -638,74 +608,18 @@ def shortcut_flags() -> list[tuple[str, str, Any]]:
 # ------------------------------------------------------------------ edge-agent generate
 
 
-@dataclass(frozen=True)
-class GenerateOptions:
-    """`edge-agent generate`'s flags: one prompt, decoded once (the field name with dashes is the flag)."""
+@dataclass(frozen=True, kw_only=True)
+class GenerateOptions(SamplingSettings, DecoderSettings):
+    """`edge-agent generate`'s flags: one prompt, decoded once (the field name with dashes is the flag); the
+    decoder's settings are DecoderSettings' own (agent/decoding/settings.py), inherited."""
 
     prompt: str = setting(help="The prompt.")
-    verifier: str | None = setting(None, help="wss://HOST:PORT of server-bridge (ws:// on loopback).")
-    token: str | None = setting(None, help="The shared secret (default: $VERIFIER_TOKEN).")
-    ca_file: str = setting("", help="wss://: the CA (PEM) of the server's certificate (\"\": the system's CAs).")
-    allow_insecure: bool = setting(False, help="Send the token over plain ws:// to another host (refused otherwise).")
-    robot_id: str | None = setting(
-        None,
-        help="X-Robot-Id in the handshake, which a load balancer hashes (default: robot-<hash of this machine's id>).",
-    )
     chat: bool = setting(False, help="Wrap the prompt in the model's chat template.")
-    max_tokens: int = setting(64, help="Tokens to generate at most.")
-    temperature: float = setting(0.0, help="Sampling temperature; 0 = greedy.")
     top_k: int = setting(0, help="Sample among the K most likely tokens; 0 = all.")
     top_p: float = setting(
         1.0, help="Sample within the nucleus: the most likely tokens whose mass reaches P, in (0, 1]; 1 = all."
     )
-    seed: int = setting(0, help="The sampling seed.")
-    mode: str = setting(
-        "sd",
-        choices=("ar", "sd", "fsd"),
-        help="ar: the server alone; sd: speculative; fsd: sd + early exits and pre-drafting.",
-    )
-    gamma: int = setting(4, help="Draft tokens per round (fixed), the cap of the predictor policy.")
-    draft_policy: str = setting(
-        "fixed",
-        choices=POLICIES,
-        help="fixed: gamma every round; predictor: stop at the first predicted rejection; optimal: gamma* by "
-        "Lambert W, and target-only streaming while speculation cannot win (AS2).",
-    )
-    min_draft: int = setting(1, help="The predictor never stops a draft shorter.")
-    max_draft: int | None = setting(None, help="The longest draft (default: gamma; for optimal the server's limit).")
-    predictor: str = setting("auto", help="The rejection predictor .onnx (auto: the one shipped for this pair).")
-    predictor_threshold: float | None = setting(
-        None, help="Stop below this acceptance probability (default: the model's own)."
-    )
-    no_as2: bool = setting(False, help="optimal: never switch to target-only streaming.")
-    trace: str | None = setting(
-        None, metavar="FILE", help="Append one JSON line per judged draft token (predictor features and label)."
-    )
-    exits: str = setting("all", help='fsd: early-exit layers to ask for, e.g. 18,26; all, or "" for none.')
-    predraft_workers: int = setting(1, help="fsd: branches pre-drafted at once.")
-    predraft_threads: int = setting(1, help="fsd: llama threads of the pre-draft context.")
-    queue_policy: str = setting(
-        "priority", choices=("priority", "fifo", "random"), help="fsd: the order early verdicts are pre-drafted in."
-    )
-    no_guesses: bool = setting(False, help="fsd: pre-draft only from early exits, not from the robot's own guesses.")
-    slo: float = setting(
-        0.0,
-        help="Tokens/s this robot needs: the verifier's SLO class (it schedules rounds by the deadlines this "
-        "sets); 0 = best effort.",
-    )
-    payload: str = setting(
-        DEFAULT_KIND,
-        choices=PAYLOAD_KINDS,
-        help="What the uplink carries of the draft's distributions at temperature > 0: full (fp16 q), topk "
-        "(the K ids and probabilities the draft sampled from), split (q(x) only; p comes back on a "
-        "rejection) or none (greedy only). Temperature 0 always sends ids only.",
-    )
-    topk: int = setting(DEFAULT_TOPK, metavar="K", help="K of --payload topk.")
-    local: bool = setting(False, help="Generate with the draft alone (offline).")
-    draft: str = setting(
-        modelfiles.DEFAULT_DRAFT, help=f"The draft: a name ({', '.join(modelfiles.DRAFTS)}) or a GGUF path."
-    )
-    draft_mmproj: str = setting("", help="The draft's vision projector GGUF (a vision-language draft).")
+    local: bool = setting(False, help="Generate with the draft alone (offline): --mode local.")
     image: list[str] = setting(
         default_factory=list,
         repeat=True,
@@ -713,8 +627,6 @@ class GenerateOptions:
         help="A JPEG or PNG for the prompt (repeatable; needs --draft-mmproj and a target that reads images): "
         "on the prompt's image markers, in front of it, or with --chat in the user turn.",
     )
-    threads: int = setting(2, help="llama.cpp threads for the draft.")
-    n_gpu_layers: int = setting(-1, help="Draft layers on the GPU (-1: all when llama.cpp can offload; 0: CPU).")
     json: bool = setting(False, help="The last stdout line: one JSON object with the text and the metrics.")
 
 
@@ -722,14 +634,11 @@ class GenerateOptions:
 
 
 @dataclass(frozen=True)
-class ServeOptions(BrowserGuard):
+@defaults(reconnect_attempts=2)  # a request waits little before the offline answer
+class ServeOptions(BrowserGuard, DecoderSettings):
     """`edge-agent serve`'s flags: the OpenAI-compatible endpoint alone, without the robot
-    (agent/app/openai_api.py; the field name with dashes is the flag)."""
+    (agent/app/openai_api.py; the field name with dashes is the flag); the decoder's settings inherited."""
 
-    verifier: str | None = setting(None, help="wss://HOST:PORT of server-bridge (ws:// on loopback); none: offline.")
-    token: str | None = setting(None, help="The verifier's shared secret (default: $VERIFIER_TOKEN).")
-    ca_file: str = setting("", help="wss://: the CA (PEM) of the server's certificate (\"\": the system's CAs).")
-    allow_insecure: bool = setting(False, help="Send the token over plain ws:// to another host (refused otherwise).")
     listen: str = setting("127.0.0.1:8080", help="HOST:PORT the endpoint listens on (port 0: any free port).")
     api_key: str = setting("", help="The key clients send as 'Authorization: Bearer KEY'; prefer --api-key-file.")
     api_key_file: str = setting("", help="A file holding that key (its first line; not world-readable).")
@@ -739,16 +648,8 @@ class ServeOptions(BrowserGuard):
         help="Without the verifier: refuse (503 verifier_unavailable) or answer with the draft alone, marked "
         '"verified": false; a request\'s own "offline" field overrides it.',
     )
-    mode: str = setting("sd", choices=("ar", "sd", "fsd"), help="How answers are verified (as generate's --mode).")
-    gamma: int = setting(4, help="Draft tokens per round.")
     max_pending: int = setting(4, help="Requests running or waiting for the model at once; more get 503.")
     model_name: str = setting("", help='The model id /v1/models lists ("": the draft\'s name).')
-    draft: str = setting(
-        modelfiles.DEFAULT_DRAFT, help=f"The draft: a name ({', '.join(modelfiles.DRAFTS)}) or a GGUF path."
-    )
-    draft_mmproj: str = setting("", help="The draft's vision projector GGUF (image_url parts need it).")
-    threads: int = setting(2, help="llama.cpp threads for the draft.")
-    n_gpu_layers: int = setting(-1, help="Draft layers on the GPU (-1: all when llama.cpp can offload; 0: CPU).")
 
     def __post_init__(self) -> None:
         host = _tcp_host("--listen", self.listen)
@@ -760,6 +661,8 @@ class ServeOptions(BrowserGuard):
             raise ConfigError(f"--listen {self.listen!r} is not loopback: set --api-key-file so not anyone may ask")
         if not 1 <= self.max_pending <= 256:
             raise ConfigError("--max-pending is from 1 to 256")
+        if self.mode == "local":
+            raise ConfigError("--mode local: use --offline local (and no --verifier) for the draft alone")
         _check_hosts("--allowed-hosts", self.allowed_hosts)
         _check_origins("--allowed-origins", self.allowed_origins)
 

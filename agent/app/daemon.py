@@ -31,17 +31,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from agent.decoding import DecoderSettings, open_decoder
-from agent.decoding.decoder import EdgeDecoder, ReconnectPolicy
+from agent.decoding.decoder import EdgeDecoder
 from agent.decoding.link import default_robot_id, tls_context
-from agent.decoding.policy import DraftPolicy
 from agent.robot.camera import Frame, FrameGrabber
 from agent.robot.control import ControlLoop
 from agent.robot.controllers.base import Controller, ControllerError, make_controller
 from agent.robot.episode import verdict
 from agent.robot.safety import SafetyLayer
 from protocol.images import MAX_IMAGE_BYTES, check_bytes
-from protocol.payload import PayloadSpec
-from runtime import settings
 
 from .config import Config
 from .navigator import Navigator, Step
@@ -454,12 +451,6 @@ class Daemon:
         return f"{mode}, {task}{camera}{estop}"
 
 
-# DecoderSettings' fields that differ in name from the config's (the rest match by name, in whichever section
-# holds them); `unset` are the ones the config does not set (their defaults stand).
-DECODER_RENAME = {"slo": "agent.slo_tokens_per_s"}
-DECODER_UNSET = ("fsd", "trace")
-
-
 def state_directory() -> Path:
     """Where the daemon keeps its state: $STATE_DIRECTORY (systemd's StateDirectory=; the first of a list),
     else $XDG_STATE_HOME/edge-agent, else ~/.local/state/edge-agent."""
@@ -494,20 +485,9 @@ def chat_client(daemon: Daemon) -> Client:
 
 
 def decoder_settings(cfg: Config, token: str) -> DecoderSettings:
-    """The decoding client's settings from the config: by name, DECODER_RENAME where the names differ, and
-    the values the config holds in another form (a policy's name, a payload's kind and K) made here."""
-    link = cfg.link
-    computed = {
-        "url": link.verifier or None,
-        "token": token,
-        "policy": DraftPolicy(cfg.agent.draft_policy),
-        "payload": PayloadSpec.parse(cfg.agent.payload, cfg.agent.topk),
-        "robot_id": link.robot_id or default_robot_id(),
-        "reconnect": ReconnectPolicy(
-            max_attempts=1, backoff_s=link.reconnect_backoff_s, backoff_max_s=link.reconnect_backoff_max_s
-        ),
-    }
-    return settings.pick(DecoderSettings, cfg, rename=DECODER_RENAME, computed=computed, unset=DECODER_UNSET)
+    """The decoding client's settings: [agent] and [link] are its parts (they inherit them), taken by their
+    fields; the token (read from link.token_env) and the robot id when none is configured added here."""
+    return DecoderSettings.of(cfg.agent, cfg.link, token=token, robot_id=cfg.link.robot_id or default_robot_id())
 
 
 def _decode_image(data: str) -> Frame:

@@ -67,7 +67,7 @@ class EdgeDecoder:
 
     @property
     def payload(self) -> PayloadSpec:
-        return self.settings.payload
+        return self.settings.payload_spec
 
     @property
     def link(self) -> VerifierLink | None:
@@ -262,7 +262,7 @@ class EdgeDecoder:
                 "grammar: its output would not be the constrained target's",
                 sid,
             )
-        p, slo = run.params, self.settings.slo
+        p, slo = run.params, self.settings.slo_tokens_per_s
         if p.top_p < 1.0 and not p.greedy and not welcome.limits.get("top_p"):
             raise ServerError(
                 "no_top_p",

@@ -15,7 +15,6 @@ import numpy as np
 from scipy import stats
 
 from agent.decoding import DecoderSettings, open_decoder
-from agent.decoding.decoder import FsdOptions, ReconnectPolicy
 from agent.decoding.drafter import Draft, Drafter
 from protocol import sampling, wire
 from protocol.images import PromptImage
@@ -58,7 +57,7 @@ def qwen_prompt(drafter, seed: int, text: str = qv.PROMPT) -> tuple[list[int], l
 
 def drafter(vlm) -> Drafter:
     """The robot's side of the pair: the Q8_0 draft and its f16 mmproj."""
-    return Drafter(str(vlm.draft), n_ctx=1024, threads=1, mmproj=vlm.draft_mmproj)
+    return open_decoder(DecoderSettings(draft=str(vlm.draft), threads=1, draft_mmproj=str(vlm.draft_mmproj))).drafter
 
 
 def load(vlm, engine: str, **kw):
@@ -84,7 +83,7 @@ def greedy(target, ids, images, n: int) -> list[int]:
 
 def generate(drafter, url, mode, ids, images, max_tokens: int, **kw):
     """One decoder run against the server at `url` (no early exits), gamma 4."""
-    dec = open_decoder(DecoderSettings(url=url, fsd=FsdOptions(exits=()), **kw), drafter)
+    dec = open_decoder(DecoderSettings(verifier=url, exits="", **kw), drafter)
     try:
         return dec.generate(ids, mode=mode, max_tokens=max_tokens, gamma=4, images=images)
     finally:
@@ -123,8 +122,7 @@ def reopens_by_hash(drafter, port: int, ids, images, expected, max_tokens: int, 
     and loses nothing (`expected`), and the re-open carries the image's sha256, not its bytes again."""
     with NetemProxy("127.0.0.1", port, LinkProfile.from_rtt(5)) as proxy:
         proxy.schedule_disconnect(after_bytes_down=after_bytes_down)
-        reconnect = ReconnectPolicy(backoff_s=0.05)
-        gen = generate(drafter, proxy.url(), "sd", ids, images, max_tokens, reconnect=reconnect)
+        gen = generate(drafter, proxy.url(), "sd", ids, images, max_tokens, reconnect_backoff_s=0.05)
         assert proxy.stats()["disconnects_injected"] >= 1
     assert gen.metrics.reconnects >= 1
     assert gen.token_ids == expected

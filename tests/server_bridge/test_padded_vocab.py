@@ -73,16 +73,13 @@ def padded(qwen_vlm, tmp_path_factory):
 
 def test_a_padded_torch_target_serves_its_unpadded_draft(padded):
     from agent.decoding import DecoderSettings, open_decoder
-    from agent.decoding.decoder import FsdOptions
-    from agent.decoding.drafter import Drafter
-    from protocol.payload import PayloadSpec
     from protocol.sampling import SamplingParams
     from server_bridge.target import load_target
     from server_bridge.verifier import Verifier
     from tests.conftest import ThreadedServer
 
     vlm, hf_dir, n = padded
-    drafter = Drafter(str(vlm.draft), n_ctx=512, threads=1)
+    drafter = open_decoder(DecoderSettings(draft=str(vlm.draft), threads=1)).drafter
     target = load_target(str(hf_dir), "torch", device="cpu", dtype="float32", threads=1, max_sequences=4)
     assert target.engine.vocab_size == n + PAD == drafter.vocab_size + PAD
     assert target.vocab_size == drafter.vocab_size == n and target.vocab_hash == drafter.vocab_hash
@@ -103,7 +100,7 @@ def test_a_padded_torch_target_serves_its_unpadded_draft(padded):
     seen = []
     with ThreadedServer(lambda cfg: Verifier(target, cfg), max_context=512) as server:
         for mode in ("ar", "sd"):
-            dec = open_decoder(DecoderSettings(url=server.url, fsd=FsdOptions(exits=())), drafter)
+            dec = open_decoder(DecoderSettings(verifier=server.url, exits=""), drafter)
             try:
                 gen = dec.generate(ids, mode=mode, max_tokens=MAX_TOKENS, gamma=4)
                 assert dec.link.welcome.vocab_size == n  # the agreed vocabulary: the real part
@@ -115,7 +112,7 @@ def test_a_padded_torch_target_serves_its_unpadded_draft(padded):
         assert seen[0] == seen[1]
         # sampled: verification, the residuals the robot resamples from (split) and ar draw over real ids only
         for mode, kind in (("sd", "full"), ("sd", "split"), ("ar", "none")):
-            settings = DecoderSettings(url=server.url, fsd=FsdOptions(exits=()), payload=PayloadSpec(kind))
+            settings = DecoderSettings(verifier=server.url, exits="", payload=kind)
             dec = open_decoder(settings, drafter)
             try:
                 params = SamplingParams(temperature=1.5, seed=3)
@@ -169,16 +166,13 @@ def padded_draft(padded, tmp_path_factory):
 
 def test_a_padded_draft_draws_from_its_real_vocabulary_against_a_padded_target(padded, padded_draft):
     from agent.decoding import DecoderSettings, open_decoder
-    from agent.decoding.decoder import FsdOptions
-    from agent.decoding.drafter import Drafter
-    from protocol.payload import PayloadSpec
     from protocol.sampling import SamplingParams
     from server_bridge.target import load_target
     from server_bridge.verifier import Verifier
     from tests.conftest import ThreadedServer
 
     vlm, hf_dir, n = padded
-    drafter = Drafter(str(padded_draft), n_ctx=512, threads=1)
+    drafter = open_decoder(DecoderSettings(draft=str(padded_draft), threads=1)).drafter
     assert drafter.vocab_size == n + PAD and drafter.vocab_real == n  # the tail the converter wrote
     ids = drafter.tokenize(TEXT)
     assert drafter.next_logits(ids).shape == (n,)  # the padding rows (4x the common ones) are never drawn
@@ -188,7 +182,7 @@ def test_a_padded_draft_draws_from_its_real_vocabulary_against_a_padded_target(p
         runs = {}
         for mode, kind, temperature in (("ar", "none", 0.0), ("sd", "full", 0.0), ("sd", "full", 1.5)):
             # full: the q of every drafted token is a row of the agreed width, which the verifier checks
-            settings = DecoderSettings(url=server.url, fsd=FsdOptions(exits=()), payload=PayloadSpec(kind))
+            settings = DecoderSettings(verifier=server.url, exits="", payload=kind)
             dec = open_decoder(settings, drafter)
             try:
                 params = SamplingParams(temperature=temperature, seed=5)

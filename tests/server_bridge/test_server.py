@@ -64,7 +64,7 @@ def _open(ws, sid, ids):
 
 def test_bad_input_gets_errors_and_another_session_keeps_generating(server, target, drafter):
     ids = drafter.tokenize("Walk to the door and stop.", chat=True)
-    good = open_decoder(DecoderSettings(url=server.url), drafter)
+    good = open_decoder(DecoderSettings(verifier=server.url), drafter)
     reference = good.generate(ids, mode="sd", max_tokens=12).token_ids  # a session that must not notice
 
     bad = _raw(server, target)
@@ -216,7 +216,7 @@ def test_healthz_and_metrics(server, target, drafter):
     health = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{server.port}/healthz", timeout=5).read())
     assert health["status"] == "ok" and health["target"] == target.name
     assert (health["engine"], health["device"], health["dtype"]) == ("llamacpp", "cpu", "float32")
-    dec = open_decoder(DecoderSettings(url=server.url), drafter)
+    dec = open_decoder(DecoderSettings(verifier=server.url), drafter)
     dec.generate(drafter.tokenize("Say hi."), mode="sd", max_tokens=6)
     dec.close()
     resp = urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=5)
@@ -274,7 +274,7 @@ def test_connection_limit_and_draft_length_limit(make_server, target, drafter):
         second.connect()
     first.close()
     # the robot clamps its draft to the server's advertised max_draft_len instead of failing
-    dec = open_decoder(DecoderSettings(url=s.url), drafter)
+    dec = open_decoder(DecoderSettings(verifier=s.url), drafter)
     gen = dec.generate(drafter.tokenize("Turn left."), mode="sd", gamma=6, max_tokens=8)
     dec.close()
     assert gen.metrics.drafted <= 2 * gen.metrics.rounds and len(gen.token_ids) >= 1

@@ -47,7 +47,7 @@ def _link(cluster, drafter, robot_id):
 
 
 def _reference(cluster, drafter, ids, max_tokens):
-    dec = open_decoder(DecoderSettings(url=cluster.url, robot_id="robot-reference"), drafter)
+    dec = open_decoder(DecoderSettings(verifier=cluster.url, robot_id="robot-reference"), drafter)
     try:
         return dec.generate(ids, mode="ar", max_tokens=max_tokens).token_ids
     finally:
@@ -133,7 +133,7 @@ def test_sigkill_mid_answer_fails_over_exactly_and_fast(healed, drafter):
     cluster = healed
     ids = drafter.tokenize(PROMPT, chat=True)
     want = _reference(cluster, drafter, ids, 96)
-    dec = open_decoder(DecoderSettings(url=cluster.url, robot_id="robot-failover"), drafter)
+    dec = open_decoder(DecoderSettings(verifier=cluster.url, robot_id="robot-failover"), drafter)
     try:
         thread, box = _generate_in_thread(dec, ids, 96)
         victim = _serving_replica(dec)
@@ -167,11 +167,9 @@ def test_a_drained_replicas_robots_finish_without_an_error_and_exactly(healed, d
         for p in (PROMPT, "List five things a warehouse robot must check before it moves a pallet, and why.")
     ]
     want = [_reference(cluster, drafter, ids, 80) for ids in prompts]
-    from agent.decoding.drafter import Drafter
-
-    second = Drafter(threads=1)  # a llama context serves one thread: one per robot
+    second = open_decoder(DecoderSettings(threads=1)).drafter  # a llama context serves one thread: one per robot
     decs = [
-        open_decoder(DecoderSettings(url=cluster.url, robot_id=f"robot-drain-{i}"), d)
+        open_decoder(DecoderSettings(verifier=cluster.url, robot_id=f"robot-drain-{i}"), d)
         for i, d in enumerate((drafter, second))
     ]
     try:

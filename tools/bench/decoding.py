@@ -117,9 +117,9 @@ class Runner:
         self.link = link
         self.drafters = drafters
         self.max_tokens = max_tokens
-        self.sd = {d: open_decoder(DecoderSettings(url=link.url()), dr) for d, dr in drafters.items()}
+        self.sd = {d: open_decoder(DecoderSettings(verifier=link.url()), dr) for d, dr in drafters.items()}
         self.fsd = {
-            d: open_decoder(DecoderSettings(url=link.url(), fsd=FsdOptions(workers=workers)), dr)
+            d: open_decoder(DecoderSettings(verifier=link.url(), predraft_workers=workers), dr)
             for d, dr in drafters.items()
         }
 
@@ -198,7 +198,7 @@ def run_ablations(
         )
 
     for w in (1, 2, 4, 8):
-        dec = open_decoder(DecoderSettings(url=link.url(), fsd=FsdOptions(workers=w)), dr)
+        dec = open_decoder(DecoderSettings(verifier=link.url(), predraft_workers=w), dr)
         dec.generate(inputs[0], mode="fsd", max_tokens=16, gamma=gamma)  # warm up its context
         measure("workers", w, dec, "fsd", gamma)
         dec.close()
@@ -221,7 +221,7 @@ def run_server_policies(args: argparse.Namespace, prompts: list[dict]) -> list[d
             refs = [bench.run(bench.sd[drafters_spec], ids, "ar", gamma, None)["token_ids"] for ids in inputs]
             for robot_policy in POLICIES:
                 dec = open_decoder(
-                    DecoderSettings(url=link.url(), fsd=FsdOptions(workers=workers, policy=robot_policy)), dr
+                    DecoderSettings(verifier=link.url(), predraft_workers=workers, queue_policy=robot_policy), dr
                 )
                 dec.generate(inputs[0], mode="fsd", max_tokens=16, gamma=gamma)  # warm up its context
                 runs = []

@@ -72,7 +72,7 @@ def measure(args: argparse.Namespace) -> dict:
     rows: dict[str, list[dict]] = {r: [] for r in RUNS}
     with served(None, LinkProfile.from_rtt(args.rtt_ms, jitter_ms=2)) as s:
         drafter = s.drafter(args.draft)
-        dec = open_decoder(DecoderSettings(url=s.link.url()), drafter)
+        dec = open_decoder(DecoderSettings(verifier=s.link.url()), drafter)
         stops = dec.stop_ids()
         try:
             for i, (memory, now) in enumerate(cases):

@@ -4,7 +4,7 @@ emulated link, and one summary of a set of decoder runs.
     with link.served(target) as s:          # verifier pinned to half the cores, this process to the rest
         drafter = s.drafter("smollm2-q4_1")
         s.link.set_profile(LinkProfile.from_rtt(20))
-        open_decoder(DecoderSettings(url=s.link.url()), drafter).generate(...)
+        open_decoder(DecoderSettings(verifier=s.link.url()), drafter).generate(...)
 
 The latency model assumes the robot and the server are separate machines: here they are separate cores.
 """

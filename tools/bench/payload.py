@@ -115,7 +115,7 @@ def run_links(args, prompts: list[dict]) -> dict:
         # a full q frame takes seconds at 1 Mbit/s and a keepalive ping queues behind it
         decoders = {
             m: open_decoder(
-                DecoderSettings(url=link.url(), payload=PayloadSpec.parse(m, args.topk), keepalive_s=args.keepalive_s),
+                DecoderSettings(verifier=link.url(), payload=m, topk=args.topk, keepalive_s=args.keepalive_s),
                 drafter,
             )
             for m in MODES

@@ -29,7 +29,7 @@ import numpy as np
 
 from agent.decoding import DecoderSettings, open_decoder
 from agent.decoding.drafter import Drafter
-from agent.decoding.policy import POLICIES, DraftPolicy
+from agent.decoding.policy import POLICIES
 from agent.decoding.predictor import RejectionPredictor, feature_row, predictor_path
 from server_bridge.ops.fleet import pin_cores
 from tools.bench import harness
@@ -135,7 +135,7 @@ def run_grid(args: argparse.Namespace, s: Served, drafters: dict[str, Drafter], 
         return str(Path(args.trace) / f"{d}__{TARGET}.jsonl") if args.trace and pol == "fixed" else None
 
     decoders = {
-        (d, p): open_decoder(DecoderSettings(url=s.link.url(), policy=DraftPolicy(p), trace=trace(d, p)), dr)
+        (d, p): open_decoder(DecoderSettings(verifier=s.link.url(), draft_policy=p, trace=trace(d, p)), dr)
         for d, dr in drafters.items()
         for p in args.policies
     }

@@ -194,7 +194,7 @@ def measure(args: argparse.Namespace) -> dict:
     rows = []
     with LocalVerifier(target=args.target, cpus={core}, threads=1) as server:
         harness.pin({robot_core})
-        decoder = open_decoder(DecoderSettings(url=server.url), drafter)
+        decoder = open_decoder(DecoderSettings(verifier=server.url), drafter)
         decoder.generate(prompts[0], mode="ar", max_tokens=4)  # warm-up
         for i, prompt in enumerate(prompts):
             row = {"prompt": PROMPTS[i], "label": f"prompt {i} ({len(prompt)} tok)"}

@@ -109,7 +109,7 @@ def measure(args: argparse.Namespace) -> dict:
     ) as server:
         if len(cores) > 1:
             os.sched_setaffinity(0, {robot_core})
-        decoder = open_decoder(DecoderSettings(url=server.url), drafter)
+        decoder = open_decoder(DecoderSettings(verifier=server.url), drafter)
         decoder.generate(
             drafter.tokenize(text), mode="sd", max_tokens=4, session="text"
         )  # the few-shot prefix, both sides

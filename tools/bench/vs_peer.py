@@ -21,8 +21,6 @@ import argparse
 import sys
 
 from agent.decoding import DecoderSettings, open_decoder
-from agent.decoding.decoder import FsdOptions
-from agent.decoding.policy import DraftPolicy
 from server_bridge.ops.fleet import LocalVerifier
 from tools.bench import harness, peer
 from tools.cluster.netem import LinkProfile, NetemProxy
@@ -53,9 +51,10 @@ def ours(
         dec = {
             (d, m): open_decoder(
                 DecoderSettings(
-                    url=link.url(),
-                    fsd=FsdOptions(workers=1, exits=() if "without" in m else None),
-                    policy=DraftPolicy("predictor+optimal") if "predictor" in m else DraftPolicy(),
+                    verifier=link.url(),
+                    predraft_workers=1,
+                    exits="" if "without" in m else "all",
+                    draft_policy="predictor+optimal" if "predictor" in m else "fixed",
                 ),
                 dr,
             )

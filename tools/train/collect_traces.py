@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
             drafter = open_decoder(DecoderSettings(draft=name, threads=len(agent_cpus))).drafter
             path = out / f"{name}__{TARGET}.jsonl"
             path.unlink(missing_ok=True)
-            decoder = open_decoder(DecoderSettings(url=server.url, trace=str(path)), drafter)
+            decoder = open_decoder(DecoderSettings(verifier=server.url, trace=str(path)), drafter)
             t0 = time.perf_counter()
             drafted = accepted = 0
             try:

@@ -1,12 +1,15 @@
 """edge-agent run's config: TOML sections, --set overrides, validation that says what is wrong."""
 
 import types
+from dataclasses import fields
 
 import pytest
 
 from agent.app import config
 from agent.app.config import ConfigError
 from agent.app.navigator import Navigator
+from agent.decoding.link import default_robot_id
+from agent.decoding.settings import DraftingSettings, DraftModelSettings, LinkSettings
 
 EXAMPLE = "systemd/edge-agent.toml"
 
@@ -68,8 +71,8 @@ def test_bad_toml_and_missing_file(tmp_path):
 
 
 def test_the_daemon_builds_the_navigator_and_the_decoder_from_the_config():
-    """The navigator reads the config's sections; DecoderSettings is filled from them by field name (daemon.
-    DECODER_RENAME where names differ): every key they take arrives, a new field is never silently dropped."""
+    """The navigator reads the config's sections; [agent] and [link] inherit DecoderSettings' parts, so every
+    key of theirs arrives in the decoder's settings by its own name (no table of renames to forget a field in)."""
     from agent.app import daemon
 
     cfg = config.load(
@@ -88,8 +91,14 @@ def test_the_daemon_builds_the_navigator_and_the_decoder_from_the_config():
     nav = Navigator(types.SimpleNamespace(drafter=None), None, None, None, cfg)
     assert (nav.params.seed, nav.links.backoff, nav.memory.max_steps) == (7, 0.3, cfg.nav.memory_steps)
     dec = daemon.decoder_settings(cfg, "secret")
-    assert (dec.url, dec.token, dec.verify_timeout_s, dec.slo) == (cfg.link.verifier, "secret", 1.5, 9)
-    assert dec.reconnect.backoff_s == 0.3 and dec.payload.kind == cfg.agent.payload and dec.keepalive_s == 1.0
+    assert (dec.url, dec.token, dec.verify_timeout_s, dec.slo_tokens_per_s) == (cfg.link.verifier, "secret", 1.5, 9)
+    assert dec.reconnect.backoff_s == 0.3 and dec.payload_spec.kind == cfg.agent.payload and dec.keepalive_s == 1.0
+    assert dec.reconnect.max_attempts == 1 and dec.fsd.exits is None and dec.trace is None  # the library's
+    for part in (DraftModelSettings, DraftingSettings, LinkSettings):
+        for f in fields(part):
+            section = cfg.link if part is LinkSettings else cfg.agent
+            want = default_robot_id() if f.name == "robot_id" and not section.robot_id else getattr(section, f.name)
+            assert getattr(dec, f.name) == want, f.name
     assert (dec.draft, dec.threads, dec.mode, dec.gamma) == (cfg.agent.draft, cfg.agent.threads, "sd", cfg.agent.gamma)
 
 

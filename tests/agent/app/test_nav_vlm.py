@@ -323,9 +323,9 @@ def vlm():
 
 @pytest.fixture(scope="module")
 def vdrafter(vlm):
-    from agent.decoding.drafter import Drafter
+    from agent.decoding import DecoderSettings, open_decoder
 
-    return Drafter(str(vlm.draft), n_ctx=4096, threads=1, mmproj=vlm.draft_mmproj)
+    return open_decoder(DecoderSettings(draft=str(vlm.draft), threads=1, draft_mmproj=str(vlm.draft_mmproj))).drafter
 
 
 @pytest.fixture(scope="module")
@@ -368,7 +368,7 @@ def sim_daemon(tmp_path, vlm, vdrafter, url, offline="local", **overrides):
 def target_alone(drafter, url, n: Navigator, mode="ar") -> Generation:
     """The latest step's prompt and image through the target alone (or the draft alone: mode local), under the
     navigator's answer grammar and stop rule."""
-    dec = open_decoder(DecoderSettings(url=None if mode == "local" else url), drafter)
+    dec = open_decoder(DecoderSettings(verifier=None if mode == "local" else url), drafter)
     try:
         return dec.generate(
             n.last_prompt_ids,

@@ -110,13 +110,13 @@ def test_a_template_that_writes_the_marker_unwrapped_is_refused_at_start():
 @pytest.fixture(scope="module", params=FAMILIES)
 def qpair(request, qwen_vlm):
     """(family's test VLM, its draft on the robot, a real verifier over its target): one family at a time."""
-    from agent.decoding.drafter import Drafter
+    from agent.decoding import DecoderSettings, open_decoder
     from server_bridge.target import load_target
     from server_bridge.verifier import Verifier
     from tests.conftest import ThreadedServer
 
     vlm = qwen_vlm(request.param)
-    drafter = Drafter(str(vlm.draft), n_ctx=4096, threads=1, mmproj=vlm.draft_mmproj)
+    drafter = open_decoder(DecoderSettings(draft=str(vlm.draft), threads=1, draft_mmproj=str(vlm.draft_mmproj))).drafter
     target = load_target(
         str(vlm.target), "llamacpp", threads=1, max_sequences=8, kv_tokens=4096, mmproj=str(vlm.target_mmproj)
     )

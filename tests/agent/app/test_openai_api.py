@@ -438,13 +438,12 @@ def test_a_link_lost_midway(verifier, drafter, client):
     committed and the draft goes on (chunks say which); "refuse" ends the stream with an error event."""
     from agent import Client
     from agent.decoding import DecoderSettings
-    from agent.decoding.decoder import ReconnectPolicy
     from tools.cluster.netem import LinkProfile, NetemProxy
 
     full = client.generate(messages=ASK, max_tokens=40).token_ids
     for offline in ("local", "refuse"):
         with NetemProxy("127.0.0.1", verifier.port, LinkProfile.from_rtt(5)) as proxy:
-            settings = DecoderSettings(url=proxy.url(), reconnect=ReconnectPolicy(max_attempts=1, backoff_s=0.01))
+            settings = DecoderSettings(verifier=proxy.url(), reconnect_attempts=1, reconnect_backoff_s=0.01)
             with Client(settings, drafter=drafter, offline=offline) as cut:
                 assert cut.connect()
                 proxy.refuse_new(True)

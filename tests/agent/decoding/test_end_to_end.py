@@ -8,9 +8,7 @@ import pytest
 import torch
 
 from agent.decoding import DecoderSettings, open_decoder
-from agent.decoding.decoder import FsdOptions, ReconnectPolicy
-from agent.decoding.draftlen import As2Config
-from agent.decoding.policy import POLICIES, DraftPolicy
+from agent.decoding.policy import POLICIES
 from protocol.payload import PayloadSpec
 from protocol.sampling import SamplingParams
 from tools.cluster.netem import LinkProfile, NetemProxy
@@ -45,7 +43,7 @@ def server_and_proxy(engine_target):
 def ar_reference(drafter, server_and_proxy):
     """The target's own greedy tokens, streamed by the server in ar mode."""
     _, proxy = server_and_proxy
-    dec = open_decoder(DecoderSettings(url=proxy.url()), drafter)
+    dec = open_decoder(DecoderSettings(verifier=proxy.url()), drafter)
     try:
         return [
             dec.generate(drafter.tokenize(p, chat=c), mode="ar", max_tokens=MAX_TOKENS).token_ids for p, c in PROMPTS
@@ -86,7 +84,7 @@ def test_torch_generate_agrees_with_the_torch_engine(drafter, torch_target):
 @pytest.mark.parametrize("gamma", [1, 3, 6])
 def test_sd_equals_ar_at_temperature_zero(drafter, server_and_proxy, ar_reference, gamma):
     _, proxy = server_and_proxy
-    dec = open_decoder(DecoderSettings(url=proxy.url()), drafter)
+    dec = open_decoder(DecoderSettings(verifier=proxy.url()), drafter)
     try:
         for (prompt, chat), expected in zip(PROMPTS, ar_reference, strict=True):
             gen = dec.generate(drafter.tokenize(prompt, chat=chat), mode="sd", gamma=gamma, max_tokens=MAX_TOKENS)
@@ -102,7 +100,7 @@ def test_sd_equals_ar_at_temperature_zero(drafter, server_and_proxy, ar_referenc
 
 def test_weak_draft_is_still_exact(weak_drafter, server_and_proxy, ar_reference):
     _, proxy = server_and_proxy
-    dec = open_decoder(DecoderSettings(url=proxy.url()), weak_drafter)
+    dec = open_decoder(DecoderSettings(verifier=proxy.url()), weak_drafter)
     try:
         prompt, chat = PROMPTS[0]
         gen = dec.generate(weak_drafter.tokenize(prompt, chat=chat), mode="sd", gamma=4, max_tokens=MAX_TOKENS)
@@ -118,7 +116,7 @@ def test_dropped_connection_loses_nothing(drafter, server_and_proxy, ar_referenc
     with NetemProxy("127.0.0.1", server.port, LinkProfile.from_rtt(10)) as proxy:
         # welcome is ~250 B and each result/token ~100 B: this drops the link a few rounds in
         proxy.schedule_disconnect(after_bytes_down=700)
-        dec = open_decoder(DecoderSettings(url=proxy.url(), reconnect=ReconnectPolicy(backoff_s=0.05)), drafter)
+        dec = open_decoder(DecoderSettings(verifier=proxy.url(), reconnect_backoff_s=0.05), drafter)
         try:
             prompt, chat = PROMPTS[0]
             gen = dec.generate(drafter.tokenize(prompt, chat=chat), mode=mode, gamma=3, max_tokens=MAX_TOKENS)
@@ -145,7 +143,7 @@ def test_evicted_session_is_reopened_and_loses_nothing(drafter, server_and_proxy
         return real_propose(*args, **kwargs)
 
     monkeypatch.setattr(drafter, "propose", propose)
-    dec = open_decoder(DecoderSettings(url=proxy.url()), drafter)
+    dec = open_decoder(DecoderSettings(verifier=proxy.url()), drafter)
     try:
         prompt, chat = PROMPTS[0]
         gen = dec.generate(drafter.tokenize(prompt, chat=chat), mode="sd", gamma=3, max_tokens=MAX_TOKENS)
@@ -157,7 +155,7 @@ def test_evicted_session_is_reopened_and_loses_nothing(drafter, server_and_proxy
 
 def test_sampling_is_reproducible_under_a_seed(drafter, server_and_proxy):
     _, proxy = server_and_proxy
-    dec = open_decoder(DecoderSettings(url=proxy.url(), payload=PayloadSpec("full")), drafter)
+    dec = open_decoder(DecoderSettings(verifier=proxy.url(), payload="full"), drafter)
     params = SamplingParams(temperature=0.8, top_k=40, seed=7)
     ids = drafter.tokenize(PROMPTS[0][0], chat=True)
     try:
@@ -172,7 +170,7 @@ def test_sampling_is_reproducible_under_a_seed(drafter, server_and_proxy):
 
 
 def test_local_mode_needs_no_server(drafter):
-    dec = open_decoder(DecoderSettings(url=None), drafter)
+    dec = open_decoder(DecoderSettings(verifier=None), drafter)
     gen = dec.generate(drafter.tokenize("List three colours.", chat=True), mode="local", max_tokens=8)
     assert len(gen.token_ids) >= 1 and gen.text
     assert gen.metrics.bytes_up == 0 and gen.metrics.draft_ms > 0
@@ -180,14 +178,12 @@ def test_local_mode_needs_no_server(drafter):
 
 def test_two_robots_interleave_exactly(drafter, target, server_and_proxy, ar_reference):
     """Two sessions generating at once on one server each get their own exact answer."""
-    from agent.decoding.drafter import Drafter
-
     _, proxy = server_and_proxy
-    other = Drafter(threads=1)  # llama contexts are per thread
+    other = open_decoder(DecoderSettings(threads=1)).drafter  # llama contexts are per thread
     results = {}
 
     def run(name, d, prompt_idx):
-        dec = open_decoder(DecoderSettings(url=proxy.url()), d)
+        dec = open_decoder(DecoderSettings(verifier=proxy.url()), d)
         try:
             p, c = PROMPTS[prompt_idx]
             results[name] = dec.generate(d.tokenize(p, chat=c), mode="sd", gamma=3, max_tokens=MAX_TOKENS).token_ids
@@ -206,7 +202,7 @@ def test_two_robots_interleave_exactly(drafter, target, server_and_proxy, ar_ref
 
 
 def _fsd(drafter, server_and_proxy, prompt, chat, **options):
-    dec = open_decoder(DecoderSettings(url=server_and_proxy[1].url(), fsd=FsdOptions(**options)), drafter)
+    dec = open_decoder(DecoderSettings(verifier=server_and_proxy[1].url(), **options), drafter)
     try:
         return dec.generate(drafter.tokenize(prompt, chat=chat), mode="fsd", gamma=4, max_tokens=MAX_TOKENS)
     finally:
@@ -217,7 +213,7 @@ def test_fsd_equals_sd_and_ar_at_temperature_zero_and_hits(drafter, server_and_p
     assert server_and_proxy[0].server.verifier.exit_layers == [12, 18, 22, 26]  # on both engines
     hits = 0
     for (prompt, chat), expected in zip(PROMPTS, ar_reference, strict=True):
-        sd = open_decoder(DecoderSettings(url=server_and_proxy[1].url()), drafter)
+        sd = open_decoder(DecoderSettings(verifier=server_and_proxy[1].url()), drafter)
         try:
             sd_ids = sd.generate(drafter.tokenize(prompt, chat=chat), mode="sd", max_tokens=MAX_TOKENS).token_ids
         finally:
@@ -234,7 +230,7 @@ def test_fsd_equals_sd_and_ar_at_temperature_zero_and_hits(drafter, server_and_p
 def test_fsd_miss_path_is_exact(drafter, server_and_proxy, ar_reference):
     """No guesses, no exits: nothing is pre-drafted before a result, so every round is a miss."""
     prompt, chat = PROMPTS[0]
-    gen = _fsd(drafter, server_and_proxy, prompt, chat, exits=(), guesses=False)
+    gen = _fsd(drafter, server_and_proxy, prompt, chat, exits="", guesses=False)
     assert gen.token_ids == ar_reference[0]
     assert gen.metrics.predraft_hits == 0 and gen.metrics.predraft_misses == gen.metrics.rounds - 1
     assert gen.metrics.exits_received == 0
@@ -242,7 +238,7 @@ def test_fsd_miss_path_is_exact(drafter, server_and_proxy, ar_reference):
 
 def test_weak_draft_fsd_is_exact_with_misses(weak_drafter, server_and_proxy, ar_reference):
     prompt, chat = PROMPTS[0]
-    gen = _fsd(weak_drafter, server_and_proxy, prompt, chat, workers=1)
+    gen = _fsd(weak_drafter, server_and_proxy, prompt, chat, predraft_workers=1)
     assert gen.token_ids == ar_reference[0]
     assert gen.metrics.predraft_misses + gen.metrics.predraft_hits == gen.metrics.rounds - 1
 
@@ -268,7 +264,7 @@ def test_fsd_samples_at_temperature_above_zero(drafter, server_and_proxy, kind):
     """Pre-drafted drafts carry the q they were sampled from (in the session's payload), so the server
     accepts them. T = 0.6 keeps the target's bonus tokens close enough to the draft's guesses to hit."""
     prompt, chat = PROMPTS[0]
-    dec = open_decoder(DecoderSettings(url=server_and_proxy[1].url(), payload=PayloadSpec.parse(kind)), drafter)
+    dec = open_decoder(DecoderSettings(verifier=server_and_proxy[1].url(), payload=kind), drafter)
     try:
         gen = dec.generate(
             drafter.tokenize(prompt, chat=chat),
@@ -289,7 +285,7 @@ def test_fsd_samples_at_temperature_above_zero(drafter, server_and_proxy, kind):
 
 @pytest.mark.parametrize("kind", POLICIES)
 def test_every_draft_policy_is_exact_at_temperature_zero(drafter, server_and_proxy, ar_reference, kind):
-    dec = open_decoder(DecoderSettings(url=server_and_proxy[1].url(), policy=DraftPolicy(kind)), drafter)
+    dec = open_decoder(DecoderSettings(verifier=server_and_proxy[1].url(), draft_policy=kind), drafter)
     try:
         for (prompt, chat), expected in zip(PROMPTS, ar_reference, strict=True):
             gen = dec.generate(drafter.tokenize(prompt, chat=chat), mode="sd", gamma=4, max_tokens=MAX_TOKENS)
@@ -304,17 +300,13 @@ def test_every_draft_policy_is_exact_at_temperature_zero(drafter, server_and_pro
 
 
 def test_fsd_with_the_optimal_length_is_exact(drafter, server_and_proxy, ar_reference):
-    dec = open_decoder(
-        DecoderSettings(url=server_and_proxy[1].url(), policy=DraftPolicy("optimal", as2=False)), drafter
-    )
+    dec = open_decoder(DecoderSettings(verifier=server_and_proxy[1].url(), draft_policy="optimal", as2=False), drafter)
     try:
         prompt, chat = PROMPTS[0]
         gen = dec.generate(drafter.tokenize(prompt, chat=chat), mode="fsd", gamma=4, max_tokens=MAX_TOKENS)
         assert gen.token_ids == ar_reference[0]
         with pytest.raises(ValueError, match="fsd"):
-            open_decoder(DecoderSettings(url=None, policy=DraftPolicy("predictor")), drafter).generate(
-                [1, 2], mode="fsd"
-            )
+            open_decoder(DecoderSettings(verifier=None, draft_policy="predictor"), drafter).generate([1, 2], mode="fsd")
     finally:
         dec.close()
 
@@ -333,7 +325,7 @@ def test_as2_streams_target_only_on_a_slow_link_and_speculates_again_when_it_rec
     ids = weak_drafter.tokenize(prompt, chat=chat)
     n = 320
     dec = open_decoder(
-        DecoderSettings(url=proxy.url(), policy=DraftPolicy("optimal", as2_config=As2Config(return_above=1.0))),
+        DecoderSettings(verifier=proxy.url(), draft_policy="optimal", as2_return_above=1.0),
         weak_drafter,
     )
     try:
@@ -368,7 +360,7 @@ def test_policies_sample_at_temperature_above_zero(drafter, server_and_proxy):
     prompt, chat = PROMPTS[0]
     # AS2 off: at T > 0 with the predictor cutting drafts short, streaming can rightly win (tested above)
     dec = open_decoder(
-        DecoderSettings(url=server_and_proxy[1].url(), policy=DraftPolicy("predictor+optimal", as2=False)), drafter
+        DecoderSettings(verifier=server_and_proxy[1].url(), draft_policy="predictor+optimal", as2=False), drafter
     )
     try:
         params = SamplingParams(temperature=0.8, seed=5)
@@ -389,7 +381,7 @@ def test_until_cuts_every_mode_at_the_same_token(drafter, server_and_proxy, ar_r
     ids = drafter.tokenize(PROMPTS[0][0], chat=True)
     full = ar_reference[0]
     want = next(n for n in range(1, len(full) + 1) if len(drafter.detokenize(full[:n]).split()) >= 5)
-    dec = open_decoder(DecoderSettings(url=proxy.url()), drafter)
+    dec = open_decoder(DecoderSettings(verifier=proxy.url()), drafter)
     try:
         got = dec.generate(
             ids, mode=mode, max_tokens=MAX_TOKENS, until=lambda out: len(drafter.detokenize(out).split()) >= 5
@@ -419,8 +411,8 @@ def test_a_named_session_keeps_the_shared_prefix_cached_on_the_server(
     a = drafter.tokenize(shared + "Task: go to the door.", chat=False)
     b = drafter.tokenize(shared + "Task: go to the window.", chat=False)
     named, fresh = (
-        open_decoder(DecoderSettings(url=proxy.url()), drafter),
-        open_decoder(DecoderSettings(url=proxy.url()), drafter),
+        open_decoder(DecoderSettings(verifier=proxy.url()), drafter),
+        open_decoder(DecoderSettings(verifier=proxy.url()), drafter),
     )
     try:
         named.generate(a, mode="sd", max_tokens=4, session="robot-1")
@@ -440,7 +432,7 @@ def test_a_named_session_keeps_the_shared_prefix_cached_on_the_server(
 def test_every_payload_is_exact_at_temperature_zero(drafter, server_and_proxy, ar_reference, kind):
     """Greedy: q is a point mass, so every payload sends ids only, and the tokens are the target's."""
     _, proxy = server_and_proxy
-    dec = open_decoder(DecoderSettings(url=proxy.url(), payload=PayloadSpec.parse(kind)), drafter)
+    dec = open_decoder(DecoderSettings(verifier=proxy.url(), payload=kind), drafter)
     try:
         prompt, chat = PROMPTS[0]
         gen = dec.generate(drafter.tokenize(prompt, chat=chat), mode="sd", gamma=4, max_tokens=MAX_TOKENS)
@@ -462,7 +454,9 @@ def test_payloads_at_temperature_replay_and_cost_what_they_should(weak_drafter, 
     ids = weak_drafter.tokenize(PROMPTS[0][0], chat=True)
     got = {}
     for spec in (PayloadSpec("full"), PayloadSpec("topk", 8), PayloadSpec("split")):
-        dec = open_decoder(DecoderSettings(url=proxy.url(), payload=spec, fsd=FsdOptions(exits=())), weak_drafter)
+        dec = open_decoder(
+            DecoderSettings(verifier=proxy.url(), payload=spec.kind, topk=spec.k or 8, exits=""), weak_drafter
+        )
         try:
             a, b = (dec.generate(ids, mode=mode, gamma=4, max_tokens=20, params=params) for _ in range(2))
         finally:
@@ -488,7 +482,7 @@ def test_split_survives_a_dropped_link(weak_drafter, server_and_proxy):
     with NetemProxy("127.0.0.1", server.port, LinkProfile.from_rtt(10)) as proxy:
         proxy.schedule_disconnect(after_bytes_down=250_000)  # after a residual or two came down
         dec = open_decoder(
-            DecoderSettings(url=proxy.url(), payload=PayloadSpec("split"), reconnect=ReconnectPolicy(backoff_s=0.05)),
+            DecoderSettings(verifier=proxy.url(), payload="split", reconnect_backoff_s=0.05),
             weak_drafter,
         )
         try:
@@ -520,12 +514,12 @@ def test_a_named_session_whose_link_dropped_between_steps_reopens_its_detached_s
         drafter.tokenize(shared + f"Observation: {seen}. Task: go to the door.", chat=True)
         for seen in ("a hallway", "a door on the left")
     ]
-    ref = open_decoder(DecoderSettings(url=server.url), drafter)
+    ref = open_decoder(DecoderSettings(verifier=server.url), drafter)
     try:
         expected = [ref.generate(ids, mode="ar", max_tokens=12).token_ids for ids in steps]
     finally:
         ref.close()
-    robot = open_decoder(DecoderSettings(url=server.url, reconnect=ReconnectPolicy(backoff_s=0.05)), drafter)
+    robot = open_decoder(DecoderSettings(verifier=server.url, reconnect_backoff_s=0.05), drafter)
     try:
         first = robot.generate(steps[0], mode="sd", gamma=3, max_tokens=12, session="nav-robot")
         robot.link.close()  # the link drops between the two steps
@@ -561,13 +555,13 @@ def test_a_named_session_held_by_another_live_connection_switches_sid_and_stays_
         drafter.tokenize(shared + f"Observation: {seen}. Task: go to the door.", chat=True)
         for seen in ("a hallway", "a door on the left", "an open door")
     ]
-    ref = open_decoder(DecoderSettings(url=server.url), drafter)
+    ref = open_decoder(DecoderSettings(verifier=server.url), drafter)
     try:
         expected = [ref.generate(ids, mode="ar", max_tokens=12).token_ids for ids in steps]
     finally:
         ref.close()
-    holder = open_decoder(DecoderSettings(url=server.url), drafter)
-    robot = open_decoder(DecoderSettings(url=server.url, reconnect=ReconnectPolicy(backoff_s=0.05)), drafter)
+    holder = open_decoder(DecoderSettings(verifier=server.url), drafter)
+    robot = open_decoder(DecoderSettings(verifier=server.url, reconnect_backoff_s=0.05), drafter)
     try:
         first = holder.generate(steps[0], mode="sd", gamma=3, max_tokens=12, session="nav-robot")
         second = robot.generate(steps[1], mode="sd", gamma=3, max_tokens=12, session="nav-robot")
@@ -594,7 +588,7 @@ def test_a_refused_open_switches_sid_at_most_once(drafter, make_server, monkeypa
     from agent.decoding.link import ServerError
 
     server = make_server()
-    robot = open_decoder(DecoderSettings(url=server.url), drafter)
+    robot = open_decoder(DecoderSettings(verifier=server.url), drafter)
     opened = []
 
     def refuse(sid, *args, **kwargs):

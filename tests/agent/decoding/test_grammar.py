@@ -11,7 +11,6 @@ import pytest
 from scipy import stats
 
 from agent.decoding import DecoderSettings, open_decoder
-from agent.decoding.decoder import FsdOptions
 from agent.robot.actions import VOCABULARY, answer_grammar, answer_max_tokens, parse_action
 from protocol import payload, sampling, wire
 from protocol.grammar import GrammarError
@@ -121,9 +120,7 @@ def test_the_grammar_admits_every_navila_sentence_and_nothing_after_it(drafter):
 def test_every_mode_and_payload_gives_the_targets_constrained_greedy_ids(
     drafter, grammar_server, references, mode, gamma, kind
 ):
-    dec = open_decoder(
-        DecoderSettings(url=grammar_server.url, payload=PayloadSpec.parse(kind), fsd=FsdOptions(exits=())), drafter
-    )
+    dec = open_decoder(DecoderSettings(verifier=grammar_server.url, payload=kind, exits=""), drafter)
     try:
         for task, ref in zip(TASKS, references, strict=True):
             gen = dec.generate(
@@ -143,7 +140,7 @@ def test_sampled_answers_under_the_grammar_always_parse_and_sd_replays_its_seed(
     """T = 1 with the weaker draft (rejections common, split's residuals drawn on the robot): every answer is
     one reason and one NaVILA sentence, and in sd the same seed gives the same ids."""
     dec = open_decoder(
-        DecoderSettings(url=grammar_server.url, payload=PayloadSpec.parse(kind, 16), fsd=FsdOptions(exits=())),
+        DecoderSettings(verifier=grammar_server.url, payload=kind, topk=16, exits=""),
         weak_drafter,
     )
     try:
@@ -163,7 +160,7 @@ def test_sampled_answers_under_the_grammar_always_parse_and_sd_replays_its_seed(
 
 
 def test_local_generation_under_the_grammar_always_parses(drafter):
-    dec = open_decoder(DecoderSettings(url=None), drafter)
+    dec = open_decoder(DecoderSettings(verifier=None), drafter)
     for task in TASKS:
         for seed in range(3):
             gen = dec.generate(
@@ -244,7 +241,7 @@ def test_a_robot_that_needs_a_grammar_refuses_a_verifier_without_one(drafter, gr
     from server_bridge.target import Target
 
     monkeypatch.setattr(Target, "grammars_supported", property(lambda self: False))
-    dec = open_decoder(DecoderSettings(url=grammar_server.url), drafter)
+    dec = open_decoder(DecoderSettings(verifier=grammar_server.url), drafter)
     try:
         with pytest.raises(ServerError, match="grammar"):
             dec.generate(prompt(drafter, *TASKS[0]), mode="sd", max_tokens=8, grammar=GBNF)
@@ -262,7 +259,7 @@ def test_the_torch_engine_masks_with_its_gguf_vocabulary_and_stays_exact(drafter
     from tests.conftest import ThreadedServer
 
     with ThreadedServer(lambda cfg: Verifier(torch_target, cfg)) as server:
-        dec = open_decoder(DecoderSettings(url=server.url), drafter)
+        dec = open_decoder(DecoderSettings(verifier=server.url), drafter)
         try:
             gen = dec.generate(
                 prompt(drafter, *TASKS[0]), mode="sd", gamma=4, max_tokens=answer_max_tokens(), grammar=GBNF

@@ -23,10 +23,8 @@ from websockets.exceptions import ConnectionClosed
 from websockets.sync.server import serve
 
 from agent.decoding import DecoderSettings, open_decoder
-from agent.decoding.decoder import FsdOptions, ReconnectPolicy
 from agent.decoding.link import LinkLost, ProtocolViolation
 from protocol import wire
-from protocol.payload import PayloadSpec
 from protocol.sampling import SamplingParams
 
 pytestmark = pytest.mark.real
@@ -223,11 +221,12 @@ CASES = {
 def decoder_for(drafter, url, mode, attempts=0):
     return open_decoder(
         DecoderSettings(
-            url=url,
-            reconnect=ReconnectPolicy(max_attempts=attempts, backoff_s=0.01),
+            verifier=url,
+            reconnect_attempts=attempts,
+            reconnect_backoff_s=0.01,
             verify_timeout_s=10.0,
-            fsd=FsdOptions(guesses=False),
-            payload=PayloadSpec("split"),
+            guesses=False,
+            payload="split",
         ),
         drafter,
     )

@@ -36,7 +36,7 @@ def bf16_server():
 def test_bf16_sd_and_fsd_are_ar_up_to_near_ties(drafter, bf16_server):
     server, target = bf16_server
     assert target.engine.info.dtype == "bfloat16" and server.server.verifier.exit_layers
-    dec = open_decoder(DecoderSettings(url=server.url), drafter)
+    dec = open_decoder(DecoderSettings(verifier=server.url), drafter)
     try:
         for prompt, chat in PROMPTS:
             ids = drafter.tokenize(prompt, chat=chat)

@@ -5,9 +5,7 @@ import numpy as np
 import pytest
 
 from agent.decoding import DecoderSettings, open_decoder
-from agent.decoding.decoder import FsdOptions
 from protocol import sampling
-from protocol.payload import PayloadSpec
 from protocol.sampling import SamplingParams
 
 pytestmark = pytest.mark.real
@@ -47,8 +45,7 @@ def _mass_above(target, prompt: list[int], tokens: list[int]) -> np.ndarray:
 def test_every_committed_token_lies_in_the_targets_nucleus(weak_drafter, engine_target, server, mode, kind):
     """The weaker draft under T = 1 is rejected often, so corrections (split's residual drawn on the robot,
     topk's drawn on the server) and bonus tokens are all checked, not only accepted drafts."""
-    spec = PayloadSpec(kind) if kind != "topk" else PayloadSpec("topk", 16)
-    dec = open_decoder(DecoderSettings(url=server.url, payload=spec, fsd=FsdOptions(exits=())), weak_drafter)
+    dec = open_decoder(DecoderSettings(verifier=server.url, payload=kind, topk=16, exits=""), weak_drafter)
     prompt = weak_drafter.tokenize("Write a short poem about a robot in a kitchen.", chat=True)
     try:
         gen = dec.generate(prompt, mode=mode, gamma=4, max_tokens=24, params=PARAMS)
@@ -91,7 +88,7 @@ def test_a_verifier_that_predates_top_p_is_refused_before_any_sampling(drafter):
 
     ids = drafter.tokenize("Name a colour.", chat=True)
     with FakeVerifier(drafter) as fake:
-        dec = open_decoder(DecoderSettings(url=fake.url), drafter)
+        dec = open_decoder(DecoderSettings(verifier=fake.url), drafter)
         try:
             with pytest.raises(ServerError) as e:
                 dec.generate(ids, mode="sd", max_tokens=4, params=PARAMS)

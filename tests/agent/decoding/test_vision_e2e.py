@@ -70,7 +70,7 @@ def reference(vdrafter, vtarget):
 
 
 def test_the_welcome_offers_images_with_the_drafts_marker(vdrafter, vserver, vtarget):
-    dec = open_decoder(DecoderSettings(url=vserver.url), vdrafter)
+    dec = open_decoder(DecoderSettings(verifier=vserver.url), vdrafter)
     try:
         dec.connect()
         offered = dec.link.welcome.limits["images"]
@@ -93,7 +93,7 @@ def test_the_image_reaches_the_model_on_both_sides(vdrafter, reference):
     local = []
     for seed in (0, 1):
         ids, images = prompt(vdrafter, seed)
-        dec = open_decoder(DecoderSettings(url=None), vdrafter)
+        dec = open_decoder(DecoderSettings(verifier=None), vdrafter)
         local.append(dec.generate(ids, mode="local", max_tokens=MAX_TOKENS, images=images).token_ids)
     assert local[0] != local[1]
     # the Q8_0 draft mostly agrees with its f32 target after the same image

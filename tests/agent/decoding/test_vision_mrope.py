@@ -167,7 +167,7 @@ def test_two_images_give_two_outputs_on_both_sides(vdrafter, reference):
     for seed in (0, 1):  # the draft alone (offline)
         ids, images = prompt(vdrafter, seed)
         local.append(
-            open_decoder(DecoderSettings(url=None), vdrafter).generate(
+            open_decoder(DecoderSettings(verifier=None), vdrafter).generate(
                 ids, mode="local", max_tokens=MAX_TOKENS, images=images
             )
         )

@@ -34,7 +34,7 @@ def test_robots_sharing_batches_each_get_the_targets_tokens(make_server, drafter
     every answer equals the target's greedy tokens, and the slo and fixed schedulers really batch."""
     refs_server = make_server(scheduler="fcfs")
     prompts = [drafter.tokenize(p, chat=True) for p in PROMPTS]
-    solo = open_decoder(DecoderSettings(url=refs_server.url), drafter)
+    solo = open_decoder(DecoderSettings(verifier=refs_server.url), drafter)
     refs = [solo.generate(ids, mode="ar", max_tokens=16).token_ids for ids in prompts]
     solo.close()
 
@@ -45,7 +45,7 @@ def test_robots_sharing_batches_each_get_the_targets_tokens(make_server, drafter
 
     def robot(i):
         try:
-            dec = open_decoder(DecoderSettings(url=server.url, slo=(4.0, 8.0)[i % 2]), drafters[i])
+            dec = open_decoder(DecoderSettings(verifier=server.url, slo_tokens_per_s=(4.0, 8.0)[i % 2]), drafters[i])
             got[i] = dec.generate(prompts[i], mode="sd", max_tokens=16, gamma=2 + i % 4).token_ids
             dec.close()
         except Exception as e:  # reported below
@@ -107,7 +107,7 @@ def test_a_round_that_waits_past_max_wait_is_shed_and_the_robot_falls_back(make_
     from agent.decoding.link import ServerError
 
     server = make_server(max_wait_ms=0.0)
-    dec = open_decoder(DecoderSettings(url=server.url), drafter)
+    dec = open_decoder(DecoderSettings(verifier=server.url), drafter)
     started = time.perf_counter()
     with pytest.raises(ServerError) as e:
         dec.generate(drafter.tokenize("Go.", chat=True), mode="sd", max_tokens=8)

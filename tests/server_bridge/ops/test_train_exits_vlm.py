@@ -22,7 +22,6 @@ import pytest
 import torch
 
 from agent.decoding import DecoderSettings, open_decoder
-from agent.decoding.decoder import FsdOptions
 from protocol.images import PromptImage
 from server_bridge import cli
 from server_bridge.engines.exits_torch import ExitHeads
@@ -123,8 +122,8 @@ def test_fsd_with_trained_exits_and_an_image_streams_verdicts_hits_and_gives_ar_
             ids, images = prompt(vdrafter, family, seed)
             reference = pairs.greedy(vtarget, ids, images, MAX_TOKENS)
             out = {}
-            for mode, fsd in (("ar", FsdOptions()), ("fsd", FsdOptions()), ("exits only", FsdOptions(guesses=False))):
-                dec = open_decoder(DecoderSettings(url=server.url, fsd=fsd), vdrafter)
+            for mode, fsd in (("ar", {}), ("fsd", {}), ("exits only", {"guesses": False})):
+                dec = open_decoder(DecoderSettings(verifier=server.url, **fsd), vdrafter)
                 try:
                     run = "ar" if mode == "ar" else "fsd"
                     out[mode] = dec.generate(ids, mode=run, max_tokens=MAX_TOKENS, gamma=4, images=images)
