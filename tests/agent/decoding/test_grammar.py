@@ -1,4 +1,4 @@
-"""Answers under the NaVILA grammar, on both sides, exactly (protocol/grammar.py).
+"""Answers under the NaVILA grammar, on both sides, exactly (protocol/structured.py).
 
 The robot's draft and the server's target each compile the same GBNF over their own GGUF's
 vocabulary. These tests check that both sides mask identically at every position of recorded
@@ -51,7 +51,7 @@ def prompt(drafter, task, seen):
 def target_greedy(target, ids, max_tokens):
     """The reference: the target alone, one token at a time, argmax of its logits under the grammar."""
     state = target.new_state(ids)
-    walk = target.grammar(GBNF).start()
+    walk = target.grammar({"gbnf": GBNF}).start()
     out = []
     for _ in range(max_tokens):
         token = walk.argmax(target.score(state, [])[0])
@@ -77,8 +77,8 @@ def references(drafter, target):
 
 
 def test_both_sides_mask_the_same_at_every_position_of_recorded_answers(drafter, target):
-    """The draft's Q4_1 GGUF and the target's F32 GGUF, each through llama.cpp's grammar sampler."""
-    robot, server = drafter.grammars.get(GBNF), target.grammar(GBNF)
+    """The draft's Q4_1 GGUF and the target's F32 GGUF, each through LLGuidance."""
+    robot, server = drafter.grammars.compile("gbnf", GBNF), target.grammar({"gbnf": GBNF})
     positions = 0
     for text in RECORDED:
         ids = drafter.tokenize(text) + sorted(drafter.eos_ids)
@@ -95,7 +95,7 @@ def test_both_sides_mask_the_same_at_every_position_of_recorded_answers(drafter,
 
 
 def test_the_grammar_admits_every_navila_sentence_and_nothing_after_it(drafter):
-    g = drafter.grammars.get(GBNF)
+    g = drafter.grammars.compile("gbnf", GBNF)
     for action in VOCABULARY:
         state = g.walk(drafter.tokenize(f"I see it. {action.text}"))
         allowed = set(np.flatnonzero(state.mask()).tolist())
@@ -103,7 +103,7 @@ def test_the_grammar_admits_every_navila_sentence_and_nothing_after_it(drafter):
     with pytest.raises(GrammarError):
         g.walk(drafter.tokenize("I see it. The next action is move forward 1 m."))
     with pytest.raises(GrammarError):
-        drafter.grammars.get("root ::= (")
+        drafter.grammars.compile("gbnf", "root ::= (")
 
 
 @pytest.mark.parametrize(
@@ -203,7 +203,7 @@ def test_sampled_verification_commits_the_masked_renormalised_target(drafter, ta
     p = sampling.probs_from_logits(logits, params, mask)
     assert not np.array_equal(p > 0, sampling.probs_from_logits(logits, params) > 0), "the mask changed nothing"
     support = np.flatnonzero(p)
-    grammar = drafter.grammars.get(GBNF).walk(answer)
+    grammar = drafter.grammars.compile("gbnf", GBNF).walk(answer)
     rng = np.random.default_rng(5)
     firsts, rejected = [], 0
     for r in range(240):
@@ -216,7 +216,7 @@ def test_sampled_verification_commits_the_masked_renormalised_target(drafter, ta
         firsts.append(d.ids[0] if out.verdict.accepted else token)
         rejected += out.verdict.accepted == 0
         target.rewind(session.state, ids)
-        session.grammar = target.grammar(GBNF).walk(answer)  # the next round starts from the same prefix
+        session.grammar = target.grammar({"gbnf": GBNF}).walk(answer)  # the next round starts from the same prefix
         session.owed = None
     counts = np.array([firsts.count(t) for t in support])
     assert counts.sum() == len(firsts), "a token outside the masked top-k was committed"
@@ -254,7 +254,7 @@ def test_a_robot_that_needs_a_grammar_refuses_a_verifier_without_one(drafter, gr
 
 def test_the_torch_engine_masks_with_its_gguf_vocabulary_and_stays_exact(drafter, target, torch_target, references):
     """The torch engine runs the grammar on the vocabulary of the GGUF it was converted from (vocab only)."""
-    a, b = target.grammar(GBNF).start(), torch_target.grammar(GBNF).start()
+    a, b = target.grammar({"gbnf": GBNF}).start(), torch_target.grammar({"gbnf": GBNF}).start()
     for t in drafter.tokenize(RECORDED[0]):
         assert np.array_equal(a.mask(), b.mask())
         a.accept(t)
