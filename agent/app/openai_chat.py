@@ -27,6 +27,8 @@ class ChatRequest:
     stream: bool = False
     include_usage: bool = False  # stream_options.include_usage: a last chunk with usage
     tools: dict[str, dict] = field(default_factory=dict)  # name -> its function object, when calls are possible
+    # the parameter a schema or grammar the Client refuses came from (response_format or tools), else None
+    structure: str | None = None
 
 
 def parse_chat(body: Any, default_offline: str) -> ChatRequest:
@@ -87,7 +89,9 @@ def _structure(body: dict, req: ChatRequest) -> None:
     """response_format and tools -> the grammar both sides decode under (and the tools' prompt)."""
     fmt = body.get("response_format")
     tools = body.get("tools")
-    choice = body.get("tool_choice", "auto" if tools else "none")
+    choice = body.get("tool_choice")
+    if choice is None:  # absent or null: OpenAI's default
+        choice = "auto" if tools else "none"
     if fmt is not None:
         kind = fmt.get("type") if isinstance(fmt, dict) else None
         if kind == "json_schema":
@@ -96,8 +100,10 @@ def _structure(body: dict, req: ChatRequest) -> None:
             if not isinstance(schema, dict):
                 raise RequestError("response_format.json_schema.schema is a JSON schema object", "response_format")
             req.kwargs["schema"] = _checked(schema, "response_format")
+            req.structure = "response_format"
         elif kind == "json_object":
             req.kwargs["schema"] = JSON_OBJECT_SCHEMA
+            req.structure = "response_format"
         elif kind != "text":
             raise RequestError("response_format.type is text, json_object or json_schema", "response_format")
     if not (isinstance(choice, str) and choice in ("none", "auto", "required")) and not isinstance(choice, dict):
@@ -109,6 +115,7 @@ def _structure(body: dict, req: ChatRequest) -> None:
     if "schema" in req.kwargs or "grammar" in req.kwargs:
         raise RequestError("tools and a JSON response_format cannot be combined", "tools")
     req.tools = _tools(tools)
+    req.structure = "tools"
     named = _choice(choice, req.tools)
     calls = {n: f for n, f in req.tools.items() if named is None or n == named}
     schema = {"anyOf": [_call_schema(n, f) for n, f in calls.items()]}

@@ -336,7 +336,9 @@ class EdgeDecoder:
         run.owed = None
         # the next round's draft after each way this one may end, at the length the policy plans now
         stops = self.stop_ids()
-        predrafter.begin(number, run.committed, draft, ctl.plan(), run.params, run.params.seed, stops, run.spec)
+        predrafter.begin(
+            number, run.committed, draft, ctl.plan(), run.params, run.params.seed, stops, run.spec, run.grammar_at()
+        )
         reply = self.fsd.await_result(run, link, predrafter, sid, number, draft, self._vocab())
         rtt = (time.perf_counter() - t0) * 1e3
         m.round_bytes_up += link.bytes_up - up

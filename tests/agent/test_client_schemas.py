@@ -129,7 +129,8 @@ def test_a_refused_schema_does_not_wait_for_the_models_lock(client):
     out: list[BaseException] = []
 
     def ask() -> None:
-        for schema in ({"type": "string", "pattern": "^a{5000}$"}, {"oneOf": [{"required": ["a"]}, {"required": ["b"]}]}):
+        one_of = {"oneOf": [{"required": ["a"]}, {"required": ["b"]}]}
+        for schema in ({"type": "string", "pattern": "^a{5000}$"}, one_of):
             try:
                 client.generate("hi", schema=schema)
             except BaseException as e:  # handed to the test
