@@ -79,19 +79,30 @@ class Completion:
         return json.loads(self.text)
 
 
+# JSON's whitespace between tokens in an answer: one optional space, as llama.cpp's converter wrote it. LLGuidance's
+# default admits any run of whitespace, and a small model can spend its whole budget on newlines.
+COMPACT_JSON = {"whitespace_pattern": " ?"}
+
+
+def compact(schema: Any) -> Any:
+    """The schema with LLGuidance's whitespace option COMPACT_JSON, unless it sets its own (`x-guidance`)."""
+    return {**schema, "x-guidance": COMPACT_JSON} if isinstance(schema, dict) and "x-guidance" not in schema else schema
+
+
 def schema_grammar(schema: dict[str, Any] | str) -> dict[str, str]:
     """A JSON schema (a dict or its JSON text) -> the grammar an open sends ({"json_schema": text}): the schema
-    itself, which both sides compile with LLGuidance (protocol/structured.py), once it is within bounds
-    (structured.check_schema: size, nesting, enums, patterns); RequestError naming the keyword otherwise."""
+    itself (compact: COMPACT_JSON), which both sides compile with LLGuidance (protocol/structured.py), once it is
+    within bounds (structured.check_schema: size, nesting, enums, patterns); RequestError naming the keyword
+    otherwise."""
     try:
         text = schema if isinstance(schema, str) else json.dumps(schema, separators=(",", ":"))
     except (TypeError, ValueError, RecursionError) as e:
         raise RequestError(f"the schema is not JSON: {e}", "schema") from None
     try:
-        structured.check_schema(text)
+        parsed = structured.check_schema(text)
     except SchemaError as e:
         raise RequestError(f"the schema cannot be used ({e.keyword or 'schema'}): {e}", "schema") from None
-    return {"json_schema": text}
+    return {"json_schema": json.dumps(compact(parsed), separators=(",", ":"))}
 
 
 def image_bytes(url: str, param: str = "image_url") -> bytes:

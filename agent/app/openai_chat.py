@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from agent.client import OFFLINE, Completion, RequestError
+from agent.client import OFFLINE, Completion, RequestError, compact
 from protocol import structured
 
 JSON_OBJECT_SCHEMA = {"type": "object"}  # any JSON object (response_format json_object), LLGuidance's own JSON
@@ -120,7 +120,7 @@ def _structure(body: dict, req: ChatRequest) -> None:
     calls = {n: f for n, f in req.tools.items() if named is None or n == named}
     schema = {"anyOf": [_call_schema(n, f) for n, f in calls.items()]}
     if choice == "auto":  # a call, or text that does not start like one (LLGuidance's Lark embeds the schema)
-        call = json.dumps(schema, separators=(",", ":"))
+        call = json.dumps(compact(schema), separators=(",", ":"))
         req.kwargs["grammar"] = {"lark": f"start: call | text\ncall: %json {call}\ntext: /[^{{ \\t\\n](.|\\n)*/\n"}
     else:
         req.kwargs["schema"] = schema

@@ -17,6 +17,8 @@ import pytest
 
 from protocol import grammar, modelfiles, structured
 
+COMPACT = {"whitespace_pattern": " ?"}
+
 pytest.importorskip("llama_cpp")
 
 HUGE = [  # 70 bytes of `minItems: 30000000` took the converter 10 s and 1.75 GB; LLGuidance counts lazily
@@ -91,7 +93,9 @@ def test_a_schema_travels_as_itself():
 
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
     sent = schema_grammar(schema)
-    assert list(sent) == ["json_schema"] and json.loads(sent["json_schema"]) == schema
+    assert list(sent) == ["json_schema"] and json.loads(sent["json_schema"]) == {**schema, "x-guidance": COMPACT}
+    own = {**schema, "x-guidance": {"whitespace_flexible": False}}
+    assert json.loads(schema_grammar(own)["json_schema"]) == own  # a schema's own whitespace option stands
 
 
 @pytest.mark.parametrize("schema", HUGE, ids=[json.dumps(s)[:40] for s in HUGE])
@@ -114,7 +118,21 @@ def test_a_schema_llguidance_cannot_enforce_is_refused_naming_the_keyword(client
 
 @pytest.mark.parametrize("schema", ENFORCED, ids=[json.dumps(s)[:40] for s in ENFORCED])
 def test_schemas_the_converter_could_not_take_are_enforced(client, schema):
-    assert client._grammar(client_request(schema)) == {"json_schema": json.dumps(schema, separators=(",", ":"))}
+    sent = client._grammar(client_request(schema))
+    assert sent is not None and json.loads(sent["json_schema"]) == {**schema, "x-guidance": COMPACT}
+
+
+def test_json_answers_are_compact_as_llama_cpps_were(vocab):
+    """One optional space between JSON tokens, no newlines: a small model cannot spend its budget on them."""
+    from llama_cpp import Llama
+
+    from agent.client import schema_grammar
+
+    llama = Llama(str(modelfiles.shipped_gguf()), vocab_only=True, verbose=False)
+    c = vocab.for_wire(schema_grammar({"type": "object"}))
+    for text, allowed in (('{"a": [1, 2]}', True), ('{ "a" : 1 }', True), ('{\n"a": 1}', False), ('{"a":  1}', False)):
+        ids = llama.tokenize(text.encode(), add_bos=False, special=False)
+        assert (c.start().advance(ids) == len(ids)) == allowed, text
 
 
 def test_a_schema_that_is_no_schema_is_refused(client):
