@@ -48,10 +48,10 @@ def prompt(drafter, task, seen):
     )
 
 
-def target_greedy(target, ids, max_tokens):
+def target_greedy(target, ids, max_tokens, grammar=None):
     """The reference: the target alone, one token at a time, argmax of its logits under the grammar."""
     state = target.new_state(ids)
-    walk = target.grammar({"gbnf": GBNF}).start()
+    walk = target.grammar(grammar or {"gbnf": GBNF}).start()
     out = []
     for _ in range(max_tokens):
         token = walk.argmax(target.score(state, [])[0])
@@ -133,6 +133,37 @@ def test_every_mode_and_payload_gives_the_targets_constrained_greedy_ids(
             assert parse_action(gen.text).how == "exact"
     finally:
         dec.close()
+
+
+BOXES = {  # the schema of tests/agent/app/test_openai_api.py, as the Python API sends it
+    "type": "object",
+    "properties": {"colour": {"enum": ["red", "green", "blue"]}, "count": {"type": "integer", "minimum": 0}},
+    "required": ["colour", "count"],
+    "additionalProperties": False,
+}
+
+
+def test_a_json_schema_gives_the_targets_constrained_greedy_ids_in_every_mode(drafter, target, grammar_server):
+    """A schema travels as itself ({"json_schema": text}) and both sides compile it with LLGuidance: AR, SD and
+    FSD (pre-drafting under it) commit the target's own masked greedy ids, and the answer validates."""
+    import json
+
+    from agent.client import schema_grammar
+
+    sent = schema_grammar(BOXES)
+    ids = drafter.tokenize(
+        drafter.apply_chat_template([{"role": "user", "content": "How many red boxes are there? Answer in JSON."}])
+    )
+    ref = target_greedy(target, ids, 32, sent)
+    dec = open_decoder(DecoderSettings(url=grammar_server.url, fsd=FsdOptions(exits=())), drafter)
+    try:
+        for mode in ("ar", "sd", "fsd"):
+            gen = dec.generate(ids, mode=mode, gamma=4, max_tokens=32, grammar=sent)
+            assert gen.token_ids == ref, mode
+    finally:
+        dec.close()
+    answer = json.loads(drafter.detokenize(ref, skip=drafter.eos_ids))
+    assert answer["colour"] in ("red", "green", "blue") and set(answer) == {"colour", "count"}
 
 
 @pytest.mark.parametrize("mode", ["sd", "fsd"])
@@ -231,6 +262,12 @@ def test_a_bad_grammar_or_a_prompt_outside_it_is_refused_on_that_session_only(dr
     greedy = {"temperature": 0.0, "top_k": 0, "seed": 0}
     with pytest.raises(wire.WireError, match="grammar"):
         verifier.open(wire.Open("g1", ids, greedy, grammar={"gbnf": "root ::= (", "from": len(ids)}), 1, None)
+    for bad in ('{"oneOf": [{"required": ["a"]}, {"required": ["b"]}]}', '{"type": "bogus"}', "{"):
+        with pytest.raises(wire.WireError, match="grammar") as e:
+            verifier.open(wire.Open("g5", ids, greedy, grammar={"json_schema": bad, "from": len(ids)}), 1, None)
+        assert e.value.code == "bad_field"
+    with pytest.raises(wire.WireError, match="grammar"):
+        verifier.open(wire.Open("g6", ids, greedy, grammar={"lark": "start: nowhere", "from": len(ids)}), 1, None)
     with pytest.raises(wire.WireError, match="not allowed"):
         verifier.open(wire.Open("g2", ids, greedy, grammar={"gbnf": GBNF, "from": len(ids) - 2}), 1, None)
     session, _ = verifier.open(wire.Open("g3", ids, greedy, grammar={"gbnf": GBNF, "from": len(ids)}), 1, None)
@@ -243,6 +280,13 @@ def test_a_robot_that_needs_a_grammar_refuses_a_verifier_without_one(drafter, gr
     from agent.decoding.link import ServerError
     from server_bridge.target import Target
 
+    monkeypatch.setattr(Target, "grammar_kinds", property(lambda self: ["gbnf"]))  # a server before LLGuidance
+    dec = open_decoder(DecoderSettings(url=grammar_server.url), drafter)
+    try:
+        with pytest.raises(ServerError, match="json_schema"):
+            dec.generate(prompt(drafter, *TASKS[0]), mode="sd", max_tokens=8, grammar={"json_schema": "{}"})
+    finally:
+        dec.close()
     monkeypatch.setattr(Target, "grammars_supported", property(lambda self: False))
     dec = open_decoder(DecoderSettings(url=grammar_server.url), drafter)
     try:
