@@ -397,8 +397,8 @@ class PreDrafter:
             for b in [b for b in active if b.key != r.wanted]:  # nothing else is worth a step now
                 self._drop(r, active, b)
                 self.stats.branches_preempted += 1
-            if r.wanted not in r.cache and r.wanted not in r.drafting:
-                active.append(self._start(r, r.wanted, 1.0, n, starts))
+            if r.wanted not in r.cache and r.wanted not in r.drafting:  # what the target committed: allowed
+                active.append(self._start(r, r.wanted, 1.0, n, starts, self._walk(r, r.wanted)))
             return
         while True:
             best = self._best_pending(r)
@@ -418,9 +418,10 @@ class PreDrafter:
                 r.seen.discard(victim.key)
                 heapq.heappush(r.guesses, (-r.guess_odds.get(victim.key, 0.0), victim.key))
             r.seen.add(key)
-            if r.grammar is not None and not self._walk(r, key):
+            grammar = self._walk(r, key)
+            if r.grammar is not None and grammar is None:
                 continue  # the grammar forbids it: never the round's outcome
-            active.append(self._start(r, key, estimate, n, starts))
+            active.append(self._start(r, key, estimate, n, starts, grammar))
 
     def _best_pending(self, r: _Round) -> tuple[float, tuple[int, ...], _Item | None] | None:
         """The better of the next early verdict (by queue policy) and the best guess, off their queues:
@@ -447,16 +448,26 @@ class PreDrafter:
         heapq.heappop(r.guesses)
         return guess[0], guess[1], None
 
-    def _walk(self, r: _Round, key: tuple[int, ...]) -> ConstraintState | None:
-        """The grammar's state after committed + key; None where it forbids a token of key."""
-        assert r.grammar is not None
+    @staticmethod
+    def _walk(r: _Round, key: tuple[int, ...]) -> ConstraintState | None:
+        """The grammar's state after committed + key; None without a grammar, or where it forbids a token of key."""
+        if r.grammar is None:
+            return None
         state = r.grammar.clone()
         return state if state.advance(key) == len(key) else None
 
-    def _start(self, r: _Round, key: tuple[int, ...], estimate: float, n: int, starts: Iterator[int]) -> Branch:
+    def _start(
+        self,
+        r: _Round,
+        key: tuple[int, ...],
+        estimate: float,
+        n: int,
+        starts: Iterator[int],
+        grammar: ConstraintState | None,
+    ) -> Branch:
         self.stats.branches_started += 1
         rng = np.random.default_rng([r.seed, r.number, next(starts), 7])
-        b = self.branches.start(key, n, r.gamma, rng, None if r.grammar is None else self._walk(r, key))
+        b = self.branches.start(key, n, r.gamma, rng, grammar)
         r.drafting[key] = estimate
         return b
 
