@@ -11,9 +11,9 @@
 Every token of a verified answer is the verifier's (SD, FSD or AR underneath, agent/decoding/decoder.py). When the
 verifier cannot be reached the client either refuses (`VerifierUnavailable`, offline="refuse") or answers with
 the draft alone and says so (`verified=False`, offline="local"), as the client or the call chooses.
-Structured output (`schema`: a JSON schema; `grammar`: GBNF) is decoded under a grammar on both sides, as the
-navigation answer is. docs/guide/python.md is the page; the OpenAI-compatible endpoint (agent/app/openai_api.py)
-is built on this class.
+Structured output (`schema`: a JSON schema; `grammar`: GBNF, or {"lark": text}) is decoded under it on both
+sides (LLGuidance, protocol/structured.py), as the navigation answer is. docs/guide/python.md is the page; the
+OpenAI-compatible endpoint (agent/app/openai_api.py) is built on this class.
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ from agent.decoding import DecoderSettings, open_decoder
 from agent.decoding.decoder import MODES
 from agent.decoding.link import LinkLost
 from agent.decoding.metrics import Generation, Metrics
-from protocol.grammar import GrammarError, SchemaError, schema_gbnf
+from protocol import structured, wire
+from protocol.grammar import GrammarError, SchemaError
 from protocol.images import MAX_IMAGE_BYTES, MAX_IMAGES, PromptImage, check_bytes
 from protocol.sampling import SamplingParams
 
@@ -41,7 +42,6 @@ OFFLINE = ("refuse", "local")  # what a request does when the verifier cannot be
 MAX_STOPS = 4  # stop strings per request (OpenAI's limit)
 MAX_STOP_CHARS = 64  # characters per stop string
 MAX_MESSAGES = 64  # messages per chat request
-MAX_SCHEMA_CHARS = 16 * 1024  # a JSON schema as JSON text
 MAX_IMAGE_URI = 32 + (MAX_IMAGE_BYTES * 4 + 2) // 3 + 4  # a data: URI of the largest image
 
 
@@ -79,22 +79,30 @@ class Completion:
         return json.loads(self.text)
 
 
-def schema_grammar(schema: dict[str, Any] | str) -> str:
-    """A JSON schema (a dict or its JSON text) -> GBNF that only its instances satisfy (llama.cpp's converter,
-    the one llama-server's `json_schema` uses, behind protocol.grammar.schema_gbnf's bounds); RequestError,
-    naming the keyword, when it is too big, expands too far or is not one the converter takes."""
+# JSON's whitespace between tokens in an answer: one optional space, as llama.cpp's converter wrote it. LLGuidance's
+# default admits any run of whitespace, and a small model can spend its whole budget on newlines.
+COMPACT_JSON = {"whitespace_pattern": " ?"}
+
+
+def compact(schema: Any) -> Any:
+    """The schema with LLGuidance's whitespace option COMPACT_JSON, unless it sets its own (`x-guidance`)."""
+    return {**schema, "x-guidance": COMPACT_JSON} if isinstance(schema, dict) and "x-guidance" not in schema else schema
+
+
+def schema_grammar(schema: dict[str, Any] | str) -> dict[str, str]:
+    """A JSON schema (a dict or its JSON text) -> the grammar an open sends ({"json_schema": text}): the schema
+    itself (compact: COMPACT_JSON), which both sides compile with LLGuidance (protocol/structured.py), once it is
+    within bounds (structured.check_schema: size, nesting, enums, patterns); RequestError naming the keyword
+    otherwise."""
     try:
-        text = schema if isinstance(schema, str) else json.dumps(schema)
+        text = schema if isinstance(schema, str) else json.dumps(schema, separators=(",", ":"))
     except (TypeError, ValueError, RecursionError) as e:
         raise RequestError(f"the schema is not JSON: {e}", "schema") from None
-    if len(text) > MAX_SCHEMA_CHARS:
-        raise RequestError(f"a schema is at most {MAX_SCHEMA_CHARS} characters of JSON", "schema")
     try:
-        return schema_gbnf(json.loads(text) if isinstance(schema, str) else schema)
+        parsed = structured.check_schema(text)
     except SchemaError as e:
-        raise RequestError(f"cannot turn the schema into a grammar ({e.keyword or 'schema'}): {e}", "schema") from None
-    except (ValueError, RecursionError) as e:  # json's own: text that is not JSON
-        raise RequestError(f"the schema is not JSON: {e}", "schema") from None
+        raise RequestError(f"the schema cannot be used ({e.keyword or 'schema'}): {e}", "schema") from None
+    return {"json_schema": json.dumps(compact(parsed), separators=(",", ":"))}
 
 
 def image_bytes(url: str, param: str = "image_url") -> bytes:
@@ -293,21 +301,24 @@ class Client:
             pieces = _Pieces(lambda out: self.drafter.detokenize(out, skip=self.decoder.stop_ids()), req.stop, emit)
             return self._decode(req, ids, images, grammar, pieces)
 
-    def _grammar(self, req: _Request) -> str | None:
-        """The request's GBNF (its schema's, converted in protocol.grammar's bounded worker), compiled over the
-        draft's vocabulary once here so that a grammar llama.cpp cannot read is a RequestError, not a failure
-        midway (the compiled grammar is cached: the generation finds it)."""
+    def _grammar(self, req: _Request) -> dict[str, str] | None:
+        """The request's grammar as an open sends it, compiled over the draft's vocabulary once here (off the
+        model's lock) so that one LLGuidance refuses is a RequestError naming the keyword, not a failure midway
+        (the compiled grammar is cached: the generation finds it)."""
         if req.schema is None and req.grammar is None:
             return None
-        gbnf = schema_grammar(req.schema) if req.schema is not None else req.grammar
-        grammars = getattr(self.drafter, "grammars", None)
-        if gbnf is not None and grammars is not None:
+        grammar = schema_grammar(req.schema) if req.schema is not None else req.grammar
+        assert grammar is not None
+        vocab = getattr(self.drafter, "grammars", None)
+        if vocab is not None:
             param = "schema" if req.schema is not None else "grammar"
             try:
-                grammars.get(gbnf)
+                vocab.for_wire(grammar)
+            except SchemaError as e:
+                raise RequestError(f"the schema cannot be enforced ({e.keyword or 'schema'}): {e}", param) from None
             except GrammarError as e:
-                raise RequestError(f"the {param}'s grammar cannot be used: {e}", param) from None
-        return gbnf
+                raise RequestError(f"the {param} cannot be used: {e}", param) from None
+        return grammar
 
     def _check_context(self, n_prompt: int, max_tokens: int) -> None:
         """The prompt and max_tokens must fit the draft's context (the verifier's is at least as large)."""
@@ -349,7 +360,12 @@ class Client:
         return ids, [PromptImage.of(data, i) for data, i in zip(images, at, strict=True)]
 
     def _decode(
-        self, req: _Request, ids: list[int], images: list[PromptImage], grammar: str | None, pieces: _Pieces
+        self,
+        req: _Request,
+        ids: list[int],
+        images: list[PromptImage],
+        grammar: dict[str, str] | None,
+        pieces: _Pieces,
     ) -> Completion:
         """Verified when the link is up; else, or when it drops midway, the draft alone (offline "local") from
         what the verifier committed, or VerifierUnavailable (offline "refuse")."""
@@ -411,7 +427,7 @@ class _Request:
     params: SamplingParams
     stop: list[str]
     schema: dict[str, Any] | str | None
-    grammar: str | None
+    grammar: dict[str, str] | None  # {"gbnf": text} or {"lark": text}
     offline: str
     mode: str
 
@@ -437,8 +453,19 @@ class _Request:
         schema, grammar = kw.get("schema"), kw.get("grammar")
         if schema is not None and grammar is not None:
             raise RequestError("give a schema or a grammar, not both", "schema")
-        if grammar is not None and not isinstance(grammar, str):
-            raise RequestError("grammar is GBNF text", "grammar")
+        if isinstance(grammar, str):
+            grammar = {"gbnf": grammar}
+        if grammar is not None and not (
+            isinstance(grammar, dict)
+            and len(grammar) == 1
+            and set(grammar) <= {"gbnf", "lark"}
+            and all(isinstance(t, str) and len(t) <= wire.GRAMMAR_KINDS[k] for k, t in grammar.items())
+        ):
+            raise RequestError(
+                f"grammar is GBNF text or {{'lark': text}}, of at most {wire.MAX_GBNF_CHARS} characters (lark: "
+                f"{wire.GRAMMAR_KINDS['lark']})",
+                "grammar",
+            )
         off = kw.get("offline") or offline
         if off not in OFFLINE:
             raise RequestError(f"offline must be one of {OFFLINE}, got {off!r}", "offline")

@@ -70,7 +70,7 @@ SPLIT_ONE = 1 << 23  # split payloads: q(x) = n / 2^23 with n < 2^24, three byte
 def probs_from_logits(logits: np.ndarray, params: SamplingParams, mask: np.ndarray | None = None) -> np.ndarray:
     """Logits [..., V] -> float64 probabilities [..., V] at `params` (T > 0).
 
-    mask [..., V] bool (a grammar's allowed tokens, protocol/grammar.py): the distribution
+    mask [..., V] bool (a grammar's allowed tokens, protocol/structured.py): the distribution
     is restricted to it and renormalised, p'(x) = p(x) 1[mask x] / sum_y p(y) 1[mask y];
     top-k then keeps the k largest allowed logits.
     Top-k keeps the k largest logits (ties at the k-th value are kept too, so

@@ -6,7 +6,7 @@ MaskBench it passes the most schemas of the public engines, and here a mask over
 (49,152 tokens) costs ~6 us at the median (`tools/bench/schemas.py`). The robot and the server each build a
 `Vocabulary` from their own GGUF (the handshake has checked the two are the same), compile the same grammar and
 walk it through the same ids, so both see the same mask at every position: the draft drafts under it and the
-target's p is masked by it, p'(x) = p(x) 1[x allowed] / sum_y p(y) 1[y allowed], as with protocol/grammar.py.
+target's p is masked by it, p'(x) = p(x) 1[x allowed] / sum_y p(y) 1[y allowed].
 
 A schema is checked on itself before it is compiled (`check_schema`, one linear walk): its size, nesting, the
 values of one enum and a pattern's repetition counts are bounded, since LLGuidance writes a pattern's `{m,n}`
@@ -15,8 +15,8 @@ refuse it (100,000 values: 0.3 s). Whatever LLGuidance does not support is refus
 uniqueItems, look-around in a pattern: `SchemaError` naming the keyword), never approximated: a grammar that
 admits what the schema forbids would break the promise that the answer validates.
 
-The states mirror protocol/grammar.py's `GrammarState` (mask, allows, argmax, accept, advance, clone), so the
-decoding code takes either.
+Both sides' decoding code asks a `ConstraintState` (mask, allows, argmax, accept, advance, rollback, clone); the
+typed refusals (GrammarError, SchemaError) are protocol/grammar.py's.
 """
 
 from __future__ import annotations
@@ -154,7 +154,13 @@ class Constraint:
 
         try:
             if kind == "gbnf":  # llama.cpp's grammars, as older robots and callers send them
-                spec = llguidance.grammar_from("lark", gbnf_to_lark(text))
+                try:
+                    lark = gbnf_to_lark(text)
+                except GbnfToLarkError:
+                    raise
+                except Exception as e:  # the converter raises a bare Exception for an undefined rule
+                    raise ValueError(str(e)) from None
+                spec = llguidance.grammar_from("lark", lark)
             else:
                 spec = llguidance.grammar_from(kind, text)  # type: ignore[arg-type]
         except (GbnfToLarkError, ValueError, TypeError, RecursionError) as e:

@@ -37,11 +37,11 @@ DEFAULT_MAX_FRAME_BYTES = 4 * 2**20  # a full fp16 q for 16 positions is ~1.5 Mi
 _ARRAY_DTYPES = {"<f2": np.float16, "<f4": np.float32, "<i4": np.int32}
 MAX_ID_LIST = 1 << 16  # longest token-id list any message may carry
 MAX_STR = 4096
-MAX_GBNF_CHARS = 16 * 1024  # a grammar's GBNF or Lark text (protocol/structured.py)
+MAX_GBNF_CHARS = 16 * 1024  # a grammar's GBNF text (protocol/structured.py); Lark's may embed schemas (%json)
 MAX_SCHEMA_CHARS = 1 << 20  # a JSON schema's text (protocol/structured.py: MAX_SCHEMA_BYTES)
 # a grammar on the wire is one of these, by its key: GBNF (llama.cpp's, what older robots send), Lark or a JSON
 # schema (LLGuidance's own formats: a schema is compiled as it is, not through a converter)
-GRAMMAR_KINDS = {"gbnf": MAX_GBNF_CHARS, "lark": MAX_GBNF_CHARS, "json_schema": MAX_SCHEMA_CHARS}
+GRAMMAR_KINDS = {"gbnf": MAX_GBNF_CHARS, "lark": MAX_SCHEMA_CHARS, "json_schema": MAX_SCHEMA_CHARS}
 MAX_CANDIDATES = 64  # candidate ids per draft position for early exits
 MAX_SECRET = 64  # a session's resume secret (the server mints 22 characters)
 MAX_ARRAY_NDIM = 2  # the wire's arrays are at most [k, K] (Verify.cands)

@@ -28,7 +28,7 @@ def check_live(session: Session) -> None:
 def advance(session: Session, committed: list[int]) -> None:
     """Walk the session's grammar over newly committed ids. Each was chosen under the grammar's mask
     (a masked argmax, or a token of p' > 0), so the walk cannot fail short of a bug, which then
-    surfaces as GrammarError rather than as llama.cpp's abort."""
+    surfaces as GrammarError."""
     if session.grammar is not None:
         for t in committed:
             session.grammar.accept(t)

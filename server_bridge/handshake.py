@@ -123,6 +123,7 @@ class Handshake:
                 "max_context": self.config.max_context,
                 "max_sessions": self.config.max_sessions,
                 "grammar": target.grammars_supported,
+                "grammar_kinds": target.grammar_kinds,  # an open's grammar kinds (older servers: gbnf alone)
                 "top_p": True,  # open.sampling.top_p is understood (older servers would ignore it)
                 **self._image_limits(),
             },

@@ -15,7 +15,8 @@ from typing import Any
 import numpy as np
 
 from protocol import payload, sampling
-from protocol.grammar import GrammarError, GrammarState
+from protocol.grammar import GrammarError
+from protocol.structured import ConstraintState
 from protocol.wire import Open, WireError
 from runtime.vision import UnknownImage
 
@@ -51,7 +52,7 @@ class _Checked:
     params: sampling.SamplingParams
     spec: payload.PayloadSpec
     slo: float
-    grammar: GrammarState | None
+    grammar: ConstraintState | None
 
 
 class Opens:
@@ -192,7 +193,7 @@ class Opens:
                 log.exception("decoding an image of %s ahead of its open failed", msg.sid)
                 return
 
-    def _grammar_state(self, msg: Open) -> GrammarState | None:
+    def _grammar_state(self, msg: Open) -> ConstraintState | None:
         """Open.grammar -> the state after the prompt's constrained part (None: unconstrained)."""
         if msg.grammar is None:
             return None
@@ -200,11 +201,11 @@ class Opens:
             raise WireError(
                 "bad_field",
                 f"this verifier's target {self.target.name} cannot decode under a grammar "
-                "(llama.cpp's grammar sampler needs its GGUF vocabulary)",
+                "(LLGuidance needs its GGUF vocabulary)",
                 msg.sid,
             )
         try:
-            return self.target.grammar(msg.grammar["gbnf"]).walk(msg.prompt_ids[msg.grammar["from"] :])
+            return self.target.grammar(msg.grammar).walk(msg.prompt_ids[msg.grammar["from"] :])
         except GrammarError as e:
             raise WireError("bad_field", f"grammar: {e}", msg.sid) from None
 

@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from protocol.grammar import GrammarState
 from protocol.payload import PayloadSpec
 from protocol.sampling import SamplingParams
+from protocol.structured import ConstraintState
 from protocol.wire import WireError
 
 from .target import TargetState
@@ -66,9 +66,9 @@ class Session:
     requests: int = 0  # requests of it queued or in a pass now (event loop); eviction passes it by
     handed_over: bool = False  # a re-open of its sid took over its state (model thread): freeing this
     # object must not free that state
-    # Constrained decoding (protocol/grammar.py): where the committed ids stand in the session's grammar;
+    # Constrained decoding (protocol/structured.py): where the committed ids stand in the session's grammar;
     # None: unconstrained. Advanced with every committed token after the open's grammar.from.
-    grammar: "GrammarState | None" = None
+    grammar: "ConstraintState | None" = None
     detached_at: float = 0.0  # monotonic time its connection closed (DETACHED); its KV waits a grace period
 
     def generation_ended(self) -> tuple[int, float]:

@@ -28,7 +28,8 @@ from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
-from protocol.grammar import Grammar, GrammarCache, GrammarError, vocab_only
+from protocol.grammar import GrammarError, vocab_only
+from protocol.structured import KINDS, Constraint, Vocabulary
 
 from .engines import Engine, Pass, Sequence, load_engine
 
@@ -95,16 +96,23 @@ class Target:
         self.on_device = engine.info.engine == "torch"  # rows are device tensors: the maths runs there
         # the image marker's id where the engine reads images (a projector or a VLM's vision tower), else None
         self.image_marker = getattr(engine, "image_token_id", None) if getattr(engine, "vision", None) else None
-        self._grammars: GrammarCache | None = None
+        self._grammars: Vocabulary | None = None
 
     @property
     def grammars_supported(self) -> bool:
-        """Whether sessions may decode under a grammar: llama.cpp's sampler needs the target's GGUF vocabulary
-        (the llamacpp engine's own model, or the GGUF a torch engine was converted from)."""
+        """Whether sessions may decode under a grammar: LLGuidance reads the target's GGUF vocabulary (the llamacpp
+        engine's own model, or the GGUF a torch engine was converted from)."""
         return self.engine.info.engine == "llamacpp" or Path(getattr(self.engine, "path", "")).suffix == ".gguf"
 
-    def grammar(self, gbnf: str) -> Grammar:
-        """`gbnf` compiled over the target's vocabulary (cached, bounded); GrammarError when it cannot be."""
+    @property
+    def grammar_kinds(self) -> list[str]:
+        """The kinds of an open's grammar this target decodes under (protocol.wire.GRAMMAR_KINDS), none without a
+        GGUF vocabulary."""
+        return [k for k in KINDS if k != "regex"] if self.grammars_supported else []
+
+    def grammar(self, grammar: dict[str, Any]) -> Constraint:
+        """An open's grammar ({KIND: text, ...}: protocol.wire) compiled by LLGuidance over the target's vocabulary
+        (cached, bounded: protocol/structured.py); GrammarError (or its SchemaError) when it cannot be."""
         if self._grammars is None:
             import llama_cpp as L
 
@@ -117,11 +125,11 @@ class Target:
                     raise GrammarError(f"{self.engine.path} has {n} tokens, the target {self.engine.vocab_size}")
             else:
                 raise GrammarError(
-                    f"the target {self.name} was not loaded from a GGUF: llama.cpp's grammar "
-                    "sampler has no vocabulary to run on"
+                    f"the target {self.name} was not loaded from a GGUF: there is no vocabulary to compile "
+                    "the grammar over"
                 )
-            self._grammars = GrammarCache(vocab, self.vocab_size, owner)
-        return self._grammars.get(gbnf)
+            self._grammars = Vocabulary(vocab, self.vocab_size, owner)
+        return self._grammars.for_wire(grammar)
 
     @property
     def sees(self) -> bool:

@@ -353,8 +353,8 @@ def verdict(
 
     Greedy: only the argmax ids leave the device. Sampled: on a device engine the maths runs
     there (server_bridge/engines/devmath.py), elsewhere in numpy (protocol/sampling.py, the reference).
-    Under a grammar (`grammar_rows`) always on the host: the masks come from llama.cpp's
-    sampler on the CPU.
+    Under a grammar (`grammar_rows`) always on the host: the masks come from LLGuidance
+    (protocol/structured.py) on the CPU.
     """
     params, rng = session.params, session.rng
     split = session.payload.kind == "split"
@@ -387,7 +387,7 @@ def grammar_rows(
 ) -> tuple[np.ndarray | None, np.ndarray | None]:
     """What the session's grammar makes of a round's rows logits [k + 1, vocab]: row i is masked by the
     grammar after ids + draft[:i]. Greedy: (the masked argmax ids [k + 1], None), walked until the first
-    disagreement (protocol.grammar checks the best candidates first, so an allowed argmax costs one
+    disagreement (protocol.structured reads the argmax's bit first, so an allowed argmax costs one
     check). Sampled: (None, masks [k + 1, vocab]); a draft token the grammar forbids has p = 0 there and
     is rejected, so the rows after it are never used and stay unmasked."""
     assert session.grammar is not None

@@ -257,8 +257,9 @@ class OpenAiApi:
             self.pending -= 1
 
     async def _parse(self, body: bytes) -> chat.ChatRequest:
-        """The request, parsed off the event loop: a tool's schema is converted there (bounded: up to its 2 s
-        limit), and the loop keeps answering other clients meanwhile."""
+        """The request, parsed off the event loop: a schema's bounds are checked there (one linear walk; the Client
+        compiles it, off the model's lock, within protocol/structured.py's 1 s deadline), and the loop keeps
+        answering other clients meanwhile."""
         try:
             return await asyncio.to_thread(lambda: chat.parse_chat(parse_body(body), self.offline))
         except RequestError as e:
@@ -270,7 +271,7 @@ class OpenAiApi:
         try:
             c = await asyncio.to_thread(self.client.generate, **req.kwargs)
         except Exception as e:
-            raise _answer_error(e) from None
+            raise _answer_error(e, req.structure) from None
         return web.json_response(chat.completion_body(req, c, chat.new_id()))
 
     async def _stream(self, req: chat.ChatRequest, request: web.Request) -> web.StreamResponse:
@@ -278,7 +279,7 @@ class OpenAiApi:
         try:
             stream = self.client.stream(**req.kwargs)
         except Exception as e:
-            raise _answer_error(e) from None
+            raise _answer_error(e, req.structure) from None
         cid, sse, held = chat.new_id(), None, ""
         pieces = iter(stream)
         try:
@@ -294,7 +295,7 @@ class OpenAiApi:
         except ConnectionError:
             raise  # the client left
         except Exception as e:
-            err = _answer_error(e)
+            err = _answer_error(e, req.structure)
             if sse is None:
                 raise err from None
             await _event(sse, err.body())  # the status line is out: the error rides in the stream
@@ -390,10 +391,12 @@ class _Connection(web.RequestHandler):
         return err.response()
 
 
-def _answer_error(e: Exception) -> HttpError:
-    """What the Client raised -> the OpenAI error answered."""
+def _answer_error(e: Exception, structure: str | None = None) -> HttpError:
+    """What the Client raised -> the OpenAI error answered. A schema or grammar the Client refused (LLGuidance
+    cannot enforce it) names the request's parameter it came from (`structure`: response_format or tools)."""
     if isinstance(e, RequestError):
-        return HttpError(400, str(e), param=e.param)
+        param = structure if structure is not None and e.param in ("schema", "grammar") else e.param
+        return HttpError(400, str(e), param=param)
     if isinstance(e, VerifierUnavailable):
         return HttpError(503, str(e), "server_error", code="verifier_unavailable")
     if isinstance(e, ServerError):  # the verifier refused the request (no grammar, a bad image, ...)

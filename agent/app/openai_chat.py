@@ -9,18 +9,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from agent.client import OFFLINE, Completion, RequestError
-from protocol.grammar import SchemaError, prepare_schema
+from agent.client import OFFLINE, Completion, RequestError, compact
+from protocol import structured
 
-JSON_OBJECT_GBNF = r"""
-root   ::= object
-value  ::= object | array | string | number | ("true" | "false" | "null") ws
-object ::= "{" ws ( string ":" ws value ("," ws string ":" ws value)* )? "}" ws
-array  ::= "[" ws ( value ("," ws value)* )? "]" ws
-string ::= "\"" ( [^"\\\x7F\x00-\x1F] | "\\" (["\\bfnrt/] | "u" [0-9a-fA-F]{4}) )* "\"" ws
-number ::= ("-"? ([0-9] | [1-9] [0-9]{0,15})) ("." [0-9]+)? ([eE] [-+]? [0-9] [1-9]{0,15})? ws
-ws     ::= | " " | "\n" [ \t]{0,20}
-"""  # any JSON object (response_format json_object): llama.cpp's json.gbnf
+JSON_OBJECT_SCHEMA = {"type": "object"}  # any JSON object (response_format json_object), LLGuidance's own JSON
 MAX_TOOLS = 16
 UNSUPPORTED = ("logprobs", "top_logprobs", "logit_bias", "audio", "prediction")  # refused when set
 PENALTIES = ("presence_penalty", "frequency_penalty")  # accepted only as 0
@@ -35,6 +27,8 @@ class ChatRequest:
     stream: bool = False
     include_usage: bool = False  # stream_options.include_usage: a last chunk with usage
     tools: dict[str, dict] = field(default_factory=dict)  # name -> its function object, when calls are possible
+    # the parameter a schema or grammar the Client refuses came from (response_format or tools), else None
+    structure: str | None = None
 
 
 def parse_chat(body: Any, default_offline: str) -> ChatRequest:
@@ -95,7 +89,9 @@ def _structure(body: dict, req: ChatRequest) -> None:
     """response_format and tools -> the grammar both sides decode under (and the tools' prompt)."""
     fmt = body.get("response_format")
     tools = body.get("tools")
-    choice = body.get("tool_choice", "auto" if tools else "none")
+    choice = body.get("tool_choice")
+    if choice is None:  # absent or null: OpenAI's default
+        choice = "auto" if tools else "none"
     if fmt is not None:
         kind = fmt.get("type") if isinstance(fmt, dict) else None
         if kind == "json_schema":
@@ -104,23 +100,28 @@ def _structure(body: dict, req: ChatRequest) -> None:
             if not isinstance(schema, dict):
                 raise RequestError("response_format.json_schema.schema is a JSON schema object", "response_format")
             req.kwargs["schema"] = _checked(schema, "response_format")
+            req.structure = "response_format"
         elif kind == "json_object":
-            req.kwargs["grammar"] = JSON_OBJECT_GBNF
+            req.kwargs["schema"] = JSON_OBJECT_SCHEMA
+            req.structure = "response_format"
         elif kind != "text":
             raise RequestError("response_format.type is text, json_object or json_schema", "response_format")
+    if not (isinstance(choice, str) and choice in ("none", "auto", "required")) and not isinstance(choice, dict):
+        raise RequestError("tool_choice is none, auto, required or a function of tools by name", "tool_choice")
+    if not tools and (choice == "required" or isinstance(choice, dict)):
+        raise RequestError("tool_choice names a tool or requires one: give tools", "tool_choice")
     if not tools or choice == "none":
         return
     if "schema" in req.kwargs or "grammar" in req.kwargs:
         raise RequestError("tools and a JSON response_format cannot be combined", "tools")
     req.tools = _tools(tools)
+    req.structure = "tools"
     named = _choice(choice, req.tools)
     calls = {n: f for n, f in req.tools.items() if named is None or n == named}
     schema = {"anyOf": [_call_schema(n, f) for n, f in calls.items()]}
-    if choice == "auto":  # a call, or text that does not start like one
-        from agent.client import schema_grammar
-
-        gbnf = schema_grammar(schema).replace("root ::=", "call ::=", 1)
-        req.kwargs["grammar"] = "root ::= call | text\ntext ::= [^{ \\t\\n] [^\\x00]*\n" + gbnf
+    if choice == "auto":  # a call, or text that does not start like one (LLGuidance's Lark embeds the schema)
+        call = json.dumps(compact(schema), separators=(",", ":"))
+        req.kwargs["grammar"] = {"lark": f"start: call | text\ncall: %json {call}\ntext: /[^{{ \\t\\n](.|\\n)*/\n"}
     else:
         req.kwargs["schema"] = schema
     req.kwargs["messages"] = _with_tools_prompt(req.kwargs["messages"], calls, choice == "auto")
@@ -143,15 +144,14 @@ def _tools(tools: Any) -> dict[str, dict]:
 
 
 def _checked(schema: dict, param: str, what: str = "") -> dict:
-    """A schema refused here, naming its keyword and the request's parameter, when it is over the bounds or not
-    one the converter takes (protocol.grammar.prepare_schema: one linear walk, no conversion); the Client
-    converts it, off the model's lock."""
+    """A schema refused here, naming its keyword and the request's parameter, when it is over the bounds
+    (protocol.structured.check_schema: one linear walk, no compile); the Client compiles it, off the model's
+    lock, and a schema LLGuidance cannot enforce is refused there, naming its keyword too."""
     try:
-        prepare_schema(schema)
-    except SchemaError as e:
-        raise RequestError(
-            f"{what}cannot turn the schema into a grammar ({e.keyword or 'schema'}): {e}", param
-        ) from None
+        structured.check_schema(json.dumps(schema, separators=(",", ":")))
+    except (TypeError, ValueError, RecursionError) as e:  # SchemaError included
+        keyword = getattr(e, "keyword", None) or "schema"
+        raise RequestError(f"{what}the schema cannot be used ({keyword}): {e}", param) from None
     return schema
 
 
@@ -159,11 +159,11 @@ def _choice(choice: Any, tools: dict[str, dict]) -> str | None:
     """tool_choice -> the one tool it names, or None for auto / required."""
     if choice in ("auto", "required"):
         return None
-    fn = choice.get("function") if isinstance(choice, dict) else None
+    fn = choice.get("function") if isinstance(choice, dict) and choice.get("type", "function") == "function" else None
     name = fn.get("name") if isinstance(fn, dict) else None
-    if name not in tools:
+    if not isinstance(name, str) or name not in tools:
         raise RequestError("tool_choice is none, auto, required or a function of tools by name", "tool_choice")
-    return str(name)
+    return name
 
 
 def _call_schema(name: str, fn: dict) -> dict:

@@ -29,10 +29,11 @@ from typing import Any
 
 import numpy as np
 
-from protocol.payload import DraftQ, PayloadSpec, draw
+from protocol.payload import DraftQ, PayloadSpec
 from protocol.sampling import SamplingParams
+from protocol.structured import ConstraintState
 
-from .drafter import Draft, DraftContextFull, Drafter, stack_candidates, top_candidates
+from .drafter import Draft, DraftContextFull, Drafter, constrained_draw, stack_candidates, top_candidates
 
 
 class BranchError(RuntimeError):
@@ -50,6 +51,8 @@ class Branch:
     ids: list[int] = field(default_factory=list)
     rows: list[Any] = field(default_factory=list)  # the payload's q rows (T > 0), see payload.draw
     cands: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)  # top-K (ids, probs) per token
+    # the generation's grammar after committed + key + ids (None: unconstrained); each token drawn under it
+    grammar: ConstraintState | None = None
     t0: float = field(default_factory=time.perf_counter)
 
     @property
@@ -163,8 +166,16 @@ class BranchDrafter:
 
     # ------------------------------------------------------------------ branches
 
-    def start(self, key: tuple[int, ...], n_committed: int, gamma: int, rng: np.random.Generator) -> Branch:
-        """A branch drafting `gamma` tokens after committed + key.
+    def start(
+        self,
+        key: tuple[int, ...],
+        n_committed: int,
+        gamma: int,
+        rng: np.random.Generator,
+        grammar: ConstraintState | None = None,
+    ) -> Branch:
+        """A branch drafting `gamma` tokens after committed + key, under `grammar` (its state after them; the
+        branch's own from then on) as Drafter.propose drafts.
 
         Takes a free slot, or the slot of the oldest finished branch (its draft stays
         cached; only its KV, kept for `base(reuse=...)`, is lost).
@@ -181,7 +192,7 @@ class BranchDrafter:
             raise BranchError(f"branch {key[:4]} would start inside an image")
         seq = self.free.pop()
         llama_cpp.llama_memory_seq_cp(self._ctx.memory, 0, seq, 0, shared)
-        return Branch(key, seq, gamma, rng, tokens=full[:shared], feed=full[shared:])
+        return Branch(key, seq, gamma, rng, tokens=full[:shared], feed=full[shared:], grammar=grammar)
 
     def drop(self, branch: Branch) -> None:
         self._rm(branch.seq)
@@ -202,7 +213,9 @@ class BranchDrafter:
         for b, at in zip(branches, last, strict=True):
             logits = self._logits(at)
             b.tokens.extend(b.feed)
-            token, q, row = draw(logits, params, payload.for_params(params), b.rng)
+            token, q, row = constrained_draw(logits, params, payload.for_params(params), b.rng, b.grammar)
+            if b.grammar is not None:
+                b.grammar.accept(token)
             if row is not None:
                 b.rows.append(row)
             b.ids.append(token)

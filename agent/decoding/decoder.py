@@ -103,7 +103,7 @@ class EdgeDecoder:
         gamma: int | None = None,
         until: Callable[[list[int]], bool] | None = None,
         session: str | None = None,
-        grammar: str | None = None,
+        grammar: str | dict[str, str] | None = None,
         grammar_from: int | None = None,
         images: list[PromptImage] | None = None,
     ) -> Generation:
@@ -122,9 +122,10 @@ class EdgeDecoder:
         prefix both prompts share (a navigation prompt's long few-shot part is prefilled
         once, not every step). Without it every generation is a fresh, closed session.
 
-        `grammar` (GBNF text) constrains the output on both sides (protocol/grammar.py): the draft
-        drafts under it and the server masks the target with it, so every mode's ids are the
-        target's own under the grammar. It applies from prompt_ids[grammar_from:] on (default: the
+        `grammar` constrains the output on both sides (protocol/structured.py, LLGuidance): one of
+        protocol.wire.GRAMMAR_KINDS with its text ({"json_schema": text}, {"lark": text}, {"gbnf": text}; a bare
+        string is GBNF). The draft drafts under it and the server masks the target with it, so every mode's ids
+        are the target's own under the grammar. It applies from prompt_ids[grammar_from:] on (default: the
         generated part only); the ids already there must be allowed by it.
 
         `images` (a vision-language pair: the draft loaded with its mmproj, a target that reads images):
@@ -146,7 +147,8 @@ class EdgeDecoder:
         run = Run(prompt_ids, mode, max_tokens, params, gamma, session, until, self.payload.for_params(params))
         if grammar is not None:
             start = len(prompt_ids) if grammar_from is None else grammar_from
-            run.grammar = GrammarWalk(grammar, start, prompt_ids, self.drafter.grammars)
+            wired = {"gbnf": grammar} if isinstance(grammar, str) else grammar
+            run.grammar = GrammarWalk(wired, start, prompt_ids, self.drafter.grammars)
         run.images = self._use_images(images or [], prompt_ids)
         out = self._generate_local(run) if mode == "local" else self._generate_remote(run)
         run.m.finish(len(out), mode, time.perf_counter() - t0)
@@ -255,10 +257,13 @@ class EdgeDecoder:
         """Open session `sid` (again) with everything committed so far; returns the checked reply."""
         link, welcome = self._connected()
         layers = self.fsd.exit_layers(welcome) if run.mode == "fsd" else []
-        if run.grammar is not None and not welcome.limits.get("grammar"):
+        # a verifier that predates grammar_kinds decodes GBNF alone
+        kinds = welcome.limits.get("grammar_kinds", ["gbnf"]) if welcome.limits.get("grammar") else []
+        kinds = kinds if isinstance(kinds, list) else []
+        if run.grammar is not None and run.grammar.kind not in kinds:
             raise ServerError(
                 "no_grammar",
-                f"the verifier ({welcome.target}) does not decode under a "
+                f"the verifier ({welcome.target}) does not decode under a {run.grammar.kind} "
                 "grammar: its output would not be the constrained target's",
                 sid,
             )
@@ -331,7 +336,9 @@ class EdgeDecoder:
         run.owed = None
         # the next round's draft after each way this one may end, at the length the policy plans now
         stops = self.stop_ids()
-        predrafter.begin(number, run.committed, draft, ctl.plan(), run.params, run.params.seed, stops, run.spec)
+        predrafter.begin(
+            number, run.committed, draft, ctl.plan(), run.params, run.params.seed, stops, run.spec, run.grammar_at()
+        )
         reply = self.fsd.await_result(run, link, predrafter, sid, number, draft, self._vocab())
         rtt = (time.perf_counter() - t0) * 1e3
         m.round_bytes_up += link.bytes_up - up

@@ -30,10 +30,10 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 
 from protocol import modelfiles, sampling
-from protocol.grammar import GrammarCache, GrammarState
 from protocol.images import PromptImage
 from protocol.payload import DraftQ, PayloadSpec, draw
 from protocol.sampling import SamplingParams
+from protocol.structured import ConstraintState, Vocabulary
 from runtime import llamalog
 
 log = logging.getLogger(__name__)
@@ -175,7 +175,7 @@ class Drafter:
         # [PAD<id>] rows; the verifier agrees on the real part and never sends past it, so nor does the draft)
         self.vocab_real = modelfiles.real_vocab_size(pieces)
         self.eos_ids = {int(self.llm.token_eos())}
-        self.grammars = GrammarCache(vocab, self.vocab_real, owner=self.llm)  # compiled answer grammars
+        self.grammars = Vocabulary(vocab, self.vocab_real, owner=self.llm)  # compiles structured output's grammars
         self.chat_template = self.llm.metadata.get("tokenizer.chat_template")
         self.vision = None  # libmtmd's projector (runtime/vision.py) when the draft sees
         self.image_marker: int | None = None  # the image marker's id in this vocabulary
@@ -401,7 +401,7 @@ class Drafter:
         n_cands: int = 0,
         watch: Callable[[int, np.ndarray], bool] | None = None,
         payload: PayloadSpec = PayloadSpec(),
-        grammar: GrammarState | None = None,
+        grammar: ConstraintState | None = None,
     ) -> Draft:
         """Draft up to k tokens after `committed`; at T > 0 each is drawn from the q it is sent with.
 
@@ -412,7 +412,7 @@ class Drafter:
         watch(position, logits [vocab]) is asked before each token is drawn; False ends the draft
         there (the rejection predictor's stop), so the draft may be shorter than k.
         grammar: the state after `committed` (left as it is): each token is drawn from q restricted to
-        what the grammar allows next (protocol/grammar.py), as the target's p will be.
+        what the grammar allows next (protocol/structured.py), as the target's p will be.
         """
         t0 = time.perf_counter()
         if self.kv_cells(len(committed)) + k >= self.llm.n_ctx():
@@ -445,7 +445,7 @@ class Drafter:
         committed: list[int],
         params: SamplingParams,
         rng: np.random.Generator,
-        grammar: GrammarState | None = None,
+        grammar: ConstraintState | None = None,
     ) -> int:
         """One token from the draft alone (offline generation), under `grammar` (its state after committed)."""
         logits = self._logits_after(committed)
@@ -460,7 +460,7 @@ def constrained_draw(
     params: SamplingParams,
     spec: PayloadSpec,
     rng: np.random.Generator,
-    grammar: GrammarState | None,
+    grammar: ConstraintState | None,
 ) -> tuple[int, np.ndarray | None, object]:
     """payload.draw under a grammar's state: greedy takes the masked argmax (one check when the best token is
     allowed), sampling draws from q restricted to the whole allowed set."""

@@ -80,8 +80,8 @@ class FsdDrafts:
             m.predraft_misses += not hit
         grammar = run.grammar_at()
         if draft is not None and grammar is not None:
-            # pre-drafted without the grammar: a prefix of a draft is a valid draft (its tokens were drawn from
-            # the q sent with them), and at T = 0 the allowed prefix is what the masked draft would have drafted
+            # pre-drafted under the grammar (predraft.py), so this keeps it whole; a safeguard all the same: a prefix
+            # of a draft is a valid draft (its tokens were drawn from the q sent with them)
             draft = draft.head(grammar.clone().advance(draft.ids))
         if draft is None or len(draft.ids) < k:
             n_cands = self.options.n_cands

@@ -45,6 +45,7 @@ import numpy as np
 
 from protocol.payload import PayloadSpec
 from protocol.sampling import SamplingParams
+from protocol.structured import ConstraintState
 
 from .branches import Branch, BranchDrafter
 from .drafter import Draft, Drafter
@@ -113,6 +114,7 @@ class _Round:
     stop_ids: frozenset[int]
     exits: VerdictQueue
     payload: PayloadSpec = field(default_factory=PayloadSpec)
+    grammar: ConstraintState | None = None  # the generation's grammar after committed (the worker's own copy)
     guesses: list[tuple[float, tuple[int, ...]]] = field(default_factory=list)  # max-heap by -score
     seen: set[tuple[int, ...]] = field(default_factory=set)  # keys queued, drafting or drafted
     drafting: dict[tuple[int, ...], float] = field(default_factory=dict)  # active branch keys -> estimate
@@ -184,10 +186,13 @@ class PreDrafter:
         seed: int,
         stop_ids: set[int],
         payload: PayloadSpec = PayloadSpec(),
+        grammar: ConstraintState | None = None,
     ) -> None:
         """A draft went out for verification: start guessing how its round ends.
 
-        `draft.cand_p` (the draft's top-K probabilities) ranks the robot's own guesses.
+        `draft.cand_p` (the draft's top-K probabilities) ranks the robot's own guesses. `grammar` (its state after
+        `committed`, cloned here): every branch drafts under it, and a continuation it forbids is never drafted
+        (the verifier masks the target with it, so no round ends that way).
         """
         with self._cv:
             self._end_locked()
@@ -201,6 +206,7 @@ class PreDrafter:
                 frozenset(stop_ids),
                 VerdictQueue(self.queue_size, self.policy, np.random.default_rng([seed, number])),
                 payload.for_params(params),
+                grammar=None if grammar is None else grammar.clone(),
             )
             self._cv.notify_all()
 
@@ -391,8 +397,8 @@ class PreDrafter:
             for b in [b for b in active if b.key != r.wanted]:  # nothing else is worth a step now
                 self._drop(r, active, b)
                 self.stats.branches_preempted += 1
-            if r.wanted not in r.cache and r.wanted not in r.drafting:
-                active.append(self._start(r, r.wanted, 1.0, n, starts))
+            if r.wanted not in r.cache and r.wanted not in r.drafting:  # what the target committed: allowed
+                active.append(self._start(r, r.wanted, 1.0, n, starts, self._walk(r, r.wanted)))
             return
         while True:
             best = self._best_pending(r)
@@ -412,7 +418,10 @@ class PreDrafter:
                 r.seen.discard(victim.key)
                 heapq.heappush(r.guesses, (-r.guess_odds.get(victim.key, 0.0), victim.key))
             r.seen.add(key)
-            active.append(self._start(r, key, estimate, n, starts))
+            grammar = self._walk(r, key)
+            if r.grammar is not None and grammar is None:
+                continue  # the grammar forbids it: never the round's outcome
+            active.append(self._start(r, key, estimate, n, starts, grammar))
 
     def _best_pending(self, r: _Round) -> tuple[float, tuple[int, ...], _Item | None] | None:
         """The better of the next early verdict (by queue policy) and the best guess, off their queues:
@@ -439,10 +448,26 @@ class PreDrafter:
         heapq.heappop(r.guesses)
         return guess[0], guess[1], None
 
-    def _start(self, r: _Round, key: tuple[int, ...], estimate: float, n: int, starts: Iterator[int]) -> Branch:
+    @staticmethod
+    def _walk(r: _Round, key: tuple[int, ...]) -> ConstraintState | None:
+        """The grammar's state after committed + key; None without a grammar, or where it forbids a token of key."""
+        if r.grammar is None:
+            return None
+        state = r.grammar.clone()
+        return state if state.advance(key) == len(key) else None
+
+    def _start(
+        self,
+        r: _Round,
+        key: tuple[int, ...],
+        estimate: float,
+        n: int,
+        starts: Iterator[int],
+        grammar: ConstraintState | None,
+    ) -> Branch:
         self.stats.branches_started += 1
         rng = np.random.default_rng([r.seed, r.number, next(starts), 7])
-        b = self.branches.start(key, n, r.gamma, rng)
+        b = self.branches.start(key, n, r.gamma, rng, grammar)
         r.drafting[key] = estimate
         return b
 

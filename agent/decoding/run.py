@@ -12,10 +12,10 @@ from typing import Callable
 import numpy as np
 
 from protocol import wire
-from protocol.grammar import GrammarCache, GrammarState
 from protocol.images import ImageError, PromptImage, check_offered
 from protocol.payload import PayloadSpec
 from protocol.sampling import SamplingParams
+from protocol.structured import ConstraintState, Vocabulary
 
 from .link import ProtocolViolation, ServerError
 from .metrics import Metrics
@@ -23,17 +23,26 @@ from .policy import DraftController
 
 
 class GrammarWalk:
-    """The draft's walk of a generation's grammar (GBNF) over the committed ids, which only grow."""
+    """The draft's walk of a generation's grammar over the committed ids, which only grow.
 
-    def __init__(self, gbnf: str, start: int, prompt_ids: list[int], grammars: GrammarCache) -> None:
+    `grammar` is the wire's: one of protocol.wire.GRAMMAR_KINDS with its text ({"json_schema": text},
+    {"lark": text} or {"gbnf": text}), compiled by LLGuidance over the draft's vocabulary as the server compiles it
+    over the target's (protocol/structured.py)."""
+
+    def __init__(self, grammar: dict[str, str], start: int, prompt_ids: list[int], vocab: Vocabulary) -> None:
         if not 0 <= start <= len(prompt_ids):
             raise ValueError(f"grammar_from {start} lies outside the prompt of {len(prompt_ids)} tokens")
-        self.wire = {"gbnf": gbnf, "from": start}  # Open.grammar
-        # GrammarError when the prompt's constrained part leaves the grammar
-        self.state: GrammarState = grammars.get(gbnf).walk(prompt_ids[start:])
+        if len(grammar) != 1 or not set(grammar) <= set(wire.GRAMMAR_KINDS):
+            raise ValueError(
+                f"a grammar is one of {', '.join(wire.GRAMMAR_KINDS)} with its text, not {sorted(grammar)}"
+            )
+        self.kind = next(iter(grammar))
+        self.wire: dict[str, str | int] = {**grammar, "from": start}  # Open.grammar
+        # GrammarError (SchemaError) when it does not compile or the prompt's constrained part leaves it
+        self.state: ConstraintState = vocab.for_wire(grammar).walk(prompt_ids[start:])
         self.pos = len(prompt_ids)  # the state is the walk over committed[:pos]
 
-    def at(self, committed: list[int]) -> GrammarState:
+    def at(self, committed: list[int]) -> ConstraintState:
         """The state after `committed`, walked on from where it was. A token the grammar forbids means the
         verifier did not apply it: GrammarError."""
         for t in committed[self.pos :]:
@@ -119,7 +128,7 @@ class Run:
         self._checked = len(out)
         return None
 
-    def grammar_at(self) -> GrammarState | None:
+    def grammar_at(self) -> ConstraintState | None:
         """The grammar's state after the committed ids; None without a grammar."""
         return None if self.grammar is None else self.grammar.at(self.committed)
 

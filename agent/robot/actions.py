@@ -75,7 +75,7 @@ REASON_MAX_CHARS = 100  # the reason sentence, its period included
 def answer_grammar(reason_max_chars: int = REASON_MAX_CHARS) -> str:
     """The answer as GBNF: one short reason sentence, free, then exactly one of the 10 NaVILA sentences.
 
-    Both sides decode under it (protocol/grammar.py: llama.cpp's grammar sampler on the draft
+    Both sides decode under it (protocol/structured.py: LLGuidance, which reads GBNF, on the draft
     and on the target), so every answer parses exactly and the controller never guesses. The
     reason is letters, digits, spaces and , ; ' - up to its period; the action is one
     alternative per vocabulary entry, generated from VOCABULARY so the two never drift apart.

@@ -4,7 +4,7 @@ The same navigation prompts (tools/robot/nav_prompt_eval.py's situations: one fr
 steps) go through SD (gamma 4, T = 0) against one local verifier behind the network emulator,
 each prompt twice in a row after both sides have prefilled it: once free, once under the NaVILA answer grammar
 (agent/robot/actions.py,
-applied on both sides by protocol/grammar.py). Also timed: llama.cpp's grammar sampler over the
+applied on both sides by protocol/structured.py, LLGuidance). Also timed: the grammar's mask over the
 whole vocabulary (what a T > 0 position costs each side) and for one token (what a greedy position
 costs when the best token is allowed).
 
@@ -37,7 +37,7 @@ RUNS = ("free", "grammar")
 
 def mask_cost(drafter: Drafter, gbnf: str, repeats: int = 20) -> dict:
     """ms for a whole-vocabulary mask and for one allowed-token check, mid-reason (the widest state)."""
-    state = drafter.grammars.get(gbnf).walk(drafter.tokenize("The red box is to the left"))
+    state = drafter.grammars.compile("gbnf", gbnf).walk(drafter.tokenize("The red box is to the left"))
     t0 = time.perf_counter()
     for _ in range(repeats):
         state.mask()

@@ -1,9 +1,9 @@
 """JSON schemas through each structured-output engine: what compiles, what is refused, what breaks, how fast.
 
 Two engines over the shipped draft's vocabulary (SmolLM2, 49,152 tokens):
-- `gbnf`: today's path, protocol/grammar.py (the schema checked by prepare_schema, converted to GBNF by llama.cpp's
-  converter, compiled by llama.cpp's grammar sampler);
-- `llguidance`: protocol/structured.py (check_schema, then LLGuidance).
+- `gbnf`: the path before LLGuidance, tools/bench/llamacpp_grammar.py (the schema checked by prepare_schema,
+  converted to GBNF by llama.cpp's converter, compiled by llama.cpp's grammar sampler);
+- `llguidance`: protocol/structured.py (check_schema, then LLGuidance), what both sides run.
 
 For each schema: compiled, refused with a typed error (SchemaError or GrammarError, a reason the endpoint answers
 with 400) or broken (any other exception: a 500), and the compile time. For MaskBench's schemas, each of their
@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from protocol import grammar, modelfiles, structured
-from tools.bench import harness, jsb_data
+from tools.bench import harness, jsb_data, llamacpp_grammar
 
 JSB_COMMIT = jsb_data.JSB_COMMIT
 SAMPLE = Path(__file__).resolve().parents[1] / "schemas" / "maskbench-sample.jsonl"
@@ -53,12 +53,12 @@ class Engine:
         if name == "llguidance":
             self.vocabulary = structured.Vocabulary(vocab, n)
         else:
-            self.cache = grammar.GrammarCache(vocab, n, size=4)
+            self.cache = llamacpp_grammar.GrammarCache(vocab, n, size=4)
 
     def compile(self, schema: Any) -> Callable[[], Any]:
         if self.name == "llguidance":
             return self.vocabulary.schema(schema).start
-        return self.cache.get(grammar.schema_gbnf(schema)).start
+        return self.cache.get(llamacpp_grammar.schema_gbnf(schema)).start
 
 
 def categories(args: argparse.Namespace) -> Iterator[tuple[str, str, Any, list[dict[str, Any]]]]:

@@ -205,6 +205,19 @@ def test_structured_output_validates(endpoint):
     assert isinstance(json.loads(r.choices[0].message.content), dict)
 
 
+def test_a_schema_bound_answer_that_cannot_end_in_time_is_cut_at_length_never_called_complete(endpoint):
+    """30,000,000 items at least (LLGuidance counts lazily: it compiles at once): the answer runs into max_tokens
+    and says so; the text so far is a prefix of a valid instance, not JSON to trust."""
+    schema = {"type": "array", "items": {"type": "integer"}, "minItems": 30_000_000}
+    r = endpoint.openai().chat.completions.create(
+        model="edge", messages=ASK, max_tokens=12, response_format=_format(schema)
+    )
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 12
+    assert r.choices[0].message.content.lstrip().startswith("[")
+    with pytest.raises(ValueError):
+        json.loads(r.choices[0].message.content)
+
+
 TOOLS = [
     {
         "type": "function",
@@ -289,38 +302,51 @@ def _format(schema: dict) -> dict:
 
 
 def test_what_ended_in_a_500_or_seconds_under_the_lock_is_a_400_at_once(endpoint):
-    """A schema the converter expanded for seconds (minItems 30000000: 10 s, 1.75 GB) or could not take (an
-    AssertionError or AttributeError), tool_choice {"function": "x"} (an AttributeError) and an image sent to a
-    text-only pair (a TypeError in the chat template): each is a 400 in OpenAI's shape, within a second."""
+    """A schema over the bounds or one LLGuidance cannot enforce (each named by its keyword and the request's
+    parameter), a malformed tool_choice (an AttributeError or TypeError once) and an image sent to a text-only
+    pair (a TypeError in the chat template): each is a 400 in OpenAI's shape, within a second."""
     from tests.protocol.test_images import png
 
     image = "data:image/png;base64," + __import__("base64").b64encode(png()).decode()
+    one_of = {"type": "object", "oneOf": [{"required": ["a"]}, {"required": ["b"]}]}
     cases = [
+        ({"response_format": _format({"type": "string", "pattern": "^a{100000000}$"})}, "pattern", "response_format"),
+        ({"response_format": _format({"enum": list(range(5000))})}, "enum", "response_format"),
+        ({"response_format": _format(one_of)}, "oneOf", "response_format"),
+        ({"response_format": _format({"allOf": [{"type": "object"}, {"not": {}}]})}, "not", "response_format"),
+        ({"response_format": _format({"type": "string", "pattern": "^(?=a)b$"})}, "pattern", "response_format"),
+        ({"response_format": _format({"$ref": "#/$defs/missing"})}, "missing", "response_format"),
+        ({"tools": [{**TOOLS[0], "function": {**TOOLS[0]["function"], "parameters": one_of}}]}, "oneOf", "tools"),
         (
-            {"response_format": _format({"type": "array", "items": {"type": "integer"}, "minItems": 30_000_000})},
-            "minItems",
+            {
+                "tools": [{**TOOLS[0], "function": {**TOOLS[0]["function"], "parameters": one_of}}],
+                "tool_choice": "required",
+            },
+            "oneOf",
+            "tools",
         ),
-        ({"response_format": _format({"type": "string", "minLength": 10**8})}, "minLength"),
-        ({"response_format": _format({"type": "object", "oneOf": [{"required": ["a"]}]})}, "oneOf"),
-        ({"response_format": _format({"type": "object", "properties": {"a": True}})}, "properties"),
-        ({"response_format": _format({"type": "array", "items": False})}, "items"),
-        ({"response_format": _format({"type": "string", "pattern": "[a-z]+"})}, "pattern"),
-        ({"response_format": _format({"type": "string", "pattern": "^a]$"})}, "pattern"),  # the converter looped
-        ({"tools": [{**TOOLS[0], "function": {**TOOLS[0]["function"], "parameters": {"anyOf": [True]}}}]}, "anyOf"),
-        ({"tools": TOOLS, "tool_choice": {"function": "move"}}, "tool_choice"),
-        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": None}}, "tool_choice"),
+        ({"tools": TOOLS, "tool_choice": {"function": "move"}}, "tool_choice", "tool_choice"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": None}}, "tool_choice", "tool_choice"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function"}}, "tool_choice", "tool_choice"),
+        ({"tools": TOOLS, "tool_choice": {"function": {"name": 7}}}, "tool_choice", "tool_choice"),
+        ({"tools": TOOLS, "tool_choice": {"function": {"name": ["move"]}}}, "tool_choice", "tool_choice"),
+        ({"tools": TOOLS, "tool_choice": {"function": {"name": "fly"}}}, "tool_choice", "tool_choice"),
+        ({"tools": TOOLS, "tool_choice": 5}, "tool_choice", "tool_choice"),
+        ({"tool_choice": "required"}, "tool_choice", "tool_choice"),
         (
             {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": image}}]}]},
             "text only",
+            "messages",
         ),
     ]
     oc = endpoint.openai()
-    for kw, word in cases:
+    for kw, word, param in cases:
         t0 = time.monotonic()
         with pytest.raises(openai.BadRequestError) as e:
             oc.chat.completions.create(**{"model": "edge", "messages": ASK, "max_tokens": 8, **kw})
         assert e.value.status_code == 400 and e.value.body["type"] == "invalid_request_error", kw
         assert word in e.value.body["message"] and time.monotonic() - t0 < 1.0, (kw, e.value.body)
+        assert e.value.body["param"] == param, (kw, e.value.body)
     r = oc.chat.completions.create(model="edge", messages=ASK, max_tokens=4)  # and the endpoint still answers
     assert r.usage.completion_tokens == 4
 

@@ -1,4 +1,4 @@
-"""Answers under the NaVILA grammar, on both sides, exactly (protocol/grammar.py).
+"""Answers under the NaVILA grammar, on both sides, exactly (protocol/structured.py).
 
 The robot's draft and the server's target each compile the same GBNF over their own GGUF's
 vocabulary. These tests check that both sides mask identically at every position of recorded
@@ -47,10 +47,10 @@ def prompt(drafter, task, seen):
     )
 
 
-def target_greedy(target, ids, max_tokens):
+def target_greedy(target, ids, max_tokens, grammar=None):
     """The reference: the target alone, one token at a time, argmax of its logits under the grammar."""
     state = target.new_state(ids)
-    walk = target.grammar(GBNF).start()
+    walk = target.grammar(grammar or {"gbnf": GBNF}).start()
     out = []
     for _ in range(max_tokens):
         token = walk.argmax(target.score(state, [])[0])
@@ -76,8 +76,8 @@ def references(drafter, target):
 
 
 def test_both_sides_mask_the_same_at_every_position_of_recorded_answers(drafter, target):
-    """The draft's Q4_1 GGUF and the target's F32 GGUF, each through llama.cpp's grammar sampler."""
-    robot, server = drafter.grammars.get(GBNF), target.grammar(GBNF)
+    """The draft's Q4_1 GGUF and the target's F32 GGUF, each through LLGuidance."""
+    robot, server = drafter.grammars.compile("gbnf", GBNF), target.grammar({"gbnf": GBNF})
     positions = 0
     for text in RECORDED:
         ids = drafter.tokenize(text) + sorted(drafter.eos_ids)
@@ -94,7 +94,7 @@ def test_both_sides_mask_the_same_at_every_position_of_recorded_answers(drafter,
 
 
 def test_the_grammar_admits_every_navila_sentence_and_nothing_after_it(drafter):
-    g = drafter.grammars.get(GBNF)
+    g = drafter.grammars.compile("gbnf", GBNF)
     for action in VOCABULARY:
         state = g.walk(drafter.tokenize(f"I see it. {action.text}"))
         allowed = set(np.flatnonzero(state.mask()).tolist())
@@ -102,7 +102,7 @@ def test_the_grammar_admits_every_navila_sentence_and_nothing_after_it(drafter):
     with pytest.raises(GrammarError):
         g.walk(drafter.tokenize("I see it. The next action is move forward 1 m."))
     with pytest.raises(GrammarError):
-        drafter.grammars.get("root ::= (")
+        drafter.grammars.compile("gbnf", "root ::= (")
 
 
 @pytest.mark.parametrize(
@@ -130,6 +130,37 @@ def test_every_mode_and_payload_gives_the_targets_constrained_greedy_ids(
             assert parse_action(gen.text).how == "exact"
     finally:
         dec.close()
+
+
+BOXES = {  # the schema of tests/agent/app/test_openai_api.py, as the Python API sends it
+    "type": "object",
+    "properties": {"colour": {"enum": ["red", "green", "blue"]}, "count": {"type": "integer", "minimum": 0}},
+    "required": ["colour", "count"],
+    "additionalProperties": False,
+}
+
+
+def test_a_json_schema_gives_the_targets_constrained_greedy_ids_in_every_mode(drafter, target, grammar_server):
+    """A schema travels as itself ({"json_schema": text}) and both sides compile it with LLGuidance: AR, SD and
+    FSD (pre-drafting under it) commit the target's own masked greedy ids, and the answer validates."""
+    import json
+
+    from agent.client import schema_grammar
+
+    sent = schema_grammar(BOXES)
+    ids = drafter.tokenize(
+        drafter.apply_chat_template([{"role": "user", "content": "How many red boxes are there? Answer in JSON."}])
+    )
+    ref = target_greedy(target, ids, 32, sent)
+    dec = open_decoder(DecoderSettings(url=grammar_server.url, fsd=FsdOptions(exits=())), drafter)
+    try:
+        for mode in ("ar", "sd", "fsd"):
+            gen = dec.generate(ids, mode=mode, gamma=4, max_tokens=32, grammar=sent)
+            assert gen.token_ids == ref, mode
+    finally:
+        dec.close()
+    answer = json.loads(drafter.detokenize(ref, skip=drafter.eos_ids))
+    assert answer["colour"] in ("red", "green", "blue") and set(answer) == {"colour", "count"}
 
 
 @pytest.mark.parametrize("mode", ["sd", "fsd"])
@@ -200,7 +231,7 @@ def test_sampled_verification_commits_the_masked_renormalised_target(drafter, ta
     p = sampling.probs_from_logits(logits, params, mask)
     assert not np.array_equal(p > 0, sampling.probs_from_logits(logits, params) > 0), "the mask changed nothing"
     support = np.flatnonzero(p)
-    grammar = drafter.grammars.get(GBNF).walk(answer)
+    grammar = drafter.grammars.compile("gbnf", GBNF).walk(answer)
     rng = np.random.default_rng(5)
     firsts, rejected = [], 0
     for r in range(240):
@@ -213,7 +244,7 @@ def test_sampled_verification_commits_the_masked_renormalised_target(drafter, ta
         firsts.append(d.ids[0] if out.verdict.accepted else token)
         rejected += out.verdict.accepted == 0
         target.rewind(session.state, ids)
-        session.grammar = target.grammar(GBNF).walk(answer)  # the next round starts from the same prefix
+        session.grammar = target.grammar({"gbnf": GBNF}).walk(answer)  # the next round starts from the same prefix
         session.owed = None
     counts = np.array([firsts.count(t) for t in support])
     assert counts.sum() == len(firsts), "a token outside the masked top-k was committed"
@@ -228,6 +259,12 @@ def test_a_bad_grammar_or_a_prompt_outside_it_is_refused_on_that_session_only(dr
     greedy = {"temperature": 0.0, "top_k": 0, "seed": 0}
     with pytest.raises(wire.WireError, match="grammar"):
         verifier.open(wire.Open("g1", ids, greedy, grammar={"gbnf": "root ::= (", "from": len(ids)}), 1, None)
+    for bad in ('{"oneOf": [{"required": ["a"]}, {"required": ["b"]}]}', '{"type": "bogus"}', "{"):
+        with pytest.raises(wire.WireError, match="grammar") as e:
+            verifier.open(wire.Open("g5", ids, greedy, grammar={"json_schema": bad, "from": len(ids)}), 1, None)
+        assert e.value.code == "bad_field"
+    with pytest.raises(wire.WireError, match="grammar"):
+        verifier.open(wire.Open("g6", ids, greedy, grammar={"lark": "start: nowhere", "from": len(ids)}), 1, None)
     with pytest.raises(wire.WireError, match="not allowed"):
         verifier.open(wire.Open("g2", ids, greedy, grammar={"gbnf": GBNF, "from": len(ids) - 2}), 1, None)
     session, _ = verifier.open(wire.Open("g3", ids, greedy, grammar={"gbnf": GBNF, "from": len(ids)}), 1, None)
@@ -240,6 +277,13 @@ def test_a_robot_that_needs_a_grammar_refuses_a_verifier_without_one(drafter, gr
     from agent.decoding.link import ServerError
     from server_bridge.target import Target
 
+    monkeypatch.setattr(Target, "grammar_kinds", property(lambda self: ["gbnf"]))  # a server before LLGuidance
+    dec = open_decoder(DecoderSettings(url=grammar_server.url), drafter)
+    try:
+        with pytest.raises(ServerError, match="json_schema"):
+            dec.generate(prompt(drafter, *TASKS[0]), mode="sd", max_tokens=8, grammar={"json_schema": "{}"})
+    finally:
+        dec.close()
     monkeypatch.setattr(Target, "grammars_supported", property(lambda self: False))
     dec = open_decoder(DecoderSettings(verifier=grammar_server.url), drafter)
     try:
@@ -251,7 +295,7 @@ def test_a_robot_that_needs_a_grammar_refuses_a_verifier_without_one(drafter, gr
 
 def test_the_torch_engine_masks_with_its_gguf_vocabulary_and_stays_exact(drafter, target, torch_target, references):
     """The torch engine runs the grammar on the vocabulary of the GGUF it was converted from (vocab only)."""
-    a, b = target.grammar(GBNF).start(), torch_target.grammar(GBNF).start()
+    a, b = target.grammar({"gbnf": GBNF}).start(), torch_target.grammar({"gbnf": GBNF}).start()
     for t in drafter.tokenize(RECORDED[0]):
         assert np.array_equal(a.mask(), b.mask())
         a.accept(t)

@@ -151,3 +151,36 @@ def test_exit_flood_stays_bounded_and_inconsistent_verdicts_are_ignored(drafter,
         assert len(r.cache) <= predrafter.cache_size
         assert len(r.drafting) <= predrafter.workers
     predrafter.cancel()
+
+
+@pytest.mark.real
+def test_branches_draft_under_the_grammar_and_never_what_it_forbids(drafter, predrafter):
+    """Mid-answer under the NaVILA grammar: every pre-drafted continuation is one the grammar allows, and its draft
+    is allowed after it token by token (drawn under the branch's own state, as Drafter.propose draws)."""
+    from agent.robot.actions import answer_grammar
+
+    g = drafter.grammars.compile("gbnf", answer_grammar())
+    answer = drafter.tokenize("The red box is to the left")
+    committed = drafter.tokenize(PROMPT, chat=True) + answer
+    state = g.walk(answer)
+    draft = drafter.propose(committed, 4, GREEDY, np.random.default_rng(0), n_cands=8, grammar=state)
+    predrafter.begin(102, committed, draft, 4, GREEDY, 0, drafter.eos_ids, PayloadSpec(), state)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        with predrafter._cv:
+            cached = dict(predrafter._round.cache)
+            seen = set(predrafter._round.seen)
+        if len(cached) >= 2 or (cached and time.monotonic() > deadline - 15):
+            break
+        time.sleep(0.05)
+    assert cached, "nothing was pre-drafted"
+    for key, got in cached.items():
+        walk = state.clone()
+        assert walk.advance(key) == len(key), f"{key} is forbidden yet was drafted"
+        assert walk.advance(got.ids) == len(got.ids), f"the draft after {key} leaves the grammar"
+    forbidden = next(t for t in range(1000) if not state.allows(t))
+    with predrafter._cv:
+        assert predrafter._walk(predrafter._round, (forbidden,)) is None
+    assert all(state.clone().advance(k) == len(k) for k in seen & set(cached))
+    got, _ = predrafter.take(102, next(iter(cached)))
+    assert got is not None
