@@ -5,8 +5,8 @@ and its callers share: `GrammarError` (a grammar that does not compile, or a tok
 `SchemaError` (a JSON schema refused, naming the keyword), which the server answers as the wire's bad_field and
 the endpoint as a 400; and `vocab_only`, the vocabulary of a GGUF whose model runs elsewhere (the torch engine).
 
-llama.cpp's own GBNF sampler and JSON-schema converter, which both sides ran before (4-11 ms a mask), live on
-only as a comparison in tools/bench/llamacpp_grammar.py.
+llama.cpp's own GBNF sampler and JSON-schema converter, which both sides ran before (4-11 ms a mask), are gone;
+docs/benchmarks/schemas.md keeps what they measured against LLGuidance.
 """
 
 from __future__ import annotations

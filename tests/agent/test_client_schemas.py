@@ -3,7 +3,7 @@
 before anything compiles, anything LLGuidance cannot enforce refused as a RequestError naming the keyword, never
 an AssertionError, an AttributeError or a hang; all of it off the model's lock.
 
-The schemas below broke llama.cpp's converter (the path before LLGuidance: tools/bench/llamacpp_grammar.py) one
+The schemas below broke llama.cpp's converter (the path before LLGuidance, docs/benchmarks/schemas.md) one
 way or another: a huge expansion, an assertion, a loop."""
 
 from __future__ import annotations

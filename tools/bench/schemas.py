@@ -1,9 +1,10 @@
-"""JSON schemas through each structured-output engine: what compiles, what is refused, what breaks, how fast.
+"""JSON schemas through structured output as each side builds it: what compiles, what is refused, how fast.
 
-Two engines over the shipped draft's vocabulary (SmolLM2, 49,152 tokens):
-- `gbnf`: the path before LLGuidance, tools/bench/llamacpp_grammar.py (the schema checked by prepare_schema,
-  converted to GBNF by llama.cpp's converter, compiled by llama.cpp's grammar sampler);
-- `llguidance`: protocol/structured.py (check_schema, then LLGuidance), what both sides run.
+Both sides run LLGuidance (protocol/structured.py: check_schema, then the compile), each over its own model's
+vocabulary, built the way the product builds it:
+- `robot`: the draft model's, as open_decoder's Drafter holds it (`drafter.grammars`);
+- `server`: the target's, as the verifier compiles an open's grammar (`load_target(...).grammar`, the default
+  llamacpp engine).
 
 For each schema: compiled, refused with a typed error (SchemaError or GrammarError, a reason the endpoint answers
 with 400) or broken (any other exception: a 500), and the compile time. For MaskBench's schemas, each of their
@@ -18,7 +19,7 @@ checkout of that repository at JSB_COMMIT. Without it, the sample in tools/schem
 MaskBench schemas, 8 of each category of at most 12 KB, with their instances) stands in for both.
 
     python -m tools.bench.schemas --out docs/benchmarks/schemas                       # the sample, ~1 min
-    python -m tools.bench.schemas --data auto --per-category 200 --out bench_results/schemas
+    python -m tools.bench.schemas --data auto --out bench_results/schemas             # 20,864 schemas, ~8 min
 
 Writes schemas.json, schemas.md and schemas.png under --out (tools/bench/harness.py).
 """
@@ -36,29 +37,34 @@ from typing import Any
 
 import numpy as np
 
-from protocol import grammar, modelfiles, structured
-from tools.bench import harness, jsb_data, llamacpp_grammar
+from protocol import grammar, modelfiles
+from tools.bench import harness, jsb_data
 
 JSB_COMMIT = jsb_data.JSB_COMMIT
 SAMPLE = Path(__file__).resolve().parents[1] / "schemas" / "maskbench-sample.jsonl"
-ENGINES = ("llguidance", "gbnf")
+SIDES = ("robot", "server")
 
 
-class Engine:
-    """One engine over one vocabulary: compile(schema) -> a start state factory; refusals are typed."""
+class Side:
+    """One side's structured output: compile(schema) -> a start state factory; refusals are typed."""
 
-    def __init__(self, name: str, model_vocab: tuple[Any, Any, int]) -> None:
-        _, vocab, n = model_vocab
+    def __init__(self, name: str) -> None:
         self.name = name
-        if name == "llguidance":
-            self.vocabulary = structured.Vocabulary(vocab, n)
+        if name == "robot":
+            from agent.decoding import DecoderSettings, open_decoder
+
+            drafter = open_decoder(DecoderSettings(threads=1)).drafter
+            self._compile: Callable[[str], Any] = drafter.grammars.schema
+        elif name == "server":
+            from server_bridge.target import load_target
+
+            target = load_target(threads=1)
+            self._compile = lambda text: target.grammar({"json_schema": text})
         else:
-            self.cache = llamacpp_grammar.GrammarCache(vocab, n, size=4)
+            raise ValueError(f"a side is one of {', '.join(SIDES)}, not {name!r}")
 
     def compile(self, schema: Any) -> Callable[[], Any]:
-        if self.name == "llguidance":
-            return self.vocabulary.schema(schema).start
-        return self.cache.get(llamacpp_grammar.schema_gbnf(schema)).start
+        return self._compile(schema if isinstance(schema, str) else json.dumps(schema, separators=(",", ":"))).start
 
 
 def categories(args: argparse.Namespace) -> Iterator[tuple[str, str, Any, list[dict[str, Any]]]]:
@@ -96,7 +102,7 @@ def walk(start: Callable[[], Any], ids: list[int], times: list[float]) -> bool:
     return True
 
 
-def one_schema(engine: Engine, schema: Any, tests: list[dict[str, Any]], tokenize, times: list[float]) -> dict:
+def one_schema(engine: Side, schema: Any, tests: list[dict[str, Any]], tokenize, times: list[float]) -> dict:
     row: dict[str, Any] = {"status": "compiled"}
     t0 = time.perf_counter()
     try:
@@ -162,13 +168,12 @@ def measure(args: argparse.Namespace) -> dict:
     from llama_cpp import Llama
 
     gguf = modelfiles.shipped_gguf()
-    model_vocab = grammar.vocab_only(gguf)
-    llama = Llama(str(gguf), vocab_only=True, verbose=False)
+    llama = Llama(str(gguf), vocab_only=True, verbose=False)  # the pair's one vocabulary (the handshake checks it)
 
     def tokenize(text: str) -> list[int]:
         return list(llama.tokenize(text.encode(), add_bos=False, special=False))
 
-    engines = [Engine(name, model_vocab) for name in harness.names(args.engines)]
+    engines = [Side(name) for name in harness.names(args.sides)]
     schemas = list(categories(args))
     if args.quick:
         schemas = schemas[:: max(1, len(schemas) // 12)]
@@ -177,9 +182,8 @@ def measure(args: argparse.Namespace) -> dict:
         by_category: dict[str, tuple[list[dict], list[float]]] = {}
         for i, (category, sid, schema, tests) in enumerate(schemas):
             got, times = by_category.setdefault(category, ([], []))
-            masked = tests if (engine.name == "llguidance" or args.gbnf_masks) else []
-            row = one_schema(engine, schema, masked, tokenize, times)
-            got.append({"id": sid, "maskbench": bool(masked), **row})
+            row = one_schema(engine, schema, tests, tokenize, times)
+            got.append({"id": sid, "maskbench": bool(tests), **row})
             if (i + 1) % 200 == 0:
                 print(f"  {engine.name}: {i + 1} of {len(schemas)} schemas", file=sys.stderr, flush=True)
         for category, (got, times) in by_category.items():
@@ -200,7 +204,7 @@ def measure(args: argparse.Namespace) -> dict:
         "rows": rows,
         "endpoint": endpoint,
         "source": source,
-        "vocab": model_vocab[2],
+        "vocab": llama.n_vocab(),
         "draft": gguf.name,
         "endpoint_max_tokens": args.endpoint_max_tokens,
     }
@@ -224,12 +228,7 @@ def add_args(ap: argparse.ArgumentParser) -> None:
         "or a checkout of github.com/guidance-ai/jsonschemabench at JSB_COMMIT; unset: the shipped sample",
     )
     ap.add_argument("--per-category", type=int, default=0, help="schemas drawn from each category (0: all)")
-    ap.add_argument("--engines", default=",".join(ENGINES), help=f"comma-separated: {', '.join(ENGINES)}")
-    ap.add_argument(
-        "--gbnf-masks",
-        action="store_true",
-        help="walk MaskBench's instances on the gbnf engine too (its masks cost milliseconds: slow)",
-    )
+    ap.add_argument("--sides", default=",".join(SIDES), help=f"comma-separated: {', '.join(SIDES)}")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
         "--endpoint",
@@ -245,13 +244,13 @@ def add_args(ap: argparse.ArgumentParser) -> None:
 
 REPORT = harness.Report(
     "schemas",
-    "# JSON schemas through each structured-output engine ({source})",
+    "# JSON schemas through structured output on each side ({source})",
     [
         harness.Table(
             "rows",
             [
                 harness.Col("category"),
-                harness.Col("engine"),
+                harness.Col("engine", "side"),
                 harness.Col("schemas"),
                 harness.Col("compiled", fmt=harness.pct),
                 harness.Col("refused", "refused (400)"),
@@ -271,7 +270,7 @@ REPORT = harness.Report(
             "rows",
             [
                 harness.Col("category"),
-                harness.Col("engine"),
+                harness.Col("engine", "side"),
                 harness.Col("reasons", "most frequent refusals", "; ".join),
             ],
             title="## Why schemas are refused",
@@ -300,7 +299,7 @@ REPORT = harness.Report(
         xlabel="category",
         ylabel="share compiled",
         ylim=(0.0, 1.05),
-        title="Schemas compiled, by category and engine",
+        title="Schemas compiled, by category and side",
     ),
 )
 

@@ -152,7 +152,7 @@ def test_a_json_schema_gives_the_targets_constrained_greedy_ids_in_every_mode(dr
         drafter.apply_chat_template([{"role": "user", "content": "How many red boxes are there? Answer in JSON."}])
     )
     ref = target_greedy(target, ids, 32, sent)
-    dec = open_decoder(DecoderSettings(url=grammar_server.url, fsd=FsdOptions(exits=())), drafter)
+    dec = open_decoder(DecoderSettings(verifier=grammar_server.url, exits=""), drafter)
     try:
         for mode in ("ar", "sd", "fsd"):
             gen = dec.generate(ids, mode=mode, gamma=4, max_tokens=32, grammar=sent)
@@ -278,7 +278,7 @@ def test_a_robot_that_needs_a_grammar_refuses_a_verifier_without_one(drafter, gr
     from server_bridge.target import Target
 
     monkeypatch.setattr(Target, "grammar_kinds", property(lambda self: ["gbnf"]))  # a server before LLGuidance
-    dec = open_decoder(DecoderSettings(url=grammar_server.url), drafter)
+    dec = open_decoder(DecoderSettings(verifier=grammar_server.url), drafter)
     try:
         with pytest.raises(ServerError, match="json_schema"):
             dec.generate(prompt(drafter, *TASKS[0]), mode="sd", max_tokens=8, grammar={"json_schema": "{}"})
