@@ -299,7 +299,12 @@ class Client:
             ids, images = self._prompt(req)
             self._check_context(len(ids), req.max_tokens)
             pieces = _Pieces(lambda out: self.drafter.detokenize(out, skip=self.decoder.stop_ids()), req.stop, emit)
-            return self._decode(req, ids, images, grammar, pieces)
+            try:
+                return self._decode(req, ids, images, grammar, pieces)
+            except GrammarError as e:  # LLGuidance's own bounds met midway (a row of 2,000 items: wide anyOfs)
+                param = "schema" if req.schema is not None else "grammar"
+                reason = str(e).splitlines()[0]
+                raise RequestError(f"the {param} cannot be enforced past what was generated: {reason}", param) from None
 
     def _grammar(self, req: _Request) -> dict[str, str] | None:
         """The request's grammar as an open sends it, compiled over the draft's vocabulary once here (off the

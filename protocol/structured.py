@@ -168,6 +168,10 @@ class Constraint:
         self._root = _compile(vocab.tokenizer, spec, timeout_s)
         if self._root.is_error():
             raise _refusal(kind, self._root.get_error())
+        try:  # the first mask, here rather than at a generation's first token: LLGuidance's parser limits (a row of
+            self.start().mask()  # 2,000 items: an anyOf of two wide objects) may refuse a grammar it compiled
+        except GrammarError as e:
+            raise _refusal(kind, str(e).removeprefix("the grammar failed: ")) from None
 
     def start(self) -> ConstraintState:
         return ConstraintState(self, self._root.deep_copy())
@@ -284,7 +288,7 @@ class ConstraintState:
 
     def _raise_if_error(self) -> None:
         if self._m.is_error():
-            raise GrammarError(f"the grammar failed: {self._m.get_error()[:300]}")
+            raise GrammarError(f"the grammar failed: {self._m.get_error().splitlines()[0][:300]}")
 
 
 # ---------------------------------------------------------------------------------------------- schemas

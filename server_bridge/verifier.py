@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from protocol import payload, sampling
+from protocol.grammar import GrammarError
 from protocol.wire import Exit, Open, Verify, WireError
 
 from .ar import prepare_ar
@@ -99,6 +100,8 @@ class Verifier:
                 out[i] = work.finish(row)
             except WireError as e:
                 out[i] = e
+            except GrammarError as e:  # LLGuidance's own bounds met midway (a row of 2,000 items: wide anyOfs)
+                out[i] = WireError("bad_field", f"grammar: {str(e).splitlines()[0]}", requests[i].sid)
             except Exception as e:  # its state is untouched: finish commits last
                 log.exception("deciding a %s of %s failed", type(requests[i]).__name__, requests[i].sid)
                 out[i] = WireError(

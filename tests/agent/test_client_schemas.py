@@ -202,3 +202,19 @@ def test_a_patterns_escapes_are_character_classes(drafter):
     for instance in ('"va.2*"', '"v1x2*"', '"v1.2v1.2*"', '"v1.2"'):
         with pytest.raises(grammar.GrammarError):
             constraint.walk(drafter.tokenize(instance))
+
+
+@pytest.mark.real
+def test_llguidances_own_bounds_met_midway_are_a_request_error(drafter):
+    """An anyOf of two objects of 480 optional properties compiles, and after its first token the parser's row
+    passes LLGuidance's 2,000 items: a RequestError naming the schema, not a GrammarError from inside the
+    generation (the endpoint's 500). The verifier answers the same failure with bad_field, to that session."""
+    from agent.client import Client, RequestError
+
+    def wide(prefix: str) -> dict:
+        return {"type": "object", "properties": {f"{prefix}{i}": {"type": "integer"} for i in range(480)}}
+
+    with Client(None, drafter=drafter, offline="local") as c:
+        with pytest.raises(RequestError) as e:
+            c.generate("Answer in JSON.", schema={"anyOf": [wide("p"), wide("q")]}, max_tokens=8)
+    assert e.value.param == "schema" and "2000" in str(e.value), str(e.value)

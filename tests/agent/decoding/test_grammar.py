@@ -6,6 +6,8 @@ answers, that every decoding mode and payload yields the target's own masked gre
 T = 0, and that at T > 0 the committed token follows the masked, renormalised target.
 """
 
+import json
+
 import numpy as np
 import pytest
 from scipy import stats
@@ -311,3 +313,26 @@ def test_the_torch_engine_masks_with_its_gguf_vocabulary_and_stays_exact(drafter
         finally:
             dec.close()
     assert gen.token_ids == references[0]
+
+
+def test_llguidances_bounds_met_midway_are_that_sessions_bad_field(drafter, target):
+    """An anyOf of two objects of 480 optional properties opens (its first mask is fine) and, one token in,
+    passes LLGuidance's 2,000 items a parser row: the round is answered bad_field, naming the grammar, on that
+    session alone; another session's round in the same verifier is verified as usual."""
+    verifier = Verifier(target, ServerConfig())
+    ids = prompt(drafter, *TASKS[0])
+    greedy = {"temperature": 0.0, "top_k": 0, "seed": 0}
+
+    def wide(prefix: str) -> dict:
+        return {"type": "object", "properties": {f"{prefix}{i}": {"type": "integer"} for i in range(480)}}
+
+    schema = json.dumps({"anyOf": [wide("p"), wide("q")]})
+    session, _ = verifier.open(
+        wire.Open("wide", ids, greedy, grammar={"json_schema": schema, "from": len(ids)}), 1, None
+    )
+    plain, _ = verifier.open(wire.Open("plain", ids, greedy), 1, None)
+    draft = drafter.tokenize('{"p1": 1}')[:3]
+    with pytest.raises(wire.WireError, match="grammar") as e:
+        verifier.verify(session, wire.Verify("wide", 0, len(ids), draft, None))
+    assert e.value.code == "bad_field" and "2000" in str(e.value)
+    assert verifier.verify(plain, wire.Verify("plain", 0, len(ids), draft, None)).verdict is not None
