@@ -43,12 +43,13 @@ def sample() -> list[dict]:
     return [json.loads(line) for line in SAMPLE.read_text().splitlines()]
 
 
-def test_maskbench_valid_instances_are_allowed_and_invalid_ones_cut(vocab, llama):
+def maskbench(compile_schema, llama) -> tuple[int, int, list[str]]:
+    """(compiled, refused, what went wrong) of the sample through `compile_schema` (schema -> a Constraint)."""
     compiled = refused = 0
     wrong = []
     for r in sample():
         try:
-            c = vocab.schema(r["schema"])
+            c = compile_schema(r["schema"])
         except grammar.SchemaError as e:
             refused += 1
             assert e.keyword or "cannot be enforced" in str(e)  # a reason, never an internal error
@@ -59,8 +60,31 @@ def test_maskbench_valid_instances_are_allowed_and_invalid_ones_cut(vocab, llama
             walked = c.start().advance(ids)
             if (walked == len(ids)) != bool(test["valid"]) and (r["id"], i) not in INVALID_ONLY_BY_UNKNOWN_FORMAT:
                 wrong.append(f"{r['id']} #{i} ({'valid' if test['valid'] else 'invalid'}): {walked} of {len(ids)}")
+    return compiled, refused, wrong
+
+
+def test_maskbench_valid_instances_are_allowed_and_invalid_ones_cut(vocab, llama):
+    compiled, refused, wrong = maskbench(vocab.schema, llama)
     assert not wrong, "\n".join(wrong)
     assert compiled >= 85 and compiled + refused == 112  # measured: 91 compile, 21 refused with a reason
+
+
+@pytest.mark.real
+@pytest.mark.parametrize("side", ["robot", "server"])
+def test_maskbench_on_each_side_as_it_builds_its_constraints(side, request, llama):
+    """The same sample through each side's own path: the robot's Drafter (open_decoder's, its `grammars`) and the
+    verifier's target (`target.grammar`, as an open's json_schema is compiled)."""
+    if side == "robot":
+        compile_schema = request.getfixturevalue("drafter").grammars.schema
+    else:
+        target = request.getfixturevalue("target")
+
+        def compile_schema(schema):
+            return target.grammar({"json_schema": json.dumps(schema), "from": 0})
+
+    compiled, refused, wrong = maskbench(compile_schema, llama)
+    assert not wrong, "\n".join(wrong)
+    assert compiled >= 85 and compiled + refused == 112
 
 
 def test_both_sides_see_the_same_mask_at_every_position(llama):
