@@ -751,7 +751,7 @@ def decode(frame: Any, max_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Message:
             raw=False,
             strict_map_key=True,
             max_bin_len=max_bytes,
-            max_str_len=MAX_STR * 4,
+            max_str_len=MAX_SCHEMA_CHARS * 4,  # the longest string a message holds (UTF-8); each field checks its own
             max_array_len=MAX_ID_LIST,
             max_map_len=64,
         )

@@ -1,5 +1,7 @@
 """The wire: every message round-trips, and every kind of bad frame gets a WireError with a code."""
 
+import json
+
 import msgpack
 import numpy as np
 import pytest
@@ -227,3 +229,18 @@ def test_replies_the_robot_adds_up_carry_numbers_only():
     negative = {"logits": np.array([0.5], np.float32), "ids": np.array([-4], np.int32)}
     with pytest.raises(WireError, match="negative"):
         wire.decode(wire.encode(wire.Result("s1", 0, 0, -1, 3, {}, negative)))
+
+
+def test_a_json_schema_up_to_its_cap_travels_in_an_open():
+    """A schema's text is a msgpack string far longer than the wire's other strings (Kubernetes schemas: 20-900
+    KB): it decodes whole up to MAX_SCHEMA_CHARS (msgpack's own string bound was 16 KiB, so every open with a
+    larger schema was a bad_frame), and past it is the open's bad_field."""
+    greedy = {"temperature": 0.0, "top_k": 0, "seed": 0}
+    schema = json.dumps({"type": "object", "properties": {f"p{i:06d}": {"type": "integer"} for i in range(12_000)}})
+    assert 16 * 1024 < len(schema) <= wire.MAX_SCHEMA_CHARS
+    msg = wire.decode(wire.encode(wire.Open("s", [1, 2, 3], greedy, grammar={"json_schema": schema, "from": 3})))
+    assert msg.grammar["json_schema"] == schema
+    over = "x" * (wire.MAX_SCHEMA_CHARS + 1)
+    with pytest.raises(wire.WireError) as e:
+        wire.decode(wire.encode(wire.Open("s", [1, 2, 3], greedy, grammar={"json_schema": over, "from": 3})))
+    assert e.value.code == "bad_field"

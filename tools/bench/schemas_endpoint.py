@@ -1,5 +1,7 @@
 """JSON schemas end to end: each one sent as `response_format` to the robot's OpenAI endpoint, answered by the
-shipped pair (the draft on the robot, the verifier in its own process), and the answer judged.
+shipped pair (the draft on the robot, the verifier in its own process), and the answer judged. The prompt asks for
+a short example and shows the schema (its first ASK_SCHEMA_CHARS characters): the 135M pair, asked with no
+schema, fills lists until max_tokens.
 
 What each answer is:
     valid       finish_reason "stop" and the content validates against the schema (jsonschema)
@@ -23,7 +25,8 @@ from collections.abc import Iterable
 from typing import Any
 
 OUTCOMES = ("valid", "invalid", "truncated", "refused", "broken")
-ASK = "Answer with one JSON document."
+ASK = "Give one short example of a JSON document that follows this JSON schema: {schema}"
+ASK_SCHEMA_CHARS = 3000  # of the schema's text in the prompt (a Kubernetes schema would pass the draft's context)
 
 
 def _judge(status: int, body: dict[str, Any], schema: Any) -> tuple[str, str]:
@@ -56,7 +59,7 @@ def _judge(status: int, body: dict[str, Any], schema: Any) -> tuple[str, str]:
 def _post(port: int, schema: Any, max_tokens: int) -> tuple[int, dict[str, Any]]:
     body = {
         "model": "edge-agent",
-        "messages": [{"role": "user", "content": ASK}],
+        "messages": [{"role": "user", "content": ASK.format(schema=json.dumps(schema)[:ASK_SCHEMA_CHARS])}],
         "temperature": 0,
         "max_tokens": max_tokens,
         "response_format": {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}},
