@@ -97,17 +97,25 @@ class Vocabulary:
         vocabulary, from the cache where it was compiled before; SchemaError or GrammarError saying why not.
         `timeout_s`: the wait for the compile (default COMPILE_TIMEOUT_S)."""
         key = f"{kind}\0{text}"
+        found = self._cached(key)
+        if found is not None:
+            return found
+        constraint = Constraint(self, kind, text, COMPILE_TIMEOUT_S if timeout_s is None else timeout_s)
+        self._keep(key, constraint)
+        return constraint
+
+    def _cached(self, key: str) -> Constraint | None:
         with self._lock:
             found = self._compiled.get(key)
             if found is not None:
                 self._compiled.move_to_end(key)
-                return found
-        constraint = Constraint(self, kind, text, COMPILE_TIMEOUT_S if timeout_s is None else timeout_s)
+            return found
+
+    def _keep(self, key: str, constraint: Constraint) -> None:
         with self._lock:
             self._compiled[key] = constraint
             while len(self._compiled) > MAX_COMPILED:
                 self._compiled.popitem(last=False)
-        return constraint
 
     def for_wire(self, grammar: dict[str, Any]) -> Constraint:
         """The constraint of an open's grammar (protocol.wire: {KIND: text, "from": ...}), as both sides build it."""
@@ -125,12 +133,19 @@ class Vocabulary:
         annotation unless a schema asks for format assertion, so a validator ignores it too (the answer still
         validates). Every other refusal stands."""
         text = schema if isinstance(schema, str) else json.dumps(schema, separators=(",", ":"))
+        asked = f"json_schema\0{text}"
+        found = self._cached(asked)  # checked and compiled before (the Client, then the generation's Run)
+        if found is not None:
+            return found
         parsed = check_schema(text)
         dropped: set[str] = set()
         deadline = time.monotonic() + COMPILE_TIMEOUT_S  # one wait for all the compiles of this schema
         while True:
             try:
-                return self.compile("json_schema", text, max(0.0, deadline - time.monotonic()))
+                constraint = self.compile("json_schema", text, max(0.0, deadline - time.monotonic()))
+                if dropped:  # found again by the text it was asked for, formats and all
+                    self._keep(asked, constraint)
+                return constraint
             except SchemaError as e:
                 unknown = _UNKNOWN_FORMAT.search(str(e))
                 if not unknown or unknown.group(1) in dropped or len(dropped) >= MAX_DROPPED_FORMATS:

@@ -221,6 +221,19 @@ def test_compiled_grammars_are_cached_and_bounded(vocab):
     assert len(vocab._compiled) == structured.MAX_COMPILED
 
 
+def test_a_schema_compiled_before_is_not_checked_again(vocab, monkeypatch):
+    """The Client compiles a request's schema off the model's lock, and the generation asks for it again: the
+    second time is a cache lookup, without parsing and walking up to 1 MiB of JSON (a dropped format included)."""
+    schemas = [{"type": "object", "properties": {"n": {"type": "integer"}}}, {"type": "string", "format": "topic"}]
+    first = [vocab.schema(s) for s in schemas]
+
+    def checked(text):
+        raise AssertionError("checked again")
+
+    monkeypatch.setattr(structured, "check_schema", checked)
+    assert [vocab.schema(s) for s in schemas] == first
+
+
 def test_a_compile_past_its_deadline_is_refused_and_the_worker_goes_on(vocab, monkeypatch):
     """A schema whose compile takes long (JSONSchemaStore's jreleaser: 1.4 s here) is answered at the deadline;
     LLGuidance releases the GIL, so nothing else waits meanwhile."""
