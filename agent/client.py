@@ -42,6 +42,7 @@ OFFLINE = ("refuse", "local")  # what a request does when the verifier cannot be
 MAX_STOPS = 4  # stop strings per request (OpenAI's limit)
 MAX_STOP_CHARS = 64  # characters per stop string
 MAX_MESSAGES = 64  # messages per chat request
+MAX_PEER = 200  # characters of a peer's name (generate(peer=...))
 MAX_IMAGE_URI = 32 + (MAX_IMAGE_BYTES * 4 + 2) // 3 + 4  # a data: URI of the largest image
 
 
@@ -281,7 +282,9 @@ class Client:
         model's chat template; content parts may hold image_url data URIs), and optionally: max_tokens (64),
         temperature (0: greedy), top_p (nucleus, exact on both sides; 1: off), top_k,
         seed, stop (strings), images (bytes, with `prompt`), schema (a JSON schema) or grammar (GBNF),
-        offline ("refuse" | "local": overrides the client's), mode."""
+        offline ("refuse" | "local": overrides the client's), mode, peer (who asks, for a service answering
+        several callers: a schema's first compile takes turns between peers, so one caller's slow grammars never
+        hold up another's)."""
         return self._run(prompt, kw, lambda piece: False)
 
     def stream(self, prompt: str | None = None, **kw: Any) -> Stream:
@@ -318,7 +321,7 @@ class Client:
         if vocab is not None:
             param = "schema" if req.schema is not None else "grammar"
             try:
-                vocab.for_wire(grammar)
+                vocab.for_wire(grammar, req.peer)
             except SchemaError as e:
                 raise RequestError(f"the schema cannot be enforced ({e.keyword or 'schema'}): {e}", param) from None
             except GrammarError as e:
@@ -435,11 +438,12 @@ class _Request:
     grammar: dict[str, str] | None  # {"gbnf": text} or {"lark": text}
     offline: str
     mode: str
+    peer: str  # who asks: grammar compiles take turns between peers (protocol/sandbox.py)
 
     @classmethod
     def of(cls, prompt: str | None, kw: dict[str, Any], mode: str, offline: str) -> _Request:
         known = {"messages", "chat", "images", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop"}
-        bad = set(kw) - known - {"schema", "grammar", "offline", "mode"}
+        bad = set(kw) - known - {"schema", "grammar", "offline", "mode", "peer"}
         if bad:
             raise TypeError(f"unknown argument(s): {', '.join(sorted(bad))}")
         messages = kw.get("messages")
@@ -478,7 +482,10 @@ class _Request:
         if m not in ("ar", "sd", "fsd"):
             raise RequestError(f"mode must be one of ar, sd, fsd, got {m!r}", "mode")
         chat = bool(kw.get("chat", False))
-        return cls(prompt, messages, chat, images, max_tokens, params, stop, schema, grammar, off, m)
+        peer = kw.get("peer", "")
+        if not isinstance(peer, str) or len(peer) > MAX_PEER:
+            raise RequestError(f"peer must be a string of at most {MAX_PEER} characters", "peer")
+        return cls(prompt, messages, chat, images, max_tokens, params, stop, schema, grammar, off, m, peer)
 
 
 def check_image(data: Any) -> bytes:

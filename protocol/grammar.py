@@ -30,6 +30,13 @@ class SchemaError(GrammarError):
         super().__init__(f"{message} (at {where or '/'})" if where else message)
         self.keyword, self.where = keyword, where
 
+    @classmethod
+    def restored(cls, text: str, keyword: str | None, where: str) -> SchemaError:
+        """The error as another process raised it (`text` is its str(), place included)."""
+        e = cls(text, keyword)
+        e.where = where
+        return e
+
 
 def vocab_only(path: str | os.PathLike[str]) -> tuple[llama_model_p, llama_vocab_p, int]:
     """(model, vocab, n_vocab) of a GGUF loaded for its vocabulary alone (no weights): a grammar's

@@ -22,24 +22,26 @@ typed refusals (GrammarError, SchemaError) are protocol/grammar.py's.
 from __future__ import annotations
 
 import json
+import logging
+import os
 import re
 import threading
 import time
 import warnings
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .grammar import GrammarError, SchemaError
+from . import sandbox
+from .grammar import GrammarError, SchemaError, vocab_only
 
 if TYPE_CHECKING:  # typing only: llguidance and llama_cpp are imported when a vocabulary is first built
     import llguidance
     from llama_cpp import llama_vocab_p
 
+log = logging.getLogger(__name__)
 TokenIds = Sequence[int] | np.ndarray  # [n] token ids, a list or an int array
 
 # The caps on a schema, checked on its JSON before anything compiles (tools/bench/schema_caps.py measures each: what it
@@ -50,6 +52,11 @@ MAX_SCHEMA_DEPTH = 128  # JSON values nested: LLGuidance's own recursion limit r
 MAX_SCHEMA_NODES = 100_000  # JSON values, an enum's included: 51 ms of walk here at the cap; compiles meet the deadline
 MAX_OPTIONAL_PROPERTIES = 480  # of one object: each adds ~4 items to a parser row, and LLGuidance stops at 2,000
 MAX_PATTERN_REPEAT = 1000  # a pattern's {m,n}: ^a{1000}$ costs 0.27 ms a mask at p99 here, ^a{4000}$ 1.1 ms
+# The longest chain a compile follows, in JSON values nested plus `$ref`s followed (a schema), or rules referenced
+# plus groups nested (a Lark or GBNF grammar): LLGuidance's compile recurses along it, ~3.9 KB of stack a link at
+# worst (tools/bench/compile_limits.py: an `items`-`$ref` chain overflows a 4 MiB stack at 1,080; a rule chain at
+# 1,298 rules). 256 is a quarter of the worker's stack (protocol/sandbox.py) and a sixteenth of this process's.
+MAX_REFERENCE_CHAIN = 256
 MAX_COMPILED = 32  # compiled grammars kept per vocabulary, least recently used out
 COMPILE_TIMEOUT_S = 0.9  # one compile's wait: a refusal costs under 1 s (JSONSchemaBench: 0.7 ms p50, 0.3 s max)
 MAX_DROPPED_FORMATS = 8  # unknown formats dropped from one schema (each costs a compile)
@@ -79,28 +86,40 @@ class Vocabulary:
     allowed). End of sequence is the vocabulary's own EOS token, allowed where the grammar may end.
     """
 
-    def __init__(self, vocab: llama_vocab_p, n_vocab: int, owner: object = None) -> None:
-        import llguidance.llamacpp
-
+    def __init__(
+        self, vocab: llama_vocab_p, n_vocab: int, owner: object = None, *, gguf: str | os.PathLike[str]
+    ) -> None:
         if not vocab:
             raise GrammarError("no vocabulary to compile the grammar over (a null llama_vocab pointer)")
-        with warnings.catch_warnings():  # it reads each token's attributes through a deprecated llama_cpp call
-            warnings.simplefilter("ignore", DeprecationWarning)
-            self.tokenizer = llguidance.llamacpp.lltokenizer_from_vocab(vocab, n_vocab=n_vocab)
+        self.tokenizer = tokenizer_of(vocab, n_vocab)
         self.n_vocab = n_vocab
+        self.gguf = str(gguf)  # where a compile worker reads the same vocabulary (protocol/sandbox.py)
         self._owner = owner
         self._compiled: OrderedDict[str, Constraint] = OrderedDict()
         self._lock = threading.Lock()
 
-    def compile(self, kind: str, text: str, timeout_s: float | None = None) -> Constraint:
-        """The grammar `text` of `kind` (json_schema: a schema's JSON text; lark; regex) compiled over this
+    @classmethod
+    def from_gguf(cls, gguf: str | os.PathLike[str], n_vocab: int | None = None) -> Vocabulary:
+        """The vocabulary of a GGUF read alone (no weights), kept for this object's life."""
+        model, vocab, n = vocab_only(gguf)
+        return cls(vocab, n if n_vocab is None else n_vocab, model, gguf=gguf)
+
+    def compile(self, kind: str, text: str, timeout_s: float | None = None, peer: str = "") -> Constraint:
+        """The grammar `text` of `kind` (json_schema: a schema's JSON text; lark; gbnf; regex) compiled over this
         vocabulary, from the cache where it was compiled before; SchemaError or GrammarError saying why not.
-        `timeout_s`: the wait for the compile (default COMPILE_TIMEOUT_S)."""
+
+        Not cached: checked on itself (`check_grammar`: bytes, reference chains, nesting), then compiled in a worker
+        process (protocol/sandbox.py: a crash or a runaway there is this request's refusal, and `peer`'s compile
+        work waits its turn with other peers'), and only then here. `timeout_s`: the worker's deadline (default
+        COMPILE_TIMEOUT_S)."""
         key = f"{kind}\0{text}"
         found = self._cached(key)
         if found is not None:
             return found
-        constraint = Constraint(self, kind, text, COMPILE_TIMEOUT_S if timeout_s is None else timeout_s)
+        check_grammar(kind, text)
+        timeout = COMPILE_TIMEOUT_S if timeout_s is None else timeout_s
+        sandbox.pool_for(self.gguf, self.n_vocab).check(kind, text, peer, timeout)
+        constraint = Constraint(self, kind, text, _compile_here(self.tokenizer, kind, text))
         self._keep(key, constraint)
         return constraint
 
@@ -117,16 +136,17 @@ class Vocabulary:
             while len(self._compiled) > MAX_COMPILED:
                 self._compiled.popitem(last=False)
 
-    def for_wire(self, grammar: dict[str, Any]) -> Constraint:
-        """The constraint of an open's grammar (protocol.wire: {KIND: text, "from": ...}), as both sides build it."""
+    def for_wire(self, grammar: dict[str, Any], peer: str = "") -> Constraint:
+        """The constraint of an open's grammar (protocol.wire: {KIND: text, "from": ...}), as both sides build it;
+        `peer`: who sent it (compile work is shared between peers in turns)."""
         if "json_schema" in grammar:
-            return self.schema(grammar["json_schema"])
+            return self.schema(grammar["json_schema"], peer)
         kind = next((k for k in ("lark", "gbnf") if k in grammar), None)
         if kind is None:
             raise GrammarError(f"a grammar holds json_schema, lark or gbnf, not {sorted(grammar)}")
-        return self.compile(kind, grammar[kind])
+        return self.compile(kind, grammar[kind], peer=peer)
 
-    def schema(self, schema: Any) -> Constraint:
+    def schema(self, schema: Any, peer: str = "") -> Constraint:
         """A JSON schema (a dict, a bool, or its JSON text), checked (check_schema) and compiled.
 
         A `format` LLGuidance does not know is dropped and the schema compiled again: JSON Schema makes `format` an
@@ -142,7 +162,7 @@ class Vocabulary:
         deadline = time.monotonic() + COMPILE_TIMEOUT_S  # one wait for all the compiles of this schema
         while True:
             try:
-                constraint = self.compile("json_schema", text, max(0.0, deadline - time.monotonic()))
+                constraint = self.compile("json_schema", text, max(0.0, deadline - time.monotonic()), peer)
                 if dropped:  # found again by the text it was asked for, formats and all
                     self._keep(asked, constraint)
                 return constraint
@@ -155,38 +175,11 @@ class Vocabulary:
 
 
 class Constraint:
-    """One compiled grammar over one vocabulary. `start()` gives a state at its root."""
+    """One compiled grammar over one vocabulary (Vocabulary.compile builds it). `start()` gives a state at its root."""
 
-    def __init__(self, vocab: Vocabulary, kind: str, text: str, timeout_s: float = COMPILE_TIMEOUT_S) -> None:
-        import llguidance
-
-        if kind not in KINDS:
-            raise GrammarError(f"unknown grammar kind {kind!r}: one of {', '.join(KINDS)}")
-        if len(text.encode("utf-8")) > MAX_SCHEMA_BYTES:
-            raise GrammarError(f"the grammar is {len(text.encode('utf-8'))} bytes; at most {MAX_SCHEMA_BYTES}")
+    def __init__(self, vocab: Vocabulary, kind: str, text: str, root: llguidance.LLMatcher) -> None:
         self.vocab, self.kind, self.text = vocab, kind, text
-        from llguidance.gbnf_to_lark import GbnfToLarkError, gbnf_to_lark
-
-        try:
-            if kind == "gbnf":  # llama.cpp's grammars, as older robots and callers send them
-                try:
-                    lark = gbnf_to_lark(text)
-                except GbnfToLarkError:
-                    raise
-                except Exception as e:  # the converter raises a bare Exception for an undefined rule
-                    raise ValueError(str(e)) from None
-                spec = llguidance.grammar_from("lark", lark)
-            else:
-                spec = llguidance.grammar_from(kind, text)  # type: ignore[arg-type]
-        except (GbnfToLarkError, ValueError, TypeError, RecursionError) as e:
-            raise _refusal(kind, str(e)) from None
-        self._root = _compile(vocab.tokenizer, spec, timeout_s)
-        if self._root.is_error():
-            raise _refusal(kind, self._root.get_error())
-        try:  # the first mask, here rather than at a generation's first token: LLGuidance's parser limits (a row of
-            self.start().mask()  # 2,000 items: an anyOf of two wide objects) may refuse a grammar it compiled
-        except GrammarError as e:
-            raise _refusal(kind, str(e).removeprefix("the grammar failed: ")) from None
+        self._root = root
 
     def start(self) -> ConstraintState:
         return ConstraintState(self, self._root.deep_copy())
@@ -200,24 +193,81 @@ class Constraint:
         return state
 
 
-_worker: list[ThreadPoolExecutor] = []  # the compiler's one thread, started at the first grammar
-_starting = threading.Lock()
+def tokenizer_of(vocab: llama_vocab_p, n_vocab: int) -> llguidance.LLTokenizer:
+    """LLGuidance's tokenizer over a llama_vocab (~0.2 s), `n_vocab` wide (the model's logits)."""
+    import llguidance.llamacpp
+
+    with warnings.catch_warnings():  # it reads each token's attributes through a deprecated llama_cpp call
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return llguidance.llamacpp.lltokenizer_from_vocab(vocab, n_vocab=n_vocab)
 
 
-def _compile(tokenizer: llguidance.LLTokenizer, spec: str, timeout_s: float) -> llguidance.LLMatcher:
-    """LLGuidance's matcher for `spec`, built in one worker thread (it releases the GIL) with the caller waiting at
-    most COMPILE_TIMEOUT_S: a 99 KB JsonSchemaStore schema takes 1.4 s here, and no request waits that long."""
+def build_matcher(tokenizer: llguidance.LLTokenizer, kind: str, text: str) -> llguidance.LLMatcher:
+    """LLGuidance's matcher at the root of `text` of `kind`, its first mask taken (LLGuidance's parser limits, a
+    row of 2,000 items in an anyOf of two wide objects, may refuse a grammar it compiled); GrammarError or
+    SchemaError with LLGuidance's reason. Native code: a peer's grammar runs it first in a worker process
+    (protocol/compile_worker.py), the serving process only after (_compile_here)."""
     import llguidance
+    from llguidance.gbnf_to_lark import GbnfToLarkError, gbnf_to_lark
+    from llguidance.numpy import fill_next_token_bitmask
 
-    with _starting:
-        if not _worker:
-            _worker.append(ThreadPoolExecutor(1, thread_name_prefix="grammar-compile"))
-    future = _worker[0].submit(llguidance.LLMatcher, tokenizer, spec, log_level=0, limits=_limits())
+    if kind not in KINDS:
+        raise GrammarError(f"unknown grammar kind {kind!r}: one of {', '.join(KINDS)}")
+    if len(text.encode("utf-8")) > MAX_SCHEMA_BYTES:
+        raise GrammarError(f"the grammar is {len(text.encode('utf-8'))} bytes; at most {MAX_SCHEMA_BYTES}")
     try:
-        return future.result(timeout_s)
-    except FutureTimeout:
-        future.cancel()  # still queued: never runs; running: finishes in the worker, its result dropped
-        raise SchemaError(f"the grammar took over {COMPILE_TIMEOUT_S:g} s to compile; simplify the schema") from None
+        if kind == "gbnf":  # llama.cpp's grammars, as older robots and callers send them
+            try:
+                lark = gbnf_to_lark(text)
+            except GbnfToLarkError:
+                raise
+            except Exception as e:  # the converter raises a bare Exception for an undefined rule
+                raise ValueError(str(e)) from None
+            spec = llguidance.grammar_from("lark", lark)
+        else:
+            spec = llguidance.grammar_from(kind, text)  # type: ignore[arg-type]
+    except (GbnfToLarkError, ValueError, TypeError, RecursionError) as e:
+        raise _refusal(kind, str(e)) from None
+    root = llguidance.LLMatcher(tokenizer, spec, log_level=0, limits=_limits())
+    if root.is_error():
+        raise _refusal(kind, root.get_error())
+    first = root.deep_copy()
+    fill_next_token_bitmask(first, np.zeros((1, (tokenizer.vocab_size + 31) // 32), dtype=np.int32), 0)
+    if first.is_error():
+        raise _refusal(kind, first.get_error().splitlines()[0])
+    return root
+
+
+COMPILE_STACK_BYTES = 4 * sandbox.WORKER_STACK_BYTES  # this process's compile thread: 4x a worker's, for margin
+_stack_lock = threading.Lock()
+
+
+def _compile_here(tokenizer: llguidance.LLTokenizer, kind: str, text: str) -> llguidance.LLMatcher:
+    """build_matcher in this process, once a worker has compiled the same text: in a thread of its own with 4x the
+    worker's stack (LLGuidance is deterministic, so its recursion here is what it was there), never a shared
+    thread another peer's compile waits on."""
+    out: list[Any] = []
+
+    def run() -> None:
+        try:
+            out.append(build_matcher(tokenizer, kind, text))
+        except GrammarError as e:
+            out.append(e)
+
+    with _stack_lock:  # threading.stack_size is the process's setting for the threads started next
+        previous = threading.stack_size(COMPILE_STACK_BYTES)
+        try:
+            thread = threading.Thread(target=run, name="grammar-compile", daemon=True)
+            thread.start()
+        finally:
+            threading.stack_size(previous)
+    thread.join()
+    if not out:
+        raise GrammarError("the grammar's compile ended without an answer")
+    if isinstance(out[0], GrammarError):
+        raise out[0]
+    root: llguidance.LLMatcher = out[0]
+    return root
 
 
 class ConstraintState:
@@ -344,7 +394,167 @@ def check_schema(text: str) -> Any:
         if isinstance(props := value.get("patternProperties"), dict):
             for key in props:
                 _check_pattern(key, "patternProperties", f"{where}/patternProperties")
+    if '"$ref"' in text:  # without one, the chain is the nesting, bounded above
+        _check_chain(schema)
     return schema
+
+
+def _check_chain(schema: Any) -> None:
+    """SchemaError when the longest chain through the schema, counting each JSON value nested and each local `$ref`
+    followed, is over MAX_REFERENCE_CHAIN. A `$ref` back to a value on the chain (a recursive schema) ends it:
+    LLGuidance gives it a rule of its own and does not recurse there."""
+    values: dict[int, Any] = {id(schema): schema}
+
+    def links(key: int) -> list[int]:
+        out = []
+        for v in _links(schema, values[key]):
+            values[id(v)] = v
+            out.append(id(v))
+        return out
+
+    if _longest_chain([id(schema)], links, lambda _: 1) is not None:
+        raise SchemaError(f"the schema's chain of nested values and $refs is over {MAX_REFERENCE_CHAIN} long", "$ref")
+
+
+def _longest_chain(roots: Iterable[Hashable], links: Callable[[Any], list[Any]], weight: Callable[[Any], int]) -> Any:
+    """The first node found whose longest chain (its weight plus its longest link's chain) is over
+    MAX_REFERENCE_CHAIN, None if none: a depth-first walk without recursion, each node once; a link back to a node
+    on the walk's path (a cycle) does not count."""
+    chain: dict[Any, int] = {}
+    on_path: set[Any] = set()
+    for root in roots:
+        if root in chain:
+            continue
+        on_path.add(root)
+        stack = [(root, links(root), 0)]
+        while stack:
+            node, out, i = stack[-1]
+            if i < len(out):
+                stack[-1] = (node, out, i + 1)
+                nxt = out[i]
+                if nxt not in chain and nxt not in on_path:
+                    on_path.add(nxt)
+                    stack.append((nxt, links(nxt), 0))
+                continue
+            stack.pop()
+            on_path.discard(node)
+            chain[node] = weight(node) + max((chain[n] for n in out if n in chain), default=0)
+            if chain[node] > MAX_REFERENCE_CHAIN:
+                return node
+    return None
+
+
+def _links(root: Any, value: Any) -> list[Any]:
+    """The dicts and lists a compile goes on to from `value`: the ones it holds, and a local `$ref`'s target."""
+    if isinstance(value, list):
+        return [v for v in value if isinstance(v, (dict, list))]
+    if not isinstance(value, dict):
+        return []
+    out = [v for k, v in value.items() if k not in _VALUES and isinstance(v, (dict, list))]
+    ref = value.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#"):
+        target = _pointer(root, ref[1:])
+        if isinstance(target, (dict, list)):
+            out.append(target)
+    return out
+
+
+def _pointer(root: Any, pointer: str) -> Any:
+    """The value at a JSON pointer (RFC 6901, percent-decoded as in a URI fragment); None where there is none."""
+    from urllib.parse import unquote
+
+    value = root
+    for part in unquote(pointer).split("/")[1:] if pointer else []:
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(value, dict) and part in value:
+            value = value[part]
+        elif isinstance(value, list) and part.isdigit() and int(part) < len(value):
+            value = value[int(part)]
+        else:
+            return None
+    return value
+
+
+# ---------------------------------------------------------------------------------------------- grammars
+
+
+def check_grammar(kind: str, text: str) -> None:
+    """GrammarError (SchemaError for a schema) when a grammar's text is past the bounds its compile is known to
+    serve: its bytes; a schema's check_schema; a Lark or GBNF grammar's longest chain of rules referenced and
+    groups nested (MAX_REFERENCE_CHAIN), and each JSON schema it embeds (`%json`). Pure Python, linear, no
+    recursion: it runs before any native code sees the text."""
+    if kind not in KINDS:
+        raise GrammarError(f"unknown grammar kind {kind!r}: one of {', '.join(KINDS)}")
+    size = len(text.encode("utf-8"))
+    if size > MAX_SCHEMA_BYTES:
+        raise GrammarError(f"the grammar is {size} bytes; at most {MAX_SCHEMA_BYTES}")
+    if kind == "json_schema":
+        check_schema(text)
+    elif kind == "gbnf":
+        from llguidance.gbnf_to_lark import gbnf_to_lark
+
+        try:  # Python: a RecursionError at worst, caught
+            lark = gbnf_to_lark(text)
+        except Exception as e:  # what does not convert is refused by the compile, with the converter's reason
+            log.debug("gbnf not converted before its compile: %s", e)
+            return
+        _check_lark(lark, "gbnf")
+    elif kind == "lark":
+        _check_lark(text, "lark")
+
+
+_LARK_RULE = re.compile(r"^[ \t]*[?!]?([A-Za-z_][A-Za-z0-9_]*)(?:\.-?\d+)?[ \t]*:", re.M)
+_LARK_TOKEN = re.compile(
+    r'"(?:[^"\\\n]|\\.)*"i?'  # a string
+    r"|/(?![/*])(?:[^/\\\n]|\\.)*/[imslux]*"  # a regex
+    r"|//[^\n]*"  # a comment
+    r"|%json\b"  # an embedded JSON schema follows
+    r"|[A-Za-z_][A-Za-z0-9_]*"  # a name
+    r"|[()\[\]{}]"  # a group
+)
+
+
+def _check_lark(text: str, kind: str) -> None:
+    """The longest chain of a Lark grammar, each rule counting 1 plus its deepest group, through the rules it names
+    (a rule met again on the chain ends it: recursion is a rule, not a deeper compile); each `%json` schema checked."""
+    starts = [(m.start(), m.group(1)) for m in _LARK_RULE.finditer(text)]
+    weight: dict[str, int] = {}  # rule -> 1 + its deepest group
+    names: dict[str, set[str]] = {}  # rule -> the names it uses
+    bounds = [*(start for start, _ in starts), len(text)]
+    decoder = json.JSONDecoder()
+    for (start, rule), end in zip(starts, bounds[1:], strict=True):
+        body_at = text.index(":", start) + 1
+        depth = deepest = 0
+        used: set[str] = set()
+        pos = body_at
+        while (m := _LARK_TOKEN.search(text, pos, end)) is not None:
+            token, pos = m.group(0), m.end()
+            if token == "%json":
+                brace = text.find("{", pos, end)
+                if brace >= 0:
+                    try:
+                        schema, stop = decoder.raw_decode(text, brace)
+                    except ValueError:
+                        continue  # the compile refuses it with its reason
+                    check_schema(json.dumps(schema, separators=(",", ":")))
+                    pos = stop
+            elif token in "([{":
+                depth += 1
+                deepest = max(deepest, depth)
+            elif token in ")]}":
+                depth -= 1
+            elif token[0].isalpha() or token[0] == "_":
+                used.add(token)
+        weight[rule] = max(weight.get(rule, 0), 1 + deepest)
+        names.setdefault(rule, set()).update(used)
+    deep = _longest_chain(
+        list(names), lambda rule: [n for n in names[rule] if n in names and n != rule], weight.__getitem__
+    )
+    if deep is not None:
+        raise GrammarError(
+            f"the {kind} grammar's chain of rules and nested groups is over {MAX_REFERENCE_CHAIN} long "
+            f"(from rule {deep})"
+        )
 
 
 def _values(schema: Any) -> Iterator[tuple[Any, str, int]]:

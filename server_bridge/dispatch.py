@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 from websockets.asyncio.server import ServerConnection
 
 from protocol import wire
+from protocol.structured import Constraint
 
 from .admission import Replica
 from .batcher import Batcher
@@ -61,6 +62,7 @@ class Dispatcher:
         replica: Replica,
         model_thread: Executor,
         image_thread: Executor,
+        grammar_threads: Executor,
     ):
         self.config = config
         self.verifier = verifier
@@ -70,6 +72,7 @@ class Dispatcher:
         self.replica = replica
         self.model_thread = model_thread
         self.image_thread = image_thread
+        self.grammar_threads = grammar_threads  # opens' grammars, compiled (each waits on a worker process)
 
     async def dispatch(
         self, ws: ServerConnection, conn_id: int, outbox: Outbox, msg: wire.Message, client: str
@@ -93,9 +96,10 @@ class Dispatcher:
         self.sessions.check_owner(msg.sid, conn_id, msg.resume)  # refused: the owner never notices
         slo = slo_class(msg.slo, self.config.default_slo, msg.sid)  # bad_field before any queueing
         await self._decode_images(msg)  # bad_image before any queueing; the model thread only embeds them
+        constraint = await self._compile_grammar(msg, client or f"connection {conn_id}")  # bad_field, likewise
         self.metrics.exits_purged += outbox.purge(msg.sid)  # hints for the old generation
         secret = self.sessions.admit(msg.sid, conn_id, client, msg.resume)  # idle sessions go before a refusal
-        opened = await self._submit_open(msg, conn_id, slo)
+        opened = await self._submit_open(msg, conn_id, slo, constraint)
         session = opened.session
         if opened.ended is not None:
             self.metrics.count_generation(opened.ended.slo, *opened.ended.generation_ended())
@@ -173,7 +177,17 @@ class Dispatcher:
         if msg.images:
             await asyncio.get_running_loop().run_in_executor(self.image_thread, self.verifier.decode_images, msg)
 
-    async def _submit_open(self, msg: wire.Open, conn_id: int, slo: float) -> OpenOutcome:
+    async def _compile_grammar(self, msg: wire.Open, peer: str) -> Constraint | None:
+        """An open's grammar compiled in the grammar threads (a worker process first: protocol/sandbox.py), never in
+        the model thread; `peer` (the connection's client key) takes turns with other peers' compile work."""
+        if msg.grammar is None:
+            return None
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.grammar_threads, self.verifier.compile_grammar, msg, peer)
+
+    async def _submit_open(
+        self, msg: wire.Open, conn_id: int, slo: float, constraint: Constraint | None = None
+    ) -> OpenOutcome:
         """An open through the batcher. While the engine's shared room is all held
         (every sequence; a unified KV pool's cells), the least recently used session not in a request
         (detached first) is evicted and the open tried again: `overloaded` only when every session is in
@@ -187,7 +201,7 @@ class Dispatcher:
                     # worth one token, due when the first token is at the class's speed: an open is always
                     # urgent, since the first round's budget counts from it
                     return await self.batcher.submit(
-                        OpenRequest(msg, conn_id, previous, now),
+                        OpenRequest(msg, conn_id, previous, now, constraint),
                         (0, len(msg.prompt_ids) - 1 if previous is None else 1),
                         1.0,
                         deadline(slo, now, 1.0),

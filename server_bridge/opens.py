@@ -16,7 +16,7 @@ import numpy as np
 
 from protocol import payload, sampling
 from protocol.grammar import GrammarError
-from protocol.structured import ConstraintState
+from protocol.structured import Constraint, ConstraintState
 from protocol.wire import Open, WireError
 from runtime.vision import UnknownImage
 
@@ -68,7 +68,7 @@ class Opens:
         Raises WireError; nothing of the previous session changes unless every check passed."""
         t0 = time.perf_counter()
         msg, previous = req.msg, req.previous
-        checked = self._check(msg)
+        checked = self._check(msg, req.constraint)
         if previous is not None and previous.retired:  # evicted (its KV is going) or already re-opened
             previous = None
         resumes = previous is not None and previous.slo == checked.slo and _resumes(previous.state, msg)
@@ -103,7 +103,7 @@ class Opens:
         session.t0, session.n0 = req.arrival or time.monotonic(), len(msg.prompt_ids)
         return OpenWork(session, ext, previous, t0)  # the previous generation on this sid ended here
 
-    def _check(self, msg: Open) -> _Checked:
+    def _check(self, msg: Open, constraint: Constraint | None = None) -> _Checked:
         check_ids(msg.prompt_ids, self.target.vocab_size, "prompt_ids", msg.sid)
         extra = self.check_images(msg)
         if len(msg.prompt_ids) + extra >= self.config.max_context:
@@ -132,7 +132,7 @@ class Opens:
                 msg.sid,
             )
         slo = slo_class(msg.slo, self.config.default_slo, msg.sid)
-        return _Checked(params, spec, slo, self._grammar_state(msg))
+        return _Checked(params, spec, slo, self._grammar_state(msg, constraint))
 
     def _state(
         self, msg: Open, previous: Session | None, params: sampling.SamplingParams
@@ -193,10 +193,32 @@ class Opens:
                 log.exception("decoding an image of %s ahead of its open failed", msg.sid)
                 return
 
-    def _grammar_state(self, msg: Open) -> ConstraintState | None:
+    def compile_grammar(self, msg: Open, peer: str) -> Constraint | None:
+        """An open's grammar compiled ahead of its queueing, in the server's grammar threads (never the model
+        thread, which every robot waits on): in a worker process first, where a crash or a runaway is this open's
+        bad_field alone, and `peer`'s compile work takes turns with other peers' (protocol/sandbox.py). None
+        without a grammar; WireError when it cannot be compiled."""
+        if msg.grammar is None:
+            return None
+        self._check_grammars_supported(msg)
+        try:
+            return self.target.grammar(msg.grammar, peer)
+        except GrammarError as e:
+            raise WireError("bad_field", f"grammar: {e}", msg.sid) from None
+
+    def _grammar_state(self, msg: Open, constraint: Constraint | None) -> ConstraintState | None:
         """Open.grammar -> the state after the prompt's constrained part (None: unconstrained)."""
         if msg.grammar is None:
             return None
+        self._check_grammars_supported(msg)
+        try:
+            if constraint is None:
+                constraint = self.target.grammar(msg.grammar)
+            return constraint.walk(msg.prompt_ids[msg.grammar["from"] :])
+        except GrammarError as e:
+            raise WireError("bad_field", f"grammar: {e}", msg.sid) from None
+
+    def _check_grammars_supported(self, msg: Open) -> None:
         if not self.target.grammars_supported:
             raise WireError(
                 "bad_field",
@@ -204,10 +226,6 @@ class Opens:
                 "(LLGuidance needs its GGUF vocabulary)",
                 msg.sid,
             )
-        try:
-            return self.target.grammar(msg.grammar).walk(msg.prompt_ids[msg.grammar["from"] :])
-        except GrammarError as e:
-            raise WireError("bad_field", f"grammar: {e}", msg.sid) from None
 
 
 def slo_class(slo: dict, default: float, sid: str) -> float:

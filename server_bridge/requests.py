@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
 from protocol import sampling
+from protocol.structured import Constraint
 from protocol.wire import Exit, Open, Verify, WireError
 
 from .sessions import Session
@@ -31,6 +32,9 @@ class OpenRequest:
     conn_id: int = 0  # the connection that will own the session
     previous: Session | None = None  # the session of this sid that a re-open replaces, if any
     arrival: float = 0.0  # monotonic seconds; the first round's SLO budget counts from it (0: when prepared)
+    # msg.grammar compiled ahead, off the model thread (dispatch: in a worker process first, then in the grammar
+    # threads); None: compiled in the model thread if at all (a direct Verifier.open, or no grammar)
+    constraint: Constraint | None = None
 
     @property
     def sid(self) -> str:

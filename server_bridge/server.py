@@ -72,6 +72,9 @@ def tls_context(config: ServerConfig) -> ssl.SSLContext | None:
     return ctx
 
 
+GRAMMAR_THREADS = 8  # opens compiling their grammars at once; each waits its turn for a worker process
+
+
 class BridgeServer:
     """The verifier's websocket server: its pieces wired to one batcher, session table and model thread."""
 
@@ -81,6 +84,8 @@ class BridgeServer:
         self.metrics = ServerMetrics()
         self.model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="target")
         self.image_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="images")  # opens' images, decoded
+        # opens' grammars: each thread waits on a compile worker (protocol/sandbox.py bounds and shares those)
+        self.grammar_threads = ThreadPoolExecutor(max_workers=GRAMMAR_THREADS, thread_name_prefix="grammar")
         self.sessions = SessionTable(
             config.max_sessions,
             config.max_sessions_per_connection,
@@ -116,6 +121,7 @@ class BridgeServer:
             self.replica,
             self.model_thread,
             self.image_thread,
+            self.grammar_threads,
         )
         self.connections = Connections(
             config, self.sessions, self.metrics, self.replica, self.admission, self.handshake, self.dispatcher
@@ -203,6 +209,7 @@ class BridgeServer:
                 log.warning("stopping with sessions' sequences not yet freed (a pass is still running)")
         self.model_thread.shutdown(wait=False, cancel_futures=True)
         self.image_thread.shutdown(wait=False, cancel_futures=True)
+        self.grammar_threads.shutdown(wait=False, cancel_futures=True)
 
     async def serve_forever(self) -> None:
         """Serve until SIGTERM (drain, then stop) or SIGINT (stop at once)."""

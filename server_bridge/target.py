@@ -110,9 +110,10 @@ class Target:
         GGUF vocabulary."""
         return [k for k in KINDS if k != "regex"] if self.grammars_supported else []
 
-    def grammar(self, grammar: dict[str, Any]) -> Constraint:
+    def grammar(self, grammar: dict[str, Any], peer: str = "") -> Constraint:
         """An open's grammar ({KIND: text, ...}: protocol.wire) compiled by LLGuidance over the target's vocabulary
-        (cached, bounded: protocol/structured.py); GrammarError (or its SchemaError) when it cannot be."""
+        (cached, bounded, in a worker process first: protocol/structured.py); GrammarError (or its SchemaError)
+        when it cannot be. `peer`: who sent it (compile work takes turns between peers)."""
         if self._grammars is None:
             import llama_cpp as L
 
@@ -128,8 +129,8 @@ class Target:
                     f"the target {self.name} was not loaded from a GGUF: there is no vocabulary to compile "
                     "the grammar over"
                 )
-            self._grammars = Vocabulary(vocab, self.vocab_size, owner)
-        return self._grammars.for_wire(grammar)
+            self._grammars = Vocabulary(vocab, self.vocab_size, owner, gguf=self.engine.path)
+        return self._grammars.for_wire(grammar, peer)
 
     @property
     def sees(self) -> bool:

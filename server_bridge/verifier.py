@@ -30,6 +30,7 @@ import numpy as np
 
 from protocol import payload, sampling
 from protocol.grammar import GrammarError
+from protocol.structured import Constraint
 from protocol.wire import Exit, Open, Verify, WireError
 
 from .ar import prepare_ar
@@ -167,6 +168,10 @@ class Verifier:
     def decode_images(self, msg: Open) -> None:
         """An open's images decoded ahead, in the server's image thread (Opens.decode_images)."""
         self.opens.decode_images(msg)
+
+    def compile_grammar(self, msg: Open, peer: str) -> Constraint | None:
+        """An open's grammar compiled ahead, in the server's grammar threads (Opens.compile_grammar)."""
+        return self.opens.compile_grammar(msg, peer)
 
     def release(self, sessions: list[Session]) -> None:
         """Give the engine sequences of sessions the server let go (evicted or closed) back now, rather than

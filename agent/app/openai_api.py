@@ -252,6 +252,7 @@ class OpenAiApi:
             except web.RequestPayloadError as e:  # a chunk aiohttp could not parse
                 fail(400, f"malformed body: {str(e)[:200]}", code="malformed_request")
             req = await self._parse(body)
+            req.kwargs["peer"] = f"endpoint {request.remote or 'socket'}"  # grammar compiles take turns by caller
             return await (self._stream(req, request) if req.stream else self._complete(req))
         finally:
             self.pending -= 1

@@ -175,7 +175,8 @@ class Drafter:
         # [PAD<id>] rows; the verifier agrees on the real part and never sends past it, so nor does the draft)
         self.vocab_real = modelfiles.real_vocab_size(pieces)
         self.eos_ids = {int(self.llm.token_eos())}
-        self.grammars = Vocabulary(vocab, self.vocab_real, owner=self.llm)  # compiles structured output's grammars
+        # compiles structured output's grammars (a peer's in a worker process first: protocol/sandbox.py)
+        self.grammars = Vocabulary(vocab, self.vocab_real, owner=self.llm, gguf=self.path)
         self.chat_template = self.llm.metadata.get("tokenizer.chat_template")
         self.vision = None  # libmtmd's projector (runtime/vision.py) when the draft sees
         self.image_marker: int | None = None  # the image marker's id in this vocabulary

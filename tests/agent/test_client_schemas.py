@@ -62,8 +62,7 @@ ENFORCED = [  # the converter refused or broke on these; LLGuidance enforces the
 
 @pytest.fixture(scope="module")
 def vocab():
-    _, v, n = grammar.vocab_only(modelfiles.shipped_gguf())
-    return structured.Vocabulary(v, n)
+    return structured.Vocabulary.from_gguf(modelfiles.shipped_gguf())
 
 
 @pytest.fixture

@@ -31,8 +31,7 @@ def llama():
 
 @pytest.fixture(scope="module")
 def vocab():
-    _, v, n = grammar.vocab_only(modelfiles.shipped_gguf())
-    return structured.Vocabulary(v, n)
+    return structured.Vocabulary.from_gguf(modelfiles.shipped_gguf())
 
 
 def tokens(llama, value) -> list[int]:
@@ -89,7 +88,7 @@ def test_maskbench_on_each_side_as_it_builds_its_constraints(side, request, llam
 
 def test_both_sides_see_the_same_mask_at_every_position(llama):
     """The robot and the server each build the vocabulary from their own load of the GGUF."""
-    robot, server = (structured.Vocabulary(*grammar.vocab_only(modelfiles.shipped_gguf())[1:]) for _ in range(2))
+    robot, server = (structured.Vocabulary.from_gguf(modelfiles.shipped_gguf()) for _ in range(2))
     r = next(r for r in sample() if r["category"] == "Kubernetes")
     ids = tokens(llama, next(t["data"] for t in r["tests"] if t["valid"]))
     a, b = robot.schema(r["schema"]).start(), server.schema(r["schema"]).start()

@@ -187,8 +187,8 @@ def measure(args: argparse.Namespace) -> dict:
     from llama_cpp import Llama
 
     gguf = modelfiles.shipped_gguf()
-    _, vocab_p, n_vocab = grammar.vocab_only(gguf)
-    vocab = structured.Vocabulary(vocab_p, n_vocab)
+    vocab = structured.Vocabulary.from_gguf(gguf)
+    n_vocab = vocab.n_vocab
     llama = Llama(str(gguf), vocab_only=True, verbose=False)
 
     def tokenize(text: str) -> list[int]:
