@@ -16,38 +16,11 @@ from __future__ import annotations
 
 import os
 import resource
-import struct
 import sys
 import threading
-from typing import Any, BinaryIO
+from typing import Any
 
-MAX_REQUEST_BYTES = 4 << 20  # a grammar's text is at most 1 MiB (structured.MAX_SCHEMA_BYTES); msgpack adds little
-
-
-def read_frame(stream: BinaryIO, limit: int) -> dict[str, Any] | None:
-    """The next frame's map; None at the end of the stream (the serving process has gone)."""
-    import msgpack
-
-    head = stream.read(4)
-    if len(head) < 4:
-        return None
-    (n,) = struct.unpack(">I", head)
-    if n > limit:
-        raise ValueError(f"a frame of {n} bytes; at most {limit}")
-    body = stream.read(n)
-    if len(body) < n:
-        return None
-    value = msgpack.unpackb(body, raw=False, max_str_len=limit, max_bin_len=0, max_array_len=0, max_map_len=16)
-    if not isinstance(value, dict):
-        raise ValueError("a frame is a map")
-    return value
-
-
-def frame(value: dict[str, Any]) -> bytes:
-    import msgpack
-
-    body: bytes = msgpack.packb(value, use_bin_type=True)
-    return struct.pack(">I", len(body)) + body
+from protocol.sandbox import MAX_REQUEST_BYTES, frame, read_frame
 
 
 def _answer(tokenizer: Any, kind: str, text: str, stack_bytes: int) -> dict[str, Any]:
@@ -85,6 +58,7 @@ def main(argv: list[str]) -> int:
 
     _, vocab, _ = vocab_only(gguf)
     tokenizer = tokenizer_of(vocab, n_vocab)
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # a crash ends at once, with no core to write first
     held = _address_space()
     if held and memory_bytes > 0:  # what a compile may add to what the worker holds now
         resource.setrlimit(resource.RLIMIT_AS, (held + memory_bytes, held + memory_bytes))

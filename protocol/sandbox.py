@@ -31,9 +31,8 @@ import threading
 import time
 from collections import OrderedDict, deque
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
-from .compile_worker import frame
 from .grammar import GrammarError, SchemaError
 
 log = logging.getLogger(__name__)
@@ -48,6 +47,33 @@ WORKER_MEMORY_BYTES = 1 << 30  # address space a worker's compile may add to wha
 MAX_REPLY_BYTES = 64 << 10
 MAX_POOLS = 4  # vocabularies with a pool; the least recently used one closes past it
 RESTART_BACKOFF_S = 5.0  # a worker that could not start is tried again no sooner
+MAX_REQUEST_BYTES = 4 << 20  # a grammar's text is at most 1 MiB (structured.MAX_SCHEMA_BYTES); msgpack adds little
+
+
+def read_frame(stream: BinaryIO, limit: int) -> dict[str, Any] | None:
+    """The next frame's map; None at the end of the stream (the serving process has gone)."""
+    import msgpack
+
+    head = stream.read(4)
+    if len(head) < 4:
+        return None
+    (n,) = struct.unpack(">I", head)
+    if n > limit:
+        raise ValueError(f"a frame of {n} bytes; at most {limit}")
+    body = stream.read(n)
+    if len(body) < n:
+        return None
+    value = msgpack.unpackb(body, raw=False, max_str_len=limit, max_bin_len=0, max_array_len=0, max_map_len=16)
+    if not isinstance(value, dict):
+        raise ValueError("a frame is a map")
+    return value
+
+
+def frame(value: dict[str, Any]) -> bytes:
+    import msgpack
+
+    body: bytes = msgpack.packb(value, use_bin_type=True)
+    return struct.pack(">I", len(body)) + body
 
 
 class _Worker:

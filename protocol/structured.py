@@ -57,6 +57,7 @@ MAX_PATTERN_REPEAT = 1000  # a pattern's {m,n}: ^a{1000}$ costs 0.27 ms a mask a
 # worst (tools/bench/compile_limits.py: an `items`-`$ref` chain overflows a 4 MiB stack at 1,080; a rule chain at
 # 1,298 rules). 256 is a quarter of the worker's stack (protocol/sandbox.py) and a sixteenth of this process's.
 MAX_REFERENCE_CHAIN = 256
+MAX_GBNF_BYTES = 16 * 1024  # protocol.wire's bound: its conversion to Lark is Python, and 85 KB took 4 s here
 MAX_COMPILED = 32  # compiled grammars kept per vocabulary, least recently used out
 COMPILE_TIMEOUT_S = 0.9  # one compile's wait: a refusal costs under 1 s (JSONSchemaBench: 0.7 ms p50, 0.3 s max)
 MAX_DROPPED_FORMATS = 8  # unknown formats dropped from one schema (each costs a compile)
@@ -491,6 +492,8 @@ def check_grammar(kind: str, text: str) -> None:
     if kind == "json_schema":
         check_schema(text)
     elif kind == "gbnf":
+        if size > MAX_GBNF_BYTES:
+            raise GrammarError(f"the gbnf grammar is {size} bytes; at most {MAX_GBNF_BYTES}")
         from llguidance.gbnf_to_lark import gbnf_to_lark
 
         try:  # Python: a RecursionError at worst, caught
