@@ -401,9 +401,17 @@ def check_schema(text: str) -> Any:
 
 
 def _check_chain(schema: Any) -> None:
-    """SchemaError when the longest chain through the schema, counting each JSON value nested and each local `$ref`
-    followed, is over MAX_REFERENCE_CHAIN. A `$ref` back to a value on the chain (a recursive schema) ends it:
-    LLGuidance gives it a rule of its own and does not recurse there."""
+    """SchemaError when the schema's longest reference chain (schema_chain) is over MAX_REFERENCE_CHAIN."""
+    if (n := schema_chain(schema)) > MAX_REFERENCE_CHAIN:
+        raise SchemaError(
+            f"the schema's chain of nested values and $refs is {n} long; at most {MAX_REFERENCE_CHAIN}", "$ref"
+        )
+
+
+def schema_chain(schema: Any) -> int:
+    """The longest chain through a parsed schema, counting each JSON value nested and each local `$ref` followed. A
+    `$ref` back to a value on the chain (a recursive schema) ends it: LLGuidance gives it a rule of its own and does
+    not recurse there."""
     values: dict[int, Any] = {id(schema): schema}
 
     def links(key: int) -> list[int]:
@@ -413,16 +421,18 @@ def _check_chain(schema: Any) -> None:
             out.append(id(v))
         return out
 
-    if _longest_chain([id(schema)], links, lambda _: 1) is not None:
-        raise SchemaError(f"the schema's chain of nested values and $refs is over {MAX_REFERENCE_CHAIN} long", "$ref")
+    return _longest_chain([id(schema)], links, lambda _: 1)[0]
 
 
-def _longest_chain(roots: Iterable[Hashable], links: Callable[[Any], list[Any]], weight: Callable[[Any], int]) -> Any:
-    """The first node found whose longest chain (its weight plus its longest link's chain) is over
-    MAX_REFERENCE_CHAIN, None if none: a depth-first walk without recursion, each node once; a link back to a node
-    on the walk's path (a cycle) does not count."""
+def _longest_chain(
+    roots: Iterable[Hashable], links: Callable[[Any], list[Any]], weight: Callable[[Any], int]
+) -> tuple[int, Any]:
+    """(the longest chain, the node it starts from): a node's chain is its weight plus its longest link's chain. A
+    depth-first walk without recursion, each node once; a link back to a node on the walk's path (a cycle) does not
+    count."""
     chain: dict[Any, int] = {}
     on_path: set[Any] = set()
+    longest: tuple[int, Any] = (0, None)
     for root in roots:
         if root in chain:
             continue
@@ -440,9 +450,8 @@ def _longest_chain(roots: Iterable[Hashable], links: Callable[[Any], list[Any]],
             stack.pop()
             on_path.discard(node)
             chain[node] = weight(node) + max((chain[n] for n in out if n in chain), default=0)
-            if chain[node] > MAX_REFERENCE_CHAIN:
-                return node
-    return None
+            longest = max(longest, (chain[node], node), key=lambda c: c[0])
+    return longest
 
 
 def _links(root: Any, value: Any) -> list[Any]:
@@ -518,8 +527,19 @@ _LARK_TOKEN = re.compile(
 
 
 def _check_lark(text: str, kind: str) -> None:
-    """The longest chain of a Lark grammar, each rule counting 1 plus its deepest group, through the rules it names
-    (a rule met again on the chain ends it: recursion is a rule, not a deeper compile); each `%json` schema checked."""
+    """GrammarError when a Lark grammar's longest chain (lark_chain) is over MAX_REFERENCE_CHAIN."""
+    n, rule = lark_chain(text)
+    if n > MAX_REFERENCE_CHAIN:
+        raise GrammarError(
+            f"the {kind} grammar's chain of rules and nested groups is {n} long (from rule {rule}); "
+            f"at most {MAX_REFERENCE_CHAIN}"
+        )
+
+
+def lark_chain(text: str) -> tuple[int, str]:
+    """(the longest chain of a Lark grammar, the rule it starts from): each rule counts 1 plus its deepest group,
+    through the rules it names (a rule met again on the chain ends it: recursion is a rule, not a deeper compile).
+    Each `%json` schema in it is checked (check_schema) on the way."""
     starts = [(m.start(), m.group(1)) for m in _LARK_RULE.finditer(text)]
     weight: dict[str, int] = {}  # rule -> 1 + its deepest group
     names: dict[str, set[str]] = {}  # rule -> the names it uses
@@ -550,14 +570,8 @@ def _check_lark(text: str, kind: str) -> None:
                 used.add(token)
         weight[rule] = max(weight.get(rule, 0), 1 + deepest)
         names.setdefault(rule, set()).update(used)
-    deep = _longest_chain(
-        list(names), lambda rule: [n for n in names[rule] if n in names and n != rule], weight.__getitem__
-    )
-    if deep is not None:
-        raise GrammarError(
-            f"the {kind} grammar's chain of rules and nested groups is over {MAX_REFERENCE_CHAIN} long "
-            f"(from rule {deep})"
-        )
+    n, rule = _longest_chain(list(names), lambda r: [n for n in names[r] if n in names and n != r], weight.__getitem__)
+    return n, str(rule)
 
 
 def _values(schema: Any) -> Iterator[tuple[Any, str, int]]:

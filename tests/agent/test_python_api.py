@@ -97,3 +97,27 @@ def test_a_consumer_that_leaves_ends_the_generation(client):
     with client.stream("Once upon a time", max_tokens=200) as stream:
         first = next(iter(stream))
     assert first and stream.completion is not None and len(stream.completion.token_ids) < 200
+
+
+def test_issue_50s_grammars_are_request_errors_and_the_next_answer_comes(client, monkeypatch):
+    """A schema chain of 4,000 anyOfs and a Lark chain of 4,000 rules (each killed this process with SIGSEGV), and a
+    Lark grammar of 40,000 alternatives (2.4 s to compile): each a RequestError naming what is wrong, and a normal
+    answer right after. With the chain bound lifted, the chain reaches a compile worker and kills it instead."""
+    from agent.client import RequestError
+    from protocol import structured
+    from tools.schemas.hostile import lark_alternatives, lark_chain, schema_chain
+
+    cases = [
+        ({"schema": json.loads(schema_chain(4000))}, "schema", "chain of nested values and \\$refs"),
+        ({"grammar": {"lark": lark_chain(4000)}}, "grammar", "chain of rules"),
+        ({"grammar": {"lark": lark_alternatives(40000)}}, "grammar", "to compile and was stopped"),
+    ]
+    for kw, param, words in cases:
+        with pytest.raises(RequestError, match=words) as e:
+            client.generate("hi", max_tokens=4, **kw)
+        assert e.value.param == param
+        assert len(client.generate("hi", max_tokens=3).token_ids) == 3
+    monkeypatch.setattr(structured, "MAX_REFERENCE_CHAIN", 10**6)
+    with pytest.raises(RequestError, match="crashed the compiler"):
+        client.generate("hi", max_tokens=4, schema=json.loads(schema_chain(4000)), peer="caller 2")
+    assert len(client.generate("hi", max_tokens=3).token_ids) == 3

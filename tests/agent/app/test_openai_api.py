@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from protocol import structured
+
 pytestmark = pytest.mark.real
 
 openai = pytest.importorskip("openai")
@@ -420,6 +422,13 @@ def test_edge_agent_serve(verifier, tmp_path):
         oc = openai.OpenAI(base_url=base, api_key=KEY, max_retries=0, timeout=60)
         r = oc.chat.completions.create(model="edge", messages=ASK, max_tokens=4)
         assert r.model_extra["verified"] is True and r.usage.completion_tokens == 4
+        # issue 50's schema, which killed this daemon with SIGSEGV: a 400, and the daemon serves on
+        from tools.schemas.hostile import schema_chain
+
+        port = int(base.rsplit(":", 1)[1].split("/")[0])
+        status, body = status_and_json(post(port, _attack(schema_chain(4000))))
+        assert status == 400 and "chain" in body["error"]["message"] and proc.poll() is None
+        _served(port)
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
@@ -455,6 +464,15 @@ def test_the_daemons_endpoint_behind_its_token(verifier, drafter, monkeypatch):
         oc = openai.OpenAI(base_url=base, api_key=KEY, max_retries=0, timeout=120)
         r = oc.chat.completions.create(model="edge", messages=ASK, max_tokens=6)
         assert r.model_extra["verified"] is True and r.usage.completion_tokens == 6
+        from tools.schemas.hostile import schema_chain  # issue 50's schema: a 400; with its bound lifted, a
+
+        monkeypatch.setattr(structured, "MAX_REFERENCE_CHAIN", 10**6)  # worker's crash, and a 400 all the same
+        with pytest.raises(openai.BadRequestError, match="crashed the compiler"):
+            oc.chat.completions.create(
+                model="edge", messages=ASK, max_tokens=4, response_format=_format(json.loads(schema_chain(4000)))
+            )
+        r = oc.chat.completions.create(model="edge", messages=ASK, max_tokens=6)
+        assert r.usage.completion_tokens == 6
         assert api.call(op="status")["ok"]  # the local API answers beside it
         assert api.api.openai.client.lock is d.model_lock  # chat answers and navigation steps take turns
     finally:
@@ -510,3 +528,38 @@ def test_a_client_that_leaves_mid_stream_ends_the_generation(endpoint):
     assert endpoint.api.pending == 0
     r = endpoint.openai().chat.completions.create(model="edge", messages=ASK, max_tokens=4)
     assert r.usage.completion_tokens == 4
+
+
+# ------------------------------------------------------------------ hostile schemas (issue 50)
+
+
+def _attack(schema_text: str) -> bytes:
+    return json.dumps(
+        {"model": "edge", "messages": ASK, "max_tokens": 4, "response_format": _format(json.loads(schema_text))}
+    ).encode()
+
+
+def _served(port: int) -> None:
+    """A normal request right after: answered in full."""
+    status, body = status_and_json(post(port, json.dumps({"model": "edge", "messages": ASK, "max_tokens": 3}).encode()))
+    assert status == 200 and body["usage"]["completion_tokens"] == 3
+
+
+def test_a_schema_that_crashed_the_daemon_is_a_400_and_the_next_request_is_served(endpoint, monkeypatch):
+    """Issue 50's schema (a $defs chain of 4,000 anyOfs, 270 KB): a 400 naming the chain, in a response_format or a
+    tool's parameters; with the chain bound lifted it reaches a compile worker, which dies of it (SIGSEGV) and the
+    request is a 400 saying so. This process, which serves the endpoint, goes on."""
+    from tools.schemas.hostile import schema_chain
+
+    chain = schema_chain(4000)
+    status, body = status_and_json(post(endpoint.port, _attack(chain)))
+    assert status == 400 and "chain" in body["error"]["message"] and body["error"]["param"] == "response_format"
+    tool = {"type": "function", "function": {"name": "deep", "parameters": json.loads(chain)}}
+    body_tools = json.dumps({"model": "edge", "messages": ASK, "max_tokens": 4, "tools": [tool]}).encode()
+    status, body = status_and_json(post(endpoint.port, body_tools))
+    assert status == 400 and "chain" in body["error"]["message"]
+    _served(endpoint.port)
+    monkeypatch.setattr(structured, "MAX_REFERENCE_CHAIN", 10**6)
+    status, body = status_and_json(post(endpoint.port, _attack(chain)))
+    assert status == 400 and "crashed the compiler (killed by SIGSEGV" in body["error"]["message"], body
+    _served(endpoint.port)
