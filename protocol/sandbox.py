@@ -47,6 +47,7 @@ WORKER_MEMORY_BYTES = 1 << 30  # address space a worker's compile may add to wha
 MAX_REPLY_BYTES = 64 << 10
 MAX_POOLS = 4  # vocabularies with a pool; the least recently used one closes past it
 RESTART_BACKOFF_S = 5.0  # a worker that could not start is tried again no sooner
+IDLE_EXIT_S = 120.0  # a worker idle this long is stopped (~90 MB each), and started again at the next grammar
 MAX_REQUEST_BYTES = 4 << 20  # a grammar's text is at most 1 MiB (structured.MAX_SCHEMA_BYTES); msgpack adds little
 
 
@@ -77,11 +78,13 @@ def frame(value: dict[str, Any]) -> bytes:
 
 
 class _Worker:
-    """One worker process and who holds it. States: starting, idle, busy, broken (could not start)."""
+    """One worker process and who holds it. States: stopped (never started, or retired idle), starting, idle, busy,
+    broken (could not start: tried again after RESTART_BACKOFF_S)."""
 
     def __init__(self) -> None:
         self.proc: subprocess.Popen[bytes] | None = None
-        self.state = "broken"
+        self.state = "stopped"
+        self.idle_since = 0.0
         self.peer: str | None = None  # busy: the peer compiling; starting: the peer whose request killed it
         self.error = ""
         self.failed_at = 0.0
@@ -96,6 +99,7 @@ class CompilePool:
         self._waiting: OrderedDict[str, deque[object]] = OrderedDict()  # peer -> its tickets; order = turns
         self._cv = threading.Condition()
         self._closed = False
+        self._reaper: threading.Thread | None = None
 
     # ------------------------------------------------------------------ the one call
 
@@ -189,7 +193,7 @@ class CompilePool:
 
     def _release(self, worker: _Worker) -> None:
         with self._cv:
-            worker.state, worker.peer = "idle", None
+            worker.state, worker.peer, worker.idle_since = "idle", None, time.monotonic()
             self._cv.notify_all()
 
     # ------------------------------------------------------------------ workers
@@ -197,8 +201,27 @@ class CompilePool:
     def _start_missing(self) -> None:
         """Under the lock: every worker that is not running started (a broken one after its backoff)."""
         for w in self._workers:
-            if w.state == "broken" and time.monotonic() - w.failed_at >= RESTART_BACKOFF_S:
+            if w.state == "stopped" or (w.state == "broken" and time.monotonic() - w.failed_at >= RESTART_BACKOFF_S):
                 self._spawn(w, None)
+        if self._reaper is None:
+            self._reaper = threading.Thread(target=self._retire_idle, name="grammar-reaper", daemon=True)
+            self._reaper.start()
+
+    def _retire_idle(self) -> None:
+        """Workers idle for IDLE_EXIT_S stopped (a robot that compiles one schema an hour holds no processes for
+        it); started again at the next grammar."""
+        while True:
+            with self._cv:
+                if self._cv.wait_for(lambda: self._closed, IDLE_EXIT_S / 4):
+                    return
+                now = time.monotonic()
+                idle: list[subprocess.Popen[bytes]] = []
+                for w in self._workers:
+                    if w.state == "idle" and now - w.idle_since >= IDLE_EXIT_S and w.proc is not None:
+                        idle.append(w.proc)
+                        w.state, w.proc = "stopped", None
+            for proc in idle:
+                _kill(proc)
 
     def _restart(self, worker: _Worker, peer: str) -> None:
         """The worker killed, and started again while counted as `peer`'s (its request killed it)."""
@@ -249,7 +272,7 @@ class CompilePool:
         with self._cv:
             if worker.proc is proc:
                 if ok:
-                    worker.state, worker.peer = "idle", None
+                    worker.state, worker.peer, worker.idle_since = "idle", None, time.monotonic()
                 else:
                     worker.state, worker.peer = "broken", None
                     worker.error, worker.failed_at = error or "it sent no ready frame", time.monotonic()

@@ -53,9 +53,10 @@ MAX_SCHEMA_NODES = 100_000  # JSON values, an enum's included: 51 ms of walk her
 MAX_OPTIONAL_PROPERTIES = 480  # of one object: each adds ~4 items to a parser row, and LLGuidance stops at 2,000
 MAX_PATTERN_REPEAT = 1000  # a pattern's {m,n}: ^a{1000}$ costs 0.27 ms a mask at p99 here, ^a{4000}$ 1.1 ms
 # The longest chain a compile follows, in JSON values nested plus `$ref`s followed (a schema), or rules referenced
-# plus groups nested (a Lark or GBNF grammar): LLGuidance's compile recurses along it, ~3.9 KB of stack a link at
-# worst (tools/bench/compile_limits.py: an `items`-`$ref` chain overflows a 4 MiB stack at 1,080; a rule chain at
-# 1,298 rules). 256 is a quarter of the worker's stack (protocol/sandbox.py) and a sixteenth of this process's.
+# plus groups nested (a Lark or GBNF grammar): LLGuidance's compile recurses along it, 3.8 KiB of stack a link at
+# worst (tools/bench/compile_sandbox.py: an `items`-`$ref` chain overflows a 4 MiB stack at 1,079; Lark rules at
+# 1,320). 256 such links take a quarter of a worker's stack (protocol/sandbox.py), 6 % of this process's compile
+# thread; JSONSchemaBench's longest chain is under 64.
 MAX_REFERENCE_CHAIN = 256
 MAX_GBNF_BYTES = 16 * 1024  # protocol.wire's bound: its conversion to Lark is Python, and 85 KB took 4 s here
 MAX_COMPILED = 32  # compiled grammars kept per vocabulary, least recently used out
@@ -113,15 +114,17 @@ class Vocabulary:
         process (protocol/sandbox.py: a crash or a runaway there is this request's refusal, and `peer`'s compile
         work waits its turn with other peers'), and only then here. `timeout_s`: the worker's deadline (default
         COMPILE_TIMEOUT_S)."""
-        key = f"{kind}\0{text}"
-        found = self._cached(key)
+        found = self._cached(f"{kind}\0{text}")
         if found is not None:
             return found
         check_grammar(kind, text)
-        timeout = COMPILE_TIMEOUT_S if timeout_s is None else timeout_s
-        sandbox.pool_for(self.gguf, self.n_vocab).check(kind, text, peer, timeout)
+        return self._compile_checked(kind, text, COMPILE_TIMEOUT_S if timeout_s is None else timeout_s, peer)
+
+    def _compile_checked(self, kind: str, text: str, timeout_s: float, peer: str) -> Constraint:
+        """compile() once the text has passed check_grammar: a worker first, then here, then kept."""
+        sandbox.pool_for(self.gguf, self.n_vocab).check(kind, text, peer, timeout_s)
         constraint = Constraint(self, kind, text, _compile_here(self.tokenizer, kind, text))
-        self._keep(key, constraint)
+        self._keep(f"{kind}\0{text}", constraint)
         return constraint
 
     def _cached(self, key: str) -> Constraint | None:
@@ -162,8 +165,10 @@ class Vocabulary:
         dropped: set[str] = set()
         deadline = time.monotonic() + COMPILE_TIMEOUT_S  # one wait for all the compiles of this schema
         while True:
-            try:
-                constraint = self.compile("json_schema", text, max(0.0, deadline - time.monotonic()), peer)
+            try:  # checked above (dropping formats keeps it within every bound); a cached one is found here too
+                constraint = self._cached(f"json_schema\0{text}") or self._compile_checked(
+                    "json_schema", text, max(0.0, deadline - time.monotonic()), peer
+                )
                 if dropped:  # found again by the text it was asked for, formats and all
                     self._keep(asked, constraint)
                 return constraint

@@ -189,3 +189,18 @@ def test_a_cached_grammar_never_goes_back_to_a_worker(vocab, monkeypatch):
     c = vocab.schema({"type": "boolean", "description": "cached"})
     monkeypatch.setattr(sandbox.CompilePool, "check", lambda *a, **k: pytest.fail("a cached grammar was compiled"))
     assert vocab.schema({"type": "boolean", "description": "cached"}) is c
+
+
+def test_idle_workers_are_stopped_and_started_again_at_the_next_grammar(vocab, monkeypatch):
+    """A robot that compiles one schema an hour holds no worker processes for it in between."""
+    monkeypatch.setattr(sandbox, "IDLE_EXIT_S", 0.4)
+    own = sandbox.CompilePool(vocab.gguf, vocab.n_vocab, workers=1)
+    try:
+        own.check("json_schema", json.dumps(SMALL))
+        pid = own._workers[0].proc.pid
+        time.sleep(1.5)
+        assert own._workers[0].state == "stopped" and not alive(pid)
+        own.check("json_schema", json.dumps(SMALL))  # started again
+        assert own._workers[0].proc.pid != pid
+    finally:
+        own.close()
