@@ -25,6 +25,7 @@ ENTRY_POINTS = [
     "server_bridge.server",
     "agent.app.daemon",
     "protocol.wire",
+    "protocol.compile_worker",  # protocol/sandbox.py's worker processes
     "tools.demo",
     "tools.bench.divergence",
     "tools.bench.loadgen",
