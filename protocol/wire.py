@@ -46,6 +46,9 @@ MAX_CANDIDATES = 64  # candidate ids per draft position for early exits
 MAX_SECRET = 64  # a session's resume secret (the server mints 22 characters)
 MAX_ARRAY_NDIM = 2  # the wire's arrays are at most [k, K] (Verify.cands)
 MAX_SHOWN = 64  # characters of a received value an error message repeats
+# A connection's first frame, before its hello is checked: a hello is under 1 KiB (its strings are bounded), and a
+# stranger's frame at the full cap could make msgpack build 4.2 M objects (1.8 s on the server's event loop)
+MAX_HELLO_BYTES = 4096
 
 
 class WireError(ValueError):

@@ -68,7 +68,7 @@ class Handshake:
             return None
         self.metrics.bytes_in += len(frame)
         try:
-            return self.check(ws, decode(frame, self.config.max_frame_bytes))
+            return self.check(ws, decode(frame, min(self.config.max_frame_bytes, wire.MAX_HELLO_BYTES)))
         except wire.WireError as e:
             error = e
         except Exception:  # a bug in a check must not close with 1011 and a traceback for any stranger to trigger

@@ -17,7 +17,7 @@ import numpy as np
 from protocol import payload, sampling
 from protocol.grammar import GrammarError
 from protocol.structured import Constraint, ConstraintState
-from protocol.wire import Open, WireError
+from protocol.wire import Open, WireError, _show
 from runtime.vision import UnknownImage
 
 from .checks import check_ids
@@ -232,7 +232,10 @@ def slo_class(slo: dict, default: float, sid: str) -> float:
     """Open.slo -> the session's token-speed class in tokens/s (0: best effort)."""
     value = slo.get("tokens_per_s", default)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1000:
-        raise WireError("bad_field", f"slo.tokens_per_s must be a number of tokens/s in [0, 1000], got {value!r}", sid)
+        # _show: at most MAX_SHOWN characters, and no repr of a value msgpack nested 1,000 deep (a RecursionError)
+        raise WireError(
+            "bad_field", f"slo.tokens_per_s must be a number of tokens/s in [0, 1000], got {_show(value)}", sid
+        )
     return float(value)
 
 

@@ -20,6 +20,8 @@ Not thread-safe: one `Drafter` (one llama context) per thread.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
 import logging
 import threading
 import time
@@ -205,10 +207,34 @@ class Drafter:
     # ------------------------------------------------------------------ text
 
     def tokenize(self, text: str, chat: bool = False) -> list[int]:
-        """Text -> ids. With chat=True the text becomes one user turn in the model's chat template."""
+        """Text -> ids. With chat=True the text becomes one user turn in the model's chat template.
+
+        ValueError, before llama.cpp reads a byte, for a text the context cannot hold: every id spells at most
+        `longest_token` bytes of it, so over n_ctx * longest_token bytes is over n_ctx ids. llama.cpp splits a
+        text at its special tokens in time quadratic in their count: 1 MiB of `<|im_end|>` took 42 s under the
+        model's lock, and the OpenAI endpoint's body carries 8 MiB; at this bound, 4 s (docs/guide/trust.md)."""
         if chat:
             text = self.apply_chat_template([{"role": "user", "content": text}])
-        return self.llm.tokenize(text.encode("utf-8"), add_bos=False, special=True)
+        raw = text.encode("utf-8")  # UnicodeEncodeError (a ValueError) for a lone surrogate
+        n_ctx = self.llm.n_ctx()
+        if len(raw) > n_ctx and len(raw) > n_ctx * self.longest_token:
+            raise ValueError(
+                f"a prompt of {len(raw)} bytes cannot fit the draft's context of {n_ctx} tokens (a token spells "
+                f"at most {self.longest_token} bytes): send a shorter prompt"
+            )
+        return self.llm.tokenize(raw, add_bos=False, special=True)
+
+    @functools.cached_property
+    def longest_token(self) -> int:
+        """The most bytes one id spells, special ones as their text (as `tokenize` reads them); read once, when
+        a text longer than the context in bytes first comes (~0.05 s over a 49,152-token vocabulary)."""
+        import llama_cpp as L
+
+        vocab, buf, most = L.llama_model_get_vocab(self.llm.model), ctypes.create_string_buffer(256), 1
+        for i in range(self.vocab_size):
+            n = L.llama_token_to_piece(vocab, i, buf, len(buf), 0, True)
+            most = max(most, abs(n))  # negative: the piece is longer than buf, -n its length
+        return most
 
     def apply_chat_template(self, messages: list[dict[str, Any]]) -> str:
         if not self.chat_template:
