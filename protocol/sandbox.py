@@ -14,8 +14,9 @@ workers, one peer's slow grammars never keep another peer's schema from a worker
 Bounded: a peer waits with at most MAX_WAITING_PER_PEER requests, all peers with MAX_WAITING, each for at most
 QUEUE_TIMEOUT_S; past those it is refused at once (retry).
 
-Pools are kept per vocabulary file (`pool_for`), started at the first grammar, and their workers leave when the
-serving process does (their requests' pipe closes).
+Pools are kept per vocabulary file (`pool_for`), started at the first grammar; a worker idle for IDLE_EXIT_S is
+stopped and started again at the next grammar, and every worker leaves when the serving process does (its
+requests' pipe closes).
 """
 
 from __future__ import annotations
@@ -119,6 +120,9 @@ class CompilePool:
             raise refusal(
                 f"the grammar crashed the compiler ({e.reason}: too deep a recursion or too much memory); simplify it"
             ) from None
+        except BaseException:  # (a KeyboardInterrupt mid-request): the worker's state is unknown, so it goes
+            self._restart(worker, peer)
+            raise
         self._release(worker)
         if reply.get("ok"):
             return
