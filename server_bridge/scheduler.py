@@ -52,11 +52,14 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Any
+
+import numpy as np
 
 from protocol.wire import WireError
 
-from .estimator import Member, VerifyTimeModel
+from .estimator import Member, Passes, VerifyTimeModel, passes_ms
 
 POLICIES = ("slo", "fcfs", "fixed")
 
@@ -66,7 +69,7 @@ def deadline(slo: float, since: float, value: float) -> float:
     return since + value / slo if slo > 0 else math.inf
 
 
-@dataclass
+@dataclass(slots=True)  # slots: the scheduler reads every waiting request's fields at every dispatch
 class Request:
     """One verification waiting for the target."""
 
@@ -89,37 +92,124 @@ def slo_batch(
     fits_memory: Callable[[list[Member]], bool],
     max_batch: int,
 ) -> list[Request]:
-    """WISP Algorithm 1 at dispatch epoch `now`; returns the batch (a sub-list of pending)."""
-    solo = {id(r): model.predict_ms([r.member]) / 1e3 for r in pending}  # v_i, seconds
-    critical: list[Request] = []
-    other: list[Request] = []
-    for r in pending:
-        r.late = now + solo[id(r)] > r.deadline
-        (critical if now >= r.deadline - solo[id(r)] - guard_s else other).append(r)
-    critical.sort(key=lambda r: (r.deadline, r.arrival))  # EDF
-    other.sort(key=lambda r: (-r.value / max(solo[id(r)], 1e-9), r.arrival))  # density
+    """WISP Algorithm 1 at dispatch epoch `now`; returns the batch (a sub-list of pending).
 
-    batch: list[Request] = []
+    The batch grows in the queue's order and stops at the first addition that does not fit. Every test
+    a tentative batch must pass is monotone: the count; the memory (fits_memory must be, as
+    batch_memory_bytes is: a batch that fits still fits without its last member); now + T(B) against the
+    earliest deadline (T never shrinks as B grows, the earliest deadline never grows). So the batch is
+    the longest prefix of the queue that fits, which bounds find while pricing at most a few prefixes
+    exactly (_longest_fit), and memory in a few looks (_fits_memory): O(n log n) in the waiting requests,
+    where trying every addition with a fresh split took O(n^4) (tools/bench/sched_decision.py times both).
+    """
+    if not pending:
+        return []
+    order, shapes, deadlines = _queue(pending, now, model, guard_s, max_batch)
+    queue = [pending[k] for k in order.tolist()]
+    fit = _longest_fit(queue, shapes, deadlines, now, model, fits_memory)
+    return queue[: max(fit, 1)]  # not even the first fits (memory, or its own deadline): serve it alone
 
-    def feasible_add(r: Request) -> bool:
-        trial = batch + [r]
-        if len(trial) > max_batch or not fits_memory([m.member for m in trial]):
-            return False
-        bound = min((m.deadline for m in trial if not m.late), default=math.inf)
-        return now + model.batch_ms([m.member for m in trial]) / 1e3 <= bound
 
-    sids: set[str] = set()
-    for queue in (critical, other):
-        for r in queue:
-            if r.sid in sids:  # one request per session and pass; the other waits its turn
-                continue
-            if not feasible_add(r):
-                if not batch:  # not even alone (memory, or its own deadline): serve it alone
-                    batch.append(r)
-                return batch
-            batch.append(r)
-            sids.add(r.sid)
-    return batch
+def _queue(
+    pending: Sequence[Request], now: float, model: VerifyTimeModel, guard_s: float, max_batch: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The order Algorithm 1 tries pending in, one request per session, at most max_batch [k]; sets each
+    one's `late`. Also theirs, in that order: (L_cached, L_new) [k, 2] and deadline, inf for a late one [k].
+
+    Requests past their latest start time first, earliest deadline first; then the rest by utility
+    density, most expected tokens per second of verifying alone first; ties by arrival, then pending's order."""
+    n = len(pending)
+    shapes = np.fromiter(chain.from_iterable([r.member for r in pending]), np.int64, 2 * n).reshape(n, 2)  # [n, 2]
+    deadlines = np.fromiter([r.deadline for r in pending], np.float64, n)  # [n]
+    cached, new = shapes[:, 0], shapes[:, 1]
+    solo = (  # v_i, seconds: model.member_ms to the last bit
+        model.scale * np.maximum(0.0, model.a * new + model.b_c * ((cached + new) * new) + model.b_r * cached + model.c)
+    ) / 1e3
+    late = now + solo > deadlines
+    for r, is_late in zip(pending, late.tolist(), strict=True):
+        r.late = is_late
+    critical = now >= deadlines - solo - guard_s
+    density = -np.fromiter([r.value for r in pending], np.float64, n) / np.maximum(solo, 1e-9)
+    arrivals = np.fromiter([r.arrival for r in pending], np.float64, n)
+    order = np.lexsort((arrivals, np.where(critical, deadlines, density), ~critical))  # stable
+    sids = [r.sid for r in pending]
+    if len(set(sids)) < len(sids):  # one request per session and pass; the other waits its turn
+        first: dict[str, int] = {}
+        for k in order.tolist():
+            first.setdefault(sids[k], k)
+        order = np.fromiter(first.values(), np.intp, len(first))  # in the order first seen
+    order = order[: max(max_batch, 1)]
+    return order, shapes[order], np.where(late, math.inf, deadlines)[order]
+
+
+def _longest_fit(
+    queue: list[Request],
+    shapes: np.ndarray,
+    deadlines: np.ndarray,
+    now: float,
+    model: VerifyTimeModel,
+    fits_memory: Callable[[list[Member]], bool],
+) -> int:
+    """How many of the queue's first requests fit memory and finish, now + batch_ms, before every deadline
+    among them.
+
+    shapes [k, 2] their (L_cached, L_new), deadlines [k] theirs (inf: none, or late: it bounds nothing).
+    T(first k) lies between bounds kept as running sums and maxima: above, one padded pass (what T is
+    when one pass is cheapest); below, the lesser of one pass and two passes' fixed cost plus every row
+    unpadded (two or more passes cost at least that). Where the upper bound fits the prefix fits, where
+    the lower one does not it does not. In between, estimator.Passes: the next prefix's best split into
+    one pass or two (O(k) in numpy, an upper bound), or if that does not fit while a lower bound still
+    might, its exact split (split_passes); then members join that split one by one, its cost staying an
+    upper bound and its floor plus every row joined since, unpadded, a lower one (a member never adds
+    less than its own row); where neither decides, the exact split again. So a few exact prices at most.
+    """
+    cached, new = shapes[:, 0], shapes[:, 1]
+    rows = np.arange(1, len(shapes) + 1)
+    one_pass = passes_ms(model, rows, np.maximum.accumulate(cached), np.maximum.accumulate(new))  # [k]
+    rows_ms = model.scale * np.cumsum(model.a * new + model.b_c * ((cached + new) * new) + model.b_r * cached)
+    lower = np.minimum(one_pass, rows_ms + 2 * model.scale * model.c) * (1 - 1e-9)  # a hair: rounding
+    bound = np.minimum.accumulate(deadlines)  # [k] the earliest deadline among the first k
+
+    def leading(ms: np.ndarray) -> int:
+        """How many first prefixes fit if T were ms."""
+        fit = now + ms / 1e3 <= bound
+        return len(fit) if fit[-1] else int(np.argmin(fit))
+
+    def fits(ms: float, k: int) -> bool:
+        return now + ms / 1e3 <= bound[k - 1]
+
+    possible = _fits_memory(queue, leading(lower), fits_memory)  # no search past what memory holds
+    k = min(leading(one_pass), possible)
+    passes: Passes | None = None
+    while k < possible:
+        if passes is None:  # one pass or two: O(k) in numpy
+            passes = Passes.cheap(shapes[: k + 1], model)
+        elif fits(passes.add(queue[k].member), k + 1):  # a split of the first k: the next one joins it
+            k += 1
+            continue
+        if not fits(passes.floor, k + 1):
+            break
+        if not fits(passes.ms, k + 1):
+            passes = Passes.best([r.member for r in queue[: k + 1]], model)  # exact: batch_ms to the last bit
+            if not fits(passes.ms, k + 1):
+                break
+        k += 1
+    return k
+
+
+def _fits_memory(queue: list[Request], most: int, fits_memory: Callable[[list[Member]], bool]) -> int:
+    """The longest prefix of at most `most` that fits memory: one look at `most` when it fits (mostly), else
+    doubling from one and then bisection, so a batch that memory holds to a few costs only a few looks."""
+    if most == 0 or fits_memory([r.member for r in queue[:most]]):
+        return most
+    lo, hi = 0, 1  # the first lo fit; hi is the next to look at
+    while hi < most and fits_memory([r.member for r in queue[:hi]]):
+        lo, hi = hi, 2 * hi
+    hi = min(hi, most) - 1  # the first hi + 1 do not fit
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits_memory([r.member for r in queue[:mid]]) else (lo, mid - 1)
+    return lo
 
 
 @dataclass
@@ -215,7 +305,7 @@ class Scheduler:
 
     def _critical_at(self) -> float:
         """The earliest latest start time among the waiting requests (monotonic seconds)."""
-        return min(r.deadline - self.model.predict_ms([r.member]) / 1e3 - self.guard_s for r in self.pending)
+        return min(r.deadline - self.model.member_ms(r.member) / 1e3 - self.guard_s for r in self.pending)
 
     def ready(self, now: float) -> bool:
         """Whether a batch should go now (fixed waits for a full batch or its oldest's timeout)."""

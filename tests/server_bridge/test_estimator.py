@@ -1,17 +1,21 @@
 """The verification-time estimator: features as the padded engine runs a batch, fitting, calibration."""
 
 import json
+import math
 
 import numpy as np
 import pytest
 
 from server_bridge.estimator import (
+    Passes,
     VerifyTimeModel,
     batch_memory_bytes,
     bootstrap_ci,
     features,
     fit,
     mape,
+    pass_ms,
+    passes_ms,
     r2,
     split_passes,
 )
@@ -127,3 +131,118 @@ def test_a_long_prefill_gets_a_pass_of_its_own_when_that_is_cheaper():
     assert split_passes([warm, (80, 3), warm], model) == [[1, 0, 2]]
     assert model.batch_ms([warm]) == model.predict_ms([warm])
     assert split_passes([], model) == []
+
+
+def exhaustive_split(members, model):
+    """split_passes as it was before issue 51 (e73bce7), kept as the reference: every start i for every j."""
+    order = sorted(range(len(members)), key=lambda i: (members[i][1], members[i][0]))
+    n = len(order)
+    best = [0.0] + [math.inf] * n
+    cut = [0] * (n + 1)
+    for j in range(1, n + 1):
+        for i in range(j):
+            t = best[i] + model.predict_ms([members[k] for k in order[i:j]])
+            if t < best[j]:
+                best[j], cut[j] = t, i
+    groups, j = [], n
+    while j > 0:
+        groups.append(order[cut[j] : j])
+        j = cut[j]
+    return groups[::-1]
+
+
+def random_members(rng, n):
+    """Drafts on warm caches, cold prompts, and shapes with many equal keys (ties)."""
+    kind = rng.integers(3)
+    if kind == 0:  # a fleet: drafts of 2-9 tokens over 200-4000 cached, now and then a prompt
+        return [
+            (int(rng.integers(200, 4000)), int(rng.integers(2, 10)))
+            if rng.random() > 0.1
+            else (0, int(rng.integers(32, 600)))
+            for _ in range(n)
+        ]
+    high_cached, high_new = [(5, 3), (50, 20), (3000, 500)][kind - 1]
+    return [(int(rng.integers(0, high_cached + 1)), int(rng.integers(1, high_new + 1))) for _ in range(n)]
+
+
+def random_model(rng):
+    """A 7B-on-an-H200 shape, the CPU default, integer coefficients (exact ties), or anything non-negative."""
+    pick = rng.integers(4)
+    if pick == 0:
+        return VerifyTimeModel(a=0.05, b_c=1e-7, b_r=2e-5, c=12.0)
+    if pick == 1:
+        return VerifyTimeModel()
+    if pick == 2:
+        return VerifyTimeModel(
+            a=float(rng.integers(0, 4)), b_c=0.0, b_r=float(rng.choice([0, 0.5, 1])), c=float(rng.integers(0, 20))
+        )
+    return VerifyTimeModel(
+        a=rng.uniform(0, 5),
+        b_c=rng.uniform(0, 1e-3),
+        b_r=rng.uniform(0, 1e-2),
+        c=rng.uniform(0, 200),
+        scale=rng.uniform(0.25, 4),
+    )
+
+
+def test_the_split_is_the_exhaustive_dynamic_programmes_on_random_batches():
+    # the same passes (ties included: the smallest start wins, as before) and so the same batch_ms to the last bit
+    rng = np.random.default_rng(51)
+    for _ in range(1000):
+        members, model = random_members(rng, int(rng.integers(0, 28))), random_model(rng)
+        assert split_passes(members, model) == exhaustive_split(members, model), (members, model)
+
+
+def test_the_split_of_hundreds_of_members_is_still_the_dynamic_programmes():
+    # past the reference's reach, the same programme with the pass's shape kept as it goes (O(n^2), no lists)
+    rng = np.random.default_rng(52)
+    for n in (120, 300, 300, 600):
+        members, model = random_members(rng, n), random_model(rng)
+        order = sorted(range(n), key=lambda i: (members[i][1], members[i][0]))
+        best, cut = [0.0] + [math.inf] * n, [0] * (n + 1)
+        for j in range(1, n + 1):
+            top = 0
+            for i in range(j - 1, -1, -1):  # downwards: the cache maximum of i..j-1 as it goes
+                top = max(top, members[order[i]][0])
+                t = best[i] + pass_ms(model, j - i, top, members[order[j - 1]][1])
+                if t <= best[j]:  # downwards, so on a tie the smaller start
+                    best[j], cut[j] = t, i
+        groups, j = [], n
+        while j > 0:
+            groups.append(order[cut[j] : j])
+            j = cut[j]
+        assert split_passes(members, model) == groups[::-1]
+        assert model.batch_ms(members) == best[n]
+
+
+def test_passes_bound_batch_ms_from_both_sides_as_members_join():
+    rng = np.random.default_rng(53)
+    for _ in range(200):
+        members, model = random_members(rng, int(rng.integers(1, 60))), random_model(rng)
+        exact = Passes.best(members, model)
+        assert exact.ms == model.batch_ms(members) and exact.floor <= exact.ms
+        cheap = Passes.cheap(np.array(members, dtype=np.int64), model)  # one pass or two
+        assert cheap.floor <= model.batch_ms(members) <= cheap.ms
+        for passes in (exact, cheap):
+            grown = list(members)
+            for member in random_members(rng, int(rng.integers(1, 20))):
+                grown.append(member)
+                passes.add(member)
+                assert passes.floor <= model.batch_ms(grown) <= passes.ms
+
+
+def test_a_pass_is_priced_from_its_shape_as_from_its_members():
+    rng = np.random.default_rng(54)
+    for _ in range(100):
+        model, members = random_model(rng), random_members(rng, int(rng.integers(1, 9)))
+        assert model.member_ms(members[0]) == model.predict_ms(members[:1])
+        shape = len(members), max(m[0] for m in members), max(m[1] for m in members)
+        assert pass_ms(model, *shape) == model.predict_ms(members)
+        assert passes_ms(model, *(np.array([x]) for x in shape))[0] == model.predict_ms(members)
+
+
+def test_a_negative_cost_is_refused():
+    with pytest.raises(ValueError, match="must be >= 0"):
+        VerifyTimeModel(a=1.0, b_c=-1e-6, b_r=0.0, c=10.0)
+    with pytest.raises(ValueError, match="scale > 0"):
+        VerifyTimeModel(scale=0.0)

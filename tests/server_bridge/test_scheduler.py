@@ -2,10 +2,11 @@
 
 import math
 
+import numpy as np
 import pytest
 
 from protocol.wire import WireError
-from server_bridge.estimator import VerifyTimeModel
+from server_bridge.estimator import VerifyTimeModel, batch_memory_bytes
 from server_bridge.scheduler import Request, Scheduler, deadline, slo_batch
 
 # T(B) = 10 ms + 1 ms per padded new token: a batch of B rows of 5 new tokens takes 10 + 5B ms
@@ -183,3 +184,103 @@ def test_the_robot_table_forgets_the_longest_silent_robots_never_one_waiting():
     gone = ["shed"] + quiet[: 81 // 4 - 1]  # the longest silent: no answer since 0.2 s, then oldest
     assert len(s._seen) == 81 - 81 // 4
     assert set(s._seen) == {"flying", "busy0", "busy1", "busy2", "busy3", *quiet} - set(gone)
+
+
+def exhaustive_batch_ms(model, members):
+    """batch_ms as it was before issue 51 (e73bce7): every start i for every j of the split's programme."""
+    order = sorted(range(len(members)), key=lambda i: (members[i][1], members[i][0]))
+    best = [0.0] + [math.inf] * len(order)
+    for j in range(1, len(order) + 1):
+        for i in range(j):
+            best[j] = min(best[j], best[i] + model.predict_ms([members[k] for k in order[i:j]]))
+    return best[-1]
+
+
+def every_addition_slo_batch(pending, now, model, guard_s, fits_memory, max_batch, batch_ms=exhaustive_batch_ms):
+    """slo_batch as it was before issue 51 (e73bce7), kept as the reference: each addition tried and priced."""
+    solo = {id(r): model.predict_ms([r.member]) / 1e3 for r in pending}  # v_i, seconds
+    critical, other = [], []
+    for r in pending:
+        r.late = now + solo[id(r)] > r.deadline
+        (critical if now >= r.deadline - solo[id(r)] - guard_s else other).append(r)
+    critical.sort(key=lambda r: (r.deadline, r.arrival))  # EDF
+    other.sort(key=lambda r: (-r.value / max(solo[id(r)], 1e-9), r.arrival))  # density
+    batch = []
+
+    def feasible_add(r):
+        trial = batch + [r]
+        if len(trial) > max_batch or not fits_memory([m.member for m in trial]):
+            return False
+        bound = min((m.deadline for m in trial if not m.late), default=math.inf)
+        return now + batch_ms(model, [m.member for m in trial]) / 1e3 <= bound
+
+    sids = set()
+    for queue in (critical, other):
+        for r in queue:
+            if r.sid in sids:
+                continue
+            if not feasible_add(r):
+                if not batch:
+                    batch.append(r)
+                return batch
+            batch.append(r)
+            sids.add(r.sid)
+    return batch
+
+
+GPU_7B = VerifyTimeModel(a=0.05, b_c=1e-7, b_r=2e-5, c=12.0)  # a 7B on an H200, roughly
+
+
+def random_fleet(rng, n, lax=False):
+    """Robots' rounds (drafts over warm caches, now and then a prompt), SLO classes 0-32 tok/s, a few sessions
+    with two requests waiting; the previous result up to half a second ago. lax: slow classes, results just
+    in, so that batches grow to where a split into passes decides whether the next one fits."""
+    sessions = max(1, n - int(rng.integers(0, 3)))
+    out = []
+    for _ in range(n):
+        if rng.random() < 0.1:
+            member, value = (int(rng.integers(0, 300)), int(rng.integers(16, 600))), 1.0
+        else:
+            k = int(rng.integers(1, 16))
+            member, value = (int(rng.integers(0, 4000)), k + 1), float(rng.uniform(0.2, 0.95) * k + 1)
+        slo = float(rng.choice([1.0, 2.0, 4.0] if lax else [0.0, 2.0, 4.0, 8.0, 16.0, 32.0]))
+        since = NOW - float(rng.uniform(0, 0.05 if lax else 0.5))
+        out.append(Request(f"s{rng.integers(sessions)}", member, value, deadline(slo, since, value), since, slo))
+    return out
+
+
+def test_the_batch_is_the_one_trying_every_addition_chose_on_random_fleets():
+    # the same requests in the same order, and the same late ones: under every model, memory, cap and guard
+    rng = np.random.default_rng(51)
+    models = [GPU_7B, GPU_7B, VerifyTimeModel(), MODEL, VerifyTimeModel(a=0.15, b_c=1e-6, b_r=1e-4, c=4.0, scale=1.7)]
+    memories = [
+        lambda members: True,
+        lambda members: True,
+        lambda members: len(members) <= 5,
+        lambda members: batch_memory_bytes(members, 100, 50) <= 8_000_000,
+    ]
+    for _ in range(300):
+        pending = random_fleet(rng, int(rng.integers(1, 28)), lax=bool(rng.random() < 0.5))
+        model, memory = models[rng.integers(len(models))], memories[rng.integers(len(memories))]
+        args = (NOW, model, float(rng.choice([0.0, 0.005, 0.03])), memory, int(rng.choice([1, 8, 16, 1024, 1024])))
+        before = [id(r) for r in every_addition_slo_batch(pending, *args)], [r.late for r in pending]
+        after = [id(r) for r in slo_batch(pending, *args)], [r.late for r in pending]
+        assert after == before
+
+
+def test_the_batch_is_the_same_at_a_thousand_waiting():
+    # past the reference's reach: every addition tried, priced by today's split (itself the same as before);
+    # the last fleet, drafts of 4 to 9 tokens due in 0.2-1.4 s, grows batches of hundreds whose last member
+    # only the exact split can turn away
+    rng = np.random.default_rng(52)
+    mixed = [
+        Request(
+            f"r{i}", (int(rng.integers(256, 4096)), int(rng.integers(4, 10))), 4.0, NOW + rng.uniform(0.2, 1.4), NOW
+        )
+        for i in range(1024)
+    ]
+    for pending in (random_fleet(rng, 300), random_fleet(rng, 300, True), random_fleet(rng, 1024), mixed):
+        args = (pending, NOW, GPU_7B, 0.005, lambda members: True, 1024)
+        chosen = [id(r) for r in slo_batch(*args)]
+        assert len(chosen) > 20
+        assert chosen == [id(r) for r in every_addition_slo_batch(*args, batch_ms=VerifyTimeModel.batch_ms)]

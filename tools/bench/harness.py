@@ -123,6 +123,8 @@ class Plot:
     where: Callable[[Row], bool] | None = None  # only the rows it accepts (None: all)
     facet: str = ""  # a row key: a panel (a row of the figure) for each of its values
     hline: float | None = None  # a dotted horizontal line (a bound) at this y
+    xscale: str = "linear"  # or "log" (matplotlib's names)
+    yscale: str = "linear"
 
     def labels(self, result: Row) -> dict[str, str]:
         return self.ys(result) if callable(self.ys) else self.ys
@@ -159,6 +161,8 @@ class Plot:
             ax.set_xlabel(self.xlabel)
         if self.hline is not None:
             ax.axhline(self.hline, color="grey", linestyle=":", linewidth=0.8)
+        ax.set_xscale(self.xscale)
+        ax.set_yscale(self.yscale)
         if self.ylim:
             ax.set_ylim(*self.ylim)
         ax.set_ylabel(self.ylabel)
