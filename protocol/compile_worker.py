@@ -51,8 +51,6 @@ def main(argv: list[str]) -> int:
     channel = os.fdopen(os.dup(1), "wb", buffering=0)
     os.dup2(2, 1)  # stray native output goes to stderr, never into the frames
     requests = os.fdopen(os.dup(0), "rb")
-    import llama_cpp  # noqa: F401  before numpy: a CUDA build of llama.cpp crashes the other way round
-
     from protocol.grammar import vocab_only
     from protocol.structured import tokenizer_of
 
