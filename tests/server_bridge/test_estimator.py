@@ -19,6 +19,7 @@ from server_bridge.estimator import (
     r2,
     split_passes,
 )
+from tools.bench.sched_decision import old_split_passes as exhaustive_split  # before issue 51, verbatim
 
 TRUE = np.array([2.5, 4e-5, 8e-3, 35.0])  # a, b_c, b_r, c (ms)
 
@@ -131,24 +132,6 @@ def test_a_long_prefill_gets_a_pass_of_its_own_when_that_is_cheaper():
     assert split_passes([warm, (80, 3), warm], model) == [[1, 0, 2]]
     assert model.batch_ms([warm]) == model.predict_ms([warm])
     assert split_passes([], model) == []
-
-
-def exhaustive_split(members, model):
-    """split_passes as it was before issue 51 (e73bce7), kept as the reference: every start i for every j."""
-    order = sorted(range(len(members)), key=lambda i: (members[i][1], members[i][0]))
-    n = len(order)
-    best = [0.0] + [math.inf] * n
-    cut = [0] * (n + 1)
-    for j in range(1, n + 1):
-        for i in range(j):
-            t = best[i] + model.predict_ms([members[k] for k in order[i:j]])
-            if t < best[j]:
-                best[j], cut[j] = t, i
-    groups, j = [], n
-    while j > 0:
-        groups.append(order[cut[j] : j])
-        j = cut[j]
-    return groups[::-1]
 
 
 def random_members(rng, n):
