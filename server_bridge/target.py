@@ -20,6 +20,7 @@ counts text ids, as the wire does; `positions` adds what the images take.
 from __future__ import annotations
 
 import logging
+import threading
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -97,6 +98,7 @@ class Target:
         # the image marker's id where the engine reads images (a projector or a VLM's vision tower), else None
         self.image_marker = getattr(engine, "image_token_id", None) if getattr(engine, "vision", None) else None
         self._grammars: Vocabulary | None = None
+        self._grammars_lock = threading.Lock()
 
     @property
     def grammars_supported(self) -> bool:
@@ -113,24 +115,29 @@ class Target:
     def grammar(self, grammar: dict[str, Any], peer: str = "") -> Constraint:
         """An open's grammar ({KIND: text, ...}: protocol.wire) compiled by LLGuidance over the target's vocabulary
         (cached, bounded, in a worker process first: protocol/structured.py); GrammarError (or its SchemaError)
-        when it cannot be. `peer`: who sent it (compile work takes turns between peers)."""
-        if self._grammars is None:
-            import llama_cpp as L
+        when it cannot be. `peer`: who sent it (compile work takes turns between peers). Called from the server's
+        grammar threads and the model thread: the vocabulary is built once, under a lock."""
+        with self._grammars_lock:
+            vocabulary = self._grammars or self._vocabulary()
+            self._grammars = vocabulary
+        return vocabulary.for_wire(grammar, peer)
 
-            owner: object  # what keeps the vocabulary alive: the engine, or a vocabulary-only model
-            if self.engine.info.engine == "llamacpp":
-                vocab, owner = L.llama_model_get_vocab(cast("LlamaCppEngine", self.engine).model), self.engine
-            elif self.grammars_supported:
-                owner, vocab, n = vocab_only(str(self.engine.path))  # the vocabulary alone, no weights
-                if n != self.engine.vocab_size:
-                    raise GrammarError(f"{self.engine.path} has {n} tokens, the target {self.engine.vocab_size}")
-            else:
-                raise GrammarError(
-                    f"the target {self.name} was not loaded from a GGUF: there is no vocabulary to compile "
-                    "the grammar over"
-                )
-            self._grammars = Vocabulary(vocab, self.vocab_size, owner, gguf=self.engine.path)
-        return self._grammars.for_wire(grammar, peer)
+    def _vocabulary(self) -> Vocabulary:
+        """LLGuidance's view of the target's GGUF vocabulary (~0.2 s: built once)."""
+        import llama_cpp as L
+
+        owner: object  # what keeps the vocabulary alive: the engine, or a vocabulary-only model
+        if self.engine.info.engine == "llamacpp":
+            vocab, owner = L.llama_model_get_vocab(cast("LlamaCppEngine", self.engine).model), self.engine
+        elif self.grammars_supported:
+            owner, vocab, n = vocab_only(str(self.engine.path))  # the vocabulary alone, no weights
+            if n != self.engine.vocab_size:
+                raise GrammarError(f"{self.engine.path} has {n} tokens, the target {self.engine.vocab_size}")
+        else:
+            raise GrammarError(
+                f"the target {self.name} was not loaded from a GGUF: there is no vocabulary to compile the grammar over"
+            )
+        return Vocabulary(vocab, self.vocab_size, owner, gguf=self.engine.path)
 
     @property
     def sees(self) -> bool:
