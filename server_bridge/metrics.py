@@ -13,6 +13,7 @@ empty label as no label): the label is always there, so a consumer can rely on i
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -62,6 +63,7 @@ class ServerMetrics:
     batch_size_max: int = 0
     batch_sizes: Counter = field(default_factory=Counter)  # histogram: le bucket -> passes
     pass_ms_sum: float = 0.0  # time in those passes
+    engine_cpu_s: float = 0.0  # the model thread's CPU inside them (Verifier.engine_cpu_s, copied at a scrape)
     queue_wait_s: float = 0.0  # time requests waited for a batch, summed
     slo_requests: Counter = field(default_factory=Counter)  # class (tokens/s) -> requests served
     slo_late: Counter = field(default_factory=Counter)  # class -> served after their deadline
@@ -274,6 +276,14 @@ class _Scrape(Collector):
         yield self._counter("bridge_batch_sessions_total", "sessions verified in batched passes", m.batch_sessions)
         yield self._gauge("bridge_batch_size_max", "largest batch so far", m.batch_size_max)
         yield self._counter("bridge_batch_verify_seconds_total", "time in batched forward passes", m.pass_ms_sum / 1e3)
+        yield self._counter(
+            "bridge_engine_cpu_seconds_total", "the model thread's CPU time inside the passes", m.engine_cpu_s
+        )
+        yield self._counter(
+            "bridge_process_cpu_seconds_total",
+            "the server process's CPU time, every thread (minus the engine's: the server's own work)",
+            time.process_time(),
+        )
         yield self._counter("bridge_queue_wait_seconds_total", "time requests waited for a batch", m.queue_wait_s)
         yield self._counter("bridge_bytes_in_total", "websocket payload bytes received", m.bytes_in)
         yield self._counter("bridge_bytes_out_total", "websocket payload bytes sent", m.bytes_out)

@@ -258,6 +258,7 @@ class BridgeServer:
 
     def _metrics_text(self) -> str:
         """/metrics' page (Prometheus text)."""
+        self.metrics.engine_cpu_s = self.verifier.engine_cpu_s
         return self.metrics.render(
             self.sessions,
             self.replica.connections,

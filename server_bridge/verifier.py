@@ -67,6 +67,7 @@ class Verifier:
         self.config = config
         self.exits = load_exits(config, target)
         self.opens = Opens(target, config, self.exit_layers)
+        self.engine_cpu_s = 0.0  # CPU seconds of the model thread inside the engine's passes (metrics)
 
     @property
     def exit_layers(self) -> list[int]:
@@ -85,7 +86,7 @@ class Verifier:
         works = self._prepare_all(requests, out)
         exts = [w.ext for w in works.values() if w.ext is not None]
         members = [e.member for e in exts]
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         try:
             rows = iter(self.target.extend(exts) if exts else [])
         except Exception as e:  # nothing was committed: the next pass starts at state.cached
@@ -95,6 +96,7 @@ class Verifier:
                 out[i] = _pass_failed(e, requests[i])
             return _answers(out), (time.perf_counter() - t0) * 1e3, members
         pass_ms = (time.perf_counter() - t0) * 1e3
+        self.engine_cpu_s += time.thread_time() - c0  # with the engine's threads > 1, only this thread's share
         for i, work in works.items():
             row = next(rows) if work.ext is not None else None
             try:  # one session's failure is its own: the others keep their results

@@ -34,6 +34,8 @@ FAMILIES = [
     ("bridge_batch_sessions_total", "counter"),
     ("bridge_batch_size_max", "gauge"),
     ("bridge_batch_verify_seconds_total", "counter"),
+    ("bridge_engine_cpu_seconds_total", "counter"),
+    ("bridge_process_cpu_seconds_total", "counter"),
     ("bridge_queue_wait_seconds_total", "counter"),
     ("bridge_bytes_in_total", "counter"),
     ("bridge_bytes_out_total", "counter"),
