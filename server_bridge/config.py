@@ -72,7 +72,9 @@ class SeedSettings:
 class BatchSettings:
     """The largest batch of one forward pass: what serve runs with, and the largest of profile's fleet shapes."""
 
-    max_batch: int = setting(16, help="Sessions in one forward pass (1-1024).")
+    max_batch: int = setting(
+        16, help="Sessions in one forward pass (1-1024; serve's default 0: every sequence the engine holds)."
+    )
 
 
 @dataclass
@@ -83,6 +85,7 @@ class DraftLengthSettings:
 
 
 @dataclass
+@settings.defaults(max_batch=0)  # auto: every sequence the engine holds (server.batch_limit)
 class ServerConfig(EngineSettings, BatchSettings):
     """`server-bridge serve`'s config: the [server] table of its TOML file (or its top level), each field
     also a flag (`--max-sessions`); flags override the file."""
@@ -121,14 +124,24 @@ class ServerConfig(EngineSettings, BatchSettings):
         "auto",
         choices=("auto", "on", "off"),
         help="llamacpp: one KV pool for every session (on) or a stream of kv_tokens / max_sessions cells each "
-        "(off: faster batched passes on a GPU); auto = off when layers are offloaded and no exits are tapped.",
+        "(off: faster batched passes on a GPU); auto = off when layers are offloaded, no exits are tapped and "
+        "each stream holds 2048 tokens.",
     )
     n_ubatch: int = setting(0, help="llamacpp: tokens per micro-batch; 0 = a whole call in one (exits need it).")
     flash_attn: str = setting(
         "auto", choices=("auto", "on", "off"), help="llamacpp: flash attention (auto: where the backend has it)."
     )
     max_sessions: int = setting(
-        64, help="The session table's bound; the least recently used idle one (detached first) is evicted."
+        256,
+        help="The session table's bound, and the engine's sequences (llama.cpp holds at most 256; torch: "
+        "kv_tokens / max_context slots); the least recently used idle one (detached first) is evicted.",
+    )
+    protect_active_s: float = setting(
+        2.0,
+        help="A session answered this recently (its robot is drafting its next round) is not evicted for "
+        "another robot's open: that open is refused (overloaded) instead, so a fleet larger than the engine "
+        "holds is served in part, not thrashed (every round a re-open) in full (s; 0 = the least recently "
+        "used goes at once).",
     )
     max_sessions_per_connection: int = setting(8, help="Sessions one connection may hold.")
     max_sessions_per_client: int = setting(
@@ -157,7 +170,7 @@ class ServerConfig(EngineSettings, BatchSettings):
     max_frame_bytes: int = setting(DEFAULT_MAX_FRAME_BYTES, help="The largest websocket frame accepted (>= 64 KiB).")
     max_draft_len: int = setting(16, help="The longest draft a robot may send (<= 256).")
     max_context: int = setting(2048, help="Prompt + generated tokens per session.")
-    max_connections: int = setting(256, help="Authenticated connections: a connection counts from its hello on.")
+    max_connections: int = setting(1024, help="Authenticated connections: a connection counts from its hello on.")
     hello_timeout_s: float = setting(
         5.0,
         help="Hello must have passed this long after the TCP accept, or the connection is closed (1008); a "
@@ -227,7 +240,7 @@ class ServerConfig(EngineSettings, BatchSettings):
         help="Which waiting rounds share a forward pass: slo (deadlines from each robot's tokens/s class, then "
         "expected tokens per ms: WISP Algorithm 1), fcfs (one at a time) or fixed (max_batch, arrival order).",
     )
-    max_queue: int = setting(128, help="Requests waiting for the target; a newcomer beyond it is shed (overloaded).")
+    max_queue: int = setting(512, help="Requests waiting for the target; a newcomer beyond it is shed (overloaded).")
     max_wait_ms: float = setting(
         3000.0, help="A request that waited longer is shed (overloaded): the robot's offline policy takes over."
     )
@@ -348,11 +361,13 @@ class ServerConfig(EngineSettings, BatchSettings):
             raise ValueError(f"exit_queue must be 1-4096, got {self.exit_queue}")
         if not 1 <= self.exit_bonus_candidates <= 1024:
             raise ValueError(f"exit_bonus_candidates must be 1-1024, got {self.exit_bonus_candidates}")
-        for name in ("max_batch", "max_queue", "batch_memory_mb"):
+        for name in ("max_queue", "batch_memory_mb"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_batch > 1024:
-            raise ValueError(f"max_batch must be <= 1024, got {self.max_batch}")
+        if not 0 <= self.max_batch <= 1024:
+            raise ValueError(f"max_batch must be 0 (auto) or 1-1024, got {self.max_batch}")
+        if not isinstance(self.protect_active_s, (int, float)) or not 0 <= self.protect_active_s <= 3600:
+            raise ValueError(f"protect_active_s must be 0-3600 s, got {self.protect_active_s!r}")
         for name in ("max_wait_ms", "batch_wait_ms", "guard_ms", "default_slo"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not 0 <= value < 1e6:

@@ -32,6 +32,24 @@ log = logging.getLogger(__name__)
 
 # Errors after which an authenticated connection is closed too (before hello, every error closes it).
 FATAL = {"bad_token", "vocab_mismatch", "bad_version", "not_authenticated"}
+SHED_LOG_S = 10.0  # `overloaded` is routine under a full fleet: one line per this many seconds, not one per shed
+
+
+class ShedLog:
+    """Sheds (`overloaded`) counted and logged as one line per SHED_LOG_S (the first at once), with the last
+    reason: a fleet beyond the engine sheds hundreds a second, and a line each cost the server more CPU than
+    the shed itself. bridge_errors_total{code="overloaded"} counts every one."""
+
+    def __init__(self) -> None:
+        self.count, self.since = 0, 0.0  # sheds since the last line, and when it was written (0: none yet)
+
+    def note(self, reason: str) -> None:
+        self.count += 1
+        now = time.monotonic()
+        if not self.since or now - self.since >= SHED_LOG_S:
+            span = f" in {now - self.since:.0f}s" if self.since else ""
+            log.info("shed %d request(s)%s (overloaded), the last: %s", self.count, span, reason)
+            self.count, self.since = 0, now
 
 
 async def close_for_drain(ws: ServerConnection) -> None:
@@ -58,6 +76,7 @@ class Connections:
         self.replica = replica
         self.admission = admission
         self.handshake = handshake
+        self.sheds = ShedLog()
         self.dispatcher = dispatcher
         self._ids = itertools.count(1)
         self.live: dict[int, ServerConnection] = {}  # conn_id -> connection, for the drain
@@ -102,7 +121,10 @@ class Connections:
                     )
                 except wire.WireError as e:
                     self.metrics.errors[e.code] += 1
-                    self.admission.log(budget, logging.INFO, "conn %d %s: %s", conn_id, peer, e)
+                    if e.code == "overloaded":
+                        self.sheds.note(f"conn {conn_id} {peer}: {e}")
+                    else:
+                        self.admission.log(budget, logging.INFO, "conn %d %s: %s", conn_id, peer, e)
                     await self.dispatcher.send(ws, wire.Error(e.code, e.message, e.sid))
                     if e.code in FATAL:
                         return

@@ -212,7 +212,10 @@ class Dispatcher:
                     raise
                 if self.sessions.evict_one(msg.sid, e.reason) is None:
                     raise wire.WireError(
-                        "overloaded", f"{e.reason}, each by a session in a request now: retry later", msg.sid
+                        "overloaded",
+                        f"{e.reason}, each by a session in a request now or answered within "
+                        f"{self.sessions.protect_active_s:g}s: retry later",
+                        msg.sid,
                     ) from None
                 evictions += 1
 

@@ -64,6 +64,7 @@ class ServerMetrics:
     batch_sizes: Counter = field(default_factory=Counter)  # histogram: le bucket -> passes
     pass_ms_sum: float = 0.0  # time in those passes
     engine_cpu_s: float = 0.0  # the model thread's CPU inside them (Verifier.engine_cpu_s, copied at a scrape)
+    model_cpu_s: float = 0.0  # the model thread's CPU in all (Verifier.model_cpu_s): passes, checks, verdicts
     queue_wait_s: float = 0.0  # time requests waited for a batch, summed
     slo_requests: Counter = field(default_factory=Counter)  # class (tokens/s) -> requests served
     slo_late: Counter = field(default_factory=Counter)  # class -> served after their deadline
@@ -278,6 +279,11 @@ class _Scrape(Collector):
         yield self._counter("bridge_batch_verify_seconds_total", "time in batched forward passes", m.pass_ms_sum / 1e3)
         yield self._counter(
             "bridge_engine_cpu_seconds_total", "the model thread's CPU time inside the passes", m.engine_cpu_s
+        )
+        yield self._counter(
+            "bridge_model_thread_cpu_seconds_total",
+            "the model thread's CPU time: the passes, each request's checks, verdicts and commits",
+            m.model_cpu_s,
         )
         yield self._counter(
             "bridge_process_cpu_seconds_total",

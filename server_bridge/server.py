@@ -93,13 +93,14 @@ class BridgeServer:
             config.detached_grace_s,
             max_per_client=config.max_sessions_per_client,
             on_release=functools.partial(release_sessions, self.model_thread, verifier),
+            protect_active_s=config.protect_active_s,
         )
         target = verifier.target
         self.scheduler = Scheduler(
             config.scheduler,
             load_estimator(config.estimator, target.name),
             max_queue=config.max_queue,
-            max_batch=config.max_batch,
+            max_batch=batch_limit(config, target.engine.max_sequences),
             guard_ms=config.guard_ms,
             memory_budget_bytes=config.batch_memory_mb * 2**20,
             memory_of=lambda members: batch_memory_bytes(
@@ -259,6 +260,7 @@ class BridgeServer:
     def _metrics_text(self) -> str:
         """/metrics' page (Prometheus text)."""
         self.metrics.engine_cpu_s = self.verifier.engine_cpu_s
+        self.metrics.model_cpu_s = self.verifier.model_cpu_s
         return self.metrics.render(
             self.sessions,
             self.replica.connections,
@@ -272,6 +274,11 @@ class BridgeServer:
 
 async def _no_websocket(ws: ServerConnection) -> None:  # metrics_listen answers every request in process_request
     await ws.close(1008, "no websocket here")
+
+
+def batch_limit(config: ServerConfig, sequences: int) -> int:
+    """The scheduler's max_batch: the configured one, or (0, the default) every sequence the engine holds."""
+    return config.max_batch or max(1, min(sequences, 1024))
 
 
 def load_estimator(spec: str, target_name: str) -> VerifyTimeModel:

@@ -20,7 +20,7 @@ import hmac
 import logging
 import secrets
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -87,6 +87,7 @@ class SessionTable:
         detached_grace_s: float | None = None,
         max_per_client: int | None = None,
         on_release: Callable[[list[Session]], None] | None = None,
+        protect_active_s: float = 0.0,
     ):
         self.max_sessions = max_sessions
         self.max_per_connection = max_per_connection
@@ -98,7 +99,12 @@ class SessionTable:
         # called with the sessions the table lets go (evicted or closed), already retired: the server frees
         # their engine sequences in its model thread. None: they go when collected
         self.on_release = on_release
+        # a session answered this recently is not evicted for another robot's open (0: LRU goes at once):
+        # with more robots than sequences, LRU would evict the robot due back soonest, every round
+        self.protect_active_s = protect_active_s
         self._sessions: OrderedDict[str, Session] = OrderedDict()
+        self._owned: Counter[int] = Counter()  # conn_id (DETACHED too) -> its sessions in the table
+        self._clients: Counter[str] = Counter()  # client -> its sessions in the table
         self.evicted_total = 0
 
     def __len__(self) -> int:
@@ -153,11 +159,22 @@ class SessionTable:
                 s.conn_id = DETACHED
                 s.detached_at = now
                 n += 1
+        self._own(conn_id, -n)
+        self._own(DETACHED, n)
         return n
+
+    def _own(self, conn_id: int, n: int) -> None:
+        _count(self._owned, conn_id, n)
+
+    def _held(self, s: Session, n: int) -> None:
+        """s enters (n 1) or leaves (n -1) the table: its connection's and its client's counts."""
+        _count(self._owned, s.conn_id, n)
+        _count(self._clients, s.client, n)
 
     def check_room(self, sid: str, conn_id: int) -> None:
         """Raise before any model work if conn_id may not hold one more session."""
-        owned = sum(1 for s in self._sessions.values() if s.conn_id == conn_id and s.sid != sid)
+        mine = self._sessions.get(sid)
+        owned = self._owned[conn_id] - (mine is not None and mine.conn_id == conn_id)
         if owned >= self.max_per_connection:
             raise WireError(
                 "too_many_sessions",
@@ -172,7 +189,8 @@ class SessionTable:
         `overloaded`. Returns the evicted sids."""
         self.check_room(sid, conn_id)
         evicted = []
-        while client:
+        held = self._sessions.get(sid)
+        while client and self._clients[client] - (held is not None and held.client == client) >= self.max_per_client:
             mine = [s for s in self._sessions.values() if s.client == client and s.sid != sid]
             if len(mine) < self.max_per_client:
                 break
@@ -186,10 +204,13 @@ class SessionTable:
                 )
             evicted += self._evict([victim], f"client {client} at max_sessions_per_client")
         while sid not in self._sessions and len(self._sessions) >= self.max_sessions:
-            victim = _least_recently_used_idle(self._sessions.values())
+            victim = self._victim(keep=sid)
             if victim is None:
                 raise WireError(
-                    "overloaded", f"all {self.max_sessions} sessions are in a request now: retry later", sid
+                    "overloaded",
+                    f"all {self.max_sessions} sessions are in a request now or answered within "
+                    f"{self.protect_active_s:g}s: retry later",
+                    sid,
                 )
             evicted += self._evict([victim], "table full")
         return evicted
@@ -208,15 +229,37 @@ class SessionTable:
 
     def evict_one(self, keep: str, why: str) -> str | None:
         """Evict the least recently used session not in a request (detached first), other than sid `keep`,
-        to free its engine sequence; None when every one is in a request."""
-        victim = _least_recently_used_idle(s for s in self._sessions.values() if s.sid != keep)
+        to free its engine sequence; None when every one is in a request or answered within protect_active_s."""
+        victim = self._victim(keep)
         return None if victim is None else self._evict([victim], why)[0]
+
+    def _victim(self, keep: str) -> Session | None:
+        """Whose room another robot's open takes: the least recently used session not in a request, other than
+        sid `keep`, a detached one first, else one not answered within protect_active_s; None: nobody's.
+        Stops at the first session used within the window when none is detached (the rest are newer): a
+        refusal under a full fleet costs little, however many sessions there are."""
+        since = time.monotonic() - self.protect_active_s
+        detached = self._owned[DETACHED] > 0
+        first = None
+        for s in self._sessions.values():  # least recently used first
+            if s.sid == keep or s.requests:
+                continue
+            if s.conn_id == DETACHED:
+                return s
+            if first is None and (not self.protect_active_s or max(s.last_used, s.t_last) < since):
+                first = s
+            if not detached and (first is not None or s.last_used >= since):
+                break
+        return first
 
     def put(self, session: Session) -> list[str]:
         """Insert (or replace) a session; returns the sids evicted to make room (see make_room)."""
         evicted = self.make_room(session.sid, session.conn_id, session.client)
-        self._sessions.pop(session.sid, None)
+        old = self._sessions.pop(session.sid, None)
+        if old is not None:
+            self._held(old, -1)
         self._sessions[session.sid] = session
+        self._held(session, 1)
         return evicted
 
     def discard(self, sid: str, conn_id: int) -> bool:
@@ -225,6 +268,7 @@ class SessionTable:
         if s is None or s.conn_id != conn_id:
             return False
         del self._sessions[sid]
+        self._held(s, -1)
         self._release([s])
         return True
 
@@ -232,6 +276,8 @@ class SessionTable:
         """Let every session go (the server stops); returns how many there were."""
         gone = list(self._sessions.values())
         self._sessions.clear()
+        self._owned.clear()
+        self._clients.clear()
         self._release(gone)
         return len(gone)
 
@@ -253,6 +299,7 @@ class SessionTable:
     def _evict(self, victims: list[Session], why: str) -> list[str]:
         for s in victims:
             del self._sessions[s.sid]
+            self._held(s, -1)
         sids = [s.sid for s in victims]
         if sids:
             self.evicted_total += len(sids)
@@ -284,6 +331,12 @@ def _least_recently_used_idle(sessions: Iterable[Session]) -> Session | None:
     """The first of sessions (least recently used first) not in a request, a detached one before others."""
     idle = [s for s in sessions if s.requests == 0]
     return next((s for s in idle if s.conn_id == DETACHED), idle[0] if idle else None)
+
+
+def _count(counts: Counter, key: object, n: int) -> None:
+    counts[key] += n
+    if not counts[key]:
+        del counts[key]  # bounded by the sessions, not by every connection or client there ever was
 
 
 def _same_secret(shown: str, secret: str) -> bool:

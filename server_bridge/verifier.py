@@ -68,6 +68,7 @@ class Verifier:
         self.exits = load_exits(config, target)
         self.opens = Opens(target, config, self.exit_layers)
         self.engine_cpu_s = 0.0  # CPU seconds of the model thread inside the engine's passes (metrics)
+        self.model_cpu_s = 0.0  # ... and in run_batch in all: checks, passes, verdicts, commits
 
     @property
     def exit_layers(self) -> list[int]:
@@ -82,6 +83,13 @@ class Verifier:
         Returns per request its outcome (OpenOutcome, RoundOutcome or ArOutcome) or its WireError, the
         pass's ms, and the pass's members (L_cached, L_new) for the estimator ([] when none needed the model).
         """
+        c0 = time.thread_time()
+        try:
+            return self._run_batch(requests)
+        finally:
+            self.model_cpu_s += time.thread_time() - c0
+
+    def _run_batch(self, requests: list[Request]) -> tuple[list[Answer], float, list[tuple[int, int]]]:
         out: list[Answer | None] = [None] * len(requests)
         works = self._prepare_all(requests, out)
         exts = [w.ext for w in works.values() if w.ext is not None]

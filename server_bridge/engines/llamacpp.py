@@ -148,6 +148,9 @@ def weight_type(L: ModuleType, model: Any) -> tuple[str, str]:
 FLASH_ATTN = ("auto", "on", "off")
 
 
+MIN_STREAM_CELLS = 2048  # kv_unified auto: per-sequence streams only when each holds this many tokens
+
+
 class LlamaCppEngine:
     def __init__(
         self,
@@ -167,10 +170,11 @@ class LlamaCppEngine:
     ):
         """kv_unified: one KV pool shared by every sequence (True), or a stream of kv_tokens/max_sequences
         cells per sequence (False: faster batched passes on a GPU, measured on an H100); None picks False
-        when layers are offloaded and no exits are tapped, else True. n_ubatch: tokens per llama.cpp
-        micro-batch (0: the whole call, so tapped rows arrive in order). flash_attn: llama.cpp's
-        flash-attention switch (auto: on where the backend has it). mmproj: the target's vision projector
-        (libmtmd's GGUF): passes may then carry images; vision_threads: libmtmd's (1: see runtime/vision.py)."""
+        when layers are offloaded, no exits are tapped and each stream holds MIN_STREAM_CELLS, else True.
+        n_ubatch: tokens per llama.cpp micro-batch (0: the whole call, so tapped rows arrive in order).
+        flash_attn: llama.cpp's flash-attention switch (auto: on where the backend has it). mmproj: the
+        target's vision projector (libmtmd's GGUF): passes may then carry images; vision_threads: libmtmd's
+        (1: see runtime/vision.py)."""
         import llama_cpp as L
 
         if flash_attn not in FLASH_ATTN:
@@ -185,8 +189,8 @@ class LlamaCppEngine:
         self.kv_capacity = kv_tokens or 64 * 1024
         self.n_batch = 2048  # tokens per llama_decode call
         self.batchable = True
-        if kv_unified is None:
-            kv_unified = not offload or bool(tap_layers)
+        if kv_unified is None:  # streams only where each holds a whole context (many sessions: a shared pool)
+            kv_unified = not offload or bool(tap_layers) or self.kv_capacity // self.max_sequences < MIN_STREAM_CELLS
         if not kv_unified and tap_layers:
             raise ValueError(
                 "early exits need kv_unified: per-sequence KV streams split a batch by sequence, "

@@ -80,6 +80,7 @@ class Engine(Protocol):
     hidden_size: int
     kv_bytes_per_token: int  # KV of one token in every layer (the memory budget's unit)
     kv_capacity: int  # tokens of KV the engine can hold over all sequences
+    max_sequences: int  # sessions it holds at once (serve's max_batch by default)
     batchable: bool  # False: a batch runs one pass per session (same tokens)
     tokenizer: Any  # encode(text) -> ids with the target's vocabulary (tools, tests)
     image_token_id: int | None  # the image marker's id (SmolVLM's <image>); None: the vocabulary has none

@@ -54,7 +54,8 @@ log = logging.getLogger(__name__)
 CLASSES = (8, 2, 6, 4)  # tokens/s, assigned round-robin: tight and loose mixed at every N
 MAX_VIOLATION = 0.05
 RECOVERABLE = {"unknown_session", "desync"}  # re-opening with the committed prefix repairs these
-MAX_OPEN_TRIES = 50  # per (re-)open; each shed one waits backoff_s
+MAX_OPEN_TRIES = 50  # per (re-)open; the i-th shed one waits backoff(i)
+MAX_BACKOFF_S = 5.0  # a robot shed again and again waits at most this long between tries
 MAX_CONNECTS = 20  # per robot and point
 MAX_TRACE_BYTES = 256 * 1024 * 1024  # a trace file is refused above this before it is parsed
 
@@ -315,9 +316,10 @@ class Robot:
         self.eos = set(trace.eos_ids)
         self.ws: ClientConnection | None = None
         self.robot_id, self.client = f"loadgen-{idx}", f"loadgen/robot{idx}"  # X-Robot-Id, hello's client
+        self.rng = random.Random(cfg.seed * 7919 + idx)  # its start offset, then its backoffs' jitter
 
     async def run(self) -> None:
-        await asyncio.sleep(random.Random(self.cfg.seed * 7919 + self.idx).uniform(0, self.cfg.stagger_s))
+        await asyncio.sleep(self.rng.uniform(0, self.cfg.stagger_s))
         g = 0
         for _ in range(MAX_CONNECTS):  # a lost connection ends its generation; the robot reconnects
             if self.halt.is_set():
@@ -399,7 +401,7 @@ class Robot:
 
     async def open(self, sid: str, prompt: TracePrompt, gen: Generation) -> None:
         """(Re-)open with the committed prefix; a shed open backs off and tries again."""
-        for _ in range(MAX_OPEN_TRIES):
+        for tries in range(MAX_OPEN_TRIES):
             await self.send(
                 wire.Open(
                     sid,
@@ -415,7 +417,7 @@ class Robot:
             if reply.code != "overloaded":
                 raise RobotError(f"open refused: {reply.code}: {reply.message}")
             self.note_shed(gen)
-            await asyncio.sleep(self.cfg.backoff_s)
+            await asyncio.sleep(self.backoff(tries))
             if self.halt.is_set():
                 return  # the run is over: `rounds` ends without a round
         raise RobotError(f"{sid}: open shed {MAX_OPEN_TRIES} times in a row")
@@ -430,6 +432,11 @@ class Robot:
         else:
             raise RobotError(f"verify refused: {err.code}: {err.message}")
         await self.open(sid, prompt, gen)
+
+    def backoff(self, tries: int) -> float:
+        """The wait after the tries-th shed in a row: backoff_s doubling to MAX_BACKOFF_S, jittered by +-50 %
+        (a fleet shed together does not come back together)."""
+        return min(MAX_BACKOFF_S, self.cfg.backoff_s * 2**tries) * (0.5 + self.rng.random())
 
     def note_shed(self, gen: Generation) -> None:
         now = time.monotonic()

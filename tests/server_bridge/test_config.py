@@ -153,7 +153,8 @@ def test_every_field_is_a_flag_and_a_flag_overrides_the_file(monkeypatch, tmp_pa
     assert seen[-1].token == "from-the-environment" and seen[-1].max_frame_bytes == 70000
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "--max-batch", "many"])
-    assert cli.main(["serve", "--engine", "auto", "--kv-unified", "on", "--max-batch", "0"]) == 2
+    assert cli.main(["serve", "--engine", "auto", "--kv-unified", "on", "--max-batch", "-1"]) == 2
+    assert cli.main(["serve", "--max-batch", "0"]) == 0 and seen[-1].max_batch == 0  # 0: the engine's sequences
 
 
 def test_a_target_given_by_the_path_of_its_built_file_keeps_its_name(tmp_path, monkeypatch):

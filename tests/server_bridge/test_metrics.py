@@ -35,6 +35,7 @@ FAMILIES = [
     ("bridge_batch_size_max", "gauge"),
     ("bridge_batch_verify_seconds_total", "counter"),
     ("bridge_engine_cpu_seconds_total", "counter"),
+    ("bridge_model_thread_cpu_seconds_total", "counter"),
     ("bridge_process_cpu_seconds_total", "counter"),
     ("bridge_queue_wait_seconds_total", "counter"),
     ("bridge_bytes_in_total", "counter"),

@@ -74,7 +74,9 @@ def _give_back(server, target, baseline):
 def test_a_token_holders_idle_sessions_do_not_lock_a_new_robot_out(make_server, target):
     """The attack: sessions on several connections until every engine sequence is held, all idle. A new robot
     still opens and runs a round; the evicted session's robot re-opens with its committed prefix and goes on."""
-    s = make_server(exits="", max_sessions=64, max_sessions_per_connection=8)  # the table outlasts the engine
+    # the table outlasts the engine; no protect_active_s window: these sessions are idle the moment they are made
+    # (a fleet's sessions answered within it are kept: test_sessions.py)
+    s = make_server(exits="", max_sessions=64, max_sessions_per_connection=8, protect_active_s=0)
     baseline = _in_use(target)
     free = target.engine.ids.capacity - baseline
     holder = [_connect(s, target) for _ in range(-(-free // 8))]
@@ -110,7 +112,7 @@ def test_a_token_holders_idle_sessions_do_not_lock_a_new_robot_out(make_server, 
 
 def test_a_full_table_evicts_a_detached_session_first(make_server, target):
     baseline = _in_use(target)
-    s = make_server(exits="", max_sessions=4)
+    s = make_server(exits="", max_sessions=4, protect_active_s=0)  # LRU order, each idle at once
     a, b, robot = _connect(s, target), _connect(s, target), None
     try:
         for ws, sid in ((a, "a0"), (a, "a1"), (b, "b0"), (b, "b1")):
@@ -195,7 +197,7 @@ def test_an_open_that_finds_the_kv_pool_full_evicts_an_idle_session(make_server,
     from server_bridge.engines import NoRoom
 
     baseline = _in_use(target)
-    s = make_server(exits="")
+    s = make_server(exits="", protect_active_s=0)  # "idle" is idle the moment it is made
     ws = _connect(s, target)
     try:
         assert isinstance(_open(ws, "idle", PROMPT), wire.Opened)

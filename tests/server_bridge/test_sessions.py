@@ -120,6 +120,25 @@ def test_evict_one_frees_a_sequence_for_an_open():
     assert t.evict_one(keep="b", why="engine full") is None and [s.sid for s in released] == ["c"]
 
 
+def test_a_robot_answered_within_protect_active_s_keeps_its_session_and_the_newcomer_waits():
+    """More robots than sequences: LRU would evict the robot due back soonest (it drafted longest), every
+    round a re-open for everyone. Inside the window a newcomer is refused instead; past it, or detached, the
+    session goes as before."""
+    released = []
+    t = _table(released, max_sessions=2, protect_active_s=30.0)
+    t.put(_session("a", 1))
+    t.put(_session("b", 2))
+    t.peek("a").t_last = t.peek("a").last_used = 0.0  # a's robot was last answered long ago
+    assert t.put(_session("c", 3)) == ["a"]  # past the window: the least recently used idle one goes
+    with pytest.raises(WireError) as e:
+        t.make_room("d", 4, "")  # b and c were answered within the window: d is refused, nobody evicted
+    assert e.value.code == "overloaded" and "answered within 30s" in e.value.message
+    assert t.evict_one(keep="d", why="engine full") is None and [s.sid for s in released] == ["a"]
+    t.detach(2)  # b's robot lost its link: anyone's to evict, window or not
+    assert t.evict_one(keep="d", why="engine full") == "b"
+    assert t.check_room("c", 3) is None and len(t) == 1  # the per-connection counts followed every move
+
+
 def _of(client, sid, conn):
     s = _session(sid, conn)
     s.client = client
