@@ -153,6 +153,8 @@ def _grammar(g: dict[str, Any], n_ids: int) -> dict[str, Any]:
 def _ids(v: Any, name: str, max_len: int = MAX_ID_LIST) -> list[int]:
     if not isinstance(v, list) or len(v) > max_len:
         raise WireError("bad_field", f"{name} must be a list of at most {max_len} token ids")
+    if all(type(t) is int for t in v) and (not v or (min(v) >= 0 and max(v) < 2**31)):  # the common case, fast
+        return v
     for t in v:
         if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < 2**31:
             raise WireError("bad_field", f"{name} must hold non-negative int token ids, found {_show(t)}")

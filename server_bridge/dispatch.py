@@ -98,6 +98,8 @@ class Dispatcher:
         await self._decode_images(msg)  # bad_image before any queueing; the model thread only embeds them
         constraint = await self._compile_grammar(msg, client or f"connection {conn_id}")  # bad_field, likewise
         self.metrics.exits_purged += outbox.purge(msg.sid)  # hints for the old generation
+        if self.sessions.peek(msg.sid) is None and (why := self.batcher.scheduler.saturated(time.monotonic())):
+            raise wire.WireError("overloaded", f"{why}: draft locally and retry later", msg.sid)  # a new robot waits
         secret = self.sessions.admit(msg.sid, conn_id, client, msg.resume)  # idle sessions go before a refusal
         opened = await self._submit_open(msg, conn_id, slo, constraint)
         session = opened.session

@@ -329,6 +329,14 @@ class Scheduler:
             return min(t, self._critical_at(), self._free_since + self.batch_wait_s)
         return t
 
+    def saturated(self, now: float) -> str | None:
+        """Why a new robot should wait (its open refused with `overloaded`), or None: the oldest waiting request
+        has waited half of max_wait. The robots already served then finish before others start, instead of
+        every robot's rounds waiting past max_wait and being shed."""
+        if self.pending and (waited := now - self.pending[0].arrival) >= self.max_wait_s / 2:
+            return f"the verifier is saturated (its oldest waiting request has waited {1e3 * waited:.0f} ms)"
+        return None
+
     def expired(self, now: float) -> list[Request]:
         """Remove and return the requests that waited longer than max_wait (to be shed)."""
         gone = [r for r in self.pending if now - r.arrival > self.max_wait_s]

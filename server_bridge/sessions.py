@@ -21,8 +21,7 @@ import logging
 import secrets
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -314,17 +313,22 @@ class SessionTable:
             self.on_release(gone)
 
 
-@contextmanager
-def in_request(session: Session | None) -> Iterator[None]:
-    """Mark a session as in a request (queued or in a pass) while the block runs: eviction passes it by."""
-    if session is None:
-        yield
-        return
-    session.requests += 1
-    try:
-        yield
-    finally:
-        session.requests -= 1
+class in_request:  # noqa: N801 (used as a function: `with in_request(session):`)
+    """Mark a session as in a request (queued or in a pass) while the block runs: eviction passes it by.
+    A class, not a @contextmanager generator: it wraps every round."""
+
+    __slots__ = ("session",)
+
+    def __init__(self, session: Session | None):
+        self.session = session
+
+    def __enter__(self) -> None:
+        if self.session is not None:
+            self.session.requests += 1
+
+    def __exit__(self, *exc: object) -> None:
+        if self.session is not None:
+            self.session.requests -= 1
 
 
 def _least_recently_used_idle(sessions: Iterable[Session]) -> Session | None:
