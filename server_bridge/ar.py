@@ -31,7 +31,6 @@ class ArWork:
         token, p = sample_row(self.target, self.session, rows)
         self.target.commit(self.session.state, [token], len(self.session.state.ids))
         advance(self.session, [token])
-        self.session.t_last = time.monotonic()
         return ArOutcome(token, (time.perf_counter() - self.t0) * 1e3, p)
 
 

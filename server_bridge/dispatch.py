@@ -109,7 +109,7 @@ class Dispatcher:
         try:
             self.sessions.install(session, msg.resume)
         except wire.WireError:
-            session.retired = True
+            session.evicted = True
             release_sessions(self.model_thread, self.verifier, [session])
             raise
         self.metrics.sessions_opened += 1
@@ -118,12 +118,11 @@ class Dispatcher:
             wire.Opened(
                 msg.sid,
                 len(session.state.ids),
-                {"prefill_ms": opened.ms, "passes": session.state.passes},
+                {"prefill_ms": opened.ms, "passes": opened.passes},
                 self.replica.id,
                 session.resume,
             ),
         )
-        session.state.passes = 0
 
     async def _verify(self, ws: ServerConnection, conn_id: int, outbox: Outbox, msg: wire.Verify) -> None:
         session = self.sessions.get(msg.sid, conn_id)
@@ -139,6 +138,7 @@ class Dispatcher:
             # to the result's write, so none of them can slip out after it.
             self.metrics.exits_purged += outbox.purge(msg.sid, msg.round)
         verdict = outcome.verdict
+        session.answered(len(msg.draft_ids), verdict.accepted, time.monotonic())
         self.metrics.count_round(
             len(msg.draft_ids), verdict.accepted, outcome.verify_ms, outcome.exit_layer, outcome.exit_ms
         )
@@ -167,6 +167,7 @@ class Dispatcher:
             out = await self._submit(ArRequest(session), 0, 0)
             assert isinstance(out, ArOutcome)
             token, ms, p = out
+            session.answered(0, 0, time.monotonic())
             self.metrics.count_ar_token(ms)
             done = seq + 1 == msg.max_tokens or token in stop
             sent = await self.send(ws, wire.Token(msg.sid, seq, token, done, {"verify_ms": ms, "passes": 1}, p))

@@ -40,9 +40,11 @@ class OpenWork:
     t0: float  # perf_counter when its checks began
 
     def finish(self, rows: Any) -> OpenOutcome:
+        state = self.session.state
         if self.ext is not None:
-            self.session.state.cached = len(self.ext.new_ids)
-        return OpenOutcome(self.session, (time.perf_counter() - self.t0) * 1e3, self.ended)
+            state.cached = len(self.ext.new_ids)
+        passes, state.passes = state.passes, 0  # reported with this open; the next counts afresh
+        return OpenOutcome(self.session, (time.perf_counter() - self.t0) * 1e3, self.ended, passes)
 
 
 @dataclass(frozen=True)
@@ -76,7 +78,7 @@ class Opens:
         if previous is not None:
             # Work still queued for the old session object (an ar stream of a dropped
             # connection) must not touch the state from now on; see checks.check_live.
-            previous.retired = True
+            previous.superseded = True
         # A re-opened session draws fresh randomness keyed by where it resumes,
         # so a replayed round is an independent draw, as the math requires.
         rng = np.random.default_rng([checked.params.seed, len(msg.prompt_ids)])

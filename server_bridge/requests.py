@@ -76,6 +76,7 @@ class OpenOutcome:
     ms: float  # the open's time in the model thread, its prefill included
     ended: Session | None = None  # a previous generation of the sid that this open ended (None: none, or a
     # re-open that resumes it)
+    passes: int = 0  # forward passes its prefill took (Opened.timing)
 
 
 @dataclass

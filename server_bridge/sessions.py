@@ -40,14 +40,28 @@ DETACHED = 0  # Session.conn_id of a session whose connection closed (ids count 
 
 @dataclass
 class Session:
+    """One robot generation's server state. Each field has one writer, so the event loop and the model thread
+    never race on it:
+
+      model thread  state (its KV, ids, cached, passes), owed, grammar, rng, superseded, handed_over: what
+                    a pass reads and commits; written only inside Verifier.run_batch and release.
+      event loop    conn_id, last_used, requests, detached_at, client, resume, evicted, and the SLO
+                    bookkeeping alpha and t_last (`answered`, from the outcome a pass returned).
+      at the open   sid, params, exits, payload, slo, t0, n0: set while the model thread builds the session,
+                    before the loop sees it; read-only after (a re-open copies the old one's alpha and t_last
+                    there, while that session has no request in flight: the scheduler keeps sids apart).
+
+    The model thread returns outcomes (requests.py) the loop applies; it reads a loop field only to check
+    it (`retired`: evicted by the loop, or superseded by a re-open)."""
+
     sid: str
     conn_id: int  # the connection that owns it; a re-open moves it
     state: TargetState
     params: SamplingParams
     rng: np.random.Generator
     last_used: float = field(default_factory=time.monotonic)
-    retired: bool = False  # no more work on this object: a re-open took it over (set in the model thread) or
-    # the table evicted it (in the event loop); a request that still names it gets unknown_session
+    evicted: bool = False  # the table let it go (event loop): see `retired`
+    superseded: bool = False  # a re-open of its sid replaced this object (model thread): see `retired`
     exits: list[int] = field(default_factory=list)  # early-exit layers the robot wants verdicts from; [] = off
     payload: PayloadSpec = field(default_factory=PayloadSpec)  # what each verify's q must be
     owed: np.ndarray | None = None  # split: the target's p_j [V] at the last rejection; the robot owes the
@@ -69,6 +83,18 @@ class Session:
     # None: unconstrained. Advanced with every committed token after the open's grammar.from.
     grammar: "ConstraintState | None" = None
     detached_at: float = 0.0  # monotonic time its connection closed (DETACHED); its KV waits a grace period
+
+    @property
+    def retired(self) -> bool:
+        """No more work on this object: evicted or closed (event loop), or replaced by a re-open (model thread); a
+        request that still names it gets unknown_session."""
+        return self.evicted or self.superseded
+
+    def answered(self, drafted: int, accepted: int, at: float) -> None:
+        """A round (or, drafted 0, an ar token) of it was decided: the SLO bookkeeping, in the event loop."""
+        if drafted:
+            self.alpha += 0.2 * (accepted / drafted - self.alpha)
+        self.t_last = at
 
     def generation_ended(self) -> tuple[int, float]:
         """(tokens generated, seconds from the generation's open to its last token) for the SLO metrics."""
@@ -308,7 +334,7 @@ class SessionTable:
 
     def _release(self, gone: list[Session]) -> None:
         for s in gone:
-            s.retired = True  # before anything frees its KV: no pass prepared from now on may use it
+            s.evicted = True  # before anything frees its KV: no pass prepared from now on may use it
         if gone and self.on_release is not None:
             self.on_release(gone)
 

@@ -350,9 +350,6 @@ class VerifyWork:
             committed = msg.draft_ids[: v.accepted] + [v.token]
         target.commit(state, committed, n_before + v.accepted)
         advance(session, committed)
-        if msg.draft_ids:
-            session.alpha += 0.2 * (v.accepted / len(msg.draft_ids) - session.alpha)
-        session.t_last = time.monotonic()
         outcome = RoundOutcome(v, (time.perf_counter() - self.t0) * 1e3, residual=residual)
         if self.probe is not None:
             agreed = self.probe.agreeing_layer(committed)

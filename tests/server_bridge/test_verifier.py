@@ -176,3 +176,25 @@ def test_a_verify_with_bad_candidates_is_refused(exit_verifier, exit_target, con
             session, wire.Verify("c", 0, len(session.state.ids), [5], {"kind": "none"}, cands=cands), lambda m: None
         )
     assert e.value.code == "bad_field"
+
+
+LOOP_FIELDS = ("conn_id", "last_used", "requests", "detached_at", "client", "resume", "evicted", "alpha", "t_last")
+
+
+def test_the_model_thread_writes_no_field_the_event_loop_owns(target):
+    """Session's fields have one writer each (sessions.Session): a pass (open, verify round, ar token) returns an
+    outcome and leaves the loop's fields as they were; the loop applies the outcome (Session.answered)."""
+    verifier = Verifier(target, ServerConfig())
+    ids = [1, 504, 3287, 288]
+    session, _ = verifier.open(wire.Open("own", ids, {"temperature": 0.0, "top_k": 0, "seed": 0}), 1, None)
+    session.client, session.resume, session.alpha, session.t_last = "robot", "secret", 0.5, 7.0
+    before = {f: getattr(session, f) for f in LOOP_FIELDS}
+    out = verifier.verify(session, wire.Verify("own", 0, len(ids), [28, 8001], {"kind": "none"}))
+    verifier.ar_step(session)
+    assert {f: getattr(session, f) for f in LOOP_FIELDS} == before
+    reopened, _ = verifier.open(wire.Open("own", ids, {"temperature": 0.0, "top_k": 0, "seed": 0}), 1, session)
+    assert session.superseded and session.retired and not session.evicted  # the model thread's own flag
+    assert {f: getattr(session, f) for f in LOOP_FIELDS} == before
+    assert (reopened.alpha, reopened.t_last) == (0.5, 7.0)  # the same generation goes on: its bookkeeping too
+    reopened.answered(2, out.verdict.accepted, 9.0)  # in the loop, from the round's outcome
+    assert reopened.alpha == pytest.approx(0.5 + 0.2 * (out.verdict.accepted / 2 - 0.5)) and reopened.t_last == 9.0
