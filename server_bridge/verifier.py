@@ -105,10 +105,13 @@ class Verifier:
             return _answers(out), (time.perf_counter() - t0) * 1e3, members
         pass_ms = (time.perf_counter() - t0) * 1e3
         self.engine_cpu_s += time.thread_time() - c0  # with the engine's threads > 1, only this thread's share
+        rows_of = {i: next(rows) for i, work in works.items() if work.ext is not None}
+        best: dict[int, np.ndarray | None] = dict.fromkeys(works)
+        best.update(self._greedy_ids(works, rows_of))
         for i, work in works.items():
-            row = next(rows) if work.ext is not None else None
+            row = rows_of.get(i)
             try:  # one session's failure is its own: the others keep their results
-                out[i] = work.finish(row)
+                out[i] = work.finish(row, best[i]) if isinstance(work, VerifyWork) else work.finish(row)
             except WireError as e:
                 out[i] = e
             except GrammarError as e:  # LLGuidance's own bounds met midway (a row of 2,000 items: wide anyOfs)
@@ -119,6 +122,16 @@ class Verifier:
                     "internal", f"could not decide the request ({type(e).__name__}); retry", requests[i].sid
                 )
         return _answers(out), pass_ms, members
+
+    def _greedy_ids(self, works: dict[int, Work], rows_of: dict[int, Any]) -> dict[int, np.ndarray]:
+        """The argmax ids of every greedy, unconstrained verify round's rows, taken for the whole pass at once
+        (one device synchronisation, not one per session); the others decide from their rows."""
+        greedy = [i for i, w in works.items() if isinstance(w, VerifyWork) and w.plain_greedy and i in rows_of]
+        try:
+            return dict(zip(greedy, self.target.argmax_each([rows_of[i] for i in greedy]), strict=True))
+        except Exception:  # each round then takes its own argmax in finish, and fails there on its own
+            log.exception("the pass's argmax over %d rounds failed", len(greedy))
+            return {}
 
     def _prepare_all(self, requests: list[Request], out: list[Answer | None]) -> dict[int, Work]:
         """Each request's work by its index; a request that fails its checks gets its error in `out`."""
@@ -320,8 +333,14 @@ class VerifyWork:
     ext: Extension  # k + 1 rows: after each draft prefix
     t0: float  # perf_counter when its checks began
 
-    def finish(self, rows: Any) -> RoundOutcome:
-        """The session's rows of the pass [k + 1, vocab] against its draft; then commit.
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy without a grammar: the verdict needs only its rows' argmax ids (Verifier._greedy_ids)."""
+        return self.session.params.greedy and self.session.grammar is None
+
+    def finish(self, rows: Any, best: np.ndarray | None = None) -> RoundOutcome:
+        """The session's rows of the pass [k + 1, vocab] against its draft; then commit. best: their argmax ids
+        when the pass took them already (plain greedy).
 
         Nothing of the session changes until the verdict stands: a failure here leaves its committed
         prefix as it was, and the next pass starts at state.cached whatever this one wrote.
@@ -329,7 +348,7 @@ class VerifyWork:
         session, msg, target = self.session, self.msg, self.target
         state = session.state
         try:
-            v, p_row = verdict(target, session, msg.draft_ids, self.q, rows, msg.fix)
+            v, p_row = verdict(target, session, msg.draft_ids, self.q, rows, msg.fix, best)
         except sampling.SamplingError as e:
             raise WireError("bad_probs", str(e), msg.sid) from None
         if msg.fix is not None:  # the owed correction, verified with this pass
@@ -362,7 +381,13 @@ PRow = Callable[[int], np.ndarray]  # j -> the target's p_j [vocab] on the host
 
 
 def verdict(
-    target: Target, session: Session, draft_ids: list[int], q: np.ndarray | None, rows: Any, fix: int | None = None
+    target: Target,
+    session: Session,
+    draft_ids: list[int],
+    q: np.ndarray | None,
+    rows: Any,
+    fix: int | None = None,
+    best: np.ndarray | None = None,
 ) -> tuple[sampling.Verdict, PRow | None]:
     """(verdict, p_row) for a round's rows [k + 1, vocab]; p_row(j) is the target's p_j on the host.
 
@@ -379,7 +404,7 @@ def verdict(
         if best is not None:  # greedy
             return sampling.verify_greedy(np.asarray(draft_ids), best), None
     elif params.greedy:
-        return sampling.verify_greedy(np.asarray(draft_ids), target.argmax(rows)), None
+        return sampling.verify_greedy(np.asarray(draft_ids), target.argmax(rows) if best is None else best), None
     elif target.on_device:
         from .engines import devmath
 

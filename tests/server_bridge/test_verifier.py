@@ -198,3 +198,18 @@ def test_the_model_thread_writes_no_field_the_event_loop_owns(target):
     assert (reopened.alpha, reopened.t_last) == (0.5, 7.0)  # the same generation goes on: its bookkeeping too
     reopened.answered(2, out.verdict.accepted, 9.0)  # in the loop, from the round's outcome
     assert reopened.alpha == pytest.approx(0.5 + 0.2 * (out.verdict.accepted / 2 - 0.5)) and reopened.t_last == 9.0
+
+
+def test_a_pass_takes_every_greedy_rounds_argmax_at_once(engine_target):
+    """Verifier._greedy_ids: one argmax (on torch, one copy to the host) for the pass's greedy rounds gives each
+    round the ids its own rows give, and a round decided from them commits what it would have alone."""
+    from server_bridge.target import Extension
+
+    target = engine_target
+    states = [target.new_state([1, 504, 3287 + i, 288], prefill=False) for i in range(3)]
+    exts = [Extension(s, s.ids[s.cached :] + [28] * (i + 1), i + 2) for i, s in enumerate(states)]
+    rows = target.extend(exts)
+    assert [ids.tolist() for ids in target.argmax_each(rows)] == [target.argmax(r).tolist() for r in rows]
+    assert target.argmax_each([]) == []
+    for s in states:
+        target.free(s)
