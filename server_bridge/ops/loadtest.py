@@ -826,9 +826,10 @@ def server_spend(metrics: dict) -> dict:
     The process's CPU: PROC_CPU if the reader sampled it, else the server's own counter (servers before
     issue 51 have none). The engine's: the model thread's CPU in the passes where the server counts it,
     else the passes' wall time (equal to it when the engine computes on that one thread, alone on its
-    core). `measured` says which; host = process - engine. {} without both pages."""
+    core). `measured` says which; host = process - engine. pass_ms_per_round: the passes' wall time a round,
+    and host_wall_ms_per_round = process - that, for every server alike. {} unless both pages were read."""
     start, end = metrics.get("start") or {}, metrics.get("end") or {}
-    if not start or not end:
+    if "bridge_rounds_total" not in start or "bridge_rounds_total" not in end:
         return {}
     d = metrics_delta(start, end)
     span = max(1e-9, metrics["end_at"] - metrics["start_at"])
@@ -846,6 +847,9 @@ def server_spend(metrics: dict) -> dict:
         "cpu_ms_per_round": per(process_s),
         "engine_ms_per_round": per(engine_s),
         "host_ms_per_round": per(None if process_s is None else process_s - engine_s),
+        "pass_ms_per_round": per(d.get(PASS_SECONDS, 0.0)),
+        "host_wall_ms_per_round": per(None if process_s is None else process_s - d.get(PASS_SECONDS, 0.0)),
+        "counter_ms_per_round": per(d.get(PROCESS_CPU)),  # the server's own count of its CPU, where it has one
         "engine_busy": d.get(PASS_SECONDS, 0.0) / span,
         "process_cpu_share": None if process_s is None else process_s / span,
         "batch_mean": metric_means(d).get("bridge_batch_size"),

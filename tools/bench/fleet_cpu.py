@@ -42,7 +42,7 @@ from pathlib import Path
 
 from server_bridge.ops import loadtest
 from server_bridge.ops.fleet import LocalVerifier
-from server_bridge.ops.loadtest import PROCESS_CPU, Trace
+from server_bridge.ops.loadtest import Trace
 from tools.bench import gpu_fleet, harness
 from tools.models import random_target
 
@@ -50,7 +50,8 @@ ROOT = Path(__file__).resolve().parents[2]
 BEFORE = "e73bce7"  # issue 51 filed: the server before its work
 TARGET_MS = 0.3  # issue 51: the server's CPU per robot-round at 128 and 512 robots
 SLO = 8.0  # tokens/s, every robot
-SPENT = ("cpu_ms_per_round", "host_ms_per_round", "engine_ms_per_round", "engine_busy", "rounds_per_s", "batch_mean")
+SPENT = ("cpu_ms_per_round", "host_ms_per_round", "engine_ms_per_round", "pass_ms_per_round", "engine_busy")
+SPENT += ("rounds_per_s", "batch_mean", "host_wall_ms_per_round", "counter_ms_per_round")
 SPENT += ("sheds", "evicted", "process_cpu_share", "late_s", "measured")  # loadtest.server_spend's
 
 
@@ -68,12 +69,11 @@ def source_tree(path: str, commit: str, say) -> Path:
 
 
 def tree_commit(tree: Path) -> str:
-    """The tree's commit (and + if its tracked files differ from it), or what it was exported from."""
-    got = subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    if got.returncode != 0:
-        return tree.name.removeprefix("fleet_cpu-")
-    dirty = subprocess.run(["git", "-C", str(tree), "diff", "--quiet", "HEAD"], capture_output=True).returncode
-    return got.stdout.strip() + ("+" if dirty else "")
+    """The tree's commit, + if its tracked files differ from it; for an export, the commit it was exported from."""
+    git = lambda *a: subprocess.run(["git", "-C", str(tree), *a], capture_output=True, text=True)  # noqa: E731
+    head = git("rev-parse", "--short", "HEAD")
+    dirty = "+" if git("diff", "--quiet", "HEAD").returncode else ""
+    return head.stdout.strip() + dirty if head.returncode == 0 else tree.name.removeprefix("fleet_cpu-")
 
 
 # --------------------------------------------------------------------------- one point
@@ -84,6 +84,7 @@ def point(name: str, tree: Path, n: int, run: int, ctx: dict, say) -> dict:
     cfg, args = ctx["fleet"], ctx["args"]
     toml = Path(ctx["out"]) / f"server-{n}.toml"
     toml.write_text(gpu_fleet.server_toml(cfg, ctx["target"], "llamacpp", n + 8, ctx["context"], ctx["estimator"]))
+    toml.write_text(toml.read_text() + f'kv_unified = "{args.kv_unified}"\n')
     lcfg = ctx["load"]
     procs = -(-n // args.robots_per_proc)
     srv = LocalVerifier(cpus={args.server_core}, extra_args=["--config", str(toml)], start_timeout_s=120, source=tree)
@@ -96,11 +97,8 @@ def point(name: str, tree: Path, n: int, run: int, ctx: dict, say) -> dict:
     s = loadtest.summarize(out, ctx["trace"], lcfg.classes)
     s.pop("generation_records")
     spend = loadtest.server_spend(out.metrics)
-    delta = loadtest.metrics_delta(out.metrics.get("start", {}), out.metrics.get("end", {}))
-    counted = delta.get(PROCESS_CPU)  # the server's own counter (after issue 51's metrics), beside /proc's
     row = {"server": name, "n": n, "run": run, "procs": procs, **{k: spend.get(k) for k in SPENT}}
     row |= {
-        "counter_cpu_ms_per_round": 1e3 * counted / spend["rounds"] if counted and spend.get("rounds") else None,
         **loadtest.robot_speeds(out),
         **{k: s[k] for k in ("violation_rate", "tokens_per_round", "round_ms_mean", "exact")},
         "held": s["passes"],
@@ -110,6 +108,7 @@ def point(name: str, tree: Path, n: int, run: int, ctx: dict, say) -> dict:
         "error_samples": s["errors"][:3],
         "client_cpu": round(out.client_cpu_s / max(wall, 1e-9), 3),
         "wall_s": round(wall, 1),
+        "load": round(os.getloadavg()[0], 1),  # the machine's (1 min): other work on its cores
     }
     say("  " + describe(row))
     return row
@@ -153,8 +152,8 @@ def prepare(args: argparse.Namespace, out: Path, say) -> dict:
 
 def summary(points: list[dict], servers: list[str]) -> list[dict]:
     """A row per fleet size: each server's figures, the mean over its runs (and the runs' range of the host part)."""
-    keys = ("cpu_ms_per_round", "host_ms_per_round", "engine_ms_per_round", "engine_busy", "rounds_per_s")
-    keys += ("speed_mean", "speed_min", "sheds", "evicted")
+    keys = SPENT[:2] + ("engine_ms_per_round", "engine_busy", "rounds_per_s", "host_wall_ms_per_round", "sheds")
+    keys += ("speed_mean", "speed_min", "evicted")
     rows = []
     for n in sorted({p["n"] for p in points}):
         row: dict = {"n": n}
@@ -167,8 +166,9 @@ def summary(points: list[dict], servers: list[str]) -> list[dict]:
             got["host_range"] = (min(hosts), max(hosts)) if hosts else None
             got["held"] = all(p["held"] for p in runs)
             row[name] = got
-        if "before" in row and "after" in row and row["after"]["host_ms_per_round"]:
-            row["host_ratio"] = (row["before"]["host_ms_per_round"] or 0) / row["after"]["host_ms_per_round"]
+        walls = [row[k]["host_wall_ms_per_round"] for k in ("before", "after") if k in row]
+        if len(walls) == 2 and all(w and w > 0 for w in walls):
+            row["host_ratio"] = walls[0] / walls[1]
         rows.append(row)
     return rows
 
@@ -187,7 +187,7 @@ def measure(args: argparse.Namespace) -> dict:
     if args.quick:  # one small fleet in two processes, the after server only, no estimator fit
         args.sizes, args.repeats, args.servers, args.fit = [4], 1, ["after"], False
         args.warmup_s, args.window_s, args.tokens, args.robots_per_proc = 0.5, 1.5, 16, 2
-    out = Path(args.out)
+    out = Path(args.out).resolve()  # the servers run from other folders
     out.mkdir(parents=True, exist_ok=True)
     t_start = time.monotonic()
 
@@ -233,13 +233,15 @@ def measure(args: argparse.Namespace) -> dict:
 
 POINT_COLS = [  # (key, header, format) of the table of every point
     *[("server", "", "{}"), ("n", "robots", "{}"), ("run", "", "{}"), ("host_ms_per_round", "host ms", "{:.2f}")],
-    *[("engine_ms_per_round", "engine ms", "{:.2f}"), ("cpu_ms_per_round", "total ms", "{:.2f}")],
-    *[("counter_cpu_ms_per_round", "total ms (its counter)", "{:.2f}"), ("engine_busy", "engine busy", harness.pct)],
+    *[("host_wall_ms_per_round", "host ms by pass wall", "{:.2f}"), ("engine_ms_per_round", "engine ms", "{:.2f}")],
+    *[("pass_ms_per_round", "pass wall ms", "{:.2f}"), ("cpu_ms_per_round", "total ms", "{:.2f}")],
+    *[("counter_ms_per_round", "total ms (its counter)", "{:.2f}"), ("engine_busy", "engine busy", harness.pct)],
     *[("process_cpu_share", "server CPU", harness.pct), ("rounds_per_s", "rounds/s", "{:.0f}")],
     *[("batch_mean", "batch", "{:.1f}"), ("speed_mean", "tok/s mean", "{:.1f}"), ("speed_min", "min", "{:.1f}")],
     *[("violation_rate", "missed 8 tok/s", harness.pct), ("sheds", "sheds", "{}"), ("evicted", "evicted", "{}")],
     *[("client_cpu", "robots' CPU", "{:.2f}"), ("procs", "procs", "{}"), ("late_s", "pages late s", "{:.1f}")],
     ("errors", "robots' errors", "{}"),
+    ("load", "load", "{}"),
 ]
 
 
@@ -258,6 +260,7 @@ def side_cols(result: dict) -> list[harness.Col]:
     for name in result["servers"]:
         cols += [
             harness.Col(name, f"{name}: host ms", _host),
+            harness.Col(name, "host ms by pass wall", _cell("host_wall_ms_per_round", ".2f")),
             harness.Col(name, "engine ms", _cell("engine_ms_per_round", ".2f")),
             harness.Col(name, "total ms", _cell("cpu_ms_per_round", ".2f")),
             harness.Col(
@@ -269,7 +272,7 @@ def side_cols(result: dict) -> list[harness.Col]:
             harness.Col(name, "8 tok/s held", lambda v: "yes" if v["held"] else "no"),
         ]
     if len(result["servers"]) == 2:
-        cols.append(harness.Col("host_ratio", "host: before / after", "{:.1f}x"))
+        cols.append(harness.Col("host_ratio", "host by pass wall: before / after", "{:.1f}x"))
     return cols
 
 
@@ -288,6 +291,18 @@ def measured_by(result: dict) -> list[str]:
     return lines
 
 
+def intro(r: dict) -> str:
+    c, trees = r["config"], ", ".join(f"{k} `{v['commit']}`" for k, v in r["trees"].items())
+    return (
+        f"`{r['command']}` ({r['machine']}, {r['started']}, {r['wall_s']:.0f} s). Tiny random target, llamacpp, 1 "
+        f"thread, max_batch {c['max_batch']}, kv_unified {c['kv_unified']}, SLO scheduler, estimator "
+        f"{json.dumps(r['estimator'])}; a fresh server a point on core {c['server_core']}, the robots on core "
+        f"{c['robots_core']}: 8 tok/s, {c['draft_ms']} ms drafting a token, gamma {c['gamma']}, {c['tokens']} tokens a "
+        f"generation ({r['planned_tau']} planned a round). Window {c['window_s']} s after {c['warmup_s']} s, "
+        f"{c['repeats']} runs a point, the order alternating. Trees: {trees}. Columns: tools/bench/fleet_cpu.py."
+    )
+
+
 REPORT = harness.Report(
     "fleet_cpu",
     "# The server's CPU per robot-round, before and after issue 51",
@@ -297,7 +312,9 @@ REPORT = harness.Report(
             side_cols,
             "## Side by side (mean of the runs; host: the runs' range in brackets)",
             "ms: the server's CPU per robot-round (host: its own work; engine: the passes; total: both). Target: "
-            "host <= {target_ms} ms at 128 and 512 robots.",
+            "host <= {target_ms} ms at 128 and 512 robots. host by pass wall: total - the passes' wall time, the one "
+            "split both servers allow; where other work takes the server's core, a pass's wall time exceeds its CPU "
+            "and this host is too low (engine busy over the server's CPU share, below).",
         ),
         harness.Table(
             "points",
@@ -309,7 +326,7 @@ REPORT = harness.Report(
             "sequences; past that, opens evict idle sessions. pages late: how long after its edge of the window the "
             "later /metrics page came (a server whose event loop is blocked answers late; the figures are then over "
             "the span between the two answers). robots' errors: replies that never came (--recv-timeout-s) or "
-            "connections refused.",
+            "connections refused. load: the machine's 1-minute load average after the point (2 cores).",
         ),
     ],
     [
@@ -337,17 +354,7 @@ REPORT = harness.Report(
             xscale="log",
         ),
     ],
-    intro=lambda r: (
-        f"`{r['command']}` ({r['machine']}, {r['started']}, {r['wall_s']:.0f} s). Tiny random target "
-        f"({r['target']['shape']['name']}, llamacpp, 1 thread, max_batch {r['config']['max_batch']}, SLO scheduler, "
-        f"estimator {json.dumps(r['estimator'])}), a fresh server per point on core {r['config']['server_core']}; "
-        f"robots on core {r['config']['robots_core']}, 8 tok/s, {r['config']['draft_ms']} ms drafting a token, gamma "
-        f"{r['config']['gamma']}, {r['config']['tokens']} tokens a generation ({r['planned_tau']} planned a round), "
-        f"window {r['config']['window_s']} s after {r['config']['warmup_s']} s, {r['config']['repeats']} run(s) a "
-        "point, the order of the servers alternating. Trees: "
-        + ", ".join(f"{k} `{v['commit']}`" for k, v in r["trees"].items())
-        + ". What each column means: tools/bench/fleet_cpu.py."
-    ),
+    intro=intro,
     extra=measured_by,
 )
 
@@ -364,6 +371,7 @@ def add_args(ap: argparse.ArgumentParser) -> None:
         ap.add_argument(flag, type=kind, default=default)
     ap.add_argument("--recv-timeout-s", type=float, default=15.0, help="a robot's wait for a reply")
     ap.add_argument("--robots-per-proc", type=int, default=256, help="robots a process (run_fleet)")
+    ap.add_argument("--kv-unified", default="auto", choices=("auto", "on", "off"), help="the server's kv_unified")
     ap.add_argument("--server-core", type=int, default=0)
     ap.add_argument("--robots-core", type=int, default=1)
     ap.add_argument("--no-fit", dest="fit", action="store_false", help="the estimator's defaults, not fitted here")
