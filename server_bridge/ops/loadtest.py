@@ -70,6 +70,8 @@ MAX_CONNECTS = 20  # per robot and point
 MAX_TRACE_BYTES = 256 * 1024 * 1024  # a trace file is refused above this before it is parsed
 ROBOTS_PER_PROCESS = 256  # run_fleet's share of one event loop when `procs` is not given
 PROC_CPU = "proc_cpu_seconds_total"  # a reader's own sample of the server's CPU (/proc/PID/stat), beside /metrics
+THREAD_CPU = "proc_thread_cpu_seconds_total"  # {tid="..."}: one of its threads' (/proc/PID/task/TID/stat)
+MODEL_THREAD = "the busiest thread but the main one"  # the engine's CPU where the server counts none (a bound)
 ENGINE_CPU, PROCESS_CPU = "bridge_engine_cpu_seconds_total", "bridge_process_cpu_seconds_total"
 PASS_SECONDS = "bridge_batch_verify_seconds_total"
 
@@ -498,19 +500,33 @@ def fetch_metrics(port: int, timeout_s: float = 5.0) -> dict[str, float]:
         return {}
 
 
-def proc_cpu_s(pid: int) -> float:
-    """A process's CPU time, every thread, in seconds: utime + stime of /proc/PID/stat (fields 14 and 15)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+def proc_cpu_s(pid: int, tid: int | None = None) -> float:
+    """A process's CPU time, every thread (or one thread's), in seconds: utime + stime of /proc/PID/stat."""
+    path = Path(f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat")
+    fields = path.read_text().rsplit(")", 1)[1].split()  # after the command's name: field 3 on
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def proc_samples(pid: int) -> dict[str, float]:
+    """The process's CPU (PROC_CPU) and each thread's (THREAD_CPU{tid="..."}, the main one tid="main")."""
+    got = {PROC_CPU: proc_cpu_s(pid)}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            got[f'{THREAD_CPU}{{tid="{"main" if int(task.name) == pid else task.name}"}}'] = proc_cpu_s(
+                pid, int(task.name)
+            )
+        except OSError:  # the thread ended meanwhile
+            continue
+    return got
+
+
 def server_reader(port: int, pid: int = 0, timeout_s: float = 5.0) -> Callable[[], dict[str, float]]:
-    """run_fleet's `read`: the server's /metrics, and, for a server on this machine (pid), its process's CPU
-    from /proc as PROC_CPU, the same measure for a server of any version (older ones count none)."""
+    """run_fleet's `read`: the server's /metrics, and, for a server on this machine (pid), its process's and its
+    threads' CPU from /proc (proc_samples): the same measures for a server of any version."""
 
     def read() -> dict[str, float]:
         page = fetch_metrics(port, timeout_s)
-        return page | {PROC_CPU: proc_cpu_s(pid)} if pid else page
+        return page | proc_samples(pid) if pid else page
 
     return read
 
@@ -824,10 +840,12 @@ def server_spend(metrics: dict) -> dict:
     own work, the engine's and both), how busy the engine was, rounds per second, sheds, evictions.
 
     The process's CPU: PROC_CPU if the reader sampled it, else the server's own counter (servers before
-    issue 51 have none). The engine's: the model thread's CPU in the passes where the server counts it,
-    else the passes' wall time (equal to it when the engine computes on that one thread, alone on its
-    core). `measured` says which; host = process - engine. pass_ms_per_round: the passes' wall time a round,
-    and host_wall_ms_per_round = process - that, for every server alike. {} unless both pages were read."""
+    issue 51 have none). The engine's: the model thread's CPU in the passes where the server counts it; else,
+    with the threads sampled, the model thread's whole CPU (MODEL_THREAD: with one engine thread llama.cpp
+    computes on it; it also runs the host's work around each pass, so the engine's share is an upper bound
+    and host a lower one); else the passes' wall time (the same only when nothing else takes the core during a
+    pass). `measured` says which; host = process - engine. pass_ms_per_round (the passes' wall time) and
+    host_wall_ms_per_round (process - that) for every server alike. {} unless both pages were read."""
     start, end = metrics.get("start") or {}, metrics.get("end") or {}
     if "bridge_rounds_total" not in start or "bridge_rounds_total" not in end:
         return {}
@@ -836,9 +854,11 @@ def server_spend(metrics: dict) -> dict:
     late = max(metrics["start_at"], metrics["end_at"] - metrics.get("asked_s", metrics["end_at"]))
     rounds = d.get("bridge_rounds_total", 0.0)
     process = PROC_CPU if PROC_CPU in d else PROCESS_CPU if PROCESS_CPU in d else None
-    engine = ENGINE_CPU if ENGINE_CPU in d else PASS_SECONDS
+    model_s = max((v for k, v in d.items() if k.startswith(THREAD_CPU) and 'tid="main"' not in k), default=None)
+    engine = ENGINE_CPU if ENGINE_CPU in d else MODEL_THREAD if model_s is not None else PASS_SECONDS
     per = lambda s: None if s is None or not rounds else 1e3 * s / rounds  # noqa: E731
-    process_s, engine_s = d.get(process) if process else None, d.get(engine, 0.0)
+    process_s = d.get(process) if process else None
+    engine_s = (model_s or 0.0) if engine == MODEL_THREAD else d.get(engine, 0.0)
     return {
         "window_s": round(span, 3),  # between the two answers
         "late_s": round(late, 3),  # how long after its edge the later answer came
@@ -850,6 +870,7 @@ def server_spend(metrics: dict) -> dict:
         "pass_ms_per_round": per(d.get(PASS_SECONDS, 0.0)),
         "host_wall_ms_per_round": per(None if process_s is None else process_s - d.get(PASS_SECONDS, 0.0)),
         "counter_ms_per_round": per(d.get(PROCESS_CPU)),  # the server's own count of its CPU, where it has one
+        "model_thread_ms_per_round": per(model_s),
         "engine_busy": d.get(PASS_SECONDS, 0.0) / span,
         "process_cpu_share": None if process_s is None else process_s / span,
         "batch_mean": metric_means(d).get("bridge_batch_size"),

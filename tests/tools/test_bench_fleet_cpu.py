@@ -23,6 +23,13 @@ def test_what_the_server_spent_is_read_from_two_pages():
     assert got["host_ms_per_round"] == pytest.approx(2.0) and got["engine_busy"] == pytest.approx(0.25)
     assert got["rounds_per_s"] == pytest.approx(125.0) and (got["sheds"], got["evicted"]) == (3, 2)
     assert got["late_s"] == pytest.approx(0.1)
+    # with the threads sampled, the busiest but the main one stands for the engine (it also does some host work)
+    main, model = f'{loadtest.THREAD_CPU}{{tid="main"}}', f'{loadtest.THREAD_CPU}{{tid="7"}}'
+    got = loadtest.server_spend(
+        {"start": start | {main: 1.0, model: 1.0}, "end": end | {main: 2.1, model: 1.9}, "start_at": 0, "end_at": 4}
+    )
+    assert got["measured"]["engine"] == loadtest.MODEL_THREAD and got["engine_ms_per_round"] == pytest.approx(1.8)
+    assert got["host_ms_per_round"] == pytest.approx(2.2) and got["host_wall_ms_per_round"] == pytest.approx(2.0)
     # the server's own counters, where it has them and the reader sampled no /proc
     start |= {loadtest.ENGINE_CPU: 0.0, loadtest.PROCESS_CPU: 0.0}
     end |= {loadtest.ENGINE_CPU: 0.5, loadtest.PROCESS_CPU: 1.5}
@@ -56,6 +63,7 @@ def test_the_quick_run_measures_a_fleet_in_two_processes(tmp_path):
     assert p["measured"] == {"process": loadtest.PROC_CPU, "engine": loadtest.ENGINE_CPU}
     assert p["cpu_ms_per_round"] > p["engine_ms_per_round"] > 0 and p["rounds_per_s"] > 0 and p["robot_rounds"] > 0
     assert p["counter_ms_per_round"] > 0 and 0 < p["engine_busy"] < 1
+    assert p["model_thread_ms_per_round"] > 0  # the threads sampled too
     assert p["robots_sampled"] == 4 and p["speed_min"] > 0 and p["client_cpu"] > 0
     assert result["summary"][0]["after"]["host_ms_per_round"] == p["host_ms_per_round"]
     assert "after: host ms" in (tmp_path / "fleet_cpu.md").read_text()
