@@ -845,13 +845,16 @@ def server_spend(metrics: dict) -> dict:
     computes on it; it also runs the host's work around each pass, so the engine's share is an upper bound
     and host a lower one); else the passes' wall time (the same only when nothing else takes the core during a
     pass). `measured` says which; host = process - engine. pass_ms_per_round (the passes' wall time) and
-    host_wall_ms_per_round (process - that) for every server alike. {} unless both pages were read."""
+    host_wall_ms_per_round (process - that) for every server alike. {} unless both pages were read; only
+    their span and delay when they span less than half the window asked (a server too busy to answer)."""
     start, end = metrics.get("start") or {}, metrics.get("end") or {}
     if "bridge_rounds_total" not in start or "bridge_rounds_total" not in end:
         return {}
     d = metrics_delta(start, end)
     span = max(1e-9, metrics["end_at"] - metrics["start_at"])
     late = max(metrics["start_at"], metrics["end_at"] - metrics.get("asked_s", metrics["end_at"]))
+    if span < metrics.get("asked_s", 0.0) / 2:  # both answers came together, long after the first edge
+        return {"window_s": round(span, 3), "late_s": round(late, 3)}
     rounds = d.get("bridge_rounds_total", 0.0)
     process = PROC_CPU if PROC_CPU in d else PROCESS_CPU if PROCESS_CPU in d else None
     model_s = max((v for k, v in d.items() if k.startswith(THREAD_CPU) and 'tid="main"' not in k), default=None)

@@ -38,7 +38,9 @@ def test_what_the_server_spent_is_read_from_two_pages():
     assert got["measured"] == {"process": loadtest.PROCESS_CPU, "engine": loadtest.ENGINE_CPU}
     assert got["host_ms_per_round"] == pytest.approx(2.0) and got["engine_ms_per_round"] == pytest.approx(1.0)
     assert got["pass_ms_per_round"] == pytest.approx(2.0) and got["counter_ms_per_round"] == pytest.approx(3.0)
-    # a page not read (a server too busy to answer in time): nothing, rather than figures over no window
+    # pages of a server too busy to answer: not read, or answered together long after the window opened
+    late = loadtest.server_spend({"start": start, "end": end, "start_at": 30.0, "end_at": 30.5, "asked_s": 8.0})
+    assert late == {"window_s": 0.5, "late_s": 30.0}
     assert loadtest.server_spend({"start": {loadtest.PROC_CPU: 1.0}, "end": end, "start_at": 0, "end_at": 0}) == {}
 
 
