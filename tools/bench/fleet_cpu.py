@@ -163,7 +163,7 @@ def summary(points: list[dict], servers: list[str]) -> list[dict]:
                 continue
             got = {k: statistics.mean(v) if (v := [p[k] for p in runs if p[k] is not None]) else None for k in keys}
             hosts = [p["host_ms_per_round"] for p in runs if p["host_ms_per_round"] is not None]
-            got["host_range"] = (min(hosts), max(hosts)) if hosts else None
+            got["host_range"], got["runs"] = ((min(hosts), max(hosts)) if hosts else None), (len(hosts), len(runs))
             got["held"] = all(p["held"] for p in runs)
             row[name] = got
         for key in ("host", "cpu"):
@@ -251,8 +251,8 @@ def _cell(key: str, fmt: str):
 
 
 def _host(v: dict) -> str:
-    lo, hi = v["host_range"] or (None, None)
-    spread = f" ({lo:.2f}–{hi:.2f})" if lo is not None and hi - lo > 0.005 else ""
+    (lo, hi), (measured, runs) = v["host_range"] or (0, 0), v["runs"]
+    spread = f" ({lo:.2f}–{hi:.2f})" if hi - lo > 0.005 else f" ({measured} of {runs} runs)" if measured < runs else ""
     return "–" if v["host_ms_per_round"] is None else f"{v['host_ms_per_round']:.2f}{spread}"
 
 
@@ -322,7 +322,7 @@ REPORT = harness.Report(
         harness.Table(
             "summary",
             side_cols,
-            "## Side by side (mean of the runs; host: the runs' range in brackets)",
+            "## Side by side (mean of the runs with figures; host: their range, or how many had figures)",
             "ms: the server's CPU per robot-round (host: its own work; engine: the passes; total: both). Target: "
             "host <= {target_ms} ms at 128 and 512 robots. How each was measured: below.",
         ),
