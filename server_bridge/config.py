@@ -583,9 +583,18 @@ class LoadtestConfig:
     )
     max_n: int = setting(256, help="The largest fleet the doubling search tries (1-4096).")
     metrics_port: int = setting(0, help="The verifier's HTTP port for /metrics (loopback); 0 = none read.")
+    procs: int = setting(
+        0,
+        help="Processes the robots run in, each its own event loop, one window for all (0 = one per 256 robots).",
+    )
+    server_pid: int = setting(
+        0, help="The verifier's process id, if on this machine: its CPU read from /proc (with metrics_port; 0 = none)."
+    )
 
     def __post_init__(self) -> None:
         if not self.url.startswith(("ws://", "wss://")):
             raise ValueError(f"url must be ws:// or wss://, got {self.url!r}")
         if any(n < 1 for n in self.n) or not 1 <= self.max_n <= 4096 or not 0 <= self.metrics_port <= 65535:
             raise ValueError("n must be fleet sizes >= 1, max_n 1-4096 and metrics_port 0-65535")
+        if not 0 <= self.procs <= 64 or self.server_pid < 0:
+            raise ValueError(f"procs must be 0-64 and server_pid >= 0, got {self.procs} and {self.server_pid}")

@@ -124,6 +124,7 @@ class ServerChild:
         self.name, self.port, self.args, self.cpus, self.token = name, port, list(args), cpus, token
         self.log_path = log_path
         self.threads = "1"  # OMP_NUM_THREADS: torch's CPU threads follow --threads, not every core
+        self.source: Path | None = None  # a source tree to run the server's code from (this interpreter); None: ours
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -132,11 +133,14 @@ class ServerChild:
 
     def start(self) -> None:
         env = dict(os.environ, OMP_NUM_THREADS=self.threads, VERIFIER_TOKEN=self.token)
+        if self.source is not None:
+            env["PYTHONPATH"] = str(self.source)
         self.proc = subprocess.Popen(
             serve_command(self.port, *self.args),
             stdout=self.log_path.open("a"),
             stderr=subprocess.STDOUT,
             env=env,
+            cwd=self.source,
             preexec_fn=child_setup(self.cpus),
         )
 
@@ -184,12 +188,14 @@ class LocalVerifier(ServerChild):
         token: str = "",
         start_timeout_s: float = 300.0,
         extra_args: Sequence[str] = (),
+        source: Path | None = None,
     ):
         args = ["--threads", str(threads), *(["--target", target] if target else []), *extra_args]
         log = Path(tempfile.mkstemp(prefix="server-bridge-", suffix=".log")[1])
         super().__init__("local", free_port(), args, cpus, log, token)
         self.threads = str(threads)
         self.start_timeout_s = start_timeout_s
+        self.source = source
 
     def __enter__(self) -> LocalVerifier:
         self.start()

@@ -2,6 +2,7 @@
 
     server-bridge loadtest --trace TRACE.json [--url ws://127.0.0.1:8765] [--n 2,4,8] [--metrics-port 8765]
                            [--classes 8,2,6,4] [--gamma 4] [--draft-ms 8] [--tokens 48] [--window-s 20] [--json]
+                           [--procs P]
 
 The robots are real websocket clients (asyncio, one connection each, `X-Robot-Id: loadgen-<i>`). A robot
 does not load a draft model: it replays a trace (tools/train/record_traces.py records one for a model
@@ -23,8 +24,16 @@ until every generation opened in it is decided:
   capacity    per class: the largest N such that at it and at every smaller N tried the violation rate,
               overall and of every class, is <= 5 %; a lower bound when every N tried passed.
 
+A fleet of more robots than one event loop drives (1,024 on a 2-core machine) runs in --procs processes
+(default one per 256 robots), one window for all; this process reads /metrics and merges their records.
+With --metrics-port each point also says what the server spent over the window: its CPU per robot-round
+(bridge_process_cpu_seconds_total; its own work apart from the engine's, bridge_engine_cpu_seconds_total),
+the engine's busy fraction, rounds/s, sheds and evictions (server_spend), and each robot's tokens/s (mean,
+min). The scheduler's decision time is not on /metrics: tools/bench/sched_decision.py measures it.
+
 tools/bench/loadgen.py (a fresh server per point, scheduler policies compared), tools/bench/cluster.py,
-tools/bench/gpu_fleet.py, tools/bench/peer.py and tools/cluster/soak.py run their robots through this.
+tools/bench/gpu_fleet.py, tools/bench/fleet_cpu.py, tools/bench/peer.py and tools/cluster/soak.py run their robots
+through this.
 """
 
 from __future__ import annotations
@@ -32,12 +41,14 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import random
 import re
 import time
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +69,12 @@ MAX_OPEN_TRIES = 50  # per (re-)open; the i-th shed one waits backoff(i)
 MAX_BACKOFF_S = 5.0  # a robot shed again and again waits at most this long between tries
 MAX_CONNECTS = 20  # per robot and point
 MAX_TRACE_BYTES = 256 * 1024 * 1024  # a trace file is refused above this before it is parsed
+ROBOTS_PER_PROCESS = 256  # run_fleet's share of one event loop when `procs` is not given
+PROC_CPU = "proc_cpu_seconds_total"  # a reader's own sample of the server's CPU (/proc/PID/stat), beside /metrics
+THREAD_CPU = "proc_thread_cpu_seconds_total"  # {tid="..."}: one of its threads' (/proc/PID/task/TID/stat)
+MODEL_THREAD = "the busiest thread but the main one"  # the engine's CPU where the server counts none (a bound)
+ENGINE_CPU, PROCESS_CPU = "bridge_engine_cpu_seconds_total", "bridge_process_cpu_seconds_total"
+PASS_SECONDS = "bridge_batch_verify_seconds_total"
 
 
 # --------------------------------------------------------------------------- traces
@@ -99,6 +116,12 @@ class Trace:
         except (KeyError, TypeError) as e:
             raise ValueError(f"{path}: a trace without {e}") from None
         return cls(*fields, prompts)
+
+    def save(self, path: str | Path) -> None:
+        """As an edgespec-trace/1 file that `load` reads back (e.g. a trace replayed onto another target)."""
+        head = {k: getattr(self, k) for k in ("draft", "target", "vocab_hash", "vocab_size", "eos_ids", "gamma_max")}
+        prompts = [{"prompt_ids": p.prompt_ids, "target_ids": p.target_ids, "chains": p.chains} for p in self.prompts]
+        Path(path).write_text(json.dumps({"format": "edgespec-trace/1", **head, "prompts": prompts}))
 
 
 def next_draft(prompt: TracePrompt, committed: list[int], k: int) -> list[int]:
@@ -296,6 +319,8 @@ class PointLog:
     window: tuple[float, float] = (0.0, 0.0)
     ended: float = 0.0  # when the robots were told to halt (every window generation decided)
     metrics: dict = field(default_factory=dict)  # "start" / "end": parse_metrics of /metrics
+    client_cpu_s: float = 0.0  # CPU the robots' processes spent, every one together (run_fleet)
+    processes: int = 1  # how many processes the robots ran in
 
 
 class RobotError(RuntimeError):
@@ -473,12 +498,44 @@ class Robot:
             self.out.stale += 1
 
 
-def fetch_metrics(port: int) -> dict[str, float]:
+def fetch_metrics(port: int, timeout_s: float = 5.0) -> dict[str, float]:
     try:
-        return parse_metrics(urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode())
+        page = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=timeout_s).read().decode()
+        return parse_metrics(page)
     except OSError as e:
         log.warning("GET /metrics failed: %s", e)
         return {}
+
+
+def proc_cpu_s(pid: int, tid: int | None = None) -> float:
+    """A process's CPU time, every thread (or one thread's), in seconds: utime + stime of /proc/PID/stat."""
+    path = Path(f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat")
+    fields = path.read_text().rsplit(")", 1)[1].split()  # after the command's name: field 3 on
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def proc_samples(pid: int) -> dict[str, float]:
+    """The process's CPU (PROC_CPU) and each thread's (THREAD_CPU{tid="..."}, the main one tid="main")."""
+    got = {PROC_CPU: proc_cpu_s(pid)}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            got[f'{THREAD_CPU}{{tid="{"main" if int(task.name) == pid else task.name}"}}'] = proc_cpu_s(
+                pid, int(task.name)
+            )
+        except OSError:  # the thread ended meanwhile
+            continue
+    return got
+
+
+def server_reader(port: int, pid: int = 0, timeout_s: float = 5.0) -> Callable[[], dict[str, float]]:
+    """run_fleet's `read`: the server's /metrics, and, for a server on this machine (pid), its process's and its
+    threads' CPU from /proc (proc_samples): the same measures for a server of any version."""
+
+    def read() -> dict[str, float]:
+        page = fetch_metrics(port, timeout_s)
+        return page | proc_samples(pid) if pid else page
+
+    return read
 
 
 def sample(gens: list[Generation], window: tuple[float, float]) -> list[bool]:
@@ -507,6 +564,21 @@ def decided(g: Generation, now: float) -> bool:
     return outcome(g, now)[0] is not None
 
 
+async def read_window(read: Callable[[], dict[str, float]], window: tuple[float, float]) -> dict:
+    """read() at the window's start and at its end (monotonic times), each in a thread of its own: "start" /
+    "end", and when each answered, seconds after the window opened ("start_at" / "end_at": a busy server
+    answers late, and its counters are those of when it answered). A late first answer does not delay the
+    second's asking."""
+
+    async def at(edge: float) -> tuple[dict[str, float], float]:
+        await asyncio.sleep(max(0.0, edge - time.monotonic()))
+        page = await asyncio.to_thread(read)
+        return page, time.monotonic() - window[0]
+
+    (start, start_at), (end, end_at) = await asyncio.gather(at(window[0]), at(window[1]))
+    return {"start": start, "start_at": start_at, "end": end, "end_at": end_at, "asked_s": window[1] - window[0]}
+
+
 async def run_robots(
     url: str,
     trace: Trace,
@@ -515,27 +587,32 @@ async def run_robots(
     metrics_port: int | None = None,
     robot: Callable[..., Any] = Robot,
     grace_s: float | None = None,
+    first: int = 0,
+    t0: float | None = None,
+    read: Callable[[], dict[str, float]] | None = None,
 ) -> PointLog:
     """N robots against `url`: warm-up, window, then a tail until every generation opened in the window
     is decided (the load unchanged meanwhile; at most the longest deadline). Bounded in time.
 
     robot(idx, url, trace, cfg, out, halt) makes one (Robot, or tools/bench/peer.py's PeerRobot); after
     the tail each gets grace_s to finish its request in flight (None: the reply timeout + 5 s, and one
-    still running then is an error), then is cancelled."""
+    still running then is an error), then is cancelled. The robots are numbered first..first + n - 1 and
+    the warm-up starts at t0 (monotonic; None: now), so the processes of one fleet (run_fleet) share a
+    window. /metrics is read at the window's edges from metrics_port, or by `read` if given."""
     out = PointLog()
     halt = asyncio.Event()
-    t0 = time.monotonic()
+    t0 = time.monotonic() if t0 is None else t0
     start, stop = t0 + cfg.warmup_s, t0 + cfg.warmup_s + cfg.window_s
     out.window = (start, stop)
-    robots = [asyncio.create_task(robot(i, url, trace, cfg, out, halt).run(), name=f"robot-{i}") for i in range(n)]
-    await asyncio.sleep(max(0.0, start - time.monotonic()))
-    if metrics_port is not None:
-        out.metrics["start"] = await asyncio.to_thread(fetch_metrics, metrics_port)
-        out.metrics["start_at"] = time.monotonic() - start
+    robots = [
+        asyncio.create_task(robot(i, url, trace, cfg, out, halt).run(), name=f"robot-{i}")
+        for i in range(first, first + n)
+    ]
+    if read is None and metrics_port is not None:
+        read = partial(fetch_metrics, metrics_port)
+    if read is not None:
+        out.metrics = await read_window(read, out.window)
     await asyncio.sleep(max(0.0, stop - time.monotonic()))
-    if metrics_port is not None:
-        out.metrics["end"] = await asyncio.to_thread(fetch_metrics, metrics_port)
-        out.metrics["end_at"] = time.monotonic() - start
     tail_end = stop + cfg.tokens / min(cfg.classes) + 1.0  # every deadline of the window has passed by then
     while time.monotonic() < tail_end and any(
         c and not decided(g, time.monotonic())
@@ -557,7 +634,117 @@ async def run_robots(
     return out
 
 
+# --------------------------------------------------------------------------- one point: robots in several processes
+
+
+def _robots_process(conn: Any, url: str, trace: Trace, first: int, n: int, cfg: LoadConfig) -> None:
+    """A child of run_fleet: says it is ready, waits for the fleet's t0, runs its robots, sends their log."""
+    try:
+        conn.send("ready")
+        t0 = conn.recv()
+        c0 = time.process_time()
+        out = asyncio.run(run_robots(url, trace, n, cfg, first=first, t0=t0))
+        out.client_cpu_s = time.process_time() - c0
+        conn.send(out)
+    except BaseException as e:  # the parent reads why, rather than an EOF
+        conn.send(RobotError(f"robots {first}-{first + n - 1}: {type(e).__name__}: {e}"))
+        raise
+    finally:
+        conn.close()
+
+
+def merge_logs(logs: list[PointLog], window: tuple[float, float], metrics: dict) -> PointLog:
+    """One fleet's log from its processes' (their robots numbered apart, one window)."""
+    out = PointLog(window=window, metrics=metrics, processes=len(logs))
+    for log_ in logs:
+        out.generations += log_.generations
+        out.rounds += log_.rounds
+        out.sheds += log_.sheds
+        out.errors += log_.errors
+        out.stale += log_.stale
+        out.client_cpu_s += log_.client_cpu_s
+        out.ended = max(out.ended, log_.ended)
+    return out
+
+
+def run_fleet(
+    url: str,
+    trace: Trace,
+    n: int,
+    cfg: LoadConfig,
+    procs: int = 1,
+    metrics_port: int | None = None,
+    read: Callable[[], dict[str, float]] | None = None,
+) -> PointLog:
+    """run_robots for a fleet too big for one event loop: N robots split over `procs` processes (spawned,
+    each on the cores this one may use), one window for all; this process reads /metrics at its edges
+    (from metrics_port, or by `read`) and merges the processes' logs. procs 1: in this process."""
+    procs = max(1, min(procs, n))
+    if read is None and metrics_port is not None:
+        read = partial(fetch_metrics, metrics_port)
+    if procs == 1:
+        c0 = time.process_time()
+        out = asyncio.run(run_robots(url, trace, n, cfg, read=read))
+        out.client_cpu_s = time.process_time() - c0
+        return out
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")  # not fork: this process may hold threads
+    bounds = [n * i // procs for i in range(procs + 1)]
+    children = []
+    try:
+        for first, end in zip(bounds, bounds[1:], strict=False):
+            mine, theirs = ctx.Pipe()
+            child = ctx.Process(target=_robots_process, args=(theirs, url, trace, first, end - first, cfg), daemon=True)
+            child.start()
+            theirs.close()
+            children.append((child, mine))
+        for child, conn in children:  # each has imported this module and is ready to dial
+            if not conn.poll(120) or conn.recv() != "ready":
+                raise RuntimeError(f"a robots' process did not start (exit code {child.exitcode})")
+        t0 = time.monotonic() + 0.1
+        for _, conn in children:
+            conn.send(t0)
+        window = (t0 + cfg.warmup_s, t0 + cfg.warmup_s + cfg.window_s)
+        metrics = asyncio.run(read_window(read, window)) if read is not None else {}
+        logs = [_child_log(conn, cfg) for _, conn in children]
+    finally:
+        for child, conn in children:
+            child.join(5)
+            if child.is_alive():
+                child.terminate()
+                child.join(5)
+            conn.close()
+    return merge_logs(logs, window, metrics)
+
+
+def _child_log(conn: Any, cfg: LoadConfig) -> PointLog:
+    """A child's PointLog, once its robots are done (the tail and the grace are bounded: so is this wait)."""
+    bound = cfg.warmup_s + cfg.window_s + cfg.tokens / min(cfg.classes) + cfg.recv_timeout_s + 60
+    if not conn.poll(bound):
+        raise RuntimeError(f"a robots' process sent nothing in {bound:.0f}s")
+    got = conn.recv()
+    if isinstance(got, Exception):
+        raise got
+    return got
+
+
 # --------------------------------------------------------------------------- one point: summary
+
+
+def robot_speeds(out: PointLog) -> dict:
+    """Each robot's tokens/s over its generations in the window's sample (`sample`): tokens over the wall
+    time to its last token, or to the end of the run for one unfinished then; their mean over the robots
+    and the slowest robot's. None without a sample."""
+    now = max(out.ended, out.window[1])
+    by_robot: dict[int, list[float]] = {}
+    for g, chosen in zip(out.generations, sample(out.generations, out.window), strict=True):
+        if chosen:
+            wall = (g.done if g.done is not None else now) - g.opened
+            by_robot.setdefault(g.robot, []).append(len(g.tokens) / max(wall, 1e-9))
+    speeds = [sum(v) / len(v) for v in by_robot.values()]
+    mean = round(sum(speeds) / len(speeds), 2) if speeds else None
+    return {"speed_mean": mean, "speed_min": round(min(speeds), 2) if speeds else None, "robots_sampled": len(speeds)}
 
 
 def exact(gen: Generation, trace: Trace) -> bool:
@@ -655,6 +842,67 @@ def server_figures(metrics: dict) -> dict:
     }
 
 
+def server_spend(metrics: dict) -> dict:
+    """What the server spent over the window, from the two /metrics pages: its CPU per robot-round (its
+    own work, the engine's and both), how busy the engine was, rounds per second, sheds, evictions.
+
+    The process's CPU: PROC_CPU if the reader sampled it, else the server's own counter (servers before
+    issue 51 have none). The engine's: the model thread's CPU in the passes where the server counts it; else,
+    with the threads sampled, the model thread's whole CPU (MODEL_THREAD: with one engine thread llama.cpp
+    computes on it; it also runs the host's work around each pass, so the engine's share is an upper bound
+    and host a lower one); else the passes' wall time (the same only when nothing else takes the core during a
+    pass). `measured` says which; host = process - engine. pass_ms_per_round (the passes' wall time) and
+    host_wall_ms_per_round (process - that) for every server alike. {} unless both pages were read; only
+    their span and delay when they span less than half the window asked (a server too busy to answer)."""
+    start, end = metrics.get("start") or {}, metrics.get("end") or {}
+    if "bridge_rounds_total" not in start or "bridge_rounds_total" not in end:
+        return {}
+    d = metrics_delta(start, end)
+    span = max(1e-9, metrics["end_at"] - metrics["start_at"])
+    late = max(metrics["start_at"], metrics["end_at"] - metrics.get("asked_s", metrics["end_at"]))
+    if span < metrics.get("asked_s", 0.0) / 2:  # both answers came together, long after the first edge
+        return {"window_s": round(span, 3), "late_s": round(late, 3)}
+    rounds = d.get("bridge_rounds_total", 0.0)
+    process = PROC_CPU if PROC_CPU in d else PROCESS_CPU if PROCESS_CPU in d else None
+    model_s = max((v for k, v in d.items() if k.startswith(THREAD_CPU) and 'tid="main"' not in k), default=None)
+    engine = ENGINE_CPU if ENGINE_CPU in d else MODEL_THREAD if model_s is not None else PASS_SECONDS
+    per = lambda s: None if s is None or not rounds else 1e3 * s / rounds  # noqa: E731
+    process_s = d.get(process) if process else None
+    engine_s = (model_s or 0.0) if engine == MODEL_THREAD else d.get(engine, 0.0)
+    return {
+        "window_s": round(span, 3),  # between the two answers
+        "late_s": round(late, 3),  # how long after its edge the later answer came
+        "rounds": int(rounds),
+        "rounds_per_s": rounds / span,
+        "cpu_ms_per_round": per(process_s),
+        "engine_ms_per_round": per(engine_s),
+        "host_ms_per_round": per(None if process_s is None else process_s - engine_s),
+        "pass_ms_per_round": per(d.get(PASS_SECONDS, 0.0)),
+        "host_wall_ms_per_round": per(None if process_s is None else process_s - d.get(PASS_SECONDS, 0.0)),
+        "counter_ms_per_round": per(d.get(PROCESS_CPU)),  # the server's own count of its CPU, where it has one
+        "model_thread_ms_per_round": per(model_s),
+        "engine_busy": d.get(PASS_SECONDS, 0.0) / span,
+        "process_cpu_share": None if process_s is None else process_s / span,
+        "batch_mean": metric_means(d).get("bridge_batch_size"),
+        "sheds": int(d.get('bridge_errors_total{code="overloaded"}', 0)),
+        "evicted": int(d.get("bridge_sessions_evicted_total", 0)),
+        "opened": int(d.get("bridge_sessions_opened_total", 0)),
+        "measured": {"process": process, "engine": engine},
+    }
+
+
+def describe_spend(s: dict) -> str:
+    """One line: the server's CPU per robot-round and what else it spent over the window."""
+    if not s:
+        return "      server: no /metrics read (--metrics-port)"
+    ms = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
+    return (
+        f"      server: {ms(s['cpu_ms_per_round'])} ms CPU a robot-round (host {ms(s['host_ms_per_round'])}, "
+        f"engine {ms(s['engine_ms_per_round'])}), engine busy {100 * s['engine_busy']:.0f} %, "
+        f"{s['rounds_per_s']:.0f} rounds/s, sheds {s['sheds']}, evicted {s['evicted']}"
+    )
+
+
 # --------------------------------------------------------------------------- `server-bridge loadtest`
 
 
@@ -684,12 +932,19 @@ def run(config: LoadtestConfig, cfg: LoadConfig, as_json: bool = False) -> int:
     points: dict[int, dict] = {}
 
     def one(n: int) -> dict[str, bool | None]:
-        out = asyncio.run(run_robots(config.url, trace, n, cfg, metrics_port=config.metrics_port or None))
+        procs = config.procs or -(-n // ROBOTS_PER_PROCESS)
+        read = server_reader(config.metrics_port, config.server_pid, 60.0) if config.metrics_port else None
+        out = run_fleet(config.url, trace, n, cfg, procs, read=read)
         s = summarize(out, trace, cfg.classes)
         s.pop("generation_records")
-        points[n] = {"n": n, **s, "server_metrics": server_figures(out.metrics)["means"]}
+        speeds = robot_speeds(out)
+        spend = server_spend(out.metrics)
+        client = {"processes": out.processes, "cpu_s": round(out.client_cpu_s, 3)}
+        points[n] = {"n": n, **s, **speeds, "server_metrics": server_figures(out.metrics)["means"]}
+        points[n] |= {"server": spend, "client": client}
         if not as_json:
             print(describe(n, s), flush=True)
+            print(describe_spend(spend) + f"; robots' tok/s mean/min {speeds['speed_mean']}/{speeds['speed_min']}")
         return class_passes(s, cfg.classes)
 
     caps = capacity_search(one, [str(c) for c in cfg.classes], tuple(config.n), 1, config.max_n)
