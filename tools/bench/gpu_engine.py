@@ -11,11 +11,18 @@ same GGUF (its token-generation step: one token per sequence, the `tokens = 1` c
 tools/build_llama_server.sh). Aims: a 1-session 5-token pass within 1.5x of the roofline, 32x5
 within 2x (torch) and 3x (llamacpp).
 
+`torch` is the torch engine's eager pass, `torch-compiled` the same engine with `torch_compile = "on"`
+(server_bridge/engines/compile_torch.py: the pass padded to power-of-two buckets, inductor, CUDA graphs on
+CUDA; what `serve --engine torch` runs on CUDA by default): each of its rows names the bucket its pass ran
+in, and its run the seconds the compile took.
+
 Each engine runs in its own process (`--only ENGINE --result FILE`): a CUDA llama.cpp and a CUDA
 torch never share one (runtime/native.py).
 
     python -m tools.bench.gpu_engine --out bench_results/gpu          # on a CUDA server
     python -m tools.bench.gpu_engine --tiny --device cpu --out /tmp/g  # the same code on a toy model
+    python -m tools.bench.gpu_engine --tiny --device cpu --dtype float32 --engines torch,torch-compiled \
+        --out docs/benchmarks/torch_compile_cpu      # compiled against eager, on the CPU
 
 Writes gpu_engine.json, gpu_engine.md and gpu_engine.png.
 """
@@ -34,7 +41,7 @@ from pathlib import Path
 
 from tools.models import random_target
 
-ENGINES = ("torch", "llamacpp")
+ENGINES = ("torch", "torch-compiled", "llamacpp")
 
 
 def _shape(tiny: bool) -> random_target.Shape:
@@ -66,8 +73,9 @@ def bandwidth_gbs(device: str, mib: int) -> float:
     return 2 * src.numel() * src.element_size() / statistics.median(times) / 1e9
 
 
-def build_torch(shape: random_target.Shape, device: str, dtype: str, slots: int, max_len: int):
-    """A torch engine on a Llama of `shape` built from its config (random weights) on the device."""
+def build_torch(shape: random_target.Shape, device: str, dtype: str, slots: int, max_len: int, compile: str = "off"):
+    """A torch engine on a Llama of `shape` built from its config (random weights) on the device; compile: its
+    torch_compile (off: the eager pass)."""
     import torch
     from transformers import LlamaForCausalLM
 
@@ -85,6 +93,7 @@ def build_torch(shape: random_target.Shape, device: str, dtype: str, slots: int,
         max_sequences=slots,
         max_len=max_len,
         model=model,
+        compile=compile,
     )
 
 
@@ -126,11 +135,18 @@ def measure(args, engine_name: str, bandwidth: float) -> dict:
     sessions, tokens = _ints(args.sessions), _ints(args.tokens)
     shape = _shape(args.tiny)
     per_session = args.cache + max(tokens) + 1
-    if engine_name == "torch":
-        engine = build_torch(shape, args.device, args.dtype, max(sessions), per_session)
+    compiled: dict = {}
+    if engine_name.startswith("torch"):
+        mode = "on" if engine_name == "torch-compiled" else "off"
+        engine = build_torch(shape, args.device, args.dtype, max(sessions), per_session, mode)
         weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
         sync = lambda: _sync(engine.device)  # noqa: E731
         dtype = args.dtype
+        if engine.compiled is not None:
+            t0 = time.perf_counter()
+            engine.warm()
+            compiled = {"compile_s": round(time.perf_counter() - t0, 1), "status": engine.compiled.status()}
+            print(f"{engine_name}: compiled in {compiled['compile_s']} s ({compiled['status']})", flush=True)
     else:
         gguf = random_gguf(args, log=lambda m: print(m, flush=True))
         engine = build_llamacpp(gguf, args.device, max(sessions), per_session, args.threads, _llama_options(args))
@@ -159,6 +175,7 @@ def measure(args, engine_name: str, bandwidth: float) -> dict:
                     "tokens": k,
                     "pass_ms": round(ms, 3),
                     "x_roofline": round(ms / roofline_ms, 2),
+                    **_bucket(engine, seqs[:n], args.cache, k),
                 }
             )
             print(
@@ -173,7 +190,15 @@ def measure(args, engine_name: str, bandwidth: float) -> dict:
         "roofline_ms": round(roofline_ms, 4),
         "info": engine.info.as_dict(),
         "rows": rows,
+        **({"compiled": {**compiled, "status": engine.compiled.status()}} if compiled else {}),
     }
+
+
+def _bucket(engine, seqs, cache: int, k: int) -> dict:
+    """A compiled torch engine's bucket for a pass of these sessions (sessions, tokens each, keys), padded."""
+    compiled = getattr(engine, "compiled", None)
+    shape = compiled.shape([(s.id, cache, k, 0) for s in seqs]) if compiled is not None else None
+    return {"bucket": list(shape)} if shape else {}
 
 
 def batched_bench(binary: Path, gguf: Path, args, bandwidth: float) -> dict:
@@ -373,6 +398,24 @@ def _has(tool: str) -> bool:
     return shutil.which(tool) is not None
 
 
+def compiled_vs_eager(rows: list[dict]) -> list[str]:
+    """The torch engine's compiled pass against its eager one, shape by shape (markdown lines; none without both)."""
+    eager = {(r["sessions"], r["tokens"]): r["pass_ms"] for r in rows if r["engine"] == "torch"}
+    both = [r for r in rows if r["engine"] == "torch-compiled" and (r["sessions"], r["tokens"]) in eager]
+    if not both:
+        return []
+    md = ["", "**torch: compiled against eager**", ""]
+    md += ["| sessions | tokens each | bucket (sessions x tokens x keys) | eager ms | compiled ms | speed-up |"]
+    md += ["|---|---|---|---|---|---|"]
+    for r in both:
+        e = eager[r["sessions"], r["tokens"]]
+        bucket = " x ".join(map(str, r.get("bucket", []))) or "eager (no bucket)"
+        md.append(
+            f"| {r['sessions']} | {r['tokens']} | {bucket} | {e:.3f} | {r['pass_ms']:.3f} | {e / r['pass_ms']:.2f} |"
+        )
+    return md
+
+
 def write(out: Path, result: dict) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "gpu_engine.json").write_text(json.dumps(result, indent=1))
@@ -385,12 +428,16 @@ def write(out: Path, result: dict) -> None:
         "",
     ]
     for run in result["runs"]:
-        md += [f"**{run['engine']}** ({run['dtype']}): roofline {run['roofline_ms']:.3f} ms", ""]
-    md += ["| engine | sessions | tokens each | pass ms | x roofline |", "|---|---|---|---|---|"]
+        compiled = run.get("compiled")
+        note = f"; compiled in {compiled['compile_s']} s, {compiled['status']}" if compiled else ""
+        md += [f"**{run['engine']}** ({run['dtype']}): roofline {run['roofline_ms']:.3f} ms{note}", ""]
+    md += ["| engine | sessions | tokens each | pass ms | x roofline | bucket |", "|---|---|---|---|---|---|"]
     md += [
-        f"| {r['engine']} | {r['sessions']} | {r['tokens']} | {r['pass_ms']:.3f} | {r['x_roofline']:.2f} |"
+        f"| {r['engine']} | {r['sessions']} | {r['tokens']} | {r['pass_ms']:.3f} | {r['x_roofline']:.2f} | "
+        f"{' x '.join(map(str, r.get('bucket', []))) or '-'} |"
         for r in result["rows"]
     ]
+    md += compiled_vs_eager(result["rows"])
     (out / "gpu_engine.md").write_text("\n".join(md) + "\n")
     from tools.plots import line_plot
 
