@@ -48,7 +48,7 @@ MIN_KEYS = 64
 
 def enabled(mode: str, device: torch.device) -> bool:
     """auto: on CUDA (CUDA graphs take the launches away), off on the CPU, where it does not pay (measured:
-    docs/benchmarks/torch_compile_cpu/gpu_engine.md)."""
+    docs/benchmarks/torch_compile_cpu/)."""
     if mode not in COMPILE_MODES:
         raise ValueError(f"torch_compile must be one of {', '.join(COMPILE_MODES)}, got {mode!r}")
     return mode == "on" or (mode == "auto" and device.type == "cuda")
@@ -212,4 +212,4 @@ class CompiledPass:
         """One line for the log and the benchmarks."""
         if self.failed:
             return f"failed, eager: {self.failed}"
-        return f"{len(self.shapes)} shapes run" + (" (CUDA graphs)" if self.cuda else "")
+        return f"compiled, shapes run: {len(self.shapes)}" + (" (CUDA graphs)" if self.cuda else "")
