@@ -122,6 +122,11 @@ class CompiledPass:
         if self.cuda:  # the KV slots are written in place by every replay: never copied into a graph's inputs
             for t in (*pool.k, *pool.v):
                 torch._dynamo.mark_static_address(t)
+            import torch._inductor.config as inductor
+
+            # a CUDA graph per bucket is the design, not the accident inductor warns of past 8 sizes
+            if (limit := inductor.triton.cudagraph_dynamic_shape_warn_limit) is not None:  # None: never warns
+                inductor.triton.cudagraph_dynamic_shape_warn_limit = max(limit, MAX_SHAPES)
         self._compiled = torch.compile(decode, mode="reduce-overhead" if self.cuda else None, fullgraph=True)
         self.shapes: set[tuple[int, int, int]] = set()  # (B_p, n_p, L_p) run so far
         self.failed: str | None = None  # why the compile failed: eager from then on
@@ -167,7 +172,7 @@ class CompiledPass:
             dev(slots),
             dev(tok_slot.reshape(-1)),
             dev(tok_pos.reshape(-1)),
-            dev(g_qpos[:, :, None]),
+            dev(g_qpos).unsqueeze(-1),  # [B_p, n_p, 1], strides as warm() makes them (no recompile)
             torch.arange(l_p, device=self.device),
         )
         return dev(g_ids.reshape(1, -1)), dev(g_pos.reshape(1, -1)), grid, dev(np.flatnonzero(g_real))

@@ -19,7 +19,7 @@ from server_bridge.engines.compile_torch import CompiledPass, bucket
 from server_bridge.engines.torch import TorchEngine
 from tests.server_bridge.test_batching import greedy
 
-pytestmark = pytest.mark.real  # the compile takes ~20 s on this machine
+pytestmark = pytest.mark.real  # the compile (the session fixture) takes 20-50 s on this machine
 
 
 @pytest.fixture(scope="module")
@@ -75,6 +75,16 @@ def test_the_compiled_pass_gives_each_session_the_eager_logits_and_kv(engines, l
     for eng in (eager, compiled):
         for s in seqs[eng]:
             eng.free(s)
+
+
+def test_warming_up_writes_the_scratch_slot_only(engines):
+    """The compile `serve` runs before it listens is a pass of padding alone: no session's KV changes."""
+    compiled = engines[0]
+    held = [t[:-1].clone() for t in (*compiled.pool.k, *compiled.pool.v)]  # every slot but the scratch one
+    compiled.warm()
+    assert compiled.compiled.failed is None
+    for before, t in zip(held, (*compiled.pool.k, *compiled.pool.v), strict=True):
+        assert torch.equal(before, t[:-1])
 
 
 def test_the_compiled_engine_decodes_the_eager_greedy_ids(engines, compiled_torch_target):
