@@ -15,7 +15,7 @@ from protocol.wire import DEFAULT_MAX_FRAME_BYTES
 from runtime import settings
 from runtime.settings import setting
 
-from .engines import DTYPES, ENGINES
+from .engines import COMPILE_MODES, DTYPES, ENGINES
 from .outbox import POLICIES as EXIT_POLICIES
 from .scheduler import POLICIES as SCHEDULERS
 
@@ -57,6 +57,12 @@ class EngineSettings(TargetSettings):
     device: str = setting("auto", help="torch: auto (CUDA where present), cpu, cuda or cuda:N.")
     dtype: str = setting(
         "auto", choices=DTYPES, help="torch: auto (bfloat16 on CUDA, float32 on the CPU), float32, bfloat16 or float16."
+    )
+    torch_compile: str = setting(
+        "auto",
+        choices=COMPILE_MODES,
+        help="torch: the verify pass through torch.compile, padded to power-of-two buckets (CUDA graphs on CUDA; "
+        "prefills and tapped passes stay eager); auto = on for CUDA, off on the CPU (where it does not pay).",
     )
 
 

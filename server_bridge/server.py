@@ -310,7 +310,7 @@ def target_from_config(config: ServerConfig) -> Target:
 
     # llama.cpp taps only the exits' layers, and none when exits are off: its eval callback is
     # then not installed at all
-    return load_target(
+    target = load_target(
         config.target,
         config.engine,
         device=config.device,
@@ -321,9 +321,14 @@ def target_from_config(config: ServerConfig) -> Target:
         n_gpu_layers=config.n_gpu_layers,
         max_len=config.max_context,
         kv_type=config.kv_type,
+        torch_compile=config.torch_compile,
         tap_layers=exit_taps(config, modelfiles.target_name(config.target)),
         **config.llama_options,
     )  # the torch engine ignores them
+    warm = getattr(target.engine, "warm", None)  # the torch engine's compiled pass: compiled before serving
+    if warm is not None:
+        warm()
+    return target
 
 
 async def run(config: ServerConfig) -> None:

@@ -100,6 +100,20 @@ def torch_target():
 
 
 @pytest.fixture(scope="session")
+def compiled_torch_target():
+    """The tiny random target (tools/models/random_target.py: 2 layers, the shipped vocabulary, a planted greedy
+    path; its recipe directory, the one the GPU run's rehearsal makes) on the torch engine with its pass compiled
+    (`torch_compile = "on"`; compiled once per test run: 20-50 s on this busy 2-core machine)."""
+    from server_bridge.target import load_target
+    from tools.models import random_target
+
+    recipe = random_target.make(random_target.TINY, "q4_0", log=lambda m: None).hf_dir
+    target = load_target(str(recipe), "torch", threads=1, max_sequences=16, max_len=1024, torch_compile="on")
+    target.engine.warm()  # as `serve` does
+    return target
+
+
+@pytest.fixture(scope="session")
 def qwen_vlm():
     """qwen_vlm(family) -> the family's tiny test VLM (tests/models/qwen_vlm.py: .hf_dir, .target, .target_mmproj,
     .draft, .draft_mmproj, .vocab, .image_token_id, .family), made once into models/build/ (~20 s) and found in

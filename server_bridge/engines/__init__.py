@@ -27,9 +27,10 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from .types import Engine, EngineFull, EngineInfo, NoRoom, Pass, Sequence, SequenceIds, check_batch
+from .types import COMPILE_MODES, Engine, EngineFull, EngineInfo, NoRoom, Pass, Sequence, SequenceIds, check_batch
 
 __all__ = [
+    "COMPILE_MODES",
     "DTYPES",
     "ENGINES",
     "Engine",
@@ -90,14 +91,17 @@ def load_engine(
     tap_layers: list[int] | None = None,
     max_len: int = 2048,
     kv_type: str = "f16",
+    torch_compile: str = "off",
     **llama_options,
 ) -> Engine:
     """The target behind one engine.
 
     engine auto: llamacpp for a GGUF target (the shipped smollm2-f32 is one), torch for a Hugging
     Face model directory. tap_layers: the decoder blocks the early exits may tap (llama.cpp must know
-    them when its context is made). llama_options: the llamacpp engine's own (kv_unified, n_ubatch,
-    flash_attn). A process holds one backend on the GPU at most (`_claim_gpu`).
+    them when its context is made). torch_compile: the torch engine's pass through torch.compile
+    (compile_torch.py; auto: on CUDA): a server's config says auto, tools and tests off unless they ask.
+    llama_options: the llamacpp engine's own (kv_unified, n_ubatch, flash_attn). A process holds one
+    backend on the GPU at most (`_claim_gpu`).
     """
     from protocol import modelfiles
 
@@ -145,5 +149,6 @@ def load_engine(
             max_sequences=max_sequences,
             kv_tokens=kv_tokens,
             max_len=max_len,
+            compile=torch_compile,
         )
     raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")

@@ -19,6 +19,10 @@ pass. A pass thus launches the same operators for 2 sessions as for 32
 (tests/server_bridge/engines/test_torch_pass.py counts them with torch.profiler). One
 session attends over a view of its own slot, with no mask for a single token.
 
+Compiled (`compile="on"`, or auto on CUDA; compile_torch.py), a text pass of up to 32 new tokens a
+session runs through torch.compile instead, padded to a bucket's grid (a CUDA graph on CUDA): the
+layout then is a compile_torch.Grid, handed to the attention layers with the model's kwargs.
+
 Images (a vision-language model: Idefics3 / SmolVLM, Qwen2-VL, Qwen2.5-VL, Qwen3-VL;
 server_bridge/engines/vision_torch.py): the decoder the slots serve is the VLM's text model. A
 pass's image marker at text index t becomes the image's C cells (slot rows), its
@@ -61,12 +65,13 @@ from protocol import modelfiles
 from protocol.images import PromptImage
 from runtime.vision import MARKERS
 
-from . import random_init, vision_torch
+from . import compile_torch, random_init, vision_torch
 from .types import EngineFull, EngineInfo, Pass, Sequence, SequenceIds, check_batch, image_extra
 
 log = logging.getLogger(__name__)
 
 ATTENTION = "edgespec_slots"
+LAYOUT = "edgespec_layout"  # the model kwarg that hands the pass's layout to its attention layers
 _current = threading.local()  # the pass being run: its layout, read by the attention function
 
 
@@ -120,6 +125,44 @@ class _Layout:
             self._masks[key] = m[:, None]
         return self._masks[key]
 
+    def write(self, layer: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """key_states, value_states [1, kv_heads, T, head_dim] into the slots at the rows' cells."""
+        k, v = self.pool.k[layer], self.pool.v[layer]
+        if self.single:
+            slot, start, n, _ = self.rows[0]
+            k[slot, :, start : start + n].copy_(key_states[0])
+            v[slot, :, start : start + n].copy_(value_states[0])
+        else:  # one indexed scatter for every session
+            k[self.tok_slot, :, self.tok_pos] = key_states[0].transpose(0, 1)  # [T, kv_heads, D]
+            v[self.tok_slot, :, self.tok_pos] = value_states[0].transpose(0, 1)
+
+    def attend(
+        self, layer: int, query: torch.Tensor, scaling: float | None, sliding_window: int | None
+    ) -> torch.Tensor:
+        """query [1, H, T, D] holds the pass's ragged tokens -> [1, T, H, D]. One session attends over a view of
+        its slot; several are padded to [B, H, n_max, D] against their slots gathered to [B, kv_heads, Lmax, D]
+        under one mask, and their rows taken back out: no loop over sessions."""
+        k_pool, v_pool = self.pool.k[layer], self.pool.v[layer]
+        if self.single:
+            slot, start, n, _ = self.rows[0]
+            lo = 0 if not sliding_window else max(0, start + 1 - sliding_window)  # the first query's window
+            k, v = k_pool[slot : slot + 1, :, lo : start + n], v_pool[slot : slot + 1, :, lo : start + n]
+            mask = None
+            if n > 1 or lo:
+                mask = _single_mask(start, n, lo, sliding_window, query.device)
+            out = F.scaled_dot_product_attention(query, k, v, attn_mask=mask, scale=scaling, enable_gqa=True)
+            return out.transpose(1, 2)  # [1, T, H, D]
+        heads, d = query.shape[1], query.shape[3]
+        b = len(self.rows)
+        q = query[0].index_select(1, self.q_index).view(heads, b, self.n_max, d).transpose(0, 1)
+        k = k_pool[:, :, : self.k_len].index_select(0, self.slots)  # [B, kv_heads, Lmax, D]
+        v = v_pool[:, :, : self.k_len].index_select(0, self.slots)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=self.mask(sliding_window), scale=scaling, enable_gqa=True
+        )  # [B, H, n_max, D]
+        out = out.transpose(0, 1).reshape(heads, b * self.n_max, d).index_select(1, self.back)  # [H, T, D]
+        return out.transpose(0, 1)[None]  # [1, T, H, D]
+
 
 class _SlotPool:
     """The KV slots: per layer keys and values [slots, kv_heads, max_len, head_dim], allocated once."""
@@ -141,26 +184,26 @@ class _SlotPool:
 
 
 class _SlotCache:
-    """What the model's attention layers call `past_key_values.update` on: a write into the slots."""
+    """What the model's attention layers call `cache.update` on: a write into the slots."""
 
     is_compileable = False
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        layout: _Layout = _current.layout
-        k, v = layout.pool.k[layer_idx], layout.pool.v[layer_idx]
-        if layout.single:  # key_states [1, kv_heads, T, head_dim]
-            slot, start, n, _ = layout.rows[0]
-            k[slot, :, start : start + n].copy_(key_states[0])
-            v[slot, :, start : start + n].copy_(value_states[0])
-        else:  # one indexed scatter for every session
-            k[layout.tok_slot, :, layout.tok_pos] = key_states[0].transpose(0, 1)  # [T, kv_heads, D]
-            v[layout.tok_slot, :, layout.tok_pos] = value_states[0].transpose(0, 1)
+        _layout_of(kwargs.get("kwargs") or {}).write(layer_idx, key_states, value_states)
         return key_states, value_states
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0
+
+
+def _layout_of(kwargs: dict) -> Any:
+    """The pass's layout (a _Layout, or a compiled pass's compile_torch.Grid): handed down with the model's
+    kwargs (transformers passes them to the attention function and, since 5.x, to `cache.update`), else the
+    one this thread's eager pass set."""
+    layout = kwargs.get(LAYOUT)
+    return layout if layout is not None else _current.layout
 
 
 def slot_attention(
@@ -174,33 +217,9 @@ def slot_attention(
     sliding_window: int | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """Every session's queries against its own slot's keys, in one SDPA call per layer.
-
-    query [1, H, T, D] holds the pass's ragged tokens. One session attends over a view of its slot;
-    several are padded to [B, H, n_max, D] against their slots gathered to [B, kv_heads, Lmax, D]
-    under one mask, and their rows taken back out: no loop over sessions.
-    """
-    layout: _Layout = _current.layout
-    k_pool, v_pool = layout.pool.k[module.layer_idx], layout.pool.v[module.layer_idx]
-    if layout.single:
-        slot, start, n, _ = layout.rows[0]
-        lo = 0 if not sliding_window else max(0, start + 1 - sliding_window)  # the first query's window
-        k, v = k_pool[slot : slot + 1, :, lo : start + n], v_pool[slot : slot + 1, :, lo : start + n]
-        mask = None
-        if n > 1 or lo:
-            mask = _single_mask(start, n, lo, sliding_window, query.device)
-        out = F.scaled_dot_product_attention(query, k, v, attn_mask=mask, scale=scaling, enable_gqa=True)
-        return out.transpose(1, 2), None  # [1, T, H, D], as transformers expects
-    heads, d = query.shape[1], query.shape[3]
-    b = len(layout.rows)
-    q = query[0].index_select(1, layout.q_index).view(heads, b, layout.n_max, d).transpose(0, 1)
-    k = k_pool[:, :, : layout.k_len].index_select(0, layout.slots)  # [B, kv_heads, Lmax, D]
-    v = v_pool[:, :, : layout.k_len].index_select(0, layout.slots)
-    out = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=layout.mask(sliding_window), scale=scaling, enable_gqa=True
-    )  # [B, H, n_max, D]
-    out = out.transpose(0, 1).reshape(heads, b * layout.n_max, d).index_select(1, layout.back)  # [H, T, D]
-    return out.transpose(0, 1)[None], None  # [1, T, H, D]
+    """Every session's queries against its own slot's keys, in one SDPA call per layer (the layout's
+    `attend`): query [1, H, T, D] -> [1, T, H, D], as transformers expects."""
+    return _layout_of(kwargs).attend(module.layer_idx, query, scaling, sliding_window), None
 
 
 def _single_mask(start: int, n: int, lo: int, sliding_window: int | None, device: torch.device) -> torch.Tensor:
@@ -253,6 +272,7 @@ class TorchEngine:
         kv_tokens: int = 0,
         max_len: int = 2048,
         model: Any = None,  # a transformers model built by the caller (None: loaded from path)
+        compile: str = "off",  # the text pass through torch.compile (compile_torch.py): on, off, auto = on CUDA
     ):
         from transformers.utils import logging as hf_logging
 
@@ -290,7 +310,13 @@ class TorchEngine:
         self.max_len = max_len
         self.max_sequences = max(1, (kv_tokens // max_len) if kv_tokens else max_sequences)
         self.kv_capacity = self.max_sequences * max_len
-        self.pool = _SlotPool(self.n_layers, self.max_sequences, kv_heads, max_len, head_dim, self.dtype, self.device)
+        compiled = compile_torch.enabled(compile, self.device)
+        # compiled: one slot more (the padding's scratch slot) and one cell more per slot (compile_torch.py)
+        slots, cells = self.max_sequences + compiled, max_len + compiled
+        self.pool = _SlotPool(self.n_layers, slots, kv_heads, cells, head_dim, self.dtype, self.device)
+        self.compiled = (
+            compile_torch.CompiledPass(self._decode_grid, self.pool, max_len, self.device) if compiled else None
+        )
         self.batchable = True
         self.ids = SequenceIds(self.max_sequences)
         self._cache = _SlotCache()
@@ -308,6 +334,7 @@ class TorchEngine:
                 "slots": self.max_sequences,
                 "slot_len": max_len,
                 "vision": self.vision is not None,
+                "compiled": compiled,
             },
         )
         self._log_loaded(time.perf_counter() - t0)
@@ -415,9 +442,11 @@ class TorchEngine:
             ids.extend(p.new_ids)
             pos.extend(range(at, at + len(p.new_ids)))  # for M-RoPE: cell + rope_delta, on all three axes
             keep_at.extend(range(off + len(p.new_ids) - p.keep, off + len(p.new_ids)))
-        x = torch.tensor([ids], dtype=torch.long, device=self.device)
-        positions = torch.tensor([pos], dtype=torch.long, device=self.device)  # [1, T]
-        hidden = self._decode(batch, rows, positions, input_ids=x)
+        hidden = self._compiled_hidden(batch, rows, ids, pos)
+        if hidden is None:  # eager: no compile asked for, a prefill, taps, or a failed compile
+            x = torch.tensor([ids], dtype=torch.long, device=self.device)
+            positions = torch.tensor([pos], dtype=torch.long, device=self.device)  # [1, T]
+            hidden = self._decode(batch, rows, positions, input_ids=x)
         for p in batch:
             p.seq.length = p.start + len(p.new_ids)
         return self._logits(hidden, keep_at, [p.keep for p in batch])
@@ -488,6 +517,36 @@ class TorchEngine:
             _current.layout = None
             for h in handles:
                 h.remove()
+
+    def _compiled_hidden(
+        self, batch: list[Pass], rows: list[tuple[int, int, int, int]], ids: list[int], pos: list[int]
+    ) -> torch.Tensor | None:
+        """hidden [1, T, hidden] of the text passes through the compiled pass, padded to its bucket and the
+        padding's rows dropped; None where the pass runs eagerly (taps are forward hooks: eager)."""
+        compiled = self.compiled
+        if compiled is None or any(p.taps for p in batch) or (shape := compiled.shape(rows)) is None:
+            return None
+        g_ids, g_pos, grid, real = compiled.grid(rows, ids, pos, shape)
+        hidden = compiled.run(g_ids, g_pos, grid, shape)
+        return None if hidden is None else hidden.index_select(1, real)
+
+    def _decode_grid(self, ids: torch.Tensor, positions: torch.Tensor, grid: compile_torch.Grid) -> torch.Tensor:
+        """What compile_torch compiles: the decoder over a padded grid of tokens ids [1, T] at positions [1, T],
+        the grid handed to the attention layers with the model's kwargs; hidden [1, T, hidden]."""
+        if self.mrope:
+            positions = positions[None].expand(3, -1, -1)
+        out = self.text(
+            input_ids=ids, position_ids=positions, use_cache=True, **{self._cache_arg: self._cache, LAYOUT: grid}
+        )
+        return out.last_hidden_state
+
+    @torch.inference_mode()
+    def warm(self) -> None:
+        """Compile the text pass now (a server, before it serves) rather than on its first verify pass."""
+        if self.compiled is not None:
+            t0 = time.perf_counter()
+            self.compiled.warm()
+            log.info("torch engine: the pass compiled in %.1fs (%s)", time.perf_counter() - t0, self.compiled.status())
 
     def _logits(self, hidden: torch.Tensor, keep_at: list[int], keeps: list[int]) -> list[torch.Tensor]:
         """Per pass its logits [keep, vocab] float32, from hidden [1, T, hidden] at rows keep_at."""

@@ -15,6 +15,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
+COMPILE_MODES = ("auto", "on", "off")  # the torch engine's torch_compile (compile_torch.py)
+
 
 class EngineFull(RuntimeError):
     """No room left in the engine's KV memory (or its sequence ids) for this pass."""

@@ -226,7 +226,13 @@ def _load(config: ProfileConfig, cached: tuple, per_length: int) -> Target:
     longest = max(*cached, *config.prompts, *COLD_NEW) + config.gamma + 16
     max_len = -(-longest // 64) * 64
     kv_tokens = per_length * sum(c + 1 for c in cached) + 32768  # the pool, and room for a batch's opens
-    kw = {"device": config.device, "dtype": config.dtype, "threads": config.threads, "max_len": max_len}
+    kw = {
+        "device": config.device,
+        "dtype": config.dtype,
+        "threads": config.threads,
+        "max_len": max_len,
+        "torch_compile": config.torch_compile,
+    }
     return load_target(config.target, config.engine, max_sequences=min(slots, 256), kv_tokens=kv_tokens, **kw)
 
 

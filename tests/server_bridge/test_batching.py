@@ -32,9 +32,12 @@ def greedy(target, ids, n):
     return out
 
 
-@pytest.fixture(scope="module", params=["llamacpp", "torch"])
+@pytest.fixture(scope="module", params=["llamacpp", "torch", "torch-compiled"])
 def target(request, target):
-    """Every test here on each engine (the session-wide `target` is the llamacpp one)."""
+    """Every test here on each engine (the session-wide `target` is the llamacpp one), and on the torch engine
+    with its pass compiled (the tiny random target: compiling the 30-layer one would take minutes here)."""
+    if request.param == "torch-compiled":
+        return request.getfixturevalue("compiled_torch_target")
     return target if request.param == "llamacpp" else request.getfixturevalue("torch_target")
 
 

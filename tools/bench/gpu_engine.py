@@ -11,11 +11,20 @@ same GGUF (its token-generation step: one token per sequence, the `tokens = 1` c
 tools/build_llama_server.sh). Aims: a 1-session 5-token pass within 1.5x of the roofline, 32x5
 within 2x (torch) and 3x (llamacpp).
 
+`torch` is the torch engine's eager pass, `torch-compiled` the same engine with `torch_compile = "on"`
+(server_bridge/engines/compile_torch.py: the pass padded to power-of-two buckets, inductor, CUDA graphs on
+CUDA; what `serve --engine torch` runs on CUDA by default): each of its rows names the bucket its pass ran
+in, and its run the seconds the compile took. It runs beside an eager engine on the same model, in one
+process, the two engines' passes interleaved (that process gives the `torch` rows too).
+
 Each engine runs in its own process (`--only ENGINE --result FILE`): a CUDA llama.cpp and a CUDA
 torch never share one (runtime/native.py).
 
     python -m tools.bench.gpu_engine --out bench_results/gpu          # on a CUDA server
     python -m tools.bench.gpu_engine --tiny --device cpu --out /tmp/g  # the same code on a toy model
+    python -m tools.bench.gpu_engine --tiny --device cpu --dtype float32 --engines torch,torch-compiled \
+        --out docs/benchmarks/torch_compile_cpu/tiny  # compiled against eager, on the CPU
+    python -m tools.bench.gpu_engine --shape smollm2-135m ...   # another random_target shape
 
 Writes gpu_engine.json, gpu_engine.md and gpu_engine.png.
 """
@@ -34,11 +43,14 @@ from pathlib import Path
 
 from tools.models import random_target
 
-ENGINES = ("torch", "llamacpp")
+ENGINES = ("torch", "torch-compiled", "llamacpp")
 
 
-def _shape(tiny: bool) -> random_target.Shape:
-    return random_target.TINY if tiny else random_target.LLAMA_7B
+def _shape(args) -> random_target.Shape:
+    """--shape (a random_target shape's name), else the 7B shape, or the toy one with --tiny."""
+    if args.shape:
+        return random_target.SHAPES[args.shape]
+    return random_target.TINY if args.tiny else random_target.LLAMA_7B
 
 
 def _sync(device) -> None:
@@ -66,8 +78,9 @@ def bandwidth_gbs(device: str, mib: int) -> float:
     return 2 * src.numel() * src.element_size() / statistics.median(times) / 1e9
 
 
-def build_torch(shape: random_target.Shape, device: str, dtype: str, slots: int, max_len: int):
-    """A torch engine on a Llama of `shape` built from its config (random weights) on the device."""
+def build_torch(shape: random_target.Shape, device: str, dtype: str, slots: int, max_len: int, compile: str = "off"):
+    """A torch engine on a Llama of `shape` built from its config (random weights) on the device; compile: its
+    torch_compile (off: the eager pass)."""
     import torch
     from transformers import LlamaForCausalLM
 
@@ -85,6 +98,7 @@ def build_torch(shape: random_target.Shape, device: str, dtype: str, slots: int,
         max_sequences=slots,
         max_len=max_len,
         model=model,
+        compile=compile,
     )
 
 
@@ -103,41 +117,67 @@ def build_llamacpp(gguf: Path, device: str, slots: int, per_session: int, thread
     )
 
 
-def pass_ms(engine, sync, seqs, cache: int, k: int, iters: int) -> float:
+def pass_ms(engines: list, sync, seqs: list, cache: int, k: int, iters: int) -> list[float]:
+    """Each engine's median pass (ms) over its sessions seqs[i] on caches of `cache` tokens, k new tokens each;
+    the engines' passes interleaved, so a busy machine's noise falls on each alike."""
     from server_bridge.engines import Pass
 
-    def run():
-        for s in seqs:
+    def run(engine, held):
+        for s in held:
             engine.truncate(s, cache)
-        engine.forward([Pass(s, cache, list(range(10, 10 + k)), k) for s in seqs])
+        engine.forward([Pass(s, cache, list(range(10, 10 + k)), k) for s in held])
         sync()
 
-    run()
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times)
+    times: list[list[float]] = [[] for _ in engines]
+    for i in range(iters + 1):  # the first: untimed (a new bucket's CUDA graph is recorded there)
+        for engine, held, t in zip(engines, seqs, times, strict=True):
+            t0 = time.perf_counter()
+            run(engine, held)
+            if i:
+                t.append(time.perf_counter() - t0)
+    return [1e3 * statistics.median(t) for t in times]
+
+
+def load(args, engine_name: str, shape: random_target.Shape, slots: int, per_session: int) -> dict:
+    """The engines one child times: {name: engine} (torch-compiled: beside an eager torch engine on the same
+    model), the weights' bytes, a device sync, the dtype, and the compile's seconds and status."""
+    out: dict = {"compiled": {}}
+    if engine_name.startswith("torch"):
+        mode = "on" if engine_name == "torch-compiled" else "off"
+        engine = build_torch(shape, args.device, args.dtype, slots, per_session, mode)
+        out["engines"] = {engine_name: engine}
+        if engine.compiled is not None:
+            t0 = time.perf_counter()
+            engine.warm()
+            out["compiled"] = {"compile_s": round(time.perf_counter() - t0, 1), "status": engine.compiled.status()}
+            print(f"{engine_name}: compiled in {out['compiled']['compile_s']} s ({engine.compiled.status()})")
+            from server_bridge.engines.torch import TorchEngine
+
+            eager = TorchEngine(
+                Path("random"), engine.name, device=args.device, dtype=args.dtype, max_sequences=slots,
+                max_len=per_session, model=engine.model, compile="off",
+            )  # fmt: skip
+            out["engines"] = {"torch": eager, engine_name: engine}
+        out["weight_bytes"] = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+        out["sync"] = lambda: _sync(engine.device)
+        out["dtype"] = args.dtype
+    else:
+        gguf = random_gguf(args, log=lambda m: print(m, flush=True))
+        engine = build_llamacpp(gguf, args.device, slots, per_session, args.threads, _llama_options(args))
+        quantized = args.gguf_dtype in ("q4_k_m", *random_target.QUANTIZED)  # the file's bytes are the weights'
+        out["engines"] = {engine_name: engine}
+        out["weight_bytes"] = gguf.stat().st_size if quantized else shape.weight_bytes(args.gguf_dtype)
+        out["sync"] = lambda: None  # forward returns host rows: it waited
+        out["dtype"] = engine.info.dtype
+    return out
 
 
 def measure(args, engine_name: str, bandwidth: float) -> dict:
-    """One engine's grid, in this process."""
+    """One engine's grid, in this process (torch-compiled: the eager torch engine's too, interleaved)."""
     sessions, tokens = _ints(args.sessions), _ints(args.tokens)
-    shape = _shape(args.tiny)
-    per_session = args.cache + max(tokens) + 1
-    if engine_name == "torch":
-        engine = build_torch(shape, args.device, args.dtype, max(sessions), per_session)
-        weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
-        sync = lambda: _sync(engine.device)  # noqa: E731
-        dtype = args.dtype
-    else:
-        gguf = random_gguf(args, log=lambda m: print(m, flush=True))
-        engine = build_llamacpp(gguf, args.device, max(sessions), per_session, args.threads, _llama_options(args))
-        quantized = args.gguf_dtype in ("q4_k_m", *random_target.QUANTIZED)  # the file's bytes are the weights'
-        weight_bytes = gguf.stat().st_size if quantized else shape.weight_bytes(args.gguf_dtype)
-        sync = lambda: None  # noqa: E731  (forward returns host rows: it waited)
-        dtype = engine.info.dtype
+    loaded = load(args, engine_name, _shape(args), max(sessions), args.cache + max(tokens) + 1)
+    engines, weight_bytes, dtype = loaded["engines"], loaded["weight_bytes"], loaded["dtype"]
+    engine = engines[engine_name]
     roofline_ms = weight_bytes / (bandwidth * 1e9) * 1e3
     print(
         f"{engine_name}: {engine.name} on {engine.info.device} in {dtype}: {weight_bytes / 2**30:.2f} GiB of "
@@ -146,25 +186,28 @@ def measure(args, engine_name: str, bandwidth: float) -> dict:
     )
     from server_bridge.engines import Pass
 
-    seqs = [engine.new_sequence() for _ in range(max(sessions))]
-    engine.forward([Pass(s, 0, list(range(3, 3 + args.cache)), 0) for s in seqs])  # warm caches
+    seqs = {}
+    for name, e in engines.items():
+        seqs[name] = [e.new_sequence() for _ in range(max(sessions))]
+        e.forward([Pass(s, 0, list(range(3, 3 + args.cache)), 0) for s in seqs[name]])  # warm caches
     rows = []
     for n in sessions:
         for k in tokens:
-            ms = pass_ms(engine, sync, seqs[:n], args.cache, k, args.iters)
-            rows.append(
-                {
-                    "engine": engine_name,
-                    "sessions": n,
-                    "tokens": k,
-                    "pass_ms": round(ms, 3),
-                    "x_roofline": round(ms / roofline_ms, 2),
-                }
-            )
-            print(
-                f"  {engine_name} {n:2d} sessions x {k} tokens: {ms:.3f} ms ({ms / roofline_ms:.2f}x roofline)",
-                flush=True,
-            )
+            held = [seqs[name][:n] for name in engines]
+            times = pass_ms(list(engines.values()), loaded["sync"], held, args.cache, k, args.iters)
+            for (name, e), ms in zip(engines.items(), times, strict=True):
+                rows.append(
+                    {
+                        "engine": name,
+                        "sessions": n,
+                        "tokens": k,
+                        "pass_ms": round(ms, 3),
+                        "x_roofline": round(ms / roofline_ms, 2),
+                        **_bucket(e, seqs[name][:n], args.cache, k),
+                    }
+                )
+                print(f"  {name} {n:2d} sessions x {k} tokens: {ms:.3f} ms ({ms / roofline_ms:.2f}x roofline)")
+    compiled = loaded["compiled"]
     return {
         "engine": engine_name,
         "model": engine.name,
@@ -173,7 +216,15 @@ def measure(args, engine_name: str, bandwidth: float) -> dict:
         "roofline_ms": round(roofline_ms, 4),
         "info": engine.info.as_dict(),
         "rows": rows,
+        **({"compiled": {**compiled, "status": engine.compiled.status()}} if compiled else {}),
     }
+
+
+def _bucket(engine, seqs, cache: int, k: int) -> dict:
+    """A compiled torch engine's bucket for a pass of these sessions (sessions, tokens each, keys), padded."""
+    compiled = getattr(engine, "compiled", None)
+    shape = compiled.shape([(s.id, cache, k, 0) for s in seqs]) if compiled is not None else None
+    return {"bucket": list(shape)} if shape else {}
 
 
 def batched_bench(binary: Path, gguf: Path, args, bandwidth: float) -> dict:
@@ -244,7 +295,7 @@ def random_gguf(args, log) -> Path:
     """The random GGUF of --gguf-dtype, made once: Q4_0 and Q8_0 written as blocks directly (the GPU run's),
     Q4_K_M by llama.cpp's own quantizer from the F16 one."""
     base = "f16" if args.gguf_dtype == "q4_k_m" else args.gguf_dtype
-    gguf = random_target.make(_shape(args.tiny), base, directory=args.model_dir, log=log).gguf
+    gguf = random_target.make(_shape(args), base, directory=args.model_dir, log=log).gguf
     if args.gguf_dtype != "q4_k_m":
         return gguf
     quantized = gguf.with_name(gguf.stem + "-q4_k_m.gguf")
@@ -297,6 +348,7 @@ def parse(argv: list[str] | None):
     )
     ap.add_argument("--model-dir", default=None, help="where the random GGUF is made (default models/build)")
     ap.add_argument("--tiny", action="store_true", help="a toy Llama (checks the script, not the GPU)")
+    ap.add_argument("--shape", choices=sorted(random_target.SHAPES), help="the model's shape (default: llama-7b)")
     ap.add_argument("--cache", type=int, default=128, help="cached tokens per session before each pass")
     ap.add_argument("--sessions", default="1,2,4,8,16,32")
     ap.add_argument("--tokens", default="1,2,5,8")
@@ -331,7 +383,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"unknown engines {sorted(unknown)}: choose from {', '.join(ENGINES)}")
     bw = _child(args, argv, "bandwidth", [])["bandwidth_gbs"]
     print(f"{args.device}: {bw:.0f} GB/s measured (device-to-device copy)", flush=True)
-    runs = [_child(args, argv, e, ["--bandwidth", str(bw)]) for e in engines]
+    children = [e for e in engines if not (e == "torch" and "torch-compiled" in engines)]  # timed beside it
+    runs = [_child(args, argv, e, ["--bandwidth", str(bw)]) for e in children]
     binary = (
         find_batched_bench()
         if args.batched_bench == "auto"
@@ -352,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
             if _has("nvidia-smi")
             else "cuda"
         )
-    shape = _shape(args.tiny)
+    shape = _shape(args)
     result = {
         "command": "python -m tools.bench.gpu_engine " + " ".join(argv),
         "shape": shape.__dict__,
@@ -373,6 +426,24 @@ def _has(tool: str) -> bool:
     return shutil.which(tool) is not None
 
 
+def compiled_vs_eager(rows: list[dict]) -> list[str]:
+    """The torch engine's compiled pass against its eager one, shape by shape (markdown lines; none without both)."""
+    eager = {(r["sessions"], r["tokens"]): r["pass_ms"] for r in rows if r["engine"] == "torch"}
+    both = [r for r in rows if r["engine"] == "torch-compiled" and (r["sessions"], r["tokens"]) in eager]
+    if not both:
+        return []
+    md = ["", "**torch: compiled against eager**", ""]
+    md += ["| sessions | tokens each | bucket (sessions x tokens x keys) | eager ms | compiled ms | speed-up |"]
+    md += ["|---|---|---|---|---|---|"]
+    for r in both:
+        e = eager[r["sessions"], r["tokens"]]
+        bucket = " x ".join(map(str, r.get("bucket", []))) or "eager (no bucket)"
+        md.append(
+            f"| {r['sessions']} | {r['tokens']} | {bucket} | {e:.3f} | {r['pass_ms']:.3f} | {e / r['pass_ms']:.2f} |"
+        )
+    return md
+
+
 def write(out: Path, result: dict) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "gpu_engine.json").write_text(json.dumps(result, indent=1))
@@ -385,22 +456,24 @@ def write(out: Path, result: dict) -> None:
         "",
     ]
     for run in result["runs"]:
-        md += [f"**{run['engine']}** ({run['dtype']}): roofline {run['roofline_ms']:.3f} ms", ""]
-    md += ["| engine | sessions | tokens each | pass ms | x roofline |", "|---|---|---|---|---|"]
+        compiled = run.get("compiled")
+        note = f"; compiled in {compiled['compile_s']} s, {compiled['status']}" if compiled else ""
+        md += [f"**{run['engine']}** ({run['dtype']}): roofline {run['roofline_ms']:.3f} ms{note}", ""]
+    md += ["| engine | sessions | tokens each | pass ms | x roofline | bucket |", "|---|---|---|---|---|---|"]
     md += [
-        f"| {r['engine']} | {r['sessions']} | {r['tokens']} | {r['pass_ms']:.3f} | {r['x_roofline']:.2f} |"
+        f"| {r['engine']} | {r['sessions']} | {r['tokens']} | {r['pass_ms']:.3f} | {r['x_roofline']:.2f} | "
+        f"{' x '.join(map(str, r.get('bucket', []))) or '-'} |"
         for r in result["rows"]
     ]
+    md += compiled_vs_eager(result["rows"])
     (out / "gpu_engine.md").write_text("\n".join(md) + "\n")
     from tools.plots import line_plot
 
     series = []
-    for run in result["runs"]:
-        for k in sorted({r["tokens"] for r in run["rows"]}):
-            pts = [r for r in run["rows"] if r["tokens"] == k]
-            series.append(
-                (f"{run['engine']}, {k} tokens", [r["sessions"] for r in pts], [r["x_roofline"] for r in pts])
-            )
+    for name in dict.fromkeys(r["engine"] for r in result["rows"]):
+        for k in sorted({r["tokens"] for r in result["rows"] if r["engine"] == name}):
+            pts = [r for r in result["rows"] if (r["engine"], r["tokens"]) == (name, k)]
+            series.append((f"{name}, {k} tokens", [r["sessions"] for r in pts], [r["x_roofline"] for r in pts]))
     line_plot(
         out / "gpu_engine.png",
         series,
