@@ -200,7 +200,7 @@ class Message:
 
     def to_wire(self) -> dict[str, Any]:
         d = {"type": self.TYPE, "v": PROTOCOL_VERSION}
-        d.update({f.name: getattr(self, f.name) for f in fields(self)})
+        d.update({name: getattr(self, name) for name in _names(type(self))})
         return d
 
     @classmethod
@@ -716,10 +716,21 @@ MESSAGES: dict[str, type[Message]] = {
 }
 
 
+_NAMES: dict[type, tuple[str, ...]] = {}  # one entry per message type
+
+
+def _names(cls: type[Message]) -> tuple[str, ...]:
+    """A message type's field names, in order (dataclasses.fields walks the class each call: every round)."""
+    names = _NAMES.get(cls)
+    if names is None:
+        names = _NAMES[cls] = tuple(f.name for f in fields(cls))
+    return names
+
+
 def encode(msg: Message) -> bytes:
     d = msg.to_wire()
     if msg.PACKED:
-        values = [d[f.name] for f in fields(msg)]
+        values = [d[name] for name in _names(type(msg))]
         while values and values[-1] is None:  # absent optional fields at the tail cost nothing
             values.pop()
         packed: bytes = msgpack.packb([d["v"], d["type"], *values], use_bin_type=True)
@@ -736,7 +747,7 @@ def _unpack(a: list[Any]) -> dict[str, Any]:
             "an array frame must be [v, type, fields...] of a packed message "
             f"({', '.join(t for t, m in MESSAGES.items() if m.PACKED)})",
         )
-    names = [f.name for f in fields(MESSAGES[a[1]])]
+    names = _names(MESSAGES[a[1]])
     if len(a) - 2 > len(names):
         raise WireError("bad_frame", f"a packed {a[1]} has at most {len(names)} fields, got {len(a) - 2}")
     return {"v": a[0], "type": a[1], **dict(zip(names, a[2:], strict=False))}  # trailing absent fields left off
