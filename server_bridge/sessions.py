@@ -267,13 +267,14 @@ class SessionTable:
         detached = self._owned[DETACHED] > 0
         first = None
         for s in self._sessions.values():  # least recently used first
-            if s.sid == keep or s.requests:
+            if s.sid == keep:
                 continue
-            if s.conn_id == DETACHED:
+            idle = not s.requests
+            if idle and s.conn_id == DETACHED:
                 return s
-            if first is None and (not self.protect_active_s or max(s.last_used, s.t_last) < since):
+            if idle and first is None and (not self.protect_active_s or max(s.last_used, s.t_last) < since):
                 first = s
-            if not detached and (first is not None or s.last_used >= since):
+            if not detached and (first is not None or s.last_used >= since):  # in a request or not: the rest are newer
                 break
         return first
 
