@@ -110,7 +110,6 @@ def burst(url: str, prompts: list[dict], args: argparse.Namespace) -> list[dict]
                 "retries": metrics.get("shed_retries", len(RETRY_LINE.findall(err))),
                 "tokens": len(got["token_ids"]) if got else None,
                 "wall_s": metrics.get("wall_s"),
-                "ended_s": round(time.monotonic() - t0, 1),
                 "token_ids": got["token_ids"] if got else None,
                 "error": errors[-1] if errors else "",
             }
@@ -210,7 +209,6 @@ REPORT = harness.Report(
                 harness.Col("retries", "shed retries"),
                 harness.Col("tokens"),
                 harness.Col("wall_s", "wall (s)", "{:.1f}"),
-                harness.Col("ended_s", "ended after (s)", "{:.1f}"),
                 harness.Col("same_as_ar", "ids == AR", lambda v: "yes" if v else "**no**"),
                 harness.Col("error"),
             ],
