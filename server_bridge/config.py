@@ -248,7 +248,9 @@ class ServerConfig(EngineSettings, BatchSettings):
     )
     max_queue: int = setting(512, help="Requests waiting for the target; a newcomer beyond it is shed (overloaded).")
     max_wait_ms: float = setting(
-        3000.0, help="A request that waited longer is shed (overloaded): the robot's offline policy takes over."
+        3000.0,
+        help="A request that waited longer, and that a batch was chosen without, is shed (overloaded): the robot "
+        "retries, then its offline policy takes over. One that waited only for the pass running when it came is not.",
     )
     batch_wait_ms: float = setting(
         50.0,

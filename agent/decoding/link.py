@@ -43,6 +43,9 @@ RECOVERABLE = {"unknown_session", "desync", "unknown_image"}
 # (a named session re-opened with a new prompt after the link dropped between two generations):
 # re-opening the same id cannot help, a fresh id does (agent/decoding/session.py switches once per open).
 TAKEN = "session_taken"
+# The verifier shed the request (its queue full, or the request waited past its limit): nothing of it ran;
+# backing off and re-opening helps (agent/decoding/session.py retries it a bounded number of times).
+SHED = "overloaded"
 # Close codes after which the server is gone on purpose (1012 a replica draining, 1001 a server going
 # away): reconnect at once, the balancer sends the robot to a replica that serves.
 RESTART_CODES = {1001, 1012}

@@ -40,6 +40,7 @@ class Metrics:
     reconnect_ms: float = 0.0  # from each lost link to the session re-opened on the next, summed
     reopens: int = 0  # sessions re-opened after the server lost them (evicted)
     session_switches: int = 0  # opens refused (session_taken) and redone at once under a fresh sid
+    shed_retries: int = 0  # opens or rounds the verifier shed (overloaded), retried after a backoff
     prefill_ms: float = 0.0
     # FSD: a round's draft was pre-drafted (cached or in progress when the previous result came) or not
     predraft_hits: int = 0

@@ -17,11 +17,17 @@ whether it is open, the failures in a row. The decoder's loop is
 
 The committed prefix is the only state that matters: a re-open sends it whole, so no token is lost or
 duplicated whichever replica serves the session next.
+
+A request the verifier sheds (`overloaded`: its queue is full, or the request waited past its limit, as a
+burst of robots starting at once can make it) is retried the same way: a backoff with jitter (so a burst's
+sheds do not all come back at once), then a re-open with the committed prefix, at most
+`reconnect.max_attempts` times in a row, each said in a log line; the last one is raised.
 """
 
 from __future__ import annotations
 
 import logging
+import random
 import secrets
 import time
 from collections import OrderedDict
@@ -30,7 +36,7 @@ from typing import Callable
 
 from protocol import wire
 
-from .link import TAKEN, LinkLost, ProtocolViolation, ServerError, VerifierLink
+from .link import SHED, TAKEN, LinkLost, ProtocolViolation, ServerError, VerifierLink
 from .metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -48,6 +54,10 @@ class ReconnectPolicy:
 
     def delay(self, attempt: int) -> float:
         return min(self.backoff_max_s, self.backoff_s * 2.0**attempt)
+
+    def jittered(self, attempt: int) -> float:
+        """delay(attempt) spread over [1/2, 3/2] of itself: robots shed together come back apart."""
+        return self.delay(attempt) * random.uniform(0.5, 1.5)
 
 
 class Sessions:
@@ -182,6 +192,8 @@ class Attempt:
         """Get ready to go on after `e` (the next ensure_open re-opens), or raise it when that cannot help."""
         if isinstance(e, LinkLost):
             self._lost(e, n_committed)
+        elif e.code == SHED:
+            self._shed(e, n_committed)
         else:
             self._refused(e, n_committed)
 
@@ -209,6 +221,27 @@ class Attempt:
         self.sessions.drop_link()
         self.is_open = False
         m.reconnects += 1
+        time.sleep(delay)
+
+    def _shed(self, e: ServerError, n_committed: int) -> None:
+        """The verifier shed the open or a round (`overloaded`): nothing of it ran there. Back off with jitter and
+        re-open with the committed prefix, as the fleet's robots do (server_bridge/ops/loadtest.py); raise e after
+        reconnect.max_attempts sheds or other failures in a row."""
+        policy = self.sessions.reconnect
+        self.failures += 1
+        if self.failures > policy.max_attempts:
+            raise e
+        delay = policy.jittered(self.failures - 1)
+        log.warning(
+            "verifier overloaded (%s); retry %d/%d in %.2fs with %d committed tokens",
+            e.message,
+            self.failures,
+            policy.max_attempts,
+            delay,
+            n_committed,
+        )
+        self.is_open = False  # the re-open sends the committed prefix: the server keeps the KV it shares
+        self.m.shed_retries += 1
         time.sleep(delay)
 
     def _refused(self, e: ServerError, n_committed: int) -> None:

@@ -102,7 +102,8 @@ class DraftingSettings:
     slo_tokens_per_s: float = setting(
         0.0,
         help="The verifier's SLO class: tokens/s this robot needs; it is scheduled by the deadlines this sets and "
-        'shed ("overloaded": the offline answer) when it cannot be met. 0 = best effort.',
+        'shed ("overloaded": retried as reconnect_attempts allows, then the offline answer) when it cannot be met. '
+        "0 = best effort.",
     )
 
 
@@ -153,7 +154,11 @@ class LinkSettings:
     )
     keepalive_s: float = setting(2.0, help="Websocket ping interval and timeout (websockets' 20 s is too late).")
     verify_timeout_s: float = setting(30.0, help="A verify answer later than this counts as a lost link (s).")
-    reconnect_attempts: int = setting(8, help="Consecutive reconnect failures before the link counts as lost.")
+    reconnect_attempts: int = setting(
+        8,
+        help="Consecutive reconnect failures, or requests the verifier shed (overloaded, retried after the same "
+        "backoff), before the link counts as lost.",
+    )
     reconnect_backoff_s: float = setting(0.1, help="The first reconnect delay; it grows after each failure ...")
     reconnect_backoff_max_s: float = setting(2.0, help="... up to this (s).")
 

@@ -119,11 +119,27 @@ def test_the_queue_is_bounded_and_sheds_with_overloaded():
 
 
 def test_requests_waiting_past_max_wait_are_handed_back_to_be_shed():
-    s = make("slo", max_wait_ms=500.0)
+    # Only those a batch was chosen without (issue 51, item 4; before, every one past max_wait): a request that
+    # waited for the pass running when it came is the next batch's, however long that pass took (Scheduler.expired)
+    s = make("fcfs", max_wait_ms=500.0)
+    s.admit(req("served", arrival=0.0))
     s.admit(req("old", arrival=0.0))  # waited 1 s at NOW
     s.admit(req("new", arrival=0.9))  # waited 100 ms
+    assert s.expired(NOW) == []  # no batch chosen since they came: they waited for the running pass alone
+    assert [r.sid for r in s.next_batch(NOW - 1.0)] == ["served"]
     assert [r.sid for r in s.expired(NOW)] == ["old"]
     assert [r.sid for r in s.pending] == ["new"]
+    assert [r.sid for r in s.expired(math.inf)] == ["new"]  # the server stopping: every one
+
+
+def test_only_a_passed_over_request_sets_the_wake_up_for_its_shedding():
+    s = make("fixed", max_wait_ms=500.0, batch_wait_ms=10_000.0, max_batch=2)
+    s.admit(req("a", arrival=0.0))
+    assert s.wake_at() == pytest.approx(NOW - 1.0 + 10.0)  # the batch wait alone: nothing can be shed
+    s.admit(req("b", arrival=0.1))
+    s.admit(req("c", arrival=0.2))
+    assert [r.sid for r in s.next_batch(NOW)] == ["a", "b"]
+    assert s.wake_at() == pytest.approx(NOW - 0.8 + 0.5)  # c, passed over, is shed once it waited 500 ms
 
 
 def test_deadline_is_the_rounds_budget_at_its_class_speed():
@@ -171,7 +187,7 @@ def test_the_robot_table_forgets_the_longest_silent_robots_never_one_waiting():
     s = make("slo")  # holds 4 * 4 + 64 = 80 robots, then trims a quarter
     s.answered("shed", 0.1)  # its request was shed and it went quiet
     s.admit(Request("shed", (100, 5), 4.0, math.inf, 0.2))
-    assert [r.sid for r in s.expired(1.0)] == ["shed"]
+    assert [r.sid for r in s.expired(math.inf)] == ["shed"]  # (shed as the server stops: Scheduler.expired)
     s.answered("flying", 0.3)  # its request is in the pass now running
     s.admit(Request("flying", (100, 5), 4.0, math.inf, 0.4))
     assert [r.sid for r in s.next_batch(0.4)] == ["flying"]
