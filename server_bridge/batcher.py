@@ -17,8 +17,12 @@ returns, so the target never idles while a request waits (except under the
 `fixed` baseline, which waits for a full batch by design).
 
 Bounded: the scheduler's queue holds at most `max_queue` requests; a
-newcomer beyond it, or a request that waited past `max_wait_ms`, is shed
-with `overloaded` and the robot's fallback policy takes over.
+newcomer beyond it, or a request that waited past `max_wait_ms` and that a
+batch was already chosen without (Scheduler.expired), is shed with
+`overloaded`: the robot backs off and re-opens, or its fallback policy takes
+over. A new robot's open is refused the same way while the oldest waiting
+request has waited half of `max_wait_ms` (Scheduler.saturated), and while
+every session is in a request or was answered within `protect_active_s`.
 """
 
 from __future__ import annotations

@@ -16,7 +16,8 @@ from agent.app.config import Config
 ROOT = Path(__file__).resolve().parent.parent
 SECTIONS = {f.name: {g.name for g in fields(type(f.default))} for f in fields(Config)}  # section -> its fields
 # file names that look like keys: agent/app/api.py, telemetry.jsonl, api.sock
-NOT_KEYS = {"py", "jsonl", "json", "sock", "md", "toml", "yaml", "service", "png"}
+# and module paths: python -m agent.robot.go2_sim
+NOT_KEYS = {"py", "jsonl", "json", "sock", "md", "toml", "yaml", "service", "png", "robot"}
 KEY = re.compile(r"(?<![\w/.\-])(" + "|".join(SECTIONS) + r")\.([a-z_][a-z0-9_]*)(?![\w(])")
 
 

@@ -1,4 +1,4 @@
-"""The simulated Go2 (tools/robot/go2_sim.py) in a process of its own, for tests that drive the real
+"""The simulated Go2 (agent/robot/go2_sim.py) in a process of its own, for tests that drive the real
 unitree_sdk2py over real CycloneDDS.
 
 DDS stays on this machine: the simulated robot and the test process are bound to the loopback interface
@@ -38,7 +38,7 @@ def skip_reason() -> str | None:
 
 
 class Go2Sim:
-    """python -m tools.robot.go2_sim on DOMAIN over lo; `send("hang")` etc. as its docstring lists."""
+    """python -m agent.robot.go2_sim on DOMAIN over lo; `send("hang")` etc. as its docstring lists."""
 
     def __init__(self, *args: str):
         self.args = args
@@ -46,7 +46,7 @@ class Go2Sim:
         self._lines: queue.Queue = queue.Queue(1000)
 
     def start(self, timeout_s: float = 30.0) -> "Go2Sim":
-        cmd = [sys.executable, "-m", "tools.robot.go2_sim", "--interface", INTERFACE, "--domain", str(DOMAIN)]
+        cmd = [sys.executable, "-m", "agent.robot.go2_sim", "--interface", INTERFACE, "--domain", str(DOMAIN)]
         self.proc = subprocess.Popen(
             [*cmd, *self.args],
             cwd=ROOT,

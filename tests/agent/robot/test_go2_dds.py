@@ -1,5 +1,5 @@
 """The go2 controller and camera through the real unitree_sdk2py over real CycloneDDS, against the simulated
-Go2 (tools/robot/go2_sim.py: the SDK's own RPC server classes) on loopback, on a DDS domain of this test
+Go2 (agent/robot/go2_sim.py: the SDK's own RPC server classes) on loopback, on a DDS domain of this test
 process's own (tests/agent/go2_dds.py).
 
 The robot's faults are the simulated robot's own: `hang` (its services stop answering: RPCs time out),

@@ -1,6 +1,6 @@
 """A simulated Go2 that speaks Unitree's own API over DDS: the robot's side of unitree_sdk2py.
 
-    python -m tools.robot.go2_sim --scene red_box --interface lo
+    python -m agent.robot.go2_sim --scene red_box --interface lo
 
 One process, one DDS participant (domain 0 unless --domain says otherwise, on the named interface
 only), serving what the `go2` controller and the `go2` camera ask of a real Go2, with the SDK's own
