@@ -138,7 +138,7 @@ def _service(name: str, handlers: dict[int, Callable[[str], tuple[int, str]]], b
     class _Service(Server):
         def __init__(self) -> None:
             super().__init__(name)
-            self._Server__apiBinarySet = set()  # the SDK's bug: a dict, whose .add raises
+            self._Server__apiBinarySet: set[int] = set()  # the SDK's bug: a dict, whose .add raises
 
         def Init(self) -> None:
             self._SetApiVersion("1.0.0.1")
