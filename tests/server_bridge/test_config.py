@@ -30,7 +30,7 @@ def test_only_loopback_peers_count_as_local(remote, ok):
 def test_shipped_toml_loads_and_flags_override_it():
     path = ROOT / "systemd" / "server-bridge.toml"
     cfg = ServerConfig.load(path, port=9999, token=None)
-    assert cfg.port == 9999 and cfg.host == "0.0.0.0" and cfg.max_sessions == 64
+    assert cfg.port == 9999 and cfg.host == "0.0.0.0" and cfg.max_sessions == 256
     assert cfg.redacted()["token"] == ""
     assert ServerConfig.load(path, token="s3cret").redacted()["token"] == "***"
 

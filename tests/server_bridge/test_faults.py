@@ -40,10 +40,10 @@ def test_one_sessions_failure_in_a_batch_fails_that_session_alone(engine_target,
     if failure == "raises":
         finish = VerifyWork.finish
 
-        def broken(self, rows):
+        def broken(self, rows, best=None):  # best: the pass's argmax ids of a greedy round (Verifier._greedy_ids)
             if self.msg.sid == "a":
                 raise RuntimeError("a bug in one verdict")
-            return finish(self, rows)
+            return finish(self, rows, best)
 
         monkeypatch.setattr(VerifyWork, "finish", broken)
     else:
