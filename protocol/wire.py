@@ -37,6 +37,7 @@ DEFAULT_MAX_FRAME_BYTES = 4 * 2**20  # a full fp16 q for 16 positions is ~1.5 Mi
 _ARRAY_DTYPES = {"<f2": np.float16, "<f4": np.float32, "<i4": np.int32}
 MAX_ID_LIST = 1 << 16  # longest token-id list any message may carry
 MAX_STR = 4096
+MAX_RETRY_AFTER_MS = 3_600_000  # an error's retry_after_ms: at most an hour
 MAX_GBNF_CHARS = 16 * 1024  # a grammar's GBNF text (protocol/structured.py); Lark's may embed schemas (%json)
 MAX_SCHEMA_CHARS = 1 << 20  # a JSON schema's text (protocol/structured.py: MAX_SCHEMA_BYTES)
 # a grammar on the wire is one of these, by its key: GBNF (llama.cpp's, what older robots send), Lark or a JSON
@@ -54,11 +55,12 @@ MAX_HELLO_BYTES = 4096
 class WireError(ValueError):
     """A message that cannot be accepted; `code` goes back to the sender in `error`."""
 
-    def __init__(self, code: str, message: str, sid: str | None = None):
+    def __init__(self, code: str, message: str, sid: str | None = None, retry_after_ms: int | None = None):
         super().__init__(f"{code}: {message}")
         self.code = code
         self.message = message
         self.sid = sid
+        self.retry_after_ms = retry_after_ms  # `overloaded`: come back no sooner (Error.retry_after_ms)
 
 
 # --------------------------------------------------------------------------- arrays
@@ -291,18 +293,28 @@ class Error(Message):
     code: str  # machine-readable: bad_frame, bad_field, unknown_session, ...
     message: str  # for a human reading the robot's log
     sid: str | None = None  # the session it concerns, if any
+    # `overloaded`: the server's hint, ms before a retry may be taken (an HTTP Retry-After); absent: the robot's own
+    # backoff alone. A robot waits the longer of the two, jittered.
+    retry_after_ms: int | None = None
 
     def to_wire(self) -> dict[str, Any]:
         # never echo what this message's own decoder would refuse: a bad sid goes as none, a long text is cut
         d = super().to_wire()
         d.update(code=str(self.code)[:64], message=str(self.message)[:MAX_STR], sid=_valid_sid(self.sid))
+        if self.retry_after_ms is None:
+            del d["retry_after_ms"]  # what a robot of an earlier version gets, and ignores
+        else:
+            d["retry_after_ms"] = min(max(int(self.retry_after_ms), 0), MAX_RETRY_AFTER_MS)
         return d
 
     @classmethod
     def from_wire(cls, d: dict[str, Any]) -> Error:
-        sid = d.get("sid")
+        sid, after = d.get("sid"), d.get("retry_after_ms")
         return cls(
-            _str(d.get("code"), "code", 64), _str(d.get("message"), "message"), None if sid is None else _sid(sid)
+            _str(d.get("code"), "code", 64),
+            _str(d.get("message"), "message"),
+            None if sid is None else _sid(sid),
+            None if after is None else _int(after, "retry_after_ms", 0, MAX_RETRY_AFTER_MS),
         )
 
     @classmethod

@@ -5,9 +5,12 @@ token) is submitted here with its estimated shape, value and deadline. The
 loop asks the scheduler for a batch the moment the target is free, runs it in
 the one model thread and resolves each request's future.
 
-A chosen batch runs as one padded pass, or as a few when a long prefill
-would pad every draft to its length (estimator.split_passes): shortest
-runs first, each pass's results out as soon as it returns.
+A chosen batch runs as one pass. On an engine that pads a pass to a
+rectangle (torch) it may run as a few, when a long prefill would pad every
+draft to its length (estimator.split_passes): shortest runs first, each
+pass's results out as soon as it returns. An engine that packs its tokens
+(llama.cpp) pads nothing, so there a batch is always one pass: each pass
+costs the server's own work around it, whatever its size.
 
 Pipelined (the pipelined-serving paper's point, on one verifier): while a
 batch runs in the model thread, the event loop goes on receiving and
@@ -100,6 +103,7 @@ class Batcher:
                     f"waited {1e3 * (now - r.arrival):.0f} ms for the verifier "
                     f"(limit {1e3 * self.scheduler.max_wait_s:.0f}): draft locally and retry later",
                     r.sid,
+                    self.scheduler.retry_after_ms(now),
                 ),
             )
         if not self.scheduler.ready(now):
@@ -125,7 +129,8 @@ class Batcher:
                 model.scale,
                 [round(1e3 * (r.deadline - now)) if r.deadline < math.inf else None for r in batch],
             )
-        # Shortest runs first: a prefill that would pad every draft to its length gets a pass of its own
+        # Shortest runs first: a prefill that would pad every draft to its length gets a pass of its own (a padding
+        # engine's; a packed one's batch is one pass)
         for group in split_passes([r.member for r in batch], self.scheduler.model):
             await self._run_pass([batch[i] for i in group])
 

@@ -257,6 +257,11 @@ class ServerConfig(EngineSettings, BatchSettings):
         help="fixed: how long the oldest waits for a full batch; slo: how long a free target may wait for a "
         "robot due back (never while a request is critical).",
     )
+    max_batch_ms: float = setting(
+        100.0,
+        help="slo: a batch's estimated time at most this, whatever its requests' deadlines (a round waits for its "
+        "whole pass; one request alone may take longer).",
+    )
     guard_ms: float = setting(10.0, help="The guard time in each round's latest start (estimator error, jitter).")
     batch_memory_mb: int = setting(
         2048, help="One pass's padded KV and logits; a batch that would exceed it stops growing."
@@ -376,7 +381,7 @@ class ServerConfig(EngineSettings, BatchSettings):
             raise ValueError(f"max_batch must be 0 (auto) or 1-1024, got {self.max_batch}")
         if not isinstance(self.protect_active_s, (int, float)) or not 0 <= self.protect_active_s <= 3600:
             raise ValueError(f"protect_active_s must be 0-3600 s, got {self.protect_active_s!r}")
-        for name in ("max_wait_ms", "batch_wait_ms", "guard_ms", "default_slo"):
+        for name in ("max_wait_ms", "batch_wait_ms", "max_batch_ms", "guard_ms", "default_slo"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not 0 <= value < 1e6:
                 raise ValueError(f"{name} must be a non-negative number, got {value!r}")

@@ -125,7 +125,7 @@ class Connections:
                         self.sheds.note(f"conn {conn_id} {peer}: {e}")
                     else:
                         self.admission.log(budget, logging.INFO, "conn %d %s: %s", conn_id, peer, e)
-                    await self.dispatcher.send(ws, wire.Error(e.code, e.message, e.sid))
+                    await self.dispatcher.send(ws, wire.Error(e.code, e.message, e.sid, e.retry_after_ms))
                     if e.code in FATAL:
                         return
                 finally:

@@ -95,11 +95,14 @@ class Dispatcher:
     async def _open(self, ws: ServerConnection, conn_id: int, outbox: Outbox, msg: wire.Open, client: str) -> None:
         self.sessions.check_owner(msg.sid, conn_id, msg.resume)  # refused: the owner never notices
         slo = slo_class(msg.slo, self.config.default_slo, msg.sid)  # bad_field before any queueing
+        scheduler, now = self.batcher.scheduler, time.monotonic()
+        if self.sessions.peek(msg.sid) is None and (why := scheduler.saturated(now)):  # a new robot waits, cheaply
+            raise wire.WireError(
+                "overloaded", f"{why}: draft locally and retry later", msg.sid, scheduler.retry_after_ms(now)
+            )
         await self._decode_images(msg)  # bad_image before any queueing; the model thread only embeds them
         constraint = await self._compile_grammar(msg, client or f"connection {conn_id}")  # bad_field, likewise
         self.metrics.exits_purged += outbox.purge(msg.sid)  # hints for the old generation
-        if self.sessions.peek(msg.sid) is None and (why := self.batcher.scheduler.saturated(time.monotonic())):
-            raise wire.WireError("overloaded", f"{why}: draft locally and retry later", msg.sid)  # a new robot waits
         secret = self.sessions.admit(msg.sid, conn_id, client, msg.resume)  # idle sessions go before a refusal
         opened = await self._submit_open(msg, conn_id, slo, constraint)
         session = opened.session
@@ -219,6 +222,7 @@ class Dispatcher:
                         f"{e.reason}, each by a session in a request now or answered within "
                         f"{self.sessions.protect_active_s:g}s: retry later",
                         msg.sid,
+                        max(self.batcher.scheduler.retry_after_ms(now), round(1e3 * self.sessions.protect_active_s)),
                     ) from None
                 evictions += 1
 

@@ -16,6 +16,15 @@ L_cached = max L_cached. For a batch of one, or of equal shapes, that is
 WISP's sum exactly; for a cold prompt beside warm drafts it charges the
 warm rows the padding they really pay, which is what the scheduler must see.
 
+An engine that packs a batch's tokens instead (llama.cpp: each token with its
+own sequence and position, no padding) pays for its rows as they are, so
+there each sum is WISP's own, over the members as they are
+(`VerifyTimeModel.packed`, set from the engine's `packed`), and a batch
+runs as one pass: a split would save no padding and cost each extra pass
+the server's own work around it (the batcher's hop to the model thread,
+the pass's checks, its replies' wake-ups), which a fleet of small passes
+multiplies (issue 51: a chosen batch of 35 split into ten).
+
 A long run of new tokens (a prompt's prefill) pads every other row of its
 pass to its length, so the batcher may run a chosen batch as a few passes
 instead of one: `split_passes` groups the members, by their number of new
@@ -47,15 +56,23 @@ Member = tuple[int, int]  # (L_cached, L_new) of one session in a batch
 TERMS = ("a", "b_c", "b_r", "c")  # coefficient names, in the order of features()' columns
 
 
-def features(members: Sequence[Member]) -> np.ndarray:
-    """[4] (N_linear, N_interactions, N_cached, 1) of one batch as the padded engine runs it."""
-    return np.array(_terms(members), dtype=np.float64)
+def features(members: Sequence[Member], packed: bool = False) -> np.ndarray:
+    """[4] (N_linear, N_interactions, N_cached, 1) of one batch as the engine runs it: padded to a rectangle,
+    or packed (each member as it is)."""
+    return np.array(_terms(members, packed), dtype=np.float64)
 
 
-def _terms(members: Sequence[Member]) -> tuple[int, int, int, int]:
+def _terms(members: Sequence[Member], packed: bool = False) -> tuple[int, int, int, int]:
     """features() as a tuple of ints."""
     if not members:
         return 0, 0, 0, 1
+    if packed:
+        return (
+            sum(new for _, new in members),
+            sum((cached + new) * new for cached, new in members),
+            sum(cached for cached, _ in members),
+            1,
+        )
     rows = len(members)
     cached = max(m[0] for m in members)
     new = max(m[1] for m in members)
@@ -63,16 +80,19 @@ def _terms(members: Sequence[Member]) -> tuple[int, int, int, int]:
 
 
 def batch_memory_bytes(
-    members: Sequence[Member], kv_bytes_per_token: int, logits_row_bytes: int, max_rows: int = 17
+    members: Sequence[Member], kv_bytes_per_token: int, logits_row_bytes: int, max_rows: int = 17, packed: bool = False
 ) -> int:
     """Peak extra memory of one padded pass: the batch's KV [B, max L_cached + max L_new] and its logits.
 
     A member gets logits for at most `max_rows` positions (its draft and the bonus row; a prefill none).
+    packed: the engine writes the pass's KV into its own preallocated cache (llama.cpp), so only the logits.
     """
     if not members:
         return 0
-    width = max(m[0] for m in members) + max(m[1] for m in members)
     rows = sum(min(m[1], max_rows) for m in members)
+    if packed:
+        return rows * logits_row_bytes
+    width = max(m[0] for m in members) + max(m[1] for m in members)
     return len(members) * width * kv_bytes_per_token + rows * logits_row_bytes
 
 
@@ -88,6 +108,7 @@ class VerifyTimeModel:
     device: str = ""
     fitted: bool = False  # False: the defaults above, a rough guess for the f32 SmolLM2 on 2 cores
     report: dict = field(default_factory=dict)  # the profiler's R2, MAPE, confidence intervals
+    packed: bool = False  # the engine packs a batch's tokens (llama.cpp): no padding, and a batch is one pass
     scale: float = 1.0
     smoothing: float = 0.1  # weight of one new measurement in `scale`
 
@@ -102,7 +123,7 @@ class VerifyTimeModel:
 
     def predict_ms(self, members: Sequence[Member]) -> float:
         """scale * max(0, features(members) @ (a, b_c, b_r, c)), without numpy (see the module's note)."""
-        n_linear, n_interactions, n_cached, one = _terms(members)
+        n_linear, n_interactions, n_cached, one = _terms(members, self.packed)
         return self.scale * max(0.0, self.a * n_linear + self.b_c * n_interactions + self.b_r * n_cached + self.c * one)
 
     def member_ms(self, member: Member) -> float:
@@ -113,6 +134,8 @@ class VerifyTimeModel:
 
     def batch_ms(self, members: Sequence[Member]) -> float:
         """A whole batch, run as split_passes groups it: the sum of its passes' estimates."""
+        if self.packed:
+            return self.predict_ms(members)
         return sum(self.predict_ms([members[i] for i in group]) for group in split_passes(members, self))
 
     def observe(self, members: Sequence[Member], measured_ms: float) -> None:
@@ -133,7 +156,7 @@ class VerifyTimeModel:
         missing = [t for t in TERMS if not isinstance(d.get(t), (int, float))]
         if missing:
             raise ValueError(f"{path}: estimator coefficients {missing} missing or not numbers")
-        known = {k: d[k] for k in ("a", "b_c", "b_r", "c", "target", "device", "report") if k in d}
+        known = {k: d[k] for k in ("a", "b_c", "b_r", "c", "target", "device", "report", "packed") if k in d}
         return cls(**known, fitted=True)
 
 
@@ -159,8 +182,10 @@ def split_passes(members: Sequence[Member], model: "VerifyTimeModel") -> list[li
     one waits for a later pass). Dynamic programme over that order: best[j] =
     min over i < j of best[i] + T(members i..j-1), the smallest such i on a tie;
     `_pass_starts` finds it without trying every i (tests/server_bridge/test_estimator.py
-    checks it against trying every i).
+    checks it against trying every i). A packed engine's batch is one pass (the module's note).
     """
+    if model.packed:
+        return [list(range(len(members)))] if members else []
     order, _, passes = _split(members, model)
     return [order[i:j] for i, j, *_ in passes]
 

@@ -62,6 +62,7 @@ from protocol.wire import WireError
 from .estimator import Member, Passes, VerifyTimeModel, passes_ms
 
 POLICIES = ("slo", "fcfs", "fixed")
+RETRY_AFTER_S = (1.0, 10.0)  # the bounds of a refused robot's retry_after (Scheduler.retry_after_ms)
 
 
 def deadline(slo: float, since: float, value: float) -> float:
@@ -92,8 +93,13 @@ def slo_batch(
     guard_s: float,
     fits_memory: Callable[[list[Member]], bool],
     max_batch: int,
+    max_batch_s: float = math.inf,
 ) -> list[Request]:
     """WISP Algorithm 1 at dispatch epoch `now`; returns the batch (a sub-list of pending).
+
+    Every batch also ends within max_batch_s (its estimate), late requests' included, which bound nothing
+    else: a round waits for its whole pass, and an overloaded fleet, mostly late, would otherwise make one
+    pass of everyone (one request alone may take longer).
 
     The batch grows in the queue's order and stops at the first addition that does not fit. Every test
     a tentative batch must pass is monotone: the count; the memory (fits_memory must be, as
@@ -106,6 +112,7 @@ def slo_batch(
     if not pending:
         return []
     order, shapes, deadlines = _queue(pending, now, model, guard_s, max_batch)
+    deadlines = np.minimum(deadlines, now + max_batch_s)
     queue = [pending[k] for k in order.tolist()]
     fit = _longest_fit(queue, shapes, deadlines, now, model, fits_memory)
     return queue[: max(fit, 1)]  # not even the first fits (memory, or its own deadline): serve it alone
@@ -164,6 +171,8 @@ def _longest_fit(
     upper bound and its floor plus every row joined since, unpadded, a lower one (a member never adds
     less than its own row); where neither decides, the exact split again. So a few exact prices at most.
     """
+    if model.packed:
+        return _longest_packed(queue, shapes, deadlines, now, model, fits_memory)
     cached, new = shapes[:, 0], shapes[:, 1]
     rows = np.arange(1, len(shapes) + 1)
     one_pass = passes_ms(model, rows, np.maximum.accumulate(cached), np.maximum.accumulate(new))  # [k]
@@ -196,6 +205,24 @@ def _longest_fit(
                 break
         k += 1
     return k
+
+
+def _longest_packed(
+    queue: list[Request],
+    shapes: np.ndarray,
+    deadlines: np.ndarray,
+    now: float,
+    model: VerifyTimeModel,
+    fits_memory: Callable[[list[Member]], bool],
+) -> int:
+    """_longest_fit for a packed engine: a batch is one unpadded pass, so T of every prefix is a running sum
+    (predict_ms to the last bit: the same integer sums, the same float operations in the same order)."""
+    cached, new = shapes[:, 0], shapes[:, 1]
+    n_linear, n_interactions, n_cached = np.cumsum(new), np.cumsum((cached + new) * new), np.cumsum(cached)
+    ms = model.scale * np.maximum(0.0, model.a * n_linear + model.b_c * n_interactions + model.b_r * n_cached + model.c)
+    fit = now + ms / 1e3 <= np.minimum.accumulate(deadlines)
+    k = len(fit) if fit[-1] else int(np.argmin(fit))
+    return _fits_memory(queue, k, fits_memory)
 
 
 def _fits_memory(queue: list[Request], most: int, fits_memory: Callable[[list[Member]], bool]) -> int:
@@ -237,6 +264,7 @@ class Scheduler:
         memory_of: Callable[[list[Member]], int],
         batch_wait_ms: float,
         max_wait_ms: float,
+        max_batch_ms: float = math.inf,
     ):
         if policy not in POLICIES:
             raise ValueError(f"scheduler must be one of {', '.join(POLICIES)}, got {policy!r}")
@@ -249,6 +277,7 @@ class Scheduler:
         self.memory_of = memory_of
         self.batch_wait_s = batch_wait_ms / 1e3
         self.max_wait_s = max_wait_ms / 1e3
+        self.max_batch_s = max_batch_ms / 1e3
         self.pending: list[Request] = []  # arrival order
         self._seen: dict[str, _Seen] = {}  # sid -> its robot's rhythm; bounded, see _forget
         self._running: set[str] = set()  # sids of the last batch handed out (in the pass now running)
@@ -339,6 +368,15 @@ class Scheduler:
             return f"the verifier is saturated (its oldest waiting request has waited {1e3 * waited:.0f} ms)"
         return None
 
+    def retry_after_ms(self, now: float) -> int:
+        """A refused robot's hint (Error.retry_after_ms): twice as long as the oldest request has waited, 1 to 10 s
+        (3 s and more when `saturated`): by then the queue that made the server refuse has been served twice
+        over. A fleet's retries then come as fast as it drains, not at each robot's first backoff (0.2 s
+        doubling): at 512 robots where the target serves ~200, the robots' retries at their own backoff were
+        ~160 refusals a second (docs/benchmarks/fleet_cpu/)."""
+        waited = now - self.pending[0].arrival if self.pending else 0.0
+        return round(1e3 * min(RETRY_AFTER_S[1], max(RETRY_AFTER_S[0], 2 * waited)))
+
     def expired(self, now: float) -> list[Request]:
         """Remove and return the requests to be shed: those that waited longer than max_wait and that a batch
         was chosen without (now = inf: every one, the server stopping).
@@ -362,7 +400,9 @@ class Scheduler:
         if not self.pending:
             return []
         if self.policy == "slo":
-            batch = slo_batch(self.pending, now, self.model, self.guard_s, self.fits_memory, self.max_batch)
+            batch = slo_batch(
+                self.pending, now, self.model, self.guard_s, self.fits_memory, self.max_batch, self.max_batch_s
+            )
         else:  # fcfs (max_batch 1) and fixed: arrival order
             batch = [self.pending[0]]
             for r in self.pending[1:]:

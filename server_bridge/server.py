@@ -98,16 +98,17 @@ class BridgeServer:
         target = verifier.target
         self.scheduler = Scheduler(
             config.scheduler,
-            load_estimator(config.estimator, target.name),
+            load_estimator(config.estimator, target.name, target.packed),
             max_queue=config.max_queue,
             max_batch=batch_limit(config, target.engine.max_sequences),
             guard_ms=config.guard_ms,
             memory_budget_bytes=config.batch_memory_mb * 2**20,
             memory_of=lambda members: batch_memory_bytes(
-                members, target.kv_bytes_per_token, 4 * target.vocab_size, config.max_draft_len + 1
+                members, target.kv_bytes_per_token, 4 * target.vocab_size, config.max_draft_len + 1, target.packed
             ),
             batch_wait_ms=config.batch_wait_ms,
             max_wait_ms=config.max_wait_ms,
+            max_batch_ms=config.max_batch_ms,
         )
         self.batcher = Batcher(verifier, self.scheduler, self.model_thread, self.metrics)
         self.replica = Replica(config.replica_id)
@@ -281,8 +282,10 @@ def batch_limit(config: ServerConfig, sequences: int) -> int:
     return config.max_batch or max(1, min(sequences, 1024))
 
 
-def load_estimator(spec: str, target_name: str) -> VerifyTimeModel:
-    """The verification-time model: a JSON file, "auto" (the profiled one for this target, if any), or ""."""
+def load_estimator(spec: str, target_name: str, packed: bool = False) -> VerifyTimeModel:
+    """The verification-time model: a JSON file, "auto" (the profiled one for this target, if any), or "".
+
+    packed: the engine's (Engine.packed), whatever the file was fitted with: it decides how a batch runs."""
     path = modelfiles.resolve_estimator(spec, target_name)
     if path is None:
         log.warning(
@@ -290,8 +293,17 @@ def load_estimator(spec: str, target_name: str) -> VerifyTimeModel:
             "`server-bridge profile` on this machine",
             target_name,
         )
-        return VerifyTimeModel()
+        return VerifyTimeModel(packed=packed)
     model = VerifyTimeModel.load(path)
+    if model.packed != packed:
+        log.info(
+            "the estimator %s was fitted to %s batches and this engine runs them %s: its scale follows the "
+            "difference; `server-bridge profile` refits it",
+            path,
+            "packed" if model.packed else "padded",
+            "packed" if packed else "padded",
+        )
+        model.packed = packed
     log.info(
         "verification-time estimator from %s: a %.3g ms/token, b_c %.3g ms/interaction, b_r %.3g ms/cached "
         "token, c %.3g ms",

@@ -93,6 +93,7 @@ class Target:
         self.n_layers = engine.n_layers
         self.kv_bytes_per_token = engine.kv_bytes_per_token
         self.batchable = engine.batchable
+        self.packed = engine.packed
         self.tokenizer = engine.tokenizer  # encode(text) -> ids, for tools and tests
         self.on_device = engine.info.engine == "torch"  # rows are device tensors: the maths runs there
         # the image marker's id where the engine reads images (a projector or a VLM's vision tower), else None

@@ -99,11 +99,12 @@ class ServerError(RuntimeError):
 
     token_ids: list[int] = []  # raised out of EdgeDecoder.generate: the ids committed before the failure
 
-    def __init__(self, code: str, message: str, sid: str | None = None):
+    def __init__(self, code: str, message: str, sid: str | None = None, retry_after_ms: int | None = None):
         super().__init__(f"server error {code}: {message}")
         self.code = code
         self.message = message
         self.sid = sid
+        self.retry_after_ms = retry_after_ms  # `overloaded`: the server's hint (wire.Error.retry_after_ms)
 
     @property
     def recoverable(self) -> bool:
@@ -275,7 +276,7 @@ class VerifierLink:
                 log.debug("skipping a late %s for session %s", msg.TYPE, msg_sid)
                 continue
             if isinstance(msg, wire.Error):
-                raise ServerError(msg.code, msg.message, msg.sid)
+                raise ServerError(msg.code, msg.message, msg.sid, msg.retry_after_ms)
             return msg
 
     def request(self, msg: wire.Message, timeout_s: float | None = None) -> tuple[wire.Message, float]:

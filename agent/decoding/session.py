@@ -231,7 +231,8 @@ class Attempt:
         self.failures += 1
         if self.failures > policy.max_attempts:
             raise e
-        delay = policy.jittered(self.failures - 1)
+        # the longer of its own backoff and the server's hint, jittered as its own is
+        delay = max(policy.jittered(self.failures - 1), (e.retry_after_ms or 0) / 1e3 * random.uniform(1.0, 1.5))
         log.warning(
             "verifier overloaded (%s); retry %d/%d in %.2fs with %d committed tokens",
             e.message,

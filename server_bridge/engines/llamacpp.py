@@ -149,6 +149,7 @@ FLASH_ATTN = ("auto", "on", "off")
 
 
 MIN_STREAM_CELLS = 2048  # kv_unified auto: per-sequence streams only when each holds this many tokens
+CPU_UBATCH = 128  # n_ubatch 0 on the CPU without exits: tokens per micro-batch (LlamaCppEngine._ubatch)
 
 
 class LlamaCppEngine:
@@ -171,7 +172,7 @@ class LlamaCppEngine:
         """kv_unified: one KV pool shared by every sequence (True), or a stream of kv_tokens/max_sequences
         cells per sequence (False: faster batched passes on a GPU, measured on an H100); None picks False
         when layers are offloaded, no exits are tapped and each stream holds MIN_STREAM_CELLS, else True.
-        n_ubatch: tokens per llama.cpp micro-batch (0: the whole call, so tapped rows arrive in order).
+        n_ubatch: tokens per llama.cpp micro-batch (0: `_ubatch`).
         flash_attn: llama.cpp's flash-attention switch (auto: on where the backend has it). mmproj: the
         target's vision projector (libmtmd's GGUF): passes may then carry images; vision_threads: libmtmd's
         (1: see runtime/vision.py)."""
@@ -189,6 +190,7 @@ class LlamaCppEngine:
         self.kv_capacity = kv_tokens or 64 * 1024
         self.n_batch = 2048  # tokens per llama_decode call
         self.batchable = True
+        self.packed = True  # llama_batch: each token with its own sequence and position
         if kv_unified is None:  # streams only where each holds a whole context (many sessions: a shared pool)
             kv_unified = not offload or bool(tap_layers) or self.kv_capacity // self.max_sequences < MIN_STREAM_CELLS
         if not kv_unified and tap_layers:
@@ -201,7 +203,7 @@ class LlamaCppEngine:
         self.seq_capacity = self.kv_capacity if kv_unified else self.kv_capacity // self.max_sequences
         self.tap_names: dict[bytes, int] = {f"l_out-{l - 1}".encode(): l for l in (tap_layers or [])}
         self._taps: list[tuple[int, int, Pass]] | None = None  # the running chunk's (first row, rows, pass)
-        cparams = self._context_params(threads, kv_type, kv_unified, n_ubatch, flash_attn)
+        cparams = self._context_params(threads, kv_type, kv_unified, n_ubatch or self._ubatch(offload), flash_attn)
         self.vision: MtmdVision | None = None
         if mmproj is not None:
             self.vision = MtmdVision(mmproj, self.model, threads=vision_threads, use_gpu=offload)
@@ -268,13 +270,20 @@ class LlamaCppEngine:
         kv_bytes = {"f32": 4, "f16": 2}[kv_type]
         self.kv_bytes_per_token = 2 * self.n_layers * n_head_kv * (self.hidden_size // n_head) * kv_bytes
 
+    def _ubatch(self, offload: bool) -> int:
+        """The micro-batch where the config leaves it (n_ubatch 0): the whole call where exits are tapped (their
+        rows then arrive in order) or layers are offloaded; on the CPU, CPU_UBATCH tokens, so that a pass of many
+        robots' rounds keeps its logits tile in cache (a pass of 64 sessions x 5 rows: 1.6 ms a round against
+        2.3 in one micro-batch, tiny random target, one thread; docs/benchmarks/fleet_cpu)."""
+        return self.n_batch if self.tap_names or offload else CPU_UBATCH
+
     def _context_params(self, threads: int, kv_type: str, kv_unified: bool, n_ubatch: int, flash_attn: str) -> Any:
         """llama_context_params for the sizes set so far; installs the eval callback where exits are tapped."""
         L = self.L
         cparams = L.llama_context_default_params()
         cparams.n_ctx = self.kv_capacity
         cparams.n_batch = self.n_batch
-        cparams.n_ubatch = n_ubatch or self.n_batch  # one ubatch per call: tap rows stay in order
+        cparams.n_ubatch = n_ubatch
         if self.tap_names and cparams.n_ubatch != self.n_batch:
             raise ValueError("early exits need the whole call in one micro-batch (n_ubatch 0)")
         cparams.n_seq_max = self.max_sequences

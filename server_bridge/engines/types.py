@@ -84,6 +84,7 @@ class Engine(Protocol):
     kv_capacity: int  # tokens of KV the engine can hold over all sequences
     max_sequences: int  # sessions it holds at once (serve's max_batch by default)
     batchable: bool  # False: a batch runs one pass per session (same tokens)
+    packed: bool  # True: a pass packs its sessions' tokens, unpadded (llama.cpp); False: padded to a rectangle
     tokenizer: Any  # encode(text) -> ids with the target's vocabulary (tools, tests)
     image_token_id: int | None  # the image marker's id (SmolVLM's <image>); None: the vocabulary has none
     vision: Any  # truthy when passes may carry images (a projector, a VLM's vision tower)

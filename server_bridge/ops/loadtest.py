@@ -442,7 +442,7 @@ class Robot:
             if reply.code != "overloaded":
                 raise RobotError(f"open refused: {reply.code}: {reply.message}")
             self.note_shed(gen)
-            await asyncio.sleep(self.backoff(tries))
+            await asyncio.sleep(self.backoff(tries, reply))
             if self.halt.is_set():
                 return  # the run is over: `rounds` ends without a round
         raise RobotError(f"{sid}: open shed {MAX_OPEN_TRIES} times in a row")
@@ -451,17 +451,21 @@ class Robot:
         """After an `error` on a round: a shed backs off; either way the session is re-opened."""
         if err.code == "overloaded":
             self.note_shed(gen)
-            await asyncio.sleep(self.cfg.backoff_s)
+            hint = (err.retry_after_ms or 0) / 1e3
+            await asyncio.sleep(max(self.cfg.backoff_s, hint * (1.0 + 0.5 * self.rng.random()) if hint else 0.0))
         elif err.code in RECOVERABLE:
             gen.reopens += 1
         else:
             raise RobotError(f"verify refused: {err.code}: {err.message}")
         await self.open(sid, prompt, gen)
 
-    def backoff(self, tries: int) -> float:
+    def backoff(self, tries: int, err: wire.Error | None = None) -> float:
         """The wait after the tries-th shed in a row: backoff_s doubling to MAX_BACKOFF_S, jittered by +-50 %
-        (a fleet shed together does not come back together)."""
-        return min(MAX_BACKOFF_S, self.cfg.backoff_s * 2**tries) * (0.5 + self.rng.random())
+        (a fleet shed together does not come back together), or the server's retry_after_ms, jittered up to
+        +50 %, where that is longer (as agent/decoding/session.py waits)."""
+        own = min(MAX_BACKOFF_S, self.cfg.backoff_s * 2**tries) * (0.5 + self.rng.random())
+        hint = (err.retry_after_ms or 0) / 1e3 if err is not None else 0.0
+        return max(own, hint * (1.0 + 0.5 * self.rng.random()))
 
     def note_shed(self, gen: Generation) -> None:
         now = time.monotonic()

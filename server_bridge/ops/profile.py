@@ -145,7 +145,12 @@ def time_passes(target: Target, pool: Pool, shapes: list[Shape], warm: int, to_h
         ms = (time.perf_counter() - t0) * 1e3
         pool.reset(batch)
         rows.append(
-            {"kind": shape["kind"], "members": members, "features": estimator.features(members).tolist(), "ms": ms}
+            {
+                "kind": shape["kind"],
+                "members": members,
+                "features": estimator.features(members, target.packed).tolist(),
+                "ms": ms,
+            }
         )
         if (i + 1) % 20 == 0 or i + 1 == len(shapes):
             done = f"  {i + 1}/{len(shapes)} batches profiled ({time.perf_counter() - t_start:.0f} s)"
@@ -262,7 +267,9 @@ def run(config: ProfileConfig, argv: list[str]) -> int:
     meta = {"target": target.name, "device": device, "shapes": config.shapes, "batches": len(rows)}
     meta["command"] = " ".join(["server-bridge", *argv])
     saved = {k: report[k] for k in ("ci95", "train", "test") if k in report} | meta
-    model = estimator.VerifyTimeModel(**report["coefficients"], target=target.name, device=device, fitted=True)
+    model = estimator.VerifyTimeModel(
+        **report["coefficients"], target=target.name, device=device, fitted=True, packed=target.packed
+    )
     model.report = saved
     out = Path(config.out) if config.out else modelfiles.models_dir() / "estimator" / f"{target.name}.json"
     model.save(out)

@@ -244,3 +244,16 @@ def test_a_json_schema_up_to_its_cap_travels_in_an_open():
     with pytest.raises(wire.WireError) as e:
         wire.decode(wire.encode(wire.Open("s", [1, 2, 3], greedy, grammar={"json_schema": over, "from": 3})))
     assert e.value.code == "bad_field"
+
+
+def test_an_overloaded_error_may_say_when_to_come_back():
+    back = wire.decode(wire.encode(wire.Error("overloaded", "saturated", "s1", 4000)))
+    assert back.retry_after_ms == 4000
+    plain = wire.Error("overloaded", "saturated", "s1").to_wire()
+    assert "retry_after_ms" not in plain  # what an earlier robot got, and still gets
+    long = wire.Error("overloaded", "x", None, 10**12)
+    assert wire.decode(wire.encode(long)).retry_after_ms == wire.MAX_RETRY_AFTER_MS
+    for bad in (-1, 1.5, "soon", wire.MAX_RETRY_AFTER_MS + 1):
+        frame = {"type": "error", "v": wire.PROTOCOL_VERSION, "code": "x", "message": "m", "retry_after_ms": bad}
+        with pytest.raises(WireError, match="retry_after_ms"):
+            wire.decode(msgpack.packb(frame))

@@ -229,3 +229,25 @@ def test_a_negative_cost_is_refused():
         VerifyTimeModel(a=1.0, b_c=-1e-6, b_r=0.0, c=10.0)
     with pytest.raises(ValueError, match="scale > 0"):
         VerifyTimeModel(scale=0.0)
+
+
+def test_a_packed_engine_pays_for_its_members_as_they_are_in_one_pass():
+    # llama.cpp packs a batch's tokens: WISP's own sums, no padding; a split would save nothing
+    packed = VerifyTimeModel(a=1.0, b_c=1e-3, b_r=1e-2, c=10.0, packed=True)
+    members = [(300, 5), (0, 40), (120, 5)]
+    assert features(members, packed=True).tolist() == [50, 305 * 5 + 40 * 40 + 125 * 5, 420, 1]
+    assert split_passes(members, packed) == [[0, 1, 2]]
+    assert split_passes([], packed) == []
+    assert packed.batch_ms(members) == packed.predict_ms(members) == 50 + 3.75 + 4.2 + 10
+    padded = VerifyTimeModel(a=1.0, b_c=1e-3, b_r=1e-2, c=10.0)
+    assert len(split_passes(members, padded)) > 1  # the same batch, padded, runs its prefill apart
+    # its memory: the logits rows only (the KV goes into the engine's own cache)
+    assert batch_memory_bytes(members, 100, 10, packed=True) == (5 + 17 + 5) * 10
+
+
+def test_packed_is_saved_with_the_coefficients(tmp_path):
+    path = tmp_path / "est.json"
+    VerifyTimeModel(a=1.0, b_c=0.0, b_r=0.0, c=2.0, packed=True).save(path)
+    assert VerifyTimeModel.load(path).packed
+    VerifyTimeModel(a=1.0, b_c=0.0, b_r=0.0, c=2.0).save(path)
+    assert not VerifyTimeModel.load(path).packed

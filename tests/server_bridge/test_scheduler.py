@@ -300,3 +300,36 @@ def test_the_batch_is_the_same_at_a_thousand_waiting():
         chosen = [id(r) for r in slo_batch(*args)]
         assert len(chosen) > 20
         assert chosen == [id(r) for r in every_addition_slo_batch(*args, batch_ms=VerifyTimeModel.batch_ms)]
+
+
+def test_a_packed_engines_batch_is_the_one_trying_every_addition_chose():
+    # one unpadded pass: the batch is the longest prefix whose summed rows finish before every deadline in it
+    rng = np.random.default_rng(53)
+    packed = [
+        VerifyTimeModel(a=0.05, b_c=1e-7, b_r=2e-5, c=12.0, packed=True),
+        VerifyTimeModel(a=0.12, b_c=0.0, b_r=6e-3, c=0.0, packed=True, scale=1.3),
+    ]
+    for _ in range(200):
+        pending = random_fleet(rng, int(rng.integers(1, 60)), lax=bool(rng.random() < 0.5))
+        model = packed[rng.integers(len(packed))]
+        args = (NOW, model, float(rng.choice([0.0, 0.005, 0.03])), lambda members: True, int(rng.choice([8, 1024])))
+        before = every_addition_slo_batch(pending, *args, batch_ms=VerifyTimeModel.batch_ms)
+        assert [id(r) for r in slo_batch(pending, *args)] == [id(r) for r in before]
+
+
+def test_a_batch_ends_within_max_batch_ms_even_when_every_request_is_late():
+    # an overloaded fleet: every round already late, so no deadline bounds the batch; max_batch_ms does
+    model = VerifyTimeModel(a=1.0, b_c=0.0, b_r=0.0, c=10.0, packed=True)  # 10 ms + 5 ms a round
+    pending = [req(f"r{i}", -1.0) for i in range(100)]
+    assert len(slo_batch(pending, NOW, model, 0.0, lambda members: True, 1024)) == 100
+    assert len(slo_batch(pending, NOW, model, 0.0, lambda members: True, 1024, max_batch_s=0.1)) == 18
+    assert len(slo_batch(pending, NOW, model, 0.0, lambda members: True, 1024, max_batch_s=0.001)) == 1  # alone
+
+
+def test_a_refused_robot_is_told_to_come_back_once_the_queue_has_drained():
+    s = make("slo")
+    assert s.retry_after_ms(NOW) == 1000  # nothing waits: the shortest hint
+    s.admit(req("old", arrival=-1.0))  # waiting since NOW - 2 s
+    assert s.saturated(NOW) is not None
+    assert s.retry_after_ms(NOW) == 4000  # twice its wait
+    assert s.retry_after_ms(NOW + 30) == 10_000  # at most 10 s

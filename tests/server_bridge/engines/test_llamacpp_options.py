@@ -98,3 +98,15 @@ def test_two_processes_making_the_same_target_at_once_both_succeed_and_leave_one
     assert sorted(p.name for p in tmp_path.iterdir()) == [dst.name, dst.name + ".log"]  # no temporary left
     model = llama_cpp.Llama(str(dst), vocab_only=True, verbose=False)  # whole: its header and vocabulary load
     assert model.n_vocab() == 49152
+
+
+def test_the_cpu_runs_a_pass_in_cache_sized_micro_batches_unless_exits_are_tapped():
+    from server_bridge.engines.llamacpp import CPU_UBATCH
+
+    plain = load_engine("smollm2-f32", threads=1, max_sequences=2, kv_tokens=256)
+    assert plain.info.extra["n_ubatch"] == CPU_UBATCH and plain.packed
+    tapped = load_engine("smollm2-f32", threads=1, max_sequences=2, kv_tokens=256, tap_layers=[12])
+    assert tapped.info.extra["n_ubatch"] == tapped.n_batch  # the tapped rows arrive in order
+    assert (
+        load_engine("smollm2-f32", threads=1, max_sequences=2, kv_tokens=256, n_ubatch=64).info.extra["n_ubatch"] == 64
+    )

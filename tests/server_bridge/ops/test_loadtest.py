@@ -490,3 +490,14 @@ def test_a_trace_that_is_not_one_is_refused_before_any_robot_runs(tmp_path, caps
     monkeypatch.setattr(lt, "MAX_TRACE_BYTES", 10)
     assert cli.main(["loadtest", "--trace", str(tmp_path / "t.json")]) == 2
     assert "too big for a trace" in capsys.readouterr().err
+
+
+def test_a_refused_robot_waits_at_least_the_servers_hint():
+    robot = lt.Robot(0, "ws://127.0.0.1:1", synthetic_trace(), FAST, lt.PointLog(), asyncio.Event())
+    plain = wire.Error("overloaded", "saturated", "s1")
+    hinted = wire.Error("overloaded", "saturated", "s1", 3000)
+    own = [robot.backoff(0, plain) for _ in range(50)]
+    assert all(0.01 <= w <= 0.03 for w in own)  # backoff_s 0.02, jittered by +-50 %
+    waits = [robot.backoff(0, hinted) for _ in range(50)]
+    assert all(3.0 <= w <= 4.5 for w in waits) and len(set(waits)) > 1  # the hint, spread up to +50 %
+    assert robot.backoff(30, hinted) <= lt.MAX_BACKOFF_S * 1.5
