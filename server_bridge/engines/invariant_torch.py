@@ -1,0 +1,110 @@
+"""The torch engine's batch-invariant mode: every row of a pass computes the logits the one-token pass computes.
+
+At T = 0 exactness means SD commits the ids the target alone, one token per pass, would write. A
+verify pass holds gamma + 1 rows of one session, or the rows of many sessions; where a kernel's
+reduction order depends on the pass's shape, a row's logits round differently from the one-token
+pass's, and at a near-tie the argmax flips (tools/bench/divergence.py measures it). What was
+measured (docs/benchmarks/batch_invariant_cpu/, torch 2.13 CPU, oneDNN bfloat16 on AVX512-BF16):
+
+- a bfloat16 `linear` (oneDNN's matmul) gives each row the same bits for every M >= 2 rows (2, 3,
+  5, 40, 160, 300; any row position, 1 or 2 threads): its GEMM keeps the K reduction in one order.
+  With M = 1 it takes another kernel (a GEMV) that sums K in another order: for K > 576 (the MLP's
+  down projection, K = 1536) up to a fifth of the rows differ by an ulp, and those ulps are the whole
+  divergence of the shipped target (its layer 2 MLP is the first place a verify row and a one-token
+  row differ). float32 is worse: every M >= 2 differs from M = 1.
+- the norms (a float32 mean over the hidden size), the softmax and the elementwise ops are per-row:
+  the same bits for any number of rows (measured to 8192 wide; the vocabulary-wide mean, which
+  nothing in the pass takes, is not).
+- attention (SDPA's CPU kernel) gives a query the same bits whether it is alone, with its session's
+  other draft rows under a causal mask, or padded into a pass of other sessions' slots: masked keys add
+  exact zeros and the kernel's key blocks do not move with the query count.
+
+So the mode is one change, made for every pass alike (AR included: the reference moves with it):
+a linear never runs on a single row. A one-token pass's rows go through the GEMM padded to two rows
+(the copy's output is dropped), the kernel every multi-row pass uses. The guarantee is measured, not
+proven for every machine: `probe` repeats the linear measurement on the engine's own shapes, device
+and dtype when the engine loads, and the engine logs (and reports in its info) whether it held.
+
+Off by default in float32 (`auto`): the llamacpp-equivalent float32 path's rounding noise is far
+below any trained model's near-ties, and a float32 GEMM is not row-invariant even at M >= 2 on
+every build. `on` forces it, `off` turns it off. Compiled passes (compile_torch.py, a CUDA graph
+per bucket) already run every pass at M >= 2 rows; inductor's fused kernels round differently from
+the eager ones, so a compiled engine's rows agree with its eager one-token pass within tolerance
+only, and the mode says so (`exact` false in the engine's info).
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+MODES = ("auto", "on", "off")
+PROBE_ROWS = (2, 3, 5, 40)  # the pass sizes the probe compares with the padded one-token row
+PROBE_SINGLES = 8  # rows the probe runs one at a time
+MIN_QUERIES = 4  # SDPA's query rows per session, at least (fewer take another kernel)
+KEY_BLOCK = 64  # keys attended, a whole number of these
+
+
+def key_len(n: int) -> int:
+    """n keys rounded up to whole KEY_BLOCKs."""
+    return -(-n // KEY_BLOCK) * KEY_BLOCK
+
+
+def enabled(mode: str, dtype: torch.dtype) -> bool:
+    """auto: on wherever the dtype is not float32."""
+    if mode not in MODES:
+        raise ValueError(f"batch_invariant must be one of {', '.join(MODES)}, got {mode!r}")
+    return mode == "on" or (mode == "auto" and dtype != torch.float32)
+
+
+def _padded_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """nn.Linear's forward, a single row [..., K] run as two (the GEMM's kernel, not the GEMV's)."""
+    if x.numel() != x.shape[-1]:
+        return F.linear(x, self.weight, self.bias)
+    two = x.reshape(1, -1).expand(2, -1)  # [2, K]: the row and its copy
+    return F.linear(two, self.weight, self.bias)[:1].reshape(*x.shape[:-1], -1)
+
+
+def pad_single_rows(model: nn.Module) -> int:
+    """Every nn.Linear in model runs a single row as two; how many were changed."""
+    n = 0
+    for m in model.modules():
+        if isinstance(m, nn.Linear):
+            m.forward = types.MethodType(_padded_forward, m)  # type: ignore[method-assign]
+            n += 1
+    return n
+
+
+def probe(shapes: set[tuple[int, int]], dtype: torch.dtype, device: torch.device, seed: int = 0) -> list[str]:
+    """Each linear shape (K in, N out) of the model, on this device and dtype: a padded single row against
+    the same row in passes of PROBE_ROWS rows. The shapes (and row counts) whose rows differ; [] when the
+    mode's guarantee held here."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    bad = []
+    for k, n in sorted(shapes):
+        w = (torch.randn(n, k, generator=g) * k**-0.5).to(device, dtype)
+        rows = max(PROBE_ROWS)
+        x = (torch.randn(rows, k, generator=g) * torch.rand(rows, 1, generator=g) * 4).to(device, dtype)
+        one = torch.cat([F.linear(x[i : i + 1].expand(2, -1), w)[:1] for i in range(PROBE_SINGLES)])  # [8, N]
+        off = [m for m in PROBE_ROWS if not torch.equal(F.linear(x[:m], w)[:PROBE_SINGLES], one[: min(m, 8)])]
+        if off:
+            bad.append(f"{k}x{n} at {','.join(map(str, off))} rows")
+    return bad
+
+
+def linear_shapes(model: nn.Module) -> set[tuple[int, int]]:
+    """The (in, out) features of every nn.Linear in model."""
+    return {(m.in_features, m.out_features) for m in model.modules() if isinstance(m, nn.Linear)}
+
+
+def describe(on: bool, failed: list[str], compiled: bool) -> dict[str, Any]:
+    """The engine info's entry: whether the mode is on and whether its guarantee holds on this machine."""
+    return {
+        "batch_invariant": on,
+        "exact": on and not failed and not compiled,
+        **({"invariance_failed": failed} if failed else {}),
+    }
