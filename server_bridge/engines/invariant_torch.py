@@ -45,8 +45,14 @@ from torch import nn
 MODES = ("auto", "on", "off")
 PROBE_ROWS = (2, 3, 5, 40)  # the pass sizes the probe compares with the padded one-token row
 PROBE_SINGLES = 8  # rows the probe runs one at a time
-MIN_QUERIES = 4  # SDPA's query rows per session, at least (fewer take another kernel)
+QUERY_BLOCK = 4  # SDPA's query rows per session, a whole number of these (a block of fewer takes another kernel)
 KEY_BLOCK = 64  # keys attended, a whole number of these
+
+
+def query_len(n: int) -> int:
+    """n query rows rounded up to whole QUERY_BLOCKs: SDPA's CPU kernel splits the queries into blocks of
+    32, 64 or 256 rows (multiples of 4), so no block is then left with fewer than 4."""
+    return -(-n // QUERY_BLOCK) * QUERY_BLOCK
 
 
 def key_len(n: int) -> int:

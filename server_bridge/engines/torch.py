@@ -98,8 +98,8 @@ class _Layout:
         if self.single:
             return
         n_max = max(n for _, _, n, _ in rows)
-        if invariant:  # every SDPA call one shape class (invariant_torch.py): >= 4 query rows, keys in 64s
-            n_max = max(n_max, invariant_torch.MIN_QUERIES)
+        if invariant:  # every SDPA call one shape class (invariant_torch.py): queries in 4s, keys in 64s
+            n_max = invariant_torch.query_len(n_max)
             self.k_len = min(invariant_torch.key_len(self.k_len), pool.max_len)
         tok_slot: list[int] = []
         tok_pos: list[int] = []
