@@ -77,6 +77,20 @@ def enabled(mode: str, dtype: torch.dtype) -> bool:
     return mode == "on" or (mode == "auto" and dtype != torch.float32)
 
 
+def with_compile(mode: str, compile: str, dtype: torch.dtype, device: torch.device) -> tuple[bool, bool]:
+    """(the mode on, the pass compiled): the mode wins over compile "auto" (inductor's fused kernels are not
+    row-invariant), an explicit compile "on" wins over the mode (the engine's info then says not exact)."""
+    from . import compile_torch
+
+    on = enabled(mode, dtype)
+    return on, compile_torch.enabled(compile, device) and not (on and compile == "auto")
+
+
+def slot_len(cells: int, on: bool) -> int:
+    """A KV slot's cells: whole KEY_BLOCKs with the mode on, so that a pass's keys can always be cut at one."""
+    return key_len(cells) if on else cells
+
+
 def _padded_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """nn.Linear's forward, a single row [..., K] run as two (the GEMM's kernel, not the GEMV's)."""
     if x.numel() != x.shape[-1]:

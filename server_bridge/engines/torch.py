@@ -316,13 +316,10 @@ class TorchEngine:
         self.max_len = max_len
         self.max_sequences = max(1, (kv_tokens // max_len) if kv_tokens else max_sequences)
         self.kv_capacity = self.max_sequences * max_len
-        self.invariant = invariant_torch.enabled(batch_invariant, self.dtype)
-        # the mode wins over compile "auto" (fused kernels are not row-invariant); an explicit "on" wins over it
-        compiled = compile_torch.enabled(compile, self.device) and not (self.invariant and compile == "auto")
-        # compiled: one slot more (the padding's scratch slot) and one cell more per slot (compile_torch.py)
-        slots, cells = self.max_sequences + compiled, max_len + compiled
-        if self.invariant:  # keys are attended in whole blocks of KEY_BLOCK cells
-            cells = invariant_torch.key_len(cells)
+        self.invariant, compiled = invariant_torch.with_compile(batch_invariant, compile, self.dtype, self.device)
+        # compiled: one slot more (the padding's scratch slot) and one cell more per slot (compile_torch.py);
+        # invariant: slots of whole KEY_BLOCKs (invariant_torch.py)
+        slots, cells = self.max_sequences + compiled, invariant_torch.slot_len(max_len + compiled, self.invariant)
         self.pool = _SlotPool(self.n_layers, slots, kv_heads, cells, head_dim, self.dtype, self.device)
         self.compiled = (
             compile_torch.CompiledPass(self._decode_grid, self.pool, max_len, self.device) if compiled else None
