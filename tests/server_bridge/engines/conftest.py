@@ -21,9 +21,12 @@ def bf16_plain_target():
 
 @pytest.fixture(scope="session")
 def bf16_ar(bf16_target):
-    """(prompts, per prompt (AR's greedy ids, every one-token row)) on bf16_target: 4 benchmark prompts x 16."""
+    """(prompts, per prompt (AR's greedy ids, every one-token row)) on bf16_target: 16 tokens of 4 benchmark
+    prompts, the 8th first: without the mode its 10th token is a near-tie that SD flips (alone and in passes of
+    2 to 32: docs/benchmarks/batch_invariant_cpu/divergence/)."""
     from tools.bench.divergence import ar_reference
     from tools.bench.peer import load_prompts
 
-    prompts = [p.prompt_ids for p in load_prompts(n=4).prompts]
+    every = [p.prompt_ids for p in load_prompts(n=8).prompts]
+    prompts = [every[7], every[2], every[5], every[0]]
     return prompts, ar_reference(bf16_target, prompts, 16)
