@@ -32,12 +32,12 @@ padded linear row. The guarantee is measured, not
 proven for every machine: `probe` repeats the linear measurement on the engine's own shapes, device
 and dtype when the engine loads, and the engine logs (and reports in its info) whether it held.
 
-Off by default in float32 (`auto`): the llamacpp-equivalent float32 path's rounding noise is far
-below any trained model's near-ties, and a float32 GEMM is not row-invariant even at M >= 2 on
-every build. `on` forces it, `off` turns it off. Compiled passes (compile_torch.py, a CUDA graph
-per bucket) already run every pass at M >= 2 rows; inductor's fused kernels round differently from
-the eager ones, so a compiled engine's rows agree with its eager one-token pass within tolerance
-only, and the mode says so (`exact` false in the engine's info).
+Off by default in float32 (`auto`): there MKL's GEMM changes kernels with M (every row of M = 1, 5, 40
+and 160 differs from M = 2: `python -m tools.bench.invariant_ops --dtype float32`), so padding one row
+buys nothing; forced `on` in float32, the probe reports it (`exact` false). Compiled passes
+(compile_torch.py) round as inductor's fused kernels do: the mode wins over `torch_compile = "auto"`
+(the pass stays eager), an explicit "on" wins over the mode and the engine's info says `exact` false.
+On CUDA nothing here was measured (no GPU in the session that built it): the probe is what tells.
 """
 
 from __future__ import annotations

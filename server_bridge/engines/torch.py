@@ -23,6 +23,15 @@ Compiled (`compile="on"`, or auto on CUDA; compile_torch.py), a text pass of up 
 session runs through torch.compile instead, padded to a bucket's grid (a CUDA graph on CUDA): the
 layout then is a compile_torch.Grid, handed to the attention layers with the model's kwargs.
 
+Batch-invariant (`batch_invariant`, on by default wherever the dtype is not float32;
+invariant_torch.py): every row of a pass, of any number of sessions and any draft length, has the bits
+the one-token pass at that position has, so SD at T = 0 commits exactly AR's ids. It holds because the
+pass never takes a kernel whose reduction order depends on its shape, as measured on the CPU
+(docs/benchmarks/batch_invariant_cpu/): a single row runs through the linear GEMM as two, attention
+always takes the padded path with no SDPA query block under 4 rows and keys cut at a multiple of 64;
+the one-token pass runs the same way (AR is the reference and changes with it). The engine probes its
+linear shapes at load and says in its info (`exact`) whether the guarantee held on this device.
+
 Images (a vision-language model: Idefics3 / SmolVLM, Qwen2-VL, Qwen2.5-VL, Qwen3-VL;
 server_bridge/engines/vision_torch.py): the decoder the slots serve is the VLM's text model. A
 pass's image marker at text index t becomes the image's C cells (slot rows), its
