@@ -35,8 +35,9 @@ and dtype when the engine loads, and the engine logs (and reports in its info) w
 Off by default in float32 (`auto`): there MKL's GEMM changes kernels with M (every row of M = 1, 5, 40
 and 160 differs from M = 2: `python -m tools.bench.invariant_ops --dtype float32`), so padding one row
 buys nothing; forced `on` in float32, the probe reports it (`exact` false). Compiled passes
-(compile_torch.py) round as inductor's fused kernels do: the mode wins over `torch_compile = "auto"`
-(the pass stays eager), an explicit "on" wins over the mode and the engine's info says `exact` false.
+(compile_torch.py) round as inductor's fused kernels do: where the pass is compiled (`torch_compile`
+on, or auto on CUDA) compile wins, the mode shapes only the eager passes and the engine's info says
+`exact` false (`with_compile`).
 On CUDA nothing here was measured (no GPU in the session that built it): the probe is what tells.
 """
 
@@ -78,12 +79,13 @@ def enabled(mode: str, dtype: torch.dtype) -> bool:
 
 
 def with_compile(mode: str, compile: str, dtype: torch.dtype, device: torch.device) -> tuple[bool, bool]:
-    """(the mode on, the pass compiled): the mode wins over compile "auto" (inductor's fused kernels are not
-    row-invariant), an explicit compile "on" wins over the mode (the engine's info then says not exact)."""
+    """(the mode on, the pass compiled). Where the pass is compiled (auto: on CUDA) compile wins: its passes
+    of up to 32 tokens a session run inductor's fused kernels, which are not row-invariant, and the mode
+    shapes only the eager passes (the engine's info says `exact` false). CUDA graphs are worth more on a GPU
+    than a mode nobody measured there; torch_compile = "off" gives the mode every pass."""
     from . import compile_torch
 
-    on = enabled(mode, dtype)
-    return on, compile_torch.enabled(compile, device) and not (on and compile == "auto")
+    return enabled(mode, dtype), compile_torch.enabled(compile, device)
 
 
 def slot_len(cells: int, on: bool) -> int:
