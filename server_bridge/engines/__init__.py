@@ -92,6 +92,7 @@ def load_engine(
     max_len: int = 2048,
     kv_type: str = "f16",
     torch_compile: str = "off",
+    batch_invariant: str = "auto",
     **llama_options,
 ) -> Engine:
     """The target behind one engine.
@@ -100,6 +101,8 @@ def load_engine(
     Face model directory. tap_layers: the decoder blocks the early exits may tap (llama.cpp must know
     them when its context is made). torch_compile: the torch engine's pass through torch.compile
     (compile_torch.py; auto: on CUDA): a server's config says auto, tools and tests off unless they ask.
+    batch_invariant: the torch engine's rows as its one-token pass computes them (invariant_torch.py; auto:
+    wherever the dtype is not float32).
     llama_options: the llamacpp engine's own (kv_unified, n_ubatch, flash_attn). A process holds one
     backend on the GPU at most (`_claim_gpu`).
     """
@@ -150,5 +153,6 @@ def load_engine(
             kv_tokens=kv_tokens,
             max_len=max_len,
             compile=torch_compile,
+            batch_invariant=batch_invariant,
         )
     raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")

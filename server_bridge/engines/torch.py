@@ -23,6 +23,15 @@ Compiled (`compile="on"`, or auto on CUDA; compile_torch.py), a text pass of up 
 session runs through torch.compile instead, padded to a bucket's grid (a CUDA graph on CUDA): the
 layout then is a compile_torch.Grid, handed to the attention layers with the model's kwargs.
 
+Batch-invariant (`batch_invariant`, on by default wherever the dtype is not float32;
+invariant_torch.py): every row of a pass, of any number of sessions and any draft length, has the bits
+the one-token pass at that position has, so SD at T = 0 commits exactly AR's ids. It holds because the
+pass never takes a kernel whose reduction order depends on its shape, as measured on the CPU
+(docs/benchmarks/batch_invariant_cpu/): a single row runs through the linear GEMM as two, attention
+always takes the padded path with no SDPA query block under 4 rows and keys cut at a multiple of 64;
+the one-token pass runs the same way (AR is the reference and changes with it). The engine probes its
+linear shapes at load and says in its info (`exact`) whether the guarantee held on this device.
+
 Images (a vision-language model: Idefics3 / SmolVLM, Qwen2-VL, Qwen2.5-VL, Qwen3-VL;
 server_bridge/engines/vision_torch.py): the decoder the slots serve is the VLM's text model. A
 pass's image marker at text index t becomes the image's C cells (slot rows), its
@@ -65,7 +74,7 @@ from protocol import modelfiles
 from protocol.images import PromptImage
 from runtime.vision import MARKERS
 
-from . import compile_torch, random_init, vision_torch
+from . import compile_torch, invariant_torch, random_init, vision_torch
 from .types import EngineFull, EngineInfo, Pass, Sequence, SequenceIds, check_batch, image_extra
 
 log = logging.getLogger(__name__)
@@ -87,15 +96,20 @@ class _Layout:
     [B, n_max, 1]: the positions the causal mask is built from (per sliding window, cached).
     """
 
-    def __init__(self, rows: list[tuple[int, int, int, int]], pool: "_SlotPool", device: torch.device):
+    def __init__(
+        self, rows: list[tuple[int, int, int, int]], pool: "_SlotPool", device: torch.device, invariant: bool = False
+    ):
         self.rows = rows
         self.pool = pool
-        self.single = len(rows) == 1
+        self.single = len(rows) == 1 and not invariant
         self.k_len = max(start + n for _, start, n, _ in rows)  # Lmax: the longest session's KV
         self._masks: dict[int, torch.Tensor] = {}
         if self.single:
             return
         n_max = max(n for _, _, n, _ in rows)
+        if invariant:  # every SDPA call one shape class (invariant_torch.py): queries in 4s, keys in 64s
+            n_max = invariant_torch.query_len(n_max)
+            self.k_len = min(invariant_torch.key_len(self.k_len), pool.max_len)
         tok_slot: list[int] = []
         tok_pos: list[int] = []
         q_index: list[int] = []
@@ -273,6 +287,7 @@ class TorchEngine:
         max_len: int = 2048,
         model: Any = None,  # a transformers model built by the caller (None: loaded from path)
         compile: str = "off",  # the text pass through torch.compile (compile_torch.py): on, off, auto = on CUDA
+        batch_invariant: str = "auto",  # every row as the one-token pass computes it (invariant_torch.py)
     ):
         from transformers.utils import logging as hf_logging
 
@@ -310,9 +325,10 @@ class TorchEngine:
         self.max_len = max_len
         self.max_sequences = max(1, (kv_tokens // max_len) if kv_tokens else max_sequences)
         self.kv_capacity = self.max_sequences * max_len
-        compiled = compile_torch.enabled(compile, self.device)
-        # compiled: one slot more (the padding's scratch slot) and one cell more per slot (compile_torch.py)
-        slots, cells = self.max_sequences + compiled, max_len + compiled
+        self.invariant, compiled = invariant_torch.with_compile(batch_invariant, compile, self.dtype, self.device)
+        # compiled: one slot more (the padding's scratch slot) and one cell more per slot (compile_torch.py);
+        # invariant: slots of whole KEY_BLOCKs (invariant_torch.py)
+        slots, cells = self.max_sequences + compiled, invariant_torch.slot_len(max_len + compiled, self.invariant)
         self.pool = _SlotPool(self.n_layers, slots, kv_heads, cells, head_dim, self.dtype, self.device)
         self.compiled = (
             compile_torch.CompiledPass(self._decode_grid, self.pool, max_len, self.device) if compiled else None
@@ -338,7 +354,28 @@ class TorchEngine:
                 "compiled": compiled,
             },
         )
+        self.info.extra.update(self._make_invariant(compiled))
         self._log_loaded(time.perf_counter() - t0)
+
+    def _make_invariant(self, compiled: bool) -> dict[str, Any]:
+        """Turn the batch-invariant mode on where it is asked for and probe its guarantee here: the engine
+        info's entry (invariant_torch.describe)."""
+        if not self.invariant:
+            return invariant_torch.describe(False, [], compiled)
+        invariant_torch.pad_single_rows(self.text)
+        invariant_torch.pad_single_rows(self.head)
+        shapes = invariant_torch.linear_shapes(self.text) | invariant_torch.linear_shapes(self.head)
+        failed = invariant_torch.probe(shapes, self.dtype, self.device)
+        if failed:
+            log.warning(
+                "torch engine: batch-invariant mode on, but on this %s a linear's rows depend on the pass's size "
+                "(%s): verify rows may round differently from the one-token pass",
+                self.device,
+                "; ".join(failed),
+            )
+        if compiled:
+            log.warning("torch engine: compiled passes round as fused kernels do, not as the one-token pass")
+        return invariant_torch.describe(True, failed, compiled)
 
     def _log_loaded(self, seconds: float) -> None:
         log.info(
@@ -509,7 +546,7 @@ class TorchEngine:
         if self.mrope and positions.dim() == 2:
             positions = positions[None].expand(3, -1, -1)  # explicit: the model never infers (or keeps) its own
         handles = self._tap_hooks(batch, rows)
-        _current.layout = _Layout(rows, self.pool, self.device)
+        _current.layout = _Layout(rows, self.pool, self.device, self.invariant)
         try:
             return self.text(
                 **inputs, position_ids=positions, use_cache=True, **{self._cache_arg: self._cache}
@@ -553,7 +590,8 @@ class TorchEngine:
         """Per pass its logits [keep, vocab] float32, from hidden [1, T, hidden] at rows keep_at."""
         kept = hidden[0, torch.tensor(keep_at, dtype=torch.long, device=self.device)]  # [rows kept, hidden]
         if self._half_head:
-            logits = kept.float() @ self._head32.T
+            one = self.invariant and len(kept) == 1  # a single row through the GEMM too (invariant_torch.py)
+            logits = (kept.expand(2, -1).float() @ self._head32.T)[:1] if one else kept.float() @ self._head32.T
         else:
             logits = self.head(kept).float()  # [rows kept, vocab]
         cap = getattr(self.text.config, "final_logit_softcapping", None)

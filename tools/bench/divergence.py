@@ -2,15 +2,18 @@
 divergence is a near-tie.
 
     python -m tools.bench.divergence --out docs/divergence \
-        [--configs llamacpp,torch:float32,torch:bfloat16,torch:float16]
+        [--configs llamacpp,torch:float32,torch:bfloat16:plain,torch:bfloat16,torch:float16:plain,torch:float16]
                                [--prompts 6] [--tokens 48] [--gamma 4] [--device cpu]
 
 Exactness at T = 0 means SD commits the target's own greedy ids. But "the target's greedy
 id" is computed by floating-point passes whose rounding depends on the batch: a one-token
 AR pass, a verify pass of gamma + 1 rows, and a pass shared with other sessions sum in
 different orders (and on a GPU pick different kernels). Where the top two logits are
-closer than that rounding, AR and SD may pick different ids. For each configuration this
-tool runs, on the benchmark prompts (the loadgen trace's chat-templated ids):
+closer than that rounding, AR and SD may pick different ids. A torch config `torch:<dtype>` runs
+the engine's default (batch-invariant wherever the dtype is not float32:
+server_bridge/engines/invariant_torch.py), `torch:<dtype>:plain` with that mode off and
+`torch:<dtype>:invariant` with it on: a row per mode. For each configuration this tool runs, on
+the benchmark prompts (the loadgen trace's chat-templated ids):
 
 - AR: one token per pass, greedy: the reference ids and every row's logits;
 - SD solo: verify passes whose draft is AR's own next gamma ids (so every pass is a full
@@ -143,7 +146,8 @@ def configure(spec: str, device: str, sessions: int, target: str | None = None, 
             load_target(target, threads=1, max_sequences=2 * sessions, kv_tokens=8192),
             "float32",
         )
-    _, dtype = spec.split(":")
+    _, dtype, *mode = spec.split(":")
+    invariant = {"plain": "off", "invariant": "on"}[mode[0]] if mode else "auto"
     loaded = load_target(
         torch_target or target,
         engine="torch",
@@ -152,8 +156,10 @@ def configure(spec: str, device: str, sessions: int, target: str | None = None, 
         threads=1,
         max_sequences=2 * sessions,
         max_len=1024,
+        batch_invariant=invariant,
     )
-    return f"torch {dtype} ({loaded.engine.info.device})", loaded, dtype
+    how = "batch-invariant" if loaded.engine.info.extra.get("batch_invariant") else "plain"
+    return f"torch {dtype} {how} ({loaded.engine.info.device})", loaded, dtype
 
 
 def one_config(spec: str, args, prompts: list[list[int]]) -> dict:
@@ -248,7 +254,10 @@ def markdown(report: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--configs", default="llamacpp,torch:float32,torch:bfloat16,torch:float16")
+    ap.add_argument(
+        "--configs",
+        default="llamacpp,torch:float32,torch:bfloat16:plain,torch:bfloat16,torch:float16:plain,torch:float16",
+    )
     ap.add_argument("--prompts", type=int, default=6)
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--gamma", type=int, default=4)
