@@ -103,7 +103,6 @@ class Batcher:
                     f"waited {1e3 * (now - r.arrival):.0f} ms for the verifier "
                     f"(limit {1e3 * self.scheduler.max_wait_s:.0f}): draft locally and retry later",
                     r.sid,
-                    self.scheduler.retry_after_ms(now),
                 ),
             )
         if not self.scheduler.ready(now):
