@@ -64,6 +64,12 @@ class EngineSettings(TargetSettings):
         help="torch: the verify pass through torch.compile, padded to power-of-two buckets (CUDA graphs on CUDA; "
         "prefills and tapped passes stay eager); auto = on for CUDA, off on the CPU (where it does not pay).",
     )
+    batch_invariant: str = setting(
+        "auto",
+        choices=COMPILE_MODES,
+        help="torch: every verified row bit-identical to the one-token pass's, whatever shares the pass "
+        "(engines/invariant_torch.py); auto = on wherever the dtype is not float32. A compiled pass wins over it.",
+    )
 
 
 @dataclass

@@ -334,6 +334,7 @@ def target_from_config(config: ServerConfig) -> Target:
         max_len=config.max_context,
         kv_type=config.kv_type,
         torch_compile=config.torch_compile,
+        batch_invariant=config.batch_invariant,
         tap_layers=exit_taps(config, modelfiles.target_name(config.target)),
         **config.llama_options,
     )  # the torch engine ignores them
