@@ -99,3 +99,16 @@ def test_the_retries_are_bounded_then_the_robot_falls_back(drafter, shedding_ser
         _generate_behind_hogs(shedding_server, drafter, settings)
     assert e.value.code == "overloaded" and not e.value.recoverable and e.value.token_ids == []
     assert time.perf_counter() - started < 30
+
+
+def test_a_shed_robot_waits_at_least_the_servers_hint(monkeypatch):
+    from agent.decoding.metrics import Metrics
+    from agent.decoding.session import Attempt, ReconnectPolicy, Sessions
+
+    waits: list[float] = []
+    monkeypatch.setattr("agent.decoding.session.time.sleep", waits.append)
+    attempt = Attempt(Sessions(lambda: None, ReconnectPolicy(max_attempts=4)), None, "s1", Metrics())  # type: ignore[arg-type, return-value]
+    attempt.recover(ServerError("overloaded", "saturated", "s1"), 0)  # its own backoff: 0.1 s, jittered
+    attempt.recover(ServerError("overloaded", "saturated", "s1", retry_after_ms=3000), 0)  # the server's: 3 s
+    assert 0.05 <= waits[0] <= 0.15 and 3.0 <= waits[1] <= 4.5
+    assert attempt.m.shed_retries == 2
