@@ -323,7 +323,9 @@ def test_a_batch_ends_within_max_batch_ms_even_when_every_request_is_late():
     pending = [req(f"r{i}", -1.0) for i in range(100)]
     assert len(slo_batch(pending, NOW, model, 0.0, lambda members: True, 1024)) == 100
     assert len(slo_batch(pending, NOW, model, 0.0, lambda members: True, 1024, max_batch_s=0.1)) == 18
-    assert len(slo_batch(pending, NOW, model, 0.0, lambda members: True, 1024, max_batch_s=0.001)) == 1  # alone
+    assert len(slo_batch(pending, NOW, model, 0.0, lambda members: True, 1024, max_batch_s=0.001)) == 6  # 4 x c
+    long = [req("prefill", -1.0, new=500)] + pending
+    assert len(slo_batch(long, NOW, model, 0.0, lambda members: True, 1024, max_batch_s=0.001)) == 1  # alone
 
 
 def test_a_refused_robot_is_told_to_come_back_once_the_queue_has_drained():
@@ -333,3 +335,10 @@ def test_a_refused_robot_is_told_to_come_back_once_the_queue_has_drained():
     assert s.saturated(NOW) is not None
     assert s.retry_after_ms(NOW) == 4000  # twice its wait
     assert s.retry_after_ms(NOW + 30) == 10_000  # at most 10 s
+
+
+def test_the_batch_bound_never_falls_below_four_passes_fixed_cost():
+    # one pass costs 114 ms fixed (the shipped f32 target on 2 cores): a 100 ms bound would serve one at a time
+    model = VerifyTimeModel(a=3.7, b_c=0.0, b_r=0.0, c=114.0, packed=True)  # 114 + 18.5 ms a round
+    pending = [req(f"r{i}", -1.0) for i in range(40)]
+    assert len(slo_batch(pending, NOW, model, 0.0, lambda members: True, 1024, max_batch_s=0.1)) == 18  # <= 456 ms
