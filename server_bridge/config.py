@@ -264,7 +264,7 @@ class ServerConfig(EngineSettings, BatchSettings):
         "robot due back (never while a request is critical).",
     )
     max_batch_ms: float = setting(
-        100.0,
+        250.0,
         help="slo: a batch's estimated time at most this, whatever its requests' deadlines (a round waits for its "
         "whole pass; one request alone may take longer).",
     )
