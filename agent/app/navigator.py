@@ -49,8 +49,9 @@ from agent.robot.actions import (
 )
 from agent.robot.camera import Frame, FrameGrabber, StaleFrame
 from agent.robot.control import ControlLoop
-from agent.robot.feasible import EVERYTHING, Feasibility
+from agent.robot.feasible import EVERYTHING, Feasibility, every_allowed
 from agent.robot.perception import CameraImage, Sighting
+from protocol.grammar import GrammarError
 from protocol.images import PromptImage
 from protocol.sampling import SamplingParams
 
@@ -261,12 +262,26 @@ class Navigator:
         if self.parts:
             self.drafter.use_images([])  # a text prompt: no image of an earlier generation on its markers
         self.drafter.next_logits(ids)  # the robot's side: the draft's KV cache
+        self._compile_grammars()
         if self.link == "up":  # the server's: the session's KV, kept for the next steps
             try:
                 self.decoder.generate(ids, mode="ar", max_tokens=1, params=self.params, session=self.session)
             except (LinkLost, ServerError) as e:
                 self.links.mark("down", str(e))
         log.info("prompt prefix (%d tokens) prefilled in %.1fs", len(ids), self.clock() - t0)
+
+    def _compile_grammars(self) -> None:
+        """The answer grammars a step may need (agent/robot/feasible.py: at most four), compiled on the robot's side
+        now rather than during a task, where a compile that waits (a busy machine) would fail the step."""
+        grammars = getattr(self.drafter, "grammars", None)
+        if self.grammar is None or grammars is None:
+            return
+        narrowed = self.feasibility.min_clearance_m > 0
+        for text in [answer_grammar(allowed=a) for a in every_allowed()] if narrowed else [self.grammar]:
+            try:
+                grammars.compile("gbnf", text)
+            except GrammarError as e:  # the step compiles it again when it needs it
+                log.warning("answer grammar not compiled ahead: %s", e)
 
     def prompt_ids(self, instruction: str, observation: str, memory: Sequence[str] = ()) -> list[int]:
         """A text prompt: `observation` in words on the camera line."""

@@ -101,6 +101,16 @@ def target_ahead(seen: Sequence[Sighting], clearance_m: float | None, ahead_deg:
     return any(abs(s.bearing_deg) < ahead_deg and s.distance_m <= clearance_m + reach_m for s in seen)
 
 
+def every_allowed() -> list[tuple[Action, ...]]:
+    """Every set of actions `feasible_actions` can return (the forward moves up to 75, 50, 25 cm or none, with
+    the turns and stop): the answer grammars a robot may need, compiled once before its first task."""
+    others = [a for a in VOCABULARY if a.kind != "forward"]
+    return [
+        tuple(a for a in VOCABULARY if a.kind != "forward" or a.amount <= top)
+        for top in sorted(FORWARD_CM, reverse=True)
+    ] + [tuple(others)]
+
+
 class Feasibility:
     """What the robot can do now, from its range source and the obstacle stop's distance; counts the forward moves
     in a row the obstacle stop cut short (per task: `reset`)."""
