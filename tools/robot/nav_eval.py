@@ -15,6 +15,14 @@ Per episode and aggregated (all, no cut, cut, and per scene):
                  within reach, around the obstacles inflated by the robot's radius
                  (agent/robot/shortest.py), over the path the robot took
     steps, path length, collisions, mean tau, mean time per step, verified and offline steps
+    cut short    motions the obstacle stop cut short (Step.stopped_by "obstacle"), and their share of the
+                 episode's steps (aggregated: the largest share of any episode)
+    refusals     steps whose answer grammar left actions out (nav.feasible, agent/robot/feasible.py)
+
+`--set KEY=VALUE` overrides the robot's config after this tool's own: `--set nav.feasible=false` runs today's
+answer grammar beside the narrowed one; on a loaded machine, longer plan, frame and verify limits keep the load
+from deciding the outcome (`agent.max_plan_age_s`, `camera.max_age_ms`, `safety.max_frame_age_s`,
+`link.verify_timeout_s`).
 
 Writes nav_eval.json (with the config in use), nav_eval.md, nav_eval.png (success per scene),
 nav_eval_spl.png and maps/<scene>_start<i>_<cut|nocut>.png (the path on the top-down map) under

@@ -77,9 +77,9 @@ def test_the_grammar_holds_the_allowed_actions_alone():
 def test_what_is_allowed_runs_to_its_end_in_the_simulator(clearance):
     """Facing the cabinet of green_box_behind_block at `clearance` m: every allowed forward move runs through the
     deployed safety layer without an obstacle stop, and the largest refused one is stopped."""
+    from agent.robot.controllers.sim import SimController
     from agent.robot.safety import SafetyLayer, SafetyLimits
     from agent.robot.scripted import FakeClock, execute
-    from agent.robot.controllers.sim import SimController
     from agent.robot.sim import make_world
 
     limits = SafetyLimits(max_frame_age_s=None)  # the obstacle stop at its default distance
