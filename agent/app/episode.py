@@ -111,6 +111,12 @@ def summarize(
             sum(r.latency_ms.get("generate", 0.0) for r in verified) / max(1, len(verified)) / 1e3, 3
         ),
         "parses": {k: sum(r.parse == k for r in records) for k in ("exact", "tolerant", "miss", "refused")},
+        # motions the obstacle stop cut short, and steps whose answer grammar left actions out (agent/robot/feasible.py)
+        "cut_short": sum(r.stopped_by == "obstacle" for r in records),
+        "cut_short_share": round(sum(r.stopped_by == "obstacle" for r in records) / len(records), 3)
+        if records
+        else 0.0,
+        "refused_steps": sum(bool(r.refused) for r in records),
         "wall_s": round(wall_s, 2) if wall_s is not None else None,
     }
 

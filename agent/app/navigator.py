@@ -37,10 +37,21 @@ from typing import Callable, Protocol, Sequence, cast
 
 from agent.decoding.decoder import EdgeDecoder
 from agent.decoding.link import LinkLost, ServerError
-from agent.robot.actions import FORWARD_CM, STOP, TURN_DEG, Action, Parsed, motion_for, parse_action
+from agent.robot.actions import (
+    FORWARD_CM,
+    STOP,
+    TURN_DEG,
+    Action,
+    Parsed,
+    answer_grammar,
+    motion_for,
+    parse_action,
+)
 from agent.robot.camera import Frame, FrameGrabber, StaleFrame
 from agent.robot.control import ControlLoop
+from agent.robot.feasible import EVERYTHING, Feasibility, every_allowed
 from agent.robot.perception import CameraImage, Sighting
+from protocol.grammar import GrammarError
 from protocol.images import PromptImage
 from protocol.sampling import SamplingParams
 
@@ -205,7 +216,12 @@ class Navigator:
         self.session = f"nav-{uuid.uuid4().hex[:12]}"  # one server session: the few-shot prefix stays cached
         self.grammar, self.max_tokens = answer_limits(
             config.nav.grammar, config.agent.max_tokens
-        )  # the answer grammar or not
+        )  # the answer grammar or not; with nav.feasible, the latest step's (only the actions it could take)
+        safety = getattr(control, "safety", None)
+        self.feasibility = Feasibility(  # what the robot can do now (agent/robot/feasible.py)
+            getattr(safety, "ranges", None) if config.nav.grammar and config.nav.feasible else None,
+            getattr(getattr(safety, "limits", None), "min_clearance_m", None),
+        )
         # The step's answer, verified or in the offline policy (agent/app/answering.py).
         self.answers = Answerer(
             decoder,
@@ -246,6 +262,7 @@ class Navigator:
         if self.parts:
             self.drafter.use_images([])  # a text prompt: no image of an earlier generation on its markers
         self.drafter.next_logits(ids)  # the robot's side: the draft's KV cache
+        self._compile_grammars()
         if self.link == "up":  # the server's: the session's KV, kept for the next steps
             try:
                 self.decoder.generate(ids, mode="ar", max_tokens=1, params=self.params, session=self.session)
@@ -253,17 +270,36 @@ class Navigator:
                 self.links.mark("down", str(e))
         log.info("prompt prefix (%d tokens) prefilled in %.1fs", len(ids), self.clock() - t0)
 
+    def _compile_grammars(self) -> None:
+        """The answer grammars a step may need (agent/robot/feasible.py: at most four), compiled on the robot's side
+        now rather than during a task, where a compile that waits (a busy machine) would fail the step."""
+        grammars = getattr(self.drafter, "grammars", None)
+        if self.grammar is None or grammars is None:
+            return
+        narrowed = self.feasibility.min_clearance_m > 0
+        for text in [answer_grammar(allowed=a) for a in every_allowed()] if narrowed else [self.grammar]:
+            try:
+                grammars.compile("gbnf", text)
+            except GrammarError as e:  # the step compiles it again when it needs it
+                log.warning("answer grammar not compiled ahead: %s", e)
+
     def prompt_ids(self, instruction: str, observation: str, memory: Sequence[str] = ()) -> list[int]:
         """A text prompt: `observation` in words on the camera line."""
         return self.prompt(instruction, observation, memory)[0]
 
     def prompt(
-        self, instruction: str, observation: str, memory: Sequence[str] = (), image: bytes | None = None
+        self,
+        instruction: str,
+        observation: str,
+        memory: Sequence[str] = (),
+        image: bytes | None = None,
+        note: str = "",
     ) -> tuple[list[int], list[PromptImage]]:
         """(ids, images): with `image` (JPEG/PNG bytes) the camera line holds it, on the prompt's one image
-        marker, and `observation` is what follows it on the line. ValueError when the prompt holds another
-        number of markers (an instruction that spells the marker out)."""
-        chat = messages(instruction, observation, memory, parts=self.parts, image=image is not None)
+        marker, and `observation` is what follows it on the line; `note`: what cannot be done now (the line
+        before the camera's). ValueError when the prompt holds another number of markers (an instruction that
+        spells the marker out)."""
+        chat = messages(instruction, observation, memory, parts=self.parts, image=image is not None, note=note)
         ids = self.drafter.tokenize(self.drafter.apply_chat_template(chat))
         if image is None:
             return ids, []
@@ -321,6 +357,7 @@ class Navigator:
         if self.memory.start((task, instruction.strip())):
             log.info("new task %r (%s): memory cleared", task, instruction.strip())
             self.unseen_turns = 0
+            self.feasibility.reset()
         rec = Step(
             self.steps,
             task,
@@ -334,7 +371,7 @@ class Navigator:
         if isinstance(view, str):  # no fresh frame, or perception failed: the robot halted, nothing decided
             rec.mode = "halted"  # neither verified nor offline: no model answered, whatever the link
             return self._finish(rec, t0, parse="refused", reason=view)
-        ids, images = self._compose(rec, instruction, view)
+        ids, images = self._compose(rec, instruction, view, self._feasible(rec, view))
         t2 = self.clock()
         decided = self.answers.decide(ids, images, rec, view.frame_t, cancel)
         rec.latency_ms["generate"] = round((self.clock() - t2) * 1e3, 1)
@@ -378,11 +415,24 @@ class Navigator:
         self.emit({"event": "observation", "step": rec.step, "observation": rec.observation})
         return View(frame.t, seen, shown, blocked, recalled)
 
-    def _compose(self, rec: Step, instruction: str, view: View) -> tuple[list[int], list[PromptImage]]:
-        """This step's prompt (with the task's memory); rec says its size and what it shares with the last one."""
+    def _feasible(self, rec: Step, view: View) -> str:
+        """Only the actions the robot can take now in this step's answer grammar (the answerer's too); rec says
+        what was left out and why. Returns the prompt's note on it ("" when nothing was)."""
+        now = self.feasibility.now(view.seen, self.consts.ahead_deg, self.cfg.agent.reach_m)
+        if self.grammar is not None and self.feasibility.min_clearance_m > 0:
+            self.grammar = self.answers.grammar = answer_grammar(allowed=now.allowed)
+        if now is not EVERYTHING and now.refused:
+            rec.refused = f"{', '.join(map(str, now.refused))}: {now.why}"
+        return now.note
+
+    def _compose(self, rec: Step, instruction: str, view: View, note: str = "") -> tuple[list[int], list[PromptImage]]:
+        """This step's prompt (with the task's memory and `note`, what cannot be done now); rec says its size and
+        what it shares with the last one."""
         shown = view.shown
         observation = view.blocked if shown else rec.observation  # with an image, what follows it on the line
-        ids, images = self.prompt(instruction, observation, self.memory.lines(), image=shown.data if shown else None)
+        ids, images = self.prompt(
+            instruction, observation, self.memory.lines(), image=shown.data if shown else None, note=note
+        )
         rec.memory_steps, rec.memory_tokens, rec.prompt_tokens = len(self.memory), self.memory.tokens, len(ids)
         rec.prefix_shared_tokens = common_prefix(ids, self._last_ids)
         self._last_ids, self._last_images = ids, images
@@ -436,6 +486,9 @@ class Navigator:
         rec.completed = self.control.execute(
             motion_for(action, self.consts.speed * scale, self.consts.turn_rate * scale), cancel
         )
+        if not rec.completed:
+            rec.stopped_by = getattr(getattr(self.control, "safety", None), "last_stop_reason", None) or "halt"
+        self.feasibility.moved(action, rec.stopped_by)
         self._remember(rec, action, recalled)
         rec.latency_ms["act"] = round((self.clock() - t3) * 1e3, 1)
         first, peak = self.control.first_sent, self.control.peak_sent

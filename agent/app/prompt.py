@@ -230,9 +230,14 @@ CAMERA = "Camera: "
 IMAGE_RECALL = "an image, not shown again"  # a remembered image step's observation in later prompts
 
 
-def user_turn(task: str, observation: str, memory: Sequence[str] = ()) -> str:
-    """The last user turn: the task, the remembered steps (oldest first), what the camera shows now."""
-    return "\n".join([f"Task: {task.strip().rstrip('.')}.", *memory, f"{CAMERA}{observation}."])
+def user_turn(task: str, observation: str, memory: Sequence[str] = (), note: str = "") -> str:
+    """The last user turn: the task, the remembered steps (oldest first), what cannot be done now and why
+    (`note`, agent/robot/feasible.py: only when something cannot), what the camera shows now. The note sits
+    before the camera line: the camera stays last, as in every example, and the next step's prompt still
+    shares this one's tokens up to the end of its memory."""
+    return "\n".join(
+        [f"Task: {task.strip().rstrip('.')}.", *memory, *([note] if note else []), f"{CAMERA}{observation}."]
+    )
 
 
 def text_part(text: str) -> dict[str, Any]:
@@ -241,7 +246,12 @@ def text_part(text: str) -> dict[str, Any]:
 
 
 def messages(
-    instruction: str, observation: str, memory: Sequence[str] = (), parts: bool = False, image: bool = False
+    instruction: str,
+    observation: str,
+    memory: Sequence[str] = (),
+    parts: bool = False,
+    image: bool = False,
+    note: str = "",
 ) -> list[dict[str, Any]]:
     """The chat: system, the few-shot turns (never changing, so cached on both sides), then this step.
 
@@ -254,7 +264,7 @@ def messages(
     where the text would be; `observation` is then what follows the image on that line ("" or the
     blocked-way note). The template writes the part as its family does: SmolVLM's `<image>`, Qwen-VL's
     `<|vision_start|><|image_pad|><|vision_end|>` (the marker `<|image_pad|>` inside the text libmtmd wraps an
-    image in, as runtime/vision.py expects).
+    image in, as runtime/vision.py expects). `note`: what the robot cannot do now and why (user_turn).
     """
     if image and not parts:
         raise ValueError("an image in the prompt needs list-of-parts content (parts=True)")
@@ -262,7 +272,7 @@ def messages(
     for task, remembered, seen, answer in SHOTS:
         recalled = [memory_line(o, did_text(a)) for o, a in remembered]  # verified, ran to its end: no marks
         msgs += [{"role": "user", "content": user_turn(task, seen, recalled)}, {"role": "assistant", "content": answer}]
-    msgs.append({"role": "user", "content": user_turn(instruction, observation, memory)})
+    msgs.append({"role": "user", "content": user_turn(instruction, observation, memory, note)})
     if not parts:
         return msgs
     msgs = [{"role": m["role"], "content": [text_part(m["content"])]} for m in msgs]

@@ -31,6 +31,8 @@ class Step:
     command: dict = field(default_factory=lambda: {"vx": 0.0, "vy": 0.0, "wz": 0.0})  # first set-point sent (clamped)
     command_peak: dict = field(default_factory=lambda: {"vx": 0.0, "vy": 0.0, "wz": 0.0})  # largest set-point sent
     completed: bool = False  # the motion ran to its end
+    stopped_by: str = ""  # the safety stop that cut the motion short (obstacle, stale_frame, ...); "" if none did
+    refused: str = ""  # the actions left out of this step's answer grammar and why (agent/robot/feasible.py)
     reason: str = ""  # why this action (or why none)
     link: str = "up"  # up | down
     latency_ms: dict = field(default_factory=dict)  # frame_age, perceive, generate, act, step

@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
+from typing import Sequence
 
 from .controllers.base import Command
 
@@ -72,17 +73,22 @@ VOCABULARY = tuple(
 REASON_MAX_CHARS = 100  # the reason sentence, its period included
 
 
-def answer_grammar(reason_max_chars: int = REASON_MAX_CHARS) -> str:
+def answer_grammar(reason_max_chars: int = REASON_MAX_CHARS, allowed: Sequence[Action] = VOCABULARY) -> str:
     """The answer as GBNF: one short reason sentence, free, then exactly one of the 10 NaVILA sentences.
 
     Both sides decode under it (protocol/structured.py: LLGuidance, which reads GBNF, on the draft
     and on the target), so every answer parses exactly and the controller never guesses. The
     reason is letters, digits, spaces and , ; ' - up to its period; the action is one
     alternative per vocabulary entry, generated from VOCABULARY so the two never drift apart.
+    `allowed`: the actions the robot can take now (agent/robot/feasible.py), in VOCABULARY's order
+    whatever order they come in; the whole vocabulary gives the same text as ever.
     """
     if reason_max_chars < 2:
         raise ValueError("the reason needs room for a capital letter and its period")
-    actions = " | ".join(f'"{a.text}"' for a in VOCABULARY)
+    wanted = set(allowed)
+    if not wanted or not wanted <= set(VOCABULARY):
+        raise ValueError(f"the answer needs at least one NaVILA action, and only those: {sorted(map(str, wanted))}")
+    actions = " | ".join(f'"{a.text}"' for a in VOCABULARY if a in wanted)
     return (
         f'root ::= reason " " action\n'
         f'reason ::= [A-Z] [a-zA-Z0-9 ,;\'-]{{0,{reason_max_chars - 2}}} "."\n'

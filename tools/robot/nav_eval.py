@@ -15,6 +15,14 @@ Per episode and aggregated (all, no cut, cut, and per scene):
                  within reach, around the obstacles inflated by the robot's radius
                  (agent/robot/shortest.py), over the path the robot took
     steps, path length, collisions, mean tau, mean time per step, verified and offline steps
+    cut short    motions the obstacle stop cut short (Step.stopped_by "obstacle"), and their share of the
+                 episode's steps (aggregated: the largest share of any episode)
+    refusals     steps whose answer grammar left actions out (nav.feasible, agent/robot/feasible.py)
+
+`--set KEY=VALUE` overrides the robot's config after this tool's own: `--set nav.feasible=false` runs today's
+answer grammar beside the narrowed one; on a loaded machine, longer plan, frame and verify limits keep the load
+from deciding the outcome (`agent.max_plan_age_s`, `camera.max_age_ms`, `safety.max_frame_age_s`,
+`link.verify_timeout_s`).
 
 Writes nav_eval.json (with the config in use), nav_eval.md, nav_eval.png (success per scene),
 nav_eval_spl.png and maps/<scene>_start<i>_<cut|nocut>.png (the path on the top-down map) under
@@ -133,6 +141,10 @@ def aggregate(episodes: list[dict]) -> dict:
         "verified_steps": verified,
         "offline_steps": sum(e["offline_steps"] for e in episodes),
         "steps": steps,
+        # motions the obstacle stop cut short: in all, and the largest share of an episode's steps
+        "cut_short": sum(e.get("cut_short", 0) for e in episodes),
+        "max_cut_short_share": max((e.get("cut_short_share", 0.0) for e in episodes), default=None),
+        "refused_steps": sum(e.get("refused_steps", 0) for e in episodes),
     }
 
 
@@ -184,6 +196,9 @@ AGG_COLUMNS = [
     ("mean_step_s", "s/step"),
     ("verified_steps", "verified steps"),
     ("offline_steps", "offline steps"),
+    ("cut_short", "cut short"),
+    ("max_cut_short_share", "max cut-short share"),
+    ("refused_steps", "steps with refusals"),
 ]
 EPISODE_COLUMNS = [
     ("scene", "scene"),
@@ -201,6 +216,9 @@ EPISODE_COLUMNS = [
     ("mean_step_s", "s/step"),
     ("verified_steps", "verified"),
     ("offline_steps", "offline"),
+    ("cut_short", "cut short"),
+    ("cut_short_share", "cut-short share"),
+    ("refused_steps", "refusals"),
 ]
 
 
@@ -281,7 +299,8 @@ def progress(i: int, n: int, e: dict, t0: float) -> None:
         f"[{i}/{n}] {e['scene']} start {e['start']} {condition(e)}: "
         f"{'reached' if e['reached'] else 'not reached'} ({e['end']}) in {e['steps']} steps, path {e['path_m']:.2f} m "
         f"(shortest {_fmt(e['shortest_m'])}), SPL {e['spl']:.2f}, {e['collisions']} collisions, "
-        f"{e['verified_steps']} verified / {e['offline_steps']} offline, tau {_fmt(e['mean_tau'])}, "
+        f"{e['verified_steps']} verified / {e['offline_steps']} offline, {e.get('cut_short', 0)} cut short "
+        f"({_fmt(e.get('cut_short_share'))}), {e.get('refused_steps', 0)} with refusals, tau {_fmt(e['mean_tau'])}, "
         f"{_fmt(e['mean_step_s'])} s/step; {elapsed / 60:.1f} min gone, ~{eta / 60:.1f} min to go",
         flush=True,
     )
@@ -339,7 +358,7 @@ def run_models(episodes: list[tuple[Scene, int, bool]], args, maps: Path, meta: 
         print(f"verifier on cores {sorted(s.server_cpus)}, the robot on {sorted(s.agent_cpus)}", flush=True)
         drafter = None
         for scene in dict.fromkeys(sc for sc, _, _ in episodes):
-            cfg = robot_config(link.url(), args, scene, args.telemetry, len(s.agent_cpus))
+            cfg = robot_config(link.url(), args, scene, args.telemetry, len(s.agent_cpus), *args.set)
             meta.setdefault("config", cfg.to_dict())
             if drafter is None:
                 drafter = open_decoder(
@@ -398,6 +417,14 @@ def main(argv: list[str] | None = None) -> int:
         "on a fake clock (no models, no link cut)",
     )
     add_robot_args(ap)
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a robot config override after this tool's own (repeatable), e.g. nav.feasible=false for today's "
+        "answer grammar, agent.max_plan_age_s=30 on a loaded machine",
+    )
     ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument(
         "--telemetry",
@@ -437,6 +464,7 @@ def main(argv: list[str] | None = None) -> int:
         "rtt_ms": args.rtt_ms,
         "limit": args.limit,
         "min_clearance_m": args.min_clearance_m,
+        "set": list(args.set),
         "started": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
     t0 = time.perf_counter()
@@ -449,7 +477,8 @@ def main(argv: list[str] | None = None) -> int:
     for c, agg in a.items():
         print(
             f"{c}: success {_fmt(agg['success_rate'])} over {agg['episodes']} episodes, SPL {_fmt(agg['spl'])}, "
-            f"{_fmt(agg['mean_steps'])} steps, {agg['collisions']} collisions, tau {_fmt(agg['mean_tau'])}, "
+            f"{_fmt(agg['mean_steps'])} steps, {agg['collisions']} collisions, {agg['cut_short']} cut short "
+            f"(at most {_fmt(agg['max_cut_short_share'])} of an episode's steps), tau {_fmt(agg['mean_tau'])}, "
             f"{_fmt(agg['mean_step_s'])} s/step"
         )
     print(
