@@ -147,8 +147,9 @@ class Run:
         """Write one round's report to this generation: the one place a verify round reaches the committed ids,
         the metrics and the draft policy. True when the policy (AS2) has just turned speculation off.
 
-        Its costs count whether it was verified or not; its result is committed first (under a grammar, checked
-        first: ProtocolViolation, and nothing of it is counted), then counted and told to the policy."""
+        Its costs count whether it was verified or not. Its result is committed first (under a grammar, checked
+        first: ProtocolViolation, and nothing of the result is committed or counted), then counted and told to the
+        policy."""
         m = self.m
         m.draft_ms += report.draft_ms
         m.round_bytes_up += report.bytes_up

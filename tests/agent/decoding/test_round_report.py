@@ -106,3 +106,16 @@ def test_a_round_report_is_immutable(reported):
     assert isinstance(report.committed, tuple) and hash(report) == hash(dataclasses.replace(report))
     with pytest.raises(ValueError):
         dataclasses.replace(report, accepted=report.drafted + 1)  # more accepted than drafted is no round
+
+
+def test_a_failed_round_counts_what_it_spent_and_commits_nothing(drafter, reported):
+    """A round whose link dropped after the reply came (or whose reply broke the protocol) reports its drafting, its
+    bytes and FSD's outcome: they count, nothing of it is committed and the draft policy is not told."""
+    ((prompt, _, _), _), limit, stops = reported
+    run = Run(prompt, "fsd", 20, SamplingParams(), 4, None, None, SPEC)
+    run.controller = DraftController(DraftPolicy(), 4, limit)
+    failed = RoundReport(0, "fsd", 4, 3.5, bytes_up=40, bytes_down=30, predraft="miss", exits=1)
+    assert not failed.verified and run.apply(failed, stops) is False
+    assert run.committed == prompt and run.m.rounds == run.m.drafted == 0 and run.controller.lengths == {}
+    assert (run.m.draft_ms, run.m.round_bytes_up, run.m.round_bytes_down) == (3.5, 40, 30)
+    assert (run.m.predraft_misses, run.m.predraft_hits, run.m.exits_received) == (1, 0, 1)
