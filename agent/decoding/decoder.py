@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import replace
 from typing import Any, Callable
 
 from protocol import payload, sampling, wire
@@ -317,15 +316,15 @@ class EdgeDecoder:
             payload=run.spec,
             grammar=run.grammar_at(),
         )
-        report = RoundReport(run.m.rounds, "sd", len(draft.ids), draft.ms)
-        msg = wire.Verify(sid, report.number, len(run.committed), draft.ids, draft.wire_q(), fix=run.owed)
+        number, sent = run.m.rounds, (0, 0)  # the round's bytes up and down, once its reply came
+        msg = wire.Verify(sid, number, len(run.committed), draft.ids, draft.wire_q(), fix=run.owed)
         up, down = link.bytes_up, link.bytes_down
         try:
             reply, rtt = link.request(msg)
-            report = replace(report, bytes_up=link.bytes_up - up, bytes_down=link.bytes_down - down)
-            return self._checked(run, report, draft, reply, rtt)
-        except (LinkLost, ServerError):
-            run.apply(report, self.stop_ids())  # what the failed round spent; nothing of it is committed
+            sent = (link.bytes_up - up, link.bytes_down - down)
+            return self._checked(run, draft, reply, rtt, number=number, mode="sd", draft_ms=draft.ms, sent=sent)
+        except (LinkLost, ServerError):  # what the failed round spent; nothing of it is committed
+            run.apply(RoundReport(number, "sd", len(draft.ids), draft.ms, *sent), self.stop_ids())
             raise
 
     def _fsd_round(self, run: Run, ctl: DraftController, sid: str) -> RoundReport:
@@ -333,8 +332,7 @@ class EdgeDecoder:
         link, _ = self._connected()
         predrafter = self.fsd.ready()
         draft, waited, predraft = self.fsd.draft(run, predrafter, ctl.plan(run.remaining()))
-        report = RoundReport(run.m.rounds, "fsd", len(draft.ids), waited, predraft=predraft)
-        number = report.number
+        number, sent, exits = run.m.rounds, (0, 0), 0  # exits: hints received
         t0 = time.perf_counter()
         up, down = link.bytes_up, link.bytes_down
         cands = draft.cands if run.exit_layers else None
@@ -347,34 +345,64 @@ class EdgeDecoder:
             predrafter.begin(
                 number, run.committed, draft, ctl.plan(), run.params, run.params.seed, stops, run.spec, run.grammar_at()
             )
-            deadline = self.fsd.deadline()
-            vocab = self._vocab()
+            deadline, vocab = self.fsd.deadline(), self._vocab()
             while isinstance(
                 reply := self.fsd.next_reply(run, link, predrafter, sid, number, draft, vocab, deadline), wire.Exit
             ):
-                report = replace(report, exits=report.exits + 1)
+                exits += 1
             rtt = (time.perf_counter() - t0) * 1e3
-            report = replace(report, bytes_up=link.bytes_up - up, bytes_down=link.bytes_down - down)
-            return self._checked(run, report, draft, reply, rtt)
-        except (LinkLost, ServerError):
-            run.apply(report, self.stop_ids())  # what the failed round spent; nothing of it is committed
+            sent = (link.bytes_up - up, link.bytes_down - down)
+            return self._checked(
+                run,
+                draft,
+                reply,
+                rtt,
+                number=number,
+                mode="fsd",
+                draft_ms=waited,
+                sent=sent,
+                predraft=predraft,
+                exits=exits,
+            )
+        except (LinkLost, ServerError):  # what the failed round spent; nothing of it is committed
+            run.apply(RoundReport(number, "fsd", len(draft.ids), waited, *sent, predraft, exits), self.stop_ids())
             raise
 
-    def _checked(self, run: Run, sent: RoundReport, draft: Draft, reply: wire.Message, rtt: float) -> RoundReport:
-        """The report of round `sent` once its reply is checked: what it commits and what the server spent on it.
+    def _checked(
+        self,
+        run: Run,
+        draft: Draft,
+        reply: wire.Message,
+        rtt: float,
+        *,
+        number: int,
+        mode: str,
+        draft_ms: float,
+        sent: tuple[int, int],
+        predraft: str = "",
+        exits: int = 0,
+    ) -> RoundReport:
+        """The report of round `number` (drafted in draft_ms, `sent` bytes up and down) once its reply is checked:
+        what it commits and what the server spent on it.
 
         A split rejection comes with the target's p_j instead of a token: the correction is
         drawn here from norm(max(0, p_j - q_j)) and owed to the server with the next request.
         """
         split = run.spec.kind == "split"
         # ProtocolViolation (a lost link) before anything of a bad reply is committed or drawn from
-        result = replies.check_result(reply, sent.number, draft.ids, len(run.committed), self._vocab(), split)
+        result = replies.check_result(reply, number, draft.ids, len(run.committed), self._vocab(), split)
         owed = None
         if result.residual is not None:
-            owed = self._correction(run, draft, sent.number, result.accepted, result.residual)
-        timing, fsd = result.timing, sent.mode == "fsd"
-        return replace(
-            sent,
+            owed = self._correction(run, draft, number, result.accepted, result.residual)
+        timing, fsd = result.timing, mode == "fsd"
+        return RoundReport(
+            number,
+            mode,
+            len(draft.ids),
+            draft_ms,
+            *sent,
+            predraft,
+            exits,
             committed=(*draft.ids[: result.accepted], result.token if owed is None else owed),
             accepted=result.accepted,
             owed=owed,
