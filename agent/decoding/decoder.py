@@ -36,6 +36,7 @@ from .link import LinkLost, ProtocolViolation, ServerError, VerifierLink
 from .metrics import Generation, Metrics
 from .policy import DraftController
 from .predictor import RejectionPredictor, TraceWriter, predictor_path
+from .report import RoundReport
 from .run import GrammarWalk, Run
 from .session import ReconnectPolicy, Sessions
 from .settings import DecoderSettings, FsdOptions
@@ -214,17 +215,21 @@ class EdgeDecoder:
     def _round(self, run: Run, sid: str) -> None:
         """One round of the generation's mode; SD and FSD ask the draft policy whether to speculate."""
         if run.mode == "ar":
-            streaming.ar_stream(run, self._connected()[0], sid, sorted(self.stop_ids()), self._vocab())
+            run.apply_stream(
+                streaming.ar_stream(run, self._connected()[0], sid, sorted(self.stop_ids()), self._vocab())
+            )
             return
         if run.controller is None:
             run.controller = self._make_controller(sid, run)
         if not run.controller.speculating:
             link, stops, chunk = self._connected()[0], sorted(self.stop_ids()), self.settings.policy.stream_chunk
-            streaming.stream_phase(run, run.controller, link, sid, stops, self._vocab(), self.drafter, chunk)
-        elif run.mode == "sd":
-            self._sd_round(run, run.controller, sid)
-        else:
-            self._fsd_round(run, run.controller, sid)
+            phase = streaming.stream_phase(run, run.controller, link, sid, stops, self._vocab(), self.drafter, chunk)
+            run.apply_stream(phase)
+            return
+        ctl = run.controller
+        report = self._sd_round(run, ctl, sid) if run.mode == "sd" else self._fsd_round(run, ctl, sid)
+        if run.apply(report, self.stop_ids()):  # AS2 has turned speculation off: no pre-drafted next round
+            self.fsd.forget(run)
 
     def _new_link(self) -> VerifierLink:
         c = self.settings
@@ -299,10 +304,9 @@ class EdgeDecoder:
 
     # ------------------------------------------------------------------ rounds
 
-    def _sd_round(self, run: Run, ctl: DraftController, sid: str) -> None:
-        """Draft the policy's length, send it, commit what the server accepted plus its next token."""
+    def _sd_round(self, run: Run, ctl: DraftController, sid: str) -> RoundReport:
+        """Draft the policy's length, send it, and report what the server accepted plus its next token."""
         link, _ = self._connected()
-        m = run.m
         draft = self.drafter.propose(
             run.committed,
             ctl.plan(run.remaining()),
@@ -312,73 +316,105 @@ class EdgeDecoder:
             payload=run.spec,
             grammar=run.grammar_at(),
         )
-        m.draft_ms += draft.ms
-        msg = wire.Verify(sid, m.rounds, len(run.committed), draft.ids, draft.wire_q(), fix=run.owed)
+        number, sent = run.m.rounds, (0, 0)  # the round's bytes up and down, once its reply came
+        msg = wire.Verify(sid, number, len(run.committed), draft.ids, draft.wire_q(), fix=run.owed)
         up, down = link.bytes_up, link.bytes_down
-        reply, rtt = link.request(msg)
-        run.owed = None
-        m.round_bytes_up += link.bytes_up - up
-        m.round_bytes_down += link.bytes_down - down
-        result, _ = self._commit_round(run, draft, reply, rtt)
-        self._after_round(run, ctl, len(draft.ids), result, draft.ms, rtt)
+        try:
+            reply, rtt = link.request(msg)
+            sent = (link.bytes_up - up, link.bytes_down - down)
+            return self._checked(run, draft, reply, rtt, number=number, mode="sd", draft_ms=draft.ms, sent=sent)
+        except (LinkLost, ServerError):  # what the failed round spent; nothing of it is committed
+            run.apply(RoundReport(number, "sd", len(draft.ids), draft.ms, *sent), self.stop_ids())
+            raise
 
-    def _fsd_round(self, run: Run, ctl: DraftController, sid: str) -> None:
+    def _fsd_round(self, run: Run, ctl: DraftController, sid: str) -> RoundReport:
         """An SD round whose draft was (ideally) drafted during the previous round's verification."""
         link, _ = self._connected()
         predrafter = self.fsd.ready()
-        m = run.m
-        draft, waited = self.fsd.draft(run, predrafter, ctl.plan(run.remaining()))
-        number = m.rounds
+        draft, waited, predraft = self.fsd.draft(run, predrafter, ctl.plan(run.remaining()))
+        number, sent, exits = run.m.rounds, (0, 0), 0  # exits: hints received
         t0 = time.perf_counter()
         up, down = link.bytes_up, link.bytes_down
         cands = draft.cands if run.exit_layers else None
-        link.send(wire.Verify(sid, number, len(run.committed), draft.ids, draft.wire_q(), fix=run.owed, cands=cands))
-        run.owed = None
-        # the next round's draft after each way this one may end, at the length the policy plans now
-        stops = self.stop_ids()
-        predrafter.begin(
-            number, run.committed, draft, ctl.plan(), run.params, run.params.seed, stops, run.spec, run.grammar_at()
-        )
-        reply = self.fsd.await_result(run, link, predrafter, sid, number, draft, self._vocab())
-        rtt = (time.perf_counter() - t0) * 1e3
-        m.round_bytes_up += link.bytes_up - up
-        m.round_bytes_down += link.bytes_down - down
-        result, new = self._commit_round(run, draft, reply, rtt)
-        run.last_round = (number, tuple(new))
-        self._after_round(run, ctl, len(draft.ids), result, waited, rtt)
-        m.exit_layer_sum += int(result.timing.get("exit_layer") or 0)
-        m.exit_ms += float(result.timing.get("exit_ms", 0.0))
+        try:
+            link.send(
+                wire.Verify(sid, number, len(run.committed), draft.ids, draft.wire_q(), fix=run.owed, cands=cands)
+            )
+            # the next round's draft after each way this one may end, at the length the policy plans now
+            stops = self.stop_ids()
+            predrafter.begin(
+                number, run.committed, draft, ctl.plan(), run.params, run.params.seed, stops, run.spec, run.grammar_at()
+            )
+            deadline, vocab = self.fsd.deadline(), self._vocab()
+            while isinstance(
+                reply := self.fsd.next_reply(run, link, predrafter, sid, number, draft, vocab, deadline), wire.Exit
+            ):
+                exits += 1
+            rtt = (time.perf_counter() - t0) * 1e3
+            sent = (link.bytes_up - up, link.bytes_down - down)
+            return self._checked(
+                run,
+                draft,
+                reply,
+                rtt,
+                number=number,
+                mode="fsd",
+                draft_ms=waited,
+                sent=sent,
+                predraft=predraft,
+                exits=exits,
+            )
+        except (LinkLost, ServerError):  # what the failed round spent; nothing of it is committed
+            run.apply(RoundReport(number, "fsd", len(draft.ids), waited, *sent, predraft, exits), self.stop_ids())
+            raise
 
-    def _commit_round(self, run: Run, draft: Draft, reply: wire.Message, rtt: float) -> tuple[wire.Result, list[int]]:
-        """Check the reply to verify round m.rounds and commit it; returns it, checked, with the committed tokens.
+    def _checked(
+        self,
+        run: Run,
+        draft: Draft,
+        reply: wire.Message,
+        rtt: float,
+        *,
+        number: int,
+        mode: str,
+        draft_ms: float,
+        sent: tuple[int, int],
+        predraft: str = "",
+        exits: int = 0,
+    ) -> RoundReport:
+        """The report of round `number` (drafted in draft_ms, `sent` bytes up and down) once its reply is checked:
+        what it commits and what the server spent on it.
 
         A split rejection comes with the target's p_j instead of a token: the correction is
         drawn here from norm(max(0, p_j - q_j)) and owed to the server with the next request.
         """
-        m, k = run.m, len(draft.ids)
         split = run.spec.kind == "split"
         # ProtocolViolation (a lost link) before anything of a bad reply is committed or drawn from
-        result = replies.check_result(reply, m.rounds, draft.ids, len(run.committed), self._vocab(), split)
-        token = (
-            result.token if result.residual is None else self._correction(run, draft, result.accepted, result.residual)
-        )
-        new = draft.ids[: result.accepted] + [token]
-        run.commit(new, self.stop_ids(), f"the tokens committed by round {m.rounds}")
+        result = replies.check_result(reply, number, draft.ids, len(run.committed), self._vocab(), split)
+        owed = None
         if result.residual is not None:
-            run.owed = token
-            m.residuals += 1
-        m.rounds += 1
-        m.drafted += k
-        m.accepted += result.accepted
-        m.wasted_draft_tokens += k - result.accepted
-        m.verify_ms += result.timing.get("verify_ms", 0.0)
-        m.network_ms += max(0.0, rtt - result.timing.get("verify_ms", 0.0))
-        m.target_forward_passes += result.timing.get("passes", 1)
-        return result, new
+            owed = self._correction(run, draft, number, result.accepted, result.residual)
+        timing, fsd = result.timing, mode == "fsd"
+        return RoundReport(
+            number,
+            mode,
+            len(draft.ids),
+            draft_ms,
+            *sent,
+            predraft,
+            exits,
+            committed=(*draft.ids[: result.accepted], result.token if owed is None else owed),
+            accepted=result.accepted,
+            owed=owed,
+            rtt_ms=rtt,
+            verify_ms=timing.get("verify_ms", 0.0),
+            passes=timing.get("passes", 1),
+            exit_layer=int(timing.get("exit_layer") or 0) if fsd else 0,
+            exit_ms=float(timing.get("exit_ms", 0.0)) if fsd else 0.0,
+        )
 
-    def _correction(self, run: Run, draft: Draft, accepted: int, residual: dict[str, Any]) -> int:
-        """A split rejection at `accepted`: the token drawn here from norm(max(0, p_j - q_j))."""
-        number = run.m.rounds
+    def _correction(self, run: Run, draft: Draft, number: int, accepted: int, residual: dict[str, Any]) -> int:
+        """A split rejection at `accepted` in round `number`: the token drawn here from norm(max(0, p_j - q_j))."""
         if draft.q is None:
             raise ProtocolViolation(f"a residual for round {number}, whose draft sent no q")
         try:
@@ -387,15 +423,6 @@ class EdgeDecoder:
             raise ProtocolViolation(f"unusable residual for round {number}: {e}") from None
         replies.check_ids([token], self._vocab(), f"the correction drawn in round {number}")
         return token
-
-    def _after_round(
-        self, run: Run, ctl: DraftController, k: int, result: wire.Result, draft_ms: float, rtt: float
-    ) -> None:
-        """Tell the draft policy what the round showed; AS2 may turn speculation off here."""
-        verify_ms = result.timing.get("verify_ms", 0.0)
-        if ctl.observe(run.m.rounds - 1, k, result.accepted, draft_ms, verify_ms, rtt - verify_ms):
-            ctl.switched("ar", run.m.rounds, len(run.committed))
-            self.fsd.forget(run)
 
     # ------------------------------------------------------------------ draft policy
 

@@ -1,8 +1,8 @@
 """FSD's robot side, kept across generations (`FsdDrafts`): the pre-drafter, the early exits a session
 asks for, each round's draft (pre-drafted, else drafted now) and the early-exit hints before its result.
 
-The round itself (send, commit, tell the policy) is the EdgeDecoder's `_fsd_round`, shared in shape
-with SD's; what is here is what only FSD does (agent/decoding/predraft.py does the pre-drafting).
+The round itself (send, wait, check, report) is the EdgeDecoder's `_fsd_round`, reported as SD's is
+(agent/decoding/report.py); what is here is what only FSD does (agent/decoding/predraft.py does the pre-drafting).
 """
 
 from __future__ import annotations
@@ -64,20 +64,17 @@ class FsdDrafts:
             self.predrafter.close()
             self.predrafter = None
 
-    def draft(self, run: Run, predrafter: PreDrafter, k: int) -> tuple[Draft, float]:
+    def draft(self, run: Run, predrafter: PreDrafter, k: int) -> tuple[Draft, float, str]:
         """This round's draft of k tokens: pre-drafted for how the last round ended, else drafted now; with
-        the ms the loop waited for it (a hit costs it ~nothing: T_p as the loop sees it)."""
-        m = run.m
-        waited = m.draft_ms
+        the ms the loop waited for it (a hit costs it ~nothing: T_p as the loop sees it) and the pre-draft's
+        outcome (RoundReport.predraft: hit, miss, failed; "" without a last round)."""
+        waited, outcome = 0.0, ""
         draft: Draft | None = None
         if run.last_round is not None:
             t1 = time.perf_counter()
             draft, hit = predrafter.take(*run.last_round)
-            run.last_round = None
-            m.draft_ms += (time.perf_counter() - t1) * 1e3  # what the loop waited for its draft
-            m.predraft_failures += draft is None
-            m.predraft_hits += hit
-            m.predraft_misses += not hit
+            waited += (time.perf_counter() - t1) * 1e3  # what the loop waited for its draft
+            outcome = "hit" if hit else "failed" if draft is None else "miss"
         grammar = run.grammar_at()
         if draft is not None and grammar is not None:
             # pre-drafted under the grammar (predraft.py), so this keeps it whole; a safeguard all the same: a prefix
@@ -88,10 +85,14 @@ class FsdDrafts:
             draft = self.drafter.propose(
                 run.committed, k, run.params, run.rng, n_cands=n_cands, payload=run.spec, grammar=grammar
             )
-            m.draft_ms += draft.ms
-        return draft.head(k), m.draft_ms - waited
+            waited += draft.ms
+        return draft.head(k), waited, outcome
 
-    def await_result(
+    def deadline(self) -> float:
+        """When the result of a round sent now is due (time.monotonic), however many hints come first."""
+        return time.monotonic() + self.verify_timeout_s
+
+    def next_reply(
         self,
         run: Run,
         link: VerifierLink,
@@ -100,13 +101,12 @@ class FsdDrafts:
         number: int,
         draft: Draft,
         vocab: int,
+        deadline: float,
     ) -> wire.Message:
-        """Early-exit hints (checked, then offered to the pre-drafter) until the reply to round `number`."""
-        deadline = time.monotonic() + self.verify_timeout_s  # for the result, however many hints come first
-        while True:
-            reply = link.recv(sid=sid, timeout_s=max(0.0, deadline - time.monotonic()))
-            if not isinstance(reply, wire.Exit):
-                return reply
+        """The next reply to round `number`: an early-exit hint (checked, then offered to the pre-drafter), or
+        the reply that ends the round (its result, which the round checks)."""
+        reply = link.recv(sid=sid, timeout_s=max(0.0, deadline - time.monotonic()))
+        if isinstance(reply, wire.Exit):
             replies.check_exit(reply, number, draft.ids, vocab, run.exit_layers)
-            run.m.exits_received += 1
             predrafter.offer(number, reply.layer, reply.tokens, reply.confidence)
+        return reply

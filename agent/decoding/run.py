@@ -20,6 +20,7 @@ from protocol.structured import ConstraintState, Vocabulary
 from .link import ProtocolViolation, ServerError
 from .metrics import Metrics
 from .policy import DraftController
+from .report import RoundReport, StreamReport
 
 
 class GrammarWalk:
@@ -141,6 +142,61 @@ class Run:
         """Append tokens the target committed, checked against the grammar first (ProtocolViolation)."""
         self.check(new, stops, what)
         self.committed.extend(new)
+
+    def apply(self, report: RoundReport, stops: set[int]) -> bool:
+        """Write one round's report to this generation: the one place a verify round reaches the committed ids,
+        the metrics and the draft policy. True when the policy (AS2) has just turned speculation off.
+
+        Its costs count whether it was verified or not. Its result is committed first (under a grammar, checked
+        first: ProtocolViolation, and nothing of the result is committed or counted), then counted and told to the
+        policy."""
+        m = self.m
+        m.draft_ms += report.draft_ms
+        m.round_bytes_up += report.bytes_up
+        m.round_bytes_down += report.bytes_down
+        m.exits_received += report.exits
+        if report.predraft:
+            m.predraft_hits += report.predraft == "hit"
+            m.predraft_misses += report.predraft != "hit"
+            m.predraft_failures += report.predraft == "failed"
+        if report.committed is None:
+            return False
+        self.commit(list(report.committed), stops, f"the tokens committed by round {report.number}")
+        self.owed = report.owed
+        if report.mode == "fsd":
+            self.last_round = (report.number, report.committed)
+        m.residuals += report.owed is not None
+        m.rounds += 1
+        m.drafted += report.drafted
+        m.accepted += report.accepted
+        m.wasted_draft_tokens += report.drafted - report.accepted
+        m.verify_ms += report.verify_ms
+        m.network_ms += max(0.0, report.rtt_ms - report.verify_ms)
+        m.target_forward_passes += report.passes
+        m.exit_layer_sum += report.exit_layer
+        m.exit_ms += report.exit_ms
+        ctl = self.controller
+        if ctl is None:
+            raise ValueError(f"round {report.number} verified before the draft policy was made")
+        network_ms = report.rtt_ms - report.verify_ms
+        if not ctl.observe(
+            report.number, report.drafted, report.accepted, report.draft_ms, report.verify_ms, network_ms
+        ):
+            return False
+        ctl.switched("ar", m.rounds, len(self.committed))
+        return True
+
+    def apply_stream(self, report: StreamReport) -> None:
+        """Write what a target-only stream cost to this generation's metrics (its tokens are committed already), and
+        AS2's switch back to speculating to the draft policy."""
+        m = self.m
+        m.rounds += report.rounds
+        m.streamed_tokens += report.streamed
+        m.target_forward_passes += report.passes
+        m.verify_ms += report.verify_ms
+        m.network_ms += report.network_ms
+        if report.speculate and self.controller is not None:
+            self.controller.switched("sd", m.rounds, len(self.committed))
 
     def open_images(self, welcome: wire.Welcome, marker: int | None, sid: str) -> list[PromptImage]:
         """The images as an open sends them; ServerError before sending when the verifier cannot read them."""
