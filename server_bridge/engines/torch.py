@@ -333,8 +333,7 @@ class TorchEngine:
         self.compiled = (
             compile_torch.CompiledPass(self._decode_grid, self.pool, max_len, self.device) if compiled else None
         )
-        self.batchable = True
-        self.packed = False  # a pass pads its sessions to one rectangle
+        self.batchable, self.packed = True, False  # one pass for a batch, padded to one rectangle
         self.ids = SequenceIds(self.max_sequences)
         self._cache = _SlotCache()
         self._half_head = self.dtype == torch.float16
