@@ -31,6 +31,7 @@ from agent.robot.shortest import shortest_to_object
 from agent.robot.sim import SimWorld
 
 from .navigator import Navigator, Step
+from .overlap import Overlapped
 from .prompt import relevant
 
 
@@ -112,7 +113,17 @@ def summarize(
         ),
         "parses": {k: sum(r.parse == k for r in records) for k in ("exact", "tolerant", "miss", "refused")},
         "wall_s": round(wall_s, 2) if wall_s is not None else None,
+        # agent.overlap: the robot's time moving, the steps decided during the previous motion, plans refused
+        "moving_s": round(moving_s(records), 2),
+        "moving_share": round(moving / wall_s, 3) if wall_s and (moving := moving_s(records)) else 0.0,
+        "overlapped_steps": sum(bool(r.decided_during) for r in records),
+        "stale_refused": sum(r.parse == "refused" and "older than its frame" in r.reason for r in records),
     }
+
+
+def moving_s(records: list[Step]) -> float:
+    """Seconds the robot spent running motions over the records."""
+    return sum(r.latency_ms.get("act", 0.0) for r in records) / 1e3
 
 
 def navigate(
@@ -133,12 +144,19 @@ def navigate(
     """
     target = target_object(world, instruction)
     t0, collisions0, start, wall0 = world.clock(), world.collisions, tuple(world.pose), time.perf_counter()
-    end, records = run_episode(
-        lambda n: nav.step(instruction, task=task, cancel=cancel),
-        max_steps,
-        before_step=before_step,
-        on_step=on_step,
-    )
+    overlap = getattr(nav.cfg.agent, "overlap", False)  # agent.overlap: think while moving (a stand-in: no)
+    runner = Overlapped(nav) if overlap else None
+
+    def step(n: int) -> Step:
+        if runner is None:
+            return nav.step(instruction, task=task, cancel=cancel)
+        return runner.step(instruction, task, cancel, last=n == max_steps)
+
+    try:
+        end, records = run_episode(step, max_steps, before_step=before_step, on_step=on_step)
+    finally:
+        if runner is not None:
+            runner.drop()
     summary = summarize(
         world,
         records,

@@ -32,12 +32,13 @@ import logging
 import threading
 import time
 import uuid
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import Callable, Protocol, Sequence, cast
+from typing import Any, Callable, Protocol, Sequence, cast
 
 from agent.decoding.decoder import EdgeDecoder
 from agent.decoding.link import LinkLost, ServerError
-from agent.robot.actions import FORWARD_CM, STOP, TURN_DEG, Action, Parsed, motion_for, parse_action
+from agent.robot.actions import FORWARD_CM, STOP, TURN_DEG, Action, Motion, Parsed, motion_for, parse_action
 from agent.robot.camera import Frame, FrameGrabber, StaleFrame
 from agent.robot.control import ControlLoop
 from agent.robot.perception import CameraImage, Sighting
@@ -46,6 +47,7 @@ from protocol.sampling import SamplingParams
 
 from .answering import Answerer, LinkState
 from .config import Config
+from .lookahead import clearance_after, seen_after
 from .memory import Recall, StepMemory
 from .prompt import (
     AHEAD_DEG,
@@ -85,6 +87,27 @@ class View:
     shown: CameraImage | None  # perception "vlm": the image on the camera line; else None (the line is words)
     blocked: str  # the blocked-way note ("" when the way ahead is clear or not measured)
     recalled: str  # what later prompts remember it saw
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A decided step not yet acted on (Navigator.plan); `Navigator.act` acts on it."""
+
+    rec: Step  # its record so far: what it saw and what the model said
+    view: View
+    t0: float  # when the step began (its look)
+
+
+@dataclass(frozen=True)
+class Moving:
+    """A step whose motion runs (Navigator.act with wait=False); `Navigator.settle` waits for its end."""
+
+    rec: Step
+    action: Action  # what runs (after the offline envelope)
+    motion: Motion
+    recalled: str
+    t0: float  # when the step began
+    t_move: float  # when its motion started
 
 
 # ------------------------------------------------------------------ the offline envelope
@@ -164,8 +187,10 @@ class Navigator:
         emit: Callable[[dict], None] = lambda event: None,
         on_mode: Callable[[str], None] = lambda mode: None,
         clock: Callable[[], float] = time.monotonic,
+        turns: Callable[[], AbstractContextManager[Any]] = nullcontext,
     ):
         self.decoder = decoder
+        self.turns = turns  # the draft model's turn for a step's generation (agent/app/drafting.py: chat waits)
         self.drafter = decoder.drafter
         self.grabber = grabber
         self.perception = perception
@@ -220,6 +245,7 @@ class Navigator:
             clock,
         )
         self.last_look: tuple[Frame, list[Sighting]] | None = None  # the latest step's frame and sightings
+        self.hfov_deg = float(getattr(perception, "hfov_deg", 90.0))  # what a look moved by a turn still sees
 
     # -------------------------------------------------------------- the link
 
@@ -301,12 +327,15 @@ class Navigator:
         """The image of the latest step's prompt (perception "vlm"), else []."""
         return list(self._last_images)
 
-    def _clearance_ahead(self) -> float | None:
-        """The free distance straight ahead from the controller's range source; None without one."""
+    def _clearance_ahead(self, during: Motion | None = None) -> float | None:
+        """The free distance straight ahead from the controller's range source; None without one. `during`: the
+        motion under way, with agent.overlap_look "end": ahead from the pose it will reach (agent/app/overlap.py)."""
         ranges = getattr(getattr(self.control, "safety", None), "ranges", None)
         if ranges is None or not self.cfg.nav.blocked_m:
             return None
         try:
+            if during is not None and self.cfg.agent.overlap_look == "end":
+                return clearance_after(ranges.clearance_m, during)
             return ranges.clearance_m(0.0)
         except Exception:  # a range fault must not stop the step: the safety layer still checks
             log.exception("reading the range ahead failed")
@@ -315,7 +344,22 @@ class Navigator:
     def step(
         self, instruction: str, task: str = "", cancel: threading.Event | None = None, frame: Frame | None = None
     ) -> Step:
-        """Look, decide, act once. `frame` replaces the camera (an image sent through the local API)."""
+        """Look, decide, act once (sequential). `frame` replaces the camera (an image sent through the local API).
+        agent/app/overlap.py's `Overlapped` runs the same parts with the next decision made during the motion."""
+        plan = self.plan(instruction, task, cancel, frame)
+        return plan if isinstance(plan, Step) else cast(Step, self.act(plan, cancel))
+
+    def plan(
+        self,
+        instruction: str,
+        task: str = "",
+        cancel: threading.Event | None = None,
+        frame: Frame | None = None,
+        during: Moving | None = None,
+    ) -> Plan | Step:
+        """Look and decide: the Plan to act on, or the finished Step when nothing was decided (no fresh frame,
+        holding). `during`: the motion under way, when deciding the next step while it runs (the look is
+        moved to the pose it will reach, agent.overlap_look)."""
         self.steps += 1
         t0 = self.clock()
         if self.memory.start((task, instruction.strip())):
@@ -330,20 +374,25 @@ class Navigator:
             perception=getattr(self.perception, "kind", type(self.perception).__name__),
         )
         self.last_look = None
-        view = self._look(rec, instruction, frame)
+        view = self._look(rec, instruction, frame, during)
         if isinstance(view, str):  # no fresh frame, or perception failed: the robot halted, nothing decided
             rec.mode = "halted"  # neither verified nor offline: no model answered, whatever the link
             return self._finish(rec, t0, parse="refused", reason=view)
         ids, images = self._compose(rec, instruction, view)
         t2 = self.clock()
-        decided = self.answers.decide(ids, images, rec, view.frame_t, cancel)
+        with self.turns():
+            decided = self.answers.decide(ids, images, rec, view.frame_t, cancel)
         rec.latency_ms["generate"] = round((self.clock() - t2) * 1e3, 1)
         if not decided:
             self.control.halt("holding")
             return self._finish(rec, t0)
-        return self._act(rec, view, t0, cancel)
+        return Plan(rec, view, t0)
 
-    def _look(self, rec: Step, instruction: str, frame: Frame | None) -> View | str:
+    def act(self, plan: Plan, cancel: threading.Event | None = None, wait: bool = True) -> Step | Moving:
+        """Act on a plan: the finished Step, or (wait=False, a motion) the Moving to `settle` once it ends."""
+        return self._act(plan.rec, plan.view, plan.t0, cancel, wait)
+
+    def _look(self, rec: Step, instruction: str, frame: Frame | None, during: Moving | None = None) -> View | str:
         """The frame (the camera's, or the API's) perceived and put in words on rec; why not (the robot halted)."""
         source = "camera" if frame is None else "API"
         try:
@@ -355,6 +404,8 @@ class Navigator:
             self.control.halt("stale_frame")
             return f"no fresh camera frame: {e}"
         rec.latency_ms["frame_age"] = round((self.clock() - frame.t) * 1e3, 1)
+        pose = frame.meta.get("pose")
+        rec.decided_at = [round(float(v), 3) for v in pose][:3] if pose is not None else []
         t1 = self.clock()
         try:
             sightings = self.perception.describe(frame)
@@ -364,10 +415,11 @@ class Navigator:
             self.control.halt("perception_error")
             return f"perception failed: {type(e).__name__}: {e}"
         self.last_look = (frame, sightings)
+        clearance = self._clearance_ahead(during.motion if during else None)
+        if during is not None and self.cfg.agent.overlap_look == "end":  # what the robot will see there
+            sightings = seen_after(sightings, during.motion, self.hfov_deg)
         seen = relevant(sightings, instruction)
-        blocked = blocked_text(
-            self._clearance_ahead(), seen, self.cfg.nav.blocked_m, self.consts.ahead_deg, self.cfg.agent.reach_m
-        )
+        blocked = blocked_text(clearance, seen, self.cfg.nav.blocked_m, self.consts.ahead_deg, self.cfg.agent.reach_m)
         if shown is None:
             rec.observation = observation_text(seen, self.cfg.agent.reach_m, self.consts.ahead_deg) + blocked
             recalled = rec.observation
@@ -388,7 +440,9 @@ class Navigator:
         self._last_ids, self._last_images = ids, images
         return ids, images
 
-    def _act(self, rec: Step, view: View, t0: float, cancel: threading.Event | None) -> Step:
+    def _act(
+        self, rec: Step, view: View, t0: float, cancel: threading.Event | None, wait: bool = True
+    ) -> Step | Moving:
         """Act on rec.text: not at all when the plan is stale or the task cancelled; unverified, within the
         offline envelope; a stop halts the robot, any other action runs through the control loop."""
         parsed = parse_action(rec.text)
@@ -415,7 +469,7 @@ class Navigator:
             action = self._unseen(action, rec)
         if action == STOP:
             return self._stop(rec, parsed, view.recalled, t0)
-        return self._move(rec, action, view.recalled, t0, cancel)
+        return self._move(rec, action, view.recalled, t0, cancel, wait)
 
     def _stop(self, rec: Step, parsed: Parsed, recalled: str, t0: float) -> Step:
         """Halt: the model's stop (the task done), an unparseable answer's, or the offline envelope's."""
@@ -428,22 +482,41 @@ class Navigator:
         done = "the model says the task is done" if parsed.how != "miss" else f"unparseable output: {parsed.note}"
         return self._finish(rec, t0, reason=rec.reason or done)
 
-    def _move(self, rec: Step, action: Action, recalled: str, t0: float, cancel: threading.Event | None) -> Step:
-        """Run the action's motion (slower when unverified); rec says the set-points sent and whether it ran out."""
+    def _move(
+        self, rec: Step, action: Action, recalled: str, t0: float, cancel: threading.Event | None, wait: bool = True
+    ) -> Step | Moving:
+        """Run the action's motion (slower when unverified); rec says the set-points sent and whether it ran out.
+        wait=False: the motion is started and the Moving returned (the memory says it is under way)."""
         t3 = self.clock()
         self.emit({"event": "moving", "step": rec.step, "action": rec.action, "mode": rec.mode})
         scale = self.cfg.offline.speed_scale if rec.mode == "offline" else 1.0
-        rec.completed = self.control.execute(
-            motion_for(action, self.consts.speed * scale, self.consts.turn_rate * scale), cancel
-        )
-        self._remember(rec, action, recalled)
-        rec.latency_ms["act"] = round((self.clock() - t3) * 1e3, 1)
+        motion = motion_for(action, self.consts.speed * scale, self.consts.turn_rate * scale)
+        rec.latency_ms.setdefault("standing", round((t3 - t0) * 1e3, 1))  # sequential: the whole look and think
+        moving = Moving(rec, action, motion, recalled, t0, t3)
+        if wait:
+            return self._moved(moving, self.control.execute(motion, cancel))
+        self.control.start_motion(motion)
+        self.memory.add(Recall(recalled, action, verified=rec.mode == "verified", under_way=True))
+        return moving
+
+    def settle(self, moving: Moving, cancel: threading.Event | None = None) -> Step:
+        """Wait for a motion `act(wait=False)` started to end (or be cut short); the step's record finished."""
+        return self._moved(moving, self.control.wait_motion(cancel, moving.motion.duration_s + 5.0))
+
+    def _moved(self, moving: Moving, completed: bool) -> Step:
+        rec = moving.rec
+        rec.completed = completed
+        self._remember(rec, moving.action, moving.recalled)
+        end = getattr(self.control, "ended_at", None)  # when the motion ended (not when settle saw it: overlapped)
+        end = end if end is not None and end >= moving.t_move else self.clock()
+        rec.latency_ms["act"] = round((end - moving.t_move) * 1e3, 1)
         first, peak = self.control.first_sent, self.control.peak_sent
         rec.command = first.to_json() if first is not None else {"vx": 0.0, "vy": 0.0, "wz": 0.0}
         rec.command_peak = peak.to_json()
         return self._finish(
             rec,
-            t0,
+            moving.t0,
+            t_end=end,
             reason=rec.reason
             or ("" if rec.completed else f"motion cut short ({self.control.safety.last_stop_reason})"),
         )
@@ -482,17 +555,23 @@ class Navigator:
     def _remember(self, rec: Step, action: Action, observation: str) -> None:
         """What this step saw (in words: an image step's is IMAGE_RECALL) and did, for the next steps' prompts
         (only steps that acted)."""
-        self.memory.add(
+        self.memory.settle(
             Recall(observation, action, verified=rec.mode == "verified", completed=rec.completed or action == STOP)
         )
 
-    def _finish(self, rec: Step, t0: float, parse: str | None = None, reason: str | None = None) -> Step:
+    def finish(self, rec: Step, t0: float, reason: str) -> Step:
+        """Close a step's record (a plan refused outside the navigator: agent/app/overlap.py)."""
+        return self._finish(rec, t0, reason=reason)
+
+    def _finish(
+        self, rec: Step, t0: float, parse: str | None = None, reason: str | None = None, t_end: float | None = None
+    ) -> Step:
         if parse is not None:
             rec.parse = parse
         if reason:
             rec.reason = reason
         rec.link = "up" if self.link == "up" else "down"
-        rec.latency_ms["step"] = round((self.clock() - t0) * 1e3, 1)
+        rec.latency_ms["step"] = round(((self.clock() if t_end is None else t_end) - t0) * 1e3, 1)
         if rec.mode == "offline":
             self.offline_steps += 1
         self.emit(
