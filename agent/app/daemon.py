@@ -42,7 +42,7 @@ from protocol.images import MAX_IMAGE_BYTES, check_bytes
 from .config import Config
 from .drafting import DraftService, decoder_settings
 from .navigator import Navigator, Step
-from .overlap import Overlapped
+from .overlap import Overlapped, mark_decision
 from .recording import Recorder, sample_of
 from .sdnotify import Notifier
 from .senses import CameraWatch, make_perception, open_camera, open_recorder
@@ -172,7 +172,7 @@ class Daemon:
         """One step to the recording (record.path, record.foxglove), when there is one; never raises."""
         if self.recorder is None:
             return
-        frame, sightings = (self.nav.last_look if self.nav else None) or (None, [])
+        frame, sightings = (self.nav.look_of(rec.step) if self.nav else None) or (None, [])
         try:
             sample = sample_of(
                 rec, frame, sightings, self.world, self.safety, self.cfg.record.jpeg_quality, self.controller.odometry()
@@ -386,6 +386,7 @@ class Daemon:
                 except Exception:  # a printer that fails (a closed pipe) must not end the task
                     log.exception("the step hook failed")
             self.check_camera()
+            mark_decision(self.world, rec)
             record = {**rec.to_json(), "safety_stops": dict(self.safety.stops), "clearance_m": self.safety.clearance_m}
             self.telemetry.write(record)
             self.record_step(rec)

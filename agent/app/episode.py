@@ -31,7 +31,7 @@ from agent.robot.shortest import shortest_to_object
 from agent.robot.sim import SimWorld
 
 from .navigator import Navigator, Step
-from .overlap import Overlapped
+from .overlap import Overlapped, mark_decision
 from .prompt import relevant
 
 
@@ -149,8 +149,11 @@ def navigate(
 
     def step(n: int) -> Step:
         if runner is None:
-            return nav.step(instruction, task=task, cancel=cancel)
-        return runner.step(instruction, task, cancel, last=n == max_steps)
+            rec = nav.step(instruction, task=task, cancel=cancel)
+        else:
+            rec = runner.step(instruction, task, cancel, last=n == max_steps)
+        mark_decision(world, rec)
+        return rec
 
     try:
         end, records = run_episode(step, max_steps, before_step=before_step, on_step=on_step)

@@ -245,6 +245,7 @@ class Navigator:
             clock,
         )
         self.last_look: tuple[Frame, list[Sighting]] | None = None  # the latest step's frame and sightings
+        self._looks: dict[int, tuple[Frame, list[Sighting]]] = {}  # the last steps' (overlapped: one decided ahead)
         self.hfov_deg = float(getattr(perception, "hfov_deg", 90.0))  # what a look moved by a turn still sees
 
     # -------------------------------------------------------------- the link
@@ -316,6 +317,10 @@ class Navigator:
                     f"inside {wrappers[0]!r} ... {wrappers[1]!r} (a template of another model family?)"
                 )
         return at[0]
+
+    def look_of(self, step: int) -> tuple[Frame, list[Sighting]] | None:
+        """The frame and sightings step `step` decided on (one of the last few), else None."""
+        return self._looks.get(step)
 
     @property
     def last_prompt_ids(self) -> list[int]:
@@ -414,7 +419,9 @@ class Navigator:
             log.exception("perception failed")
             self.control.halt("perception_error")
             return f"perception failed: {type(e).__name__}: {e}"
-        self.last_look = (frame, sightings)
+        self.last_look = self._looks[rec.step] = (frame, sightings)
+        for old in [k for k in self._looks if k < rec.step - 2]:  # a step's and the one decided ahead of it
+            del self._looks[old]
         clearance = self._clearance_ahead(during.motion if during else None)
         if during is not None and self.cfg.agent.overlap_look == "end":  # what the robot will see there
             sightings = seen_after(sightings, during.motion, self.hfov_deg)

@@ -103,3 +103,10 @@ class Overlapped:
         rec.action, rec.action_text, rec.parse = str(STOP), STOP.text, "refused"
         why = f"decided for where step {ahead.after.step} would end, but its motion was cut short: not acted on"
         return self.nav.finish(rec, plan.t0, reason=why)
+
+
+def mark_decision(world: object, rec: Step) -> None:
+    """Put where the step looked and decided on the simulator's map (a ring when it decided while moving)."""
+    mark = getattr(world, "mark_decision", None)
+    if mark is not None and len(rec.decided_at) >= 2:
+        mark(rec.decided_at[0], rec.decided_at[1], bool(rec.decided_during))
