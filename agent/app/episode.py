@@ -136,15 +136,18 @@ def navigate(
     before_step: Callable[[int], None] | None = None,
     on_step: Callable[[int, Step], None] | None = None,
     cancel: threading.Event | None = None,
+    overlap: bool | None = None,
 ) -> tuple[dict, list[Step]]:
     """Step `nav` (an agent.app.navigator.Navigator driving `world`) on `instruction`; returns (summary, records).
 
     before_step(n) runs before step n (1-based; the link cut goes here), on_step(n, record) after it.
     The summary's `end`: done (the model said stop), unparseable, or max_steps (agent/robot/episode.py).
+    overlap: decide each step during the previous motion (agent/app/overlap.py); None: agent.overlap.
     """
     target = target_object(world, instruction)
     t0, collisions0, start, wall0 = world.clock(), world.collisions, tuple(world.pose), time.perf_counter()
-    overlap = getattr(nav.cfg.agent, "overlap", False)  # agent.overlap: think while moving (a stand-in: no)
+    if overlap is None:  # agent.overlap: think while moving (a stand-in config without it: no)
+        overlap = getattr(nav.cfg.agent, "overlap", False)
     runner = Overlapped(nav) if overlap else None
 
     def step(n: int) -> Step:
