@@ -321,6 +321,12 @@ class Daemon:
             "offline_clamped": nav.offline_clamped if nav else 0,
             "offline_turn_away_stops": nav.offline_turn_away_stops if nav else 0,
             "safety_stops": dict(self.safety.stops),
+            "overlap": {  # agent.overlap: plans decided during a motion and refused when it ended; chat's yields
+                "on": self.runner is not None,
+                "refused_stale": self.runner.refused_stale if self.runner else 0,
+                "refused_cut_short": self.runner.refused_cut if self.runner else 0,
+                "chat_yields": self.drafts.turns.chat_yields if self.drafts else 0,
+            },
             "uptime_s": round(time.monotonic() - self.started, 1),
         }
 
