@@ -51,7 +51,7 @@ def episodes(limit: int | None) -> list[tuple[str, int]]:
 
 def run_one(daemon: Daemon, scene: Scene, start: int, overlap: bool, max_steps: int) -> dict:
     """One episode from the scene's start pose, sequential or overlapped; its summary."""
-    restart(daemon, scene.starts[start], start)
+    restart(daemon, scene.starts[start], start, timeout_s=60.0)  # a loaded machine renders slowly
     tag = f"{scene.name}-{start}-{'overlapped' if overlap else 'sequential'}-{time.monotonic():.0f}"
     summary, records = navigate_with_cut(
         daemon, daemon.world, scene.task(), max_steps, task=tag, say=None, overlap=overlap
@@ -174,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-steps", type=int, default=30)
     ap.add_argument("--no-chat", action="store_true", help="skip the chat-load line")
     ap.add_argument("--out", type=Path, default=OUT)
+    ap.add_argument("--set", action="append", default=[], help="a config override (KEY=VALUE), repeatable")
     add_robot_args(ap)
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -184,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         drafter = None
         for scene_name in dict.fromkeys(sc for sc, _ in eps):
             scene = load_scene(scene_name)
-            cfg = robot_config(s.link.url(), args, scene, args.out / "telemetry.jsonl", len(s.agent_cpus))
+            cfg = robot_config(s.link.url(), args, scene, args.out / "telemetry.jsonl", len(s.agent_cpus), *args.set)
             meta.setdefault("config", cfg.to_dict())
             daemon = Daemon(cfg, drafter=drafter)
             daemon.start(notify_ready=False)
