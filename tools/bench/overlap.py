@@ -37,6 +37,7 @@ from tools.robot.episode import navigate_with_cut, restart
 from tools.robot.nav_eval import BUILTIN, add_robot_args, robot_config
 
 OUT = Path("docs/benchmarks/overlap")
+TELEMETRY = Path("build/overlap_telemetry.jsonl")  # one JSON line per step, both modes
 CHAT = [{"role": "user", "content": "Write a long story about a robot dog walking in a park."}]
 KEYS = ("wall_s", "moving_share", "steps", "path_m", "reached", "collisions", "stale_refused", "offline_steps")
 
@@ -185,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         drafter = None
         for scene_name in dict.fromkeys(sc for sc, _ in eps):
             scene = load_scene(scene_name)
-            cfg = robot_config(s.link.url(), args, scene, args.out / "telemetry.jsonl", len(s.agent_cpus), *args.set)
+            cfg = robot_config(s.link.url(), args, scene, TELEMETRY, len(s.agent_cpus), *args.set)
             meta.setdefault("config", cfg.to_dict())
             daemon = Daemon(cfg, drafter=drafter)
             daemon.start(notify_ready=False)
@@ -204,7 +205,6 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 daemon.close()
     print(write(args.out, meta, rows, chat))
-    plot(rows, args.out / "overlap.png")
     return 0
 
 
@@ -213,7 +213,8 @@ def write(out: Path, meta: dict, rows: list[dict], chat: dict | None) -> str:
     data = {**meta, "episodes": rows, "totals": totals(rows), "chat": chat}
     (out / "overlap.json").write_text(json.dumps(data, indent=1))
     md = f"# Overlapped stepping: sequential against overlapped\n\n`{meta['command'].strip()}`\n\n" + table(rows, chat)
-    (out / "overlap.md").write_text(md)
+    (out / "overlap.md").write_text(md + "\n![time to goal and time moving](overlap.png)\n")
+    plot(rows, out / "overlap.png")
     return md
 
 
