@@ -151,9 +151,11 @@ def plot(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = [f"{r['scene']}/{r['start']}" for r in rows if not r["overlap"]]
     seq = [r for r in rows if not r["overlap"]]
-    ovl = [r for r in rows if r["overlap"]]
+    names = [f"{r['scene']}/{r['start']}" for r in seq]
+    pair = {(r["scene"], r["start"]): r for r in rows if r["overlap"]}
+    none = {"wall_s": 0.0, "moving_share": 0.0}
+    ovl = [pair.get((r["scene"], r["start"]), none) for r in seq]  # an episode not run yet: an empty bar
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     x = range(len(names))
     a.bar([i - 0.2 for i in x], [r["wall_s"] for r in seq], 0.4, label="sequential")
