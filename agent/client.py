@@ -24,6 +24,7 @@ import dataclasses
 import json
 import queue
 import threading
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
@@ -232,7 +233,7 @@ class Client:
         *,
         offline: str = "refuse",
         drafter: Any = None,
-        lock: threading.Lock | None = None,
+        lock: AbstractContextManager[Any] | None = None,
         **fields: Any,
     ) -> None:
         """`settings`: the decoder's DecoderSettings, or only the verifier's ws:// or wss:// URL (None: the
@@ -253,7 +254,7 @@ class Client:
         self.settings, self.offline = settings, offline
         self.decoder = open_decoder(settings, drafter)
         self.drafter = self.decoder.drafter
-        self.lock = lock or threading.Lock()  # the draft model runs one generation at a time
+        self.lock: AbstractContextManager[Any] = lock or threading.Lock()  # one generation at a time
 
     @property
     def model(self) -> str:
@@ -383,7 +384,7 @@ class Client:
         done: list[int] = []
         if self.settings.url is not None and dec.connect():
             try:
-                gen = dec.generate(ids, mode=req.mode, grammar=grammar, until=pieces.until, **args)  # type: ignore[arg-type]
+                gen = dec.generate(ids, mode=req.mode, grammar=grammar, until=self._at_rounds(pieces.until), **args)  # type: ignore[arg-type]
             except LinkLost as e:
                 done = list(getattr(e, "token_ids", []) or [])
                 if req.offline == "refuse":
@@ -400,10 +401,23 @@ class Client:
             mode="local",
             grammar=grammar,
             grammar_from=len(ids) if grammar is not None else None,
-            until=lambda out: pieces.until(done + out),
+            until=self._at_rounds(lambda out: pieces.until(done + out)),
             **args,  # type: ignore[arg-type]
         )
         return self._completion(done + local.token_ids, local, [local.metrics], len(ids), req, pieces, len(done))
+
+    def _at_rounds(self, until: Callable[[list[int]], bool]) -> Callable[[list[int]], bool]:
+        """`until`, asked by the decoder between two rounds, with the model's turn given up there first when the
+        lock says someone goes first (agent/app/drafting.py's ModelTurns: the robot's navigation step)."""
+        give_way = getattr(self.lock, "yield_turn", None)
+        if give_way is None:
+            return until
+
+        def at_round(ids: list[int]) -> bool:
+            give_way(self.drafter)
+            return until(ids)
+
+        return at_round
 
     def _completion(
         self,

@@ -8,12 +8,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from agent.decoding.decoder import EdgeDecoder, Generation
 from agent.decoding.link import LinkLost, ServerError
-from agent.robot.actions import STOP, complete
+from agent.robot.actions import STOP, answer_grammar, complete
 from agent.robot.control import ControlLoop
+from agent.robot.feasible import every_allowed
+from protocol.grammar import GrammarError
 from protocol.images import PromptImage
 from protocol.sampling import SamplingParams
 
@@ -232,3 +234,17 @@ class Answerer:
             "reconnects": m.reconnects,
             "replicas": list(m.replicas),
         }
+
+
+def compile_answer_grammars(drafter: Any, grammar: str | None, feasibility: Any) -> None:
+    """The answer grammars a step may need (agent/robot/feasible.py: at most four), compiled on the robot's side
+    now rather than during a task, where a compile that waits (a busy machine) would fail the step."""
+    grammars = getattr(drafter, "grammars", None)
+    if grammar is None or grammars is None:
+        return
+    narrowed = feasibility.min_clearance_m > 0
+    for text in [answer_grammar(allowed=a) for a in every_allowed()] if narrowed else [grammar]:
+        try:
+            grammars.compile("gbnf", text)
+        except GrammarError as e:  # the step compiles it again when it needs it
+            log.warning("answer grammar not compiled ahead: %s", e)

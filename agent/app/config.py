@@ -52,6 +52,17 @@ class AgentSection(SamplingSettings, DraftingSettings, DraftModelSettings):
     """[agent]: the draft model and how the robot's steps decode (the decoder's parts), and the task's bounds."""
 
     max_plan_age_s: float = setting(5.0, help="Never act on a plan whose frame is older than this (s).")
+    overlap: bool = setting(
+        True,
+        help="Think while moving: step k + 1 is decided during motion k and starts when motion k ends, if its plan "
+        "is still fresh (false: look, decide, act, one after the other).",
+    )
+    overlap_look: str = setting(
+        "end",
+        choices=("end", "start"),
+        help='Overlapped: what step k + 1 sees. "end": the frame at the start of motion k, its sightings and the '
+        'range ahead moved to the pose motion k will reach (dead reckoning); "start": that frame as it is.',
+    )
     reach_m: float = setting(0.6, help='"Within reach" in the observation text, and a reached target (m).')
     task_timeout_s: float = setting(
         60.0,

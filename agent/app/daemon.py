@@ -30,9 +30,8 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from agent.decoding import DecoderSettings, open_decoder
 from agent.decoding.decoder import EdgeDecoder
-from agent.decoding.link import default_robot_id, tls_context
+from agent.decoding.link import tls_context
 from agent.robot.camera import Frame, FrameGrabber
 from agent.robot.control import ControlLoop
 from agent.robot.controllers.base import Controller, ControllerError, make_controller
@@ -41,7 +40,9 @@ from agent.robot.safety import SafetyLayer
 from protocol.images import MAX_IMAGE_BYTES, check_bytes
 
 from .config import Config
+from .drafting import DraftService, decoder_settings
 from .navigator import Navigator, Step
+from .overlap import Overlapped, mark_decision
 from .recording import Recorder, sample_of
 from .sdnotify import Notifier
 from .senses import CameraWatch, make_perception, open_camera, open_recorder
@@ -88,7 +89,9 @@ class Daemon:
         self.grabber: FrameGrabber | None = None
         self.control: ControlLoop | None = None
         self.decoder: EdgeDecoder | None = None
+        self.drafts: DraftService | None = None  # the draft model, its turns (navigation first), the chat's client
         self.nav: Navigator | None = None
+        self.runner: Overlapped | None = None  # agent.overlap: the steps decided during the previous motion
         self._disk = DiskTrouble()  # the telemetry's and the recording's: a full disk is one warning
         self.telemetry = TelemetryWriter(telemetry_path(cfg.telemetry.path), cfg.telemetry.max_bytes, self._disk)
         self.recorder: Recorder | None = None  # record.path / record.foxglove: made by start()
@@ -100,7 +103,7 @@ class Daemon:
         self._listeners: list[Callable[[dict], None]] = []
         self._lock = threading.Lock()
         self._decoding = threading.Lock()  # one submitted image decoded at a time; another is refused (Busy)
-        self.model_lock = threading.Lock()  # the draft model: one navigation step or one chat answer at a time
+        self.model_lock: object = None  # the draft model's turns (DraftService.turns), made by start()
         self.task: dict | None = None  # the running task's status
         self.last_step: dict | None = None
         self.task_records: list = []  # the running (or last) task's nav.Step records, the first MAX_RECORDS
@@ -131,8 +134,8 @@ class Daemon:
             watchdog_interval_s=self.notifier.watchdog_interval_s(),
         ).start()
         self.notifier.status("loading the draft model")
-        self.decoder = open_decoder(decoder_settings(cfg, token), self._drafter)
-        self._drafter = self.decoder.drafter
+        self.drafts = DraftService.open(cfg, token, self._drafter)
+        self.decoder, self._drafter, self.model_lock = self.drafts.decoder, self.drafts.drafter, self.drafts.turns
         log.info("draft offload (llama.cpp's own query): %s", getattr(self._drafter, "offload", "unknown"))
         self.nav = Navigator(
             self.decoder,
@@ -142,7 +145,9 @@ class Daemon:
             cfg,
             emit=self._emit,
             on_mode=self._on_mode,
+            turns=self.drafts.navigation,
         )
+        self.runner = Overlapped(self.nav) if cfg.agent.overlap else None
         self.nav.check_link()
         self.notifier.status("prefilling the prompt")
         self.nav.warm_up()
@@ -167,7 +172,7 @@ class Daemon:
         """One step to the recording (record.path, record.foxglove), when there is one; never raises."""
         if self.recorder is None:
             return
-        frame, sightings = (self.nav.last_look if self.nav else None) or (None, [])
+        frame, sightings = (self.nav.look_of(rec.step) if self.nav else None) or (None, [])
         try:
             sample = sample_of(
                 rec, frame, sightings, self.world, self.safety, self.cfg.record.jpeg_quality, self.controller.odometry()
@@ -190,8 +195,8 @@ class Daemon:
         if self.grabber is not None:
             self.grabber.stop()
         self.safety.close()  # the last StopMove goes out (bounded) before the driver closes
-        if self.decoder is not None:
-            self.decoder.close()
+        if self.drafts is not None:
+            self.drafts.close()
         try:
             self.controller.disconnect()
         finally:
@@ -316,6 +321,12 @@ class Daemon:
             "offline_clamped": nav.offline_clamped if nav else 0,
             "offline_turn_away_stops": nav.offline_turn_away_stops if nav else 0,
             "safety_stops": dict(self.safety.stops),
+            "overlap": {  # agent.overlap: plans decided during a motion and refused when it ended; chat's yields
+                "on": self.runner is not None,
+                "refused_stale": self.runner.refused_stale if self.runner else 0,
+                "refused_cut_short": self.runner.refused_cut if self.runner else 0,
+                "chat_yields": self.drafts.turns.chat_yields if self.drafts else 0,
+            },
             "uptime_s": round(time.monotonic() - self.started, 1),
         }
 
@@ -362,8 +373,11 @@ class Daemon:
                 state = "timeout"
                 break
             t_step = time.monotonic()
-            try:
-                with self.model_lock:  # a chat answer (api.openai_listen) may hold the draft model
+            try:  # the navigator takes the draft model's turn for its generation (DraftService: ahead of chat)
+                if self.runner is not None:
+                    last = moving_steps + 1 >= task["max_steps"]
+                    rec = self.runner.step(task["instruction"], str(task["id"]), self._cancel, frame, last=last)
+                else:
                     rec = self.nav.step(task["instruction"], task=str(task["id"]), cancel=self._cancel, frame=frame)
             except Exception:  # never let one bad step kill the nav thread: stop, end the task
                 log.exception("step failed; stopping the robot and ending the task")
@@ -378,6 +392,7 @@ class Daemon:
                 except Exception:  # a printer that fails (a closed pipe) must not end the task
                     log.exception("the step hook failed")
             self.check_camera()
+            mark_decision(self.world, rec)
             record = {**rec.to_json(), "safety_stops": dict(self.safety.stops), "clearance_m": self.safety.clearance_m}
             self.telemetry.write(record)
             self.record_step(rec)
@@ -397,6 +412,8 @@ class Daemon:
                 break
         if self.safety.estopped:
             state = "estopped"
+        if self.runner is not None:
+            self.runner.drop()
         self.control.halt("task_end")
         self.task["state"] = state
         self._emit({"event": "task", "task": task["id"], "state": state})
@@ -469,25 +486,14 @@ def telemetry_path(path: str) -> Path | None:
 
 
 def chat_client(daemon: Daemon) -> Client:
-    """The OpenAI endpoint's Client (api.openai_listen): the daemon's draft model, its own link to the same
-    verifier, and the daemon's model lock, so chat answers and navigation steps take turns."""
-    from agent.client import Client
-
-    cfg = daemon.cfg
-    if daemon.decoder is None:
+    """The OpenAI endpoint's Client (api.openai_listen): the daemon's draft model (DraftService), its own link to
+    the same verifier, and the model's turns: a navigation step goes first, a chat answer yields at its next round."""
+    if daemon.drafts is None:
         raise RuntimeError("start() the daemon before its chat endpoint")
-    return Client(
-        daemon.decoder.settings,
-        drafter=daemon.decoder.drafter,
-        offline="local" if cfg.offline.policy == "local" else "refuse",
-        lock=daemon.model_lock,
-    )
+    return daemon.drafts.chat_client()
 
 
-def decoder_settings(cfg: Config, token: str) -> DecoderSettings:
-    """The decoding client's settings: [agent] and [link] are its parts (they inherit them), taken by their
-    fields; the token (read from link.token_env) and the robot id when none is configured added here."""
-    return DecoderSettings.of(cfg.agent, cfg.link, token=token, robot_id=cfg.link.robot_id or default_robot_id())
+__all__ = ["Busy", "Daemon", "chat_client", "decoder_settings", "state_directory", "telemetry_path"]
 
 
 def _decode_image(data: str) -> Frame:

@@ -31,6 +31,7 @@ from agent.robot.shortest import shortest_to_object
 from agent.robot.sim import SimWorld
 
 from .navigator import Navigator, Step
+from .overlap import Overlapped, mark_decision
 from .prompt import relevant
 
 
@@ -118,7 +119,17 @@ def summarize(
         else 0.0,
         "refused_steps": sum(bool(r.refused) for r in records),
         "wall_s": round(wall_s, 2) if wall_s is not None else None,
+        # agent.overlap: the robot's time moving, the steps decided during the previous motion, plans refused
+        "moving_s": round(moving_s(records), 2),
+        "moving_share": round(moving / wall_s, 3) if wall_s and (moving := moving_s(records)) else 0.0,
+        "overlapped_steps": sum(bool(r.decided_during) for r in records),
+        "stale_refused": sum(r.parse == "refused" and "older than its frame" in r.reason for r in records),
     }
+
+
+def moving_s(records: list[Step]) -> float:
+    """Seconds the robot spent running motions over the records."""
+    return sum(r.latency_ms.get("act", 0.0) for r in records) / 1e3
 
 
 def navigate(
@@ -131,20 +142,33 @@ def navigate(
     before_step: Callable[[int], None] | None = None,
     on_step: Callable[[int, Step], None] | None = None,
     cancel: threading.Event | None = None,
+    overlap: bool | None = None,
 ) -> tuple[dict, list[Step]]:
     """Step `nav` (an agent.app.navigator.Navigator driving `world`) on `instruction`; returns (summary, records).
 
     before_step(n) runs before step n (1-based; the link cut goes here), on_step(n, record) after it.
     The summary's `end`: done (the model said stop), unparseable, or max_steps (agent/robot/episode.py).
+    overlap: decide each step during the previous motion (agent/app/overlap.py); None: agent.overlap.
     """
     target = target_object(world, instruction)
     t0, collisions0, start, wall0 = world.clock(), world.collisions, tuple(world.pose), time.perf_counter()
-    end, records = run_episode(
-        lambda n: nav.step(instruction, task=task, cancel=cancel),
-        max_steps,
-        before_step=before_step,
-        on_step=on_step,
-    )
+    if overlap is None:  # agent.overlap: think while moving (a stand-in config without it: no)
+        overlap = getattr(nav.cfg.agent, "overlap", False)
+    runner = Overlapped(nav) if overlap else None
+
+    def step(n: int) -> Step:
+        if runner is None:
+            rec = nav.step(instruction, task=task, cancel=cancel)
+        else:
+            rec = runner.step(instruction, task, cancel, last=n == max_steps)
+        mark_decision(world, rec)
+        return rec
+
+    try:
+        end, records = run_episode(step, max_steps, before_step=before_step, on_step=on_step)
+    finally:
+        if runner is not None:
+            runner.drop()
     summary = summarize(
         world,
         records,

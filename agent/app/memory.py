@@ -26,10 +26,19 @@ class Recall:
     action: Action
     verified: bool
     completed: bool = True  # the motion ran to its end (False: cut short by a halt)
+    under_way: bool = False  # the motion runs while the next step is decided (agent.overlap)
 
     def line(self) -> str:
-        """The step as the prompt shows it, marked when unverified or cut short."""
-        marks = [m for m, on in (("unverified", not self.verified), ("cut short", not self.completed)) if on]
+        """The step as the prompt shows it, marked when unverified, cut short or still under way."""
+        marks = [
+            m
+            for m, on in (
+                ("unverified", not self.verified),
+                ("under way", self.under_way),
+                ("cut short", not self.completed and not self.under_way),
+            )
+            if on
+        ]
         return memory_line(self.observation, did_text(self.action) + (f" ({', '.join(marks)})" if marks else ""))
 
 
@@ -69,6 +78,12 @@ class StepMemory:
         self.tokens = self._count()
         if self.tokens > self.max_tokens:
             self._trim(lambda: self.tokens > self.max_tokens // 2)
+
+    def settle(self, recall: Recall) -> None:
+        """A step that acted: it replaces the same step's "under way" line (an overlapped step), else is added."""
+        if self._steps and self._steps[-1].under_way:
+            self._steps.pop()
+        self.add(recall)
 
     def _trim(self, over: Callable[[], bool]) -> None:
         while self._steps and over():

@@ -32,8 +32,9 @@ import logging
 import threading
 import time
 import uuid
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import Callable, Protocol, Sequence, cast
+from typing import Any, Callable, Protocol, Sequence, cast
 
 from agent.decoding.decoder import EdgeDecoder
 from agent.decoding.link import LinkLost, ServerError
@@ -42,6 +43,7 @@ from agent.robot.actions import (
     STOP,
     TURN_DEG,
     Action,
+    Motion,
     Parsed,
     answer_grammar,
     motion_for,
@@ -49,14 +51,14 @@ from agent.robot.actions import (
 )
 from agent.robot.camera import Frame, FrameGrabber, StaleFrame
 from agent.robot.control import ControlLoop
-from agent.robot.feasible import EVERYTHING, Feasibility, every_allowed
+from agent.robot.feasible import EVERYTHING, Feasibility
 from agent.robot.perception import CameraImage, Sighting
-from protocol.grammar import GrammarError
 from protocol.images import PromptImage
 from protocol.sampling import SamplingParams
 
-from .answering import Answerer, LinkState
+from .answering import Answerer, LinkState, compile_answer_grammars
 from .config import Config
+from .lookahead import clearance_after, seen_after
 from .memory import Recall, StepMemory
 from .prompt import (
     AHEAD_DEG,
@@ -64,6 +66,7 @@ from .prompt import (
     answer_limits,
     blocked_text,
     common_prefix,
+    image_index,
     messages,
     observation_text,
     relevant,
@@ -96,6 +99,27 @@ class View:
     shown: CameraImage | None  # perception "vlm": the image on the camera line; else None (the line is words)
     blocked: str  # the blocked-way note ("" when the way ahead is clear or not measured)
     recalled: str  # what later prompts remember it saw
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A decided step not yet acted on (Navigator.plan); `Navigator.act` acts on it."""
+
+    rec: Step  # its record so far: what it saw and what the model said
+    view: View
+    t0: float  # when the step began (its look)
+
+
+@dataclass(frozen=True)
+class Moving:
+    """A step whose motion runs (Navigator.act with wait=False); `Navigator.settle` waits for its end."""
+
+    rec: Step
+    action: Action  # what runs (after the offline envelope)
+    motion: Motion
+    recalled: str
+    t0: float  # when the step began
+    t_move: float  # when its motion started
 
 
 # ------------------------------------------------------------------ the offline envelope
@@ -175,8 +199,10 @@ class Navigator:
         emit: Callable[[dict], None] = lambda event: None,
         on_mode: Callable[[str], None] = lambda mode: None,
         clock: Callable[[], float] = time.monotonic,
+        turns: Callable[[], AbstractContextManager[Any]] = nullcontext,
     ):
         self.decoder = decoder
+        self.turns = turns  # the draft model's turn for a step's generation (agent/app/drafting.py: chat waits)
         self.drafter = decoder.drafter
         self.grabber = grabber
         self.perception = perception
@@ -210,7 +236,7 @@ class Navigator:
             )
         if self.sees:  # at start, not at the first step: the draft's chat template lays the image out as expected
             chat = messages("look around", "", parts=True, image=True)
-            self._image_at(self.drafter.tokenize(self.drafter.apply_chat_template(chat)))
+            image_index(self.drafter, self.drafter.tokenize(self.drafter.apply_chat_template(chat)))
         self._last_ids: list[int] = []  # the previous prompt: what both KV caches start from
         self._last_images: list[PromptImage] = []  # its image (perception "vlm"), else none
         self.session = f"nav-{uuid.uuid4().hex[:12]}"  # one server session: the few-shot prefix stays cached
@@ -236,6 +262,8 @@ class Navigator:
             clock,
         )
         self.last_look: tuple[Frame, list[Sighting]] | None = None  # the latest step's frame and sightings
+        self._looks: dict[int, tuple[Frame, list[Sighting]]] = {}  # the last steps' (overlapped: one decided ahead)
+        self.hfov_deg = float(getattr(perception, "hfov_deg", 90.0))  # what a look moved by a turn still sees
 
     # -------------------------------------------------------------- the link
 
@@ -262,26 +290,13 @@ class Navigator:
         if self.parts:
             self.drafter.use_images([])  # a text prompt: no image of an earlier generation on its markers
         self.drafter.next_logits(ids)  # the robot's side: the draft's KV cache
-        self._compile_grammars()
+        compile_answer_grammars(self.drafter, self.grammar, self.feasibility)
         if self.link == "up":  # the server's: the session's KV, kept for the next steps
             try:
                 self.decoder.generate(ids, mode="ar", max_tokens=1, params=self.params, session=self.session)
             except (LinkLost, ServerError) as e:
                 self.links.mark("down", str(e))
         log.info("prompt prefix (%d tokens) prefilled in %.1fs", len(ids), self.clock() - t0)
-
-    def _compile_grammars(self) -> None:
-        """The answer grammars a step may need (agent/robot/feasible.py: at most four), compiled on the robot's side
-        now rather than during a task, where a compile that waits (a busy machine) would fail the step."""
-        grammars = getattr(self.drafter, "grammars", None)
-        if self.grammar is None or grammars is None:
-            return
-        narrowed = self.feasibility.min_clearance_m > 0
-        for text in [answer_grammar(allowed=a) for a in every_allowed()] if narrowed else [self.grammar]:
-            try:
-                grammars.compile("gbnf", text)
-            except GrammarError as e:  # the step compiles it again when it needs it
-                log.warning("answer grammar not compiled ahead: %s", e)
 
     def prompt_ids(self, instruction: str, observation: str, memory: Sequence[str] = ()) -> list[int]:
         """A text prompt: `observation` in words on the camera line."""
@@ -303,29 +318,11 @@ class Navigator:
         ids = self.drafter.tokenize(self.drafter.apply_chat_template(chat))
         if image is None:
             return ids, []
-        return ids, [PromptImage.of(image, self._image_at(ids))]
+        return ids, [PromptImage.of(image, image_index(self.drafter, ids))]
 
-    def _image_at(self, ids: list[int]) -> int:
-        """The index of the prompt's one image marker. A marker that stands for the image chunk alone (Qwen-VL's
-        `<|image_pad|>`) must sit inside the text the projector wraps an image in (`<|vision_start|>` ...
-        `<|vision_end|>`, which the family's chat template writes): ValueError otherwise."""
-        at = [i for i, t in enumerate(ids) if t == self.drafter.image_marker]
-        if len(at) != 1:
-            raise ValueError(
-                f"the step's prompt holds {len(at)} image markers, not the camera image's one: "
-                "the instruction or the memory spells the marker out"
-            )
-        wrappers = getattr(getattr(self.drafter, "vision", None), "wrappers", None)
-        if wrappers:
-            before, after = (self.drafter.tokenize(w) for w in wrappers)
-            i = at[0]
-            if ids[i - len(before) : i] != before or ids[i + 1 : i + 1 + len(after)] != after:
-                around = self.drafter.detokenize(ids[max(0, i - 3) : i + 4])
-                raise ValueError(
-                    f"the draft's chat template writes the image as {around!r}: its projector expects the marker "
-                    f"inside {wrappers[0]!r} ... {wrappers[1]!r} (a template of another model family?)"
-                )
-        return at[0]
+    def look_of(self, step: int) -> tuple[Frame, list[Sighting]] | None:
+        """The frame and sightings step `step` decided on (one of the last few), else None."""
+        return self._looks.get(step)
 
     @property
     def last_prompt_ids(self) -> list[int]:
@@ -337,12 +334,15 @@ class Navigator:
         """The image of the latest step's prompt (perception "vlm"), else []."""
         return list(self._last_images)
 
-    def _clearance_ahead(self) -> float | None:
-        """The free distance straight ahead from the controller's range source; None without one."""
+    def _clearance_ahead(self, during: Motion | None = None) -> float | None:
+        """The free distance straight ahead from the controller's range source; None without one. `during`: the
+        motion under way, with agent.overlap_look "end": ahead from the pose it will reach (agent/app/overlap.py)."""
         ranges = getattr(getattr(self.control, "safety", None), "ranges", None)
         if ranges is None or not self.cfg.nav.blocked_m:
             return None
         try:
+            if during is not None and self.cfg.agent.overlap_look == "end":
+                return clearance_after(ranges.clearance_m, during)
             return ranges.clearance_m(0.0)
         except Exception:  # a range fault must not stop the step: the safety layer still checks
             log.exception("reading the range ahead failed")
@@ -351,7 +351,22 @@ class Navigator:
     def step(
         self, instruction: str, task: str = "", cancel: threading.Event | None = None, frame: Frame | None = None
     ) -> Step:
-        """Look, decide, act once. `frame` replaces the camera (an image sent through the local API)."""
+        """Look, decide, act once (sequential). `frame` replaces the camera (an image sent through the local API).
+        agent/app/overlap.py's `Overlapped` runs the same parts with the next decision made during the motion."""
+        plan = self.plan(instruction, task, cancel, frame)
+        return plan if isinstance(plan, Step) else cast(Step, self.act(plan, cancel))
+
+    def plan(
+        self,
+        instruction: str,
+        task: str = "",
+        cancel: threading.Event | None = None,
+        frame: Frame | None = None,
+        during: Moving | None = None,
+    ) -> Plan | Step:
+        """Look and decide: the Plan to act on, or the finished Step when nothing was decided (no fresh frame,
+        holding). `during`: the motion under way, when deciding the next step while it runs (the look is
+        moved to the pose it will reach, agent.overlap_look)."""
         self.steps += 1
         t0 = self.clock()
         if self.memory.start((task, instruction.strip())):
@@ -367,20 +382,25 @@ class Navigator:
             perception=getattr(self.perception, "kind", type(self.perception).__name__),
         )
         self.last_look = None
-        view = self._look(rec, instruction, frame)
+        view = self._look(rec, instruction, frame, during)
         if isinstance(view, str):  # no fresh frame, or perception failed: the robot halted, nothing decided
             rec.mode = "halted"  # neither verified nor offline: no model answered, whatever the link
             return self._finish(rec, t0, parse="refused", reason=view)
         ids, images = self._compose(rec, instruction, view, self._feasible(rec, view))
         t2 = self.clock()
-        decided = self.answers.decide(ids, images, rec, view.frame_t, cancel)
+        with self.turns():
+            decided = self.answers.decide(ids, images, rec, view.frame_t, cancel)
         rec.latency_ms["generate"] = round((self.clock() - t2) * 1e3, 1)
         if not decided:
             self.control.halt("holding")
             return self._finish(rec, t0)
-        return self._act(rec, view, t0, cancel)
+        return Plan(rec, view, t0)
 
-    def _look(self, rec: Step, instruction: str, frame: Frame | None) -> View | str:
+    def act(self, plan: Plan, cancel: threading.Event | None = None, wait: bool = True) -> Step | Moving:
+        """Act on a plan: the finished Step, or (wait=False, a motion) the Moving to `settle` once it ends."""
+        return self._act(plan.rec, plan.view, plan.t0, cancel, wait)
+
+    def _look(self, rec: Step, instruction: str, frame: Frame | None, during: Moving | None = None) -> View | str:
         """The frame (the camera's, or the API's) perceived and put in words on rec; why not (the robot halted)."""
         source = "camera" if frame is None else "API"
         try:
@@ -392,6 +412,8 @@ class Navigator:
             self.control.halt("stale_frame")
             return f"no fresh camera frame: {e}"
         rec.latency_ms["frame_age"] = round((self.clock() - frame.t) * 1e3, 1)
+        pose = frame.meta.get("pose")
+        rec.decided_at = [round(float(v), 3) for v in pose][:3] if pose is not None else []
         t1 = self.clock()
         try:
             sightings = self.perception.describe(frame)
@@ -400,11 +422,14 @@ class Navigator:
             log.exception("perception failed")
             self.control.halt("perception_error")
             return f"perception failed: {type(e).__name__}: {e}"
-        self.last_look = (frame, sightings)
+        self.last_look = self._looks[rec.step] = (frame, sightings)
+        for old in [k for k in self._looks if k < rec.step - 2]:  # a step's and the one decided ahead of it
+            del self._looks[old]
+        clearance = self._clearance_ahead(during.motion if during else None)
+        if during is not None and self.cfg.agent.overlap_look == "end":  # what the robot will see there
+            sightings = seen_after(sightings, during.motion, self.hfov_deg)
         seen = relevant(sightings, instruction)
-        blocked = blocked_text(
-            self._clearance_ahead(), seen, self.cfg.nav.blocked_m, self.consts.ahead_deg, self.cfg.agent.reach_m
-        )
+        blocked = blocked_text(clearance, seen, self.cfg.nav.blocked_m, self.consts.ahead_deg, self.cfg.agent.reach_m)
         if shown is None:
             rec.observation = observation_text(seen, self.cfg.agent.reach_m, self.consts.ahead_deg) + blocked
             recalled = rec.observation
@@ -438,7 +463,9 @@ class Navigator:
         self._last_ids, self._last_images = ids, images
         return ids, images
 
-    def _act(self, rec: Step, view: View, t0: float, cancel: threading.Event | None) -> Step:
+    def _act(
+        self, rec: Step, view: View, t0: float, cancel: threading.Event | None, wait: bool = True
+    ) -> Step | Moving:
         """Act on rec.text: not at all when the plan is stale or the task cancelled; unverified, within the
         offline envelope; a stop halts the robot, any other action runs through the control loop."""
         parsed = parse_action(rec.text)
@@ -465,7 +492,7 @@ class Navigator:
             action = self._unseen(action, rec)
         if action == STOP:
             return self._stop(rec, parsed, view.recalled, t0)
-        return self._move(rec, action, view.recalled, t0, cancel)
+        return self._move(rec, action, view.recalled, t0, cancel, wait)
 
     def _stop(self, rec: Step, parsed: Parsed, recalled: str, t0: float) -> Step:
         """Halt: the model's stop (the task done), an unparseable answer's, or the offline envelope's."""
@@ -478,25 +505,44 @@ class Navigator:
         done = "the model says the task is done" if parsed.how != "miss" else f"unparseable output: {parsed.note}"
         return self._finish(rec, t0, reason=rec.reason or done)
 
-    def _move(self, rec: Step, action: Action, recalled: str, t0: float, cancel: threading.Event | None) -> Step:
-        """Run the action's motion (slower when unverified); rec says the set-points sent and whether it ran out."""
+    def _move(
+        self, rec: Step, action: Action, recalled: str, t0: float, cancel: threading.Event | None, wait: bool = True
+    ) -> Step | Moving:
+        """Run the action's motion (slower when unverified); rec says the set-points sent and whether it ran out.
+        wait=False: the motion is started and the Moving returned (the memory says it is under way)."""
         t3 = self.clock()
         self.emit({"event": "moving", "step": rec.step, "action": rec.action, "mode": rec.mode})
         scale = self.cfg.offline.speed_scale if rec.mode == "offline" else 1.0
-        rec.completed = self.control.execute(
-            motion_for(action, self.consts.speed * scale, self.consts.turn_rate * scale), cancel
-        )
+        motion = motion_for(action, self.consts.speed * scale, self.consts.turn_rate * scale)
+        rec.latency_ms.setdefault("standing", round((t3 - t0) * 1e3, 1))  # sequential: the whole look and think
+        moving = Moving(rec, action, motion, recalled, t0, t3)
+        if wait:
+            return self._moved(moving, self.control.execute(motion, cancel))
+        self.control.start_motion(motion)
+        self.memory.add(Recall(recalled, action, verified=rec.mode == "verified", under_way=True))
+        return moving
+
+    def settle(self, moving: Moving, cancel: threading.Event | None = None) -> Step:
+        """Wait for a motion `act(wait=False)` started to end (or be cut short); the step's record finished."""
+        return self._moved(moving, self.control.wait_motion(cancel, moving.motion.duration_s + 5.0))
+
+    def _moved(self, moving: Moving, completed: bool) -> Step:
+        rec = moving.rec
+        rec.completed = completed
         if not rec.completed:
             rec.stopped_by = getattr(getattr(self.control, "safety", None), "last_stop_reason", None) or "halt"
-        self.feasibility.moved(action, rec.stopped_by)
-        self._remember(rec, action, recalled)
-        rec.latency_ms["act"] = round((self.clock() - t3) * 1e3, 1)
+        self.feasibility.moved(moving.action, rec.stopped_by)
+        self._remember(rec, moving.action, moving.recalled)
+        end = getattr(self.control, "ended_at", None)  # when the motion ended (not when settle saw it: overlapped)
+        end = end if end is not None and end >= moving.t_move else self.clock()
+        rec.latency_ms["act"] = round((end - moving.t_move) * 1e3, 1)
         first, peak = self.control.first_sent, self.control.peak_sent
         rec.command = first.to_json() if first is not None else {"vx": 0.0, "vy": 0.0, "wz": 0.0}
         rec.command_peak = peak.to_json()
         return self._finish(
             rec,
-            t0,
+            moving.t0,
+            t_end=end,
             reason=rec.reason
             or ("" if rec.completed else f"motion cut short ({self.control.safety.last_stop_reason})"),
         )
@@ -535,17 +581,23 @@ class Navigator:
     def _remember(self, rec: Step, action: Action, observation: str) -> None:
         """What this step saw (in words: an image step's is IMAGE_RECALL) and did, for the next steps' prompts
         (only steps that acted)."""
-        self.memory.add(
+        self.memory.settle(
             Recall(observation, action, verified=rec.mode == "verified", completed=rec.completed or action == STOP)
         )
 
-    def _finish(self, rec: Step, t0: float, parse: str | None = None, reason: str | None = None) -> Step:
+    def finish(self, rec: Step, t0: float, reason: str) -> Step:
+        """Close a step's record (a plan refused outside the navigator: agent/app/overlap.py)."""
+        return self._finish(rec, t0, reason=reason)
+
+    def _finish(
+        self, rec: Step, t0: float, parse: str | None = None, reason: str | None = None, t_end: float | None = None
+    ) -> Step:
         if parse is not None:
             rec.parse = parse
         if reason:
             rec.reason = reason
         rec.link = "up" if self.link == "up" else "down"
-        rec.latency_ms["step"] = round((self.clock() - t0) * 1e3, 1)
+        rec.latency_ms["step"] = round(((self.clock() if t_end is None else t_end) - t0) * 1e3, 1)
         if rec.mode == "offline":
             self.offline_steps += 1
         self.emit(

@@ -293,3 +293,26 @@ def answer_limits(grammar: bool, max_tokens: int) -> tuple[str | None, int]:
     and the target verifies, so an answer is always one reason and one NaVILA sentence and within
     answer_max_tokens it always ends; without it, the configured nav max_tokens."""
     return (answer_grammar(), answer_max_tokens()) if grammar else (None, max_tokens)
+
+
+def image_index(drafter: Any, ids: list[int]) -> int:
+    """The index of the prompt's one image marker. A marker that stands for the image chunk alone (Qwen-VL's
+    `<|image_pad|>`) must sit inside the text the projector wraps an image in (`<|vision_start|>` ...
+    `<|vision_end|>`, which the family's chat template writes): ValueError otherwise."""
+    at = [i for i, t in enumerate(ids) if t == drafter.image_marker]
+    if len(at) != 1:
+        raise ValueError(
+            f"the step's prompt holds {len(at)} image markers, not the camera image's one: "
+            "the instruction or the memory spells the marker out"
+        )
+    wrappers = getattr(getattr(drafter, "vision", None), "wrappers", None)
+    if wrappers:
+        before, after = (drafter.tokenize(w) for w in wrappers)
+        i = at[0]
+        if ids[i - len(before) : i] != before or ids[i + 1 : i + 1 + len(after)] != after:
+            around = drafter.detokenize(ids[max(0, i - 3) : i + 4])
+            raise ValueError(
+                f"the draft's chat template writes the image as {around!r}: its projector expects the marker "
+                f"inside {wrappers[0]!r} ... {wrappers[1]!r} (a template of another model family?)"
+            )
+    return at[0]

@@ -41,6 +41,10 @@ class Step:
     memory_tokens: int = 0  # their size in draft tokens (bounded by nav.memory_max_tokens)
     prompt_tokens: int = 0  # the whole prompt
     prefix_shared_tokens: int = 0  # of it, shared with the previous step's prompt (KV reused on both sides)
+    decided_during: int = 0  # agent.overlap: the step during whose motion this one was decided (0: standing)
+    decided_at: list = field(default_factory=list)  # [x, y, theta] of its frame (a simulator's), where it looked
+    # latency_ms also says what overlapped: think_moving (look and think while the previous motion ran) and
+    # standing (the robot stood still between the previous motion's end and this one's start)
 
     def to_json(self) -> dict:
         return asdict(self)

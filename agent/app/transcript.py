@@ -36,9 +36,21 @@ def step_lines(n: int, rec: Step) -> str:
         f"     action: {rec.action} ({rec.parse}{'; ' + rec.parse_note if rec.parse_note else ''}) -> "
         f"sent {command_text(rec.command_peak)}; think {rec.latency_ms.get('generate', 0) / 1e3:.1f}s ({dec})",
     ]
+    lines[-1] += overlap_text(rec)
     if rec.reason:
         lines.append(f"     why: {rec.reason}")
     return "\n".join(lines)
+
+
+def overlap_text(rec: Step) -> str:
+    """What overlapped (agent.overlap): "; thought during step 3's motion (1.2s), stood 0.4s", or how long the
+    robot stood for a step decided standing."""
+    lat = rec.latency_ms
+    stood = f"stood {lat['standing'] / 1e3:.1f}s" if "standing" in lat else ""
+    if rec.decided_during:
+        moving = f"thought during step {rec.decided_during}'s motion ({lat.get('think_moving', 0) / 1e3:.1f}s)"
+        return "; " + ", ".join(p for p in (moving, stood) if p)
+    return f"; {stood}" if stood else ""
 
 
 def printer(write: Callable[[str], None] = print) -> Callable[[int, Step], None]:

@@ -60,6 +60,7 @@ class ControlLoop:
         self.last_sent = Command()
         self.first_sent: Command | None = None  # the first command of the current motion, after the safety layer
         self.peak_sent = Command()  # its largest set-point per axis (by magnitude)
+        self.ended_at: float | None = None  # when the last motion ended or was dropped (self.clock())
 
     # -------------------------------------------------------------- lifecycle
 
@@ -85,7 +86,12 @@ class ControlLoop:
     def execute(self, motion: Motion, cancel: threading.Event | None = None, timeout_s: float | None = None) -> bool:
         """Run a motion to its end (blocking). False when it was cut short (e-stop, cancel, a halt)."""
         self.start_motion(motion)
-        deadline = time.monotonic() + (timeout_s if timeout_s is not None else motion.duration_s + 5.0)
+        return self.wait_motion(cancel, timeout_s if timeout_s is not None else motion.duration_s + 5.0)
+
+    def wait_motion(self, cancel: threading.Event | None = None, timeout_s: float = 5.0) -> bool:
+        """Wait for the motion `start_motion` began to end (the navigator's overlapped steps start it, decide
+        the next step, then wait here). False when it was cut short (e-stop, cancel, a halt, the timeout)."""
+        deadline = time.monotonic() + timeout_s
         while not self._done.wait(0.01):
             if (cancel is not None and cancel.is_set()) or time.monotonic() > deadline:
                 self.halt("cancelled" if cancel is not None and cancel.is_set() else "motion_timeout")
@@ -119,6 +125,7 @@ class ControlLoop:
     def _drop(self) -> None:
         if self._motion is not None:
             self._cut = True
+            self.ended_at = self.clock()
         self._motion, self._ramping = None, False
         self._done.set()
 
@@ -147,6 +154,7 @@ class ControlLoop:
                 if sent == Command():
                     self.safety.stop("motion_done")
                     self._motion = None
+                    self.ended_at = now
                     self._done.set()
         else:
             self.safety.tick()

@@ -305,6 +305,7 @@ class SimWorld:
         self._tag = ""
         self.collisions = 0
         self._path: deque = deque(maxlen=PATH_MAXLEN)  # (t, x, y, theta, tag); the oldest drop off
+        self.decisions: deque = deque(maxlen=1000)  # (x, y, while_moving): where the robot looked and decided
         self._path.append((self._t, *self._pose, self._tag))
 
     # ---- state
@@ -372,8 +373,13 @@ class SimWorld:
             self.start_index = start_index
             self._vel = Command()
             self.collisions = 0
+            self.decisions.clear()
             self._path.clear()
             self._path.append((self._t, *self._pose, self._tag))
+
+    def mark_decision(self, x: float, y: float, while_moving: bool) -> None:
+        """Where a step's look was taken (the map marks it: a dot standing, a ring while the robot moved)."""
+        self.decisions.append((float(x), float(y), bool(while_moving)))
 
     # ---- motion
     def set_velocity(self, cmd: Command) -> None:
@@ -582,6 +588,8 @@ def draw_map(
             img, tag, (margin + 30, margin + 16 + 14 * i), cv2.FONT_HERSHEY_SIMPLEX, 0.38, (30, 30, 30), 1, cv2.LINE_AA
         )
 
+    for x, y, moving in list(getattr(world, "decisions", ())):  # where decisions were taken
+        cv2.circle(img, px(x, y), 3, (90, 40, 160), 1 if moving else -1, cv2.LINE_AA)
     sx, sy = px(world.start.x, world.start.y)
     cv2.drawMarker(img, (sx, sy), (0, 0, 0), cv2.MARKER_TILTED_CROSS, 12, 2)
     cv2.putText(img, "start", (sx + 6, sy - 6), cv2.FONT_HERSHEY_SIMPLEX, 0.35, (0, 0, 0), 1, cv2.LINE_AA)

@@ -81,13 +81,14 @@ def navigate_with_cut(
     task: str = "episode",
     telemetry=None,
     say: Callable[[str], None] | None = print,
+    overlap: bool | None = None,
 ) -> tuple[dict, list[Step]]:
     """One instruction from the world's current pose until the model says stop or max_steps pass.
 
     daemon_or_nav: a started agent.app.daemon.Daemon (its Navigator and telemetry are used) or a Navigator.
     `task` keys the Navigator's per-task memory: give each episode its own. telemetry: a TelemetryWriter
     for one JSON line per step (default: the daemon's). say: where the cut's messages go (None: nowhere).
-    The summary (agent.app.episode.summarize) also says where the link was cut.
+    The summary (agent.app.episode.summarize) also says where the link was cut. overlap: None, the config's.
     """
     nav = getattr(daemon_or_nav, "nav", None) or daemon_or_nav
     telemetry = telemetry if telemetry is not None else getattr(daemon_or_nav, "telemetry", None)
@@ -110,7 +111,9 @@ def navigate_with_cut(
     if nav.link == "down":  # a cut that outlived the last episode: probe now, not after a backoff
         nav.check_link()
     try:
-        summary, records = navigate(nav, world, instruction, max_steps, task=task, before_step=before, on_step=on_step)
+        summary, records = navigate(
+            nav, world, instruction, max_steps, task=task, before_step=before, on_step=on_step, overlap=overlap
+        )
     finally:
         cut.restore()
     summary["cut"] = {"at": cut_at, "steps": cut_steps} if link_proxy is not None and cut_at else None

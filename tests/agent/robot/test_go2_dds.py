@@ -386,6 +386,8 @@ def test_edge_agent_run_on_the_go2_reaches_the_red_box_through_the_sdk(go2, caps
     odom = on(messages, "/odom")
     tf = on(messages, "/tf")
     assert len(odom) == len(tf) >= summary["steps"] - 1 and "/pose" not in {t for t, _, _ in messages}
+    steps = [json.loads(m.data) for m in on(messages, "/step")]
+    assert sum(bool(s["decided_during"]) for s in steps) >= 2  # agent.overlap: decided while the Go2 walked
     last = odom[-1].pose.pose.position  # the robot's own odometry at the end: where it says it is
     assert (last.x, last.y) == pytest.approx(tuple(robot["pose"][:2]), abs=0.1)
     assert [(t.header.frame_id, t.child_frame_id) for t in tf[-1].transforms][:2] == [
