@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import reprlib
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
@@ -177,8 +178,13 @@ def _timing(v: Any, name: str) -> dict[str, Any]:
     return timing
 
 
+_ASCII_SID = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+
+
 def _sid(v: Any) -> str:
     sid = _str(v, "sid", 64)
+    if _ASCII_SID.fullmatch(sid):  # the common case, fast (every frame names its session)
+        return sid
     if not sid or not all(c.isalnum() or c in "-_." for c in sid):
         raise WireError("bad_field", "sid must be 1-64 characters of [A-Za-z0-9-_.]")  # never echoed: it is bad
     return sid

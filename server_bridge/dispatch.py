@@ -28,7 +28,7 @@ from .metrics import ServerMetrics
 from .opens import slo_class
 from .outbox import Outbox
 from .requests import ArOutcome, ArRequest, OpenNeedsRoom, OpenOutcome, OpenRequest, RoundOutcome, VerifyRequest
-from .scheduler import deadline
+from .scheduler import RETRY_AFTER_S, deadline
 from .sessions import Session, SessionTable, in_request
 from .verifier import Verifier
 
@@ -96,10 +96,9 @@ class Dispatcher:
         self.sessions.check_owner(msg.sid, conn_id, msg.resume)  # refused: the owner never notices
         slo = slo_class(msg.slo, self.config.default_slo, msg.sid)  # bad_field before any queueing
         scheduler, now = self.batcher.scheduler, time.monotonic()
-        if self.sessions.peek(msg.sid) is None and (why := scheduler.saturated(now)):  # a new robot waits, cheaply
-            raise wire.WireError(
-                "overloaded", f"{why}: draft locally and retry later", msg.sid, scheduler.retry_after_ms(now)
-            )
+        if self.sessions.peek(msg.sid) is None:  # a new robot waits, cheaply: before images, grammar, model work
+            if why := scheduler.saturated(now) or self.sessions.full(msg.sid):
+                raise self._no_room(msg.sid, why, now)
         await self._decode_images(msg)  # bad_image before any queueing; the model thread only embeds them
         constraint = await self._compile_grammar(msg, client or f"connection {conn_id}")  # bad_field, likewise
         self.metrics.exits_purged += outbox.purge(msg.sid)  # hints for the old generation
@@ -217,14 +216,19 @@ class Dispatcher:
                 if evictions == MAX_EVICTIONS_PER_OPEN:
                     raise
                 if self.sessions.evict_one(msg.sid, e.reason) is None:
-                    raise wire.WireError(
-                        "overloaded",
-                        f"{e.reason}, each by a session in a request now or answered within "
-                        f"{self.sessions.protect_active_s:g}s: retry later",
-                        msg.sid,
-                        max(self.batcher.scheduler.retry_after_ms(now), round(1e3 * self.sessions.protect_active_s)),
-                    ) from None
+                    why = f"{e.reason}, each by a session in a request now or answered within "
+                    raise self._no_room(msg.sid, f"{why}{self.sessions.protect_active_s:g}s", now) from None
                 evictions += 1
+
+    def _no_room(self, sid: str, why: str, now: float) -> wire.WireError:
+        """`overloaded` for a new robot's open: no room in the table, or the verifier saturated. Its retry_after:
+        its turn (sessions.Turns: the robots refused lately over the rate sessions end), and never sooner than
+        the scheduler's hint (twice the oldest request's wait) or protect_active_s."""
+        turns = self.sessions.turns
+        turns.refused(sid, now)
+        after = max(turns.retry_after_s(now, RETRY_AFTER_S), self.sessions.protect_active_s)
+        after_ms = max(round(1e3 * after), self.batcher.scheduler.retry_after_ms(now))
+        return wire.WireError("overloaded", f"{why}: draft locally and retry later", sid, after_ms)
 
     async def _submit(self, req: VerifyRequest | ArRequest, k: int, extra: int) -> RoundOutcome | ArOutcome:
         """A verify round (k drafted tokens) or an ar token (k 0) through the batcher; `extra` new tokens beyond

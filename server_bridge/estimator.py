@@ -191,13 +191,17 @@ def split_passes(members: Sequence[Member], model: "VerifyTimeModel") -> list[li
 
 
 def _split(
-    members: Sequence[Member], model: "VerifyTimeModel"
+    members: Sequence[Member] | np.ndarray, model: "VerifyTimeModel"
 ) -> tuple[list[int], list[tuple[int, int]], list[tuple[int, int, int, int]]]:
     """split_passes as positions: the order of (L_new, L_cached), those keys in it, and each pass's [i, j)
-    in it with its padded (L_cached, L_new)."""
-    keys = [(new, cached) for cached, new in members]
-    order = sorted(range(len(members)), key=keys.__getitem__)
-    keys = [keys[k] for k in order]
+    in it with its padded (L_cached, L_new). members: (L_cached, L_new) pairs, or their array [n, 2]."""
+    if isinstance(members, np.ndarray):  # [n, 2] int64: sorted in numpy (the scheduler's queue)
+        order = np.lexsort((members[:, 0], members[:, 1])).tolist()
+        keys = list(zip(members[order, 1].tolist(), members[order, 0].tolist(), strict=True))
+    else:
+        keys = [(new, cached) for cached, new in members]
+        order = sorted(range(len(members)), key=keys.__getitem__)
+        keys = [keys[k] for k in order]
     cut, padded = _pass_starts(keys, model)
     passes, j = [], len(order)
     while j > 0:
@@ -322,8 +326,8 @@ class Passes:
         self.floor = self.ms * (1 - 1e-9)  # a lower bound of batch_ms, a hair under so that rounding never lifts it
 
     @classmethod
-    def best(cls, members: Sequence[Member], model: "VerifyTimeModel") -> "Passes":
-        """split_passes' own split: ms is batch_ms."""
+    def best(cls, members: Sequence[Member] | np.ndarray, model: "VerifyTimeModel") -> "Passes":
+        """split_passes' own split: ms is batch_ms. members: (L_cached, L_new) pairs, or their array [n, 2]."""
         _, keys, passes = _split(members, model)
         shapes = [(j - i, cached, new) for i, j, cached, new in passes]
         return cls(model, [keys[i] for i, *_ in passes], [keys[j - 1] for _, j, *_ in passes], shapes)

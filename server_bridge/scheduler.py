@@ -50,7 +50,7 @@ into a collapse (tried: small batches, more late rounds, fewer served).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import chain
 from typing import Any
@@ -85,6 +85,46 @@ class Request:
     future: Any = None  # the batcher's asyncio future for the outcome
     late: bool = field(default=False, init=False)  # set when it could not meet its deadline even alone
     passed_over: bool = field(default=False, init=False)  # a batch was chosen without it (it may be shed now)
+    slot: int = field(default=-1, init=False)  # its row in the scheduler's Columns while it waits (-1: none)
+
+
+class Columns:
+    """The waiting requests' numbers by slot, each written once as its request is queued (Scheduler.admit) and
+    read by every decision: read from the requests' attributes at every decision, they were a quarter of a
+    decision at 1,024 waiting (tools/bench/sched_decision.py). Bounded: `capacity` slots (the queue's)."""
+
+    def __init__(self, capacity: int):
+        self.shapes = np.zeros((capacity, 2), np.int64)  # (L_cached, L_new)
+        self.numbers = np.zeros((3, capacity), np.float64)  # deadline, value, arrival
+        self._free = list(range(capacity - 1, -1, -1))
+
+    def put(self, r: Request) -> None:
+        r.slot = slot = self._free.pop()
+        self.shapes[slot] = r.member
+        self.numbers[:, slot] = (r.deadline, r.value, r.arrival)
+
+    def drop(self, gone: Iterable[Request]) -> None:
+        for r in gone:
+            self._free.append(r.slot)
+            r.slot = -1
+
+    def of(self, pending: Sequence[Request]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """pending's (L_cached, L_new) [n, 2], deadlines, values and arrivals [n], in pending's order."""
+        slots = np.fromiter([r.slot for r in pending], np.intp, len(pending))
+        deadlines, values, arrivals = self.numbers[:, slots]
+        return self.shapes[slots], deadlines, values, arrivals
+
+
+def _attributes(pending: Sequence[Request]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Columns.of, read from the requests themselves (a caller without a scheduler: tests, benchmarks)."""
+    n = len(pending)
+    shapes = np.fromiter(chain.from_iterable([r.member for r in pending]), np.int64, 2 * n).reshape(n, 2)
+    return (
+        shapes,
+        np.fromiter([r.deadline for r in pending], np.float64, n),
+        np.fromiter([r.value for r in pending], np.float64, n),
+        np.fromiter([r.arrival for r in pending], np.float64, n),
+    )
 
 
 def slo_batch(
@@ -95,8 +135,10 @@ def slo_batch(
     fits_memory: Callable[[list[Member]], bool],
     max_batch: int,
     max_batch_s: float = math.inf,
+    columns: Columns | None = None,
 ) -> list[Request]:
-    """WISP Algorithm 1 at dispatch epoch `now`; returns the batch (a sub-list of pending).
+    """WISP Algorithm 1 at dispatch epoch `now`; returns the batch (a sub-list of pending). columns: the
+    scheduler's, which hold every pending request (None: read from the requests).
 
     Every batch also ends within max_batch_s (its estimate), or MIN_PASSES_IN_BOUND passes' fixed cost where
     that is longer, late requests' included, which bound nothing else: a round waits for its whole pass, and
@@ -114,7 +156,7 @@ def slo_batch(
     """
     if not pending:
         return []
-    order, shapes, deadlines = _queue(pending, now, model, guard_s, max_batch)
+    order, shapes, deadlines = _queue(pending, now, model, guard_s, max_batch, columns)
     deadlines = np.minimum(deadlines, now + max(max_batch_s, MIN_PASSES_IN_BOUND * model.scale * model.c / 1e3))
     queue = [pending[k] for k in order.tolist()]
     fit = _longest_fit(queue, shapes, deadlines, now, model, fits_memory)
@@ -122,16 +164,19 @@ def slo_batch(
 
 
 def _queue(
-    pending: Sequence[Request], now: float, model: VerifyTimeModel, guard_s: float, max_batch: int
+    pending: Sequence[Request],
+    now: float,
+    model: VerifyTimeModel,
+    guard_s: float,
+    max_batch: int,
+    columns: Columns | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The order Algorithm 1 tries pending in, one request per session, at most max_batch [k]; sets each
     one's `late`. Also theirs, in that order: (L_cached, L_new) [k, 2] and deadline, inf for a late one [k].
 
     Requests past their latest start time first, earliest deadline first; then the rest by utility
     density, most expected tokens per second of verifying alone first; ties by arrival, then pending's order."""
-    n = len(pending)
-    shapes = np.fromiter(chain.from_iterable([r.member for r in pending]), np.int64, 2 * n).reshape(n, 2)  # [n, 2]
-    deadlines = np.fromiter([r.deadline for r in pending], np.float64, n)  # [n]
+    shapes, deadlines, values, arrivals = _attributes(pending) if columns is None else columns.of(pending)
     cached, new = shapes[:, 0], shapes[:, 1]
     solo = (  # v_i, seconds: model.member_ms to the last bit
         model.scale * np.maximum(0.0, model.a * new + model.b_c * ((cached + new) * new) + model.b_r * cached + model.c)
@@ -140,8 +185,7 @@ def _queue(
     for r, is_late in zip(pending, late.tolist(), strict=True):
         r.late = is_late
     critical = now >= deadlines - solo - guard_s
-    density = -np.fromiter([r.value for r in pending], np.float64, n) / np.maximum(solo, 1e-9)
-    arrivals = np.fromiter([r.arrival for r in pending], np.float64, n)
+    density = -values / np.maximum(solo, 1e-9)
     order = np.lexsort((arrivals, np.where(critical, deadlines, density), ~critical))  # stable
     sids = [r.sid for r in pending]
     if len(set(sids)) < len(sids):  # one request per session and pass; the other waits its turn
@@ -203,7 +247,7 @@ def _longest_fit(
         if not fits(passes.floor, k + 1):
             break
         if not fits(passes.ms, k + 1):
-            passes = Passes.best([r.member for r in queue[: k + 1]], model)  # exact: batch_ms to the last bit
+            passes = Passes.best(shapes[: k + 1], model)  # exact: batch_ms to the last bit
             if not fits(passes.ms, k + 1):
                 break
         k += 1
@@ -282,6 +326,7 @@ class Scheduler:
         self.max_wait_s = max_wait_ms / 1e3
         self.max_batch_s = max_batch_ms / 1e3
         self.pending: list[Request] = []  # arrival order
+        self.columns = Columns(max_queue)  # theirs: each decision reads them
         self._seen: dict[str, _Seen] = {}  # sid -> its robot's rhythm; bounded, see _forget
         self._running: set[str] = set()  # sids of the last batch handed out (in the pass now running)
         self._free_since = 0.0  # when the target last finished a batch
@@ -297,6 +342,7 @@ class Scheduler:
                 f"the verifier is overloaded ({len(self.pending)} requests waiting): draft locally and retry later",
                 r.sid,
             )
+        self.columns.put(r)
         self.pending.append(r)
         seen = self._seen.get(r.sid)
         if seen is not None:
@@ -338,7 +384,13 @@ class Scheduler:
 
     def _critical_at(self) -> float:
         """The earliest latest start time among the waiting requests (monotonic seconds)."""
-        return min(r.deadline - self.model.member_ms(r.member) / 1e3 - self.guard_s for r in self.pending)
+        model = self.model
+        shapes, deadlines, _, _ = self.columns.of(self.pending)
+        cached, new = shapes[:, 0], shapes[:, 1]
+        solo = model.scale * np.maximum(  # model.member_ms, as _queue takes it
+            0.0, model.a * new + model.b_c * ((cached + new) * new) + model.b_r * cached + model.c
+        )
+        return float(np.min(deadlines - solo / 1e3 - self.guard_s))
 
     def ready(self, now: float) -> bool:
         """Whether a batch should go now (fixed waits for a full batch or its oldest's timeout)."""
@@ -393,6 +445,7 @@ class Scheduler:
         if gone:
             shed = {id(r) for r in gone}
             self.pending = [r for r in self.pending if id(r) not in shed]
+            self.columns.drop(gone)
         return gone
 
     def fits_memory(self, members: list[Member]) -> bool:
@@ -404,7 +457,14 @@ class Scheduler:
             return []
         if self.policy == "slo":
             batch = slo_batch(
-                self.pending, now, self.model, self.guard_s, self.fits_memory, self.max_batch, self.max_batch_s
+                self.pending,
+                now,
+                self.model,
+                self.guard_s,
+                self.fits_memory,
+                self.max_batch,
+                self.max_batch_s,
+                self.columns,
             )
         else:  # fcfs (max_batch 1) and fixed: arrival order
             batch = [self.pending[0]]
@@ -415,6 +475,7 @@ class Scheduler:
                     batch.append(r)
         chosen = {id(r) for r in batch}
         self.pending = [r for r in self.pending if id(r) not in chosen]
+        self.columns.drop(batch)
         for r in self.pending:
             r.passed_over = True
         self._running = {r.sid for r in batch}  # the batcher runs one batch at a time: the last one is gone

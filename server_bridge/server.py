@@ -86,8 +86,10 @@ class BridgeServer:
         self.image_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="images")  # opens' images, decoded
         # opens' grammars: each thread waits on a compile worker (protocol/sandbox.py bounds and shares those)
         self.grammar_threads = ThreadPoolExecutor(max_workers=GRAMMAR_THREADS, thread_name_prefix="grammar")
+        # a session holds an engine sequence: a table larger than the engine's would admit opens that the model
+        # thread can only refuse, each one a pass's round trip (at 512 robots on llama.cpp's 256: most of the loop)
         self.sessions = SessionTable(
-            config.max_sessions,
+            min(config.max_sessions, verifier.target.engine.max_sequences),
             config.max_sessions_per_connection,
             config.idle_timeout_s,
             config.detached_grace_s,

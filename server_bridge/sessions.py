@@ -20,7 +20,7 @@ import hmac
 import logging
 import secrets
 import time
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -101,6 +101,44 @@ class Session:
         return len(self.state.ids) - self.n0, max(0.0, self.t_last - self.t0)
 
 
+class Turns:
+    """When a robot refused for room (a full table) should try again: the robots refused lately over the rate
+    sessions end, so a fleet larger than the table comes back about as fast as room frees, and each retry
+    mostly finds some. At 512 robots on llama.cpp's 256 sequences, retries at the scheduler's hint (1 s and
+    up) were ~130 refusals a second, most of the event loop's work (docs/benchmarks/fleet_cpu/).
+
+    Bounded: at most `most` refused sids and `most` end times are kept, each for `window_s`."""
+
+    def __init__(self, window_s: float = 10.0, most: int = 4096):
+        self.window_s = window_s
+        self.most = most
+        self._refused: OrderedDict[str, float] = OrderedDict()  # sid -> when it was last refused, oldest first
+        self._ended: deque[float] = deque(maxlen=most)  # when sessions left the table
+
+    def ended(self, n: int, now: float) -> None:
+        self._ended.extend([now] * min(n, self.most))
+
+    def refused(self, sid: str, now: float) -> None:
+        self._refused.pop(sid, None)
+        self._refused[sid] = now
+        if len(self._refused) > self.most:
+            self._refused.popitem(last=False)
+
+    def admitted(self, sid: str) -> None:
+        self._refused.pop(sid, None)
+
+    def retry_after_s(self, now: float, bounds: tuple[float, float]) -> float:
+        """How long the next refused robot should wait, within bounds: the robots refused within window_s
+        (itself too) over the sessions that ended in it per second; the longest bound while none ended."""
+        while self._refused and next(iter(self._refused.values())) < now - self.window_s:
+            self._refused.popitem(last=False)
+        while self._ended and self._ended[0] < now - self.window_s:
+            self._ended.popleft()
+        rate = len(self._ended) / self.window_s
+        waiting = len(self._refused) + 1
+        return min(bounds[1], max(bounds[0], waiting / rate)) if rate > 0 else bounds[1]
+
+
 class SessionTable:
     """sid -> Session, least recently used first. Bounded in total, per connection and per client."""
 
@@ -131,6 +169,7 @@ class SessionTable:
         self._owned: Counter[int] = Counter()  # conn_id (DETACHED too) -> its sessions in the table
         self._clients: Counter[str] = Counter()  # client -> its sessions in the table
         self.evicted_total = 0
+        self.turns = Turns()  # when a robot refused for room should come back
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -206,6 +245,12 @@ class SessionTable:
                 f"a connection may hold at most {self.max_per_connection} sessions; close one first",
                 sid,
             )
+
+    def full(self, sid: str) -> str | None:
+        """Why an open of sid would find no room (the table full and no session to evict for it), or None."""
+        if sid in self._sessions or len(self._sessions) < self.max_sessions or self._victim(keep=sid) is not None:
+            return None
+        return f"all {self.max_sessions} sessions are in a request now or answered within {self.protect_active_s:g}s"
 
     def make_room(self, sid: str, conn_id: int, client: str) -> list[str]:
         """Before an open of sid by conn_id for client, and again as it is put: evict what must go for it to
@@ -284,8 +329,10 @@ class SessionTable:
         old = self._sessions.pop(session.sid, None)
         if old is not None:
             self._held(old, -1)
+        session.last_used = time.monotonic()  # the table's order is last use: the newest goes last
         self._sessions[session.sid] = session
         self._held(session, 1)
+        self.turns.admitted(session.sid)
         return evicted
 
     def discard(self, sid: str, conn_id: int) -> bool:
@@ -310,10 +357,14 @@ class SessionTable:
     def evict_idle(self, now: float | None = None) -> list[str]:
         """Evict sessions idle past idle_timeout_s and detached ones past detached_grace_s."""
         now = time.monotonic() if now is None else now
-        idle = [sid for sid, s in self._sessions.items() if now - s.last_used > self.idle_timeout_s]
+        idle = []
+        for sid, s in self._sessions.items():  # least recently used first (get, put): the rest are newer
+            if now - s.last_used <= self.idle_timeout_s:
+                break
+            idle.append(sid)
         gone = [
             sid
-            for sid, s in self._sessions.items()
+            for sid, s in (self._sessions.items() if self._owned[DETACHED] else ())
             if s.conn_id == DETACHED
             and sid not in idle
             and now - max(s.detached_at, s.last_used) > self.detached_grace_s
@@ -334,6 +385,7 @@ class SessionTable:
         return sids
 
     def _release(self, gone: list[Session]) -> None:
+        self.turns.ended(len(gone), time.monotonic())
         for s in gone:
             s.evicted = True  # before anything frees its KV: no pass prepared from now on may use it
         if gone and self.on_release is not None:

@@ -216,3 +216,30 @@ def test_an_open_that_finds_the_kv_pool_full_evicts_an_idle_session(make_server,
     finally:
         ws.close()
         _give_back(s, target, baseline)
+
+
+def test_a_new_robot_finding_a_full_table_is_refused_before_any_pass_and_told_when_to_return(make_server, target):
+    """Every session answered within protect_active_s: a newcomer is refused at once, in the event loop (no pass
+    runs for it), with its turn as retry_after_ms: never sooner than the window; once sessions end, as fast as
+    they end (sessions.Turns). Its robot waits that long instead of retrying at its own backoff: at 512 robots
+    on llama.cpp's 256 sequences, refused opens were most of the loop's work (docs/benchmarks/fleet_cpu/)."""
+    baseline = _in_use(target)
+    s = make_server(exits="", max_sessions=2, protect_active_s=3)
+    a, b = _connect(s, target), _connect(s, target)
+    try:
+        for ws, sid in ((a, "a"), (b, "b")):
+            assert isinstance(_open(ws, sid, PROMPT), wire.Opened)
+            _round(ws, sid, PROMPT)  # answered now: inside the window
+        passes = s.server.metrics.batches
+        refused = _open(b, "c", PROMPT)
+        assert isinstance(refused, wire.Error) and refused.code == "overloaded", refused
+        assert "all 2 sessions" in refused.message and s.server.metrics.batches == passes  # no pass for it
+        assert refused.retry_after_ms == 10_000  # no session has ended: the longest turn
+        a.send(wire.encode(wire.Close("a")))  # one ends: a turn is the robots refused over that rate
+        gone = _ask(a, wire.Verify("a", 1, len(PROMPT) + 1, [], {"kind": "none"}))  # a's frames go in order
+        assert isinstance(gone, wire.Error) and gone.code == "unknown_session"
+        assert isinstance(_open(b, "c", PROMPT), wire.Opened)
+    finally:
+        for ws in (a, b):
+            ws.close()
+        _give_back(s, target, baseline)

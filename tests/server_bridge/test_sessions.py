@@ -5,7 +5,7 @@ import pytest
 
 from protocol.sampling import SamplingParams
 from protocol.wire import WireError
-from server_bridge.sessions import Session, SessionTable, in_request
+from server_bridge.sessions import Session, SessionTable, Turns, in_request
 
 
 def _session(sid, conn=1):
@@ -137,6 +137,37 @@ def test_a_robot_answered_within_protect_active_s_keeps_its_session_and_the_newc
     t.detach(2)  # b's robot lost its link: anyone's to evict, window or not
     assert t.evict_one(keep="d", why="engine full") == "b"
     assert t.check_room("c", 3) is None and len(t) == 1  # the per-connection counts followed every move
+
+
+def test_a_full_table_says_so_before_any_model_work():
+    """`full`: the check an open passes before its images, grammar and pass; a robot's own session never waits."""
+    t = _table([], max_sessions=2, protect_active_s=30.0)
+    assert t.full("a") is None
+    t.put(_session("a", 1))
+    t.put(_session("b", 2))
+    assert "all 2 sessions" in t.full("c") and t.full("a") is None  # a re-open of a held session is not new
+    t.peek("a").t_last = t.peek("a").last_used = 0.0  # past the window: a would be evicted for c
+    assert t.full("c") is None
+
+
+def test_a_refused_robots_turn_is_the_robots_refused_over_the_rate_sessions_end():
+    turns, bounds = Turns(window_s=10.0), (1.0, 10.0)
+    assert turns.retry_after_s(0.0, bounds) == 10.0  # no session ended yet: the longest wait
+    turns.ended(20, 0.0)  # 2 a second
+    for i in range(5):
+        turns.refused(f"r{i}", 0.0)
+    assert turns.retry_after_s(0.0, bounds) == 3.0  # itself and 5 ahead of it, at 2 a second
+    turns.refused("r0", 1.0)  # a robot refused again counts once
+    turns.admitted("r1")  # and one that got in, not at all
+    assert turns.retry_after_s(1.0, bounds) == 2.5
+    assert turns.retry_after_s(10.5, bounds) == 10.0  # the window has passed: nothing ended in it
+    turns.ended(100, 11.0)
+    assert turns.retry_after_s(11.0, bounds) == 1.0  # 1 robot at 10 a second: the shortest bound
+    small = Turns(most=8)
+    for i in range(100):
+        small.refused(f"x{i}", 0.0)
+    small.ended(100, 0.0)
+    assert len(small._refused) == 8 and len(small._ended) == 8  # bounded, however many come
 
 
 def _of(client, sid, conn):

@@ -37,7 +37,7 @@ from functools import partial
 
 from server_bridge import estimator
 from server_bridge.estimator import Member, VerifyTimeModel, batch_memory_bytes, split_passes
-from server_bridge.scheduler import Request, slo_batch
+from server_bridge.scheduler import Columns, Request, slo_batch
 from tools.bench import harness
 
 H200_7B = VerifyTimeModel(a=0.05, b_c=1e-7, b_r=2e-5, c=12.0, target="7B shape", device="H200 (rough)")
@@ -149,8 +149,18 @@ def old_slo_batch(pending, now, model, guard_s, fits_memory, max_batch) -> list[
 # --------------------------------------------------------------------------- measuring
 
 
-def decide(pending: list[Request], fits_memory: Callable[[list[Member]], bool]) -> list[Request]:
-    return slo_batch(pending, NOW, H200_7B, GUARD_S, fits_memory, MAX_BATCH)
+def decide(
+    pending: list[Request], fits_memory: Callable[[list[Member]], bool], columns: Columns | None = None
+) -> list[Request]:
+    return slo_batch(pending, NOW, H200_7B, GUARD_S, fits_memory, MAX_BATCH, columns=columns)
+
+
+def queued(pending: list[Request]) -> Columns:
+    """The columns a Scheduler keeps of pending, filled as each request was admitted (not per decision)."""
+    columns = Columns(len(pending))
+    for r in pending:
+        columns.put(r)
+    return columns
 
 
 def median_ms(fn: Callable[[], object], repeats: int) -> float:
@@ -184,7 +194,7 @@ def point(kind: str, n: int, args: argparse.Namespace) -> dict:
             batch = decide(pending, fits_memory)
         exact.append(calls[0])
         sizes.append(len(batch))
-        now_ms.append(median_ms(partial(decide, pending, fits_memory), args.repeats))
+        now_ms.append(median_ms(partial(decide, pending, fits_memory, queued(pending)), args.repeats))
         members = [r.member for r in batch]
         split_ms.append(median_ms(partial(split_passes, members, H200_7B), args.repeats))
         if n <= args.old_max:
