@@ -222,11 +222,11 @@ class Dispatcher:
 
     def _no_room(self, sid: str, why: str, now: float) -> wire.WireError:
         """`overloaded` for a new robot's open: no room in the table, or the verifier saturated. Its retry_after:
-        its turn (sessions.Turns: the robots refused lately over the rate sessions end), and never sooner than
-        the scheduler's hint (twice the oldest request's wait) or protect_active_s."""
+        its turn (sessions.Turns: the robots refused lately over the rate sessions end, once some have ended),
+        and never sooner than the scheduler's hint (twice the oldest request's wait) or protect_active_s."""
         turns = self.sessions.turns
         turns.refused(sid, now)
-        after = max(turns.retry_after_s(now, RETRY_AFTER_S), self.sessions.protect_active_s)
+        after = max(turns.retry_after_s(now, RETRY_AFTER_S) or 0.0, self.sessions.protect_active_s)
         after_ms = max(round(1e3 * after), self.batcher.scheduler.retry_after_ms(now))
         return wire.WireError("overloaded", f"{why}: draft locally and retry later", sid, after_ms)
 

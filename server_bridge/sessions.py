@@ -127,16 +127,16 @@ class Turns:
     def admitted(self, sid: str) -> None:
         self._refused.pop(sid, None)
 
-    def retry_after_s(self, now: float, bounds: tuple[float, float]) -> float:
+    def retry_after_s(self, now: float, bounds: tuple[float, float]) -> float | None:
         """How long the next refused robot should wait, within bounds: the robots refused within window_s
-        (itself too) over the sessions that ended in it per second; the longest bound while none ended."""
+        (itself too) over the sessions that ended in it per second; None while none ended (no rate known)."""
         while self._refused and next(iter(self._refused.values())) < now - self.window_s:
             self._refused.popitem(last=False)
         while self._ended and self._ended[0] < now - self.window_s:
             self._ended.popleft()
         rate = len(self._ended) / self.window_s
         waiting = len(self._refused) + 1
-        return min(bounds[1], max(bounds[0], waiting / rate)) if rate > 0 else bounds[1]
+        return min(bounds[1], max(bounds[0], waiting / rate)) if rate > 0 else None
 
 
 class SessionTable:

@@ -234,7 +234,7 @@ def test_a_new_robot_finding_a_full_table_is_refused_before_any_pass_and_told_wh
         refused = _open(b, "c", PROMPT)
         assert isinstance(refused, wire.Error) and refused.code == "overloaded", refused
         assert "all 2 sessions" in refused.message and s.server.metrics.batches == passes  # no pass for it
-        assert refused.retry_after_ms == 10_000  # no session has ended: the longest turn
+        assert refused.retry_after_ms == 3000  # no session has ended (no rate yet): protect_active_s
         a.send(wire.encode(wire.Close("a")))  # one ends: a turn is the robots refused over that rate
         gone = _ask(a, wire.Verify("a", 1, len(PROMPT) + 1, [], {"kind": "none"}))  # a's frames go in order
         assert isinstance(gone, wire.Error) and gone.code == "unknown_session"

@@ -152,7 +152,7 @@ def test_a_full_table_says_so_before_any_model_work():
 
 def test_a_refused_robots_turn_is_the_robots_refused_over_the_rate_sessions_end():
     turns, bounds = Turns(window_s=10.0), (1.0, 10.0)
-    assert turns.retry_after_s(0.0, bounds) == 10.0  # no session ended yet: the longest wait
+    assert turns.retry_after_s(0.0, bounds) is None  # no session ended yet: no rate (the scheduler's hint)
     turns.ended(20, 0.0)  # 2 a second
     for i in range(5):
         turns.refused(f"r{i}", 0.0)
@@ -160,7 +160,7 @@ def test_a_refused_robots_turn_is_the_robots_refused_over_the_rate_sessions_end(
     turns.refused("r0", 1.0)  # a robot refused again counts once
     turns.admitted("r1")  # and one that got in, not at all
     assert turns.retry_after_s(1.0, bounds) == 2.5
-    assert turns.retry_after_s(10.5, bounds) == 10.0  # the window has passed: nothing ended in it
+    assert turns.retry_after_s(10.5, bounds) is None  # the window has passed: nothing ended in it
     turns.ended(100, 11.0)
     assert turns.retry_after_s(11.0, bounds) == 1.0  # 1 robot at 10 a second: the shortest bound
     small = Turns(most=8)
