@@ -67,8 +67,10 @@ class EngineSettings(TargetSettings):
     batch_invariant: str = setting(
         "auto",
         choices=COMPILE_MODES,
-        help="torch: every verified row bit-identical to the one-token pass's, whatever shares the pass "
-        "(engines/invariant_torch.py); auto = on wherever the dtype is not float32. A compiled pass wins over it.",
+        help="every verified row bit-identical to the one-token pass's, whatever shares the pass. torch: "
+        "engines/invariant_torch.py, auto = on wherever the dtype is not float32 (a compiled pass wins over it); "
+        "llamacpp: each session's tokens one at a time in its own KV stream (engines/llamacpp.py `_invariant`: "
+        "no batching, no exits), auto = off.",
     )
 
 

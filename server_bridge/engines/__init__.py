@@ -101,8 +101,9 @@ def load_engine(
     Face model directory. tap_layers: the decoder blocks the early exits may tap (llama.cpp must know
     them when its context is made). torch_compile: the torch engine's pass through torch.compile
     (compile_torch.py; auto: on CUDA): a server's config says auto, tools and tests off unless they ask.
-    batch_invariant: the torch engine's rows as its one-token pass computes them (invariant_torch.py; auto:
-    wherever the dtype is not float32).
+    batch_invariant: every verify row as the engine's one-token pass computes it: the torch engine's mode
+    (invariant_torch.py; auto: wherever the dtype is not float32), the llamacpp engine's (llamacpp._invariant;
+    auto: off, for it gives up batching).
     llama_options: the llamacpp engine's own (kv_unified, n_ubatch, flash_attn). A process holds one
     backend on the GPU at most (`_claim_gpu`).
     """
@@ -132,6 +133,7 @@ def load_engine(
             n_gpu_layers=n_gpu_layers,
             tap_layers=tap_layers or [],
             kv_type=kv_type,
+            batch_invariant=batch_invariant == "on",  # auto: off (its price: docs/benchmarks/batch_invariant_cpu/)
             **llama_options,
         )
     if engine == "torch":

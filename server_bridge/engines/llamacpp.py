@@ -152,6 +152,33 @@ MIN_STREAM_CELLS = 2048  # kv_unified auto: per-sequence streams only when each 
 CPU_UBATCH = 128  # n_ubatch 0 on the CPU without exits: tokens per micro-batch (LlamaCppEngine._ubatch)
 
 
+def _invariant(
+    tap_layers: list[int] | None, kv_unified: bool | None, n_ubatch: int, flash_attn: str
+) -> tuple[bool, int, str]:
+    """The settings of the batch-invariant mode: (kv_unified, n_ubatch, flash_attn).
+
+    llama.cpp's rows depend on the pass's shape in every weight type on this CPU (F32, F16, Q8_0, Q4_K, Q4_0:
+    docs/benchmarks/batch_invariant_cpu/): a matmul over one token takes other kernels than over many, and
+    attention's sums follow the KV cells. The mode computes every row as the one-token pass does: each
+    sequence in a llama_decode call of its own (`_chunks`), one token a micro-batch, in its own KV stream
+    (cells in position order), with flash attention (which sums over a sequence's own cells in their order;
+    without it, a row's bits also follow the other sequences' cells). Measured: 0 of 96 rows differ, alone or
+    sharing passes (tools/bench/divergence.py, llamacpp:invariant). Its price is the batching: a verify of
+    k tokens costs k one-token passes."""
+    if tap_layers:
+        raise ValueError(
+            "batch_invariant on the llamacpp engine runs each session's tokens one at a time in its own KV stream; "
+            "early exits need one unified pass: turn exits off, or use the torch engine (its batch-invariant mode "
+            "keeps the exits)"
+        )
+    if kv_unified or n_ubatch not in (0, 1) or flash_attn == "off":
+        raise ValueError(
+            "batch_invariant on the llamacpp engine needs kv_unified off, n_ubatch 0 (one token a micro-batch) "
+            f"and flash attention (got kv_unified {kv_unified}, n_ubatch {n_ubatch}, flash_attn {flash_attn})"
+        )
+    return False, 1, "on"
+
+
 class LlamaCppEngine:
     def __init__(
         self,
@@ -168,6 +195,7 @@ class LlamaCppEngine:
         flash_attn: str = "auto",
         mmproj: str | Path | None = None,
         vision_threads: int = 1,
+        batch_invariant: bool = False,
     ):
         """kv_unified: one KV pool shared by every sequence (True), or a stream of kv_tokens/max_sequences
         cells per sequence (False: faster batched passes on a GPU, measured on an H100); None picks False
@@ -175,7 +203,7 @@ class LlamaCppEngine:
         n_ubatch: tokens per llama.cpp micro-batch (0: `_ubatch`).
         flash_attn: llama.cpp's flash-attention switch (auto: on where the backend has it). mmproj: the
         target's vision projector (libmtmd's GGUF): passes may then carry images; vision_threads: libmtmd's
-        (1: see runtime/vision.py)."""
+        (1: see runtime/vision.py). batch_invariant: every row as the one-token pass computes it (`_invariant`)."""
         import llama_cpp as L
 
         if flash_attn not in FLASH_ATTN:
@@ -191,6 +219,9 @@ class LlamaCppEngine:
         self.n_batch = 2048  # tokens per llama_decode call
         self.batchable = True
         self.packed = True  # llama_batch: each token with its own sequence and position
+        self.invariant = batch_invariant
+        if batch_invariant:
+            kv_unified, n_ubatch, flash_attn = _invariant(tap_layers, kv_unified, n_ubatch, flash_attn)
         if kv_unified is None:  # streams only where each holds a whole context (many sessions: a shared pool)
             kv_unified = not offload or bool(tap_layers) or self.kv_capacity // self.max_sequences < MIN_STREAM_CELLS
         if not kv_unified and tap_layers:
@@ -230,6 +261,7 @@ class LlamaCppEngine:
                 "n_ubatch": int(cparams.n_ubatch),
                 "flash_attn": flash_attn,
                 "vision": self.vision is not None,
+                "batch_invariant": batch_invariant,
             },
         )
         self._log_loaded(time.perf_counter() - t0, mmproj)
@@ -428,8 +460,8 @@ class LlamaCppEngine:
         out_rows: list[np.ndarray] = []
         by_pass: dict[int, np.ndarray] = {}
         try:
-            for c0 in range(0, len(flat), self.n_batch):
-                out_rows.append(self._decode(flat[c0 : c0 + self.n_batch]))
+            for chunk in self._chunks(flat):
+                out_rows.append(self._decode(chunk))
             for p in batch:  # prompts with images: rare (opens), each on its own
                 if p.images:
                     by_pass[id(p)] = self._forward_images(p)
@@ -449,6 +481,17 @@ class LlamaCppEngine:
                 result.append(logits[at : at + p.keep])
                 at += p.keep
         return result
+
+    def _chunks(self, flat: list[tuple[Pass, int]]) -> list[list[tuple[Pass, int]]]:
+        """A pass's tokens as llama_decode calls: n_batch at a time, or in the invariant mode one sequence a call."""
+        if not self.invariant:
+            return [flat[c0 : c0 + self.n_batch] for c0 in range(0, len(flat), self.n_batch)]
+        calls: list[list[tuple[Pass, int]]] = []
+        for p, j in flat:
+            if j == 0 or len(calls[-1]) == self.n_batch:
+                calls.append([])
+            calls[-1].append((p, j))
+        return calls
 
     # ------------------------------------------------------------------ images
 

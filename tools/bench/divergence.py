@@ -140,10 +140,17 @@ def sd_against(target, prompts: list[list[int]], ref, n: int, gamma: int, batche
 def configure(spec: str, device: str, sessions: int, target: str | None = None, torch_target: str | None = None):
     """'llamacpp' or 'torch:<dtype>' -> (label, target, the logits' working dtype). `target`: the llamacpp
     engine's GGUF (default the shipped target); `torch_target`: the torch engine's (default `target`)."""
-    if spec == "llamacpp":
+    if spec in ("llamacpp", "llamacpp:invariant"):
+        invariant = spec.endswith("invariant")  # one token a micro-batch: the one-token pass's kernels, every row
         return (
-            "llamacpp float32 (f16 KV)",
-            load_target(target, threads=1, max_sequences=2 * sessions, kv_tokens=8192),
+            "llamacpp float32 (f16 KV)" + (", batch-invariant" if invariant else ""),
+            load_target(
+                target,
+                threads=1,
+                max_sequences=2 * sessions,
+                kv_tokens=8192,
+                batch_invariant="on" if invariant else "off",
+            ),
             "float32",
         )
     _, dtype, *mode = spec.split(":")

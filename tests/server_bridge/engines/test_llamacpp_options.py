@@ -110,3 +110,44 @@ def test_the_cpu_runs_a_pass_in_cache_sized_micro_batches_unless_exits_are_tappe
     assert (
         load_engine("smollm2-f32", threads=1, max_sequences=2, kv_tokens=256, n_ubatch=64).info.extra["n_ubatch"] == 64
     )
+
+
+def test_the_batch_invariant_mode_gives_every_verify_row_the_one_token_pass_bits():
+    """batch_invariant = "on" (llamacpp._invariant): a session's verify rows, alone or sharing a pass with other
+    sessions at other draft lengths, after a rejected draft too, are the rows the one-token passes at those
+    positions compute, bit for bit. Without it they differ by rounding (docs/benchmarks/batch_invariant_cpu/)."""
+    from server_bridge.target import Extension, load_target
+
+    target = load_target(None, threads=1, max_sequences=6, kv_tokens=1536, batch_invariant="on")
+    assert target.engine.info.extra["batch_invariant"] and not target.engine.kv_unified
+    prompts = [target.engine.tokenizer.encode(p) for p in PROMPTS]
+    ar = []  # per prompt: 14 greedy ids and their one-token rows
+    for ids in prompts:
+        state = target.new_state(ids)
+        toks, rows = [], []
+        for _ in range(14):
+            row = np.array(target.score(state, [])[0])
+            toks.append(int(row.argmax()))
+            rows.append(row)
+            target.commit(state, toks[-1:], len(state.ids))
+        ar.append((toks, rows))
+    states = [target.new_state(ids) for ids in prompts]
+    pos = [0, 0, 0]
+    for gammas in ([3, 1, 4], [2, 4, 0], [1, 2, 3]):  # each round one pass of all three
+        drafts = [ar[i][0][pos[i] : pos[i] + g] for i, g in enumerate(gammas)]
+        drafts[1] = drafts[1][:-1] + [7] if drafts[1] else drafts[1]  # a wrong last token: rejected
+        exts = [Extension(s, s.ids[s.cached :] + d, len(d) + 1) for s, d in zip(states, drafts, strict=True)]
+        for i, rows in enumerate(target.extend(exts)):
+            accepted = next((j for j, t in enumerate(drafts[i]) if t != ar[i][0][pos[i] + j]), len(drafts[i]))
+            for j in range(accepted + 1):  # the rows up to the first wrong token's
+                assert np.array_equal(np.asarray(rows[j]), ar[i][1][pos[i] + j]), (i, pos[i] + j)
+            keep = drafts[i][:accepted] + [ar[i][0][pos[i] + accepted]]
+            target.commit(states[i], keep, len(states[i].ids) + accepted)
+            pos[i] += accepted + 1
+
+
+def test_the_batch_invariant_mode_refuses_what_it_cannot_keep():
+    with pytest.raises(ValueError, match="early exits need one unified pass"):
+        load_engine("smollm2-f32", threads=1, max_sequences=2, kv_tokens=256, tap_layers=[4], batch_invariant="on")
+    with pytest.raises(ValueError, match="needs kv_unified off"):
+        load_engine("smollm2-f32", threads=1, max_sequences=2, kv_tokens=256, kv_unified=True, batch_invariant="on")
