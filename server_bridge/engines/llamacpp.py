@@ -152,6 +152,19 @@ MIN_STREAM_CELLS = 2048  # kv_unified auto: per-sequence streams only when each 
 CPU_UBATCH = 128  # n_ubatch 0 on the CPU without exits: tokens per micro-batch (LlamaCppEngine._ubatch)
 
 
+def _unified(kv_unified: bool | None, tap_layers: list[int] | None, offload: bool, cells_each: int) -> bool:
+    """kv_unified resolved: None picks per-sequence streams only where layers are offloaded, no exits are tapped
+    and each stream holds MIN_STREAM_CELLS (a whole context; many sessions share a pool)."""
+    if kv_unified is None:
+        kv_unified = not offload or bool(tap_layers) or cells_each < MIN_STREAM_CELLS
+    if not kv_unified and tap_layers:
+        raise ValueError(
+            "early exits need kv_unified: per-sequence KV streams split a batch by sequence, "
+            "and the tapped rows would arrive out of order"
+        )
+    return kv_unified
+
+
 def _invariant(
     tap_layers: list[int] | None, kv_unified: bool | None, n_ubatch: int, flash_attn: str
 ) -> tuple[bool, int, str]:
@@ -222,14 +235,7 @@ class LlamaCppEngine:
         self.invariant = batch_invariant
         if batch_invariant:
             kv_unified, n_ubatch, flash_attn = _invariant(tap_layers, kv_unified, n_ubatch, flash_attn)
-        if kv_unified is None:  # streams only where each holds a whole context (many sessions: a shared pool)
-            kv_unified = not offload or bool(tap_layers) or self.kv_capacity // self.max_sequences < MIN_STREAM_CELLS
-        if not kv_unified and tap_layers:
-            raise ValueError(
-                "early exits need kv_unified: per-sequence KV streams split a batch by sequence, "
-                "and the tapped rows would arrive out of order"
-            )
-        self.kv_unified = kv_unified
+        self.kv_unified = kv_unified = _unified(kv_unified, tap_layers, offload, self.kv_capacity // self.max_sequences)
         # per-sequence streams divide the cells evenly: a session holds at most this many tokens
         self.seq_capacity = self.kv_capacity if kv_unified else self.kv_capacity // self.max_sequences
         self.tap_names: dict[bytes, int] = {f"l_out-{l - 1}".encode(): l for l in (tap_layers or [])}
