@@ -15,9 +15,16 @@ costs the server's own work around it, whatever its size.
 Pipelined (the pipelined-serving paper's point, on one verifier): while a
 batch runs in the model thread, the event loop goes on receiving and
 decoding the next rounds, queueing them, and sending the previous batch's
-results; the next batch is chosen from whatever waits as soon as the pass
-returns, so the target never idles while a request waits (except under the
-`fixed` baseline, which waits for a full batch by design).
+results. With `pipeline` (on a GPU by default: the pass runs on the device
+while the loop works; on one CPU core they take turns, and choosing early
+would only shrink the batches: docs/benchmarks/fleet_cpu/), up to
+PIPELINE_DEPTH batches are in flight: the next one is chosen
+PIPELINE_LEAD_MS before the running one is estimated to end (scheduled for
+that end: its deadlines are priced from there), so it is in the model
+thread's queue when the pass returns and the target never waits on the
+event loop while requests wait (except under the `fixed` baseline, which
+waits for a full batch by design). Chosen that late, it still takes the
+rounds that came during the pass; chosen at once, it would not.
 
 Bounded: the scheduler's queue holds at most `max_queue` requests; a
 newcomer beyond it, or a request that waited past `max_wait_ms` and that a
@@ -47,15 +54,24 @@ from .verifier import Verifier
 
 log = logging.getLogger(__name__)
 
+PIPELINE_DEPTH = 2  # batches in flight: the one running and the next, queued behind it in the model thread
+PIPELINE_LEAD_MS = 5.0  # the next batch is chosen this long before the running one's estimated end
+
 
 class Batcher:
-    def __init__(self, verifier: Verifier, scheduler: Scheduler, executor: Executor, metrics: ServerMetrics):
+    def __init__(
+        self, verifier: Verifier, scheduler: Scheduler, executor: Executor, metrics: ServerMetrics, pipeline: bool
+    ):
         self.verifier = verifier
+        self.depth = PIPELINE_DEPTH if pipeline else 1  # batches in flight at most
         self.scheduler = scheduler
         self.executor = executor
         self.metrics = metrics
-        self._wake = asyncio.Event()
+        self._wake = asyncio.Event()  # a request came, or a batch was answered
+        self._answered = asyncio.Event()  # a batch was answered
         self._task: asyncio.Task | None = None
+        self._inflight: set[asyncio.Task] = set()  # the batches handed to the model thread, not yet answered
+        self._ends_at = 0.0  # when the last of them should end (monotonic s, the estimator's)
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run_forever(), name="batcher")
@@ -64,6 +80,9 @@ class Batcher:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+        for task in list(self._inflight):
+            task.cancel()
+        await asyncio.gather(*self._inflight, return_exceptions=True)
         for r in self.scheduler.expired(math.inf):
             _fail(r, WireError("shutting_down", "the verifier is shutting down; retry elsewhere", r.sid))
 
@@ -105,18 +124,45 @@ class Batcher:
                     r.sid,
                 ),
             )
-        if not self.scheduler.ready(now):
-            self._wake.clear()
-            wake_at = self.scheduler.wake_at()
-            try:
-                await asyncio.wait_for(self._wake.wait(), None if wake_at is None else max(0.0, wake_at - now))
-            except asyncio.TimeoutError:  # 3.10: not the builtin TimeoutError
-                pass
+        start = max(now, self._ends_at) if self._inflight else now  # when a batch chosen now would start
+        if len(self._inflight) >= self.depth or start - now > PIPELINE_LEAD_MS / 1e3:  # too soon
+            # arrivals do not matter until then (each one waking this loop would cost the event loop per round)
+            full = len(self._inflight) >= self.depth
+            await self._wait(self._answered, None if full else start - now - PIPELINE_LEAD_MS / 1e3)
             return
-        batch = [r for r in self.scheduler.next_batch(now) if not r.future.done()]  # done: its robot left
+        if not self.scheduler.ready(start):
+            wake_at = self.scheduler.wake_at()
+            await self._wait(self._wake, None if wake_at is None else max(0.0, wake_at - now))
+            return
+        chosen = self.scheduler.next_batch(start)
+        batch = [r for r in chosen if not r.future.done()]  # done: its robot left
         if not batch:
+            self.scheduler.finished(chosen)
             return
         self.metrics.queue_wait_s += sum(now - r.arrival for r in batch)
+        self._ends_at = start + self.scheduler.model.batch_ms([r.member for r in batch]) / 1e3
+        task = asyncio.create_task(self._run_batch(batch), name="batch")
+        self._inflight.add(task)
+        task.add_done_callback(lambda task: self._batch_done(task, chosen))
+
+    async def _wait(self, event: asyncio.Event, timeout_s: float | None) -> None:
+        """Until event is set or timeout_s has passed (None: no timeout)."""
+        event.clear()
+        try:
+            await asyncio.wait_for(event.wait(), timeout_s)
+        except asyncio.TimeoutError:  # 3.10: not the builtin TimeoutError
+            pass
+
+    def _batch_done(self, task: asyncio.Task, chosen: list[Request]) -> None:
+        self._inflight.discard(task)
+        self.scheduler.finished(chosen)
+        self._answered.set()
+        self._wake.set()
+
+    async def _run_batch(self, batch: list[Request]) -> None:
+        """One chosen batch: its passes handed to the model thread at once (they run in order, behind any batch
+        already there), each pass's results out as it returns."""
+        now = time.monotonic()
         if log.isEnabledFor(logging.DEBUG):
             model = self.scheduler.model
             log.debug(
@@ -130,14 +176,15 @@ class Batcher:
             )
         # Shortest runs first: a prefill that would pad every draft to its length gets a pass of its own (a padding
         # engine's; a packed one's batch is one pass)
-        for group in split_passes([r.member for r in batch], self.scheduler.model):
-            await self._run_pass([batch[i] for i in group])
+        loop = asyncio.get_running_loop()
+        passes = [[batch[i] for i in group] for group in split_passes([r.member for r in batch], self.scheduler.model)]
+        running = [loop.run_in_executor(self.executor, self.verifier.run_batch, [r.job for r in p]) for p in passes]
+        for p, pass_future in zip(passes, running, strict=True):
+            await self._run_pass(p, pass_future)
 
-    async def _run_pass(self, batch: list[Request]) -> None:
+    async def _run_pass(self, batch: list[Request], running: asyncio.Future) -> None:
         try:
-            results, pass_ms, members = await asyncio.get_running_loop().run_in_executor(
-                self.executor, self.verifier.run_batch, [r.job for r in batch]
-            )
+            results, pass_ms, members = await running
         except Exception as e:
             log.exception("a batch of %d failed", len(batch))
             for r in batch:

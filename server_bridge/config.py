@@ -270,6 +270,13 @@ class ServerConfig(EngineSettings, BatchSettings):
         help="slo: a batch's estimated time at most this, whatever its requests' deadlines (a round waits for its "
         "whole pass; one request alone may take longer).",
     )
+    pipeline: str = setting(
+        "auto",
+        choices=("auto", "on", "off"),
+        help="Pipelined serving: the next batch chosen just before the running pass ends and queued behind it in the "
+        "model thread (on), or when it returns (off). auto: on where the engine runs on a GPU; off on the CPU, "
+        "where the pass and the event loop share the cores and an earlier choice only makes smaller batches.",
+    )
     guard_ms: float = setting(10.0, help="The guard time in each round's latest start (estimator error, jitter).")
     batch_memory_mb: int = setting(
         2048, help="One pass's padded KV and logits; a batch that would exceed it stops growing."

@@ -328,7 +328,7 @@ class Scheduler:
         self.pending: list[Request] = []  # arrival order
         self.columns = Columns(max_queue)  # theirs: each decision reads them
         self._seen: dict[str, _Seen] = {}  # sid -> its robot's rhythm; bounded, see _forget
-        self._running: set[str] = set()  # sids of the last batch handed out (in the pass now running)
+        self._running: set[str] = set()  # sids of the batches handed out and not yet finished
         self._free_since = 0.0  # when the target last finished a batch
 
     def __len__(self) -> int:
@@ -448,6 +448,10 @@ class Scheduler:
             self.columns.drop(gone)
         return gone
 
+    def finished(self, batch: list[Request]) -> None:
+        """A batch next_batch handed out is done (answered, failed or dropped): its sessions are not running."""
+        self._running.difference_update(r.sid for r in batch)
+
     def fits_memory(self, members: list[Member]) -> bool:
         return self.memory_of(members) <= self.memory_budget
 
@@ -478,5 +482,5 @@ class Scheduler:
         self.columns.drop(batch)
         for r in self.pending:
             r.passed_over = True
-        self._running = {r.sid for r in batch}  # the batcher runs one batch at a time: the last one is gone
+        self._running |= {r.sid for r in batch}  # until the batcher says it is finished
         return batch

@@ -112,7 +112,9 @@ class BridgeServer:
             max_wait_ms=config.max_wait_ms,
             max_batch_ms=config.max_batch_ms,
         )
-        self.batcher = Batcher(verifier, self.scheduler, self.model_thread, self.metrics)
+        on_gpu = verifier.target.engine.info.device not in ("cpu", "")
+        pipeline = config.pipeline == "on" or (config.pipeline == "auto" and on_gpu)
+        self.batcher = Batcher(verifier, self.scheduler, self.model_thread, self.metrics, pipeline)
         self.replica = Replica(config.replica_id)
         self.admission = Admission(config, self.metrics, self.replica, self.health, self._metrics_text)
         self.handshake = Handshake(config, verifier, self.admission, self.replica)
