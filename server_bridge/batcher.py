@@ -156,6 +156,11 @@ class Batcher:
     def _batch_done(self, task: asyncio.Task, chosen: list[Request]) -> None:
         self._inflight.discard(task)
         self.scheduler.finished(chosen)
+        error = None if task.cancelled() else task.exception()
+        if error is not None:  # outside its passes (their failures are each request's): none is left waiting
+            log.error("a batch of %d failed", len(chosen), exc_info=error)
+            for r in chosen:
+                _fail(r, WireError("internal", f"verification failed ({type(error).__name__}); retry", r.sid))
         self._answered.set()
         self._wake.set()
 
