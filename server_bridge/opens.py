@@ -1,5 +1,6 @@
 """Opening a session: an `OpenRequest` checked (ids, images, sampling, payload, exits, SLO, grammar) into a
-`Session` and the prefill its first pass runs; a re-open keeps the KV of the prefix it shares with the old one.
+`Session` and the prefill its first pass runs; a re-open keeps the KV of the prefix it shares with the old one and
+prefills the rest.
 
 The server decodes an open's images ahead in its image thread (`Opens.decode_images`); everything else runs
 in the model thread, as part of `Verifier.run_batch`.
@@ -32,7 +33,8 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class OpenWork:
-    """An open that passed its checks: its session, and the prefill it runs (None: a re-open keeps its KV)."""
+    """An open that passed its checks: its session, and the prefill it runs (a re-open: what its prompt adds to
+    the KV it keeps; None when nothing)."""
 
     session: Session
     ext: Extension | None
@@ -42,7 +44,7 @@ class OpenWork:
     def finish(self, rows: Any) -> OpenOutcome:
         state = self.session.state
         if self.ext is not None:
-            state.cached = len(self.ext.new_ids)
+            state.cached = self.ext.start + len(self.ext.new_ids)
         passes, state.passes = state.passes, 0  # reported with this open; the next counts afresh
         return OpenOutcome(self.session, (time.perf_counter() - self.t0) * 1e3, self.ended, passes)
 
@@ -145,8 +147,12 @@ class Opens:
             state = previous.state
             previous.handed_over = True  # the state is the new session's: freeing the old one keeps it
             state.passes = 0  # passes are reported per open / round
-            self.target.rewind(state, msg.prompt_ids, msg.images)  # what is not cached goes with the next round
-            return state, None
+            self.target.rewind(state, msg.prompt_ids, msg.images)
+            # what the new prompt adds is prefilled now, in the open's pass, not with the first round: the robot's
+            # draft prefills its own copy while this one runs (agent/decoding/decoder.py, _prefill_draft), so a
+            # navigation step's two prefills overlap instead of following each other
+            pending = msg.prompt_ids[state.cached : -1]
+            return state, (Extension(state, pending, keep=0) if pending else None)
         try:
             state = self.target.new_state(msg.prompt_ids, prefill=False, images=msg.images)
         except NoRoom as e:  # every sequence is held by a session: the server evicts an idle one

@@ -8,9 +8,11 @@ its queue, navigation first; the chat endpoint's client (api.openai_listen) shar
                                                only when no navigation step waits, and give it back at their
                                                next round when one does (ModelTurns.yield_turn)
 
-One llama.cpp context serves both. A generation points it at its own ids each round (the draft reuses the KV
-of the prefix it shares with what the context holds), so a chat answer that yields between two rounds goes on
-from its committed tokens afterwards, exactly: it only pays the re-prefill of its own prompt. Its server-side
+The weights are loaded once; navigation and chat each draft in a llama.cpp context (KV cache) of their own
+(`Drafter.sibling`), and take turns at the model. So a chat answer between two steps leaves the navigation
+prompt's KV where it was: a step re-prefills only what its prompt added (about 50 tokens), not the whole prompt
+(about 1,100, over 3 s on one core) after every chat answer, as it did while one context served both. A chat
+answer that yields between two rounds goes on from its committed tokens afterwards, exactly. Its server-side
 session is its own and waits meanwhile.
 """
 
@@ -115,6 +117,7 @@ class DraftService:
         self.decoder = decoder
         self.turns = ModelTurns()
         self.offline_policy = offline_policy
+        self._chat_drafter: Any = None  # the chat's context over the same model (chat_client)
 
     @classmethod
     def open(cls, cfg: Config, token: str, drafter: Any = None) -> DraftService:
@@ -130,12 +133,15 @@ class DraftService:
         return self.turns.navigation()
 
     def chat_client(self) -> Client:
-        """The OpenAI endpoint's Client: this draft model, its own link to the same verifier, and the turns."""
+        """The OpenAI endpoint's Client: this draft model in a context of its own (made at the first call, shared
+        by every chat client after it), its own link to the same verifier, and the turns."""
         from agent.client import Client
 
+        if self._chat_drafter is None:
+            self._chat_drafter = self.drafter.sibling()
         return Client(
             self.decoder.settings,
-            drafter=self.drafter,
+            drafter=self._chat_drafter,
             offline="local" if self.offline_policy == "local" else "refuse",
             lock=self.turns,
         )

@@ -20,6 +20,7 @@ Not thread-safe: one `Drafter` (one llama context) per thread.
 from __future__ import annotations
 
 import contextlib
+import copy
 import ctypes
 import functools
 import logging
@@ -203,6 +204,41 @@ class Drafter:
             threads,
             f"GPU: {'all' if layers < 0 else layers} layers" if layers else "CPU",
         )
+
+    def sibling(self) -> Drafter:
+        """Another Drafter over this one's loaded model: the same weights (read once, in memory once, on the
+        CPU or the GPU), vocabulary, grammars and projector, and a llama.cpp context (KV cache) of its own.
+
+        For a second user of the draft model that takes turns with the first (agent/app/drafting.py: the chat
+        endpoint beside the navigation): each keeps the KV of its own prompt, so neither re-prefills the other's
+        between turns. Not for use at the same time as this one (they share the projector's state); this one
+        is kept alive as long as the sibling (its model)."""
+        from llama_cpp import _internals
+
+        llm = self.llm
+        # llama-cpp-python's Llama: the model, metadata and settings shared (not copy.copy: Llama pickles by
+        # its settings, and a copy would load the model again) ...
+        twin = object.__new__(type(llm))
+        twin.__dict__.update(llm.__dict__)
+        twin._stack = contextlib.ExitStack()  # ... a context, batch and token tables of its own
+        twin._ctx = twin._stack.enter_context(
+            contextlib.closing(_internals.LlamaContext(model=llm._model, params=llm.context_params, verbose=False))
+        )
+        twin._batch = twin._stack.enter_context(
+            contextlib.closing(
+                _internals.LlamaBatch(n_tokens=llm.n_batch, embd=0, n_seq_max=llm.context_params.n_ctx, verbose=False)
+            )
+        )
+        twin._candidates = _internals.LlamaTokenDataArray(n_vocab=llm._n_vocab)
+        twin.input_ids = np.empty_like(llm.input_ids)
+        twin.scores = np.empty_like(llm.scores)  # as Llama makes it: pages only where written
+        twin.n_tokens = 0
+        twin._sampler = None
+        twin._owner = llm  # type: ignore[attr-defined]  # the model lives as long as the context built over it
+        out = copy.copy(self)
+        out.llm = twin
+        out._images = {}
+        return out
 
     # ------------------------------------------------------------------ text
 

@@ -27,6 +27,7 @@ import ssl
 import time
 import uuid
 from pathlib import Path
+from typing import Callable
 from urllib.parse import urlsplit
 
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
@@ -279,12 +280,19 @@ class VerifierLink:
                 raise ServerError(msg.code, msg.message, msg.sid, msg.retry_after_ms)
             return msg
 
-    def request(self, msg: wire.Message, timeout_s: float | None = None) -> tuple[wire.Message, float]:
-        """Send and wait for the reply to it; returns the reply with the round-trip time in ms."""
+    def request(
+        self, msg: wire.Message, timeout_s: float | None = None, meanwhile: Callable[[], object] | None = None
+    ) -> tuple[wire.Message, float]:
+        """Send and wait for the reply to it; returns the reply with the round-trip time in ms.
+
+        `meanwhile`: the caller's own work, done once the message is sent and before the reply is read (the
+        robot's draft prefills its prompt while the server prefills its own); the reply's deadline counts it."""
         t0 = time.perf_counter()
         # one deadline for the reply, however many late hints come first (a flood of them cannot stall it)
         deadline = time.monotonic() + (self.recv_timeout_s if timeout_s is None else timeout_s)
         self.send(msg)
+        if meanwhile is not None:
+            meanwhile()
         while True:
             reply = self.recv(sid=getattr(msg, "sid", None), timeout_s=max(0.0, deadline - time.monotonic()))
             if not isinstance(reply, wire.Exit):  # a late early-exit hint: no use outside FSD's loop

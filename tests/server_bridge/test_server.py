@@ -238,13 +238,16 @@ def test_healthz_and_metrics(server, target, drafter):
 
 
 def test_reopen_keeps_the_kv_of_the_shared_prefix(server, target, drafter):
-    """A re-open with a longer committed prefix forwards only the new tokens."""
+    """A re-open with a longer committed prefix forwards only the new tokens, in its own pass (the robot's draft
+    prefills its copy meanwhile); a re-open that adds nothing forwards nothing."""
     ids = drafter.tokenize("Turn right and walk forward.", chat=True)
     ws = _raw(server, target)
     first = _open(ws, "re", ids)
     assert first.timing["passes"] == 1  # prefill
     again = _open(ws, "re", ids + [260, 9902])
-    assert again.timing["passes"] == 0 and again.n_committed == len(ids) + 2
+    assert again.timing["passes"] == 1 and again.n_committed == len(ids) + 2  # the two new tokens' prefill
+    same = _open(ws, "re", ids + [260, 9902])
+    assert same.timing["passes"] == 0 and same.n_committed == len(ids) + 2
     ws.send(wire.encode(wire.Verify("re", 0, len(ids) + 2, [], {"kind": "none"})))
     assert wire.decode(ws.recv(timeout=30)).n_committed == len(ids) + 3
     ws.close()

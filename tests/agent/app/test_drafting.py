@@ -86,6 +86,12 @@ def test_two_streaming_chat_clients_yield_to_navigation_at_their_next_round(veri
     finally:
         endpoint.close()
         service.close()
-    assert navs == [nav_alone] * 3  # the target's own answer, whatever the chat did to the shared context
+    assert navs == [nav_alone] * 3  # the target's own answer, with the chat drafting between the steps
+    # the chat drafted in a context of its own over the same weights: the navigation's context still holds the
+    # step's prompt (a step after a chat answer re-prefills nothing of it)
+    chat_drafter = service._chat_drafter
+    assert chat_drafter is not None and chat_drafter.llm.ctx != drafter.llm.ctx
+    assert chat_drafter.llm.model == drafter.llm.model
+    assert drafter.llm.input_ids[: len(nav_ids)].tolist() == nav_ids
     assert mid[0] == 0 and service.turns.chat_yields >= 1  # the first step did not wait for a whole chat answer
     assert answers == [solo, solo]  # a chat answer that yielded between rounds is exactly its answer alone

@@ -40,6 +40,24 @@ def test_rollback_gives_the_same_draft_as_a_fresh_context(drafter):
     assert drafter.propose(ids + fresh[:2], 3, greedy, rng).ids == fresh[2:5]
 
 
+def test_a_sibling_drafts_in_a_context_of_its_own_over_the_same_weights(drafter):
+    """Two users of one draft model taking turns (the navigation and the chat endpoint, agent/app/drafting.py):
+    each keeps its own prompt's KV, so neither re-prefills after the other, and each drafts what it drafts alone."""
+    nav, chat = drafter.tokenize(TEXTS[0], chat=True), drafter.tokenize(TEXTS[2], chat=True)
+    greedy, rng = SamplingParams(), np.random.default_rng(0)
+    nav_alone, chat_alone = drafter.propose(nav, 5, greedy, rng).ids, drafter.propose(chat, 5, greedy, rng).ids
+    twin = drafter.sibling()
+    assert twin.llm.ctx != drafter.llm.ctx and twin.llm.model == drafter.llm.model  # one model, two contexts
+    for _ in range(2):  # turns: the navigation, then the chat, then the navigation again ...
+        assert drafter.propose(nav, 5, greedy, rng).ids == nav_alone
+        assert twin.propose(chat, 5, greedy, rng).ids == chat_alone
+    held = drafter.llm.input_ids[: len(nav)].tolist()
+    assert held == nav and twin.llm.input_ids[: len(chat)].tolist() == chat  # each context kept its prompt
+    assert drafter.llm.n_tokens >= len(nav) and twin.llm.n_tokens >= len(chat)
+    del twin  # its context goes; the model stays the drafter's
+    assert drafter.propose(nav, 5, greedy, rng).ids == nav_alone
+
+
 def test_sampled_draft_keeps_q_for_every_token(drafter):
     ids = drafter.tokenize(TEXTS[0], chat=True)
     d = drafter.propose(
