@@ -29,6 +29,7 @@ from protocol.payload import PayloadSpec
 from protocol.sampling import SamplingParams
 
 from . import replies, streaming
+from .ahead import Ahead, draft_ahead
 from .drafter import Draft, Drafter
 from .draftlen import As2, CostEstimator
 from .fsd import FsdDrafts
@@ -60,6 +61,7 @@ class EdgeDecoder:
         self.estimator = CostEstimator()  # the link's and the pair's, across generations
         self.as2 = As2(settings.policy.as2_config)  # likewise: a slow link starts the next generation streaming
         self.fsd = FsdDrafts(drafter, settings.fsd, settings.verify_timeout_s)  # its pre-drafter outlives runs
+        self._ahead: Ahead | None = None  # SD's next draft, made during the last round's wait (agent/decoding/ahead.py)
         self._predictors: dict[str, RejectionPredictor] = {}
 
     @property
@@ -146,6 +148,7 @@ class EdgeDecoder:
             raise ValueError("max_tokens must be >= 1 and gamma >= 0")
         t0 = time.perf_counter()
         run = Run(prompt_ids, mode, max_tokens, params, gamma, session, until, self.payload.for_params(params))
+        self._ahead = None  # made for another generation's prompt and images
         if grammar is not None:
             start = len(prompt_ids) if grammar_from is None else grammar_from
             wired = {"gbnf": grammar} if isinstance(grammar, str) else grammar
@@ -322,26 +325,38 @@ class EdgeDecoder:
     # ------------------------------------------------------------------ rounds
 
     def _sd_round(self, run: Run, ctl: DraftController, sid: str) -> RoundReport:
-        """Draft the policy's length, send it, and report what the server accepted plus its next token."""
+        """Draft the policy's length (or take the draft made ahead during the last round's wait, when the reply
+        proved its guess right: agent/decoding/ahead.py), send it, draft the next one ahead while the server
+        verifies, and report what the server accepted plus its next token. draft_ms is the drafting the round
+        waited for (0 when its draft was made ahead)."""
         link, _ = self._connected()
-        draft = self.drafter.propose(
-            run.committed,
-            ctl.plan(run.remaining()),
-            run.params,
-            run.rng,
-            watch=ctl.watch(),
-            payload=run.spec,
-            grammar=run.grammar_at(),
-        )
+        ahead, self._ahead = self._ahead, None
+        k, watch, grammar = ctl.plan(run.remaining()), ctl.watch(), run.grammar_at()
+        if ahead is not None and watch is None and k > 0 and ahead.fits(run.committed):
+            draft, draft_ms, predraft = ahead.draft.head(k), 0.0, "hit"
+        else:
+            draft = self.drafter.propose(
+                run.committed, k, run.params, run.rng, watch=watch, payload=run.spec, grammar=grammar
+            )
+            draft_ms, predraft = draft.ms, "" if ahead is None else "miss"
         number, sent = run.m.rounds, (0, 0)  # the round's bytes up and down, once its reply came
         msg = wire.Verify(sid, number, len(run.committed), draft.ids, draft.wire_q(), fix=run.owed)
         up, down = link.bytes_up, link.bytes_down
+        stops, committed = self.stop_ids(), list(run.committed)
+
+        def meanwhile() -> None:
+            if watch is None:
+                self._ahead = draft_ahead(self.drafter, committed, draft, k, run.params, run.spec, grammar, stops)
+
         try:
-            reply, rtt = link.request(msg)
+            reply, rtt = link.request(msg, meanwhile=meanwhile)
             sent = (link.bytes_up - up, link.bytes_down - down)
-            return self._checked(run, draft, reply, rtt, number=number, mode="sd", draft_ms=draft.ms, sent=sent)
+            return self._checked(
+                run, draft, reply, rtt, number=number, mode="sd", draft_ms=draft_ms, sent=sent, predraft=predraft
+            )
         except (LinkLost, ServerError):  # what the failed round spent; nothing of it is committed
-            run.apply(RoundReport(number, "sd", len(draft.ids), draft.ms, *sent), self.stop_ids())
+            self._ahead = None
+            run.apply(RoundReport(number, "sd", len(draft.ids), draft_ms, *sent, predraft), self.stop_ids())
             raise
 
     def _fsd_round(self, run: Run, ctl: DraftController, sid: str) -> RoundReport:

@@ -34,7 +34,8 @@ class RoundReport:
     draft_ms: float  # what the loop waited for its draft: drafting (SD, an FSD miss) or taking it (an FSD hit)
     bytes_up: int = 0  # the round's frames on the link, counted once its reply came
     bytes_down: int = 0  # the result, a split residual and FSD's exit hints
-    predraft: str = ""  # FSD: hit | miss | failed (the worker failed: a miss too); "": no predecessor to pre-draft
+    predraft: str = ""  # hit | miss | failed (FSD's worker failed: a miss too); "": nothing was pre-drafted for it
+    # (SD drafts ahead in the draft's own context during the last round's wait: agent/decoding/ahead.py)
     exits: int = 0  # FSD: early-exit hints received (and checked) before the result
     # the checked result; None: the round failed before it was checked, and nothing of it is committed
     committed: tuple[int, ...] | None = None  # draft[:accepted] + the target's next token (or the correction)

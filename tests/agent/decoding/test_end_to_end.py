@@ -110,6 +110,32 @@ def test_weak_draft_is_still_exact(weak_drafter, server_and_proxy, ar_reference)
         dec.close()
 
 
+def test_greedy_sd_drafts_the_next_round_during_the_wait_and_stays_exact(
+    drafter, weak_drafter, server_and_proxy, ar_reference
+):
+    """While a round is verified the draft drafts the next one after its own guess of the server's token
+    (agent/decoding/ahead.py). With the shipped pair rounds send drafts made ahead; with the weak one guesses miss
+    too; the ids are AR's either way. A sampled generation drafts nothing ahead (a seeded one stays replayable)."""
+    _, proxy = server_and_proxy
+    for d in (drafter, weak_drafter):
+        dec = open_decoder(DecoderSettings(verifier=proxy.url()), d)
+        hits = misses = 0
+        try:
+            for (prompt, chat), expected in zip(PROMPTS, ar_reference, strict=True):
+                gen = dec.generate(d.tokenize(prompt, chat=chat), mode="sd", gamma=4, max_tokens=MAX_TOKENS)
+                assert gen.token_ids == expected, f"SD with drafts made ahead diverged from AR on {prompt!r}"
+                m = gen.metrics
+                assert m.predraft_hits + m.predraft_misses <= m.rounds - 1  # the first round has none
+                hits, misses = hits + m.predraft_hits, misses + m.predraft_misses
+            sampled = dec.generate(
+                d.tokenize(PROMPTS[1][0]), mode="sd", params=SamplingParams(0.8, seed=3), max_tokens=8
+            )
+            assert sampled.metrics.predraft_hits == sampled.metrics.predraft_misses == 0
+        finally:
+            dec.close()
+        assert hits > 0 and (d is drafter or misses > 0)
+
+
 @pytest.mark.parametrize("mode", ["sd", "ar"])
 def test_dropped_connection_loses_nothing(drafter, server_and_proxy, ar_reference, mode):
     server, _ = server_and_proxy
