@@ -30,11 +30,11 @@ from pathlib import Path
 import cv2
 
 from agent.app.daemon import Daemon
-from agent.robot.scene import Scene, load_scene
+from agent.robot.scene import Scene, builtin_scenes, load_scene
 from tools.bench.link import served
 from tools.cluster.netem import LinkProfile
 from tools.robot.episode import navigate_with_cut, restart
-from tools.robot.nav_eval import BUILTIN, add_robot_args, robot_config
+from tools.robot.nav_eval import add_robot_args, robot_config
 
 OUT = Path("docs/benchmarks/overlap")
 TELEMETRY = Path("build/overlap_telemetry.jsonl")  # one JSON line per step, both modes
@@ -46,7 +46,7 @@ def episodes(limit: int | None) -> list[tuple[str, int]]:
     """(scene, start): the demo's four starts, then the first start of every other shipped scene."""
     demo = load_scene("red_box")
     out = [("red_box", i) for i in range(len(demo.starts))]
-    out += [(name, 0) for name in BUILTIN if name != "red_box"]
+    out += [(name, 0) for name in builtin_scenes() if name != "red_box"]
     return out[:limit] if limit else out
 
 
