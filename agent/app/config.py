@@ -183,11 +183,18 @@ class NavSection:
         True, help="Answers decoded under the NaVILA answer grammar on both sides: exact, never a parse miss."
     )
     feasible: bool = setting(
-        False,
+        True,
         help="The answer grammar holds only the actions the robot can take now (no forward move the obstacle stop "
         "would cut short, a turn after two that it did) and the prompt says what is left out and why "
-        "(agent/robot/feasible.py); needs nav.grammar. Off by default: on 9 held-out episodes it cut the motions "
-        "cut short from 29 to 2 but success from 3 to 1 (docs/benchmarks/navigation.md).",
+        "(agent/robot/feasible.py); needs nav.grammar and a range source. With nav.grounded, nav_eval's episodes "
+        "cut short none of their motions past a quarter (docs/benchmarks/navigation.md).",
+    )
+    grounded: bool = setting(
+        True,
+        help='The answer\'s reason opens with what the camera line says ("I do not see the" when nothing the '
+        'instruction names is in view, else its side or "within reach"; agent/app/prompt.py grounded_openings), '
+        "so a step cannot claim a target it was not shown; the action stays the target's choice. Needs nav.grammar; "
+        'perception in words only (not "vlm").',
     )
     blocked_m: float = setting(
         0.0,
@@ -201,8 +208,9 @@ class NavSection:
             raise ConfigError(f"nav.blocked_m must be 0..5 m (0: never), got {self.blocked_m!r}")
         if not isinstance(self.grammar, bool):
             raise ConfigError(f"nav.grammar must be true or false, got {self.grammar!r}")
-        if not isinstance(self.feasible, bool):
-            raise ConfigError(f"nav.feasible must be true or false, got {self.feasible!r}")
+        for name in ("feasible", "grounded"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"nav.{name} must be true or false, got {getattr(self, name)!r}")
         try:
             check_memory(self.memory_steps, self.memory_max_tokens)
         except ValueError as e:

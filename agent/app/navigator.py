@@ -66,6 +66,7 @@ from .prompt import (
     answer_limits,
     blocked_text,
     common_prefix,
+    grounded_openings,
     image_index,
     messages,
     observation_text,
@@ -120,6 +121,17 @@ class Moving:
     recalled: str
     t0: float  # when the step began
     t_move: float  # when its motion started
+
+
+def feasibility(config: Config, control: Any) -> Feasibility:
+    """What the robot can do now, per nav.feasible (the safety layer's range source and obstacle stop) and
+    nav.grounded (the target's rules); both need the answer grammar."""
+    safety = getattr(control, "safety", None)
+    return Feasibility(
+        getattr(safety, "ranges", None) if config.nav.grammar and config.nav.feasible else None,
+        getattr(getattr(safety, "limits", None), "min_clearance_m", None),
+        toward=config.nav.grammar and config.nav.grounded,
+    )
 
 
 # ------------------------------------------------------------------ the offline envelope
@@ -242,12 +254,8 @@ class Navigator:
         self.session = f"nav-{uuid.uuid4().hex[:12]}"  # one server session: the few-shot prefix stays cached
         self.grammar, self.max_tokens = answer_limits(
             config.nav.grammar, config.agent.max_tokens
-        )  # the answer grammar or not; with nav.feasible, the latest step's (only the actions it could take)
-        safety = getattr(control, "safety", None)
-        self.feasibility = Feasibility(  # what the robot can do now (agent/robot/feasible.py)
-            getattr(safety, "ranges", None) if config.nav.grammar and config.nav.feasible else None,
-            getattr(getattr(safety, "limits", None), "min_clearance_m", None),
-        )
+        )  # the answer grammar or not; a step narrows its own (Navigator._feasible) into the answerer's
+        self.feasibility = feasibility(config, control)  # what the robot can do now (agent/robot/feasible.py)
         # The step's answer, verified or in the offline policy (agent/app/answering.py).
         self.answers = Answerer(
             decoder,
@@ -441,13 +449,16 @@ class Navigator:
         return View(frame.t, seen, shown, blocked, recalled)
 
     def _feasible(self, rec: Step, view: View) -> str:
-        """Only the actions the robot can take now in this step's answer grammar (the answerer's too); rec says
-        what was left out and why. Returns the prompt's note on it ("" when nothing was)."""
+        """This step's answer grammar, the answerer's: only the actions the robot can take now (nav.feasible) and a
+        reason that opens with what the camera shows (nav.grounded); rec says what was left out and why. Returns
+        the prompt's note on it ("" when nothing was)."""
         now = self.feasibility.now(view.seen, self.consts.ahead_deg, self.cfg.agent.reach_m)
-        if self.grammar is not None and self.feasibility.min_clearance_m > 0:
-            self.grammar = self.answers.grammar = answer_grammar(allowed=now.allowed)
+        grounded = self.cfg.nav.grounded and view.shown is None  # the camera line in words: what the reason says
+        opening = grounded_openings(view.seen, self.cfg.agent.reach_m, self.consts.ahead_deg) if grounded else ()
+        if self.grammar is not None:
+            self.answers.grammar = answer_grammar(allowed=now.allowed, openings=opening)
         if now is not EVERYTHING and now.refused:
-            rec.refused = f"{', '.join(map(str, now.refused))}: {now.why}"
+            rec.refused = f"{', '.join(map(str, now.refused))}: {'; '.join(w for w in (now.why, now.steer) if w)}"
         return now.note
 
     def _compose(self, rec: Step, instruction: str, view: View, note: str = "") -> tuple[list[int], list[PromptImage]]:

@@ -27,9 +27,10 @@ action vocabulary's own (agent/robot/actions.py: answer_grammar, parse_action, c
 
 from __future__ import annotations
 
+import re
 from typing import Any, Sequence
 
-from agent.robot.actions import Action, answer_grammar, answer_max_tokens
+from agent.robot.actions import REASON_CHARS, Action, answer_grammar, answer_max_tokens
 from agent.robot.perception import Sighting
 
 SYSTEM = (
@@ -185,6 +186,32 @@ def blocked_text(
         return ""
     return f"; the way ahead is blocked, {clearance_m:.1f} m away"
 
+
+def grounded_openings(seen: Sequence[Sighting], reach_m: float = 0.6, ahead_deg: float = AHEAD_DEG) -> tuple[str, ...]:
+    """How the answer's reason may begin this step: what the camera line says, in the examples' words.
+
+    A 135M model invents a side when it sees nothing ("The yellow ball is to the right", the camera line
+    "nothing"), then turns right and left by turns or walks forward blind; the answer grammar built with these
+    openings (agent/robot/actions.py answer_grammar) lets its reason say only what the camera shows: nothing the
+    instruction names -> "I do not see the " or "I still do not see the " (the model names it and goes on);
+    the nearest sighting within reach, ahead, to one side -> "The red box is within reach", "... is ahead" or
+    "... is still ahead", "... is to the left". The rest of the reason and the action stay the model's choice
+    (the target's, exactly). () when a name cannot be said in the reason's letters (no opening is forced then).
+    """
+    if not seen:
+        return ("I do not see the ", "I still do not see the ")
+    s = seen[0]
+    if s.distance_m < reach_m:
+        said = ["within reach"]
+    elif abs(s.bearing_deg) < ahead_deg:
+        said = ["ahead", "still ahead"]
+    else:
+        said = [f"to the {'left' if s.bearing_deg > 0 else 'right'}"]
+    openings = tuple(f"The {s.name} is {w}" for w in said)
+    return openings if all(_SAYABLE.fullmatch(o) for o in openings) else ()
+
+
+_SAYABLE = re.compile(f"[A-Z][{REASON_CHARS}]{{0,60}}")
 
 GENERIC = {"the", "a", "an", "to", "go", "object", "thing"}
 

@@ -73,7 +73,13 @@ VOCABULARY = tuple(
 REASON_MAX_CHARS = 100  # the reason sentence, its period included
 
 
-def answer_grammar(reason_max_chars: int = REASON_MAX_CHARS, allowed: Sequence[Action] = VOCABULARY) -> str:
+REASON_CHARS = "a-zA-Z0-9 ,;'-"  # what the reason holds after its capital letter, up to its period
+_REASON_TEXT = re.compile(f"[A-Z][{REASON_CHARS}]*")
+
+
+def answer_grammar(
+    reason_max_chars: int = REASON_MAX_CHARS, allowed: Sequence[Action] = VOCABULARY, openings: Sequence[str] = ()
+) -> str:
     """The answer as GBNF: one short reason sentence, free, then exactly one of the 10 NaVILA sentences.
 
     Both sides decode under it (protocol/structured.py: LLGuidance, which reads GBNF, on the draft
@@ -82,18 +88,25 @@ def answer_grammar(reason_max_chars: int = REASON_MAX_CHARS, allowed: Sequence[A
     alternative per vocabulary entry, generated from VOCABULARY so the two never drift apart.
     `allowed`: the actions the robot can take now (agent/robot/feasible.py), in VOCABULARY's order
     whatever order they come in; the whole vocabulary gives the same text as ever.
+    `openings`: how the reason may begin (agent/app/prompt.py grounded_openings: what the camera line says, so the
+    reason cannot claim a side it was not shown); the rest of the reason stays free and the whole still fits
+    `reason_max_chars`, so `answer_max_tokens` bounds it as before. None: any reason.
     """
     if reason_max_chars < 2:
         raise ValueError("the reason needs room for a capital letter and its period")
     wanted = set(allowed)
     if not wanted or not wanted <= set(VOCABULARY):
         raise ValueError(f"the answer needs at least one NaVILA action, and only those: {sorted(map(str, wanted))}")
+    bad = [o for o in openings if not _REASON_TEXT.fullmatch(o) or len(o) > reason_max_chars - 1]
+    if bad:
+        raise ValueError(f"a reason opens with a capital letter and {REASON_CHARS} within its bound, not {bad}")
     actions = " | ".join(f'"{a.text}"' for a in VOCABULARY if a in wanted)
-    return (
-        f'root ::= reason " " action\n'
-        f'reason ::= [A-Z] [a-zA-Z0-9 ,;\'-]{{0,{reason_max_chars - 2}}} "."\n'
-        f"action ::= {actions}\n"
-    )
+    if openings:
+        begin = "(" + " | ".join(f'"{o}"' for o in dict.fromkeys(openings)) + ") "
+        rest = reason_max_chars - 1 - max(map(len, openings))
+    else:
+        begin, rest = "[A-Z] ", reason_max_chars - 2
+    return f'root ::= reason " " action\nreason ::= {begin}[{REASON_CHARS}]{{0,{rest}}} "."\naction ::= {actions}\n'
 
 
 def answer_max_tokens(reason_max_chars: int = REASON_MAX_CHARS) -> int:

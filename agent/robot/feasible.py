@@ -20,7 +20,23 @@ them every action stays, as before):
     turns, stop   always allowed: turning in place is what the safety layer always lets through, and a stop
                   is safe anywhere.
 
-Pure: the range reading comes in as a number; `Feasibility` keeps the count of cut-short forwards (per task).
+With nav.grounded (`Feasibility(toward=True)`) four rules on the target narrow what is left (`toward_target`; not
+said in the prompt, which the model copies: agent/app/prompt.py grounded_openings says what it sees instead):
+
+    once the target is within reach only a stop or a turn toward it stays: it is there (a forward move would
+                  be cut short against it, a turn away loses it from view; both were answered next to it).
+    stop is left out while nothing the instruction names is in view: its sentence says the instruction is
+                  finished, which the camera contradicts (with a range source and the obstacle stop a note on
+                  what cannot run made the model end its reason there and stop: docs/benchmarks/navigation.md).
+    a turn toward the target seen to one side, of more than twice its bearing, is left out: it would swing the
+                  target farther past ahead than it is now (a 135M model copies "45" from its memory lines and
+                  swings left and right around a target 11 degrees off, measured in nav_eval's `cluttered` 2).
+    after a full circle of turns with nothing the instruction names in view (CIRCLE_DEG, no forward move
+                  since), the turns are left out while a forward move can run: turning on the spot shows
+                  nothing new, so the robot moves to look from elsewhere.
+
+Pure: the range reading comes in as a number; `Feasibility` keeps the count of cut-short forwards and the turns made
+without a sighting (per task).
 """
 
 from __future__ import annotations
@@ -37,14 +53,17 @@ log = logging.getLogger(__name__)
 
 FORWARD_MARGIN_M = 0.05  # past the obstacle stop's distance: the ramp down at the end of a motion
 CUT_SHORT_TURN = 2  # forward moves in a row cut short by the obstacle stop, after which the robot turns
+CIRCLE_DEG = 360  # degrees turned with nothing in view, after which the robot moves before it turns again
+TURNS = ("left", "right")
 
 
 @dataclass(frozen=True)
 class Feasible:
     """The actions a step may answer with, and why the others are left out."""
 
-    allowed: tuple[Action, ...]  # in VOCABULARY's order; always holds the turns and stop
-    why: str = ""  # why the refused ones are ("" when none is)
+    allowed: tuple[Action, ...]  # in VOCABULARY's order; always holds stop
+    why: str = ""  # why the safety layer's refused ones are ("" when none is): the prompt's note
+    steer: str = ""  # why the target's rules (toward_target) left others out ("" when they did not)
 
     @property
     def refused(self) -> tuple[Action, ...]:
@@ -54,7 +73,7 @@ class Feasible:
     def note(self) -> str:
         """The prompt's line on what cannot be done now ("" when everything can)."""
         forwards = [a.amount for a in self.allowed if a.kind == "forward"]
-        if not self.refused:
+        if not self.why:
             return ""
         what = "moving forward" if not forwards else f"moving forward more than {max(forwards)} cm"
         return f"Not possible now: {what}, {self.why}."
@@ -101,6 +120,36 @@ def target_ahead(seen: Sequence[Sighting], clearance_m: float | None, ahead_deg:
     return any(abs(s.bearing_deg) < ahead_deg and s.distance_m <= clearance_m + reach_m for s in seen)
 
 
+def toward_target(
+    safe: Feasible,
+    seen: Sequence[Sighting],
+    unseen_deg: float,
+    reach_m: float = 0.6,
+    circle_deg: float = CIRCLE_DEG,
+) -> Feasible:
+    """`safe` narrowed by the target's rules (the module docstring's): within reach a stop or a turn toward it; no
+    stop with nothing in view; no turn that swings the nearest sighting farther past ahead than it is; no turn
+    after a full circle without one while a forward move can run."""
+    allowed, steer = safe.allowed, ""
+    if seen:
+        bearing, name = seen[0].bearing_deg, seen[0].name
+        side = TURNS[0] if bearing > 0 else TURNS[1]
+        if abs(bearing) >= 1.0:
+            allowed = tuple(a for a in allowed if a.kind != side or a.amount <= 2 * abs(bearing))
+            if len(allowed) < len(safe.allowed):
+                steer = f"a turn {side} of more than {2 * abs(bearing):.0f} degrees would swing past the {name}"
+        if seen[0].distance_m < reach_m:
+            allowed = tuple(a for a in allowed if a.kind == "stop" or (a.kind == side and abs(bearing) >= 1.0))
+            steer = f"the {name} is within reach: a stop, or a turn to face it"
+    else:
+        allowed = tuple(a for a in allowed if a.kind != "stop")
+        steer = "nothing the instruction names is in view, so the task is not done"
+        if unseen_deg >= circle_deg and any(a.kind == "forward" for a in allowed):
+            allowed = tuple(a for a in allowed if a.kind not in TURNS)
+            steer += f"; I turned {unseen_deg:.0f} degrees and saw nothing, so I move to look from elsewhere"
+    return Feasible(allowed, safe.why, steer) if steer else safe
+
+
 def every_allowed() -> list[tuple[Action, ...]]:
     """Every set of actions `feasible_actions` can return (the forward moves up to 75, 50, 25 cm or none, with
     the turns and stop): the answer grammars a robot may need, compiled once before its first task."""
@@ -115,24 +164,35 @@ class Feasibility:
     """What the robot can do now, from its range source and the obstacle stop's distance; counts the forward moves
     in a row the obstacle stop cut short (per task: `reset`)."""
 
-    def __init__(self, ranges: RangeSource | None, min_clearance_m: float | None, turn_after: int = CUT_SHORT_TURN):
+    def __init__(
+        self,
+        ranges: RangeSource | None,
+        min_clearance_m: float | None,
+        turn_after: int = CUT_SHORT_TURN,
+        toward: bool = False,
+    ):
         self.ranges = ranges
         self.min_clearance_m = (min_clearance_m or 0.0) if ranges is not None else 0.0
         self.turn_after = turn_after
+        self.toward = toward  # the target's rules too (toward_target; nav.grounded)
         self.cut_short = 0  # forward moves in a row cut short by the obstacle stop
+        self.unseen_deg = 0.0  # degrees turned since the last sighting or forward move
 
     def now(self, seen: Sequence[Sighting], ahead_deg: float, reach_m: float) -> Feasible:
         """The actions that can run from here; `seen`: the sightings the instruction names, nearest first."""
-        if not self.min_clearance_m > 0:
-            return EVERYTHING
-        clearance = self.clearance_ahead()
-        return feasible_actions(
-            clearance,
-            self.min_clearance_m,
-            self.cut_short,
-            target_ahead(seen, clearance, ahead_deg, reach_m),
-            turn_after=self.turn_after,
-        )
+        if seen:
+            self.unseen_deg = 0.0
+        safe = EVERYTHING
+        if self.min_clearance_m > 0:
+            clearance = self.clearance_ahead()
+            safe = feasible_actions(
+                clearance,
+                self.min_clearance_m,
+                self.cut_short,
+                target_ahead(seen, clearance, ahead_deg, reach_m),
+                turn_after=self.turn_after,
+            )
+        return toward_target(safe, seen, self.unseen_deg, reach_m) if self.toward else safe
 
     def clearance_ahead(self) -> float | None:
         """The range reading straight ahead; None without one (a fault reads as none: no forward move)."""
@@ -150,6 +210,7 @@ class Feasibility:
             self.cut_short += 1
         elif action.kind != "forward" or not stopped_by:
             self.cut_short = 0
+        self.unseen_deg = self.unseen_deg + action.amount if action.kind in TURNS else 0.0
 
     def reset(self) -> None:
-        self.cut_short = 0
+        self.cut_short, self.unseen_deg = 0, 0.0

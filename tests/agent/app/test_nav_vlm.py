@@ -375,7 +375,7 @@ def target_alone(drafter, url, n: Navigator, mode="ar") -> Generation:
             mode=mode,
             max_tokens=n.max_tokens,
             until=n.answers.until([]),
-            grammar=n.grammar,
+            grammar=n.answers.grammar,
             images=n.last_prompt_images,
         )
     finally:

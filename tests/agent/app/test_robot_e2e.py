@@ -63,7 +63,7 @@ def ar_answer(drafter, url, nav, observation=None):
     dec = open_decoder(DecoderSettings(verifier=url), drafter)
     try:
         ids = nav.last_prompt_ids if observation is None else nav.prompt_ids("go to the red box", observation)
-        return dec.generate(ids, mode="ar", max_tokens=nav.max_tokens, until=nav.answers.until([]), grammar=nav.grammar)
+        return dec.generate(ids, mode="ar", max_tokens=nav.max_tokens, until=nav.answers.until([]), grammar=nav.answers.grammar)
     finally:
         dec.close()
 
@@ -96,8 +96,9 @@ def test_episode_with_the_real_models(tmp_path, drafter, proxy, verifier):
             assert r["verified_tokens"] > 0 and r["unverified_tokens"] == 0
             assert abs(r["command"]["vx"]) <= d.cfg.safety.max_vx and abs(r["command"]["wz"]) <= d.cfg.safety.max_wz
             assert {"frame_age", "perceive", "generate", "step"} <= set(r["latency_ms"])
-        first = records[0]
-        assert first["text"] == ar_text(drafter, verifier.url, d.nav, first["observation"])  # exact: the target's
+        # exact: the target's own answer to the latest step's prompt, under that step's answer grammar (nav.grounded
+        # makes each step's own: its reason opens with what the camera line said)
+        assert records[-1]["text"] == ar_text(drafter, verifier.url, d.nav)
         assert [r["memory_steps"] for r in records] == list(range(len(records)))  # seen and done, per step
         assert all(r["prefix_shared_tokens"] >= 0.8 * r["prompt_tokens"] for r in records)  # the cache is kept
         moved = [r for r in records if r["action"] != "stop"]

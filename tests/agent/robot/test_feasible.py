@@ -6,7 +6,14 @@ import math
 import pytest
 
 from agent.robot.actions import FORWARD_CM, STOP, VOCABULARY, Action, answer_grammar
-from agent.robot.feasible import CUT_SHORT_TURN, EVERYTHING, Feasibility, feasible_actions, target_ahead
+from agent.robot.feasible import (
+    CUT_SHORT_TURN,
+    EVERYTHING,
+    Feasibility,
+    feasible_actions,
+    target_ahead,
+    toward_target,
+)
 from agent.robot.perception import Sighting
 
 TURNS = {a for a in VOCABULARY if a.kind in ("left", "right")}
@@ -109,3 +116,46 @@ def test_what_is_allowed_runs_to_its_end_in_the_simulator(clearance):
     if refused:
         stops, collisions = run(max(refused, key=lambda a: a.amount))
         assert stops == 1 and collisions == 0
+
+
+def ball(bearing_deg, distance_m=2.0):
+    return Sighting(name="yellow ball", bearing_deg=bearing_deg, distance_m=distance_m, source="sim")
+
+
+def test_no_turn_swings_the_target_farther_past_ahead_than_it_is():
+    f = toward_target(EVERYTHING, [ball(11.0)], unseen_deg=0.0)  # 11 degrees to the left: left 15 brings it to -4
+    assert {a for a in VOCABULARY if a not in f.allowed} == {Action("left", 30), Action("left", 45)}
+    assert f.note == "" and f.steer == "a turn left of more than 22 degrees would swing past the yellow ball"
+    assert toward_target(EVERYTHING, [ball(-34.0)], 0.0) is EVERYTHING  # every right turn brings it nearer ahead
+    assert Action("right", 15) not in toward_target(EVERYTHING, [ball(-4.0)], 0.0).allowed  # ahead: no turn toward
+    assert toward_target(EVERYTHING, [ball(0.3)], 0.0) is EVERYTHING  # dead ahead: either way is away
+    safe = feasible_actions(0.3, 0.2)  # a wall ahead: the safety layer's refusals stay, with their note
+    both = toward_target(safe, [ball(20.0)], 0.0)
+    assert set(both.allowed) == set(safe.allowed) - {Action("left", 45)} and both.note == safe.note
+
+
+def test_with_nothing_in_view_no_stop_and_after_a_full_circle_the_robot_moves_before_it_turns_again():
+    f = Feasibility(None, None, toward=True)
+    looking = tuple(a for a in VOCABULARY if a != STOP)  # nothing in view: the instruction is not finished
+    for _ in range(7):
+        assert f.now([], 10.0, 0.6).allowed == looking
+        f.moved(Action("left", 45), "")
+    assert f.now([], 10.0, 0.6).allowed == looking  # 315 degrees
+    f.moved(Action("left", 45), "")
+    circled = f.now([], 10.0, 0.6)
+    assert all(a.kind == "forward" for a in circled.allowed) and "360 degrees" in circled.steer
+    assert circled.note == ""  # not said in the prompt: the model copies notes (docs/benchmarks/navigation.md)
+    f.moved(Action("forward", 25), "")
+    assert f.now([], 10.0, 0.6).allowed == looking  # moved: it looks around again
+    f.moved(Action("left", 45), "")
+    f.unseen_deg = 400.0
+    assert f.now([ball(30.0)], 10.0, 0.6) == EVERYTHING and f.unseen_deg == 0.0  # a sighting ends the circle
+    assert f.now([ball(0.5, 0.4)], 10.0, 0.6).allowed == (STOP,)  # within reach, ahead: the task is done
+    near = f.now([ball(-14.0, 0.4)], 10.0, 0.6)  # within reach, to the right: a stop or a turn to face it
+    assert near.allowed == (Action("right", 15), STOP) and "within reach" in near.steer
+    f.unseen_deg = 400.0
+    f.reset()
+    assert f.unseen_deg == 0.0
+    wall = feasible_actions(0.1, 0.2)  # nothing forward can run: the turns stay, with the safety layer's note
+    blocked = toward_target(wall, [], unseen_deg=720.0)
+    assert blocked.allowed == tuple(a for a in wall.allowed if a != STOP) and blocked.note == wall.note
