@@ -57,13 +57,14 @@ def wait_for(pred, timeout=120.0, every=0.02):
 
 
 def ar_answer(drafter, url, nav, observation=None):
-    """The target's own greedy answer to a step's prompt (server alone, no draft) under the navigator's answer
+    """The target's own greedy answer to a step's prompt (server alone, no draft) under the latest step's answer
     grammar: a first step's prompt from its observation (no memory yet), else the latest step's prompt,
     memory included."""
     dec = open_decoder(DecoderSettings(verifier=url), drafter)
     try:
         ids = nav.last_prompt_ids if observation is None else nav.prompt_ids("go to the red box", observation)
-        return dec.generate(ids, mode="ar", max_tokens=nav.max_tokens, until=nav.answers.until([]), grammar=nav.answers.grammar)
+        grammar = nav.answers.grammar  # the latest step's (nav.grounded: its reason opens with what it saw)
+        return dec.generate(ids, mode="ar", max_tokens=nav.max_tokens, until=nav.answers.until([]), grammar=grammar)
     finally:
         dec.close()
 
